@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` and `make test`. Both create/refresh .venv first.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+DEMO   := demo_out
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: install demo test test-slow test-all clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build).
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh $(DEMO)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m "slow or not slow"
+
+clean:
+	rm -rf $(DEMO) .pytest_cache

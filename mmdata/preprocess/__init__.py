@@ -1,0 +1,1 @@
+"""Offline preprocessing: dataset adapters, validation, seeded global shuffle, shard writing."""

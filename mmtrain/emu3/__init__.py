@@ -1,0 +1,1 @@
+"""Emu3 (model builder, vision tokenizer glue, CFG generation) — not implemented yet."""

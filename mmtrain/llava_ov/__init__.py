@@ -1,0 +1,1 @@
+"""LLaVA-OneVision on megatron-core: model builder, forward step, HF conversion."""
