@@ -1,0 +1,278 @@
+"""Write a small synthetic dataset in a real on-disk layout (Infinity-MM tar shards or
+LLaVA-style JSONL + image folder), varied like the real data and optionally with a fraction
+of deliberately broken records, so demos and tests exercise every path of the preprocessor.
+
+The output is byte-deterministic for a given (--dataset, --num-samples, --seed,
+--broken-fraction, --samples-per-tar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# Broken kinds, and the quarantine reason `mmdata preprocess` must give each one.
+BROKEN_KINDS: dict[str, str] = {
+    "empty_image": "image_empty",
+    "truncated_jpeg": "image_truncated",
+    "missing_image": "image_missing",
+    "malformed_json": "json_malformed",
+    "placeholder_mismatch": "placeholder_mismatch",
+}
+
+# (stage, subset) folders in the Infinity-MM layout: stageN/<subset>/*.tar
+SUBSETS: list[tuple[str, str]] = [
+    ("stage1", "laion_caption"),
+    ("stage2", "2a"),
+    ("stage3", "llava_onevision"),
+    ("stage4", "gpt4_synthetic"),
+]
+
+# (width, height) choices: tiny, common, very wide, very tall, > 2000 px.
+IMAGE_SIZES: list[tuple[int, int]] = [
+    (32, 32), (48, 64), (224, 224), (336, 252), (640, 480), (480, 640), (512, 384),
+    (1024, 768), (1200, 160), (2048, 96), (96, 2048), (160, 1400), (2100, 1400),
+]
+IMAGE_SIZE_WEIGHTS = np.array([6, 5, 10, 10, 10, 8, 8, 4, 3, 2, 2, 3, 1], dtype=float)
+
+EN_PROMPTS = [
+    "Describe this image in detail.", "What is shown in the picture?",
+    "How many objects can you count here?", "What color is the largest object?",
+    "Read the text in the image, if any.", "Is this photo taken indoors or outdoors?",
+]
+ZH_PROMPTS = ["请详细描述这张图片。", "图片里有什么？", "这张图片的主要颜色是什么？", "图中的文字是什么？"]
+EN_ANSWERS = [
+    "The image shows a gradient background with a few coloured rectangles.",
+    "There are several rectangles of different colours on a smooth gradient.",
+    "It looks like an abstract composition; the dominant tone is warm.",
+    "No readable text is visible.",
+]
+ZH_ANSWERS = ["图片显示了一个渐变背景和几个彩色矩形。", "主要颜色是暖色调。", "图中没有可读的文字。"]
+TEXT_ONLY = [
+    ("Write a haiku about the sea.", "Waves fold into foam / the tide keeps its slow counsel / salt on the cold stones."),
+    ("What is 17 * 23?", "17 * 23 = 391."),
+    ("用一句话解释什么是机器学习。", "机器学习是让计算机从数据中自动学习规律的方法。"),
+]
+
+
+@dataclass
+class SynthImage:
+    name_ext: str  # "jpg" | "png" | "webp"
+    data: bytes
+
+
+@dataclass
+class SynthRecord:
+    index: int
+    stage: str
+    subset: str
+    stem: str
+    record: dict
+    images: list[SynthImage] = field(default_factory=list)
+    broken: str | None = None  # a key of BROKEN_KINDS
+    json_bytes: bytes = b""
+
+    @property
+    def id(self) -> str:
+        return str(self.record["id"])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=["infinity-mm", "llava-json"], default="infinity-mm",
+                        help="on-disk layout to write (default: infinity-mm)")
+    parser.add_argument("--output", required=True, type=Path, help="output directory")
+    parser.add_argument("--num-samples", type=int, required=True, help="number of records")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--broken-fraction", type=float, default=0.0,
+                        help="fraction of deliberately broken records, cycling through "
+                             f"{', '.join(BROKEN_KINDS)} (default 0)")
+    parser.add_argument("--samples-per-tar", type=int, default=100,
+                        help="records per tar file in the infinity-mm layout (default 100)")
+
+
+def run(args: argparse.Namespace) -> int:
+    records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction)
+    if args.dataset == "infinity-mm":
+        files = write_infinity_mm(records, args.output, samples_per_tar=args.samples_per_tar)
+    else:
+        files = write_llava_json(records, args.output)
+    n_broken = sum(1 for r in records if r.broken)
+    print(f"wrote {len(records)} records ({n_broken} broken) in {len(files)} files under {args.output}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str) -> bytes:
+    """A cheap but non-trivial picture: a colour gradient plus a few solid rectangles."""
+    w, h = size
+    c0, c1 = rng.integers(0, 256, size=(2, 3))
+    t = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :, None]
+    row = (c0[None, None, :] * (1 - t) + c1[None, None, :] * t).astype(np.uint8)
+    arr = np.repeat(row, h, axis=0)
+    for _ in range(int(rng.integers(1, 4))):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        x1, y1 = min(w, x0 + int(rng.integers(1, max(2, w // 2)))), min(h, y0 + int(rng.integers(1, max(2, h // 2))))
+        arr[y0:y1, x0:x1] = rng.integers(0, 256, size=3)
+    img = Image.fromarray(arr, "RGB")
+    if mode == "L":
+        img = img.convert("L")
+    elif mode == "RGBA":
+        img = img.convert("RGBA")
+        alpha = np.full((h, w), 255, dtype=np.uint8)
+        alpha[: h // 2] = 128
+        img.putalpha(Image.fromarray(alpha, "L"))
+    elif mode == "P":
+        img = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+    buf = io.BytesIO()
+    if fmt == "jpg":
+        img.save(buf, format="JPEG", quality=85)
+    elif fmt == "png":
+        img.save(buf, format="PNG", compress_level=1)
+    else:
+        img.save(buf, format="WEBP", quality=80, method=0)
+    return buf.getvalue()
+
+
+def _random_image(rng: np.random.Generator) -> SynthImage:
+    size = IMAGE_SIZES[int(rng.choice(len(IMAGE_SIZES), p=IMAGE_SIZE_WEIGHTS / IMAGE_SIZE_WEIGHTS.sum()))]
+    fmt = str(rng.choice(["jpg", "jpg", "jpg", "png", "webp"]))
+    modes = {"jpg": ["RGB", "RGB", "L"], "png": ["RGB", "L", "RGBA", "P"], "webp": ["RGB", "RGBA"]}[fmt]
+    mode = str(rng.choice(modes))
+    return SynthImage(fmt, _encode_image(rng, size, fmt, mode))
+
+
+def _turns(rng: np.random.Generator, n_images: int, literal_placeholder: bool, n_rounds: int, zh: bool) -> list[dict]:
+    prompts, answers = (ZH_PROMPTS, ZH_ANSWERS) if zh else (EN_PROMPTS, EN_ANSWERS)
+    conv = []
+    for r in range(n_rounds):
+        q = str(rng.choice(prompts))
+        if r == 0 and n_images and literal_placeholder:
+            q = "<image>\n" * n_images + q if rng.random() < 0.8 else q + "\n" + "<image>" * n_images
+        conv.append({"from": "human", "value": q})
+        conv.append({"from": "gpt", "value": str(rng.choice(answers))})
+    return conv
+
+
+def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float = 0.0) -> list[SynthRecord]:
+    """Generate `num_samples` varied records; broken ones are spread evenly and cycle kinds."""
+    rng = np.random.default_rng(seed)
+    n_broken = int(round(num_samples * broken_fraction))
+    broken_at: dict[int, str] = {}
+    if n_broken:
+        kinds = list(BROKEN_KINDS)
+        positions = np.linspace(0, num_samples - 1, n_broken).round().astype(int)
+        for j, pos in enumerate(sorted(set(int(p) for p in positions))):
+            broken_at[pos] = kinds[j % len(kinds)]
+    out: list[SynthRecord] = []
+    for i in range(num_samples):
+        stage, subset = SUBSETS[i % len(SUBSETS)]
+        broken = broken_at.get(i)
+        kind = str(rng.choice(["caption", "caption", "single", "multiturn", "multi_image", "text_only"]))
+        if broken in ("empty_image", "truncated_jpeg", "missing_image") and kind == "text_only":
+            kind = "single"
+        if broken == "placeholder_mismatch" and kind == "text_only":
+            kind = "single"
+        zh = rng.random() < 0.25
+        n_images = {"caption": 1, "single": 1, "multiturn": 1, "multi_image": int(rng.integers(2, 4)), "text_only": 0}[kind]
+        images = [_random_image(rng) for _ in range(n_images)]
+        if broken == "truncated_jpeg":
+            images[0] = SynthImage("jpg", _encode_image(rng, (640, 480), "jpg", "RGB"))
+        literal = kind == "multi_image" or rng.random() < 0.7
+        if kind == "text_only":
+            q, a = TEXT_ONLY[int(rng.integers(0, len(TEXT_ONLY)))]
+            conv = [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+        else:
+            conv = _turns(rng, n_images, literal, int(rng.integers(2, 5)) if kind == "multiturn" else 1, zh)
+        if broken == "placeholder_mismatch":
+            conv[0]["value"] = "<image>\n" * (n_images + 1) + conv[0]["value"].replace("<image>", "")
+        stem = f"{i:08d}"
+        names = [f"{stem}.{ext}" if k == 0 else f"{stem}.{k}.{ext}" for k, ext in enumerate(im.name_ext for im in images)]
+        record = {
+            "id": f"{subset}-{i:08d}",
+            "source": subset,
+            "conversations": conv,
+            "image": (names[0] if len(names) == 1 else names) if names else None,
+            "ram++_tags": [str(t) for t in rng.choice(["sky", "box", "red", "gradient", "art"], size=2, replace=False)],
+            "ram++_tags_score": [round(float(s), 4) for s in rng.random(2)],
+            "phash": f"{int(rng.integers(0, 2**63)):016x}",
+            "qw2vl_loss": round(float(rng.random() * 3), 4),
+        }
+        if not names:
+            del record["image"]
+        if broken == "empty_image":
+            images[0] = SynthImage(images[0].name_ext, b"")
+        elif broken == "truncated_jpeg":
+            images[0] = SynthImage("jpg", images[0].data[: len(images[0].data) // 2])
+        json_bytes = json.dumps(record, ensure_ascii=False).encode()
+        if broken == "malformed_json":
+            json_bytes = json_bytes[: len(json_bytes) // 2]
+        out.append(SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes))
+    return out
+
+
+def _image_names(rec: SynthRecord) -> list[str]:
+    ref = rec.record.get("image")
+    return [] if ref is None else [ref] if isinstance(ref, str) else list(ref)
+
+
+# ----------------------------------------------------------------------------- writers
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_infinity_mm(records: list[SynthRecord], output: Path, *, samples_per_tar: int = 100) -> list[Path]:
+    """stageN/<subset>/NNNNNN.tar, each sample `{stem}.json` followed by its image(s)."""
+    by_subset: dict[tuple[str, str], list[SynthRecord]] = {}
+    for rec in records:
+        by_subset.setdefault((rec.stage, rec.subset), []).append(rec)
+    files: list[Path] = []
+    for (stage, subset), recs in sorted(by_subset.items()):
+        folder = output / stage / subset
+        folder.mkdir(parents=True, exist_ok=True)
+        for t, start in enumerate(range(0, len(recs), samples_per_tar)):
+            path = folder / f"{t:06d}.tar"
+            with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+                for rec in recs[start:start + samples_per_tar]:
+                    _add_member(tar, f"{rec.stem}.json", rec.json_bytes)
+                    for k, (name, img) in enumerate(zip(_image_names(rec), rec.images)):
+                        if rec.broken == "missing_image" and k == 0:
+                            continue
+                        _add_member(tar, name, img.data)
+            files.append(path)
+    return files
+
+
+def write_llava_json(records: list[SynthRecord], output: Path) -> list[Path]:
+    """`annotations.jsonl` (one record per line, `image` relative to the output dir) + `images/`."""
+    (output / "images").mkdir(parents=True, exist_ok=True)
+    ann = output / "annotations.jsonl"
+    with ann.open("wb") as f:
+        for rec in records:
+            names = [f"images/{n}" for n in _image_names(rec)]
+            if rec.broken == "malformed_json":
+                f.write(rec.json_bytes.replace(b"\n", b" ") + b"\n")
+            else:
+                r = dict(rec.record)
+                if names:
+                    r["image"] = names[0] if len(names) == 1 else names
+                f.write(json.dumps(r, ensure_ascii=False).encode() + b"\n")
+            for k, (name, img) in enumerate(zip(names, rec.images)):
+                if rec.broken == "missing_image" and k == 0:
+                    continue
+                (output / name).write_bytes(img.data)
+    return [ann]
