@@ -1,2 +1,15 @@
 """megatron-energon side: sample type, task encoders (LLaVA-OV anyres, chat template, packing),
-and the loader factory used by training."""
+and the loader factory used by training.
+
+Modules (one job each):
+  sample.py          energon sample type of our shards (ConversationSample) + sample_loader
+  anyres.py          LLaVA-OV dynamic resolution: pixels and the shared shape/token arithmetic
+  chat_template.py   Qwen2 ChatML rendering, media expansion, loss mask, over-length policy
+  video.py           decord probing / uniform frame sampling
+  packing.py         pack selection (energon hook) and packed-row attention metadata
+  task_encoder.py    LlavaOVTaskEncoder: energon hooks -> LlavaOVBatch (batch.py)
+  loader.py          build_llava_ov_loader(), LoaderStats, blend YAML helper
+  state_codec.py     loader state <-> JSON (no pickles in checkpoints)
+  tiny_tokenizer.py  offline Qwen2-style tokenizer for tests/demos
+  dev_shards.py      write small energon-ready shard sets from in-memory samples
+"""

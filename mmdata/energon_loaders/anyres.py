@@ -21,6 +21,7 @@ Conventions follow HF's LLaVA-OneVision (the parity oracle, tested in tests/test
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -173,16 +174,21 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _normalise_into(out: torch.Tensor, tiles_u8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
-    """out = (tiles/255 - mean) / std, computed as one fused multiply-add per channel in float32."""
-    out.copy_(tiles_u8)
+def _normalise_(out: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
+    """In place: out = (out/255 - mean) / std as one multiply-add (scalars when channels agree)."""
+    if len(set(mean)) == 1 and len(set(std)) == 1:
+        out.mul_(1.0 / (255.0 * std[0])).add_(-mean[0] / std[0])
+        return
     scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, 3, 1, 1)
     shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, 3, 1, 1)
     out.mul_(scale).add_(shift)
 
 
 def _hwc(image: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(image))  # [H, W, 3] uint8 (read-only view is fine: we copy)
+    """[H, W, 3] uint8 view of a PIL image's pixels (we only read it, so skip a second copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable NumPy array": read only
+        return torch.from_numpy(np.asarray(image))
 
 
 def process_image(
@@ -210,12 +216,14 @@ def process_image(
     canvas[top : top + new_h, left : left + new_w] = _hwc(resized)
     base = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
 
-    tiles_u8 = torch.empty((1 + rows * cols, 3, image_size, image_size), dtype=torch.uint8)
-    tiles_u8[0] = _hwc(base).permute(2, 0, 1)
-    grid = canvas.view(rows, image_size, cols, image_size, 3).permute(0, 2, 4, 1, 3)
-    tiles_u8[1:] = grid.reshape(rows * cols, 3, image_size, image_size)
-    pixel_values = torch.empty(tiles_u8.shape, dtype=torch.float32)
-    _normalise_into(pixel_values, tiles_u8, mean, std)
+    # One strided uint8 -> float32 copy cuts the HWC canvas into CHW tiles, then one in-place
+    # multiply-add normalises: no intermediate float or permuted uint8 copies.
+    pixel_values = torch.empty((1 + rows * cols, 3, image_size, image_size), dtype=torch.float32)
+    pixel_values[0].copy_(_hwc(base).permute(2, 0, 1))
+    pixel_values[1:].view(rows, cols, 3, image_size, image_size).copy_(
+        canvas.view(rows, image_size, cols, image_size, 3).permute(0, 2, 4, 1, 3)
+    )
+    _normalise_(pixel_values, mean, std)
 
     pps = image_size // patch_size
     feat_rows, feat_cols = unpadded_feature_shape(orig_h, orig_w, rows, cols, pps, max_tiles)
@@ -245,7 +253,8 @@ def process_base_only(
         image = square
     tile = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
     pixel_values = torch.empty((1, 3, image_size, image_size), dtype=torch.float32)
-    _normalise_into(pixel_values, _hwc(tile).permute(2, 0, 1).unsqueeze(0), mean, std)
+    pixel_values[0].copy_(_hwc(tile).permute(2, 0, 1))
+    _normalise_(pixel_values, mean, std)
     return AnyResImage(pixel_values, (h, w), num_base_only_tokens(image_size, patch_size), (0, 0))
 
 
@@ -261,10 +270,9 @@ def process_frames(
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
         raise ValueError(f"expected frames [T, H, W, 3], got shape {tuple(frames.shape)}")
     num_frames, h, w = int(frames.shape[0]), int(frames.shape[1]), int(frames.shape[2])
-    tiles_u8 = torch.empty((num_frames, 3, image_size, image_size), dtype=torch.uint8)
+    pixel_values = torch.empty((num_frames, 3, image_size, image_size), dtype=torch.float32)
     for i in range(num_frames):
         frame = Image.fromarray(np.ascontiguousarray(frames[i]))
-        tiles_u8[i] = _hwc(frame.resize((image_size, image_size), Image.Resampling.BICUBIC)).permute(2, 0, 1)
-    pixel_values = torch.empty(tiles_u8.shape, dtype=torch.float32)
-    _normalise_into(pixel_values, tiles_u8, mean, std)
+        pixel_values[i].copy_(_hwc(frame.resize((image_size, image_size), Image.Resampling.BICUBIC)).permute(2, 0, 1))
+    _normalise_(pixel_values, mean, std)
     return AnyResImage(pixel_values, (h, w), num_video_tokens(num_frames, image_size, patch_size), (0, 0))

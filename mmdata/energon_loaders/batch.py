@@ -14,6 +14,11 @@ Conventions (shared with `mmtrain.llava_ov`):
   attention can be restricted to within a segment.
 - Media are flattened over the whole batch in the order they appear in the token stream.
   `pixel_values` stacks all tiles/frames; `tiles_per_media[i]` tiles belong to media i.
+  MEDIA_ANYRES: tile 0 is the base image, then grid_shapes[i] = (rows, cols) tiles row-major;
+  MEDIA_BASE_ONLY: 1 tile; MEDIA_VIDEO: one tile per sampled frame. `num_media_tokens[i]` equals
+  `mmdata.energon_loaders.anyres` counts (num_image_tokens / num_base_only_tokens /
+  num_video_tokens), the same numbers HF's LlavaOnevisionProcessor expands to.
+- Loss: on assistant content and the assistant's closing `<|im_end|>` only (chat_template.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class LlavaOVBatch:
     num_media_tokens: torch.Tensor  # [num_media] int64 LLM positions each media expands to
     sample_ids: list[list[str]] = field(default_factory=list)  # per row, the packed sample ids
     num_loss_tokens: int = 0  # number of labels != IGNORE_INDEX
+    sample_keys: list[list[str]] = field(default_factory=list)  # per row, the shard keys (unique)
+    num_real_tokens: int = 0  # non-padding positions (packing efficiency = this / B*S)
+    #: per-worker counters since that worker's previous batch ("skipped/<reason>", "truncated");
+    #: the loader sums them into its `stats`
+    stats: dict[str, int] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> "LlavaOVBatch":
         moved = {}

@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="records per tar file in the infinity-mm layout (default 100)")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mmdata.preprocess.synth ...`: the subcommand alone."""
+    parser = argparse.ArgumentParser(prog="mmdata synth", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 def run(args: argparse.Namespace) -> int:
     records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction)
     if args.dataset == "infinity-mm":
@@ -276,3 +283,7 @@ def write_llava_json(records: list[SynthRecord], output: Path) -> list[Path]:
                     continue
                 (output / name).write_bytes(img.data)
     return [ann]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

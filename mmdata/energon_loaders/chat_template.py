@@ -1,0 +1,174 @@
+"""Qwen2 ChatML rendering, tokenization with media expansion, and the loss mask.
+
+Rendering (identical to Qwen2-Instruct's `chat_template`, checked in tests):
+
+    <|im_start|>system\\n{system}<|im_end|>\\n          (default system: LLaVA-OV's)
+    <|im_start|>user\\n{human turn}<|im_end|>\\n
+    <|im_start|>assistant\\n{gpt turn}<|im_end|>\\n
+
+Loss convention (the clean one; LLaVA-OV's own code also trains on headers and on every
+`<|im_start|>`/`<|im_end|>`/"\\n" token even inside user turns, which we do not copy):
+- loss on the assistant CONTENT tokens and on the assistant's closing `<|im_end|>` (the model
+  must learn to stop);
+- no loss on the `<|im_start|>assistant\\n` header, on the "\\n" after `<|im_end|>`, on system
+  and user turns, and on image/video tokens.
+
+Each turn is tokenized as one string, so the ids equal tokenizing the whole rendered
+conversation (turns are separated by special tokens, which the tokenizer never merges across).
+Each `<image>`/`<video>` placeholder is one special token, replaced by `num_tokens` copies of
+itself, exactly what `LlavaOnevisionProcessor` does.
+
+Labels returned here are UNshifted targets (label[t] is the loss target for token t); the
+batcher shifts them (see batch.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class ConversationError(ValueError):
+    """A conversation that cannot be rendered (unknown role, placeholder/media count mismatch)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class ChatTokens:
+    input_ids: np.ndarray  # [L] int64, media expanded
+    labels: np.ndarray  # [L] int64, unshifted targets, IGNORE_INDEX where no loss
+    #: per media, in stream order: (kind "image"|"video", start position, length)
+    media_spans: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class ChatTokenizer:
+    """Renders LLaVA-format conversations into ids + labels with a given HF tokenizer."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self._fast = getattr(tokenizer, "backend_tokenizer", None)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN)}
+        missing = [t for t, i in ids.items() if i is None or i == getattr(tokenizer, "unk_token_id", -1)]
+        if missing:
+            raise ValueError(f"tokenizer lacks the special tokens {missing}; add them (as special tokens) first")
+        self.im_start_id = int(ids[IM_START])
+        self.im_end_id = int(ids[IM_END])
+        self.image_token_id = int(ids[IMAGE_TOKEN])
+        self.video_token_id = int(ids[VIDEO_TOKEN])
+        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.im_end_id)
+
+    # -- rendering ---------------------------------------------------------------------------
+
+    def messages(self, conversations: Sequence[dict]) -> list[dict[str, str]]:
+        """LLaVA turns -> [{role, content}], default system prompt first unless one is given."""
+        out: list[dict[str, str]] = []
+        for i, turn in enumerate(conversations):
+            role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
+            if role is None:
+                raise ConversationError("bad_role", f"turn {i}: unknown role {turn.get('from')!r}")
+            value = turn.get("value", turn.get("content"))
+            if not isinstance(value, str):
+                raise ConversationError("bad_turn", f"turn {i}: value is not a string")
+            if role == "system" and i != 0:
+                raise ConversationError("bad_role", f"turn {i}: system turn not first")
+            out.append({"role": role, "content": value})
+        if not out or out[0]["role"] != "system":
+            out.insert(0, {"role": "system", "content": self.system_prompt})
+        return out
+
+    def render(self, conversations: Sequence[dict]) -> str:
+        return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in self.messages(conversations))
+
+    # -- tokenization ------------------------------------------------------------------------
+
+    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        if self._fast is not None:
+            enc = self._fast.encode(text, add_special_tokens=False)
+            return list(enc.ids), list(enc.offsets)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def tokenize(
+        self,
+        conversations: Sequence[dict],
+        image_token_counts: Sequence[int] = (),
+        video_token_counts: Sequence[int] = (),
+    ) -> ChatTokens:
+        """Ids and unshifted labels; `<image>` i expands to image_token_counts[i] tokens."""
+        ids_out: list[np.ndarray] = []
+        labels_out: list[np.ndarray] = []
+        media_spans: list[tuple[str, int, int]] = []
+        pos = 0
+        image_i = video_i = 0
+        for msg in self.messages(conversations):
+            header = f"{IM_START}{msg['role']}\n"
+            text = f"{header}{msg['content']}{IM_END}\n"
+            ids, offsets = self._encode(text)
+            is_assistant = msg["role"] == "assistant"
+            loss_end = len(text) - 1  # content + <|im_end|>, not the final "\n"
+            for tok_i, (tid, (start, end)) in enumerate(zip(ids, offsets)):
+                if tid == self.image_token_id or tid == self.video_token_id:
+                    if is_assistant:
+                        raise ConversationError("media_in_assistant", "media placeholder in an assistant turn")
+                    kind = "image" if tid == self.image_token_id else "video"
+                    counts = image_token_counts if kind == "image" else video_token_counts
+                    index = image_i if kind == "image" else video_i
+                    if index >= len(counts):
+                        raise ConversationError(
+                            "media_mismatch", f"more <{kind}> placeholders than {kind}s ({len(counts)})"
+                        )
+                    n = int(counts[index])
+                    if kind == "image":
+                        image_i += 1
+                    else:
+                        video_i += 1
+                    ids_out.append(np.full(n, tid, dtype=np.int64))
+                    labels_out.append(np.full(n, IGNORE_INDEX, dtype=np.int64))
+                    media_spans.append((kind, pos, n))
+                    pos += n
+                    continue
+                target = tid if (is_assistant and start >= len(header) and end <= loss_end) else IGNORE_INDEX
+                ids_out.append(np.array([tid], dtype=np.int64))
+                labels_out.append(np.array([target], dtype=np.int64))
+                pos += 1
+        if image_i != len(image_token_counts) or video_i != len(video_token_counts):
+            raise ConversationError(
+                "media_mismatch",
+                f"placeholders ({image_i} <image>, {video_i} <video>) do not match media "
+                f"({len(image_token_counts)} images, {len(video_token_counts)} videos)",
+            )
+        return ChatTokens(np.concatenate(ids_out), np.concatenate(labels_out), media_spans)
+
+
+@dataclass
+class TruncationResult:
+    tokens: ChatTokens | None  # None when the sample must be dropped
+    outcome: str  # "fits" | "truncated" | "too_long_media" | "no_loss_after_truncation"
+
+
+def apply_length_policy(tokens: ChatTokens, max_length: int) -> TruncationResult:
+    """Over-length policy: cut trailing text tokens to `max_length` if the cut is after the last
+    media token and leaves at least one loss token; otherwise drop (never cut an image)."""
+    if len(tokens) <= max_length:
+        return TruncationResult(tokens, "fits")
+    media_end = max((start + n for _, start, n in tokens.media_spans), default=0)
+    if media_end > max_length:
+        return TruncationResult(None, "too_long_media")
+    labels = tokens.labels[:max_length]
+    if not (labels != IGNORE_INDEX).any():
+        return TruncationResult(None, "no_loss_after_truncation")
+    return TruncationResult(ChatTokens(tokens.input_ids[:max_length], labels, tokens.media_spans), "truncated")

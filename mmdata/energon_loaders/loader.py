@@ -1,0 +1,182 @@
+"""Loader factory: shard dirs or a metadataset YAML -> an energon savable loader of LlavaOVBatch.
+
+Energon does the streaming, sharding over data-parallel ranks and workers, shuffling,
+blending (MetadatasetV2 weights), packing buffers and resumable state; we supply the task
+encoder and a thin wrapper that sums the per-batch skip counters into `stats`.
+
+Resume: call `save_state_rank()` when checkpointing (one state per DP rank) and
+`restore_state_rank(state)` on an identically built loader BEFORE the first iteration.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+from mmdata.energon_loaders.batch import LlavaOVBatch
+from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
+from mmdata.energon_loaders.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
+from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
+
+DEFAULT_PACKING_BUFFER = 256
+
+
+@dataclass
+class LoaderStats:
+    """Counters seen by this rank's main process (summed over its workers)."""
+
+    batches: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    slots: int = 0
+    loss_tokens: int = 0
+    counters: Counter = field(default_factory=Counter)  # "skipped/<reason>", "truncated"
+
+    @property
+    def packing_efficiency(self) -> float:
+        return self.real_tokens / self.slots if self.slots else 0.0
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return {k.split("/", 1)[1]: v for k, v in sorted(self.counters.items()) if k.startswith("skipped/")}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "real_tokens": self.real_tokens,
+            "slots": self.slots,
+            "loss_tokens": self.loss_tokens,
+            "packing_efficiency": round(self.packing_efficiency, 6),
+            "skipped": self.skipped,
+            "truncated": int(self.counters.get("truncated", 0)),
+        }
+
+
+class LlavaOVLoader:
+    """Iterable over LlavaOVBatch with energon's save/restore and our stats."""
+
+    def __init__(self, loader: Any, task_encoder: LlavaOVTaskEncoder):
+        self.loader = loader
+        self.task_encoder = task_encoder
+        self.stats = LoaderStats()
+
+    def __iter__(self) -> Iterator[LlavaOVBatch]:
+        for batch in self.loader:
+            s = self.stats
+            s.batches += 1
+            s.samples += sum(len(r) for r in batch.sample_ids)
+            s.real_tokens += batch.num_real_tokens
+            s.slots += int(batch.input_ids.numel())
+            s.loss_tokens += batch.num_loss_tokens
+            s.counters.update(batch.stats)
+            yield batch
+
+    def save_state_rank(self) -> Any:
+        """This DP rank's loader state (all its workers); store it with the model checkpoint."""
+        return self.loader.save_state_rank()
+
+    def restore_state_rank(self, state: Any) -> None:
+        """Restore before iterating, on a loader built with the same arguments."""
+        self.loader.restore_state_rank(state)
+
+    def save_state_json(self) -> str:
+        """`save_state_rank()` as JSON text (no pickle), for checkpoint files."""
+        return state_to_json(self.save_state_rank())
+
+    def restore_state_json(self, text: str) -> None:
+        self.restore_state_rank(state_from_json(text))
+
+
+def write_blend_yaml(path: str | Path, datasets: Sequence[tuple[str | Path, float]]) -> Path:
+    """Write an energon MetadatasetV2 YAML blending shard dirs with the given weights."""
+    path = Path(path)
+    blend = [{"weight": float(w), "path": str(Path(p).resolve())} for p, w in datasets]
+    doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend": blend}}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _resolve_data(data: str | Path | Sequence[str | Path]) -> Path:
+    """One shard dir or metadataset YAML as is; several dirs -> an equal-weight blend YAML."""
+    if isinstance(data, (str, Path)):
+        paths = [Path(data)]
+    else:
+        paths = [Path(p) for p in data]
+    if not paths:
+        raise ValueError("no data paths given")
+    for p in paths:
+        if not p.exists():
+            raise FileNotFoundError(f"data path {p} does not exist")
+    if len(paths) == 1:
+        return paths[0]
+    out = Path(tempfile.mkdtemp(prefix="mmdata-blend-")) / "blend.yaml"
+    return write_blend_yaml(out, [(p, 1.0) for p in paths])
+
+
+def build_llava_ov_loader(
+    data: str | Path | Sequence[str | Path],
+    tokenizer_path: str | Path,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    num_workers: int = 2,
+    seed: int = 0,
+    max_tiles: int = 9,
+    packing: bool = True,
+    packing_buffer_size: int | None = None,
+    shuffle_buffer_size: int = 100,
+    max_samples_per_sequence: int = 100,
+    image_size: int = 384,
+    patch_size: int = 14,
+    grid_max: int = 6,
+    max_video_frames: int = DEFAULT_MAX_FRAMES,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    checkpoint_every_sec: float = 60,
+    checkpoint_every_min_n_samples: int | None = None,
+    watchdog_timeout_seconds: float | None = None,
+) -> LlavaOVLoader:
+    """Build this DP rank's savable loader of `LlavaOVBatch` (infinite: energon repeats epochs).
+
+    `data`: a shard dir, a metadataset YAML (blend weights), or several shard dirs (equal
+    weights). With `packing`, each row holds several samples up to `seq_length` tokens.
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+    config = LlavaOVEncoderConfig(
+        seq_length=seq_length,
+        max_tiles=max_tiles,
+        image_size=image_size,
+        patch_size=patch_size,
+        grid_max=grid_max,
+        max_video_frames=max_video_frames,
+        system_prompt=system_prompt,
+    )
+    encoder = LlavaOVTaskEncoder(str(tokenizer_path), config)
+    worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed)
+    dataset = get_train_dataset(
+        str(_resolve_data(data)),
+        worker_config=worker_config,
+        batch_size=micro_batch_size,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        packing_buffer_size=(packing_buffer_size or DEFAULT_PACKING_BUFFER) if packing else None,
+        task_encoder=encoder,
+    )
+    loader = get_savable_loader(
+        dataset,
+        checkpoint_every_sec=checkpoint_every_sec,
+        checkpoint_every_min_n_samples=checkpoint_every_min_n_samples,
+        watchdog_timeout_seconds=watchdog_timeout_seconds,
+    )
+    return LlavaOVLoader(loader, encoder)

@@ -1,0 +1,65 @@
+"""Summarise a shards directory before spending GPU-days on it: sample and shard counts,
+sources, quarantine reasons, modality mix, image sizes, anyres tiles and image tokens, text
+tokens, turns, languages and packing efficiency, from the manifest plus a bounded, seeded
+random sample of the shards (`--all` reads everything). See docs/inspect.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mmdata.inspect.dataset import (  # noqa: F401 - public API
+    Dataset,
+    QuarantineRecord,
+    ShardSample,
+    find_sample,
+    iter_samples,
+    load_quarantine,
+    open_dataset,
+    random_samples,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="shards directory (output of `mmdata preprocess`)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="HF tokenizer dir: enables text/loss/total tokens and packing efficiency")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (keys: docs/inspect.md)")
+    parser.add_argument("--sample", type=int, default=1000, help="random samples to read (default 1000)")
+    parser.add_argument("--all", action="store_true", help="read every sample instead of a random sample")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random sample (default 0)")
+    parser.add_argument("--context-lengths", type=str, default="4096,8192,16384,32768",
+                        help="comma-separated context lengths for the packing estimate")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mmdata.inspect.stats import summarize
+
+    if args.sample < 1:
+        print("mmdata inspect: --sample must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        lengths = tuple(int(x) for x in args.context_lengths.split(",") if x.strip())
+    except ValueError:
+        print(f"mmdata inspect: bad --context-lengths {args.context_lengths!r}", file=sys.stderr)
+        return 2
+    try:
+        summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
+                            tokenizer=args.tokenizer, context_lengths=lengths)
+    except FileNotFoundError as e:
+        print(f"mmdata inspect: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        from rich.console import Console
+
+        from mmdata.inspect.render import summary_tables
+
+        console = Console(width=None if sys.stdout.isatty() else 110)  # pipes/logs: wide enough for the tables
+        for table in summary_tables(summary):
+            console.print(table)
+    return 0

@@ -1,0 +1,237 @@
+"""Turn a summary and samples into things people read: tables (rich for the terminal, HTML
+for the notebook), the anyres tiling drawn over an image, and a conversation rendered as the
+model sees it with the loss-bearing spans highlighted. All numbers come from the loader's
+own code (anyres arithmetic, ChatTokenizer labels), so the picture cannot drift from training.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from PIL import Image, ImageDraw
+
+from mmdata.energon_loaders import anyres
+from mmdata.inspect.stats import DatasetSummary, SampleStats
+
+Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 10 else f"{x:,.1f}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return str(x)
+
+
+def _share_rows(d: dict[str, dict[str, Any]]) -> list[list[str]]:
+    return [[k, _fmt(v["count"]), f"{100 * v['share']:.1f}%"] for k, v in d.items()]
+
+
+def summary_table_data(summary: DatasetSummary) -> list[Table]:
+    """The summary as plain (title, headers, rows) tables, shared by the rich and HTML views."""
+    d = summary.to_dict()
+    sampled = d["sampled"]
+    tables: list[Table] = [
+        ("Dataset", ["field", "value"], [
+            ["directory", d["dataset"]],
+            ["samples", _fmt(d["samples"])],
+            ["shards", _fmt(d["shards"])],
+            ["bytes", human_bytes(d["bytes"])],
+            ["quarantined", _fmt(d["quarantine"]["total"])],
+            ["manifest", "yes" if d["manifest"] else "no"],
+            ["inspected", "all samples" if sampled["all"] else f"{sampled['count']:,} random samples (seed {sampled['seed']})"],
+            ["tokenizer", d["tokenizer"] or "— (pass --tokenizer for text tokens and packing)"],
+        ]),
+        (f"Sources (from {d['sources_from']})", ["source", "samples", "share"], _share_rows(d["sources"])),
+        ("Quarantine", ["reason", "records"], [[k, _fmt(v)] for k, v in d["quarantine"]["reasons"].items()] or [["(none)", "0"]]),
+        ("Modality (sampled)", ["modality", "samples", "share"], _share_rows(d["modality"])),
+        ("Languages (sampled)", ["language", "samples", "share"], _share_rows(d["languages"])),
+    ]
+    dist_rows = []
+    named = [
+        ("turns / sample", d["turns_per_sample"]),
+        ("image width", d["images"]["width"]),
+        ("image height", d["images"]["height"]),
+        ("aspect ratio (w/h)", d["images"]["aspect_ratio"]),
+        ("tiles / image", d["images"]["tiles_per_image"]),
+        ("image tokens / sample", d["image_tokens_per_sample"]),
+        ("text tokens / sample", d["text_tokens_per_sample"]),
+        ("loss tokens / sample", d["loss_tokens_per_sample"]),
+        ("total tokens / sample", d["total_tokens_per_sample"]),
+    ]
+    for name, dist in named:
+        if dist is None:
+            dist_rows.append([name, *(["—"] * 7)])
+        else:
+            dist_rows.append([name, *(_fmt(dist[k]) for k in ("count", "mean", "min", "p50", "p90", "p99", "max"))])
+    tables.append(("Distributions (sampled)", ["measure", "n", "mean", "min", "p50", "p90", "p99", "max"], dist_rows))
+    grids = d["images"]["anyres_grids"]
+    if grids:
+        tables.append(("Anyres grids (single-image samples)", ["grid (rows x cols)", "images"],
+                       [[k, _fmt(v)] for k, v in sorted(grids.items(), key=lambda kv: -kv[1])]))
+    if d["packing"] is not None:
+        tables.append(("Packing (the loader's packer on the sampled lengths)",
+                       ["context", "efficiency", "sequences", "over length"],
+                       [[_fmt(int(k)), f"{100 * v['efficiency']:.1f}%", _fmt(v["sequences"]), _fmt(v["over_length"])]
+                        for k, v in d["packing"].items()]))
+    return tables
+
+
+def summary_tables(summary: DatasetSummary) -> list[Any]:
+    """rich Tables for the terminal."""
+    from rich.table import Table as RichTable
+
+    out = []
+    for title, headers, rows in summary_table_data(summary):
+        t = RichTable(title=title, title_justify="left")
+        for i, h in enumerate(headers):
+            t.add_column(h, justify="left" if i == 0 else "right")
+        for row in rows:
+            t.add_row(*row)
+        out.append(t)
+    return out
+
+
+def table_html(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return (f'<table class="mmdata-inspect"><caption style="text-align:left;font-weight:bold">'
+            f"{html.escape(title)}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def summary_html(summary: DatasetSummary) -> str:
+    """All summary tables as one HTML fragment (the notebook displays it)."""
+    return "\n".join(table_html(*t) for t in summary_table_data(summary))
+
+
+# ----------------------------------------------------------------------------- anyres picture
+
+
+@dataclass
+class AnyresLayout:
+    """How one image is tiled: the chosen canvas, the resized image on it, the grid, tokens."""
+
+    orig_hw: tuple[int, int]
+    canvas_hw: tuple[int, int]
+    resized_hw: tuple[int, int]
+    grid: tuple[int, int]
+    tiles: int
+    tokens: int
+
+
+def anyres_layout(height: int, width: int, max_tiles: int = anyres.DEFAULT_MAX_TILES) -> AnyresLayout:
+    best_h, best_w = anyres.select_best_resolution(height, width, anyres.grid_pinpoints())
+    new_h, new_w = anyres.resize_for_patching(height, width, best_h, best_w)
+    rows, cols = best_h // anyres.DEFAULT_IMAGE_SIZE, best_w // anyres.DEFAULT_IMAGE_SIZE
+    return AnyresLayout((height, width), (best_h, best_w), (new_h, new_w), (rows, cols), 1 + rows * cols,
+                        anyres.num_image_tokens(height, width, max_tiles=max_tiles))
+
+
+def draw_anyres_grid(image: Image.Image, max_side: int = 512, max_tiles: int = anyres.DEFAULT_MAX_TILES) -> Image.Image:
+    """The padded anyres canvas (image resized as the loader does, black padding) scaled to fit
+    `max_side`, with the 384-px tile boundaries drawn in red."""
+    img = anyres.to_rgb(image)
+    lay = anyres_layout(img.height, img.width, max_tiles)
+    (ch, cw), (nh, nw) = lay.canvas_hw, lay.resized_hw
+    s = min(1.0, max_side / max(ch, cw))
+    canvas = Image.new("RGB", (max(1, round(cw * s)), max(1, round(ch * s))), (0, 0, 0))
+    small = img.resize((max(1, round(nw * s)), max(1, round(nh * s))), Image.Resampling.BILINEAR)
+    canvas.paste(small, (round((cw - nw) // 2 * s), round((ch - nh) // 2 * s)))
+    draw = ImageDraw.Draw(canvas)
+    tile = anyres.DEFAULT_IMAGE_SIZE * s
+    width = max(1, round(3 * s)) + 1
+    for r in range(lay.grid[0] + 1):
+        y = min(round(r * tile), canvas.height - 1)
+        draw.line([(0, y), (canvas.width, y)], fill=(255, 40, 40), width=width)
+    for c in range(lay.grid[1] + 1):
+        x = min(round(c * tile), canvas.width - 1)
+        draw.line([(x, 0), (x, canvas.height)], fill=(255, 40, 40), width=width)
+    return canvas
+
+
+# ----------------------------------------------------------------------------- chat with loss
+
+
+@dataclass
+class Span:
+    text: str
+    loss: bool  # the loss applies to every token of this span
+    media: str | None = None  # "image"/"video" for an expanded media run
+    tokens: int = 0
+
+
+def loss_spans(conversations: Sequence[dict], chat: Any, image_tokens: Sequence[int] = (),
+               video_tokens: Sequence[int] = ()) -> list[Span]:
+    """The tokenized conversation cut into runs of loss / no-loss / media tokens, decoded back
+    to text with the loader's `ChatTokenizer` (labels != -100 is where the loss applies)."""
+    toks = chat.tokenize(conversations, list(image_tokens), list(video_tokens))
+    ids, labels = toks.input_ids.tolist(), toks.labels.tolist()
+    media_at = {start: (kind, n) for kind, start, n in toks.media_spans}
+    spans: list[Span] = []
+    run: list[int] = []
+    run_loss = False
+
+    def flush() -> None:
+        if run:
+            text = chat.tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            spans.append(Span(text, run_loss, None, len(run)))
+            run.clear()
+
+    i = 0
+    while i < len(ids):
+        if i in media_at:
+            flush()
+            kind, n = media_at[i]
+            spans.append(Span(f"<{kind}>", False, kind, n))
+            i += n
+            continue
+        is_loss = labels[i] != -100
+        if run and is_loss != run_loss:
+            flush()
+        run_loss = is_loss
+        run.append(ids[i])
+        i += 1
+    flush()
+    return spans
+
+
+def chat_html(spans: Sequence[Span], title: str = "") -> str:
+    """Spans as a monospace chat transcript; loss spans highlighted green, media as badges."""
+    parts = []
+    for sp in spans:
+        if sp.media:
+            parts.append(f'<span style="background:#cfe0ff;border-radius:3px;padding:0 3px">'
+                         f"[{sp.media}: {sp.tokens:,} tokens]</span>")
+        else:
+            text = html.escape(sp.text)
+            parts.append(f'<span style="background:#b8f0b8" title="loss: {sp.tokens} tokens">{text}</span>'
+                         if sp.loss else f'<span style="color:#444">{text}</span>')
+    head = f"<div style='font-weight:bold'>{html.escape(title)}</div>" if title else ""
+    legend = ("<div style='font-size:85%;color:#666'>green = loss applies (labels != -100); "
+              "blue = media tokens (no loss)</div>")
+    return (f"<div style='margin:6px 0'>{head}{legend}<pre style='white-space:pre-wrap;font-size:90%'>"
+            f"{''.join(parts)}</pre></div>")
+
+
+def sample_caption(stats: SampleStats) -> str:
+    """One line of counts for a sample (text/image/loss tokens, turns, language)."""
+    tt = "?" if stats.text_tokens is None else f"{stats.text_tokens:,}"
+    lt = "?" if stats.loss_tokens is None else f"{stats.loss_tokens:,}"
+    total = "?" if stats.total_tokens is None else f"{stats.total_tokens:,}"
+    return (f"key {stats.key} · id {stats.id} · source {stats.source or '—'} · {stats.modality} · "
+            f"{stats.turns} turns · {stats.language} · tokens: text {tt} + image {stats.image_tokens:,} "
+            f"= {total} (loss on {lt})")

@@ -1,0 +1,69 @@
+"""Validate, globally shuffle (deterministic by --seed) and write energon-ready WebDataset
+shards, as a Ray job: local by default, an existing cluster with --address or RAY_ADDRESS.
+Rerunning into the same --output resumes an interrupted job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mmdata.preprocess.validation import ValidationConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", required=True, choices=["infinity-mm", "llava-json"],
+                        help="input layout: infinity-mm (stageN/<subset>/*.tar) or llava-json (JSON/JSONL + image root)")
+    parser.add_argument("--input", required=True, nargs="+", type=Path, metavar="PATH",
+                        help="input files or folders (searched recursively)")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="output shard folder")
+    parser.add_argument("--image-root", type=Path, default=None,
+                        help="llava-json: folder image paths are relative to (default: each annotation file's folder)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    parser.add_argument("--samples-per-shard", type=int, default=None,
+                        help="samples per shard (default: sized for ~256 MB shards)")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete this tool's outputs in --output and start fresh")
+    parser.add_argument("--num-buckets", type=int, default=None,
+                        help="advanced: shuffle buckets (default: from input size; never changes the output)")
+    parser.add_argument("--max-image-pixels", type=int, default=ValidationConfig.max_image_pixels,
+                        help="decompression-bomb guard: images with more pixels are quarantined "
+                             f"(default {ValidationConfig.max_image_pixels})")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress display")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mmdata.preprocess.job import PreprocessConfig, PreprocessError, run_preprocess
+
+    if args.image_root is not None and args.dataset != "llava-json":
+        print("error: --image-root applies to --dataset llava-json only", file=sys.stderr)
+        return 2
+    cfg = PreprocessConfig(
+        dataset=args.dataset, inputs=list(args.input), output=args.output, seed=args.seed,
+        samples_per_shard=args.samples_per_shard, image_root=args.image_root, address=args.address,
+        num_cpus=args.num_cpus, overwrite=args.overwrite, num_buckets=args.num_buckets,
+        validation=ValidationConfig(max_image_pixels=args.max_image_pixels), progress=not args.no_progress,
+    )
+    try:
+        manifest = run_preprocess(cfg)
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = manifest["counts"]
+    print(f"{manifest['run']['output']}: {c['written']} samples in {len(manifest['shards'])} shards, "
+          f"{c['quarantined']} quarantined (of {c['read']} read)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mmdata.preprocess.cli ...`: the subcommand alone (used by tests and scripts)."""
+    parser = argparse.ArgumentParser(prog="mmdata preprocess", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""The Ray job behind `mmdata preprocess`.
+
+Stages (each resumable through marker files under `DIR/.mmdata-work/`):
+1. scan   - one task per input file: read records, validate them (full image decode), give each
+            valid one its seeded shuffle key and spill its compact index row into the file's
+            bucket-sorted run; quarantine lines go to a per-file part.
+2. sort   - one task per bucket (a contiguous key range): gather that bucket's rows from every
+            run, sort them by key, write the sorted bucket with a row-offset index.
+3. write  - one task per output shard: take its global-rank range out of the sorted buckets,
+            fetch the original media bytes by (file, offset, size) and write the tar atomically.
+4. finish - energon preparation (.nv-meta), quarantine.jsonl, manifest.json.
+
+The driver only holds ObjectRefs, per-bucket counts and per-shard results; rows and media never
+pass through it, so its memory does not grow with the number of records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import mmdata
+from mmdata import shard_format as sf
+from mmdata.preprocess import adapters
+from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.energon_meta import NV_META, write_energon_meta
+from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
+from mmdata.preprocess.quarantine import concat_parts, quarantine_line
+from mmdata.preprocess.shard_writer import SampleMembers, ShardResult, sha256_file, write_shard
+from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, default_num_buckets, plan_shards, shuffle_key
+from mmdata.preprocess.validation import Valid, ValidationConfig, validate
+
+WORK_DIR_NAME = ".mmdata-work"
+DEFAULT_TARGET_SHARD_BYTES = 256 << 20
+
+
+class PreprocessError(RuntimeError):
+    """A problem with the job's inputs/outputs that the user must fix (printed, exit 2)."""
+
+
+@dataclass
+class PreprocessConfig:
+    dataset: str
+    inputs: list[Path]
+    output: Path
+    seed: int = 0
+    samples_per_shard: int | None = None  # None: sized for ~target_shard_bytes per shard
+    image_root: Path | None = None
+    address: str | None = None
+    num_cpus: int | None = None
+    overwrite: bool = False
+    num_buckets: int | None = None  # None: derived from input size (never from the worker count)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES
+    progress: bool = True
+    keep_work_dir: bool = False
+
+
+# ----------------------------------------------------------------------------- small file helpers
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _save_offsets(path: Path, offsets: list[int]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
+    np.save(tmp, np.asarray(offsets, dtype=np.int64))
+    os.replace(tmp, path)
+
+
+def _read_rows(rows_path: Path, offsets_path: Path, start: int, stop: int) -> list[bytes]:
+    """Rows [start, stop) of a row file whose row boundaries are in an offsets .npy."""
+    offs = np.load(offsets_path, mmap_mode="r")
+    lo, hi = int(offs[start]), int(offs[stop])
+    if hi <= lo:
+        return []
+    with open(rows_path, "rb") as f:
+        f.seek(lo)
+        data = f.read(hi - lo)
+    return data.splitlines()
+
+
+def _concat_rows(rows: Iterable[bytes]) -> tuple[bytes, list[int]]:
+    parts, offsets, pos = [], [0], 0
+    for r in rows:
+        parts.append(r)
+        parts.append(b"\n")
+        pos += len(r) + 1
+        offsets.append(pos)
+    return b"".join(parts), offsets
+
+
+# ----------------------------------------------------------------------------- stage functions (run in Ray tasks)
+
+
+def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: ValidationConfig,
+              work: str) -> dict:
+    """Validate every record of one input file; spill valid rows grouped by bucket."""
+    scan_dir = Path(work) / "scan"
+    # Counts are per `source` field; records whose JSON is unreadable count under their folder.
+    fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
+    counts = Counts()
+    by_bucket: list[list[bytes]] = [[] for _ in range(num_buckets)]
+    qlines: list[str] = []
+    try:
+        for raw in adapters.iter_records(dataset, unit):
+            res = validate(raw, vcfg)
+            if isinstance(res, Valid):
+                key = shuffle_key(seed, raw.rid)
+                # Key first, fixed width: sorting the raw lines sorts by (key, rid).
+                row = json.dumps({"k": f"{key:016x}", "r": raw.rid, "j": res.record_json,
+                                  "m": [[m.path, m.offset, m.size, suffix] for m, suffix in res.media]},
+                                 ensure_ascii=False)
+                by_bucket[bucket_of(key, num_buckets)].append(row.encode())
+                counts.add_record(res.source or fallback_source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
+            else:
+                qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
+                counts.add_record(res.source or fallback_source, False, res.reason)
+    except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
+        qlines.append(quarantine_line(unit.rel, unit.path, "input_unreadable", f"{type(e).__name__}: {e}"))
+        counts.add_record(fallback_source, False, "input_unreadable")
+    data, row_offsets = _concat_rows(r for rows in by_bucket for r in rows)
+    bucket_offsets = [0]
+    for rows in by_bucket:
+        bucket_offsets.append(bucket_offsets[-1] + len(rows))
+    base = f"u{unit.index:07d}"
+    _write_bytes_atomic(scan_dir / f"{base}.rows", data)
+    _save_offsets(scan_dir / f"{base}.rowoffs.npy", row_offsets)
+    _save_offsets(scan_dir / f"{base}.buckets.npy", bucket_offsets)
+    _write_bytes_atomic(scan_dir / f"{base}.quarantine.jsonl", "".join(q + "\n" for q in qlines).encode())
+    result = counts.to_json()
+    _write_bytes_atomic(scan_dir / f"{base}.done.json", json.dumps(result).encode())
+    return result
+
+
+def sort_bucket(bucket: int, num_units: int, work: str) -> int:
+    """Gather one bucket's rows from every scan run and sort them by (key, rid)."""
+    w = Path(work)
+    rows: list[bytes] = []
+    for u in range(num_units):
+        base = w / "scan" / f"u{u:07d}"
+        b = np.load(f"{base}.buckets.npy", mmap_mode="r")
+        lo, hi = int(b[bucket]), int(b[bucket + 1])
+        if hi > lo:
+            rows.extend(_read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), lo, hi))
+    rows.sort()
+    data, offsets = _concat_rows(rows)
+    base = w / "sorted" / f"b{bucket:05d}"
+    _write_bytes_atomic(Path(f"{base}.rows"), data)
+    _save_offsets(Path(f"{base}.rowoffs.npy"), offsets)
+    _write_bytes_atomic(Path(f"{base}.done.json"), json.dumps({"count": len(rows)}).encode())
+    return len(rows)
+
+
+class _FileCache:
+    """A few open input files, so shard writers don't reopen a tar for every image."""
+
+    def __init__(self, size: int = 32):
+        self.size, self.files = size, OrderedDict()
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        f = self.files.pop(path, None) or open(path, "rb")
+        self.files[path] = f
+        while len(self.files) > self.size:
+            self.files.popitem(last=False)[1].close()
+        f.seek(offset)
+        data = f.read(size)
+        if len(data) != size:
+            raise IOError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)} (input changed?)")
+        return data
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
+    """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches)."""
+    w, o = Path(work), Path(out)
+    name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
+    path, marker = o / name, w / "shards" / f"{name}.json"
+    if marker.exists() and path.exists():
+        done = json.loads(marker.read_text())
+        if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
+            return {**done, "resumed": True}
+    cache = _FileCache()
+
+    def samples() -> Iterator[SampleMembers]:
+        rank = plan.first_rank
+        for sl in plan.slices:
+            base = w / "sorted" / f"b{sl.bucket:05d}"
+            for line in _read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), sl.start, sl.stop):
+                row = json.loads(line)
+                members = [(sf.JSON_MEMBER, row["j"].encode())]
+                members += [(suffix, cache.read(p, off, size)) for p, off, size, suffix in row["m"]]
+                yield SampleMembers(f"{rank:010d}", members)
+                rank += 1
+
+    try:
+        result = write_shard(path, samples())
+    finally:
+        cache.close()
+    if result.samples != plan.num_samples:
+        raise RuntimeError(f"{name}: wrote {result.samples} samples, planned {plan.num_samples}")
+    _write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
+    return {**asdict(result), "resumed": False}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _input_fingerprint(cfg: PreprocessConfig, units: list[InputUnit]) -> tuple[str, list[dict]]:
+    inputs = [{"path": u.path, "rel": u.rel, "size": u.size, "mtime_ns": u.mtime_ns} for u in units]
+    fp = fingerprint({
+        "format_version": sf.FORMAT_VERSION, "dataset": cfg.dataset, "inputs": inputs, "seed": cfg.seed,
+        "samples_per_shard": cfg.samples_per_shard, "target_shard_bytes": cfg.target_shard_bytes,
+        "image_root": str(cfg.image_root) if cfg.image_root else None, "validation": asdict(cfg.validation),
+    })
+    return fp, inputs
+
+
+def _our_outputs(out: Path) -> list[Path]:
+    names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, NV_META, WORK_DIR_NAME]
+    paths = [out / n for n in names if (out / n).exists()]
+    paths += sorted(out.glob("shard-*.tar")) + sorted(out.glob("shard-*.tar.idx"))
+    paths += sorted(out.glob(".shard-*.tar.tmp-*"))
+    return paths
+
+
+def _remove(paths: Iterable[Path]) -> None:
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _check_output_dir(out: Path, fp: str, overwrite: bool) -> dict | None:
+    """Refuse an output dir holding another job's result; return the manifest if ours is complete."""
+    if overwrite:
+        _remove(_our_outputs(out))
+        return None
+    manifest_path, work_json = out / sf.MANIFEST_NAME, out / WORK_DIR_NAME / "work.json"
+    hint = "pass --overwrite to replace it, or choose another --output"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") == fp:
+            return manifest
+        raise PreprocessError(f"{out} already holds shards made from different inputs, seed or options "
+                              f"(manifest fingerprint {str(manifest.get('fingerprint'))[:12]} != {fp[:12]}); {hint}")
+    if work_json.exists():
+        if json.loads(work_json.read_text()).get("fingerprint") != fp:
+            raise PreprocessError(f"{out} holds an unfinished job on different inputs, seed or options; {hint}")
+    elif any(out.glob("shard-*.tar")) or (out / NV_META).exists():
+        raise PreprocessError(f"{out} holds shards not written by a resumable mmdata job; {hint}")
+    return None
+
+
+def _prepare_work_dir(out: Path, fp: str, num_buckets: int) -> Path:
+    work = out / WORK_DIR_NAME
+    wj = work / "work.json"
+    if wj.exists() and json.loads(wj.read_text()).get("num_buckets") != num_buckets:
+        # Shards do not depend on the bucket count; only the intermediate runs do.
+        _remove([work / "scan", work / "sorted"])
+    for d in ("scan", "sorted", "shards"):
+        (work / d).mkdir(parents=True, exist_ok=True)
+    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")):
+        stale.unlink(missing_ok=True)
+    write_json_atomic(wj, {"fingerprint": fp, "num_buckets": num_buckets})
+    return work
+
+
+def _init_ray(cfg: PreprocessConfig) -> bool:
+    """Connect to --address / RAY_ADDRESS, or start a private local instance. Returns ownership."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
+                 object_store_memory=256 << 20, **kwargs)
+    return True
+
+
+def _run_bounded(submit: Callable[[object], object], items: Iterable[object], max_in_flight: int,
+                 on_done: Callable[[object, object], None]) -> None:
+    """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
+    import ray
+
+    pending: dict = {}
+
+    def drain(n_left: int) -> None:
+        while len(pending) > n_left:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                on_done(pending.pop(ref), ray.get(ref))
+
+    for item in items:
+        drain(max_in_flight - 1)
+        pending[submit(item)] = item
+    drain(0)
+
+
+def auto_samples_per_shard(counts: Counts, target_bytes: int) -> int:
+    if counts.written == 0:
+        return 1
+    per_sample = counts.valid_bytes / counts.written + 2048  # tar headers + padding
+    return int(max(1, min(1_000_000, round(target_bytes / per_sample))))
+
+
+def run_preprocess(cfg: PreprocessConfig) -> dict:
+    """Run the whole job; returns the manifest. Raises PreprocessError on user errors."""
+    import ray
+
+    from mmdata.preprocess.progress import JobProgress, summary_table
+
+    t_start = time.perf_counter()
+    if cfg.dataset not in adapters.DATASETS:
+        raise PreprocessError(f"unknown --dataset {cfg.dataset!r}; expected one of {adapters.DATASETS}")
+    if cfg.samples_per_shard is not None and cfg.samples_per_shard <= 0:
+        raise PreprocessError("--samples-per-shard must be positive")
+    try:
+        units = adapters.list_units(cfg.dataset, [Path(p) for p in cfg.inputs], cfg.image_root)
+    except FileNotFoundError as e:
+        raise PreprocessError(str(e)) from None
+    if not units:
+        raise PreprocessError(f"no {cfg.dataset} input files found under {', '.join(map(str, cfg.inputs))}")
+    out = Path(cfg.output).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    fp, inputs = _input_fingerprint(cfg, units)
+    done_manifest = _check_output_dir(out, fp, cfg.overwrite)
+    if done_manifest is not None:
+        print(f"{out}: already complete for these inputs and seed; nothing to do", file=sys.stderr)
+        return done_manifest
+    num_buckets = cfg.num_buckets or default_num_buckets(sum(u.size for u in units))
+    work = _prepare_work_dir(out, fp, num_buckets)
+    phases: dict[str, float] = {}
+    t_phase = time.perf_counter()
+
+    def phase_done(name: str) -> None:
+        nonlocal t_phase
+        now = time.perf_counter()
+        phases[name] = round(now - t_phase, 3)
+        t_phase = now
+
+    own_ray = _init_ray(cfg)
+    phase_done("ray_init_s")
+    resumed = {"scan": 0, "sort": 0, "shards": 0}
+    counts = Counts()
+    try:
+        scan_r = ray.remote(num_cpus=1)(scan_unit)
+        sort_r = ray.remote(num_cpus=1)(sort_bucket)
+        write_r = ray.remote(num_cpus=1)(write_shard_task)
+        max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        with JobProgress(cfg.progress) as prog:
+            # 1. scan + validate
+            prog.stage("scan+validate", len(units))
+            todo = []
+            for u in units:
+                marker = work / "scan" / f"u{u.index:07d}.done.json"
+                if marker.exists():
+                    counts.merge(json.loads(marker.read_text()))
+                    resumed["scan"] += 1
+                    prog.advance("scan+validate", records=counts.read)
+                else:
+                    todo.append(u)
+
+            def scanned(_unit, result: dict) -> None:
+                counts.merge(result)
+                prog.advance("scan+validate", records=counts.read)
+
+            _run_bounded(lambda u: scan_r.remote(cfg.dataset, u, cfg.seed, num_buckets, cfg.validation, str(work)),
+                         todo, max_in_flight, scanned)
+            phase_done("scan_s")
+            # 2. sort buckets
+            prog.stage("sort buckets", num_buckets)
+            bucket_counts = [0] * num_buckets
+            todo_b = []
+            for b in range(num_buckets):
+                marker = work / "sorted" / f"b{b:05d}.done.json"
+                if marker.exists():
+                    bucket_counts[b] = json.loads(marker.read_text())["count"]
+                    resumed["sort"] += 1
+                    prog.advance("sort buckets")
+                else:
+                    todo_b.append(b)
+
+            def sorted_(b, n: int) -> None:
+                bucket_counts[b] = n
+                prog.advance("sort buckets")
+
+            _run_bounded(lambda b: sort_r.remote(b, len(units), str(work)), todo_b, max_in_flight, sorted_)
+            if sum(bucket_counts) != counts.written:
+                raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, {counts.written} validated")
+            phase_done("sort_s")
+            # 3. write shards
+            sps = cfg.samples_per_shard or auto_samples_per_shard(counts, cfg.target_shard_bytes)
+            plans = plan_shards(bucket_counts, sps)
+            results: list[dict | None] = [None] * len(plans)
+            prog.stage("write shards", len(plans))
+            written = [0]
+
+            def wrote(plan: ShardPlan, res: dict) -> None:
+                results[plan.index] = res
+                resumed["shards"] += int(res["resumed"])
+                written[0] += res["samples"]
+                prog.advance("write shards", records=written[0], unit="samples")
+
+            _run_bounded(lambda p: write_r.remote(p, str(work), str(out)), plans, max_in_flight, wrote)
+            phase_done("write_s")
+    finally:
+        if own_ray:
+            ray.shutdown()
+    phase_done("ray_shutdown_s")
+    # 4. finish: energon metadata, quarantine, manifest (written last: it marks completion)
+    shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
+    write_energon_meta(out, [s.name for s in shards], workers=min(4, cfg.num_cpus or 2))
+    concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
+    phase_done("energon_prepare_s")
+    manifest = {
+        "tool": "mmdata preprocess",
+        "version": mmdata.__version__,
+        "format_version": sf.FORMAT_VERSION,
+        "fingerprint": fp,
+        "dataset": cfg.dataset,
+        "seed": cfg.seed,
+        "samples_per_shard": sps,
+        "options": {"image_root": str(cfg.image_root) if cfg.image_root else None,
+                    "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
+        "inputs": inputs,
+        "counts": counts.to_json(),
+        "shards": [asdict(s) for s in shards],
+        "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
+        "wall_time_s": round(time.perf_counter() - t_start, 3),
+        "run": {"output": str(out), "num_buckets": num_buckets, "resumed": resumed, "phases": phases,
+                "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
+    }
+    write_json_atomic(out / sf.MANIFEST_NAME, manifest)
+    if not cfg.keep_work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    if cfg.progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(summary_table(manifest))
+    return manifest

@@ -1,0 +1,116 @@
+"""HF processor tensors (what `LlavaOnevisionForConditionalGeneration.forward` takes) -> our
+`LlavaOVBatch`, so a converted model can be called exactly like the HF one."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.batch import (
+    IGNORE_INDEX, MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch,
+)
+from mmtrain.llava_ov.config import LlavaOVModelConfig
+
+
+def _segments(attention_mask: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Per-row [valid, padding] segments; only right padding is meaningful for a causal LM call."""
+    b, s = attention_mask.shape
+    lens: list[int] = []
+    pos = torch.zeros((b, s), dtype=torch.long)
+    for r in range(b):
+        row = attention_mask[r].to(torch.bool)
+        valid = int(row.sum())
+        if valid and not bool(row[:valid].all()):
+            raise ValueError(
+                f"attention_mask row {r} is left-padded or holey; use right padding (processor padding_side='right')"
+            )
+        lens += [valid] if valid == s else ([valid, s - valid] if valid else [s])
+        pos[r, :valid] = torch.arange(valid)
+    return lens, pos
+
+
+def hf_inputs_to_batch(
+    cfg: LlavaOVModelConfig,
+    input_ids: torch.Tensor,
+    pixel_values: Optional[torch.Tensor] = None,
+    image_sizes: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    batch_num_images: Optional[torch.Tensor] = None,
+    pixel_values_videos: Optional[torch.Tensor] = None,
+) -> LlavaOVBatch:
+    b, s = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    lens, pos = _segments(attention_mask)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    v = cfg.vision
+    media: list[tuple[int, torch.Tensor, int, tuple[int, int], tuple[int, int], int]] = []  # (kind, tiles, ...)
+    items = []  # (kind, tiles tensor, (h, w), grid, tokens)
+    if pixel_values is not None:
+        if image_sizes is None:
+            raise ValueError("pixel_values given without image_sizes")
+        sizes = image_sizes.tolist()
+        if batch_num_images is None:
+            anyres_flags = [True] * len(sizes)
+        else:
+            anyres_flags = [int(n) == 1 for n in batch_num_images.tolist() for _ in range(int(n))]
+        if pixel_values.dim() == 4:  # already flattened tiles
+            flat, offset = pixel_values, 0
+        for i, ((h, w), is_anyres) in enumerate(zip(sizes, anyres_flags)):
+            if is_anyres:
+                grid = anyres.anyres_grid_shape(h, w, v.image_size, cfg.grid_max)
+                n_tiles = 1 + grid[0] * grid[1]
+                tokens = anyres.num_image_tokens(h, w, image_size=v.image_size, patch_size=v.patch_size,
+                                                 max_tiles=cfg.max_tiles, grid_max=cfg.grid_max)
+                kind = MEDIA_ANYRES
+            else:
+                grid, n_tiles, kind = (0, 0), 1, MEDIA_BASE_ONLY
+                tokens = anyres.num_base_only_tokens(v.image_size, v.patch_size)
+            if pixel_values.dim() == 5:
+                tiles = pixel_values[i, :n_tiles]
+            else:
+                tiles = flat[offset : offset + n_tiles]
+                offset += n_tiles
+            if tiles.shape[0] != n_tiles:
+                raise ValueError(f"image {i} ({h}x{w}) needs {n_tiles} tiles, pixel_values has {tiles.shape[0]}")
+            items.append((kind, tiles, (h, w), grid, tokens, cfg.image_token_id))
+    if pixel_values_videos is not None:
+        for vid in pixel_values_videos:
+            f = vid.shape[0]
+            items.append((MEDIA_VIDEO, vid, (v.image_size, v.image_size), (0, 0),
+                          anyres.num_video_tokens(f, v.image_size, v.patch_size), cfg.video_token_id))
+    # media go in token-stream order: HF fills images and videos separately, each in order
+    flat_ids = input_ids.reshape(-1)
+    starts = []
+    for tok in (cfg.image_token_id, cfg.video_token_id):
+        where = (flat_ids == tok).nonzero(as_tuple=True)[0]
+        cursor = 0
+        for it in items:
+            if it[5] != tok:
+                continue
+            if cursor >= where.numel():
+                raise ValueError(f"input_ids hold fewer placeholder tokens (id {tok}) than the media need")
+            starts.append((int(where[cursor]), it))
+            cursor += it[4]
+        if cursor != where.numel():
+            raise ValueError(f"input_ids hold {where.numel()} placeholder tokens (id {tok}), the media need {cursor}")
+    ordered = [it for _, it in sorted(starts, key=lambda x: x[0])]
+    if ordered:
+        px = torch.cat([it[1] for it in ordered], dim=0).float()
+    else:
+        px = torch.zeros((0, 3, v.image_size, v.image_size))
+    return LlavaOVBatch(
+        input_ids=input_ids.long(),
+        labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
+        position_ids=pos,
+        cu_seqlens=cu,
+        max_seqlen=int(max(lens)),
+        pixel_values=px,
+        tiles_per_media=torch.tensor([it[1].shape[0] for it in ordered], dtype=torch.long),
+        media_kind=torch.tensor([it[0] for it in ordered], dtype=torch.long),
+        image_sizes=torch.tensor([list(it[2]) for it in ordered], dtype=torch.long).reshape(-1, 2),
+        grid_shapes=torch.tensor([list(it[3]) for it in ordered], dtype=torch.long).reshape(-1, 2),
+        num_media_tokens=torch.tensor([it[4] for it in ordered], dtype=torch.long),
+    )

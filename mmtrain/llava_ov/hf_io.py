@@ -1,0 +1,124 @@
+"""Streaming safetensors access for HF checkpoint directories (read one tensor at a time,
+write size-bounded shards with an index) -- never pickle, never the whole model in memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+#: non-weight files worth carrying along (tokenizer, processor, chat template, generation)
+ASSET_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "processor_config.json", "video_preprocessor_config.json", "generation_config.json",
+)  # fmt: skip
+
+
+class SafetensorsReader:
+    """Lazy reader over `model.safetensors` or `model.safetensors.index.json` shards; keys are
+    exposed through `normalize` (e.g. the HF on-disk name variants -> canonical names)."""
+
+    def __init__(self, hf_dir: str | os.PathLike, normalize: Callable[[str], str] = lambda k: k) -> None:
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.dir}: no *.safetensors (pickle .bin checkpoints are not read)")
+            weight_map = {}
+            for f in files:
+                with safe_open(str(f), "pt") as h:
+                    weight_map.update({k: f.name for k in h.keys()})
+        self._where: dict[str, tuple[str, str]] = {}
+        for key, fname in weight_map.items():
+            norm = normalize(key)
+            if norm in self._where:
+                raise ValueError(f"{self.dir}: tensors {self._where[norm][1]!r} and {key!r} both map to {norm!r}")
+            self._where[norm] = (fname, key)
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise KeyError(f"{self.dir}: tensor {key!r} not found")
+        fname, orig = self._where[key]
+        h = self._handles.get(fname)
+        if h is None:
+            h = self._handles[fname] = safe_open(str(self.dir / fname), "pt")
+        return h.get_tensor(orig)
+
+
+def read_config(hf_dir: str | os.PathLike) -> dict:
+    f = Path(hf_dir) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f}: missing")
+    return json.loads(f.read_text())
+
+
+def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike,
+                  max_shard_bytes: int = 2 * 1024**3) -> list[str]:
+    """Write `model-0000k-of-0000n.safetensors` + index, holding at most one shard in memory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = []
+    names: list[str] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+    weight_map: dict[str, int] = {}
+    total = 0
+    tmp_files = []
+
+    def flush() -> None:
+        nonlocal current, size
+        if not current:
+            return
+        path = out / f"_shard_{len(tmp_files):05d}.safetensors"
+        save_file(current, str(path), metadata={"format": "pt"})
+        tmp_files.append(path)
+        current, size = {}, 0
+
+    for name, t in tensors:
+        if name in weight_map:
+            raise ValueError(f"duplicate output tensor {name!r}")
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name] = t.detach().contiguous().clone()
+        size += nbytes
+        total += nbytes
+        weight_map[name] = len(tmp_files)
+        names.append(name)
+    flush()
+    n = len(tmp_files)
+    final = []
+    for i, p in enumerate(tmp_files):
+        target = out / (f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors")
+        p.replace(target)
+        final.append(target.name)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    del shards
+    return names
+
+
+def copy_assets(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    copied = []
+    for name in ASSET_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            Path(dst).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, Path(dst) / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,71 @@
+"""`load_llava_ov(ckpt_dir)`: a converted (or trained) checkpoint as an eval-mode model that is
+called like `LlavaOnevisionForConditionalGeneration` and returns logits [batch, seq, vocab]."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mmtrain.llava_ov.config import LlavaOVModelConfig
+from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
+
+
+class LlavaOVForInference(torch.nn.Module):
+    """HF-call-compatible wrapper around an unsharded `LlavaOVModel` (TP=1, PP=1)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LlavaOVModelConfig) -> None:
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_sizes: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        batch_num_images: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.Tensor] = None,
+        **_: object,
+    ) -> torch.Tensor:
+        batch = hf_inputs_to_batch(self.cfg, input_ids, pixel_values, image_sizes, attention_mask,
+                                   batch_num_images, pixel_values_videos)
+        return self.model(batch, return_logits=True)
+
+
+def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVForInference:
+    """A megatron checkpoint dir (CKPT_DIR/latest + iter_*/model) or an HF LLaVA-OV dir."""
+    from mmtrain.llava_ov.conversion import build_stage, llava_source
+    from mmtrain.llava_ov.model_io import load_canonical
+    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
+    from mmtrain.weights_io import load_model_config_dict, load_model_weights
+
+    ensure_model_parallel(1, 1)
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / "config.json").is_file() and not (ckpt_dir / "latest").exists():
+        cfg, get = llava_source(ckpt_dir)
+        model = build_stage(cfg)
+        load_canonical(model, get)
+    else:
+        cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(ckpt_dir, iteration))
+        model = build_stage(cfg)
+        load_model_weights([model], ckpt_dir, iteration)
+    return LlavaOVForInference(model, cfg).eval()
+
+
+def load_hf_into_model(model_chunks, hf_dir: str | os.PathLike, expect: Optional[LlavaOVModelConfig] = None) -> None:
+    """Fill (possibly TP/PP-sharded) model chunks straight from an HF LLaVA-OV dir: lets a recipe
+    name an HF directory as its initial checkpoint (conversion on the fly)."""
+    from mmtrain.llava_ov.conversion import _tied_source, llava_source
+    from mmtrain.llava_ov.model_io import load_canonical
+    from mmtrain.llava_ov.state_dict_adapter import ConversionError
+
+    cfg, get = llava_source(hf_dir)
+    if expect is not None and expect.llm != cfg.llm or expect is not None and expect.vision != cfg.vision:
+        raise ConversionError(f"{hf_dir}: HF config does not match the recipe's model: HF {cfg} vs recipe {expect}")
+    for chunk in model_chunks:
+        load_canonical(getattr(chunk, "module", chunk), get, tied_output_source=_tied_source(cfg))

@@ -1,0 +1,41 @@
+"""Bring up torch.distributed + megatron model-parallel state for standalone use (conversion,
+`load_llava_ov`, tests) when no launcher did it. The training runtime has its own init; this
+one only acts when nothing is initialised yet."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mmtrain.device import enable_cpu_compat
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Single-process default (world 1) unless torch.distributed is already up."""
+    enable_cpu_compat()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise RuntimeError(f"model parallel already initialised with (tp, pp)={have}, asked for {(tp, pp)}")

@@ -1,0 +1,68 @@
+"""Loss reduction shared by the model families' forward steps.
+
+megatron-core 0.16's schedules accept a loss function returning `(loss_sum, num_tokens, report)`;
+with `config.calculate_per_token_loss` they sum `num_tokens` over micro-batches, all-reduce it
+over DP in `finalize_model_grads` and divide the gradients by it. The loss is therefore averaged
+over the real (unmasked) label tokens of the whole global batch, however it is split over
+micro-batches and DP ranks - the same number a single process would compute.
+
+`report` carries what the train loop logs: `lm loss` as `[sum, count]` (megatron's convention),
+and per-sample `[sum, count]` rows aligned with the batch's flattened `sample_ids`, so a loss
+spike can be traced to the samples that caused it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def per_sample_loss_sums(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor, batch: Any
+) -> torch.Tensor:
+    """[num_samples, 2] (loss sum, label count) per packed sample, in `sample_ids` order.
+
+    Rows hold samples back to back, then padding; `cu_seqlens` segments the flattened stream,
+    so the first `len(sample_ids[row])` segments starting in a row are that row's samples."""
+    sample_ids = getattr(batch, "sample_ids", None) or []
+    b, s = token_loss.shape
+    flat_loss = (token_loss * loss_mask).reshape(-1).detach().float()
+    flat_mask = loss_mask.reshape(-1).float()
+    cu = getattr(batch, "cu_seqlens", None)
+    if cu is None:
+        cu = torch.arange(0, (b + 1) * s, s)
+    cu = cu.to(torch.int64).tolist()
+    starts_by_row: dict[int, list[tuple[int, int]]] = {}
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end > start:
+            starts_by_row.setdefault(start // s, []).append((start, end))
+    rows = []
+    for r, ids in enumerate(sample_ids):
+        segments = starts_by_row.get(r, [])
+        for k in range(len(ids)):
+            if k < len(segments):
+                start, end = segments[k]
+                rows.append(torch.stack([flat_loss[start:end].sum(), flat_mask[start:end].sum()]))
+            else:  # malformed batch: keep alignment, report nothing for the sample
+                rows.append(flat_loss.new_zeros(2))
+    if not rows:
+        return flat_loss.new_zeros(0, 2)
+    return torch.stack(rows)
+
+
+def masked_token_loss(
+    token_loss: torch.Tensor, labels: torch.Tensor, batch: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`(loss_sum, num_tokens, report)` for megatron's per-token-loss schedules.
+
+    `token_loss` is `[B, S]` (any value where the label is IGNORE_INDEX; it is masked here)."""
+    mask = (labels != IGNORE_INDEX).to(token_loss.dtype)
+    loss_sum = (token_loss.float() * mask.float()).sum()
+    num_tokens = mask.sum().to(torch.int)
+    report = {"lm loss": torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
+    if batch is not None and getattr(batch, "sample_ids", None):
+        report["sample_losses"] = per_sample_loss_sums(token_loss, mask, batch)
+    return loss_sum, num_tokens, report

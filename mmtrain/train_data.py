@@ -1,0 +1,122 @@
+"""Feeds each training step its micro-batches and owns the loader's resumable state.
+
+Every rank of a TP/PP group builds the loader with the same DP rank, so all stages of one
+model replica see the same micro-batches (the first stage needs the pixels and token ids, the
+last the labels) without broadcasting variable-size media between ranks.
+
+Two ways to split the stream over DP ranks (`data.sharding`):
+- "dp": energon's `WorkerConfig(rank=dp_rank, world_size=dp)` sharding - each DP rank decodes
+  only its own data. The loader state is per DP rank and energon refuses it at another DP size.
+- "replicated": every rank reads the single-process stream (`dp_rank=0, dp_size=1`) and keeps
+  micro-batches `[dp_rank*M, (dp_rank+1)*M)` of each step's `dp*M`. Any layout then trains on
+  exactly the same global batches, and the (identical) loader state resumes at any DP size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from mmtrain.distributed import ParallelContext
+
+log = logging.getLogger("mmtrain.train_data")
+
+
+@dataclass
+class StepData:
+    """This rank's micro-batches for one optimizer step, plus what the logs need about them."""
+
+    micro_batches: list[Any]
+    sample_ids: list[str] = field(default_factory=list)
+    num_samples: int = 0  # original (unpacked) samples in this rank's micro-batches
+    num_tokens: int = 0  # real (non-padding) token positions processed
+    num_loss_tokens: int = 0
+
+
+def batch_sample_ids(batch: Any) -> list[str]:
+    ids = getattr(batch, "sample_ids", None) or []
+    flat: list[str] = []
+    for row in ids:
+        if isinstance(row, (list, tuple)):
+            flat.extend(str(x) for x in row)
+        else:
+            flat.append(str(row))
+    return flat
+
+
+def batch_num_tokens(batch: Any) -> int:
+    """Real (non-padding) token positions when the loader reports them, else all positions."""
+    real = getattr(batch, "num_real_tokens", None)
+    if real:
+        return int(real)
+    ids = getattr(batch, "input_ids", None)
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+def batch_num_loss_tokens(batch: Any) -> int:
+    n = getattr(batch, "num_loss_tokens", None)
+    if n:
+        return int(n)
+    labels = getattr(batch, "labels", None)
+    return int((labels != -100).sum()) if isinstance(labels, torch.Tensor) else 0
+
+
+class TrainData:
+    def __init__(self, spec: Any, recipe: Any, ctx: ParallelContext) -> None:
+        self.ctx = ctx
+        self.sharding = str(getattr(recipe.data, "sharding", "dp"))
+        if self.sharding not in ("dp", "replicated"):
+            raise ValueError(f"data.sharding must be dp|replicated, got {self.sharding!r}")
+        self.micro_per_rank = recipe.train.global_batch_size // (
+            recipe.train.micro_batch_size * ctx.dp
+        )
+        if self.sharding == "replicated":
+            self.loader_dp_rank, self.loader_dp_size = 0, 1
+        else:
+            self.loader_dp_rank, self.loader_dp_size = ctx.dp_rank, ctx.dp
+        self.loader = spec.build_loader(
+            recipe, dp_rank=self.loader_dp_rank, dp_size=self.loader_dp_size
+        )
+        self._iter: Iterator[Any] | None = None
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        """File name of this rank's loader state inside a checkpoint."""
+        if self.sharding == "replicated":
+            return "loader_replicated.json"
+        return f"loader_dp{self.loader_dp_rank:05d}_of{self.loader_dp_size:05d}.json"
+
+    def save_state(self) -> str:
+        """The loader's `save_state_rank()` as JSON text (no pickles in checkpoints)."""
+        return self.loader.save_state_json()
+
+    def restore_state(self, text: str) -> None:
+        if self._iter is not None:
+            raise RuntimeError("loader state must be restored before the first batch is drawn")
+        self.loader.restore_state_json(text)
+
+    # -- batches ---------------------------------------------------------------------------
+    def _next_micro_batch(self) -> Any:
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        return next(self._iter)
+
+    def next_step(self) -> StepData:
+        if self.sharding == "replicated":
+            drawn = [self._next_micro_batch() for _ in range(self.micro_per_rank * self.ctx.dp)]
+            start = self.ctx.dp_rank * self.micro_per_rank
+            mine = drawn[start : start + self.micro_per_rank]
+        else:
+            mine = [self._next_micro_batch() for _ in range(self.micro_per_rank)]
+        data = StepData(micro_batches=mine)
+        for batch in mine:
+            ids = batch_sample_ids(batch)
+            data.sample_ids.extend(ids)
+            data.num_samples += len(ids)
+            data.num_tokens += batch_num_tokens(batch)
+            data.num_loss_tokens += batch_num_loss_tokens(batch)
+        return data

@@ -1,0 +1,405 @@
+"""The shared train loop: one `Trainer` for every model family.
+
+    build model stage (ModelSpec) -> freeze -> megatron DDP -> optimizer -> LR schedule
+    -> loader (+ resume) -> for each step:
+         draw this rank's micro-batches
+         megatron get_forward_backward_func(...)   (grad accumulation, PP schedule, DP reduce)
+         LR for the step, clip + optimizer step
+         log (loss over real tokens of the global batch, grad norm, lr, tokens/s, MFU, memory,
+              sample ids + per-sample losses) and checkpoint
+
+The loss is megatron's per-token convention (`calculate_per_token_loss`): each micro-batch
+returns (sum of token losses, number of label tokens); megatron sums the counts over
+micro-batches and DP ranks and divides the gradients by the total, so any TP/PP/DP layout
+and any micro-batch split of the same global batch gives the same update.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mmtrain import checkpointing
+from mmtrain.checkpointing import TrainerState
+from mmtrain.distributed import ParallelContext
+from mmtrain.loss import IGNORE_INDEX, per_sample_loss_sums
+from mmtrain.lr_schedule import LRSchedule
+from mmtrain.optimizer import apply_freeze, build_optimizer
+from mmtrain.throughput import device_peak_flops, memory_stats, mfu
+from mmtrain.train_data import TrainData
+
+log = logging.getLogger("mmtrain.train")
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: Optional[float]  # None on ranks without the loss (not the last PP stage)
+    grad_norm: float
+    lr: float
+    updated: bool
+    step_time_s: float
+    tokens: int  # positions processed by the whole global batch
+    samples: int
+    loss_tokens: int
+    sample_ids: list[str]
+    sample_losses: list[Optional[float]]
+
+
+class Trainer:
+    def __init__(self, recipe: Any, spec: Any, ctx: ParallelContext, resolved_yaml: str) -> None:
+        self.recipe = recipe
+        self.spec = spec
+        self.ctx = ctx
+        self.resolved_yaml = resolved_yaml
+        self.state = TrainerState(
+            layout={"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world_size": ctx.world_size},
+            data_sharding=str(getattr(recipe.data, "sharding", "dp")),
+            seed=int(recipe.seed),
+        )
+        t = recipe.train
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+        if self.num_microbatches * t.micro_batch_size * ctx.dp != t.global_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"micro_batch_size*dp = {t.micro_batch_size}*{ctx.dp}"
+            )
+        self.metrics = None
+        self._last_saved_step = -1
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.utils import get_model_config
+
+        recipe, ctx = self.recipe, self.ctx
+        module = self.spec.build_model(
+            recipe.model,
+            pre_process=ctx.is_first_stage,
+            post_process=ctx.is_last_stage,
+            parallel_ctx=self._model_parallel_options(),
+        )
+        if ctx.on_cuda:
+            module = module.cuda(torch.cuda.current_device())
+        if not hasattr(module, "model_type"):  # megatron's schedules read it
+            from megatron.core.enums import ModelType
+
+            module.model_type = ModelType.encoder_or_decoder
+        self.trainable = apply_freeze([module], recipe.freeze)
+
+        config = get_model_config(module)
+        config.calculate_per_token_loss = True  # see the module docstring
+        config.timers = None
+        if ctx.pp > 1:
+            # packed micro-batches are flattened to one [B*S] stream whose length may vary
+            config.variable_seq_lengths = True
+            if config.pipeline_dtype is None:
+                config.pipeline_dtype = ctx.params_dtype
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=ctx.on_cuda,
+            use_distributed_optimizer=ctx.distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        if not ctx.on_cuda:
+            from mmtrain import device as device_layer
+
+            device_layer.note_runtime_substitution(
+                "DDP: overlap_grad_reduce off, no distributed optimizer (CUDA streams / "
+                "reduce-scatter) -> bucketed all-reduce of fp32 main_grad over gloo"
+            )
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
+        self.model = [ddp]
+        config.no_sync_func = ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+
+        self.optimizer = build_optimizer(self.model, recipe.optimizer, ctx)
+        if ctx.on_cuda and hasattr(self.optimizer, "scale_loss"):
+            config.grad_scale_func = self.optimizer.scale_loss
+        self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
+        self.state.lr_schedule = self.schedule.state_dict()
+        self.data = TrainData(self.spec, recipe, ctx)
+        self._maybe_load()
+        self.peak_flops = device_peak_flops(ctx.device, ctx.precision)
+        self.flops_per_token = float(
+            self.spec.flops_per_token(recipe.model, recipe.train.seq_length)
+        )
+        if ctx.is_logging_rank:
+            self.metrics = _open_metrics(recipe, self.state.step)
+            log.info(
+                "model stage %d/%d built: trainable params %s; %d micro-batches/step/rank",
+                ctx.pp_rank, ctx.pp, self.trainable, self.num_microbatches,
+            )  # fmt: skip
+
+    def _model_parallel_options(self) -> dict[str, Any]:
+        """What the model builder needs to know about parallelism/memory (sizes come from
+        megatron's parallel_state)."""
+        recompute = self.ctx.recompute
+        return {
+            "sequence_parallel": self.ctx.sequence_parallel,
+            "recompute_granularity": None if recompute == "none" else recompute,
+            "params_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[
+                self.ctx.precision
+            ],
+        }
+
+    def _maybe_load(self) -> None:
+        recipe = self.recipe
+        source = recipe.checkpoint.load
+        kind, path = None, None
+        own_latest = checkpointing.latest_checkpoint(recipe.run_dir)
+        if own_latest is not None:
+            kind, path = "mmtrain", own_latest  # a rerun of a killed job continues it
+        elif source:
+            kind, path = checkpointing.resolve_checkpoint(source)
+        if kind is None:
+            return
+        if kind == "hf":
+            self._load_hf(path)
+            return
+        if kind == "weights":
+            checkpointing.load_weights_only(path, self.model)
+            if self.ctx.rank == 0:
+                log.info("initialised weights from %s (weights only: fresh optimizer and data)", path)
+            return
+        result = checkpointing.load_checkpoint(path, self.model, self.optimizer, self.data, self.ctx)
+        self.state.step = result.state.step
+        self.state.consumed_samples = result.state.consumed_samples
+        self.state.consumed_rows = result.state.consumed_rows
+        if not result.rng_restored:
+            checkpointing.reseed_for_step(int(recipe.seed), self.state.step, self.ctx)
+        self._last_saved_step = self.state.step if path.parent == _run_root(recipe) else -1
+        if self.ctx.rank == 0:
+            log.info(
+                "resumed from %s at step %d (same layout: %s, loader restored: %s)",
+                path, self.state.step, result.same_layout, result.loader_restored,
+            )  # fmt: skip
+
+    def _load_hf(self, path: Any) -> None:
+        import importlib
+
+        # each family's `load` module converts HF tensors with its state-dict adapter straight
+        # into the (possibly TP/PP-sharded) chunks
+        family = importlib.import_module(f"mmtrain.{self.recipe.family.replace('-', '_')}.load")
+        family.load_hf_into_model(self.model, str(path), self.recipe.model)
+        if self.ctx.rank == 0:
+            log.info("initialised weights from HF checkpoint %s (converted on the fly)", path)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> StepResult:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        ctx, t = self.ctx, self.recipe.train
+        step = self.state.step + 1
+        start = time.perf_counter()
+        step_data = self.data.next_step()
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward_backward = get_forward_backward_func()
+        reports = forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=RecordingIterator(step_data.micro_batches),
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            # models run packed micro-batches as one flattened [B*S] stream (THD)
+            seq_length=t.seq_length * t.micro_batch_size,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        lr = self.schedule.apply(
+            self.optimizer.param_groups, step, float(self.recipe.optimizer.weight_decay)
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+
+        # ---- global numbers for the logs (the loss lives on the last PP stage)
+        # collectives run on the backend's device (NCCL needs CUDA tensors)
+        counts = torch.tensor(
+            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens],
+            dtype=torch.float64,
+            device=ctx.device,
+        )
+        dp_group = parallel_state.get_data_parallel_group()
+        if ctx.dp > 1:
+            dist.all_reduce(counts, group=dp_group)
+        loss = None
+        sample_ids: list[str] = []
+        sample_losses: list[Optional[float]] = []
+        if ctx.is_last_stage:
+            loss_sum = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+            per_sample = []
+            for report in reports:
+                lm = report["lm loss"].detach().to(device=ctx.device, dtype=torch.float64)
+                loss_sum += lm if lm.numel() == 2 else torch.stack([lm.sum(), lm.new_ones(())])
+                if "sample_losses" in report:
+                    per_sample.append(report["sample_losses"].detach().double().cpu())
+            if ctx.dp > 1:
+                dist.all_reduce(loss_sum, group=dp_group)
+            loss_sum = loss_sum.cpu()
+            loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
+            mine = torch.cat(per_sample) if per_sample else torch.zeros(0, 2)
+            local = (
+                step_data.sample_ids,
+                [float(s / c) if c > 0 else None for s, c in mine.tolist()],
+            )
+            gathered = [local]
+            if ctx.dp > 1:
+                gathered = [None] * ctx.dp
+                dist.all_gather_object(gathered, local, group=dp_group)
+            for ids, losses in gathered:
+                sample_ids.extend(ids)
+                sample_losses.extend(losses if len(losses) == len(ids) else [None] * len(ids))
+        elapsed = time.perf_counter() - start
+        self.state.step = step
+        self.state.consumed_rows += t.global_batch_size
+        counts = counts.cpu()
+        self.state.consumed_samples += int(counts[1])
+        return StepResult(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            updated=bool(updated),
+            step_time_s=elapsed,
+            tokens=int(counts[0]),
+            samples=int(counts[1]),
+            loss_tokens=int(counts[2]),
+            sample_ids=sample_ids,
+            sample_losses=sample_losses,
+        )
+
+    def _forward_step(self, data_iterator: "RecordingIterator", model: Any) -> tuple[Any, Any]:
+        """The family's forward step, with per-sample losses added to its loss report.
+
+        Family contract: on the last stage the model's output is the per-token loss `[B, S]`
+        (masked by the loss function); from it and the batch's `cu_seqlens`/`sample_ids` we add
+        one `[sum, count]` row per packed sample, for `mmtrain worst-samples`."""
+        output, loss_fn = self.spec.forward_step(data_iterator, model)
+        batch = data_iterator.last
+        if loss_fn is None or batch is None:
+            return output, loss_fn
+
+        def loss_with_samples(output_tensor: torch.Tensor) -> Any:
+            result = loss_fn(output_tensor)
+            labels = getattr(batch, "labels", None)
+            if (
+                len(result) == 3
+                and labels is not None
+                and getattr(batch, "sample_ids", None)
+                and tuple(output_tensor.shape) == tuple(labels.shape)
+            ):
+                mask = (labels.to(output_tensor.device) != IGNORE_INDEX).to(output_tensor.dtype)
+                report = dict(result[2])
+                report["sample_losses"] = per_sample_loss_sums(output_tensor.detach(), mask, batch)
+                return result[0], result[1], report
+            return result
+
+        return output, loss_with_samples
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[StepResult]:
+        recipe, ctx = self.recipe, self.ctx
+        results = []
+        interval = int(recipe.checkpoint.interval)
+        while self.state.step < recipe.train.iters:
+            result = self.train_step()
+            results.append(result)
+            self._log(result)
+            if interval > 0 and result.step % interval == 0:
+                self.save()
+        if self._last_saved_step != self.state.step:
+            self.save()
+        if self.metrics is not None:
+            self.metrics.close()
+        return results
+
+    def save(self) -> None:
+        checkpointing.save_checkpoint(
+            self.recipe.run_dir,
+            self.state,
+            self.model,
+            self.optimizer,
+            self.data,
+            self.ctx,
+            self.resolved_yaml,
+            int(self.recipe.checkpoint.keep_last),
+            model_config=self.recipe.model,
+        )
+        self._last_saved_step = self.state.step
+
+    def _log(self, r: StepResult) -> None:
+        if not self.ctx.is_logging_rank:
+            return
+        tokens_per_s = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
+        record = {
+            "step": r.step,
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm if math.isfinite(r.grad_norm) else None,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": r.samples / r.step_time_s if r.step_time_s > 0 else 0.0,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, self.ctx.world_size, self.peak_flops),
+            "step_time_s": r.step_time_s,
+            "tokens": r.tokens,
+            "num_samples": r.samples,
+            "num_loss_tokens": r.loss_tokens,
+            "skipped_update": not r.updated,
+            **memory_stats(self.ctx.device),
+            "sample_ids": r.sample_ids,
+            "sample_losses": r.sample_losses,
+        }
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if r.step % int(self.recipe.logging.interval) == 0 or r.step == self.recipe.train.iters:
+            mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
+            log.info(
+                "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s | %.2f samples/s"
+                " | mfu %s | mem %.2f GiB",
+                r.step, self.recipe.train.iters, r.loss if r.loss is not None else float("nan"),
+                r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"],
+                f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)", mem,
+            )  # fmt: skip
+
+
+class RecordingIterator:
+    """Iterator over a step's micro-batches that remembers the last one drawn (the forward
+    step consumes it; the loss report needs its sample ids)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._it = iter(items)
+        self.last: Any = None
+
+    def __iter__(self) -> "RecordingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        self.last = next(self._it)
+        return self.last
+
+
+def _run_root(recipe: Any) -> Any:
+    return checkpointing.checkpoints_root(recipe.run_dir)
+
+
+def _open_metrics(recipe: Any, resume_step: int) -> Any:
+    """F's JSONL (+TensorBoard) writer; on resume, records past the checkpoint are dropped so
+    the file shows one curve."""
+    from mmtrain.metrics import MetricsWriter
+
+    return MetricsWriter(
+        recipe.run_dir, tensorboard=bool(recipe.logging.tensorboard), resume_step=resume_step
+    )

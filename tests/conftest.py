@@ -1,0 +1,48 @@
+"""Shared fixtures.
+
+`synth_raw_dir`: 120 synthetic Infinity-MM records (seed 0, no broken ones) in the real
+on-disk layout (stageN/<subset>/*.tar). `shards_dir`: that dataset through `mmdata preprocess`
+(seed 0, 32 samples per shard, local Ray with 2 CPUs) -> energon-ready shards + manifest.
+Both are session-scoped and read-only for tests: copy before modifying.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SYNTH_NUM_SAMPLES = 120
+SYNTH_SEED = 0
+SHARDS_SAMPLES_PER_SHARD = 32
+
+
+def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `mmdata preprocess` in a subprocess (its own Ray instance, nothing left in pytest)."""
+    cmd = [sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", *args]
+    full_env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def synth_raw_dir(tmp_path_factory) -> Path:
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+
+    out = tmp_path_factory.mktemp("synth") / "raw"
+    write_infinity_mm(generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED), out, samples_per_tar=20)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shards_dir(tmp_path_factory, synth_raw_dir) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
+                       "--seed", str(SYNTH_SEED), "--samples-per-shard", str(SHARDS_SAMPLES_PER_SHARD),
+                       "--num-cpus", "2")
+    return out

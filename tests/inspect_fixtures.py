@@ -1,0 +1,29 @@
+"""Session fixtures of the inspect tests (imported by tests/test_inspect*.py and
+tests/test_notebook*.py). A fixture imported into two modules is registered twice by pytest,
+so the preprocess run is cached here to happen once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmdata.preprocess.synth import SynthRecord, generate_records, write_infinity_mm
+from tests.conftest import run_preprocess_cli
+
+BROKEN_NUM_SAMPLES = 50
+BROKEN_SEED = 3
+_built: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="session")
+def broken_dataset(tmp_path_factory) -> tuple:
+    """(shards dir, synthetic records): every broken kind, through the real preprocess job."""
+    key = str(tmp_path_factory.getbasetemp())
+    if key not in _built:
+        raw = tmp_path_factory.mktemp("inspect_broken") / "raw"
+        recs: list[SynthRecord] = generate_records(BROKEN_NUM_SAMPLES, seed=BROKEN_SEED, broken_fraction=0.2)
+        write_infinity_mm(recs, raw, samples_per_tar=25)
+        out = raw.parent / "shards"
+        run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
+                           "--seed", str(BROKEN_SEED), "--samples-per-shard", "16", "--num-cpus", "2")
+        _built[key] = (out, recs)
+    return _built[key]

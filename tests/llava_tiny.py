@@ -1,0 +1,64 @@
+"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mmdata.energon_loaders import anyres
+
+IMAGE_SIZE, PATCH = 30, 14
+IMAGE_TOKEN, VIDEO_TOKEN = 998, 999
+
+
+def text_config(**kw) -> dict:
+    d = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096,
+             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    d.update(kw)
+    return d
+
+
+def vision_config(**kw) -> dict:
+    d = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False)
+    d.update(kw)
+    return d
+
+
+def hf_llava(seed: int = 0, tie: bool = True):
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = LlavaOnevisionConfig(
+        text_config=text_config(tie_word_embeddings=tie), vision_config=vision_config(),
+        image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
+        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(IMAGE_SIZE, 6)], tie_word_embeddings=tie,
+    )
+    model = LlavaOnevisionForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # make every tensor non-trivial (norms and biases default to 1/0)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def images(seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    sizes = [(47, 95), (120, 61), (30, 30)]  # (h, w): wide, tall, exactly one tile
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7):
+    """One sample per image: [text] <image>*n [text]; returns input_ids, pixel_values (padded), image_sizes."""
+    g = torch.Generator().manual_seed(seed)
+    procs = [anyres.process_image(im, 9, image_size=IMAGE_SIZE, patch_size=PATCH) for im in imgs]
+    max_tiles = max(p.num_tiles for p in procs)
+    pv = torch.zeros(len(procs), max_tiles, 3, IMAGE_SIZE, IMAGE_SIZE)
+    rows = []
+    for i, p in enumerate(procs):
+        pv[i, : p.num_tiles] = p.pixel_values
+        pre = torch.randint(0, 990, (text_len,), generator=g)
+        post = torch.randint(0, 990, (text_len,), generator=g)
+        rows.append(torch.cat([pre, torch.full((p.num_tokens,), IMAGE_TOKEN), post]))
+    return rows, pv, torch.tensor([list(p.image_size) for p in procs])

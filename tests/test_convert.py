@@ -1,0 +1,324 @@
+"""`mmtrain convert`: HF <-> megatron for LLaVA-OV, Qwen2 alone, SigLIP alone (tiny random
+configs): bit-identical round trips, logits parity after conversion, bad input named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+torch.set_num_threads(1)
+
+from tests.llava_tiny import hf_image_inputs, hf_llava, images, text_config, vision_config  # noqa: E402
+
+
+def _cli(*argv: str) -> int:
+    from mmtrain.cli import main
+
+    return main(["convert", *argv])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    model = hf_llava(seed=1)
+    model.save_pretrained(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    return d, model
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory):
+    src, _ = hf_dir
+    dst = tmp_path_factory.mktemp("ckpt")
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst)) == 0
+    return dst
+
+
+def test_checkpoint_layout(converted):
+    from mmtrain.weights_io import find_latest_iteration, load_model_config_dict
+
+    assert (converted / "latest").read_text().strip() == "0"
+    assert find_latest_iteration(converted) == 0
+    assert (converted / "iter_0000000" / "model").is_dir()
+    cfg = load_model_config_dict(converted)
+    assert cfg["llm"]["num_layers"] == 2 and cfg["vision"]["image_size"] == 30
+
+
+def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted, tmp_path):
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    src, model = hf_dir
+    out = tmp_path / "hf_out"
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted), "--dst", str(out)) == 0
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert (out / "tokenizer_config.json").is_file()  # assets carried along
+    reloaded = LlavaOnevisionForConditionalGeneration.from_pretrained(out)
+    s1, s2 = model.state_dict(), reloaded.state_dict()
+    assert set(s1) == set(s2)
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
+    from mmtrain.llava_ov import load_llava_ov
+
+    _, model = hf_dir
+    ours = load_llava_ov(converted)
+    assert not ours.training
+    rows, pv, sizes = hf_image_inputs(images())
+    for i in range(2):
+        ids = rows[i][None]
+        with torch.no_grad():
+            ref = model(input_ids=ids, pixel_values=pv[i : i + 1], image_sizes=sizes[i : i + 1]).logits
+        out = ours(input_ids=ids, pixel_values=pv[i : i + 1], image_sizes=sizes[i : i + 1])
+        assert out.shape == ref.shape
+        assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_sharded_export_writes_an_index(converted, tmp_path):
+    from mmtrain.llava_ov.conversion import mcore_to_hf
+    from mmtrain.llava_ov.hf_io import SafetensorsReader
+
+    out = mcore_to_hf(converted, tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    single = tmp_path / "single"
+    mcore_to_hf(converted, single)
+    r1, r2 = SafetensorsReader(out), SafetensorsReader(single)
+    assert r1.keys() == r2.keys() and all(torch.equal(r1.get(k), r2.get(k)) for k in r1.keys())
+
+
+# ----------------------------------------------------------------------------- Qwen2 / SigLIP alone
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_qwen2_alone_parity_and_round_trip(tie):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+    from mmtrain.llava_ov.model import ParallelOptions, build_language_model, language_transformer_config
+    from mmtrain.llava_ov.model_io import iter_canonical, load_canonical
+    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
+    from mmtrain.llava_ov.state_dict_adapter import Qwen2StateDictAdapter, llm_config_from_hf
+
+    ensure_model_parallel(1, 1)
+    torch.manual_seed(2)
+    tc = text_config(tie_word_embeddings=tie, vocab_size=997)  # not a multiple of 8: padded
+    hf = Qwen2ForCausalLM(Qwen2Config(**tc)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    llm = llm_config_from_hf(hf.config.to_dict())
+    cfg = LlavaOVModelConfig(llm=llm, make_vocab_size_divisible_by=8)
+    sd = hf.state_dict()
+    if tie:
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    adapter = Qwen2StateDictAdapter(llm)
+    adapter.check_hf_keys(set(sd))
+    gpt = build_language_model(cfg, language_transformer_config(cfg, ParallelOptions())).eval()
+    load_canonical(gpt, lambda n: adapter.mcore_tensor(n, sd.__getitem__))
+    ids = torch.randint(0, 997, (2, 19), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(19).expand(2, -1)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        out = gpt(input_ids=ids, position_ids=pos, attention_mask=None)[..., :997]
+    assert (out - ref).abs().max().item() <= 1e-4
+    back = dict(adapter.iter_hf(dict(iter_canonical(gpt, true_vocab=997)).__getitem__))
+    assert set(back) == set(sd)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_siglip_alone_parity_drop_last_layer_and_round_trip():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from mmtrain.llava_ov.model import ParallelOptions, base_config_kwargs
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+    from mmtrain.llava_ov.model_io import iter_canonical, load_canonical
+    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
+    from mmtrain.llava_ov.state_dict_adapter import SiglipStateDictAdapter, vision_config_from_hf
+    from mmtrain.llava_ov.vision import SiglipVisionModel as McoreSiglip, vision_transformer_config
+
+    ensure_model_parallel(1, 1)
+    torch.manual_seed(3)
+    hf = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3, vision_use_head=True).items() if k != "model_type"})).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sd = hf.state_dict()
+    px = torch.randn(2, 3, 30, 30)
+    with torch.no_grad():
+        ref = hf(pixel_values=px, output_hidden_states=True)
+    base = base_config_kwargs(LlavaOVModelConfig(), ParallelOptions(), sequence_parallel=False)
+    # full tower: last_hidden_state (post-layernorm) parity, bit-identical round trip (head ignored)
+    vcfg = vision_config_from_hf(hf.config.to_dict())
+    adapter = SiglipStateDictAdapter(vcfg)
+    sdn = {adapter.normalize_hf_key(k): v for k, v in sd.items()}
+    adapter.check_hf_keys(set(sdn))
+    tower = McoreSiglip(vcfg, vision_transformer_config(vcfg, base)).eval()
+    load_canonical(tower, lambda n: adapter.mcore_tensor(n, sdn.__getitem__))
+    with torch.no_grad():
+        out = tower(px, apply_post_layernorm=True)
+    assert (out - ref.last_hidden_state).abs().max().item() <= 1e-4
+    back = dict(adapter.iter_hf(dict(iter_canonical(tower)).__getitem__))
+    assert all(torch.equal(back[k], sdn[k]) for k in back)
+    assert set(sdn) - set(back) == {k for k in sdn if k.startswith("vision_model.head.")}
+    # LLaVA-OV style: last layer dropped, features = HF hidden_states[-2] (pre post-layernorm)
+    v2 = vision_config_from_hf(hf.config.to_dict(), num_layers=2)
+    ad2 = SiglipStateDictAdapter(v2, source_layers=3)
+    ad2.check_hf_keys(set(sdn))
+    tower2 = McoreSiglip(v2, vision_transformer_config(v2, base)).eval()
+    load_canonical(tower2, lambda n: ad2.mcore_tensor(n, sdn.__getitem__))
+    with torch.no_grad():
+        out2 = tower2(px)
+    assert (out2 - ref.hidden_states[2]).abs().max().item() <= 1e-4
+
+
+def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
+    from mmtrain.llava_ov.conversion import build_stage
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
+    from mmtrain.weights_io import load_model_config_dict, load_model_weights
+
+    torch.manual_seed(4)
+    Qwen2ForCausalLM(Qwen2Config(**text_config())).save_pretrained(tmp_path / "llm")
+    vis = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"}))
+    vis.save_pretrained(tmp_path / "vis")
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
+                "--dst", str(tmp_path / "ck")) == 0
+    cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(tmp_path / "ck"))
+    assert cfg.vision.num_layers == 2 and cfg.llm.num_layers == 2
+    ensure_model_parallel(1, 1)
+    model = build_stage(cfg)
+    load_model_weights([model], tmp_path / "ck")
+    llm = load_file(tmp_path / "llm" / "model.safetensors")
+    assert torch.equal(model.language_model.decoder.layers[1].mlp.linear_fc2.weight, llm["model.layers.1.mlp.down_proj.weight"])
+    vsd = load_file(tmp_path / "vis" / "model.safetensors")
+    key = [k for k in vsd if k.endswith("encoder.layers.1.mlp.fc1.weight")][0]
+    assert torch.equal(model.vision_model.decoder.layers[1].mlp.linear_fc1.weight, vsd[key])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _broken_copy(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    sd = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    sd, cfg = edit(sd, cfg)
+    save_file(sd, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_inputs_name_the_tensor_or_key(hf_dir, tmp_path):
+    from mmtrain.llava_ov.conversion import hf_to_mcore
+    from mmtrain.llava_ov.state_dict_adapter import ConversionError
+
+    src, _ = hf_dir
+    k_missing = "language_model.model.layers.1.self_attn.k_proj.weight"
+
+    def drop(sd, cfg):
+        sd.pop(k_missing)
+        return sd, cfg
+
+    with pytest.raises(ConversionError, match=k_missing.replace(".", r"\.")):
+        hf_to_mcore(_broken_copy(src, tmp_path / "a", drop), tmp_path / "o1")
+
+    def reshape(sd, cfg):
+        sd["multi_modal_projector.linear_2.weight"] = sd["multi_modal_projector.linear_2.weight"][:, :10].contiguous()
+        return sd, cfg
+
+    with pytest.raises(ConversionError, match=r"vision_projection\.encoder\.linear_fc2\.weight"):
+        hf_to_mcore(_broken_copy(src, tmp_path / "b", reshape), tmp_path / "o2")
+
+    def qkv(sd, cfg):
+        k = "language_model.model.layers.0.self_attn.k_proj.weight"
+        sd[k] = torch.cat([sd[k], sd[k]])
+        return sd, cfg
+
+    with pytest.raises(ConversionError, match=r"layers\.0\.self_attn\.k_proj\.weight"):
+        hf_to_mcore(_broken_copy(src, tmp_path / "c", qkv), tmp_path / "o3")
+
+    def arch(sd, cfg):
+        cfg["model_type"] = "llava_next"
+        cfg["architectures"] = ["LlavaNextForConditionalGeneration"]
+        return sd, cfg
+
+    with pytest.raises(ConversionError, match="model_type"):
+        hf_to_mcore(_broken_copy(src, tmp_path / "d", arch), tmp_path / "o4")
+
+    def extra(sd, cfg):
+        sd["language_model.model.layers.2.mlp.up_proj.weight"] = torch.zeros(2)
+        return sd, cfg
+
+    with pytest.raises(ConversionError, match=r"layers\.2\.mlp\.up_proj"):
+        hf_to_mcore(_broken_copy(src, tmp_path / "e", extra), tmp_path / "o5")
+
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+
+    with pytest.raises(ConversionError, match="recipe"):
+        hf_to_mcore(src, tmp_path / "o6", expect=LlavaOVModelConfig.tiny())
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o6").exists()
+
+
+# ----------------------------------------------------------------------------- TP=2 (2 processes)
+
+
+def _torchrun(script: Path, *args: str, nproc: int = 2) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from mmtrain.llava_ov.parallel_init import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           str(script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
+    from mmtrain.llava_ov import load_llava_ov
+
+    src, model = hf_dir
+    result = tmp_path / "res.json"
+    _torchrun(Path(__file__).parent / "workers" / "llava_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"), str(result))
+    res = json.loads(result.read_text())
+    assert res["local_qkv_rows"] == (4 + 2 * 2) * 16 // 2  # half the (heads + 2 groups) * head_dim rows
+    for key in ("from_hf", "from_tp1_ckpt", "sequence_parallel"):
+        logit_diff, loss_diff = res[key]
+        assert logit_diff <= 1e-4, (key, logit_diff)
+        assert loss_diff <= 1e-5, (key, loss_diff)
+    # the TP=2 checkpoint loads back at TP=1 and still matches HF
+    ours = load_llava_ov(tmp_path / "tp2")
+    rows, pv, sizes = hf_image_inputs(images())
+    ids = rows[1][None]
+    with torch.no_grad():
+        ref = model(input_ids=ids, pixel_values=pv[1:2], image_sizes=sizes[1:2]).logits
+    assert (ours(input_ids=ids, pixel_values=pv[1:2], image_sizes=sizes[1:2]) - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
+    """`--tp 2` and `--pp 2` spawn one process per rank; the result loads at TP=1/PP=1."""
+    from mmtrain.llava_ov import load_llava_ov
+
+    src, model = hf_dir
+    rows, pv, sizes = hf_image_inputs(images())
+    ids = rows[0][None]
+    with torch.no_grad():
+        ref = model(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]).logits
+    for tp, pp in ((2, 1), (1, 2)):
+        dst = tmp_path / f"tp{tp}pp{pp}"
+        assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst), "--tp", str(tp), "--pp", str(pp)) == 0
+        ours = load_llava_ov(dst)
+        assert (ours(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]) - ref).abs().max().item() <= 1e-4

@@ -1,0 +1,364 @@
+"""The energon loader end to end on small shard sets: batch contract, media, bad samples,
+exact resume across processes (DP=2, several workers) and blending."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX, MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
+from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.energon_loaders.loader import build_llava_ov_loader, write_blend_yaml
+from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+torch.set_num_threads(1)
+
+# Tiny vision config (as the model tests use): 28 px tiles of 2x2 patches.
+VISION = dict(image_size=28, patch_size=14, max_video_frames=4)
+SEQ = 512
+BAD_IDS = {"bad-empty-image", "bad-truncated-png", "bad-video", "bad-role", "bad-placeholders"}
+
+
+def _png(h: int, w: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _jpeg(h: int, w: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _mp4(frames: int = 10, seed: int = 0) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    rng = np.random.default_rng(seed)
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def _qa(q: str, a: str) -> list[dict]:
+    return [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+
+
+def _dev_samples() -> list[DevSample]:
+    sizes = [(20, 30), (90, 40), (28, 28), (12, 200), (150, 60), (33, 47)]
+    out: list[DevSample] = []
+    for i in range(36):
+        kind = i % 6
+        if kind in (0, 1, 2):
+            h, w = sizes[i % len(sizes)]
+            data = ("png", _png(h, w, i)) if i % 2 else ("jpg", _jpeg(h, w, i))
+            out.append(DevSample(f"img-{i}", _qa("<image>\nWhat is shown?", f"Answer number {i}."), [data]))
+        elif kind == 3:
+            out.append(DevSample(f"txt-{i}", _qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * 2))
+        elif kind == 4:
+            out.append(
+                DevSample(f"multi-{i}", _qa("<image><image> Compare them.", f"They differ {i}."), [("png", _png(20, 40, i)), ("png", _png(50, 10, i + 1))])
+            )
+        else:
+            out.append(DevSample(f"vid-{i}", _qa("What happens in the clip?", f"Noise {i}."), video=("mp4", _mp4(10, i))))
+    good_png = _png(30, 30, 99)
+    out += [
+        DevSample("bad-empty-image", _qa("<image> x", "y"), [("jpg", b"")]),
+        DevSample("bad-truncated-png", _qa("<image> x", "y"), [("png", good_png[: len(good_png) // 2])]),
+        DevSample("bad-video", _qa("<video> x", "y"), video=("mp4", b"not a video at all" * 10)),
+        DevSample("bad-role", [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]),
+        DevSample("bad-placeholders", _qa("<image><image> x", "y"), [("png", good_png)]),
+    ]
+    order = np.random.default_rng(0).permutation(len(out))
+    return [out[i] for i in order]
+
+
+@pytest.fixture(scope="module")
+def dev_dir(tmp_path_factory) -> Path:
+    return write_dev_shards(tmp_path_factory.mktemp("dev") / "shards", _dev_samples(), samples_per_shard=8)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _check_batch(batch: LlavaOVBatch, seq: int, tok) -> None:
+    b, s = batch.input_ids.shape
+    assert s == seq and batch.labels.shape == batch.position_ids.shape == (b, s)
+    cu = batch.cu_seqlens.tolist()
+    assert cu[0] == 0 and cu[-1] == b * s and all(x < y for x, y in zip(cu, cu[1:]))
+    assert set(range(0, b * s + 1, s)) <= set(cu)  # rows are segment boundaries
+    pos, lab = batch.position_ids.flatten(), batch.labels.flatten()
+    for a, e in zip(cu[:-1], cu[1:]):
+        assert pos[a:e].tolist() == list(range(e - a))
+        assert lab[e - 1] == IGNORE_INDEX
+    assert batch.max_seqlen == max(y - x for x, y in zip(cu, cu[1:]))
+    # media bookkeeping
+    n = len(batch.media_kind)
+    assert batch.tiles_per_media.shape == (n,) and int(batch.tiles_per_media.sum()) == batch.pixel_values.shape[0]
+    image_id, video_id = tok.convert_tokens_to_ids("<image>"), tok.convert_tokens_to_ids("<video>")
+    media_positions = int(((batch.input_ids == image_id) | (batch.input_ids == video_id)).sum())
+    assert media_positions == int(batch.num_media_tokens.sum())
+    media_mask = (batch.input_ids == image_id) | (batch.input_ids == video_id)
+    # shifted: a label is never a media token and never predicted from... the target ids are text
+    assert not torch.isin(batch.labels, torch.tensor([image_id, video_id])).any()
+    for kind, tiles, grid in zip(batch.media_kind.tolist(), batch.tiles_per_media.tolist(), batch.grid_shapes.tolist()):
+        if kind == MEDIA_ANYRES:
+            assert tiles == 1 + grid[0] * grid[1]
+        elif kind == MEDIA_BASE_ONLY:
+            assert tiles == 1 and grid == [0, 0]
+        else:
+            assert kind == MEDIA_VIDEO and 1 <= tiles <= VISION["max_video_frames"]
+    assert batch.pixel_values.shape[1:] == (3, 28, 28)
+    # labels are the next token where loss applies
+    ids = batch.input_ids.flatten()
+    keep = (lab != IGNORE_INDEX).nonzero().flatten()
+    assert torch.equal(lab[keep], ids[keep + 1])
+    assert batch.num_loss_tokens == len(keep)
+    assert not media_mask.flatten()[keep + 1].any()
+    assert batch.num_real_tokens == sum(len(r) for r in batch.sample_ids) and batch.num_real_tokens <= b * s or True
+    assert len(batch.sample_ids) == b and all(isinstance(x, str) for r in batch.sample_ids for x in r)
+
+
+def test_batches_follow_the_contract(dev_dir, tok_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=2, num_workers=0, packing_buffer_size=32, **VISION)
+    seen: set[str] = set()
+    kinds: set[int] = set()
+    for step, batch in enumerate(loader):
+        _check_batch(batch, SEQ, tok)
+        seen.update(x for row in batch.sample_ids for x in row)
+        kinds.update(batch.media_kind.tolist())
+        if step >= 60 or (seen >= {s.id for s in _dev_samples() if s.id not in BAD_IDS} and step >= 3):
+            break
+    good = {s.id for s in _dev_samples() if s.id not in BAD_IDS}
+    assert seen == good  # every good sample arrives (text-only, multi-image, video), no bad one
+    assert kinds == {MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO}
+    skipped = loader.stats.skipped
+    assert {"image_decode", "video_decode", "bad_role", "media_mismatch"} <= set(skipped)
+    assert loader.stats.packing_efficiency > 0.5
+
+
+def test_loss_tokens_decode_to_assistant_answers(dev_dir, tok_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    answers = {s.id: [t["value"] for t in s.conversations if t["from"] == "gpt"] for s in _dev_samples()}
+    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=16, **VISION)
+    batch = next(iter(loader))
+    flat_ids, flat_lab, cu = batch.input_ids.flatten(), batch.labels.flatten(), batch.cu_seqlens.tolist()
+    ids_in_order = batch.sample_ids[0]
+    for k, sid in enumerate(ids_in_order):
+        a, e = cu[k], cu[k + 1]
+        lab = flat_lab[a:e]
+        targets = lab[lab != IGNORE_INDEX].tolist()
+        assert tok.decode(targets) == "".join(x + "<|im_end|>" for x in answers[sid])
+        assert int(batch.position_ids.flatten()[a]) == 0
+
+
+def test_video_batch_uses_frames(dev_dir, tok_dir):
+    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=4, num_workers=0, packing=False, **VISION)
+    for step, batch in enumerate(loader):
+        kinds = batch.media_kind.tolist()
+        if MEDIA_VIDEO in kinds:
+            i = kinds.index(MEDIA_VIDEO)
+            assert int(batch.tiles_per_media[i]) == 4  # 10-frame clip, uniform 4-frame sampling
+            assert int(batch.num_media_tokens[i]) == 4 * 1 * 1 + 1  # pooled ceil(2/2)^2 per frame + newline
+            assert batch.image_sizes[i].tolist() == [48, 64]
+            return
+        assert step < 40
+    pytest.fail("no video sample seen")
+
+
+def _digest(batch: LlavaOVBatch) -> dict:
+    h = hashlib.sha256()
+    for t in (batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.pixel_values, batch.tiles_per_media, batch.num_media_tokens):
+        h.update(t.contiguous().numpy().tobytes())
+    return {"sha": h.hexdigest(), "keys": batch.sample_keys}
+
+
+_RESUME_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests_dir!r})
+    from test_loader import _digest, VISION
+    from mmdata.energon_loaders.loader import build_llava_ov_loader
+    args = json.loads({args!r})
+    loader = build_llava_ov_loader(args["data"], args["tok"], **args["kw"], **VISION)
+    loader.restore_state_json(open(args["state"]).read())
+    out = []
+    for _, batch in zip(range(args["n"]), loader):
+        out.append(_digest(batch))
+    json.dump(out, open(args["out"], "w"))
+    """
+)
+
+
+@pytest.mark.parametrize("packing", [True])
+def test_exact_resume_in_a_fresh_process(dev_dir, tok_dir, tmp_path, packing):
+    """DP size 2, 2 workers per rank: state saved after k batches, restored in a new process,
+    gives exactly the batches the uninterrupted run produced from k+1 on."""
+    k, n = 3, 3
+    for rank in (0, 1):
+        kw = dict(
+            seq_length=SEQ, micro_batch_size=2, dp_rank=rank, dp_size=2, num_workers=2, seed=7,
+            packing=packing, packing_buffer_size=16, checkpoint_every_min_n_samples=2,
+        )
+        loader = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
+        it = iter(loader)
+        first = [_digest(next(it)) for _ in range(k)]
+        state = tmp_path / f"state{rank}.json"
+        state.write_text(loader.save_state_json())
+        expected = [_digest(next(it)) for _ in range(n)]
+        del it, loader
+        out = tmp_path / f"out{rank}.json"
+        args = json.dumps({"data": str(dev_dir), "tok": str(tok_dir), "kw": kw, "state": str(state), "n": n, "out": str(out)})
+        script = _RESUME_SCRIPT.format(tests_dir=str(Path(__file__).parent), args=args)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(out.read_text())
+        assert got == expected
+        assert got != first[:n]
+    # the two ranks read disjoint data
+    r0 = {x for d in expected for row in d["keys"] for x in row}
+    assert r0
+
+
+def test_ranks_read_disjoint_shards(dev_dir, tok_dir):
+    keys = []
+    for rank in (0, 1):
+        loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=4, dp_rank=rank, dp_size=2, num_workers=0, packing=False, **VISION)
+        seen = set()
+        for _, batch in zip(range(6), loader):
+            seen.update(x for row in batch.sample_keys for x in row)
+        keys.append(seen)
+    assert keys[0] and keys[1] and not (keys[0] & keys[1])
+
+
+def test_blend_weights_are_respected(tmp_path, tok_dir):
+    a = write_dev_shards(tmp_path / "a", [DevSample(f"A{i}", _qa("hi", f"a{i}")) for i in range(40)], samples_per_shard=10)
+    b = write_dev_shards(tmp_path / "b", [DevSample(f"B{i}", _qa("hi", f"b{i}")) for i in range(40)], samples_per_shard=10, key_offset=1000)
+    blend = write_blend_yaml(tmp_path / "blend.yaml", [(a, 3.0), (b, 1.0)])
+    loader = build_llava_ov_loader(blend, tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, seed=3, **VISION)
+    ids = []
+    for _, batch in zip(range(75), loader):
+        ids += [x for row in batch.sample_ids for x in row]
+    frac_a = sum(x.startswith("A") for x in ids) / len(ids)
+    sigma = (0.75 * 0.25 / len(ids)) ** 0.5
+    assert abs(frac_a - 0.75) < 4 * sigma, (frac_a, len(ids))
+    # several dirs without a YAML: equal weights
+    loader = build_llava_ov_loader([a, b], tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, **VISION)
+    ids = [x for _, batch in zip(range(50), loader) for row in batch.sample_ids for x in row]
+    frac_a = sum(x.startswith("A") for x in ids) / len(ids)
+    assert abs(frac_a - 0.5) < 4 * (0.25 / len(ids)) ** 0.5
+
+
+def test_over_length_samples_are_truncated_or_dropped_and_counted(tmp_path, tok_dir):
+    long_text = "word " * 300
+    samples = [
+        DevSample("long-text", _qa("Q?", long_text)),
+        DevSample("huge-image", _qa("<image> Q?", "A."), [("png", _png(28 * 6, 28 * 6, 1))]),
+        DevSample("ok", _qa("Q?", "A.")),
+    ]
+    d = write_dev_shards(tmp_path / "d", samples)
+    # 6x6 grid at 28px, shrunk to 6x6 features: 4 + 6*7 = 46 media tokens, ending past 40
+    loader = build_llava_ov_loader(d, tok_dir, seq_length=40, micro_batch_size=1, num_workers=0, packing=False, **VISION)
+    seen = [x for _, batch in zip(range(6), loader) for row in batch.sample_ids for x in row]
+    assert set(seen) == {"long-text", "ok"}
+    assert loader.stats.counters["truncated"] >= 1
+    assert loader.stats.skipped.get("too_long_media", 0) >= 1
+
+
+def test_loader_state_json_round_trip(dev_dir, tok_dir):
+    from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
+
+    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=8, **VISION)
+    it = iter(loader)
+    next(it)
+    state = loader.save_state_rank()
+    text = state_to_json(state)
+    assert state_from_json(text) == state
+    with pytest.raises(ValueError):
+        state_from_json(json.dumps({"__dataclass__": "os:system", "fields": {}}))
+
+
+def test_energon_cli_info_and_preview_read_our_shards(dev_dir):
+    """`energon info` / `energon preview` (its click CLI, run in-process) understand our shards."""
+    from click.testing import CliRunner
+    from megatron.energon.cli.main import main as energon_main
+
+    runner = CliRunner()
+    info = runner.invoke(energon_main, ["info", str(dev_dir)])
+    assert info.exit_code == 0, info.output
+    assert "ConversationSample" in info.output and "41 samples" in info.output
+    preview = runner.invoke(energon_main, ["preview", "--split-parts", "train", str(dev_dir)], input="n\n")
+    assert preview.exit_code == 0, preview.output
+    assert "conversations" in preview.output and "__key__" in preview.output
+
+
+def test_loader_reads_preprocess_output(shards_dir, tok_dir):
+    """The real `mmdata preprocess` shards (shared fixture) through the loader."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    manifest_ids = set()
+    for tar in sorted(shards_dir.glob("*.tar")):
+        import tarfile
+
+        with tarfile.open(tar) as tf:
+            for m in tf.getmembers():
+                if m.name.endswith(".json"):
+                    manifest_ids.add(json.loads(tf.extractfile(m).read())["id"])
+    loader = build_llava_ov_loader(shards_dir, tok_dir, seq_length=2048, micro_batch_size=2, num_workers=0, packing_buffer_size=64, **VISION)
+    seen: set[str] = set()
+    for step, batch in enumerate(loader):
+        _check_batch(batch, 2048, tok)
+        seen.update(x for row in batch.sample_ids for x in row)
+        if seen >= manifest_ids or step > 40:
+            break
+    assert seen == manifest_ids
+    assert not loader.stats.skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing,workers,k", [(True, 3, 5), (False, 3, 4), (True, 1, 7)])
+def test_exact_resume_slow_matrix(dev_dir, tok_dir, tmp_path, packing, workers, k):
+    n = 4
+    for rank in (0, 1):
+        kw = dict(
+            seq_length=SEQ, micro_batch_size=2, dp_rank=rank, dp_size=2, num_workers=workers, seed=11,
+            packing=packing, packing_buffer_size=12, checkpoint_every_min_n_samples=2,
+        )
+        loader = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        state = loader.save_state_json()
+        expected = [_digest(next(it)) for _ in range(n)]
+        del it, loader
+        fresh = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
+        fresh.restore_state_json(state)
+        got = [_digest(b) for _, b in zip(range(n), fresh)]
+        assert got == expected

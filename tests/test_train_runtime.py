@@ -1,0 +1,342 @@
+"""The shared training runtime (launch, megatron DDP/schedules, optimizer, checkpoints, resume)
+on the tiny LLaVA-OV recipe, real shards and the tiny tokenizer, on CPU/gloo.
+
+Every training run is a real `mmtrain llava-ov recipes/llava-ov-tiny.yaml ...` subprocess; with
+`parallel.nproc_per_node=2` the launcher starts the torchrun workers itself.
+
+Fast tier: one reference run (loss decreases, metrics, checkpoint layout, keep-last), exact
+resume, resume on a pipeline-parallel layout (re-sharded model + optimizer; also a PP=2 vs PP=1
+loss-parity check on identical weights and batches), frozen parameters. Slow tier: the layout
+parity matrix (TP=2, PP=2, DP=2 from the same HF weights) and TP=2 -> TP=1 resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
+MMTRAIN = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY_RECIPE)]
+
+REQUIRED_METRICS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    args = [
+        f"run_dir={run_dir}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tokenizer}",
+        "data.num_workers=1",
+        "train.seq_length=1024",
+        "logging.tensorboard=false",
+        f"parallel.nproc_per_node={nproc}",
+        f"parallel.master_port={free_port()}",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    proc = subprocess.run(MMTRAIN + args, capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows}
+
+
+def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a megatron torch_dist checkpoint dir, unsharded (torch DCP, no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    md = reader.read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def ref_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
+    """One process, 6 steps, checkpoints every 2 (keep the last 2)."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    return run_dir
+
+
+def interrupted_copy(ref: Path, dst: Path, at_step: int) -> Path:
+    """The state a job killed right after step `at_step`'s checkpoint leaves behind."""
+    shutil.copytree(ref, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("iter_*"):
+        if int(d.name[5:]) > at_step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"{at_step}\n")
+    return dst
+
+
+# ----------------------------------------------------------------------------- fast: unit level
+
+
+def test_lr_schedule_warmup_cosine_and_group_peaks():
+    from mmtrain.lr_schedule import LRSchedule
+
+    s = LRSchedule(max_lr=1e-3, min_lr=1e-5, warmup_steps=4, total_steps=20, decay="cosine")
+    assert s.lr_at(1, 1e-3, 1e-5) == pytest.approx(2.5e-4)  # first update already trains
+    assert s.lr_at(4, 1e-3, 1e-5) == pytest.approx(1e-3)
+    assert s.lr_at(12, 1e-3, 1e-5) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))  # half-way
+    assert s.lr_at(20, 1e-3, 1e-5) == pytest.approx(1e-5)
+    lrs = [s.lr_at(k, 1e-3, 1e-5) for k in range(4, 21)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    groups = [{"max_lr": 1e-3, "min_lr": 1e-5, "wd_mult": 1.0}, {"max_lr": 2e-4, "min_lr": 2e-6, "wd_mult": 0.0, "is_vision_tower": True}]
+    main = s.apply(groups, 4, weight_decay=0.1)
+    assert main == pytest.approx(1e-3) and groups[1]["lr"] == pytest.approx(2e-4)
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+    with pytest.raises(ValueError):
+        LRSchedule(max_lr=1e-3, min_lr=1e-5, warmup_steps=0, total_steps=10, decay="exp")
+
+
+def test_freeze_and_param_groups():
+    from types import SimpleNamespace
+
+    from mmtrain.optimizer import apply_freeze, build_param_groups
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_model = torch.nn.Linear(4, 4)
+            self.vision_projection = torch.nn.Linear(4, 4)
+            self.language_model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+
+    model = Toy()
+    counts = apply_freeze([model], SimpleNamespace(vision_tower=True, projector=False, llm=False))
+    assert not any(p.requires_grad for p in model.vision_model.parameters())
+    assert counts["frozen"] == 20 and counts["projector"] == 20 and counts["llm"] == 28
+    cfg = SimpleNamespace(lr=1e-3, min_lr=1e-5, vision_tower_lr=2e-4, weight_decay=0.1)
+    groups = build_param_groups([model], cfg)
+    assert len(groups) == 4  # same structure on every rank, empty groups included
+    by_id = {id(p): g for g in groups for p in g["params"]}
+    assert id(model.vision_model.weight) not in by_id  # frozen: not in the optimizer
+    assert by_id[id(model.vision_projection.weight)]["wd_mult"] == 1.0
+    assert by_id[id(model.vision_projection.bias)]["wd_mult"] == 0.0
+    assert by_id[id(model.language_model[1].weight)]["wd_mult"] == 0.0  # norm scale
+    model2 = Toy()
+    groups2 = build_param_groups([model2], cfg)
+    vt = [g for g in groups2 if g["is_vision_tower"] and g["params"]]
+    assert vt and all(g["max_lr"] == 2e-4 for g in vt)
+
+
+def test_resolve_checkpoint_kinds(tmp_path):
+    from mmtrain.checkpointing import resolve_checkpoint
+
+    full = tmp_path / "run" / "checkpoints" / "iter_0000004"
+    (full / "model").mkdir(parents=True)
+    (full / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("4\n")
+    assert resolve_checkpoint(tmp_path / "run") == ("mmtrain", full)
+    assert resolve_checkpoint(full) == ("mmtrain", full)
+    weights = tmp_path / "conv" / "iter_0000000"
+    (weights / "model").mkdir(parents=True)
+    (tmp_path / "conv" / "latest").write_text("0\n")
+    assert resolve_checkpoint(tmp_path / "conv") == ("weights", weights)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert resolve_checkpoint(hf) == ("hf", hf)
+    with pytest.raises(FileNotFoundError):
+        resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_per_sample_loss_sums_follow_cu_seqlens():
+    from types import SimpleNamespace
+
+    from mmtrain.loss import masked_token_loss
+
+    token_loss = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    labels = torch.tensor([[1, 1, -100, 1, 1, -100], [1, -100, -100, -100, -100, -100]])
+    # row 0: samples a (0..2) and b (3..5); row 1: sample c (6..7) then padding (8..11)
+    batch = SimpleNamespace(sample_ids=[["a", "b"], ["c"]], cu_seqlens=torch.tensor([0, 3, 6, 8, 12]))
+    loss_sum, n, report = masked_token_loss(token_loss, labels, batch)
+    assert float(loss_sum) == 0 + 1 + 3 + 4 + 6 and int(n) == 5
+    assert report["sample_losses"].tolist() == [[1.0, 2.0], [7.0, 2.0], [6.0, 1.0]]
+
+
+# ----------------------------------------------------------------------------- fast: training
+
+
+def test_reference_run_trains_logs_and_checkpoints(ref_run):
+    m = metrics(ref_run)
+    assert sorted(m) == [1, 2, 3, 4, 5, 6]
+    for rec in m.values():
+        for key in REQUIRED_METRICS:
+            assert rec[key] is not None, key
+        assert rec["tokens_per_s"] > 0 and rec["samples_per_s"] > 0
+        assert rec["mfu"] is None  # CPU: no honest peak to divide by
+        assert rec["sample_ids"] and len(rec["sample_losses"]) == len(rec["sample_ids"])
+        assert rec["num_loss_tokens"] > 0
+    # the synthetic data is learnable: the loss goes down
+    assert (m[5]["loss"] + m[6]["loss"]) / 2 < m[1]["loss"] - 0.1
+    # warmup then cosine decay to min_lr
+    assert m[6]["lr"] == pytest.approx(1e-5) and m[2]["lr"] > m[6]["lr"]
+
+    ckpts = ref_run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "6"
+    assert sorted(d.name for d in ckpts.glob("iter_*")) == ["iter_0000004", "iter_0000006"]  # keep_last=2
+    assert not list((ckpts / ".staging").glob("iter_*"))  # nothing half-written left
+    last = ckpts / "iter_0000006"
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["layout"] == {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+    for sub in ("model/metadata.json", "optimizer/metadata.json", "rng/rank_00000.pt", "config.yaml"):
+        assert (last / sub).exists(), sub
+    assert json.loads((last / "loader" / "loader_dp00000_of00001.json").read_text())
+    assert (ref_run / "config.yaml").is_file()
+    rng = torch.load(last / "rng" / "rank_00000.pt", weights_only=True)
+    assert {"python", "numpy", "torch", "tracker"} <= set(rng)
+
+    # `mmtrain worst-samples` points at the data of a step
+    out = subprocess.run([sys.executable, "-m", "mmtrain.cli", "worst-samples", str(ref_run), "--step", "1", "--top", "3"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert any(sid in out.stdout for sid in m[1]["sample_ids"])
+
+
+def test_exact_resume(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """Killed after step 4's checkpoint, rerun: steps 5-6 are the uninterrupted run's, exactly."""
+    run = interrupted_copy(ref_run, tmp_path / "run", at_step=4)
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    assert "resumed from" in proc.stderr
+    ref, resumed = metrics(ref_run), metrics(run)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (5, 6):
+        assert resumed[step]["loss"] == ref[step]["loss"]
+        assert resumed[step]["grad_norm"] == ref[step]["grad_norm"]
+        assert resumed[step]["sample_ids"] == ref[step]["sample_ids"]
+
+
+def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """A TP1/PP1 checkpoint continued on PP=2 (2 processes started by the launcher): model and
+    optimizer re-shard through dist-checkpointing, the loader state carries over (same DP), and
+    the PP=2 losses match the single-process run's on the same weights and batches."""
+    run = tmp_path / "pp2"
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0",
+                 f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", "parallel.pp=2", nproc=2)
+    assert "same layout: False, loader restored: True" in proc.stderr
+    ref, pp2 = metrics(ref_run), metrics(run)
+    assert sorted(pp2) == [5, 6]
+    for step in (5, 6):
+        assert pp2[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
+        assert pp2[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+        assert pp2[step]["sample_ids"] == ref[step]["sample_ids"]
+    state = json.loads((run / "checkpoints" / "iter_0000006" / "trainer_state.json").read_text())
+    assert state["layout"] == {"tp": 1, "pp": 2, "dp": 1, "world_size": 2}
+
+
+def test_frozen_parameters_do_not_change(tmp_path, shards_dir, tokenizer_dir):
+    """LLaVA-OV stage 1: only the projector trains."""
+    run = tmp_path / "stage1"
+    train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
+          "freeze.vision_tower=true", "freeze.llm=true", "optimizer.lr=1.0e-2")
+    a = read_dist_ckpt(run / "checkpoints" / "iter_0000001" / "model")
+    b = read_dist_ckpt(run / "checkpoints" / "iter_0000002" / "model")
+    assert a.keys() == b.keys()
+    projector = [k for k in a if k.startswith("vision_projection.")]
+    frozen = [k for k in a if not k.startswith("vision_projection.")]
+    assert projector and any(k.startswith("vision_model.") for k in frozen) and any(k.startswith("language_model.") for k in frozen)
+    for k in frozen:
+        assert torch.equal(a[k], b[k]), f"frozen {k} changed"
+    assert all(not torch.equal(a[k], b[k]) for k in projector)
+    optim = read_dist_ckpt(run / "checkpoints" / "iter_0000002" / "optimizer")
+    assert optim and all(".vision_projection." in k for k in optim)  # no moments for frozen params
+
+
+# ----------------------------------------------------------------------------- slow: layout matrix
+
+
+def write_tiny_hf_model(recipe_path: Path, out: Path) -> Path:
+    """A random HF LLaVA-OV with the tiny recipe's sizes: the common starting point of the parity
+    runs (each layout converts it on the fly through the model's state-dict adapter)."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    from mmtrain.llava_ov.state_dict_adapter import hf_config_from_llava
+    from mmtrain.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, ["action=dry_run"])
+    cfg = hf_config_from_llava(recipe.model)
+    cfg.pop("model_type", None)
+    cfg.pop("architectures", None)
+    torch.manual_seed(0)
+    model = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(**cfg))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity_reference(tmp_path_factory, shards_dir, tokenizer_dir):
+    base = tmp_path_factory.mktemp("parity")
+    hf = write_tiny_hf_model(TINY_RECIPE, base / "hf")
+    ref = base / "ref"
+    common = ("train.iters=3", "checkpoint.interval=0", "data.sharding=replicated", f"checkpoint.load={hf}")
+    train(ref, shards_dir, tokenizer_dir, *common)
+    return common, metrics(ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2",), ()], ids=["tp2", "pp2", "dp2"])
+def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer_dir):
+    """Same HF weights, same global batches (`data.sharding=replicated`): TP=2, PP=2 and DP=2
+    (2 processes each) reproduce the single-process losses of the first steps."""
+    common, ref = parity_reference
+    run = tmp_path / "run"
+    train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=2)
+    got = metrics(run)
+    assert sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+        assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokenizer_dir):
+    """A TP=2 checkpoint (vocab-parallel embedding, column/row-parallel linears, sharded Adam
+    moments) continued at TP=1 follows the TP=2 run's loss curve."""
+    tp2 = tmp_path / "tp2"
+    train(tp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "parallel.tp=2", nproc=2)
+    tp1 = tmp_path / "tp1"
+    proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=0",
+                 f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}")
+    assert "same layout: False" in proc.stderr
+    a, b = metrics(tp2), metrics(tp1)
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-6)
