@@ -146,6 +146,11 @@ def _install_cpu_rng_tracker() -> None:
         initialize_rng_tracker.__mmtrain_cpu_compat__ = True  # type: ignore[attr-defined]
         mrandom.initialize_rng_tracker = initialize_rng_tracker
 
+    # activation recompute (`tensor_parallel.checkpoint`) snapshots CPU + CUDA + tracker RNG
+    # states to replay dropout; without CUDA there is no CUDA generator: an empty state.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
 
 def enable_cpu_compat() -> bool:
     """Apply the model-side CPU adaptations if (and only if) CUDA is absent.
@@ -171,6 +176,14 @@ def enable_cpu_compat() -> bool:
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     _note("Tensor.cuda()/Module.cuda() -> no-op (tensors stay on cpu)")
 
+    # torch's `with torch.device(...)` mode (used by transformers' meta-device init) recognises
+    # factories by identity from a cached set: fill that cache with the ORIGINAL functions first
+    try:
+        from torch.utils import _device as torch_device_ctx
+
+        torch_device_ctx._device_constructors()
+    except (ImportError, AttributeError):  # older/newer torch without this private helper
+        pass
     for name in _FACTORIES:
         fn = getattr(torch, name)
         if not getattr(fn, "__mmtrain_cpu_compat__", False):
@@ -181,7 +194,8 @@ def enable_cpu_compat() -> bool:
     _note("torch.cuda.synchronize() -> no-op (dist-checkpoint writer)")
 
     _install_cpu_rng_tracker()
-    _note("megatron CUDA RNG-states tracker -> CpuRNGStatesTracker (same fork/add semantics)")
+    _note("megatron CUDA RNG-states tracker -> CpuRNGStatesTracker (same fork/add semantics); "
+          "recompute's CUDA-RNG snapshot -> empty (CPU and tracker states are still replayed)")
     _ENABLED = True
     return True
 
@@ -216,12 +230,37 @@ def note_runtime_substitution(what: str) -> None:
 
 
 def enable_runtime_cpu_compat() -> bool:
-    """Runtime-side CPU adaptations on top of `enable_cpu_compat`; no-op with CUDA.
+    """Runtime-side CPU adaptations on top of `enable_cpu_compat`; no-op with CUDA. Idempotent.
 
     Section 1 already covers what the schedules and DDP touch: `total_num_tokens` and the p2p
     shape buffers (`device="cuda"` factories), DDP grad buffers (`torch.cuda.current_device()`)
     and the pipeline's shape exchange (`torch.cuda.synchronize()`, a no-op: gloo ops are
-    complete when they return). The rest is configuration chosen by the train loop (see the
-    list above) and logged through `note_runtime_substitution`.
+    complete when they return). Added here:
+    - activation recompute (`parallel.recompute`): megatron's `CheckpointFunction` saves and
+      restores the CUDA generator state around the recomputed forward. There is no CUDA
+      generator on a CPU-only build; the CPU generator and the (CPU) tracker streams, which
+      carry all the randomness there, are saved and restored by the same function. So the CUDA
+      state is read as an empty tensor and setting it is a no-op.
+    The rest is configuration chosen by the train loop (see the list above), logged through
+    `note_runtime_substitution`.
     """
-    return enable_cpu_compat()
+    if not enable_cpu_compat():
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not getattr(mrandom._get_cuda_rng_state, "__mmtrain_cpu_compat__", False):
+
+        def _get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return torch.empty(0, dtype=torch.uint8)
+
+        def _set_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        _get_cuda_rng_state.__mmtrain_cpu_compat__ = True  # type: ignore[attr-defined]
+        mrandom._get_cuda_rng_state = _get_cuda_rng_state
+        mrandom._set_cuda_rng_state = _set_cuda_rng_state
+        note_runtime_substitution(
+            "activation recompute: CUDA generator save/restore -> no-op (CPU generator and "
+            "tracker streams are saved/restored as usual)"
+        )
+    return True

@@ -155,10 +155,7 @@ def init_distributed(parallel_cfg: Any, seed: int) -> ParallelContext:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            # gloo side-groups are only for the GPU path's distributed-optimizer checkpointing
-            create_gloo_process_groups=backend == "nccl",
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         )
 
     precision = str(getattr(parallel_cfg, "precision", "fp32"))

@@ -165,13 +165,16 @@ class Trainer:
             kind, path = checkpointing.resolve_checkpoint(source)
         if kind is None:
             return
-        if kind == "hf":
-            self._load_hf(path)
-            return
-        if kind == "weights":
-            checkpointing.load_weights_only(path, self.model)
-            if self.ctx.rank == 0:
-                log.info("initialised weights from %s (weights only: fresh optimizer and data)", path)
+        if kind in ("hf", "weights"):
+            if kind == "hf":
+                self._load_hf(path)
+            else:
+                checkpointing.load_weights_only(path, self.model)
+                if self.ctx.rank == 0:
+                    log.info("initialised weights from %s (fresh optimizer and data)", path)
+            if hasattr(self.optimizer, "reload_model_params"):
+                # megatron's mixed-precision optimizers keep fp32 copies made at construction
+                self.optimizer.reload_model_params()
             return
         result = checkpointing.load_checkpoint(path, self.model, self.optimizer, self.data, self.ctx)
         self.state.step = result.state.step

@@ -322,3 +322,23 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
         assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst), "--tp", str(tp), "--pp", str(pp)) == 0
         ours = load_llava_ov(dst)
         assert (ours(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]) - ref).abs().max().item() <= 1e-4
+
+
+def test_hf_dir_as_initial_checkpoint_checks_the_recipe(hf_dir):
+    """`checkpoint.load: HF_DIR`: weights converted on the fly, a mismatching recipe is named."""
+    from dataclasses import replace
+
+    from mmtrain.llava_ov.conversion import build_stage, llava_source
+    from mmtrain.llava_ov.load import load_hf_into_model
+    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
+    from mmtrain.llava_ov.state_dict_adapter import ConversionError
+
+    src, model = hf_dir
+    ensure_model_parallel(1, 1)
+    cfg, _ = llava_source(src)
+    ours = build_stage(cfg)
+    load_hf_into_model([ours], src, cfg)
+    assert torch.equal(ours.image_newline, model.model.image_newline)
+    bad = replace(cfg, llm=replace(cfg.llm, num_layers=3))
+    with pytest.raises(ConversionError, match=r"model\.llm"):
+        load_hf_into_model([ours], src, bad)

@@ -61,6 +61,16 @@ def test_cpu_rng_tracker_forks_like_megatrons():
         torch.rand(1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_meta_device_context_still_sees_wrapped_factories():
+    """transformers builds models under `with torch.device("meta")`; wrapping torch.tensor must not
+    hide it from torch's factory set (else buffers come out uninitialised after from_pretrained)."""
+    device.enable_cpu_compat()
+    with torch.device("meta"):
+        assert torch.tensor([1.0]).device.type == "meta"
+        assert torch.zeros(2).device.type == "meta"
+
+
 def test_noop_when_cuda_present(monkeypatch):
     monkeypatch.setattr(device, "cuda_available", lambda: True)
     assert device.enable_cpu_compat() is False

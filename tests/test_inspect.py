@@ -239,6 +239,19 @@ def test_language_heuristic():
     assert detect_language("17 * 23 = 391") == "other"
 
 
+def test_packing_estimate_packs_like_the_loader():
+    from mmdata.energon_loaders.loader import DEFAULT_PACKING_BUFFER
+    from mmdata.inspect.packing import PACKING_BUFFER
+
+    assert PACKING_BUFFER == DEFAULT_PACKING_BUFFER
+    # packs never mix samples of different buffers, exactly like the loader's buffers
+    mixed = estimate_packing([3000, 1000, 3000, 1000], 4096, buffer=2)
+    assert (mixed.sequences, mixed.efficiency) == (2, pytest.approx(8000 / (2 * 4096)))
+    split = estimate_packing([3000, 3000, 1000, 1000], 4096, buffer=2)
+    assert (split.sequences, split.efficiency) == (3, pytest.approx(8000 / (3 * 4096)))
+    assert estimate_packing([3000, 3000, 1000, 1000], 4096, buffer=4).sequences == 2
+
+
 def test_packing_estimate_uses_every_length_once():
     est = estimate_packing([3000, 3000, 2000, 1000, 500, 9000], 4096)
     assert est.over_length == 1

@@ -225,3 +225,45 @@ def test_backward_reaches_every_part_and_freeze_stops_it(pair):
     m2.freeze(vision=True, language=True)
     trainable = {n for n, p in m2.named_parameters() if p.requires_grad}
     assert trainable == {n for n, _ in m2.named_parameters() if n.startswith("vision_projection.")}
+
+
+def test_flops_per_token_for_aquila_size():
+    """~6 x 1.54B dense params (incl. the tied logits matmul) + causal attention at 12288."""
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+    from mmtrain.llava_ov.flops import flops_per_token, llm_matmul_params, vision_flops_per_tile
+
+    cfg = LlavaOVModelConfig.aquila_vl_2b()
+    n = llm_matmul_params(cfg)
+    assert 1.5e9 < n < 1.6e9
+    f = flops_per_token(cfg, 12288)
+    attn = 3 * 28 * 2 * 2 * 6144 * 1536
+    assert f == pytest.approx(6 * n + attn)
+    assert vision_flops_per_tile(cfg) > 3 * 2 * 729 * 4e8  # SigLIP-so400m over 729 patches
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recompute_gives_identical_loss_and_grads(pair, granularity):
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    from mmtrain.llava_ov.forward_step import forward_step
+    from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
+    from mmtrain.llava_ov.model import LlavaOVModel, ParallelOptions
+
+    _, model, cfg = pair
+    rows, pv, sizes = hf_image_inputs(images())
+    results = []
+    for opts in (ParallelOptions(), ParallelOptions(recompute_granularity=granularity)):
+        m = LlavaOVModel(cfg, parallel_ctx=opts)
+        m.load_state_dict(model.state_dict())
+        m.train()
+        batch = hf_inputs_to_batch(cfg, rows[1][None], pv[1:2], sizes[1:2])
+        batch.labels = torch.cat([rows[1][None][:, 1:], torch.full((1, 1), IGNORE_INDEX)], dim=1)
+        out, loss_fn = forward_step(iter([batch]), m)
+        loss_sum, n, _ = loss_fn(out)
+        loss_sum.backward()
+        # (vision ln_post is unused by the LLaVA-OV features: no grad)
+        results.append((loss_sum.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    assert set(g0) == set(g1) and len(g0) > 40
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-6, rtol=1e-5), k

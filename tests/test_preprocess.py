@@ -212,9 +212,11 @@ def test_energon_info_cli(shards_dir):
     assert "ConversationSample" in proc.stdout and f"{SYNTH_NUM_SAMPLES} samples" in proc.stdout
 
 
-def test_llava_json_dataset(tmp_path):
+def test_llava_json_dataset_with_videos(tmp_path):
     raw = tmp_path / "llava"
-    recs = generate_records(30, seed=2, broken_fraction=0.2)
+    recs = generate_records(30, seed=2, broken_fraction=0.2, video_fraction=0.3)
+    videos = {r.id: r.video for r in recs if r.video is not None}
+    assert videos
     write_llava_json(recs, raw)
     out = tmp_path / "out"
     run_preprocess_cli("--dataset", "llava-json", "--input", str(raw / "annotations.jsonl"), "--output", str(out),
@@ -226,7 +228,15 @@ def test_llava_json_dataset(tmp_path):
         if r.broken:
             expected[BROKEN_KINDS[r.broken]] = expected.get(BROKEN_KINDS[r.broken], 0) + 1
     assert m["counts"]["by_reason"] == dict(sorted(expected.items()))
-    assert sorted(s[1]["id"] for s in read_shards(out)) == sorted(r.id for r in recs if not r.broken)
+    samples = read_shards(out)
+    assert sorted(s[1]["id"] for s in samples) == sorted(r.id for r in recs if not r.broken)
+    for _, rec, members, _ in samples:
+        if rec["id"] in videos:
+            assert rec["video"] == "video.mp4" and members["video.mp4"] == videos[rec["id"]]
+            assert sum(t["value"].count(sf.VIDEO_PLACEHOLDER) for t in rec["conversations"]) == 1
+            assert rec["images"] == [] and rec["meta"]["video_size_frames"][2] >= 4
+        else:
+            assert rec["video"] is None and "video.mp4" not in members
 
 
 def test_help_and_bad_input(tmp_path):

@@ -105,6 +105,23 @@ def test_llava_json_layout(tmp_path):
             assert ref.startswith("images/")
 
 
+def test_videos_are_opt_in(tmp_path):
+    import av
+
+    plain = generate_records(40, seed=3)
+    mixed = generate_records(40, seed=3, video_fraction=0.3)
+    assert not any(r.video for r in plain)
+    vids = [r for r in mixed if r.video]
+    assert vids and all("<video>" in r.record["conversations"][0]["value"] for r in vids)
+    # records that are not videos are unchanged by the option
+    assert [r.json_bytes for r in mixed if not r.video] == [p.json_bytes for p, m in zip(plain, mixed) if not m.video]
+    with av.open(io.BytesIO(vids[0].video)) as c:
+        assert sum(1 for _ in c.decode(video=0)) >= 4
+    write_infinity_mm(mixed, tmp_path, samples_per_tar=40)
+    names = [n for t in tmp_path.rglob("*.tar") for n in tarfile.open(t).getnames()]
+    assert sum(n.endswith(".mp4") for n in names) == len(vids)
+
+
 def test_cli(tmp_path):
     out = tmp_path / "raw"
     proc = subprocess.run([sys.executable, "-m", "mmdata.preprocess.synth", "--dataset", "infinity-mm",

@@ -192,6 +192,22 @@ def test_per_sample_loss_sums_follow_cu_seqlens():
     assert report["sample_losses"].tolist() == [[1.0, 2.0], [7.0, 2.0], [6.0, 1.0]]
 
 
+def test_runtime_cpu_compat_is_idempotent_and_inert_with_cuda(monkeypatch):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from mmtrain import device
+
+    assert device.enable_runtime_cpu_compat() is True
+    n = len(device.SUBSTITUTIONS)
+    assert device.enable_runtime_cpu_compat() is True
+    assert len(device.SUBSTITUTIONS) == n  # logged once
+    assert mrandom._get_cuda_rng_state().numel() == 0  # recompute's CUDA-state save: nothing to save
+    monkeypatch.setattr(device, "cuda_available", lambda: True)
+    assert device.enable_runtime_cpu_compat() is False
+    device.note_runtime_substitution("never logged with CUDA")
+    assert "never logged with CUDA" not in device.SUBSTITUTIONS
+
+
 # ----------------------------------------------------------------------------- fast: training
 
 
@@ -340,3 +356,35 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
     a, b = metrics(tp2), metrics(tp1)
     for step in (3, 4):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_data_parallel_checkpoint_resumes_at_dp1(tmp_path, shards_dir, tokenizer_dir):
+    """DP=2 -> DP=1 with `data.sharding=replicated`: the loader state moves with the checkpoint
+    (energon refuses per-DP-rank states at another DP size), so the continuation is exact."""
+    dp2 = tmp_path / "dp2"
+    train(dp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "data.sharding=replicated", nproc=2)
+    dp1 = tmp_path / "dp1"
+    proc = train(dp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=0", "data.sharding=replicated",
+                 f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}")
+    assert "same layout: False, loader restored: True" in proc.stderr
+    a, b = metrics(dp2), metrics(dp1)
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-6)
+        assert b[step]["sample_ids"] == a[step]["sample_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [("parallel.recompute=full",), ("parallel.recompute=selective",),
+                                     ("parallel.tp=2", "parallel.sequence_parallel=true")],
+                         ids=["recompute-full", "recompute-selective", "tp2-sequence-parallel"])
+def test_memory_and_sequence_parallel_options_keep_the_numbers(variant, parity_reference, tmp_path, shards_dir, tokenizer_dir):
+    """Activation recompute and sequence parallelism change memory/communication, not the math."""
+    common, ref = parity_reference
+    run = tmp_path / "run"
+    nproc = 2 if "parallel.tp=2" in variant else 1
+    train(run, shards_dir, tokenizer_dir, *common, *variant, nproc=nproc)
+    got = metrics(run)
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)

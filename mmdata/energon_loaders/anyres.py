@@ -191,17 +191,73 @@ def _hwc(image: Image.Image) -> torch.Tensor:
         return torch.from_numpy(np.asarray(image))
 
 
-def process_image(
+@dataclass
+class TileCanvas:
+    """HWC uint8 pixels whose rows x cols square cells are tiles (row-major)."""
+
+    pixels: torch.Tensor  # [rows * S, cols * S, 3] uint8
+    rows: int
+    cols: int
+
+
+@dataclass
+class PreparedMedia:
+    """Resized/padded uint8 pixels of one media, not yet cut into float tiles.
+
+    Kept compact (uint8, HWC) until the batch is assembled: the loader then cuts and converts
+    every media of a batch straight into one float tensor and normalises it in a single pass.
+    """
+
+    canvases: list[TileCanvas]
+    image_size: tuple[int, int]  # original (height, width)
+    num_tokens: int
+    grid_shape: tuple[int, int]
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(c.rows * c.cols for c in self.canvases)
+
+    def write_tiles(self, out: torch.Tensor) -> None:
+        """Copy this media's tiles (0..255 float, CHW) into out[:num_tiles] with one strided
+        uint8 -> float32 copy per canvas (no intermediate permuted copies)."""
+        i = 0
+        for c in self.canvases:
+            size = c.pixels.shape[0] // c.rows
+            n = c.rows * c.cols
+            out[i : i + n].view(c.rows, c.cols, 3, size, size).copy_(
+                c.pixels.view(c.rows, size, c.cols, size, 3).permute(0, 2, 4, 1, 3)
+            )
+            i += n
+
+
+def tiles_to_pixel_values(
+    media: Sequence[PreparedMedia],
+    image_size: int,
+    mean: Sequence[float] = SIGLIP_MEAN,
+    std: Sequence[float] = SIGLIP_STD,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All tiles of `media`, in order, as one normalised [tiles, 3, S, S] float32 tensor."""
+    total = sum(m.num_tiles for m in media)
+    if out is None:
+        out = torch.empty((total, 3, image_size, image_size), dtype=torch.float32)
+    i = 0
+    for m in media:
+        m.write_tiles(out[i : i + m.num_tiles])
+        i += m.num_tiles
+    _normalise_(out, mean, std)
+    return out
+
+
+def prepare_image(
     image: Image.Image,
     max_tiles: int = DEFAULT_MAX_TILES,
     *,
     image_size: int = DEFAULT_IMAGE_SIZE,
     patch_size: int = DEFAULT_PATCH_SIZE,
     grid_max: int = DEFAULT_GRID_MAX,
-    mean: Sequence[float] = SIGLIP_MEAN,
-    std: Sequence[float] = SIGLIP_STD,
-) -> AnyResImage:
-    """Single-image anyres: base tile first, then the row-major grid tiles."""
+) -> PreparedMedia:
+    """Single-image anyres pixels: the base canvas (1x1), then the padded rows x cols grid."""
     image = to_rgb(image)
     orig_w, orig_h = image.size
     if orig_w < 1 or orig_h < 1:
@@ -216,23 +272,70 @@ def process_image(
     canvas[top : top + new_h, left : left + new_w] = _hwc(resized)
     base = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
 
-    # One strided uint8 -> float32 copy cuts the HWC canvas into CHW tiles, then one in-place
-    # multiply-add normalises: no intermediate float or permuted uint8 copies.
-    pixel_values = torch.empty((1 + rows * cols, 3, image_size, image_size), dtype=torch.float32)
-    pixel_values[0].copy_(_hwc(base).permute(2, 0, 1))
-    pixel_values[1:].view(rows, cols, 3, image_size, image_size).copy_(
-        canvas.view(rows, image_size, cols, image_size, 3).permute(0, 2, 4, 1, 3)
-    )
-    _normalise_(pixel_values, mean, std)
-
     pps = image_size // patch_size
     feat_rows, feat_cols = unpadded_feature_shape(orig_h, orig_w, rows, cols, pps, max_tiles)
-    return AnyResImage(
-        pixel_values=pixel_values,
+    return PreparedMedia(
+        canvases=[TileCanvas(_hwc(base), 1, 1), TileCanvas(canvas, rows, cols)],
         image_size=(orig_h, orig_w),
         num_tokens=pps * pps + feat_rows * (feat_cols + 1),
         grid_shape=(rows, cols),
     )
+
+
+def prepare_base_only(
+    image: Image.Image,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    mean: Sequence[float] = SIGLIP_MEAN,
+) -> PreparedMedia:
+    """One tile per image (multi-image samples): pad to square with the mean colour, resize."""
+    image = to_rgb(image)
+    w, h = image.size
+    if w != h:
+        side = max(w, h)
+        square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+        square.paste(image, ((side - w) // 2, (side - h) // 2))
+        image = square
+    tile = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
+    return PreparedMedia([TileCanvas(_hwc(tile), 1, 1)], (h, w), num_base_only_tokens(image_size, patch_size), (0, 0))
+
+
+def prepare_frames(
+    frames: np.ndarray, *, image_size: int = DEFAULT_IMAGE_SIZE, patch_size: int = DEFAULT_PATCH_SIZE
+) -> PreparedMedia:
+    """Video frames [T, H, W, 3] uint8, each resized to S x S (bicubic, no pad), as a T x 1 canvas."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"expected frames [T, H, W, 3], got shape {tuple(frames.shape)}")
+    num_frames, h, w = int(frames.shape[0]), int(frames.shape[1]), int(frames.shape[2])
+    canvas = torch.empty((num_frames * image_size, image_size, 3), dtype=torch.uint8)
+    for i in range(num_frames):
+        frame = Image.fromarray(np.ascontiguousarray(frames[i]))
+        resized = frame.resize((image_size, image_size), Image.Resampling.BICUBIC)
+        canvas[i * image_size : (i + 1) * image_size] = _hwc(resized)
+    return PreparedMedia(
+        [TileCanvas(canvas, num_frames, 1)], (h, w), num_video_tokens(num_frames, image_size, patch_size), (0, 0)
+    )
+
+
+def _finish(prepared: PreparedMedia, image_size: int, mean: Sequence[float], std: Sequence[float]) -> AnyResImage:
+    pixel_values = tiles_to_pixel_values([prepared], image_size, mean, std)
+    return AnyResImage(pixel_values, prepared.image_size, prepared.num_tokens, prepared.grid_shape)
+
+
+def process_image(
+    image: Image.Image,
+    max_tiles: int = DEFAULT_MAX_TILES,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    grid_max: int = DEFAULT_GRID_MAX,
+    mean: Sequence[float] = SIGLIP_MEAN,
+    std: Sequence[float] = SIGLIP_STD,
+) -> AnyResImage:
+    """Single-image anyres: base tile first, then the row-major grid tiles."""
+    prepared = prepare_image(image, max_tiles, image_size=image_size, patch_size=patch_size, grid_max=grid_max)
+    return _finish(prepared, image_size, mean, std)
 
 
 def process_base_only(
@@ -244,18 +347,8 @@ def process_base_only(
     std: Sequence[float] = SIGLIP_STD,
 ) -> AnyResImage:
     """One tile per image (multi-image samples): pad to square with the mean colour, resize."""
-    image = to_rgb(image)
-    w, h = image.size
-    if w != h:
-        side = max(w, h)
-        square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
-        square.paste(image, ((side - w) // 2, (side - h) // 2))
-        image = square
-    tile = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
-    pixel_values = torch.empty((1, 3, image_size, image_size), dtype=torch.float32)
-    pixel_values[0].copy_(_hwc(tile).permute(2, 0, 1))
-    _normalise_(pixel_values, mean, std)
-    return AnyResImage(pixel_values, (h, w), num_base_only_tokens(image_size, patch_size), (0, 0))
+    prepared = prepare_base_only(image, image_size=image_size, patch_size=patch_size, mean=mean)
+    return _finish(prepared, image_size, mean, std)
 
 
 def process_frames(
@@ -267,12 +360,4 @@ def process_frames(
     std: Sequence[float] = SIGLIP_STD,
 ) -> AnyResImage:
     """Video frames [T, H, W, 3] uint8 -> [T, 3, S, S], each frame resized (bicubic, no pad)."""
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
-        raise ValueError(f"expected frames [T, H, W, 3], got shape {tuple(frames.shape)}")
-    num_frames, h, w = int(frames.shape[0]), int(frames.shape[1]), int(frames.shape[2])
-    pixel_values = torch.empty((num_frames, 3, image_size, image_size), dtype=torch.float32)
-    for i in range(num_frames):
-        frame = Image.fromarray(np.ascontiguousarray(frames[i]))
-        pixel_values[i].copy_(_hwc(frame.resize((image_size, image_size), Image.Resampling.BICUBIC)).permute(2, 0, 1))
-    _normalise_(pixel_values, mean, std)
-    return AnyResImage(pixel_values, (h, w), num_video_tokens(num_frames, image_size, patch_size), (0, 0))
+    return _finish(prepare_frames(frames, image_size=image_size, patch_size=patch_size), image_size, mean, std)

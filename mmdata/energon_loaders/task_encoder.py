@@ -66,11 +66,14 @@ class MediaRef:
 
 @dataclass
 class EncodedMedia:
+    """Decoded media, still uint8 canvases: cut into float tiles only when the batch is built."""
+
     kind: int
-    pixel_values: torch.Tensor
-    size: tuple[int, int]
-    num_tokens: int
-    grid: tuple[int, int]
+    prepared: anyres.PreparedMedia
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prepared.num_tokens
 
 
 @edataclass
@@ -103,6 +106,9 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
         self.config = config
         self._chat: ChatTokenizer | None = None
         self._stats: Counter = Counter()
+        # Load once here (main process): a bad tokenizer fails early with a clear message, and
+        # forked workers inherit it instead of each re-importing transformers and re-loading.
+        _ = self.chat
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -192,25 +198,25 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
     @stateless
     def postencode_sample(self, sample: LlavaOVSample) -> LlavaOVSample:
         c = self.config
-        opts = dict(image_size=c.image_size, patch_size=c.patch_size, mean=c.image_mean, std=c.image_std)
+        geometry = dict(image_size=c.image_size, patch_size=c.patch_size)
         encoded: list[EncodedMedia] = []
         for i, ref in enumerate(sample.media):
             try:
                 if ref.kind == MEDIA_VIDEO:
-                    out = anyres.process_frames(decode_frames(ref.data, ref.frame_indices or []), **opts)
+                    out = anyres.prepare_frames(decode_frames(ref.data, ref.frame_indices or []), **geometry)
                 else:
                     with Image.open(io.BytesIO(ref.data)) as im:
                         im.load()
                         if ref.kind == MEDIA_ANYRES:
-                            out = anyres.process_image(im, c.max_tiles, grid_max=c.grid_max, **opts)
+                            out = anyres.prepare_image(im, c.max_tiles, grid_max=c.grid_max, **geometry)
                         else:
-                            out = anyres.process_base_only(im, **opts)
+                            out = anyres.prepare_base_only(im, mean=c.image_mean, **geometry)
             except Exception as exc:  # noqa: BLE001 - bit rot, truncated files, codec errors
                 reason = "video_decode" if ref.kind == MEDIA_VIDEO else "image_decode"
                 raise self._skip(reason, sample.id, f"media {i}: {exc}") from exc
             if out.num_tokens != ref.num_tokens:
                 raise self._skip("media_size_changed", sample.id, f"media {i}: {out.num_tokens} != {ref.num_tokens}")
-            encoded.append(EncodedMedia(ref.kind, out.pixel_values, out.image_size, out.num_tokens, out.grid_shape))
+            encoded.append(EncodedMedia(ref.kind, out))
         return LlavaOVSample.derive_from(
             sample, id=sample.id, input_ids=sample.input_ids, labels=sample.labels, media=encoded, truncated=sample.truncated
         )
@@ -240,15 +246,29 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
         return stats
 
 
+def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor for the batch's pixels; in a DataLoader worker it is allocated in shared
+    memory directly (as torch's default_collate does), so handing it to the trainer process
+    costs no extra copy of the tiles."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if torch.utils.data.get_worker_info() is None or numel == 0:
+        return torch.empty(shape, dtype=torch.float32)
+    storage = torch.UntypedStorage._new_shared(numel * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+
+
 def collate_rows(
     rows: list[list[LlavaOVSample]], config: LlavaOVEncoderConfig, pad_token_id: int, stats: dict[str, int] | None = None
 ) -> LlavaOVBatch:
     """Rows of post-encoded samples -> the model batch (see batch.py for the conventions)."""
     packed = pack_rows([[(s.input_ids, s.labels) for s in row] for row in rows], config.seq_length, pad_token_id)
     media: list[EncodedMedia] = [m for row in rows for s in row for m in s.media]
-    size = config.image_size
-    pixel_values = (
-        torch.cat([m.pixel_values for m in media]) if media else torch.zeros((0, 3, size, size), dtype=torch.float32)
+    prepared = [m.prepared for m in media]
+    shape = (sum(p.num_tiles for p in prepared), 3, config.image_size, config.image_size)
+    pixel_values = anyres.tiles_to_pixel_values(
+        prepared, config.image_size, config.image_mean, config.image_std, out=_batch_tensor(shape)
     )
 
     def _long(values: list, shape: tuple[int, ...]) -> torch.Tensor:
@@ -263,10 +283,10 @@ def collate_rows(
         cu_seqlens=packed.cu_seqlens,
         max_seqlen=packed.max_seqlen,
         pixel_values=pixel_values,
-        tiles_per_media=_long([int(m.pixel_values.shape[0]) for m in media], (n,)),
+        tiles_per_media=_long([p.num_tiles for p in prepared], (n,)),
         media_kind=_long([m.kind for m in media], (n,)),
-        image_sizes=_long([list(m.size) for m in media], (n, 2)),
-        grid_shapes=_long([list(m.grid) for m in media], (n, 2)),
+        image_sizes=_long([list(p.image_size) for p in prepared], (n, 2)),
+        grid_shapes=_long([list(p.grid_shape) for p in prepared], (n, 2)),
         num_media_tokens=_long([m.num_tokens for m in media], (n,)),
         sample_ids=[[s.id for s in row] for row in rows],
         num_loss_tokens=num_loss,

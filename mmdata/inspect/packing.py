@@ -1,11 +1,12 @@
-"""Packing efficiency estimate on sampled sequence lengths, with the loader's own packer.
+"""Packing efficiency estimate on sampled sequence lengths, done the way the loader packs.
 
-The loader packs each buffer of samples with `mmdata.energon_loaders.packing`'s
-`largest_first_knapsack` (its `select_samples_to_pack` hook); here the same function packs the
-sampled lengths as one buffer. Samples longer than the context are counted
-as `over_length` and clipped to it (the loader truncates their text, or drops them when an
-image would be cut). The final, partly filled sequence is counted, so with few samples the
-estimate is a slight underestimate (by at most one sequence's worth of slots).
+The loader collects `packing_buffer_size` samples (default 256, `DEFAULT_PACKING_BUFFER` in
+`mmdata.energon_loaders.loader`) and packs each buffer with `largest_first_knapsack` from
+`mmdata.energon_loaders.packing` (its `select_samples_to_pack` hook). Here the sampled lengths,
+in stream order, are cut into buffers of the same size and packed with that same function, so
+the estimate includes the partly filled last sequence of every buffer, as training sees it.
+Samples longer than the context are counted as `over_length` and clipped to it (the loader
+truncates their text, or drops them when an image would be cut).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from mmdata.energon_loaders.packing import largest_first_knapsack, packing_efficiency
+
+#: the loader's default packing buffer (a test keeps it equal to the loader's constant)
+PACKING_BUFFER = 256
 
 
 @dataclass
@@ -24,8 +28,11 @@ class PackingEstimate:
     over_length: int  # samples longer than the context (clipped)
 
 
-def estimate_packing(lengths: Sequence[int], context: int) -> PackingEstimate:
+def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING_BUFFER) -> PackingEstimate:
     clipped = [min(int(n), context) for n in lengths if int(n) > 0]
-    bins = largest_first_knapsack(clipped, context)
-    eff = packing_efficiency([[clipped[i] for i in b] for b in bins], context)
-    return PackingEstimate(context, eff, len(bins), sum(1 for n in lengths if int(n) > context))
+    packed: list[list[int]] = []
+    for start in range(0, len(clipped), buffer):
+        chunk = clipped[start : start + buffer]
+        packed.extend([chunk[i] for i in b] for b in largest_first_knapsack(chunk, context))
+    return PackingEstimate(context, packing_efficiency(packed, context), len(packed),
+                           sum(1 for n in lengths if int(n) > context))

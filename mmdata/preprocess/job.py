@@ -1,4 +1,4 @@
-"""The Ray job behind `mmdata preprocess`.
+"""The Ray job behind `mmdata preprocess` (the driver; the stage functions are in stages.py).
 
 Stages (each resumable through marker files under `DIR/.mmdata-work/`):
 1. scan   - one task per input file: read records, validate them (full image decode), give each
@@ -16,28 +16,27 @@ pass through it, so its memory does not grow with the number of records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 import mmdata
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
-from mmdata.preprocess.energon_meta import NV_META, write_energon_meta
+from mmdata.preprocess.energon_meta import NV_META, preload_energon, write_energon_meta
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
-from mmdata.preprocess.quarantine import concat_parts, quarantine_line
-from mmdata.preprocess.shard_writer import SampleMembers, ShardResult, sha256_file, write_shard
-from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, default_num_buckets, plan_shards, shuffle_key
-from mmdata.preprocess.validation import Valid, ValidationConfig, validate
+from mmdata.preprocess.quarantine import concat_parts
+from mmdata.preprocess.shard_writer import ShardResult
+from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
+from mmdata.preprocess.stages import scan_unit, sort_bucket, write_shard_task
+from mmdata.preprocess.validation import ValidationConfig
 
 WORK_DIR_NAME = ".mmdata-work"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
@@ -63,159 +62,6 @@ class PreprocessConfig:
     target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES
     progress: bool = True
     keep_work_dir: bool = False
-
-
-# ----------------------------------------------------------------------------- small file helpers
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _save_offsets(path: Path, offsets: list[int]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
-    np.save(tmp, np.asarray(offsets, dtype=np.int64))
-    os.replace(tmp, path)
-
-
-def _read_rows(rows_path: Path, offsets_path: Path, start: int, stop: int) -> list[bytes]:
-    """Rows [start, stop) of a row file whose row boundaries are in an offsets .npy."""
-    offs = np.load(offsets_path, mmap_mode="r")
-    lo, hi = int(offs[start]), int(offs[stop])
-    if hi <= lo:
-        return []
-    with open(rows_path, "rb") as f:
-        f.seek(lo)
-        data = f.read(hi - lo)
-    return data.splitlines()
-
-
-def _concat_rows(rows: Iterable[bytes]) -> tuple[bytes, list[int]]:
-    parts, offsets, pos = [], [0], 0
-    for r in rows:
-        parts.append(r)
-        parts.append(b"\n")
-        pos += len(r) + 1
-        offsets.append(pos)
-    return b"".join(parts), offsets
-
-
-# ----------------------------------------------------------------------------- stage functions (run in Ray tasks)
-
-
-def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: ValidationConfig,
-              work: str) -> dict:
-    """Validate every record of one input file; spill valid rows grouped by bucket."""
-    scan_dir = Path(work) / "scan"
-    # Counts are per `source` field; records whose JSON is unreadable count under their folder.
-    fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
-    counts = Counts()
-    by_bucket: list[list[bytes]] = [[] for _ in range(num_buckets)]
-    qlines: list[str] = []
-    try:
-        for raw in adapters.iter_records(dataset, unit):
-            res = validate(raw, vcfg)
-            if isinstance(res, Valid):
-                key = shuffle_key(seed, raw.rid)
-                # Key first, fixed width: sorting the raw lines sorts by (key, rid).
-                row = json.dumps({"k": f"{key:016x}", "r": raw.rid, "j": res.record_json,
-                                  "m": [[m.path, m.offset, m.size, suffix] for m, suffix in res.media]},
-                                 ensure_ascii=False)
-                by_bucket[bucket_of(key, num_buckets)].append(row.encode())
-                counts.add_record(res.source or fallback_source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
-            else:
-                qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
-                counts.add_record(res.source or fallback_source, False, res.reason)
-    except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
-        qlines.append(quarantine_line(unit.rel, unit.path, "input_unreadable", f"{type(e).__name__}: {e}"))
-        counts.add_record(fallback_source, False, "input_unreadable")
-    data, row_offsets = _concat_rows(r for rows in by_bucket for r in rows)
-    bucket_offsets = [0]
-    for rows in by_bucket:
-        bucket_offsets.append(bucket_offsets[-1] + len(rows))
-    base = f"u{unit.index:07d}"
-    _write_bytes_atomic(scan_dir / f"{base}.rows", data)
-    _save_offsets(scan_dir / f"{base}.rowoffs.npy", row_offsets)
-    _save_offsets(scan_dir / f"{base}.buckets.npy", bucket_offsets)
-    _write_bytes_atomic(scan_dir / f"{base}.quarantine.jsonl", "".join(q + "\n" for q in qlines).encode())
-    result = counts.to_json()
-    _write_bytes_atomic(scan_dir / f"{base}.done.json", json.dumps(result).encode())
-    return result
-
-
-def sort_bucket(bucket: int, num_units: int, work: str) -> int:
-    """Gather one bucket's rows from every scan run and sort them by (key, rid)."""
-    w = Path(work)
-    rows: list[bytes] = []
-    for u in range(num_units):
-        base = w / "scan" / f"u{u:07d}"
-        b = np.load(f"{base}.buckets.npy", mmap_mode="r")
-        lo, hi = int(b[bucket]), int(b[bucket + 1])
-        if hi > lo:
-            rows.extend(_read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), lo, hi))
-    rows.sort()
-    data, offsets = _concat_rows(rows)
-    base = w / "sorted" / f"b{bucket:05d}"
-    _write_bytes_atomic(Path(f"{base}.rows"), data)
-    _save_offsets(Path(f"{base}.rowoffs.npy"), offsets)
-    _write_bytes_atomic(Path(f"{base}.done.json"), json.dumps({"count": len(rows)}).encode())
-    return len(rows)
-
-
-class _FileCache:
-    """A few open input files, so shard writers don't reopen a tar for every image."""
-
-    def __init__(self, size: int = 32):
-        self.size, self.files = size, OrderedDict()
-
-    def read(self, path: str, offset: int, size: int) -> bytes:
-        f = self.files.pop(path, None) or open(path, "rb")
-        self.files[path] = f
-        while len(self.files) > self.size:
-            self.files.popitem(last=False)[1].close()
-        f.seek(offset)
-        data = f.read(size)
-        if len(data) != size:
-            raise IOError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)} (input changed?)")
-        return data
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-
-
-def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
-    """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches)."""
-    w, o = Path(work), Path(out)
-    name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
-    path, marker = o / name, w / "shards" / f"{name}.json"
-    if marker.exists() and path.exists():
-        done = json.loads(marker.read_text())
-        if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
-            return {**done, "resumed": True}
-    cache = _FileCache()
-
-    def samples() -> Iterator[SampleMembers]:
-        rank = plan.first_rank
-        for sl in plan.slices:
-            base = w / "sorted" / f"b{sl.bucket:05d}"
-            for line in _read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), sl.start, sl.stop):
-                row = json.loads(line)
-                members = [(sf.JSON_MEMBER, row["j"].encode())]
-                members += [(suffix, cache.read(p, off, size)) for p, off, size, suffix in row["m"]]
-                yield SampleMembers(f"{rank:010d}", members)
-                rank += 1
-
-    try:
-        result = write_shard(path, samples())
-    finally:
-        cache.close()
-    if result.samples != plan.num_samples:
-        raise RuntimeError(f"{name}: wrote {result.samples} samples, planned {plan.num_samples}")
-    _write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
-    return {**asdict(result), "resumed": False}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -342,6 +188,11 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     if not units:
         raise PreprocessError(f"no {cfg.dataset} input files found under {', '.join(map(str, cfg.inputs))}")
     out = Path(cfg.output).resolve()
+    # Never read our own output back as input (e.g. --output inside an --input folder).
+    kept = [u for u in units if not Path(u.path).is_relative_to(out)]
+    units = [dataclasses.replace(u, index=i) for i, u in enumerate(kept)]
+    if not units:
+        raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
     out.mkdir(parents=True, exist_ok=True)
     fp, inputs = _input_fingerprint(cfg, units)
     done_manifest = _check_output_dir(out, fp, cfg.overwrite)
@@ -361,6 +212,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
     own_ray = _init_ray(cfg)
     phase_done("ray_init_s")
+    energon_import = preload_energon()
     resumed = {"scan": 0, "sort": 0, "shards": 0}
     counts = Counts()
     try:
@@ -430,6 +282,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     phase_done("ray_shutdown_s")
     # 4. finish: energon metadata, quarantine, manifest (written last: it marks completion)
     shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
+    energon_import.join()
     write_energon_meta(out, [s.name for s in shards], workers=min(4, cfg.num_cpus or 2))
     concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
     phase_done("energon_prepare_s")

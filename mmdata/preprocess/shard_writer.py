@@ -54,6 +54,16 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
 
 def write_shard(path: Path, samples: Iterable[SampleMembers]) -> ShardResult:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        result = _write(tmp, samples)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return ShardResult(path.name, *result)
+
+
+def _write(tmp: Path, samples: Iterable[SampleMembers]) -> tuple[int, int, str]:
     n = 0
     with open(tmp, "wb") as raw:
         hf = _HashingFile(raw)
@@ -66,9 +76,7 @@ def write_shard(path: Path, samples: Iterable[SampleMembers]) -> ShardResult:
                 n += 1
         raw.flush()
         os.fsync(raw.fileno())
-        result = ShardResult(path.name, n, hf.n, hf.sha.hexdigest())
-    os.replace(tmp, path)
-    return result
+        return n, hf.n, hf.sha.hexdigest()
 
 
 def sha256_file(path: Path) -> str:

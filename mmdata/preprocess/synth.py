@@ -68,6 +68,26 @@ class SynthImage:
     data: bytes
 
 
+def _encode_video(rng: np.random.Generator) -> bytes:
+    """A tiny MPEG-4 clip (PyAV): a few frames of a moving bar."""
+    import av
+
+    w, h, n = int(rng.choice([64, 96])), 48, int(rng.integers(4, 12))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        color = rng.integers(0, 256, size=3)
+        for i in range(n):
+            frame = np.zeros((h, w, 3), np.uint8)
+            frame[:, (i * w // n):(i * w // n) + 8] = color
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
 @dataclass
 class SynthRecord:
     index: int
@@ -78,6 +98,7 @@ class SynthRecord:
     images: list[SynthImage] = field(default_factory=list)
     broken: str | None = None  # a key of BROKEN_KINDS
     json_bytes: bytes = b""
+    video: bytes | None = None  # an MP4 clip (member `{stem}.mp4`), for video records
 
     @property
     def id(self) -> str:
@@ -93,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broken-fraction", type=float, default=0.0,
                         help="fraction of deliberately broken records, cycling through "
                              f"{', '.join(BROKEN_KINDS)} (default 0)")
+    parser.add_argument("--video-fraction", type=float, default=0.0,
+                        help="fraction of records that are short MP4 clips with a <video> turn (default 0)")
     parser.add_argument("--samples-per-tar", type=int, default=100,
                         help="records per tar file in the infinity-mm layout (default 100)")
 
@@ -105,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction)
+    records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction,
+                               video_fraction=args.video_fraction)
     if args.dataset == "infinity-mm":
         files = write_infinity_mm(records, args.output, samples_per_tar=args.samples_per_tar)
     else:
@@ -169,9 +193,15 @@ def _turns(rng: np.random.Generator, n_images: int, literal_placeholder: bool, n
     return conv
 
 
-def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float = 0.0) -> list[SynthRecord]:
-    """Generate `num_samples` varied records; broken ones are spread evenly and cycle kinds."""
+def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float = 0.0,
+                     video_fraction: float = 0.0) -> list[SynthRecord]:
+    """Generate `num_samples` varied records; broken ones are spread evenly and cycle kinds.
+
+    Video records (opt-in) come from a separate random stream, so `video_fraction=0` output is
+    unchanged by the feature.
+    """
     rng = np.random.default_rng(seed)
+    video_rng = np.random.default_rng([seed, 1])
     n_broken = int(round(num_samples * broken_fraction))
     broken_at: dict[int, str] = {}
     if n_broken:
@@ -222,7 +252,16 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
         json_bytes = json.dumps(record, ensure_ascii=False).encode()
         if broken == "malformed_json":
             json_bytes = json_bytes[: len(json_bytes) // 2]
-        out.append(SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes))
+        video = None
+        if video_fraction and not broken and video_rng.random() < video_fraction:
+            video = _encode_video(video_rng)
+            images = []
+            record.pop("image", None)
+            record["video"] = f"{stem}.mp4"
+            record["conversations"] = [{"from": "human", "value": "<video>\nWhat happens in this clip?"},
+                                       {"from": "gpt", "value": "A coloured bar moves from left to right."}]
+            json_bytes = json.dumps(record, ensure_ascii=False).encode()
+        out.append(SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes, video))
     return out
 
 
@@ -260,6 +299,8 @@ def write_infinity_mm(records: list[SynthRecord], output: Path, *, samples_per_t
                         if rec.broken == "missing_image" and k == 0:
                             continue
                         _add_member(tar, name, img.data)
+                    if rec.video is not None:
+                        _add_member(tar, rec.record["video"], rec.video)
             files.append(path)
     return files
 
@@ -277,6 +318,10 @@ def write_llava_json(records: list[SynthRecord], output: Path) -> list[Path]:
                 r = dict(rec.record)
                 if names:
                     r["image"] = names[0] if len(names) == 1 else names
+                if rec.video is not None:
+                    r["video"] = f"videos/{rec.record['video']}"
+                    (output / "videos").mkdir(exist_ok=True)
+                    (output / r["video"]).write_bytes(rec.video)
                 f.write(json.dumps(r, ensure_ascii=False).encode() + b"\n")
             for k, (name, img) in enumerate(zip(names, rec.images)):
                 if rec.broken == "missing_image" and k == 0:

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from PIL import Image, ImageFile
 
 from mmdata.preprocess.adapters.base import MediaRef, RawRecord
-from mmdata.shard_format import IMAGE_PLACEHOLDER, SampleRecord, image_member_name
+from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SampleRecord, image_member_name, video_member_name
 
 # Reason codes (machine-readable; documented in docs/preprocess.md).
 REASONS = (
     "json_missing", "json_malformed", "schema_invalid", "conversation_malformed",
     "image_missing", "image_empty", "image_truncated", "image_undecodable", "image_too_large",
-    "placeholder_mismatch",
+    "placeholder_mismatch", "video_missing", "video_empty", "video_undecodable", "video_too_large",
+    "input_truncated", "input_unreadable",
 )
 ROLES = {"human", "gpt", "system"}
 FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff", "MPO": "jpg"}
@@ -33,6 +34,8 @@ class ValidationConfig:
     max_image_pixels: int = 89_478_485  # Pillow's MAX_IMAGE_PIXELS default
     max_image_bytes: int = 256 << 20
     max_images_per_record: int = 64
+    max_video_bytes: int = 1 << 30
+    max_video_frames: int = 100_000
 
 
 @dataclass
@@ -92,6 +95,33 @@ def check_image(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int
     return ext, w, h, mode
 
 
+def check_video(data: bytes, name: str, cfg: ValidationConfig) -> tuple[int, int, int]:
+    """Container + full decode of the first video stream (PyAV). Returns (width, height, frames)."""
+    if len(data) == 0:
+        raise _Reject("video_empty", f"{name}: 0 bytes")
+    if len(data) > cfg.max_video_bytes:
+        raise _Reject("video_too_large", f"{name}: {len(data)} bytes > {cfg.max_video_bytes}")
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise _Reject("video_undecodable", f"{name}: no video stream")
+            stream = container.streams.video[0]
+            w, h, frames = stream.codec_context.width, stream.codec_context.height, 0
+            for _ in container.decode(stream):
+                frames += 1
+                if frames > cfg.max_video_frames:
+                    raise _Reject("video_too_large", f"{name}: more than {cfg.max_video_frames} frames")
+    except _Reject:
+        raise
+    except Exception as e:  # noqa: BLE001 - any demux/decode failure is a bad video, not a crash
+        raise _Reject("video_undecodable", f"{name}: {type(e).__name__}: {e}") from None
+    if frames == 0:
+        raise _Reject("video_undecodable", f"{name}: no decodable frame")
+    return w, h, frames
+
+
 def _conversations(obj: dict) -> list[dict]:
     conv = obj.get("conversations")
     if not isinstance(conv, list) or not conv:
@@ -121,16 +151,17 @@ def _image_refs(obj: dict, default: list[str]) -> list[str]:
     raise _Reject("schema_invalid", f"`image` must be a string or a list of strings, got {type(ref).__name__}")
 
 
-def _normalise_placeholders(conv: list[dict], n_images: int) -> None:
-    n_ph = sum(t["value"].count(IMAGE_PLACEHOLDER) for t in conv)
-    if n_images and n_ph == 0:
+def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER,
+                            what: str = "images") -> None:
+    n_ph = sum(t["value"].count(placeholder) for t in conv)
+    if n_media and n_ph == 0:
         first_human = next(t for t in conv if t["from"] == "human")
-        first_human["value"] = f"{IMAGE_PLACEHOLDER}\n{first_human['value']}"
+        first_human["value"] = f"{placeholder}\n{first_human['value']}"
         return
-    if n_ph != n_images:
-        raise _Reject("placeholder_mismatch", f"{n_ph} `{IMAGE_PLACEHOLDER}` placeholders for {n_images} images")
-    if any(IMAGE_PLACEHOLDER in t["value"] for t in conv if t["from"] != "human"):
-        raise _Reject("placeholder_mismatch", f"`{IMAGE_PLACEHOLDER}` in a non-human turn")
+    if n_ph != n_media:
+        raise _Reject("placeholder_mismatch", f"{n_ph} `{placeholder}` placeholders for {n_media} {what}")
+    if any(placeholder in t["value"] for t in conv if t["from"] != "human"):
+        raise _Reject("placeholder_mismatch", f"`{placeholder}` in a non-human turn")
 
 
 def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
@@ -162,12 +193,29 @@ def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
             media.append((m, image_member_name(k, ext)))
             sizes.append([w, h, mode])
         _normalise_placeholders(conv, len(refs))
+        video_name, video_meta = None, None
+        video_ref = obj.get("video")
+        if video_ref not in (None, ""):
+            if not isinstance(video_ref, str):
+                raise _Reject("schema_invalid", "`video` must be a string")
+            m = raw.resolve_media(video_ref)
+            if m is None:
+                raise _Reject("video_missing", f"video {video_ref!r} not found")
+            w, h, frames = check_video(m.read(), video_ref, cfg)
+            ext = video_ref.rsplit(".", 1)[-1].lower() if "." in video_ref.rsplit("/", 1)[-1] else "mp4"
+            video_name = video_member_name(ext)
+            media.append((m, video_name))
+            video_meta = [w, h, frames]
+        _normalise_placeholders(conv, int(video_name is not None), VIDEO_PLACEHOLDER, "videos")
     except _Reject as r:
         return Invalid(r.reason, r.detail, record_id, source)
     meta = {k: obj[k] for k in META_FIELDS if k in obj}
     if sizes:
         meta["image_sizes"] = sizes
-    rec = SampleRecord(id=record_id, source=source, conversations=conv, images=[s for _, s in media],
+    if video_meta:
+        meta["video_size_frames"] = video_meta
+    rec = SampleRecord(id=record_id, source=source, conversations=conv,
+                       images=[s for _, s in media if s != video_name], video=video_name,
                        meta=meta, provenance=raw.provenance)
     # vars() rather than dataclasses.asdict: asdict deep-copies every nested value (slow, needless).
     return Valid(json.dumps(vars(rec), ensure_ascii=False, sort_keys=True), media, source)

@@ -110,7 +110,10 @@ def _import_rank(job: dict) -> None:
         cfg, get = stage1_source(job["llm"], job["vision"], job.get("base"))
     if job.get("expect") is not None and job["expect"] != cfg:
         raise ConversionError(f"HF config does not match the recipe's model config: HF {cfg} vs recipe {job['expect']}")
-    model = build_stage(cfg)
+    from mmtrain.llava_ov.model import ParallelOptions
+
+    # a whole LLaVA-OV checkpoint fills every weight: no random init; stage 1 keeps it (projector)
+    model = build_stage(cfg, ParallelOptions(perform_initialization=job["kind"] != "llava"))
 
     def getter(name: str) -> torch.Tensor:
         t = get(name)
@@ -215,9 +218,11 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
     from mmtrain.llava_ov.parallel_init import ensure_model_parallel
     from mmtrain.weights_io import load_model_config_dict, load_model_weights
 
+    from mmtrain.llava_ov.model import ParallelOptions
+
     ensure_model_parallel(1, 1)
     cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(src))
-    model = build_stage(cfg)
+    model = build_stage(cfg, ParallelOptions(perform_initialization=False))
     load_model_weights([model], src)
     canon = dict(iter_canonical(model, true_vocab=cfg.llm.vocab_size))
     adapter = LlavaOVStateDictAdapter(cfg)

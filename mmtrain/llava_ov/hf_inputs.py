@@ -46,8 +46,7 @@ def hf_inputs_to_batch(
     lens, pos = _segments(attention_mask)
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     v = cfg.vision
-    media: list[tuple[int, torch.Tensor, int, tuple[int, int], tuple[int, int], int]] = []  # (kind, tiles, ...)
-    items = []  # (kind, tiles tensor, (h, w), grid, tokens)
+    items = []  # (kind, tiles [n, 3, H, W], (h, w), grid, tokens, placeholder id)
     if pixel_values is not None:
         if image_sizes is None:
             raise ValueError("pixel_values given without image_sizes")
@@ -56,8 +55,9 @@ def hf_inputs_to_batch(
             anyres_flags = [True] * len(sizes)
         else:
             anyres_flags = [int(n) == 1 for n in batch_num_images.tolist() for _ in range(int(n))]
-        if pixel_values.dim() == 4:  # already flattened tiles
-            flat, offset = pixel_values, 0
+        if pixel_values.dim() not in (4, 5):
+            raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)}: expected 4 or 5 dimensions")
+        flat, offset = pixel_values, 0  # 4-D: tiles already flattened
         for i, ((h, w), is_anyres) in enumerate(zip(sizes, anyres_flags)):
             if is_anyres:
                 grid = anyres.anyres_grid_shape(h, w, v.image_size, cfg.grid_max)

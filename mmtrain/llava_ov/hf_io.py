@@ -44,7 +44,6 @@ class SafetensorsReader:
             if norm in self._where:
                 raise ValueError(f"{self.dir}: tensors {self._where[norm][1]!r} and {key!r} both map to {norm!r}")
             self._where[norm] = (fname, key)
-        self._handles: dict[str, object] = {}
 
     def keys(self) -> set[str]:
         return set(self._where)
@@ -53,10 +52,10 @@ class SafetensorsReader:
         if key not in self._where:
             raise KeyError(f"{self.dir}: tensor {key!r} not found")
         fname, orig = self._where[key]
-        h = self._handles.get(fname)
-        if h is None:
-            h = self._handles[fname] = safe_open(str(self.dir / fname), "pt")
-        return h.get_tensor(orig)
+        # open per tensor: a long-lived handle keeps every page it ever touched mapped (resident),
+        # which would make a streaming conversion hold the whole source checkpoint in RSS
+        with safe_open(str(self.dir / fname), "pt") as h:
+            return h.get_tensor(orig)
 
 
 def read_config(hf_dir: str | os.PathLike) -> dict:

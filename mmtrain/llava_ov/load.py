@@ -44,15 +44,18 @@ def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) 
     from mmtrain.llava_ov.parallel_init import ensure_model_parallel
     from mmtrain.weights_io import load_model_config_dict, load_model_weights
 
+    from mmtrain.llava_ov.model import ParallelOptions
+
     ensure_model_parallel(1, 1)
+    no_init = ParallelOptions(perform_initialization=False)  # every weight is loaded below
     ckpt_dir = Path(ckpt_dir)
     if (ckpt_dir / "config.json").is_file() and not (ckpt_dir / "latest").exists():
         cfg, get = llava_source(ckpt_dir)
-        model = build_stage(cfg)
+        model = build_stage(cfg, no_init)
         load_canonical(model, get)
     else:
         cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(ckpt_dir, iteration))
-        model = build_stage(cfg)
+        model = build_stage(cfg, no_init)
         load_model_weights([model], ckpt_dir, iteration)
     return LlavaOVForInference(model, cfg).eval()
 
@@ -65,7 +68,12 @@ def load_hf_into_model(model_chunks, hf_dir: str | os.PathLike, expect: Optional
     from mmtrain.llava_ov.state_dict_adapter import ConversionError
 
     cfg, get = llava_source(hf_dir)
-    if expect is not None and expect.llm != cfg.llm or expect is not None and expect.vision != cfg.vision:
-        raise ConversionError(f"{hf_dir}: HF config does not match the recipe's model: HF {cfg} vs recipe {expect}")
+    if expect is not None:
+        for key in ("llm", "vision", "projector", "image_token_id", "video_token_id"):
+            if getattr(expect, key) != getattr(cfg, key):
+                raise ConversionError(
+                    f"{hf_dir}: HF config does not match the recipe: model.{key} is {getattr(expect, key)} in the recipe, "
+                    f"{getattr(cfg, key)} in the HF checkpoint"
+                )
     for chunk in model_chunks:
         load_canonical(getattr(chunk, "module", chunk), get, tied_output_source=_tied_source(cfg))

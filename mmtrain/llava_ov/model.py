@@ -53,6 +53,9 @@ class ParallelOptions:
     recompute_method: Optional[str] = "uniform"
     recompute_num_layers: Optional[int] = 1
     params_dtype: Optional[str] = None  # overrides model.params_dtype
+    # False when every weight is loaded right after building (conversion, inference): skips the
+    # random init and its transient master-weight copies
+    perform_initialization: bool = True
 
 
 def _options(parallel_ctx: Any) -> ParallelOptions:
@@ -85,6 +88,7 @@ def base_config_kwargs(cfg: LlavaOVModelConfig, opts: ParallelOptions, *, sequen
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         init_method_std=0.02,
+        perform_initialization=opts.perform_initialization,
     )
 
 

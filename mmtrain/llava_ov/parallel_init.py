@@ -33,6 +33,9 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         from megatron.core import tensor_parallel
 
+        # megatron's convention: the default generator is the same on all TP ranks of a stage
+        # (replicated params and CPU-initialised master weights agree), offset per PP stage
+        torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         have = (parallel_state.get_tensor_model_parallel_world_size(),

@@ -11,7 +11,7 @@ patches exactly like HF, so no cropping is needed here. Parameter names follow C
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F

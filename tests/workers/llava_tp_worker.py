@@ -28,11 +28,9 @@ def main() -> None:
     from mmtrain.weights_io import load_model_weights, save_model_weights
     from tests.llava_tiny import IMAGE_TOKEN, hf_image_inputs, images
 
-    # the HF oracle is loaded before torch.distributed comes up: transformers 5.24's from_pretrained
-    # leaves SigLIP's non-persistent position_ids uninitialised inside a multi-rank process group
-    hf = LlavaOnevisionForConditionalGeneration.from_pretrained(hf_dir).eval()
     ensure_model_parallel(2, 1)
     assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    hf = LlavaOnevisionForConditionalGeneration.from_pretrained(hf_dir).eval()
     cfg, _ = llava_source(hf_dir)
     rows, pv, sizes = hf_image_inputs(images())
     ids = rows[0][None]

@@ -4,6 +4,7 @@ read here; image bytes are addressed by offset and read by the validator / shard
 
 from __future__ import annotations
 
+import os
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,14 +49,32 @@ def _key_of(name: str) -> tuple[str, str]:
 
 
 def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
-    """Yield one RawRecord per `.json` member (and one per orphan image group without JSON)."""
+    """Yield one RawRecord per `.json` member (and one per orphan image group without JSON).
+
+    A tar cut short still yields every sample before the damage; the unreadable rest becomes
+    one `input_truncated` record.
+    """
+    infos: list[tarfile.TarInfo] = []
+    json_bytes_of: dict[str, bytes | None] = {}
+    tail_error = ""
     with tarfile.open(unit.path, "r:") as tar:
-        infos = [m for m in tar.getmembers() if m.isfile()]
-        json_bytes_of: dict[str, bytes] = {}
+        try:
+            for m in tar:
+                if m.isfile():
+                    infos.append(m)
+        except (tarfile.TarError, EOFError, OSError) as e:
+            tail_error = f"tar listing stopped after {len(infos)} members: {type(e).__name__}: {e}"
+        # tarfile silently ends the listing at a truncated header; detect a cut-short file here.
+        size = os.path.getsize(unit.path)
+        if not tail_error and infos and infos[-1].offset_data + infos[-1].size > size:
+            tail_error = f"file ends inside member {infos[-1].name!r}: truncated tar ({size} bytes)"
         for m in infos:
             if m.name.lower().endswith(".json"):
-                f = tar.extractfile(m)
-                json_bytes_of[m.name] = f.read() if f else b""
+                try:
+                    f = tar.extractfile(m)
+                    json_bytes_of[m.name] = f.read() if f else b""
+                except (tarfile.TarError, EOFError, OSError):
+                    json_bytes_of[m.name] = None
     members = {m.name: m for m in infos}
     resolver = _TarMembers(unit.path, members)
     groups: dict[str, list[tarfile.TarInfo]] = {}
@@ -72,11 +91,17 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
         images = [m.name for m in group if m.name.lower().endswith(IMAGE_EXTS)]
         prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
         if not jsons:
-            yield RawRecord(f"{unit.rel}:{key}", f"{unit.rel}:{key}", None, prov, resolver,
+            yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
                             error="json_missing", error_detail=f"members {[m.name for m in group]} have no .json",
                             default_media=images)
             continue
         jm = jsons[0]
         prov["member"] = jm.name
-        yield RawRecord(f"{unit.rel}:{jm.name}", f"{unit.path}:{jm.name}", json_bytes_of[jm.name], prov,
-                        resolver, default_media=images)
+        data = json_bytes_of[jm.name]
+        yield RawRecord(f"{unit.rel}:{jm.name}", f"{unit.path}:{jm.name}", data, prov, resolver,
+                        error=None if data is not None else "input_truncated",
+                        error_detail="" if data is not None else f"{jm.name}: data cut short", default_media=images)
+    if tail_error:
+        prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(order)}
+        yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
+                        error="input_truncated", error_detail=tail_error)

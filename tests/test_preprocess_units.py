@@ -1,0 +1,168 @@
+"""Fast unit tests (no Ray): validation reasons, placeholder normalisation, the shuffle plan's
+independence from the bucket count, and deterministic shard bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mmdata.preprocess.adapters.base import MediaRef, MediaResolver, RawRecord
+from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
+from mmdata.preprocess.shuffle_plan import bucket_of, plan_shards, shuffle_key
+from mmdata.preprocess.validation import Invalid, Valid, ValidationConfig, validate
+
+
+def _png(w: int, h: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _jpeg(w: int, h: int) -> bytes:
+    buf = io.BytesIO()
+    Image.effect_noise((w, h), 40).convert("RGB").save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+class _Files(MediaResolver):
+    def __init__(self, tmp: Path, files: dict[str, bytes]):
+        self.refs = {}
+        for name, data in files.items():
+            p = tmp / name
+            p.write_bytes(data)
+            self.refs[name] = MediaRef(str(p), 0, len(data), name)
+
+    def __call__(self, ref):
+        return self.refs.get(ref)
+
+
+def _record(tmp: Path, obj, files: dict[str, bytes] | None = None) -> RawRecord:
+    data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return RawRecord("f.tar:x.json", "f.tar:x.json", data, {"file": "f.tar"}, _Files(tmp, files or {}))
+
+
+CONV = [{"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "A square."}]
+
+
+@pytest.mark.parametrize("obj,files,reason", [
+    (b'{"id": "a", "conversations": [', {}, "json_malformed"),
+    ([1, 2], {}, "schema_invalid"),
+    ({"id": "a", "conversations": [{"from": "gpt", "value": "hi"}]}, {}, "conversation_malformed"),
+    ({"id": "a", "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}, {}, "conversation_malformed"),
+    ({"id": "a", "conversations": CONV, "image": 5}, {}, "schema_invalid"),
+    ({"id": "a", "conversations": CONV, "image": "x.png"}, {}, "image_missing"),
+    ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": b""}, "image_empty"),
+    ({"id": "a", "conversations": CONV, "image": "x.jpg"}, {"x.jpg": _jpeg(200, 200)[:900]}, "image_truncated"),
+    ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": b"not an image at all"}, "image_undecodable"),
+    ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": _png(400, 400)}, "image_too_large"),
+    ({"id": "a", "conversations": [{"from": "human", "value": "<image><image>hi"}, {"from": "gpt", "value": "x"}],
+      "image": "x.png"}, {"x.png": _png(8, 8)}, "placeholder_mismatch"),
+    ({"id": "a", "conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "x"}]}, {}, "placeholder_mismatch"),
+])
+def test_invalid_records_get_their_reason(tmp_path, obj, files, reason):
+    res = validate(_record(tmp_path, obj, files), ValidationConfig(max_image_pixels=100_000))
+    assert isinstance(res, Invalid) and res.reason == reason, res
+
+
+def test_video_records(tmp_path):
+    import numpy as np
+
+    from mmdata.preprocess.synth import _encode_video
+
+    clip = _encode_video(np.random.default_rng(0))
+    obj = {"id": "v", "conversations": [dict(t) for t in CONV], "video": "c.mp4"}
+    rec = json.loads(validate(_record(tmp_path, obj, {"c.mp4": clip}), ValidationConfig()).record_json)
+    assert rec["video"] == "video.mp4" and rec["conversations"][0]["value"].startswith("<video>\n")
+    for files, reason in [({}, "video_missing"), ({"c.mp4": b""}, "video_empty"),
+                          ({"c.mp4": clip[: len(clip) // 2]}, "video_undecodable")]:
+        res = validate(_record(tmp_path, obj, files), ValidationConfig())
+        assert isinstance(res, Invalid) and res.reason == reason
+
+
+def test_placeholder_inserted_and_members_named_by_real_format(tmp_path):
+    obj = {"id": 7, "source": "s", "conversations": [dict(t) for t in CONV], "image": ["a.png", "b.png"],
+           "phash": "ff"}
+    obj["conversations"][0]["value"] = "<image> and <image>: compare"
+    jpeg_named_png = _jpeg(64, 32)
+    res = validate(_record(tmp_path, obj, {"a.png": _png(16, 16), "b.png": jpeg_named_png}), ValidationConfig())
+    assert isinstance(res, Valid)
+    rec = json.loads(res.record_json)
+    assert rec["images"] == ["img00.png", "img01.jpg"] and rec["id"] == "7" and rec["meta"]["phash"] == "ff"
+    assert rec["meta"]["image_sizes"] == [[16, 16, "RGB"], [64, 32, "RGB"]]
+    single = {"id": "b", "conversations": [dict(t) for t in CONV], "image": "a.png"}
+    rec = json.loads(validate(_record(tmp_path, single, {"a.png": _png(16, 16)}), ValidationConfig()).record_json)
+    assert rec["conversations"][0]["value"] == "<image>\nWhat is this?"
+    text_only = {"id": "c", "conversations": CONV}
+    rec = json.loads(validate(_record(tmp_path, text_only), ValidationConfig()).record_json)
+    assert rec["images"] == [] and rec["conversations"] == CONV
+
+
+def test_order_independent_of_bucket_count():
+    rids = [f"stage1/x/{i // 50:06d}.tar:{i:08d}.json" for i in range(1000)]
+    keys = {r: shuffle_key(3, r) for r in rids}
+    global_order = sorted(rids, key=lambda r: (keys[r], r))
+    for num_buckets in (1, 2, 7, 64):
+        buckets = [[] for _ in range(num_buckets)]
+        shuffled = rids[:]
+        random.Random(num_buckets).shuffle(shuffled)  # arrival order must not matter
+        for r in shuffled:
+            buckets[bucket_of(keys[r], num_buckets)].append(r)
+        order = [r for b in buckets for r in sorted(b, key=lambda r: (keys[r], r))]
+        assert order == global_order
+        plans = plan_shards([len(b) for b in buckets], 64)
+        assert [p.num_samples for p in plans] == [64] * 15 + [40]
+        assert [p.first_rank for p in plans] == list(range(0, 1000, 64))
+        covered = [(sl.bucket, i) for p in plans for sl in p.slices for i in range(sl.start, sl.stop)]
+        assert covered == [(b, i) for b in range(num_buckets) for i in range(len(buckets[b]))]
+    assert shuffle_key(3, rids[0]) != shuffle_key(4, rids[0])
+
+
+def test_write_shard_is_deterministic_and_atomic(tmp_path):
+    samples = [SampleMembers(f"{i:010d}", [("json", b'{"i": %d}' % i), ("img00.jpg", bytes([i]) * 100)])
+               for i in range(5)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ra = write_shard(a / "shard-000000.tar", iter(samples))
+    rb = write_shard(b / "shard-000000.tar", iter(samples))
+    assert ra.sha256 == rb.sha256 == sha256_file(a / "shard-000000.tar") and ra.samples == 5
+    assert ra.bytes == (a / "shard-000000.tar").stat().st_size
+    assert sorted(p.name for p in a.iterdir()) == ["shard-000000.tar"]  # no temp file left
+    with tarfile.open(a / "shard-000000.tar") as tar:
+        assert tar.getnames()[:2] == ["0000000000.img00.jpg", "0000000000.json"]
+    with pytest.raises(ValueError):
+        write_shard(a / "shard-000001.tar", iter([SampleMembers("a.b", [("json", b"{}")])]))
+    assert sorted(p.name for p in a.iterdir()) == ["shard-000000.tar"]  # failed write leaves nothing
+
+
+def test_truncated_input_tar_keeps_the_good_records(tmp_path):
+    """A tar cut short: records before the damage go through, the rest is quarantined."""
+    from mmdata.preprocess.adapters import list_units
+    from mmdata.preprocess.stages import scan_unit
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+
+    raw = tmp_path / "raw"
+    write_infinity_mm(generate_records(40, seed=0), raw, samples_per_tar=10)
+    victim = sorted(raw.rglob("*.tar"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) * 6 // 10])
+    (tmp_path / "work" / "scan").mkdir(parents=True)
+    unit = list_units("infinity-mm", [raw])[0]
+    assert unit.path == str(victim.resolve())
+    counts = scan_unit("infinity-mm", unit, 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    assert 0 < counts["written"] < 10 and counts["read"] == counts["written"] + counts["quarantined"]
+    assert counts["by_reason"].get("input_truncated", 0) >= 1
+    lines = (tmp_path / "work" / "scan" / "u0000000.quarantine.jsonl").read_text().splitlines()
+    assert any(json.loads(line)["reason"] == "input_truncated" for line in lines)
+    not_a_tar = raw / "stage9" / "x" / "000000.tar"
+    not_a_tar.parent.mkdir(parents=True)
+    not_a_tar.write_bytes(b"\x00garbage" * 10)
+    bad = next(u for u in list_units("infinity-mm", [raw]) if u.path == str(not_a_tar.resolve()))
+    counts = scan_unit("infinity-mm", bad, 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    assert counts["read"] == counts["quarantined"] == 1 and counts["by_reason"] == {"input_unreadable": 1}
