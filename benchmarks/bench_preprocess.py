@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             assert nb == n == m["counts"]["read"], (nb, n, m["counts"])
             job_s = m["wall_time_s"]
             rows.append(dict(n=n, mb=size_mb, gen_s=gen_s, base=n / tb, ours=n / job_s, ours_e2e=n / wall,
-                             rss_mb=rss_kb / 1024, shards=len(m["shards"])))
+                             rss_mb=rss_kb / 1024, shards=len(m["shards"]), phases=m["run"]["phases"]))
             shutil.rmtree(raw)
             shutil.rmtree(root / f"base_{n}")
             shutil.rmtree(root / f"ours_{n}")
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['n']:>7} {r['mb']:>9.1f} {r['base']:>11.0f} {r['ours']:>9.0f} {r['ours_e2e']:>11.0f} "
               f"{r['ours'] / r['base']:>6.2f} {r['rss_mb']:>19.1f}")
+    for r in rows:
+        print(f"ours phases at N={r['n']}: " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in r["phases"].items()))
     growth = rows[1]["rss_mb"] / rows[0]["rss_mb"] - 1
     print(f"driver peak RSS growth N -> 4N: {growth * 100:+.1f}% ({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, "
           f"limit 20%); ours/s = records / job wall time (Ray start included), e2e adds interpreter start-up")

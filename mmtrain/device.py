@@ -3,13 +3,15 @@ run without CUDA.
 
 megatron-core hard-codes CUDA in a few places that sit on our model's path
 (`torch.cuda.current_device()` as a factory device, `.cuda()` in constructors, `device="cuda"`
-factory calls, a CUDA-RNG-based state tracker forked inside attention/embedding dropout).
+factory calls, a CUDA-RNG-based state tracker forked inside attention/embedding dropout and
+snapshotted by activation recompute, `torch.cuda.synchronize()` in the dist-checkpoint writer).
 `enable_cpu_compat()` redirects exactly those to the CPU when CUDA is absent and does nothing
 at all when CUDA is present, so the same model/runtime code runs on a laptop (gloo) and on GPUs
 (NCCL). Megatron source is never forked or edited; every substitution is logged once.
 
 Sections:
-  1. model-side adaptations (device redirects, CPU RNG tracker, default attention backend)
+  1. model-side adaptations (device redirects, CPU RNG tracker). The attention backend is not
+     patched: the layer specs pick `SDPACoreAttention` (mmtrain/llava_ov/attention.py).
   2. runtime-side adaptations (schedules, DDP buffers, optimizer) -- owned by the train loop
 """
 

@@ -45,6 +45,7 @@ class StepResult:
     lr: float
     updated: bool
     step_time_s: float
+    data_wait_s: float  # part of step_time_s spent waiting for this rank's micro-batches
     tokens: int  # positions processed by the whole global batch
     samples: int
     loss_tokens: int
@@ -208,6 +209,7 @@ class Trainer:
         step = self.state.step + 1
         start = time.perf_counter()
         step_data = self.data.next_step()
+        data_wait = time.perf_counter() - start
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -278,6 +280,7 @@ class Trainer:
             lr=lr,
             updated=bool(updated),
             step_time_s=elapsed,
+            data_wait_s=data_wait,
             tokens=int(counts[0]),
             samples=int(counts[1]),
             loss_tokens=int(counts[2]),
@@ -357,6 +360,7 @@ class Trainer:
             "samples_per_s": r.samples / r.step_time_s if r.step_time_s > 0 else 0.0,
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.ctx.world_size, self.peak_flops),
             "step_time_s": r.step_time_s,
+            "data_wait_s": r.data_wait_s,
             "tokens": r.tokens,
             "num_samples": r.samples,
             "num_loss_tokens": r.loss_tokens,

@@ -85,14 +85,43 @@ def save_model_weights(
     return out
 
 
+#: model-config sections that decide the weights' shapes/meaning (dtype, max_tiles ... may change)
+ARCH_KEYS = ("llm", "vision", "projector", "image_token_id", "video_token_id")
+
+
+def check_model_config(ckpt_dir: str | os.PathLike, expected: Any, iteration: int | None = None) -> None:
+    """Raise ValueError naming `model.<key>` where the checkpoint's saved model config and
+    `expected` (the recipe's model config) disagree on architecture."""
+    try:
+        saved = load_model_config_dict(ckpt_dir, iteration)
+    except FileNotFoundError:
+        return  # nothing recorded to compare with
+    want = expected.to_dict() if hasattr(expected, "to_dict") else dict(expected)
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}")
+        elif a != b:
+            raise ValueError(f"{ckpt_dir}: {path} is {b!r} in the recipe but {a!r} in the checkpoint")
+
+    for key in ARCH_KEYS:
+        if key in saved or key in want:
+            walk(saved.get(key), want.get(key), f"model.{key}")
+
+
 def load_model_weights(
-    model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | os.PathLike, iteration: int | None = None, *, strict: bool = True
+    model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | os.PathLike, iteration: int | None = None, *,
+    strict: bool = True, expected_config: Any = None,
 ) -> int:
-    """Collective. Loads into the chunks in place (any TP/PP layout); returns the iteration."""
+    """Collective. Loads into the chunks in place (any TP/PP layout); returns the iteration.
+    With `expected_config`, an architecture mismatch is refused first, naming the key."""
     if iteration is None:
         iteration = find_latest_iteration(ckpt_dir)
         if iteration is None:
             raise FileNotFoundError(f"{ckpt_dir}: no checkpoint (no 'latest' file and no iter_*/model)")
+    if expected_config is not None:
+        check_model_config(ckpt_dir, expected_config, iteration)
     model_dir = iter_dir(ckpt_dir, iteration) / "model"
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: checkpoint model directory not found")

@@ -203,6 +203,8 @@ def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     vsd = load_file(tmp_path / "vis" / "model.safetensors")
     key = [k for k in vsd if k.endswith("encoder.layers.1.mlp.fc1.weight")][0]
     assert torch.equal(model.vision_model.decoder.layers[1].mlp.linear_fc1.weight, vsd[key])
+    for fresh in (model.vision_projection.encoder.linear_fc1.weight, model.image_newline):  # initialised
+        assert torch.isfinite(fresh).all() and fresh.std() > 0
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -342,3 +344,24 @@ def test_hf_dir_as_initial_checkpoint_checks_the_recipe(hf_dir):
     bad = replace(cfg, llm=replace(cfg.llm, num_layers=3))
     with pytest.raises(ConversionError, match=r"model\.llm"):
         load_hf_into_model([ours], src, bad)
+
+
+def test_weights_io_latest_fallback_and_config_mismatch(converted, tmp_path):
+    import shutil
+    from dataclasses import replace
+
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+    from mmtrain.weights_io import check_model_config, find_latest_iteration, load_model_config_dict
+
+    copy = tmp_path / "ck"
+    shutil.copytree(converted, copy)
+    (copy / "latest").unlink()
+    shutil.copytree(copy / "iter_0000000", copy / "iter_0000007")
+    assert find_latest_iteration(copy) == 7
+    assert find_latest_iteration(tmp_path / "nothing_here") is None
+    cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(copy))
+    check_model_config(copy, replace(cfg, params_dtype="bfloat16", max_tiles=4))  # not architecture
+    with pytest.raises(ValueError, match=r"model\.vision\.num_layers"):
+        check_model_config(copy, replace(cfg, vision=replace(cfg.vision, num_layers=3)))
+    with pytest.raises(KeyError, match="llm.bogus"):
+        LlavaOVModelConfig.from_dict({"llm": {"bogus": 1}})

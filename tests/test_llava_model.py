@@ -267,3 +267,18 @@ def test_activation_recompute_gives_identical_loss_and_grads(pair, granularity):
     assert set(g0) == set(g1) and len(g0) > 40
     for k in g0:
         assert torch.allclose(g0[k], g1[k], atol=1e-6, rtol=1e-5), k
+
+
+def test_no_init_build_keeps_megatron_tp_metadata(pair):
+    """Conversion/inference skip the random init; the TP tags megatron relies on must remain."""
+    from mmtrain.llava_ov.model import LlavaOVModel, ParallelOptions
+
+    _, _, cfg = pair
+
+    def tags(m):
+        return {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+                for n, p in m.named_parameters()}
+
+    ref = tags(LlavaOVModel(cfg))
+    assert sum(t for t, _ in ref.values()) > 10
+    assert tags(LlavaOVModel(cfg, parallel_ctx=ParallelOptions(perform_initialization=False))) == ref

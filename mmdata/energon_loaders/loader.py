@@ -10,6 +10,7 @@ Resume: call `save_state_rank()` when checkpointing (one state per DP rank) and
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -118,7 +119,9 @@ def _resolve_data(data: str | Path | Sequence[str | Path]) -> Path:
             raise FileNotFoundError(f"data path {p} does not exist")
     if len(paths) == 1:
         return paths[0]
-    out = Path(tempfile.mkdtemp(prefix="mmdata-blend-")) / "blend.yaml"
+    # Same dirs -> same file, so a resumed run rebuilds an identical metadataset.
+    digest = hashlib.sha256("\n".join(str(p.resolve()) for p in paths).encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"mmdata-blend-{digest}" / "blend.yaml"
     return write_blend_yaml(out, [(p, 1.0) for p in paths])
 
 

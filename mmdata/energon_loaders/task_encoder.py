@@ -15,8 +15,9 @@ each batch's `stats` (per worker, since the previous batch) and are summed by th
 from __future__ import annotations
 
 import io
+import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,9 @@ from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows, sh
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, VIDEO_TOKEN
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,8 +126,12 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
         return self._chat
 
     def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
+        """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance
+        counter, so bad data never stops training)."""
         self._stats[_count_key(reason)] += 1
-        return SkipSample(f"sample {sample_id!r} skipped: {reason}{': ' + detail if detail else ''}")
+        message = f"sample {sample_id!r} skipped: {reason}{': ' + detail if detail else ''}"
+        log.warning(message)
+        return SkipSample(message)
 
     def _image_ref(self, data: bytes, kind: int, where: str, sample_id: str) -> MediaRef:
         c = self.config
@@ -227,6 +235,8 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
 
     @stateless
     def pack_selected_samples(self, samples: list[LlavaOVSample]) -> LlavaOVPackedSample:
+        if not samples:  # every sample of this pack failed to decode (already counted)
+            raise SkipSample("empty pack")
         return LlavaOVPackedSample(
             __key__=",".join(s.__key__ for s in samples),
             __restore_key__=(),

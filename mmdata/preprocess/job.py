@@ -198,6 +198,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     done_manifest = _check_output_dir(out, fp, cfg.overwrite)
     if done_manifest is not None:
         print(f"{out}: already complete for these inputs and seed; nothing to do", file=sys.stderr)
+        if not cfg.keep_work_dir:  # killed between writing the manifest and cleaning up
+            shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
         return done_manifest
     num_buckets = cfg.num_buckets or default_num_buckets(sum(u.size for u in units))
     work = _prepare_work_dir(out, fp, num_buckets)

@@ -99,6 +99,7 @@ def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, bas
 
 def _import_rank(job: dict) -> None:
     """Runs on every rank: build this stage, fill it from HF, save collectively."""
+    from mmtrain.llava_ov.model_io import load_canonical
     from mmtrain.llava_ov.parallel_init import ensure_model_parallel
     from mmtrain.weights_io import save_model_weights
 
@@ -115,40 +116,9 @@ def _import_rank(job: dict) -> None:
     # a whole LLaVA-OV checkpoint fills every weight: no random init; stage 1 keeps it (projector)
     model = build_stage(cfg, ParallelOptions(perform_initialization=job["kind"] != "llava"))
 
-    def getter(name: str) -> torch.Tensor:
-        t = get(name)
-        if t is None:  # fresh init: keep the model's own (already sharded) value
-            raise _Keep()
-        return t
-
-    _load_skipping(model, getter, _tied_source(cfg))
+    # the stage-1 getter returns None for the projector / image_newline: they keep their init
+    load_canonical(model, get, tied_output_source=_tied_source(cfg))
     save_model_weights([model], job["dst"], iteration=0, model_config=cfg)
-
-
-class _Keep(Exception):
-    pass
-
-
-def _load_skipping(model, getter, tied) -> None:
-    """load_canonical, but parameters whose getter raises _Keep keep their init."""
-    from megatron.core import parallel_state
-
-    from mmtrain.llava_ov.model_io import _is_gated_fc1, canonical_name, shard_for
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for local, param in model.named_parameters():
-        cname = canonical_name(model, local)
-        src = tied if (tied and cname.endswith("output_layer.weight")) else cname
-        try:
-            full = getter(src)
-        except _Keep:
-            continue
-        shard = shard_for(full, param, cname, _is_gated_fc1(model, local), tp_rank, tp)
-        if tuple(shard.shape) != tuple(param.shape):
-            raise ConversionError(f"{cname}: checkpoint gives {tuple(full.shape)}, model expects {tuple(param.shape)} at TP={tp}")
-        with torch.no_grad():
-            param.copy_(shard.to(param.dtype))
 
 
 def _run_ranks(job: dict, world: int) -> None:

@@ -151,6 +151,21 @@ def build_language_model(
     )
 
 
+def restore_tp_attributes(module: torch.nn.Module) -> None:
+    """megatron tags TP-sharded weights (`tensor_model_parallel`, `partition_dim`) only while
+    initialising them on CPU; with `perform_initialization=False` tag them here, so grad clipping,
+    DDP and our converters see the same metadata either way."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    for m in module.modules():
+        dim = {ColumnParallelLinear: 0, RowParallelLinear: 1, VocabParallelEmbedding: 0}.get(type(m))
+        w = getattr(m, "weight", None)
+        if dim is not None and isinstance(w, torch.nn.Parameter) and not hasattr(w, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(w, True, dim, 1)
+
+
 class LlavaOVModel(MegatronModule):
     """One pipeline stage of LLaVA-OV.
 
@@ -194,6 +209,8 @@ class LlavaOVModel(MegatronModule):
             cfg, lm_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
             vocab_size=self.padded_vocab_size,
         )
+        if not opts.perform_initialization:
+            restore_tp_attributes(self)
 
     # ------------------------------------------------------------------ megatron plumbing
     def set_input_tensor(self, input_tensor: Any) -> None:

@@ -10,7 +10,7 @@ PP stages number their layers from 0; the global number comes from each layer's 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -57,11 +57,13 @@ def shard_for(full: torch.Tensor, param: torch.Tensor, name: str, gated: bool, t
 
 def load_canonical(
     model: torch.nn.Module,
-    get_canonical: Callable[[str], torch.Tensor],
+    get_canonical: Callable[[str], Optional[torch.Tensor]],
     *,
     tied_output_source: str | None = None,
 ) -> list[str]:
-    """Copy every parameter of `model` from `get_canonical(canonical_name)`; returns the names.
+    """Copy every parameter of `model` from `get_canonical(canonical_name)`; returns the names
+    loaded. A getter returns None only for parameters that are meant to keep their init; a
+    tensor it does not know must raise (never a silently half-loaded model).
 
     `tied_output_source`: with tied embeddings the last PP stage still owns an `output_layer`
     copy of the embedding; it is filled from this canonical name.
@@ -75,6 +77,8 @@ def load_canonical(
         if tied_output_source and cname.endswith("output_layer.weight"):
             src = tied_output_source
         full = get_canonical(src)
+        if full is None:  # the source deliberately has no value (e.g. a fresh stage-1 projector)
+            continue
         shard = shard_for(full, param, cname, _is_gated_fc1(model, local), tp_rank, tp)
         if tuple(shard.shape) != tuple(param.shape):
             raise ConversionError(

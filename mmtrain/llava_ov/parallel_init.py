@@ -24,11 +24,17 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     """Single-process default (world 1) unless torch.distributed is already up."""
     enable_cpu_compat()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # a launcher set it up
+            dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        elif world == 1:
+            # private rendezvous; nothing written to os.environ, so child processes (e.g. a
+            # training launcher started later) never inherit a port this process holds
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
+        else:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         from megatron.core import tensor_parallel
