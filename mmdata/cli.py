@@ -13,6 +13,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.preprocess.synth", "write a small synthetic dataset in a real on-disk layout"),
     "preprocess": ("mmdata.preprocess.cli", "Ray job: validate, globally shuffle and write energon-ready shards"),
     "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
+    "tiny-tokenizer": (
+        "mmdata.energon_loaders.tiny_tokenizer",
+        "train the tiny offline Qwen2-style tokenizer used by the demo and the tests",
+    ),
 }
 
 

@@ -127,3 +127,14 @@ def build_tiny_qwen2_tokenizer(
         + "\n"
     )
     return out
+
+
+def add_arguments(parser) -> None:  # `mmdata tiny-tokenizer`
+    parser.add_argument("--output", required=True, help="directory to write the HF tokenizer files into")
+    parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size (default 1024)")
+
+
+def run(args) -> int:
+    out = build_tiny_qwen2_tokenizer(args.output, vocab_size=args.vocab_size)
+    print(f"wrote a tiny Qwen2-style tokenizer to {out}")
+    return 0

@@ -21,7 +21,9 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -128,6 +130,44 @@ def _prepare_work_dir(out: Path, fp: str, num_buckets: int) -> Path:
     return work
 
 
+class _DriverScanner(threading.Thread):
+    """Scans input files in the driver until Ray is up and its first scan task has finished:
+    a private Ray instance takes seconds to boot and each job's workers take a while to start,
+    and the cores are mostly idle meanwhile. The driver thread and the Ray submission loop take
+    files from one shared queue; once stopped, the thread finishes its current file and the rest
+    go to Ray. scan_unit is a pure function of the file, so who scans a file never changes the
+    output. Memory: one file's index rows at a time, as in a Ray task."""
+
+    def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict]):
+        super().__init__(name="mmdata-driver-scan", daemon=True)
+        self._todo, self._scan, self._lock = deque(units), scan, threading.Lock()
+        self._stopped = False
+        self.results: list[dict] = []
+        self.error: BaseException | None = None
+
+    def take(self) -> InputUnit | None:
+        with self._lock:
+            return self._todo.popleft() if self._todo else None
+
+    def run(self) -> None:
+        try:
+            while not self._stopped and (unit := self.take()) is not None:
+                self.results.append(self._scan(unit))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the driver by finish()
+            self.error = e
+
+    def stop(self) -> None:
+        """Take no new file (the current one is finished)."""
+        self._stopped = True
+
+    def finish(self) -> list[dict]:
+        self.stop()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
 def _init_ray(cfg: PreprocessConfig) -> bool:
     """Connect to --address / RAY_ADDRESS, or start a private local instance. Returns ownership."""
     import ray
@@ -144,6 +184,9 @@ def _init_ray(cfg: PreprocessConfig) -> bool:
     return True
 
 
+_END = object()
+
+
 def _run_bounded(submit: Callable[[object], object], items: Iterable[object], max_in_flight: int,
                  on_done: Callable[[object, object], None]) -> None:
     """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
@@ -157,8 +200,12 @@ def _run_bounded(submit: Callable[[object], object], items: Iterable[object], ma
             for ref in done:
                 on_done(pending.pop(ref), ray.get(ref))
 
-    for item in items:
-        drain(max_in_flight - 1)
+    it = iter(items)
+    while True:
+        drain(max_in_flight - 1)  # wait for a free slot before taking the next item
+        item = next(it, _END)
+        if item is _END:
+            break
         pending[submit(item)] = item
     drain(0)
 
@@ -212,11 +259,27 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         phases[name] = round(now - t_phase, 3)
         t_phase = now
 
-    own_ray = _init_ray(cfg)
-    phase_done("ray_init_s")
-    energon_import = preload_energon()
     resumed = {"scan": 0, "sort": 0, "shards": 0}
     counts = Counts()
+    todo = []
+    for u in units:
+        marker = work / "scan" / f"u{u.index:07d}.done.json"
+        if marker.exists():
+            counts.merge(json.loads(marker.read_text()))
+            resumed["scan"] += 1
+        else:
+            todo.append(u)
+    # While Ray starts (and its workers), the driver scans files itself and imports energon.
+    scanner = _DriverScanner(todo, lambda u: scan_unit(cfg.dataset, u, cfg.seed, num_buckets,
+                                                        cfg.validation, str(work)))
+    scanner.start()
+    energon_import = preload_energon()
+    try:
+        own_ray = _init_ray(cfg)
+    except BaseException:
+        scanner.stop()
+        raise
+    phase_done("ray_init_s")
     try:
         scan_r = ray.remote(num_cpus=1)(scan_unit)
         sort_r = ray.remote(num_cpus=1)(sort_bucket)
@@ -225,22 +288,19 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         with JobProgress(cfg.progress) as prog:
             # 1. scan + validate
             prog.stage("scan+validate", len(units))
-            todo = []
-            for u in units:
-                marker = work / "scan" / f"u{u.index:07d}.done.json"
-                if marker.exists():
-                    counts.merge(json.loads(marker.read_text()))
-                    resumed["scan"] += 1
-                    prog.advance("scan+validate", records=counts.read)
-                else:
-                    todo.append(u)
+            for _ in range(resumed["scan"]):
+                prog.advance("scan+validate", records=counts.read)
 
-            def scanned(_unit, result: dict) -> None:
+            def scanned(unit, result: dict) -> None:
+                if unit is not None:
+                    scanner.stop()  # Ray workers are up: leave the rest to them
                 counts.merge(result)
                 prog.advance("scan+validate", records=counts.read)
 
             _run_bounded(lambda u: scan_r.remote(cfg.dataset, u, cfg.seed, num_buckets, cfg.validation, str(work)),
-                         todo, max_in_flight, scanned)
+                         iter(scanner.take, None), max_in_flight, scanned)
+            for result in scanner.finish():
+                scanned(None, result)
             phase_done("scan_s")
             # 2. sort buckets
             prog.stage("sort buckets", num_buckets)
@@ -279,13 +339,18 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             _run_bounded(lambda p: write_r.remote(p, str(work), str(out)), plans, max_in_flight, wrote)
             phase_done("write_s")
     finally:
+        scanner.stop()
         if own_ray:
             ray.shutdown()
     phase_done("ray_shutdown_s")
     # 4. finish: energon metadata, quarantine, manifest (written last: it marks completion)
     shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
     energon_import.join()
-    write_energon_meta(out, [s.name for s in shards], workers=min(4, cfg.num_cpus or 2))
+    # energon's index pass reads every shard once; a process pool only pays off for a few
+    # hundred MB or more (its start-up costs more than it saves on small outputs).
+    total_bytes = sum(s.bytes for s in shards)
+    write_energon_meta(out, [s.name for s in shards],
+                       workers=max(1, min(4, cfg.num_cpus or 2, len(shards), total_bytes // (256 << 20))))
     concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
     phase_done("energon_prepare_s")
     manifest = {
@@ -304,6 +369,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "num_buckets": num_buckets, "resumed": resumed, "phases": phases,
+                "scanned_in_driver": len(scanner.results),
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
     write_json_atomic(out / sf.MANIFEST_NAME, manifest)

@@ -25,7 +25,7 @@ def build_loader(recipe: Any, *, dp_rank: int = 0, dp_size: int = 1):
 
     m: LlavaOVModelConfig = recipe.model
     d = recipe.data
-    return build_llava_ov_loader(
+    loader = build_llava_ov_loader(
         d.paths, recipe.tokenizer.path, seq_length=recipe.train.seq_length,
         micro_batch_size=recipe.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
         num_workers=d.num_workers, seed=recipe.seed, max_tiles=m.max_tiles, packing=d.packing,
@@ -33,6 +33,24 @@ def build_loader(recipe: Any, *, dp_rank: int = 0, dp_size: int = 1):
         image_size=m.vision.image_size, patch_size=m.vision.patch_size, grid_max=m.grid_max,
         max_video_frames=d.video_frames,
     )
+    check_media_token_ids(m, loader.task_encoder.chat.image_token_id, loader.task_encoder.chat.video_token_id,
+                          recipe.tokenizer.path)
+    return loader
+
+
+def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, tokenizer_path: str) -> None:
+    """The model finds media positions by token id: a tokenizer whose `<image>`/`<video>` ids
+    differ from the model config would silently misplace image features, so refuse early."""
+    wrong = [
+        f"model.{key}={want} but the tokenizer at {tokenizer_path} maps {tok} to {got}"
+        for key, want, tok, got in (
+            ("image_token_id", m.image_token_id, "<image>", image_id),
+            ("video_token_id", m.video_token_id, "<video>", video_id),
+        )
+        if want != got
+    ]
+    if wrong:
+        raise ValueError("media token ids disagree: " + "; ".join(wrong))
 
 
 SPEC = register(
