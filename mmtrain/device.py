@@ -234,35 +234,11 @@ def note_runtime_substitution(what: str) -> None:
 def enable_runtime_cpu_compat() -> bool:
     """Runtime-side CPU adaptations on top of `enable_cpu_compat`; no-op with CUDA. Idempotent.
 
-    Section 1 already covers what the schedules and DDP touch: `total_num_tokens` and the p2p
-    shape buffers (`device="cuda"` factories), DDP grad buffers (`torch.cuda.current_device()`)
-    and the pipeline's shape exchange (`torch.cuda.synchronize()`, a no-op: gloo ops are
-    complete when they return). Added here:
-    - activation recompute (`parallel.recompute`): megatron's `CheckpointFunction` saves and
-      restores the CUDA generator state around the recomputed forward. There is no CUDA
-      generator on a CPU-only build; the CPU generator and the (CPU) tracker streams, which
-      carry all the randomness there, are saved and restored by the same function. So the CUDA
-      state is read as an empty tensor and setting it is a no-op.
-    The rest is configuration chosen by the train loop (see the list above), logged through
+    Section 1 already covers what the schedules, DDP and activation recompute touch:
+    `total_num_tokens` and the p2p shape buffers (`device="cuda"` factories), DDP grad buffers
+    (`torch.cuda.current_device()`), the pipeline's shape exchange (`torch.cuda.synchronize()`,
+    a no-op: gloo ops are complete when they return) and recompute's CUDA-RNG snapshot. The rest
+    is configuration chosen by the train loop (see the list above), logged through
     `note_runtime_substitution`.
     """
-    if not enable_cpu_compat():
-        return False
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if not getattr(mrandom._get_cuda_rng_state, "__mmtrain_cpu_compat__", False):
-
-        def _get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return torch.empty(0, dtype=torch.uint8)
-
-        def _set_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
-            return None
-
-        _get_cuda_rng_state.__mmtrain_cpu_compat__ = True  # type: ignore[attr-defined]
-        mrandom._get_cuda_rng_state = _get_cuda_rng_state
-        mrandom._set_cuda_rng_state = _set_cuda_rng_state
-        note_runtime_substitution(
-            "activation recompute: CUDA generator save/restore -> no-op (CPU generator and "
-            "tracker streams are saved/restored as usual)"
-        )
-    return True
+    return enable_cpu_compat()
