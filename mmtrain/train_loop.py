@@ -5,8 +5,9 @@
          draw this rank's micro-batches
          megatron get_forward_backward_func(...)   (grad accumulation, PP schedule, DP reduce)
          LR for the step, clip + optimizer step
+         every train.eval_interval steps: forward-only evaluation on data.val_paths
          log (loss over real tokens of the global batch, grad norm, lr, tokens/s, MFU, memory,
-              sample ids + per-sample losses) and checkpoint
+              sample ids + per-sample losses, val_loss) and checkpoint
 
 The loss is megatron's per-token convention (`calculate_per_token_loss`): each micro-batch
 returns (sum of token losses, number of label tokens); megatron sums the counts over
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from mmtrain import checkpointing
 from mmtrain.checkpointing import TrainerState
 from mmtrain.distributed import ParallelContext
-from mmtrain.loss import IGNORE_INDEX, per_sample_loss_sums
+from mmtrain.evaluation import EvalResult, eval_due, isolated_from_training, val_data
+from mmtrain.loss import IGNORE_INDEX, lm_loss_sums, per_sample_loss_sums
 from mmtrain.lr_schedule import LRSchedule
 from mmtrain.optimizer import apply_freeze, build_optimizer
 from mmtrain.throughput import device_peak_flops, memory_stats, mfu
@@ -51,6 +53,7 @@ class StepResult:
     loss_tokens: int
     sample_ids: list[str]
     sample_losses: list[Optional[float]]
+    evaluation: Optional[EvalResult] = None  # set at train.eval_interval steps
 
 
 class Trainer:
@@ -164,6 +167,8 @@ class Trainer:
             kind, path = "mmtrain", own_latest  # a rerun of a killed job continues it
         elif source:
             kind, path = checkpointing.resolve_checkpoint(source)
+            if kind == "mmtrain" and recipe.checkpoint.weights_only:
+                kind = "weights"  # a new stage starts from the previous stage's weights only
         if kind is None:
             return
         if kind in ("hf", "weights"):
@@ -203,7 +208,6 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepResult:
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         ctx, t = self.ctx, self.recipe.train
         step = self.state.step + 1
@@ -214,17 +218,7 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        forward_backward = get_forward_backward_func()
-        reports = forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=RecordingIterator(step_data.micro_batches),
-            model=self.model,
-            num_microbatches=self.num_microbatches,
-            # models run packed micro-batches as one flattened [B*S] stream (THD)
-            seq_length=t.seq_length * t.micro_batch_size,
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        reports = self._run_schedule(step_data.micro_batches, forward_only=False)
         lr = self.schedule.apply(
             self.optimizer.param_groups, step, float(self.recipe.optimizer.weight_decay)
         )
@@ -245,13 +239,12 @@ class Trainer:
         sample_ids: list[str] = []
         sample_losses: list[Optional[float]] = []
         if ctx.is_last_stage:
-            loss_sum = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-            per_sample = []
-            for report in reports:
-                lm = report["lm loss"].detach().to(device=ctx.device, dtype=torch.float64)
-                loss_sum += lm if lm.numel() == 2 else torch.stack([lm.sum(), lm.new_ones(())])
-                if "sample_losses" in report:
-                    per_sample.append(report["sample_losses"].detach().double().cpu())
+            loss_sum = lm_loss_sums(reports, ctx.device)
+            per_sample = [
+                report["sample_losses"].detach().double().cpu()
+                for report in reports
+                if "sample_losses" in report
+            ]
             if ctx.dp > 1:
                 dist.all_reduce(loss_sum, group=dp_group)
             loss_sum = loss_sum.cpu()
@@ -316,6 +309,48 @@ class Trainer:
 
         return output, loss_with_samples
 
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> EvalResult:
+        """`train.eval_iters` global batches of `data.val_paths`, forward only, with no effect
+        on training (mmtrain/evaluation.py says how). Collective: every rank must call it."""
+        from megatron.core import parallel_state
+
+        ctx = self.ctx
+        start = time.perf_counter()
+        sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        with isolated_from_training(self.model), val_data(self.spec, self.recipe, ctx) as data:
+            for _ in range(int(self.recipe.train.eval_iters)):
+                reports = self._run_schedule(data.next_step().micro_batches, forward_only=True)
+                if ctx.is_last_stage:
+                    sums += lm_loss_sums(reports, ctx.device)
+        if not ctx.is_last_stage:
+            return EvalResult(loss=None, tokens=None, time_s=time.perf_counter() - start)
+        if ctx.dp > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        sums = sums.cpu()
+        return EvalResult(
+            loss=float(sums[0] / sums[1].clamp(min=1)),
+            tokens=int(sums[1]),
+            time_s=time.perf_counter() - start,
+        )
+
+    def _run_schedule(self, micro_batches: list[Any], forward_only: bool) -> list[dict[str, Any]]:
+        """One global batch (this rank's micro-batches) through megatron's schedule; the loss
+        reports of the last stage (empty elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        t = self.recipe.train
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=RecordingIterator(micro_batches),
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            # models run packed micro-batches as one flattened [B*S] stream (THD)
+            seq_length=t.seq_length * t.micro_batch_size,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[StepResult]:
         recipe, ctx = self.recipe, self.ctx
@@ -323,6 +358,8 @@ class Trainer:
         interval = int(recipe.checkpoint.interval)
         while self.state.step < recipe.train.iters:
             result = self.train_step()
+            if eval_due(result.step, int(recipe.train.eval_interval)):
+                result.evaluation = self.evaluate()
             results.append(result)
             self._log(result)
             if interval > 0 and result.step % interval == 0:
@@ -369,16 +406,24 @@ class Trainer:
             "sample_ids": r.sample_ids,
             "sample_losses": r.sample_losses,
         }
+        ev = r.evaluation
+        if ev is not None:
+            record.update(val_loss=ev.loss, val_tokens=ev.tokens, val_time_s=ev.time_s)
         if self.metrics is not None:
             self.metrics.write(record)
-        if r.step % int(self.recipe.logging.interval) == 0 or r.step == self.recipe.train.iters:
+        if (
+            r.step % int(self.recipe.logging.interval) == 0
+            or r.step == self.recipe.train.iters
+            or ev is not None
+        ):
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
             log.info(
                 "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s | %.2f samples/s"
-                " | mfu %s | mem %.2f GiB",
+                " | mfu %s | mem %.2f GiB%s",
                 r.step, self.recipe.train.iters, r.loss if r.loss is not None else float("nan"),
                 r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"],
                 f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)", mem,
+                _eval_log_part(ev),
             )  # fmt: skip
 
 
@@ -396,6 +441,13 @@ class RecordingIterator:
     def __next__(self) -> Any:
         self.last = next(self._it)
         return self.last
+
+
+def _eval_log_part(ev: Optional[EvalResult]) -> str:
+    """` | val_loss X (N tokens, T s)` for the step line of an evaluation step, else ``."""
+    if ev is None or ev.loss is None:
+        return ""
+    return f" | val_loss {ev.loss:.4f} ({ev.tokens} tokens, {ev.time_s:.1f} s)"
 
 
 def _run_root(recipe: Any) -> Any:
