@@ -116,7 +116,7 @@ def _start_warm_ray(num_cpus: int) -> str:
 
 def _phases(m: dict) -> str:
     return ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in m["run"]["phases"].items()) + \
-        f" (files scanned in the driver during Ray start: {m['run'].get('scanned_in_driver', 0)})"
+        f" (input files scanned by the driver itself while Ray and its workers started: {m['run'].get('scanned_in_driver', 0)})"
 
 
 def main(argv: list[str] | None = None) -> int:
