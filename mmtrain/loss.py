@@ -66,3 +66,16 @@ def masked_token_loss(
     if batch is not None and getattr(batch, "sample_ids", None):
         report["sample_losses"] = per_sample_loss_sums(token_loss, mask, batch)
     return loss_sum, num_tokens, report
+
+
+def lm_loss_sums(reports: list[dict[str, Any]], device: torch.device | str) -> torch.Tensor:
+    """`[sum of token losses, number of label tokens]` (float64) over a schedule's loss reports.
+
+    Training and evaluation reduce the same way, so `train` and `val_loss` are the same kind of
+    number: the mean over real tokens, not a mean of per-micro-batch means. A report without a
+    count (a plain mean) counts as one token."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in reports:
+        lm = report["lm loss"].detach().to(device=device, dtype=torch.float64)
+        total += lm if lm.numel() == 2 else torch.stack([lm.sum(), lm.new_ones(())])
+    return total

@@ -11,6 +11,10 @@ reader and the next writer drop). Fields:
   tokens_per_s   float  real tokens / step wall time, whole job
   samples_per_s  float  samples / step wall time, whole job
   (optional)     mfu, mem_gb, tokens, samples, step_time_s, lr_vision_tower, ... any scalar
+  val_loss       float  only at `train.eval_interval` steps: mean loss over the real tokens of
+                        `train.eval_iters` global batches of `data.val_paths` (mmtrain/evaluation.py)
+  val_tokens     int    those real (label) tokens, whole job; with val_loss
+  val_time_s     float  wall time of that evaluation; with val_loss
   sample_ids     list[str]          ids of every sample in this step, gathered over DP ranks
   sample_losses  {str: float}       per-sample mean loss over that sample's real tokens, keyed by
                  or list[float|None] the same ids, or a list aligned with `sample_ids` (null where

@@ -59,6 +59,9 @@ class DataConfig:
     #   global batch (identical batches for any TP/PP/DP layout, resumable across DP sizes;
     #   costs dp x the decoding work - for tests, layout changes and small DP)
     sharding: Literal["dp", "replicated"] = "dp"
+    # held-out shard dirs (or one metadataset YAML) for `train.eval_interval`; read with the
+    # same loader settings, the recipe's seed and no state carried between evaluations
+    val_paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -72,7 +75,8 @@ class TrainConfig:
     seq_length: int = 4096
     micro_batch_size: int = 1
     global_batch_size: int = 1
-    eval_interval: int = 0  # 0 = no evaluation
+    eval_interval: int = 0  # steps between evaluations on data.val_paths; 0 = no evaluation
+    eval_iters: int = 4  # global batches per evaluation
 
 
 @dataclass
@@ -589,6 +593,7 @@ def _cross_checks(r: Recipe, errors: _Errors) -> None:
     positive = {
         ("train", "iters"): t.iters, ("train", "seq_length"): t.seq_length,
         ("train", "micro_batch_size"): t.micro_batch_size, ("train", "global_batch_size"): t.global_batch_size,
+        ("train", "eval_iters"): t.eval_iters,
         ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp,
         ("parallel", "nproc_per_node"): p.nproc_per_node, ("parallel", "nnodes"): p.nnodes,
         ("logging", "interval"): r.logging.interval, ("data", "max_tiles"): r.data.max_tiles,
@@ -608,6 +613,10 @@ def _cross_checks(r: Recipe, errors: _Errors) -> None:
     for path, value in non_negative.items():
         if value < 0:
             errors.add(path, f"must be >= 0, got {value}")
+    if t.eval_interval > 0 and not r.data.val_paths:
+        errors.add(("data", "val_paths"), f"must list at least one shard dir or metadataset YAML when "
+                   f"train.eval_interval={t.eval_interval} (> 0); set train.eval_interval=0 to skip evaluation",
+                   [("train", "eval_interval")])
     if o.vision_tower_lr is not None and o.vision_tower_lr < 0:
         errors.add(("optimizer", "vision_tower_lr"), f"must be >= 0, got {o.vision_tower_lr}")
     if o.min_lr > o.lr:

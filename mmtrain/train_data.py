@@ -14,6 +14,7 @@ Two ways to split the stream over DP ranks (`data.sharding`):
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -104,6 +105,14 @@ class TrainData:
         if self._iter is None:
             self._iter = iter(self.loader)
         return next(self._iter)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now. energon keeps persistent workers behind a
+        reference cycle (loader <-> its epoch iterator), so dropping the loader alone would
+        leave them running until the cyclic garbage collector happens to run."""
+        self._iter = None
+        self.loader = None
+        gc.collect()
 
     def next_step(self) -> StepData:
         if self.sharding == "replicated":

@@ -148,6 +148,19 @@ def test_other_cross_checks():
         overrides=["freeze.vision_tower=true", "freeze.projector=true", "freeze.llm=true"]))
 
 
+def test_evaluation_needs_validation_data():
+    r = load()
+    assert r.train.eval_interval == 0 and r.train.eval_iters == 4 and r.data.val_paths == []
+    (err,) = errors_of(overrides=["train.eval_interval=100"])
+    assert err.startswith("override 'train.eval_interval=100': data.val_paths: must list at least one shard dir")
+    assert "train.eval_interval=100" in err
+    r = load(overrides=["train.eval_interval=100", "data.val_paths=[held_out]", "train.eval_iters=2"])
+    assert r.train.eval_interval == 100 and r.train.eval_iters == 2 and r.data.val_paths == ["held_out"]
+    assert errors_of(overrides=["train.eval_iters=0"]) == [
+        "override 'train.eval_iters=0': train.eval_iters: must be > 0, got 0"
+    ]
+
+
 def test_family_must_match_subcommand():
     (err,) = errors_of(family="emu3")
     assert err == "family: recipe is for 'toy' but was run as `mmtrain emu3`"

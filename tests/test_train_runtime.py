@@ -6,8 +6,10 @@ Every training run is a real `mmtrain llava-ov recipes/llava-ov-tiny.yaml ...` s
 
 Fast tier: one reference run (loss decreases, metrics, checkpoint layout, keep-last), exact
 resume, resume on a pipeline-parallel layout (re-sharded model + optimizer; also a PP=2 vs PP=1
-loss-parity check on identical weights and batches), frozen parameters. Slow tier: the layout
-parity matrix (TP=2, PP=2, DP=2 from the same HF weights) and TP=2 -> TP=1 resume.
+loss-parity check on identical weights and batches), frozen parameters, periodic evaluation
+(`val_loss` at the eval steps only, the same batches every time, no effect on training). Slow
+tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same HF weights), TP=2 -> TP=1 resume
+and the PP=2 validation loss.
 """
 
 from __future__ import annotations
@@ -296,6 +298,57 @@ def test_frozen_parameters_do_not_change(tmp_path, shards_dir, tokenizer_dir):
     assert optim and all(".vision_projection." in k for k in optim)  # no moments for frozen params
 
 
+# ----------------------------------------------------------------------------- fast: evaluation
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
+    """`ref_run`'s recipe plus an evaluation every 2 steps (2 global batches; the validation data
+    is the training shards, read by its own loader)."""
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2",
+          "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
+    return run_dir
+
+
+def test_evaluation_logs_val_loss_at_eval_steps(eval_run):
+    m = metrics(eval_run)
+    assert sorted(m) == [1, 2, 3, 4, 5, 6]
+    assert [s for s in m if "val_loss" in m[s]] == [2, 4, 6]
+    assert not any("val_tokens" in m[s] for s in (1, 3, 5))
+    for step in (2, 4, 6):
+        assert 0 < m[step]["val_loss"] < 20 and m[step]["val_tokens"] > 0
+    assert m[6]["val_tokens"] == m[2]["val_tokens"]  # the same validation batches each time
+    # the model trains on the data it is evaluated on, so the validation loss follows it down
+    assert m[6]["val_loss"] < m[2]["val_loss"]
+
+
+def test_evaluation_does_not_change_training(ref_run, eval_run):
+    """Same recipe with and without evaluation: identical losses, weights and loader position."""
+    ref, ev = metrics(ref_run), metrics(eval_run)
+    for step in range(1, 7):
+        assert ev[step]["loss"] == ref[step]["loss"], step
+        assert ev[step]["grad_norm"] == ref[step]["grad_norm"], step
+        assert ev[step]["sample_ids"] == ref[step]["sample_ids"], step
+    last = Path("checkpoints") / "iter_0000006"
+    a, b = read_dist_ckpt(ref_run / last / "model"), read_dist_ckpt(eval_run / last / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loader = last / "loader" / "loader_dp00000_of00001.json"
+    assert (ref_run / loader).read_text() == (eval_run / loader).read_text()
+
+
+def test_evaluations_on_the_same_weights_agree(tmp_path, shards_dir, tokenizer_dir):
+    """With LR 0 the weights never change, so every evaluation must give the same number: the
+    validation stream restarts from its first batch each time."""
+    run = tmp_path / "run"
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.interval=0", "optimizer.lr=0",
+                 "optimizer.min_lr=0", "train.eval_interval=1", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
+    m = metrics(run)
+    assert m[1]["val_loss"] == m[2]["val_loss"] and m[1]["val_tokens"] == m[2]["val_tokens"] > 0
+    assert m[1]["loss"] != m[2]["loss"]  # while training moves on to other batches
+    assert proc.stderr.count("| val_loss ") == 2
+
+
 # ----------------------------------------------------------------------------- slow: layout matrix
 
 
@@ -388,3 +441,17 @@ def test_memory_and_sequence_parallel_options_keep_the_numbers(variant, parity_r
     for step in (1, 2, 3):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_validation_loss_matches(eval_run, tmp_path, shards_dir, tokenizer_dir):
+    """PP=2 (2 processes) continuing the evaluated run from step 4: the last stage reduces the
+    validation loss to the single-process number."""
+    run = tmp_path / "pp2"
+    train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.pp=2",
+          f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}", "train.eval_interval=2",
+          "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
+    ref, pp2 = metrics(eval_run), metrics(run)
+    assert sorted(pp2) == [5, 6] and "val_loss" not in pp2[5]
+    assert pp2[6]["val_tokens"] == ref[6]["val_tokens"]
+    assert pp2[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
