@@ -87,7 +87,11 @@ def test_tensorboard_scalars_when_installed(tmp_path):
     with MetricsWriter(tmp_path, tensorboard=True) as w:
         assert w.tensorboard_enabled
         w.write(_record(1, 1.0, {}))
-    assert any((tmp_path / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0)]
 
 
 def test_nan_loss_skipped_for_default_step():
