@@ -49,11 +49,10 @@ class Candidate:
 
     def tokens_per_s_per_device(self) -> float:
         L = self.layout
-        return L.global_batch_size * L.seq_length / self.step.total_s / (L.tp * L.pp * L.dp)
+        return L.global_batch_size * L.seq_length / self.step.total_s / L.world
 
     def mfu(self, device_tflops: float) -> float:
-        L = self.layout
-        return self.step.model_flops / (L.tp * L.pp * L.dp) / self.step.total_s / (device_tflops * 1e12)
+        return self.step.mfu(self.layout.world, device_tflops)
 
 
 @dataclass
@@ -109,7 +108,7 @@ def search_space(recipe: Recipe, shapes: ModelShapes) -> list[Layout]:
 def evaluate(recipe: Recipe) -> list[Candidate]:
     shapes = model_shapes(recipe.model)
     a = recipe.auto_tune
-    hw = Hardware(a.device_tflops, a.matmul_efficiency, a.tp_bandwidth_gbps, a.dp_bandwidth_gbps)
+    hw = Hardware.from_auto_tune(a)
     budget = a.device_memory_gb * GB * a.memory_fraction
     out = []
     for layout in search_space(recipe, shapes):

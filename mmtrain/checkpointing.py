@@ -172,9 +172,7 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(f"{state.step}\n")
-        os.replace(latest_tmp, root / "latest")
+        weights_io.write_latest(root, state.step)
         _prune(root, keep_last)
         log.info("saved checkpoint %s", final)
     barrier()

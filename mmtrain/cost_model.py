@@ -169,6 +169,10 @@ class Layout:
     precision: str
 
     @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
     def grad_accum(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
@@ -291,6 +295,11 @@ class Hardware:
     tp_bandwidth_gbps: float = 450.0
     dp_bandwidth_gbps: float = 25.0
 
+    @classmethod
+    def from_auto_tune(cls, at: Any) -> "Hardware":
+        """From the recipe's `auto_tune:` section."""
+        return cls(at.device_tflops, at.matmul_efficiency, at.tp_bandwidth_gbps, at.dp_bandwidth_gbps)
+
 
 @dataclass
 class StepTime:
@@ -303,6 +312,10 @@ class StepTime:
     @property
     def total_s(self) -> float:
         return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s
+
+    def mfu(self, world: int, device_tflops: float) -> float:
+        """Model FLOPs utilisation of `world` devices of `device_tflops` peak each."""
+        return self.model_flops / world / self.total_s / (device_tflops * 1e12)
 
 
 def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float, float, float]:
@@ -336,7 +349,7 @@ def estimate_step_time(shapes: ModelShapes, freeze: Any, layout: Layout, hw: Har
     flops = tokens_step * ((dec + head) * (1 + llm_bwd) + dec * recompute_fwd * (llm_bwd > 0)
                            + vis * media_token_fraction * (1 + vis_bwd))
     useful = tokens_step * ((dec + head) * (1 + llm_bwd) + vis * media_token_fraction * (1 + vis_bwd))
-    world = L.tp * L.pp * L.dp
+    world = L.world
     compute = flops / world / (hw.device_tflops * 1e12 * hw.matmul_efficiency)
     bubble = compute * (L.pp - 1) / max(L.grad_accum, 1)
     d = shapes.decoder

@@ -119,7 +119,7 @@ def init_distributed(parallel_cfg: Any, seed: int) -> ParallelContext:
     if env is None:
         rank, world_size, local_rank = 0, 1, 0
         os.environ.setdefault("MASTER_ADDR", str(parallel_cfg.master_addr))
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     else:
         rank, world_size, local_rank = env
         # SLURM launches: torch's env:// init needs these names.
@@ -222,7 +222,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for single-process rendezvous)."""
     import socket
 
     with socket.socket() as s:

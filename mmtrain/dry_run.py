@@ -59,8 +59,7 @@ def build_report(recipe: Any) -> DryRunReport:
     mem_plain = estimate_memory(shapes, recipe.freeze, layout.with_(distributed_optimizer=False), frac)
     by_rc = {rc: estimate_memory(shapes, recipe.freeze, layout.with_(recompute=rc), frac)
              for rc in ("none", "selective", "full")}
-    hw = Hardware(at.device_tflops, at.matmul_efficiency, at.tp_bandwidth_gbps, at.dp_bandwidth_gbps)
-    step = estimate_step_time(shapes, recipe.freeze, layout, hw, frac)
+    step = estimate_step_time(shapes, recipe.freeze, layout, Hardware.from_auto_tune(at), frac)
     report = DryRunReport(params, mem, mem_plain, by_rc, step, layout, at.device_memory_gb, "")
     report.text = format_report(recipe, report)
     return report
@@ -82,7 +81,7 @@ def format_report(recipe: Any, r: DryRunReport) -> str:
         lines.append(f"  (tied output layer; checkpoints that store it as its own tensor hold "
                      f"{fmt_count(p.total + p.llm_embedding)} numbers)")
     lines.append("")
-    world = L.tp * L.pp * L.dp
+    world = L.world
     lines.append(f"layout: world {world} = tp {L.tp} x pp {L.pp} x dp {L.dp}; micro-batch {L.micro_batch_size}, "
                  f"global batch {L.global_batch_size} ({L.grad_accum} accumulation steps), seq {L.seq_length}")
     lines.append(f"        precision {L.precision}, recompute {L.recompute}, sequence parallel "
@@ -105,7 +104,7 @@ def format_report(recipe: Any, r: DryRunReport) -> str:
         f"{rc} {fmt_gb(m.total)} (activations {fmt_gb(m.activations)})" for rc, m in r.memory_by_recompute.items()))
     s = r.step
     tokens = L.global_batch_size * L.seq_length
-    mfu = s.model_flops / world / s.total_s / (recipe.auto_tune.device_tflops * 1e12)
+    mfu = s.mfu(world, recipe.auto_tune.device_tflops)
     lines.append("")
     lines.append(f"modelled step time on {recipe.auto_tune.device_tflops:g}-TFLOP/s devices: {s.total_s:.2f} s "
                  f"(compute {s.compute_s:.2f}, pipeline bubble {s.bubble_s:.2f}, TP comm {s.tp_comm_s:.2f}, "

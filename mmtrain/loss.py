@@ -59,13 +59,27 @@ def masked_token_loss(
     """`(loss_sum, num_tokens, report)` for megatron's per-token-loss schedules.
 
     `token_loss` is `[B, S]` (any value where the label is IGNORE_INDEX; it is masked here)."""
-    mask = (labels != IGNORE_INDEX).to(token_loss.dtype)
-    loss_sum = (token_loss.float() * mask.float()).sum()
-    num_tokens = mask.sum().to(torch.int)
-    report = {"lm loss": torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
+    mask = labels != IGNORE_INDEX
+    loss_sum, num_tokens, report = masked_loss_sum(token_loss, mask)
     if batch is not None and getattr(batch, "sample_ids", None):
-        report["sample_losses"] = per_sample_loss_sums(token_loss, mask, batch)
+        report["sample_losses"] = per_sample_loss_sums(token_loss, mask.to(token_loss.dtype), batch)
     return loss_sum, num_tokens, report
+
+
+def masked_loss_sum(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})` over the positions where
+    `loss_mask` is true; the one reduction every family's loss function returns.
+
+    `token_loss` and `loss_mask` only need the same number of elements (a model may return the
+    flattened `[B*S]` stream); sums are taken in fp32."""
+    losses = token_loss.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
 
 
 def lm_loss_sums(reports: list[dict[str, Any]], device: torch.device | str) -> torch.Tensor:

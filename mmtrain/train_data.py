@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from mmtrain.distributed import ParallelContext
+from mmtrain.loss import IGNORE_INDEX
 
 log = logging.getLogger("mmtrain.train_data")
 
@@ -62,7 +63,7 @@ def batch_num_loss_tokens(batch: Any) -> int:
     if n:
         return int(n)
     labels = getattr(batch, "labels", None)
-    return int((labels != -100).sum()) if isinstance(labels, torch.Tensor) else 0
+    return int((labels != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else 0
 
 
 class TrainData:

@@ -27,6 +27,13 @@ def iter_dir(ckpt_dir: str | os.PathLike, iteration: int) -> Path:
     return Path(ckpt_dir) / f"iter_{iteration:07d}"
 
 
+def write_latest(ckpt_dir: str | os.PathLike, iteration: int) -> None:
+    """Atomically point CKPT_DIR/latest at `iteration` (written to a temp file, then renamed)."""
+    tmp = Path(ckpt_dir) / (LATEST + ".tmp")
+    tmp.write_text(f"{iteration}\n")
+    tmp.replace(Path(ckpt_dir) / LATEST)
+
+
 def find_latest_iteration(ckpt_dir: str | os.PathLike) -> int | None:
     """The iteration in CKPT_DIR/latest, else the highest iter_* dir holding a model, else None."""
     ckpt_dir = Path(ckpt_dir)
@@ -77,9 +84,7 @@ def save_model_weights(
             tmp.write_text(yaml.safe_dump(data, sort_keys=False))
             tmp.replace(out / "model_config.yaml")
         if update_latest:
-            tmp = Path(ckpt_dir) / (LATEST + ".tmp")
-            tmp.write_text(f"{iteration}\n")
-            tmp.replace(Path(ckpt_dir) / LATEST)
+            write_latest(ckpt_dir, iteration)
     if dist.is_initialized():
         dist.barrier()
     return out

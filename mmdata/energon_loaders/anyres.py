@@ -121,10 +121,31 @@ def num_image_tokens(
     grid_max: int = DEFAULT_GRID_MAX,
 ) -> int:
     """LLM positions of a single anyres image: base P*P + rows * (cols + newline)."""
-    pps = image_size // patch_size
-    grid_rows, grid_cols = anyres_grid_shape(orig_h, orig_w, image_size, grid_max)
-    rows, cols = unpadded_feature_shape(orig_h, orig_w, grid_rows, grid_cols, pps, max_tiles)
+    grid = anyres_grid_shape(orig_h, orig_w, image_size, grid_max)
+    return _anyres_tokens(orig_h, orig_w, grid, image_size // patch_size, max_tiles)
+
+
+def _anyres_tokens(orig_h: int, orig_w: int, grid: tuple[int, int], pps: int, max_tiles: int) -> int:
+    rows, cols = unpadded_feature_shape(orig_h, orig_w, grid[0], grid[1], pps, max_tiles)
     return pps * pps + rows * (cols + 1)
+
+
+def image_layout(
+    orig_h: int,
+    orig_w: int,
+    single: bool,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    max_tiles: int = DEFAULT_MAX_TILES,
+    grid_max: int = DEFAULT_GRID_MAX,
+) -> tuple[tuple[int, int], int]:
+    """(anyres grid, LLM tokens) of an image as the loader lays it out: the only image of a
+    sample -> anyres (base tile + grid); one of several -> one base tile, grid (0, 0)."""
+    if not single:
+        return (0, 0), num_base_only_tokens(image_size, patch_size)
+    grid = anyres_grid_shape(orig_h, orig_w, image_size, grid_max)
+    return grid, _anyres_tokens(orig_h, orig_w, grid, image_size // patch_size, max_tiles)
 
 
 def num_base_only_tokens(image_size: int = DEFAULT_IMAGE_SIZE, patch_size: int = DEFAULT_PATCH_SIZE) -> int:

@@ -35,6 +35,18 @@ from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END,
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
+def with_video_placeholder(conversations: Sequence[dict]) -> list[dict]:
+    """The turns of a sample with a clip: as LLaVA, a clip without any `<video>` placeholder
+    goes before the first human turn. Returns copies of the turns; the input is not changed."""
+    out = [dict(t) for t in conversations]
+    if not any(VIDEO_TOKEN in str(t.get("value", "")) for t in out):
+        for t in out:
+            if t.get("from") in ("human", "user"):
+                t["value"] = f"{VIDEO_TOKEN}\n{t['value']}"
+                break
+    return out
+
+
 class ConversationError(ValueError):
     """A conversation that cannot be rendered (unknown role, placeholder/media count mismatch)."""
 

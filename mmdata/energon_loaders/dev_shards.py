@@ -2,14 +2,13 @@
 
 For loader tests and benchmarks that need exact control over the content (bad bytes, videos,
 text-only, known ids) without running the Ray preprocess job. Same on-disk contract as
-`mmdata preprocess` (shard_format.py) and the same energon preparation.
+`mmdata preprocess` (shard_format.py), written by its shard writer, and the same energon
+preparation.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -26,34 +25,27 @@ class DevSample:
     source: str = "dev"
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), sf.TAR_MTIME, sf.TAR_MODE
-    info.uid, info.gid, info.uname, info.gname = sf.TAR_UID, sf.TAR_GID, sf.TAR_UNAME, sf.TAR_GNAME
-    tar.addfile(info, io.BytesIO(data))
-
-
 def write_dev_shards(out_dir: str | Path, samples: Sequence[DevSample], samples_per_shard: int = 16, key_offset: int = 0) -> Path:
     """Write `samples` as shards under `out_dir` and prepare `.nv-meta/`; returns out_dir."""
     from mmdata.preprocess.energon_meta import write_energon_meta
+    from mmdata.preprocess.shard_writer import SampleMembers, write_shard
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names: list[str] = []
     for shard_i, start in enumerate(range(0, len(samples), samples_per_shard)):
         name = sf.SHARD_NAME_TEMPLATE.format(shard_i)
-        with tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for j, s in enumerate(samples[start : start + samples_per_shard]):
-                key = f"{key_offset + start + j:010d}"
-                image_names = [sf.image_member_name(k, ext) for k, (ext, _) in enumerate(s.images)]
-                video_name = sf.video_member_name(s.video[0]) if s.video else None
-                record = sf.SampleRecord(id=s.id, source=s.source, conversations=s.conversations, images=image_names, video=video_name)
-                members = {sf.JSON_MEMBER: json.dumps(record.__dict__, ensure_ascii=False).encode()}
-                members.update({n: data for n, (_, data) in zip(image_names, s.images)})
-                if s.video:
-                    members[video_name] = s.video[1]
-                for member in sorted(members):
-                    _add(tar, f"{key}.{member}", members[member])
+        shard_samples = []
+        for j, s in enumerate(samples[start : start + samples_per_shard]):
+            image_names = [sf.image_member_name(k, ext) for k, (ext, _) in enumerate(s.images)]
+            video_name = sf.video_member_name(s.video[0]) if s.video else None
+            record = sf.SampleRecord(id=s.id, source=s.source, conversations=s.conversations, images=image_names, video=video_name)
+            members = [(sf.JSON_MEMBER, json.dumps(record.__dict__, ensure_ascii=False).encode())]
+            members += [(n, data) for n, (_, data) in zip(image_names, s.images)]
+            if s.video:
+                members.append((video_name, s.video[1]))
+            shard_samples.append(SampleMembers(f"{key_offset + start + j:010d}", members))
+        write_shard(out / name, shard_samples)
         names.append(name)
     write_energon_meta(out, names)
     return out

@@ -21,12 +21,11 @@ import yaml
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from mmdata.energon_loaders.batch import LlavaOVBatch
+from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
 from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
 from mmdata.energon_loaders.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-
-DEFAULT_PACKING_BUFFER = 256
 
 
 @dataclass

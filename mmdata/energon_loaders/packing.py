@@ -1,7 +1,7 @@
 """Sequence packing: bin selection and packed-row metadata (model-agnostic, reused by Emu3).
 
-`first_fit_decreasing` chooses which buffered samples share a row (energon's
-`select_samples_to_pack` hook); `pack_rows` concatenates per-sample token arrays into fixed
+`largest_first_knapsack` chooses which buffered samples share a row (energon's
+`select_samples_to_pack` hook; `first_fit_decreasing` is the simpler baseline); `pack_rows` concatenates per-sample token arrays into fixed
 [B, S] rows and builds the attention metadata: position ids restarting per sample and
 `cu_seqlens` over the flattened B*S stream with one segment per sample and one per padding run,
 so varlen attention never crosses a sample boundary.
@@ -16,6 +16,9 @@ import numpy as np
 import torch
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+
+#: samples the loader buffers per packing decision (energon's `packing_buffer_size`)
+DEFAULT_PACKING_BUFFER = 256
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -33,10 +33,15 @@ from mmdata.energon_loaders.batch import (
     MEDIA_VIDEO,
     LlavaOVBatch,
 )
-from mmdata.energon_loaders.chat_template import ChatTokenizer, ConversationError, apply_length_policy
+from mmdata.energon_loaders.chat_template import (
+    ChatTokenizer,
+    ConversationError,
+    apply_length_policy,
+    with_video_placeholder,
+)
 from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows, shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
-from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, VIDEO_TOKEN
+from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
 
 
@@ -142,13 +147,10 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
             raise self._skip("image_decode", sample_id, f"{where}: {exc}") from exc
         if width < 1 or height < 1:
             raise self._skip("image_decode", sample_id, f"{where}: empty size")
-        if kind == MEDIA_ANYRES:
-            grid = anyres.anyres_grid_shape(height, width, c.image_size, c.grid_max)
-            n = anyres.num_image_tokens(
-                height, width, image_size=c.image_size, patch_size=c.patch_size, max_tiles=c.max_tiles, grid_max=c.grid_max
-            )
-        else:
-            grid, n = (0, 0), anyres.num_base_only_tokens(c.image_size, c.patch_size)
+        grid, n = anyres.image_layout(
+            height, width, kind == MEDIA_ANYRES,
+            image_size=c.image_size, patch_size=c.patch_size, max_tiles=c.max_tiles, grid_max=c.grid_max,
+        )
         return MediaRef(kind, data, (height, width), n, grid)
 
     # -- energon hooks ---------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
             self._image_ref(data, kind, f"image {i} ({sample.image_names[i] if i < len(sample.image_names) else '?'})", sid)
             for i, data in enumerate(images)
         ]
-        conversations = [dict(t) for t in sample.conversations]
+        conversations = list(sample.conversations)
         video_counts: list[int] = []
         if sample.video is not None:
             try:
@@ -173,11 +175,7 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
             n = anyres.num_video_tokens(len(probe.frame_indices), c.image_size, c.patch_size)
             media.append(MediaRef(MEDIA_VIDEO, bytes(sample.video), (0, 0), n, (0, 0), probe.frame_indices))
             video_counts.append(n)
-            if not any(VIDEO_TOKEN in str(t.get("value", "")) for t in conversations):
-                for t in conversations:  # as LLaVA: the clip goes before the first human turn
-                    if t.get("from") in ("human", "user"):
-                        t["value"] = f"{VIDEO_TOKEN}\n{t['value']}"
-                        break
+            conversations = with_video_placeholder(conversations)
         try:
             tokens = self.chat.tokenize(conversations, [m.num_tokens for m in media if m.kind != MEDIA_VIDEO], video_counts)
         except ConversationError as exc:

@@ -14,11 +14,13 @@ from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-IMAGE_TOKEN = "<image>"
-VIDEO_TOKEN = "<video>"
+IMAGE_TOKEN = IMAGE_PLACEHOLDER  # the shards' placeholders are single special tokens
+VIDEO_TOKEN = VIDEO_PLACEHOLDER
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN]
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 

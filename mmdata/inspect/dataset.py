@@ -210,32 +210,26 @@ class Dataset:
 
     def locate(self, global_index: int) -> tuple[ShardInfo, int]:
         """(shard, position in shard) of the global_index-th sample."""
-        cum = np.cumsum([0, *self.shard_counts()])
+        cum = self.shard_starts()
         if not 0 <= global_index < cum[-1]:
             raise IndexError(f"sample index {global_index} out of range [0, {cum[-1]})")
-        s = int(np.searchsorted(cum, global_index, side="right")) - 1
-        return self.shards[s], int(global_index - cum[s])
+        s, pos = _split_index(cum, global_index)
+        return self.shards[s], pos
+
+    def shard_starts(self) -> np.ndarray:
+        """Global index of each shard's first sample, plus the total at the end."""
+        return np.cumsum([0, *self.shard_counts()])
+
+
+def _split_index(starts: np.ndarray, global_index: int) -> tuple[int, int]:
+    """(shard number, position in shard) of a global sample index, given `shard_starts()`."""
+    s = int(np.searchsorted(starts, global_index, side="right")) - 1
+    return s, int(global_index - starts[s])
 
 
 def _count_samples(path: Path) -> int:
     with tarfile.open(path, "r:") as tar:
         return sum(1 for _ in _group_members(tar))
-
-
-def _manifest_shards(manifest: dict[str, Any]) -> list[dict[str, Any]] | None:
-    shards = manifest.get("shards")
-    if isinstance(shards, dict):  # {name: {...}}
-        return [{"name": k, **(v if isinstance(v, dict) else {"samples": v})} for k, v in shards.items()]
-    if isinstance(shards, list):
-        return [s if isinstance(s, dict) else {"name": str(s)} for s in shards]
-    return None
-
-
-def _first_int(d: dict[str, Any], *keys: str) -> int | None:
-    for k in keys:
-        if isinstance(d.get(k), int):
-            return int(d[k])
-    return None
 
 
 def open_dataset(root: str | Path) -> Dataset:
@@ -249,21 +243,15 @@ def open_dataset(root: str | Path) -> Dataset:
     energon_counts: dict[str, int] = {}
     if (root / INFO_JSON).is_file():
         energon_counts = dict(json.loads((root / INFO_JSON).read_text()).get("shard_counts") or {})
-    entries = _manifest_shards(manifest) if manifest else None
+    entries = manifest.get("shards") if manifest else None  # [asdict(ShardResult)], see preprocess/job.py
     shards: list[ShardInfo] = []
     if entries:
         for e in entries:
-            name = str(e.get("name") or e.get("path") or e.get("file"))
+            name = str(e["name"])
             path = root / name
             if path.resolve().parent != root.resolve() and root.resolve() not in path.resolve().parents:
                 raise ValueError(f"manifest shard {name!r} escapes {root}")
-            count = _first_int(e, "samples", "num_samples", "count")
-            if count is None:
-                count = energon_counts.get(name)
-            size = _first_int(e, "bytes", "size", "num_bytes")
-            if size is None:
-                size = path.stat().st_size if path.exists() else 0
-            shards.append(ShardInfo(name, path, count, size, e.get("sha256")))
+            shards.append(ShardInfo(name, path, e["samples"], e["bytes"], e.get("sha256")))
     else:
         for path in sorted(root.glob("*.tar")):
             shards.append(ShardInfo(path.name, path, energon_counts.get(path.name), path.stat().st_size))
@@ -331,10 +319,10 @@ def sample_positions(ds: Dataset, n: int, seed: int) -> list[int]:
 def read_samples_at(ds: Dataset, global_indices: Iterable[int]) -> list[ShardSample]:
     """The samples at these global indices (shard order), one pass per touched shard."""
     by_shard: dict[int, list[int]] = {}
-    cum = np.cumsum([0, *ds.shard_counts()])
+    starts = ds.shard_starts()
     for g in global_indices:
-        s = int(np.searchsorted(cum, g, side="right")) - 1
-        by_shard.setdefault(s, []).append(int(g - cum[s]))
+        s, pos = _split_index(starts, g)
+        by_shard.setdefault(s, []).append(pos)
     out: list[ShardSample] = []
     for s in sorted(by_shard):
         out.extend(read_shard(ds.shards[s], by_shard[s]))
@@ -377,7 +365,6 @@ class QuarantineRecord:
 
     id: str
     reason: str
-    source: str
     location: str
     detail: str
     raw: dict[str, Any]
@@ -393,15 +380,13 @@ def load_quarantine(root: str | Path) -> list[QuarantineRecord]:
         for line in f:
             if not line.strip():
                 continue
-            row = json.loads(line)
-            loc = row.get("source_location", row.get("location", row.get("provenance", "")))
+            row = json.loads(line)  # as written by mmdata.preprocess.quarantine.quarantine_line
             out.append(
                 QuarantineRecord(
-                    id=str(row.get("id", "")),
-                    reason=str(row.get("reason", "unknown")),
-                    source=str(row.get("source") or ""),
-                    location=loc if isinstance(loc, str) else json.dumps(loc, ensure_ascii=False, sort_keys=True),
-                    detail=str(row.get("detail", "")),
+                    id=str(row["id"]),
+                    reason=str(row["reason"]),
+                    location=str(row["source_location"]),
+                    detail=str(row["detail"]),
                     raw=row,
                 )
             )

@@ -65,9 +65,8 @@ def show_sample(sample: ShardSample, chat: Any, *, max_side: int = 384) -> Sampl
 def quarantine_html(records: Sequence[QuarantineRecord], limit: int = 200) -> str:
     """The quarantined records with their reasons (first `limit`)."""
     shown = records[:limit]
-    with_source = any(q.source for q in shown)  # preprocess writes no source for rejected records
-    headers = ["id", "reason", *(["source"] if with_source else []), "location", "detail"]
-    rows = [[q.id, q.reason, *([q.source] if with_source else []), q.location, q.detail[:160]] for q in shown]
+    headers = ["id", "reason", "location", "detail"]
+    rows = [[q.id, q.reason, q.location, q.detail[:160]] for q in shown]
     title = f"Quarantined records ({len(records)}{'' if len(records) <= limit else f', first {limit}'})"
     return table_html(title, headers, rows or [["(none)"] + [""] * (len(headers) - 1)])
 

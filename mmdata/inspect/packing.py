@@ -1,7 +1,7 @@
 """Packing efficiency estimate on sampled sequence lengths, done the way the loader packs.
 
 The loader collects `packing_buffer_size` samples (default 256, `DEFAULT_PACKING_BUFFER` in
-`mmdata.energon_loaders.loader`) and packs each buffer with `largest_first_knapsack` from
+`mmdata.energon_loaders.packing`) and packs each buffer with `largest_first_knapsack` from
 `mmdata.energon_loaders.packing` (its `select_samples_to_pack` hook). Here the sampled lengths,
 in stream order, are cut into buffers of the same size and packed with that same function, so
 the estimate includes the partly filled last sequence of every buffer, as training sees it.
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from mmdata.energon_loaders.packing import largest_first_knapsack, packing_efficiency
+from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
 
-#: the loader's default packing buffer (a test keeps it equal to the loader's constant)
-PACKING_BUFFER = 256
+#: the loader's default packing buffer
+PACKING_BUFFER = DEFAULT_PACKING_BUFFER
 
 
 @dataclass

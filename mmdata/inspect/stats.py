@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -18,8 +18,10 @@ import numpy as np
 from PIL import Image
 
 from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.chat_template import with_video_placeholder
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
 from mmdata.inspect.packing import PackingEstimate, estimate_packing
+from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
 SCHEMA = "mmdata.inspect/1"
 MODALITIES = ("text_only", "single_image", "multi_image", "video")
@@ -114,14 +116,8 @@ def image_stats(sample: ShardSample, max_tiles: int = anyres.DEFAULT_MAX_TILES) 
     out: list[ImageStats] = []
     for name in names:
         fmt, w, h = _header_size(sample, name)
-        if len(names) == 1:
-            rows, cols = anyres.anyres_grid_shape(h, w)
-            tiles = 1 + rows * cols
-            tokens = anyres.num_image_tokens(h, w, max_tiles=max_tiles)
-        else:
-            rows, cols, tiles = 0, 0, 1
-            tokens = anyres.num_base_only_tokens()
-        out.append(ImageStats(name, fmt, w, h, tiles, tokens, (rows, cols)))
+        (rows, cols), tokens = anyres.image_layout(h, w, len(names) == 1, max_tiles=max_tiles)
+        out.append(ImageStats(name, fmt, w, h, 1 + rows * cols, tokens, (rows, cols)))
     return out
 
 
@@ -130,16 +126,6 @@ def _video_frames(sample: ShardSample, max_frames: int) -> int:
     from mmdata.energon_loaders.video import probe_video
 
     return len(probe_video(sample.media_bytes(sample.video_name), max_frames).frame_indices)
-
-
-def _with_video_placeholder(conv: list[dict]) -> list[dict]:
-    """As the loader does for a clip without `<video>`: prepend it to the first human turn."""
-    out = [dict(t) for t in conv]
-    for t in out:
-        if t.get("from") in ("human", "user"):
-            t["value"] = f"<video>\n{t['value']}"
-            break
-    return out
 
 
 def measure_sample(
@@ -165,10 +151,9 @@ def measure_sample(
             video_tokens = anyres.num_video_tokens(_video_frames(sample, max_frames or DEFAULT_MAX_FRAMES))
         except Exception:  # noqa: BLE001 - the loader skips such samples as video_decode
             error = error or "video_decode"
-        if not any("<video>" in str(t.get("value", "")) for t in conv):
-            conv = _with_video_placeholder(conv)
+        conv = with_video_placeholder(conv)  # as the loader does for a clip without `<video>`
     text = "\n".join(str(t.get("value", "")) for t in conv)
-    plain = text.replace("<image>", " ").replace("<video>", " ")
+    plain = text.replace(IMAGE_PLACEHOLDER, " ").replace(VIDEO_PLACEHOLDER, " ")
     text_tokens = loss_tokens = None
     if chat is not None and error is None:
         from mmdata.energon_loaders.chat_template import ConversationError
@@ -312,25 +297,11 @@ class DatasetSummary:
 
 
 def _manifest_sources(manifest: dict[str, Any] | None) -> dict[str, int] | None:
-    """Written samples per source from the manifest, if it records them."""
-    if not manifest:
+    """Written samples per source from the manifest's counts (preprocess/manifest.py `Counts`)."""
+    by_source = (manifest or {}).get("counts", {}).get("by_source")
+    if not by_source:
         return None
-    for path in (("counts", "by_source"), ("counts", "per_source"), ("sources",)):
-        node: Any = manifest
-        for k in path:
-            node = node.get(k) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node:
-            out: dict[str, int] = {}
-            for name, v in node.items():
-                if isinstance(v, int):
-                    out[name] = v
-                elif isinstance(v, dict) and isinstance(v.get("written"), int):
-                    out[name] = v["written"]
-                else:
-                    break
-            else:
-                return dict(sorted(out.items()))
-    return None
+    return {name: c["written"] for name, c in sorted(by_source.items())}
 
 
 def summarize(
@@ -371,10 +342,3 @@ def summarize(
         samples=stats,
     )
 
-
-def sample_stats_dict(s: SampleStats) -> dict[str, Any]:
-    """A SampleStats as plain JSON-able data (for tables and logs)."""
-    d = asdict(s)
-    d["image_tokens"] = s.image_tokens
-    d["total_tokens"] = s.total_tokens
-    return d

@@ -127,7 +127,7 @@ def _run_ranks(job: dict, world: int) -> None:
         return
     import torch.multiprocessing as mp
 
-    from mmtrain.llava_ov.parallel_init import free_port
+    from mmtrain.distributed import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

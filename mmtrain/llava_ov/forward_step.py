@@ -14,16 +14,12 @@ import torch
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX, LlavaOVBatch
 from mmtrain.device import default_device
+from mmtrain.loss import masked_loss_sum
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """-> (loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]}) as megatron expects."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.cat([loss_sum.detach().view(1), num_tokens.detach().float().view(1)])
-    return loss_sum, num_tokens, {"lm loss": report}
+    return masked_loss_sum(output_tensor, loss_mask)
 
 
 def forward_step(data_iterator: Iterator[LlavaOVBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

@@ -5,26 +5,20 @@ one only acts when nothing is initialised yet."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mmtrain.device import enable_cpu_compat
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from mmtrain.distributed import free_port, resolve_backend
 
 
 def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     """Single-process default (world 1) unless torch.distributed is already up."""
     enable_cpu_compat()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = resolve_backend("auto")
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # a launcher set it up
             dist.init_process_group(backend=backend, rank=rank, world_size=world)
