@@ -64,6 +64,8 @@ CONV = [{"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "A
     ({"id": "a", "conversations": [{"from": "human", "value": "<image><image>hi"}, {"from": "gpt", "value": "x"}],
       "image": "x.png"}, {"x.png": _png(8, 8)}, "placeholder_mismatch"),
     ({"id": "a", "conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "x"}]}, {}, "placeholder_mismatch"),
+    (b'{"id": "a", "conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}', {},
+     "json_malformed"),  # a lone surrogate: valid JSON, not encodable as UTF-8
 ])
 def test_invalid_records_get_their_reason(tmp_path, obj, files, reason):
     res = validate(_record(tmp_path, obj, files), ValidationConfig(max_image_pixels=100_000))
@@ -129,8 +131,8 @@ def test_write_shard_is_deterministic_and_atomic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    ra = write_shard(a / "shard-000000.tar", iter(samples))
-    rb = write_shard(b / "shard-000000.tar", iter(samples))
+    ra, _ = write_shard(a / "shard-000000.tar", iter(samples))  # (ShardResult, ShardLayout)
+    rb, _ = write_shard(b / "shard-000000.tar", iter(samples))
     assert ra.sha256 == rb.sha256 == sha256_file(a / "shard-000000.tar") and ra.samples == 5
     assert ra.bytes == (a / "shard-000000.tar").stat().st_size
     assert sorted(p.name for p in a.iterdir()) == ["shard-000000.tar"]  # no temp file left

@@ -27,12 +27,12 @@ class DevSample:
 
 def write_dev_shards(out_dir: str | Path, samples: Sequence[DevSample], samples_per_shard: int = 16, key_offset: int = 0) -> Path:
     """Write `samples` as shards under `out_dir` and prepare `.nv-meta/`; returns out_dir."""
-    from mmdata.preprocess.energon_meta import write_energon_meta
+    from mmdata.preprocess.energon_meta import write_energon_index, write_tar_index
     from mmdata.preprocess.shard_writer import SampleMembers, write_shard
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names: list[str] = []
+    names, layouts = [], []
     for shard_i, start in enumerate(range(0, len(samples), samples_per_shard)):
         name = sf.SHARD_NAME_TEMPLATE.format(shard_i)
         shard_samples = []
@@ -45,7 +45,9 @@ def write_dev_shards(out_dir: str | Path, samples: Sequence[DevSample], samples_
             if s.video:
                 members.append((video_name, s.video[1]))
             shard_samples.append(SampleMembers(f"{key_offset + start + j:010d}", members))
-        write_shard(out / name, shard_samples)
+        _, layout = write_shard(out / name, shard_samples)
+        write_tar_index(out / name, layout)
         names.append(name)
-    write_energon_meta(out, names)
+        layouts.append(layout)
+    write_energon_index(out, names, layouts)
     return out

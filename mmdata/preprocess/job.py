@@ -32,12 +32,12 @@ import mmdata
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
-from mmdata.preprocess.energon_meta import NV_META, preload_energon, write_energon_meta
+from mmdata.preprocess.energon_meta import NV_META, ShardLayout, preload_energon, write_energon_index
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import scan_unit, sort_bucket, write_shard_task
+from mmdata.preprocess.stages import ROW_FORMAT, scan_unit, sort_bucket, write_shard_task
 from mmdata.preprocess.validation import ValidationConfig
 
 WORK_DIR_NAME = ".mmdata-work"
@@ -83,7 +83,7 @@ def _our_outputs(out: Path) -> list[Path]:
     names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, NV_META, WORK_DIR_NAME]
     paths = [out / n for n in names if (out / n).exists()]
     paths += sorted(out.glob("shard-*.tar")) + sorted(out.glob("shard-*.tar.idx"))
-    paths += sorted(out.glob(".shard-*.tar.tmp-*"))
+    paths += sorted(out.glob(".shard-*.tar.tmp-*")) + sorted(out.glob("shard-*.tar.idx.tmp"))
     return paths
 
 
@@ -119,14 +119,15 @@ def _check_output_dir(out: Path, fp: str, overwrite: bool) -> dict | None:
 def _prepare_work_dir(out: Path, fp: str, num_buckets: int) -> Path:
     work = out / WORK_DIR_NAME
     wj = work / "work.json"
-    if wj.exists() and json.loads(wj.read_text()).get("num_buckets") != num_buckets:
-        # Shards do not depend on the bucket count; only the intermediate runs do.
+    state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT}
+    if wj.exists() and any(json.loads(wj.read_text()).get(k) != state[k] for k in ("num_buckets", "row_format")):
+        # Shards do not depend on the bucket count or the row encoding; only the intermediate runs do.
         _remove([work / "scan", work / "sorted"])
     for d in ("scan", "sorted", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")):
+    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp")):
         stale.unlink(missing_ok=True)
-    write_json_atomic(wj, {"fingerprint": fp, "num_buckets": num_buckets})
+    write_json_atomic(wj, state)
     return work
 
 
@@ -208,6 +209,34 @@ def _run_bounded(submit: Callable[[object], object], items: Iterable[object], ma
             break
         pending[submit(item)] = item
     drain(0)
+
+
+class _Finisher(threading.Thread):
+    """Runs the finishing step beside `ray.shutdown()`; result() re-raises its error."""
+
+    def __init__(self, fn: Callable[[], None]):
+        super().__init__(name="mmdata-finish", daemon=True)
+        self._fn, self._error = fn, None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+
+    def result(self) -> None:
+        self.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str],
+                    energon_import: threading.Thread) -> None:
+    """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
+    energon_import.join()
+    layouts = (ShardLayout.from_json((work / "shards" / f"{name}.layout.json").read_text()) for name in shard_names)
+    write_energon_index(out, shard_names, layouts)
+    concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
 
 
 def auto_samples_per_shard(counts: Counts, target_bytes: int) -> int:
@@ -338,21 +367,16 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
             _run_bounded(lambda p: write_r.remote(p, str(work), str(out)), plans, max_in_flight, wrote)
             phase_done("write_s")
+        # 4. finish: energon index + quarantine while Ray shuts down (that is mostly waiting)
+        shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
+        finisher = _Finisher(lambda: _finish_outputs(out, work, units, [s.name for s in shards], energon_import))
+        finisher.start()
     finally:
         scanner.stop()
         if own_ray:
             ray.shutdown()
-    phase_done("ray_shutdown_s")
-    # 4. finish: energon metadata, quarantine, manifest (written last: it marks completion)
-    shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
-    energon_import.join()
-    # energon's index pass reads every shard once; a process pool only pays off for a few
-    # hundred MB or more (its start-up costs more than it saves on small outputs).
-    total_bytes = sum(s.bytes for s in shards)
-    write_energon_meta(out, [s.name for s in shards],
-                       workers=max(1, min(4, cfg.num_cpus or 2, len(shards), total_bytes // (256 << 20))))
-    concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
-    phase_done("energon_prepare_s")
+    finisher.result()
+    phase_done("finish_s")
     manifest = {
         "tool": "mmdata preprocess",
         "version": mmdata.__version__,

@@ -4,16 +4,17 @@
 
 - scan_unit: validate one input file's records; spill valid index rows grouped by bucket.
 - sort_bucket: gather one bucket's rows from every scan run and sort them by (key, rid).
-- write_shard_task: write one shard from its global-rank slices, fetching media by offset.
+- write_shard_task: write one shard from its global-rank slices, fetching media by offset, plus
+  energon's .tar.idx and the shard's layout (work/shards/<shard>.layout.json).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.energon_meta import TAR_INDEX_SUFFIX, write_tar_index
 from mmdata.preprocess.manifest import Counts
 from mmdata.preprocess.quarantine import quarantine_line
 from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
@@ -45,24 +47,45 @@ def _save_offsets(path: Path, offsets: list[int]) -> None:
 
 def _read_rows(rows_path: Path, offsets_path: Path, start: int, stop: int) -> list[bytes]:
     """Rows [start, stop) of a row file whose row boundaries are in an offsets .npy."""
-    offs = np.load(offsets_path, mmap_mode="r")
-    lo, hi = int(offs[start]), int(offs[stop])
-    if hi <= lo:
+    if stop <= start:
         return []
+    offs = np.load(offsets_path, mmap_mode="r")[start:stop + 1].tolist()
+    lo = offs[0]
     with open(rows_path, "rb") as f:
         f.seek(lo)
-        data = f.read(hi - lo)
-    return data.splitlines()
+        data = f.read(offs[-1] - lo)
+    return [data[a - lo:b - lo] for a, b in zip(offs, offs[1:])]
 
 
-def _concat_rows(rows: Iterable[bytes]) -> tuple[bytes, list[int]]:
-    parts, offsets, pos = [], [0], 0
-    for r in rows:
-        parts.append(r)
-        parts.append(b"\n")
-        pos += len(r) + 1
-        offsets.append(pos)
-    return b"".join(parts), offsets
+def _concat_rows(rows: list[bytes]) -> tuple[bytes, list[int]]:
+    """Rows back to back (no separators: rows are binary) and their boundaries."""
+    return b"".join(rows), [0, *accumulate(map(len, rows))]
+
+
+# ----------------------------------------------------------------------------- index rows
+ROW_FORMAT = 2  # bump when the encoding changes: unfinished jobs then rescan instead of misreading
+# A row is the 8-byte big-endian shuffle key, then NUL-separated UTF-8 fields:
+#     rid \0 record_json \0 (path \0 offset \0 size \0 suffix)*   (offset, size in decimal)
+# The record JSON is stored as is (no second escaping, no json.loads in the writer). The key is
+# fixed width and NUL sorts below every other byte, so sorting raw rows sorts by (key, rid) and
+# the output order stays a function of (inputs, seed). No field can hold a NUL: json.dumps
+# escapes control characters, and OS paths and tar member names cannot contain one.
+
+
+def encode_row(key: int, rid: str, record_json: str, media: Iterable[tuple[str, int, int, str]]) -> bytes:
+    if "\0" in rid:
+        raise ValueError(f"record id contains NUL: {rid!r}")
+    # Names may hold undecodable bytes (surrogate escapes, as os.fsencode); the JSON must be UTF-8.
+    refs = "".join(f"\0{path}\0{offset}\0{size}\0{suffix}" for path, offset, size, suffix in media)
+    return b"".join((key.to_bytes(8, "big"), rid.encode("utf-8", "surrogateescape"), b"\0",
+                     record_json.encode(), refs.encode("utf-8", "surrogateescape")))
+
+
+def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]]]:
+    """(record JSON bytes, [(path, offset, size, suffix)]) of an encoded row."""
+    f = row[8:].split(b"\0")
+    m = [x.decode("utf-8", "surrogateescape") for x in f[2:]]
+    return f[1], [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])]
 
 
 def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: ValidationConfig,
@@ -79,11 +102,9 @@ def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: 
             res = validate(raw, vcfg)
             if isinstance(res, Valid):
                 key = shuffle_key(seed, raw.rid)
-                # Key first, fixed width: sorting the raw lines sorts by (key, rid).
-                row = json.dumps({"k": f"{key:016x}", "r": raw.rid, "j": res.record_json,
-                                  "m": [[m.path, m.offset, m.size, suffix] for m, suffix in res.media]},
-                                 ensure_ascii=False)
-                by_bucket[bucket_of(key, num_buckets)].append(row.encode())
+                row = encode_row(key, raw.rid, res.record_json,
+                                 [(m.path, m.offset, m.size, suffix) for m, suffix in res.media])
+                by_bucket[bucket_of(key, num_buckets)].append(row)
                 counts.add_record(res.source or fallback_source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
             else:
                 qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
@@ -91,7 +112,7 @@ def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: 
     except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
         qlines.append(quarantine_line(unit.rel, unit.path, "input_unreadable", f"{type(e).__name__}: {e}"))
         counts.add_record(fallback_source, False, "input_unreadable")
-    data, row_offsets = _concat_rows(r for rows in by_bucket for r in rows)
+    data, row_offsets = _concat_rows([r for rows in by_bucket for r in rows])
     bucket_offsets = [0]
     for rows in by_bucket:
         bucket_offsets.append(bucket_offsets[-1] + len(rows))
@@ -124,26 +145,33 @@ def sort_bucket(bucket: int, num_units: int, work: str) -> int:
     return len(rows)
 
 
-class _FileCache:
-    """A few open input files, so shard writers don't reopen a tar for every image."""
+class _InputFiles:
+    """Open fds of input files (at most `limit`, oldest closed first), so each media read is a
+    single os.pread: no reopening, seeking or Python file object per image."""
 
-    def __init__(self, size: int = 32):
-        self.size, self.files = size, OrderedDict()
+    def __init__(self, limit: int = 64):
+        self.limit, self.fds = limit, {}
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        f = self.files.pop(path, None) or open(path, "rb")
-        self.files[path] = f
-        while len(self.files) > self.size:
-            self.files.popitem(last=False)[1].close()
-        f.seek(offset)
-        data = f.read(size)
+        fd = self.fds.get(path)
+        if fd is None:
+            if len(self.fds) >= self.limit:
+                os.close(self.fds.pop(next(iter(self.fds))))
+            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+        data = os.pread(fd, size, offset)
+        while 0 < len(data) < size:  # only huge reads (over ~2 GiB on Linux) come back short
+            more = os.pread(fd, size - len(data), offset + len(data))
+            if not more:
+                break
+            data += more
         if len(data) != size:
             raise IOError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)} (input changed?)")
         return data
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
@@ -151,29 +179,33 @@ def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
     path, marker = o / name, w / "shards" / f"{name}.json"
-    if marker.exists() and path.exists():
+    layout_path, index_path = w / "shards" / f"{name}.layout.json", o / f"{name[:-len('.tar')]}{TAR_INDEX_SUFFIX}"
+    if all(p.exists() for p in (marker, path, layout_path, index_path)):
         done = json.loads(marker.read_text())
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
             return {**done, "resumed": True}
-    cache = _FileCache()
+    files = _InputFiles()
 
     def samples() -> Iterator[SampleMembers]:
         rank = plan.first_rank
         for sl in plan.slices:
             base = w / "sorted" / f"b{sl.bucket:05d}"
-            for line in _read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), sl.start, sl.stop):
-                row = json.loads(line)
-                members = [(sf.JSON_MEMBER, row["j"].encode())]
-                members += [(suffix, cache.read(p, off, size)) for p, off, size, suffix in row["m"]]
+            for row in _read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), sl.start, sl.stop):
+                record_json, media = decode_row(row)
+                members = [(sf.JSON_MEMBER, record_json)]
+                members += [(suffix, files.read(p, off, size)) for p, off, size, suffix in media]
                 yield SampleMembers(f"{rank:010d}", members)
                 rank += 1
 
     try:
-        result = write_shard(path, samples())
+        result, layout = write_shard(path, samples())
     finally:
-        cache.close()
+        files.close()
     if result.samples != plan.num_samples:
         raise RuntimeError(f"{name}: wrote {result.samples} samples, planned {plan.num_samples}")
+    # energon's .tar.idx and the layout (for the driver's energon index) before the marker.
+    write_tar_index(path, layout)
+    _write_bytes_atomic(layout_path, layout.to_json().encode())
     _write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}
 

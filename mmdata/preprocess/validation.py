@@ -8,12 +8,11 @@ from __future__ import annotations
 import io
 import json
 import warnings
-import zlib
 from dataclasses import dataclass, field
 
-import numpy as np
 from PIL import Image, ImageFile
 
+from mmdata.preprocess import decode_check
 from mmdata.preprocess.adapters.base import MediaRef, RawRecord
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SampleRecord, image_member_name, video_member_name
 
@@ -62,55 +61,43 @@ class _Reject(Exception):
         self.reason, self.detail = reason, detail
 
 
-# PNG colour type -> samples per pixel (PNG spec, table 11.1).
-_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
-_PNG_PIECE = 8 << 20  # inflate in pieces of this many bytes: memory stays bounded for huge images
-
-
 def _png_fast_ok(img: Image.Image) -> bool:
-    """A plain (non-interlaced, non-animated) PNG: validated by `_check_png_stream`."""
+    """A plain (non-interlaced, non-animated) PNG: validated by `check_png_stream`."""
     return not img.info.get("interlace") and not getattr(img, "is_animated", False)
 
 
-def _webp_fast_ok(img: Image.Image) -> bool:
-    return getattr(img, "n_frames", 1) == 1 and hasattr(img, "_decoder")
+def _guard_pixels(w: int, h: int, name: str, cfg: ValidationConfig) -> None:
+    if w * h > cfg.max_image_pixels:
+        raise _Reject("image_too_large", f"{name}: {w}x{h} = {w * h} px > {cfg.max_image_pixels}")
 
 
-def _check_png_stream(data: bytes, w: int, h: int) -> None:
-    """Full check of a non-interlaced PNG's image data without building pixels: every IDAT
-    chunk is inflated (zlib detects corrupt deflate data), there must be exactly enough data
-    for every row, and every row must start with a valid filter type (0-4). Unfiltering is
-    plain arithmetic that cannot fail, so this finds what `Image.load()` finds, ~3x faster.
-    Header chunks (IHDR, PLTE, ... and their CRCs) were already checked by `Image.open`."""
-    depth, ctype = data[24], data[25]
-    stride = (w * _PNG_CHANNELS[ctype] * depth + 7) // 8 + 1
-    need = h * stride
-    parts, pos, n, seen_idat = [], 8, len(data), False
-    while pos + 8 <= n:
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        cid = data[pos + 4:pos + 8]
-        if cid == b"IDAT":
-            if pos + 8 + length > n:
-                raise OSError(f"image file is truncated (IDAT chunk at {pos} needs {length} bytes)")
-            seen_idat = True
-            parts.append(data[pos + 8:pos + 8 + length])
-        elif seen_idat or cid == b"IEND":
-            break
-        pos += 12 + length
-    d = zlib.decompressobj()
-    pending, off = b"".join(parts), 0
-    while off < need:
-        try:
-            out = d.decompress(pending, min(need - off, _PNG_PIECE))
-        except zlib.error as e:
-            raise OSError(f"corrupt PNG image data: zlib: {e}") from None
-        pending = d.unconsumed_tail
-        if not out:
-            raise OSError(f"image file is truncated ({off} of {need} bytes of image data)")
-        filters = np.frombuffer(out, dtype=np.uint8)[(-off) % stride::stride]
-        if filters.size and int(filters.max()) > 4:
-            raise OSError(f"unrecognized PNG row filter type {int(filters.max())}")
-        off += len(out)
+def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int, int, str]:
+    """(format, width, height, mode) after the format's full decode check; raises OSError.
+    Plain JPEGs and still WebPs never reach Pillow (its Python header parsing would cost as
+    much as the check); everything else, and every JPEG the fast decoder does not take, does."""
+    if decode_check.is_jpeg(data) and (header := decode_check.jpeg_header(data)):
+        _guard_pixels(header[0], header[1], name, cfg)
+        if decode_check.jpeg_decodes_cleanly(data):
+            return ("JPEG", *header)
+    elif decode_check.is_webp(data):
+        w, h, has_alpha, animated = decode_check.webp_features(data)
+        if not animated:
+            _guard_pixels(w, h, name, cfg)
+            decode_check.check_webp(data, has_alpha)
+            return "WEBP", w, h, "RGBA" if has_alpha else "RGB"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        _guard_pixels(w, h, name, cfg)
+        fmt, mode = img.format or "", img.mode
+        if fmt == "JPEG":
+            decode_check.check_jpeg_with_pillow(img)
+        elif fmt == "PNG" and _png_fast_ok(img):
+            decode_check.check_png_stream(data, w, h)
+        else:
+            img.load()
+    return fmt, w, h, mode
 
 
 def check_image(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int, int, str]:
@@ -120,26 +107,7 @@ def check_image(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int
     if len(data) > cfg.max_image_bytes:
         raise _Reject("image_too_large", f"{name}: {len(data)} bytes > {cfg.max_image_bytes}")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            w, h = img.size
-            if w * h > cfg.max_image_pixels:
-                raise _Reject("image_too_large", f"{name}: {w}x{h} = {w * h} px > {cfg.max_image_pixels}")
-            fmt, mode = img.format or "", img.mode
-            if fmt == "JPEG":
-                # Entropy-decode every scan but reconstruct at 1/8 scale: any truncation or
-                # corrupt Huffman data still fails, at a fraction of the cost of a full IDCT.
-                img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
-                img.load()
-            elif fmt == "PNG" and _png_fast_ok(img):
-                _check_png_stream(data, w, h)
-            elif fmt == "WEBP" and _webp_fast_ok(img):
-                # libwebp decodes the whole frame; skip Pillow's copy into an Image + RGBX->RGB.
-                if img._decoder.get_next() is None:
-                    raise OSError("failed to decode WebP frame: broken data stream")
-            else:
-                img.load()
+        fmt, w, h, mode = _open_and_check(data, name, cfg)
     except _Reject:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -279,4 +247,9 @@ def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
                        images=[s for _, s in media if s != video_name], video=video_name,
                        meta=meta, provenance=raw.provenance)
     # vars() rather than dataclasses.asdict: asdict deep-copies every nested value (slow, needless).
-    return Valid(json.dumps(vars(rec), ensure_ascii=False, sort_keys=True), media, source)
+    text = json.dumps(vars(rec), ensure_ascii=False, sort_keys=True)
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:  # e.g. a lone surrogate written as "\ud800" in the source JSON
+        return Invalid("json_malformed", f"text is not valid Unicode: {e.reason} at {e.start}", record_id, source)
+    return Valid(text, media, source)

@@ -5,11 +5,11 @@ read here; image bytes are addressed by offset and read by the validator / shard
 from __future__ import annotations
 
 import os
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from mmdata.preprocess.adapters.base import InputUnit, MediaRef, MediaResolver, RawRecord, walk_files
+from mmdata.preprocess.tar_scan import TarMember, list_tar
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 
@@ -30,7 +30,7 @@ def list_units(inputs: list[Path]) -> list[InputUnit]:
 
 
 class _TarMembers(MediaResolver):
-    def __init__(self, path: str, members: dict[str, tarfile.TarInfo]):
+    def __init__(self, path: str, members: dict[str, TarMember]):
         self.path, self.members = path, members
 
     def __call__(self, ref: str) -> MediaRef | None:
@@ -54,54 +54,44 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
     A tar cut short still yields every sample before the damage; the unreadable rest becomes
     one `input_truncated` record.
     """
-    infos: list[tarfile.TarInfo] = []
-    json_bytes_of: dict[str, bytes | None] = {}
-    tail_error = ""
-    with tarfile.open(unit.path, "r:") as tar:
-        try:
-            for m in tar:
-                if m.isfile():
-                    infos.append(m)
-        except (tarfile.TarError, EOFError, OSError) as e:
-            tail_error = f"tar listing stopped after {len(infos)} members: {type(e).__name__}: {e}"
-        # tarfile silently ends the listing at a truncated header; detect a cut-short file here.
-        size = os.path.getsize(unit.path)
-        if not tail_error and infos and infos[-1].offset_data + infos[-1].size > size:
-            tail_error = f"file ends inside member {infos[-1].name!r}: truncated tar ({size} bytes)"
-        for m in infos:
-            if m.name.lower().endswith(".json"):
-                try:
-                    f = tar.extractfile(m)
-                    json_bytes_of[m.name] = f.read() if f else b""
-                except (tarfile.TarError, EOFError, OSError):
-                    json_bytes_of[m.name] = None
-    members = {m.name: m for m in infos}
+    infos, tail_error = list_tar(unit.path)
+    members = {m.name: m for m in infos}  # a repeated name resolves to its last copy, as in tarfile
     resolver = _TarMembers(unit.path, members)
-    groups: dict[str, list[tarfile.TarInfo]] = {}
-    order: list[str] = []
+    groups: dict[str, list[tuple[TarMember, str]]] = {}
     for m in infos:
-        key, _ = _key_of(m.name)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(m)
-    for index, key in enumerate(order):
-        group = groups[key]
-        jsons = [m for m in group if _key_of(m.name)[1] == "json"]
-        images = [m.name for m in group if m.name.lower().endswith(IMAGE_EXTS)]
+        key, suffix = _key_of(m.name)
+        groups.setdefault(key, []).append((m, suffix))
+    json_of = {key: next((m.name for m, suffix in group if suffix == "json"), None)
+               for key, group in groups.items()}
+    json_bytes_of = _read_members(unit.path, [members[name] for name in json_of.values() if name is not None])
+    for index, (key, group) in enumerate(groups.items()):
+        images = [m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)]
         prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
-        if not jsons:
+        name = json_of[key]
+        if name is None:
             yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
-                            error="json_missing", error_detail=f"members {[m.name for m in group]} have no .json",
+                            error="json_missing", error_detail=f"members {[m.name for m, _ in group]} have no .json",
                             default_media=images)
             continue
-        jm = jsons[0]
-        prov["member"] = jm.name
-        data = json_bytes_of[jm.name]
-        yield RawRecord(f"{unit.rel}:{jm.name}", f"{unit.path}:{jm.name}", data, prov, resolver,
+        prov["member"] = name
+        data = json_bytes_of[name]
+        yield RawRecord(f"{unit.rel}:{name}", f"{unit.path}:{name}", data, prov, resolver,
                         error=None if data is not None else "input_truncated",
-                        error_detail="" if data is not None else f"{jm.name}: data cut short", default_media=images)
+                        error_detail="" if data is not None else f"{name}: data cut short", default_media=images)
     if tail_error:
-        prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(order)}
+        prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(groups)}
         yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
                         error="input_truncated", error_detail=tail_error)
+
+
+def _read_members(path: str, members: list[TarMember]) -> dict[str, bytes | None]:
+    """Data of small members by name (JSON), None for data the file cuts short."""
+    out: dict[str, bytes | None] = {}
+    with open(path, "rb", buffering=0) as f:
+        for m in members:
+            try:
+                data = os.pread(f.fileno(), m.size, m.offset_data)
+                out[m.name] = data if len(data) == m.size else None
+            except OSError:
+                out[m.name] = None
+    return out

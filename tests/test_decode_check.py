@@ -1,0 +1,133 @@
+"""The fast per-format decode checks must give Pillow's verdict: never pass an image that a full
+Pillow `load()` rejects, never reject one Pillow loads (except PNGs with a cut tail, where the
+check is deliberately stricter), and report Pillow's format, size and mode."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmdata.preprocess import decode_check
+from mmdata.preprocess.validation import ValidationConfig, _Reject, check_image
+
+
+def _picture(mode: str, size: tuple[int, int] = (181, 97)) -> Image.Image:
+    im = Image.effect_mandelbrot(size, (-2, -1.5, 1, 1.5), 60)
+    noise = np.random.default_rng(0).integers(0, 40, size=(size[1], size[0]), dtype=np.uint8)
+    im = Image.merge("RGB", (im, Image.fromarray(noise), im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)))
+    if mode == "I;16":
+        return im.convert("I").point(lambda v: v * 250).convert("I;16")
+    if mode == "RGBA":
+        im = im.convert("RGBA")
+        im.putalpha(Image.fromarray(noise * 6))
+        return im
+    return im.convert(mode)
+
+
+def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def _pillow_loads(data: bytes) -> bool:
+    try:
+        Image.open(io.BytesIO(data)).load()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _damaged(data: bytes, seed: int, flips: int = 60) -> list[bytes]:
+    rng = random.Random(seed)
+    cases = [data[:int(len(data) * f)] for f in (0.05, 0.2, 0.5, 0.8, 0.95, 0.99)] + [data[:-2], data[:-20]]
+    for _ in range(flips):
+        b = bytearray(data)
+        for _ in range(rng.choice((1, 1, 3))):
+            i = rng.randrange(len(data) // 8, len(data))
+            b[i] ^= 1 << rng.randrange(8)
+        cases.append(bytes(b))
+    return cases
+
+
+CASES = [
+    ("JPEG", "RGB", {"quality": 85}), ("JPEG", "RGB", {"quality": 95, "subsampling": 0}),
+    ("JPEG", "RGB", {"progressive": True}), ("JPEG", "L", {}), ("JPEG", "CMYK", {}),
+    ("PNG", "RGB", {}), ("PNG", "L", {}), ("PNG", "P", {}), ("PNG", "RGBA", {}), ("PNG", "1", {}),
+    ("PNG", "I;16", {}), ("PNG", "RGB", {"interlace": 1}),
+    ("WEBP", "RGB", {"quality": 80}), ("WEBP", "RGBA", {"quality": 80}), ("WEBP", "RGBA", {"lossless": True}),
+    ("WEBP", "RGB", {"lossless": True}),
+]
+
+
+@pytest.mark.parametrize("fmt,mode,kw", CASES)
+def test_verdict_format_size_and_mode_match_pillow(fmt, mode, kw):
+    data = _encode(_picture(mode), fmt, **kw)
+    ext, w, h, got_mode = check_image(data, "x", ValidationConfig())
+    ref = Image.open(io.BytesIO(data))
+    assert (w, h, got_mode) == (*ref.size, ref.mode)
+    assert ext == {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}[fmt]
+    passed = rejected_ok = 0
+    for case in _damaged(data, seed=hash((fmt, mode, str(kw))) & 0xFFFF):
+        try:
+            check_image(case, "x", ValidationConfig())
+            ok = True
+        except _Reject as r:
+            assert r.reason in ("image_truncated", "image_undecodable"), r.reason
+            ok = False
+        pillow_ok = _pillow_loads(case)
+        assert not ok or pillow_ok, "a damaged image that Pillow rejects passed the check"
+        assert ok or not pillow_ok or fmt == "PNG", "an image Pillow loads was rejected"
+        passed += ok
+        rejected_ok += not ok
+    assert rejected_ok > 0  # the damage really exercised the failure paths
+
+
+def test_webp_alpha_plane_is_checked():
+    """A still WebP with a lossy colour frame and a separate alpha chunk: damage confined to the
+    alpha chunk must be caught (the YUVA decode decodes the alpha plane too)."""
+    data = _encode(_picture("RGBA"), "WEBP", quality=80)
+    pos = data.index(b"ALPH")
+    size = int.from_bytes(data[pos + 4:pos + 8], "little")
+    bad = bytearray(data)
+    for i in range(pos + 9, pos + 8 + size, 7):
+        bad[i] ^= 0xFF
+    assert not _pillow_loads(bytes(bad))
+    with pytest.raises(_Reject):
+        check_image(bytes(bad), "x", ValidationConfig())
+
+
+def test_truncated_jpeg_is_image_truncated():
+    data = _encode(_picture("RGB", (640, 480)), "JPEG", quality=90)
+    with pytest.raises(_Reject) as e:
+        check_image(data[: len(data) // 2], "x", ValidationConfig())
+    assert e.value.reason == "image_truncated"
+
+
+def test_pixel_guard_runs_before_any_decode():
+    cfg = ValidationConfig(max_image_pixels=100 * 100)
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        with pytest.raises(_Reject) as e:
+            check_image(_encode(_picture("RGB", (200, 120)), fmt), "big", cfg)
+        assert e.value.reason == "image_too_large"
+
+
+def test_animated_webp_and_gif_go_through_pillow():
+    frames = [_picture("RGB", (64, 48)).rotate(a) for a in (0, 90, 180)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="WEBP", save_all=True, append_images=frames[1:], duration=50)
+    assert decode_check.webp_features(buf.getvalue())[3]  # animated
+    assert check_image(buf.getvalue(), "a.webp", ValidationConfig())[:3] == ("webp", 64, 48)
+    assert check_image(_encode(frames[0], "GIF"), "a.gif", ValidationConfig())[:3] == ("gif", 64, 48)
+
+
+def test_fast_jpeg_path_is_taken_for_plain_jpegs():
+    """Guards the speed: a plain baseline JPEG is decided without Pillow."""
+    data = _encode(_picture("RGB"), "JPEG")
+    assert decode_check.jpeg_header(data) == (181, 97, "RGB")
+    assert decode_check.jpeg_decodes_cleanly(data)
+    assert not decode_check.jpeg_decodes_cleanly(data[: len(data) // 2])

@@ -1,0 +1,75 @@
+"""The energon index `mmdata preprocess` writes from the shard writers' recorded layouts must be
+exactly what energon's own `prepare_dataset` finds by reading the shards back."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index, write_tar_index
+from mmdata.preprocess.shard_writer import SampleMembers, write_shard
+
+
+def _shards(folder: Path, n_shards: int = 3) -> list[str]:
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    names, key = [], 0
+    for s in range(n_shards):
+        samples = []
+        for _ in range(int(rng.integers(1, 40))):
+            members = [("json", json.dumps({"i": key, "t": "测试"}).encode())]
+            for k in range(int(rng.integers(0, 4))):
+                size = int(rng.choice([0, 1, 511, 512, 513, 5000]))
+                members.append((f"img{k:02d}.jpg", rng.integers(0, 256, size, dtype=np.uint8).tobytes()))
+            samples.append(SampleMembers(f"{key:010d}", members))
+            key += 1
+        name = f"shard-{s:06d}.tar"
+        _, layout = write_shard(folder / name, samples)
+        write_tar_index(folder / name, layout)
+        (folder / f"{name}.layout.json").write_text(layout.to_json())
+        names.append(name)
+    return names
+
+
+def _energon_prepare(folder: Path, names: list[str]) -> None:
+    """The reference: energon's own preparation, reading the shards back."""
+    from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        BaseWebdatasetFactory.prepare_dataset(folder, names, split_parts_ratio=[("train", 1.0)], shuffle_seed=None,
+                                              workers=1)
+
+
+def _rows(db: Path, table: str) -> list[tuple]:
+    with sqlite3.connect(db) as c:
+        return sorted(c.execute(f"SELECT * FROM {table}").fetchall())
+
+
+def test_index_from_layouts_equals_energon_prepare(tmp_path):
+    ours = tmp_path / "ours"
+    names = _shards(ours)
+    layouts = [ShardLayout.from_json((ours / f"{n}.layout.json").read_text()) for n in names]
+    write_energon_index(ours, names, layouts)
+    ref = tmp_path / "energon"
+    ref.mkdir()
+    for n in names:
+        shutil.copy(ours / n, ref / n)
+    _energon_prepare(ref, names)
+    for n in names:
+        assert (ours / n.replace(".tar", ".tar.idx")).read_bytes() == (ref / n.replace(".tar", ".tar.idx")).read_bytes()
+    for table in ("samples", "sample_parts"):
+        mine, theirs = _rows(ours / NV_META / "index.sqlite", table), _rows(ref / NV_META / "index.sqlite", table)
+        assert mine == theirs and len(mine) > 0, table
+    for f in (".info.json",):
+        assert json.loads((ours / NV_META / f).read_text()) == json.loads((ref / NV_META / f).read_text())
+    assert yaml.safe_load((ours / NV_META / "split.yaml").read_text()) == \
+        yaml.safe_load((ref / NV_META / "split.yaml").read_text())
+    assert len((ours / NV_META / "index.uuid").read_text()) == 36
+
