@@ -60,16 +60,3 @@ def sample_loader(raw: dict) -> dict:
 def part_filter(part: str) -> bool:
     """All parts of our samples are needed (json, imgNN.*, video.*)."""
     return part == JSON_MEMBER or part.startswith("img") or part.startswith("video.")
-
-
-# The text of `.nv-meta/sample_loader.py` written next to every shard set.
-SAMPLE_LOADER_PY = '''\
-# Written by mmdata preprocess: the loader lives in the installed package.
-from mmdata.energon_loaders.sample import part_filter, sample_loader  # noqa: F401
-'''
-
-DATASET_YAML = {
-    "sample_type": {"__module__": "mmdata.energon_loaders.sample", "__class__": "ConversationSample"},
-    "sample_loader": "sample_loader.py:sample_loader",
-    "part_filter": "sample_loader.py:part_filter",
-}

@@ -32,7 +32,7 @@ import mmdata
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
-from mmdata.preprocess.energon_meta import NV_META, ShardLayout, preload_energon, write_energon_index
+from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.shard_writer import ShardResult
@@ -230,10 +230,8 @@ class _Finisher(threading.Thread):
             raise self._error
 
 
-def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str],
-                    energon_import: threading.Thread) -> None:
+def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str]) -> None:
     """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
-    energon_import.join()
     layouts = (ShardLayout.from_json((work / "shards" / f"{name}.layout.json").read_text()) for name in shard_names)
     write_energon_index(out, shard_names, layouts)
     concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
@@ -298,11 +296,10 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             resumed["scan"] += 1
         else:
             todo.append(u)
-    # While Ray starts (and its workers), the driver scans files itself and imports energon.
+    # While Ray starts (and its workers), the driver scans files itself.
     scanner = _DriverScanner(todo, lambda u: scan_unit(cfg.dataset, u, cfg.seed, num_buckets,
                                                         cfg.validation, str(work)))
     scanner.start()
-    energon_import = preload_energon()
     try:
         own_ray = _init_ray(cfg)
     except BaseException:
@@ -369,7 +366,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             phase_done("write_s")
         # 4. finish: energon index + quarantine while Ray shuts down (that is mostly waiting)
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
-        finisher = _Finisher(lambda: _finish_outputs(out, work, units, [s.name for s in shards], energon_import))
+        finisher = _Finisher(lambda: _finish_outputs(out, work, units, [s.name for s in shards]))
         finisher.start()
     finally:
         scanner.stop()

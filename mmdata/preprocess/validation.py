@@ -218,7 +218,7 @@ def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
             m = raw.resolve_media(ref)
             if m is None:
                 raise _Reject("image_missing", f"image {ref!r} not found")
-            ext, w, h, mode = check_image(m.read(), ref, cfg)
+            ext, w, h, mode = check_image(raw.resolve_media.read(m), ref, cfg)
             media.append((m, image_member_name(k, ext)))
             sizes.append([w, h, mode])
         _normalise_placeholders(conv, len(refs))
@@ -230,7 +230,7 @@ def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
             m = raw.resolve_media(video_ref)
             if m is None:
                 raise _Reject("video_missing", f"video {video_ref!r} not found")
-            w, h, frames = check_video(m.read(), video_ref, cfg)
+            w, h, frames = check_video(raw.resolve_media.read(m), video_ref, cfg)
             ext = video_ref.rsplit(".", 1)[-1].lower() if "." in video_ref.rsplit("/", 1)[-1] else "mp4"
             video_name = video_member_name(ext)
             media.append((m, video_name))

@@ -56,6 +56,10 @@ class MediaResolver:
     def __call__(self, ref: str) -> MediaRef | None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def read(self, media: MediaRef) -> bytes:
+        """The media's bytes (adapters may keep their input file open across records)."""
+        return media.read()
+
 
 def walk_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """Files under `root` (or `root` itself) with one of `suffixes`, sorted for determinism."""

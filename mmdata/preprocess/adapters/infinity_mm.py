@@ -4,6 +4,7 @@ read here; image bytes are addressed by offset and read by the validator / shard
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,23 @@ def list_units(inputs: list[Path]) -> list[InputUnit]:
 
 
 class _TarMembers(MediaResolver):
+    """Members of one tar by name; their bytes are read through one open file (opening the tar
+    per image cost as much as listing it)."""
+
     def __init__(self, path: str, members: dict[str, TarMember]):
         self.path, self.members = path, members
+        self._file: io.FileIO | None = None
+
+    def read(self, media: MediaRef) -> bytes:
+        if media.path != self.path:
+            return media.read()
+        if self._file is None or self._file.closed:
+            self._file = open(self.path, "rb", buffering=0)
+        return os.pread(self._file.fileno(), media.size, media.offset)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
     def __call__(self, ref: str) -> MediaRef | None:
         name = ref.replace("\\", "/").rsplit("/", 1)[-1]
@@ -64,24 +80,27 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
     json_of = {key: next((m.name for m, suffix in group if suffix == "json"), None)
                for key, group in groups.items()}
     json_bytes_of = _read_members(unit.path, [members[name] for name in json_of.values() if name is not None])
-    for index, (key, group) in enumerate(groups.items()):
-        images = [m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)]
-        prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
-        name = json_of[key]
-        if name is None:
-            yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
-                            error="json_missing", error_detail=f"members {[m.name for m, _ in group]} have no .json",
-                            default_media=images)
-            continue
-        prov["member"] = name
-        data = json_bytes_of[name]
-        yield RawRecord(f"{unit.rel}:{name}", f"{unit.path}:{name}", data, prov, resolver,
-                        error=None if data is not None else "input_truncated",
-                        error_detail="" if data is not None else f"{name}: data cut short", default_media=images)
-    if tail_error:
-        prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(groups)}
-        yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
-                        error="input_truncated", error_detail=tail_error)
+    try:
+        for index, (key, group) in enumerate(groups.items()):
+            images = [m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)]
+            prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
+            name = json_of[key]
+            if name is None:
+                yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
+                                error="json_missing", error_detail=f"members {[m.name for m, _ in group]} have no .json",
+                                default_media=images)
+                continue
+            prov["member"] = name
+            data = json_bytes_of[name]
+            yield RawRecord(f"{unit.rel}:{name}", f"{unit.path}:{name}", data, prov, resolver,
+                            error=None if data is not None else "input_truncated",
+                            error_detail="" if data is not None else f"{name}: data cut short", default_media=images)
+        if tail_error:
+            prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(groups)}
+            yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
+                            error="input_truncated", error_detail=tail_error)
+    finally:
+        resolver.close()
 
 
 def _read_members(path: str, members: list[TarMember]) -> dict[str, bytes | None]:
