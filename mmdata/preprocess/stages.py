@@ -126,6 +126,14 @@ def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: 
     return result
 
 
+_PREFETCH_BYTES = 64 << 20  # media requested from the kernel ahead of the shard writer
+
+
+def _bucket_files(work: Path, bucket: int) -> tuple[Path, Path]:
+    base = work / "sorted" / f"b{bucket:05d}"
+    return Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy")
+
+
 def sort_bucket(bucket: int, num_units: int, work: str) -> int:
     """Gather one bucket's rows from every scan run and sort them by (key, rid)."""
     w = Path(work)
@@ -138,10 +146,10 @@ def sort_bucket(bucket: int, num_units: int, work: str) -> int:
             rows.extend(_read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), lo, hi))
     rows.sort()
     data, offsets = _concat_rows(rows)
-    base = w / "sorted" / f"b{bucket:05d}"
-    _write_bytes_atomic(Path(f"{base}.rows"), data)
-    _save_offsets(Path(f"{base}.rowoffs.npy"), offsets)
-    _write_bytes_atomic(Path(f"{base}.done.json"), json.dumps({"count": len(rows)}).encode())
+    rows_path, offsets_path = _bucket_files(w, bucket)
+    _write_bytes_atomic(rows_path, data)
+    _save_offsets(offsets_path, offsets)
+    _write_bytes_atomic(w / "sorted" / f"b{bucket:05d}.done.json", json.dumps({"count": len(rows)}).encode())
     return len(rows)
 
 
@@ -152,12 +160,22 @@ class _InputFiles:
     def __init__(self, limit: int = 64):
         self.limit, self.fds = limit, {}
 
-    def read(self, path: str, offset: int, size: int) -> bytes:
+    def _fd(self, path: str) -> int:
         fd = self.fds.get(path)
         if fd is None:
             if len(self.fds) >= self.limit:
                 os.close(self.fds.pop(next(iter(self.fds))))
             fd = self.fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def prefetch(self, path: str, offset: int, size: int) -> None:
+        """Ask the kernel to start reading a range now: a shard's media are scattered over the
+        inputs (that is the shuffle), and once the scan's pages are evicted, reading them one
+        pread at a time waits on each seek in turn; queued together the device overlaps them."""
+        os.posix_fadvise(self._fd(path), offset, size, os.POSIX_FADV_WILLNEED)
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        fd = self._fd(path)
         data = os.pread(fd, size, offset)
         while 0 < len(data) < size:  # only huge reads (over ~2 GiB on Linux) come back short
             more = os.pread(fd, size - len(data), offset + len(data))
@@ -186,16 +204,21 @@ def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
             return {**done, "resumed": True}
     files = _InputFiles()
 
+    rows = [decode_row(row) for sl in plan.slices
+            for row in _read_rows(*_bucket_files(w, sl.bucket), sl.start, sl.stop)]
+
     def samples() -> Iterator[SampleMembers]:
-        rank = plan.first_rank
-        for sl in plan.slices:
-            base = w / "sorted" / f"b{sl.bucket:05d}"
-            for row in _read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.npy"), sl.start, sl.stop):
-                record_json, media = decode_row(row)
-                members = [(sf.JSON_MEMBER, record_json)]
-                members += [(suffix, files.read(p, off, size)) for p, off, size, suffix in media]
-                yield SampleMembers(f"{rank:010d}", members)
-                rank += 1
+        ahead, ahead_bytes, done_bytes = 0, 0, 0
+        for i, (record_json, media) in enumerate(rows):
+            while ahead < len(rows) and (ahead <= i or ahead_bytes - done_bytes < _PREFETCH_BYTES):
+                for p, off, size, _ in rows[ahead][1]:
+                    files.prefetch(p, off, size)
+                    ahead_bytes += size
+                ahead += 1
+            members = [(sf.JSON_MEMBER, record_json)]
+            members += [(suffix, files.read(p, off, size)) for p, off, size, suffix in media]
+            done_bytes += sum(size for _, _, size, _ in media)
+            yield SampleMembers(f"{plan.first_rank + i:010d}", members)
 
     try:
         result, layout = write_shard(path, samples())
