@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -211,25 +212,6 @@ def _run_bounded(submit: Callable[[object], object], items: Iterable[object], ma
     drain(0)
 
 
-class _Finisher(threading.Thread):
-    """Runs the finishing step beside `ray.shutdown()`; result() re-raises its error."""
-
-    def __init__(self, fn: Callable[[], None]):
-        super().__init__(name="mmdata-finish", daemon=True)
-        self._fn, self._error = fn, None
-
-    def run(self) -> None:
-        try:
-            self._fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            self._error = e
-
-    def result(self) -> None:
-        self.join()
-        if self._error is not None:
-            raise self._error
-
-
 def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str]) -> None:
     """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
     layouts = (ShardLayout.from_json((work / "shards" / f"{name}.layout.json").read_text()) for name in shard_names)
@@ -366,13 +348,14 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             phase_done("write_s")
         # 4. finish: energon index + quarantine while Ray shuts down (that is mostly waiting)
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
-        finisher = _Finisher(lambda: _finish_outputs(out, work, units, [s.name for s in shards]))
-        finisher.start()
+        finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
+        finished = finishing.submit(_finish_outputs, out, work, units, [s.name for s in shards])
+        finishing.shutdown(wait=False)
     finally:
         scanner.stop()
         if own_ray:
             ray.shutdown()
-    finisher.result()
+    finished.result()  # re-raises an error of the finishing step
     phase_done("finish_s")
     manifest = {
         "tool": "mmdata preprocess",
