@@ -42,6 +42,22 @@ def _pillow_loads(data: bytes) -> bool:
         return False
 
 
+def _agrees_with_pillow(case: bytes, fmt: str) -> bool:
+    """check_image's verdict on `case` (True: it passed), asserted against a full Pillow load:
+    never pass what Pillow rejects, never reject what Pillow loads (except a PNG with a cut
+    tail, where the check is stricter). Rejections carry a damage reason."""
+    try:
+        check_image(case, "x", ValidationConfig())
+        ok = True
+    except _Reject as r:
+        assert r.reason in ("image_truncated", "image_undecodable"), r.reason
+        ok = False
+    pillow_ok = _pillow_loads(case)
+    assert not ok or pillow_ok, "a damaged image that Pillow rejects passed the check"
+    assert ok or not pillow_ok or fmt == "PNG", "an image Pillow loads was rejected"
+    return ok
+
+
 def _damaged(data: bytes, seed: int, flips: int = 60) -> list[bytes]:
     rng = random.Random(seed)
     cases = [data[:int(len(data) * f)] for f in (0.05, 0.2, 0.5, 0.8, 0.95, 0.99)] + [data[:-2], data[:-20]]
@@ -71,20 +87,8 @@ def test_verdict_format_size_and_mode_match_pillow(fmt, mode, kw):
     ref = Image.open(io.BytesIO(data))
     assert (w, h, got_mode) == (*ref.size, ref.mode)
     assert ext == {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}[fmt]
-    passed = rejected_ok = 0
-    for case in _damaged(data, seed=hash((fmt, mode, str(kw))) & 0xFFFF):
-        try:
-            check_image(case, "x", ValidationConfig())
-            ok = True
-        except _Reject as r:
-            assert r.reason in ("image_truncated", "image_undecodable"), r.reason
-            ok = False
-        pillow_ok = _pillow_loads(case)
-        assert not ok or pillow_ok, "a damaged image that Pillow rejects passed the check"
-        assert ok or not pillow_ok or fmt == "PNG", "an image Pillow loads was rejected"
-        passed += ok
-        rejected_ok += not ok
-    assert rejected_ok > 0  # the damage really exercised the failure paths
+    rejected = sum(not _agrees_with_pillow(case, fmt) for case in _damaged(data, seed=hash((fmt, mode, str(kw))) & 0xFFFF))
+    assert rejected > 0  # the damage really exercised the failure paths
 
 
 def test_webp_alpha_plane_is_checked():
@@ -131,3 +135,28 @@ def test_fast_jpeg_path_is_taken_for_plain_jpegs():
     assert decode_check.jpeg_header(data) == (181, 97, "RGB")
     assert decode_check.jpeg_decodes_cleanly(data)
     assert not decode_check.jpeg_decodes_cleanly(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("fmt,mode,kw", [
+    ("PNG", "RGB", {}), ("PNG", "L", {}), ("PNG", "P", {}), ("PNG", "RGBA", {}), ("PNG", "1", {}),
+    ("PNG", "I;16", {}), ("PNG", "RGB", {"interlace": 1}), ("WEBP", "RGB", {"quality": 80}),
+    ("WEBP", "RGBA", {"lossless": True}), ("JPEG", "L", {}),
+])
+def test_image_check_catches_whatever_a_full_pillow_decode_catches(fmt, mode, kw):
+    """The fast per-format checks (PNG inflate + row filters, WebP frame decode, JPEG draft) must
+    reject every truncated or corrupted image that a full Pillow `load()` rejects."""
+    im = Image.effect_mandelbrot((181, 97), (-2, -1.5, 1, 1.5), 60)
+    im = im.convert("I").point(lambda v: v * 250).convert("I;16") if mode == "I;16" else im.convert(mode)
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    data = buf.getvalue()
+    assert check_image(data, "x", ValidationConfig())[1:3] == (181, 97)
+    rng = random.Random(0)
+    cases = [data[:int(len(data) * f)] for f in (0.2, 0.5, 0.8, 0.95)] + [data[:-20]]
+    for _ in range(30):
+        b = bytearray(data)
+        i = rng.randrange(len(data) // 4, len(data))
+        b[i] ^= 1 << rng.randrange(8)
+        cases.append(bytes(b))
+    for case in cases:
+        _agrees_with_pillow(case, fmt)

@@ -170,48 +170,6 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     assert counts["read"] == counts["quarantined"] == 1 and counts["by_reason"] == {"input_unreadable": 1}
 
 
-def _pillow_full_load_ok(data: bytes) -> bool:
-    try:
-        Image.open(io.BytesIO(data)).load()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-@pytest.mark.parametrize("fmt,mode,kw", [
-    ("PNG", "RGB", {}), ("PNG", "L", {}), ("PNG", "P", {}), ("PNG", "RGBA", {}), ("PNG", "1", {}),
-    ("PNG", "I;16", {}), ("PNG", "RGB", {"interlace": 1}), ("WEBP", "RGB", {"quality": 80}),
-    ("WEBP", "RGBA", {"lossless": True}), ("JPEG", "L", {}),
-])
-def test_image_check_catches_whatever_a_full_pillow_decode_catches(fmt, mode, kw):
-    """The fast per-format checks (PNG inflate + row filters, WebP frame decode, JPEG draft) must
-    reject every truncated or corrupted image that a full Pillow `load()` rejects."""
-    from mmdata.preprocess.validation import _Reject, check_image
-
-    im = Image.effect_mandelbrot((181, 97), (-2, -1.5, 1, 1.5), 60)
-    im = im.convert("I").point(lambda v: v * 250).convert("I;16") if mode == "I;16" else im.convert(mode)
-    buf = io.BytesIO()
-    im.save(buf, format=fmt, **kw)
-    data = buf.getvalue()
-    assert check_image(data, "x", ValidationConfig())[1:3] == (181, 97)
-    rng = random.Random(0)
-    cases = [data[:int(len(data) * f)] for f in (0.2, 0.5, 0.8, 0.95)] + [data[:-20]]
-    for _ in range(30):
-        b = bytearray(data)
-        i = rng.randrange(len(data) // 4, len(data))
-        b[i] ^= 1 << rng.randrange(8)
-        cases.append(bytes(b))
-    for case in cases:
-        try:
-            check_image(case, "x", ValidationConfig())
-            ok = True
-        except _Reject as r:
-            assert r.reason in ("image_truncated", "image_undecodable"), r.reason
-            ok = False
-        assert ok or not _pillow_full_load_ok(case) or fmt == "PNG"  # PNG: stricter about a cut tail
-        assert not ok or _pillow_full_load_ok(case), "a damaged image that Pillow rejects passed the check"
-
-
 def test_truncated_png_and_webp_are_image_truncated_or_undecodable(tmp_path):
     im = Image.effect_mandelbrot((300, 200), (-2, -1.5, 1, 1.5), 60).convert("RGB")
     for fmt, name in (("PNG", "x.png"), ("WEBP", "x.webp")):

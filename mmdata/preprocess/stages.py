@@ -202,10 +202,9 @@ def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
         done = json.loads(marker.read_text())
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
             return {**done, "resumed": True}
-    files = _InputFiles()
-
     rows = [decode_row(row) for sl in plan.slices
             for row in _read_rows(*_bucket_files(w, sl.bucket), sl.start, sl.stop)]
+    files = _InputFiles()
 
     def samples() -> Iterator[SampleMembers]:
         ahead, ahead_bytes, done_bytes = 0, 0, 0

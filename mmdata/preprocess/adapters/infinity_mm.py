@@ -41,9 +41,12 @@ class _TarMembers(MediaResolver):
     def read(self, media: MediaRef) -> bytes:
         if media.path != self.path:
             return media.read()
+        return self.pread(media.offset, media.size)
+
+    def pread(self, offset: int, size: int) -> bytes:
         if self._file is None or self._file.closed:
             self._file = open(self.path, "rb", buffering=0)
-        return os.pread(self._file.fileno(), media.size, media.offset)
+        return os.pread(self._file.fileno(), size, offset)
 
     def close(self) -> None:
         if self._file is not None:
@@ -79,7 +82,7 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
         groups.setdefault(key, []).append((m, suffix))
     json_of = {key: next((m.name for m, suffix in group if suffix == "json"), None)
                for key, group in groups.items()}
-    json_bytes_of = _read_members(unit.path, [members[name] for name in json_of.values() if name is not None])
+    json_bytes_of = _read_members(resolver, [members[name] for name in json_of.values() if name is not None])
     try:
         for index, (key, group) in enumerate(groups.items()):
             images = [m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)]
@@ -103,14 +106,13 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
         resolver.close()
 
 
-def _read_members(path: str, members: list[TarMember]) -> dict[str, bytes | None]:
+def _read_members(tar: _TarMembers, members: list[TarMember]) -> dict[str, bytes | None]:
     """Data of small members by name (JSON), None for data the file cuts short."""
     out: dict[str, bytes | None] = {}
-    with open(path, "rb", buffering=0) as f:
-        for m in members:
-            try:
-                data = os.pread(f.fileno(), m.size, m.offset_data)
-                out[m.name] = data if len(data) == m.size else None
-            except OSError:
-                out[m.name] = None
+    for m in members:
+        try:
+            data = tar.pread(m.offset_data, m.size)
+            out[m.name] = data if len(data) == m.size else None
+        except OSError:
+            out[m.name] = None
     return out
