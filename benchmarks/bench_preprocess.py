@@ -17,6 +17,8 @@ included). Repeated at N and 4N: the driver's peak RSS must stay flat (within 20
 and media never pass through the driver. From the two sizes, t = fixed + n / rate gives each
 side's marginal throughput and fixed start-up cost, and the size where the job overtakes the
 baseline end to end; `--scale-copies K` measures that directly on K copies of the 4N input.
+It also times Ray alone (start or connect, one empty task per CPU, stop): no Ray job can finish
+sooner, so the baseline's time over that floor is the best ratio any Ray job could reach at N.
 
     .venv/bin/python benchmarks/bench_preprocess.py [--num-samples 4000] [--num-cpus 2]
         [--repeats 3] [--scale-copies 6]
@@ -51,6 +53,42 @@ rc = main(sys.argv[1:])
 print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
 sys.exit(rc)
 """
+
+
+# Ray's own fixed cost, with nothing to do: start (or join) as the job does, run one empty task
+# per CPU (so every worker process starts), stop. No job can finish faster, so base_t / floor is
+# the highest ratio any Ray job can reach at that size.
+RAY_FLOOR = r"""
+import sys, time
+import ray
+from mmdata.preprocess.job import PreprocessConfig, _init_ray
+
+t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
+
+cfg = PreprocessConfig(dataset="infinity-mm", inputs=[], output="", num_cpus=int(sys.argv[1]),
+                       address=sys.argv[2] if len(sys.argv) > 2 else None)
+own = _init_ray(cfg)
+
+@ray.remote(num_cpus=1)
+def nothing():
+    return None
+
+ray.get([nothing.remote() for _ in range(int(ray.cluster_resources()["CPU"]))])
+if own:
+    ray.shutdown()
+print("FLOOR_S=%.3f" % (time.perf_counter() - t0), flush=True)
+"""
+
+
+def ray_floor(num_cpus: int, address: str | None = None) -> float:
+    """Seconds Ray alone takes (start or connect, one empty task per CPU, stop), imports excluded."""
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", RAY_FLOOR, str(num_cpus), *([address] if address else [])],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"Ray floor measurement failed:\n{proc.stdout}\n{proc.stderr}")
+    return float(next(l for l in proc.stdout.splitlines() if l.startswith("FLOOR_S=")).split("=")[1])
 
 
 def make_input(root: Path, n: int, seed: int) -> Path:
@@ -176,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         raws = {n: make_input(root, n, args.seed), 4 * n: make_input(root, 4 * n, args.seed)}
         if args.scale_copies:
             raws[4 * n * args.scale_copies] = _scaled_input(root, raws[4 * n], args.scale_copies)
+        floors = {"cold": sorted(ray_floor(args.num_cpus) for _ in range(reps))[reps // 2]}
         for size, raw in raws.items():
             rows.append({"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6,
                          "base": _median_run(lambda: run_base(raw, size), reps),
@@ -185,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
             address = _start_warm_ray(args.num_cpus)
             try:
+                floors["warm"] = sorted(ray_floor(args.num_cpus, address) for _ in range(reps))[reps // 2]
                 for r in rows:
                     r["warm"] = _median_run(lambda: run_ours(raws[r["n"]], r["n"], address), reps)
                     assert r["warm"]["m"]["shards"] == r["cold"]["m"]["shards"]  # same bytes either way
@@ -204,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         for m in modes:
             print(f"{m} phases at N={r['n']}: {_phases(r[m]['m'])}")
+    # The ceiling: a Ray job can't beat the time Ray alone takes with nothing to do.
+    for m in modes:
+        print(f"{m}: Ray alone (start or connect, one empty task per CPU, stop) takes "
+              f"{floors[m]:.1f}s, so no {m} Ray job can exceed ratio "
+              + ", ".join(f"{r['base']['t'] / floors[m]:.2f} at N={r['n']}" for r in rows))
     growth = rows[1]["cold"]["rss_mb"] / rows[0]["cold"]["rss_mb"] - 1
     print(f"driver peak RSS growth N -> 4N (cold): {growth * 100:+.1f}% "
           f"({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, limit 20%)")

@@ -183,3 +183,44 @@ def test_truncated_png_and_webp_are_image_truncated_or_undecodable(tmp_path):
     obj = {"id": "a", "conversations": CONV, "image": "x.png"}
     res = validate(_record(tmp_path, obj, {"x.png": buf.getvalue()[:-30]}), ValidationConfig())
     assert isinstance(res, Invalid) and res.reason == "image_truncated", res
+
+
+def test_input_files_cache_keeps_recently_used_files_open(tmp_path):
+    """A shard writer reads from every input file in turn: the fd cache must evict the least
+    recently used file, not the first opened, and read the right bytes after any eviction."""
+    from mmdata.preprocess.stages import _InputFiles
+
+    paths = []
+    for name in "abc":
+        p = tmp_path / name
+        p.write_bytes(name.encode() * 10 + bytes(range(10)))
+        paths.append(str(p))
+    a, b, c = paths
+    files = _InputFiles(limit=2)
+    try:
+        assert files.read(a, 0, 3) == b"aaa" and files.read(b, 0, 3) == b"bbb"
+        assert files.read(a, 10, 3) == bytes([0, 1, 2])  # a becomes the most recently used
+        assert files.read(c, 8, 4) == b"cc\x00\x01"  # evicts b, not a
+        assert set(files.fds) == {a, c} and files.opened == 3
+        assert files.read(a, 0, 1) == b"a" and files.opened == 3  # no reopen
+        assert files.read(b, 19, 1) == b"\x09" and files.opened == 4 and set(files.fds) == {a, b}
+        with pytest.raises(IOError, match="expected 5 bytes"):
+            files.read(a, 18, 5)
+    finally:
+        files.close()
+    assert not files.fds
+
+
+def test_offsets_files_round_trip_and_slices(tmp_path):
+    from mmdata.preprocess.stages import _concat_rows, _load_offsets, _read_rows, _save_offsets
+
+    rows = [bytes([i]) * (i % 5) + b"\0x" for i in range(50)]
+    data, offsets = _concat_rows(rows)
+    (tmp_path / "r.rows").write_bytes(data)
+    _save_offsets(tmp_path / "r.i64", offsets)
+    assert (tmp_path / "r.i64").stat().st_size == 8 * len(offsets)
+    assert _load_offsets(tmp_path / "r.i64", 0, len(offsets)) == offsets
+    for start, stop in ((0, 50), (7, 8), (13, 41), (49, 50), (20, 20)):
+        assert _read_rows(tmp_path / "r.rows", tmp_path / "r.i64", start, stop) == rows[start:stop]
+    with pytest.raises(IOError, match="work folder damaged"):
+        _load_offsets(tmp_path / "r.i64", 45, 10)
