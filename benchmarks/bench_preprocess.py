@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         raws = {n: make_input(root, n, args.seed), 4 * n: make_input(root, 4 * n, args.seed)}
         if args.scale_copies:
             raws[4 * n * args.scale_copies] = _scaled_input(root, raws[4 * n], args.scale_copies)
-        floors = {"cold": sorted(ray_floor(args.num_cpus) for _ in range(reps))[reps // 2]}
+        floors = {"cold": _median_run(lambda: {"t": ray_floor(args.num_cpus)}, reps)["t"]}
         for size, raw in raws.items():
             rows.append({"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6,
                          "base": _median_run(lambda: run_base(raw, size), reps),
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
             address = _start_warm_ray(args.num_cpus)
             try:
-                floors["warm"] = sorted(ray_floor(args.num_cpus, address) for _ in range(reps))[reps // 2]
+                floors["warm"] = _median_run(lambda: {"t": ray_floor(args.num_cpus, address)}, reps)["t"]
                 for r in rows:
                     r["warm"] = _median_run(lambda: run_ours(raws[r["n"]], r["n"], address), reps)
                     assert r["warm"]["m"]["shards"] == r["cold"]["m"]["shards"]  # same bytes either way

@@ -38,7 +38,7 @@ from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import ROW_FORMAT, scan_unit, sort_bucket, write_shard_task
+from mmdata.preprocess.stages import ROW_FORMAT, scan_file, scan_unit, sort_bucket, write_shard_task
 from mmdata.preprocess.validation import ValidationConfig
 
 WORK_DIR_NAME = ".mmdata-work"
@@ -216,7 +216,7 @@ def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: 
     """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
     layouts = (ShardLayout.from_json((work / "shards" / f"{name}.layout.json").read_text()) for name in shard_names)
     write_energon_index(out, shard_names, layouts)
-    concat_parts([work / "scan" / f"u{u.index:07d}.quarantine.jsonl" for u in units], out / sf.QUARANTINE_NAME)
+    concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
 
 
 def auto_samples_per_shard(counts: Counts, target_bytes: int) -> int:
@@ -272,7 +272,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     counts = Counts()
     todo = []
     for u in units:
-        marker = work / "scan" / f"u{u.index:07d}.done.json"
+        marker = scan_file(work, u.index, "done.json")
         if marker.exists():
             counts.merge(json.loads(marker.read_text()))
             resumed["scan"] += 1

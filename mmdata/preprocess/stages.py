@@ -70,6 +70,11 @@ def _read_rows(rows_path: Path, offsets_path: Path, start: int, stop: int) -> li
     return [data[a - lo:b - lo] for a, b in zip(offs, offs[1:])]
 
 
+def scan_file(work: str | Path, unit_index: int, suffix: str) -> Path:
+    """One of a scan run's files: rows, rowoffs.i64, buckets.i64, quarantine.jsonl, done.json."""
+    return Path(work) / "scan" / f"u{unit_index:07d}.{suffix}"
+
+
 def _concat_rows(rows: list[bytes]) -> tuple[bytes, list[int]]:
     """Rows back to back (no separators: rows are binary) and their boundaries."""
     return b"".join(rows), [0, *accumulate(map(len, rows))]
@@ -104,7 +109,6 @@ def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]]]:
 def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: ValidationConfig,
               work: str) -> dict:
     """Validate every record of one input file; spill valid rows grouped by bucket."""
-    scan_dir = Path(work) / "scan"
     # Counts are per `source` field; records whose JSON is unreadable count under their folder.
     fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
     counts = Counts()
@@ -129,13 +133,12 @@ def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: 
     bucket_offsets = [0]
     for rows in by_bucket:
         bucket_offsets.append(bucket_offsets[-1] + len(rows))
-    base = f"u{unit.index:07d}"
-    _write_bytes_atomic(scan_dir / f"{base}.rows", data)
-    _save_offsets(scan_dir / f"{base}.rowoffs.i64", row_offsets)
-    _save_offsets(scan_dir / f"{base}.buckets.i64", bucket_offsets)
-    _write_bytes_atomic(scan_dir / f"{base}.quarantine.jsonl", "".join(q + "\n" for q in qlines).encode())
+    _write_bytes_atomic(scan_file(work, unit.index, "rows"), data)
+    _save_offsets(scan_file(work, unit.index, "rowoffs.i64"), row_offsets)
+    _save_offsets(scan_file(work, unit.index, "buckets.i64"), bucket_offsets)
+    _write_bytes_atomic(scan_file(work, unit.index, "quarantine.jsonl"), "".join(q + "\n" for q in qlines).encode())
     result = counts.to_json()
-    _write_bytes_atomic(scan_dir / f"{base}.done.json", json.dumps(result).encode())
+    _write_bytes_atomic(scan_file(work, unit.index, "done.json"), json.dumps(result).encode())
     return result
 
 
@@ -152,10 +155,9 @@ def sort_bucket(bucket: int, num_units: int, work: str) -> int:
     w = Path(work)
     rows: list[bytes] = []
     for u in range(num_units):
-        base = w / "scan" / f"u{u:07d}"
-        lo, hi = _load_offsets(Path(f"{base}.buckets.i64"), bucket, 2)
+        lo, hi = _load_offsets(scan_file(w, u, "buckets.i64"), bucket, 2)
         if hi > lo:
-            rows.extend(_read_rows(Path(f"{base}.rows"), Path(f"{base}.rowoffs.i64"), lo, hi))
+            rows.extend(_read_rows(scan_file(w, u, "rows"), scan_file(w, u, "rowoffs.i64"), lo, hi))
     rows.sort()
     data, offsets = _concat_rows(rows)
     rows_path, offsets_path = _bucket_files(w, bucket)
