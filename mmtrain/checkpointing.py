@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mmtrain.distributed import ParallelContext, barrier
+from mmtrain.weights_io import LATEST, iter_dir_name
 
 log = logging.getLogger("mmtrain.checkpointing")
 
@@ -55,10 +56,6 @@ class TrainerState:
         return cls(**known)
 
 
-def iter_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
 def checkpoints_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -73,7 +70,7 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def _read_latest(root: Path) -> Path | None:
-    latest = root / "latest"
+    latest = root / LATEST
     if not latest.is_file():
         return None
     text = latest.read_text().strip()
@@ -288,4 +285,4 @@ def reseed_for_step(seed: int, step: int, ctx: ParallelContext) -> None:
     """Deterministic RNG streams for a run continued on another layout."""
     from mmtrain.distributed import seed_model_parallel
 
-    seed_model_parallel(seed + 7919 * step, ctx)
+    seed_model_parallel(seed + 7919 * step, ctx.pp_rank)

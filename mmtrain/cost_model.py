@@ -331,6 +331,14 @@ def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float
     return decoder, head, vision
 
 
+def training_flops_per_token(cfg: Any, seq_length: int) -> float:
+    """Decoder training FLOPs per token for the train loop's MFU: 3 x (forward + backward) the
+    decoder and LM-head forward of `forward_flops_per_token`. The vision tower is left out: its
+    share depends on the tiles of each step, which the loop does not track per token."""
+    decoder, head, _ = forward_flops_per_token(model_shapes(cfg), seq_length)
+    return 3.0 * (decoder + head)
+
+
 def estimate_step_time(shapes: ModelShapes, freeze: Any, layout: Layout, hw: Hardware,
                        media_token_fraction: float = 1.0) -> StepTime:
     L = layout

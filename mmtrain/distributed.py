@@ -180,7 +180,7 @@ def init_distributed(parallel_cfg: Any, seed: int) -> ParallelContext:
     if device.type == "cpu" and precision != "fp32":
         log.warning("precision=%s requested on CPU; training runs in fp32 on CPU", precision)
         ctx.precision = "fp32"
-    seed_model_parallel(seed, ctx)
+    seed_model_parallel(seed, ctx.pp_rank)
     log.info(
         "distributed: rank %d/%d backend=%s tp=%d pp=%d dp=%d (tp_rank=%d pp_rank=%d dp_rank=%d)",
         rank, world_size, backend, tp, pp, dp, ctx.tp_rank, ctx.pp_rank, ctx.dp_rank,
@@ -188,7 +188,7 @@ def init_distributed(parallel_cfg: Any, seed: int) -> ParallelContext:
     return ctx
 
 
-def seed_model_parallel(seed: int, ctx: ParallelContext) -> None:
+def seed_model_parallel(seed: int, pp_rank: int) -> None:
     """Megatron's seeding: one default stream per PP stage, plus the named TP-region stream.
 
     On GPU this is `model_parallel_cuda_manual_seed`; on CPU the device layer has replaced the
@@ -199,7 +199,7 @@ def seed_model_parallel(seed: int, ctx: ParallelContext) -> None:
     import numpy as np
     from megatron.core import tensor_parallel
 
-    stage_seed = seed + 100 * ctx.pp_rank
+    stage_seed = seed + 100 * pp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)

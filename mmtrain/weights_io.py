@@ -23,8 +23,13 @@ from megatron.core import dist_checkpointing
 LATEST = "latest"
 
 
+def iter_dir_name(iteration: int) -> str:
+    """`iter_0000100`: the one spelling of an iteration directory (weights, checkpoints, converter)."""
+    return f"iter_{iteration:07d}"
+
+
 def iter_dir(ckpt_dir: str | os.PathLike, iteration: int) -> Path:
-    return Path(ckpt_dir) / f"iter_{iteration:07d}"
+    return Path(ckpt_dir) / iter_dir_name(iteration)
 
 
 def write_latest(ckpt_dir: str | os.PathLike, iteration: int) -> None:

@@ -1,17 +1,17 @@
 """Bring up torch.distributed + megatron model-parallel state for standalone use (conversion,
-`load_llava_ov`, tests) when no launcher did it. The training runtime has its own init; this
-one only acts when nothing is initialised yet."""
+`load_llava_ov`, tests) when no launcher did it. The training runtime's `init_distributed`
+also builds its ParallelContext from a recipe; this one only acts when nothing is initialised
+yet, and seeds the same way (`seed_model_parallel`)."""
 
 from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mmtrain.device import enable_cpu_compat
-from mmtrain.distributed import free_port, resolve_backend
+from mmtrain.distributed import free_port, resolve_backend, seed_model_parallel
 
 
 def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
@@ -31,12 +31,7 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        from megatron.core import tensor_parallel
-
-        # megatron's convention: the default generator is the same on all TP ranks of a stage
-        # (replicated params and CPU-initialised master weights agree), offset per PP stage
-        torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        seed_model_parallel(seed, parallel_state.get_pipeline_model_parallel_rank())
     else:
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmtrain.cost_model import training_flops_per_token
 from mmtrain.llava_ov.config import LlavaOVModelConfig
-from mmtrain.llava_ov.flops import flops_per_token
 from mmtrain.llava_ov.forward_step import forward_step
 from mmtrain.llava_ov.state_dict_adapter import LlavaOVStateDictAdapter
 from mmtrain.model_spec import ModelSpec, register
@@ -60,7 +60,7 @@ SPEC = register(
         build_model=build_model,
         build_loader=build_loader,
         forward_step=forward_step,
-        flops_per_token=flops_per_token,
+        flops_per_token=training_flops_per_token,
         state_dict_adapter=LlavaOVStateDictAdapter,
     )
 )
