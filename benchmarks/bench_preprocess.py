@@ -256,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
           "shutdown, energon index); e2e adds interpreter start-up and imports; cold starts a private Ray, "
           "warm joins one already running (--address)")
     # Throughput apart from fixed start-up costs: t = fixed + n / rate through N and 4N.
-    fits = {k: _fit(n, (rows[0]["base"] if k == "base" else rows[0][k])["t"],
-                    4 * n, (rows[1]["base"] if k == "base" else rows[1][k])["t"]) for k in ["base", *modes]}
+    fits = {k: _fit(n, rows[0][k]["t"], 4 * n, rows[1][k]["t"]) for k in ["base", *modes]}
     rb, fb = fits["base"]
     for m in modes:
         rate, fixed = fits[m]

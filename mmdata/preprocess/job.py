@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import ROW_FORMAT, scan_file, scan_unit, sort_bucket, write_shard_task
+from mmdata.preprocess.stages import ROW_FORMAT, bucket_file, scan_file, scan_unit, sort_bucket, write_shard_task
 from mmdata.preprocess.validation import ValidationConfig
 
 WORK_DIR_NAME = ".mmdata-work"
@@ -315,7 +315,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             bucket_counts = [0] * num_buckets
             todo_b = []
             for b in range(num_buckets):
-                marker = work / "sorted" / f"b{b:05d}.done.json"
+                marker = bucket_file(work, b, "done.json")
                 if marker.exists():
                     bucket_counts[b] = json.loads(marker.read_text())["count"]
                     resumed["sort"] += 1

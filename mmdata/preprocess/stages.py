@@ -145,9 +145,9 @@ def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: 
 _PREFETCH_BYTES = 64 << 20  # media requested from the kernel ahead of the shard writer
 
 
-def _bucket_files(work: Path, bucket: int) -> tuple[Path, Path]:
-    base = work / "sorted" / f"b{bucket:05d}"
-    return Path(f"{base}.rows"), Path(f"{base}.rowoffs.i64")
+def bucket_file(work: str | Path, bucket: int, suffix: str) -> Path:
+    """One of a sorted bucket's files: rows, rowoffs.i64, done.json."""
+    return Path(work) / "sorted" / f"b{bucket:05d}.{suffix}"
 
 
 def sort_bucket(bucket: int, num_units: int, work: str) -> int:
@@ -160,10 +160,9 @@ def sort_bucket(bucket: int, num_units: int, work: str) -> int:
             rows.extend(_read_rows(scan_file(w, u, "rows"), scan_file(w, u, "rowoffs.i64"), lo, hi))
     rows.sort()
     data, offsets = _concat_rows(rows)
-    rows_path, offsets_path = _bucket_files(w, bucket)
-    _write_bytes_atomic(rows_path, data)
-    _save_offsets(offsets_path, offsets)
-    _write_bytes_atomic(w / "sorted" / f"b{bucket:05d}.done.json", json.dumps({"count": len(rows)}).encode())
+    _write_bytes_atomic(bucket_file(w, bucket, "rows"), data)
+    _save_offsets(bucket_file(w, bucket, "rowoffs.i64"), offsets)
+    _write_bytes_atomic(bucket_file(w, bucket, "done.json"), json.dumps({"count": len(rows)}).encode())
     return len(rows)
 
 
@@ -229,7 +228,8 @@ def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
             return {**done, "resumed": True}
     rows = [decode_row(row) for sl in plan.slices
-            for row in _read_rows(*_bucket_files(w, sl.bucket), sl.start, sl.stop)]
+            for row in _read_rows(bucket_file(w, sl.bucket, "rows"), bucket_file(w, sl.bucket, "rowoffs.i64"),
+                                  sl.start, sl.stop)]
     files = _InputFiles()
 
     def samples() -> Iterator[SampleMembers]:
