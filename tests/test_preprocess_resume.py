@@ -45,8 +45,9 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     # kill 1: while scanning
     _start_and_kill_when([*common, "--output", str(out)], lambda: len(list((work / "scan").glob("*.done.json"))) >= 1)
     assert not (out / sf.MANIFEST_NAME).exists()
-    # kill 2: while writing shards
-    _start_and_kill_when([*common, "--output", str(out)], lambda: len(list((work / "shards").glob("*.json"))) >= 3)
+    # kill 2: while writing shards, once 3 shards have their done-marker <shard>.tar.json (written after
+    # <shard>.tar.layout.json, so a bare *.json would count a layout whose marker is not there yet)
+    _start_and_kill_when([*common, "--output", str(out)], lambda: len(list((work / "shards").glob("*.tar.json"))) >= 3)
     assert not (out / sf.MANIFEST_NAME).exists()
     run_preprocess_cli(*common, "--output", str(out))
     m_ref, m_out = (json.loads((d / sf.MANIFEST_NAME).read_text()) for d in (ref, out))
