@@ -80,12 +80,18 @@ print("FLOOR_S=%.3f" % (time.perf_counter() - t0), flush=True)
 """
 
 
-def ray_floor(num_cpus: int, address: str | None = None) -> float:
-    """Seconds Ray alone takes (start or connect, one empty task per CPU, stop), imports excluded."""
+def _ray_env() -> dict[str, str]:
+    """The environment of a measured Ray process: no RAY_ADDRESS from the caller's shell (a cold
+    run must start its own instance, never join another; warm runs pass --address)."""
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def ray_floor(num_cpus: int, address: str | None = None) -> float:
+    """Seconds Ray alone takes (start or connect, one empty task per CPU, stop), imports excluded."""
     proc = subprocess.run([sys.executable, "-c", RAY_FLOOR, str(num_cpus), *([address] if address else [])],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=_ray_env())
     if proc.returncode != 0:
         raise SystemExit(f"Ray floor measurement failed:\n{proc.stdout}\n{proc.stderr}")
     return float(next(l for l in proc.stdout.splitlines() if l.startswith("FLOOR_S=")).split("=")[1])
@@ -130,8 +136,7 @@ def ours(raw: Path, out: Path, samples_per_shard: int, num_cpus: int,
          address: str | None = None) -> tuple[dict, float, int]:
     args = ["--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "0",
             "--samples-per-shard", str(samples_per_shard), "--num-cpus", str(num_cpus), "--no-progress"]
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)  # cold runs must start their own instance, never join another
+    env = _ray_env()
     if address:
         args += ["--address", address]
     t0 = time.perf_counter()

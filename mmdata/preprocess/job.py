@@ -38,7 +38,8 @@ from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import ROW_FORMAT, bucket_file, scan_file, scan_unit, sort_bucket, write_shard_task
+from mmdata.preprocess.stages import (ROW_FORMAT, bucket_file, scan_file, scan_unit, shard_work_file, sort_bucket,
+                                      write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
 
 WORK_DIR_NAME = ".mmdata-work"
@@ -214,7 +215,7 @@ def _run_bounded(submit: Callable[[object], object], items: Iterable[object], ma
 
 def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str]) -> None:
     """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
-    layouts = (ShardLayout.from_json((work / "shards" / f"{name}.layout.json").read_text()) for name in shard_names)
+    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in shard_names)
     write_energon_index(out, shard_names, layouts)
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
 

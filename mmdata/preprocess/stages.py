@@ -217,12 +217,17 @@ class _InputFiles:
         self.fds.clear()
 
 
+def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
+    """One of a written shard's work files: json (its done-marker), layout.json."""
+    return Path(work) / "shards" / f"{shard_name}.{suffix}"
+
+
 def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
     """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches)."""
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
-    path, marker = o / name, w / "shards" / f"{name}.json"
-    layout_path, index_path = w / "shards" / f"{name}.layout.json", o / f"{name[:-len('.tar')]}{TAR_INDEX_SUFFIX}"
+    path, marker = o / name, shard_work_file(w, name, "json")
+    layout_path, index_path = shard_work_file(w, name, "layout.json"), o / f"{name[:-len('.tar')]}{TAR_INDEX_SUFFIX}"
     if all(p.exists() for p in (marker, path, layout_path, index_path)):
         done = json.loads(marker.read_text())
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:

@@ -42,14 +42,14 @@ def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) 
     from mmtrain.llava_ov.conversion import build_stage, llava_source
     from mmtrain.llava_ov.model_io import load_canonical
     from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.weights_io import load_model_config_dict, load_model_weights
+    from mmtrain.weights_io import LATEST, load_model_config_dict, load_model_weights
 
     from mmtrain.llava_ov.model import ParallelOptions
 
     ensure_model_parallel(1, 1)
     no_init = ParallelOptions(perform_initialization=False)  # every weight is loaded below
     ckpt_dir = Path(ckpt_dir)
-    if (ckpt_dir / "config.json").is_file() and not (ckpt_dir / "latest").exists():
+    if (ckpt_dir / "config.json").is_file() and not (ckpt_dir / LATEST).exists():
         cfg, get = llava_source(ckpt_dir)
         model = build_stage(cfg, no_init)
         load_canonical(model, get)
