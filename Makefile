@@ -1,4 +1,6 @@
 # The README's two commands: `make demo` and `make test`. Both create/refresh .venv first.
+# Tiers: `make test-unit` (pure functions, in-process models: -m unit), `make test` (everything
+# but the slow tier: unit + integration), `make test-slow`, `make test-all`.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO   := demo_out
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-slow test-all clean
+.PHONY: install demo test test-unit test-slow test-all clean
 
 install: $(STAMP)
 
@@ -23,6 +25,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -m unit
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow

@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmdata.energon_loaders import anyres
-from mmdata.energon_loaders.chat_template import ChatTokenizer
 from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
-from mmdata.energon_loaders.loader import DEFAULT_PACKING_BUFFER, build_llava_ov_loader
-from mmdata.energon_loaders.packing import largest_first_knapsack, packing_efficiency
+from mmdata.energon_loaders.llava_ov import anyres
+from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
+from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
 from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 
@@ -55,7 +57,7 @@ def build_data(work: Path) -> tuple[Path, Path]:
 
 def unpack_to_hf(batch, cfg) -> dict:
     """One packed LlavaOVBatch -> HF inputs for the same samples, unpacked and right-padded."""
-    from mmdata.energon_loaders.batch import IGNORE_INDEX, MEDIA_ANYRES
+    from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES
 
     b, s = batch.input_ids.shape
     ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
@@ -123,13 +125,13 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
     for micro_batches in prepared:
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        total = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        total = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
         for mb in micro_batches:
             kwargs = {k: v for k, v in mb.items() if k not in ("labels", "real_tokens")}
             logits = model(**kwargs).logits
             # labels are already shifted (Megatron convention): position t predicts labels[t]
             loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), ignore_index=-100,
+                logits.float().reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), ignore_index=IGNORE_INDEX,
                 reduction="sum") / total
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
@@ -148,8 +150,8 @@ def main() -> int:
     ap.add_argument("--seq-length", type=int, default=2048)
     args = ap.parse_args()
 
-    from mmtrain.model_spec import get_model_spec
-    from mmtrain.recipe import load_recipe
+    from mmtrain import registry
+    from mmtrain.config import load_recipe
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-llava-"))
     if args.shards and args.tokenizer:
@@ -161,7 +163,7 @@ def main() -> int:
                  f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
                  "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]
     recipe = load_recipe(RECIPE, overrides, family="llava-ov")
-    spec = get_model_spec("llava-ov")
+    spec = registry.get_family("llava-ov")
     t = recipe.train
     per_step = t.global_batch_size // t.micro_batch_size
 
@@ -177,7 +179,7 @@ def main() -> int:
 
     print("ours: mmtrain llava-ov (megatron-core) in this process", flush=True)
     os.environ["MMTRAIN_CPU_THREADS"] = str(args.threads)
-    from mmtrain.launch import setup_logging, train
+    from mmtrain.runtime.launch import setup_logging, train
 
     setup_logging()
     train(recipe)

@@ -1,9 +1,12 @@
-"""HF <-> megatron checkpoint conversion.
+"""HF <-> megatron checkpoint conversion for every family with an HF counterpart
+(`FamilySpec.hf`; the families are those in mmtrain/registry.py).
 
-  mmtrain convert hf-to-mcore --model llava-ov --src HF_DIR --dst CKPT_DIR [--tp N --pp N]
+  mmtrain convert hf-to-mcore --model FAMILY --src HF_DIR --dst CKPT_DIR [--tp N --pp N]
+  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gb G]
+
+A family may also assemble its first weights from separate HF checkpoints, e.g. llava-ov:
   mmtrain convert hf-to-mcore --model llava-ov --llm QWEN2_DIR --vision SIGLIP_DIR --dst CKPT_DIR
         (stage-1 weights: SigLIP's last layer dropped, projector and image_newline fresh)
-  mmtrain convert mcore-to-hf --model llava-ov --src CKPT_DIR --dst HF_DIR
 """
 
 from __future__ import annotations
@@ -11,16 +14,25 @@ from __future__ import annotations
 import argparse
 import logging
 
-MODELS = ("llava-ov",)
+from mmtrain import registry
 
 
-def add_arguments(parser: argparse.ArgumentParser, name: str = "convert") -> None:
+def _assembly_flags() -> dict[str, str]:
+    """`--flag` -> help, over every family's assembly sources."""
+    flags: dict[str, str] = {}
+    for name in registry.convertible_families():
+        for flag, help_text in registry.get_family(name).hf.assemble_from.items():
+            flags.setdefault(flag, f"{help_text} [{name}]")
+    return flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
-    parser.add_argument("--model", required=True, choices=MODELS)
+    parser.add_argument("--model", required=True, choices=registry.convertible_families(), help="model family")
     parser.add_argument("--src", help="HF dir (hf-to-mcore) or megatron checkpoint dir (mcore-to-hf)")
     parser.add_argument("--dst", required=True)
-    parser.add_argument("--llm", help="Qwen2/2.5 HF dir (stage-1 assembly, with --vision)")
-    parser.add_argument("--vision", help="SigLIP HF dir (stage-1 assembly, with --llm)")
+    for flag, help_text in _assembly_flags().items():
+        parser.add_argument(f"--{flag}", help=f"hf-to-mcore: assemble from separate checkpoints: {help_text}")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to convert in (checkpoint is reshardable)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout to convert in")
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="mcore-to-hf: max safetensors shard size")
@@ -28,21 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "convert") -> Non
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from mmtrain.llava_ov import conversion
-
+    hf = registry.get_family(args.model).hf
+    parts = {flag: getattr(args, flag) for flag in _assembly_flags() if getattr(args, flag) is not None}
     if args.direction == "hf-to-mcore":
-        if args.llm or args.vision:
-            if not (args.llm and args.vision) or args.src:
-                raise SystemExit("hf-to-mcore: give either --src, or both --llm and --vision")
-            cfg = conversion.assemble_stage1(args.llm, args.vision, args.dst, tp=args.tp, pp=args.pp)
+        if bool(parts) == bool(args.src) or (parts and set(parts) != set(hf.assemble_from)):
+            both = " ".join(f"--{f} DIR" for f in hf.assemble_from)
+            raise SystemExit(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
+                             + (f", or all of {both}" if both else ""))
+        if parts:
+            hf.assemble(parts, args.dst, tp=args.tp, pp=args.pp)
         else:
-            if not args.src:
-                raise SystemExit("hf-to-mcore: --src HF_DIR is required (or --llm and --vision)")
-            cfg = conversion.hf_to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp)
-        print(f"wrote megatron checkpoint {args.dst} (llm {cfg.llm.num_layers} layers, vision {cfg.vision.num_layers} layers)")
+            hf.to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp)
+        print(f"wrote megatron checkpoint {args.dst}")
     else:
+        if parts:
+            raise SystemExit("mcore-to-hf: takes --src CKPT_DIR only")
         if not args.src:
             raise SystemExit("mcore-to-hf: --src CKPT_DIR is required")
-        out = conversion.mcore_to_hf(args.src, args.dst, int(args.max_shard_gb * 1024**3))
+        out = hf.to_hf(args.src, args.dst, max_shard_bytes=int(args.max_shard_gb * 1024**3))
         print(f"wrote HF checkpoint {out}")
     return 0

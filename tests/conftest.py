@@ -4,6 +4,15 @@
 on-disk layout (stageN/<subset>/*.tar). `shards_dir`: that dataset through `mmdata preprocess`
 (seed 0, 32 samples per shard, local Ray with 2 CPUs) -> energon-ready shards + manifest.
 Both are session-scoped and read-only for tests: copy before modifying.
+
+`megatron_cpu`: megatron's model-parallel state (TP=1, PP=1) and the CPU adaptations
+(`mmtrain.runtime.cpu_compat`) for one test. The adaptations patch torch and megatron process
+wide, so they are undone after every test (`_no_leaked_patches`): a test that needs them asks for
+this fixture (or calls `ensure_model_parallel`, which applies them).
+
+Tiers: `-m unit` (pure functions and in-process models, no other processes: `make test-unit`),
+the rest is integration (Ray jobs, torchrun workers, training subprocesses); `-m slow` marks the
+heaviest of them (`make test-slow`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,22 @@ def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) 
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_patches():
+    """Undo the CPU adaptations a test applied (only if the module was ever imported)."""
+    yield
+    cpu_compat = sys.modules.get("mmtrain.runtime.cpu_compat")
+    if cpu_compat is not None:
+        cpu_compat.revert()
+
+
+@pytest.fixture
+def megatron_cpu():
+    from mmtrain.runtime.distributed import ensure_model_parallel
+
+    ensure_model_parallel(1, 1)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.llava_ov import anyres
 
 IMAGE_SIZE, PATCH = 30, 14
 IMAGE_TOKEN, VIDEO_TOKEN = 998, 999

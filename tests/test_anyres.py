@@ -14,7 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.llava_ov import anyres
+
+pytestmark = pytest.mark.unit
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor  # noqa: E402

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from mmtrain.auto_tune import evaluate, run_auto_tune
-from mmtrain.cost_model import GB
-from mmtrain.recipe import load_recipe
+from mmtrain.config import load_recipe
+from mmtrain.llava_ov.spec import LLAVA_OV
+from mmtrain.planning.auto_tune import evaluate, run_auto_tune
+from mmtrain.planning.cost_model import GB
+
+pytestmark = pytest.mark.unit
 
 AQUILA = Path(__file__).resolve().parents[1] / "recipes" / "aquila-vl-2b.yaml"
 
@@ -21,7 +24,7 @@ def _recipe(tmp_path, *overrides):
 
 def test_candidates_are_valid_layouts_and_ranked(tmp_path):
     r = _recipe(tmp_path)
-    cands = evaluate(r)
+    cands = evaluate(r, LLAVA_OV)
     assert cands
     budget = r.auto_tune.device_memory_gb * GB * r.auto_tune.memory_fraction
     for c in cands:
@@ -40,7 +43,7 @@ def test_candidates_are_valid_layouts_and_ranked(tmp_path):
 
 def test_recompute_trades_memory_for_time(tmp_path):
     by_key = {(c.layout.tp, c.layout.pp, c.layout.micro_batch_size, c.layout.recompute): c
-              for c in evaluate(_recipe(tmp_path))}
+              for c in evaluate(_recipe(tmp_path), LLAVA_OV)}
     none, full = by_key[(1, 1, 2, "none")], by_key[(1, 1, 2, "full")]
     assert full.memory.total < none.memory.total
     assert full.step.total_s > none.step.total_s
@@ -49,7 +52,7 @@ def test_recompute_trades_memory_for_time(tmp_path):
 def test_budget_and_explicit_space(tmp_path):
     r = _recipe(tmp_path, "auto_tune.device_memory_gb=40", "auto_tune.tp=[1]", "auto_tune.pp=[1, 2]",
                 "auto_tune.micro_batch_size=[1, 2]")
-    cands = evaluate(r)
+    cands = evaluate(r, LLAVA_OV)
     assert {(c.layout.tp, c.layout.pp, c.layout.micro_batch_size) for c in cands} <= {
         (1, p, m) for p in (1, 2) for m in (1, 2)}
     assert all(c.memory.total <= 36 * GB for c in cands if c.fits)
@@ -59,7 +62,7 @@ def test_budget_and_explicit_space(tmp_path):
 def test_run_writes_best_recipe_that_validates(tmp_path):
     r = _recipe(tmp_path)
     buf = io.StringIO()
-    res = run_auto_tune(r, None, out=buf)
+    res = run_auto_tune(r, LLAVA_OV, out=buf)
     text = buf.getvalue()
     assert "MODEL-BASED SEARCH" in text and "no trial runs" in text
     assert res.recipe_path == tmp_path / "run" / "auto_tune.yaml" and res.csv_path.exists()
@@ -71,16 +74,23 @@ def test_run_writes_best_recipe_that_validates(tmp_path):
     assert len(res.csv_path.read_text().splitlines()) == len(res.candidates) + 1
 
 
-def test_nothing_fits(tmp_path):
-    res = run_auto_tune(_recipe(tmp_path, "auto_tune.device_memory_gb=1"), None, out=io.StringIO())
+def test_nothing_fits(tmp_path, capsys):
+    res = run_auto_tune(_recipe(tmp_path, "auto_tune.device_memory_gb=1"), LLAVA_OV, out=io.StringIO())
     assert res.best is None and res.recipe_path is None
     assert "no layout fits" in res.text
     assert not (tmp_path / "run" / "auto_tune.yaml").exists()
+    # the command fails too, so a script notices (and succeeds when a layout fits)
+    from mmtrain.cli import main
+
+    args = ["llava-ov", str(AQUILA), "stage=2a", "action=auto_tune", f"run_dir={tmp_path / 'cli'}"]
+    assert main([*args, "auto_tune.device_memory_gb=1"]) == 1
+    assert main(args) == 0
+    assert "no layout fits" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", ["auto_tune.memory_fraction=1.5", "auto_tune.tp=[0]", "auto_tune.device_tflops=0"])
 def test_auto_tune_keys_validated(tmp_path, bad):
-    from mmtrain.recipe import RecipeError
+    from mmtrain.config import RecipeError
 
     with pytest.raises(RecipeError, match=bad.split("=")[0].replace(".", r"\.")):
         _recipe(tmp_path, bad)

@@ -38,8 +38,10 @@ def converted(hf_dir, tmp_path_factory):
     return dst
 
 
+@pytest.mark.unit
 def test_checkpoint_layout(converted):
-    from mmtrain.weights_io import find_latest_iteration, load_model_config_dict
+    from mmtrain.runtime.checkpoint.layout import find_latest_iteration
+    from mmtrain.runtime.checkpoint.weights import load_model_config_dict
 
     assert (converted / "latest").read_text().strip() == "0"
     assert find_latest_iteration(converted) == 0
@@ -48,6 +50,7 @@ def test_checkpoint_layout(converted):
     assert cfg["llm"]["num_layers"] == 2 and cfg["vision"]["image_size"] == 30
 
 
+@pytest.mark.unit
 def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted, tmp_path):
     from transformers import LlavaOnevisionForConditionalGeneration
 
@@ -65,6 +68,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
+@pytest.mark.unit
 def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
     from mmtrain.llava_ov import load_llava_ov
 
@@ -81,9 +85,10 @@ def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
         assert (out - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.unit
 def test_sharded_export_writes_an_index(converted, tmp_path):
     from mmtrain.llava_ov.conversion import mcore_to_hf
-    from mmtrain.llava_ov.hf_io import SafetensorsReader
+    from mmtrain.models.hf_io import SafetensorsReader
 
     out = mcore_to_hf(converted, tmp_path / "sharded", max_shard_bytes=64 * 1024)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -97,15 +102,17 @@ def test_sharded_export_writes_an_index(converted, tmp_path):
 # ----------------------------------------------------------------------------- Qwen2 / SigLIP alone
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tie", [True, False])
 def test_qwen2_alone_parity_and_round_trip(tie):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from mmtrain.llava_ov.config import LlavaOVModelConfig
-    from mmtrain.llava_ov.model import ParallelOptions, build_language_model, language_transformer_config
-    from mmtrain.llava_ov.model_io import iter_canonical, load_canonical
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.llava_ov.state_dict_adapter import Qwen2StateDictAdapter, llm_config_from_hf
+    from mmtrain.models.language_model import build_language_model
+    from mmtrain.models.lm_config import padded_vocab_size
+    from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
+    from mmtrain.models.model_io import iter_canonical, load_canonical
+    from mmtrain.models.state_dict_adapter import Qwen2StateDictAdapter, llm_config_from_hf
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     torch.manual_seed(2)
@@ -115,13 +122,13 @@ def test_qwen2_alone_parity_and_round_trip(tie):
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     llm = llm_config_from_hf(hf.config.to_dict())
-    cfg = LlavaOVModelConfig(llm=llm, make_vocab_size_divisible_by=8)
     sd = hf.state_dict()
     if tie:
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     adapter = Qwen2StateDictAdapter(llm)
     adapter.check_hf_keys(set(sd))
-    gpt = build_language_model(cfg, language_transformer_config(cfg, ParallelOptions())).eval()
+    gpt = build_language_model(llm, language_transformer_config(llm, "float32", ParallelOptions()),
+                               vocab_size=padded_vocab_size(llm.vocab_size, 8)).eval()
     load_canonical(gpt, lambda n: adapter.mcore_tensor(n, sd.__getitem__))
     ids = torch.randint(0, 997, (2, 19), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(19).expand(2, -1)
@@ -134,15 +141,15 @@ def test_qwen2_alone_parity_and_round_trip(tie):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
+@pytest.mark.unit
 def test_siglip_alone_parity_drop_last_layer_and_round_trip():
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    from mmtrain.llava_ov.model import ParallelOptions, base_config_kwargs
-    from mmtrain.llava_ov.config import LlavaOVModelConfig
-    from mmtrain.llava_ov.model_io import iter_canonical, load_canonical
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
     from mmtrain.llava_ov.state_dict_adapter import SiglipStateDictAdapter, vision_config_from_hf
     from mmtrain.llava_ov.vision import SiglipVisionModel as McoreSiglip, vision_transformer_config
+    from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs
+    from mmtrain.models.model_io import iter_canonical, load_canonical
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     torch.manual_seed(3)
@@ -154,7 +161,7 @@ def test_siglip_alone_parity_drop_last_layer_and_round_trip():
     px = torch.randn(2, 3, 30, 30)
     with torch.no_grad():
         ref = hf(pixel_values=px, output_hidden_states=True)
-    base = base_config_kwargs(LlavaOVModelConfig(), ParallelOptions(), sequence_parallel=False)
+    base = base_config_kwargs("float32", ParallelOptions(), sequence_parallel=False)
     # full tower: last_hidden_state (post-layernorm) parity, bit-identical round trip (head ignored)
     vcfg = vision_config_from_hf(hf.config.to_dict())
     adapter = SiglipStateDictAdapter(vcfg)
@@ -179,13 +186,13 @@ def test_siglip_alone_parity_drop_last_layer_and_round_trip():
     assert (out2 - ref.hidden_states[2]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.unit
 def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
-    from mmtrain.llava_ov.conversion import build_stage
-    from mmtrain.llava_ov.config import LlavaOVModelConfig
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.weights_io import load_model_config_dict, load_model_weights
+    from mmtrain.llava_ov.conversion import build_stage, saved_model_config
+    from mmtrain.runtime.checkpoint.weights import load_model_weights
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     torch.manual_seed(4)
     Qwen2ForCausalLM(Qwen2Config(**text_config())).save_pretrained(tmp_path / "llm")
@@ -193,7 +200,7 @@ def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     vis.save_pretrained(tmp_path / "vis")
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
                 "--dst", str(tmp_path / "ck")) == 0
-    cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(tmp_path / "ck"))
+    cfg = saved_model_config(tmp_path / "ck")
     assert cfg.vision.num_layers == 2 and cfg.llm.num_layers == 2
     ensure_model_parallel(1, 1)
     model = build_stage(cfg)
@@ -220,9 +227,10 @@ def _broken_copy(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+@pytest.mark.unit
 def test_bad_inputs_name_the_tensor_or_key(hf_dir, tmp_path):
     from mmtrain.llava_ov.conversion import hf_to_mcore
-    from mmtrain.llava_ov.state_dict_adapter import ConversionError
+    from mmtrain.models.state_dict_adapter import ConversionError
 
     src, _ = hf_dir
     k_missing = "language_model.model.layers.1.self_attn.k_proj.weight"
@@ -263,12 +271,7 @@ def test_bad_inputs_name_the_tensor_or_key(hf_dir, tmp_path):
 
     with pytest.raises(ConversionError, match=r"layers\.2\.mlp\.up_proj"):
         hf_to_mcore(_broken_copy(src, tmp_path / "e", extra), tmp_path / "o5")
-
-    from mmtrain.llava_ov.config import LlavaOVModelConfig
-
-    with pytest.raises(ConversionError, match="recipe"):
-        hf_to_mcore(src, tmp_path / "o6", expect=LlavaOVModelConfig.tiny())
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o6").exists()
+    assert not (tmp_path / "o1").exists()
 
 
 # ----------------------------------------------------------------------------- TP=2 (2 processes)
@@ -279,7 +282,7 @@ def _torchrun(script: Path, *args: str, nproc: int = 2) -> None:
     import subprocess
     import sys
 
-    from mmtrain.llava_ov.parallel_init import free_port
+    from mmtrain.runtime.distributed import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
@@ -326,14 +329,15 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
         assert (ours(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]) - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.unit
 def test_hf_dir_as_initial_checkpoint_checks_the_recipe(hf_dir):
     """`checkpoint.load: HF_DIR`: weights converted on the fly, a mismatching recipe is named."""
     from dataclasses import replace
 
     from mmtrain.llava_ov.conversion import build_stage, llava_source
     from mmtrain.llava_ov.load import load_hf_into_model
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.llava_ov.state_dict_adapter import ConversionError
+    from mmtrain.models.state_dict_adapter import ConversionError
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     src, model = hf_dir
     ensure_model_parallel(1, 1)
@@ -346,12 +350,17 @@ def test_hf_dir_as_initial_checkpoint_checks_the_recipe(hf_dir):
         load_hf_into_model([ours], src, bad)
 
 
+@pytest.mark.unit
 def test_weights_io_latest_fallback_and_config_mismatch(converted, tmp_path):
     import shutil
     from dataclasses import replace
 
-    from mmtrain.llava_ov.config import LlavaOVModelConfig
-    from mmtrain.weights_io import check_model_config, find_latest_iteration, load_model_config_dict
+    from mmtrain.config import RecipeError
+    from mmtrain.config.typed import from_plain
+    from mmtrain.llava_ov.config import ARCHITECTURE_KEYS, LlavaOVModelConfig
+    from mmtrain.llava_ov.conversion import saved_model_config
+    from mmtrain.runtime.checkpoint.layout import find_latest_iteration
+    from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError, check_architecture
 
     copy = tmp_path / "ck"
     shutil.copytree(converted, copy)
@@ -359,9 +368,9 @@ def test_weights_io_latest_fallback_and_config_mismatch(converted, tmp_path):
     shutil.copytree(copy / "iter_0000000", copy / "iter_0000007")
     assert find_latest_iteration(copy) == 7
     assert find_latest_iteration(tmp_path / "nothing_here") is None
-    cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(copy))
-    check_model_config(copy, replace(cfg, params_dtype="bfloat16", max_tiles=4))  # not architecture
-    with pytest.raises(ValueError, match=r"model\.vision\.num_layers"):
-        check_model_config(copy, replace(cfg, vision=replace(cfg.vision, num_layers=3)))
-    with pytest.raises(KeyError, match="llm.bogus"):
-        LlavaOVModelConfig.from_dict({"llm": {"bogus": 1}})
+    cfg = saved_model_config(copy)
+    check_architecture(copy, replace(cfg, params_dtype="bfloat16", max_tiles=4), ARCHITECTURE_KEYS)  # not architecture
+    with pytest.raises(CheckpointMismatchError, match=r"model\.vision\.num_layers"):
+        check_architecture(copy, replace(cfg, vision=replace(cfg.vision, num_layers=3)), ARCHITECTURE_KEYS)
+    with pytest.raises(RecipeError, match="llm.bogus"):
+        from_plain(LlavaOVModelConfig, {"llm": {"bogus": 1}}, "model_config.yaml")

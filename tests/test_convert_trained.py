@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.llava_ov import anyres
 
 pytestmark = pytest.mark.slow
 

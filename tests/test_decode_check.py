@@ -14,6 +14,8 @@ from PIL import Image
 from mmdata.preprocess import decode_check
 from mmdata.preprocess.validation import ValidationConfig, _Reject, check_image
 
+pytestmark = pytest.mark.unit
+
 
 def _picture(mode: str, size: tuple[int, int] = (181, 97)) -> Image.Image:
     im = Image.effect_mandelbrot(size, (-2, -1.5, 1, 1.5), 60)

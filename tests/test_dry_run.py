@@ -10,31 +10,36 @@ from pathlib import Path
 
 import pytest
 
-from mmtrain.cost_model import GB, Layout, estimate_memory, model_shapes, param_counts
-from mmtrain.dry_run import build_report, run_dry_run
-from mmtrain.recipe import load_recipe
+from mmtrain.config import load_recipe
+from mmtrain.llava_ov.spec import LLAVA_OV
+from mmtrain.planning.cost_model import GB, Layout, estimate_memory, param_counts
+from mmtrain.planning.dry_run import build_report, run_dry_run
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TINY = RECIPES / "llava-ov-tiny.yaml"
 AQUILA = RECIPES / "aquila-vl-2b.yaml"
 
 # Builds the real megatron-core model (single process, TP=1) for a few variants of the tiny
-# recipe and prints sum(p.numel()) per component and what stays trainable after freezing.
+# recipe, freezes it as training does, and prints sum(p.numel()) per declared part and what
+# stays trainable.
 _COUNT_SCRIPT = r"""
 import json, sys
-from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-from mmtrain.llava_ov.model import LlavaOVModel
-from mmtrain.recipe import load_recipe
+from mmtrain.config import load_recipe
+from mmtrain.llava_ov.spec import LLAVA_OV
+from mmtrain.runtime.distributed import ensure_model_parallel
+from mmtrain.runtime.optimizer import ModelParts, apply_freeze
 ensure_model_parallel(1, 1)
 out = []
 for overrides in json.loads(sys.argv[2]):
     r = load_recipe(sys.argv[1], overrides)
-    m = LlavaOVModel(r.model)
-    m.freeze(vision=r.freeze.vision_tower, projector=r.freeze.projector, language=r.freeze.llm)
-    n = lambda ps: sum(p.numel() for p in ps)
-    out.append({"vision_tower": n(m.vision_model.parameters()), "projector": n(m.vision_projection.parameters()),
-                "llm": n(m.language_model.parameters()) + m.image_newline.numel(),
-                "total": n(m.parameters()), "trainable": n(p for p in m.parameters() if p.requires_grad)})
+    m = LLAVA_OV.build_model(r.model)
+    parts = ModelParts([m], LLAVA_OV.parts)
+    apply_freeze([m], parts, r.freeze)
+    counts = dict.fromkeys(LLAVA_OV.parts, 0)
+    for p in m.parameters():
+        counts[parts.part_of(p)] += p.numel()
+    out.append(counts | {"total": sum(p.numel() for p in m.parameters()),
+                         "trainable": sum(p.numel() for p in m.parameters() if p.requires_grad)})
 print("COUNTS " + json.dumps(out))
 """
 
@@ -42,7 +47,7 @@ VARIANTS = [
     [],
     ["model.llm.tie_word_embeddings=false", "model.llm.qkv_bias=false", "model.llm.num_query_groups=4",
      "model.vision.image_size=56", "model.llm.vocab_size=1000"],
-    ["freeze.vision_tower=true", "freeze.llm=true"],
+    ["freeze=[vision_tower, llm]"],
 ]
 
 
@@ -59,36 +64,38 @@ def real_counts():
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
 def test_tiny_counts_equal_the_built_model(real_counts, variant):
     recipe = load_recipe(TINY, VARIANTS[variant])
-    counts = param_counts(model_shapes(recipe.model), recipe.freeze)
+    counts = param_counts(LLAVA_OV.model_shapes(recipe.model), recipe.freeze)
     real = real_counts[variant]
-    assert counts.components == {k: real[k] for k in ("vision_tower", "projector", "llm")}
+    assert counts.parts == {k: real[k] for k in ("vision_tower", "projector", "llm")}
     assert counts.total == real["total"]
     assert counts.total_trainable == real["trainable"]
 
 
+@pytest.mark.unit
 def test_aquila_counts_match_published_sizes():
     recipe = load_recipe(AQUILA, ["stage=2a"])
-    c = param_counts(model_shapes(recipe.model), recipe.freeze)
+    c = param_counts(LLAVA_OV.model_shapes(recipe.model), recipe.freeze)
     # Qwen2.5-1.5B model card: 1.54B parameters (tied embeddings)
-    assert c.llm == pytest.approx(1.54e9, rel=0.01)
+    assert c.parts["llm"] == pytest.approx(1.54e9, rel=0.01)
     # BAAI/Aquila-VL-2B-llava-qwen: 4.36 GB of bf16 safetensors, which store the tied lm_head
     # as its own tensor: 2.18B numbers
-    assert c.total + c.llm_embedding == pytest.approx(4.36e9 / 2, rel=0.01)
+    assert c.total + c.decoder_embedding == pytest.approx(4.36e9 / 2, rel=0.01)
     # the same figure written out from the sizes (Qwen2.5-1.5B + SigLIP 26 layers + mlp2x_gelu)
     h, f, v, d = 1536, 8960, 151936, 128
     llm = v * h + 28 * (h * (12 + 2 * 2) * d + (12 + 2 * 2) * d + h * h + 3 * h * f + 2 * h) + h + h
     hv, fv = 1152, 4304
     vit = 3 * 14 * 14 * hv + hv + 729 * hv + 26 * (4 * hv * hv + 4 * hv + 2 * hv * fv + fv + hv + 4 * hv) + 2 * hv
     proj = hv * h + h * h + 2 * h
-    assert (c.llm, c.vision_tower, c.projector) == (llm, vit, proj)
+    assert (c.parts["llm"], c.parts["vision_tower"], c.parts["projector"]) == (llm, vit, proj)
     assert 1.9e9 < c.total < 2.0e9  # unique parameters: ~1.95B
 
 
 def _mem(recipe, **layout):
-    shapes = model_shapes(recipe.model)
+    shapes = LLAVA_OV.model_shapes(recipe.model)
     return estimate_memory(shapes, recipe.freeze, Layout.from_recipe(recipe).with_(**layout))
 
 
+@pytest.mark.unit
 def test_memory_estimate_responds_to_the_layout():
     r = load_recipe(AQUILA, ["stage=2a"])
     base = _mem(r)
@@ -102,14 +109,15 @@ def test_memory_estimate_responds_to_the_layout():
     # stage 1 trains only the projector: no LLM/vision grads or optimizer states
     s1 = load_recipe(AQUILA, ["stage=1"])
     m1 = _mem(s1)
-    assert m1.grads == pytest.approx(param_counts(model_shapes(s1.model)).projector * 4)
+    assert m1.grads == pytest.approx(param_counts(LLAVA_OV.model_shapes(s1.model)).parts["projector"] * 4)
     assert m1.total < base.total
 
 
+@pytest.mark.unit
 def test_dry_run_prints_counts_and_memory():
     recipe = load_recipe(AQUILA, ["stage=2a", "action=dry_run"])
     buf = io.StringIO()
-    report = run_dry_run(recipe, None, out=buf)
+    report = run_dry_run(recipe, LLAVA_OV, out=buf)
     text = buf.getvalue()
     for needle in ("vision_tower", "projector", "llm", "total", "memory per rank", "weights", "gradients",
                    "optimizer states (sharded / dp)", "activations (recompute full)",
@@ -117,11 +125,12 @@ def test_dry_run_prints_counts_and_memory():
         assert needle in text, needle
     assert f"{report.params.total:,}" in text
     assert report.fits and 20 * GB < report.memory.total < 80 * GB
-    stage1 = build_report(load_recipe(AQUILA, ["stage=1"]))
-    assert stage1.params.total_trainable == stage1.params.projector
+    stage1 = build_report(load_recipe(AQUILA, ["stage=1"]), LLAVA_OV)
+    assert stage1.params.total_trainable == stage1.params.parts["projector"]
     assert "frozen" in stage1.text
 
 
+@pytest.mark.unit
 def test_cli_dry_run(capsys):
     from mmtrain.cli import main
 

@@ -11,10 +11,13 @@ import sqlite3
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index, write_tar_index
 from mmdata.preprocess.shard_writer import SampleMembers, write_shard
+
+pytestmark = pytest.mark.unit
 
 
 def _shards(folder: Path, n_shards: int = 3) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.inspect import find_sample, load_quarantine, open_dataset, random_samples
 from mmdata.inspect.packing import estimate_packing
@@ -121,7 +121,7 @@ def test_token_counts_equal_the_loaders_task_encoder(shards_dir, tokenizer_dir):
     from megatron.energon import SkipSample
 
     from mmdata.energon_loaders.sample import ConversationSample
-    from mmdata.energon_loaders.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
+    from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
 
     encoder = LlavaOVTaskEncoder(str(tokenizer_dir), LlavaOVEncoderConfig(seq_length=1 << 20))
     chat = load_chat_tokenizer(tokenizer_dir)
@@ -231,6 +231,7 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     assert "not a shards directory" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_language_heuristic():
     assert detect_language("Describe this image in detail.") == "en"
     assert detect_language("请详细描述这张图片。") == "zh"
@@ -239,8 +240,9 @@ def test_language_heuristic():
     assert detect_language("17 * 23 = 391") == "other"
 
 
+@pytest.mark.unit
 def test_packing_estimate_packs_like_the_loader():
-    from mmdata.energon_loaders.loader import DEFAULT_PACKING_BUFFER
+    from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
     from mmdata.inspect.packing import PACKING_BUFFER
 
     assert PACKING_BUFFER == DEFAULT_PACKING_BUFFER
@@ -252,6 +254,7 @@ def test_packing_estimate_packs_like_the_loader():
     assert estimate_packing([3000, 3000, 1000, 1000], 4096, buffer=4).sequences == 2
 
 
+@pytest.mark.unit
 def test_packing_estimate_uses_every_length_once():
     est = estimate_packing([3000, 3000, 2000, 1000, 500, 9000], 4096)
     assert est.over_length == 1

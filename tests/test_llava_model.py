@@ -10,15 +10,17 @@ torch.set_num_threads(1)
 
 from tests.llava_tiny import IMAGE_SIZE, IMAGE_TOKEN, PATCH, VIDEO_TOKEN, hf_image_inputs, hf_llava, images  # noqa: E402
 
+# the module's tests share one model built in-process: megatron's CPU adaptations for each test
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("megatron_cpu")]
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def pair():
     from mmtrain.llava_ov.model import LlavaOVModel
-    from mmtrain.llava_ov.model_io import load_canonical
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
     from mmtrain.llava_ov.state_dict_adapter import LlavaOVStateDictAdapter, llava_config_from_hf, normalize_llava_hf_key
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     hf = hf_llava(seed=0)
@@ -71,7 +73,7 @@ def test_batched_rows_with_right_padding_match_hf(pair):
 
 
 def test_multi_image_and_video_logits_match_hf(pair):
-    from mmdata.energon_loaders import anyres
+    from mmdata.energon_loaders.llava_ov import anyres
 
     hf, model, cfg = pair
     imgs = images(1)[:2]
@@ -98,8 +100,9 @@ def test_multi_image_and_video_logits_match_hf(pair):
 
 def _packed_batch(cfg, samples):
     """Pack single-image HF-style samples (ids, tiles, size) into one row + padding."""
-    from mmdata.energon_loaders import anyres
-    from mmdata.energon_loaders.batch import IGNORE_INDEX, MEDIA_ANYRES, LlavaOVBatch
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    from mmdata.energon_loaders.llava_ov import anyres
+    from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, LlavaOVBatch
 
     pad = 5
     ids = torch.cat([s[0] for s in samples] + [torch.zeros(pad, dtype=torch.long)])[None]
@@ -119,7 +122,7 @@ def _packed_batch(cfg, samples):
 
 
 def test_packed_samples_equal_each_alone(pair):
-    from mmdata.energon_loaders import anyres
+    from mmdata.energon_loaders.llava_ov import anyres
 
     _, model, cfg = pair
     rows, pv, sizes = hf_image_inputs(images())
@@ -168,7 +171,7 @@ def test_forward_step_loss_matches_hf_loss(pair):
 
 def test_layout_token_counts_follow_loader_arithmetic(pair):
     """Every image size: features produced == anyres.num_image_tokens (the loader's count)."""
-    from mmdata.energon_loaders import anyres
+    from mmdata.energon_loaders.llava_ov import anyres
     from mmtrain.llava_ov.layout import anyres_features
 
     _, _, cfg = pair
@@ -194,12 +197,13 @@ def test_media_count_mismatch_is_an_error(pair):
 
 def test_backward_reaches_every_part_and_freeze_stops_it(pair):
     """A training step's gradients reach vision, projector, newline and LLM; stage-1 freezing
-    (vision + LLM frozen) leaves only the projector trainable."""
+    as training applies it (vision + LLM frozen) leaves only the projector trainable."""
     from mmdata.energon_loaders.batch import IGNORE_INDEX
     from mmtrain.llava_ov.forward_step import forward_step
     from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
-
     from mmtrain.llava_ov.model import LlavaOVModel
+    from mmtrain.llava_ov.spec import LLAVA_OV
+    from mmtrain.runtime.optimizer import ModelParts, apply_freeze
 
     _, model, cfg = pair
 
@@ -222,25 +226,24 @@ def test_backward_reaches_every_part_and_freeze_stops_it(pair):
         g = dict(m.named_parameters())[name].grad
         assert g is not None and g.abs().sum() > 0, name
     m2 = fresh()
-    m2.freeze(vision=True, language=True)
+    apply_freeze([m2], ModelParts([m2], LLAVA_OV.parts), ["vision_tower", "llm"])
     trainable = {n for n, p in m2.named_parameters() if p.requires_grad}
     assert trainable == {n for n, _ in m2.named_parameters() if n.startswith("vision_projection.")}
 
 
 def test_flops_per_token_for_aquila_size():
     """~6 x 1.54B decoder + LM-head params (the tied logits matmul counts) + causal attention
-    at 12288: the cost model's formula, which the train loop's MFU uses through the spec."""
-    from mmtrain.cost_model import training_flops_per_token
+    at 12288: the cost model's formula on the family's shapes, which the train loop's MFU uses."""
     from mmtrain.llava_ov.config import LlavaOVModelConfig
-    from mmtrain.llava_ov.spec import SPEC
+    from mmtrain.llava_ov.spec import LLAVA_OV
+    from mmtrain.planning.cost_model import training_flops_per_token
 
-    cfg = LlavaOVModelConfig.aquila_vl_2b()
-    assert SPEC.flops_per_token is training_flops_per_token
-    f = training_flops_per_token(cfg, 12288)
+    shapes = LLAVA_OV.model_shapes(LlavaOVModelConfig())  # the defaults: Aquila-VL-2B
+    f = training_flops_per_token(shapes, 12288)
     attn = 3 * 28 * 2 * 2 * 6144 * 1536
     assert 6 * 1.5e9 < f - attn < 6 * 1.6e9
     # attention grows linearly with the sequence: doubling it adds exactly one more `attn`
-    assert training_flops_per_token(cfg, 2 * 12288) - f == pytest.approx(attn)
+    assert training_flops_per_token(shapes, 2 * 12288) - f == pytest.approx(attn)
 
 
 @pytest.mark.parametrize("granularity", ["full", "selective"])
@@ -248,13 +251,14 @@ def test_activation_recompute_gives_identical_loss_and_grads(pair, granularity):
     from mmdata.energon_loaders.batch import IGNORE_INDEX
     from mmtrain.llava_ov.forward_step import forward_step
     from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
-    from mmtrain.llava_ov.model import LlavaOVModel, ParallelOptions
+    from mmtrain.llava_ov.model import LlavaOVModel
+    from mmtrain.models.megatron_config import ParallelOptions
 
     _, model, cfg = pair
     rows, pv, sizes = hf_image_inputs(images())
     results = []
     for opts in (ParallelOptions(), ParallelOptions(recompute_granularity=granularity)):
-        m = LlavaOVModel(cfg, parallel_ctx=opts)
+        m = LlavaOVModel(cfg, options=opts)
         m.load_state_dict(model.state_dict())
         m.train()
         batch = hf_inputs_to_batch(cfg, rows[1][None], pv[1:2], sizes[1:2])
@@ -273,7 +277,8 @@ def test_activation_recompute_gives_identical_loss_and_grads(pair, granularity):
 
 def test_no_init_build_keeps_megatron_tp_metadata(pair):
     """Conversion/inference skip the random init; the TP tags megatron relies on must remain."""
-    from mmtrain.llava_ov.model import LlavaOVModel, ParallelOptions
+    from mmtrain.llava_ov.model import LlavaOVModel
+    from mmtrain.models.megatron_config import ParallelOptions
 
     _, _, cfg = pair
 
@@ -283,4 +288,4 @@ def test_no_init_build_keeps_megatron_tp_metadata(pair):
 
     ref = tags(LlavaOVModel(cfg))
     assert sum(t for t, _ in ref.values()) > 10
-    assert tags(LlavaOVModel(cfg, parallel_ctx=ParallelOptions(perform_initialization=False))) == ref
+    assert tags(LlavaOVModel(cfg, options=ParallelOptions(perform_initialization=False))) == ref

@@ -16,9 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX, MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
+from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
-from mmdata.energon_loaders.loader import build_llava_ov_loader, write_blend_yaml
+from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
+from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
+from mmdata.energon_loaders.loader import write_blend_yaml
 from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
 torch.set_num_threads(1)
@@ -206,7 +208,7 @@ _RESUME_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     sys.path.insert(0, {tests_dir!r})
     from test_loader import _digest, VISION
-    from mmdata.energon_loaders.loader import build_llava_ov_loader
+    from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
     args = json.loads({args!r})
     loader = build_llava_ov_loader(args["data"], args["tok"], **args["kw"], **VISION)
     loader.restore_state_json(open(args["state"]).read())

@@ -8,7 +8,9 @@ import math
 import pytest
 
 from mmtrain.cli import main as mmtrain_main
-from mmtrain.metrics import MetricsWriter, read_metrics, worst_samples
+from mmtrain.runtime.metrics import MetricsWriter, read_metrics, worst_samples
+
+pytestmark = pytest.mark.unit
 
 
 def _record(step: int, loss: float, losses: dict[str, float]) -> dict:

@@ -17,6 +17,8 @@ from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_sha
 from mmdata.preprocess.shuffle_plan import bucket_of, plan_shards, shuffle_key
 from mmdata.preprocess.validation import Invalid, Valid, ValidationConfig, validate
 
+pytestmark = pytest.mark.unit
+
 
 def _png(w: int, h: int) -> bytes:
     buf = io.BytesIO()

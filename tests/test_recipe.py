@@ -1,4 +1,5 @@
-"""Recipe validator: errors name the key path; overrides, stages, resolved round trip."""
+"""Recipe validator: errors name the key path; overrides, stages, resolved round trip; the
+family's sections, parts and cross-checks come from its FamilySpec."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmtrain.recipe import Recipe, RecipeError, load_recipe, load_recipe_dict, parse_override, save_resolved
+from mmtrain.config import Recipe, RecipeError, load_recipe, load_recipe_dict, parse_override, save_resolved
+from mmtrain.config.schema import DataConfig
+from mmtrain.spec import FamilySpec
+
+pytestmark = pytest.mark.unit
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -31,6 +36,17 @@ class _ToyModel:
     max_tiles: int = 9
 
 
+def _unused(*args, **kwargs):
+    raise AssertionError("the schema tests build nothing")
+
+
+TOY = FamilySpec(
+    name="toy", help="a toy family", model_config_cls=_ToyModel, data_config_cls=DataConfig,
+    parts={"vision_tower": ("vision",), "projector": ("proj",), "llm": ("lm",)},
+    check_recipe=lambda recipe, errors: None, architecture_keys=("inner",), build_model=_unused,
+    batch_type=object, build_loader=_unused, forward_step=_unused, model_shapes=_unused,
+)
+
 BASE = {
     "family": "toy",
     "run_dir": "runs/toy",
@@ -43,7 +59,7 @@ BASE = {
 
 
 def load(raw=None, overrides=(), family=None) -> Recipe:
-    return load_recipe_dict(copy.deepcopy(raw if raw is not None else BASE), overrides, family, _ToyModel)
+    return load_recipe_dict(copy.deepcopy(raw if raw is not None else BASE), overrides, family, TOY)
 
 
 def errors_of(raw=None, overrides=(), family=None) -> list[str]:
@@ -55,7 +71,7 @@ def errors_of(raw=None, overrides=(), family=None) -> list[str]:
 def test_valid_recipe_is_typed():
     r = load()
     assert r.model == _ToyModel(inner=_Inner(width=16), depth=3)
-    assert r.parallel.dp == 2 and r.grad_accum_steps == 2
+    assert r.parallel.dp == 2
     assert r.optimizer.decay == "cosine" and r.action == "run"
 
 
@@ -143,9 +159,54 @@ def test_other_cross_checks():
     assert any("tokenizer.path: is required" in e for e in errs)
     # dry_run / auto_tune need no data
     assert load(overrides=["action=dry_run", "data.paths=[]"]).action == "dry_run"
-    assert any("model.max_tiles=9" in e for e in errors_of(overrides=["data.max_tiles=4"]))
-    assert any("everything is frozen" in e for e in errors_of(
-        overrides=["freeze.vision_tower=true", "freeze.projector=true", "freeze.llm=true"]))
+    assert any("everything is frozen" in e for e in errors_of(overrides=["freeze=[vision_tower, projector, llm]"]))
+
+
+def test_family_checks_run_on_its_sections():
+    """llava-ov's data: section adds the loader's tile/frame keys and checks them against model:."""
+    tiny = RECIPES / "llava-ov-tiny.yaml"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(tiny, ["data.max_tiles=4"])
+    assert any("model.max_tiles=9" in e for e in info.value.errors)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(tiny, ["data.video_frames=0"])
+    assert info.value.errors == ["override 'data.video_frames=0': data.video_frames: must be > 0, got 0"]
+    assert load_recipe(tiny).data.video_frames == 8
+    # the toy family's data: section is the shared one: no tile keys there
+    (err,) = errors_of(overrides=["data.max_tiles=4"])
+    assert err.startswith("override 'data.max_tiles=4': data.max_tiles: unknown key")
+
+
+def test_freeze_and_lr_mult_name_the_familys_parts():
+    r = load(overrides=["freeze=[vision_tower]", "optimizer.lr_mult={vision_tower: 0.2}"])
+    assert r.freeze == ["vision_tower"] and r.optimizer.lr_mult == {"vision_tower": 0.2}
+    (err,) = errors_of(overrides=["freeze=[vision]"])
+    assert err.startswith("override 'freeze=[vision]': freeze[0]: unknown part 'vision'; did you mean 'vision_tower'?")
+    assert "(parts of toy: vision_tower, projector, llm)" in err
+    (err,) = errors_of(overrides=["optimizer.lr_mult.projectr=2"])
+    assert "optimizer.lr_mult.projectr: unknown part 'projectr'; did you mean 'projector'?" in err
+    (err,) = errors_of(overrides=["optimizer.lr_mult.llm=-1"])
+    assert err.endswith("optimizer.lr_mult.llm: must be >= 0, got -1.0")
+
+
+def test_old_keys_are_refused_with_their_new_spelling():
+    raw = copy.deepcopy(BASE)
+    raw["freeze"] = {"vision_tower": True, "projector": False, "llm": True}
+    raw["optimizer"] = {"lr": 1.0e-5, "vision_tower_lr": 2.0e-6}
+    errs = errors_of(raw)
+    assert "freeze: the mapping form was replaced by the list of parts to freeze: write freeze: [vision_tower, llm]" in errs
+    assert ("optimizer.vision_tower_lr: was replaced by per-part multipliers of optimizer.lr: write "
+            "optimizer.lr_mult: {vision_tower: 0.2} (= 2e-06 / optimizer.lr 1e-05)") in errs
+    (err,) = errors_of(overrides=["optimizer.vision_tower_lr="])
+    assert err == ("override 'optimizer.vision_tower_lr=': optimizer.vision_tower_lr: was replaced by per-part "
+                   "multipliers of optimizer.lr: delete it (the vision tower then uses optimizer.lr)")
+
+
+def test_unknown_family_is_named_with_the_known_ones():
+    raw = dict(copy.deepcopy(BASE), family="llava-0v")
+    with pytest.raises(RecipeError) as info:
+        load_recipe_dict(raw)
+    assert any(e.startswith("family: unknown model family 'llava-0v'; did you mean 'llava-ov'?") for e in info.value.errors)
 
 
 def test_evaluation_needs_validation_data():
@@ -170,14 +231,14 @@ def test_stages_patch_then_overrides_win():
     raw = copy.deepcopy(BASE)
     raw["stage"] = 1
     raw["stages"] = {
-        1: {"freeze": {"llm": True}, "optimizer.lr": 1.0e-3},
-        "2": {"optimizer": {"lr": 1.0e-5, "vision_tower_lr": 2.0e-6}},
+        1: {"freeze": ["llm"], "optimizer.lr": 1.0e-3},
+        "2": {"optimizer": {"lr": 1.0e-5, "lr_mult": {"vision_tower": 0.2}}},
     }
     r = load(raw)
-    assert r.stage == "1" and r.freeze.llm and r.optimizer.lr == 1e-3
-    r = load(raw, ["stage=2", "optimizer.vision_tower_lr=3e-6"])
-    assert r.stage == "2" and not r.freeze.llm and r.optimizer.lr == 1e-5
-    assert r.optimizer.vision_tower_lr == pytest.approx(3e-6)
+    assert r.stage == "1" and r.freeze == ["llm"] and r.optimizer.lr == 1e-3
+    r = load(raw, ["stage=2", "optimizer.lr_mult.vision_tower=0.3"])
+    assert r.stage == "2" and "llm" not in r.freeze and r.optimizer.lr == 1e-5
+    assert r.optimizer.lr_mult == {"vision_tower": pytest.approx(0.3)}
     with pytest.raises(RecipeError, match="unknown stage '3'"):
         load(raw, ["stage=3"])
     with pytest.raises(RecipeError, match="has no stages: table"):
@@ -195,7 +256,7 @@ def test_resolved_round_trip(tmp_path):
     out = save_resolved(r, tmp_path / "run" / "config.yaml")
     text = out.read_text()
     assert "stages" not in yaml.safe_load(text)
-    again = load_recipe(out, model_config_cls=_ToyModel)
+    again = load_recipe(out, spec=TOY)
     assert again == r and again.optimizer.lr == 5e-4 and again.model.inner.sizes == (3, 4, 5)
     assert list(tmp_path.joinpath("run").iterdir()) == [out]  # no temp file left behind
 
@@ -213,11 +274,12 @@ def test_every_shipped_recipe_validates_and_round_trips(path, tmp_path):
 def test_aquila_stage_settings():
     path = RECIPES / "aquila-vl-2b.yaml"
     s1 = load_recipe(path, ["stage=1"], family="llava-ov")
-    assert (s1.freeze.vision_tower, s1.freeze.projector, s1.freeze.llm) == (True, False, True)
-    assert s1.optimizer.lr == 1e-3
+    assert s1.freeze == ["vision_tower", "llm"]
+    assert s1.optimizer.lr == 1e-3 and s1.optimizer.lr_mult == {}
     later = load_recipe(path, ["stage=2a"], family="llava-ov")
-    assert not (later.freeze.vision_tower or later.freeze.projector or later.freeze.llm)
-    assert later.optimizer.lr == 1e-5 and later.optimizer.vision_tower_lr == 2e-6
+    assert later.freeze == []
+    assert later.optimizer.lr == 1e-5 and later.optimizer.lr_mult == {"vision_tower": 0.2}
+    assert later.optimizer.lr * later.optimizer.lr_mult["vision_tower"] == pytest.approx(2e-6)
     assert later.checkpoint.weights_only and later.checkpoint.load == "runs/aquila-vl-2b/stage1/checkpoints"
     assert not s1.checkpoint.weights_only and s1.run_dir != later.run_dir
     m, t, p = later.model, later.train, later.parallel

@@ -18,6 +18,8 @@ from mmdata.preprocess.energon_meta import ShardLayout
 from mmdata.preprocess.shard_writer import SampleMembers, ShardResult, sha256_file, tar_header, write_shard
 from mmdata.preprocess.stages import decode_row, encode_row
 
+pytestmark = pytest.mark.unit
+
 
 # The previous `write_shard` implementation (tarfile-based), kept verbatim as the reference:
 # the hand-built headers must produce exactly the bytes it writes.

@@ -20,6 +20,8 @@ from mmdata.preprocess.adapters.base import InputUnit, MediaRef, MediaResolver, 
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
 from mmdata.preprocess.tar_scan import list_tar
 
+pytestmark = pytest.mark.unit
+
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "ustar": tarfile.USTAR_FORMAT, "pax": tarfile.PAX_FORMAT}
 
 

@@ -6,10 +6,12 @@ Every training run is a real `mmtrain llava-ov recipes/llava-ov-tiny.yaml ...` s
 
 Fast tier: one reference run (loss decreases, metrics, checkpoint layout, keep-last), exact
 resume, resume on a pipeline-parallel layout (re-sharded model + optimizer; also a PP=2 vs PP=1
-loss-parity check on identical weights and batches), frozen parameters, periodic evaluation
-(`val_loss` at the eval steps only, the same batches every time, no effect on training). Slow
-tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same HF weights), TP=2 -> TP=1 resume
-and the PP=2 validation loss.
+loss-parity check on identical weights and batches), a checkpoint of another architecture
+refused, frozen parameters, periodic evaluation (`val_loss` at the eval steps only, the same
+batches every time, no effect on training). Slow tier: the layout parity matrix (TP=2, PP=2,
+DP=2 from the same HF weights), TP=2 -> TP=1 resume and the PP=2 validation loss.
+The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
+per-sample losses) are in test_runtime_units.py.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1,
+          expect_rc: int = 0) -> subprocess.CompletedProcess:
     args = [
         f"run_dir={run_dir}",
         f"data.paths=[{shards}]",
@@ -55,8 +58,9 @@ def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: 
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     proc = subprocess.run(MMTRAIN + args, capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    if proc.returncode != expect_rc:
+        raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
 
 
@@ -105,109 +109,6 @@ def interrupted_copy(ref: Path, dst: Path, at_step: int) -> Path:
             shutil.rmtree(d)
     (ckpts / "latest").write_text(f"{at_step}\n")
     return dst
-
-
-# ----------------------------------------------------------------------------- fast: unit level
-
-
-def test_lr_schedule_warmup_cosine_and_group_peaks():
-    from mmtrain.lr_schedule import LRSchedule
-
-    s = LRSchedule(max_lr=1e-3, min_lr=1e-5, warmup_steps=4, total_steps=20, decay="cosine")
-    assert s.lr_at(1, 1e-3, 1e-5) == pytest.approx(2.5e-4)  # first update already trains
-    assert s.lr_at(4, 1e-3, 1e-5) == pytest.approx(1e-3)
-    assert s.lr_at(12, 1e-3, 1e-5) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))  # half-way
-    assert s.lr_at(20, 1e-3, 1e-5) == pytest.approx(1e-5)
-    lrs = [s.lr_at(k, 1e-3, 1e-5) for k in range(4, 21)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
-    groups = [{"max_lr": 1e-3, "min_lr": 1e-5, "wd_mult": 1.0}, {"max_lr": 2e-4, "min_lr": 2e-6, "wd_mult": 0.0, "is_vision_tower": True}]
-    main = s.apply(groups, 4, weight_decay=0.1)
-    assert main == pytest.approx(1e-3) and groups[1]["lr"] == pytest.approx(2e-4)
-    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
-    with pytest.raises(ValueError):
-        LRSchedule(max_lr=1e-3, min_lr=1e-5, warmup_steps=0, total_steps=10, decay="exp")
-
-
-def test_freeze_and_param_groups():
-    from types import SimpleNamespace
-
-    from mmtrain.optimizer import apply_freeze, build_param_groups
-
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.vision_model = torch.nn.Linear(4, 4)
-            self.vision_projection = torch.nn.Linear(4, 4)
-            self.language_model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-
-    model = Toy()
-    counts = apply_freeze([model], SimpleNamespace(vision_tower=True, projector=False, llm=False))
-    assert not any(p.requires_grad for p in model.vision_model.parameters())
-    assert counts["frozen"] == 20 and counts["projector"] == 20 and counts["llm"] == 28
-    cfg = SimpleNamespace(lr=1e-3, min_lr=1e-5, vision_tower_lr=2e-4, weight_decay=0.1)
-    groups = build_param_groups([model], cfg)
-    assert len(groups) == 4  # same structure on every rank, empty groups included
-    by_id = {id(p): g for g in groups for p in g["params"]}
-    assert id(model.vision_model.weight) not in by_id  # frozen: not in the optimizer
-    assert by_id[id(model.vision_projection.weight)]["wd_mult"] == 1.0
-    assert by_id[id(model.vision_projection.bias)]["wd_mult"] == 0.0
-    assert by_id[id(model.language_model[1].weight)]["wd_mult"] == 0.0  # norm scale
-    model2 = Toy()
-    groups2 = build_param_groups([model2], cfg)
-    vt = [g for g in groups2 if g["is_vision_tower"] and g["params"]]
-    assert vt and all(g["max_lr"] == 2e-4 for g in vt)
-
-
-def test_resolve_checkpoint_kinds(tmp_path):
-    from mmtrain.checkpointing import resolve_checkpoint
-
-    full = tmp_path / "run" / "checkpoints" / "iter_0000004"
-    (full / "model").mkdir(parents=True)
-    (full / "trainer_state.json").write_text("{}")
-    (tmp_path / "run" / "checkpoints" / "latest").write_text("4\n")
-    assert resolve_checkpoint(tmp_path / "run") == ("mmtrain", full)
-    assert resolve_checkpoint(full) == ("mmtrain", full)
-    weights = tmp_path / "conv" / "iter_0000000"
-    (weights / "model").mkdir(parents=True)
-    (tmp_path / "conv" / "latest").write_text("0\n")
-    assert resolve_checkpoint(tmp_path / "conv") == ("weights", weights)
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"")
-    assert resolve_checkpoint(hf) == ("hf", hf)
-    with pytest.raises(FileNotFoundError):
-        resolve_checkpoint(tmp_path / "nothing")
-
-
-def test_per_sample_loss_sums_follow_cu_seqlens():
-    from types import SimpleNamespace
-
-    from mmtrain.loss import masked_token_loss
-
-    token_loss = torch.arange(12, dtype=torch.float32).reshape(2, 6)
-    labels = torch.tensor([[1, 1, -100, 1, 1, -100], [1, -100, -100, -100, -100, -100]])
-    # row 0: samples a (0..2) and b (3..5); row 1: sample c (6..7) then padding (8..11)
-    batch = SimpleNamespace(sample_ids=[["a", "b"], ["c"]], cu_seqlens=torch.tensor([0, 3, 6, 8, 12]))
-    loss_sum, n, report = masked_token_loss(token_loss, labels, batch)
-    assert float(loss_sum) == 0 + 1 + 3 + 4 + 6 and int(n) == 5
-    assert report["sample_losses"].tolist() == [[1.0, 2.0], [7.0, 2.0], [6.0, 1.0]]
-
-
-def test_runtime_cpu_compat_is_idempotent_and_inert_with_cuda(monkeypatch):
-    from megatron.core.tensor_parallel import random as mrandom
-
-    from mmtrain import device
-
-    assert device.enable_runtime_cpu_compat() is True
-    n = len(device.SUBSTITUTIONS)
-    assert device.enable_runtime_cpu_compat() is True
-    assert len(device.SUBSTITUTIONS) == n  # logged once
-    assert mrandom._get_cuda_rng_state().numel() == 0  # recompute's CUDA-state save: nothing to save
-    monkeypatch.setattr(device, "cuda_available", lambda: True)
-    assert device.enable_runtime_cpu_compat() is False
-    device.note_runtime_substitution("never logged with CUDA")
-    assert "never logged with CUDA" not in device.SUBSTITUTIONS
 
 
 # ----------------------------------------------------------------------------- fast: training
@@ -280,11 +181,22 @@ def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, token
     assert state["layout"] == {"tp": 1, "pp": 2, "dp": 1, "world_size": 2}
 
 
+def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """The recipe says 3 decoder layers, the checkpoint holds 2: refused before anything is built,
+    in one line naming the key (exit code 2), for a resume and for a weights-only start."""
+    for extra in ((), ("checkpoint.weights_only=true",)):
+        proc = train(tmp_path / f"run{len(extra)}", shards_dir, tokenizer_dir, "train.iters=6", "model.llm.num_layers=3",
+                     f"checkpoint.load={ref_run / 'checkpoints'}", *extra, expect_rc=2)
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("mmtrain: ")]
+        assert "model.llm.num_layers is 3 in the recipe but 2 in the checkpoint" in line
+        assert "Traceback" not in proc.stderr
+
+
 def test_frozen_parameters_do_not_change(tmp_path, shards_dir, tokenizer_dir):
     """LLaVA-OV stage 1: only the projector trains."""
     run = tmp_path / "stage1"
     train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
-          "freeze.vision_tower=true", "freeze.llm=true", "optimizer.lr=1.0e-2")
+          "freeze=[vision_tower, llm]", "optimizer.lr=1.0e-2")
     a = read_dist_ckpt(run / "checkpoints" / "iter_0000001" / "model")
     b = read_dist_ckpt(run / "checkpoints" / "iter_0000002" / "model")
     assert a.keys() == b.keys()
@@ -357,8 +269,8 @@ def write_tiny_hf_model(recipe_path: Path, out: Path) -> Path:
     runs (each layout converts it on the fly through the model's state-dict adapter)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 
+    from mmtrain.config import load_recipe
     from mmtrain.llava_ov.state_dict_adapter import hf_config_from_llava
-    from mmtrain.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, ["action=dry_run"])
     cfg = hf_config_from_llava(recipe.model)

@@ -1,15 +1,21 @@
-"""megatron-energon side: sample type, task encoders (LLaVA-OV anyres, chat template, packing),
-and the loader factory used by training.
+"""megatron-energon side: the sample type of our shards, the parts every model family shares
+(batch contract, packing, savable loader state, the loader factory with blending) and one
+task-encoder package per family.
 
-Modules (one job each):
+Common modules (one job each):
   sample.py          energon sample type of our shards (ConversationSample) + sample_loader
-  anyres.py          LLaVA-OV dynamic resolution: pixels and the shared shape/token arithmetic
-  chat_template.py   Qwen2 ChatML rendering, media expansion, loss mask, over-length policy
-  video.py           decord probing / uniform frame sampling
+  batch.py           PackedBatch (what the training runtime reads from any batch), IGNORE_INDEX
   packing.py         pack selection (energon hook) and packed-row attention metadata
-  task_encoder.py    LlavaOVTaskEncoder: energon hooks -> LlavaOVBatch (batch.py)
-  loader.py          build_llava_ov_loader(), LoaderStats, blend YAML helper
+  loader.py          build_loader(data, task_encoder, ...) -> SavableLoader, LoaderStats, blend YAML
   state_codec.py     loader state <-> JSON (no pickles in checkpoints)
+  video.py           decord probing / uniform frame sampling
   tiny_tokenizer.py  offline Qwen2-style tokenizer for tests/demos
   dev_shards.py      write small energon-ready shard sets from in-memory samples
+
+Per family:
+  llava_ov/          anyres tiling, Qwen2 chat template + loss mask, LlavaOVTaskEncoder,
+                     LlavaOVBatch, build_llava_ov_loader()
+
+A new family adds one package here with its task encoder, its `PackedBatch` subclass and a
+`build_<family>_loader` that hands the encoder to `loader.build_loader`.
 """

@@ -1,8 +1,9 @@
-"""Loader factory: shard dirs or a metadataset YAML -> an energon savable loader of LlavaOVBatch.
+"""Loader factory shared by every family: shard dirs or a metadataset YAML + a family's task
+encoder -> an energon savable loader of that family's batches (`PackedBatch` subclasses).
 
 Energon does the streaming, sharding over data-parallel ranks and workers, shuffling,
-blending (MetadatasetV2 weights), packing buffers and resumable state; we supply the task
-encoder and a thin wrapper that sums the per-batch skip counters into `stats`.
+blending (MetadatasetV2 weights), packing buffers and resumable state; the family supplies the
+task encoder, and `SavableLoader` sums the per-batch skip counters into `stats`.
 
 Resume: call `save_state_rank()` when checkpointing (one state per DP rank) and
 `restore_state_rank(state)` on an identically built loader BEFORE the first iteration.
@@ -20,12 +21,9 @@ from typing import Any, Iterator, Sequence
 import yaml
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
-from mmdata.energon_loaders.batch import LlavaOVBatch
+from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
 from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
-from mmdata.energon_loaders.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
-from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 
 
 @dataclass
@@ -60,15 +58,15 @@ class LoaderStats:
         }
 
 
-class LlavaOVLoader:
-    """Iterable over LlavaOVBatch with energon's save/restore and our stats."""
+class SavableLoader:
+    """Iterable over a family's batches with energon's save/restore and our stats."""
 
-    def __init__(self, loader: Any, task_encoder: LlavaOVTaskEncoder):
+    def __init__(self, loader: Any, task_encoder: Any):
         self.loader = loader
         self.task_encoder = task_encoder
         self.stats = LoaderStats()
 
-    def __iter__(self) -> Iterator[LlavaOVBatch]:
+    def __iter__(self) -> Iterator[PackedBatch]:
         for batch in self.loader:
             s = self.stats
             s.batches += 1
@@ -124,47 +122,32 @@ def _resolve_data(data: str | Path | Sequence[str | Path]) -> Path:
     return write_blend_yaml(out, [(p, 1.0) for p in paths])
 
 
-def build_llava_ov_loader(
+def build_loader(
     data: str | Path | Sequence[str | Path],
-    tokenizer_path: str | Path,
+    task_encoder: Any,
     *,
-    seq_length: int,
     micro_batch_size: int,
     dp_rank: int = 0,
     dp_size: int = 1,
     num_workers: int = 2,
     seed: int = 0,
-    max_tiles: int = 9,
     packing: bool = True,
     packing_buffer_size: int | None = None,
     shuffle_buffer_size: int = 100,
     max_samples_per_sequence: int = 100,
-    image_size: int = 384,
-    patch_size: int = 14,
-    grid_max: int = 6,
-    max_video_frames: int = DEFAULT_MAX_FRAMES,
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     checkpoint_every_sec: float = 60,
     checkpoint_every_min_n_samples: int | None = None,
     watchdog_timeout_seconds: float | None = None,
-) -> LlavaOVLoader:
-    """Build this DP rank's savable loader of `LlavaOVBatch` (infinite: energon repeats epochs).
+) -> SavableLoader:
+    """This DP rank's savable loader of `task_encoder`'s batches (infinite: energon repeats
+    epochs).
 
     `data`: a shard dir, a metadataset YAML (blend weights), or several shard dirs (equal
-    weights). With `packing`, each row holds several samples up to `seq_length` tokens.
+    weights). With `packing`, energon buffers `packing_buffer_size` samples and asks the task
+    encoder which of them share a row.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
-    config = LlavaOVEncoderConfig(
-        seq_length=seq_length,
-        max_tiles=max_tiles,
-        image_size=image_size,
-        patch_size=patch_size,
-        grid_max=grid_max,
-        max_video_frames=max_video_frames,
-        system_prompt=system_prompt,
-    )
-    encoder = LlavaOVTaskEncoder(str(tokenizer_path), config)
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed)
     dataset = get_train_dataset(
         str(_resolve_data(data)),
@@ -173,7 +156,7 @@ def build_llava_ov_loader(
         shuffle_buffer_size=shuffle_buffer_size,
         max_samples_per_sequence=max_samples_per_sequence,
         packing_buffer_size=(packing_buffer_size or DEFAULT_PACKING_BUFFER) if packing else None,
-        task_encoder=encoder,
+        task_encoder=task_encoder,
     )
     loader = get_savable_loader(
         dataset,
@@ -181,4 +164,4 @@ def build_llava_ov_loader(
         checkpoint_every_min_n_samples=checkpoint_every_min_n_samples,
         watchdog_timeout_seconds=watchdog_timeout_seconds,
     )
-    return LlavaOVLoader(loader, encoder)
+    return SavableLoader(loader, task_encoder)

@@ -1,7 +1,7 @@
 """Sequence packing: bin selection and packed-row metadata (model-agnostic, reused by Emu3).
 
 `largest_first_knapsack` chooses which buffered samples share a row (energon's
-`select_samples_to_pack` hook; `first_fit_decreasing` is the simpler baseline); `pack_rows` concatenates per-sample token arrays into fixed
+`select_samples_to_pack` hook); `pack_rows` concatenates per-sample token arrays into fixed
 [B, S] rows and builds the attention metadata: position ids restarting per sample and
 `cu_seqlens` over the flattened B*S stream with one segment per sample and one per padding run,
 so varlen attention never crosses a sample boundary.
@@ -19,29 +19,6 @@ from mmdata.energon_loaders.batch import IGNORE_INDEX
 
 #: samples the loader buffers per packing decision (energon's `packing_buffer_size`)
 DEFAULT_PACKING_BUFFER = 256
-
-
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Group indices into bins of total length <= capacity; every index lands in exactly one bin.
-
-    Deterministic (ties broken by index) so a restored loader re-creates the same packs. Items
-    longer than `capacity` get a bin of their own (callers drop/truncate them earlier).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        n = int(lengths[i])
-        for b, room in enumerate(free):
-            if n <= room:
-                bins[b].append(i)
-                free[b] -= n
-                break
-        else:
-            bins.append([i])
-            free.append(capacity - n)
-    # keep stream order inside a bin (so per-row sample order follows the shuffled stream)
-    return [sorted(b) for b in bins]
 
 
 def _best_subset(lengths: Sequence[int], capacity: int) -> list[int]:
@@ -71,7 +48,7 @@ def largest_first_knapsack(lengths: Sequence[int], capacity: int) -> list[list[i
     """Group indices into bins: open each bin with the largest remaining item, then fill the
     remaining room exactly as full as possible (subset-sum) from the rest.
 
-    Fuller rows than first-fit-decreasing on LLaVA-OV mixes (many 1.5K-3K image samples, few
+    Fuller rows than first-fit-decreasing would give on LLaVA-OV mixes (many 1.5K-3K image samples, few
     short text ones): the waste concentrates in the last bin of each buffer. Deterministic.
     """
     remaining = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from PIL import Image, ImageDraw
 
-from mmdata.energon_loaders import anyres
+from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.inspect.stats import DatasetSummary, SampleStats
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)

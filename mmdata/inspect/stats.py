@@ -1,7 +1,7 @@
 """Per-sample measurements and the dataset summary behind `mmdata inspect` and the notebook.
 
 Everything that costs GPU time later is counted here the way the loader will count it: image
-tokens from the anyres shape arithmetic of `mmdata.energon_loaders.anyres` applied to the
+tokens from the anyres shape arithmetic of `mmdata.energon_loaders.llava_ov.anyres` applied to the
 image *header* sizes (no pixels decoded), text tokens and loss tokens from the loader's own
 `ChatTokenizer`. So what inspect reports is what training will see, not an approximation.
 """
@@ -17,8 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from mmdata.energon_loaders import anyres
-from mmdata.energon_loaders.chat_template import with_video_placeholder
+from mmdata.energon_loaders.llava_ov import anyres
+from mmdata.energon_loaders.llava_ov.chat_template import with_video_placeholder
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
 from mmdata.inspect.packing import PackingEstimate, estimate_packing
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
@@ -156,7 +156,7 @@ def measure_sample(
     plain = text.replace(IMAGE_PLACEHOLDER, " ").replace(VIDEO_PLACEHOLDER, " ")
     text_tokens = loss_tokens = None
     if chat is not None and error is None:
-        from mmdata.energon_loaders.chat_template import ConversationError
+        from mmdata.energon_loaders.llava_ov.chat_template import ConversationError
 
         try:
             toks = chat.tokenize(conv, [i.tokens for i in images], [video_tokens] if has_video else [])
@@ -188,7 +188,7 @@ def load_chat_tokenizer(path: str | Path):
     """The loader's `ChatTokenizer` over an HF tokenizer directory (offline)."""
     from transformers import AutoTokenizer
 
-    from mmdata.energon_loaders.chat_template import ChatTokenizer
+    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
 
     return ChatTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
 

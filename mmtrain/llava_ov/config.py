@@ -1,34 +1,22 @@
-"""LLaVA-OneVision model configuration: plain nested dataclasses (the recipe's `model:` section).
+"""LLaVA-OneVision recipe sections: `model:` (LlavaOVModelConfig) and `data:` (LlavaOVDataConfig),
+plus the cross-checks between them.
 
 Field names follow the architecture, not any one library; `state_dict_adapter` maps them to and
-from the HF configs (Qwen2Config, SiglipVisionConfig, LlavaOnevisionConfig).
+from the HF configs (Qwen2Config, SiglipVisionConfig, LlavaOnevisionConfig). Plain dataclasses
+with no torch/megatron import: the recipe validator and the CLI read them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from mmtrain.config.schema import DataConfig
+from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
 
-@dataclass
-class LLMConfig:
-    """Qwen2 / Qwen2.5 decoder."""
-
-    num_layers: int = 28
-    hidden_size: int = 1536
-    ffn_hidden_size: int = 8960
-    num_attention_heads: int = 12
-    num_query_groups: int = 2
-    vocab_size: int = 151936  # true (HF) vocabulary size; padded in the model, see padded_vocab_size
-    max_position_embeddings: int = 32768
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    qkv_bias: bool = True
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+if TYPE_CHECKING:
+    from mmtrain.config.errors import RecipeErrors
+    from mmtrain.config.schema import Recipe
 
 
 @dataclass
@@ -63,6 +51,8 @@ class ProjectorConfig:
 
 @dataclass
 class LlavaOVModelConfig:
+    """The recipe's `model:` section for `family: llava-ov`."""
+
     llm: LLMConfig = field(default_factory=LLMConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
@@ -73,60 +63,30 @@ class LlavaOVModelConfig:
     make_vocab_size_divisible_by: int = 64  # also multiplied by TP when padding
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
 
-    # ------------------------------------------------------------------ helpers
     def padded_vocab_size(self, tp: int = 1) -> int:
-        """Megatron pads the embedding table so every TP rank holds an equal, aligned slice."""
-        multiple = self.make_vocab_size_divisible_by * tp
-        v = self.llm.vocab_size
-        return ((v + multiple - 1) // multiple) * multiple
+        return padded_vocab_size(self.llm.vocab_size, self.make_vocab_size_divisible_by, tp)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LlavaOVModelConfig":
-        data = dict(data)
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known
-        if unknown:
-            raise KeyError(f"model config: unknown keys {sorted(unknown)}")
-        sub = {"llm": LLMConfig, "vision": VisionConfig, "projector": ProjectorConfig}
-        for key, klass in sub.items():
-            if key in data and isinstance(data[key], dict):
-                bad = set(data[key]) - set(klass.__dataclass_fields__)
-                if bad:
-                    raise KeyError(f"model config: unknown keys {sorted(f'{key}.{b}' for b in bad)}")
-                data[key] = klass(**data[key])
-        return cls(**data)
+#: `model:` keys that decide the weights' shapes and meaning: a checkpoint whose saved model
+#: config differs in one of them is refused (dtype, max_tiles ... may change between runs)
+ARCHITECTURE_KEYS = ("llm", "vision", "projector", "image_token_id", "video_token_id")
 
-    # ------------------------------------------------------------------ presets
-    @classmethod
-    def aquila_vl_2b(cls) -> "LlavaOVModelConfig":
-        """Aquila-VL-2B: Qwen2.5-1.5B-Instruct + SigLIP-so400m-patch14-384 (26 of 27 layers)."""
-        return cls()
 
-    @classmethod
-    def tiny(cls) -> "LlavaOVModelConfig":
-        """CPU-sized twin with the same structure (GQA, qkv bias, tied embeddings, anyres)."""
-        return cls(
-            llm=LLMConfig(
-                num_layers=2,
-                hidden_size=64,
-                ffn_hidden_size=128,
-                num_attention_heads=4,
-                num_query_groups=2,
-                vocab_size=1000,
-                max_position_embeddings=4096,
-            ),
-            vision=VisionConfig(
-                num_layers=2,
-                hidden_size=32,
-                ffn_hidden_size=64,
-                num_attention_heads=2,
-                image_size=30,  # 30 % 14 != 0, like 384 % 14: exercises the floor
-                patch_size=14,
-            ),
-            image_token_id=998,
-            video_token_id=999,
-            make_vocab_size_divisible_by=8,
-        )
+@dataclass
+class LlavaOVDataConfig(DataConfig):
+    """The recipe's `data:` section for `family: llava-ov`: the shared loader keys plus how the
+    LLaVA-OV task encoder lays out media."""
+
+    max_tiles: int = 9  # anyres_max_N used when tiling images; must equal model.max_tiles
+    video_frames: int = 8  # frames sampled per video
+
+
+def check_recipe(recipe: Recipe, errors: RecipeErrors) -> None:
+    """Cross-checks over the LLaVA-OV sections (run after the shared ones)."""
+    d, m = recipe.data, recipe.model
+    for key in ("max_tiles", "video_frames"):
+        if getattr(d, key) <= 0:
+            errors.add(("data", key), f"must be > 0, got {getattr(d, key)}")
+    if m.max_tiles != d.max_tiles:
+        errors.add(("data", "max_tiles"), f"{d.max_tiles} differs from model.max_tiles={m.max_tiles}; "
+                   "the loader and the model must lay out the same tiles", [("model", "max_tiles")])

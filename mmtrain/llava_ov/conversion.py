@@ -18,13 +18,19 @@ from typing import Callable, Optional
 
 import torch
 
+from mmtrain.config.typed import from_plain
 from mmtrain.llava_ov.config import LlavaOVModelConfig
-from mmtrain.llava_ov.hf_io import SafetensorsReader, copy_assets, read_config, write_sharded
 from mmtrain.llava_ov.state_dict_adapter import (
-    ConversionError, LlavaOVStateDictAdapter, Qwen2StateDictAdapter, SiglipStateDictAdapter,
-    hf_config_from_llava, llava_config_from_hf, llm_config_from_hf, normalize_llava_hf_key,
+    LlavaOVStateDictAdapter,
+    SiglipStateDictAdapter,
+    hf_config_from_llava,
+    llava_config_from_hf,
     vision_config_from_hf,
 )
+from mmtrain.models.hf_io import SafetensorsReader, copy_assets, read_config, write_sharded
+from mmtrain.models.megatron_config import ParallelOptions
+from mmtrain.models.state_dict_adapter import ConversionError, Qwen2StateDictAdapter, llm_config_from_hf
+from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
 
 ASSETS_DIR = "hf_assets"  # tokenizer/processor files carried inside a converted checkpoint
 
@@ -32,7 +38,7 @@ ASSETS_DIR = "hf_assets"  # tokenizer/processor files carried inside a converted
 # ----------------------------------------------------------------------------- building
 
 
-def build_stage(cfg: LlavaOVModelConfig, parallel_ctx=None):
+def build_stage(cfg: LlavaOVModelConfig, options: Optional[ParallelOptions] = None):
     """The LlavaOVModel of this rank's pipeline stage."""
     from megatron.core import parallel_state
 
@@ -42,11 +48,16 @@ def build_stage(cfg: LlavaOVModelConfig, parallel_ctx=None):
         cfg,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_ctx=parallel_ctx,
+        options=options,
     )
 
 
-def _tied_source(cfg: LlavaOVModelConfig) -> Optional[str]:
+def saved_model_config(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVModelConfig:
+    """The model config stored next to a checkpoint's weights, validated like a recipe section."""
+    return from_plain(LlavaOVModelConfig, load_model_config_dict(ckpt_dir, iteration), f"{ckpt_dir} {MODEL_CONFIG}")
+
+
+def tied_source(cfg: LlavaOVModelConfig) -> Optional[str]:
     return "language_model.embedding.word_embeddings.weight" if cfg.llm.tie_word_embeddings else None
 
 
@@ -56,8 +67,8 @@ def _tied_source(cfg: LlavaOVModelConfig) -> Optional[str]:
 def llava_source(hf_dir: str | os.PathLike) -> tuple[LlavaOVModelConfig, Callable[[str], torch.Tensor]]:
     """A whole LLaVA-OV HF dir -> (config, canonical-megatron-tensor getter), keys validated."""
     cfg = llava_config_from_hf(read_config(hf_dir))
-    reader = SafetensorsReader(hf_dir, normalize_llava_hf_key)
     adapter = LlavaOVStateDictAdapter(cfg)
+    reader = SafetensorsReader(hf_dir, adapter.normalize_hf_key)
     adapter.check_hf_keys(reader.keys())
     return cfg, lambda name: adapter.mcore_tensor(name, reader.get)
 
@@ -99,9 +110,9 @@ def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, bas
 
 def _import_rank(job: dict) -> None:
     """Runs on every rank: build this stage, fill it from HF, save collectively."""
-    from mmtrain.llava_ov.model_io import load_canonical
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.weights_io import save_model_weights
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.runtime.checkpoint.weights import save_model_weights
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     torch.set_num_threads(max(1, int(job.get("threads", 1))))
     ensure_model_parallel(job["tp"], job["pp"], seed=job.get("seed", 1234))
@@ -109,15 +120,11 @@ def _import_rank(job: dict) -> None:
         cfg, get = llava_source(job["src"])
     else:
         cfg, get = stage1_source(job["llm"], job["vision"], job.get("base"))
-    if job.get("expect") is not None and job["expect"] != cfg:
-        raise ConversionError(f"HF config does not match the recipe's model config: HF {cfg} vs recipe {job['expect']}")
-    from mmtrain.llava_ov.model import ParallelOptions
-
     # a whole LLaVA-OV checkpoint fills every weight: no random init; stage 1 keeps it (projector)
     model = build_stage(cfg, ParallelOptions(perform_initialization=job["kind"] != "llava"))
 
     # the stage-1 getter returns None for the projector / image_newline: they keep their init
-    load_canonical(model, get, tied_output_source=_tied_source(cfg))
+    load_canonical(model, get, tied_output_source=tied_source(cfg))
     save_model_weights([model], job["dst"], iteration=0, model_config=cfg)
 
 
@@ -127,7 +134,7 @@ def _run_ranks(job: dict, world: int) -> None:
         return
     import torch.multiprocessing as mp
 
-    from mmtrain.distributed import free_port
+    from mmtrain.runtime.distributed import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -160,11 +167,8 @@ def _record_source(dst: Path, hf_dirs: list[str | os.PathLike], hf_config: Optio
         (assets / "source_config.json").write_text(json.dumps(hf_config, indent=2))
 
 
-def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1,
-                expect: Optional[LlavaOVModelConfig] = None) -> LlavaOVModelConfig:
+def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1) -> LlavaOVModelConfig:
     cfg, _ = llava_source(src)  # validate before starting any rank
-    if expect is not None and expect != cfg:
-        raise ConversionError(f"HF config does not match the recipe's model config: HF {cfg} vs recipe {expect}")
     _run_ranks({"kind": "llava", "src": str(src), "dst": str(dst), "tp": tp, "pp": pp}, tp * pp)
     _record_source(Path(dst), [src], read_config(src))
     return cfg
@@ -184,14 +188,12 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
 
 def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> Path:
     """Single process: load at TP=1/PP=1 (dist-checkpoint reshards), stream out HF safetensors."""
-    from mmtrain.llava_ov.model_io import iter_canonical
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.weights_io import load_model_config_dict, load_model_weights
-
-    from mmtrain.llava_ov.model import ParallelOptions
+    from mmtrain.models.model_io import iter_canonical
+    from mmtrain.runtime.checkpoint.weights import load_model_weights
+    from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
-    cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(src))
+    cfg = saved_model_config(src)
     model = build_stage(cfg, ParallelOptions(perform_initialization=False))
     load_model_weights([model], src)
     canon = dict(iter_canonical(model, true_vocab=cfg.llm.vocab_size))

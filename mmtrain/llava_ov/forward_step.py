@@ -1,6 +1,6 @@
 """megatron-style forward step for LLaVA-OV: `(data_iterator, model) -> (output, loss_fn)`.
 
-The loss is summed over real (label != -100) tokens and returned with their count, so
+The loss is summed over real (label != IGNORE_INDEX) tokens and returned with their count, so
 megatron's schedules (with `config.calculate_per_token_loss=True`) average over all real tokens
 of all micro-batches and DP ranks rather than averaging per-micro-batch means.
 """
@@ -12,9 +12,10 @@ from typing import Any, Iterator
 
 import torch
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX, LlavaOVBatch
-from mmtrain.device import default_device
-from mmtrain.loss import masked_loss_sum
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
+from mmtrain.runtime.distributed import compute_device
+from mmtrain.runtime.loss import masked_loss_sum
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -23,9 +24,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[LlavaOVBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    batch = next(data_iterator)
-    if not isinstance(batch, LlavaOVBatch):
-        raise TypeError(f"forward_step expects LlavaOVBatch items, got {type(batch).__name__}")
-    batch = batch.to(default_device())
+    batch = next(data_iterator).to(compute_device())
     output = model(batch)
     return output, functools.partial(loss_func, batch.labels != IGNORE_INDEX)

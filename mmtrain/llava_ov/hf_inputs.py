@@ -7,10 +7,9 @@ from typing import Optional
 
 import torch
 
-from mmdata.energon_loaders import anyres
-from mmdata.energon_loaders.batch import (
-    IGNORE_INDEX, MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch,
-)
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.llava_ov import anyres
+from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
 
 

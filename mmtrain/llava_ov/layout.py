@@ -5,7 +5,7 @@
 - one image of a multi-image sample: its single tile + one newline;
 - video: every frame 2x2-bilinear pooled to ceil(P/2)^2, all frames, + one newline.
 
-All shape arithmetic comes from `mmdata.energon_loaders.anyres` (the loader's own functions),
+All shape arithmetic comes from `mmdata.energon_loaders.llava_ov.anyres` (the loader's own functions),
 so the number of features produced here always equals the number of placeholder tokens the
 loader wrote. Only the tensor operations live here.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmdata.energon_loaders import anyres
-from mmdata.energon_loaders.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO
+from mmdata.energon_loaders.llava_ov import anyres
+from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO
 from mmtrain.llava_ov.config import LlavaOVModelConfig
 
 _NO_SHRINK = 10**12  # max_tiles so large that unpadded_feature_shape only crops

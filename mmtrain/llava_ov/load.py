@@ -1,5 +1,7 @@
-"""`load_llava_ov(ckpt_dir)`: a converted (or trained) checkpoint as an eval-mode model that is
-called like `LlavaOnevisionForConditionalGeneration` and returns logits [batch, seq, vocab]."""
+"""Loading LLaVA-OV weights outside training: `load_llava_ov(ckpt_dir)`, a converted (or
+trained) checkpoint as an eval-mode model that is called like
+`LlavaOnevisionForConditionalGeneration` and returns logits [batch, seq, vocab]; and
+`load_hf_into_model`, which lets a recipe start from an HF directory (converted on the fly)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,15 @@ from typing import Optional
 
 import torch
 
-from mmtrain.llava_ov.config import LlavaOVModelConfig
+from mmtrain.llava_ov.config import ARCHITECTURE_KEYS, LlavaOVModelConfig
+from mmtrain.llava_ov.conversion import build_stage, llava_source, saved_model_config, tied_source
 from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
+from mmtrain.models.megatron_config import ParallelOptions
+from mmtrain.models.model_io import load_canonical
+from mmtrain.models.state_dict_adapter import ConversionError
+from mmtrain.runtime.checkpoint.layout import LATEST, unwrap
+from mmtrain.runtime.checkpoint.weights import load_model_weights
+from mmtrain.runtime.distributed import ensure_model_parallel
 
 
 class LlavaOVForInference(torch.nn.Module):
@@ -39,13 +48,6 @@ class LlavaOVForInference(torch.nn.Module):
 
 def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVForInference:
     """A megatron checkpoint dir (CKPT_DIR/latest + iter_*/model) or an HF LLaVA-OV dir."""
-    from mmtrain.llava_ov.conversion import build_stage, llava_source
-    from mmtrain.llava_ov.model_io import load_canonical
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.weights_io import LATEST, load_model_config_dict, load_model_weights
-
-    from mmtrain.llava_ov.model import ParallelOptions
-
     ensure_model_parallel(1, 1)
     no_init = ParallelOptions(perform_initialization=False)  # every weight is loaded below
     ckpt_dir = Path(ckpt_dir)
@@ -54,26 +56,22 @@ def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) 
         model = build_stage(cfg, no_init)
         load_canonical(model, get)
     else:
-        cfg = LlavaOVModelConfig.from_dict(load_model_config_dict(ckpt_dir, iteration))
+        cfg = saved_model_config(ckpt_dir, iteration)
         model = build_stage(cfg, no_init)
         load_model_weights([model], ckpt_dir, iteration)
     return LlavaOVForInference(model, cfg).eval()
 
 
-def load_hf_into_model(model_chunks, hf_dir: str | os.PathLike, expect: Optional[LlavaOVModelConfig] = None) -> None:
-    """Fill (possibly TP/PP-sharded) model chunks straight from an HF LLaVA-OV dir: lets a recipe
-    name an HF directory as its initial checkpoint (conversion on the fly)."""
-    from mmtrain.llava_ov.conversion import _tied_source, llava_source
-    from mmtrain.llava_ov.model_io import load_canonical
-    from mmtrain.llava_ov.state_dict_adapter import ConversionError
-
+def load_hf_into_model(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike,
+                       expect: Optional[LlavaOVModelConfig] = None) -> None:
+    """Fill (possibly TP/PP-sharded) model chunks straight from an HF LLaVA-OV dir, after
+    checking its config against the recipe's model config (`expect`, when given)."""
     cfg, get = llava_source(hf_dir)
-    if expect is not None:
-        for key in ("llm", "vision", "projector", "image_token_id", "video_token_id"):
-            if getattr(expect, key) != getattr(cfg, key):
-                raise ConversionError(
-                    f"{hf_dir}: HF config does not match the recipe: model.{key} is {getattr(expect, key)} in the recipe, "
-                    f"{getattr(cfg, key)} in the HF checkpoint"
-                )
+    for key in ARCHITECTURE_KEYS if expect is not None else ():
+        if getattr(expect, key) != getattr(cfg, key):
+            raise ConversionError(
+                f"{hf_dir}: HF config does not match the recipe: model.{key} is {getattr(expect, key)} in the recipe, "
+                f"{getattr(cfg, key)} in the HF checkpoint"
+            )
     for chunk in model_chunks:
-        load_canonical(getattr(chunk, "module", chunk), get, tied_output_source=_tied_source(cfg))
+        load_canonical(unwrap(chunk), get, tied_output_source=tied_source(cfg))

@@ -9,7 +9,7 @@ from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.llava_ov.config import LlavaOVModelConfig
-from mmtrain.llava_ov.layer_specs import projector_submodules
+from mmtrain.models.layer_specs import mlp_submodules
 
 
 def projector_transformer_config(cfg: LlavaOVModelConfig, base: dict[str, Any]) -> TransformerConfig:
@@ -34,5 +34,5 @@ def projector_transformer_config(cfg: LlavaOVModelConfig, base: dict[str, Any]) 
 
 def build_projector(cfg: LlavaOVModelConfig, config: TransformerConfig) -> MultimodalProjector:
     return MultimodalProjector(
-        config, projector_submodules(), projector_type="mlp", input_size=cfg.vision.hidden_size
+        config, mlp_submodules(), projector_type="mlp", input_size=cfg.vision.hidden_size
     )

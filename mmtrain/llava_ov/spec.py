@@ -1,30 +1,46 @@
-"""Registers the "llava-ov" ModelSpec for the shared runtime."""
+"""The "llava-ov" FamilySpec: what the shared runtime needs to train, plan, convert and load
+LLaVA-OneVision. Imported by the registry (so by the CLI): model, loader and conversion code is
+reached inside the functions below, never at import time."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from mmtrain.cost_model import training_flops_per_token
-from mmtrain.llava_ov.config import LlavaOVModelConfig
-from mmtrain.llava_ov.forward_step import forward_step
-from mmtrain.llava_ov.state_dict_adapter import LlavaOVStateDictAdapter
-from mmtrain.model_spec import ModelSpec, register
+from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
+from mmtrain.config.schema import Recipe
+from mmtrain.llava_ov.config import ARCHITECTURE_KEYS, LlavaOVDataConfig, LlavaOVModelConfig, check_recipe
+from mmtrain.planning.cost_model import Connector, DecoderShape, EncoderShape, ModelShapes
+from mmtrain.spec import FamilySpec, HFConversion
+
+#: trainable parts -> the LlavaOVModel attributes they own (image_newline trains with the LLM)
+PARTS = {
+    "vision_tower": ("vision_model",),
+    "projector": ("vision_projection",),
+    "llm": ("language_model", "image_newline"),
+}
 
 
 def build_model(model_config: LlavaOVModelConfig, *, pre_process: bool = True, post_process: bool = True,
-                parallel_ctx: Any = None, vp_stage: int | None = None):
+                options: Any = None, vp_stage: int | None = None):
     from mmtrain.llava_ov.model import LlavaOVModel
 
     return LlavaOVModel(model_config, pre_process=pre_process, post_process=post_process,
-                        parallel_ctx=parallel_ctx, vp_stage=vp_stage)
+                        options=options, vp_stage=vp_stage)
 
 
-def build_loader(recipe: Any, *, dp_rank: int = 0, dp_size: int = 1):
-    """Delegates to the energon loader factory with the model's own vision geometry."""
-    from mmdata.energon_loaders.loader import build_llava_ov_loader
+def forward_step(data_iterator: Any, model: Any) -> Any:
+    from mmtrain.llava_ov.forward_step import forward_step as step
+
+    return step(data_iterator, model)
+
+
+def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1):
+    """The energon loader with the model's own vision geometry."""
+    from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 
     m: LlavaOVModelConfig = recipe.model
-    d = recipe.data
+    d: LlavaOVDataConfig = recipe.data
     loader = build_llava_ov_loader(
         d.paths, recipe.tokenizer.path, seq_length=recipe.train.seq_length,
         micro_batch_size=recipe.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
@@ -53,14 +69,65 @@ def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, t
         raise ValueError("media token ids disagree: " + "; ".join(wrong))
 
 
-SPEC = register(
-    ModelSpec(
-        name="llava-ov",
-        model_config_cls=LlavaOVModelConfig,
-        build_model=build_model,
-        build_loader=build_loader,
-        forward_step=forward_step,
-        flops_per_token=training_flops_per_token,
-        state_dict_adapter=LlavaOVStateDictAdapter,
+def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
+    """SigLIP encoder -> mlp2x_gelu projector (+ image_newline) -> Qwen2 decoder."""
+    v, h = m.vision, m.llm.hidden_size
+    projector_weights = v.hidden_size * h + h * h
+    return ModelShapes(
+        decoder=DecoderShape.from_llm(m.llm, m.make_vocab_size_divisible_by),
+        decoder_part="llm",
+        encoder=EncoderShape(v.num_layers, v.hidden_size, v.ffn_hidden_size, v.num_attention_heads,
+                             v.image_size, v.patch_size, v.num_channels),
+        encoder_part="vision_tower",
+        connectors=(
+            Connector("projector", projector_weights + (2 * h if m.projector.bias else 0), projector_weights),
+            Connector("llm", h),  # image_newline
+        ),
     )
+
+
+def _to_mcore(src: str, dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
+    from mmtrain.llava_ov.conversion import hf_to_mcore
+
+    return hf_to_mcore(src, dst, tp=tp, pp=pp)
+
+
+def _to_hf(src: str, dst: str, *, max_shard_bytes: int) -> Path:
+    from mmtrain.llava_ov.conversion import mcore_to_hf
+
+    return mcore_to_hf(src, dst, max_shard_bytes)
+
+
+def _assemble(dirs: dict[str, str], dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
+    from mmtrain.llava_ov.conversion import assemble_stage1
+
+    return assemble_stage1(dirs["llm"], dirs["vision"], dst, tp=tp, pp=pp)
+
+
+def _load_into_model(model_chunks: list, hf_dir: str, model_config: LlavaOVModelConfig) -> None:
+    from mmtrain.llava_ov.load import load_hf_into_model
+
+    load_hf_into_model(model_chunks, hf_dir, model_config)
+
+
+LLAVA_OV = FamilySpec(
+    name="llava-ov",
+    help="a LLaVA-OneVision model (SigLIP + projector + Qwen2)",
+    model_config_cls=LlavaOVModelConfig,
+    data_config_cls=LlavaOVDataConfig,
+    parts=PARTS,
+    check_recipe=check_recipe,
+    architecture_keys=ARCHITECTURE_KEYS,
+    build_model=build_model,
+    batch_type=LlavaOVBatch,
+    build_loader=build_loader,
+    forward_step=forward_step,
+    model_shapes=model_shapes,
+    hf=HFConversion(
+        to_mcore=_to_mcore,
+        to_hf=_to_hf,
+        load_into_model=_load_into_model,
+        assemble_from={"llm": "Qwen2/2.5 HF dir", "vision": "SigLIP HF dir (its last layer is dropped)"},
+        assemble=_assemble,
+    ),
 )

@@ -20,8 +20,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.llava_ov.config import VisionConfig
-from mmtrain.llava_ov.layer_specs import transformer_layer_spec
-from mmtrain.llava_ov.norm import TorchNorm
+from mmtrain.models.layer_specs import transformer_layer_spec
+from mmtrain.models.norm import TorchNorm
 
 
 def vision_transformer_config(cfg: VisionConfig, base: dict[str, Any]) -> TransformerConfig:

@@ -24,8 +24,9 @@ def main() -> None:
     from mmtrain.llava_ov.forward_step import forward_step
     from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
     from mmtrain.llava_ov.load import load_hf_into_model
-    from mmtrain.llava_ov.parallel_init import ensure_model_parallel
-    from mmtrain.weights_io import load_model_weights, save_model_weights
+    from mmtrain.models.megatron_config import ParallelOptions
+    from mmtrain.runtime.checkpoint.weights import load_model_weights, save_model_weights
+    from mmtrain.runtime.distributed import ensure_model_parallel
     from tests.llava_tiny import IMAGE_TOKEN, hf_image_inputs, images
 
     ensure_model_parallel(2, 1)
@@ -58,8 +59,6 @@ def main() -> None:
     model2 = build_stage(cfg).eval()
     load_model_weights([model2], tp1_ckpt)
     res["from_tp1_ckpt"] = check(model2)
-    from mmtrain.llava_ov.model import ParallelOptions
-
     model3 = build_stage(cfg, ParallelOptions(sequence_parallel=True)).eval()
     assert model3.config.sequence_parallel
     load_model_weights([model3], tp1_ckpt)

@@ -1,0 +1,384 @@
+"""LLaVA-OneVision dynamic resolution ("anyres_max_N") for images, multi-image and video.
+
+Two halves, shared by the loader and the model:
+- pixel side (`process_image`, `process_base_only`, `process_frames`): PIL decode/resize with
+  the same resampling as `transformers.LlavaOnevisionImageProcessor` (bicubic), pad, cut into
+  square tiles, SigLIP-normalise, all in one pass over uint8 memory (no float64 copies).
+- arithmetic side (pure functions, no tensors): grid pinpoints, best-resolution selection, the
+  unpad + anyres_max shrink shape and the LLM token counts. The model imports these to lay out
+  features exactly as the loader counted them, so the two can never disagree.
+
+Conventions follow HF's LLaVA-OneVision (the parity oracle, tested in tests/test_anyres*.py):
+- single image: base tile (original resized to SxS, no pad) + grid tiles of the padded best
+  resolution, row-major; tokens = base (P*P) + rows' * (cols' + 1) where (rows', cols') is the
+  unpadded, possibly shrunk feature map of P*grid_rows x P*grid_cols features (P = S // patch).
+- multi-image ("base only"): each image padded to a square with the mean colour, one tile,
+  P*P + 1 tokens (HF appends one newline feature per image).
+- video: frames resized to SxS, features 2x2-bilinear pooled to ceil(P/2)^2 per frame, plus one
+  newline for the whole video.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+DEFAULT_IMAGE_SIZE = 384
+DEFAULT_PATCH_SIZE = 14
+DEFAULT_GRID_MAX = 6  # pinpoints (1..6) x (1..6) x image_size
+DEFAULT_MAX_TILES = 9  # anyres_max_9
+SIGLIP_MEAN = (0.5, 0.5, 0.5)
+SIGLIP_STD = (0.5, 0.5, 0.5)
+#: shrink only when the unpadded map exceeds max_tiles tiles by more than this factor (HF/LLaVA)
+SHRINK_THRESHOLD = 1.1
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+@lru_cache(maxsize=64)
+def grid_pinpoints(image_size: int = DEFAULT_IMAGE_SIZE, grid_max: int = DEFAULT_GRID_MAX) -> tuple[tuple[int, int], ...]:
+    """Candidate (height, width) resolutions, in HF's order (height-major): ties keep the first."""
+    return tuple((i * image_size, j * image_size) for i in range(1, grid_max + 1) for j in range(1, grid_max + 1))
+
+
+def select_best_resolution(orig_h: int, orig_w: int, pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The (height, width) pinpoint that keeps the most original pixels, then wastes the least."""
+    best: tuple[int, int] | None = None
+    best_effective, best_wasted = 0, math.inf
+    for height, width in pinpoints:
+        scale = min(width / orig_w, height / orig_h)
+        effective = min(int(orig_w * scale) * int(orig_h * scale), orig_w * orig_h)
+        wasted = width * height - effective
+        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+            best_effective, best_wasted, best = effective, wasted, (int(height), int(width))
+    if best is None:
+        raise ValueError(f"no grid pinpoint fits an image of {orig_h}x{orig_w}")
+    return best
+
+
+def resize_for_patching(orig_h: int, orig_w: int, target_h: int, target_w: int) -> tuple[int, int]:
+    """Aspect-preserving size that fills the limiting side of the target exactly."""
+    scale_w, scale_h = target_w / orig_w, target_h / orig_h
+    if scale_w < scale_h:
+        return min(math.ceil(orig_h * scale_w), target_h), target_w
+    return target_h, min(math.ceil(orig_w * scale_h), target_w)
+
+
+def anyres_grid_shape(
+    orig_h: int, orig_w: int, image_size: int = DEFAULT_IMAGE_SIZE, grid_max: int = DEFAULT_GRID_MAX
+) -> tuple[int, int]:
+    """(rows, cols) of grid tiles chosen for an image of orig_h x orig_w."""
+    best_h, best_w = select_best_resolution(orig_h, orig_w, grid_pinpoints(image_size, grid_max))
+    return best_h // image_size, best_w // image_size
+
+
+def unpadded_feature_shape(
+    orig_h: int,
+    orig_w: int,
+    grid_rows: int,
+    grid_cols: int,
+    patches_per_side: int = DEFAULT_IMAGE_SIZE // DEFAULT_PATCH_SIZE,
+    max_tiles: int = DEFAULT_MAX_TILES,
+) -> tuple[int, int]:
+    """(rows, cols) of the grid feature map after removing padding and the anyres_max shrink.
+
+    The model reproduces this with: crop `(cur - new) // 2` rows/cols on both sides, then
+    bilinear-interpolate to `(int(rows // ratio), int(cols // ratio))` when ratio > 1.1.
+    """
+    cur_h, cur_w = patches_per_side * grid_rows, patches_per_side * grid_cols
+    if orig_w / orig_h > cur_w / cur_h:
+        new_h = int(round(orig_h * (cur_w / orig_w), 7))
+        cur_h -= ((cur_h - new_h) // 2) * 2
+    else:
+        new_w = int(round(orig_w * (cur_h / orig_h), 7))
+        cur_w -= ((cur_w - new_w) // 2) * 2
+    ratio = shrink_ratio(cur_h, cur_w, patches_per_side, max_tiles)
+    if ratio > SHRINK_THRESHOLD:
+        return int(cur_h // ratio), int(cur_w // ratio)
+    return cur_h, cur_w
+
+
+def shrink_ratio(rows: int, cols: int, patches_per_side: int, max_tiles: int = DEFAULT_MAX_TILES) -> float:
+    """sqrt(features / (max_tiles tiles' worth of features)); the map is shrunk when > 1.1."""
+    return math.sqrt(rows * cols / (max_tiles * patches_per_side**2))
+
+
+def num_image_tokens(
+    orig_h: int,
+    orig_w: int,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    max_tiles: int = DEFAULT_MAX_TILES,
+    grid_max: int = DEFAULT_GRID_MAX,
+) -> int:
+    """LLM positions of a single anyres image: base P*P + rows * (cols + newline)."""
+    grid = anyres_grid_shape(orig_h, orig_w, image_size, grid_max)
+    return _anyres_tokens(orig_h, orig_w, grid, image_size // patch_size, max_tiles)
+
+
+def _anyres_tokens(orig_h: int, orig_w: int, grid: tuple[int, int], pps: int, max_tiles: int) -> int:
+    rows, cols = unpadded_feature_shape(orig_h, orig_w, grid[0], grid[1], pps, max_tiles)
+    return pps * pps + rows * (cols + 1)
+
+
+def image_layout(
+    orig_h: int,
+    orig_w: int,
+    single: bool,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    max_tiles: int = DEFAULT_MAX_TILES,
+    grid_max: int = DEFAULT_GRID_MAX,
+) -> tuple[tuple[int, int], int]:
+    """(anyres grid, LLM tokens) of an image as the loader lays it out: the only image of a
+    sample -> anyres (base tile + grid); one of several -> one base tile, grid (0, 0)."""
+    if not single:
+        return (0, 0), num_base_only_tokens(image_size, patch_size)
+    grid = anyres_grid_shape(orig_h, orig_w, image_size, grid_max)
+    return grid, _anyres_tokens(orig_h, orig_w, grid, image_size // patch_size, max_tiles)
+
+
+def num_base_only_tokens(image_size: int = DEFAULT_IMAGE_SIZE, patch_size: int = DEFAULT_PATCH_SIZE) -> int:
+    """LLM positions of one image of a multi-image sample: one tile plus one newline."""
+    pps = image_size // patch_size
+    return pps * pps + 1
+
+
+def pooled_frame_side(image_size: int = DEFAULT_IMAGE_SIZE, patch_size: int = DEFAULT_PATCH_SIZE) -> int:
+    """Feature side after LLaVA-OV's 2x2 bilinear video pooling (27 -> 14)."""
+    return math.ceil((image_size // patch_size) / 2)
+
+
+def num_video_tokens(
+    num_frames: int, image_size: int = DEFAULT_IMAGE_SIZE, patch_size: int = DEFAULT_PATCH_SIZE
+) -> int:
+    """LLM positions of a video: pooled features per frame plus one newline for the clip."""
+    side = pooled_frame_side(image_size, patch_size)
+    return num_frames * side * side + 1
+
+
+# ----------------------------------------------------------------------------- pixels
+
+
+@dataclass
+class AnyResImage:
+    """One processed image (or video) ready for the vision tower."""
+
+    pixel_values: torch.Tensor  # [tiles, 3, S, S] float32, normalised
+    image_size: tuple[int, int]  # original (height, width)
+    num_tokens: int  # LLM positions this media expands to
+    grid_shape: tuple[int, int]  # anyres grid (rows, cols); (0, 0) when there is no grid
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB conversion as HF does it: transparency is composited onto white."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _normalise_(out: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
+    """In place: out = (out/255 - mean) / std as one multiply-add (scalars when channels agree)."""
+    if len(set(mean)) == 1 and len(set(std)) == 1:
+        out.mul_(1.0 / (255.0 * std[0])).add_(-mean[0] / std[0])
+        return
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, 3, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, 3, 1, 1)
+    out.mul_(scale).add_(shift)
+
+
+def _hwc(image: Image.Image) -> torch.Tensor:
+    """[H, W, 3] uint8 view of a PIL image's pixels (we only read it, so skip a second copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable NumPy array": read only
+        return torch.from_numpy(np.asarray(image))
+
+
+@dataclass
+class TileCanvas:
+    """HWC uint8 pixels whose rows x cols square cells are tiles (row-major)."""
+
+    pixels: torch.Tensor  # [rows * S, cols * S, 3] uint8
+    rows: int
+    cols: int
+
+
+@dataclass
+class PreparedMedia:
+    """Resized/padded uint8 pixels of one media, not yet cut into float tiles.
+
+    Kept compact (uint8, HWC) until the batch is assembled: the loader then cuts and converts
+    every media of a batch straight into one float tensor and normalises it in a single pass.
+    """
+
+    canvases: list[TileCanvas]
+    image_size: tuple[int, int]  # original (height, width)
+    num_tokens: int
+    grid_shape: tuple[int, int]
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(c.rows * c.cols for c in self.canvases)
+
+    def write_tiles(self, out: torch.Tensor) -> None:
+        """Copy this media's tiles (0..255 float, CHW) into out[:num_tiles] with one strided
+        uint8 -> float32 copy per canvas (no intermediate permuted copies)."""
+        i = 0
+        for c in self.canvases:
+            size = c.pixels.shape[0] // c.rows
+            n = c.rows * c.cols
+            out[i : i + n].view(c.rows, c.cols, 3, size, size).copy_(
+                c.pixels.view(c.rows, size, c.cols, size, 3).permute(0, 2, 4, 1, 3)
+            )
+            i += n
+
+
+def tiles_to_pixel_values(
+    media: Sequence[PreparedMedia],
+    image_size: int,
+    mean: Sequence[float] = SIGLIP_MEAN,
+    std: Sequence[float] = SIGLIP_STD,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All tiles of `media`, in order, as one normalised [tiles, 3, S, S] float32 tensor."""
+    total = sum(m.num_tiles for m in media)
+    if out is None:
+        out = torch.empty((total, 3, image_size, image_size), dtype=torch.float32)
+    i = 0
+    for m in media:
+        m.write_tiles(out[i : i + m.num_tiles])
+        i += m.num_tiles
+    _normalise_(out, mean, std)
+    return out
+
+
+def prepare_image(
+    image: Image.Image,
+    max_tiles: int = DEFAULT_MAX_TILES,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    grid_max: int = DEFAULT_GRID_MAX,
+) -> PreparedMedia:
+    """Single-image anyres pixels: the base canvas (1x1), then the padded rows x cols grid."""
+    image = to_rgb(image)
+    orig_w, orig_h = image.size
+    if orig_w < 1 or orig_h < 1:
+        raise ValueError(f"image has an empty size {orig_w}x{orig_h}")
+    best_h, best_w = select_best_resolution(orig_h, orig_w, grid_pinpoints(image_size, grid_max))
+    new_h, new_w = resize_for_patching(orig_h, orig_w, best_h, best_w)
+    rows, cols = best_h // image_size, best_w // image_size
+
+    resized = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    canvas = torch.zeros((best_h, best_w, 3), dtype=torch.uint8)  # black pad, as HF
+    top, left = (best_h - new_h) // 2, (best_w - new_w) // 2
+    canvas[top : top + new_h, left : left + new_w] = _hwc(resized)
+    base = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
+
+    pps = image_size // patch_size
+    feat_rows, feat_cols = unpadded_feature_shape(orig_h, orig_w, rows, cols, pps, max_tiles)
+    return PreparedMedia(
+        canvases=[TileCanvas(_hwc(base), 1, 1), TileCanvas(canvas, rows, cols)],
+        image_size=(orig_h, orig_w),
+        num_tokens=pps * pps + feat_rows * (feat_cols + 1),
+        grid_shape=(rows, cols),
+    )
+
+
+def prepare_base_only(
+    image: Image.Image,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    mean: Sequence[float] = SIGLIP_MEAN,
+) -> PreparedMedia:
+    """One tile per image (multi-image samples): pad to square with the mean colour, resize."""
+    image = to_rgb(image)
+    w, h = image.size
+    if w != h:
+        side = max(w, h)
+        square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+        square.paste(image, ((side - w) // 2, (side - h) // 2))
+        image = square
+    tile = image.resize((image_size, image_size), Image.Resampling.BICUBIC)
+    return PreparedMedia([TileCanvas(_hwc(tile), 1, 1)], (h, w), num_base_only_tokens(image_size, patch_size), (0, 0))
+
+
+def prepare_frames(
+    frames: np.ndarray, *, image_size: int = DEFAULT_IMAGE_SIZE, patch_size: int = DEFAULT_PATCH_SIZE
+) -> PreparedMedia:
+    """Video frames [T, H, W, 3] uint8, each resized to S x S (bicubic, no pad), as a T x 1 canvas."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"expected frames [T, H, W, 3], got shape {tuple(frames.shape)}")
+    num_frames, h, w = int(frames.shape[0]), int(frames.shape[1]), int(frames.shape[2])
+    canvas = torch.empty((num_frames * image_size, image_size, 3), dtype=torch.uint8)
+    for i in range(num_frames):
+        frame = Image.fromarray(np.ascontiguousarray(frames[i]))
+        resized = frame.resize((image_size, image_size), Image.Resampling.BICUBIC)
+        canvas[i * image_size : (i + 1) * image_size] = _hwc(resized)
+    return PreparedMedia(
+        [TileCanvas(canvas, num_frames, 1)], (h, w), num_video_tokens(num_frames, image_size, patch_size), (0, 0)
+    )
+
+
+def _finish(prepared: PreparedMedia, image_size: int, mean: Sequence[float], std: Sequence[float]) -> AnyResImage:
+    pixel_values = tiles_to_pixel_values([prepared], image_size, mean, std)
+    return AnyResImage(pixel_values, prepared.image_size, prepared.num_tokens, prepared.grid_shape)
+
+
+def process_image(
+    image: Image.Image,
+    max_tiles: int = DEFAULT_MAX_TILES,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    grid_max: int = DEFAULT_GRID_MAX,
+    mean: Sequence[float] = SIGLIP_MEAN,
+    std: Sequence[float] = SIGLIP_STD,
+) -> AnyResImage:
+    """Single-image anyres: base tile first, then the row-major grid tiles."""
+    prepared = prepare_image(image, max_tiles, image_size=image_size, patch_size=patch_size, grid_max=grid_max)
+    return _finish(prepared, image_size, mean, std)
+
+
+def process_base_only(
+    image: Image.Image,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    mean: Sequence[float] = SIGLIP_MEAN,
+    std: Sequence[float] = SIGLIP_STD,
+) -> AnyResImage:
+    """One tile per image (multi-image samples): pad to square with the mean colour, resize."""
+    prepared = prepare_base_only(image, image_size=image_size, patch_size=patch_size, mean=mean)
+    return _finish(prepared, image_size, mean, std)
+
+
+def process_frames(
+    frames: np.ndarray,
+    *,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    patch_size: int = DEFAULT_PATCH_SIZE,
+    mean: Sequence[float] = SIGLIP_MEAN,
+    std: Sequence[float] = SIGLIP_STD,
+) -> AnyResImage:
+    """Video frames [T, H, W, 3] uint8 -> [T, 3, S, S], each frame resized (bicubic, no pad)."""
+    return _finish(prepare_frames(frames, image_size=image_size, patch_size=patch_size), image_size, mean, std)

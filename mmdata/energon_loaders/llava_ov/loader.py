@@ -1,0 +1,67 @@
+"""`build_llava_ov_loader`: the shared loader factory with the LLaVA-OV task encoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
+from mmdata.energon_loaders.loader import SavableLoader, build_loader
+from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
+
+
+def build_llava_ov_loader(
+    data: str | Path | Sequence[str | Path],
+    tokenizer_path: str | Path,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    num_workers: int = 2,
+    seed: int = 0,
+    max_tiles: int = 9,
+    packing: bool = True,
+    packing_buffer_size: int | None = None,
+    shuffle_buffer_size: int = 100,
+    max_samples_per_sequence: int = 100,
+    image_size: int = 384,
+    patch_size: int = 14,
+    grid_max: int = 6,
+    max_video_frames: int = DEFAULT_MAX_FRAMES,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    checkpoint_every_sec: float = 60,
+    checkpoint_every_min_n_samples: int | None = None,
+    watchdog_timeout_seconds: float | None = None,
+) -> SavableLoader:
+    """This DP rank's savable loader of `LlavaOVBatch` (infinite: energon repeats epochs).
+
+    `data`: a shard dir, a metadataset YAML (blend weights), or several shard dirs (equal
+    weights). With `packing`, each row holds several samples up to `seq_length` tokens.
+    """
+    config = LlavaOVEncoderConfig(
+        seq_length=seq_length,
+        max_tiles=max_tiles,
+        image_size=image_size,
+        patch_size=patch_size,
+        grid_max=grid_max,
+        max_video_frames=max_video_frames,
+        system_prompt=system_prompt,
+    )
+    return build_loader(
+        data,
+        LlavaOVTaskEncoder(str(tokenizer_path), config),
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=num_workers,
+        seed=seed,
+        packing=packing,
+        packing_buffer_size=packing_buffer_size,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        checkpoint_every_sec=checkpoint_every_sec,
+        checkpoint_every_min_n_samples=checkpoint_every_min_n_samples,
+        watchdog_timeout_seconds=watchdog_timeout_seconds,
+    )

@@ -1,0 +1,299 @@
+"""The LLaVA-OneVision TaskEncoder: conversation samples -> packed `LlavaOVBatch`es.
+
+Stages (energon hooks, all `@stateless` so energon can replay them on restore):
+1. `preencode_sample`: read image headers / probe the video (sizes -> token counts, no pixel
+   decode), render + tokenize the chat with media expanded, shift labels, apply the
+   over-length policy. Cheap and small, so the packing buffer holds encoded bytes, not tiles.
+2. `select_samples_to_pack`: first-fit-decreasing over the buffer into `seq_length` bins.
+3. `postencode_sample`: decode pixels (anyres / base-only / video frames) for chosen samples.
+4. `pack_selected_samples` + `batch`: rows, position ids, cu_seqlens, flattened media.
+
+Bad samples raise `SkipSample` after counting a reason; counts travel to the main process in
+each batch's `stats` (per worker, since the previous batch) and are summed by the loader.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
+from PIL import Image
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.llava_ov import anyres
+from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
+from mmdata.energon_loaders.llava_ov.chat_template import (
+    ChatTokenizer,
+    ConversationError,
+    apply_length_policy,
+    with_video_placeholder,
+)
+from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows, shift_labels
+from mmdata.energon_loaders.sample import ConversationSample
+from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LlavaOVEncoderConfig:
+    seq_length: int
+    max_tiles: int = anyres.DEFAULT_MAX_TILES
+    image_size: int = anyres.DEFAULT_IMAGE_SIZE
+    patch_size: int = anyres.DEFAULT_PATCH_SIZE
+    grid_max: int = anyres.DEFAULT_GRID_MAX
+    max_video_frames: int = DEFAULT_MAX_FRAMES
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    image_mean: tuple[float, float, float] = anyres.SIGLIP_MEAN
+    image_std: tuple[float, float, float] = anyres.SIGLIP_STD
+
+
+@dataclass
+class MediaRef:
+    """A media item before pixel decoding: enough to count tokens and decode later."""
+
+    kind: int  # MEDIA_*
+    data: bytes
+    size: tuple[int, int]  # (height, width)
+    num_tokens: int
+    grid: tuple[int, int]
+    frame_indices: list[int] | None = None
+
+
+@dataclass
+class EncodedMedia:
+    """Decoded media, still uint8 canvases: cut into float tiles only when the batch is built."""
+
+    kind: int
+    prepared: anyres.PreparedMedia
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prepared.num_tokens
+
+
+@edataclass
+class LlavaOVSample(Sample):
+    """One tokenized sample; `media` holds MediaRef before postencode, EncodedMedia after."""
+
+    id: str
+    input_ids: np.ndarray
+    labels: np.ndarray  # shifted
+    media: list
+    truncated: bool = False
+
+
+@edataclass
+class LlavaOVPackedSample(Sample):
+    samples: list
+
+
+def _count_key(reason: str) -> str:
+    return f"skipped/{reason}"
+
+
+class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVBatch, LlavaOVBatch]):
+    # Media stay raw bytes: decoding happens here so failures become counted skips.
+    decoder = None
+
+    def __init__(self, tokenizer_path: str, config: LlavaOVEncoderConfig):
+        super().__init__()
+        self.tokenizer_path = str(tokenizer_path)
+        self.config = config
+        self._chat: ChatTokenizer | None = None
+        self._stats: Counter = Counter()
+        # Load once here (main process): a bad tokenizer fails early with a clear message, and
+        # forked workers inherit it instead of each re-importing transformers and re-loading.
+        _ = self.chat
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def chat(self) -> ChatTokenizer:
+        if self._chat is None:  # loaded lazily, once per worker process
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self._chat = ChatTokenizer(tok, system_prompt=self.config.system_prompt)
+        return self._chat
+
+    def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
+        """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance
+        counter, so bad data never stops training)."""
+        self._stats[_count_key(reason)] += 1
+        message = f"sample {sample_id!r} skipped: {reason}{': ' + detail if detail else ''}"
+        log.warning(message)
+        return SkipSample(message)
+
+    def _image_ref(self, data: bytes, kind: int, where: str, sample_id: str) -> MediaRef:
+        c = self.config
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+        except Exception as exc:  # noqa: BLE001 - any decoder error is a bad sample
+            raise self._skip("image_decode", sample_id, f"{where}: {exc}") from exc
+        if width < 1 or height < 1:
+            raise self._skip("image_decode", sample_id, f"{where}: empty size")
+        grid, n = anyres.image_layout(
+            height, width, kind == MEDIA_ANYRES,
+            image_size=c.image_size, patch_size=c.patch_size, max_tiles=c.max_tiles, grid_max=c.grid_max,
+        )
+        return MediaRef(kind, data, (height, width), n, grid)
+
+    # -- energon hooks ---------------------------------------------------------------------------
+
+    @stateless
+    def preencode_sample(self, sample: ConversationSample) -> LlavaOVSample:
+        c = self.config
+        sid = str(sample.id)
+        images = list(sample.images or [])
+        kind = MEDIA_ANYRES if len(images) == 1 else MEDIA_BASE_ONLY
+        media = [
+            self._image_ref(data, kind, f"image {i} ({sample.image_names[i] if i < len(sample.image_names) else '?'})", sid)
+            for i, data in enumerate(images)
+        ]
+        conversations = list(sample.conversations)
+        video_counts: list[int] = []
+        if sample.video is not None:
+            try:
+                probe = probe_video(bytes(sample.video), c.max_video_frames)
+            except Exception as exc:  # noqa: BLE001
+                raise self._skip("video_decode", sid, str(exc)) from exc
+            n = anyres.num_video_tokens(len(probe.frame_indices), c.image_size, c.patch_size)
+            media.append(MediaRef(MEDIA_VIDEO, bytes(sample.video), (0, 0), n, (0, 0), probe.frame_indices))
+            video_counts.append(n)
+            conversations = with_video_placeholder(conversations)
+        try:
+            tokens = self.chat.tokenize(conversations, [m.num_tokens for m in media if m.kind != MEDIA_VIDEO], video_counts)
+        except ConversationError as exc:
+            raise self._skip(exc.reason, sid, str(exc)) from exc
+        if not (tokens.labels != IGNORE_INDEX).any():
+            raise self._skip("no_assistant_tokens", sid)
+        result = apply_length_policy(tokens, c.seq_length)
+        if result.tokens is None:
+            raise self._skip(result.outcome, sid, f"{len(tokens)} tokens > seq_length {c.seq_length}")
+        if result.outcome == "truncated":
+            self._stats["truncated"] += 1
+        # media order in the stream = placeholder order; tokenize() consumed images then videos
+        # in their own orders, so re-order refs to follow the token stream.
+        image_refs = iter([m for m in media if m.kind != MEDIA_VIDEO])
+        video_refs = iter([m for m in media if m.kind == MEDIA_VIDEO])
+        ordered = [next(image_refs) if k == "image" else next(video_refs) for k, _, _ in result.tokens.media_spans]
+        return LlavaOVSample.derive_from(
+            sample,
+            id=sid,
+            input_ids=result.tokens.input_ids,
+            labels=shift_labels(result.tokens.labels),
+            media=ordered,
+            truncated=result.outcome == "truncated",
+        )
+
+    @stateless
+    def postencode_sample(self, sample: LlavaOVSample) -> LlavaOVSample:
+        c = self.config
+        geometry = dict(image_size=c.image_size, patch_size=c.patch_size)
+        encoded: list[EncodedMedia] = []
+        for i, ref in enumerate(sample.media):
+            try:
+                if ref.kind == MEDIA_VIDEO:
+                    out = anyres.prepare_frames(decode_frames(ref.data, ref.frame_indices or []), **geometry)
+                else:
+                    with Image.open(io.BytesIO(ref.data)) as im:
+                        im.load()
+                        if ref.kind == MEDIA_ANYRES:
+                            out = anyres.prepare_image(im, c.max_tiles, grid_max=c.grid_max, **geometry)
+                        else:
+                            out = anyres.prepare_base_only(im, mean=c.image_mean, **geometry)
+            except Exception as exc:  # noqa: BLE001 - bit rot, truncated files, codec errors
+                reason = "video_decode" if ref.kind == MEDIA_VIDEO else "image_decode"
+                raise self._skip(reason, sample.id, f"media {i}: {exc}") from exc
+            if out.num_tokens != ref.num_tokens:
+                raise self._skip("media_size_changed", sample.id, f"media {i}: {out.num_tokens} != {ref.num_tokens}")
+            encoded.append(EncodedMedia(ref.kind, out))
+        return LlavaOVSample.derive_from(
+            sample, id=sample.id, input_ids=sample.input_ids, labels=sample.labels, media=encoded, truncated=sample.truncated
+        )
+
+    def select_samples_to_pack(self, samples: list[LlavaOVSample]) -> list[list[LlavaOVSample]]:
+        bins = largest_first_knapsack([len(s.input_ids) for s in samples], self.config.seq_length)
+        return [[samples[i] for i in b] for b in bins]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[LlavaOVSample]) -> LlavaOVPackedSample:
+        if not samples:  # every sample of this pack failed to decode (already counted)
+            raise SkipSample("empty pack")
+        return LlavaOVPackedSample(
+            __key__=",".join(s.__key__ for s in samples),
+            __restore_key__=(),
+            __subflavors__=None,
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            samples=list(samples),
+        )
+
+    @stateless
+    def batch(self, samples: list[Any]) -> LlavaOVBatch:
+        rows = [s.samples if isinstance(s, LlavaOVPackedSample) else [s] for s in samples]
+        return collate_rows(rows, self.config, self.chat.pad_token_id, self._take_stats())
+
+    def _take_stats(self) -> dict[str, int]:
+        stats = dict(self._stats)
+        self._stats.clear()
+        return stats
+
+
+def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor for the batch's pixels; in a DataLoader worker it is allocated in shared
+    memory directly (as torch's default_collate does), so handing it to the trainer process
+    costs no extra copy of the tiles."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if torch.utils.data.get_worker_info() is None or numel == 0:
+        return torch.empty(shape, dtype=torch.float32)
+    storage = torch.UntypedStorage._new_shared(numel * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+
+
+def collate_rows(
+    rows: list[list[LlavaOVSample]], config: LlavaOVEncoderConfig, pad_token_id: int, stats: dict[str, int] | None = None
+) -> LlavaOVBatch:
+    """Rows of post-encoded samples -> the model batch (conventions: batch.py, ../batch.py)."""
+    packed = pack_rows([[(s.input_ids, s.labels) for s in row] for row in rows], config.seq_length, pad_token_id)
+    media: list[EncodedMedia] = [m for row in rows for s in row for m in s.media]
+    prepared = [m.prepared for m in media]
+    shape = (sum(p.num_tiles for p in prepared), 3, config.image_size, config.image_size)
+    pixel_values = anyres.tiles_to_pixel_values(
+        prepared, config.image_size, config.image_mean, config.image_std, out=_batch_tensor(shape)
+    )
+
+    def _long(values: list, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).reshape(shape)
+
+    n = len(media)
+    num_loss = int((packed.labels != IGNORE_INDEX).sum())
+    return LlavaOVBatch(
+        input_ids=packed.input_ids,
+        labels=packed.labels,
+        position_ids=packed.position_ids,
+        cu_seqlens=packed.cu_seqlens,
+        max_seqlen=packed.max_seqlen,
+        pixel_values=pixel_values,
+        tiles_per_media=_long([p.num_tiles for p in prepared], (n,)),
+        media_kind=_long([m.kind for m in media], (n,)),
+        image_sizes=_long([list(p.image_size) for p in prepared], (n, 2)),
+        grid_shapes=_long([list(p.grid_shape) for p in prepared], (n, 2)),
+        num_media_tokens=_long([m.num_tokens for m in media], (n,)),
+        sample_ids=[[s.id for s in row] for row in rows],
+        num_loss_tokens=num_loss,
+        sample_keys=[[s.__key__ for s in row] for row in rows],
+        num_real_tokens=packed.num_real_tokens,
+        stats=dict(stats or {}),
+    )

@@ -1,0 +1,123 @@
+"""Checks that span keys, run once on the typed recipe; each names the keys involved. The
+family adds its own (`FamilySpec.check_recipe`), run after these."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mmtrain.config.errors import RecipeErrors, suggest
+from mmtrain.config.schema import Recipe
+
+if TYPE_CHECKING:
+    from mmtrain.spec import FamilySpec
+
+
+def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
+    _sizes(r, errors)
+    _optimizer(r, errors)
+    _layout(r, errors)
+    _auto_tune(r, errors)
+    _parts(r, spec, errors)
+    if r.action == "run":
+        if not r.data.paths:
+            errors.add(("data", "paths"), "must list at least one shard dir or metadataset YAML for action: run")
+        if not r.tokenizer.path:
+            errors.add(("tokenizer", "path"), "is required for action: run")
+    spec.check_recipe(r, errors)
+
+
+def _sizes(r: Recipe, errors: RecipeErrors) -> None:
+    t, p = r.train, r.parallel
+    positive = {
+        ("train", "iters"): t.iters, ("train", "seq_length"): t.seq_length,
+        ("train", "micro_batch_size"): t.micro_batch_size, ("train", "global_batch_size"): t.global_batch_size,
+        ("train", "eval_iters"): t.eval_iters,
+        ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp,
+        ("parallel", "nproc_per_node"): p.nproc_per_node, ("parallel", "nnodes"): p.nnodes,
+        ("logging", "interval"): r.logging.interval,
+    }
+    for path, value in positive.items():
+        if value <= 0:
+            errors.add(path, f"must be > 0, got {value}")
+    non_negative = {
+        ("train", "eval_interval"): t.eval_interval, ("checkpoint", "interval"): r.checkpoint.interval,
+        ("checkpoint", "keep_last"): r.checkpoint.keep_last, ("data", "num_workers"): r.data.num_workers,
+        ("data", "packing_buffer_size"): r.data.packing_buffer_size,
+        ("data", "shuffle_buffer_size"): r.data.shuffle_buffer_size,
+    }
+    for path, value in non_negative.items():
+        if value < 0:
+            errors.add(path, f"must be >= 0, got {value}")
+    if t.eval_interval > 0 and not r.data.val_paths:
+        errors.add(("data", "val_paths"), f"must list at least one shard dir or metadataset YAML when "
+                   f"train.eval_interval={t.eval_interval} (> 0); set train.eval_interval=0 to skip evaluation",
+                   [("train", "eval_interval")])
+
+
+def _optimizer(r: Recipe, errors: RecipeErrors) -> None:
+    o = r.optimizer
+    for name in ("lr", "min_lr", "clip_grad", "weight_decay"):
+        if getattr(o, name) < 0:
+            errors.add(("optimizer", name), f"must be >= 0, got {getattr(o, name)}")
+    if o.min_lr > o.lr:
+        errors.add(("optimizer", "min_lr"), f"must be <= optimizer.lr ({o.lr}), got {o.min_lr}", [("optimizer", "lr")])
+    if not 0.0 <= o.warmup_fraction <= 1.0:
+        errors.add(("optimizer", "warmup_fraction"), f"must be in [0, 1], got {o.warmup_fraction}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            errors.add(("optimizer", name), f"must be in [0, 1), got {getattr(o, name)}")
+
+
+def _layout(r: Recipe, errors: RecipeErrors) -> None:
+    t, p = r.train, r.parallel
+    if not 0 <= p.node_rank < max(p.nnodes, 1):
+        errors.add(("parallel", "node_rank"), f"must be in [0, parallel.nnodes={p.nnodes}), got {p.node_rank}")
+    if not 0 < p.master_port < 65536:
+        errors.add(("parallel", "master_port"), f"must be a TCP port, got {p.master_port}")
+    if min(p.tp, p.pp, p.nproc_per_node, p.nnodes, t.micro_batch_size) <= 0:
+        return
+    world, mp = p.world_size, p.tp * p.pp
+    layout = [("parallel", k) for k in ("tp", "pp", "nproc_per_node", "nnodes")]
+    if world % mp:
+        errors.add(("parallel",), f"tp*pp = {p.tp}*{p.pp} = {mp} does not divide the world size "
+                   f"nproc_per_node*nnodes = {p.nproc_per_node}*{p.nnodes} = {world}", layout)
+        return
+    dp = world // mp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        errors.add(("train", "global_batch_size"),
+                   f"{t.global_batch_size} is not divisible by micro_batch_size*dp = "
+                   f"{t.micro_batch_size}*{dp} = {t.micro_batch_size * dp} "
+                   f"(dp = world {world} / (tp {p.tp} * pp {p.pp}))", layout + [("train", "micro_batch_size")])
+
+
+def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
+    a = r.auto_tune
+    for name in ("device_memory_gb", "device_tflops", "tp_bandwidth_gbps", "dp_bandwidth_gbps", "top"):
+        if getattr(a, name) <= 0:
+            errors.add(("auto_tune", name), f"must be > 0, got {getattr(a, name)}")
+    for name in ("memory_fraction", "matmul_efficiency"):
+        if not 0 < getattr(a, name) <= 1:
+            errors.add(("auto_tune", name), f"must be in (0, 1], got {getattr(a, name)}")
+    if not 0 <= a.media_token_fraction <= 1:
+        errors.add(("auto_tune", "media_token_fraction"), f"must be in [0, 1], got {a.media_token_fraction}")
+    for name in ("tp", "pp", "micro_batch_size"):
+        if any(x <= 0 for x in getattr(a, name)):
+            errors.add(("auto_tune", name), f"candidates must be > 0, got {getattr(a, name)}")
+
+
+def _parts(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
+    """`freeze:` and `optimizer.lr_mult:` name parts the family declares."""
+    parts = list(spec.parts)
+    known = f"(parts of {spec.name}: {', '.join(parts)})"
+    for i, name in enumerate(r.freeze):
+        if name not in parts:
+            errors.add((f"freeze[{i}]",), f"unknown part {name!r}{suggest(name, parts)} {known}")
+    if len(set(r.freeze)) != len(r.freeze):
+        errors.add(("freeze",), f"lists a part twice: {r.freeze}")
+    for name, mult in r.optimizer.lr_mult.items():
+        if name not in parts:
+            errors.add(("optimizer", "lr_mult", name), f"unknown part {name!r}{suggest(name, parts)} {known}")
+        elif mult < 0:
+            errors.add(("optimizer", "lr_mult", name), f"must be >= 0, got {mult}")
+    if r.action == "run" and parts and set(parts) <= set(r.freeze):
+        errors.add(("freeze",), "everything is frozen; nothing would train", [("action",)])

@@ -1,0 +1,146 @@
+"""Loading a recipe: YAML -> overrides and stage -> migrations -> typed sections -> cross-checks,
+all problems reported at once (RecipeError); and saving the resolved recipe.
+
+Recipes are data (DESIGN.md): the shared sections are typed by `schema.py`, the `model:` and
+`data:` sections by the classes the family declares in the registry (`FamilySpec`), which also
+names the parts `freeze:` and `optimizer.lr_mult:` may refer to and adds its own cross-checks.
+A recipe is validated here, once; the runtime reads the typed result and trusts it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import yaml
+
+from mmtrain.config.checks import cross_checks
+from mmtrain.config.errors import RecipeError, RecipeErrors, show, suggest
+from mmtrain.config.overrides import apply_overrides_and_stage
+from mmtrain.config.schema import OptimizerConfig, Recipe
+from mmtrain.config.typed import convert_section, to_plain
+
+if TYPE_CHECKING:
+    from mmtrain.spec import FamilySpec
+
+#: sections typed by the family's own classes rather than by `Recipe`
+FAMILY_SECTIONS = ("model", "data")
+
+
+def load_recipe(
+    path: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    family: str | None = None,
+    spec: FamilySpec | None = None,
+) -> Recipe:
+    """Read, merge (stage, overrides) and validate a recipe file. `family` is the CLI
+    subcommand (`llava-ov`, ...); the recipe's `family:` must match it. `spec` types the family
+    sections instead of the registry's entry (tests of the schema itself)."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise RecipeError([f"not valid YAML: {err}"], str(path)) from None
+    return load_recipe_dict(raw if raw is not None else {}, overrides, family, spec, source=str(path))
+
+
+def load_recipe_dict(
+    raw: Any,
+    overrides: Sequence[str] = (),
+    family: str | None = None,
+    spec: FamilySpec | None = None,
+    source: str = "<dict>",
+) -> Recipe:
+    """`load_recipe` for an already-parsed mapping (tests, programmatic use)."""
+    try:
+        return _load(raw, overrides, family, spec)
+    except RecipeError as err:
+        raise RecipeError(err.errors, source) from None
+
+
+def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: FamilySpec | None) -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError([f"<top level>: expected a mapping, got {show(raw)}"])
+    tree, origins = apply_overrides_and_stage(raw, override_texts)
+    errors = RecipeErrors(origins)
+    _migrations(tree, errors)
+
+    sections = {name: tree.pop(name) for name in FAMILY_SECTIONS if name in tree}
+    tree["model"] = {}  # typed below by the family's classes
+    recipe = convert_section(tree, Recipe, (), errors)
+    if "model" not in sections:
+        errors.add(("model",), "missing required key (the family's model config)")
+
+    fam = tree.get("family")
+    if family is not None and isinstance(fam, str) and fam != family:
+        errors.add(("family",), f"recipe is for {fam!r} but was run as `mmtrain {family}`")
+    if spec is None and isinstance(fam, str):
+        from mmtrain import registry
+
+        try:
+            spec = registry.get_family(fam)
+        except KeyError:
+            names = registry.family_names()
+            errors.add(("family",), f"unknown model family {fam!r}{suggest(fam, names)} (known: {', '.join(names)})")
+    if spec is not None:
+        model = convert_section(_or_empty(sections.get("model")), spec.model_config_cls, ("model",), errors)
+        data = convert_section(_or_empty(sections.get("data")), spec.data_config_cls, ("data",), errors)
+        if recipe is not None and model is not None and data is not None:
+            recipe.model, recipe.data = model, data
+            cross_checks(recipe, spec, errors)
+    errors.raise_if_any()
+    return recipe
+
+
+def _or_empty(section: Any) -> Any:
+    return {} if section is None else section
+
+
+def _migrations(tree: dict, errors: RecipeErrors) -> None:
+    """Keys whose spelling changed: refused with the new spelling, computed from the old value."""
+    freeze = tree.get("freeze")
+    if isinstance(freeze, dict):
+        frozen = [str(k) for k, v in freeze.items() if v is True]
+        errors.add(("freeze",), f"the mapping form was replaced by the list of parts to freeze: write "
+                   f"freeze: [{', '.join(frozen)}]")
+        tree.pop("freeze")
+    optimizer = tree.get("optimizer")
+    if isinstance(optimizer, dict) and "vision_tower_lr" in optimizer:
+        old, lr = optimizer.pop("vision_tower_lr"), optimizer.get("lr", OptimizerConfig.lr)
+        if old is None:
+            hint = "delete it (the vision tower then uses optimizer.lr)"
+        elif isinstance(old, (int, float)) and isinstance(lr, (int, float)) and lr > 0:
+            hint = f"write optimizer.lr_mult: {{vision_tower: {old / lr:g}}} (= {old:g} / optimizer.lr {lr:g})"
+        else:
+            hint = "write optimizer.lr_mult: {vision_tower: <vision_tower_lr / lr>}"
+        errors.add(("optimizer", "vision_tower_lr"), f"was replaced by per-part multipliers of optimizer.lr: {hint}")
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    return to_plain(recipe)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    header = ("# Resolved recipe (stage and command-line overrides applied), written by mmtrain.\n"
+              "# Re-run it as is: mmtrain FAMILY THIS_FILE\n")
+    return header + yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=False)
+
+
+def save_resolved(recipe: Recipe, path: str | os.PathLike) -> Path:
+    """Write the fully resolved recipe atomically; `load_recipe(path) == recipe`."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(dump_recipe(recipe))
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out

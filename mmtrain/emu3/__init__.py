@@ -1,1 +1,0 @@
-"""Emu3 (model builder, vision tokenizer glue, CFG generation) — not implemented yet."""

@@ -1,0 +1,13 @@
+"""Shared megatron-core building blocks every model family composes (no family named here).
+
+  lm_config.py           LLMConfig: decoder sizes in HF terms (a recipe section); vocab padding
+  megatron_config.py     ParallelOptions, TransformerConfig kwargs, the decoder's TransformerConfig
+  language_model.py      the decoder as a megatron GPTModel, THD packed-sequence params, LM loss
+                         over the true vocabulary, TP tags for no-init builds
+  layer_specs.py         local pre-norm transformer layer spec, MLP submodules, core-attention pick
+  attention.py           SDPACoreAttention (packed THD without an S x S mask; CPU and GPU)
+  norm.py                TorchNorm (LayerNorm / RMSNorm that works with sequence parallelism)
+  state_dict_adapter.py  HF <-> megatron streaming adapters, qkv / gate-up layouts, Qwen2 decoder
+  model_io.py            canonical tensors <-> a TP/PP-sharded model
+  hf_io.py               safetensors reading (one tensor at a time) and sharded writing
+"""

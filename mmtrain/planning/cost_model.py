@@ -1,0 +1,404 @@
+"""Analytical cost model: parameter counts, per-rank memory and step time from a recipe, without
+building the model. `dry_run` prints it for the recipe's layout; `auto_tune` searches layouts
+with it; the train loop's MFU uses its FLOPs per token. Everything here is arithmetic on a
+`ModelShapes` description, so the 2B recipe is estimated in milliseconds on a laptop.
+
+A family describes its model (`FamilySpec.model_shapes`) as shared building blocks, each
+assigned to one of the family's trainable parts: a decoder (Qwen2/Llama-style: GQA, optional qkv
+bias, RMSNorm, SwiGLU, no other biases, optionally tied head), optionally a ViT-style encoder
+run on media tiles on the first pipeline stage (LayerNorm, biases, conv patch embedding, learned
+positions, ln_post), and small connectors between them (e.g. a projector, a newline vector).
+
+Memory follows Megatron's accounting (Korthikanti et al. 2022; megatron's
+theoretical_memory_usage): bf16 = 2 B weights + 4 B fp32 grads + 12 B fp32 main params and Adam
+moments per trainable parameter, the 12 B sharded over DP with the distributed optimizer; fp32 =
+4 + 4 + 8. Activations assume flash/SDPA attention (no s x s score matrix is stored), so
+`selective` recompute saves little memory here; `full` keeps one layer input per layer plus one
+layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
+
+GB = 1024**3
+
+#: dense peak TFLOP/s per device, by (name fragment, precision): the runtime's MFU denominator
+#: and the default `auto_tune.device_tflops` (H100 bf16)
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H800": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 62.5},
+}
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_groups: int
+    kv_channels: int
+    vocab: int
+    make_vocab_divisible_by: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_llm(cls, llm: LLMConfig, make_vocab_divisible_by: int) -> "DecoderShape":
+        return cls(llm.num_layers, llm.hidden_size, llm.ffn_hidden_size, llm.num_attention_heads,
+                   llm.num_query_groups, llm.kv_channels, llm.vocab_size, make_vocab_divisible_by,
+                   llm.tie_word_embeddings, llm.qkv_bias)
+
+    def padded_vocab(self, tp: int) -> int:
+        return padded_vocab_size(self.vocab, self.make_vocab_divisible_by, tp)
+
+
+@dataclass(frozen=True)
+class EncoderShape:
+    """A ViT run on every media tile (on the first pipeline stage)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    image_size: int
+    patch_size: int
+    channels: int
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class Connector:
+    """A small module between the encoder and the decoder (first stage)."""
+
+    part: str
+    params: int
+    matmul_params: int = 0  # weights applied to every media token (2 FLOPs each)
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    decoder: DecoderShape
+    decoder_part: str  # the family part owning the decoder (embedding, layers, head)
+    encoder: EncoderShape | None = None
+    encoder_part: str = ""
+    connectors: tuple[Connector, ...] = ()
+
+    @property
+    def upstream_parts(self) -> list[str]:
+        """Parts whose output feeds the decoder (gradients flow back into them through it)."""
+        return list(dict.fromkeys(([self.encoder_part] if self.encoder else [])
+                                  + [c.part for c in self.connectors if c.part != self.decoder_part]))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def decoder_layer_params(d: DecoderShape) -> int:
+    q, kv = d.heads * d.kv_channels, d.kv_groups * d.kv_channels
+    qkv_out = q + 2 * kv
+    attn = d.hidden * qkv_out + (qkv_out if d.qkv_bias else 0) + q * d.hidden
+    mlp = d.hidden * 2 * d.ffn + d.ffn * d.hidden  # SwiGLU: gate+up, down; no biases
+    return attn + mlp + 2 * d.hidden  # input + pre-MLP RMSNorm weights
+
+
+def encoder_layer_params(v: EncoderShape) -> int:
+    h, f = v.hidden, v.ffn
+    attn = 3 * h * h + 3 * h + h * h + h
+    mlp = h * f + f + f * h + h
+    return attn + mlp + 2 * 2 * h  # two LayerNorms (weight + bias)
+
+
+def encoder_params(v: EncoderShape) -> int:
+    """Patch conv (+ bias), position table, layers, ln_post."""
+    return (v.channels * v.patch_size**2 * v.hidden + v.hidden + v.patches * v.hidden
+            + v.layers * encoder_layer_params(v) + 2 * v.hidden)
+
+
+@dataclass
+class ParamCounts:
+    """Unique parameters per part (TP=1, padded vocabulary), and what `freeze:` leaves
+    trainable. The decoder part includes the embedding and connectors assigned to it."""
+
+    parts: dict[str, int]
+    decoder_embedding: int
+    decoder_layers: int
+    trainable: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def total_trainable(self) -> int:
+        return sum(self.trainable.values())
+
+
+def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> ParamCounts:
+    d, v = shapes.decoder, shapes.encoder
+    parts: dict[str, int] = {}
+    if v is not None:
+        parts[shapes.encoder_part] = encoder_params(v)
+    for c in shapes.connectors:
+        parts[c.part] = parts.get(c.part, 0) + c.params
+    emb = d.padded_vocab(tp) * d.hidden
+    layers = d.layers * decoder_layer_params(d)
+    parts[shapes.decoder_part] = parts.get(shapes.decoder_part, 0) + emb + layers + d.hidden + (0 if d.tied else emb)
+    trainable = {k: (0 if k in freeze else n) for k, n in parts.items()}
+    return ParamCounts(parts, emb, layers, trainable)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/mbs/recompute."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    recompute: str
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    precision: str
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> "Layout":
+        p, t = recipe.parallel, recipe.train
+        return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
+                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision)
+
+    def with_(self, **kw: Any) -> "Layout":
+        return replace(self, **kw)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the busiest rank (the pipeline stage with the largest total)."""
+
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    encoder_activations: float
+    params_on_rank: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.encoder_activations
+
+    def as_gb(self) -> dict[str, float]:
+        keys = ("weights", "grads", "optimizer", "activations", "encoder_activations", "logits")
+        return {k: getattr(self, k) / GB for k in keys} | {"total": self.total / GB}
+
+
+def _stage_layers(layers: int, pp: int, stage: int) -> int:
+    return layers // pp + (1 if stage < layers % pp else 0)
+
+
+def _act_bytes(precision: str) -> int:
+    return 2 if precision == "bf16" else 4
+
+
+def decoder_layer_activation_elems(d: DecoderShape, tp: int, sp: bool) -> float:
+    """Elements kept per token by one decoder layer for backward (no recompute)."""
+    q, kv = d.heads * d.kv_channels, d.kv_groups * d.kv_channels
+    replicated = 4 * d.hidden  # two norm inputs + two norm outputs (split only with SP)
+    sharded = (q + 2 * kv) + q + 2 * d.ffn + d.ffn  # qkv, attention out, fc1 out, SwiGLU out
+    return replicated / (tp if sp else 1) + sharded / tp
+
+
+def encoder_layer_activation_elems(v: EncoderShape, tp: int) -> float:
+    return 4 * v.hidden + (3 * v.hidden + v.hidden + 2 * v.ffn) / tp
+
+
+def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
+                    media_token_fraction: float = 1.0) -> MemoryEstimate:
+    d, v, L = shapes.decoder, shapes.encoder, layout
+    counts = param_counts(shapes, freeze, L.tp)
+    frozen = {k: counts.trainable[k] == 0 for k in counts.parts}
+    dec_frozen = frozen[shapes.decoder_part]
+    ab = _act_bytes(L.precision)
+    tokens = L.micro_batch_size * L.seq_length
+    w_bytes, g_bytes, o_bytes = (2, 4, 12) if L.precision == "bf16" else (4, 4, 8)
+    o_share = 1 / L.dp if L.distributed_optimizer else 1.0
+    in_flight = lambda stage: min(L.pp - stage, L.grad_accum)  # noqa: E731  (1F1B warm-up depth)
+
+    best: MemoryEstimate | None = None
+    for stage in range(L.pp):
+        n_layers = _stage_layers(d.layers, L.pp, stage)
+        first, last = stage == 0, stage == L.pp - 1
+        parts: list[tuple[float, bool]] = [(n_layers * decoder_layer_params(d) / L.tp, dec_frozen)]
+        if first:
+            parts.append((counts.decoder_embedding / L.tp, dec_frozen))
+            if v is not None:
+                parts.append((encoder_params(v) / L.tp, frozen[shapes.encoder_part]))
+            parts += [(c.params / L.tp, frozen[c.part]) for c in shapes.connectors]
+        if last:
+            out = counts.decoder_embedding / L.tp
+            if not d.tied or (L.pp > 1):  # untied head, or the tied copy megatron keeps on the last stage
+                parts.append((out, dec_frozen))
+            parts.append((d.hidden, dec_frozen))
+        n_params = sum(n for n, _ in parts)
+        n_train = sum(n for n, fz in parts if not fz)
+        weights = n_params * w_bytes
+        grads = n_train * g_bytes
+        optimizer = n_train * o_bytes * o_share
+
+        # decoder activations; a frozen decoder still back-propagates to the parts feeding it
+        needs_backward = not all(frozen.values())
+        per_layer = decoder_layer_activation_elems(d, L.tp, L.sequence_parallel) * tokens * ab
+        if not needs_backward:
+            acts = per_layer  # forward only: one layer's working set
+        elif L.recompute == "full":
+            layer_input = d.hidden / (L.tp if L.sequence_parallel else 1) * tokens * ab
+            acts = n_layers * layer_input * in_flight(stage) + per_layer
+        else:
+            acts = n_layers * per_layer * in_flight(stage)
+        logits = tokens * d.padded_vocab(L.tp) / L.tp * (ab + 4) if last else 0.0  # logits + fp32 softmax
+        enc = 0.0
+        if first and v is not None:
+            media_tokens = tokens * media_token_fraction
+            elayer = encoder_layer_activation_elems(v, L.tp) * media_tokens * ab
+            trains_encoder = not frozen[shapes.encoder_part]
+            enc = (v.layers * elayer * in_flight(stage)) if trains_encoder else elayer
+        est = MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params))
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+# ----------------------------------------------------------------------------- time
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The device model of `auto_tune:` (the recipe holds the defaults)."""
+
+    device_tflops: float
+    matmul_efficiency: float  # achievable share of peak for large bf16 GEMMs
+    tp_bandwidth_gbps: float
+    dp_bandwidth_gbps: float
+
+    @classmethod
+    def from_auto_tune(cls, at: Any) -> "Hardware":
+        """From the recipe's `auto_tune:` section."""
+        return cls(at.device_tflops, at.matmul_efficiency, at.tp_bandwidth_gbps, at.dp_bandwidth_gbps)
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    model_flops: float  # FLOPs per step, all ranks, without recompute (what MFU counts)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s
+
+    def mfu(self, world: int, device_tflops: float) -> float:
+        """Model FLOPs utilisation of `world` devices of `device_tflops` peak each."""
+        return self.model_flops / world / self.total_s / (device_tflops * 1e12)
+
+
+def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float, float, float]:
+    """(decoder matmuls + causal attention, LM head, encoder + connectors per media token)."""
+    d, v = shapes.decoder, shapes.encoder
+    q = d.heads * d.kv_channels
+    decoder = d.layers * (2 * decoder_layer_params(d) + 2 * q * seq_length)  # QK^T + AV, causal half
+    head = 2 * d.hidden * d.padded_vocab(1)
+    media = 2.0 * sum(c.matmul_params for c in shapes.connectors)
+    if v is not None:
+        media += v.layers * (2 * encoder_layer_params(v) + 4 * v.hidden * v.patches)
+    return decoder, head, media
+
+
+def training_flops_per_token(shapes: ModelShapes, seq_length: int) -> float:
+    """Decoder training FLOPs per token for the train loop's MFU: 3 x (forward + backward) the
+    decoder and LM-head forward of `forward_flops_per_token`. The encoder is left out: its share
+    depends on the tiles of each step, which the loop does not track per token."""
+    decoder, head, _ = forward_flops_per_token(shapes, seq_length)
+    return 3.0 * (decoder + head)
+
+
+def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, hw: Hardware,
+                       media_token_fraction: float = 1.0) -> StepTime:
+    L = layout
+    counts = param_counts(shapes, freeze, L.tp)
+    trains = {k: n > 0 for k, n in counts.trainable.items()}
+    dec, head, media = forward_flops_per_token(shapes, L.seq_length)
+    tokens_step = L.global_batch_size * L.seq_length
+    # backward ~ 2x forward for weights+inputs; a frozen part that still passes gradients back
+    # does ~1x (input grads only); a part nothing upstream of which trains does none.
+    upstream_trains = any(trains[p] for p in shapes.upstream_parts)
+    dec_bwd = 2.0 if trains[shapes.decoder_part] else (1.0 if upstream_trains else 0.0)
+    enc_bwd = 2.0 if shapes.encoder is not None and trains[shapes.encoder_part] else 0.0
+    recompute_fwd = {"full": 1.0, "selective": 0.0, "none": 0.0}[L.recompute]
+    attn_share = (2 * shapes.decoder.heads * shapes.decoder.kv_channels * L.seq_length * shapes.decoder.layers) / max(dec, 1)
+    if L.recompute == "selective":
+        recompute_fwd = attn_share
+    flops = tokens_step * ((dec + head) * (1 + dec_bwd) + dec * recompute_fwd * (dec_bwd > 0)
+                           + media * media_token_fraction * (1 + enc_bwd))
+    useful = tokens_step * ((dec + head) * (1 + dec_bwd) + media * media_token_fraction * (1 + enc_bwd))
+    world = L.world
+    compute = flops / world / (hw.device_tflops * 1e12 * hw.matmul_efficiency)
+    bubble = compute * (L.pp - 1) / max(L.grad_accum, 1)
+    d = shapes.decoder
+    ab = _act_bytes(L.precision)
+    tp_comm = 0.0
+    if L.tp > 1:
+        msg = L.micro_batch_size * L.seq_length * d.hidden * ab
+        per_layer = 4 + (2 if L.recompute == "full" else 0)  # 2 fwd + 2 bwd all-reduce(-equivalents)
+        n = per_layer * d.layers / L.pp * L.grad_accum
+        tp_comm = n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
+    dp_comm = 0.0
+    if L.dp > 1:
+        grads = counts.total_trainable / (L.tp * L.pp) * 4
+        dp_comm = 2 * (L.dp - 1) / L.dp * grads / (hw.dp_bandwidth_gbps * 1e9)
+    return StepTime(compute, bubble, tp_comm, dp_comm, useful)
+
+
+def fmt_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3f}{unit}"
+    return str(int(n))
+
+
+def fmt_gb(b: float) -> str:
+    return f"{b / GB:.2f} GB" if b >= GB / 100 or b == 0 else f"{b / 1024**2:.1f} MB"

@@ -1,0 +1,119 @@
+"""`action: dry_run`: what a recipe would train and whether it fits, without building the model.
+
+Prints parameter counts (total and per component, trainable vs frozen under `freeze:`) and the
+per-rank memory estimate for the recipe's layout (weights, grads, optimizer states with or
+without distributed-optimizer sharding, activations with or without recompute, in the recipe's
+precision). Everything comes from the analytical model in mmtrain/planning/cost_model.py and the
+family's shape description (`FamilySpec.model_shapes`), so a 2B recipe dry-runs in well under a
+second on a CPU box.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from mmtrain.planning.cost_model import (
+    GB,
+    Hardware,
+    Layout,
+    MemoryEstimate,
+    ParamCounts,
+    StepTime,
+    estimate_memory,
+    estimate_step_time,
+    fmt_count,
+    fmt_gb,
+    param_counts,
+)
+from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
+from mmtrain.spec import FamilySpec
+
+
+@dataclass
+class DryRunReport:
+    params: ParamCounts
+    memory: MemoryEstimate  # the busiest rank
+    memory_no_distopt: MemoryEstimate  # same layout without optimizer sharding, for comparison
+    memory_by_recompute: dict[str, MemoryEstimate]  # same layout under each recompute mode
+    step: StepTime
+    layout: Layout
+    device_memory_gb: float
+    text: str
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.device_memory_gb * GB
+
+
+def build_report(recipe: Recipe, spec: FamilySpec) -> DryRunReport:
+    shapes = spec.model_shapes(recipe.model)
+    layout = Layout.from_recipe(recipe)
+    at = recipe.auto_tune
+    frac = at.media_token_fraction
+    params = param_counts(shapes, recipe.freeze)
+    mem = estimate_memory(shapes, recipe.freeze, layout, frac)
+    mem_plain = estimate_memory(shapes, recipe.freeze, layout.with_(distributed_optimizer=False), frac)
+    by_rc = {rc: estimate_memory(shapes, recipe.freeze, layout.with_(recompute=rc), frac)
+             for rc in RECOMPUTE_MODES}
+    step = estimate_step_time(shapes, recipe.freeze, layout, Hardware.from_auto_tune(at), frac)
+    report = DryRunReport(params, mem, mem_plain, by_rc, step, layout, at.device_memory_gb, "")
+    report.text = format_report(recipe, report, shapes.decoder.tied)
+    return report
+
+
+def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
+    L, p = r.layout, r.params
+    lines = [f"dry run: {recipe.family} recipe, stage {recipe.stage or '-'}, run_dir {recipe.run_dir}", ""]
+    lines.append(f"{'parameters':<16}{'total':>14}{'trainable':>14}{'frozen':>14}")
+    for name, n in p.parts.items():
+        if n:
+            t = p.trainable[name]
+            lines.append(f"{name:<16}{fmt_count(n):>14}{fmt_count(t):>14}{fmt_count(n - t):>14}")
+    lines.append(f"{'total':<16}{fmt_count(p.total):>14}{fmt_count(p.total_trainable):>14}"
+                 f"{fmt_count(p.total - p.total_trainable):>14}")
+    lines.append(f"  ({p.total:,} parameters; decoder embedding {fmt_count(p.decoder_embedding)}, "
+                 f"decoder layers {fmt_count(p.decoder_layers)})")
+    if tied_head:
+        lines.append(f"  (tied output layer; checkpoints that store it as its own tensor hold "
+                     f"{fmt_count(p.total + p.decoder_embedding)} numbers)")
+    lines.append("")
+    world = L.world
+    lines.append(f"layout: world {world} = tp {L.tp} x pp {L.pp} x dp {L.dp}; micro-batch {L.micro_batch_size}, "
+                 f"global batch {L.global_batch_size} ({L.grad_accum} accumulation steps), seq {L.seq_length}")
+    lines.append(f"        precision {L.precision}, recompute {L.recompute}, sequence parallel "
+                 f"{'on' if L.sequence_parallel else 'off'}, distributed optimizer "
+                 f"{'on' if L.distributed_optimizer else 'off'}")
+    lines.append("")
+    m = r.memory
+    lines.append(f"memory per rank (estimate; busiest pipeline stage = {m.stage}, {fmt_count(m.params_on_rank)} params on it)")
+    rows = [("weights", m.weights), ("gradients", m.grads),
+            (f"optimizer states{' (sharded / dp)' if L.distributed_optimizer and L.dp > 1 else ''}", m.optimizer),
+            (f"activations (recompute {L.recompute})", m.activations),
+            ("encoder activations", m.encoder_activations), ("logits + loss", m.logits)]
+    for name, b in rows:
+        lines.append(f"  {name:<38}{fmt_gb(b):>12}")
+    lines.append(f"  {'total':<38}{fmt_gb(m.total):>12}   "
+                 f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GB)")
+    if L.distributed_optimizer and L.dp > 1:
+        lines.append(f"  without the distributed optimizer: {fmt_gb(r.memory_no_distopt.total)}")
+    lines.append("  total by recompute mode: " + ", ".join(
+        f"{rc} {fmt_gb(m.total)} (activations {fmt_gb(m.activations)})" for rc, m in r.memory_by_recompute.items()))
+    s = r.step
+    tokens = L.global_batch_size * L.seq_length
+    mfu = s.mfu(world, recipe.auto_tune.device_tflops)
+    lines.append("")
+    lines.append(f"modelled step time on {recipe.auto_tune.device_tflops:g}-TFLOP/s devices: {s.total_s:.2f} s "
+                 f"(compute {s.compute_s:.2f}, pipeline bubble {s.bubble_s:.2f}, TP comm {s.tp_comm_s:.2f}, "
+                 f"DP comm {s.dp_comm_s:.2f}) -> {tokens / s.total_s / world:,.0f} tokens/s/device, MFU {mfu:.0%}")
+    lines.append("Estimates from an analytical model (mmtrain/planning/cost_model.py), not measurements; "
+                 "the model was not built.")
+    return "\n".join(lines)
+
+
+def run_dry_run(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -> DryRunReport:
+    """Print the report for `recipe`."""
+    report = build_report(recipe, spec)
+    print(report.text, file=out or sys.stdout)
+    return report

@@ -1,0 +1,30 @@
+"""The model families mmtrain can build: the one place the CLI (`mmtrain <family>`,
+`mmtrain convert --model`), recipe validation (`family:`), checkpoint loading and planning learn
+which families exist. A new family adds its `FamilySpec` here (see mmtrain/spec.py and
+docs/architecture.md)."""
+
+from __future__ import annotations
+
+from mmtrain.config.errors import suggest
+from mmtrain.llava_ov.spec import LLAVA_OV
+from mmtrain.spec import FamilySpec
+
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (LLAVA_OV,)}
+
+
+def family_names() -> list[str]:
+    return list(FAMILIES)
+
+
+def get_family(name: str) -> FamilySpec:
+    """The family's spec; KeyError naming the known families (and the closest) otherwise."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown model family {name!r}{suggest(name, family_names())} "
+                       f"(known: {', '.join(family_names())})") from None
+
+
+def convertible_families() -> list[str]:
+    """Families with an HF counterpart (`mmtrain convert --model`)."""
+    return [name for name, spec in FAMILIES.items() if spec.hf is not None]

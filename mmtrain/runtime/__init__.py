@@ -1,0 +1,17 @@
+"""The shared training runtime: one for every model family (it names none).
+
+  launch.py        `mmtrain FAMILY RECIPE`: action dispatch, torchrun workers, train()
+  worker.py        the torchrun worker entry (python -m mmtrain.runtime.worker)
+  distributed.py   process groups, megatron parallel state, ParallelContext, seeding
+  cpu_compat.py    every CPU adaptation of megatron (no-op with CUDA)
+  trainer.py       the train loop (megatron schedules, DDP, logging, evaluation, checkpoints)
+  train_data.py    a step's micro-batches from the family's loader; loader state
+  evaluation.py    periodic evaluation without side effects on training
+  optimizer.py     the family's parts, freezing, per-part LRs, the optimizer
+  lr_schedule.py   warmup + cosine / linear / constant
+  loss.py          per-token loss reduction, per-sample losses
+  rng.py           every RNG stream as plain tensors
+  metrics.py       metrics.jsonl (+ TensorBoard), `mmtrain worst-samples`
+  throughput.py    MFU and memory numbers for the step logs
+  checkpoint/      directory layout, model weights, the checkpoint manager
+"""

@@ -1,0 +1,293 @@
+"""Training checkpoints: the full training state as a set of stateful parts, written atomically,
+resumable exactly or re-sharded onto another layout.
+
+Layout of `<run_dir>/checkpoints/iter_0000010/` (directory names: layout.py):
+  model/ + model_config.yaml  ModelState: megatron dist-checkpoint of the weights (weights.py)
+  optimizer/                  OptimizerState: dist-checkpoint of the optimizer moments, sharded
+                              like the weights (so TP/PP changes re-shard them like the model)
+  rng/rank_00003.pt           RngState: per-rank RNG streams (python, numpy, torch, CUDA, tracker)
+  loader/<key>.json           LoaderState: energon `save_state_rank()` per DP rank (or one, when
+                              replicated), as JSON (mmdata.energon_loaders.state_codec), no pickles
+  trainer_state.json          TrainerState: step, consumed samples, layout, LR schedule, seed
+  config.yaml                 the resolved recipe
+`<run_dir>/checkpoints/latest` holds the newest complete iteration number.
+
+Atomicity: everything is written into `.staging/iter_0000010/`; only when every rank is done
+does rank 0 rename it into place and then rewrite `latest` (write + os.replace). A crash
+mid-save leaves at most a staging directory that the next save overwrites; `latest` never
+points at a partial checkpoint.
+
+Where a run starts (`CheckpointManager.starting_point`): its own latest checkpoint (a rerun of
+a killed job continues it), else `checkpoint.load` (a training checkpoint, weights only, or an
+HF directory converted on the fly by the family). A starting point made for another model
+(the family's architecture keys differ) is refused before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import torch
+
+from mmtrain.runtime import rng
+from mmtrain.runtime.checkpoint.layout import (
+    TRAINER_STATE,
+    checkpoints_root,
+    iter_dir,
+    iteration_of,
+    latest_checkpoint,
+    prune,
+    resolve_checkpoint,
+    write_latest,
+)
+from mmtrain.runtime.checkpoint.weights import (
+    check_architecture,
+    load_model_weights,
+    model_sharded_state_dict,
+    save_model_weights,
+)
+from mmtrain.runtime.distributed import ParallelContext, barrier, seed_model_parallel
+
+if TYPE_CHECKING:
+    from mmtrain.runtime.train_data import TrainData
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    consumed_samples: int = 0  # original samples (packed rows count each sample they hold)
+    consumed_rows: int = 0  # micro-batch rows = global_batch_size per step
+    layout: dict[str, int] = field(default_factory=dict)  # tp, pp, dp, world_size
+    data_sharding: str = "dp"
+    lr_schedule: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def layout_of(ctx: ParallelContext) -> dict[str, int]:
+    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world_size": ctx.world_size}
+
+
+# ----------------------------------------------------------------------------- stateful parts
+
+
+class Stateful(Protocol):
+    """One part of the training state, saved into and restored from an iteration directory."""
+
+    #: its subdirectory of the iteration directory
+    name: str
+
+    def save(self, ckpt: Path, ctx: ParallelContext) -> None: ...
+
+    def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
+        """Restore from `ckpt`; False when it could not be (the reason is logged)."""
+        ...
+
+
+class ModelState:
+    name = "model"
+
+    def __init__(self, model_chunks: list[torch.nn.Module], model_config: Any) -> None:
+        self.model_chunks, self.model_config = model_chunks, model_config
+
+    def save(self, ckpt: Path, ctx: ParallelContext) -> None:
+        save_model_weights(self.model_chunks, ckpt.parent, iteration_of(ckpt), self.model_config, update_latest=False)
+
+    def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
+        load_model_weights(self.model_chunks, ckpt.parent, iteration_of(ckpt))  # re-shards TP/PP
+        return True
+
+
+class OptimizerState:
+    name = "optimizer"
+
+    def __init__(self, optimizer: Any, model_chunks: list[torch.nn.Module]) -> None:
+        self.optimizer, self.model_chunks = optimizer, model_chunks
+
+    def save(self, ckpt: Path, ctx: ParallelContext) -> None:
+        from megatron.core import dist_checkpointing
+
+        sharded = self.optimizer.sharded_state_dict(model_sharded_state_dict(self.model_chunks))
+        dist_checkpointing.save(sharded, str(ckpt / self.name))
+
+    def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
+        from megatron.core import dist_checkpointing
+
+        if not (ckpt / self.name / "metadata.json").exists():
+            log.warning("%s has no optimizer state; starting the optimizer fresh", ckpt)
+            return False
+        sharded = self.optimizer.sharded_state_dict(model_sharded_state_dict(self.model_chunks), is_loading=True)
+        loaded = dist_checkpointing.load(sharded, str(ckpt / self.name))
+        if hasattr(self.optimizer, "load_sharded"):  # cpu_compat.MainGradAdamW
+            self.optimizer.load_sharded(loaded)
+        else:  # megatron optimizer (GPU path)
+            self.optimizer.load_state_dict(loaded)
+        return True
+
+
+class RngState:
+    """Per-rank streams: restored on the same layout; on another one re-seeded from the seed and
+    the step (deterministic, but not the uninterrupted run's streams)."""
+
+    name = "rng"
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def save(self, ckpt: Path, ctx: ParallelContext) -> None:
+        torch.save(rng.get_rng_state(), ckpt / self.name / f"rank_{ctx.rank:05d}.pt")
+
+    def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
+        rng_file = ckpt / self.name / f"rank_{ctx.rank:05d}.pt"
+        if saved.layout == layout_of(ctx) and rng_file.is_file():
+            rng.set_rng_state(torch.load(rng_file, weights_only=True))
+            return True
+        if ctx.rank == 0:
+            log.warning("layout changed (%s -> %s): RNG streams re-seeded from seed and step",
+                        saved.layout, layout_of(ctx))
+        seed_model_parallel(self.seed + 7919 * saved.step, ctx.pp_rank)
+        return False
+
+
+class LoaderState:
+    """The loader's position: one file per DP rank (written by its TP0/PP0 rank), or one for
+    all with `data.sharding: replicated`."""
+
+    name = "loader"
+
+    def __init__(self, train_data: TrainData) -> None:
+        self.train_data = train_data
+
+    def save(self, ckpt: Path, ctx: ParallelContext) -> None:
+        d = self.train_data
+        writes = ctx.rank == 0 if d.sharding == "replicated" else (ctx.tp_rank == 0 and ctx.pp_rank == 0)
+        if writes:
+            (ckpt / self.name / d.state_key).write_text(d.save_state())
+
+    def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
+        d = self.train_data
+        state_file = ckpt / self.name / d.state_key
+        if state_file.is_file() and saved.data_sharding == d.sharding:
+            d.restore_state(state_file.read_text())
+            return True
+        if ctx.rank == 0:
+            log.warning(
+                "loader state for %s not in %s (data.sharding %s -> %s, layout %s -> %s): energon "
+                "cannot move it across DP sizes; the loader restarts from its seed (data order is "
+                "not a continuation of the checkpointed run)",
+                d.state_key, ckpt, saved.data_sharding, d.sharding, saved.layout, layout_of(ctx),
+            )  # fmt: skip
+        return False
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """What a run starts from: 'mmtrain' (a training checkpoint: everything resumes), 'weights'
+    (model weights only: fresh optimizer, schedule, step and data) or 'hf' (an HF directory)."""
+
+    kind: str
+    path: Path
+
+
+@dataclass
+class RestoreResult:
+    state: TrainerState  # as saved
+    same_layout: bool
+    restored: dict[str, bool]  # part name -> restored
+
+
+class CheckpointManager:
+    """Owns `<run_dir>/checkpoints`: what a run starts from, saving and restoring the tracked
+    stateful parts, `latest`, pruning."""
+
+    def __init__(self, run_dir: str | os.PathLike, ctx: ParallelContext, *, keep_last: int, resolved_yaml: str) -> None:
+        self.root = checkpoints_root(run_dir)
+        self.ctx = ctx
+        self.keep_last = keep_last
+        self.resolved_yaml = resolved_yaml
+        self.parts: list[Stateful] = []
+
+    def track(self, *parts: Stateful) -> None:
+        self.parts = list(parts)
+
+    def is_own(self, point: StartingPoint) -> bool:
+        """Whether `point` is one of this run's own checkpoints."""
+        return point.path.parent == self.root
+
+    # ------------------------------------------------------------------ starting point
+    def starting_point(self, load: str | None, weights_only: bool, model_config: Any,
+                       architecture_keys: Sequence[str]) -> StartingPoint | None:
+        """The run's own latest checkpoint, else `checkpoint.load` resolved; an mmtrain
+        checkpoint made for another architecture is refused (CheckpointMismatchError)."""
+        own = latest_checkpoint(self.root.parent)
+        if own is not None:
+            point = StartingPoint("mmtrain", own)
+        elif load:
+            kind, path = resolve_checkpoint(load)
+            point = StartingPoint("weights" if kind == "mmtrain" and weights_only else kind, path)
+        else:
+            return None
+        if point.kind in ("mmtrain", "weights"):
+            check_architecture(point.path.parent, model_config, architecture_keys, iteration_of(point.path))
+        return point
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, point: StartingPoint, load_hf: Callable[[Path], None]) -> RestoreResult | None:
+        """Load `point` into the tracked parts. 'hf' and 'weights' fill the model only (None);
+        'mmtrain' restores every part it can and says which (RestoreResult)."""
+        model = next(p for p in self.parts if isinstance(p, ModelState))
+        if point.kind in ("hf", "weights"):
+            if point.kind == "hf":
+                load_hf(point.path)
+            else:
+                model.load(point.path, self.ctx, TrainerState())
+            optimizer = next((p.optimizer for p in self.parts if isinstance(p, OptimizerState)), None)
+            if hasattr(optimizer, "reload_model_params"):
+                # megatron's mixed-precision optimizers keep fp32 copies made at construction
+                optimizer.reload_model_params()
+            return None
+        saved = TrainerState.from_dict(json.loads((point.path / TRAINER_STATE).read_text()))
+        restored = {part.name: part.load(point.path, self.ctx, saved) for part in self.parts}
+        return RestoreResult(saved, saved.layout == layout_of(self.ctx), restored)
+
+    # ------------------------------------------------------------------ save
+    def save(self, state: TrainerState) -> Path:
+        """Collective: every rank saves its share of every part, then rank 0 publishes."""
+        ctx = self.ctx
+        staging_root = self.root / ".staging"
+        final, tmp = iter_dir(self.root, state.step), iter_dir(staging_root, state.step)
+        if ctx.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            for part in self.parts:
+                (tmp / part.name).mkdir(parents=True, exist_ok=True)
+        barrier()
+        for part in self.parts:
+            part.save(tmp, ctx)
+        barrier()
+        if ctx.rank == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
+            (tmp / "config.yaml").write_text(self.resolved_yaml)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_latest(self.root, state.step)
+            prune(self.root, self.keep_last)
+            log.info("saved checkpoint %s", final)
+        barrier()
+        return final

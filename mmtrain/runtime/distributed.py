@@ -1,0 +1,276 @@
+"""Process-group and model-parallel set-up shared by every model family.
+
+`init_distributed(parallel_cfg)` turns the recipe's `parallel:` section plus the torchrun/SLURM
+environment into an initialised `torch.distributed` world (gloo on CPU, NCCL on GPU),
+megatron-core's `parallel_state` (TP x PP x DP groups) and a small `ParallelContext` that the
+train loop reads instead of poking at globals. `ensure_model_parallel(tp, pp)` does the same for
+standalone use (conversion, inference, tests) when no launcher did it.
+
+Both bring megatron up through `_bring_up_megatron`, the one place the CPU adaptations
+(`cpu_compat.apply`) are applied.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from mmtrain.runtime import cpu_compat
+
+if TYPE_CHECKING:
+    from mmtrain.config.schema import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelContext:
+    """Where this process sits in the TP x PP x DP grid, and the knobs the model needs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    backend: str  # "gloo" | "nccl"
+    device: torch.device
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    distributed_optimizer: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints step logs: last PP stage (it has the loss), TP rank 0, DP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    @property
+    def params_dtype_name(self) -> str:
+        """The run's precision in the model configs' spelling (`params_dtype`)."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return getattr(torch, self.params_dtype_name)
+
+
+def env_rank_world() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from torchrun (RANK/WORLD_SIZE) or SLURM (SLURM_PROCID),
+    or None when this process was started by hand (single process)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", "0")),
+        )
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return (
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ["SLURM_NTASKS"]),
+            int(os.environ.get("SLURM_LOCALID", "0")),
+        )
+    return None
+
+
+def resolve_backend(requested: str) -> str:
+    if requested in ("gloo", "nccl"):
+        if requested == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("parallel.backend=nccl but CUDA is not available")
+        return requested
+    if requested != "auto":
+        raise ValueError(f"parallel.backend must be auto|gloo|nccl, got {requested!r}")
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_layout(world_size: int, tp: int, pp: int) -> int:
+    """DP size for a world of `world_size` processes, or a clear error."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"parallel.tp and parallel.pp must be >= 1 (got tp={tp}, pp={pp})")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} (nproc_per_node x nnodes) is not divisible by "
+            f"tp x pp = {tp} x {pp}"
+        )
+    return world_size // (tp * pp)
+
+
+def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext:
+    """Initialise torch.distributed + megatron parallel_state from the recipe's `parallel:`.
+
+    Works the same for a single process (a world of one, so megatron's groups exist and every
+    code path is the distributed one) and for torchrun/SLURM workers.
+    """
+    from megatron.core import parallel_state
+
+    env = env_rank_world()
+    if env is None:
+        rank, world_size, local_rank = 0, 1, 0
+        os.environ.setdefault("MASTER_ADDR", str(parallel_cfg.master_addr))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    else:
+        rank, world_size, local_rank = env
+        # SLURM launches: torch's env:// init needs these names.
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        os.environ.setdefault("MASTER_ADDR", str(parallel_cfg.master_addr))
+        os.environ.setdefault("MASTER_PORT", str(parallel_cfg.master_port))
+
+    expected = parallel_cfg.world_size
+    if env is not None and world_size != expected:
+        log.warning(
+            "the launcher started %d processes but the recipe says nproc_per_node x nnodes = %d; "
+            "using the launcher's world size (DP adapts)", world_size, expected,
+        )  # fmt: skip
+    tp, pp = parallel_cfg.tp, parallel_cfg.pp
+    dp = check_layout(world_size, tp, pp)
+    backend = resolve_backend(parallel_cfg.backend)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(int(os.environ.get("MMTRAIN_CPU_THREADS", "1")))
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=30),
+            **({"device_id": device} if backend == "nccl" else {}),
+        )
+    _bring_up_megatron(tp, pp)
+
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        backend=backend,
+        device=device,
+        sequence_parallel=parallel_cfg.sequence_parallel and tp > 1,
+        recompute=parallel_cfg.recompute,
+        precision=cpu_compat.run_precision(parallel_cfg.precision, device),
+        distributed_optimizer=cpu_compat.distributed_optimizer(parallel_cfg.distributed_optimizer, device),
+    )
+    seed_model_parallel(seed, ctx.pp_rank)
+    log.info(
+        "distributed: rank %d/%d backend=%s tp=%d pp=%d dp=%d (tp_rank=%d pp_rank=%d dp_rank=%d)",
+        rank, world_size, backend, tp, pp, dp, ctx.tp_rank, ctx.pp_rank, ctx.dp_rank,
+    )  # fmt: skip
+    return ctx
+
+
+def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Standalone use (conversion, inference, tests): a world of one unless a launcher set
+    torch.distributed up; refuses a different (tp, pp) than the one already initialised."""
+    if not dist.is_initialized():
+        backend = resolve_backend("auto")
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # a launcher set it up
+            dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        elif world == 1:
+            # private rendezvous; nothing written to os.environ, so child processes (e.g. a
+            # training launcher started later) never inherit a port this process holds
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
+        else:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set")
+    if _bring_up_megatron(tp, pp):
+        from megatron.core import parallel_state
+
+        seed_model_parallel(seed, parallel_state.get_pipeline_model_parallel_rank())
+
+
+def _bring_up_megatron(tp: int, pp: int) -> bool:
+    """The CPU adaptations (no-op with CUDA) and megatron's TP x PP x DP groups; True when the
+    groups were created here (False: they existed already, with this tp and pp)."""
+    from megatron.core import parallel_state
+
+    cpu_compat.apply()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        return True
+    have = (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+    if have != (tp, pp):
+        raise RuntimeError(f"model parallel already initialised with (tp, pp)={have}, asked for {(tp, pp)}")
+    return False
+
+
+def compute_device() -> torch.device:
+    """Where this process's model tensors live: the current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def seed_model_parallel(seed: int, pp_rank: int) -> None:
+    """Megatron's seeding: one default stream per PP stage, plus the named TP-region stream.
+
+    On GPU this is `model_parallel_cuda_manual_seed`; on CPU `cpu_compat` has replaced the
+    CUDA RNG tracker with a CPU one, and the same function seeds it.
+    """
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    # torch.cuda.manual_seed inside is a documented no-op without CUDA; the tracker it fills is
+    # cpu_compat's CPU tracker there.
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for single-process rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,80 @@
+"""Loss reduction shared by the model families' forward steps.
+
+megatron-core 0.16's schedules accept a loss function returning `(loss_sum, num_tokens, report)`;
+with `config.calculate_per_token_loss` they sum `num_tokens` over micro-batches, all-reduce it
+over DP in `finalize_model_grads` and divide the gradients by it. The loss is therefore averaged
+over the real (unmasked) label tokens of the whole global batch, however it is split over
+micro-batches and DP ranks - the same number a single process would compute.
+
+`report` carries what the train loop logs: `lm loss` as `[sum, count]` (megatron's convention),
+and per-sample `[sum, count]` rows aligned with the batch's flattened `sample_ids`, so a loss
+spike can be traced to the samples that caused it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from mmdata.energon_loaders.batch import PackedBatch
+
+
+def per_sample_loss_sums(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor, batch: PackedBatch
+) -> torch.Tensor:
+    """[num_samples, 2] (loss sum, label count) per packed sample, in `sample_ids` order.
+
+    Rows hold samples back to back, then padding; `cu_seqlens` segments the flattened stream,
+    so the first `len(sample_ids[row])` segments starting in a row are that row's samples."""
+    sample_ids = batch.sample_ids
+    b, s = token_loss.shape
+    flat_loss = (token_loss * loss_mask).reshape(-1).detach().float()
+    flat_mask = loss_mask.reshape(-1).float()
+    cu = batch.cu_seqlens.to(torch.int64).tolist()
+    starts_by_row: dict[int, list[tuple[int, int]]] = {}
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end > start:
+            starts_by_row.setdefault(start // s, []).append((start, end))
+    rows = []
+    for r, ids in enumerate(sample_ids):
+        segments = starts_by_row.get(r, [])
+        for k in range(len(ids)):
+            if k < len(segments):
+                start, end = segments[k]
+                rows.append(torch.stack([flat_loss[start:end].sum(), flat_mask[start:end].sum()]))
+            else:  # malformed batch: keep alignment, report nothing for the sample
+                rows.append(flat_loss.new_zeros(2))
+    if not rows:
+        return flat_loss.new_zeros(0, 2)
+    return torch.stack(rows)
+
+
+def masked_loss_sum(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})` over the positions where
+    `loss_mask` is true; the one reduction every family's loss function returns.
+
+    `token_loss` and `loss_mask` only need the same number of elements (a model may return the
+    flattened `[B*S]` stream); sums are taken in fp32."""
+    losses = token_loss.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def lm_loss_sums(reports: list[dict[str, Any]], device: torch.device | str) -> torch.Tensor:
+    """`[sum of token losses, number of label tokens]` (float64) over a schedule's loss reports.
+
+    Training and evaluation reduce the same way, so `train` and `val_loss` are the same kind of
+    number: the mean over real tokens, not a mean of per-micro-batch means. A report without a
+    count (a plain mean) counts as one token."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in reports:
+        lm = report["lm loss"].detach().to(device=device, dtype=torch.float64)
+        total += lm if lm.numel() == 2 else torch.stack([lm.sum(), lm.new_ones(())])
+    return total

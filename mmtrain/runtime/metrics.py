@@ -1,0 +1,223 @@
+"""Per-step training metrics and `mmtrain worst-samples`.
+
+`<run_dir>/metrics.jsonl` holds one JSON object per optimizer step, written by rank 0 right after
+the step (one `write` per line, so a crash leaves at most one partial trailing line, which the
+reader and the next writer drop). Fields:
+
+  step           int    optimizer step just finished (1-based)              required
+  loss           float  mean loss over real (unmasked) tokens, all micro-batches and ranks
+  lr             float  the step's base learning rate (`optimizer.lr`'s schedule; parts with an
+                        `optimizer.lr_mult` train at that multiple of it)
+  grad_norm      float  global gradient norm before clipping
+  tokens_per_s   float  real tokens / step wall time, whole job
+  samples_per_s  float  samples / step wall time, whole job
+  (optional)     mfu, mem_*, tokens, num_samples, step_time_s, data_wait_s, ... any scalar
+  val_loss       float  only at `train.eval_interval` steps: mean loss over the real tokens of
+                        `train.eval_iters` global batches of `data.val_paths`
+                        (mmtrain/runtime/evaluation.py)
+  val_tokens     int    those real (label) tokens, whole job; with val_loss
+  val_time_s     float  wall time of that evaluation; with val_loss
+  sample_ids     list[str]          ids of every sample in this step, gathered over DP ranks
+  sample_losses  {str: float}       per-sample mean loss over that sample's real tokens, keyed by
+                 or list[float|None] the same ids, or a list aligned with `sample_ids` (null where
+                                    unknown). This is what `worst-samples` ranks by.
+
+Non-finite floats are written as the strings "nan", "inf", "-inf" (strict JSON). When
+`tensorboard` is importable, every numeric field is also logged as the scalar `train/<field>`.
+
+On resume from step k, `MetricsWriter(run_dir, resume_step=k)` drops the records after k, so the
+file again reads as one run.
+
+  mmtrain worst-samples RUN_DIR [--step N] [--top K]
+
+prints the samples of step N (default: the step with the highest loss) ranked by their loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # 0-d tensors / numpy scalars
+        return _clean(value.item())
+    return value
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
+def _read_lines(path: Path) -> tuple[list[dict], int]:
+    """Complete records, and the byte length of the complete part of the file."""
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # drop a partial trailing line left by a crash
+    records = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            records.append(json.loads(line))
+    return records, end
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """Records of `<run_dir>/metrics.jsonl` (or of that file itself), last write per step wins."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    records, _ = _read_lines(path)
+    by_step: dict[int, dict] = {}
+    for rec in records:
+        by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class MetricsWriter:
+    """Appends one record per step to `<run_dir>/metrics.jsonl`, plus TensorBoard scalars."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._truncate(resume_step)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._tb = _summary_writer(self.run_dir / "tensorboard") if tensorboard else None
+
+    def _truncate(self, resume_step: int | None) -> None:
+        records, end = _read_lines(self.path)
+        keep = [r for r in records if resume_step is None or int(r["step"]) <= resume_step]
+        if len(keep) == len(records) and end == (self.path.stat().st_size if self.path.exists() else 0):
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not isinstance(record.get("step"), int) or isinstance(record.get("step"), bool):
+            raise ValueError(f"a metrics record needs an int 'step', got {record.get('step')!r}")
+        clean = _clean(record)
+        line = (json.dumps(clean, allow_nan=False) + "\n").encode()
+        os.write(self._fd, line)  # one write per line: O_APPEND keeps lines whole
+        if self._tb is not None:
+            for key, value in clean.items():
+                number = _as_float(value)
+                if key != "step" and number is not None:
+                    self._tb.add_scalar(f"train/{key}", number, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _summary_writer(log_dir: Path) -> Any:
+    """TensorBoard writer when the optional `tensorboard` package is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+# ----------------------------------------------------------------------------- worst samples
+
+
+def worst_samples(records: Iterable[dict], step: int | None = None, top: int = 10) -> tuple[dict, list[tuple[str, float | None]]]:
+    """(record of the step, [(sample_id, loss)] highest loss first). Default step: highest loss."""
+    records = list(records)
+    if not records:
+        raise LookupError("no metrics records")
+    if step is None:
+        scored = [(_as_float(r.get("loss")), r) for r in records]
+        scored = [(v, r) for v, r in scored if v is not None and not math.isnan(v)]
+        if not scored:
+            raise LookupError("no record has a numeric loss")
+        record = max(scored, key=lambda vr: vr[0])[1]
+    else:
+        found = [r for r in records if int(r["step"]) == step]
+        if not found:
+            steps = [int(r["step"]) for r in records]
+            raise LookupError(f"step {step} not in metrics (steps {min(steps)}..{max(steps)})")
+        record = found[-1]
+    losses = record.get("sample_losses") or {}
+    ids = [str(i) for i in record.get("sample_ids") or []]
+    if isinstance(losses, list):  # aligned with sample_ids
+        if len(losses) != len(ids):
+            raise ValueError(f"step {record['step']}: {len(losses)} sample_losses for {len(ids)} sample_ids")
+        losses = {i: v for i, v in zip(ids, losses) if v is not None}
+    losses = {str(k): v for k, v in losses.items()}
+    ids = ids or list(losses)
+    ids += [i for i in losses if i not in ids]
+    ranked = sorted(((str(i), _as_float(losses.get(i))) for i in ids), key=_badness)
+    return record, ranked[:top] if top > 0 else ranked
+
+
+def _badness(item: tuple[str, float | None]) -> tuple[int, float]:
+    """NaN losses first (the likeliest culprits), then highest loss, then ids without a loss."""
+    loss = item[1]
+    if loss is None:
+        return (2, 0.0)
+    if math.isnan(loss):
+        return (0, 0.0)
+    return (1, -loss)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory (or its metrics.jsonl)")
+    parser.add_argument("--step", type=int, default=None, help="step to inspect (default: highest loss)")
+    parser.add_argument("--top", type=int, default=10, help="how many samples to print (0 = all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        record, ranked = worst_samples(read_metrics(args.run_dir), args.step, args.top)
+    except (LookupError, OSError, ValueError) as err:
+        print(f"worst-samples: {err} ({args.run_dir})", file=sys.stderr)
+        return 1
+    extras = ", ".join(f"{k} {record[k]:.4g}" for k in ("lr", "grad_norm") if isinstance(record.get(k), (int, float)))
+    print(f"step {record['step']}: loss {record.get('loss')}" + (f" ({extras})" if extras else ""))
+    if not ranked:
+        print("  no sample ids were logged for this step")
+        return 0
+    if all(loss is None for _, loss in ranked):
+        print("  no per-sample losses logged; sample ids of the step:")
+    width = max(len(i) for i, _ in ranked)
+    print(f"  {'rank':>4}  {'sample_id':<{width}}  loss")
+    for n, (sid, loss) in enumerate(ranked, 1):
+        print(f"  {n:>4}  {sid:<{width}}  {'-' if loss is None else f'{loss:.4f}'}")
+    return 0

@@ -1,0 +1,136 @@
+"""Parts, freezing, param groups and the optimizer (megatron's on GPU, its CPU substitute on CPU).
+
+- Parts: the family declares its trainable parts (`FamilySpec.parts`: part -> module paths);
+  `ModelParts` assigns every parameter of a model stage to exactly one of them, by identity, so
+  the assignment survives wrapping (DDP) and renaming.
+- Freezing (`freeze: [part, ...]`) happens before DDP wrapping, so frozen parameters get no
+  grad buffer and never reach the optimizer (LLaVA-OV stage 1 trains only the projector).
+- Param groups: one per (part, decay / no decay), in the family's part order, with the part's
+  peak and floor LR = `optimizer.lr` / `min_lr` times `optimizer.lr_mult[part]` (default 1);
+  no weight decay on biases and 1-D parameters (norm scales). Every rank builds the same group
+  list (possibly with empty groups) so checkpoints line up across pipeline stages.
+- GPU: megatron's `get_megatron_optimizer` (distributed optimizer when configured, bf16 main
+  params, its own grad clipping), with the same per-part LRs as config overrides.
+- CPU: `cpu_compat.MainGradAdamW` (megatron's wrappers refuse CPU tensors).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mmtrain.runtime import cpu_compat
+from mmtrain.runtime.checkpoint.layout import unwrap
+
+if TYPE_CHECKING:
+    from mmtrain.config.schema import OptimizerConfig
+    from mmtrain.runtime.distributed import ParallelContext
+
+
+class ModelParts:
+    """Which declared part each parameter of this rank's model chunks belongs to."""
+
+    def __init__(self, model_chunks: list[torch.nn.Module], parts: dict[str, tuple[str, ...]]) -> None:
+        self.names = list(parts)
+        self._part_of: dict[int, str] = {}
+        for chunk in model_chunks:
+            for name, param in unwrap(chunk).named_parameters():
+                owners = [part for part, paths in parts.items()
+                          if any(name == p or name.startswith(p + ".") for p in paths)]
+                if len(owners) != 1:
+                    raise ValueError(f"parameter {name!r} belongs to {len(owners)} of the declared parts "
+                                     f"{dict(parts)} (each parameter must belong to exactly one)")
+                self._part_of[id(param)] = owners[0]
+
+    def part_of(self, param: torch.nn.Parameter) -> str:
+        return self._part_of[id(param)]
+
+
+def apply_freeze(model_chunks: list[torch.nn.Module], parts: ModelParts, frozen: list[str]) -> dict[str, int]:
+    """requires_grad=False on the frozen parts; returns trainable parameter counts per part
+    (and the frozen total under "frozen")."""
+    counts = dict.fromkeys(parts.names, 0) | {"frozen": 0}
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            part = parts.part_of(param)
+            if part in frozen:
+                param.requires_grad_(False)
+                counts["frozen"] += param.numel()
+            elif param.requires_grad:
+                counts[part] += param.numel()
+    return counts
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    return param.ndim <= 1 or name.endswith(".bias")
+
+
+def part_lrs(optimizer_cfg: OptimizerConfig, part: str) -> tuple[float, float]:
+    """(peak, floor) learning rate of a part."""
+    mult = optimizer_cfg.lr_mult.get(part, 1.0)
+    return optimizer_cfg.lr * mult, optimizer_cfg.min_lr * mult
+
+
+def build_param_groups(
+    model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig
+) -> list[dict[str, Any]]:
+    """The same groups on every rank: (part x decay / no decay), in the family's part order."""
+    keys = [(part, decay) for part in parts.names for decay in (True, False)]
+    buckets: dict[tuple[str, bool], list[torch.nn.Parameter]] = {k: [] for k in keys}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                buckets[(parts.part_of(param), not no_weight_decay(name, param))].append(param)
+    groups = []
+    for part, decay in keys:
+        peak, floor = part_lrs(optimizer_cfg, part)
+        groups.append({
+            "params": buckets[(part, decay)],
+            "part": part,
+            "max_lr": peak,
+            "min_lr": floor,
+            "wd_mult": 1.0 if decay else 0.0,
+            "lr": peak,
+            "weight_decay": optimizer_cfg.weight_decay if decay else 0.0,
+        })
+    return groups
+
+
+def build_optimizer(
+    model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
+) -> Any:
+    """megatron's optimizer on GPU; `cpu_compat.MainGradAdamW` on CPU."""
+    if ctx.on_cuda:
+        return _build_megatron_optimizer(model_chunks, parts, optimizer_cfg, ctx)
+    return cpu_compat.MainGradAdamW(build_param_groups(model_chunks, parts, optimizer_cfg), optimizer_cfg)
+
+
+def _build_megatron_optimizer(
+    model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
+) -> Any:
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+    config = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=optimizer_cfg.lr,
+        min_lr=optimizer_cfg.min_lr,
+        weight_decay=optimizer_cfg.weight_decay,
+        adam_beta1=optimizer_cfg.adam_beta1,
+        adam_beta2=optimizer_cfg.adam_beta2,
+        adam_eps=optimizer_cfg.adam_eps,
+        clip_grad=optimizer_cfg.clip_grad,
+        bf16=ctx.precision == "bf16",
+        fp16=ctx.precision == "fp16",
+        params_dtype=ctx.params_dtype,
+        use_distributed_optimizer=ctx.distributed_optimizer,
+    )
+    overrides = dict(get_standard_config_overrides(config))
+    for part in parts.names:
+        peak, floor = part_lrs(optimizer_cfg, part)
+        if peak != optimizer_cfg.lr:
+            key = ParamKey(predicate=ParamPredicate(name=f"part:{part}", fn=lambda p, part=part: parts.part_of(p) == part))
+            overrides[key] = {"max_lr": peak, "min_lr": floor}
+    return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)

@@ -1,0 +1,114 @@
+"""Feeds each training step its micro-batches and owns the loader's resumable state.
+
+Every rank of a TP/PP group builds the loader with the same DP rank, so all stages of one
+model replica see the same micro-batches (the first stage needs the pixels and token ids, the
+last the labels) without broadcasting variable-size media between ranks.
+
+Two ways to split the stream over DP ranks (`data.sharding`):
+- "dp": energon's `WorkerConfig(rank=dp_rank, world_size=dp)` sharding - each DP rank decodes
+  only its own data. The loader state is per DP rank and energon refuses it at another DP size.
+- "replicated": every rank reads the single-process stream (`dp_rank=0, dp_size=1`) and keeps
+  micro-batches `[dp_rank*M, (dp_rank+1)*M)` of each step's `dp*M`. Any layout then trains on
+  exactly the same global batches, and the (identical) loader state resumes at any DP size.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from mmdata.energon_loaders.batch import PackedBatch
+from mmtrain.runtime.distributed import ParallelContext
+
+if TYPE_CHECKING:
+    from mmtrain.config.schema import Recipe
+    from mmtrain.spec import FamilySpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepData:
+    """This rank's micro-batches for one optimizer step, plus what the logs need about them."""
+
+    micro_batches: list[PackedBatch]
+    sample_ids: list[str] = field(default_factory=list)
+    num_samples: int = 0  # original (unpacked) samples in this rank's micro-batches
+    num_tokens: int = 0  # real (non-padding) token positions processed
+    num_loss_tokens: int = 0
+
+
+def batch_sample_ids(batch: PackedBatch) -> list[str]:
+    return [str(sid) for row in batch.sample_ids for sid in row]
+
+
+class TrainData:
+    def __init__(self, spec: FamilySpec, recipe: Recipe, ctx: ParallelContext) -> None:
+        self.ctx = ctx
+        self.family = spec.name
+        self.batch_type = spec.batch_type
+        self.sharding = recipe.data.sharding
+        self.micro_per_rank = recipe.train.global_batch_size // (
+            recipe.train.micro_batch_size * ctx.dp
+        )
+        if self.sharding == "replicated":
+            self.loader_dp_rank, self.loader_dp_size = 0, 1
+        else:
+            self.loader_dp_rank, self.loader_dp_size = ctx.dp_rank, ctx.dp
+        self.loader = spec.build_loader(
+            recipe, dp_rank=self.loader_dp_rank, dp_size=self.loader_dp_size
+        )
+        self._iter: Iterator[PackedBatch] | None = None
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        """File name of this rank's loader state inside a checkpoint."""
+        if self.sharding == "replicated":
+            return "loader_replicated.json"
+        return f"loader_dp{self.loader_dp_rank:05d}_of{self.loader_dp_size:05d}.json"
+
+    def save_state(self) -> str:
+        """The loader's `save_state_rank()` as JSON text (no pickles in checkpoints)."""
+        return self.loader.save_state_json()
+
+    def restore_state(self, text: str) -> None:
+        if self._iter is not None:
+            raise RuntimeError("loader state must be restored before the first batch is drawn")
+        self.loader.restore_state_json(text)
+
+    # -- batches ---------------------------------------------------------------------------
+    def _next_micro_batch(self) -> PackedBatch:
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        batch = next(self._iter)
+        if not isinstance(batch, self.batch_type):
+            raise TypeError(f"the {self.family} loader yielded {type(batch).__name__}, "
+                            f"not the family's batch type {self.batch_type.__name__}")
+        return batch
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now. energon keeps persistent workers behind a
+        reference cycle (loader <-> its epoch iterator), so dropping the loader alone would
+        leave them running until the cyclic garbage collector happens to run."""
+        self._iter = None
+        self.loader = None
+        gc.collect()
+
+    def next_step(self) -> StepData:
+        if self.sharding == "replicated":
+            drawn = [self._next_micro_batch() for _ in range(self.micro_per_rank * self.ctx.dp)]
+            start = self.ctx.dp_rank * self.micro_per_rank
+            mine = drawn[start : start + self.micro_per_rank]
+        else:
+            mine = [self._next_micro_batch() for _ in range(self.micro_per_rank)]
+        data = StepData(micro_batches=mine)
+        for batch in mine:
+            ids = batch_sample_ids(batch)
+            data.sample_ids.extend(ids)
+            data.num_samples += len(ids)
+            data.num_tokens += batch.num_real_tokens
+            data.num_loss_tokens += batch.num_loss_tokens
+        return data

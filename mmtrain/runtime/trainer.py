@@ -1,0 +1,431 @@
+"""The shared train loop: one `Trainer` for every model family.
+
+    starting point (checkpoint.load / own latest; architecture checked) -> build model stage
+    (FamilySpec.build_model) -> freeze the family's parts -> megatron DDP -> optimizer -> LR
+    schedule -> loader -> restore the checkpoint's stateful parts -> for each step:
+         draw this rank's micro-batches
+         megatron get_forward_backward_func(...)   (grad accumulation, PP schedule, DP reduce)
+         LR for the step, clip + optimizer step
+         every train.eval_interval steps: forward-only evaluation on data.val_paths
+         log (loss over real tokens of the global batch, grad norm, lr, tokens/s, MFU, memory,
+              sample ids + per-sample losses, val_loss) and checkpoint
+
+The loss is megatron's per-token convention (`calculate_per_token_loss`): each micro-batch
+returns (sum of token losses, number of label tokens); megatron sums the counts over
+micro-batches and DP ranks and divides the gradients by the total, so any TP/PP/DP layout
+and any micro-batch split of the same global batch gives the same update.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX, PackedBatch
+from mmtrain.config.schema import Recipe
+from mmtrain.models.megatron_config import ParallelOptions
+from mmtrain.planning.cost_model import training_flops_per_token
+from mmtrain.runtime import cpu_compat
+from mmtrain.runtime.checkpoint.manager import (
+    CheckpointManager,
+    LoaderState,
+    ModelState,
+    OptimizerState,
+    RngState,
+    TrainerState,
+    layout_of,
+)
+from mmtrain.runtime.distributed import ParallelContext
+from mmtrain.runtime.evaluation import EvalResult, eval_due, isolated_from_training, val_data
+from mmtrain.runtime.loss import lm_loss_sums, per_sample_loss_sums
+from mmtrain.runtime.lr_schedule import LRSchedule
+from mmtrain.runtime.optimizer import ModelParts, apply_freeze, build_optimizer
+from mmtrain.runtime.throughput import device_peak_flops, memory_stats, mfu
+from mmtrain.runtime.train_data import TrainData
+from mmtrain.spec import FamilySpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: Optional[float]  # None on ranks without the loss (not the last PP stage)
+    grad_norm: float
+    lr: float
+    updated: bool
+    step_time_s: float
+    data_wait_s: float  # part of step_time_s spent waiting for this rank's micro-batches
+    tokens: int  # positions processed by the whole global batch
+    samples: int
+    loss_tokens: int
+    sample_ids: list[str]
+    sample_losses: list[Optional[float]]
+    evaluation: Optional[EvalResult] = None  # set at train.eval_interval steps
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, spec: FamilySpec, ctx: ParallelContext, resolved_yaml: str) -> None:
+        self.recipe = recipe
+        self.spec = spec
+        self.ctx = ctx
+        self.state = TrainerState(layout=layout_of(ctx), data_sharding=recipe.data.sharding, seed=recipe.seed)
+        t = recipe.train
+        # the launcher's world may differ from the recipe's (DP adapts): check the actual one
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+        if self.num_microbatches * t.micro_batch_size * ctx.dp != t.global_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"micro_batch_size*dp = {t.micro_batch_size}*{ctx.dp}"
+            )
+        self.checkpoints = CheckpointManager(recipe.run_dir, ctx, keep_last=recipe.checkpoint.keep_last,
+                                             resolved_yaml=resolved_yaml)
+        self.metrics = None
+        self._last_saved_step = -1
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.utils import get_model_config
+
+        recipe, ctx, spec = self.recipe, self.ctx, self.spec
+        # refuse a checkpoint of another architecture before building anything
+        start = self.checkpoints.starting_point(recipe.checkpoint.load, recipe.checkpoint.weights_only,
+                                                recipe.model, spec.architecture_keys)
+        module = spec.build_model(
+            recipe.model,
+            pre_process=ctx.is_first_stage,
+            post_process=ctx.is_last_stage,
+            options=self._model_options(),
+        )
+        if ctx.on_cuda:
+            module = module.cuda(torch.cuda.current_device())
+        if not hasattr(module, "model_type"):  # megatron's schedules read it
+            from megatron.core.enums import ModelType
+
+            module.model_type = ModelType.encoder_or_decoder
+        self.parts = ModelParts([module], spec.parts)
+        self.trainable = apply_freeze([module], self.parts, recipe.freeze)
+
+        config = get_model_config(module)
+        config.calculate_per_token_loss = True  # see the module docstring
+        config.timers = None
+        if ctx.pp > 1:
+            # packed micro-batches are flattened to one [B*S] stream whose length may vary
+            config.variable_seq_lengths = True
+            if config.pipeline_dtype is None:
+                config.pipeline_dtype = ctx.params_dtype
+        ddp_config = DistributedDataParallelConfig(**cpu_compat.adapt_ddp_config(dict(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=ctx.distributed_optimizer,
+            check_for_nan_in_grad=False,
+        ), ctx.device))
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
+        self.model = [ddp]
+        config.no_sync_func = ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+
+        self.optimizer = build_optimizer(self.model, self.parts, recipe.optimizer, ctx)
+        if ctx.on_cuda and hasattr(self.optimizer, "scale_loss"):
+            config.grad_scale_func = self.optimizer.scale_loss
+        self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
+        self.state.lr_schedule = self.schedule.state_dict()
+        self.data = TrainData(spec, recipe, ctx)
+        self.checkpoints.track(
+            ModelState(self.model, recipe.model),
+            OptimizerState(self.optimizer, self.model),
+            RngState(recipe.seed),
+            LoaderState(self.data),
+        )
+        if start is not None:
+            self._restore(start)
+        self.peak_flops = device_peak_flops(ctx.device, ctx.precision)
+        self.flops_per_token = training_flops_per_token(spec.model_shapes(recipe.model), recipe.train.seq_length)
+        if ctx.is_logging_rank:
+            self.metrics = _open_metrics(recipe, self.state.step)
+            log.info(
+                "model stage %d/%d built: trainable params %s; %d micro-batches/step/rank",
+                ctx.pp_rank, ctx.pp, self.trainable, self.num_microbatches,
+            )  # fmt: skip
+
+    def _model_options(self) -> ParallelOptions:
+        """What the model builder needs to know about parallelism/memory (sizes come from
+        megatron's parallel_state)."""
+        recompute = self.ctx.recompute
+        return ParallelOptions(
+            sequence_parallel=self.ctx.sequence_parallel,
+            recompute_granularity=None if recompute == "none" else recompute,
+            params_dtype=self.ctx.params_dtype_name,
+        )
+
+    def _restore(self, start: Any) -> None:
+        result = self.checkpoints.restore(start, self._load_hf)
+        if result is None:
+            if self.ctx.rank == 0:
+                how = "HF checkpoint %s (converted on the fly)" if start.kind == "hf" else "%s (fresh optimizer and data)"
+                log.info("initialised weights from " + how, start.path)
+            return
+        self.state.step = result.state.step
+        self.state.consumed_samples = result.state.consumed_samples
+        self.state.consumed_rows = result.state.consumed_rows
+        self._last_saved_step = self.state.step if self.checkpoints.is_own(start) else -1
+        if self.ctx.rank == 0:
+            log.info(
+                "resumed from %s at step %d (same layout: %s, loader restored: %s)",
+                start.path, self.state.step, result.same_layout, result.restored[LoaderState.name],
+            )  # fmt: skip
+
+    def _load_hf(self, path: Any) -> None:
+        """An HF directory as the starting point, converted on the fly by the family (straight
+        into this rank's TP/PP shards)."""
+        if self.spec.hf is None:
+            raise ValueError(f"checkpoint.load={path} is an HF directory, but family {self.spec.name} "
+                             "has no HF conversion")
+        self.spec.hf.load_into_model(self.model, str(path), self.recipe.model)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> StepResult:
+        from megatron.core import parallel_state
+
+        ctx, t = self.ctx, self.recipe.train
+        step = self.state.step + 1
+        start = time.perf_counter()
+        step_data = self.data.next_step()
+        data_wait = time.perf_counter() - start
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._run_schedule(step_data.micro_batches, forward_only=False)
+        lr = self.schedule.apply(self.optimizer.param_groups, step, self.recipe.optimizer.weight_decay)
+        updated, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+
+        # ---- global numbers for the logs (the loss lives on the last PP stage)
+        # collectives run on the backend's device (NCCL needs CUDA tensors)
+        counts = torch.tensor(
+            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens],
+            dtype=torch.float64,
+            device=ctx.device,
+        )
+        dp_group = parallel_state.get_data_parallel_group()
+        if ctx.dp > 1:
+            dist.all_reduce(counts, group=dp_group)
+        loss = None
+        sample_ids: list[str] = []
+        sample_losses: list[Optional[float]] = []
+        if ctx.is_last_stage:
+            loss_sum = lm_loss_sums(reports, ctx.device)
+            per_sample = [
+                report["sample_losses"].detach().double().cpu()
+                for report in reports
+                if "sample_losses" in report
+            ]
+            if ctx.dp > 1:
+                dist.all_reduce(loss_sum, group=dp_group)
+            loss_sum = loss_sum.cpu()
+            loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
+            mine = torch.cat(per_sample) if per_sample else torch.zeros(0, 2)
+            local = (
+                step_data.sample_ids,
+                [float(s / c) if c > 0 else None for s, c in mine.tolist()],
+            )
+            gathered = [local]
+            if ctx.dp > 1:
+                gathered = [None] * ctx.dp
+                dist.all_gather_object(gathered, local, group=dp_group)
+            for ids, losses in gathered:
+                sample_ids.extend(ids)
+                sample_losses.extend(losses if len(losses) == len(ids) else [None] * len(ids))
+        elapsed = time.perf_counter() - start
+        self.state.step = step
+        self.state.consumed_rows += t.global_batch_size
+        counts = counts.cpu()
+        self.state.consumed_samples += int(counts[1])
+        return StepResult(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            updated=bool(updated),
+            step_time_s=elapsed,
+            data_wait_s=data_wait,
+            tokens=int(counts[0]),
+            samples=int(counts[1]),
+            loss_tokens=int(counts[2]),
+            sample_ids=sample_ids,
+            sample_losses=sample_losses,
+        )
+
+    def _forward_step(self, data_iterator: "RecordingIterator", model: Any) -> tuple[Any, Any]:
+        """The family's forward step, with per-sample losses added to its loss report.
+
+        Family contract: on the last stage the model's output is the per-token loss `[B, S]`
+        (masked by the loss function); from it and the batch's `cu_seqlens`/`sample_ids` we add
+        one `[sum, count]` row per packed sample, for `mmtrain worst-samples`."""
+        output, loss_fn = self.spec.forward_step(data_iterator, model)
+        batch = data_iterator.last
+        if loss_fn is None or batch is None:
+            return output, loss_fn
+
+        def loss_with_samples(output_tensor: torch.Tensor) -> Any:
+            result = loss_fn(output_tensor)
+            labels = batch.labels
+            if len(result) == 3 and batch.sample_ids and tuple(output_tensor.shape) == tuple(labels.shape):
+                mask = (labels.to(output_tensor.device) != IGNORE_INDEX).to(output_tensor.dtype)
+                report = dict(result[2])
+                report["sample_losses"] = per_sample_loss_sums(output_tensor.detach(), mask, batch)
+                return result[0], result[1], report
+            return result
+
+        return output, loss_with_samples
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> EvalResult:
+        """`train.eval_iters` global batches of `data.val_paths`, forward only, with no effect
+        on training (mmtrain/runtime/evaluation.py says how). Collective: every rank must call it."""
+        from megatron.core import parallel_state
+
+        ctx = self.ctx
+        start = time.perf_counter()
+        sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        with isolated_from_training(self.model), val_data(self.spec, self.recipe, ctx) as data:
+            for _ in range(self.recipe.train.eval_iters):
+                reports = self._run_schedule(data.next_step().micro_batches, forward_only=True)
+                if ctx.is_last_stage:
+                    sums += lm_loss_sums(reports, ctx.device)
+        if not ctx.is_last_stage:
+            return EvalResult(loss=None, tokens=None, time_s=time.perf_counter() - start)
+        if ctx.dp > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        sums = sums.cpu()
+        return EvalResult(
+            loss=float(sums[0] / sums[1].clamp(min=1)),
+            tokens=int(sums[1]),
+            time_s=time.perf_counter() - start,
+        )
+
+    def _run_schedule(self, micro_batches: list[PackedBatch], forward_only: bool) -> list[dict[str, Any]]:
+        """One global batch (this rank's micro-batches) through megatron's schedule; the loss
+        reports of the last stage (empty elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        t = self.recipe.train
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=RecordingIterator(micro_batches),
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            # models run packed micro-batches as one flattened [B*S] stream (THD)
+            seq_length=t.seq_length * t.micro_batch_size,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[StepResult]:
+        recipe, ctx = self.recipe, self.ctx
+        results = []
+        interval = recipe.checkpoint.interval
+        while self.state.step < recipe.train.iters:
+            result = self.train_step()
+            if eval_due(result.step, recipe.train.eval_interval):
+                result.evaluation = self.evaluate()
+            results.append(result)
+            self._log(result)
+            if interval > 0 and result.step % interval == 0:
+                self.save()
+        if self._last_saved_step != self.state.step:
+            self.save()
+        if self.metrics is not None:
+            self.metrics.close()
+        return results
+
+    def save(self) -> None:
+        self.checkpoints.save(self.state)
+        self._last_saved_step = self.state.step
+
+    def _log(self, r: StepResult) -> None:
+        if not self.ctx.is_logging_rank:
+            return
+        tokens_per_s = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
+        record = {
+            "step": r.step,
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm if math.isfinite(r.grad_norm) else None,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": r.samples / r.step_time_s if r.step_time_s > 0 else 0.0,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, self.ctx.world_size, self.peak_flops),
+            "step_time_s": r.step_time_s,
+            "data_wait_s": r.data_wait_s,
+            "tokens": r.tokens,
+            "num_samples": r.samples,
+            "num_loss_tokens": r.loss_tokens,
+            "skipped_update": not r.updated,
+            **memory_stats(self.ctx.device),
+            "sample_ids": r.sample_ids,
+            "sample_losses": r.sample_losses,
+        }
+        ev = r.evaluation
+        if ev is not None:
+            record.update(val_loss=ev.loss, val_tokens=ev.tokens, val_time_s=ev.time_s)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if (
+            r.step % self.recipe.logging.interval == 0
+            or r.step == self.recipe.train.iters
+            or ev is not None
+        ):
+            mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
+            log.info(
+                "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s | %.2f samples/s"
+                " | mfu %s | mem %.2f GiB%s",
+                r.step, self.recipe.train.iters, r.loss if r.loss is not None else float("nan"),
+                r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"],
+                f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)", mem,
+                _eval_log_part(ev),
+            )  # fmt: skip
+
+
+class RecordingIterator:
+    """Iterator over a step's micro-batches that remembers the last one drawn (the forward
+    step consumes it; the loss report needs its sample ids)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._it = iter(items)
+        self.last: Any = None
+
+    def __iter__(self) -> "RecordingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        self.last = next(self._it)
+        return self.last
+
+
+def _eval_log_part(ev: Optional[EvalResult]) -> str:
+    """` | val_loss X (N tokens, T s)` for the step line of an evaluation step, else ``."""
+    if ev is None or ev.loss is None:
+        return ""
+    return f" | val_loss {ev.loss:.4f} ({ev.tokens} tokens, {ev.time_s:.1f} s)"
+
+
+def _open_metrics(recipe: Recipe, resume_step: int) -> Any:
+    """The JSONL (+TensorBoard) writer; on resume, records past the checkpoint are dropped so
+    the file shows one curve."""
+    from mmtrain.runtime.metrics import MetricsWriter
+
+    return MetricsWriter(recipe.run_dir, tensorboard=recipe.logging.tensorboard, resume_step=resume_step)

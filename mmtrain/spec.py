@@ -1,0 +1,91 @@
+"""What a model family gives the shared runtime: one `FamilySpec` (like torchtitan's TrainSpec).
+
+The runtime (launch, distributed set-up, train loop, checkpoints, recipe validation, dry-run /
+auto-tune, conversion) names no family; it calls what the spec provides. A family is one folder
+in `mmtrain/` whose `spec.py` builds its FamilySpec, one task-encoder package in
+`mmdata/energon_loaders/`, and one entry in `mmtrain/registry.py`.
+
+Spec modules are imported by the CLI and the recipe validator, so they import only light
+modules (dataclasses) at the top and reach the model/loader code inside the functions they
+hand over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from mmtrain.config.errors import RecipeErrors
+    from mmtrain.config.schema import Recipe
+    from mmtrain.planning.cost_model import ModelShapes
+
+
+@dataclass(frozen=True)
+class HFConversion:
+    """How a family's weights move between HF (transformers) checkpoints and megatron ones.
+
+    `mmtrain convert` calls `to_mcore` / `to_hf`; a recipe whose `checkpoint.load` names an HF
+    directory is filled by `load_into_model` (converted on the fly, into any TP/PP layout)."""
+
+    #: (src HF dir, dst megatron dir, *, tp, pp) -> the model config written with the weights
+    to_mcore: Callable[..., Any]
+    #: (src megatron dir, dst HF dir, *, max_shard_bytes) -> the HF dir written
+    to_hf: Callable[..., Path]
+    #: (model chunks of this rank, HF dir, the recipe's model config) -> None; refuses an HF
+    #: config that does not match the recipe, naming the key
+    load_into_model: Callable[[list["torch.nn.Module"], str, Any], None]
+    #: initial weights assembled from separate HF checkpoints: `--<flag> DIR` -> help text
+    #: (e.g. a language model and a vision tower before any multimodal training)
+    assemble_from: dict[str, str] = field(default_factory=dict)
+    #: ({flag: dir}, dst megatron dir, *, tp, pp) -> the model config written
+    assemble: Optional[Callable[..., Any]] = None
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    #: CLI subcommand and the recipe's `family:` value, e.g. "llava-ov"
+    name: str
+    #: one line for `mmtrain --help`
+    help: str
+
+    # ---- recipe sections (validated by mmtrain.config) ------------------------------------
+    #: dataclass of the recipe's `model:` section
+    model_config_cls: type
+    #: dataclass of the recipe's `data:` section: `config.schema.DataConfig` or a subclass
+    #: adding the family's loader keys
+    data_config_cls: type
+    #: trainable parts -> the module paths (top-level names in a model stage) they own; every
+    #: parameter belongs to exactly one part. `freeze:` and `optimizer.lr_mult:` name these.
+    parts: dict[str, tuple[str, ...]]
+    #: cross-checks over the family's keys, (recipe, errors) -> None, after the shared checks
+    check_recipe: Callable[["Recipe", "RecipeErrors"], None]
+    #: `model:` keys that fix the weights' shapes: resuming or starting from a checkpoint whose
+    #: saved model config differs in one of them is refused
+    architecture_keys: tuple[str, ...]
+
+    # ---- training -------------------------------------------------------------------------
+    #: (model config, *, pre_process, post_process, options: ParallelOptions) -> one PP stage
+    build_model: Callable[..., "torch.nn.Module"]
+    #: what `build_loader` yields and `forward_step` consumes (an energon_loaders PackedBatch)
+    batch_type: type
+    #: (recipe, *, dp_rank, dp_size) -> savable loader of `batch_type`
+    #: (mmdata.energon_loaders.loader.SavableLoader)
+    build_loader: Callable[..., Any]
+    #: megatron forward step: (data_iterator, model) -> (per-token loss [B, S] on the last
+    #: stage / hidden states elsewhere, loss_fn -> (loss_sum, num_tokens, report))
+    forward_step: Callable[..., Any]
+
+    # ---- planning -------------------------------------------------------------------------
+    #: (model config) -> the cost model's shape description (dry_run, auto_tune, MFU)
+    model_shapes: Callable[[Any], "ModelShapes"]
+
+    # ---- checkpoints and inference --------------------------------------------------------
+    #: HF <-> megatron conversion; None: the family has no HF counterpart
+    hf: Optional[HFConversion] = None
+    #: one decoding step for `mmtrain generate` (next issues); None: no generation yet
+    generation_step: Optional[Callable[..., Any]] = None
+
