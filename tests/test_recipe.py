@@ -199,7 +199,7 @@ def test_old_keys_are_refused_with_their_new_spelling():
             "optimizer.lr_mult: {vision_tower: 0.2} (= 2e-06 / optimizer.lr 1e-05)") in errs
     (err,) = errors_of(overrides=["optimizer.vision_tower_lr="])
     assert err == ("override 'optimizer.vision_tower_lr=': optimizer.vision_tower_lr: was replaced by per-part "
-                   "multipliers of optimizer.lr: delete it (the vision tower then uses optimizer.lr)")
+                   "multipliers of optimizer.lr: delete it (the vision_tower part then uses optimizer.lr)")
 
 
 def test_unknown_family_is_named_with_the_known_ones():

@@ -1,4 +1,4 @@
-"""Video frames for LLaVA-OneVision: decord decode with uniform sampling up to a frame limit.
+"""Video frames: decord decode with uniform sampling up to a frame limit (LLaVA-OV's default).
 
 Split in two so packing can count tokens before decoding pixels: `probe_video` opens the
 container (frame count only), `decode_frames` reads just the sampled frames.

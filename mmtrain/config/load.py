@@ -65,14 +65,6 @@ def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: Fam
         raise RecipeError([f"<top level>: expected a mapping, got {show(raw)}"])
     tree, origins = apply_overrides_and_stage(raw, override_texts)
     errors = RecipeErrors(origins)
-    _migrations(tree, errors)
-
-    sections = {name: tree.pop(name) for name in FAMILY_SECTIONS if name in tree}
-    tree["model"] = {}  # typed below by the family's classes
-    recipe = convert_section(tree, Recipe, (), errors)
-    if "model" not in sections:
-        errors.add(("model",), "missing required key (the family's model config)")
-
     fam = tree.get("family")
     if family is not None and isinstance(fam, str) and fam != family:
         errors.add(("family",), f"recipe is for {fam!r} but was run as `mmtrain {family}`")
@@ -84,6 +76,13 @@ def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: Fam
         except KeyError:
             names = registry.family_names()
             errors.add(("family",), f"unknown model family {fam!r}{suggest(fam, names)} (known: {', '.join(names)})")
+    _migrations(tree, spec, errors)
+
+    sections = {name: tree.pop(name) for name in FAMILY_SECTIONS if name in tree}
+    tree["model"] = {}  # typed below by the family's classes
+    recipe = convert_section(tree, Recipe, (), errors)
+    if "model" not in sections:
+        errors.add(("model",), "missing required key (the family's model config)")
     if spec is not None:
         model = convert_section(_or_empty(sections.get("model")), spec.model_config_cls, ("model",), errors)
         data = convert_section(_or_empty(sections.get("data")), spec.data_config_cls, ("data",), errors)
@@ -98,8 +97,10 @@ def _or_empty(section: Any) -> Any:
     return {} if section is None else section
 
 
-def _migrations(tree: dict, errors: RecipeErrors) -> None:
-    """Keys whose spelling changed: refused with the new spelling, computed from the old value."""
+def _migrations(tree: dict, spec: FamilySpec | None, errors: RecipeErrors) -> None:
+    """Keys whose spelling changed: refused with the new spelling, computed from the old value.
+    `freeze: {part: true, ...}` became a list of parts; `optimizer.<part>_lr` a multiplier of
+    `optimizer.lr` in `optimizer.lr_mult`."""
     freeze = tree.get("freeze")
     if isinstance(freeze, dict):
         frozen = [str(k) for k, v in freeze.items() if v is True]
@@ -107,15 +108,20 @@ def _migrations(tree: dict, errors: RecipeErrors) -> None:
                    f"freeze: [{', '.join(frozen)}]")
         tree.pop("freeze")
     optimizer = tree.get("optimizer")
-    if isinstance(optimizer, dict) and "vision_tower_lr" in optimizer:
-        old, lr = optimizer.pop("vision_tower_lr"), optimizer.get("lr", OptimizerConfig.lr)
+    if not isinstance(optimizer, dict) or spec is None:
+        return
+    for part in spec.parts:
+        key = f"{part}_lr"
+        if key not in optimizer:
+            continue
+        old, lr = optimizer.pop(key), optimizer.get("lr", OptimizerConfig.lr)
         if old is None:
-            hint = "delete it (the vision tower then uses optimizer.lr)"
+            hint = f"delete it (the {part} part then uses optimizer.lr)"
         elif isinstance(old, (int, float)) and isinstance(lr, (int, float)) and lr > 0:
-            hint = f"write optimizer.lr_mult: {{vision_tower: {old / lr:g}}} (= {old:g} / optimizer.lr {lr:g})"
+            hint = f"write optimizer.lr_mult: {{{part}: {old / lr:g}}} (= {old:g} / optimizer.lr {lr:g})"
         else:
-            hint = "write optimizer.lr_mult: {vision_tower: <vision_tower_lr / lr>}"
-        errors.add(("optimizer", "vision_tower_lr"), f"was replaced by per-part multipliers of optimizer.lr: {hint}")
+            hint = f"write optimizer.lr_mult: {{{part}: <{key} / lr>}}"
+        errors.add(("optimizer", key), f"was replaced by per-part multipliers of optimizer.lr: {hint}")
 
 
 # ----------------------------------------------------------------------------- saving

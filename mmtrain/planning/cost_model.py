@@ -219,10 +219,6 @@ class MemoryEstimate:
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.encoder_activations
 
-    def as_gb(self) -> dict[str, float]:
-        keys = ("weights", "grads", "optimizer", "activations", "encoder_activations", "logits")
-        return {k: getattr(self, k) / GB for k in keys} | {"total": self.total / GB}
-
 
 def _stage_layers(layers: int, pp: int, stage: int) -> int:
     return layers // pp + (1 if stage < layers % pp else 0)

@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -38,6 +39,7 @@ from mmtrain.runtime.checkpoint.manager import (
     ModelState,
     OptimizerState,
     RngState,
+    StartingPoint,
     TrainerState,
     layout_of,
 )
@@ -170,7 +172,7 @@ class Trainer:
             params_dtype=self.ctx.params_dtype_name,
         )
 
-    def _restore(self, start: Any) -> None:
+    def _restore(self, start: StartingPoint) -> None:
         result = self.checkpoints.restore(start, self._load_hf)
         if result is None:
             if self.ctx.rank == 0:
@@ -187,7 +189,7 @@ class Trainer:
                 start.path, self.state.step, result.same_layout, result.restored[LoaderState.name],
             )  # fmt: skip
 
-    def _load_hf(self, path: Any) -> None:
+    def _load_hf(self, path: Path) -> None:
         """An HF directory as the starting point, converted on the fly by the family (straight
         into this rank's TP/PP shards)."""
         if self.spec.hf is None:
