@@ -63,6 +63,29 @@ def test_freeze_and_param_groups_follow_the_declared_parts():
     assert all(g["max_lr"] == 1e-3 and g["min_lr"] == 1e-5 for g in groups2 if g["part"] != "vision_tower")
 
 
+def test_megatron_optimizer_groups_get_the_part_lrs(megatron_cpu):
+    """The GPU optimizer path: megatron's own param grouping with our overrides gives the vision
+    tower its multiplied LRs and no weight decay on biases / norm scales (built on CPU: only
+    megatron's grouping runs, not its CUDA optimizer)."""
+    from megatron.core.optimizer import _get_param_groups
+
+    from mmtrain.llava_ov.spec import LLAVA_OV
+    from mmtrain.runtime.optimizer import ModelParts, megatron_optimizer_config
+
+    model = _Toy()
+    parts = ModelParts([model], LLAVA_OV.parts)
+    cfg = SimpleNamespace(lr=1e-3, min_lr=1e-5, lr_mult={"vision_tower": 0.2}, weight_decay=0.1, adam_beta1=0.9,
+                          adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+    ctx = SimpleNamespace(precision="fp32", params_dtype=torch.float32, distributed_optimizer=False)
+    config, overrides = megatron_optimizer_config(parts, cfg, ctx)
+    group_of = {id(p): g for g in _get_param_groups([model], config, overrides) for p in g["params"]}
+    vt, proj = group_of[id(model.vision_model.weight)], group_of[id(model.vision_projection.weight)]
+    assert (vt["max_lr"], vt["min_lr"]) == (pytest.approx(2e-4), pytest.approx(2e-6)) and vt["wd_mult"] == 1.0
+    assert (proj["max_lr"], proj["min_lr"]) == (1e-3, 1e-5)
+    assert group_of[id(model.vision_model.bias)]["wd_mult"] == 0.0 and group_of[id(model.vision_model.bias)]["max_lr"] == pytest.approx(2e-4)
+    assert group_of[id(model.language_model[1].weight)]["wd_mult"] == 0.0
+
+
 def test_every_parameter_belongs_to_exactly_one_part():
     from mmtrain.runtime.optimizer import ModelParts
 

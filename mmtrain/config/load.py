@@ -84,17 +84,15 @@ def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: Fam
     if "model" not in sections:
         errors.add(("model",), "missing required key (the family's model config)")
     if spec is not None:
-        model = convert_section(_or_empty(sections.get("model")), spec.model_config_cls, ("model",), errors)
-        data = convert_section(_or_empty(sections.get("data")), spec.data_config_cls, ("data",), errors)
+        # `model:` with no keys (null) takes every default; other sections must be mappings
+        model_raw = sections.get("model")
+        model = convert_section({} if model_raw is None else model_raw, spec.model_config_cls, ("model",), errors)
+        data = convert_section(sections.get("data", {}), spec.data_config_cls, ("data",), errors)
         if recipe is not None and model is not None and data is not None:
             recipe.model, recipe.data = model, data
             cross_checks(recipe, spec, errors)
     errors.raise_if_any()
     return recipe
-
-
-def _or_empty(section: Any) -> Any:
-    return {} if section is None else section
 
 
 def _migrations(tree: dict, spec: FamilySpec | None, errors: RecipeErrors) -> None:

@@ -109,8 +109,18 @@ def build_optimizer(
 def _build_megatron_optimizer(
     model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
 ) -> Any:
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config, overrides = megatron_optimizer_config(parts, optimizer_cfg, ctx)
+    return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+
+
+def megatron_optimizer_config(parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext) -> tuple[Any, dict]:
+    """megatron's OptimizerConfig and its param-group overrides: no weight decay on biases and
+    1-D params (megatron's standard overrides), and each part's LRs (`part_lrs`) where they
+    differ from the base LR (parameters matched by identity through `parts`)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+    from megatron.core.optimizer import get_standard_config_overrides
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
     config = MegatronOptimizerConfig(
@@ -133,4 +143,4 @@ def _build_megatron_optimizer(
         if peak != optimizer_cfg.lr:
             key = ParamKey(predicate=ParamPredicate(name=f"part:{part}", fn=lambda p, part=part: parts.part_of(p) == part))
             overrides[key] = {"max_lr": peak, "min_lr": floor}
-    return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+    return config, overrides
