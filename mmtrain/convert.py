@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from mmtrain import registry
 
@@ -45,18 +46,21 @@ def run(args: argparse.Namespace) -> int:
     if args.direction == "hf-to-mcore":
         if bool(parts) == bool(args.src) or (parts and set(parts) != set(hf.assemble_from)):
             both = " ".join(f"--{f} DIR" for f in hf.assemble_from)
-            raise SystemExit(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
-                             + (f", or all of {both}" if both else ""))
+            return _usage_error(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
+                                + (f", or all of {both}" if both else ""))
         if parts:
             hf.assemble(parts, args.dst, tp=args.tp, pp=args.pp)
         else:
             hf.to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp)
         print(f"wrote megatron checkpoint {args.dst}")
     else:
-        if parts:
-            raise SystemExit("mcore-to-hf: takes --src CKPT_DIR only")
-        if not args.src:
-            raise SystemExit("mcore-to-hf: --src CKPT_DIR is required")
+        if parts or not args.src:
+            return _usage_error("mcore-to-hf: give --src CKPT_DIR (and no assembly sources)")
         out = hf.to_hf(args.src, args.dst, max_shard_bytes=int(args.max_shard_gb * 1024**3))
         print(f"wrote HF checkpoint {out}")
     return 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"mmtrain convert: {message}", file=sys.stderr)
+    return 2
