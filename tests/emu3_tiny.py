@@ -137,3 +137,20 @@ def hf_codes(proc, vq, image: Image.Image) -> np.ndarray:
     inputs = proc(images=[image], return_tensors="pt")
     with torch.no_grad():
         return vq.encode(inputs["pixel_values"], inputs["image_sizes"]).image_tokens[0].numpy()
+
+
+def tiny_hf_emu3(tok, vq_dir):
+    """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights."""
+    import torch
+    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE
+
+    torch.manual_seed(0)
+    vq = Emu3VQVAE.from_pretrained(vq_dir)
+    text = Emu3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          attention_dropout=0.0)
+    config = Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
+    model = Emu3ForConditionalGeneration(config).eval()
+    model.model.vqmodel.load_state_dict(vq.state_dict())
+    return model
