@@ -27,7 +27,6 @@ import argparse
 import io
 import json
 import os
-import resource
 import subprocess
 import sys
 import tarfile
@@ -45,10 +44,13 @@ from PIL import Image
 from transformers import Emu3ImageProcessor, Emu3VQVAE
 
 shards, vq_dir, area, threads, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
 torch.set_num_threads(threads)
+torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
+torch.backends.cuda.matmul.allow_tf32 = False
 t0 = time.perf_counter()
 proc = Emu3ImageProcessor.from_pretrained(vq_dir, min_pixels=area, max_pixels=area)
-vq = Emu3VQVAE.from_pretrained(vq_dir).eval()
+vq = Emu3VQVAE.from_pretrained(vq_dir).eval().to(device)
 codes = {}
 import pathlib
 for tar_path in sorted(pathlib.Path(shards).glob("shard-*.tar")):
@@ -61,8 +63,8 @@ for tar_path in sorted(pathlib.Path(shards).glob("shard-*.tar")):
         for image in json.loads(members[name])["images"]:
             inputs = proc(images=[Image.open(io.BytesIO(members[f"{key}.{image}"]))], return_tensors="pt")
             with torch.no_grad():
-                grid = vq.encode(inputs["pixel_values"], inputs["image_sizes"]).image_tokens[0]
-            codes[f"{key}.{image}"] = grid.tolist()
+                grid = vq.encode(inputs["pixel_values"].to(device), inputs["image_sizes"]).image_tokens[0]
+            codes[f"{key}.{image}"] = grid.cpu().tolist()
 wall = time.perf_counter() - t0
 json.dump(codes, open(out, "w"))
 print("RESULT=" + json.dumps({"images": len(codes), "wall_s": wall,
@@ -129,10 +131,11 @@ class _TreeRss(threading.Thread):
         return self.peak
 
 
-def run_baseline(shards: Path, vq: Path, area: int, num_cpus: int, codes_out: Path) -> dict:
+def run_baseline(shards: Path, vq: Path, area: int, num_cpus: int, codes_out: Path, device: str = "cpu") -> dict:
+    """The plain transformers loop in a subprocess; its grids go to `codes_out` (JSON)."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", BASELINE, str(shards), str(vq), str(area), str(num_cpus),
-                           str(codes_out)], capture_output=True, text=True, env=_env())
+                           str(codes_out), device], capture_output=True, text=True, env=_env())
     if proc.returncode:
         raise RuntimeError(f"baseline failed:\n{proc.stderr[-3000:]}")
     res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT="))[7:])
@@ -156,21 +159,30 @@ def run_ours(shards: Path, vq: Path, area: int, num_cpus: int, out: Path) -> dic
             "peak_rss_mb": peak / 2**20, "phases": m["run"]["phases"]}
 
 
+def tar_members(tar_path: Path) -> dict[str, bytes]:
+    with tarfile.open(tar_path) as tf:
+        return {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+
+
+def read_grids(out: Path) -> dict[str, np.ndarray]:
+    """{"<key>.<source image member>": code grid} of a token shard folder."""
+    found = {}
+    for tar_path in sorted(out.glob("shard-*.tar")):
+        members = tar_members(tar_path)
+        for name, data in members.items():
+            key, _, suffix = name.partition(".")
+            if suffix == "vq.json":
+                for g in json.loads(data)["grids"]:
+                    found[f"{key}.{g['source']}"] = np.load(io.BytesIO(members[f"{key}.{g['member']}"]),
+                                                            allow_pickle=False)
+    return found
+
+
 def compare_codes(codes_path: Path, out: Path) -> int:
     """Number of images whose grids differ between the baseline and our shards."""
     ref = json.loads(codes_path.read_text())
-    differ = 0
-    for tar_path in sorted(out.glob("shard-*.tar")):
-        with tarfile.open(tar_path) as tf:
-            members = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
-        for name, data in members.items():
-            key, _, suffix = name.partition(".")
-            if suffix != "vq.json":
-                continue
-            for g in json.loads(data)["grids"]:
-                grid = np.load(io.BytesIO(members[f"{key}.{g['member']}"]), allow_pickle=False)
-                differ += grid.tolist() != ref[f"{key}.{g['source']}"]
-    return differ
+    ours = read_grids(out)
+    return sum(ours.get(k) is None or ours[k].tolist() != v for k, v in ref.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,11 +17,9 @@ Prints `GPU_CHECK ok` at the end when every check passed (exit 0), else exit 1.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tokenize_images import _env, make_input  # noqa: E402
+from bench_tokenize_images import _env, make_input, read_grids, run_baseline  # noqa: E402
 
 
 def run_job(*args: str) -> None:
@@ -37,44 +35,6 @@ def run_job(*args: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
-
-
-def grids(out: Path) -> dict[str, np.ndarray]:
-    found = {}
-    for tar_path in sorted(out.glob("shard-*.tar")):
-        with tarfile.open(tar_path) as tf:
-            members = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
-        for name, data in members.items():
-            key, _, suffix = name.partition(".")
-            if suffix == "vq.json":
-                for g in json.loads(data)["grids"]:
-                    found[f"{key}.{g['source']}"] = np.load(io.BytesIO(members[f"{key}.{g['member']}"]),
-                                                            allow_pickle=False)
-    return found
-
-
-def hf_grids_on_cuda(shards: Path, vq_dir: Path, area: int) -> dict[str, np.ndarray]:
-    import torch
-    from PIL import Image
-    from transformers import Emu3ImageProcessor, Emu3VQVAE
-
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    proc = Emu3ImageProcessor.from_pretrained(vq_dir, min_pixels=area, max_pixels=area)
-    vq = Emu3VQVAE.from_pretrained(vq_dir).eval().to("cuda")
-    found = {}
-    for tar_path in sorted(shards.glob("shard-*.tar")):
-        with tarfile.open(tar_path) as tf:
-            members = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
-        for name, data in members.items():
-            key, _, suffix = name.partition(".")
-            if suffix == "json":
-                for image in json.loads(data)["images"]:
-                    inputs = proc(images=[Image.open(io.BytesIO(members[f"{key}.{image}"]))], return_tensors="pt")
-                    with torch.no_grad():
-                        codes = vq.encode(inputs["pixel_values"].cuda(), inputs["image_sizes"]).image_tokens[0]
-                    found[f"{key}.{image}"] = codes.cpu().numpy()
-    return found
 
 
 def agreement(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -121,8 +81,9 @@ def main() -> int:
                          for s in runs["cuda"]["shards"])
         print(f"determinism on GPU (1 GPU/task vs 0.25, other chunks): {'identical' if same_bytes else 'DIFFERENT'}")
         ok &= same_bytes
-        g_cuda, g_cpu = grids(root / "cuda"), grids(root / "cpu")
-        g_hf = hf_grids_on_cuda(shards, vq, args.image_area)
+        g_cuda, g_cpu = read_grids(root / "cuda"), read_grids(root / "cpu")
+        run_baseline(shards, vq, args.image_area, 1, root / "hf_cuda.json", device="cuda")
+        g_hf = {k: np.array(v) for k, v in json.loads((root / "hf_cuda.json").read_text()).items()}
         a_hf, a_cpu = agreement(g_cuda, g_hf), agreement(g_cuda, g_cpu)
         print(f"token agreement: cuda job vs HF encode on cuda {a_hf:.5f}, cuda job vs cpu job {a_cpu:.5f}")
         ok &= a_hf >= 0.99 and a_cpu >= 0.99
