@@ -15,8 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
     "tiny-tokenizer": (
         "mmdata.energon_loaders.tiny_tokenizer",
-        "train the tiny offline Qwen2-style tokenizer used by the demo and the tests",
+        "train the tiny offline Qwen2-style (or --family emu3) tokenizer used by the demo and the tests",
     ),
+    "tokenize-images": ("mmdata.vision_tokens.cli", "Ray job: turn shard images into Emu3 VQ token grids"),
+    "tiny-vq": ("mmdata.vision_tokens.tiny_vq", "write a tiny random Emu3 VQ model for the demo and the tests"),
 }
 
 

@@ -10,6 +10,9 @@ Common modules (one job each):
   state_codec.py     loader state <-> JSON (no pickles in checkpoints)
   video.py           decord probing / uniform frame sampling
   tiny_tokenizer.py  offline Qwen2-style tokenizer for tests/demos
+  tiny_emu3_tokenizer.py  offline tokenizer with Emu3's vocabulary layout (specials + visual tokens)
+  emu3_serialize.py  Emu3's token stream: [bos] text [boi] "H*W" [img] rows+[eol] [eof] [eoi] (pure)
+  vq_token_sample.py energon sample type of Emu3 token shards (mmdata tokenize-images) + sample_loader
   dev_shards.py      write small energon-ready shard sets from in-memory samples
 
 Per family:

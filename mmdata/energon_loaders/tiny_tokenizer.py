@@ -9,6 +9,7 @@ template. This builds one in well under a second from a built-in English+Chinese
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -62,7 +63,7 @@ _BUILTIN_TEXTS = [
 ]
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+def _train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -81,7 +82,7 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     # Specials go after the BPE vocabulary, as in Qwen2 (<|endoftext|> first).
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
     return tok
 
 
@@ -134,9 +135,20 @@ def build_tiny_qwen2_tokenizer(
 def add_arguments(parser) -> None:  # `mmdata tiny-tokenizer`
     parser.add_argument("--output", required=True, help="directory to write the HF tokenizer files into")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size (default 1024)")
+    parser.add_argument("--family", choices=["qwen2", "emu3"], default="qwen2",
+                        help="qwen2 (default): LLaVA-OV's; emu3: Emu3's vocabulary layout (specials + visual tokens)")
+    parser.add_argument("--codebook-size", type=int, default=None,
+                        help="emu3: number of visual tokens, the VQ codebook size (default: the tiny VQ's)")
 
 
 def run(args) -> int:
+    if args.family == "emu3":
+        from mmdata.energon_loaders import tiny_emu3_tokenizer
+
+        return tiny_emu3_tokenizer.run(args)
+    if args.codebook_size is not None:
+        print("error: --codebook-size applies to --family emu3 only", file=sys.stderr)
+        return 2
     out = build_tiny_qwen2_tokenizer(args.output, vocab_size=args.vocab_size)
     print(f"wrote a tiny Qwen2-style tokenizer to {out}")
     return 0

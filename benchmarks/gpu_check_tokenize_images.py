@@ -1,0 +1,99 @@
+"""GPU check of `mmdata tokenize-images` (run on a machine with CUDA; a few minutes at most).
+
+1. The job with the VQ on cuda (`--device cuda`, Ray GPU resources) finishes and records
+   device "cuda"; its grids are compared with transformers' own processor + `Emu3VQVAE.encode`
+   run on the same GPU, and with the CPU job's grids (float kernels differ between devices,
+   so a near-tie can pick another code: the agreement is reported, and must be >= 99%).
+2. Determinism on GPU: 1 GPU per task vs 4 tasks sharing a GPU (--gpus-per-task 0.25) and
+   another chunking give byte-identical shards.
+3. Throughput: images/s of the cuda job vs the CPU job on the same images (real-size area).
+
+    python benchmarks/gpu_check_tokenize_images.py [--num-samples 64] [--image-area 262144]
+        [--vision-tokenizer VQ_DIR]
+
+Prints `GPU_CHECK ok` at the end when every check passed (exit 0), else exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tokenize_images import _env, make_input, read_grids, run_baseline  # noqa: E402
+
+
+def run_job(*args: str) -> None:
+    cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
+
+
+def agreement(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys(), "different images"
+    same = sum(int((a[k] == b[k]).sum()) for k in a)
+    return same / sum(a[k].size for k in a)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--image-area", type=int, default=512 * 512)
+    p.add_argument("--vision-tokenizer", type=Path, default=None)
+    args = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("GPU_CHECK skipped: no CUDA device")
+        return 1
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="gpu_check_tokenize_") as tmp:
+        root = Path(tmp)
+        vq = args.vision_tokenizer
+        if vq is None:
+            from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+
+            vq = build_tiny_vq(root / "vq")
+        shards = make_input(root, args.num_samples, seed=0)
+        common = [str(shards), "--vision-tokenizer", str(vq), "--image-area", str(args.image_area)]
+        runs = {}
+        for name, extra in (("cuda", ["--device", "cuda"]),
+                            ("cuda_shared", ["--device", "cuda", "--gpus-per-task", "0.25", "--chunk-samples", "5"]),
+                            ("cpu", ["--device", "cpu"])):
+            out = root / name
+            run_job(*common, "--output", str(out), *extra)
+            runs[name] = json.loads((out / "manifest.json").read_text())
+            m = runs[name]
+            print(f"{name:<12} device={m['device']} images={m['counts']['tokens']['images']} "
+                  f"wall={m['wall_time_s']:.1f}s phases={m['run']['phases']}")
+        if runs["cuda"]["device"] != "cuda":
+            print("FAIL: the cuda run did not run on cuda")
+            ok = False
+        same_bytes = all((root / "cuda" / s["name"]).read_bytes() == (root / "cuda_shared" / s["name"]).read_bytes()
+                         for s in runs["cuda"]["shards"])
+        print(f"determinism on GPU (1 GPU/task vs 0.25, other chunks): {'identical' if same_bytes else 'DIFFERENT'}")
+        ok &= same_bytes
+        g_cuda, g_cpu = read_grids(root / "cuda"), read_grids(root / "cpu")
+        run_baseline(shards, vq, args.image_area, 1, root / "hf_cuda.json", device="cuda")
+        g_hf = {k: np.array(v) for k, v in json.loads((root / "hf_cuda.json").read_text()).items()}
+        a_hf, a_cpu = agreement(g_cuda, g_hf), agreement(g_cuda, g_cpu)
+        print(f"token agreement: cuda job vs HF encode on cuda {a_hf:.5f}, cuda job vs cpu job {a_cpu:.5f}")
+        ok &= a_hf >= 0.99 and a_cpu >= 0.99
+        n = runs["cuda"]["counts"]["tokens"]["images"]
+        t_gpu = runs["cuda"]["run"]["phases"]["tokenize_s"]
+        t_cpu = runs["cpu"]["run"]["phases"]["tokenize_s"]
+        print(f"tokenize phase: cuda {n / t_gpu:.1f} images/s, cpu {n / t_cpu:.1f} images/s")
+    print("GPU_CHECK ok" if ok else "GPU_CHECK FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""Emu3 vision tokenization: preprocessed shards -> shards of VQ token grids (`mmdata tokenize-images`).
+
+Modules (one job each):
+  token_format.py  the token shard contract (member names, grid encoding, the vq.json member)
+  vq.py            Emu3ImageProcessor + Emu3VQVAE: load (safetensors only), fingerprint, encode
+  stages.py        the job's two Ray stages: tokenize a chunk of samples, write a token shard
+  job.py           the driver: plan chunks, run the stages, energon index, manifest, quarantine
+  cli.py           `mmdata tokenize-images`
+  tiny_vq.py       `mmdata tiny-vq`: a tiny random Emu3 VQ model directory for tests and demos
+"""

@@ -1,0 +1,76 @@
+"""Turn the images of preprocessed shards into Emu3 VQ token grids (a Ray job: local by default,
+an existing cluster with --address or RAY_ADDRESS). Each image is resized exactly as
+transformers' Emu3ImageProcessor does (to about --image-area pixels, sides in multiples of the
+VQ's spatial factor) and encoded with the Emu3 VQ model of --vision-tokenizer. The output has the
+input's shard names, keys and order, energon-ready. Rerunning into the same --output resumes an
+interrupted job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mmdata.vision_tokens.job import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("shards", type=Path, metavar="SHARDS", help="a preprocessed shard folder (mmdata preprocess output)")
+    parser.add_argument("--vision-tokenizer", required=True, type=Path, metavar="VQ_DIR",
+                        help="Emu3 VQ model: an Emu3VQVAE dir (e.g. from mmdata tiny-vq) or a whole transformers "
+                             "Emu3 checkpoint dir; safetensors weights + preprocessor_config.json")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="output token shard folder")
+    parser.add_argument("--image-area", type=int, default=DEFAULT_IMAGE_AREA,
+                        help=f"target pixels per image: the processor's min_pixels = max_pixels (default "
+                             f"{DEFAULT_IMAGE_AREA} = 512x512, Emu3-Chat's); 0 keeps the VQ dir's own bounds")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the VQ runs (default auto: cuda when the Ray cluster has GPUs)")
+    parser.add_argument("--gpus-per-task", type=float, default=1.0,
+                        help="GPUs each tokenizing task asks Ray for on cuda (default 1; e.g. 0.25 = 4 tasks per GPU)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="same-size images per VQ forward (default: 1 on CPU, 8 on GPU)")
+    parser.add_argument("--chunk-samples", type=int, default=DEFAULT_CHUNK_SAMPLES,
+                        help=f"samples per task (default {DEFAULT_CHUNK_SAMPLES}; never changes the output)")
+    parser.add_argument("--overwrite", action="store_true", help="delete this tool's outputs in --output and start fresh")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress display")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mmdata.vision_tokens.job import TokenizeConfig, TokenizeError, run_tokenize
+
+    if args.image_area < 0:
+        print("error: --image-area must be positive (or 0 for the VQ dir's own bounds)", file=sys.stderr)
+        return 2
+    if args.gpus_per_task <= 0:
+        print("error: --gpus-per-task must be positive", file=sys.stderr)
+        return 2
+    cfg = TokenizeConfig(
+        input=args.shards, vision_tokenizer=args.vision_tokenizer, output=args.output,
+        image_area=args.image_area or None, address=args.address, num_cpus=args.num_cpus, device=args.device,
+        gpus_per_task=args.gpus_per_task, batch_size=args.batch_size, chunk_samples=args.chunk_samples,
+        overwrite=args.overwrite, progress=not args.no_progress,
+    )
+    try:
+        manifest = run_tokenize(cfg)
+    except TokenizeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = manifest["counts"]
+    print(f"{manifest['run']['output']}: {c['written']} samples ({c['tokens']['images']} images, "
+          f"{c['tokens']['visual_tokens']} visual tokens) in {len(manifest['shards'])} shards, "
+          f"{c['quarantined']} quarantined (of {c['read']} read)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mmdata.vision_tokens.cli ...`: the subcommand alone (used by tests and scripts)."""
+    parser = argparse.ArgumentParser(prog="mmdata tokenize-images", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""The Ray job behind `mmdata tokenize-images` (the driver; the stages are in stages.py).
+
+1. tokenize - one task per chunk (a fixed run of samples of one input shard): decode, resize
+              exactly as Emu3ImageProcessor, VQ-encode, spill output members + quarantine lines.
+              One CPU and one torch thread per task and one task per CPU; with GPUs in the
+              cluster, each task also asks for `gpus_per_task` GPUs and runs the VQ on cuda.
+2. write    - one task per shard: concatenate its chunks into the output shard.
+3. finish   - energon index (.nv-meta naming VQTokenSample), quarantine.jsonl, manifest.json.
+
+Resumable like `mmdata preprocess` (markers under DIR/.mmdata-work/, same output-folder
+checks, `--overwrite`), and byte-deterministic whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import yaml
+
+import mmdata
+from mmdata import shard_format as sf
+from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
+from mmdata.preprocess.job import WORK_DIR_NAME, PreprocessError, _check_output_dir, _init_ray, _remove, _run_bounded
+from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
+from mmdata.preprocess.quarantine import concat_parts
+from mmdata.preprocess.stages import shard_work_file
+from mmdata.vision_tokens import token_format as tf
+from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, chunk_file, count_samples, tokenize_chunk,
+                                         write_token_shard)
+from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
+                                     read_vq_checkpoint, spatial_factor)
+
+DEFAULT_IMAGE_AREA = 512 * 512  # Emu3-Chat's image_area
+DEFAULT_CHUNK_SAMPLES = 64
+TOKEN_STATS = ("images", "visual_tokens", "text_only")
+
+
+class TokenizeError(PreprocessError):
+    """A problem with the job's inputs/outputs that the user must fix (printed, exit 2)."""
+
+
+@dataclass
+class TokenizeConfig:
+    input: Path  # a preprocessed shard folder (mmdata preprocess output)
+    vision_tokenizer: Path  # VQ dir (see vq.py)
+    output: Path
+    image_area: int | None = DEFAULT_IMAGE_AREA  # None: the VQ dir's processor min/max pixels
+    address: str | None = None
+    num_cpus: int | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    gpus_per_task: float = 1.0
+    batch_size: int | None = None  # None: 1 on CPU, 8 on GPU
+    chunk_samples: int = DEFAULT_CHUNK_SAMPLES
+    overwrite: bool = False
+    progress: bool = True
+    keep_work_dir: bool = False
+
+
+@dataclass
+class _Input:
+    shards: list[tuple[str, int]]  # (name, samples)
+    fingerprint: str
+    manifest: dict | None
+
+
+def _read_input(folder: Path) -> _Input:
+    """The input shards in order, with sample counts and a fingerprint of their content."""
+    if not folder.is_dir():
+        raise TokenizeError(f"{folder}: no such shard folder")
+    manifest_path = folder / sf.MANIFEST_NAME
+    if manifest_path.is_file():
+        m = json.loads(manifest_path.read_text())
+        if m.get("tool") == "mmdata tokenize-images":
+            raise TokenizeError(f"{folder} already holds token shards; give the preprocessed shards as input")
+        shards = [(s["name"], int(s["samples"])) for s in m.get("shards", [])]
+        fp = fingerprint({"manifest": m.get("fingerprint"), "shards": m.get("shards")})
+        missing = [n for n, _ in shards if not (folder / n).is_file()]
+        if missing:
+            raise TokenizeError(f"{folder}: {len(missing)} shard(s) of its manifest are missing, e.g. {missing[0]}")
+        return _Input(shards, fp, m)
+    names = sorted(p.name for p in folder.glob("shard-*.tar"))
+    if not names:
+        raise TokenizeError(f"{folder}: no shard-*.tar files (expected `mmdata preprocess` output)")
+    stats = [(n, (folder / n).stat()) for n in names]
+    fp = fingerprint({"files": [(n, s.st_size, s.st_mtime_ns) for n, s in stats]})
+    return _Input([(n, count_samples(folder / n)) for n in names], fp, None)
+
+
+def _plan_chunks(shards: list[tuple[str, int]], chunk_samples: int) -> dict[str, list[ChunkSpec]]:
+    return {name: [ChunkSpec(name, i, start, min(n, start + chunk_samples))
+                   for i, start in enumerate(range(0, n, chunk_samples))] for name, n in shards}
+
+
+def _prepare_work_dir(out: Path, fp: str, chunk_samples: int) -> Path:
+    work = out / WORK_DIR_NAME
+    wj = work / "work.json"
+    state = {"fingerprint": fp, "chunk_samples": chunk_samples}
+    if wj.exists() and json.loads(wj.read_text()).get("chunk_samples") != chunk_samples:
+        _remove([work / "chunks", work / "shards"])  # other chunk boundaries: redo (the output is the same)
+    for d in ("chunks", "shards"):
+        (work / d).mkdir(parents=True, exist_ok=True)
+    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp")):
+        stale.unlink(missing_ok=True)
+    write_json_atomic(wj, state)
+    return work
+
+
+def _read_vq(cfg: TokenizeConfig) -> dict:
+    """Validate the VQ dir and fingerprint its weights (in the driver, before any task runs)."""
+    try:
+        ckpt = read_vq_checkpoint(cfg.vision_tokenizer)
+        proc = load_image_processor(cfg.vision_tokenizer, cfg.image_area)
+    except VQError as e:
+        raise TokenizeError(str(e)) from None
+    if proc.spatial_factor != spatial_factor(ckpt.config):
+        raise TokenizeError(f"{cfg.vision_tokenizer}: processor spatial_factor {proc.spatial_factor} != the VQ's "
+                            f"{spatial_factor(ckpt.config)}")
+    return {"path": str(Path(cfg.vision_tokenizer).resolve()), "layout": ckpt.layout, "fingerprint": ckpt.fingerprint(),
+            "config": ckpt.config, "processor": processor_settings(proc)}
+
+
+def _resolve_device(cfg: TokenizeConfig) -> str:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.device == "auto":
+        return "cuda" if gpus > 0 else "cpu"
+    if cfg.device == "cuda" and gpus <= 0:
+        raise TokenizeError("--device cuda: the Ray cluster has no GPUs")
+    return cfg.device
+
+
+def _replace_sample_type(out: Path) -> None:
+    """Point the energon index written by preprocess's writer at the token sample type."""
+    module, cls = tf.SAMPLE_TYPE
+    meta = out / NV_META
+    if not meta.is_dir():
+        return
+    dataset = {"sample_type": {"__module__": module, "__class__": cls}, "sample_loader": "sample_loader.py:sample_loader",
+               "part_filter": "sample_loader.py:part_filter"}
+    (meta / "dataset.yaml").write_text(yaml.safe_dump(dataset, sort_keys=False))
+    (meta / "sample_loader.py").write_text(
+        "# Written by mmdata tokenize-images: the loader lives in the installed package.\n"
+        f"from {module} import part_filter, sample_loader  # noqa: F401\n")
+
+
+def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str]) -> None:
+    layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
+    write_energon_index(out, written, layouts)
+    _replace_sample_type(out)
+    parts = [chunk_file(work, c.shard, c.index, "quarantine.jsonl") for chunks in plan.values() for c in chunks]
+    concat_parts(parts, out / sf.QUARANTINE_NAME)
+
+
+def run_tokenize(cfg: TokenizeConfig) -> dict:
+    """Run the whole job; returns the manifest. Raises TokenizeError on user errors."""
+    import ray
+
+    from mmdata.preprocess.progress import JobProgress
+
+    t_start = time.perf_counter()
+    if cfg.chunk_samples <= 0:
+        raise TokenizeError("--chunk-samples must be positive")
+    if cfg.batch_size is not None and cfg.batch_size <= 0:
+        raise TokenizeError("--batch-size must be positive")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise TokenizeError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+    inp_dir, out = Path(cfg.input).resolve(), Path(cfg.output).resolve()
+    if out == inp_dir:
+        raise TokenizeError("--output must differ from the input shard folder")
+    inp = _read_input(inp_dir)
+    try:
+        check_vq_dir(cfg.vision_tokenizer)
+    except VQError as e:
+        raise TokenizeError(str(e)) from None
+    # The VQ checkpoint is read and fingerprinted while Ray starts (both take seconds).
+    pool = ThreadPoolExecutor(1, thread_name_prefix="mmdata-vq")
+    vq_future = pool.submit(_read_vq, cfg)
+    pool.shutdown(wait=False)
+    own_ray = _init_ray(cfg)
+    try:
+        vq = vq_future.result()
+        device = _resolve_device(cfg)
+        batch_size = cfg.batch_size or (8 if device == "cuda" else 1)
+        import torch
+        import transformers
+
+        fp = fingerprint({"format_version": tf.TOKEN_FORMAT_VERSION, "input": inp.fingerprint, "vq": vq["fingerprint"],
+                          "processor": vq["processor"], "device": device, "batch_size": batch_size,
+                          "transformers": transformers.__version__, "torch": torch.__version__})
+        out.mkdir(parents=True, exist_ok=True)
+        done_manifest = _check_output_dir(out, fp, cfg.overwrite)
+        if done_manifest is not None:
+            print(f"{out}: already complete for these shards and VQ model; nothing to do", file=sys.stderr)
+            if not cfg.keep_work_dir:
+                shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
+            return done_manifest
+        work = _prepare_work_dir(out, fp, cfg.chunk_samples)
+        opts = TokenizeOptions(str(inp_dir), str(work), vq["path"], vq["fingerprint"], cfg.image_area, device,
+                               batch_size, threads=1)
+        plan = _plan_chunks(inp.shards, cfg.chunk_samples)
+        chunks = [c for cs in plan.values() for c in cs]
+        gpus = cfg.gpus_per_task if device == "cuda" else 0
+        tokenize_r = ray.remote(num_cpus=1, num_gpus=gpus)(tokenize_chunk)
+        write_r = ray.remote(num_cpus=1)(write_token_shard)
+        res = ray.cluster_resources()
+        slots = int(res.get("CPU", 1)) if not gpus else max(1, int(res.get("GPU", 0) / gpus))
+        max_in_flight = max(2, 2 * slots)
+        counts, stats = Counts(), dict.fromkeys(TOKEN_STATS, 0)
+        resumed = {"chunks": 0, "shards": 0}
+        phases: dict[str, float] = {"ray_init_s": round(time.perf_counter() - t_start, 3)}
+        with JobProgress(cfg.progress) as prog:
+            t0 = time.perf_counter()
+            prog.stage("tokenize images", len(chunks))
+
+            def tokenized(_chunk, r: dict) -> None:
+                counts.merge(r)
+                for k in TOKEN_STATS:
+                    stats[k] += r[k]
+                resumed["chunks"] += int(r["resumed"])
+                prog.advance("tokenize images", records=stats["images"], unit="images")
+
+            _run_bounded(lambda c: tokenize_r.remote(c, opts), chunks, max_in_flight, tokenized)
+            phases["tokenize_s"] = round(time.perf_counter() - t0, 3)
+            t0 = time.perf_counter()
+            prog.stage("write shards", len(plan))
+            results: dict[str, dict] = {}
+
+            def wrote(name, r: dict) -> None:
+                results[name] = r
+                resumed["shards"] += int(r["resumed"])
+                prog.advance("write shards")
+
+            _run_bounded(lambda n: write_r.remote(n, len(plan[n]), str(work), str(out)), list(plan), max_in_flight,
+                         wrote)
+            phases["write_s"] = round(time.perf_counter() - t0, 3)
+    finally:
+        if own_ray:
+            ray.shutdown()
+    t0 = time.perf_counter()
+    shards = [{k: results[n][k] for k in ("name", "samples", "bytes", "sha256")} for n in plan if results[n]["samples"]]
+    _finish_outputs(out, work, plan, [s["name"] for s in shards])
+    phases["finish_s"] = round(time.perf_counter() - t0, 3)
+    manifest = {
+        "tool": "mmdata tokenize-images",
+        "version": mmdata.__version__,
+        "format_version": tf.TOKEN_FORMAT_VERSION,
+        "fingerprint": fp,
+        "input": {"path": str(inp_dir), "fingerprint": inp.fingerprint,
+                  "manifest_fingerprint": (inp.manifest or {}).get("fingerprint")},
+        "vision_tokenizer": {k: vq[k] for k in ("path", "layout", "fingerprint", "config")},
+        "image_area": cfg.image_area,
+        "image_processor": vq["processor"],
+        "device": device,
+        "batch_size": batch_size,
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                     "megatron-energon": version("megatron-energon")},
+        "counts": {**counts.to_json(), "tokens": stats},
+        "shards": shards,
+        "energon": {"sample_type": ".".join(tf.SAMPLE_TYPE), "split": {"train": len(shards)}},
+        "wall_time_s": round(time.perf_counter() - t_start, 3),
+        "run": {"output": str(out), "chunk_samples": cfg.chunk_samples, "chunks": len(chunks), "resumed": resumed,
+                "phases": phases, "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
+                "num_cpus": cfg.num_cpus},
+    }
+    write_json_atomic(out / sf.MANIFEST_NAME, manifest)
+    if not cfg.keep_work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    if cfg.progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(summary_table(manifest))
+    return manifest
+
+
+def summary_table(manifest: dict):
+    from rich.table import Table
+
+    c, tok = manifest["counts"], manifest["counts"]["tokens"]
+    t = Table(title=f"mmdata tokenize-images: {manifest['run']['output']}")
+    t.add_column("what")
+    t.add_column("count", justify="right")
+    for label, n in (("samples read", c["read"]), ("samples written", c["written"]),
+                     ("  text-only (passed through)", tok["text_only"]), ("samples quarantined", c["quarantined"]),
+                     ("images tokenized", tok["images"]), ("visual tokens", tok["visual_tokens"])):
+        t.add_row(label, f"{n:,}")
+    for reason, n in c["by_reason"].items():
+        t.add_row(f"  reason {reason}", f"{n:,}")
+    wall = manifest.get("wall_time_s") or 0.0
+    t.caption = (f"{len(manifest['shards'])} shards on {manifest['device']}, image area {manifest['image_area']}, "
+                 f"VQ {manifest['vision_tokenizer']['fingerprint'][:12]}, {wall:.1f} s "
+                 f"({tok['images'] / max(wall, 1e-9):,.1f} images/s)")
+    return t
+

@@ -1,0 +1,312 @@
+"""The two Ray stages of `mmdata tokenize-images`, as plain functions (the driver wraps them
+with `ray.remote`). Each is idempotent and writes atomically under the work folder with its
+marker last, so a retried or resumed task gives the same bytes.
+
+- tokenize_chunk: decode, resize (Emu3ImageProcessor) and VQ-encode the images of a fixed run
+  of samples of one input shard; spill the output samples' members and quarantine lines.
+- write_token_shard: concatenate a shard's chunks into the output shard (+ energon .tar.idx).
+
+A chunk's output depends only on its samples, the VQ model and the options (never on which
+worker ran it, or how many), and chunks are fixed runs of `chunk_samples` samples, so the
+shards are byte-identical whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmdata import shard_format as sf
+from mmdata.preprocess.energon_meta import write_tar_index
+from mmdata.preprocess.manifest import Counts
+from mmdata.preprocess.quarantine import quarantine_line
+from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
+from mmdata.preprocess.stages import shard_work_file
+from mmdata.preprocess.tar_scan import list_tar
+from mmdata.vision_tokens import token_format as tf
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """What every task needs (small: shipped with each task)."""
+
+    input_dir: str
+    work: str
+    vq_dir: str
+    vq_fingerprint: str  # tasks refuse weights that changed after the driver fingerprinted them
+    image_area: int | None
+    device: str  # "cpu" | "cuda"
+    batch_size: int  # same-size images per VQ forward
+    threads: int  # torch threads per task
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    shard: str  # input (and output) shard name
+    index: int  # chunk number within the shard
+    start: int  # sample range [start, stop) within the shard
+    stop: int
+
+
+def chunk_file(work: str | Path, shard: str, index: int, suffix: str) -> Path:
+    """One of a chunk's work files: bin (member bytes), quarantine.jsonl, json (done-marker)."""
+    return Path(work) / "chunks" / f"{shard}.c{index:05d}.{suffix}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- reading input
+
+
+def _shard_samples(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """(key, [(suffix, offset, size)]) of every sample of a shard, in order."""
+    listing = list_tar(str(path))
+    if listing.tail_error:
+        raise IOError(f"{path}: {listing.tail_error}")
+    samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+    for m in listing.members:
+        key, _, suffix = Path(m.name).name.partition(".")
+        if not samples or samples[-1][0] != key:
+            samples.append((key, []))
+        samples[-1][1].append((suffix, m.offset_data, m.size))
+    return samples
+
+
+def count_samples(path: Path) -> int:
+    return len(_shard_samples(path))
+
+
+# ----------------------------------------------------------------------------- the VQ, once per worker
+
+_TOKENIZERS: dict = {}
+
+
+def _vision_tokenizer(opts: TokenizeOptions):
+    """The worker process's VisionTokenizer (loaded once; Ray reuses worker processes)."""
+    from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
+
+    key = (opts.vq_dir, opts.image_area, opts.device)
+    if key not in _TOKENIZERS:
+        set_deterministic_torch(opts.device, opts.threads)
+        vt = VisionTokenizer(opts.vq_dir, opts.image_area, opts.device)
+        if vt.fingerprint != opts.vq_fingerprint:
+            raise RuntimeError(f"{opts.vq_dir}: the VQ weights changed while the job ran "
+                               f"(fingerprint {vt.fingerprint[:12]} != {opts.vq_fingerprint[:12]})")
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = vt
+    return _TOKENIZERS[key]
+
+
+_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
+
+
+class _Rejected(Exception):
+    """A record the job cannot tokenize: a machine-readable reason and a deterministic detail."""
+
+    def __init__(self, reason: str, detail: str):
+        detail = _ADDRESS.sub("", detail)  # e.g. "<_io.BytesIO object at 0x7f..>": varies per run
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _decode_image(data: bytes, name: str):
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+    except Exception as e:  # noqa: BLE001 - any decoder error rejects the record
+        raise _Rejected("image_decode_error", f"{name}: {type(e).__name__}: {e}") from None
+    return img
+
+
+# ----------------------------------------------------------------------------- stage 1
+
+
+@dataclass
+class _Pending:
+    """A record whose images are waiting for the VQ."""
+
+    key: str
+    record_json: bytes
+    sources: list[str]
+    pixels: list[list[int]]
+    grids: list[np.ndarray | None]
+    error: _Rejected | None = None
+
+
+class _Encoder:
+    """Batches preprocessed images by size (at most `batch_size` per VQ forward, filled in
+    sample order, so the batches are a function of the chunk alone)."""
+
+    def __init__(self, vt, batch_size: int):
+        self.vt, self.batch_size = vt, batch_size
+        self.waiting: dict[tuple[int, ...], list[tuple[_Pending, int, np.ndarray]]] = {}
+
+    def add(self, rec: _Pending, i: int, pixels: np.ndarray) -> None:
+        group = self.waiting.setdefault(pixels.shape, [])
+        group.append((rec, i, pixels))
+        if len(group) >= self.batch_size:
+            self._run(self.waiting.pop(pixels.shape))
+
+    def flush(self) -> None:
+        for shape in list(self.waiting):
+            self._run(self.waiting.pop(shape))
+
+    def _run(self, group: list[tuple[_Pending, int, np.ndarray]]) -> None:
+        try:
+            grids = self.vt.encode([p for _, _, p in group])
+        except Exception as e:  # noqa: BLE001 - e.g. out of device memory: retry one by one
+            if len(group) > 1:
+                for item in group:
+                    self._run([item])
+                return
+            rec, i, _ = group[0]
+            rec.error = _Rejected("vq_error", f"{rec.sources[i]}: {type(e).__name__}: {e}")
+            return
+        for (rec, i, _), grid in zip(group, grids):
+            rec.grids[i] = grid
+
+
+def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions) -> dict:
+    """Tokenize the images of samples [start, stop) of one input shard. Returns the chunk's
+    counts; its output samples and quarantine lines go to the work folder."""
+    marker = chunk_file(opts.work, spec.shard, spec.index, "json")
+    if marker.exists():
+        return {**json.loads(marker.read_text())["counts"], "resumed": True}
+    path = Path(opts.input_dir) / spec.shard
+    samples = _shard_samples(path)[spec.start:spec.stop]
+    if len(samples) != spec.stop - spec.start:
+        raise IOError(f"{path}: has fewer samples than planned (input changed?)")
+    vt = _vision_tokenizer(opts)
+    encoder = _Encoder(vt, opts.batch_size)
+    counts, stats = Counts(), {"images": 0, "visual_tokens": 0, "text_only": 0}
+    qlines: list[str] = []
+    records: list[_Pending] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for key, members in samples:
+            parts = {suffix: os.pread(fd, size, offset) for suffix, offset, size in members}
+            records.append(_prepare(key, parts, vt, encoder))
+    finally:
+        os.close(fd)
+    encoder.flush()
+    blob = bytearray()
+    index: list[list] = []
+    for rec in records:
+        record = _record_or_none(rec.record_json)
+        source = (record or {}).get("source", "") or ""
+        if rec.error is not None:
+            rid = str((record or {}).get("id", rec.key))
+            qlines.append(quarantine_line(rid, f"{spec.shard}:{rec.key}", rec.error.reason, rec.error.detail))
+            counts.add_record(source, False, rec.error.reason)
+            continue
+        members = [(sf.JSON_MEMBER, rec.record_json)]
+        infos = []
+        for src, pixels, grid in zip(rec.sources, rec.pixels, rec.grids):
+            name = tf.grid_member_name(src)
+            members.append((name, tf.encode_grid(grid, vt.config["codebook_size"])))
+            infos.append(tf.GridInfo(name, src, int(grid.shape[0]), int(grid.shape[1]), pixels))
+            stats["visual_tokens"] += grid.size
+        members.append((tf.VQ_JSON_MEMBER, tf.encode_vq_json(infos)))
+        stats["images"] += len(infos)
+        stats["text_only"] += not infos
+        entry = []
+        for suffix, data in members:
+            entry.append([suffix, len(blob), len(data)])
+            blob += data
+        index.append([rec.key, entry])
+        counts.add_record(source, True, nbytes=sum(len(d) for _, d in members))
+    _write_atomic(chunk_file(opts.work, spec.shard, spec.index, "bin"), bytes(blob))
+    _write_atomic(chunk_file(opts.work, spec.shard, spec.index, "quarantine.jsonl"),
+                  "".join(q + "\n" for q in qlines).encode())
+    result = {**counts.to_json(), **stats}
+    _write_atomic(marker, json.dumps({"counts": result, "samples": index}).encode())
+    return {**result, "resumed": False}
+
+
+def _record_or_none(record_json: bytes) -> dict | None:
+    try:
+        record = json.loads(record_json)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _prepare(key: str, parts: dict[str, bytes], vt, encoder: _Encoder) -> _Pending:
+    """Check one record and queue its images for the VQ; a rejected record carries its reason."""
+    record_json = parts.get(sf.JSON_MEMBER, b"")
+    record = _record_or_none(record_json)
+    rec = _Pending(key, record_json, [], [], [])
+    if record is None or not isinstance(record.get("images", []), list):
+        rec.error = _Rejected("record_malformed", f"{key}: no readable {sf.JSON_MEMBER} record")
+        return rec
+    if record.get("video"):
+        rec.error = _Rejected("video_not_supported", f"{record['video']}: video records are not tokenized (images only)")
+        return rec
+    rec.sources = [str(s) for s in record.get("images") or []]
+    try:
+        prepared = []
+        for name in rec.sources:
+            if name not in parts:
+                raise _Rejected("image_missing", f"{name}: no such member in the sample")
+            img = _decode_image(parts[name], name)
+            try:
+                pixels = vt.preprocess(img)
+            except ValueError as e:  # Emu3ImageProcessor's own refusal, e.g. aspect ratio over 200
+                raise _Rejected("image_unsupported_size", f"{name} ({img.width}x{img.height}): {e}") from None
+            except Exception as e:  # noqa: BLE001 - e.g. an unusual mode the processor cannot convert
+                raise _Rejected("image_decode_error", f"{name}: {type(e).__name__}: {e}") from None
+            prepared.append(pixels)
+    except _Rejected as r:
+        rec.error = r
+        return rec
+    rec.pixels = [[int(p.shape[1]), int(p.shape[2])] for p in prepared]
+    rec.grids = [None] * len(prepared)
+    for i, pixels in enumerate(prepared):
+        encoder.add(rec, i, pixels)
+    return rec
+
+
+# ----------------------------------------------------------------------------- stage 2
+
+
+def write_token_shard(shard: str, num_chunks: int, work: str, out: str) -> dict:
+    """Write one output shard from its chunks (or keep it if a previous run wrote it)."""
+    w, o = Path(work), Path(out)
+    path, marker = o / shard, shard_work_file(w, shard, "json")
+    layout_path = shard_work_file(w, shard, "layout.json")
+    if marker.exists():
+        done = json.loads(marker.read_text())
+        if done["samples"] == 0 or (path.exists() and layout_path.exists() and sha256_file(path) == done["sha256"]):
+            return {**done, "resumed": True}
+
+    def samples() -> Iterator[SampleMembers]:
+        for c in range(num_chunks):
+            index = json.loads(chunk_file(w, shard, c, "json").read_text())["samples"]
+            blob = chunk_file(w, shard, c, "bin").read_bytes()
+            for key, members in index:
+                yield SampleMembers(key, [(suffix, blob[off:off + size]) for suffix, off, size in members])
+
+    items = list(samples())
+    if not items:  # every record quarantined: no shard (energon would list an empty one)
+        path.unlink(missing_ok=True)
+        done = {"name": shard, "samples": 0, "bytes": 0, "sha256": ""}
+    else:
+        result, layout = write_shard(path, items)
+        write_tar_index(path, layout)
+        _write_atomic(layout_path, layout.to_json().encode())
+        done = asdict(result)
+    _write_atomic(marker, json.dumps(done).encode())
+    return {**done, "resumed": False}

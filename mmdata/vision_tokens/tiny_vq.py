@@ -1,0 +1,55 @@
+"""Write a tiny random Emu3 VQ model directory (`mmdata tiny-vq`), for tests and the demo.
+
+The same architecture as Emu3's vision tokenizer (transformers' `Emu3VQVAE`: 8x8 spatial
+compression from four resolution levels, 4x temporal, attention at the lowest level) at toy
+width, random weights from a seed. Written as `Emu3VQVAE.save_pretrained` does (config.json,
+model.safetensors) plus the `Emu3ImageProcessor` settings of the real one (mean/std 0.5,
+spatial factor 8, 512²..1024² pixels), so `mmdata tokenize-images --vision-tokenizer DIR` treats
+it exactly like real weights. Deterministic: the same seed and sizes give the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_CODEBOOK_SIZE = 512  # the tiny Emu3 tokenizer's default number of visual tokens
+TINY_VQ_CONFIG = dict(embed_dim=4, latent_channels=4, double_latent=False, in_channels=3, out_channels=3,
+                      temporal_downsample_factor=4, base_channels=32, channel_multiplier=[1, 2, 2, 4],
+                      num_res_blocks=1, attn_resolutions=[3], hidden_size=128, num_attention_heads=1)
+# Emu3's image processor settings (BAAI/Emu3-VisionTokenizer's preprocessor config).
+EMU3_PROCESSOR = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], min_pixels=512 * 512,
+                      max_pixels=1024 * 1024, spatial_factor=8)
+
+
+def build_tiny_vq(out_dir: str | Path, seed: int = 0, codebook_size: int = DEFAULT_CODEBOOK_SIZE) -> Path:
+    """Save a random tiny Emu3VQVAE and its image processor config to `out_dir`."""
+    import torch
+    from transformers import Emu3ImageProcessor, Emu3VQVAE, Emu3VQVAEConfig
+
+    if codebook_size < 1:
+        raise ValueError(f"codebook size must be positive, got {codebook_size}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Emu3VQVAE(Emu3VQVAEConfig(codebook_size=codebook_size, **TINY_VQ_CONFIG)).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    Emu3ImageProcessor(**EMU3_PROCESSOR).save_pretrained(out)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory to write the VQ model into")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--codebook-size", type=int, default=DEFAULT_CODEBOOK_SIZE,
+                        help=f"number of VQ codes = visual tokens of the tokenizer (default {DEFAULT_CODEBOOK_SIZE})")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.codebook_size < 1:
+        print(f"error: --codebook-size must be positive, got {args.codebook_size}", file=sys.stderr)
+        return 2
+    out = build_tiny_vq(args.output, seed=args.seed, codebook_size=args.codebook_size)
+    print(f"wrote a tiny random Emu3 VQ model ({args.codebook_size} codes, seed {args.seed}) to {out}")
+    return 0

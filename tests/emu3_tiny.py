@@ -1,0 +1,156 @@
+"""Tiny offline Emu3 assets shared by the Emu3 tests (import the fixtures into a test module).
+
+`emu3_tok_dir`: the tiny Emu3-layout tokenizer; `tiny_vq_dir`: the tiny random VQ (seed 0);
+`emu3_dev_shards`: 16 records in our shard format covering every path of the tokenizing job
+(RGB/RGBA/L/P images, sizes that are not multiples of 8, multi-image, text-only, undecodable
+bytes, an aspect ratio the processor refuses, a video); `token_dir`: those shards through
+`mmdata tokenize-images` (2 CPUs, 3 samples per chunk). Session-scoped, read-only.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+TEST_IMAGE_AREA = 4096  # 64x64 pixels: ~8x8 grids keep the VQ cheap on CPU
+DEV_SAMPLES_PER_SHARD = 8
+KINDS = ("rgb_jpeg", "rgba_l_pair", "palette", "text_only", "broken", "too_wide", "video", "same_size_pair")
+EXPECTED_REASONS = {"broken": "image_decode_error", "too_wide": "image_unsupported_size", "video": "video_not_supported"}
+
+
+def encode_image(rng: np.random.Generator, w: int, h: int, mode: str = "RGB", fmt: str = "PNG") -> bytes:
+    img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    if mode == "P":
+        img = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    elif mode == "RGBA":
+        img = img.convert("RGBA")
+        alpha = np.full((h, w), 255, dtype=np.uint8)
+        alpha[: h // 2] = 90
+        img.putalpha(Image.fromarray(alpha, "L"))
+    elif mode != "RGB":
+        img = img.convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def dev_samples(n: int = 16, seed: int = 0) -> list:
+    from mmdata.energon_loaders.dev_shards import DevSample
+
+    rng = np.random.default_rng(seed)
+
+    def conv(k: int) -> list[dict]:
+        return [{"from": "human", "value": "<image>\n" * k + "What is in the picture?"},
+                {"from": "gpt", "value": "Some coloured noise."}]
+
+    out = []
+    for i in range(n):
+        kind, sid = KINDS[i % len(KINDS)], f"{KINDS[i % len(KINDS)]}-{i}"
+        if kind == "rgb_jpeg":
+            out.append(DevSample(sid, conv(1), [("jpg", encode_image(rng, 101 + i, 61, fmt="JPEG"))]))
+        elif kind == "rgba_l_pair":
+            out.append(DevSample(sid, conv(2), [("png", encode_image(rng, 37, 53, "RGBA")),
+                                                 ("png", encode_image(rng, 64, 64, "L"))]))
+        elif kind == "palette":
+            out.append(DevSample(sid, conv(1), [("png", encode_image(rng, 90, 45, "P"))]))
+        elif kind == "text_only":
+            out.append(DevSample(sid, [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi!"}]))
+        elif kind == "broken":
+            out.append(DevSample(sid, conv(1), [("jpg", b"\xff\xd8 not really a jpeg")]))
+        elif kind == "too_wide":
+            out.append(DevSample(sid, conv(1), [("png", encode_image(rng, 402, 2))]))
+        elif kind == "video":
+            out.append(DevSample(sid, [{"from": "human", "value": "<video>\nWhat happens?"},
+                                       {"from": "gpt", "value": "Nothing."}], video=("mp4", b"\0\0\0\x18ftypmp42")))
+        else:
+            out.append(DevSample(sid, conv(2), [("png", encode_image(rng, 80, 80)),
+                                                 ("jpg", encode_image(rng, 80, 80, fmt="JPEG"))]))
+    return out
+
+
+def run_tokenize_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`mmdata tokenize-images` in a subprocess (its own Ray instance, nothing left in pytest)."""
+    cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress", *args]
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
+    return [str(shards), "--vision-tokenizer", str(vq), "--output", str(out), "--image-area", str(TEST_IMAGE_AREA),
+            *extra]
+
+
+@pytest.fixture(scope="session")
+def emu3_tok_dir(tmp_path_factory) -> Path:
+    from mmdata.energon_loaders.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
+
+    return build_tiny_emu3_tokenizer(tmp_path_factory.mktemp("emu3_tok") / "tok")
+
+
+@pytest.fixture(scope="session")
+def tiny_vq_dir(tmp_path_factory) -> Path:
+    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+
+    return build_tiny_vq(tmp_path_factory.mktemp("tiny_vq") / "vq", seed=0)
+
+
+@pytest.fixture(scope="session")
+def emu3_dev_shards(tmp_path_factory) -> Path:
+    from mmdata.energon_loaders.dev_shards import write_dev_shards
+
+    return write_dev_shards(tmp_path_factory.mktemp("emu3_dev") / "shards", dev_samples(),
+                            samples_per_shard=DEV_SAMPLES_PER_SHARD)
+
+
+@pytest.fixture(scope="session")
+def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir) -> Path:
+    out = tmp_path_factory.mktemp("emu3_tokens") / "tokens"
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3"))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def hf_reference(vq_dir: Path, image_area: int):
+    """transformers' own Emu3 image processor and VQ model, loaded their own way: the oracle."""
+    from transformers import Emu3ImageProcessor, Emu3VQVAE
+
+    proc = Emu3ImageProcessor.from_pretrained(vq_dir, min_pixels=image_area, max_pixels=image_area)
+    return proc, Emu3VQVAE.from_pretrained(vq_dir).eval()
+
+
+def hf_codes(proc, vq, image: Image.Image) -> np.ndarray:
+    """`Emu3VQVAE.encode(Emu3ImageProcessor(image))` for one image."""
+    import torch
+
+    inputs = proc(images=[image], return_tensors="pt")
+    with torch.no_grad():
+        return vq.encode(inputs["pixel_values"], inputs["image_sizes"]).image_tokens[0].numpy()
+
+
+def tiny_hf_emu3(tok, vq_dir):
+    """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights."""
+    import torch
+    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE
+
+    torch.manual_seed(0)
+    vq = Emu3VQVAE.from_pretrained(vq_dir)
+    text = Emu3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          attention_dropout=0.0)
+    config = Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
+    model = Emu3ForConditionalGeneration(config).eval()
+    model.model.vqmodel.load_state_dict(vq.state_dict())
+    return model

@@ -1,0 +1,224 @@
+"""`mmdata tokenize-images` and `mmdata tiny-vq`: parity of the token grids with transformers'
+Emu3ImageProcessor + Emu3VQVAE.encode, the token shard contract (keys, order, records, grids,
+quarantine, manifest), energon reading the output, determinism across workers and chunkings,
+resume after the driver is killed."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmdata import shard_format as sf
+from mmdata.preprocess.manifest import stable_view
+from mmdata.vision_tokens import token_format as tf
+from tests.emu3_tiny import (EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, emu3_dev_shards, encode_image,  # noqa: F401
+                             hf_codes, hf_reference, run_tokenize_cli, tiny_vq_dir, token_dir, tokenize_args)
+
+
+def _samples(tar_path: Path) -> list[tuple[str, dict[str, bytes]]]:
+    """(key, {suffix: bytes}) of every sample of a shard, in order."""
+    out: list[tuple[str, dict[str, bytes]]] = []
+    with tarfile.open(tar_path) as t:
+        for m in t.getmembers():
+            key, _, suffix = m.name.partition(".")
+            if not out or out[-1][0] != key:
+                out.append((key, {}))
+            out[-1][1][suffix] = t.extractfile(m).read()
+    return out
+
+
+def test_tiny_vq_is_deterministic_and_loads_in_transformers(tmp_path, tiny_vq_dir):
+    from transformers import Emu3VQVAE
+
+    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+
+    again = build_tiny_vq(tmp_path / "again", seed=0)
+    other = build_tiny_vq(tmp_path / "other", seed=1)
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json"):
+        assert (again / name).read_bytes() == (tiny_vq_dir / name).read_bytes(), name
+    assert (other / "model.safetensors").read_bytes() != (tiny_vq_dir / "model.safetensors").read_bytes()
+    vq = Emu3VQVAE.from_pretrained(tiny_vq_dir)
+    assert vq.config.codebook_size == 512 and vq.vision_spatial_factor == 8 and vq.config.temporal_downsample_factor == 4
+
+
+@pytest.mark.parametrize("area", [TEST_IMAGE_AREA, 96 * 96])
+def test_vision_tokenizer_matches_hf_processor_and_encode(tiny_vq_dir, area):
+    """Same ids as `Emu3VQVAE.encode(Emu3ImageProcessor(image))`, image by image, for sizes that are
+    not multiples of 8, extreme aspects and RGBA/L/P/RGB images, and for a batch of same-size images."""
+    from mmdata.vision_tokens.vq import VisionTokenizer
+
+    rng = np.random.default_rng(1)
+    proc, vq = hf_reference(tiny_vq_dir, area)
+    ours = VisionTokenizer(tiny_vq_dir, area)
+    cases = [(101, 61, "RGB", "JPEG"), (37, 53, "RGBA", "PNG"), (64, 64, "L", "PNG"), (90, 45, "P", "PNG"),
+             (333, 17, "RGB", "PNG"), (9, 250, "RGB", "PNG")]
+    images = [Image.open(io.BytesIO(encode_image(rng, w, h, mode, fmt))) for w, h, mode, fmt in cases]
+    for img in images:
+        grid = ours.encode([ours.preprocess(img)])[0]
+        ref = hf_codes(proc, vq, img)
+        assert grid.shape == ref.shape and np.array_equal(grid, ref), img
+    same = [Image.open(io.BytesIO(encode_image(rng, 120, 70))) for _ in range(3)]
+    batch = ours.encode([ours.preprocess(img) for img in same])
+    for img, grid in zip(same, batch):
+        assert np.array_equal(grid, hf_codes(proc, vq, img))
+
+
+def test_job_output_matches_hf_and_keeps_keys_order_and_records(token_dir, emu3_dev_shards, tiny_vq_dir):
+    proc, vq = hf_reference(tiny_vq_dir, TEST_IMAGE_AREA)
+    manifest = json.loads((token_dir / sf.MANIFEST_NAME).read_text())
+    quarantined = {json.loads(line)["id"]: json.loads(line) for line in (token_dir / sf.QUARANTINE_NAME).open()}
+    n_images = n_tokens = n_text = 0
+    in_shards = sorted(emu3_dev_shards.glob("shard-*.tar"))
+    assert [s["name"] for s in manifest["shards"]] == [p.name for p in in_shards]
+    for in_path in in_shards:
+        inputs = _samples(in_path)
+        outputs = _samples(token_dir / in_path.name)
+        records = {k: json.loads(p["json"]) for k, p in inputs}
+        kept = [k for k, _ in inputs if records[k]["id"] not in quarantined]
+        assert [k for k, _ in outputs] == kept  # same keys, same order, quarantined ones absent
+        by_key = dict(inputs)
+        for key, parts in outputs:
+            assert parts["json"] == by_key[key]["json"]  # the text record, byte for byte
+            record = records[key]
+            grids = tf.decode_vq_json(parts["vq.json"])
+            assert [g.source for g in grids] == record["images"]
+            assert set(parts) == {"json", "vq.json", *(g.member for g in grids)}
+            n_text += not grids
+            for g in grids:
+                grid = np.load(io.BytesIO(parts[g.member]), allow_pickle=False)
+                assert grid.dtype == np.dtype("<u2") and grid.shape == (g.height, g.width)
+                ref = hf_codes(proc, vq, Image.open(io.BytesIO(by_key[key][g.source])))
+                assert np.array_equal(grid, ref), (key, g.source)
+                assert g.pixels == [8 * g.height, 8 * g.width]
+                n_images += 1
+                n_tokens += grid.size
+    c = manifest["counts"]
+    assert c["read"] == 16 and c["written"] + c["quarantined"] == c["read"] and c["quarantined"] == len(quarantined)
+    assert c["tokens"] == {"images": n_images, "visual_tokens": n_tokens, "text_only": n_text} and n_text == 2
+    assert manifest["image_area"] == TEST_IMAGE_AREA and manifest["image_processor"]["min_pixels"] == TEST_IMAGE_AREA
+    from mmdata.vision_tokens.vq import read_vq_checkpoint
+
+    assert manifest["vision_tokenizer"]["fingerprint"] == read_vq_checkpoint(tiny_vq_dir).fingerprint()
+    # every rejected record: its own reason, where it was, nothing else quarantined
+    for q in quarantined.values():
+        assert q["reason"] == EXPECTED_REASONS[q["id"].rsplit("-", 1)[0]], q
+        assert q["source_location"].startswith("shard-") and "0x" not in q["detail"]
+    assert sorted(c["by_reason"]) == sorted(EXPECTED_REASONS.values())
+
+
+def test_energon_reads_token_shards(token_dir):
+    """`energon info` and an energon loader (trivial task encoder) over the token shards."""
+    from click.testing import CliRunner
+    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon.cli.main import main as energon_main
+
+    from mmdata.energon_loaders.vq_token_sample import VQTokenSample
+
+    manifest = json.loads((token_dir / sf.MANIFEST_NAME).read_text())
+    written = manifest["counts"]["written"]
+    info = CliRunner().invoke(energon_main, ["info", str(token_dir)])
+    assert info.exit_code == 0, info.output
+    assert "VQTokenSample" in info.output and f"{written} samples" in info.output
+
+    class Identity(DefaultTaskEncoder):
+        decoder = None
+
+        def encode_sample(self, sample):
+            return sample
+
+        def batch(self, samples):
+            return samples
+
+    ds = get_train_dataset(str(token_dir), worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                           batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                           task_encoder=Identity())
+    seen = {}
+    for batch in get_loader(ds):
+        s = batch[0]
+        assert isinstance(s, VQTokenSample)
+        seen[s.__key__] = s
+        if len(seen) == written:
+            break
+    with tarfile.open(token_dir / manifest["shards"][0]["name"]) as t:
+        first = t.getmembers()[0].name.split(".")[0]
+        parts = {m.name.split(".", 1)[1]: t.extractfile(m).read() for m in t.getmembers() if m.name.startswith(first)}
+    sample = next(s for k, s in seen.items() if k.endswith(first))
+    grids = tf.decode_vq_json(parts["vq.json"])
+    assert len(sample.image_tokens) == len(grids) >= 1
+    for g, arr in zip(grids, sample.image_tokens):
+        assert np.array_equal(arr, np.load(io.BytesIO(parts[g.member])))
+    assert sample.id == json.loads(parts["json"])["id"] and sample.conversations
+
+
+def test_cli_help_and_user_errors(tmp_path, emu3_dev_shards, tiny_vq_dir):
+    from mmdata.cli import main
+
+    for argv in (["tokenize-images", "--help"], ["tiny-vq", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    out = tmp_path / "out"
+    # a missing VQ dir or input folder: one line, exit 2, before any Ray instance starts
+    assert main(["tokenize-images", str(emu3_dev_shards), "--vision-tokenizer", str(tmp_path / "nope"),
+                 "--output", str(out), "--no-progress"]) == 2
+    assert main(["tokenize-images", str(tmp_path / "nothing"), "--vision-tokenizer", str(tiny_vq_dir),
+                 "--output", str(out), "--no-progress"]) == 2
+    assert main(["tiny-vq", "--output", str(out), "--codebook-size", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_deterministic_across_workers_and_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+    """1 CPU and 5 samples per chunk gives the bytes of the 2-CPU, 3-per-chunk fixture run."""
+    out = tmp_path / "one_cpu"
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "1", "--chunk-samples", "5"))
+    _assert_same_output(out, token_dir)
+
+
+def _assert_same_output(out: Path, ref: Path) -> None:
+    m_out, m_ref = (json.loads((d / sf.MANIFEST_NAME).read_text()) for d in (out, ref))
+    assert stable_view(m_out) == stable_view(m_ref)
+    for s in m_ref["shards"]:
+        assert (out / s["name"]).read_bytes() == (ref / s["name"]).read_bytes(), s["name"]
+        idx = s["name"][: -len(".tar")] + ".tar.idx"
+        assert (out / idx).read_bytes() == (ref / idx).read_bytes()
+    assert (out / sf.QUARANTINE_NAME).read_bytes() == (ref / sf.QUARANTINE_NAME).read_bytes()
+
+
+@pytest.mark.slow
+def test_killed_driver_rerun_gives_same_output(tmp_path, emu3_dev_shards, tiny_vq_dir):
+    """SIGKILL the driver once some chunks are done, rerun: the rest is finished and the output
+    equals an uninterrupted run's."""
+    from mmdata.energon_loaders.dev_shards import write_dev_shards
+
+    shards = write_dev_shards(tmp_path / "in", dev_samples(64, seed=5), samples_per_shard=16)
+    common = ["--num-cpus", "1", "--chunk-samples", "2", "--image-area", str(128 * 128)]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    run_tokenize_cli(*tokenize_args(shards, tiny_vq_dir, ref, *common))
+    chunks = out / ".mmdata-work" / "chunks"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress",
+                             *tokenize_args(shards, tiny_vq_dir, out, *common)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    while proc.poll() is None and len(list(chunks.glob("*.json"))) < 3:
+        time.sleep(0.02)
+    assert proc.poll() is None, "job finished before it could be killed: make the test input bigger"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / sf.MANIFEST_NAME).exists()
+    run_tokenize_cli(*tokenize_args(shards, tiny_vq_dir, out, *common))
+    m_out = json.loads((out / sf.MANIFEST_NAME).read_text())
+    assert m_out["run"]["resumed"]["chunks"] >= 3
+    _assert_same_output(out, ref)
+    assert not (out / ".mmdata-work").exists()
