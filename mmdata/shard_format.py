@@ -64,4 +64,9 @@ class SampleRecord:
     images: list[str] = field(default_factory=list)  # e.g. ["img00.jpg"]
     video: str | None = None  # e.g. "video.mp4"
     meta: dict[str, Any] = field(default_factory=dict)  # ram++_tags, phash, qw2vl_loss, image sizes ...
-    provenance: dict[str, Any] = field(default_factory=dict)  # dataset, file, member/line, index
+    # Where the record came from: dataset, file, member/line, index; `source_image` /
+    # `source_video`: the record's `image` / `video` field exactly as the source wrote it (in
+    # Infinity-MM an absolute path on the producer's storage, not a member name), when it had
+    # one; `media_resolution`: how its media were found ("by_name", "by_basename", "by_stem",
+    # see preprocess/adapters/media_resolution.py), when it has media.
+    provenance: dict[str, Any] = field(default_factory=dict)

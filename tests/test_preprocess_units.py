@@ -38,7 +38,7 @@ class _Files(MediaResolver):
             p.write_bytes(data)
             self.refs[name] = MediaRef(str(p), 0, len(data), name)
 
-    def __call__(self, ref):
+    def by_name(self, ref):
         return self.refs.get(ref)
 
 

@@ -58,6 +58,7 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
         ]),
         (f"Sources (from {d['sources_from']})", ["source", "samples", "share"], _share_rows(d["sources"])),
         ("Quarantine", ["reason", "records"], [[k, _fmt(v)] for k, v in d["quarantine"]["reasons"].items()] or [["(none)", "0"]]),
+        *_preprocess_tables(d["preprocess"]),
         ("Modality (sampled)", ["modality", "samples", "share"], _share_rows(d["modality"])),
         ("Languages (sampled)", ["language", "samples", "share"], _share_rows(d["languages"])),
     ]
@@ -88,6 +89,17 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
                        ["context", "efficiency", "sequences", "over length"],
                        [[_fmt(int(k)), f"{100 * v['efficiency']:.1f}%", _fmt(v["sequences"]), _fmt(v["over_length"])]
                         for k, v in d["packing"].items()]))
+    return tables
+
+
+def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
+    """What `mmdata preprocess` counted beyond sources and quarantine (from the manifest)."""
+    if not pre:
+        return []
+    tables: list[Table] = []
+    if "media_resolution" in pre:
+        tables.append(("Media resolution (valid records; manifest)", ["how the media were found", "records"],
+                       [[k.replace("_", " "), _fmt(v)] for k, v in pre["media_resolution"].items()]))
     return tables
 
 

@@ -23,7 +23,7 @@ from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_d
 from mmdata.inspect.packing import PackingEstimate, estimate_packing
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
-SCHEMA = "mmdata.inspect/1"
+SCHEMA = "mmdata.inspect/2"
 MODALITIES = ("text_only", "single_image", "multi_image", "video")
 LANGUAGES = ("zh", "en", "other")
 DEFAULT_CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
@@ -236,6 +236,7 @@ class DatasetSummary:
     sources: dict[str, int]  # samples per source
     sources_from: str  # "manifest" (exact) or "sample" (estimated from the sampled records)
     quarantine: dict[str, int]  # reason -> count
+    preprocess: dict[str, Any] | None  # what the job counted besides sources (manifest counts), None without one
     sample_seed: int
     sampled_all: bool
     tokenizer: str | None
@@ -270,6 +271,7 @@ class DatasetSummary:
             "sources": _shares(self.sources),
             "sources_from": self.sources_from,
             "quarantine": {"total": sum(self.quarantine.values()), "reasons": dict(self.quarantine)},
+            "preprocess": self.preprocess,
             "sampled": {"count": len(s), "all": self.sampled_all, "seed": self.sample_seed},
             "modality": _shares(_counts([x.modality for x in s], MODALITIES)),
             "languages": _shares(_counts([x.language for x in s], LANGUAGES)),
@@ -294,6 +296,17 @@ class DatasetSummary:
                 for k, v in packing.items()
             },
         }
+
+
+#: manifest `counts` keys shown by inspect (preprocess/manifest.py `Counts`), when present
+PREPROCESS_COUNT_KEYS = ("media_resolution",)
+
+
+def _manifest_preprocess(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    counts = (manifest or {}).get("counts")
+    if counts is None:
+        return None
+    return {k: counts[k] for k in PREPROCESS_COUNT_KEYS if k in counts}
 
 
 def _manifest_sources(manifest: dict[str, Any] | None) -> dict[str, int] | None:
@@ -335,6 +348,7 @@ def summarize(
         sources=sources,
         sources_from=sources_from,
         quarantine=quarantine,
+        preprocess=_manifest_preprocess(ds.manifest),
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,

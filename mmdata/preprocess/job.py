@@ -33,6 +33,7 @@ import mmdata
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.adapters.llava_json import check_image_root
 from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
@@ -250,6 +251,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     units = [dataclasses.replace(u, index=i) for i, u in enumerate(kept)]
     if not units:
         raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
+    if cfg.dataset == "llava-json" and (problem := check_image_root(units)):
+        raise PreprocessError(problem)
     out.mkdir(parents=True, exist_ok=True)
     fp, inputs = _input_fingerprint(cfg, units)
     done_manifest = _check_output_dir(out, fp, cfg.overwrite)

@@ -10,7 +10,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmdata.preprocess.adapters.media_resolution import RULES
+
 VOLATILE_KEYS = ("wall_time_s", "run")
+UNREFERENCED = "unreferenced_members"
+
+
+def _media_resolution_zero() -> dict[str, int]:
+    return dict.fromkeys((*RULES, UNREFERENCED), 0)
 
 
 @dataclass
@@ -21,6 +28,13 @@ class Counts:
     valid_bytes: int = 0
     by_source: dict = field(default_factory=dict)
     by_reason: dict = field(default_factory=dict)
+    # How valid records found their media (media_resolution.py), and own image members unused.
+    media_resolution: dict = field(default_factory=_media_resolution_zero)
+
+    def add_media(self, rule: str | None, unreferenced: int) -> None:
+        if rule is not None:
+            self.media_resolution[rule] += 1
+        self.media_resolution[UNREFERENCED] += unreferenced
 
     def add_record(self, source: str, ok: bool, reason: str | None = None, nbytes: int = 0) -> None:
         src = self.by_source.setdefault(source, {"read": 0, "written": 0, "quarantined": 0})
@@ -44,6 +58,8 @@ class Counts:
                 mine[k] += c[k]
         for r, n in other["by_reason"].items():
             self.by_reason[r] = self.by_reason.get(r, 0) + n
+        for k, n in other.get("media_resolution", {}).items():
+            self.media_resolution[k] += n
 
     def to_json(self) -> dict:
         return {
@@ -51,6 +67,7 @@ class Counts:
             "valid_bytes": self.valid_bytes,
             "by_source": {k: self.by_source[k] for k in sorted(self.by_source)},
             "by_reason": {k: self.by_reason[k] for k in sorted(self.by_reason)},
+            "media_resolution": dict(self.media_resolution),
         }
 
 

@@ -56,5 +56,11 @@ def summary_table(manifest: dict) -> Table:
     wall = manifest.get("wall_time_s") or 0.0
     t.caption = (f"{len(manifest['shards'])} shards, {total_bytes / 1e6:,.1f} MB, "
                  f"{manifest['samples_per_shard']} samples/shard, {wall:.1f} s "
-                 f"({c['read'] / max(wall, 1e-9):,.0f} records/s)")
+                 f"({c['read'] / max(wall, 1e-9):,.0f} records/s)\n{media_resolution_line(c['media_resolution'])}")
     return t
+
+
+def media_resolution_line(mr: dict[str, int]) -> str:
+    """e.g. "media found by stem 9,998,812 · by name 12 · by basename 0; unreferenced members 3"."""
+    found = " · ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in mr.items() if k.startswith("by_"))
+    return f"media found {found}; unreferenced members {mr.get('unreferenced_members', 0):,}"

@@ -81,7 +81,7 @@ def _concat_rows(rows: list[bytes]) -> tuple[bytes, list[int]]:
 
 
 # ----------------------------------------------------------------------------- index rows
-ROW_FORMAT = 3  # bump when the encoding changes: unfinished jobs then rescan instead of misreading
+ROW_FORMAT = 4  # bump when the encoding or the record content changes: unfinished jobs then rescan
 # A row is the 8-byte big-endian shuffle key, then NUL-separated UTF-8 fields:
 #     rid \0 record_json \0 (path \0 offset \0 size \0 suffix)*   (offset, size in decimal)
 # The record JSON is stored as is (no second escaping, no json.loads in the writer). The key is
@@ -123,6 +123,7 @@ def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: 
                                  [(m.path, m.offset, m.size, suffix) for m, suffix in res.media])
                 by_bucket[bucket_of(key, num_buckets)].append(row)
                 counts.add_record(res.source or fallback_source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
+                counts.add_media(res.media_rule, res.unreferenced_members)
             else:
                 qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
                 counts.add_record(res.source or fallback_source, False, res.reason)
