@@ -263,6 +263,33 @@ def test_llava_json_dataset_with_videos(tmp_path):
             assert rec["video"] is None and "video.mp4" not in members
 
 
+def test_fail_fast_on_systematic_loss_then_rerun_relaxed(tmp_path):
+    """Tars whose image members are elsewhere: most records would be image_missing. The job stops
+    naming the reason, the count and 3 examples, leaves no manifest or shard, and a rerun with
+    the check relaxed continues from the files already scanned."""
+    raw = tmp_path / "raw"
+    recs = generate_records(40, seed=4)
+    write_infinity_mm(recs, raw, samples_per_tar=10)
+    for path in raw.rglob("*.tar"):
+        with tarfile.open(path) as tar:
+            kept = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.name.endswith(".json")]
+        with tarfile.open(path, "w") as tar:
+            for m, data in kept:
+                tar.addfile(m, io.BytesIO(data))
+    n_image = sum(1 for r in recs if r.images)
+    args = ["--dataset", "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "out"), "--num-cpus", "2"]
+    proc = run_preprocess_cli(*args, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{n_image} of the first 40 records" in proc.stderr and "image_missing" in proc.stderr
+    assert sum(r.id in proc.stderr for r in recs) == 3  # three examples, with their details
+    assert "--max-quarantine-fraction 1.0" in proc.stderr
+    assert not (tmp_path / "out" / sf.MANIFEST_NAME).exists() and not list((tmp_path / "out").glob("shard-*"))
+    run_preprocess_cli(*args, "--max-quarantine-fraction", "1.0")
+    m = json.loads((tmp_path / "out" / sf.MANIFEST_NAME).read_text())
+    assert m["counts"]["by_reason"] == {"image_missing": n_image} and m["counts"]["written"] == 40 - n_image
+    assert m["run"]["resumed"]["scan"] == 4  # the stopped job's scans were kept
+
+
 def test_help_and_bad_input(tmp_path):
     proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(tmp_path / "nope"), "--output",
                               str(tmp_path / "o"), check=False)

@@ -224,3 +224,41 @@ def test_offsets_files_round_trip_and_slices(tmp_path):
         assert _read_rows(tmp_path / "r.rows", tmp_path / "r.i64", start, stop) == rows[start:stop]
     with pytest.raises(IOError, match="work folder damaged"):
         _load_offsets(tmp_path / "r.i64", 45, 10)
+
+
+def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):
+    """The verdict covers the first files (input order) holding >= K records, whatever order
+    they finish in; it names the reason, the count and 3 examples from those files."""
+    from mmdata.preprocess.loss_check import LossCheck, SystematicLoss
+    from mmdata.preprocess.quarantine import quarantine_line
+
+    def part(i: int) -> Path:
+        return tmp_path / f"u{i}.jsonl"
+
+    def unit(i: int, read: int, missing: int) -> dict:
+        part(i).write_text("".join(quarantine_line(f"r{i}-{k}", f"f{i}.tar:{k}.json", "image_missing", f"detail {k}")
+                                   + "\n" for k in range(missing)))
+        return {"read": read, "by_reason": {"image_missing": missing} if missing else {}}
+
+    clean_prefix = LossCheck(num_units=5, max_fraction=0.2, quarantine_part=part, first_records=100)
+    clean_prefix.add(2, unit(2, 50, 50))  # a later, bad file finishes first: not judged yet
+    clean_prefix.add(1, unit(1, 50, 0))
+    assert not clean_prefix.decided
+    clean_prefix.add(0, unit(0, 60, 0))  # files 0-1 hold 110 >= 100 records, none lost: fine
+    assert clean_prefix.decided and clean_prefix.read == 110
+    clean_prefix.add(3, unit(3, 10, 10))  # decided once: later files do not matter
+
+    bad_prefix = LossCheck(num_units=5, max_fraction=0.2, quarantine_part=part, first_records=100)
+    bad_prefix.add(1, unit(1, 50, 0))
+    with pytest.raises(SystematicLoss) as e:
+        bad_prefix.add(0, unit(0, 60, 30))  # 30 of 110 = 27 % > 20 %
+    msg = str(e.value)
+    assert "30 of the first 110 records" in msg and "image_missing" in msg and "--max-quarantine-fraction 0.2" in msg
+    assert all(f"r0-{k} at f0.tar:{k}.json: detail {k}" in msg for k in range(3)) and "r0-3" not in msg
+
+    few = LossCheck(num_units=2, max_fraction=0.5, quarantine_part=part)  # fewer records than K: all of them
+    few.add(0, unit(0, 10, 5))
+    with pytest.raises(SystematicLoss):
+        few.add(1, unit(1, 10, 6))  # 11 of 20 > 50 %
+    off = LossCheck(num_units=1, max_fraction=1.0, quarantine_part=part)
+    off.add(0, unit(0, 10, 10))  # 1.0 disables the check

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmdata.preprocess.loss_check import DEFAULT_FIRST_RECORDS, DEFAULT_MAX_FRACTION
 from mmdata.preprocess.validation import ValidationConfig
 
 
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-image-pixels", type=int, default=ValidationConfig.max_image_pixels,
                         help="decompression-bomb guard: images with more pixels are quarantined "
                              f"(default {ValidationConfig.max_image_pixels})")
+    parser.add_argument("--max-quarantine-fraction", type=float, default=DEFAULT_MAX_FRACTION, metavar="F",
+                        help="stop, writing nothing, when one quarantine reason takes more than this share of "
+                             f"the first {DEFAULT_FIRST_RECORDS:,} records (a misconfiguration, not bad data); "
+                             f"1.0 disables the check (default {DEFAULT_MAX_FRACTION})")
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 
@@ -41,11 +46,15 @@ def run(args: argparse.Namespace) -> int:
     if args.image_root is not None and args.dataset != "llava-json":
         print("error: --image-root applies to --dataset llava-json only", file=sys.stderr)
         return 2
+    if not 0.0 <= args.max_quarantine_fraction <= 1.0:
+        print("error: --max-quarantine-fraction must be between 0 and 1", file=sys.stderr)
+        return 2
     cfg = PreprocessConfig(
         dataset=args.dataset, inputs=list(args.input), output=args.output, seed=args.seed,
         samples_per_shard=args.samples_per_shard, image_root=args.image_root, address=args.address,
         num_cpus=args.num_cpus, overwrite=args.overwrite, num_buckets=args.num_buckets,
         validation=ValidationConfig(max_image_pixels=args.max_image_pixels), progress=not args.no_progress,
+        max_quarantine_fraction=args.max_quarantine_fraction,
     )
     try:
         manifest = run_preprocess(cfg)

@@ -35,6 +35,7 @@ from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.llava_json import check_image_root
 from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
+from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.shard_writer import ShardResult
@@ -67,6 +68,10 @@ class PreprocessConfig:
     target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES
     progress: bool = True
     keep_work_dir: bool = False
+    # Stop when one quarantine reason takes more than this share of the first records (1.0: never).
+    # Not part of the fingerprint: it never changes the output, and a rerun that relaxes it
+    # continues the stopped job.
+    max_quarantine_fraction: float = DEFAULT_MAX_FRACTION
 
 
 # ----------------------------------------------------------------------------- driver
@@ -140,13 +145,15 @@ class _DriverScanner(threading.Thread):
     and the cores are mostly idle meanwhile. The driver thread and the Ray submission loop take
     files from one shared queue; once stopped, the thread finishes its current file and the rest
     go to Ray. scan_unit is a pure function of the file, so who scans a file never changes the
-    output. Memory: one file's index rows at a time, as in a Ray task."""
+    output. Memory: one file's index rows at a time, as in a Ray task. Results are handed to the
+    main thread as they come (`drain`), so its checks see the first files early."""
 
     def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict]):
         super().__init__(name="mmdata-driver-scan", daemon=True)
         self._todo, self._scan, self._lock = deque(units), scan, threading.Lock()
         self._stopped = False
-        self.results: list[dict] = []
+        self._done: list[tuple[InputUnit, dict]] = []  # not yet drained
+        self.scanned = 0
         self.error: BaseException | None = None
 
     def take(self) -> InputUnit | None:
@@ -156,20 +163,29 @@ class _DriverScanner(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopped and (unit := self.take()) is not None:
-                self.results.append(self._scan(unit))
+                result = self._scan(unit)
+                with self._lock:
+                    self._done.append((unit, result))
+                    self.scanned += 1
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by finish()
             self.error = e
+
+    def drain(self) -> list[tuple[InputUnit, dict]]:
+        """(unit, result) of the files scanned since the last call."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
 
     def stop(self) -> None:
         """Take no new file (the current one is finished)."""
         self._stopped = True
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[tuple[InputUnit, dict]]:
         self.stop()
         self.join()
         if self.error is not None:
             raise self.error
-        return self.results
+        return self.drain()
 
 
 def _init_ray(cfg: PreprocessConfig) -> bool:
@@ -274,12 +290,18 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
     resumed = {"scan": 0, "sort": 0, "shards": 0}
     counts = Counts()
+    loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
     todo = []
     for u in units:
         marker = scan_file(work, u.index, "done.json")
         if marker.exists():
-            counts.merge(json.loads(marker.read_text()))
+            result = json.loads(marker.read_text())
+            counts.merge(result)
             resumed["scan"] += 1
+            try:
+                loss.add(u.index, result)
+            except SystematicLoss as e:
+                raise PreprocessError(str(e)) from None
         else:
             todo.append(u)
     # While Ray starts (and its workers), the driver scans files itself.
@@ -303,16 +325,23 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             for _ in range(resumed["scan"]):
                 prog.advance("scan+validate", records=counts.read)
 
-            def scanned(unit, result: dict) -> None:
-                if unit is not None:
-                    scanner.stop()  # Ray workers are up: leave the rest to them
+            def scanned(unit: InputUnit, result: dict) -> None:
                 counts.merge(result)
+                loss.add(unit.index, result)
                 prog.advance("scan+validate", records=counts.read)
 
+            def scanned_by_ray(unit: InputUnit, result: dict) -> None:
+                scanner.stop()  # Ray workers are up: leave the rest to them
+                for done in scanner.drain():
+                    scanned(*done)
+                scanned(unit, result)
+
+            for done in scanner.drain():
+                scanned(*done)
             _run_bounded(lambda u: scan_r.remote(cfg.dataset, u, cfg.seed, num_buckets, cfg.validation, str(work)),
-                         iter(scanner.take, None), max_in_flight, scanned)
-            for result in scanner.finish():
-                scanned(None, result)
+                         iter(scanner.take, None), max_in_flight, scanned_by_ray)
+            for done in scanner.finish():
+                scanned(*done)
             phase_done("scan_s")
             # 2. sort buckets
             prog.stage("sort buckets", num_buckets)
@@ -355,6 +384,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
         finished = finishing.submit(_finish_outputs, out, work, units, [s.name for s in shards])
         finishing.shutdown(wait=False)
+    except SystematicLoss as e:
+        raise PreprocessError(str(e)) from None
     finally:
         scanner.stop()
         if own_ray:
@@ -377,7 +408,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "num_buckets": num_buckets, "resumed": resumed, "phases": phases,
-                "scanned_in_driver": len(scanner.results),
+                "scanned_in_driver": scanner.scanned,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
     write_json_atomic(out / sf.MANIFEST_NAME, manifest)

@@ -193,9 +193,10 @@ def _missing_detail(what: str, entries: list[str] | None, res: Resolution, own: 
     """Why the entries did not all resolve: which one, and what the sample does hold."""
     k = next(i for i, m in enumerate(res.media) if m is None)
     shown = f"{what} {entries[k]!r}" if entries is not None else f"{what} {k}"
+    if not own:
+        return f"{shown} not found: no member of that name or basename, and the sample has no {what} member"
     n = len(entries) if entries is not None else len(res.media)
-    return (f"{shown} not found: no member of that name or basename, and the sample's own {what} members "
-            f"({', '.join(own) or 'none'}) are fewer than its {n} {what} entries")
+    return f"{shown} not found: the sample's {what} members ({', '.join(own)}) are fewer than its {n} {what} entries"
 
 
 def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER,
