@@ -33,6 +33,15 @@ TAR_GNAME = ""
 TAR_MODE = 0o644
 
 
+MODALITIES = ("text_only", "single_image", "multi_image", "video")
+
+
+def modality_of(n_images: int, has_video: bool) -> str:
+    if has_video:
+        return "video"
+    return "text_only" if n_images == 0 else "single_image" if n_images == 1 else "multi_image"
+
+
 def image_member_name(index: int, ext: str) -> str:
     """Member suffix of the index-th image of a sample, e.g. `img00.jpg`."""
     return f"img{index:02d}.{ext.lower().lstrip('.')}"

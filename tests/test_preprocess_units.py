@@ -146,7 +146,7 @@ def test_write_shard_is_deterministic_and_atomic(tmp_path):
 def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     """A tar cut short: records before the damage go through, the rest is quarantined."""
     from mmdata.preprocess.adapters import list_units
-    from mmdata.preprocess.stages import scan_unit
+    from mmdata.preprocess.stages import JobSpec, scan_unit
     from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
@@ -157,7 +157,8 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     (tmp_path / "work" / "scan").mkdir(parents=True)
     unit = list_units("infinity-mm", [raw])[0]
     assert unit.path == str(victim.resolve())
-    counts = scan_unit("infinity-mm", unit, 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    spec = JobSpec("infinity-mm", 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    counts = scan_unit(unit, spec)
     assert 0 < counts["written"] < 10 and counts["read"] == counts["written"] + counts["quarantined"]
     assert counts["by_reason"].get("input_truncated", 0) >= 1
     lines = (tmp_path / "work" / "scan" / "u0000000.quarantine.jsonl").read_text().splitlines()
@@ -166,7 +167,7 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     not_a_tar.parent.mkdir(parents=True)
     not_a_tar.write_bytes(b"\x00garbage" * 10)
     bad = next(u for u in list_units("infinity-mm", [raw]) if u.path == str(not_a_tar.resolve()))
-    counts = scan_unit("infinity-mm", bad, 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    counts = scan_unit(bad, spec)
     assert counts["read"] == counts["quarantined"] == 1 and counts["by_reason"] == {"input_unreadable": 1}
 
 
@@ -212,18 +213,18 @@ def test_input_files_cache_keeps_recently_used_files_open(tmp_path):
 
 
 def test_offsets_files_round_trip_and_slices(tmp_path):
-    from mmdata.preprocess.stages import _concat_rows, _load_offsets, _read_rows, _save_offsets
+    from mmdata.preprocess.rows import concat_rows, load_offsets, read_rows, save_offsets
 
     rows = [bytes([i]) * (i % 5) + b"\0x" for i in range(50)]
-    data, offsets = _concat_rows(rows)
+    data, offsets = concat_rows(rows)
     (tmp_path / "r.rows").write_bytes(data)
-    _save_offsets(tmp_path / "r.i64", offsets)
+    save_offsets(tmp_path / "r.i64", offsets)
     assert (tmp_path / "r.i64").stat().st_size == 8 * len(offsets)
-    assert _load_offsets(tmp_path / "r.i64", 0, len(offsets)) == offsets
+    assert load_offsets(tmp_path / "r.i64", 0, len(offsets)) == offsets
     for start, stop in ((0, 50), (7, 8), (13, 41), (49, 50), (20, 20)):
-        assert _read_rows(tmp_path / "r.rows", tmp_path / "r.i64", start, stop) == rows[start:stop]
+        assert read_rows(tmp_path / "r.rows", tmp_path / "r.i64", start, stop) == rows[start:stop]
     with pytest.raises(IOError, match="work folder damaged"):
-        _load_offsets(tmp_path / "r.i64", 45, 10)
+        load_offsets(tmp_path / "r.i64", 45, 10)
 
 
 def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):

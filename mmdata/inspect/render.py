@@ -100,6 +100,18 @@ def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
     if "media_resolution" in pre:
         tables.append(("Media resolution (valid records; manifest)", ["how the media were found", "records"],
                        [[k.replace("_", " "), _fmt(v)] for k, v in pre["media_resolution"].items()]))
+    rows = [[f"filtered: {rule}", _fmt(n)] for rule, n in pre.get("by_filter", {}).items()]
+    dedup = (pre.get("curation") or {}).get("dedup")
+    if dedup:
+        rows.append([f"duplicates (phash:{dedup['distance']}, scope {dedup['scope']})", _fmt(pre.get("duplicates", 0))])
+    mix = (pre.get("curation") or {}).get("mix")
+    if mix:
+        rows.append([f"mixed out (mix by {mix['by']})", _fmt(pre.get("mixed_out", 0))])
+        rows.append(["repeated (mix)", _fmt(pre.get("repeated", 0))])
+        rows += [[f"mix {g or '(none)'}: target → realised", f"{_fmt(mix['target'][g])} → {_fmt(mix['realised'][g])}"]
+                 for g in mix.get("target", {})]
+    if rows:
+        tables.append(("Curation (manifest)", ["what", "records"], rows))
     return tables
 
 

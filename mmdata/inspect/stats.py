@@ -21,10 +21,9 @@ from mmdata.energon_loaders import anyres
 from mmdata.energon_loaders.chat_template import with_video_placeholder
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
 from mmdata.inspect.packing import PackingEstimate, estimate_packing
-from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
 SCHEMA = "mmdata.inspect/2"
-MODALITIES = ("text_only", "single_image", "multi_image", "video")
 LANGUAGES = ("zh", "en", "other")
 DEFAULT_CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
 
@@ -70,12 +69,6 @@ class SampleStats:
     @property
     def total_tokens(self) -> int | None:
         return None if self.text_tokens is None else self.text_tokens + self.image_tokens
-
-
-def modality_of(n_images: int, has_video: bool) -> str:
-    if has_video:
-        return "video"
-    return "text_only" if n_images == 0 else "single_image" if n_images == 1 else "multi_image"
 
 
 def _is_cjk(ch: str) -> bool:
@@ -299,14 +292,18 @@ class DatasetSummary:
 
 
 #: manifest `counts` keys shown by inspect (preprocess/manifest.py `Counts`), when present
-PREPROCESS_COUNT_KEYS = ("media_resolution",)
+PREPROCESS_COUNT_KEYS = ("media_resolution", "filtered", "by_filter", "duplicates", "mixed_out", "repeated")
 
 
 def _manifest_preprocess(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the job counted besides sources and quarantine, and its curation settings."""
     counts = (manifest or {}).get("counts")
     if counts is None:
         return None
-    return {k: counts[k] for k in PREPROCESS_COUNT_KEYS if k in counts}
+    out = {k: counts[k] for k in PREPROCESS_COUNT_KEYS if k in counts}
+    if manifest.get("curation"):
+        out["curation"] = manifest["curation"]
+    return out
 
 
 def _manifest_sources(manifest: dict[str, Any] | None) -> dict[str, int] | None:
