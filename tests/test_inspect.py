@@ -26,7 +26,7 @@ from tests.conftest import SYNTH_NUM_SAMPLES, SYNTH_SEED
 from tests.inspect_fixtures import broken_dataset  # noqa: F401 - session fixture
 
 JSON_KEYS = {
-    "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine", "preprocess",
+    "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine", "preprocess", "length_index",
     "sampled", "modality", "languages", "turns_per_sample", "images", "image_tokens_per_sample", "tokenizer",
     "text_tokens_per_sample", "loss_tokens_per_sample", "total_tokens_per_sample", "loader_skips", "packing",
 }

@@ -84,6 +84,12 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
     if grids:
         tables.append(("Anyres grids (single-image samples)", ["grid (rows x cols)", "images"],
                        [[k, _fmt(v)] for k, v in sorted(grids.items(), key=lambda kv: -kv[1])]))
+    li = d["length_index"]
+    if li is not None:
+        tables.append((f"Packing from the length index ({li['compared']:,} of {li['samples']:,} samples; text tokens: "
+                       f"{li['text_tokens']})", ["context", "online packer", "offline plan", "pack-plan file"],
+                       [[_fmt(int(k)), *(f"{100 * v[x]:.1f}%" if v[x] is not None else "—"
+                                         for x in ("online", "plan", "plan_file"))] for k, v in li["packing"].items()]))
     if d["packing"] is not None:
         tables.append(("Packing (the loader's packer on the sampled lengths)",
                        ["context", "efficiency", "sequences", "over length"],

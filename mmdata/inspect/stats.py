@@ -20,7 +20,7 @@ from PIL import Image
 from mmdata.energon_loaders import anyres
 from mmdata.energon_loaders.chat_template import with_video_placeholder
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
-from mmdata.inspect.packing import PackingEstimate, estimate_packing
+from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_packing
 from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
 SCHEMA = "mmdata.inspect/2"
@@ -230,6 +230,7 @@ class DatasetSummary:
     sources_from: str  # "manifest" (exact) or "sample" (estimated from the sampled records)
     quarantine: dict[str, int]  # reason -> count
     preprocess: dict[str, Any] | None  # what the job counted besides sources (manifest counts), None without one
+    length_index: dict[str, Any] | None  # plan vs online packing from lengths.parquet, None without one
     sample_seed: int
     sampled_all: bool
     tokenizer: str | None
@@ -265,6 +266,7 @@ class DatasetSummary:
             "sources_from": self.sources_from,
             "quarantine": {"total": sum(self.quarantine.values()), "reasons": dict(self.quarantine)},
             "preprocess": self.preprocess,
+            "length_index": self.length_index,
             "sampled": {"count": len(s), "all": self.sampled_all, "seed": self.sample_seed},
             "modality": _shares(_counts([x.modality for x in s], MODALITIES)),
             "languages": _shares(_counts([x.language for x in s], LANGUAGES)),
@@ -346,6 +348,7 @@ def summarize(
         sources_from=sources_from,
         quarantine=quarantine,
         preprocess=_manifest_preprocess(ds.manifest),
+        length_index=length_index_packing(ds.root, context_lengths, all),
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,

@@ -42,8 +42,8 @@ def _is_cjk(ch: str) -> bool:
 def estimate_text_tokens(conversations: list[dict]) -> int:
     """The estimate used without --tokenizer: per turn 5 template tokens plus the text at 1.5
     CJK characters or 4 other characters per token (placeholders not counted), plus the default
-    system turn (6 + 5) unless the record has one. Within ~15 % of Qwen2's count on typical
-    English/Chinese instruction data; use --tokenizer for exact counts."""
+    system turn (6 + 5) unless the record has one: the usual rates of BPE vocabularies like
+    Qwen2's for English and Chinese text, not a measurement. Use --tokenizer for exact counts."""
     total = 0 if conversations and conversations[0]["from"] == "system" else SYSTEM_TOKENS + TURN_OVERHEAD
     for turn in conversations:
         text = turn["value"].replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
