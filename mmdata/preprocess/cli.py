@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                         help="HF tokenizer folder: exact text token counts in the length index "
                              "(default: an estimate; image tokens always follow the anyres rule)")
+    parser.add_argument("--no-length-index", action="store_true",
+                        help="do not count tokens nor write lengths.parquet (saves the per-worker import of the "
+                             "loader's anyres code; `mmdata pack-plan` needs the index)")
     parser.add_argument("--max-quarantine-fraction", type=float, default=DEFAULT_MAX_FRACTION, metavar="F",
                         help="stop, writing nothing, when one quarantine reason takes more than this share of "
                              f"the first {DEFAULT_FIRST_RECORDS:,} records (a misconfiguration, not bad data); "
@@ -64,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.image_root is not None and args.dataset != "llava-json":
         print("error: --image-root applies to --dataset llava-json only", file=sys.stderr)
         return 2
+    if args.tokenizer is not None and args.no_length_index:
+        print("error: --tokenizer only serves the length index; drop it or --no-length-index", file=sys.stderr)
+        return 2
     if not 0.0 <= args.max_quarantine_fraction <= 1.0:
         print("error: --max-quarantine-fraction must be between 0 and 1", file=sys.stderr)
         return 2
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         num_cpus=args.num_cpus, overwrite=args.overwrite, num_buckets=args.num_buckets,
         validation=ValidationConfig(max_image_pixels=args.max_image_pixels), progress=not args.no_progress,
         max_quarantine_fraction=args.max_quarantine_fraction, filters=list(args.filter), dedup=args.dedup,
-        dedup_scope=args.dedup_scope, mix=args.mix, tokenizer=args.tokenizer,
+        dedup_scope=args.dedup_scope, mix=args.mix, tokenizer=args.tokenizer, length_index=not args.no_length_index,
     )
     try:
         manifest = run_preprocess(cfg)

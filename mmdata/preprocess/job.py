@@ -3,16 +3,17 @@ curation/dedup.py).
 
 Stages (each resumable through marker files under `DIR/.mmdata-work/`):
 1. scan    - one task per input file: read records, validate them (full image decode), apply the
-             filters, count their lengths, give each kept one its seeded shuffle key and spill
-             its compact index row into the file's bucket-grouped run (with --dedup also its LSH
-             entries); quarantine lines go to a per-file part.
+             filters, give each kept one its seeded shuffle key and spill its compact index row
+             into the file's bucket-grouped run (with --dedup also its LSH entries); quarantine
+             lines go to a per-file part.
 2. dedup   - (--dedup) one task per LSH partition finds near-duplicates, then one task per sort
              bucket keeps each dropped record's best neighbour.
 3. sort    - one task per bucket (a contiguous key range): gather that bucket's rows from every
              run, drop duplicates, apply the mix, sort them by key. With an up-sampling --mix,
              a merge task per bucket then adds the repeated copies other buckets sent it.
 4. write   - one task per output shard: take its global-rank range out of the sorted buckets,
-             fetch the original media bytes by (file, offset, size) and write the tar atomically.
+             fetch the original media bytes by (file, offset, size) and write the tar atomically;
+             count its samples' tokens for the length index.
 5. finish  - energon preparation (.nv-meta), quarantine.jsonl, duplicates.jsonl,
              lengths.parquet, manifest.json.
 
@@ -95,6 +96,7 @@ class PreprocessConfig:
     dedup_scope: str = "record"
     mix: str | None = None
     tokenizer: Path | None = None  # exact text tokens in the length index (else an estimate)
+    length_index: bool = True  # write lengths.parquet (--no-length-index: skip its token counting)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def _input_fingerprint(cfg: PreprocessConfig, cur: Curation, units: list[InputUn
         "format_version": sf.FORMAT_VERSION, "dataset": cfg.dataset, "inputs": inputs, "seed": cfg.seed,
         "samples_per_shard": cfg.samples_per_shard, "target_shard_bytes": cfg.target_shard_bytes,
         "image_root": str(cfg.image_root) if cfg.image_root else None, "validation": asdict(cfg.validation),
-        "curation": cur.to_json(), "tokenizer": cur.tokenizer_sha256,
+        "curation": cur.to_json(), "tokenizer": cur.tokenizer_sha256, "length_index": cfg.length_index,
     })
     return fp, inputs
 
@@ -287,15 +289,17 @@ def _run_bounded(submit: Callable[[object], object], items: Iterable[object], ma
 
 
 def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[ShardResult], num_buckets: int,
-                    dedup: bool, text_tokens: str) -> str:
+                    dedup: bool, text_tokens: str | None) -> str | None:
     """energon's index from the layouts the shard writers recorded, quarantine.jsonl,
-    duplicates.jsonl and the length index (returns its sha256)."""
+    duplicates.jsonl and the length index (returns its sha256; None: `text_tokens` None, no index)."""
     names = [s.name for s in shards]
     layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in names)
     write_energon_index(out, names, layouts)
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
     if dedup:
         concat_parts([bucket_file(work, b, "duplicates.jsonl") for b in range(num_buckets)], out / DUPLICATES_NAME)
+    if text_tokens is None:
+        return None
     firsts = np.cumsum([0] + [s.samples for s in shards])
     return write_length_index(out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)],
                               text_tokens)
@@ -377,7 +381,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     work = _prepare_work_dir(out, fp, num_buckets)
     spec = JobSpec(cfg.dataset, cfg.seed, num_buckets, cfg.validation, str(work), cur.filters, cur.dedup_distance,
                    cur.dedup_scope, cur.mix.by if cur.mix else None,
-                   str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None)
+                   str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None, cfg.length_index)
     phases: dict[str, float] = {}
     t_phase = time.perf_counter()
 
@@ -509,12 +513,12 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 written[0] += res["samples"]
                 prog.advance("write shards", records=written[0], unit="samples")
 
-            _run_bounded(lambda p: remote["write_shard_task"].remote(p, str(work), str(out), spill), plans,
+            _run_bounded(lambda p: remote["write_shard_task"].remote(p, spec, str(out), spill), plans,
                          max_in_flight, wrote)
             phase_done("write_s")
         # 5. finish: energon index, quarantine, duplicates, length index while Ray shuts down
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
-        text_tokens = "tokenizer" if spec.tokenizer else "estimate"
+        text_tokens = None if not spec.lengths else "tokenizer" if spec.tokenizer else "estimate"
         finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
         finished = finishing.submit(_finish_outputs, out, work, units, shards, num_buckets, spec.dedup, text_tokens)
         finishing.shutdown(wait=False)
@@ -545,8 +549,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "counts": counts.to_json(),
         "curation": curation,
         "shards": [asdict(s) for s in shards],
-        "length_index": {"file": LENGTHS_NAME, "sha256": lengths_sha, "text_tokens": text_tokens,
-                         "tokenizer_sha256": cur.tokenizer_sha256},
+        "length_index": None if lengths_sha is None else {
+            "file": LENGTHS_NAME, "sha256": lengths_sha, "text_tokens": text_tokens,
+            "tokenizer_sha256": cur.tokenizer_sha256},
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,

@@ -97,8 +97,7 @@ def load_grouped(path: Path, dtype: np.dtype, group: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- index rows
 ROW_FORMAT = 5  # bump when the encoding or the record content changes: unfinished jobs then rescan
 # A row is the 8-byte big-endian shuffle key, then NUL-separated UTF-8 fields:
-#     rid \0 handle \0 source \0 subset \0 text_tokens \0 image_tokens \0 record_json
-#         (\0 path \0 offset \0 size \0 suffix)*
+#     rid \0 handle \0 source \0 subset \0 record_json (\0 path \0 offset \0 size \0 suffix)*
 # handle is "unit:ordinal" (the record's input file and its place among the file's kept
 # records: what dedup marks refer to); numbers are decimal. The record JSON is stored as is (no
 # second escaping, no json.loads in the writer). The key is fixed width and NUL sorts below
@@ -107,11 +106,11 @@ ROW_FORMAT = 5  # bump when the encoding or the record content changes: unfinish
 # OS paths and tar member names cannot contain one, and the validator replaces it in `source`.
 
 
-def encode_row(key: int, rid: str, handle: tuple[int, int], source: str, subset: str, lengths: tuple[int, int],
-               record_json: str, media: Iterable[tuple[str, int, int, str]]) -> bytes:
+def encode_row(key: int, rid: str, handle: tuple[int, int], source: str, subset: str, record_json: str,
+               media: Iterable[tuple[str, int, int, str]]) -> bytes:
     if "\0" in rid:
         raise ValueError(f"record id contains NUL: {rid!r}")
-    head = f"{rid}\0{handle[0]}:{handle[1]}\0{source}\0{subset}\0{lengths[0]}\0{lengths[1]}\0"
+    head = f"{rid}\0{handle[0]}:{handle[1]}\0{source}\0{subset}\0"
     # Names may hold undecodable bytes (surrogate escapes, as os.fsencode); the JSON must be UTF-8.
     refs = "".join(f"\0{path}\0{offset}\0{size}\0{suffix}" for path, offset, size, suffix in media)
     return b"".join((key.to_bytes(8, "big"), head.encode("utf-8", "surrogateescape"), record_json.encode(),
@@ -126,12 +125,11 @@ def row_head(row: bytes) -> tuple[str, tuple[int, int], str, str]:
             subset.decode("utf-8", "surrogateescape"))
 
 
-def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]], int, int]:
-    """(record JSON bytes, [(path, offset, size, suffix)], text tokens, image tokens)."""
+def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]]]:
+    """(record JSON bytes, [(path, offset, size, suffix)])."""
     f = row[8:].split(b"\0")
-    m = [x.decode("utf-8", "surrogateescape") for x in f[7:]]
-    media = [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])]
-    return f[6], media, int(f[4]), int(f[5])
+    m = [x.decode("utf-8", "surrogateescape") for x in f[5:]]
+    return f[4], [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])]
 
 
 def rekey_row(row: bytes, key: int, rid: str) -> bytes:

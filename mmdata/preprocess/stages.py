@@ -2,8 +2,8 @@
 `ray.remote`). Each is idempotent and writes its results atomically under the work folder with a
 done-marker last, so a retried or resumed task gives the same bytes.
 
-- scan_unit: validate one input file's records, apply the filters, count lengths; spill the kept
-  records' index rows grouped by sort bucket, and (with --dedup) their LSH entries.
+- scan_unit: validate one input file's records and apply the filters; spill the kept records'
+  index rows grouped by sort bucket, and (with --dedup) their LSH entries.
 - (curation/dedup.py: dedup_partition and resolve_bucket, between scan and sort)
 - sort_bucket: gather one bucket's rows from every scan run, drop duplicates, apply the mix
   (keep / repeat), sort by (key, rid). Repeated copies bound for other buckets are spilled.
@@ -58,6 +58,7 @@ class JobSpec:
     dedup_scope: str = "record"
     mix_by: str | None = None  # None: no --mix
     tokenizer: str | None = None
+    lengths: bool = True  # count tokens for the length index (--no-length-index: zeros)
 
     @property
     def dedup(self) -> bool:
@@ -115,7 +116,6 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     entries = EntryBuilder(spec.dedup_distance, spec.dedup_scope) if spec.dedup else None
     ids: list[str] = []  # (dedup) "id NUL location" per kept record, for duplicates.jsonl
     phash = Counter()
-    lengths = LengthCounter(spec.tokenizer)
     kept = 0  # the next kept record's ordinal (its handle: what dedup marks refer to)
     try:
         for raw in adapters.iter_records(spec.dataset, unit):
@@ -135,8 +135,7 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
             handle = (unit.index, kept)
             kept += 1
             media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
-            by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, lengths(res.record),
-                                                res.record_json, media))
+            by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media))
             counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
             group = spec.group_of(source, subset) if spec.mix_by else ""
             if spec.mix_by:
@@ -333,8 +332,11 @@ def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
     return Path(work) / "shards" / f"{shard_name}.{suffix}"
 
 
-def write_shard_task(plan: ShardPlan, work: str, out: str, merged: bool = False) -> dict:
-    """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches)."""
+def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = False) -> dict:
+    """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches),
+    and its part of the length index (counted here, in the workers: the loader's anyres code
+    imports torch, which the driver, scanning while Ray starts, should not pay for)."""
+    work = spec.work
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
     path, marker = o / name, shard_work_file(w, name, "json")
@@ -350,7 +352,7 @@ def write_shard_task(plan: ShardPlan, work: str, out: str, merged: bool = False)
 
     def samples() -> Iterator[SampleMembers]:
         ahead, ahead_bytes, done_bytes = 0, 0, 0
-        for i, (record_json, media, _, _) in enumerate(rows):
+        for i, (record_json, media) in enumerate(rows):
             while ahead < len(rows) and (ahead <= i or ahead_bytes - done_bytes < _PREFETCH_BYTES):
                 for p, off, size, _ in rows[ahead][1]:
                     files.prefetch(p, off, size)
@@ -371,7 +373,9 @@ def write_shard_task(plan: ShardPlan, work: str, out: str, merged: bool = False)
     # length index before the marker.
     write_tar_index(path, layout)
     write_bytes_atomic(layout_path, layout.to_json().encode())
-    write_bytes_atomic(lengths_path, np.array([r[2:] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
+    lengths = LengthCounter(spec.tokenizer) if spec.lengths else None
+    tokens = [lengths(json.loads(r[0])) if lengths else (0, 0) for r in rows]
+    write_bytes_atomic(lengths_path, np.array(tokens, dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
     write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}
 
