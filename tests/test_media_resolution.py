@@ -10,7 +10,6 @@ import json
 import tarfile
 from pathlib import Path
 
-import pytest
 from PIL import Image
 
 from mmdata.preprocess.adapters import infinity_mm, llava_json

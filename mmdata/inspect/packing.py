@@ -39,15 +39,15 @@ def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING
                            sum(1 for n in lengths if int(n) > context))
 
 
-#: samples of the length index the online-vs-plan comparison uses (all of them with --all)
+#: samples of the length index the online-vs-plan comparison uses (packing them costs ~1 s)
 LENGTH_INDEX_SAMPLE = 8192
 
 
-def length_index_packing(root: Path, context_lengths: Sequence[int], all: bool = False) -> dict | None:  # noqa: A002
+def length_index_packing(root: Path, context_lengths: Sequence[int]) -> dict | None:
     """The offline plan's efficiency against the online packer's, on the same samples: the
     first LENGTH_INDEX_SAMPLE rows of `lengths.parquet` (stream order: the shards are already
-    shuffled), or all of them; plus the efficiency of any `pack-plan-<N>.parquet` file (over the
-    whole dataset). None when the folder has no length index."""
+    shuffled); plus the efficiency of any `pack-plan-<N>.parquet` file (over the whole
+    dataset). None when the folder has no length index."""
     from mmdata.preprocess.lengths import LENGTHS_NAME
     from mmdata.preprocess.pack_plan import plan_packing, plan_path, read_plan_info
 
@@ -58,7 +58,7 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], all: bool =
 
     table = pq.read_table(path, columns=["total_tokens"])
     lengths = table.column("total_tokens").to_numpy()
-    used = lengths if all else lengths[:LENGTH_INDEX_SAMPLE]
+    used = lengths[:LENGTH_INDEX_SAMPLE]
     out: dict = {"samples": int(len(lengths)), "compared": int(len(used)),
                  "text_tokens": (pq.read_schema(path).metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
                  "packing": {}}

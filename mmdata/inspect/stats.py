@@ -348,7 +348,7 @@ def summarize(
         sources_from=sources_from,
         quarantine=quarantine,
         preprocess=_manifest_preprocess(ds.manifest),
-        length_index=length_index_packing(ds.root, context_lengths, all),
+        length_index=length_index_packing(ds.root, context_lengths),
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,

@@ -37,7 +37,7 @@ from mmdata.preprocess.manifest import Counts
 from mmdata.preprocess.quarantine import quarantine_line
 from mmdata.preprocess.rows import (
     concat_rows, decode_row, encode_row, load_row_group, read_all_rows, read_rows, rekey_row, row_head,
-    save_offsets, save_row_groups, work_path, write_bytes_atomic,
+    save_offsets, save_row_groups, write_bytes_atomic,
 )
 from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
@@ -115,7 +115,7 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     groups: Counter[str] = Counter()  # kept records per mix group
     entries = EntryBuilder(spec.dedup_distance, spec.dedup_scope) if spec.dedup else None
     ids: list[str] = []  # (dedup) "id NUL location" per kept record, for duplicates.jsonl
-    phash = Counter()
+    phash: Counter[str] = Counter()  # image hashes taken from the field / computed
     kept = 0  # the next kept record's ordinal (its handle: what dedup marks refer to)
     try:
         for raw in adapters.iter_records(spec.dataset, unit):
@@ -174,8 +174,8 @@ def _record_ref(work: str, handle: tuple[int, int]) -> tuple[str, str]:
     """(id, location) of a kept record by its handle (dedup's per-file id table)."""
     unit, ordinal = handle
     (raw,) = read_rows(scan_file(work, unit, "ids"), scan_file(work, unit, "idoffs.i64"), ordinal, ordinal + 1)
-    rid, _, location = raw.decode("utf-8", "surrogateescape").partition("\0")
-    return rid, location
+    record_id, _, location = raw.decode("utf-8", "surrogateescape").partition("\0")
+    return record_id, location
 
 
 def _drop_duplicates(rows: list[bytes], bucket: int, spec: JobSpec, tally) -> list[bytes]:
@@ -189,8 +189,8 @@ def _drop_duplicates(rows: list[bytes], bucket: int, spec: JobSpec, tally) -> li
             kept.append(row)
             continue
         tally(source, "duplicates")
-        (rid, location), (nid, nlocation) = _record_ref(spec.work, handle), _record_ref(spec.work, drop[:2])
-        lines.append(json.dumps({"id": rid, "source_location": location, "duplicate_of": nid,
+        (record_id, location), (nid, nlocation) = _record_ref(spec.work, handle), _record_ref(spec.work, drop[:2])
+        lines.append(json.dumps({"id": record_id, "source_location": location, "duplicate_of": nid,
                                  "duplicate_of_location": nlocation, "distance": drop[2], "scope": spec.dedup_scope},
                                 ensure_ascii=False, sort_keys=True))
     write_bytes_atomic(bucket_file(spec.work, bucket, "duplicates.jsonl"), "".join(x + "\n" for x in lines).encode())
