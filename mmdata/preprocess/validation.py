@@ -230,6 +230,7 @@ def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = Fal
             raise _Reject("schema_invalid", "`id` must be a string or an integer")
         record_id = str(obj.get("id", raw.rid))
         source = obj.get("source", "") if isinstance(obj.get("source", ""), str) else str(obj.get("source"))
+        source = source.replace("\0", "\ufffd")  # (index rows separate fields with NUL)
         conv = _conversations(obj)
         entries = _image_refs(obj)
         if entries is not None and len(entries) > cfg.max_images_per_record:
