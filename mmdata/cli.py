@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.preprocess.synth", "write a small synthetic dataset in a real on-disk layout"),
     "preprocess": ("mmdata.preprocess.cli", "Ray job: validate, globally shuffle and write energon-ready shards"),
+    "pack-plan": ("mmdata.preprocess.pack_plan", "a deterministic global packing plan from a shards directory's length index"),
     "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
     "tiny-tokenizer": (
         "mmdata.energon_loaders.tiny_tokenizer",

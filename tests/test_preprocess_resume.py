@@ -1,5 +1,6 @@
 """Resumability: a driver SIGKILLed mid-way (during scan, then during shard writing) and rerun
-gives the same manifest and shards as an uninterrupted run."""
+gives the same manifest and shards as an uninterrupted run, curation stages (dedup, an
+up-sampling mix with its merge stage) included."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def _start_and_kill_when(args: list[str], ready) -> None:
 def test_killed_driver_rerun_gives_same_output(tmp_path):
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(400, seed=11, broken_fraction=0.05), raw, samples_per_tar=25)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("weights: {laion_caption: 2, '*': 1}\nrepeat: true\n")
     common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
-              "--num-cpus", "1"]
+              "--num-cpus", "1", "--dedup", "phash:2", "--mix", str(mix)]
     ref = tmp_path / "ref"
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"
@@ -55,5 +58,7 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     assert m_out["run"]["resumed"]["shards"] >= 3 and m_out["run"]["resumed"]["scan"] >= 1
     for s in m_ref["shards"]:
         assert (out / s["name"]).read_bytes() == (ref / s["name"]).read_bytes()
-    assert (out / sf.QUARANTINE_NAME).read_bytes() == (ref / sf.QUARANTINE_NAME).read_bytes()
+    for name in (sf.QUARANTINE_NAME, "duplicates.jsonl", "lengths.parquet"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes()
+    assert m_ref["counts"]["repeated"] > 0
     assert not work.exists() and not list(out.glob(".shard-*"))

@@ -19,7 +19,6 @@ Per family:
   llava_ov/          anyres tiling, Qwen2 chat template + loss mask, LlavaOVTaskEncoder,
                      LlavaOVBatch, build_llava_ov_loader()
 
-(`anyres.py` here re-exports `llava_ov/anyres.py` at its former import path.)
 
 A new family adds one package here with its task encoder, its `PackedBatch` subclass and a
 `build_<family>_loader` that hands the encoder to `loader.build_loader`.

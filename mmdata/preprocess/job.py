@@ -1,17 +1,25 @@
-"""The Ray job behind `mmdata preprocess` (the driver; the stage functions are in stages.py).
+"""The Ray job behind `mmdata preprocess` (the driver; the stage functions are in stages.py and
+curation/dedup.py).
 
 Stages (each resumable through marker files under `DIR/.mmdata-work/`):
-1. scan   - one task per input file: read records, validate them (full image decode), give each
-            valid one its seeded shuffle key and spill its compact index row into the file's
-            bucket-sorted run; quarantine lines go to a per-file part.
-2. sort   - one task per bucket (a contiguous key range): gather that bucket's rows from every
-            run, sort them by key, write the sorted bucket with a row-offset index.
-3. write  - one task per output shard: take its global-rank range out of the sorted buckets,
-            fetch the original media bytes by (file, offset, size) and write the tar atomically.
-4. finish - energon preparation (.nv-meta), quarantine.jsonl, manifest.json.
+1. scan    - one task per input file: read records, validate them (full image decode), apply the
+             filters, give each kept one its seeded shuffle key and spill its compact index row
+             into the file's bucket-grouped run (with --dedup also its LSH entries); quarantine
+             lines go to a per-file part.
+2. dedup   - (--dedup) one task per LSH partition finds near-duplicates, then one task per sort
+             bucket keeps each dropped record's best neighbour.
+3. sort    - one task per bucket (a contiguous key range): gather that bucket's rows from every
+             run, drop duplicates, apply the mix, sort them by key. With an up-sampling --mix,
+             a merge task per bucket then adds the repeated copies other buckets sent it.
+4. write   - one task per output shard: take its global-rank range out of the sorted buckets,
+             fetch the original media bytes by (file, offset, size) and write the tar atomically;
+             count its samples' tokens for the length index.
+5. finish  - energon preparation (.nv-meta), quarantine.jsonl, duplicates.jsonl,
+             lengths.parquet, manifest.json.
 
-The driver only holds ObjectRefs, per-bucket counts and per-shard results; rows and media never
-pass through it, so its memory does not grow with the number of records.
+The driver only holds ObjectRefs, per-bucket counts, per-group counts and per-shard results;
+rows, hashes and media never pass through it, so its memory does not grow with the number of
+records.
 """
 
 from __future__ import annotations
@@ -23,27 +31,38 @@ import shutil
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 import mmdata
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.adapters.llava_json import check_image_root
+from mmdata.preprocess.curation import dedup as dd
+from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
+from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
+from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_length_index
+from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
+from mmdata.preprocess.rows import ROW_FORMAT
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import (ROW_FORMAT, bucket_file, scan_file, scan_unit, shard_work_file, sort_bucket,
-                                      write_shard_task)
+from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
+                                      sort_bucket, write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
 
 WORK_DIR_NAME = ".mmdata-work"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
+DUPLICATES_NAME = "duplicates.jsonl"
+PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
 
 
 class PreprocessError(RuntimeError):
@@ -66,24 +85,69 @@ class PreprocessConfig:
     target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES
     progress: bool = True
     keep_work_dir: bool = False
+    # Stop when one quarantine reason takes more than this share of the first records (1.0: never).
+    # Not part of the fingerprint: it never changes the output, and a rerun that relaxes it
+    # continues the stopped job.
+    max_quarantine_fraction: float = DEFAULT_MAX_FRACTION
+    # Curation (docs/preprocess.md "Curation"): --filter EXPR..., --dedup phash[:D],
+    # --dedup-scope record|image, --mix FILE.yaml|source=weight,...
+    filters: list[str] = field(default_factory=list)
+    dedup: str | None = None
+    dedup_scope: str = "record"
+    mix: str | None = None
+    tokenizer: Path | None = None  # exact text tokens in the length index (else an estimate)
+    length_index: bool = True  # write lengths.parquet (--no-length-index: skip its token counting)
+
+
+@dataclass(frozen=True)
+class Curation:
+    """The curation options, parsed and checked before any work starts."""
+
+    filters: tuple[FilterRule, ...] = ()
+    dedup_distance: int | None = None
+    dedup_scope: str = "record"
+    mix: MixSpec | None = None
+    tokenizer_sha256: str | None = None
+
+    def to_json(self) -> dict:
+        return {"filters": [r.expr for r in self.filters],
+                "dedup": None if self.dedup_distance is None else {
+                    "method": "phash", "distance": self.dedup_distance, "scope": self.dedup_scope,
+                    "bands": len(dd.band_masks(self.dedup_distance))},
+                "mix": self.mix.to_json() if self.mix else None}
+
+
+def parse_curation(cfg: PreprocessConfig) -> Curation:
+    """All curation flags checked up front: a malformed one is exit 2 before any work."""
+    try:
+        rules = tuple(parse_filters(list(cfg.filters)))
+        distance = dd.parse_dedup(cfg.dedup) if cfg.dedup else None
+        if cfg.dedup_scope not in dd.SCOPES:
+            raise ValueError(f"--dedup-scope must be one of {dd.SCOPES}")
+        mix = parse_mix(cfg.mix) if cfg.mix else None
+        tok = tokenizer_fingerprint(cfg.tokenizer) if cfg.tokenizer else None
+    except (FilterError, MixError, ValueError, FileNotFoundError) as e:
+        raise PreprocessError(str(e)) from None
+    return Curation(rules, distance, cfg.dedup_scope, mix, tok)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _input_fingerprint(cfg: PreprocessConfig, units: list[InputUnit]) -> tuple[str, list[dict]]:
+def _input_fingerprint(cfg: PreprocessConfig, cur: Curation, units: list[InputUnit]) -> tuple[str, list[dict]]:
     inputs = [{"path": u.path, "rel": u.rel, "size": u.size, "mtime_ns": u.mtime_ns} for u in units]
     fp = fingerprint({
         "format_version": sf.FORMAT_VERSION, "dataset": cfg.dataset, "inputs": inputs, "seed": cfg.seed,
         "samples_per_shard": cfg.samples_per_shard, "target_shard_bytes": cfg.target_shard_bytes,
         "image_root": str(cfg.image_root) if cfg.image_root else None, "validation": asdict(cfg.validation),
+        "curation": cur.to_json(), "tokenizer": cur.tokenizer_sha256, "length_index": cfg.length_index,
     })
     return fp, inputs
 
 
 def _our_outputs(out: Path) -> list[Path]:
-    names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, NV_META, WORK_DIR_NAME]
-    paths = [out / n for n in names if (out / n).exists()]
+    names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, DUPLICATES_NAME, LENGTHS_NAME, NV_META, WORK_DIR_NAME]
+    paths = [out / n for n in names if (out / n).exists()] + sorted(out.glob(PLAN_GLOB))
     paths += sorted(out.glob("shard-*.tar")) + sorted(out.glob("shard-*.tar.idx"))
     paths += sorted(out.glob(".shard-*.tar.tmp-*")) + sorted(out.glob("shard-*.tar.idx.tmp"))
     return paths
@@ -124,8 +188,8 @@ def _prepare_work_dir(out: Path, fp: str, num_buckets: int) -> Path:
     state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT}
     if wj.exists() and any(json.loads(wj.read_text()).get(k) != state[k] for k in ("num_buckets", "row_format")):
         # Shards do not depend on the bucket count or the row encoding; only the intermediate runs do.
-        _remove([work / "scan", work / "sorted"])
-    for d in ("scan", "sorted", "shards"):
+        _remove([work / "scan", work / "sorted", work / "dedup"])
+    for d in ("scan", "sorted", "dedup", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
     for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp")):
         stale.unlink(missing_ok=True)
@@ -139,13 +203,15 @@ class _DriverScanner(threading.Thread):
     and the cores are mostly idle meanwhile. The driver thread and the Ray submission loop take
     files from one shared queue; once stopped, the thread finishes its current file and the rest
     go to Ray. scan_unit is a pure function of the file, so who scans a file never changes the
-    output. Memory: one file's index rows at a time, as in a Ray task."""
+    output. Memory: one file's index rows at a time, as in a Ray task. Results are handed to the
+    main thread as they come (`drain`), so its checks see the first files early."""
 
     def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict]):
         super().__init__(name="mmdata-driver-scan", daemon=True)
         self._todo, self._scan, self._lock = deque(units), scan, threading.Lock()
         self._stopped = False
-        self.results: list[dict] = []
+        self._done: list[tuple[InputUnit, dict]] = []  # not yet drained
+        self.scanned = 0
         self.error: BaseException | None = None
 
     def take(self) -> InputUnit | None:
@@ -155,20 +221,29 @@ class _DriverScanner(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopped and (unit := self.take()) is not None:
-                self.results.append(self._scan(unit))
+                result = self._scan(unit)
+                with self._lock:
+                    self._done.append((unit, result))
+                    self.scanned += 1
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by finish()
             self.error = e
+
+    def drain(self) -> list[tuple[InputUnit, dict]]:
+        """(unit, result) of the files scanned since the last call."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
 
     def stop(self) -> None:
         """Take no new file (the current one is finished)."""
         self._stopped = True
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[tuple[InputUnit, dict]]:
         self.stop()
         self.join()
         if self.error is not None:
             raise self.error
-        return self.results
+        return self.drain()
 
 
 def _init_ray(cfg: PreprocessConfig) -> bool:
@@ -213,18 +288,59 @@ def _run_bounded(submit: Callable[[object], object], items: Iterable[object], ma
     drain(0)
 
 
-def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str]) -> None:
-    """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
-    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in shard_names)
-    write_energon_index(out, shard_names, layouts)
+def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[ShardResult], num_buckets: int,
+                    dedup: bool, text_tokens: str | None) -> str | None:
+    """energon's index from the layouts the shard writers recorded, quarantine.jsonl,
+    duplicates.jsonl and the length index (returns its sha256; None: `text_tokens` None, no index)."""
+    names = [s.name for s in shards]
+    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in names)
+    write_energon_index(out, names, layouts)
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
+    if dedup:
+        concat_parts([bucket_file(work, b, "duplicates.jsonl") for b in range(num_buckets)], out / DUPLICATES_NAME)
+    if text_tokens is None:
+        return None
+    firsts = np.cumsum([0] + [s.samples for s in shards])
+    return write_length_index(out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)],
+                              text_tokens)
 
 
-def auto_samples_per_shard(counts: Counts, target_bytes: int) -> int:
-    if counts.written == 0:
+def auto_samples_per_shard(valid_bytes: int, records: int, target_bytes: int) -> int:
+    """Samples per shard for ~target_bytes shards, from the kept records' average size."""
+    if records == 0:
         return 1
-    per_sample = counts.valid_bytes / counts.written + 2048  # tar headers + padding
+    per_sample = valid_bytes / records + 2048  # tar headers + padding
     return int(max(1, min(1_000_000, round(target_bytes / per_sample))))
+
+
+def _run_resumable(prog, name: str, key: str, items: list, marker: Callable[[object], Path],
+                   submit: Callable[[object], object], on_result: Callable[[object, dict], None], resumed: Counter,
+                   max_in_flight: int) -> None:
+    """One stage of tasks that each leave a JSON done-marker (equal to their return value):
+    finished items are taken from their markers (counted in resumed[key]), the rest run on Ray."""
+    prog.stage(name, len(items))
+    todo = []
+    for item in items:
+        path = marker(item)
+        if path.exists():
+            on_result(item, json.loads(path.read_text()))
+            resumed[key] += 1
+            prog.advance(name)
+        else:
+            todo.append(item)
+
+    def done(item, result: dict) -> None:
+        on_result(item, result)
+        prog.advance(name)
+
+    _run_bounded(submit, todo, max_in_flight, done)
+
+
+def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
+    """(targets, factors) per mix group; listed groups absent from the data count as 0."""
+    groups = {**{g: 0 for g, _ in spec.weights if g != "*"}, **available}
+    targets = group_targets(spec, groups)
+    return targets, factors(targets, groups)
 
 
 def run_preprocess(cfg: PreprocessConfig) -> dict:
@@ -238,6 +354,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise PreprocessError(f"unknown --dataset {cfg.dataset!r}; expected one of {adapters.DATASETS}")
     if cfg.samples_per_shard is not None and cfg.samples_per_shard <= 0:
         raise PreprocessError("--samples-per-shard must be positive")
+    cur = parse_curation(cfg)
     try:
         units = adapters.list_units(cfg.dataset, [Path(p) for p in cfg.inputs], cfg.image_root)
     except FileNotFoundError as e:
@@ -250,8 +367,10 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     units = [dataclasses.replace(u, index=i) for i, u in enumerate(kept)]
     if not units:
         raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
+    if cfg.dataset == "llava-json" and (problem := check_image_root(units)):
+        raise PreprocessError(problem)
     out.mkdir(parents=True, exist_ok=True)
-    fp, inputs = _input_fingerprint(cfg, units)
+    fp, inputs = _input_fingerprint(cfg, cur, units)
     done_manifest = _check_output_dir(out, fp, cfg.overwrite)
     if done_manifest is not None:
         print(f"{out}: already complete for these inputs and seed; nothing to do", file=sys.stderr)
@@ -260,6 +379,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         return done_manifest
     num_buckets = cfg.num_buckets or default_num_buckets(sum(u.size for u in units))
     work = _prepare_work_dir(out, fp, num_buckets)
+    spec = JobSpec(cfg.dataset, cfg.seed, num_buckets, cfg.validation, str(work), cur.filters, cur.dedup_distance,
+                   cur.dedup_scope, cur.mix.by if cur.mix else None,
+                   str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None, cfg.length_index)
     phases: dict[str, float] = {}
     t_phase = time.perf_counter()
 
@@ -269,19 +391,31 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         phases[name] = round(now - t_phase, 3)
         t_phase = now
 
-    resumed = {"scan": 0, "sort": 0, "shards": 0}
+    resumed: Counter[str] = Counter(scan=0, sort=0, shards=0)
     counts = Counts()
+    groups: Counter[str] = Counter()  # kept records per mix group, after the filters
+    phash: Counter[str] = Counter()
+    loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
+
+    def add_scan(unit: InputUnit, result: dict) -> None:
+        counts.merge(result)
+        groups.update(result.get("groups", {}))
+        phash.update(result.get("phash", {}))
+        loss.add(unit.index, result)
+
     todo = []
-    for u in units:
-        marker = scan_file(work, u.index, "done.json")
-        if marker.exists():
-            counts.merge(json.loads(marker.read_text()))
-            resumed["scan"] += 1
-        else:
-            todo.append(u)
+    try:
+        for u in units:
+            marker = scan_file(work, u.index, "done.json")
+            if marker.exists():
+                add_scan(u, json.loads(marker.read_text()))
+                resumed["scan"] += 1
+            else:
+                todo.append(u)
+    except SystematicLoss as e:
+        raise PreprocessError(str(e)) from None
     # While Ray starts (and its workers), the driver scans files itself.
-    scanner = _DriverScanner(todo, lambda u: scan_unit(cfg.dataset, u, cfg.seed, num_buckets,
-                                                        cfg.validation, str(work)))
+    scanner = _DriverScanner(todo, lambda u: scan_unit(u, spec))
     scanner.start()
     try:
         own_ray = _init_ray(cfg)
@@ -289,10 +423,10 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         scanner.stop()
         raise
     phase_done("ray_init_s")
+    mix_report: dict | None = None
     try:
-        scan_r = ray.remote(num_cpus=1)(scan_unit)
-        sort_r = ray.remote(num_cpus=1)(sort_bucket)
-        write_r = ray.remote(num_cpus=1)(write_shard_task)
+        remote = {f.__name__: ray.remote(num_cpus=1)(f) for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket,
+                                                                  sort_bucket, merge_bucket, write_shard_task)}
         max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
         with JobProgress(cfg.progress) as prog:
             # 1. scan + validate
@@ -300,40 +434,74 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             for _ in range(resumed["scan"]):
                 prog.advance("scan+validate", records=counts.read)
 
-            def scanned(unit, result: dict) -> None:
-                if unit is not None:
-                    scanner.stop()  # Ray workers are up: leave the rest to them
-                counts.merge(result)
+            def scanned(unit: InputUnit, result: dict) -> None:
+                add_scan(unit, result)
                 prog.advance("scan+validate", records=counts.read)
 
-            _run_bounded(lambda u: scan_r.remote(cfg.dataset, u, cfg.seed, num_buckets, cfg.validation, str(work)),
-                         iter(scanner.take, None), max_in_flight, scanned)
-            for result in scanner.finish():
-                scanned(None, result)
+            def scanned_by_ray(unit: InputUnit, result: dict) -> None:
+                scanner.stop()  # Ray workers are up: leave the rest to them
+                for done in scanner.drain():
+                    scanned(*done)
+                scanned(unit, result)
+
+            for done in scanner.drain():
+                scanned(*done)
+            _run_bounded(lambda u: remote["scan_unit"].remote(u, spec), iter(scanner.take, None), max_in_flight,
+                         scanned_by_ray)
+            for done in scanner.finish():
+                scanned(*done)
+            candidates, candidate_bytes = counts.written, counts.valid_bytes
             phase_done("scan_s")
-            # 2. sort buckets
-            prog.stage("sort buckets", num_buckets)
+            # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
+            dropped_by_group: Counter[str] = Counter()
+            if spec.dedup:
+                _run_resumable(prog, "dedup: find", "dedup_find", list(range(num_buckets)), lambda p: dd.partition_marker(work, p),
+                               lambda p: remote["dedup_partition"].remote(p, len(units), num_buckets,
+                                                                          spec.dedup_distance, str(work)),
+                               lambda p, r: None, resumed, max_in_flight)
+                _run_resumable(prog, "dedup: resolve", "dedup_resolve", list(range(num_buckets)), lambda b: dd.resolve_marker(work, b),
+                               lambda b: remote["resolve_bucket"].remote(b, num_buckets, str(work)),
+                               lambda b, r: dropped_by_group.update(r["by_group"]), resumed, max_in_flight)
+                phase_done("dedup_s")
+            # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
+            mix_factors, spill = None, False
+            if cur.mix is not None:
+                by_key = {f"{dd.key64(g):016x}": g for g in groups}
+                available = {g: n - dropped_by_group.get(f"{dd.key64(g):016x}", 0) for g, n in groups.items()}
+                if set(dropped_by_group) - set(by_key):
+                    raise RuntimeError("internal: duplicates counted for a mix group no scan saw")
+                targets, mix_factors = _mix_plan(cur.mix, available)
+                spill = any(f > 1 for f in mix_factors.values())
+                mix_report = {"available": {g: available.get(g, 0) for g in targets}, "target": targets,
+                              "factor": {g: round(f, 6) for g, f in mix_factors.items()}}
             bucket_counts = [0] * num_buckets
-            todo_b = []
-            for b in range(num_buckets):
-                marker = bucket_file(work, b, "done.json")
-                if marker.exists():
-                    bucket_counts[b] = json.loads(marker.read_text())["count"]
-                    resumed["sort"] += 1
-                    prog.advance("sort buckets")
-                else:
-                    todo_b.append(b)
+            realised: dict[str, Counter] = {}
 
-            def sorted_(b, n: int) -> None:
-                bucket_counts[b] = n
-                prog.advance("sort buckets")
+            def sorted_(b: int, r: dict) -> None:
+                bucket_counts[b] = r["count"]
+                counts.add_curation(r["curation"])
+                for g, c in r["mix"].items():
+                    realised.setdefault(g, Counter()).update(c)
 
-            _run_bounded(lambda b: sort_r.remote(b, len(units), str(work)), todo_b, max_in_flight, sorted_)
-            if sum(bucket_counts) != counts.written:
-                raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, {counts.written} validated")
+            _run_resumable(prog, "sort buckets", "sort", list(range(num_buckets)), lambda b: bucket_file(work, b, "done.json"),
+                           lambda b: remote["sort_bucket"].remote(b, len(units), spec, mix_factors, spill),
+                           sorted_, resumed, max_in_flight)
+            if spill:  # repeated copies landed in other buckets: add them there
+
+                def merged(b: int, r: dict) -> None:
+                    bucket_counts[b] = r["count"]
+
+                _run_resumable(prog, "merge repeats", "merge", list(range(num_buckets)),
+                               lambda b: bucket_file(work, b, "merged.json"),
+                               lambda b: remote["merge_bucket"].remote(b, spec), merged, resumed, max_in_flight)
+            if sum(bucket_counts) != counts.written or not counts.reconciles():
+                raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, counts say {counts.to_json()}")
+            if mix_report is not None:
+                mix_report["realised"] = {g: realised.get(g, Counter())["kept"] + realised.get(g, Counter())["repeated"]
+                                          for g in mix_report["target"]}
             phase_done("sort_s")
-            # 3. write shards
-            sps = cfg.samples_per_shard or auto_samples_per_shard(counts, cfg.target_shard_bytes)
+            # 4. write shards
+            sps = cfg.samples_per_shard or auto_samples_per_shard(candidate_bytes, candidates, cfg.target_shard_bytes)
             plans = plan_shards(bucket_counts, sps)
             results: list[dict | None] = [None] * len(plans)
             prog.stage("write shards", len(plans))
@@ -345,19 +513,28 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 written[0] += res["samples"]
                 prog.advance("write shards", records=written[0], unit="samples")
 
-            _run_bounded(lambda p: write_r.remote(p, str(work), str(out)), plans, max_in_flight, wrote)
+            _run_bounded(lambda p: remote["write_shard_task"].remote(p, spec, str(out), spill), plans,
+                         max_in_flight, wrote)
             phase_done("write_s")
-        # 4. finish: energon index + quarantine while Ray shuts down (that is mostly waiting)
+        # 5. finish: energon index, quarantine, duplicates, length index while Ray shuts down
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
+        text_tokens = None if not spec.lengths else "tokenizer" if spec.tokenizer else "estimate"
         finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
-        finished = finishing.submit(_finish_outputs, out, work, units, [s.name for s in shards])
+        finished = finishing.submit(_finish_outputs, out, work, units, shards, num_buckets, spec.dedup, text_tokens)
         finishing.shutdown(wait=False)
+    except SystematicLoss as e:
+        raise PreprocessError(str(e)) from None
     finally:
         scanner.stop()
         if own_ray:
             ray.shutdown()
-    finished.result()  # re-raises an error of the finishing step
+    lengths_sha = finished.result()  # re-raises an error of the finishing step
     phase_done("finish_s")
+    curation = cur.to_json()
+    if curation["dedup"] is not None:
+        curation["dedup"]["phash_images"] = {"from_field": phash["from_field"], "computed": phash["computed"]}
+    if mix_report is not None:
+        curation["mix"] = {**curation["mix"], **mix_report}
     manifest = {
         "tool": "mmdata preprocess",
         "version": mmdata.__version__,
@@ -370,11 +547,15 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                     "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
         "inputs": inputs,
         "counts": counts.to_json(),
+        "curation": curation,
         "shards": [asdict(s) for s in shards],
+        "length_index": None if lengths_sha is None else {
+            "file": LENGTHS_NAME, "sha256": lengths_sha, "text_tokens": text_tokens,
+            "tokenizer_sha256": cur.tokenizer_sha256},
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
-        "run": {"output": str(out), "num_buckets": num_buckets, "resumed": resumed, "phases": phases,
-                "scanned_in_driver": len(scanner.results),
+        "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,
+                "scanned_in_driver": scanner.scanned, "tokenizer": spec.tokenizer,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
     write_json_atomic(out / sf.MANIFEST_NAME, manifest)

@@ -42,19 +42,31 @@ class JobProgress:
 
 def summary_table(manifest: dict) -> Table:
     c = manifest["counts"]
+    cols = ["read", "written", "quarantined"] + [k for k in ("filtered", "duplicates", "mixed_out", "repeated") if c.get(k)]
     t = Table(title=f"mmdata preprocess: {manifest['run']['output']}")
     t.add_column("what")
-    t.add_column("read", justify="right")
-    t.add_column("written", justify="right")
-    t.add_column("quarantined", justify="right")
-    t.add_row("[bold]all", str(c["read"]), str(c["written"]), str(c["quarantined"]))
+    for col in cols:
+        t.add_column(col.replace("_", " "), justify="right")
+    t.add_row("[bold]all", *(f"{c[k]:,}" for k in cols))
     for src, sc in c["by_source"].items():
-        t.add_row(f"source {src or '(none)'}", str(sc["read"]), str(sc["written"]), str(sc["quarantined"]))
+        t.add_row(f"source {src or '(none)'}", *(f"{sc.get(k, 0):,}" for k in cols))
     for reason, n in c["by_reason"].items():
-        t.add_row(f"reason {reason}", "", "", str(n))
+        t.add_row(f"reason {reason}", "", "", f"{n:,}", *("" for _ in cols[3:]))
+    for rule, n in c.get("by_filter", {}).items():  # (the filtered column comes right after quarantined)
+        t.add_row(f"filter {rule}", "", "", "", f"{n:,}", *("" for _ in cols[4:]))
     total_bytes = sum(s["bytes"] for s in manifest["shards"])
     wall = manifest.get("wall_time_s") or 0.0
     t.caption = (f"{len(manifest['shards'])} shards, {total_bytes / 1e6:,.1f} MB, "
                  f"{manifest['samples_per_shard']} samples/shard, {wall:.1f} s "
-                 f"({c['read'] / max(wall, 1e-9):,.0f} records/s)")
+                 f"({c['read'] / max(wall, 1e-9):,.0f} records/s)\n{media_resolution_line(c['media_resolution'])}")
+    mix = (manifest.get("curation") or {}).get("mix")
+    if mix and "realised" in mix:
+        t.caption += "\nmix (target → realised): " + " · ".join(
+            f"{g or '(none)'} {mix['target'][g]:,} → {mix['realised'][g]:,}" for g in mix["target"])
     return t
+
+
+def media_resolution_line(mr: dict[str, int]) -> str:
+    """e.g. "media found by stem 9,998,812 · by name 12 · by basename 0; unreferenced members 3"."""
+    found = " · ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in mr.items() if k.startswith("by_"))
+    return f"media found {found}; unreferenced members {mr.get('unreferenced_members', 0):,}"
