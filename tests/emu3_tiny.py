@@ -94,7 +94,7 @@ def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def emu3_tok_dir(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
 
     return build_tiny_emu3_tokenizer(tmp_path_factory.mktemp("emu3_tok") / "tok")
 

@@ -24,13 +24,17 @@ batcher shifts them (see batch.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.task_encoding import ConversationError, TokenSequence
+from mmdata.energon_loaders.task_encoding import apply_length_policy as apply_length_policy  # re-export
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
+
+#: the token sequence of one LLaVA-OV sample (ids, unshifted labels, media spans)
+ChatTokens = TokenSequence
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -45,25 +49,6 @@ def with_video_placeholder(conversations: Sequence[dict]) -> list[dict]:
                 t["value"] = f"{VIDEO_TOKEN}\n{t['value']}"
                 break
     return out
-
-
-class ConversationError(ValueError):
-    """A conversation that cannot be rendered (unknown role, placeholder/media count mismatch)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass
-class ChatTokens:
-    input_ids: np.ndarray  # [L] int64, media expanded
-    labels: np.ndarray  # [L] int64, unshifted targets, IGNORE_INDEX where no loss
-    #: per media, in stream order: (kind "image"|"video", start position, length)
-    media_spans: list[tuple[str, int, int]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 class ChatTokenizer:
@@ -164,23 +149,3 @@ class ChatTokenizer:
                 f"({len(image_token_counts)} images, {len(video_token_counts)} videos)",
             )
         return ChatTokens(np.concatenate(ids_out), np.concatenate(labels_out), media_spans)
-
-
-@dataclass
-class TruncationResult:
-    tokens: ChatTokens | None  # None when the sample must be dropped
-    outcome: str  # "fits" | "truncated" | "too_long_media" | "no_loss_after_truncation"
-
-
-def apply_length_policy(tokens: ChatTokens, max_length: int) -> TruncationResult:
-    """Over-length policy: cut trailing text tokens to `max_length` if the cut is after the last
-    media token and leaves at least one loss token; otherwise drop (never cut an image)."""
-    if len(tokens) <= max_length:
-        return TruncationResult(tokens, "fits")
-    media_end = max((start + n for _, start, n in tokens.media_spans), default=0)
-    if media_end > max_length:
-        return TruncationResult(None, "too_long_media")
-    labels = tokens.labels[:max_length]
-    if not (labels != IGNORE_INDEX).any():
-        return TruncationResult(None, "no_loss_after_truncation")
-    return TruncationResult(ChatTokens(tokens.input_ids[:max_length], labels, tokens.media_spans), "truncated")
