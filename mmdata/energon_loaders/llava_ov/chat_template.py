@@ -29,8 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmdata.energon_loaders.task_encoding import ConversationError, TokenSequence
-from mmdata.energon_loaders.task_encoding import apply_length_policy as apply_length_policy  # re-export
+from mmdata.energon_loaders.sequence import ConversationError, TokenSequence
+from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
 
 #: the token sequence of one LLaVA-OV sample (ids, unshifted labels, media spans)

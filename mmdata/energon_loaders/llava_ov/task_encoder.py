@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
