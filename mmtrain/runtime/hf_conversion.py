@@ -171,3 +171,56 @@ def copy_recorded_assets(ckpt_dir: str | os.PathLike, dst: str | os.PathLike) ->
         for f in assets.iterdir():
             if f.is_file() and f.name != SOURCE_CONFIG:
                 shutil.copy2(f, Path(dst) / f.name)
+
+
+# ----------------------------------------------------------------------------- HF weights, no files
+
+
+#: (HF dir) -> (model config, canonical-tensor getter) of a whole HF checkpoint, keys validated
+HFSource = Callable[[str | os.PathLike], tuple[Any, Callable[[str], Optional[torch.Tensor]]]]
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    """An HF model dir (config.json) rather than a megatron checkpoint dir (`latest`)."""
+    from mmtrain.runtime.checkpoint.layout import LATEST
+
+    p = Path(path)
+    return (p / "config.json").is_file() and not (p / LATEST).exists()
+
+
+def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
+                       hf_source: HFSource, iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
+    """(model config, unsharded eval-less model) from a megatron checkpoint dir or an HF dir
+    (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init)."""
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.runtime.distributed import ensure_model_parallel
+
+    if not is_hf_dir(ckpt_dir):
+        return load_unsharded(ckpt_dir, config_cls, build_stage, iteration)
+    ensure_model_parallel(1, 1)
+    cfg, get = hf_source(ckpt_dir)
+    model = build_stage(cfg, ParallelOptions(perform_initialization=False))
+    load_canonical(model, get)
+    return cfg, model
+
+
+def load_hf_into_chunks(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf_source: HFSource,
+                        expect: Any = None, architecture_keys: tuple[str, ...] = (),
+                        tied_output_source: Callable[[Any], Optional[str]] = lambda cfg: None) -> None:
+    """Fill (possibly TP/PP-sharded) model chunks straight from an HF dir (a recipe's
+    `checkpoint.load`), after checking its config against the recipe's model config on the
+    family's architecture keys (naming the key that differs). `tied_output_source(cfg)`: see
+    `model_io.load_canonical`."""
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.models.state_dict_adapter import ConversionError
+    from mmtrain.runtime.checkpoint.layout import unwrap
+
+    cfg, get = hf_source(hf_dir)
+    for key in architecture_keys if expect is not None else ():
+        if getattr(expect, key) != getattr(cfg, key):
+            raise ConversionError(
+                f"{hf_dir}: HF config does not match the recipe: model.{key} is {getattr(expect, key)} in the recipe, "
+                f"{getattr(cfg, key)} in the HF checkpoint"
+            )
+    for chunk in model_chunks:
+        load_canonical(unwrap(chunk), get, tied_output_source=tied_output_source(cfg))
