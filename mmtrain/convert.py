@@ -45,7 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmtrain.models.state_dict_adapter import ConversionError
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _convert(args)
+    except (ConversionError, FileNotFoundError) as exc:  # bad input: told in one line
+        return _usage_error(str(exc))
+
+
+def _convert(args: argparse.Namespace) -> int:
     hf = registry.get_family(args.model).hf
     parts = {flag: getattr(args, flag) for flag in _flags("assemble_from") if getattr(args, flag) is not None}
     extras = {flag: getattr(args, flag) for flag in _flags("export_from") if getattr(args, flag) is not None}

@@ -134,7 +134,10 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
-        template["vocabulary_map"] = AutoTokenizer.from_pretrained(tokenizer).get_vocab()
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        template["vocabulary_map"] = tok.get_vocab()
+        template["text_config"] = {**template.get("text_config", {}), "pad_token_id": tok.pad_token_id,
+                                   "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
     if "vocabulary_map" not in template:
         raise ConversionError(f"{src}: no vocabulary map recorded; give --tokenizer TOKENIZER_DIR (the Emu3 tokenizer)")
     cfg, model = load_unsharded(src, Emu3ModelConfig, build_stage)
