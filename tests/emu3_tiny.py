@@ -152,7 +152,7 @@ def hf_codes(proc, vq, image: Image.Image) -> np.ndarray:
 
 
 def tiny_hf_emu3(tok, vq_dir, *, layers: int = 1, hidden: int = 32, heads: int = 2, kv_heads: int = 1,
-                 seed: int = 0, noise: float = 0.0):
+                 seed: int = 0, noise: float = 0.0, max_positions: int = 2048):
     """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights;
     `noise` perturbs every text-model tensor (norms and all) so conversions cannot pass by luck."""
     import torch
@@ -162,7 +162,7 @@ def tiny_hf_emu3(tok, vq_dir, *, layers: int = 1, hidden: int = 32, heads: int =
     vq = Emu3VQVAE.from_pretrained(vq_dir)
     text = Emu3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                          max_position_embeddings=2048, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                          max_position_embeddings=max_positions, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.eos_token_id, attention_dropout=0.0)
     config = Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
     model = Emu3ForConditionalGeneration(config).eval()
