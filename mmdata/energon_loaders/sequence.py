@@ -1,9 +1,11 @@
-"""One sample's token stream before packing (ids, unshifted loss targets, media spans) and the
-over-length policy every family applies to it. Light (numpy only): recipe code may import it."""
+"""One sample's token stream before packing (ids, unshifted loss targets, media spans), the
+over-length policy every family applies to it, and a record's conversation as (role, text)
+turns. Light (numpy only): recipe code may import it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -50,3 +52,31 @@ def apply_length_policy(tokens: TokenSequence, max_length: int) -> TruncationRes
     if not (labels != IGNORE_INDEX).any():
         return TruncationResult(None, "no_loss_after_truncation")
     return TruncationResult(TokenSequence(tokens.input_ids[:max_length], labels, tokens.media_spans), "truncated")
+
+
+#: LLaVA / ShareGPT turn names -> chat roles
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def turn_role(turn: dict) -> str | None:
+    """The chat role of one record turn (`from` or `role`), None when unknown."""
+    return ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
+
+
+def conversation_turns(conversations: Sequence[dict], system_prompt: str) -> list[tuple[str, str]]:
+    """A record's turns -> [(role, text)], `system_prompt` first unless the record has its own
+    system turn; ConversationError for an unknown role, a non-string value or a late system turn."""
+    out: list[tuple[str, str]] = []
+    for i, turn in enumerate(conversations):
+        role = turn_role(turn)
+        if role is None:
+            raise ConversationError("bad_role", f"turn {i}: unknown role {turn.get('from')!r}")
+        value = turn.get("value", turn.get("content"))
+        if not isinstance(value, str):
+            raise ConversationError("bad_turn", f"turn {i}: value is not a string")
+        if role == "system" and i != 0:
+            raise ConversationError("bad_role", f"turn {i}: system turn not first")
+        out.append((role, value))
+    if not out or out[0][0] != "system":
+        out.insert(0, ("system", system_prompt))
+    return out

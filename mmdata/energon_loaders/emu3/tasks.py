@@ -38,11 +38,10 @@ import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.serialize import IMAGE_PLACEHOLDER, Emu3Vocab, hf_text_encoder, image_ids
-from mmdata.energon_loaders.sequence import ConversationError, TokenSequence
+from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, turn_role
 
 #: the Emu3 reference's system prompt
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER) + r"\n?")
 
 UNDERSTANDING = "understanding"
@@ -54,10 +53,10 @@ def generation_caption(conversations: Sequence[dict], num_images: int) -> str | 
     """The caption of a record usable for text-to-image: exactly one image and one exchange
     (a human turn, then the answer describing the image, e.g. a captioning record); the answer
     is the caption. None for anything else (multi-turn, several or no images)."""
-    turns = [t for t in conversations if ROLE_MAP.get(str(t.get("from", t.get("role", ""))).lower()) != "system"]
+    turns = [t for t in conversations if turn_role(t) != "system"]
     if num_images != 1 or len(turns) != 2:
         return None
-    roles = [ROLE_MAP.get(str(t.get("from", t.get("role", ""))).lower()) for t in turns]
+    roles = [turn_role(t) for t in turns]
     answer = turns[1].get("value", turns[1].get("content"))
     if roles != ["user", "assistant"] or not isinstance(answer, str) or not answer.strip():
         return None
@@ -79,21 +78,9 @@ class Emu3Tasks:
 
     def messages(self, conversations: Sequence[dict]) -> list[tuple[str, str]]:
         """LLaVA turns -> [(role, text)], the default system prompt first unless one is given."""
-        out: list[tuple[str, str]] = []
-        for i, turn in enumerate(conversations):
-            role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
-            if role is None:
-                raise ConversationError("bad_role", f"turn {i}: unknown role {turn.get('from')!r}")
-            value = turn.get("value", turn.get("content"))
-            if not isinstance(value, str):
-                raise ConversationError("bad_turn", f"turn {i}: value is not a string")
-            if role == "system" and i != 0:
-                raise ConversationError("bad_role", f"turn {i}: system turn not first")
-            if role == "assistant" and IMAGE_PLACEHOLDER in value:
-                raise ConversationError("media_in_assistant", f"turn {i}: image placeholder in an assistant turn")
-            out.append((role, value))
-        if not out or out[0][0] != "system":
-            out.insert(0, ("system", self.system_prompt))
+        out = conversation_turns(conversations, self.system_prompt)
+        if any(role == "assistant" and IMAGE_PLACEHOLDER in value for role, value in out):
+            raise ConversationError("media_in_assistant", "image placeholder in an assistant turn")
         return out
 
     def render(self, conversations: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -29,14 +29,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmdata.energon_loaders.sequence import ConversationError, TokenSequence
+from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns
 from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
 
 #: the token sequence of one LLaVA-OV sample (ids, unshifted labels, media spans)
 ChatTokens = TokenSequence
-
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 def with_video_placeholder(conversations: Sequence[dict]) -> list[dict]:
@@ -72,20 +70,7 @@ class ChatTokenizer:
 
     def messages(self, conversations: Sequence[dict]) -> list[dict[str, str]]:
         """LLaVA turns -> [{role, content}], default system prompt first unless one is given."""
-        out: list[dict[str, str]] = []
-        for i, turn in enumerate(conversations):
-            role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
-            if role is None:
-                raise ConversationError("bad_role", f"turn {i}: unknown role {turn.get('from')!r}")
-            value = turn.get("value", turn.get("content"))
-            if not isinstance(value, str):
-                raise ConversationError("bad_turn", f"turn {i}: value is not a string")
-            if role == "system" and i != 0:
-                raise ConversationError("bad_role", f"turn {i}: system turn not first")
-            out.append({"role": role, "content": value})
-        if not out or out[0]["role"] != "system":
-            out.insert(0, {"role": "system", "content": self.system_prompt})
-        return out
+        return [{"role": r, "content": v} for r, v in conversation_turns(conversations, self.system_prompt)]
 
     def render(self, conversations: Sequence[dict]) -> str:
         return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in self.messages(conversations))
