@@ -6,7 +6,6 @@ and task-forcing blends, over token shards of the demo's kind of data."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
