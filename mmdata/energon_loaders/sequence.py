@@ -80,3 +80,14 @@ def conversation_turns(conversations: Sequence[dict], system_prompt: str) -> lis
     if not out or out[0][0] != "system":
         out.insert(0, ("system", system_prompt))
     return out
+
+
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids of `text` without added specials and each token's character span (the fast backend
+    when the tokenizer has one), so a chat renderer can give loss to character ranges."""
+    fast = getattr(tokenizer, "backend_tokenizer", None)
+    if fast is not None:
+        enc = fast.encode(text, add_special_tokens=False)
+        return list(enc.ids), list(enc.offsets)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]

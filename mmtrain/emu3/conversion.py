@@ -111,10 +111,10 @@ def keep_vq(hf_dir: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1) -> Emu3ModelConfig:
-    cfg, _ = emu3_source(src)  # validate before starting any rank
-    import_to_mcore(ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp))
+    cfg, _ = emu3_source(src)  # validate the text model before starting any rank...
     assets = record_source(dst, [src], read_config(src))
-    keep_vq(src, assets / VQ_DIR)
+    keep_vq(src, assets / VQ_DIR)  # ...and the VQ (refused with a reason, e.g. no processor config)
+    import_to_mcore(ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp))
     return cfg
 
 

@@ -55,8 +55,8 @@ class Emu3StateDictAdapter(StateDictAdapter):
         return normalize_emu3_hf_key(key)
 
 
-def emu3_config_from_hf(hf: dict, base: Optional[Emu3ModelConfig] = None) -> Emu3ModelConfig:
-    """`Emu3Config` (config.json dict) -> Emu3ModelConfig (padding and dtype from `base`)."""
+def emu3_config_from_hf(hf: dict) -> Emu3ModelConfig:
+    """`Emu3Config` (config.json dict) -> Emu3ModelConfig (default padding multiple and dtype)."""
     archs = hf.get("architectures") or ["Emu3ForConditionalGeneration"]
     if hf.get("model_type") != "emu3" or "Emu3ForConditionalGeneration" not in archs:
         raise ConversionError(f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected emu3 / "
@@ -64,10 +64,7 @@ def emu3_config_from_hf(hf: dict, base: Optional[Emu3ModelConfig] = None) -> Emu
     text = dict(hf.get("text_config") or {})
     text.setdefault("model_type", "emu3_text_model")
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-    llm = llama_config_from_hf(text, "text_config", model_types=("emu3_text_model",))
-    out = Emu3ModelConfig() if base is None else Emu3ModelConfig(**{**vars(base)})
-    out.llm = llm
-    return out
+    return Emu3ModelConfig(llm=llama_config_from_hf(text, "text_config", model_types=("emu3_text_model",)))
 
 
 def hf_config_from_emu3(cfg: Emu3ModelConfig, template: Optional[dict] = None) -> dict:

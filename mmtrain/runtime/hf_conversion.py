@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,7 +50,6 @@ class ImportJob:
     fresh_init: bool = False
     seed: int = 1234
     threads: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 def import_to_mcore(job: ImportJob) -> None:
@@ -112,13 +111,12 @@ def load_unsharded(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: B
                    iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
     """(model config, model) of a megatron checkpoint at TP=1/PP=1, in this process, weights
     loaded (no random init)."""
+    from mmtrain.runtime.checkpoint.weights import load_model_weights
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     cfg = saved_model_config(ckpt_dir, config_cls, iteration)
     model = build_stage(cfg, ParallelOptions(perform_initialization=False))
-    from mmtrain.runtime.checkpoint.weights import load_model_weights
-
     load_model_weights([model], ckpt_dir, iteration)
     return cfg, model
 
@@ -190,7 +188,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 
 def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
                        hf_source: HFSource, iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
-    """(model config, unsharded eval-less model) from a megatron checkpoint dir or an HF dir
+    """(model config, unsharded model) from a megatron checkpoint dir or an HF dir
     (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init)."""
     from mmtrain.models.model_io import load_canonical
     from mmtrain.runtime.distributed import ensure_model_parallel

@@ -38,7 +38,13 @@ import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.serialize import IMAGE_PLACEHOLDER, Emu3Vocab, hf_text_encoder, image_ids
-from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, turn_role
+from mmdata.energon_loaders.sequence import (
+    ConversationError,
+    TokenSequence,
+    conversation_turns,
+    encode_with_offsets,
+    turn_role,
+)
 
 #: the Emu3 reference's system prompt
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -71,7 +77,6 @@ class Emu3Tasks:
         self.vocab = Emu3Vocab.from_tokenizer(tokenizer)
         self.system_prompt = system_prompt
         self.encode_text = hf_text_encoder(tokenizer)
-        self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self.eos_text = tokenizer.convert_ids_to_tokens(self.vocab.eos)
 
     # -- understanding -----------------------------------------------------------------------
@@ -101,16 +106,9 @@ class Emu3Tasks:
                 text += " "
         return text, loss
 
-    def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        if self._fast is not None:
-            enc = self._fast.encode(text, add_special_tokens=False)
-            return list(enc.ids), list(enc.offsets)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-
     def understanding(self, conversations: Sequence[dict], grids: Sequence[np.ndarray]) -> TokenSequence:
         text, loss = self.render(conversations)
-        ids, offsets = self._encode_with_offsets(text)
+        ids, offsets = encode_with_offsets(self.tokenizer, text)
         v = self.vocab
         out_ids: list[np.ndarray] = [np.array([v.bos], dtype=np.int64)]
         out_labels: list[np.ndarray] = [np.array([IGNORE_INDEX], dtype=np.int64)]

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns
+from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, encode_with_offsets
 from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
 
@@ -55,7 +55,6 @@ class ChatTokenizer:
     def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self._fast = getattr(tokenizer, "backend_tokenizer", None)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN)}
         missing = [t for t, i in ids.items() if i is None or i == getattr(tokenizer, "unk_token_id", -1)]
         if missing:
@@ -77,13 +76,6 @@ class ChatTokenizer:
 
     # -- tokenization ------------------------------------------------------------------------
 
-    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        if self._fast is not None:
-            enc = self._fast.encode(text, add_special_tokens=False)
-            return list(enc.ids), list(enc.offsets)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-
     def tokenize(
         self,
         conversations: Sequence[dict],
@@ -99,7 +91,7 @@ class ChatTokenizer:
         for msg in self.messages(conversations):
             header = f"{IM_START}{msg['role']}\n"
             text = f"{header}{msg['content']}{IM_END}\n"
-            ids, offsets = self._encode(text)
+            ids, offsets = encode_with_offsets(self.tokenizer, text)
             is_assistant = msg["role"] == "assistant"
             loss_end = len(text) - 1  # content + <|im_end|>, not the final "\n"
             for tok_i, (tid, (start, end)) in enumerate(zip(ids, offsets)):
