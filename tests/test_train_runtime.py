@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1,
-          expect_rc: int = 0) -> subprocess.CompletedProcess:
+          expect_rc: int = 0, command: list[str] = MMTRAIN) -> subprocess.CompletedProcess:
     args = [
         f"run_dir={run_dir}",
         f"data.paths=[{shards}]",
@@ -57,7 +57,7 @@ def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: 
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(MMTRAIN + args, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != expect_rc:
         raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

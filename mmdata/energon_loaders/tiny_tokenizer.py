@@ -143,9 +143,9 @@ def add_arguments(parser) -> None:  # `mmdata tiny-tokenizer`
 
 def run(args) -> int:
     if args.family == "emu3":
-        from mmdata.energon_loaders import tiny_emu3_tokenizer
+        from mmdata.energon_loaders.emu3 import tiny_tokenizer
 
-        return tiny_emu3_tokenizer.run(args)
+        return tiny_tokenizer.run(args)
     if args.codebook_size is not None:
         print("error: --codebook-size applies to --family emu3 only", file=sys.stderr)
         return 2

@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
 from mmtrain.llava_ov.layout import pack_media_features
@@ -29,9 +28,10 @@ from mmtrain.llava_ov.projector import build_projector, projector_transformer_co
 from mmtrain.llava_ov.vision import SiglipVisionModel, vision_transformer_config
 from mmtrain.models.language_model import (
     build_language_model,
-    packed_seq_params,
+    decoder_output,
+    embed_packed,
     restore_tp_attributes,
-    vocab_parallel_loss,
+    sequence_parallel_input,
 )
 from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs, language_transformer_config
 
@@ -101,7 +101,7 @@ class LlavaOVModel(MegatronModule):
 
     def _decoder_input(self, batch: LlavaOVBatch) -> torch.Tensor:
         ids = batch.input_ids.reshape(1, -1)  # THD: one stream
-        emb = self.language_model.embedding(input_ids=ids, position_ids=None)  # [B*S, 1, h]
+        emb = embed_packed(self.language_model, ids)  # [B*S, 1, h]
         media_mask = (ids[0] == self.cfg.image_token_id) | (ids[0] == self.cfg.video_token_id)
         n_pos = int(media_mask.sum())
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
@@ -114,33 +114,10 @@ class LlavaOVModel(MegatronModule):
             emb[media_mask.nonzero(as_tuple=True)[0], 0] = media
         elif n_pos:
             raise ValueError(f"input_ids hold {n_pos} image/video placeholder tokens but the batch has no pixel_values")
-        if self.config.sequence_parallel:
-            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
-        return emb
+        return sequence_parallel_input(emb, self.config)
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: LlavaOVBatch, return_logits: bool = False) -> torch.Tensor:
-        b, s = batch.input_ids.shape
         decoder_input = self._decoder_input(batch) if self.pre_process else None
-        labels = None
-        # padded vocab rows would enter the softmax with logit 0: mask them (only when padded)
-        mask_pad = self.padded_vocab_size > self.cfg.llm.vocab_size
-        if self.post_process and not return_logits and not mask_pad:
-            labels = batch.labels.reshape(1, -1).clamp(min=0)  # IGNORE_INDEX masked below
-        out = self.language_model(
-            input_ids=None,
-            position_ids=None,
-            attention_mask=None,
-            decoder_input=decoder_input,
-            labels=labels,
-            packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.max_seqlen),
-            runtime_gather_output=True if return_logits else None,
-        )
-        if not self.post_process:
-            return out
-        if return_logits:
-            return out.reshape(b, s, -1)[..., : self.cfg.llm.vocab_size]
-        if mask_pad:
-            out = vocab_parallel_loss(out, batch.labels.reshape(1, -1).clamp(min=0), self.cfg.llm.vocab_size)
-        loss = out.reshape(b, s)
-        return loss * (batch.labels != IGNORE_INDEX).to(loss.dtype)
+        return decoder_output(self.language_model, decoder_input, batch.labels, batch.cu_seqlens, batch.max_seqlen,
+                              true_vocab=self.cfg.llm.vocab_size, return_logits=return_logits)

@@ -1,6 +1,7 @@
 """The decoder as a megatron-core `GPTModel` on the local layer spec, and the pieces around it
-every family's model uses: THD packed-sequence parameters, the LM loss over the true (unpadded)
-vocabulary, and megatron's TP tags for models built without random init.
+every family's model uses: token embedding of a packed batch, THD packed-sequence parameters,
+the decoder run to per-token loss (over the true, unpadded vocabulary) or logits, HF-style
+attention masks as packed segments, and megatron's TP tags for models built without random init.
 
 Packed sequences run in megatron's THD layout: the [B, S] batch is flattened to one [B*S] stream
 and `cu_seqlens` (one segment per packed sample / padding run) drives both RoPE (positions
@@ -18,6 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmtrain.models.layer_specs import transformer_layer_spec
 from mmtrain.models.lm_config import LLMConfig
 from mmtrain.models.norm import TorchNorm
@@ -63,6 +65,79 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedSeqPar
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
         max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen),
     )
+
+
+def embed_packed(language_model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token embeddings of a [B, S] batch as one THD stream [B*S, 1, h] (not yet scattered for
+    sequence parallelism: a family may still place media features into it)."""
+    return language_model.embedding(input_ids=input_ids.reshape(1, -1), position_ids=None)
+
+
+def sequence_parallel_input(decoder_input: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """The decoder input as the first layer expects it: this rank's sequence slice under SP."""
+    if config.sequence_parallel:
+        return tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
+    return decoder_input
+
+
+def decoder_output(
+    language_model: GPTModel,
+    decoder_input: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    true_vocab: int,
+    return_logits: bool = False,
+) -> torch.Tensor:
+    """Run the decoder stage on a packed [B, S] batch (one THD stream).
+
+    Last stage: the per-token loss [B, S] (0 where the label is IGNORE_INDEX) or, with
+    `return_logits`, logits [B, S, true_vocab] gathered over TP. Other stages: the hidden states
+    for the next one. Padded vocabulary rows would enter the softmax with logit 0, so when the
+    table is padded the loss is computed over the true vocabulary only."""
+    b, s = labels.shape
+    post_process = language_model.post_process
+    mask_pad = language_model.vocab_size > true_vocab
+    mc_labels = None
+    if post_process and not return_logits and not mask_pad:
+        mc_labels = labels.reshape(1, -1).clamp(min=0)  # IGNORE_INDEX masked below
+    out = language_model(
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        decoder_input=decoder_input,
+        labels=mc_labels,
+        packed_seq_params=packed_seq_params(cu_seqlens, max_seqlen),
+        runtime_gather_output=True if return_logits else None,
+    )
+    if not post_process:
+        return out
+    if return_logits:
+        return out.reshape(b, s, -1)[..., :true_vocab]
+    if mask_pad:
+        out = vocab_parallel_loss(out, labels.reshape(1, -1).clamp(min=0), true_vocab)
+    loss = out.reshape(b, s)
+    return loss * (labels != IGNORE_INDEX).to(loss.dtype)
+
+
+def segments_from_attention_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An HF-style [B, S] attention mask (1 = token, right padding) -> (cu_seqlens over the
+    flattened B*S stream with one segment per row's tokens and one per its padding, position ids
+    restarting per row), so HF-style calls run as packed batches."""
+    b, s = attention_mask.shape
+    lens: list[int] = []
+    pos = torch.zeros((b, s), dtype=torch.long)
+    for r in range(b):
+        row = attention_mask[r].to(torch.bool)
+        valid = int(row.sum())
+        if valid and not bool(row[:valid].all()):
+            raise ValueError(
+                f"attention_mask row {r} is left-padded or holey; use right padding (processor padding_side='right')"
+            )
+        lens += [valid] if valid == s else ([valid, s - valid] if valid else [s])
+        pos[r, :valid] = torch.arange(valid)
+    return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32), pos
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, true_vocab: int) -> torch.Tensor:

@@ -139,10 +139,17 @@ class ParamCounts:
     decoder_embedding: int
     decoder_layers: int
     trainable: dict[str, int] = field(default_factory=dict)
+    #: parameters in the rows megatron adds to pad the vocabulary (embedding and untied head)
+    vocab_padding: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.parts.values())
+
+    @property
+    def unpadded_total(self) -> int:
+        """The count of the model with its true vocabulary: what the HF checkpoint holds (numel)."""
+        return self.total - self.vocab_padding
 
     @property
     def total_trainable(self) -> int:
@@ -160,7 +167,8 @@ def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> Pa
     layers = d.layers * decoder_layer_params(d)
     parts[shapes.decoder_part] = parts.get(shapes.decoder_part, 0) + emb + layers + d.hidden + (0 if d.tied else emb)
     trainable = {k: (0 if k in freeze else n) for k, n in parts.items()}
-    return ParamCounts(parts, emb, layers, trainable)
+    padding = (d.padded_vocab(tp) - d.vocab) * d.hidden * (1 if d.tied else 2)
+    return ParamCounts(parts, emb, layers, trainable, padding)
 
 
 # ----------------------------------------------------------------------------- layout

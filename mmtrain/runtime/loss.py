@@ -13,7 +13,8 @@ spike can be traced to the samples that caused it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -78,3 +79,16 @@ def lm_loss_sums(reports: list[dict[str, Any]], device: torch.device | str) -> t
         lm = report["lm loss"].detach().to(device=device, dtype=torch.float64)
         total += lm if lm.numel() == 2 else torch.stack([lm.sum(), lm.new_ones(())])
     return total
+
+
+def packed_forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """megatron forward step `(data_iterator, model) -> (output, loss_fn)` for a family whose
+    model stage is called on its batch and returns the per-token loss `[B, S]` on the last stage:
+    the loss is summed over the real (label != IGNORE_INDEX) tokens with their count
+    (`masked_loss_sum`)."""
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    from mmtrain.runtime.distributed import compute_device
+
+    batch = next(data_iterator).to(compute_device())
+    output = model(batch)
+    return output, functools.partial(masked_loss_sum, loss_mask=batch.labels != IGNORE_INDEX)
