@@ -3,6 +3,7 @@
   mmtrain FAMILY RECIPE [a.b=c ...]     train (or dry_run / auto_tune) a model family; the
                                         families are those in mmtrain/registry.py
   mmtrain convert ...                   HF <-> megatron checkpoint conversion
+  mmtrain generate FAMILY ...           generate from a checkpoint (Emu3 images, LLaVA-OV answers)
   mmtrain worst-samples RUN_DIR ...     ids of the highest-loss samples of a step
 """
 
@@ -13,6 +14,7 @@ import functools
 import sys
 
 from mmtrain import convert, registry
+from mmtrain.generation import cli as generation_cli
 from mmtrain.runtime import launch, metrics
 
 
@@ -32,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     convert.add_arguments(p)
     p.set_defaults(run=convert.run)
+    p = sub.add_parser("generate", help="generate from a checkpoint: Emu3 images (batched CFG), LLaVA-OV answers",
+                       description=(generation_cli.__doc__ or "").strip(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    generation_cli.add_arguments(p)
     p = sub.add_parser("worst-samples", help="print the ids of the worst samples of a step",
                        description=(metrics.__doc__ or "").strip(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -49,6 +49,25 @@ class HFConversion:
 
 
 @dataclass(frozen=True)
+class GenerationSpec:
+    """What `mmtrain generate <family>` needs from a family; the shared command
+    (mmtrain/generation/cli.py) parses the common options (checkpoint, sampling, batch size,
+    device, dtype), checks the checkpoint is this family's, runs the engine and shows progress."""
+
+    #: one line for `mmtrain generate --help`
+    help: str
+    #: (argparse parser) -> None: the family's own options (prompts, images, guidance, outputs)
+    add_arguments: Callable[[Any], None]
+    #: (args, CheckpointRef, Placement) -> GenerationJob (mmtrain.generation.engine): loads the
+    #: model and its assets (refusing missing ones before the model loads), builds the requests
+    prepare: Callable[..., Any]
+    #: defaults of the shared sampling options, e.g. {"temperature": 1.0, "top_k": 2048}
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    #: `model_type`s of this family's HF config.json (an HF dir of another type is refused)
+    hf_model_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     #: CLI subcommand and the recipe's `family:` value, e.g. "llava-ov"
     name: str
@@ -89,6 +108,7 @@ class FamilySpec:
     # ---- checkpoints and inference --------------------------------------------------------
     #: HF <-> megatron conversion; None: the family has no HF counterpart
     hf: Optional[HFConversion] = None
-    #: one decoding step for `mmtrain generate` (next issues); None: no generation yet
-    generation_step: Optional[Callable[..., Any]] = None
+    #: `mmtrain generate <family>`: prompts, logits processors, outputs around the shared
+    #: engine (mmtrain/generation/); None: the family cannot generate
+    generation: Optional["GenerationSpec"] = None
 

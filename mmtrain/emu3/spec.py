@@ -11,7 +11,8 @@ from mmdata.energon_loaders.emu3.batch import Emu3Batch
 from mmtrain.config.schema import Recipe
 from mmtrain.emu3.config import ARCHITECTURE_KEYS, Emu3DataConfig, Emu3ModelConfig, check_recipe
 from mmtrain.planning.cost_model import DecoderShape, ModelShapes
-from mmtrain.spec import FamilySpec, HFConversion
+from mmtrain.emu3 import generate_cli
+from mmtrain.spec import FamilySpec, GenerationSpec, HFConversion
 
 #: one trainable part: the decoder (embedding, layers, final norm, output layer)
 PARTS = {"llm": ("language_model",)}
@@ -100,5 +101,12 @@ EMU3 = FamilySpec(
             "vq": "the VQ model (an Emu3VQVAE dir or an HF Emu3 dir) when the checkpoint keeps none",
             "tokenizer": "the Emu3 tokenizer dir (vocabulary map, tokenizer files) when the checkpoint keeps none",
         },
+    ),
+    generation=GenerationSpec(
+        help="text-to-image with batched classifier-free guidance, decoded to PNG by the VQ model",
+        add_arguments=generate_cli.add_arguments,
+        prepare=generate_cli.prepare,
+        sampling_defaults=generate_cli.SAMPLING_DEFAULTS,
+        hf_model_types=("emu3",),
     ),
 )

@@ -111,8 +111,20 @@ def image_ids(grid: np.ndarray, vocab: Emu3Vocab, encode_text: TextEncoder) -> n
     rows = np.empty((h, w + 1), dtype=np.int64)
     rows[:, :w] = vocab.visual[grid.astype(np.int64)]
     rows[:, w] = vocab.eol
+    return np.concatenate([image_header(h, w, vocab, encode_text), rows.ravel(), [vocab.eof, vocab.eoi]])
+
+
+def image_header(h: int, w: int, vocab: Emu3Vocab, encode_text: TextEncoder) -> np.ndarray:
+    """`[boi] "H*W" [img]`: what precedes the rows of an (h, w) grid."""
     size = np.asarray(encode_text(f"{h}*{w}"), dtype=np.int64)
-    return np.concatenate([[vocab.boi], size, [vocab.img], rows.ravel(), [vocab.eof, vocab.eoi]])
+    return np.concatenate([[vocab.boi], size, [vocab.img]]).astype(np.int64)
+
+
+def generation_prompt(text: str, h: int, w: int, vocab: Emu3Vocab, encode_text: TextEncoder) -> np.ndarray:
+    """`[bos] text [boi] "H*W" [img]`: the prompt of an (h, w) image (transformers'
+    `Emu3Processor(return_for_image_generation=True)`); the model generates the rows next."""
+    head = np.asarray([vocab.bos, *encode_text(text)] if text else [vocab.bos], dtype=np.int64)
+    return np.concatenate([head, image_header(h, w, vocab, encode_text)])
 
 
 def serialize(text: str, grids: Sequence[np.ndarray], vocab: Emu3Vocab, encode_text: TextEncoder, *,

@@ -1,0 +1,135 @@
+"""`mmtrain generate emu3`: the family's options, prompt files, PNG and token-grid outputs.
+Light at import (the CLI builds its parser from it); the model code loads in `prepare`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+#: the Emu3 reference's text-to-image sampling: top-k 2048 at temperature 1
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 2048}
+DEFAULT_CFG_SCALE = 3.0
+DEFAULT_SIZE = 512
+PROMPT_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "cfg_scale"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("emu3 text-to-image")
+    what = g.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the caption of the image to generate")
+    what.add_argument("--prompts", metavar="FILE",
+                      help="one prompt per line, or a .jsonl file of {\"prompt\", optional \"negative_prompt\", "
+                           "\"seed\", \"height\", \"width\", \"cfg_scale\"}: one PNG each, and DIR/images.jsonl "
+                           "with the token grids")
+    g.add_argument("--negative-prompt", default="",
+                   help="caption of the unconditional (guidance) row; default empty, the caption drop training uses")
+    g.add_argument("--cfg-scale", type=float, default=DEFAULT_CFG_SCALE,
+                   help="classifier-free guidance: uncond + s * (cond - uncond) on log-probs; 1 = none, "
+                        "0 = the negative prompt alone (default %(default)s)")
+    g.add_argument("--height", type=int, default=DEFAULT_SIZE,
+                   help="image height in pixels, a multiple of the VQ's spatial factor (8) (default %(default)s)")
+    g.add_argument("--width", type=int, default=DEFAULT_SIZE, help="image width in pixels (default %(default)s)")
+    g.add_argument("--output", default=None,
+                   help="--prompt: the PNG to write (default emu3.png); --prompts: the directory for "
+                        "NNNNNN.png and images.jsonl (default emu3_images)")
+    g.add_argument("--vq", metavar="DIR", default=None,
+                   help="VQ model (an Emu3VQVAE dir or an HF Emu3 dir); default: the checkpoint's own "
+                        "(an HF dir's, or a converted checkpoint's hf_assets/vq)")
+
+
+def read_prompts(args: argparse.Namespace) -> list[Any]:
+    """ImagePrompts from --prompt or --prompts (GenerationError naming the line on bad input)."""
+    from mmtrain.emu3.generation import ImagePrompt
+    from mmtrain.generation.checkpoint import GenerationError
+
+    base = dict(negative=args.negative_prompt, cfg_scale=args.cfg_scale, height=args.height, width=args.width)
+    if args.prompt is not None:
+        return [ImagePrompt(args.prompt, seed=args.seed, **base)]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise GenerationError(f"--prompts {path}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        seed = args.seed + len(out)
+        if path.suffix != ".jsonl":
+            out.append(ImagePrompt(line.strip(), seed=seed, **base))
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError('expected an object with a "prompt" string')
+            unknown = sorted(set(rec) - PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"unknown keys {unknown} (known: {sorted(PROMPT_KEYS)})")
+            out.append(ImagePrompt(
+                rec["prompt"], height=int(rec.get("height", args.height)), width=int(rec.get("width", args.width)),
+                negative=str(rec.get("negative_prompt", args.negative_prompt)),
+                cfg_scale=float(rec.get("cfg_scale", args.cfg_scale)), seed=int(rec.get("seed", seed))))
+        except (ValueError, TypeError) as exc:
+            raise GenerationError(f"--prompts {path}:{n}: {exc}") from None
+    if not out:
+        raise GenerationError(f"--prompts {path}: no prompts")
+    return out
+
+
+def vq_dir(args: argparse.Namespace, ref: Any) -> Path:
+    """--vq, else the checkpoint's own VQ; GenerationError when there is none (checked before
+    the model loads)."""
+    from mmdata.vision_tokens.vq import VQError, check_vq_dir
+    from mmtrain.emu3.generation import KEPT_VQ
+    from mmtrain.generation.checkpoint import GenerationError
+
+    if args.vq is not None:
+        d, where = Path(args.vq), f"--vq {args.vq}"
+    elif ref.is_hf:
+        d, where = ref.path, f"--checkpoint {ref.path} (an HF Emu3 dir: its vqmodel)"
+    elif ref.assets is not None and (ref.assets / KEPT_VQ / "config.json").is_file():
+        d, where = ref.assets / KEPT_VQ, f"the VQ model kept in {ref.assets / KEPT_VQ}"
+    else:
+        raise GenerationError(f"--checkpoint {ref.path} keeps no VQ model (no hf_assets/{KEPT_VQ}: it was not converted "
+                              "from an HF Emu3 dir), so generated tokens cannot become pixels; give --vq VQ_DIR "
+                              "(an Emu3VQVAE dir or an HF Emu3 dir)")
+    try:
+        check_vq_dir(d)
+    except VQError as exc:
+        raise GenerationError(f"{where}: {exc}") from None
+    return d
+
+
+def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> Any:
+    from mmtrain.emu3.generation import Emu3ImageGenerator
+    from mmtrain.generation.checkpoint import asset_dir
+    from mmtrain.generation.engine import GenerationJob
+
+    prompts = read_prompts(args)
+    vq = vq_dir(args, ref)
+    tokenizer = asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer")
+    generator = Emu3ImageGenerator(ref, placement, tokenizer_dir=tokenizer, vq_dir=vq)
+    requests = [generator.request(p) for p in prompts]
+    batch = args.prompts is not None
+    out = Path(args.output or ("emu3_images" if batch else "emu3.png"))
+
+    def finish(results: list) -> None:
+        images = generator.finish(prompts, results)
+        if not batch:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            images[0].image.save(out)
+            rows, cols = images[0].grid.shape
+            print(f"wrote {out} ({images[0].image.width}x{images[0].image.height} px, {rows}x{cols} codes, "
+                  f"{len(images[0].tokens)} tokens)")
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "images.jsonl", "w", encoding="utf-8") as f:
+            for i, (p, im) in enumerate(zip(prompts, images)):
+                name = f"{i:06d}.png"
+                im.image.save(out / name)
+                f.write(json.dumps({"index": i, "prompt": p.text, "negative_prompt": p.negative, "seed": p.seed,
+                                    "cfg_scale": p.cfg_scale, "height": p.height, "width": p.width, "png": name,
+                                    "grid": im.grid.tolist()}) + "\n")
+        print(f"wrote {len(images)} images and images.jsonl to {out}")
+
+    return GenerationJob(generator.model, requests, finish, unit="image")

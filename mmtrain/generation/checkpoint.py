@@ -1,0 +1,138 @@
+"""Which checkpoint `mmtrain generate` was given, before anything heavy loads: a megatron
+checkpoint dir (converted, or a training run's, at any TP/PP: dist-checkpointing reshards it
+to the single process generation runs in), a training run dir, or an HF dir; that it holds the
+asked family's model (another family's checkpoint is named as such); where its HF side files
+(tokenizer, processor, kept VQ...) are; and the device / dtype the model runs in."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+class GenerationError(ValueError):
+    """A user error (bad checkpoint, missing asset, bad option): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    #: what the family's loader takes: a megatron checkpoint dir (with `latest`) or an HF dir
+    path: Path
+    is_hf: bool
+    #: where the checkpoint's HF side files are (the HF dir itself, or a converted checkpoint's
+    #: `hf_assets/`); None when it has none (e.g. a checkpoint trained from scratch)
+    assets: Optional[Path]
+    iteration: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in which precision the model runs."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def resolve(cls, device: str = "auto", dtype: str = "auto") -> "Placement":
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise GenerationError("--device cuda: no CUDA device is available")
+        if dtype == "auto":
+            dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+        if dt is None:
+            raise GenerationError(f"--dtype {dtype}: expected auto, float32, bfloat16 or float16")
+        return cls(dev, dt)
+
+    def apply(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(device=self.device, dtype=self.dtype)
+
+
+def resolve_checkpoint(path: str | os.PathLike, family: str, iteration: Optional[int] = None) -> CheckpointRef:
+    """Check `path` holds a `family` model; GenerationError naming what it holds otherwise."""
+    from mmtrain.runtime.checkpoint.layout import LATEST, checkpoints_root
+    from mmtrain.runtime.hf_conversion import ASSETS_DIR, is_hf_dir
+
+    p = Path(path)
+    if not p.is_dir():
+        raise GenerationError(f"--checkpoint {p}: no such directory")
+    if not (p / LATEST).exists() and (checkpoints_root(p) / LATEST).exists():
+        p = checkpoints_root(p)  # a training run dir
+    if is_hf_dir(p):
+        _check_hf_family(p, family)
+        return CheckpointRef(p, True, p, iteration)
+    if not (p / LATEST).exists():
+        raise GenerationError(f"--checkpoint {p}: neither a megatron checkpoint dir (no '{LATEST}' file) "
+                              "nor an HF model dir (no config.json)")
+    _check_mcore_family(p, family, iteration)
+    assets = p / ASSETS_DIR
+    return CheckpointRef(p, False, assets if assets.is_dir() else None, iteration)
+
+
+def _families_with_generation() -> dict:
+    from mmtrain import registry
+
+    return {name: spec for name, spec in registry.FAMILIES.items() if spec.generation is not None}
+
+
+def _check_hf_family(p: Path, family: str) -> None:
+    try:
+        model_type = json.loads((p / "config.json").read_text()).get("model_type")
+    except ValueError as exc:
+        raise GenerationError(f"{p / 'config.json'}: not JSON ({exc})") from None
+    families = _families_with_generation()
+    if model_type in families[family].generation.hf_model_types:
+        return
+    owner = next((n for n, s in families.items() if model_type in s.generation.hf_model_types), None)
+    hint = f": that is a {owner} checkpoint (mmtrain generate {owner})" if owner else ""
+    raise GenerationError(f"--checkpoint {p}: config.json model_type is {model_type!r}, not a {family} model"
+                          f" ({', '.join(families[family].generation.hf_model_types)}){hint}")
+
+
+def _check_mcore_family(p: Path, family: str, iteration: Optional[int]) -> None:
+    from mmtrain.config.errors import RecipeError
+    from mmtrain.config.typed import from_plain
+    from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
+
+    try:
+        saved = load_model_config_dict(p, iteration)
+    except FileNotFoundError as exc:
+        raise GenerationError(f"--checkpoint {p}: {exc}") from None
+    families = _families_with_generation()
+    try:
+        from_plain(families[family].model_config_cls, saved, MODEL_CONFIG)
+        return
+    except RecipeError as exc:
+        problem = exc
+    for name, spec in families.items():
+        if name == family:
+            continue
+        try:
+            from_plain(spec.model_config_cls, saved, MODEL_CONFIG)
+        except RecipeError:
+            continue
+        raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} is a {name} model, not {family} "
+                              f"(mmtrain generate {name})")
+    raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} is not a {family} model: "
+                          f"{'; '.join(problem.errors[:3])}")
+
+
+def asset_dir(ref: CheckpointRef, override: Optional[str], what: str, flag: str) -> Path:
+    """The dir holding `what` (e.g. the tokenizer): `override` when given, else the checkpoint's
+    side files; GenerationError saying which flag to pass otherwise."""
+    if override is not None:
+        d = Path(override)
+        if not d.is_dir():
+            raise GenerationError(f"--{flag} {d}: no such directory")
+        return d
+    if ref.assets is None:
+        raise GenerationError(f"--checkpoint {ref.path} keeps no {what} (it was not converted from an HF dir); "
+                              f"give --{flag} DIR")
+    return ref.assets

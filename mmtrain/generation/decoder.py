@@ -1,0 +1,275 @@
+"""A megatron-core decoder (`GPTModel`, as `mmtrain.models.language_model` builds it) run for
+generation: the prompts in one prefill pass, then one token per row per step, with a KV cache.
+
+The decoder's own modules do the work (embedding, `TransformerBlock` with its layers' QKV /
+projection / MLP / norms, output layer); only each layer's core attention is swapped for
+`CachedSDPA`, which applies RoPE and keeps the keys and values in a static cache
+([rows, groups, capacity, head_dim] per layer, allocated at prefill).
+
+Why not megatron's `StaticInferenceContext`: its static-batching path shares one position
+counter among all rows and keeps keys *before* RoPE, re-rotating the whole cache in every layer
+at every step. Prompts of different lengths would then need left padding (positions shifted per
+row) and the per-step cost would grow with an extra pass over the cache. Here each row has its
+own positions (a prompt gets exactly the positions it has alone, as in transformers' `generate`)
+and keys are cached rotated. Prompts are right-padded in the prefill, where causal attention
+already keeps real tokens away from the padding; in decode steps each row attends to its own
+filled length only.
+
+Decode steps feed one token per row, where megatron's module plumbing (autograd functions
+around every linear layer, the layer's branches for training features) costs more than the
+arithmetic of a small model. When the layers are the plain pre-norm kind our layer specs build
+(`direct_decode_supported`), a decode step therefore runs the same arithmetic directly on the
+layers' own weights and norm modules (`_direct_layer`); the prefill, and any other layer kind,
+go through megatron's modules. Tests compare the two paths' logits step by step.
+
+Rows of finished requests are dropped from the cache (`keep_rows`), so a long answer does not
+carry short ones along.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVCache:
+    """Keys (rotated) and values of every layer, plus what the current forward writes where."""
+
+    keys: list[torch.Tensor]  # per layer [rows, groups, capacity, head_dim]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # [rows] positions filled per row (on the cache's device)
+    # ---- set per forward by CachedDecoder
+    cos: Optional[torch.Tensor] = None  # [s, rows, 1, rot_dim]
+    sin: Optional[torch.Tensor] = None
+    prefill: bool = True
+    #: decode: [rows, 1, 1, kv_len] True = may attend, or None (every row full up to kv_len)
+    mask: Optional[torch.Tensor] = None
+    kv_len: int = 0
+    row_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].size(2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE as megatron's `_apply_rotary_pos_emb_bshd` computes it (same formula, same dtypes)."""
+    rot = cos.size(-1)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    if interleaved:
+        x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
+        half = torch.stack((-x2, x1), dim=-1).reshape(x_rot.shape)
+    else:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        half = torch.cat((-x2, x1), dim=-1)
+    out = x_rot * cos + half * sin
+    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+
+
+class CachedSDPA(torch.nn.Module):
+    """Core attention of one layer for generation (megatron's core-attention call signature):
+    q/k/v [s, rows, heads|groups, head_dim] of the incoming tokens, before RoPE -> [s, rows,
+    heads*head_dim]. Rotates q and k at the rows' positions, stores k and v in the cache, and
+    attends over each row's cached prefix."""
+
+    def __init__(self, layer_index: int, softmax_scale: float, rotary_interleaved: bool, state: "CachedDecoder"):
+        super().__init__()
+        self.layer_index = layer_index
+        self.softmax_scale = softmax_scale
+        self.rotary_interleaved = rotary_interleaved
+        self.state = state
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("generation attention takes no attention_bias / packed sequences")
+        c = self.state.cache
+        assert c is not None, "CachedDecoder.prefill first"
+        s = query.size(0)
+        q = _rotate(query, c.cos, c.sin, self.rotary_interleaved).permute(1, 2, 0, 3)  # [rows, heads, s, d]
+        k = _rotate(key, c.cos, c.sin, self.rotary_interleaved).permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        kc, vc = c.keys[self.layer_index], c.values[self.layer_index]
+        if c.prefill:
+            kc[:, :, :s] = k
+            vc[:, :, :s] = v
+        else:  # one token per row, each at its own position
+            kc[c.row_index, :, c.lengths] = k[:, :, 0]
+            vc[c.row_index, :, c.lengths] = v[:, :, 0]
+        k, v = kc[:, :, : c.kv_len], vc[:, :, : c.kv_len]
+        if k.size(1) != q.size(1) and q.is_cuda:
+            # the fused CUDA kernels take masks but not grouped heads: expand the groups
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.prefill and s > 1,
+                                             scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
+        return out.permute(2, 0, 1, 3).reshape(s, query.size(1), -1)
+
+
+class CachedDecoder:
+    """Batches of rows through a megatron `GPTModel` with a KV cache: `prefill(prompts)` then
+    `step(tokens)`, each returning the next-token logits [rows, vocab_size] (true vocabulary,
+    float32)."""
+
+    def __init__(self, gpt: torch.nn.Module, vocab_size: int) -> None:
+        if not (gpt.pre_process and gpt.post_process):
+            raise ValueError("generation runs the whole decoder in one process (load at PP=1)")
+        if gpt.position_embedding_type != "rope":
+            raise NotImplementedError(f"generation supports RoPE decoders, not {gpt.position_embedding_type!r}")
+        self.gpt = gpt.eval()
+        self.vocab_size = vocab_size
+        self.cache: Optional[KVCache] = None
+        config = gpt.config
+        scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        rope = gpt.rotary_pos_emb
+        self.inv_freq = rope.inv_freq.float()
+        self.rotary_interleaved = bool(getattr(rope, "rotary_interleaved", False))
+        for i, layer in enumerate(gpt.decoder.layers):
+            attn = layer.self_attention
+            if any(True for _ in attn.core_attention.parameters()):
+                raise NotImplementedError(f"{type(attn.core_attention).__name__} has parameters; cannot swap it")
+            attn.core_attention = CachedSDPA(i, scale, self.rotary_interleaved, self)
+        self.groups = config.num_query_groups or config.num_attention_heads
+        self.head_dim = config.kv_channels
+        #: decode steps on the layers' weights directly (see the module docstring)
+        self.direct = direct_decode_supported(gpt)
+
+    @property
+    def device(self) -> torch.device:
+        return self.gpt.embedding.word_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gpt.embedding.word_embeddings.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, h] of a 1-D id tensor (the decoder input of a text-only prompt)."""
+        return self.gpt.embedding(input_ids=token_ids.reshape(1, -1).to(self.device), position_ids=None)[:, 0]
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [s, rows, 1, rot_dim] of positions [rows, s] (megatron's frequencies)."""
+        freqs = positions.t().float()[..., None] * self.inv_freq.to(positions.device)  # [s, rows, dim/2]
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).reshape(*freqs.shape[:-1], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        emb = emb[:, :, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> torch.Tensor:
+        """Start a batch: `prompts` are the rows' decoder inputs [T_i, h] (embeddings); the cache
+        holds max(T_i) + max_new_tokens positions per row."""
+        lengths = [int(p.size(0)) for p in prompts]
+        if min(lengths) == 0:
+            raise ValueError("empty prompt")
+        rows, longest, dev = len(prompts), max(lengths), self.device
+        capacity = longest + max_new_tokens
+        shape = (rows, self.groups, capacity, self.head_dim)
+        layers = len(self.gpt.decoder.layers)
+        self.cache = KVCache(keys=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
+                             values=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
+                             lengths=torch.tensor(lengths, device=dev))
+        x = torch.zeros((longest, rows, prompts[0].size(-1)), dtype=self.dtype, device=dev)
+        for r, p in enumerate(prompts):
+            x[: lengths[r], r] = p.to(device=dev, dtype=self.dtype)
+        c = self.cache
+        c.cos, c.sin = self._rope(torch.arange(longest, device=dev).expand(rows, longest))
+        c.prefill, c.mask, c.kv_len = True, None, longest
+        hidden = self._decode(x)  # [longest, rows, h]
+        last = hidden[self.cache.lengths - 1, torch.arange(rows, device=dev)]  # each row's last prompt position
+        return self._logits(last[None])
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row [rows] and return the logits that follow it."""
+        c = self.cache
+        assert c is not None, "prefill first"
+        if int(c.lengths.max()) >= c.capacity:
+            raise ValueError(f"the KV cache holds {c.capacity} positions per row; generation went past it")
+        x = self.gpt.embedding(input_ids=tokens.reshape(-1, 1).to(self.device), position_ids=None)  # [1, rows, h]
+        rows = x.size(1)
+        c.cos, c.sin = self._rope(c.lengths[:, None])
+        c.prefill, c.row_index = False, torch.arange(rows, device=self.device)
+        c.kv_len = int(c.lengths.max()) + 1
+        full = bool((c.lengths == c.kv_len - 1).all())
+        c.mask = None if full else (torch.arange(c.kv_len, device=self.device)[None] <= c.lengths[:, None])[:, None, None]
+        logits = self._logits(self._decode(x))
+        c.lengths += 1
+        return logits
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformer block (final norm included) with our cached attention."""
+        if self.direct and not self.cache.prefill:
+            for layer in self.gpt.decoder.layers:
+                x = _direct_layer(layer, x, self.gpt.config)
+            return self.gpt.decoder.final_layernorm(x)
+        return self.gpt.decoder(hidden_states=x, attention_mask=None)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[0, :, : self.vocab_size].float()
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every other row from the cache (`rows`: indices of the rows to keep, in order)."""
+        c = self.cache
+        assert c is not None
+        rows = rows.to(self.device)
+        c.keys = [k.index_select(0, rows) for k in c.keys]
+        c.values = [v.index_select(0, rows) for v in c.values]
+        c.lengths = c.lengths.index_select(0, rows)
+
+
+def direct_decode_supported(gpt: torch.nn.Module) -> bool:
+    """True when every layer is the pre-norm self-attention + MLP layer of
+    `mmtrain.models.layer_specs` at TP=1, in eval mode, so `_direct_layer` computes exactly what
+    megatron's modules compute."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    c = gpt.config
+    if (c.tensor_model_parallel_size != 1 or c.apply_residual_connection_post_layernorm or c.fp32_residual_connection
+            or c.hidden_dropout or gpt.decoder.final_layernorm is None or c.attention_output_gate):
+        return False
+    norms = (torch.nn.RMSNorm, torch.nn.LayerNorm)
+    for layer in gpt.decoder.layers:
+        attn, mlp = layer.self_attention, layer.mlp
+        plain = (isinstance(attn, SelfAttention) and type(mlp) is MLP and isinstance(layer.input_layernorm, norms)
+                 and isinstance(layer.pre_mlp_layernorm, norms)
+                 and all(isinstance(getattr(attn, n, None), (type(None), IdentityOp)) for n in ("q_layernorm", "k_layernorm"))
+                 and isinstance(layer.cross_attention, IdentityOp))
+        if not plain:
+            return False
+    return True
+
+
+def _linear(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    return F.linear(x, module.weight, getattr(module, "bias", None))
+
+
+def _direct_layer(layer: torch.nn.Module, x: torch.Tensor, config) -> torch.Tensor:
+    """One decode step [1, rows, h] through a pre-norm layer, on its weights: what
+    `TransformerLayer.forward` computes for this layer kind (megatron's fused QKV layout: per
+    query group, its heads' queries then one key and one value)."""
+    attn = layer.self_attention
+    heads, groups, dim = config.num_attention_heads, config.num_query_groups or config.num_attention_heads, config.kv_channels
+    s, rows = x.shape[:2]
+    qkv = _linear(layer.input_layernorm(x), attn.linear_qkv).view(s, rows, groups, (heads // groups + 2) * dim)
+    q, k, v = torch.split(qkv, [heads // groups * dim, dim, dim], dim=3)
+    out = attn.core_attention(q.reshape(s, rows, heads, dim), k, v, None)
+    x = x + _linear(out, attn.linear_proj)
+    mlp = layer.mlp
+    y = _linear(layer.pre_mlp_layernorm(x), mlp.linear_fc1)
+    if config.gated_linear_unit:
+        gate, up = torch.chunk(y, 2, dim=-1)
+        y = config.activation_func(gate) * up
+    else:
+        y = config.activation_func(y)
+    return x + _linear(y, mlp.linear_fc2)
