@@ -100,6 +100,16 @@ def vq_dir(args: argparse.Namespace, ref: Any) -> Path:
     return d
 
 
+def check_sizes(prompts: list, vq: Path) -> None:
+    """Image sizes the VQ can decode, checked before the model loads."""
+    from mmdata.vision_tokens.vq import check_vq_dir, spatial_factor
+    from mmtrain.emu3.generation import grid_shape
+
+    factor = spatial_factor({"channel_multiplier": [1, 2, 2, 4], **check_vq_dir(vq)[1]})  # Emu3VQVAEConfig's default
+    for p in prompts:
+        grid_shape(p.height, p.width, factor)
+
+
 def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> Any:
     from mmtrain.emu3.generation import Emu3ImageGenerator
     from mmtrain.generation.checkpoint import asset_dir
@@ -107,6 +117,7 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> Any:
 
     prompts = read_prompts(args)
     vq = vq_dir(args, ref)
+    check_sizes(prompts, vq)
     tokenizer = asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer")
     generator = Emu3ImageGenerator(ref, placement, tokenizer_dir=tokenizer, vq_dir=vq)
     requests = [generator.request(p) for p in prompts]

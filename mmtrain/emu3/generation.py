@@ -82,6 +82,14 @@ class ImageStructure:
         return out
 
 
+def grid_shape(height: int, width: int, factor: int) -> tuple[int, int]:
+    """(rows, cols) of VQ codes of an image of height x width pixels."""
+    if height <= 0 or width <= 0 or height % factor or width % factor:
+        raise GenerationError(f"image size {height}x{width}: height and width must be positive multiples of the "
+                              f"VQ's spatial factor {factor}")
+    return height // factor, width // factor
+
+
 def grid_from_tokens(tokens: Sequence[int], rows: int, cols: int, vocab: Emu3Vocab) -> np.ndarray:
     """The (rows, cols) VQ codes of a generated image; ValueError when the tokens do not follow
     the structure (they always do when generated under `ImageStructure`)."""
@@ -156,10 +164,7 @@ class Emu3ImageGenerator:
         self.encode_text = hf_text_encoder(self.tokenizer)
 
     def grid_shape(self, p: ImagePrompt) -> tuple[int, int]:
-        if p.height <= 0 or p.width <= 0 or p.height % self.factor or p.width % self.factor:
-            raise GenerationError(f"image size {p.height}x{p.width}: height and width must be positive "
-                                  f"multiples of the VQ's spatial factor {self.factor}")
-        return p.height // self.factor, p.width // self.factor
+        return grid_shape(p.height, p.width, self.factor)
 
     def request(self, p: ImagePrompt) -> GenerationRequest:
         rows, cols = self.grid_shape(p)

@@ -6,6 +6,7 @@ asked family's model (another family's checkpoint is named as such); where its H
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -91,9 +92,10 @@ def _check_hf_family(p: Path, family: str) -> None:
     if model_type in families[family].generation.hf_model_types:
         return
     owner = next((n for n, s in families.items() if model_type in s.generation.hf_model_types), None)
-    hint = f": that is a {owner} checkpoint (mmtrain generate {owner})" if owner else ""
-    raise GenerationError(f"--checkpoint {p}: config.json model_type is {model_type!r}, not a {family} model"
-                          f" ({', '.join(families[family].generation.hf_model_types)}){hint}")
+    hint = f": a model of family {owner!r} (use `mmtrain generate {owner}`)" if owner else ""
+    expected = " or ".join(repr(t) for t in families[family].generation.hf_model_types)
+    raise GenerationError(f"--checkpoint {p}: config.json model_type is {model_type!r}, not {family}'s "
+                          f"{expected}{hint}")
 
 
 def _check_mcore_family(p: Path, family: str, iteration: Optional[int]) -> None:
@@ -106,22 +108,31 @@ def _check_mcore_family(p: Path, family: str, iteration: Optional[int]) -> None:
     except FileNotFoundError as exc:
         raise GenerationError(f"--checkpoint {p}: {exc}") from None
     families = _families_with_generation()
+
+    def holds(name: str) -> bool:
+        """A saved model config is the whole dataclass of its family: the same keys, valid values
+        (a subset of keys would parse as a family with more fields, filled with defaults)."""
+        cls = families[name].model_config_cls
+        if not isinstance(saved, dict) or set(saved) != {f.name for f in dataclasses.fields(cls) if f.init}:
+            return False
+        try:
+            from_plain(cls, saved, MODEL_CONFIG)
+        except RecipeError:
+            return False
+        return True
+
+    if holds(family):
+        return
+    other = next((name for name in families if name != family and holds(name)), None)
+    if other is not None:
+        raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} holds a model of family {other!r}, not "
+                              f"{family!r} (use `mmtrain generate {other}`)")
     try:
         from_plain(families[family].model_config_cls, saved, MODEL_CONFIG)
-        return
+        problem = f"keys {sorted(saved) if isinstance(saved, dict) else saved}"
     except RecipeError as exc:
-        problem = exc
-    for name, spec in families.items():
-        if name == family:
-            continue
-        try:
-            from_plain(spec.model_config_cls, saved, MODEL_CONFIG)
-        except RecipeError:
-            continue
-        raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} is a {name} model, not {family} "
-                              f"(mmtrain generate {name})")
-    raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} is not a {family} model: "
-                          f"{'; '.join(problem.errors[:3])}")
+        problem = "; ".join(exc.errors[:3])
+    raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} is not a {family} model ({problem})")
 
 
 def asset_dir(ref: CheckpointRef, override: Optional[str], what: str, flag: str) -> Path:

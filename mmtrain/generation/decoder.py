@@ -116,7 +116,7 @@ class CachedDecoder:
     `step(tokens)`, each returning the next-token logits [rows, vocab_size] (true vocabulary,
     float32)."""
 
-    def __init__(self, gpt: torch.nn.Module, vocab_size: int) -> None:
+    def __init__(self, gpt: torch.nn.Module, vocab_size: int, direct: Optional[bool] = None) -> None:
         if not (gpt.pre_process and gpt.post_process):
             raise ValueError("generation runs the whole decoder in one process (load at PP=1)")
         if gpt.position_embedding_type != "rope":
@@ -136,8 +136,11 @@ class CachedDecoder:
             attn.core_attention = CachedSDPA(i, scale, self.rotary_interleaved, self)
         self.groups = config.num_query_groups or config.num_attention_heads
         self.head_dim = config.kv_channels
-        #: decode steps on the layers' weights directly (see the module docstring)
-        self.direct = direct_decode_supported(gpt)
+        #: decode steps on the layers' weights directly (see the module docstring); None: when supported
+        supported = direct_decode_supported(gpt)
+        if direct and not supported:
+            raise ValueError("this decoder's layers are not the plain pre-norm kind the direct decode step computes")
+        self.direct = supported if direct is None else direct
 
     @property
     def device(self) -> torch.device:

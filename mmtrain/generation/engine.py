@@ -18,7 +18,7 @@ from mmtrain.generation.decoder import CachedDecoder
 from mmtrain.generation.sampling import SamplingParams, guided_logprobs, sample_next
 
 #: (log-probs [V] of one request's next token, number of tokens it generated so far) -> log-probs;
-#: e.g. Emu3's image structure, which allows only the tokens that keep the output decodable
+#: e.g. an image grammar that allows only the tokens that keep the output decodable
 LogitsProcessor = Callable[[torch.Tensor, int], torch.Tensor]
 
 

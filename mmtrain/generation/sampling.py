@@ -37,7 +37,7 @@ class SamplingParams:
 
 def guided_logprobs(cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """Classifier-free guidance on log-probs: `uncond + scale * (cond - uncond)` (transformers'
-    and the Emu3 reference's formula). cond/uncond [n, V] log-probs; scale [n] or a float.
+    and the reference implementations' formula). cond/uncond [n, V] log-probs; scale [n] or a float.
     Scale 1 gives `cond`, scale 0 gives `uncond`."""
     if isinstance(scale, torch.Tensor):
         scale = scale.to(cond.dtype).reshape(-1, 1)

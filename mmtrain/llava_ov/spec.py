@@ -11,7 +11,8 @@ from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmtrain.config.schema import Recipe
 from mmtrain.llava_ov.config import ARCHITECTURE_KEYS, LlavaOVDataConfig, LlavaOVModelConfig, check_recipe
 from mmtrain.planning.cost_model import Connector, DecoderShape, EncoderShape, ModelShapes
-from mmtrain.spec import FamilySpec, HFConversion
+from mmtrain.llava_ov import generate_cli
+from mmtrain.spec import FamilySpec, GenerationSpec, HFConversion
 
 #: trainable parts -> the LlavaOVModel attributes they own (image_newline trains with the LLM)
 PARTS = {
@@ -129,5 +130,12 @@ LLAVA_OV = FamilySpec(
         load_into_model=_load_into_model,
         assemble_from={"llm": "Qwen2/2.5 HF dir", "vision": "SigLIP HF dir (its last layer is dropped)"},
         assemble=_assemble,
+    ),
+    generation=GenerationSpec(
+        help="answers about an image (the checkpoint's own chat template and image layout)",
+        add_arguments=generate_cli.add_arguments,
+        prepare=generate_cli.prepare,
+        sampling_defaults=generate_cli.SAMPLING_DEFAULTS,
+        hf_model_types=("llava_onevision",),
     ),
 )

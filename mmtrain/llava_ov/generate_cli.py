@@ -1,0 +1,108 @@
+"""`mmtrain generate llava-ov`: the family's options, prompt files, answers on stdout or JSONL.
+Light at import (the CLI builds its parser from it); the model code loads in `prepare`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: transformers' default for LLaVA-OV: greedy
+SAMPLING_DEFAULTS = {"temperature": 0.0}
+DEFAULT_MAX_NEW_TOKENS = 256
+PROMPT_KEYS = {"prompt", "image", "system", "seed"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("llava-ov answers")
+    what = g.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the question (with --image: about that image)")
+    what.add_argument("--prompts", metavar="FILE",
+                      help="one question per line, or a .jsonl file of {\"prompt\", optional \"image\" (path, "
+                           "relative to the file), \"system\", \"seed\"}: one JSON answer line each")
+    g.add_argument("--image", default=None, help="--prompt: the image the question is about (any format pillow reads)")
+    g.add_argument("--system", default=None, help="system message (default: the chat template's own)")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="stop after this many tokens if no end-of-turn token came (default %(default)s)")
+    g.add_argument("--output", default=None,
+                   help="--prompts: JSONL file for the answers (default: stdout); --prompt prints the answer")
+
+
+def _open_image(path: Path, where: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    from mmtrain.generation.checkpoint import GenerationError
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy()
+    except (OSError, UnidentifiedImageError) as exc:
+        raise GenerationError(f"{where}: cannot read image {path}: {exc}") from None
+
+
+def read_prompts(args: argparse.Namespace) -> list[dict]:
+    """[{prompt, image (PIL or None), image_path, system, seed}] from --prompt or --prompts."""
+    from mmtrain.generation.checkpoint import GenerationError
+
+    if args.prompt is not None:
+        image = _open_image(Path(args.image), "--image") if args.image else None
+        return [dict(prompt=args.prompt, image=image, image_path=args.image, system=args.system, seed=args.seed)]
+    if args.image is not None:
+        raise GenerationError("--image goes with --prompt; in a --prompts .jsonl file give each line its \"image\"")
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise GenerationError(f"--prompts {path}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec: dict = {"prompt": line.strip()}
+        if path.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                    raise ValueError('expected an object with a "prompt" string')
+                unknown = sorted(set(rec) - PROMPT_KEYS)
+                if unknown:
+                    raise ValueError(f"unknown keys {unknown} (known: {sorted(PROMPT_KEYS)})")
+            except ValueError as exc:
+                raise GenerationError(f"--prompts {path}:{n}: {exc}") from None
+        image_path = rec.get("image")
+        image = _open_image(path.parent / image_path, f"--prompts {path}:{n}") if image_path else None
+        out.append(dict(prompt=rec["prompt"], image=image, image_path=image_path,
+                        system=rec.get("system", args.system), seed=int(rec.get("seed", args.seed + len(out)))))
+    if not out:
+        raise GenerationError(f"--prompts {path}: no prompts")
+    return out
+
+
+def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> Any:
+    from mmtrain.generation.checkpoint import GenerationError, asset_dir
+    from mmtrain.generation.engine import GenerationJob
+    from mmtrain.llava_ov.generation import LlavaOVChat
+
+    if args.max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    items = read_prompts(args)
+    chat = LlavaOVChat(ref, placement, tokenizer_dir=asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer"))
+    requests = [chat.request(chat.prompt(it["prompt"], it["image"], it["system"]), args.max_new_tokens, it["seed"])
+                for it in items]
+
+    def finish(results: list) -> None:
+        if args.prompts is None:
+            print(chat.answer(results[0]))
+            return
+        f = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        try:
+            for i, (it, r) in enumerate(zip(items, results)):
+                f.write(json.dumps({"index": i, "prompt": it["prompt"], "image": it["image_path"], "seed": it["seed"],
+                                    "answer": chat.answer(r), "tokens": r.tokens,
+                                    "finish_reason": r.finish_reason}, ensure_ascii=False) + "\n")
+        finally:
+            if f is not sys.stdout:
+                f.close()
+
+    return GenerationJob(chat.model, requests, finish, unit="answer")

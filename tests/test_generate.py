@@ -1,0 +1,434 @@
+"""`mmtrain generate` and the shared generation engine on tiny random models (no downloads).
+
+Oracles: transformers' `generate` on the same weights - Emu3 with `guidance_scale`, a negative
+prompt and the prefix-constrained image decoding of transformers' Emu3 docs (the reference's),
+greedy; LLaVA-OV greedy from `LlavaOnevisionProcessor` inputs - and transformers' VQ decode and
+image post-processing for the pixels. Plus the engine's own contracts: guidance scale 1 / 0,
+the image structure under random weights and many seeds, batched = one by one, the direct
+decode step = megatron's modules, top-k / top-p = transformers' warpers, user errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from tests.emu3_tiny import emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: E402,F401
+from tests.llava_tiny import IMAGE_SIZE, PATCH, hf_llava, images  # noqa: E402
+
+
+def _cli(*argv: str) -> int:
+    from mmtrain.cli import main
+
+    return main(["generate", *argv])
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def emu3_hf(emu3_tok_dir, tiny_vq_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
+    model = tiny_hf_emu3(tok, tiny_vq_dir, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, noise=0.05)
+    return save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, tmp_path_factory.mktemp("gen_emu3") / "hf"), model
+
+
+@pytest.fixture(scope="module")
+def emu3_gen(emu3_hf):
+    from mmtrain.emu3.generation import Emu3ImageGenerator
+    from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
+
+    ref = resolve_checkpoint(emu3_hf[0], "emu3")
+    return Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=ref.assets, vq_dir=ref.path)
+
+
+@pytest.fixture(scope="module")
+def llava_hf(tmp_path_factory):
+    """A tiny LLaVA-OV over the tiny Qwen2 tokenizer (its chat template, <image> id), saved as an
+    HF dir with the tokenizer files; text weights scaled up so greedy answers vary."""
+    from transformers import AutoTokenizer
+
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    root = tmp_path_factory.mktemp("gen_llava")
+    tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    model = hf_llava(seed=1, vocab_size=len(tok), image_token=tok.convert_tokens_to_ids("<image>"),
+                     video_token=tok.convert_tokens_to_ids("<video>"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" not in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    out = root / "hf"
+    model.save_pretrained(out)
+    for f in tok_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out, model, tok
+
+
+@pytest.fixture(scope="module")
+def llava_chat(llava_hf):
+    from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
+    from mmtrain.llava_ov.generation import LlavaOVChat
+
+    ref = resolve_checkpoint(llava_hf[0], "llava-ov")
+    return LlavaOVChat(ref, Placement.resolve("cpu"), tokenizer_dir=ref.assets)
+
+
+def _hf_emu3_generate(model, prompt_ids, negative_ids, rows, cols, scale):
+    """transformers' Emu3 text-to-image generation as its docs (and the Emu3 reference) run it."""
+    vocab = model.model.vocabulary_mapping
+    visual = vocab.image_tokens
+    cfg = model.config.text_config
+    eol, eof, eoi = vocab.vocab_map["<|extra_200|>"], vocab.vocab_map["<|extra_201|>"], vocab.vocab_map["<|image end|>"]
+    img = vocab.vocab_map["<|image token|>"]
+
+    def allowed(batch_id, input_ids):
+        position = torch.nonzero(input_ids == img, as_tuple=True)[0][0]
+        offset = input_ids.shape[0] - position
+        if offset % (cols + 1) == 0:
+            return (eol,)
+        if offset == (cols + 1) * rows + 1:
+            return (eof,)
+        if offset == (cols + 1) * rows + 2:
+            return (eoi,)
+        if offset == (cols + 1) * rows + 3:
+            return (cfg.eos_token_id,)
+        if offset > (cols + 1) * rows + 3:
+            return (cfg.pad_token_id,)
+        return visual
+
+    ids = torch.as_tensor(prompt_ids)[None]
+    kw = dict(guidance_scale=scale, negative_prompt_ids=torch.as_tensor(negative_ids)[None]) if scale != 1 else {}
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False,
+                             prefix_allowed_tokens_fn=allowed, **kw)
+    return out[0, ids.shape[1]:]
+
+
+# ----------------------------------------------------------------------------- emu3 parity
+
+
+@pytest.mark.unit
+def test_emu3_cfg_greedy_matches_transformers_and_its_vq_decode(emu3_hf, emu3_gen):
+    """Two prompts (different lengths, different sizes) batched with their negative prompts:
+    the tokens of transformers' guidance_scale generate, and its decoded pixels."""
+    from transformers import Emu3ImageProcessor
+
+    from mmtrain.emu3.generation import ImagePrompt
+    from mmtrain.generation.sampling import SamplingParams
+
+    hf_dir, model = emu3_hf
+    prompts = [ImagePrompt("a red bus parked next to a tall building", 32, 40, negative="lowres, bad anatomy", seed=1),
+               ImagePrompt("a cat", 24, 32, negative="blurry", cfg_scale=2.5, seed=2)]
+    ours = emu3_gen.generate(prompts, SamplingParams(), batch_size=2)
+    processor = Emu3ImageProcessor.from_pretrained(hf_dir)
+    for p, got in zip(prompts, ours):
+        req = emu3_gen.request(p)
+        rows, cols = p.height // 8, p.width // 8
+        ref = _hf_emu3_generate(model, req.prompt, req.negative_prompt, rows, cols, p.cfg_scale)
+        assert got.tokens == ref.tolist()
+        assert got.grid.shape == (rows, cols) and len(set(got.grid.ravel().tolist())) > 1
+        with torch.no_grad():
+            pixels = model.model.decode_image_tokens(image_tokens=ref[None], height=rows, width=cols)
+        hf_image = processor.postprocess(list(pixels.float()), return_tensors="PIL.Image.Image")["pixel_values"][0]
+        assert got.image.size == (p.width, p.height)
+        assert np.array_equal(np.asarray(got.image), np.asarray(hf_image))
+
+
+@pytest.mark.unit
+def test_emu3_prompt_is_transformers_processor_prompt(emu3_hf, emu3_gen):
+    from transformers import AutoTokenizer, Emu3ImageProcessor, Emu3Processor
+
+    from mmtrain.emu3.generation import ImagePrompt
+
+    hf_dir, _ = emu3_hf
+    proc = Emu3Processor(Emu3ImageProcessor.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir),
+                         chat_template=None)
+    ref = proc(text=["a red bus"], return_for_image_generation=True, image_area=64 * 48, return_tensors="np")
+    h, w = (int(x) for x in ref["image_sizes"][0])
+    ours = emu3_gen.request(ImagePrompt("a red bus", h * 8, w * 8)).prompt
+    assert ours.tolist() == ref["input_ids"][0].tolist()
+
+
+# ----------------------------------------------------------------------------- guidance and structure
+
+
+@pytest.mark.unit
+def test_guidance_scale_one_is_plain_and_zero_is_the_negative_prompt_alone(emu3_gen):
+    from dataclasses import replace
+
+    from mmtrain.emu3.generation import ImagePrompt
+    from mmtrain.generation.sampling import SamplingParams, guided_logprobs
+
+    c, u = torch.randn(3, 50).log_softmax(-1), torch.randn(3, 50).log_softmax(-1)
+    assert torch.allclose(guided_logprobs(c, u, 1.0), c) and torch.equal(guided_logprobs(c, u, 0.0), u)
+    assert torch.allclose(guided_logprobs(c, u, torch.tensor([3.0, 3.0, 3.0])), u + 3 * (c - u))
+
+    sampling = SamplingParams(temperature=1.0, top_k=100)
+    base = ImagePrompt("a red bus parked next to a tall building", 32, 32, negative="lowres, blurry", seed=7)
+    plain = emu3_gen.generate([replace(base, negative="", cfg_scale=1.0)], sampling)[0].tokens
+    scale1 = emu3_gen.generate([replace(base, cfg_scale=1.0)], sampling)[0].tokens
+    assert scale1 == plain  # scale 1 runs no unconditional row at all
+    scale0 = emu3_gen.generate([replace(base, cfg_scale=0.0)], sampling)[0].tokens
+    negative_alone = emu3_gen.generate([replace(base, text="lowres, blurry", negative="", cfg_scale=1.0)], sampling)[0]
+    assert scale0 == negative_alone.tokens
+    guided = emu3_gen.generate([replace(base, cfg_scale=3.0)], sampling)[0].tokens
+    assert guided != plain and guided != scale0
+
+
+@pytest.mark.unit
+def test_structure_holds_for_random_weights_and_many_seeds(emu3_gen):
+    """Hot sampling over the whole vocabulary, 24 seeds, widths down to 1: always a decodable grid."""
+    from mmtrain.emu3.generation import ImagePrompt, grid_from_tokens
+    from mmtrain.generation.sampling import SamplingParams
+
+    vocab = emu3_gen.vocab
+    sizes = [(8, 8), (8, 16), (16, 8), (24, 16), (8, 24), (16, 16)]
+    prompts = [ImagePrompt(f"picture {i}", *sizes[i % len(sizes)], negative="bad" if i % 2 else "",
+                           cfg_scale=(1.0, 3.0, 0.0, 7.5)[i % 4], seed=100 + i) for i in range(24)]
+    out = emu3_gen.generate(prompts, SamplingParams(temperature=3.0), batch_size=12)
+    visual = set(vocab.visual.tolist())
+    for p, img in zip(prompts, out):
+        rows, cols = p.height // 8, p.width // 8
+        assert len(img.tokens) == (cols + 1) * rows + 3
+        assert img.tokens[-3:] == [vocab.eof, vocab.eoi, vocab.eos]
+        body = np.asarray(img.tokens[: (cols + 1) * rows]).reshape(rows, cols + 1)
+        assert (body[:, -1] == vocab.eol).all() and set(body[:, :-1].ravel().tolist()) <= visual
+        assert np.array_equal(grid_from_tokens(img.tokens, rows, cols, vocab), img.grid)
+        assert img.image.size == (p.width, p.height)
+    assert len({tuple(i.tokens) for i in out}) == len(out)  # seeds differ
+    with pytest.raises(ValueError):
+        grid_from_tokens(out[0].tokens[:-1], 1, 1, vocab)
+
+
+@pytest.mark.unit
+def test_emu3_batched_equals_one_by_one_and_seeds_are_deterministic(emu3_gen):
+    """Different prompt lengths and image sizes (so requests finish at different steps and their
+    rows leave the batch), sampled: each request's tokens depend on its own seed only."""
+    from mmtrain.emu3.generation import ImagePrompt
+    from mmtrain.generation.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, top_k=64, top_p=0.9)
+    prompts = [ImagePrompt("a", 16, 16, negative="bad, lowres, ugly", seed=3),
+               ImagePrompt("a long caption of a red bus parked next to a building on a sunny day", 32, 24, seed=4),
+               ImagePrompt("a cat on a table", 24, 32, negative="", cfg_scale=1.0, seed=5)]
+    batched = emu3_gen.generate(prompts, sampling, batch_size=3)
+    for p, b in zip(prompts, batched):
+        assert emu3_gen.generate([p], sampling)[0].tokens == b.tokens
+    again = emu3_gen.generate(prompts[:1], sampling)
+    assert again[0].tokens == batched[0].tokens
+
+
+# ----------------------------------------------------------------------------- llava-ov
+
+
+def _hf_llava_processor(tok):
+    from tests.test_anyres import _hf_image_processor, _Processor
+
+    return _Processor(image_processor=_hf_image_processor(IMAGE_SIZE, 6), tokenizer=tok, video_processor=None,
+                      num_image_tokens=(IMAGE_SIZE // PATCH) ** 2, vision_feature_select_strategy="full")
+
+
+@pytest.mark.unit
+def test_llava_greedy_matches_transformers(llava_hf, llava_chat):
+    """The checkpoint's chat template + anyres layout give the HF processor's ids; batched greedy
+    answers (with an image, and text only) are transformers' `generate` tokens."""
+    from mmtrain.generation.sampling import SamplingParams
+
+    _, model, tok = llava_hf
+    processor = _hf_llava_processor(tok)
+    questions = [("What is shown in this picture?", images()[0]), ("Say hi.", None), ("Describe it.", images()[1])]
+    prompts = [llava_chat.prompt(q, im) for q, im in questions]
+    ours = llava_chat.generate(prompts, SamplingParams(), max_new_tokens=12, batch_size=3)
+    for (q, im), p, got in zip(questions, prompts, ours):
+        text = tok.apply_chat_template([{"role": "user", "content": ("<image>\n" if im else "") + q}], tokenize=False,
+                                       add_generation_prompt=True)
+        inputs = processor(images=[im], text=[text], return_tensors="pt") if im else tok([text], return_tensors="pt")
+        assert p.input_ids.tolist() == inputs["input_ids"][0].tolist()
+        with torch.no_grad():
+            ref = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        assert got.tokens == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(set(ours[0].tokens)) > 3
+
+
+@pytest.mark.unit
+def test_llava_processor_template_and_stop_tokens(llava_chat):
+    """A llava-hf processor template (list content) renders the image part in its own place;
+    generation stops at the tokenizer's end-of-turn token, which is not part of the answer."""
+    from mmtrain.generation.engine import GenerationResult
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+                "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    own = llava_chat.template
+    try:
+        llava_chat.template = template
+        assert llava_chat.render("Hi?", True) == "<|im_start|>user\n<image>\nHi?<|im_end|>\n<|im_start|>assistant\n"
+    finally:
+        llava_chat.template = own
+    assert llava_chat.render("Hi?", False, system="Be brief.").startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    eos = llava_chat.tokenizer.eos_token_id
+    assert eos in llava_chat.stop_token_ids
+    hi = llava_chat.tokenizer.encode("hi", add_special_tokens=False)
+    assert llava_chat.answer(GenerationResult(hi + [eos], "stop_token")) == "hi"
+
+
+@pytest.mark.unit
+def test_direct_decode_step_equals_megatron_modules(emu3_gen, llava_chat):
+    """The decode step on the layers' weights = megatron's modules (untied Emu3; tied Qwen2 with
+    qkv bias), step by step, with rows of different lengths."""
+    from mmtrain.generation.decoder import CachedDecoder
+
+    for model in (emu3_gen.model, llava_chat.model):
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, 9)]
+        logits = []
+        for direct in (False, True):
+            dec = CachedDecoder(model.decoder, model.vocab_size, direct=direct)
+            steps = [dec.prefill([dec.embed(p) for p in prompts], 8)]
+            for t in range(6):
+                steps.append(dec.step(torch.tensor([t + 7, 3 * t + 1])))
+            logits.append(torch.stack(steps))
+        assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_top_k_top_p_are_transformers_warpers_and_sampling_is_seeded():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from mmtrain.generation.sampling import SamplingParams, filter_top_k_top_p, sample_next
+
+    scores = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    ref = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(40)(None, scores.clone()))
+    assert torch.equal(filter_top_k_top_p(scores, 40, 0.8), ref)
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.8)
+    draws = [sample_next(scores, params, [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])
+    assert bool(torch.isfinite(ref.gather(1, draws[0][:, None])).all())  # only kept tokens are drawn
+    assert torch.equal(sample_next(scores, SamplingParams(), []), scores.argmax(-1))
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+
+
+@pytest.mark.unit
+def test_engine_names_no_family():
+    """The shared engine is family-neutral: families plug in through FamilySpec.generation."""
+    root = Path(__file__).resolve().parents[1] / "mmtrain" / "generation"
+    for f in ("engine.py", "decoder.py", "sampling.py", "checkpoint.py", "__init__.py"):
+        text = (root / f).read_text().lower()
+        assert "emu3" not in text and "llava" not in text, f
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def emu3_mcore(emu3_hf, tmp_path_factory):
+    from tests.test_convert import _cli as convert
+
+    dst = tmp_path_factory.mktemp("gen_emu3_ckpt") / "ckpt"
+    assert convert("hf-to-mcore", "--model", "emu3", "--src", str(emu3_hf[0]), "--dst", str(dst)) == 0
+    return dst
+
+
+@pytest.mark.unit
+def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, capsys):
+    """From the converted megatron checkpoint (its kept tokenizer and VQ): one PNG per prompt and
+    the token grids, equal to the library's output for the same seeds."""
+    from PIL import Image
+
+    from mmtrain.emu3.generation import ImagePrompt
+    from mmtrain.generation.sampling import SamplingParams
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red bus", "height": 16, "width": 24}) + "\n\n"
+                       + json.dumps({"prompt": "a cat", "negative_prompt": "ugly", "seed": 11}) + "\n")
+    out = tmp_path / "imgs"
+    assert _cli("emu3", "--checkpoint", str(emu3_mcore), "--prompts", str(prompts), "--output", str(out),
+                "--height", "24", "--width", "24", "--seed", "5", "--top-k", "50", "--no-progress") == 0
+    assert "wrote 2 images" in capsys.readouterr().out
+    lines = [json.loads(x) for x in (out / "images.jsonl").read_text().splitlines()]
+    expected = emu3_gen.generate([ImagePrompt("a red bus", 16, 24, seed=5), ImagePrompt("a cat", 24, 24, "ugly", seed=11)],
+                                 SamplingParams(temperature=1.0, top_k=50))
+    for line, exp in zip(lines, expected):
+        assert np.array_equal(np.asarray(line["grid"]), exp.grid)
+        assert np.array_equal(np.asarray(Image.open(out / line["png"])), np.asarray(exp.image))
+    assert [line["seed"] for line in lines] == [5, 11] and lines[0]["cfg_scale"] == 3.0
+
+
+@pytest.mark.unit
+def test_cli_llava_prints_the_answer(llava_hf, llava_chat, tmp_path, capsys):
+    from mmtrain.generation.sampling import SamplingParams
+
+    image = tmp_path / "img.png"
+    images()[0].save(image)
+    assert _cli("llava-ov", "--checkpoint", str(llava_hf[0]), "--image", str(image), "--prompt", "What is this?",
+                "--max-new-tokens", "8", "--no-progress") == 0
+    printed = capsys.readouterr().out
+    from PIL import Image
+
+    expected = llava_chat.generate([llava_chat.prompt("What is this?", Image.open(image))], SamplingParams(),
+                                   max_new_tokens=8)[0]
+    assert printed == llava_chat.answer(expected) + "\n"
+
+
+@pytest.mark.unit
+def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path, capsys):
+    def err(*argv: str) -> str:
+        assert _cli(*argv, "--no-progress") == 2
+        msg = capsys.readouterr().err
+        assert "Traceback" not in msg
+        return msg.strip().splitlines()[-1]
+
+    assert "family 'llava-ov' (use `mmtrain generate llava-ov`)" in err("emu3", "--checkpoint", str(llava_hf[0]),
+                                                                          "--prompt", "x")
+    assert "family 'emu3', not 'llava-ov'" in err("llava-ov", "--checkpoint", str(emu3_mcore), "--prompt", "x")
+    no_vq = tmp_path / "no_vq"
+    shutil.copytree(emu3_mcore, no_vq, ignore=shutil.ignore_patterns("vq"))
+    assert "keeps no VQ model" in err("emu3", "--checkpoint", str(no_vq), "--prompt", "x")
+    assert "--vq" in err("emu3", "--checkpoint", str(emu3_mcore), "--prompt", "x", "--vq", str(tmp_path))
+    bare = tmp_path / "bare"
+    shutil.copytree(emu3_mcore, bare, ignore=shutil.ignore_patterns("hf_assets"))
+    assert "give --tokenizer DIR" in err("emu3", "--checkpoint", str(bare), "--prompt", "x", "--vq", str(emu3_hf[0]))
+    assert "multiples of the VQ's spatial factor 8" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x",
+                                                           "--height", "20")
+    assert "no such directory" in err("emu3", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x")
+    assert "top_p" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--top-p", "0")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "colour": 1}\n')
+    assert "bad.jsonl:1: unknown keys ['colour']" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompts", str(bad))
+
+
+# ----------------------------------------------------------------------------- any TP/PP
+
+
+def test_tp2_pp2_checkpoint_generates_the_tokens_of_its_tp1_conversion(emu3_hf, emu3_mcore, tmp_path):
+    """A checkpoint written at TP=2 x PP=2 (4 ranks) loads resharded into the one generation
+    process and gives the TP=1 conversion's tokens (guided, sampled) and image."""
+    from mmtrain.emu3.generation import Emu3ImageGenerator, ImagePrompt
+    from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
+    from mmtrain.generation.sampling import SamplingParams
+    from tests.test_convert import _cli as convert
+
+    tp2 = tmp_path / "tp2pp2"
+    assert convert("hf-to-mcore", "--model", "emu3", "--src", str(emu3_hf[0]), "--dst", str(tp2), "--tp", "2",
+                   "--pp", "2") == 0
+    prompts = [ImagePrompt("a red bus", 24, 24, negative="lowres", seed=9), ImagePrompt("a cat", 16, 32, seed=10)]
+    outs = []
+    for ckpt in (emu3_mcore, tp2):
+        ref = resolve_checkpoint(ckpt, "emu3")
+        gen = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=ref.assets, vq_dir=ref.assets / "vq")
+        outs.append(gen.generate(prompts, SamplingParams(temperature=1.0, top_k=100)))
+    for a, b in zip(*outs):
+        assert a.tokens == b.tokens and np.array_equal(np.asarray(a.image), np.asarray(b.image))
