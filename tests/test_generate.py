@@ -432,3 +432,18 @@ def test_tp2_pp2_checkpoint_generates_the_tokens_of_its_tp1_conversion(emu3_hf, 
         outs.append(gen.generate(prompts, SamplingParams(temperature=1.0, top_k=100)))
     for a, b in zip(*outs):
         assert a.tokens == b.tokens and np.array_equal(np.asarray(a.image), np.asarray(b.image))
+
+
+@pytest.mark.unit
+def test_grouped_decode_attention_is_sdpa():
+    """The CUDA decode attention (grouped heads read in place) = SDPA with enable_gqa, masked."""
+    import torch.nn.functional as F
+
+    from mmtrain.generation.decoder import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 8, 1, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g)
+    mask = torch.arange(11)[None] >= torch.tensor([0, 4, 7])[:, None]
+    for m in (None, mask[:, None, None]):
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)
+        assert torch.allclose(grouped_decode_attention(q, k, v, m, 0.3), ref, atol=1e-6)

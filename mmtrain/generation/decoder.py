@@ -8,12 +8,12 @@ projection / MLP / norms, output layer); only each layer's core attention is swa
 
 Why not megatron's `StaticInferenceContext`: its static-batching path shares one position
 counter among all rows and keeps keys *before* RoPE, re-rotating the whole cache in every layer
-at every step. Prompts of different lengths would then need left padding (positions shifted per
-row) and the per-step cost would grow with an extra pass over the cache. Here each row has its
-own positions (a prompt gets exactly the positions it has alone, as in transformers' `generate`)
-and keys are cached rotated. Prompts are right-padded in the prefill, where causal attention
-already keeps real tokens away from the padding; in decode steps each row attends to its own
-filled length only.
+at every step. Prompts of different lengths would then run at shifted positions, and the
+per-step cost would grow with an extra pass over the cache. Here keys are cached rotated, and
+each row has its own positions - a prompt gets exactly the positions it has alone, as in
+transformers' `generate` - while the cache slots stay shared: prompts are right-aligned (row r's
+prompt fills slots [L - len_r, L)), so every decode step writes all rows at the same slot, and a
+fixed mask keeps each row away from the empty slots before its prompt.
 
 Decode steps feed one token per row, where megatron's module plumbing (autograd functions
 around every linear layer, the layer's branches for training features) costs more than the
@@ -42,15 +42,18 @@ class KVCache:
 
     keys: list[torch.Tensor]  # per layer [rows, groups, capacity, head_dim]
     values: list[torch.Tensor]
-    lengths: torch.Tensor  # [rows] positions filled per row (on the cache's device)
+    #: [rows] each row's next position (its prompt length + tokens fed since)
+    positions: torch.Tensor
+    #: [rows, capacity] slots a row may attend to (after the empty ones before its prompt);
+    #: None when no row has empty slots
+    valid: Optional[torch.Tensor]
+    #: slots filled so far, the same for every row
+    filled: int = 0
     # ---- set per forward by CachedDecoder
     cos: Optional[torch.Tensor] = None  # [s, rows, 1, rot_dim]
     sin: Optional[torch.Tensor] = None
-    prefill: bool = True
-    #: decode: [rows, 1, 1, kv_len] True = may attend, or None (every row full up to kv_len)
+    #: [rows, 1, s, kv_len] True = may attend, or None: causal when s > 1, else everything
     mask: Optional[torch.Tensor] = None
-    kv_len: int = 0
-    row_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     @property
     def capacity(self) -> int:
@@ -58,17 +61,16 @@ class KVCache:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """RoPE as megatron's `_apply_rotary_pos_emb_bshd` computes it (same formula, same dtypes)."""
+    """RoPE: `x * cos + rotate_half(x) * sin`, megatron's `_apply_rotary_pos_emb_bshd` to the bit,
+    with rotate_half's sign folded into `sin` (see `CachedDecoder._rope`): -a * b == a * -b."""
     rot = cos.size(-1)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x_rot = x[..., :rot] if rot < x.size(-1) else x
     if interleaved:
-        x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
-        half = torch.stack((-x2, x1), dim=-1).reshape(x_rot.shape)
+        swapped = x_rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     else:
-        x1, x2 = x_rot.chunk(2, dim=-1)
-        half = torch.cat((-x2, x1), dim=-1)
-    out = x_rot * cos + half * sin
-    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+        swapped = x_rot.roll(rot // 2, dims=-1)
+    out = x_rot * cos + swapped * sin
+    return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.size(-1) else out
 
 
 class CachedSDPA(torch.nn.Module):
@@ -95,20 +97,36 @@ class CachedSDPA(torch.nn.Module):
         k = _rotate(key, c.cos, c.sin, self.rotary_interleaved).permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         kc, vc = c.keys[self.layer_index], c.values[self.layer_index]
-        if c.prefill:
-            kc[:, :, :s] = k
-            vc[:, :, :s] = v
-        else:  # one token per row, each at its own position
-            kc[c.row_index, :, c.lengths] = k[:, :, 0]
-            vc[c.row_index, :, c.lengths] = v[:, :, 0]
-        k, v = kc[:, :, : c.kv_len], vc[:, :, : c.kv_len]
-        if k.size(1) != q.size(1) and q.is_cuda:
-            # the fused CUDA kernels take masks but not grouped heads: expand the groups
-            rep = q.size(1) // k.size(1)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.prefill and s > 1,
-                                             scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
+        end = c.filled + s
+        kc[:, :, c.filled:end] = k
+        vc[:, :, c.filled:end] = v
+        k, v = kc[:, :, :end], vc[:, :, :end]
+        if q.is_cuda and s == 1:
+            out = grouped_decode_attention(q, k, v, c.mask, self.softmax_scale)
+        else:
+            if k.size(1) != q.size(1) and q.is_cuda and c.mask is not None:
+                # the fused CUDA kernels that take a mask do not take grouped heads: expand them
+                rep = q.size(1) // k.size(1)
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None and s > 1,
+                                                 scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
         return out.permute(2, 0, 1, 3).reshape(s, query.size(1), -1)
+
+
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                             scale: float) -> torch.Tensor:
+    """Attention of one query per row over the cache, grouped-query heads without copying the
+    cache: q [rows, heads, 1, d], k/v [rows, groups, L, d] (query head i reads group
+    i // (heads/groups), as SDPA's `enable_gqa`), mask [rows, 1, 1, L] True = attend, or None.
+    Used for CUDA decode steps, where SDPA with a mask and grouped heads falls back to a kernel
+    that expands the cache per step; softmax in float32."""
+    rows, heads, _, dim = q.shape
+    groups = k.size(1)
+    scores = torch.matmul(q.view(rows, groups, heads // groups, dim), k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # [rows, groups, heads/groups, d]
+    return out.view(rows, heads, 1, dim)
 
 
 class CachedDecoder:
@@ -155,69 +173,82 @@ class CachedDecoder:
         return self.gpt.embedding(input_ids=token_ids.reshape(1, -1).to(self.device), position_ids=None)[:, 0]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [s, rows, 1, rot_dim] of positions [rows, s] (megatron's frequencies)."""
+        """cos and signed sin [s, rows, 1, rot_dim] of positions [rows, s], from megatron's
+        frequencies; sin is negated where rotate_half negates (the first half, or the even
+        elements when interleaved)."""
         freqs = positions.t().float()[..., None] * self.inv_freq.to(positions.device)  # [s, rows, dim/2]
+        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
         if self.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).reshape(*freqs.shape[:-1], -1)
+            cos = torch.stack((cos, cos), dim=-1).flatten(-2)
+            sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
         else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        emb = emb[:, :, None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos[:, :, None, :], sin[:, :, None, :]
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> torch.Tensor:
         """Start a batch: `prompts` are the rows' decoder inputs [T_i, h] (embeddings); the cache
-        holds max(T_i) + max_new_tokens positions per row."""
-        lengths = [int(p.size(0)) for p in prompts]
-        if min(lengths) == 0:
+        holds max(T_i) + max_new_tokens slots per row."""
+        lengths = torch.tensor([int(p.size(0)) for p in prompts], device=self.device)
+        if int(lengths.min()) == 0:
             raise ValueError("empty prompt")
-        rows, longest, dev = len(prompts), max(lengths), self.device
+        rows, longest, dev = len(prompts), int(lengths.max()), self.device
         capacity = longest + max_new_tokens
         shape = (rows, self.groups, capacity, self.head_dim)
         layers = len(self.gpt.decoder.layers)
-        self.cache = KVCache(keys=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
-                             values=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
-                             lengths=torch.tensor(lengths, device=dev))
+        start = longest - lengths  # first slot of each row's prompt
+        slots = torch.arange(capacity, device=dev)
+        valid = slots[None] >= start[:, None] if bool((start > 0).any()) else None
+        self.cache = c = KVCache(keys=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
+                                 values=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
+                                 positions=lengths.clone(), valid=valid)
         x = torch.zeros((longest, rows, prompts[0].size(-1)), dtype=self.dtype, device=dev)
         for r, p in enumerate(prompts):
-            x[: lengths[r], r] = p.to(device=dev, dtype=self.dtype)
-        c = self.cache
-        c.cos, c.sin = self._rope(torch.arange(longest, device=dev).expand(rows, longest))
-        c.prefill, c.mask, c.kv_len = True, None, longest
-        hidden = self._decode(x)  # [longest, rows, h]
-        last = hidden[self.cache.lengths - 1, torch.arange(rows, device=dev)]  # each row's last prompt position
-        return self._logits(last[None])
+            x[longest - p.size(0):, r] = p.to(device=dev, dtype=self.dtype)
+        c.cos, c.sin = self._rope((slots[None, :longest] - start[:, None]).clamp(min=0))
+        c.mask = None
+        if valid is not None:
+            causal = torch.ones((longest, longest), dtype=torch.bool, device=dev).tril()
+            # an empty slot's query sees itself, so no softmax row is empty (NaN would reach the cache)
+            c.mask = (causal[None] & (valid[:, None, :longest] | torch.eye(longest, dtype=torch.bool, device=dev)))[:, None]
+        hidden = self._decode(x, prefill=True)
+        c.filled = longest
+        return self._logits(hidden[-1:])
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [rows] and return the logits that follow it."""
         c = self.cache
         assert c is not None, "prefill first"
-        if int(c.lengths.max()) >= c.capacity:
-            raise ValueError(f"the KV cache holds {c.capacity} positions per row; generation went past it")
+        if c.filled >= c.capacity:
+            raise ValueError(f"the KV cache holds {c.capacity} slots per row; generation went past it")
         x = self.gpt.embedding(input_ids=tokens.reshape(-1, 1).to(self.device), position_ids=None)  # [1, rows, h]
-        rows = x.size(1)
-        c.cos, c.sin = self._rope(c.lengths[:, None])
-        c.prefill, c.row_index = False, torch.arange(rows, device=self.device)
-        c.kv_len = int(c.lengths.max()) + 1
-        full = bool((c.lengths == c.kv_len - 1).all())
-        c.mask = None if full else (torch.arange(c.kv_len, device=self.device)[None] <= c.lengths[:, None])[:, None, None]
-        logits = self._logits(self._decode(x))
-        c.lengths += 1
+        c.cos, c.sin = self._rope(c.positions[:, None])
+        c.mask = None if c.valid is None else c.valid[:, None, None, : c.filled + 1]
+        logits = self._logits(self._decode(x, prefill=False))
+        c.filled += 1
+        c.positions += 1
         return logits
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, prefill: bool) -> torch.Tensor:
         """The transformer block (final norm included) with our cached attention."""
-        if self.direct and not self.cache.prefill:
+        if self.direct and not prefill:
             for layer in self.gpt.decoder.layers:
                 x = _direct_layer(layer, x, self.gpt.config)
             return self.gpt.decoder.final_layernorm(x)
         return self.gpt.decoder(hidden_states=x, attention_mask=None)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
-        logits, _ = self.gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[0, :, : self.vocab_size].float()
+        """[1, rows, h] -> [rows, vocab_size] float32 (the padded vocabulary rows cut off)."""
+        gpt = self.gpt
+        if self.direct:  # TP=1: the output layer is one matmul with the (possibly tied) table
+            weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+                else gpt.output_layer.weight
+            logits = F.linear(hidden[0], weight[: self.vocab_size])
+        else:
+            weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+            logits = gpt.output_layer(hidden, weight=weight, runtime_gather_output=True)[0][0, :, : self.vocab_size]
+        return logits.float()
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every other row from the cache (`rows`: indices of the rows to keep, in order)."""
@@ -226,7 +257,11 @@ class CachedDecoder:
         rows = rows.to(self.device)
         c.keys = [k.index_select(0, rows) for k in c.keys]
         c.values = [v.index_select(0, rows) for v in c.values]
-        c.lengths = c.lengths.index_select(0, rows)
+        c.positions = c.positions.index_select(0, rows)
+        if c.valid is not None:
+            c.valid = c.valid.index_select(0, rows)
+            if bool(c.valid.all()):
+                c.valid = None
 
 
 def direct_decode_supported(gpt: torch.nn.Module) -> bool:
