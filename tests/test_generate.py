@@ -381,6 +381,17 @@ def test_cli_llava_prints_the_answer(llava_hf, llava_chat, tmp_path, capsys):
     expected = llava_chat.generate([llava_chat.prompt("What is this?", Image.open(image))], SamplingParams(),
                                    max_new_tokens=8)[0]
     assert printed == llava_chat.answer(expected) + "\n"
+    # --prompts: an image relative to the file, a text-only line with its own seed; JSONL answers
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"prompt": "What is this?", "image": "img.png"}) + "\n"
+                         + json.dumps({"prompt": "Say hi.", "seed": 3}) + "\n")
+    out = tmp_path / "answers.jsonl"
+    assert _cli("llava-ov", "--checkpoint", str(llava_hf[0]), "--prompts", str(questions), "--output", str(out),
+                "--max-new-tokens", "8", "--no-progress") == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["answer"] == llava_chat.answer(expected) and lines[0]["image"] == "img.png"
+    assert lines[1]["seed"] == 3 and lines[1]["tokens"] == llava_chat.generate(
+        [llava_chat.prompt("Say hi.")], SamplingParams(), max_new_tokens=8)[0].tokens
 
 
 @pytest.mark.unit

@@ -12,7 +12,7 @@ from typing import Any
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 2048}
 DEFAULT_CFG_SCALE = 3.0
 DEFAULT_SIZE = 512
-PROMPT_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "cfg_scale"}
+PROMPT_KEYS = ("negative_prompt", "seed", "height", "width", "cfg_scale")  # besides "prompt"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,39 +40,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[Any]:
-    """ImagePrompts from --prompt or --prompts (GenerationError naming the line on bad input)."""
+    """ImagePrompts from --prompt or --prompts; prompt i of a file samples with seed + i unless
+    its line gives a seed."""
     from mmtrain.emu3.generation import ImagePrompt
     from mmtrain.generation.checkpoint import GenerationError
+    from mmtrain.generation.prompts import read_prompt_file
 
     base = dict(negative=args.negative_prompt, cfg_scale=args.cfg_scale, height=args.height, width=args.width)
     if args.prompt is not None:
         return [ImagePrompt(args.prompt, seed=args.seed, **base)]
-    path = Path(args.prompts)
-    if not path.is_file():
-        raise GenerationError(f"--prompts {path}: no such file")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        seed = args.seed + len(out)
-        if path.suffix != ".jsonl":
-            out.append(ImagePrompt(line.strip(), seed=seed, **base))
-            continue
+    for i, (where, rec) in enumerate(read_prompt_file(args.prompts, PROMPT_KEYS)):
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ValueError('expected an object with a "prompt" string')
-            unknown = sorted(set(rec) - PROMPT_KEYS)
-            if unknown:
-                raise ValueError(f"unknown keys {unknown} (known: {sorted(PROMPT_KEYS)})")
             out.append(ImagePrompt(
                 rec["prompt"], height=int(rec.get("height", args.height)), width=int(rec.get("width", args.width)),
                 negative=str(rec.get("negative_prompt", args.negative_prompt)),
-                cfg_scale=float(rec.get("cfg_scale", args.cfg_scale)), seed=int(rec.get("seed", seed))))
+                cfg_scale=float(rec.get("cfg_scale", args.cfg_scale)), seed=int(rec.get("seed", args.seed + i))))
         except (ValueError, TypeError) as exc:
-            raise GenerationError(f"--prompts {path}:{n}: {exc}") from None
-    if not out:
-        raise GenerationError(f"--prompts {path}: no prompts")
+            raise GenerationError(f"{where}: {exc}") from None
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Any
 #: transformers' default for LLaVA-OV: greedy
 SAMPLING_DEFAULTS = {"temperature": 0.0}
 DEFAULT_MAX_NEW_TOKENS = 256
-PROMPT_KEYS = {"prompt", "image", "system", "seed"}
+PROMPT_KEYS = ("image", "system", "seed")  # besides "prompt"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,38 +44,26 @@ def _open_image(path: Path, where: str) -> Any:
 
 
 def read_prompts(args: argparse.Namespace) -> list[dict]:
-    """[{prompt, image (PIL or None), image_path, system, seed}] from --prompt or --prompts."""
+    """[{prompt, image (PIL or None), image_path, system, seed}] from --prompt or --prompts;
+    prompt i of a file samples with seed + i unless its line gives a seed."""
     from mmtrain.generation.checkpoint import GenerationError
+    from mmtrain.generation.prompts import read_prompt_file
 
     if args.prompt is not None:
         image = _open_image(Path(args.image), "--image") if args.image else None
         return [dict(prompt=args.prompt, image=image, image_path=args.image, system=args.system, seed=args.seed)]
     if args.image is not None:
         raise GenerationError("--image goes with --prompt; in a --prompts .jsonl file give each line its \"image\"")
-    path = Path(args.prompts)
-    if not path.is_file():
-        raise GenerationError(f"--prompts {path}: no such file")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        rec: dict = {"prompt": line.strip()}
-        if path.suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                    raise ValueError('expected an object with a "prompt" string')
-                unknown = sorted(set(rec) - PROMPT_KEYS)
-                if unknown:
-                    raise ValueError(f"unknown keys {unknown} (known: {sorted(PROMPT_KEYS)})")
-            except ValueError as exc:
-                raise GenerationError(f"--prompts {path}:{n}: {exc}") from None
+    for i, (where, rec) in enumerate(read_prompt_file(args.prompts, PROMPT_KEYS)):
         image_path = rec.get("image")
-        image = _open_image(path.parent / image_path, f"--prompts {path}:{n}") if image_path else None
-        out.append(dict(prompt=rec["prompt"], image=image, image_path=image_path,
-                        system=rec.get("system", args.system), seed=int(rec.get("seed", args.seed + len(out)))))
-    if not out:
-        raise GenerationError(f"--prompts {path}: no prompts")
+        image = _open_image(Path(args.prompts).parent / image_path, where) if image_path else None
+        try:
+            seed = int(rec.get("seed", args.seed + i))
+        except (ValueError, TypeError) as exc:
+            raise GenerationError(f"{where}: seed: {exc}") from None
+        out.append(dict(prompt=rec["prompt"], image=image, image_path=image_path, system=rec.get("system", args.system),
+                        seed=seed))
     return out
 
 
