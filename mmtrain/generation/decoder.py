@@ -1,5 +1,6 @@
 """A megatron-core decoder (`GPTModel`, as `mmtrain.models.language_model` builds it) run for
-generation: the prompts in one prefill pass, then one token per row per step, with a KV cache.
+generation: a prefill of the prompts (one pass per distinct prompt length), then one token per
+row per step, with a KV cache.
 
 The decoder's own modules do the work (embedding, `TransformerBlock` with its layers' QKV /
 projection / MLP / norms, output layer); only each layer's core attention is swapped for
@@ -13,7 +14,8 @@ per-step cost would grow with an extra pass over the cache. Here keys are cached
 each row has its own positions - a prompt gets exactly the positions it has alone, as in
 transformers' `generate` - while the cache slots stay shared: prompts are right-aligned (row r's
 prompt fills slots [L - len_r, L)), so every decode step writes all rows at the same slot, and a
-fixed mask keeps each row away from the empty slots before its prompt.
+fixed mask keeps each row away from the empty slots before its prompt. Prompts of equal length
+are prefilled together with plain causal attention, so no [L, L] mask is ever built.
 
 Decode steps feed one token per row, where megatron's module plumbing (autograd functions
 around every linear layer, the layer's branches for training features) costs more than the
@@ -47,12 +49,15 @@ class KVCache:
     #: [rows, capacity] slots a row may attend to (after the empty ones before its prompt);
     #: None when no row has empty slots
     valid: Optional[torch.Tensor]
-    #: slots filled so far, the same for every row
+    #: slots filled so far, the same for every row (during a prefill: where it writes)
     filled: int = 0
     # ---- set per forward by CachedDecoder
     cos: Optional[torch.Tensor] = None  # [s, rows, 1, rot_dim]
     sin: Optional[torch.Tensor] = None
-    #: [rows, 1, s, kv_len] True = may attend, or None: causal when s > 1, else everything
+    #: prefill: the rows being filled (None: all), which attend causally among their new tokens
+    prefill_rows: Optional[torch.Tensor] = None
+    prefill: bool = False
+    #: decode: [rows, 1, 1, kv_len] True = may attend, or None: every slot so far
     mask: Optional[torch.Tensor] = None
 
     @property
@@ -98,18 +103,21 @@ class CachedSDPA(torch.nn.Module):
         v = value.permute(1, 2, 0, 3)
         kc, vc = c.keys[self.layer_index], c.values[self.layer_index]
         end = c.filled + s
-        kc[:, :, c.filled:end] = k
-        vc[:, :, c.filled:end] = v
-        k, v = kc[:, :, :end], vc[:, :, :end]
-        if q.is_cuda and s == 1:
-            out = grouped_decode_attention(q, k, v, c.mask, self.softmax_scale)
+        if c.prefill:  # the new tokens are the whole prompt: store them, attend causally among them
+            rows = slice(None) if c.prefill_rows is None else c.prefill_rows
+            kc[rows, :, c.filled:end] = k
+            vc[rows, :, c.filled:end] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=self.softmax_scale,
+                                                 enable_gqa=k.size(1) != q.size(1))
         else:
-            if k.size(1) != q.size(1) and q.is_cuda and c.mask is not None:
-                # the fused CUDA kernels that take a mask do not take grouped heads: expand them
-                rep = q.size(1) // k.size(1)
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None and s > 1,
-                                                 scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
+            kc[:, :, c.filled:end] = k
+            vc[:, :, c.filled:end] = v
+            k, v = kc[:, :, :end], vc[:, :, :end]
+            if q.is_cuda:
+                out = grouped_decode_attention(q, k, v, c.mask, self.softmax_scale)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=self.softmax_scale,
+                                                     enable_gqa=k.size(1) != q.size(1))
         return out.permute(2, 0, 1, 3).reshape(s, query.size(1), -1)
 
 
@@ -188,32 +196,32 @@ class CachedDecoder:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> torch.Tensor:
         """Start a batch: `prompts` are the rows' decoder inputs [T_i, h] (embeddings); the cache
-        holds max(T_i) + max_new_tokens slots per row."""
-        lengths = torch.tensor([int(p.size(0)) for p in prompts], device=self.device)
-        if int(lengths.min()) == 0:
+        holds max(T_i) + max_new_tokens slots per row. Rows of equal length are prefilled
+        together (causal attention, no mask); row r's prompt fills slots [L - T_r, L)."""
+        lengths = [int(p.size(0)) for p in prompts]
+        if min(lengths) == 0:
             raise ValueError("empty prompt")
-        rows, longest, dev = len(prompts), int(lengths.max()), self.device
+        rows, longest, dev = len(prompts), max(lengths), self.device
         capacity = longest + max_new_tokens
         shape = (rows, self.groups, capacity, self.head_dim)
         layers = len(self.gpt.decoder.layers)
-        start = longest - lengths  # first slot of each row's prompt
-        slots = torch.arange(capacity, device=dev)
-        valid = slots[None] >= start[:, None] if bool((start > 0).any()) else None
+        start = longest - torch.tensor(lengths, device=dev)  # first slot of each row's prompt
+        valid = torch.arange(capacity, device=dev)[None] >= start[:, None] if min(lengths) < longest else None
         self.cache = c = KVCache(keys=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
                                  values=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
-                                 positions=lengths.clone(), valid=valid)
-        x = torch.zeros((longest, rows, prompts[0].size(-1)), dtype=self.dtype, device=dev)
-        for r, p in enumerate(prompts):
-            x[longest - p.size(0):, r] = p.to(device=dev, dtype=self.dtype)
-        c.cos, c.sin = self._rope((slots[None, :longest] - start[:, None]).clamp(min=0))
-        c.mask = None
-        if valid is not None:
-            causal = torch.ones((longest, longest), dtype=torch.bool, device=dev).tril()
-            # an empty slot's query sees itself, so no softmax row is empty (NaN would reach the cache)
-            c.mask = (causal[None] & (valid[:, None, :longest] | torch.eye(longest, dtype=torch.bool, device=dev)))[:, None]
-        hidden = self._decode(x, prefill=True)
-        c.filled = longest
-        return self._logits(hidden[-1:])
+                                 positions=torch.tensor(lengths, device=dev), valid=valid, prefill=True)
+        logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=dev)
+        try:
+            for n in sorted(set(lengths)):
+                group = [r for r in range(rows) if lengths[r] == n]
+                x = torch.stack([prompts[r].to(device=dev, dtype=self.dtype) for r in group], dim=1)  # [n, g, h]
+                c.prefill_rows = None if len(group) == rows else torch.tensor(group, device=dev)
+                c.filled = longest - n
+                c.cos, c.sin = self._rope(torch.arange(n, device=dev).expand(len(group), n))
+                logits[group] = self._logits(self._decode(x, prefill=True)[-1:])
+        finally:
+            c.prefill, c.prefill_rows, c.filled = False, None, longest
+        return logits
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

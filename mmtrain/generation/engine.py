@@ -99,63 +99,45 @@ def _prompt_input(model: GenerationModel, decoder: CachedDecoder, prompt: Any) -
 @torch.no_grad()
 def _generate_batch(decoder: CachedDecoder, model: GenerationModel, requests: list[GenerationRequest],
                     sampling: SamplingParams, tick: Callable[[int], None]) -> list[GenerationResult]:
-    # rows: every request's conditional row, then the unconditional rows of the guided ones
-    guided = [i for i, r in enumerate(requests) if r.guided]
+    """Rows: the active requests' conditional rows in request order, then the unconditional rows
+    of the guided ones among them, in the same order (kept so when finished requests leave)."""
+    guided = {i for i, r in enumerate(requests) if r.guided}
     prompts = [_prompt_input(model, decoder, r.prompt) for r in requests]
-    prompts += [_prompt_input(model, decoder, requests[i].negative_prompt) for i in guided]
-    cond_row = {i: i for i in range(len(requests))}
-    uncond_row = {i: len(requests) + j for j, i in enumerate(guided)}
-    dev = decoder.device
-    generators = [torch.Generator(device=dev).manual_seed(int(r.seed)) for r in requests]
+    prompts += [_prompt_input(model, decoder, r.negative_prompt) for i, r in enumerate(requests) if i in guided]
+    generators = [torch.Generator(device=decoder.device).manual_seed(int(r.seed)) for r in requests]
     results = [GenerationResult() for _ in requests]
-    active = list(range(len(requests)))  # requests still generating, in row order
-
+    active = list(range(len(requests)))
     logits = decoder.prefill(prompts, max(r.max_new_tokens for r in requests))
     step = 0
-    while active:
+    while True:
         logprobs = torch.log_softmax(logits, dim=-1)
-        scores = logprobs[[cond_row[i] for i in active]]
-        g_pos = [k for k, i in enumerate(active) if i in uncond_row]
+        scores = logprobs[: len(active)].clone()
+        g_pos = [k for k, i in enumerate(active) if i in guided]
         if g_pos:
-            g_req = [active[k] for k in g_pos]
-            scale = torch.tensor([requests[i].guidance_scale for i in g_req], device=scores.device)
-            scores[g_pos] = guided_logprobs(scores[g_pos], logprobs[[uncond_row[i] for i in g_req]], scale)
+            scale = torch.tensor([requests[active[k]].guidance_scale for k in g_pos], device=scores.device)
+            scores[g_pos] = guided_logprobs(scores[g_pos], logprobs[len(active):], scale)
         for k, i in enumerate(active):
             if requests[i].logits_processor is not None:
                 scores[k] = requests[i].logits_processor(scores[k], step)
         tokens = sample_next(scores, sampling, [generators[i] for i in active]).tolist()
         step += 1
         tick(len(active))
-        still = []
         for i, tok in zip(active, tokens):
-            r, res = requests[i], results[i]
-            res.tokens.append(int(tok))
-            if tok in r.stop_token_ids:
-                res.finish_reason = "stop_token"
-            elif len(res.tokens) >= r.max_new_tokens:
-                res.finish_reason = "max_new_tokens"
-            else:
-                still.append(i)
+            results[i].tokens.append(int(tok))
+            if tok in requests[i].stop_token_ids:
+                results[i].finish_reason = "stop_token"
+            elif len(results[i].tokens) >= requests[i].max_new_tokens:
+                results[i].finish_reason = "max_new_tokens"
+        still = [i for i in active if not results[i].finish_reason]
         if not still:
-            break
-        if len(still) < len(active):  # drop finished requests' rows from the cache
-            next_tok = {i: results[i].tokens[-1] for i in still}
-            old_rows = [cond_row[i] for i in still] + [uncond_row[i] for i in still if i in uncond_row]
-            decoder.keep_rows(torch.tensor(old_rows, dtype=torch.long))
-            cond_row = {i: k for k, i in enumerate(still)}
-            kept_guided = [i for i in still if i in uncond_row]
-            uncond_row = {i: len(still) + j for j, i in enumerate(kept_guided)}
+            return results
+        if len(still) < len(active):  # drop the finished requests' rows from the cache
+            cond = [k for k, i in enumerate(active) if not results[i].finish_reason]
+            uncond = [len(active) + j for j, k in enumerate(g_pos) if not results[active[k]].finish_reason]
+            decoder.keep_rows(torch.tensor(cond + uncond, dtype=torch.long))
             active = still
-        else:
-            next_tok = {i: results[i].tokens[-1] for i in active}
-            cond_row = {i: cond_row[i] for i in active}
-        feed = torch.empty(len(cond_row) + len(uncond_row), dtype=torch.long)
-        for i in active:
-            feed[cond_row[i]] = next_tok[i]
-            if i in uncond_row:
-                feed[uncond_row[i]] = next_tok[i]
-        logits = decoder.step(feed)
-    return results
+        last = [results[i].tokens[-1] for i in active]
+        logits = decoder.step(torch.tensor(last + [t for i, t in zip(active, last) if i in guided], dtype=torch.long))
 
 
 @dataclass
