@@ -368,7 +368,7 @@ def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, ca
 
 
 @pytest.mark.unit
-def test_cli_llava_prints_the_answer(llava_hf, llava_chat, tmp_path, capsys):
+def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat, tmp_path, capsys):
     from mmtrain.generation.sampling import SamplingParams
 
     image = tmp_path / "img.png"
@@ -381,12 +381,16 @@ def test_cli_llava_prints_the_answer(llava_hf, llava_chat, tmp_path, capsys):
     expected = llava_chat.generate([llava_chat.prompt("What is this?", Image.open(image))], SamplingParams(),
                                    max_new_tokens=8)[0]
     assert printed == llava_chat.answer(expected) + "\n"
-    # --prompts: an image relative to the file, a text-only line with its own seed; JSONL answers
+    # its megatron conversion (tokenizer kept in hf_assets/), --prompts: an image relative to the
+    # file, a text-only line with its own seed; JSONL answers
+    from tests.test_convert import _cli as convert
+
+    assert convert("hf-to-mcore", "--model", "llava-ov", "--src", str(llava_hf[0]), "--dst", str(tmp_path / "ckpt")) == 0
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"prompt": "What is this?", "image": "img.png"}) + "\n"
                          + json.dumps({"prompt": "Say hi.", "seed": 3}) + "\n")
     out = tmp_path / "answers.jsonl"
-    assert _cli("llava-ov", "--checkpoint", str(llava_hf[0]), "--prompts", str(questions), "--output", str(out),
+    assert _cli("llava-ov", "--checkpoint", str(tmp_path / "ckpt"), "--prompts", str(questions), "--output", str(out),
                 "--max-new-tokens", "8", "--no-progress") == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[0]["answer"] == llava_chat.answer(expected) and lines[0]["image"] == "img.png"
