@@ -462,3 +462,23 @@ def test_grouped_decode_attention_is_sdpa():
     for m in (None, mask[:, None, None]):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)
         assert torch.allclose(grouped_decode_attention(q, k, v, m, 0.3), ref, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_checkpoint_resolution(emu3_hf, emu3_mcore, tmp_path):
+    """A training run dir resolves to its checkpoints/; HF dirs keep their own assets; a converted
+    checkpoint its hf_assets/; a bare one none."""
+    from mmtrain.generation.checkpoint import GenerationError, asset_dir, resolve_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(emu3_mcore, run / "checkpoints", ignore=shutil.ignore_patterns("hf_assets"))
+    ref = resolve_checkpoint(run, "emu3")
+    assert ref.path == run / "checkpoints" and not ref.is_hf and ref.assets is None
+    with pytest.raises(GenerationError, match="give --tokenizer DIR"):
+        asset_dir(ref, None, "tokenizer", "tokenizer")
+    assert asset_dir(ref, str(emu3_hf[0]), "tokenizer", "tokenizer") == emu3_hf[0]
+    assert resolve_checkpoint(emu3_mcore, "emu3").assets == emu3_mcore / "hf_assets"
+    hf = resolve_checkpoint(emu3_hf[0], "emu3")
+    assert hf.is_hf and hf.assets == emu3_hf[0]
+    with pytest.raises(GenerationError, match="neither a megatron checkpoint"):
+        resolve_checkpoint(tmp_path, "emu3")

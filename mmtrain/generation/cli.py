@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, family: str) -> int:
             results = generate(job.model, job.requests, sampling, batch_size=args.batch_size, progress=progress)
         job.finish(results)
     except GenerationError as exc:
-        print(f"mmtrain generate {family}: {exc}", file=sys.stderr)
+        print(f"mmtrain generate {family}: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
