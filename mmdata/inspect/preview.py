@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         sample = next(read_shard(shard, [pos]))
     chat = load_chat_tokenizer(args.tokenizer, what="--tokenizer") if args.tokenizer else None
     stats = measure_sample(sample, chat)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in pipes and logs
     console.print(Text(_header(sample, stats, position), style="bold"))
     for line in _media_lines(stats):
         console.print(line)
