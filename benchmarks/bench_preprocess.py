@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"{'N':>7} {'input MB':>9} " + "".join(f"{label + ' e2e/s':>18} " for label, _ in sides.values())
-          + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MB ours':>12} {'RSS MB RD':>10} {'RSS MB SW':>10}")
+          + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MiB ours':>12} {'RSS MiB RD':>10} {'RSS MiB SW':>10}")
     for r in rows:
         line = f"{r['n']:>7} {r['mb']:>9.1f} "
         for key in sides:
