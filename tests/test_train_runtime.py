@@ -155,6 +155,12 @@ def test_exact_resume(ref_run, tmp_path, shards_dir, tokenizer_dir):
     run = interrupted_copy(ref_run, tmp_path / "run", at_step=4)
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
     assert "resumed from" in proc.stderr
+    # what a user reads: where the outputs go, an ETA per step, no third-party noise
+    assert (f"run_dir {run}: metrics {run / 'metrics.jsonl'}, checkpoints {run / 'checkpoints'}/ (every 2 steps "
+            "and at the end, keeping the last 2)") in proc.stderr
+    step_lines = [line for line in proc.stderr.splitlines() if " | loss " in line]
+    assert len(step_lines) == 2 and all(" | eta " in line for line in step_lines)
+    assert "Warning" not in proc.stderr and "Filling reading buffer" not in proc.stderr
     ref, resumed = metrics(ref_run), metrics(run)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
