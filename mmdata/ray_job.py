@@ -15,6 +15,7 @@ resume", exit status 130).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -60,8 +61,24 @@ def shutdown_ray(owned: bool) -> None:
             ray.shutdown()
 
 
-def interrupted() -> Interrupted:
-    return Interrupted(INTERRUPTED)
+def resumable(job: Callable[..., Any]) -> Callable[..., Any]:
+    """A job function whose Ctrl-C (after its own clean-up: `finally` blocks shut Ray down)
+    becomes `Interrupted`: "rerun the same command to resume", exit status 130."""
+
+    @functools.wraps(job)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return job(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Interrupted(INTERRUPTED) from None
+
+    return run
+
+
+def discard(out: Path, work: Path, created: bool) -> None:
+    """Leave nothing behind (a job that has nothing to write): the work folder, and the output
+    folder when this run created it and it is empty otherwise."""
+    remove([work] + ([out] if created and not any(p != work for p in out.iterdir()) else []))
 
 
 _END = object()

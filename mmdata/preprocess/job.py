@@ -42,6 +42,7 @@ import numpy as np
 
 import mmdata
 from mmdata import shard_format as sf
+from mmdata.errors import UserError, deferred_interrupt
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.llava_json import check_image_root
@@ -59,8 +60,7 @@ from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_
 from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
                                       sort_bucket, write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
-from mmdata.errors import UserError, deferred_interrupt
-from mmdata.ray_job import (check_output_dir, init_ray, interrupted, remove, run_bounded, shard_outputs,
+from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
                              shutdown_ray)
 from mmdata.units import plural
 
@@ -300,16 +300,10 @@ def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int],
     return targets, factors(targets, groups)
 
 
+@resumable
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run the whole job; returns the manifest. Raises PreprocessError on user errors, and
     Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
-    try:
-        return _run_preprocess(cfg)
-    except KeyboardInterrupt:
-        raise interrupted() from None
-
-
-def _run_preprocess(cfg: PreprocessConfig) -> dict:
     import ray
 
     from mmdata.preprocess.progress import JobProgress, summary_table
@@ -469,7 +463,7 @@ def _run_preprocess(cfg: PreprocessConfig) -> dict:
             if sum(bucket_counts) != counts.written or not counts.reconciles():
                 raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, counts say {counts.to_json()}")
             if sum(bucket_counts) == 0:  # leave nothing behind
-                remove([work] + ([out] if created and not any(p != work for p in out.iterdir()) else []))
+                discard(out, work, created)
                 raise PreprocessError(_nothing_to_write(counts, len(units)))
             if mix_report is not None:
                 mix_report["realised"] = {g: realised.get(g, Counter())["kept"] + realised.get(g, Counter())["repeated"]

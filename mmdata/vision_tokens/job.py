@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-
 import mmdata
 from mmdata import shard_format as sf
 from mmdata.errors import UserError, deferred_interrupt
@@ -32,12 +31,12 @@ from mmdata.preprocess.energon_meta import ShardLayout, write_energon_index
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.stages import shard_work_file
+from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
+                             shutdown_ray)
+from mmdata.units import plural
 from mmdata.vision_tokens import token_format as tf
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, chunk_file, count_samples, tokenize_chunk,
                                          write_token_shard)
-from mmdata.ray_job import (check_output_dir, init_ray, interrupted, remove, run_bounded, shard_outputs,
-                             shutdown_ray)
-from mmdata.units import plural
 from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
                                      read_vq_checkpoint, spatial_factor)
 
@@ -162,16 +161,10 @@ def _manifest_job(manifest: dict) -> dict | None:
     return manifest.get("job") if isinstance(manifest.get("job"), dict) else None
 
 
+@resumable
 def run_tokenize(cfg: TokenizeConfig) -> dict:
     """Run the whole job; returns the manifest. Raises TokenizeError on user errors, and
     Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
-    try:
-        return _run_tokenize(cfg)
-    except KeyboardInterrupt:
-        raise interrupted() from None
-
-
-def _run_tokenize(cfg: TokenizeConfig) -> dict:
     import ray
 
     from mmdata.preprocess.progress import JobProgress
@@ -247,7 +240,7 @@ def _run_tokenize(cfg: TokenizeConfig) -> dict:
             run_bounded(lambda c: tokenize_r.remote(c, opts), chunks, max_in_flight, tokenized)
             prog.resumed("tokenize images", resumed["chunks"], len(chunks), "chunk", after=True)
             if counts.written == 0:  # leave nothing behind
-                remove([work] + ([out] if created and not any(p != work for p in out.iterdir()) else []))
+                discard(out, work, created)
                 raise TokenizeError(f"no sample to write: all {plural(counts.read, 'sample')} were quarantined "
                                     f"({', '.join(f'{r} {n:,}' for r, n in counts.to_json()['by_reason'].items())})")
             phases["tokenize_s"] = round(time.perf_counter() - t0, 3)
