@@ -120,13 +120,11 @@ print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), 
 RAY_FLOOR = r"""
 import sys, time
 import ray
-from mmdata.preprocess.job import PreprocessConfig, _init_ray
+from mmdata.ray_job import init_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
 
-cfg = PreprocessConfig(dataset="infinity-mm", inputs=[], output="", num_cpus=int(sys.argv[1]),
-                       address=sys.argv[2] if len(sys.argv) > 2 else None)
-own = _init_ray(cfg)
+own = init_ray(sys.argv[2] if len(sys.argv) > 2 else None, int(sys.argv[1]))
 
 @ray.remote(num_cpus=1)
 def nothing():

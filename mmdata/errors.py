@@ -97,9 +97,10 @@ def _report_crash(prog: str, err: BaseException, verbose: bool) -> int:
 def deferred_interrupt() -> Iterator[None]:
     """Hold back SIGINT while the block runs (starting or stopping Ray, publishing a result):
     an interrupt there leaves half-made processes or files. It is raised as KeyboardInterrupt
-    when the block ends. Does nothing outside the main thread (signals go to the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    when the block ends. Does nothing outside the main thread (signals go to the main thread)
+    or when SIGINT is ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # (a process that ignores SIGINT, e.g. started in the background, keeps ignoring it)
         return
     received: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))

@@ -214,12 +214,16 @@ def test_deferred_interrupt_holds_sigint_until_the_block_ends():
     from mmdata.errors import deferred_interrupt
 
     reached = []
-    with pytest.raises(KeyboardInterrupt):
-        with deferred_interrupt():
-            os.kill(os.getpid(), signal.SIGINT)
-            reached.append("after the signal")  # still running: the interrupt waits
-    assert reached == ["after the signal"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever a library installed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with deferred_interrupt():
+                os.kill(os.getpid(), signal.SIGINT)
+                reached.append("after the signal")  # still running: the interrupt waits
+        assert reached == ["after the signal"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 # ----------------------------------------------------------------------------- no hub access

@@ -94,8 +94,9 @@ def _interrupted_run(args: list[str], point: str | None = None, ready=None) -> s
     group (a terminal's Ctrl-C: Ray's processes get it too) as soon as `ready()` holds."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-c", _SIGINT_AT, point or "-", "--no-progress", *args]
+    # (a test run in the background inherits an ignored SIGINT: the job gets Python's default back)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if ready is not None:
         while proc.poll() is None and not ready():
             time.sleep(0.02)

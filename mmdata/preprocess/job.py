@@ -413,7 +413,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             for done in scanner.drain():
                 scanned(*done)
             run_bounded(lambda u: remote["scan_unit"].remote(u, spec), iter(scanner.take, None), max_in_flight,
-                         scanned_by_ray)
+                        scanned_by_ray)
             for done in scanner.finish():
                 scanned(*done)
             candidates, candidate_bytes = counts.written, counts.valid_bytes

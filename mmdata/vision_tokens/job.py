@@ -33,6 +33,7 @@ from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.stages import shard_work_file
 from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
                              shutdown_ray)
+from mmdata.readiness import unfinished_job
 from mmdata.units import plural
 from mmdata.vision_tokens import token_format as tf
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, chunk_file, count_samples, tokenize_chunk,
@@ -81,6 +82,8 @@ def _read_input(folder: Path) -> _Input:
     """The input shards in order, with sample counts and a fingerprint of their content."""
     if not folder.is_dir():
         raise TokenizeError(f"{folder}: no such shard folder")
+    if (why := unfinished_job(folder)) is not None:
+        raise TokenizeError(why)
     manifest_path = folder / sf.MANIFEST_NAME
     if manifest_path.is_file():
         m = json.loads(manifest_path.read_text())
