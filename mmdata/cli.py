@@ -1,7 +1,4 @@
-"""`mmdata` console script: one subcommand per module (each exposes `add_arguments(parser)` and
-`run(args) -> int`). Errors follow mmdata/errors.py: an expected problem is one line and exit
-status 2, Ctrl-C exits 130, an unexpected one names a log file holding its traceback (exit 1;
-`--verbose` prints it instead).
+"""mmdata: multimodal instruction data -> energon-ready shards, and a look inside them.
 
   mmdata synth ...            a small synthetic dataset in a real on-disk layout
   mmdata preprocess ...       raw records -> energon-ready shards (Ray job, resumable)
@@ -11,7 +8,14 @@ status 2, Ctrl-C exits 130, an unexpected one names a log file holding its trace
   mmdata tokenize-images ...  shard images -> Emu3 VQ token shards (Ray job, resumable)
 
 `mmdata COMMAND --help` describes each command and its options; docs/ has the how-tos.
+Exit status: 0 done; 2 an expected problem (a bad option, a missing path, an output folder of
+another job), said in one line before anything is written; 130 interrupted (Ctrl-C: a Ray job
+resumes when rerun); 1 an unexpected error, whose traceback goes to a log file named on stderr
+(--verbose prints it).
 """
+
+# One subcommand per module; each exposes `add_arguments(parser)` and `run(args) -> int`, and
+# the error policy (mmdata/errors.py) is applied here, once.
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`mmtrain` console script. Errors follow mmdata/errors.py: an expected problem (an invalid
-recipe, a missing path, a checkpoint of another model) is one line and exit status 2, Ctrl-C
-exits 130, an unexpected one names a log file holding its traceback (exit 1; `--verbose` prints
-it instead).
+"""mmtrain: train multimodal model families on megatron-core from YAML recipes.
 
   mmtrain FAMILY RECIPE [a.b=c ...]     train, dry-run, auto-tune or print the resolved recipe of
                                         a model family (the families: mmtrain/registry.py)
@@ -10,6 +7,9 @@ it instead).
   mmtrain worst-samples RUN_DIR ...     the highest-loss samples of a training step
 
 `mmtrain COMMAND --help` describes each command and its options; docs/ has the how-tos.
+Exit status: 0 done; 2 an expected problem (an invalid recipe, a missing path, a checkpoint of
+another model), said in one line before anything is written; 130 interrupted (Ctrl-C); 1 an
+unexpected error, whose traceback goes to a log file named on stderr (--verbose prints it).
 """
 
 from __future__ import annotations
