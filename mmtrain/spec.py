@@ -86,6 +86,11 @@ class FamilySpec:
     #: (model config) -> the cost model's shape description (dry_run, auto_tune, MFU)
     model_shapes: Callable[[Any], "ModelShapes"]
 
+    #: (recipe, the loaded HF tokenizer of `tokenizer.path`) -> problems, each naming its key;
+    #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the
+    #: model and the tokenizer must agree on. None: nothing family-specific to check
+    check_tokenizer: Optional[Callable[["Recipe", Any], list[str]]] = None
+
     # ---- checkpoints and inference --------------------------------------------------------
     #: HF <-> megatron conversion; None: the family has no HF counterpart
     hf: Optional[HFConversion] = None
