@@ -411,6 +411,8 @@ def test_documented_recipe_defaults_are_the_schemas():
             cls = registry.get_family(family).data_config_cls if name == "`data`" and family else sections[name]
         defaults = _defaults(cls)
         keys = re.findall(r"`([\w.]+)`", re.sub(r"\(.*?\)", "", key_cell))
+        if not keys:  # a row documenting a group of keys in prose, e.g. emu3's `llm.*`
+            continue
         prefix = keys[0].rsplit(".", 1)[0] + "." if "." in keys[0] else ""
         keys = [keys[0]] + [k if "." in k or not prefix else prefix + k for k in keys[1:]]
         values = [_doc_value(v) for v in default_cell.split(" / ")] if " / " in default_cell else \
