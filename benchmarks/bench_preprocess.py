@@ -120,13 +120,11 @@ print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), 
 RAY_FLOOR = r"""
 import sys, time
 import ray
-from mmdata.preprocess.job import PreprocessConfig, _init_ray
+from mmdata.ray_job import init_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
 
-cfg = PreprocessConfig(dataset="infinity-mm", inputs=[], output="", num_cpus=int(sys.argv[1]),
-                       address=sys.argv[2] if len(sys.argv) > 2 else None)
-own = _init_ray(cfg)
+own = init_ray(sys.argv[2] if len(sys.argv) > 2 else None, int(sys.argv[1]))
 
 @ray.remote(num_cpus=1)
 def nothing():
@@ -289,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"{'N':>7} {'input MB':>9} " + "".join(f"{label + ' e2e/s':>18} " for label, _ in sides.values())
-          + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MB ours':>12} {'RSS MB RD':>10} {'RSS MB SW':>10}")
+          + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MiB ours':>12} {'RSS MiB RD':>10} {'RSS MiB SW':>10}")
     for r in rows:
         line = f"{r['n']:>7} {r['mb']:>9.1f} "
         for key in sides:

@@ -24,6 +24,9 @@ JSON_MEMBER = "json"
 SHARD_NAME_TEMPLATE = "shard-{:06d}.tar"
 MANIFEST_NAME = "manifest.json"
 QUARANTINE_NAME = "quarantine.jsonl"
+ENERGON_META = ".nv-meta"  # energon's metadata folder (written last but one, before the manifest)
+# A job's intermediate state; its presence without a manifest means the job has not finished.
+WORK_DIR_NAME = ".mmdata-work"
 # Fixed tar metadata so shards are byte-identical across runs.
 TAR_MTIME = 0
 TAR_UID = 0

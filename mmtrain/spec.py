@@ -56,6 +56,8 @@ class GenerationSpec:
 
     #: one line for `mmtrain generate --help`
     help: str
+    #: the family's command lines, shown first in `mmtrain generate <family> --help`
+    usage: str
     #: (argparse parser) -> None: the family's own options (prompts, images, guidance, outputs)
     add_arguments: Callable[[Any], None]
     #: (args, CheckpointRef, Placement) -> GenerationJob (mmtrain.generation.engine): loads the
@@ -104,6 +106,11 @@ class FamilySpec:
     # ---- planning -------------------------------------------------------------------------
     #: (model config) -> the cost model's shape description (dry_run, auto_tune, MFU)
     model_shapes: Callable[[Any], "ModelShapes"]
+
+    #: (recipe, the loaded HF tokenizer of `tokenizer.path`) -> problems, each naming its key;
+    #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the
+    #: model and the tokenizer must agree on. None: nothing family-specific to check
+    check_tokenizer: Optional[Callable[["Recipe", Any], list[str]]] = None
 
     # ---- checkpoints and inference --------------------------------------------------------
     #: HF <-> megatron conversion; None: the family has no HF counterpart

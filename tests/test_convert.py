@@ -287,15 +287,22 @@ def test_bad_inputs_name_the_tensor_or_key(hf_dir, tmp_path):
 
 @pytest.mark.unit
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
-    """The registry's families are the --model choices; a half-given assembly or a missing source
-    is one line, exit 2."""
+    """The registry's families are the --model choices; a half-given assembly and a missing source
+    are one line, exit 2, before anything is written."""
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path), "--dst", str(tmp_path / "o")) == 2
     assert "give either --src HF_DIR, or all of --llm DIR --vision DIR" in capsys.readouterr().err
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")) == 2
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "o")) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'missing'} does not exist")
     assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "none"), "--dst", str(tmp_path / "o")) == 2
-    assert "no checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _cli("hf-to-mcore", "--model", "chameleon", "--src", str(tmp_path), "--dst", str(tmp_path / "o"))
+    assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'none'} does not exist")
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path), "--dst", str(tmp_path / "o"),
+                "--vq", str(tmp_path)) == 2  # an export source of another family
+    assert "mcore-to-hf --model llava-ov takes no --vq" in capsys.readouterr().err
+    for bad in (["mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")],  # --src is required
+                ["hf-to-mcore", "--model", "chameleon", "--src", str(tmp_path), "--dst", str(tmp_path / "o")]):
+        with pytest.raises(SystemExit) as exit_:
+            _cli(*bad)
+        assert exit_.value.code == 2
     assert not (tmp_path / "o").exists()
 
 

@@ -192,11 +192,13 @@ def test_refuses_other_job_dir_unless_overwrite(broken_raw, run_a, tmp_path):
     shutil.copytree(run_a[0], out)
     proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "9",
                               "--samples-per-shard", "40", check=False)
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr and "different inputs" in proc.stderr
-    # same inputs + seed: recognised as complete, nothing rewritten
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
+    assert "(changed: seed 7 → 9)" in proc.stderr  # the refusal names the option that changed
+    # same inputs + seed: recognised as complete, nothing rewritten; the copy's own path is printed
     proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "7",
                               "--samples-per-shard", "40", check=False)
     assert proc.returncode == 0 and "already complete" in proc.stderr
+    assert proc.stdout.startswith(f"{out.resolve()}: 180 samples in 5 shards") and str(run_a[0]) not in proc.stdout
 
 
 def test_energon_yields_every_valid_sample_once(shards_dir, synth_raw_dir):

@@ -9,7 +9,6 @@ template. This builds one in well under a second from a built-in English+Chinese
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -147,8 +146,9 @@ def run(args) -> int:
 
         return tiny_tokenizer.run(args)
     if args.codebook_size is not None:
-        print("error: --codebook-size applies to --family emu3 only", file=sys.stderr)
-        return 2
+        from mmdata.errors import UserError
+
+        raise UserError("--codebook-size applies to --family emu3 only")
     out = build_tiny_qwen2_tokenizer(args.output, vocab_size=args.vocab_size)
     print(f"wrote a tiny Qwen2-style tokenizer to {out}")
     return 0

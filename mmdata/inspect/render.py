@@ -14,17 +14,9 @@ from PIL import Image, ImageDraw
 
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.inspect.stats import DatasetSummary, SampleStats
+from mmdata.units import format_bytes
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def _fmt(x: Any) -> str:
@@ -50,7 +42,7 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
             ["directory", d["dataset"]],
             ["samples", _fmt(d["samples"])],
             ["shards", _fmt(d["shards"])],
-            ["bytes", human_bytes(d["bytes"])],
+            ["bytes", format_bytes(d["bytes"])],
             ["quarantined", _fmt(d["quarantine"]["total"])],
             ["manifest", "yes" if d["manifest"] else "no"],
             ["inspected", "all samples" if sampled["all"] else f"{sampled['count']:,} random samples (seed {sampled['seed']})"],

@@ -177,13 +177,13 @@ def measure_sample(
     )
 
 
-def load_chat_tokenizer(path: str | Path):
-    """The loader's `ChatTokenizer` over an HF tokenizer directory (offline)."""
-    from transformers import AutoTokenizer
-
+def load_chat_tokenizer(path: str | Path, what: str = "tokenizer"):
+    """The loader's `ChatTokenizer` over a local HF tokenizer folder (UserError naming `what`
+    when there is none; nothing is downloaded)."""
     from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+    from mmdata.local_tokenizer import load_local_tokenizer
 
-    return ChatTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    return ChatTokenizer(load_local_tokenizer(path, what))
 
 
 # ----------------------------------------------------------------------------- summary
@@ -329,7 +329,7 @@ def summarize(
     """Summarise a shards dir from its manifest, quarantine and `sample` random samples (all
     samples with `all=True`). `tokenizer` is an HF tokenizer dir or a `ChatTokenizer`."""
     ds: Dataset = open_dataset(root)
-    chat = load_chat_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    chat = load_chat_tokenizer(tokenizer, "--tokenizer") if isinstance(tokenizer, (str, Path)) else tokenizer
     samples = list(iter_samples(ds)) if all else random_samples(ds, sample, seed)
     stats = [measure_sample(x, chat, max_tiles=max_tiles) for x in samples]
     sources = _manifest_sources(ds.manifest)

@@ -19,16 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, nargs="+", type=Path, metavar="PATH",
                         help="input files or folders (searched recursively)")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="output shard folder")
-    parser.add_argument("--image-root", type=Path, default=None,
+    parser.add_argument("--image-root", type=Path, default=None, metavar="DIR",
                         help="llava-json: folder image paths are relative to (default: each annotation file's folder)")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
-    parser.add_argument("--samples-per-shard", type=int, default=None,
-                        help="samples per shard (default: sized for ~256 MB shards)")
+    parser.add_argument("--samples-per-shard", type=int, default=None, metavar="N",
+                        help="samples per shard (default: sized for ~256 MiB shards)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="delete this tool's outputs in --output and start fresh")
+                        help="delete this tool's outputs in --output and start fresh (also: write into a folder "
+                             "holding other files, which are kept)")
     parser.add_argument("--num-buckets", type=int, default=None,
                         help="advanced: shuffle buckets (default: from input size; never changes the output)")
     parser.add_argument("--max-image-pixels", type=int, default=ValidationConfig.max_image_pixels,
@@ -62,17 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.preprocess.job import PreprocessConfig, PreprocessError, run_preprocess
+    from mmdata.errors import UserError
+    from mmdata.preprocess.job import PreprocessConfig, run_preprocess
+    from mmdata.units import plural
 
     if args.image_root is not None and args.dataset != "llava-json":
-        print("error: --image-root applies to --dataset llava-json only", file=sys.stderr)
-        return 2
+        raise UserError("--image-root applies to --dataset llava-json only")
     if args.tokenizer is not None and args.no_length_index:
-        print("error: --tokenizer only serves the length index; drop it or --no-length-index", file=sys.stderr)
-        return 2
+        raise UserError("--tokenizer only serves the length index; drop it or --no-length-index")
     if not 0.0 <= args.max_quarantine_fraction <= 1.0:
-        print("error: --max-quarantine-fraction must be between 0 and 1", file=sys.stderr)
-        return 2
+        raise UserError(f"--max-quarantine-fraction must be between 0 and 1, got {args.max_quarantine_fraction}")
     cfg = PreprocessConfig(
         dataset=args.dataset, inputs=list(args.input), output=args.output, seed=args.seed,
         samples_per_shard=args.samples_per_shard, image_root=args.image_root, address=args.address,
@@ -81,24 +81,20 @@ def run(args: argparse.Namespace) -> int:
         max_quarantine_fraction=args.max_quarantine_fraction, filters=list(args.filter), dedup=args.dedup,
         dedup_scope=args.dedup_scope, mix=args.mix, tokenizer=args.tokenizer, length_index=not args.no_length_index,
     )
-    try:
-        manifest = run_preprocess(cfg)
-    except PreprocessError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    manifest = run_preprocess(cfg)
     c = manifest["counts"]
-    curated = "".join(f", {c[k]} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out", "repeated")
+    curated = "".join(f", {c[k]:,} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out", "repeated")
                       if c[k])
-    print(f"{manifest['run']['output']}: {c['written']} samples in {len(manifest['shards'])} shards, "
-          f"{c['quarantined']} quarantined{curated} (of {c['read']} read)")
+    print(f"{args.output.resolve()}: {plural(c['written'], 'sample')} in {plural(len(manifest['shards']), 'shard')}, "
+          f"{c['quarantined']:,} quarantined{curated} (of {c['read']:,} read)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.preprocess.cli ...`: the subcommand alone (used by tests and scripts)."""
-    parser = argparse.ArgumentParser(prog="mmdata preprocess", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from mmdata.cli import main as mmdata_main
+
+    return mmdata_main(["preprocess", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

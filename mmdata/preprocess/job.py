@@ -14,8 +14,9 @@ Stages (each resumable through marker files under `DIR/.mmdata-work/`):
 4. write   - one task per output shard: take its global-rank range out of the sorted buckets,
              fetch the original media bytes by (file, offset, size) and write the tar atomically;
              count its samples' tokens for the length index.
-5. finish  - energon preparation (.nv-meta), quarantine.jsonl, duplicates.jsonl,
-             lengths.parquet, manifest.json.
+5. finish  - quarantine.jsonl, duplicates.jsonl, lengths.parquet, then energon's .nv-meta
+             (published atomically) and manifest.json last: a folder holding the work folder
+             and no manifest is unfinished, and readers refuse it (mmdata/readiness.py).
 
 The driver only holds ObjectRefs, per-bucket counts, per-group counts and per-shard results;
 rows, hashes and media never pass through it, so its memory does not grow with the number of
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ import numpy as np
 
 import mmdata
 from mmdata import shard_format as sf
+from mmdata.errors import UserError, deferred_interrupt
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.llava_json import check_image_root
@@ -58,14 +60,18 @@ from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_
 from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
                                       sort_bucket, write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
+from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
+                             shutdown_ray)
+from mmdata.units import plural
 
-WORK_DIR_NAME = ".mmdata-work"
+WORK_DIR_NAME = sf.WORK_DIR_NAME
+TOOL = "mmdata preprocess"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
 DUPLICATES_NAME = "duplicates.jsonl"
 PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(UserError):
     """A problem with the job's inputs/outputs that the user must fix (printed, exit 2)."""
 
 
@@ -128,71 +134,48 @@ def parse_curation(cfg: PreprocessConfig) -> Curation:
         tok = tokenizer_fingerprint(cfg.tokenizer) if cfg.tokenizer else None
     except (FilterError, MixError, ValueError, FileNotFoundError) as e:
         raise PreprocessError(str(e)) from None
+    if cfg.tokenizer:  # loadable here, not only in the scan tasks
+        from mmdata.local_tokenizer import load_local_tokenizer
+
+        load_local_tokenizer(cfg.tokenizer, "--tokenizer")
     return Curation(rules, distance, cfg.dedup_scope, mix, tok)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _input_fingerprint(cfg: PreprocessConfig, cur: Curation, units: list[InputUnit]) -> tuple[str, list[dict]]:
+def _job_description(cfg: PreprocessConfig, cur: Curation, units: list[InputUnit]) -> dict:
+    """Everything the output depends on: its fingerprint is the job's identity, and a refusal
+    names the entries that differ (the manifest keeps it as `job`, `inputs` apart)."""
     inputs = [{"path": u.path, "rel": u.rel, "size": u.size, "mtime_ns": u.mtime_ns} for u in units]
-    fp = fingerprint({
+    return {
         "format_version": sf.FORMAT_VERSION, "dataset": cfg.dataset, "inputs": inputs, "seed": cfg.seed,
         "samples_per_shard": cfg.samples_per_shard, "target_shard_bytes": cfg.target_shard_bytes,
         "image_root": str(cfg.image_root) if cfg.image_root else None, "validation": asdict(cfg.validation),
         "curation": cur.to_json(), "tokenizer": cur.tokenizer_sha256, "length_index": cfg.length_index,
-    })
-    return fp, inputs
+    }
+
+
+def _manifest_job(manifest: dict) -> dict | None:
+    return {**manifest["job"], "inputs": manifest.get("inputs")} if isinstance(manifest.get("job"), dict) else None
 
 
 def _our_outputs(out: Path) -> list[Path]:
-    names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, DUPLICATES_NAME, LENGTHS_NAME, NV_META, WORK_DIR_NAME]
-    paths = [out / n for n in names if (out / n).exists()] + sorted(out.glob(PLAN_GLOB))
-    paths += sorted(out.glob("shard-*.tar")) + sorted(out.glob("shard-*.tar.idx"))
-    paths += sorted(out.glob(".shard-*.tar.tmp-*")) + sorted(out.glob("shard-*.tar.idx.tmp"))
-    return paths
+    extra = [out / n for n in (DUPLICATES_NAME, LENGTHS_NAME) if (out / n).exists()]
+    return shard_outputs(out) + extra + sorted(out.glob(PLAN_GLOB))
 
 
-def _remove(paths: Iterable[Path]) -> None:
-    for p in paths:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
-
-
-def _check_output_dir(out: Path, fp: str, overwrite: bool) -> dict | None:
-    """Refuse an output dir holding another job's result; return the manifest if ours is complete."""
-    if overwrite:
-        _remove(_our_outputs(out))
-        return None
-    manifest_path, work_json = out / sf.MANIFEST_NAME, out / WORK_DIR_NAME / "work.json"
-    hint = "pass --overwrite to replace it, or choose another --output"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("fingerprint") == fp:
-            return manifest
-        raise PreprocessError(f"{out} already holds shards made from different inputs, seed or options "
-                              f"(manifest fingerprint {str(manifest.get('fingerprint'))[:12]} != {fp[:12]}); {hint}")
-    if work_json.exists():
-        if json.loads(work_json.read_text()).get("fingerprint") != fp:
-            raise PreprocessError(f"{out} holds an unfinished job on different inputs, seed or options; {hint}")
-    elif any(out.glob("shard-*.tar")) or (out / NV_META).exists():
-        raise PreprocessError(f"{out} holds shards not written by a resumable mmdata job; {hint}")
-    return None
-
-
-def _prepare_work_dir(out: Path, fp: str, num_buckets: int) -> Path:
+def _prepare_work_dir(out: Path, fp: str, num_buckets: int, job: dict) -> Path:
     work = out / WORK_DIR_NAME
     wj = work / "work.json"
-    state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT}
+    state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT, "tool": TOOL, "job": job}
     if wj.exists() and any(json.loads(wj.read_text()).get(k) != state[k] for k in ("num_buckets", "row_format")):
         # Shards do not depend on the bucket count or the row encoding; only the intermediate runs do.
-        _remove([work / "scan", work / "sorted", work / "dedup"])
+        remove([work / "scan", work / "sorted", work / "dedup"])
     for d in ("scan", "sorted", "dedup", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp")):
-        stale.unlink(missing_ok=True)
+    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
+    remove(stale + list(out.glob(f"{NV_META}.tmp-*")))
     write_json_atomic(wj, state)
     return work
 
@@ -246,63 +229,36 @@ class _DriverScanner(threading.Thread):
         return self.drain()
 
 
-def _init_ray(cfg: PreprocessConfig) -> bool:
-    """Connect to --address / RAY_ADDRESS, or start a private local instance. Returns ownership."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
-                 object_store_memory=256 << 20, **kwargs)
-    return True
-
-
-_END = object()
-
-
-def _run_bounded(submit: Callable[[object], object], items: Iterable[object], max_in_flight: int,
-                 on_done: Callable[[object, object], None]) -> None:
-    """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
-    import ray
-
-    pending: dict = {}
-
-    def drain(n_left: int) -> None:
-        while len(pending) > n_left:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                on_done(pending.pop(ref), ray.get(ref))
-
-    it = iter(items)
-    while True:
-        drain(max_in_flight - 1)  # wait for a free slot before taking the next item
-        item = next(it, _END)
-        if item is _END:
-            break
-        pending[submit(item)] = item
-    drain(0)
-
-
 def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[ShardResult], num_buckets: int,
                     dedup: bool, text_tokens: str | None) -> str | None:
-    """energon's index from the layouts the shard writers recorded, quarantine.jsonl,
-    duplicates.jsonl and the length index (returns its sha256; None: `text_tokens` None, no index)."""
+    """quarantine.jsonl, duplicates.jsonl, the length index (returns its sha256; None:
+    `text_tokens` None, no index), then energon's index from the layouts the shard writers
+    recorded, published atomically: with the manifest after it, it is what says "finished"."""
     names = [s.name for s in shards]
-    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in names)
-    write_energon_index(out, names, layouts)
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
     if dedup:
         concat_parts([bucket_file(work, b, "duplicates.jsonl") for b in range(num_buckets)], out / DUPLICATES_NAME)
-    if text_tokens is None:
-        return None
-    firsts = np.cumsum([0] + [s.samples for s in shards])
-    return write_length_index(out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)],
-                              text_tokens)
+    lengths_sha = None
+    if text_tokens is not None:
+        firsts = np.cumsum([0] + [s.samples for s in shards])
+        lengths_sha = write_length_index(
+            out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)], text_tokens)
+    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in names)
+    write_energon_index(out, names, layouts)
+    return lengths_sha
+
+
+def _nothing_to_write(counts: Counts, files: int) -> str:
+    """Why a job that would write 0 samples stops (nothing is written)."""
+    c = counts.to_json()
+    if c["read"] == 0:
+        return f"no record to write: 0 records read from {plural(files, 'input file')}"
+    why = [f"{c['quarantined']:,} quarantined ("
+           + ", ".join(f"{r} {n:,}" for r, n in sorted(c["by_reason"].items(), key=lambda kv: -kv[1])[:3]) + ")"
+           ] if c["quarantined"] else []
+    why += [f"{c[k]:,} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out") if c.get(k)]
+    return (f"no sample to write: of {plural(c['read'], 'record')} read, {', '.join(why)}; nothing was written. "
+            "Check --dataset, --image-root and the curation flags")
 
 
 def auto_samples_per_shard(valid_bytes: int, records: int, target_bytes: int) -> int:
@@ -333,7 +289,8 @@ def _run_resumable(prog, name: str, key: str, items: list, marker: Callable[[obj
         on_result(item, result)
         prog.advance(name)
 
-    _run_bounded(submit, todo, max_in_flight, done)
+    prog.resumed(name, resumed[key], len(items), "task")
+    run_bounded(submit, todo, max_in_flight, done)
 
 
 def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
@@ -343,8 +300,10 @@ def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int],
     return targets, factors(targets, groups)
 
 
+@resumable
 def run_preprocess(cfg: PreprocessConfig) -> dict:
-    """Run the whole job; returns the manifest. Raises PreprocessError on user errors."""
+    """Run the whole job; returns the manifest. Raises PreprocessError on user errors, and
+    Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
     import ray
 
     from mmdata.preprocess.progress import JobProgress, summary_table
@@ -352,8 +311,10 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     t_start = time.perf_counter()
     if cfg.dataset not in adapters.DATASETS:
         raise PreprocessError(f"unknown --dataset {cfg.dataset!r}; expected one of {adapters.DATASETS}")
-    if cfg.samples_per_shard is not None and cfg.samples_per_shard <= 0:
-        raise PreprocessError("--samples-per-shard must be positive")
+    for flag, value in (("--samples-per-shard", cfg.samples_per_shard), ("--num-cpus", cfg.num_cpus),
+                        ("--num-buckets", cfg.num_buckets)):
+        if value is not None and value <= 0:
+            raise PreprocessError(f"{flag} must be a positive number, got {value}")
     cur = parse_curation(cfg)
     try:
         units = adapters.list_units(cfg.dataset, [Path(p) for p in cfg.inputs], cfg.image_root)
@@ -369,16 +330,18 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
     if cfg.dataset == "llava-json" and (problem := check_image_root(units)):
         raise PreprocessError(problem)
-    out.mkdir(parents=True, exist_ok=True)
-    fp, inputs = _input_fingerprint(cfg, cur, units)
-    done_manifest = _check_output_dir(out, fp, cfg.overwrite)
+    job = _job_description(cfg, cur, units)
+    fp, inputs = fingerprint(job), job["inputs"]
+    done_manifest = check_output_dir(out, fp, job, cfg.overwrite, _our_outputs, PreprocessError, _manifest_job)
     if done_manifest is not None:
-        print(f"{out}: already complete for these inputs and seed; nothing to do", file=sys.stderr)
+        print(f"{out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         if not cfg.keep_work_dir:  # killed between writing the manifest and cleaning up
             shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
         return done_manifest
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
     num_buckets = cfg.num_buckets or default_num_buckets(sum(u.size for u in units))
-    work = _prepare_work_dir(out, fp, num_buckets)
+    work = _prepare_work_dir(out, fp, num_buckets, job)
     spec = JobSpec(cfg.dataset, cfg.seed, num_buckets, cfg.validation, str(work), cur.filters, cur.dedup_distance,
                    cur.dedup_scope, cur.mix.by if cur.mix else None,
                    str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None, cfg.length_index)
@@ -414,13 +377,16 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 todo.append(u)
     except SystematicLoss as e:
         raise PreprocessError(str(e)) from None
+    resumed_records = counts.read
     # While Ray starts (and its workers), the driver scans files itself.
+    t_scan = time.perf_counter()
     scanner = _DriverScanner(todo, lambda u: scan_unit(u, spec))
     scanner.start()
     try:
-        own_ray = _init_ray(cfg)
+        own_ray = init_ray(cfg.address, cfg.num_cpus)
     except BaseException:
         scanner.stop()
+        scanner.join()
         raise
     phase_done("ray_init_s")
     mix_report: dict | None = None
@@ -430,9 +396,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
         with JobProgress(cfg.progress) as prog:
             # 1. scan + validate
-            prog.stage("scan+validate", len(units))
-            for _ in range(resumed["scan"]):
-                prog.advance("scan+validate", records=counts.read)
+            prog.stage("scan+validate", len(units), started=t_scan, base_records=resumed_records)
+            prog.resumed("scan+validate", resumed["scan"], len(units), "input file")
+            prog.advance("scan+validate", resumed["scan"], records=counts.read)
 
             def scanned(unit: InputUnit, result: dict) -> None:
                 add_scan(unit, result)
@@ -446,8 +412,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
             for done in scanner.drain():
                 scanned(*done)
-            _run_bounded(lambda u: remote["scan_unit"].remote(u, spec), iter(scanner.take, None), max_in_flight,
-                         scanned_by_ray)
+            run_bounded(lambda u: remote["scan_unit"].remote(u, spec), iter(scanner.take, None), max_in_flight,
+                        scanned_by_ray)
             for done in scanner.finish():
                 scanned(*done)
             candidates, candidate_bytes = counts.written, counts.valid_bytes
@@ -496,6 +462,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                                lambda b: remote["merge_bucket"].remote(b, spec), merged, resumed, max_in_flight)
             if sum(bucket_counts) != counts.written or not counts.reconciles():
                 raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, counts say {counts.to_json()}")
+            if sum(bucket_counts) == 0:  # leave nothing behind
+                discard(out, work, created)
+                raise PreprocessError(_nothing_to_write(counts, len(units)))
             if mix_report is not None:
                 mix_report["realised"] = {g: realised.get(g, Counter())["kept"] + realised.get(g, Counter())["repeated"]
                                           for g in mix_report["target"]}
@@ -513,8 +482,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 written[0] += res["samples"]
                 prog.advance("write shards", records=written[0], unit="samples")
 
-            _run_bounded(lambda p: remote["write_shard_task"].remote(p, spec, str(out), spill), plans,
-                         max_in_flight, wrote)
+            run_bounded(lambda p: remote["write_shard_task"].remote(p, spec, str(out), spill), plans,
+                        max_in_flight, wrote)
+            prog.resumed("write shards", resumed["shards"], len(plans), "shard", after=True)
             phase_done("write_s")
         # 5. finish: energon index, quarantine, duplicates, length index while Ray shuts down
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
@@ -526,8 +496,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise PreprocessError(str(e)) from None
     finally:
         scanner.stop()
-        if own_ray:
-            ray.shutdown()
+        scanner.join()
+        shutdown_ray(own_ray)
     lengths_sha = finished.result()  # re-raises an error of the finishing step
     phase_done("finish_s")
     curation = cur.to_json()
@@ -536,7 +506,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     if mix_report is not None:
         curation["mix"] = {**curation["mix"], **mix_report}
     manifest = {
-        "tool": "mmdata preprocess",
+        "tool": TOOL,
         "version": mmdata.__version__,
         "format_version": sf.FORMAT_VERSION,
         "fingerprint": fp,
@@ -546,6 +516,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "options": {"image_root": str(cfg.image_root) if cfg.image_root else None,
                     "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
         "inputs": inputs,
+        "job": {k: v for k, v in job.items() if k != "inputs"},
         "counts": counts.to_json(),
         "curation": curation,
         "shards": [asdict(s) for s in shards],
@@ -558,11 +529,12 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 "scanned_in_driver": scanner.scanned, "tokenizer": spec.tokenizer,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
-    write_json_atomic(out / sf.MANIFEST_NAME, manifest)
-    if not cfg.keep_work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with deferred_interrupt():  # the manifest says "finished": then the work folder goes
+        write_json_atomic(out / sf.MANIFEST_NAME, manifest)
+        if not cfg.keep_work_dir:
+            shutil.rmtree(work, ignore_errors=True)
     if cfg.progress:
         from rich.console import Console
 
-        Console(stderr=True).print(summary_table(manifest))
+        Console(stderr=True).print(summary_table(manifest, out))
     return manifest

@@ -67,11 +67,10 @@ def media_tokens(record: dict) -> tuple[list[int], list[int]]:
 
 @lru_cache(maxsize=2)
 def _chat_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+    from mmdata.local_tokenizer import load_local_tokenizer
 
-    return ChatTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    return ChatTokenizer(load_local_tokenizer(path, "--tokenizer"))
 
 
 class LengthCounter:

@@ -143,7 +143,7 @@ def read_plan_info(path: Path) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="shards folder written by `mmdata preprocess` (has lengths.parquet)")
+    parser.add_argument("dir", type=Path, metavar="DIR", help="shards folder written by `mmdata preprocess` (has lengths.parquet)")
     parser.add_argument("--seq-length", type=int, required=True, metavar="N", help="tokens per packed sequence")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
@@ -151,15 +151,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.errors import UserError
+    from mmdata.readiness import unfinished_job
+
     root = args.dir
     if args.seq_length <= 0:
-        print("mmdata pack-plan: --seq-length must be positive", file=sys.stderr)
-        return 2
+        raise UserError(f"--seq-length must be positive, got {args.seq_length}")
+    if args.jobs is not None and args.jobs <= 0:
+        raise UserError(f"--jobs must be positive, got {args.jobs}")
+    if (why := unfinished_job(root)) is not None:
+        raise UserError(why)
     try:
         table = read_lengths(root)
     except FileNotFoundError as e:
-        print(f"mmdata pack-plan: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     from mmdata.preprocess.shard_writer import sha256_file
 
     manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").is_file() else {}
@@ -174,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmdata pack-plan", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from mmdata.cli import main as mmdata_main
+
+    return mmdata_main(["pack-plan", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import sys
 import json
 import tarfile
 from dataclasses import dataclass, field
@@ -128,8 +129,9 @@ class SynthRecord:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=["infinity-mm", "llava-json"], default="infinity-mm",
                         help="on-disk layout to write (default: infinity-mm)")
-    parser.add_argument("--output", required=True, type=Path, help="output directory")
-    parser.add_argument("--num-samples", type=int, required=True, help="number of records")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR",
+                        help="output directory (new or empty; see --overwrite)")
+    parser.add_argument("--num-samples", type=int, required=True, metavar="N", help="number of records")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--broken-fraction", type=float, default=0.0,
                         help="fraction of deliberately broken records, cycling through "
@@ -142,16 +144,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="infinity-mm `image` field: realistic (mostly foreign absolute paths whose "
                              "basename/extension differ from the member, as in the published tars) or "
                              "member (exact member names) (default realistic)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --output: first delete what synth writes there (stageN/ "
+                             "folders, or annotations.jsonl, images/ and videos/); other files are kept")
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.preprocess.synth ...`: the subcommand alone."""
-    parser = argparse.ArgumentParser(prog="mmdata synth", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from mmdata.cli import main as mmdata_main
+
+    return mmdata_main(["synth", *(sys.argv[1:] if argv is None else argv)])
+
+
+def own_entries(dataset: str) -> list[str]:
+    """The top-level entries synth writes into its output folder."""
+    if dataset == "infinity-mm":
+        return sorted({stage for stage, _ in SUBSETS})
+    return ["annotations.jsonl", "images", "videos"]
+
+
+def check_output(out: Path, dataset: str, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty folder without --overwrite (which removes synth's own
+    entries first, so no stale file of a bigger earlier run stays behind)."""
+    from mmdata.errors import UserError
+    from mmdata.ray_job import remove
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; give a new or empty folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UserError(f"--output {out} is not empty; choose a new or empty folder, or pass --overwrite to replace "
+                        f"what synth writes there ({', '.join(own_entries(dataset))})")
+    remove([out / name for name in own_entries(dataset) if (out / name).exists()])
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.errors import UserError
+    from mmdata.units import plural
+
+    if args.num_samples <= 0:
+        raise UserError(f"--num-samples must be a positive number, got {args.num_samples}")
+    if args.samples_per_tar <= 0:
+        raise UserError(f"--samples-per-tar must be a positive number, got {args.samples_per_tar}")
+    for flag, value in (("--broken-fraction", args.broken_fraction), ("--video-fraction", args.video_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise UserError(f"{flag} must be between 0 and 1, got {value}")
+    check_output(args.output, args.dataset, args.overwrite)
     records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction,
                                video_fraction=args.video_fraction, image_field=args.image_field)
     if args.dataset == "infinity-mm":
@@ -159,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         files = write_llava_json(records, args.output)
     n_broken = sum(1 for r in records if r.broken)
-    print(f"wrote {len(records)} records ({n_broken} broken) in {len(files)} files under {args.output}")
+    print(f"wrote {plural(len(records), 'record')} ({n_broken:,} broken) in {plural(len(files), 'file')} "
+          f"under {args.output}")
     return 0
 
 

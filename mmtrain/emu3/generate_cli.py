@@ -13,6 +13,15 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 2048}
 DEFAULT_CFG_SCALE = 3.0
 DEFAULT_SIZE = 512
 PROMPT_KEYS = ("negative_prompt", "seed", "height", "width", "cfg_scale")  # besides "prompt"
+USAGE = """  mmtrain generate emu3 --checkpoint CKPT --prompt TEXT [--negative-prompt TEXT] --cfg-scale 3.0
+                        --height 512 --width 512 --seed S --output out.png
+  mmtrain generate emu3 --checkpoint CKPT --prompts prompts.txt|prompts.jsonl --output DIR
+
+Each step runs the conditional and unconditional rows of every prompt in one forward and mixes
+them on log-probs (uncond + s * (cond - uncond)); the Emu3 image structure (size header, W codes
+then end-of-line per row, end-of-frame/image) is enforced while sampling, so every result is a
+decodable grid. --prompts writes DIR/NNNNNN.png and DIR/images.jsonl (prompt, seed, token grid).
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

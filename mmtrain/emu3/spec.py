@@ -104,6 +104,7 @@ EMU3 = FamilySpec(
     ),
     generation=GenerationSpec(
         help="text-to-image with batched classifier-free guidance, decoded to PNG by the VQ model",
+        usage=generate_cli.USAGE,
         add_arguments=generate_cli.add_arguments,
         prepare=generate_cli.prepare,
         sampling_defaults=generate_cli.SAMPLING_DEFAULTS,

@@ -15,9 +15,11 @@ from typing import Optional
 
 import torch
 
+from mmdata.errors import UserError
 
-class GenerationError(ValueError):
-    """A user error (bad checkpoint, missing asset, bad option): one line, exit 2."""
+
+class GenerationError(UserError):
+    """A user error (bad checkpoint, missing asset, bad option): one line, exit 2 (mmdata/errors.py)."""
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,54 @@
 """`mmtrain generate FAMILY --checkpoint CKPT ...`: generate with a trained or converted model.
+The parser is built from the registry (families with a `generation` entry); the engine is
+mmtrain/generation/engine.py. See docs/generation.md."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mmtrain import registry
+
+#: shared by every `mmtrain generate` help page
+CHECKPOINTS_AND_EXIT = """CKPT is a megatron checkpoint dir written by mmtrain (converted, or a training run's
+`checkpoints/`, or the run dir itself) saved at any TP/PP (it is loaded resharded into this one
+process), or an HF model dir. Greedy decoding or seeded sampling: the same command and seed give
+the same output.
+
+Exit status: 0 done; 2 an expected problem (a missing path, a checkpoint of another family, a
+missing VQ model or tokenizer, a bad option), said in one line before anything is written; 130
+interrupted; 1 an unexpected error (its traceback in a log file, or on stderr with --verbose).
+"""
+
+GENERATE_HELP = """Generate with a trained or converted model: Emu3 images (classifier-free guidance with the
+conditional and unconditional rows in one batch), LLaVA-OV answers about images.
 
   mmtrain generate emu3 --checkpoint CKPT --prompt TEXT [--negative-prompt TEXT] --cfg-scale 3.0
                         --height 512 --width 512 --seed S --output out.png
   mmtrain generate emu3 --checkpoint CKPT --prompts prompts.txt --output DIR
   mmtrain generate llava-ov --checkpoint CKPT --image IMG --prompt TEXT [--max-new-tokens N]
 
-CKPT is a megatron checkpoint dir written by mmtrain (converted, or a training run's
-`checkpoints/`, or the run dir itself), saved at any TP/PP (it is loaded resharded into this one
-process), or an HF model dir. Greedy decoding or seeded sampling; the same command and seed give
-the same output. The families are those in mmtrain/registry.py with a `generation` entry;
-`mmtrain generate FAMILY --help` lists each one's own options.
-"""
-
-from __future__ import annotations
-
-import argparse
-import functools
-import sys
-import time
-from typing import Any
-
-from mmtrain import registry
+`mmtrain generate FAMILY --help` lists each family's own options.
+""" + "\n" + CHECKPOINTS_AND_EXIT
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser,
+                  add_common: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> None:
+    """One sub-command per family that can generate, each with the shared and its own options."""
     sub = parser.add_subparsers(dest="family", required=True, metavar="FAMILY")
     for spec in registry.FAMILIES.values():
-        if spec.generation is None:
+        gen = spec.generation
+        if gen is None:
             continue
-        p = sub.add_parser(spec.name, help=spec.generation.help, description=(__doc__ or "").strip(),
+        description = f"{spec.name}: {gen.help}.\n\n{gen.usage.strip(chr(10))}\n\n{CHECKPOINTS_AND_EXIT}"
+        p = sub.add_parser(spec.name, help=gen.help, description=description,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        _shared_arguments(p, spec.generation.sampling_defaults)
-        spec.generation.add_arguments(p)
+        _shared_arguments(p, gen.sampling_defaults)
+        gen.add_arguments(p)
+        add_common(p)
         p.set_defaults(run=functools.partial(run, family=spec.name))
 
 
@@ -68,25 +85,21 @@ def run(args: argparse.Namespace, family: str) -> int:
 
     spec = registry.get_family(family).generation
     try:
-        try:
-            sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_k, args.top_p)
-        except ValueError as exc:
-            raise GenerationError(str(exc)) from None
-        if args.batch_size < 1:
-            raise GenerationError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.threads is not None:
-            import torch
+        sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from None
+    if args.batch_size < 1:
+        raise GenerationError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads is not None:
+        import torch
 
-            torch.set_num_threads(max(1, args.threads))
-        placement = Placement.resolve(args.device, args.dtype)
-        ref = resolve_checkpoint(args.checkpoint, family, args.iteration)
-        job = spec.prepare(args, ref, placement)
-        with GenerationProgress(not args.no_progress, len(job.requests), job.unit) as progress:
-            results = generate(job.model, job.requests, sampling, batch_size=args.batch_size, progress=progress)
-        job.finish(results)
-    except GenerationError as exc:
-        print(f"mmtrain generate {family}: error: {exc}", file=sys.stderr)
-        return 2
+        torch.set_num_threads(max(1, args.threads))
+    placement = Placement.resolve(args.device, args.dtype)
+    ref = resolve_checkpoint(args.checkpoint, family, args.iteration)
+    job = spec.prepare(args, ref, placement)
+    with GenerationProgress(not args.no_progress, len(job.requests), job.unit) as progress:
+        results = generate(job.model, job.requests, sampling, batch_size=args.batch_size, progress=progress)
+    job.finish(results)
     return 0
 
 

@@ -13,6 +13,13 @@ from typing import Any
 SAMPLING_DEFAULTS = {"temperature": 0.0}
 DEFAULT_MAX_NEW_TOKENS = 256
 PROMPT_KEYS = ("image", "system", "seed")  # besides "prompt"
+USAGE = """  mmtrain generate llava-ov --checkpoint CKPT --image IMG --prompt TEXT [--max-new-tokens N]
+  mmtrain generate llava-ov --checkpoint CKPT --prompts questions.jsonl [--output answers.jsonl]
+
+The prompt is laid out by the checkpoint's own chat template and the image tiled by its own
+processor config (anyres grid, image tokens), as in training. --prompt prints the answer;
+--prompts writes one JSON line per question.
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

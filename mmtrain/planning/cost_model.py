@@ -24,7 +24,7 @@ from typing import Any
 
 from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
 
-GB = 1024**3
+GB = 1024**3  # a GiB: `auto_tune.device_memory_gb` and every memory figure are in GiB
 
 #: dense peak TFLOP/s per device, by (name fragment, precision): the runtime's MFU denominator
 #: and the default `auto_tune.device_tflops` (H100 bf16)
@@ -405,4 +405,7 @@ def fmt_count(n: float) -> str:
 
 
 def fmt_gb(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= GB / 100 or b == 0 else f"{b / 1024**2:.1f} MB"
+    """Bytes in binary units with their right names ("3.62 GiB"), as every command prints them."""
+    from mmdata.units import format_bytes
+
+    return format_bytes(b)

@@ -98,7 +98,7 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
     for name, b in rows:
         lines.append(f"  {name:<38}{fmt_gb(b):>12}")
     lines.append(f"  {'total':<38}{fmt_gb(m.total):>12}   "
-                 f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GB)")
+                 f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GiB)")
     if L.distributed_optimizer and L.dp > 1:
         lines.append(f"  without the distributed optimizer: {fmt_gb(r.memory_no_distopt.total)}")
     lines.append("  total by recompute mode: " + ", ".join(

@@ -103,9 +103,9 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
     @property
     def chat(self) -> ChatTokenizer:
         if self._chat is None:  # loaded lazily, once per worker process
-            from transformers import AutoTokenizer
+            from mmdata.local_tokenizer import load_local_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            tok = load_local_tokenizer(self.tokenizer_path)
             self._chat = ChatTokenizer(tok, system_prompt=self.config.system_prompt)
         return self._chat
 
