@@ -187,6 +187,37 @@ def test_guidance_scale_one_is_plain_and_zero_is_the_negative_prompt_alone(emu3_
 
 
 @pytest.mark.unit
+def test_guided_rows_share_one_forward_per_step_and_progress_counts_tokens(emu3_gen, monkeypatch):
+    """Two guided prompts of different sizes and one unguided: one prefill, then per step ONE
+    decoder call holding every active request's conditional row and its unconditional row
+    (transformers runs a second forward for the unconditional pass); finished requests' rows
+    leave the batch; progress reaches the number of generated tokens."""
+    from mmtrain.emu3.generation import ImagePrompt
+    from mmtrain.generation.decoder import CachedDecoder
+    from mmtrain.generation.sampling import SamplingParams
+
+    calls: list[tuple[str, int]] = []
+    prefill, step = CachedDecoder.prefill, CachedDecoder.step
+    monkeypatch.setattr(CachedDecoder, "prefill", lambda self, prompts, n: calls.append(("prefill", len(prompts)))
+                        or prefill(self, prompts, n))
+    monkeypatch.setattr(CachedDecoder, "step", lambda self, tokens: calls.append(("step", len(tokens)))
+                        or step(self, tokens))
+    ticks: list[tuple[int, int]] = []
+    prompts = [ImagePrompt("a red bus", 8, 16, negative="bad", seed=1), ImagePrompt("a cat", 16, 16, seed=2),
+               ImagePrompt("a dog", 8, 8, cfg_scale=1.0, seed=3)]
+    out = emu3_gen.generate(prompts, SamplingParams(temperature=1.0), batch_size=3,
+                            progress=lambda done, total: ticks.append((done, total)))
+    lengths = [len(o.tokens) for o in out]
+    assert lengths == [(1 + 2) * 1 + 3, (2 + 1) * 2 + 3, (1 + 1) * 1 + 3]  # (cols + 1) * rows + 3
+    assert calls[0] == ("prefill", 5) and [c[0] for c in calls[1:]] == ["step"] * (max(lengths) - 1)
+    # rows per step: 3 conditional + 2 unconditional while all run, fewer as requests finish
+    expected = [sum((2 if p.cfg_scale != 1.0 else 1) for p, n in zip(prompts, lengths) if n > t)
+                for t in range(1, max(lengths))]
+    assert [c[1] for c in calls[1:]] == expected
+    assert ticks[-1] == (sum(lengths), sum(lengths)) and [d for d, _ in ticks] == sorted(d for d, _ in ticks)
+
+
+@pytest.mark.unit
 def test_structure_holds_for_random_weights_and_many_seeds(emu3_gen):
     """Hot sampling over the whole vocabulary, 24 seeds, widths down to 1: always a decodable grid."""
     from mmtrain.emu3.generation import ImagePrompt, grid_from_tokens
