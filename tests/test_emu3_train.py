@@ -52,6 +52,47 @@ def test_emu3_exact_resume(ref_run, tmp_path, demo_token_dir, emu3_tok_dir):
             assert resumed[step][key] == ref[step][key], (step, key)
 
 
+def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_run, tmp_path, emu3_tok_dir,
+                                                                           tiny_vq_dir):
+    """`mmtrain generate emu3 --checkpoint RUN_DIR` on what training wrote (no HF assets: the
+    tokenizer and VQ given), guided and greedy: transformers' generate on the run's HF export
+    gives the same tokens, and its VQ decode the same pixels."""
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import Emu3ForConditionalGeneration, Emu3ImageProcessor
+
+    from mmtrain.cli import main
+    from mmtrain.emu3.generation import Emu3ImageGenerator, ImagePrompt
+    from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
+    from tests.test_generate import _hf_emu3_generate
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red bus", "negative_prompt": "lowres"}) + "\n")
+    assets = ["--tokenizer", str(emu3_tok_dir), "--vq", str(tiny_vq_dir)]
+    assert main(["generate", "emu3", "--checkpoint", str(ref_run), *assets, "--prompts", str(prompts), "--greedy",
+                 "--height", "24", "--width", "16", "--output", str(tmp_path / "imgs"), "--no-progress"]) == 0
+    [line] = [json.loads(x) for x in (tmp_path / "imgs" / "images.jsonl").read_text().splitlines()]
+    export = tmp_path / "hf"
+    assert main(["convert", "mcore-to-hf", "--model", "emu3", "--src", str(ref_run / "checkpoints"), "--dst",
+                 str(export), *assets]) == 0
+    model = Emu3ForConditionalGeneration.from_pretrained(export).eval()
+    ref = resolve_checkpoint(ref_run, "emu3")
+    req = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=emu3_tok_dir, vq_dir=tiny_vq_dir,
+                             decode_images=False).request(ImagePrompt("a red bus", 24, 16, negative="lowres"))
+    tokens = _hf_emu3_generate(model, req.prompt, req.negative_prompt, 3, 2, 3.0)
+    rows = tokens[: 3 * 3].reshape(3, 3)  # 3 rows of 2 codes and an end-of-line
+    assert np.array_equal(np.asarray(line["grid"]), model.model.vocabulary_mapping.convert_bpe2img(rows).numpy())
+    with torch.no_grad():
+        pixels = model.model.decode_image_tokens(image_tokens=tokens[None], height=3, width=2)
+    hf_image = Emu3ImageProcessor.from_pretrained(export).postprocess(list(pixels.float()),
+                                                                     return_tensors="PIL.Image.Image")
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "imgs" / line["png"])),
+                          np.asarray(hf_image["pixel_values"][0]))
+
+
 # ----------------------------------------------------------------------------- slow: layouts
 
 
