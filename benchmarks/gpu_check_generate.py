@@ -196,6 +196,9 @@ def main() -> int:
         short, _ = timed(run, 16, sync)
         long, tokens = timed(run, 16 + steps, sync)
         per_token = (long - short) / steps
+        if per_token <= 0:  # a noisy clock (a shared CPU in a smoke run): the extrapolation means nothing
+            raise SystemExit(f"{name}: {steps} more tokens took no longer than 16 ({long:.2f} s vs {short:.2f} s); "
+                             "rerun with a larger --steps, or --full")
         prefill = max(0.0, short - 16 * per_token)
         results[name] = dict(per_image=prefill + per_image * per_token, tokens=tokens, ms_per_token=1e3 * per_token)
         print(f"{name:>12}: {1e3 * per_token:.2f} ms/token, prefill+setup {1e3 * prefill:.0f} ms -> "
