@@ -140,6 +140,29 @@ def test_image(i: int):
     return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
 
 
+def emu3_prefix_constraint(rows: int, cols: int, img: int, eol: int, eof: int, eoi: int, eos: int, pad: int, visual):
+    """transformers' `prefix_allowed_tokens_fn` for a rows x cols Emu3 image, as its Emu3 docs (and
+    the Emu3 reference) write it: after the `img` token, `cols` visual tokens then `eol` per row,
+    then eof, eoi, eos, then padding. The baseline of the benchmarks and the tests' oracle."""
+    import torch
+
+    def allowed(batch_id, input_ids):
+        offset = input_ids.shape[0] - torch.nonzero(input_ids == img, as_tuple=True)[0][0]
+        if offset % (cols + 1) == 0:
+            return (eol,)
+        if offset == (cols + 1) * rows + 1:
+            return (eof,)
+        if offset == (cols + 1) * rows + 2:
+            return (eoi,)
+        if offset == (cols + 1) * rows + 3:
+            return (eos,)
+        if offset > (cols + 1) * rows + 3:
+            return (pad,)
+        return visual
+
+    return allowed
+
+
 # ----------------------------------------------------------------------------- one side
 
 
@@ -181,19 +204,7 @@ def hf_emu3(assets: dict, args):
             neg = proc(text=[NEGATIVE] * len(chunk), **kw)
             rows, cols = (int(x) for x in inputs.pop("image_sizes")[0])
 
-            def allowed(batch_id, input_ids):  # transformers' Emu3 docs / the Emu3 reference
-                offset = input_ids.shape[0] - torch.nonzero(input_ids == img, as_tuple=True)[0][0]
-                if offset % (cols + 1) == 0:
-                    return (eol,)
-                if offset == (cols + 1) * rows + 1:
-                    return (eof,)
-                if offset == (cols + 1) * rows + 2:
-                    return (eoi,)
-                if offset == (cols + 1) * rows + 3:
-                    return (eos,)
-                if offset > (cols + 1) * rows + 3:
-                    return (pad,)
-                return visual
+            allowed = emu3_prefix_constraint(rows, cols, img, eol, eof, eoi, eos, pad, visual)
 
             with torch.no_grad():
                 seq = model.generate(**inputs, max_new_tokens=(cols + 1) * rows + 3, do_sample=False, guidance_scale=3.0,

@@ -43,6 +43,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from bench_generate import emu3_prefix_constraint  # (benchmarks/ is this script's folder)
+
 # Emu3's vocabulary layout (ids of the released tokenizer; only their roles matter with random weights)
 PAD, EOL, EOF, BOS, EOS, IMG, BOI, EOI, FIRST_VISUAL = 151643, 151846, 151847, 151849, 151850, 151851, 151852, 151853, 151854
 
@@ -97,19 +99,7 @@ def prompts(rows: int, cols: int):
 def hf_side(hf, cond, uncond, rows, cols, device):
     visual = torch.arange(FIRST_VISUAL, hf.config.text_config.vocab_size, device=device)
 
-    def allowed(batch_id, input_ids):
-        offset = input_ids.shape[0] - torch.nonzero(input_ids == IMG, as_tuple=True)[0][0]
-        if offset % (cols + 1) == 0:
-            return (EOL,)
-        if offset == (cols + 1) * rows + 1:
-            return (EOF,)
-        if offset == (cols + 1) * rows + 2:
-            return (EOI,)
-        if offset == (cols + 1) * rows + 3:
-            return (EOS,)
-        if offset > (cols + 1) * rows + 3:
-            return (PAD,)
-        return visual
+    allowed = emu3_prefix_constraint(rows, cols, IMG, EOL, EOF, EOI, EOS, PAD, visual)
 
     ids = torch.tensor([cond], device=device)
     neg = torch.tensor([uncond], device=device)

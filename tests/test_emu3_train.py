@@ -73,7 +73,7 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     prompts.write_text(json.dumps({"prompt": "a red bus", "negative_prompt": "lowres"}) + "\n")
     assets = ["--tokenizer", str(emu3_tok_dir), "--vq", str(tiny_vq_dir)]
     assert main(["generate", "emu3", "--checkpoint", str(ref_run), *assets, "--prompts", str(prompts), "--greedy",
-                 "--height", "24", "--width", "16", "--output", str(tmp_path / "imgs"), "--no-progress"]) == 0
+                 "--height", "16", "--width", "24", "--output", str(tmp_path / "imgs"), "--no-progress"]) == 0
     [line] = [json.loads(x) for x in (tmp_path / "imgs" / "images.jsonl").read_text().splitlines()]
     export = tmp_path / "hf"
     assert main(["convert", "mcore-to-hf", "--model", "emu3", "--src", str(ref_run / "checkpoints"), "--dst",
@@ -81,12 +81,13 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     model = Emu3ForConditionalGeneration.from_pretrained(export).eval()
     ref = resolve_checkpoint(ref_run, "emu3")
     req = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=emu3_tok_dir, vq_dir=tiny_vq_dir,
-                             decode_images=False).request(ImagePrompt("a red bus", 24, 16, negative="lowres"))
-    tokens = _hf_emu3_generate(model, req.prompt, req.negative_prompt, 3, 2, 3.0)
-    rows = tokens[: 3 * 3].reshape(3, 3)  # 3 rows of 2 codes and an end-of-line
+                             decode_images=False).request(ImagePrompt("a red bus", 16, 24, negative="lowres"))
+    # 2 rows of 3 codes (not 2 codes wide: there the docs' constraint asks for eol where eos goes)
+    tokens = _hf_emu3_generate(model, req.prompt, req.negative_prompt, 2, 3, 3.0)
+    rows = tokens[: 2 * 4].reshape(2, 4)  # each row: 3 codes and an end-of-line
     assert np.array_equal(np.asarray(line["grid"]), model.model.vocabulary_mapping.convert_bpe2img(rows).numpy())
     with torch.no_grad():
-        pixels = model.model.decode_image_tokens(image_tokens=tokens[None], height=3, width=2)
+        pixels = model.model.decode_image_tokens(image_tokens=tokens[None], height=2, width=3)
     hf_image = Emu3ImageProcessor.from_pretrained(export).postprocess(list(pixels.float()),
                                                                      return_tensors="PIL.Image.Image")
     assert np.array_equal(np.asarray(Image.open(tmp_path / "imgs" / line["png"])),

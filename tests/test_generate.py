@@ -20,6 +20,7 @@ import torch
 
 torch.set_num_threads(1)
 
+from benchmarks.bench_generate import emu3_prefix_constraint  # noqa: E402
 from tests.emu3_tiny import emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: E402,F401
 from tests.llava_tiny import IMAGE_SIZE, PATCH, hf_llava, images  # noqa: E402
 
@@ -92,20 +93,7 @@ def _hf_emu3_generate(model, prompt_ids, negative_ids, rows, cols, scale):
     eol, eof, eoi = vocab.vocab_map["<|extra_200|>"], vocab.vocab_map["<|extra_201|>"], vocab.vocab_map["<|image end|>"]
     img = vocab.vocab_map["<|image token|>"]
 
-    def allowed(batch_id, input_ids):
-        position = torch.nonzero(input_ids == img, as_tuple=True)[0][0]
-        offset = input_ids.shape[0] - position
-        if offset % (cols + 1) == 0:
-            return (eol,)
-        if offset == (cols + 1) * rows + 1:
-            return (eof,)
-        if offset == (cols + 1) * rows + 2:
-            return (eoi,)
-        if offset == (cols + 1) * rows + 3:
-            return (cfg.eos_token_id,)
-        if offset > (cols + 1) * rows + 3:
-            return (cfg.pad_token_id,)
-        return visual
+    allowed = emu3_prefix_constraint(rows, cols, img, eol, eof, eoi, cfg.eos_token_id, cfg.pad_token_id, visual)
 
     ids = torch.as_tensor(prompt_ids)[None]
     kw = dict(guidance_scale=scale, negative_prompt_ids=torch.as_tensor(negative_ids)[None]) if scale != 1 else {}
