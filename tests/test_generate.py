@@ -439,6 +439,20 @@ def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path,
                                                            "--height", "20")
     assert "no such directory" in err("emu3", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x")
     assert "top_p" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--top-p", "0")
+    # --output that cannot be written: refused before the model loads, nothing written
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    emu3 = ("emu3", "--checkpoint", str(emu3_hf[0]))
+    assert f"--output {tmp_path} is a directory" in err(*emu3, "--prompt", "x", "--output", str(tmp_path))
+    assert "unknown extension '.txt'; e.g. .png" in err(*emu3, "--prompt", "x", "--output", str(tmp_path / "a.txt"))
+    assert f"{afile} is a file, not a folder" in err(*emu3, "--prompt", "x", "--output", str(afile / "x.png"))
+    one = tmp_path / "one.txt"
+    one.write_text("a cat\n")
+    assert f"--output {afile} is a file" in err(*emu3, "--prompts", str(one), "--output", str(afile))
+    llava = ("llava-ov", "--checkpoint", str(llava_hf[0]))
+    assert "--output goes with --prompts" in err(*llava, "--prompt", "x", "--output", str(tmp_path / "a.jsonl"))
+    assert "is a directory" in err(*llava, "--prompts", str(one), "--output", str(tmp_path))
+    assert afile.read_text() == "mine" and not (tmp_path / "a.txt").exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "colour": 1}\n')
     assert "bad.jsonl:1: unknown keys ['colour']" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompts", str(bad))

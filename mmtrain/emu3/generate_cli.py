@@ -105,18 +105,23 @@ def check_sizes(prompts: list, vq: Path) -> None:
 
 
 def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> Any:
+    from PIL import Image
+
     from mmtrain.emu3.generation import Emu3ImageGenerator
     from mmtrain.generation.checkpoint import asset_dir
     from mmtrain.generation.engine import GenerationJob
+    from mmtrain.generation.prompts import check_output
 
     prompts = read_prompts(args)
+    batch = args.prompts is not None
+    out = Path(args.output or ("emu3_images" if batch else "emu3.png"))
+    writable = [ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE]
+    check_output(out, directory=batch, suffixes=writable)
     vq = vq_dir(args, ref)
     check_sizes(prompts, vq)
     tokenizer = asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer")
     generator = Emu3ImageGenerator(ref, placement, tokenizer_dir=tokenizer, vq_dir=vq)
     requests = [generator.request(p) for p in prompts]
-    batch = args.prompts is not None
-    out = Path(args.output or ("emu3_images" if batch else "emu3.png"))
 
     def finish(results: list) -> None:
         images = generator.finish(prompts, results)

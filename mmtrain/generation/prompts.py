@@ -1,6 +1,7 @@
 """`--prompts FILE` of `mmtrain generate`: one prompt per line, or a `.jsonl` file of objects
 with a "prompt" string and the keys a family allows (each family turns the records into its own
-requests). Bad lines are named by file and line number."""
+requests). Bad lines are named by file and line number. And `--output`, checked before the model
+loads so that a path that cannot be written does not cost a generation run."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def read_prompt_file(path: str | Path, keys: Iterable[str]) -> list[tuple[str, d
     if not out:
         raise GenerationError(f"--prompts {p}: no prompts")
     return out
+
+
+def check_output(path: Path, *, directory: bool, suffixes: Iterable[str] = ()) -> None:
+    """`--output` can be written: a directory (created) that is not a file, or a file that is not
+    a directory, with one of `suffixes` when given; no file stands where a parent folder goes."""
+    if directory and path.exists() and not path.is_dir():
+        raise GenerationError(f"--output {path} is a file; with --prompts it is a directory to write into")
+    if not directory and path.is_dir():
+        raise GenerationError(f"--output {path} is a directory; give a file name")
+    known = sorted(suffixes)
+    if not directory and known and path.suffix.lower() not in known:
+        raise GenerationError(f"--output {path}: unknown extension {path.suffix or '(none)'!r}; e.g. "
+                              f"{'.png' if '.png' in known else known[0]}")
+    blocking = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocking is not None:
+        raise GenerationError(f"--output {path}: {blocking} is a file, not a folder")

@@ -77,11 +77,16 @@ def read_prompts(args: argparse.Namespace) -> list[dict]:
 def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> Any:
     from mmtrain.generation.checkpoint import GenerationError, asset_dir
     from mmtrain.generation.engine import GenerationJob
+    from mmtrain.generation.prompts import check_output
     from mmtrain.llava_ov.generation import LlavaOVChat
 
     if args.max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     items = read_prompts(args)
+    if args.output is not None:
+        if args.prompts is None:
+            raise GenerationError("--output goes with --prompts (--prompt prints its answer)")
+        check_output(Path(args.output), directory=False)
     chat = LlavaOVChat(ref, placement, tokenizer_dir=asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer"))
     requests = [chat.request(chat.prompt(it["prompt"], it["image"], it["system"]), args.max_new_tokens, it["seed"])
                 for it in items]
