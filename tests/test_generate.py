@@ -387,14 +387,21 @@ def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, ca
 
 
 @pytest.mark.unit
-def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat, tmp_path, capsys):
+def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat, tmp_path, capsys, monkeypatch):
+    import warnings
+
     from mmtrain.generation.sampling import SamplingParams
+    from mmtrain.runtime.launch import THIRD_PARTY_WARNINGS
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # (restored after the test, as the command sets it)
 
     image = tmp_path / "img.png"
     images()[0].save(image)
     assert _cli("llava-ov", "--checkpoint", str(llava_hf[0]), "--image", str(image), "--prompt", "What is this?",
                 "--max-new-tokens", "8", "--no-progress") == 0
     printed = capsys.readouterr().out
+    quieted = [f for f in warnings.filters if f[0] == "ignore" and f[3] is not None and f[3].pattern == THIRD_PARTY_WARNINGS]
+    assert quieted, "without --verbose, generate hides third-party warnings"
     from PIL import Image
 
     expected = llava_chat.generate([llava_chat.prompt("What is this?", Image.open(image))], SamplingParams(),

@@ -79,6 +79,10 @@ def _shared_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> N
 
 
 def run(args: argparse.Namespace, family: str) -> int:
+    from mmtrain.runtime.launch import quiet_third_party
+
+    if not getattr(args, "verbose", False):  # megatron's and torch's warnings about optional packages
+        quiet_third_party()
     from mmtrain.generation.checkpoint import GenerationError, Placement, resolve_checkpoint
     from mmtrain.generation.engine import generate
     from mmtrain.generation.sampling import SamplingParams
