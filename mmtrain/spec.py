@@ -46,6 +46,9 @@ class HFConversion:
     #: HF parts an export may take from elsewhere: `--<flag> DIR` -> help text (e.g. a VQ model
     #: that training does not touch and a checkpoint may not carry); passed to `to_hf` by flag
     export_from: dict[str, str] = field(default_factory=dict)
+    #: HF checkpoint formats `to_hf` writes (`--format`, passed as `format=`), the default first;
+    #: empty when the family writes one format only
+    export_formats: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

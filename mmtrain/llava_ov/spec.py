@@ -112,10 +112,10 @@ def _to_mcore(src: str, dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
     return hf_to_mcore(src, dst, tp=tp, pp=pp)
 
 
-def _to_hf(src: str, dst: str, *, max_shard_bytes: int) -> Path:
+def _to_hf(src: str, dst: str, *, max_shard_bytes: int, format: str = "transformers") -> Path:
     from mmtrain.llava_ov.conversion import mcore_to_hf
 
-    return mcore_to_hf(src, dst, max_shard_bytes)
+    return mcore_to_hf(src, dst, max_shard_bytes, format=format)
 
 
 def _assemble(dirs: dict[str, str], dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
@@ -150,5 +150,6 @@ LLAVA_OV = FamilySpec(
         load_into_model=_load_into_model,
         assemble_from={"llm": "Qwen2/2.5 HF dir", "vision": "SigLIP HF dir (its last layer is dropped)"},
         assemble=_assemble,
+        export_formats=("transformers", "llava-next"),
     ),
 )
