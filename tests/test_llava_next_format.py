@@ -307,3 +307,39 @@ def test_stage1_assembly_takes_the_media_ids_from_the_llm_tokenizer(fmt, tmp_pat
     assert "2 new row(s)" in caplog.text
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "ck" / "hf_assets"))
     assert tok.convert_tokens_to_ids(["<image>", "<video>"]) == [n, n + 1]
+
+
+@pytest.mark.slow
+def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, shards_dir):
+    """Stage 1 as a user starts it: a Qwen2-style LLM-only checkpoint and its tokenizer without
+    `<image>`/`<video>` + a SigLIP tower -> assembled (rows grown, logged) -> the tiny recipe with
+    null media ids trains; the ids are resolved from the tokenizer (and written to config.yaml)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
+    n = _tokenizer(tmp_path / "tok")
+    torch.manual_seed(6)
+    Qwen2ForCausalLM(Qwen2Config(**text_config(vocab_size=n))).save_pretrained(tmp_path / "llm")
+    for f in (tmp_path / "tok").iterdir():
+        (tmp_path / "llm" / f.name).write_bytes(f.read_bytes())
+    vis = SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"})
+    SiglipVisionModel(vis).save_pretrained(tmp_path / "vis")
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
+                "--dst", str(tmp_path / "ck")) == 0
+    repo = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(repo / "recipes" / "llava-ov-tiny.yaml"),
+           f"run_dir={run}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tmp_path / 'tok'}", "data.num_workers=1",
+           "train.seq_length=1024", "train.iters=2", "checkpoint.interval=0", "logging.tensorboard=false",
+           f"checkpoint.load={tmp_path / 'ck'}", f"model.llm.vocab_size={n + 2}", "model.image_token_id=null",
+           "model.video_token_id=null"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"model.image_token_id={n}, model.video_token_id={n + 1}: from the tokenizer" in proc.stderr + proc.stdout
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert (model["image_token_id"], model["video_token_id"]) == (n, n + 1)

@@ -26,7 +26,7 @@ from mmtrain.llava_ov.llava_next import (
     llava_next_config,
     llava_next_hf_config,
 )
-from mmtrain.llava_ov.media_tokens import MediaTokens, grow_rows, has_tokenizer, resolve_media_tokens, vocab_rows_for
+from mmtrain.llava_ov.media_tokens import MediaTokens, grow_rows, resolve_media_tokens, vocab_rows_for
 from mmtrain.llava_ov.state_dict_adapter import (
     LlavaOVStateDictAdapter,
     SiglipStateDictAdapter,
@@ -132,10 +132,9 @@ def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, bas
     keep = src_layers - drop_last_vision_layers
     base = base or LlavaOVModelConfig()
     llm_cfg = llm_config_from_hf(text, "config")
-    if has_tokenizer(llm_dir):  # the media ids come from the LLM's tokenizer (added when missing)
-        tokens = resolve_media_tokens(llm_dir)
-        llm_cfg = replace(llm_cfg, vocab_size=vocab_rows_for(tokens, llm_cfg.vocab_size))
-        base = replace(base, image_token_id=tokens.image_token_id, video_token_id=tokens.video_token_id)
+    tokens = resolve_media_tokens(llm_dir)  # the media ids: the LLM tokenizer's (added when missing)
+    llm_cfg = replace(llm_cfg, vocab_size=vocab_rows_for(tokens, llm_cfg.vocab_size))
+    base = replace(base, image_token_id=tokens.image_token_id, video_token_id=tokens.video_token_id)
     cfg = replace(base, llm=llm_cfg, vision=vision_config_from_hf(vis, keep, "config"))
     llm_reader = SafetensorsReader(llm_dir)
     llm_ad = Qwen2StateDictAdapter(cfg.llm, "language_model.")
@@ -189,7 +188,7 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
     import_to_mcore(ImportJob(_stage1_source, {"llm": str(llm), "vision": str(vision), "base": base},
                               build_stage, str(dst), tp, pp, fresh_init=True))
     assets = record_source(dst, [vision, llm], None)
-    _keep_tokenizer(resolve_media_tokens(llm) if has_tokenizer(llm) else None, assets)
+    _keep_tokenizer(resolve_media_tokens(llm), assets)
     return cfg
 
 

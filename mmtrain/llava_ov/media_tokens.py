@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
+from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
 from mmtrain.models.state_dict_adapter import ConversionError
 
 log = logging.getLogger(__name__)
 
-IMAGE_TOKEN = "<image>"
-VIDEO_TOKEN = "<video>"
 #: files any HF tokenizer directory has one of
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
@@ -39,18 +39,10 @@ def has_tokenizer(path: str | os.PathLike) -> bool:
     return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
 
 
-def token_id(tokenizer: Any, token: str) -> int | None:
-    """The id of `token` when it is one whole token of the vocabulary, else None."""
-    tid = tokenizer.convert_tokens_to_ids(token)
-    if tid is None or (tid == getattr(tokenizer, "unk_token_id", None) and token not in tokenizer.get_vocab()):
-        return None
-    return int(tid)
-
-
 def resolve_media_tokens(tokenizer_dir: str | os.PathLike) -> MediaTokens:
     """Load the tokenizer at `tokenizer_dir` and make sure it has `<image>` and `<video>` (added
     as special tokens, unnormalised, when missing)."""
-    from transformers import AddedToken, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not has_tokenizer(tokenizer_dir):
         raise ConversionError(f"{tokenizer_dir}: no tokenizer ({' / '.join(_TOKENIZER_FILES)}); the <image>/<video> "
@@ -65,9 +57,8 @@ def resolve_media_tokens(tokenizer_dir: str | os.PathLike) -> MediaTokens:
         raise ConversionError(f"{tokenizer_dir}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from None
     finally:
         hf_logging.set_verbosity(level)
-    added = [t for t in (IMAGE_TOKEN, VIDEO_TOKEN) if token_id(tok, t) is None]
+    added = add_media_tokens(tok)
     if added:
-        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
         log.info("tokenizer at %s had no %s: added as special token(s) with id(s) %s", tokenizer_dir,
                  " / ".join(added), [token_id(tok, t) for t in added])
     return MediaTokens(tok, token_id(tok, IMAGE_TOKEN), token_id(tok, VIDEO_TOKEN), added)
