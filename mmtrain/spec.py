@@ -93,6 +93,10 @@ class FamilySpec:
     #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the
     #: model and the tokenizer must agree on. None: nothing family-specific to check
     check_tokenizer: Optional[Callable[["Recipe", Any], list[str]]] = None
+    #: (the loaded HF tokenizer) -> tokens added: what the family's loader adds to a tokenizer
+    #: that lacks them (llava-ov: `<image>`/`<video>`), applied to the copy a run keeps with its
+    #: checkpoints. None: the tokenizer is kept as it is
+    prepare_tokenizer: Optional[Callable[[Any], list[str]]] = None
 
     # ---- checkpoints and inference --------------------------------------------------------
     #: HF <-> megatron conversion; None: the family has no HF counterpart

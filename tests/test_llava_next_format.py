@@ -343,3 +343,7 @@ def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, 
     assert f"model.image_token_id={n}, model.video_token_id={n + 1}: from the tokenizer" in proc.stderr + proc.stdout
     model = yaml.safe_load((run / "config.yaml").read_text())["model"]
     assert (model["image_token_id"], model["video_token_id"]) == (n, n + 1)
+    from transformers import AutoTokenizer
+
+    kept = AutoTokenizer.from_pretrained(str(run / "checkpoints" / "hf_assets"))  # exported by mcore-to-hf
+    assert kept.convert_tokens_to_ids(["<image>", "<video>"]) == [n, n + 1]

@@ -109,6 +109,12 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     return []
 
 
+def prepare_tokenizer(tokenizer: Any) -> list[str]:
+    from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens
+
+    return add_media_tokens(tokenizer)
+
+
 def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
     """SigLIP encoder -> mlp2x_gelu projector (+ image_newline) -> Qwen2 decoder."""
     v, h = m.vision, m.llm.hidden_size
@@ -164,6 +170,7 @@ LLAVA_OV = FamilySpec(
     forward_step=forward_step,
     model_shapes=model_shapes,
     check_tokenizer=check_tokenizer,
+    prepare_tokenizer=prepare_tokenizer,
     hf=HFConversion(
         to_mcore=_to_mcore,
         to_hf=_to_hf,
