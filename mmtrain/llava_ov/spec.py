@@ -175,7 +175,9 @@ LLAVA_OV = FamilySpec(
         to_mcore=_to_mcore,
         to_hf=_to_hf,
         load_into_model=_load_into_model,
-        assemble_from={"llm": "Qwen2/2.5 HF dir", "vision": "SigLIP HF dir (its last layer is dropped)"},
+        assemble_from={"llm": "Qwen2/2.5 HF dir with its tokenizer (the <image>/<video> ids come from it, "
+                              "added when missing)",
+                       "vision": "SigLIP HF dir (its last layer is dropped)"},
         assemble=_assemble,
         export_formats=("transformers", "llava-next"),
     ),
