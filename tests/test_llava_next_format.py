@@ -227,6 +227,13 @@ def test_pinpoints_string_form_and_tokenizer_row_growth(fmt, tmp_path, caplog):
     assert emb.shape[0] == n + 2 and torch.equal(emb[n], emb[:n].mean(0)) and torch.equal(emb[n + 1], emb[n])
     assert "<image> / <video>" in caplog.text and "2 new row(s)" in caplog.text
 
+    # a config whose vocab_size counts the tokenizer, not the (padded) table: the table's rows count
+    def small_config(sd, cfg):
+        return sd, cfg | {"vocab_size": n, "image_grid_pinpoints": str(cfg["image_grid_pinpoints"])}
+
+    cfg, _ = llava_source(write_llava_next(tmp_path / "padded", fmt["model"], fmt["tok"], edit=small_config))
+    assert (cfg.llm.vocab_size, cfg.grid_max) == (1000, ref_cfg.grid_max)
+
 
 def test_refusals_name_the_tensor_or_key(fmt, tmp_path, capsys):
     from mmtrain.llava_ov.conversion import llava_source

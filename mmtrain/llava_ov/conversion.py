@@ -102,7 +102,10 @@ def llava_next_source(hf_dir: str | os.PathLike, hf: Optional[dict] = None):
     hf = hf if hf is not None else read_config(hf_dir)
     tokens = resolve_media_tokens(hf_dir)
     reader = SafetensorsReader(hf_dir)
-    rows = vocab_rows_for(tokens, int(hf["vocab_size"]))
+    # the embedding's own rows (a config's vocab_size may count the tokenizer, not the padded table)
+    embed = "model.embed_tokens.weight"
+    embed_rows = reader.shape(embed)[0] if embed in reader.keys() else int(hf["vocab_size"])
+    rows = vocab_rows_for(tokens, embed_rows)
     cfg, stored = llava_next_config(hf, Path(hf_dir), reader.keys(), tokens.image_token_id, tokens.video_token_id,
                                     rows, f"{hf_dir}/config.json")
     adapter = LlavaNextStateDictAdapter(cfg, stored)

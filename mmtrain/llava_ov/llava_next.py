@@ -14,6 +14,8 @@ siglip_encoder.py, multimodal_projector/builder.py of LLaVA-VL/LLaVA-NeXT):
 
 from __future__ import annotations
 
+import ast
+import json
 import logging
 import re
 from pathlib import Path
@@ -63,15 +65,17 @@ def detect_format(hf: dict, where: str = "config.json") -> str:
 def parse_pinpoints(value, image_size: int, where: str) -> list[tuple[int, int]]:
     """`image_grid_pinpoints` as a list of [h, w] pixels or LLaVA-NeXT's `"(1x1),...,(6x6)"`
     string (tile counts, times the tower's image size)."""
-    if isinstance(value, str):
+    if isinstance(value, str) and "x" in value:
         found = re.findall(r"\((\d+)x(\d+)\)", value)
         if not found:
             raise ConversionError(f"{where}: image_grid_pinpoints={value!r}: expected '(1x1),...,(NxN)' or a list")
         (r0, c0), (r1, c1) = (tuple(map(int, found[0])), tuple(map(int, found[-1])))
         return [(i * image_size, j * image_size) for i in range(r0, r1 + 1) for j in range(c0, c1 + 1)]
     try:
+        if isinstance(value, str):  # a list written as a string, as LLaVA-NeXT's train.py accepts
+            value = ast.literal_eval(value)
         return [(int(h), int(w)) for h, w in value]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, SyntaxError):
         raise ConversionError(f"{where}: image_grid_pinpoints={value!r}: expected [[h, w], ...]") from None
 
 
@@ -85,8 +89,6 @@ def tower_config(hf: dict, hf_dir: Path, where: str) -> dict:
         raise ConversionError(f"{where}: no mm_vision_tower: cannot tell which vision tower the weights belong to")
     for folder in (Path(name), hf_dir / name):
         if (folder / "config.json").is_file():
-            import json
-
             vis = json.loads((folder / "config.json").read_text())
             return vis["vision_config"] if vis.get("model_type") == "siglip" else vis
     if name in KNOWN_TOWERS:
