@@ -125,8 +125,9 @@ def llava_next_config(hf: dict, hf_dir: Path, keys: set[str], image_token_id: in
     m = re.fullmatch(r"anyres_max_(\d+)", str(hf.get("image_aspect_ratio", "anyres_max_9")))
     if not m:
         raise ConversionError(f"{where}: image_aspect_ratio={hf.get('image_aspect_ratio')!r}: only anyres_max_N is supported")
-    for key, ours in (("mm_spatial_pool_mode", "bilinear"), ("mm_newline_position", "one_token")):
-        if hf.get(key, ours) != ours:  # video only: images are laid out the same either way
+    for key, ours in (("mm_spatial_pool_mode", "bilinear"), ("mm_newline_position", "one_token"),
+                      ("mm_spatial_pool_stride", 2), ("add_faster_video", False)):
+        if hf.get(key, ours) not in (ours, None):  # video only: images are laid out the same either way
             log.warning("%s: %s=%r: videos are laid out with %s=%r here (one newline per video, bilinear 2x2 pooling)",
                         where, key, hf[key], key, ours)
 
