@@ -85,11 +85,11 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     must equal pinned ones; the LLM's vocabulary rows must hold them."""
     import logging
 
-    from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
+    from mmdata.energon_loaders.llava_ov.chat_template import token_id
     from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
 
     m: LlavaOVModelConfig = recipe.model
-    added = add_media_tokens(tokenizer)
+    added = prepare_tokenizer(tokenizer)
     image_id, video_id = token_id(tokenizer, IMAGE_TOKEN), token_id(tokenizer, VIDEO_TOKEN)
     problems = media_token_problems(m, image_id, video_id, recipe.tokenizer.path)
     if problems:
@@ -110,6 +110,8 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
 
 
 def prepare_tokenizer(tokenizer: Any) -> list[str]:
+    """What the loader does to the tokenizer (FamilySpec.prepare_tokenizer): `<image>`/`<video>`
+    added when missing."""
     from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens
 
     return add_media_tokens(tokenizer)
