@@ -40,7 +40,8 @@ def test_sample_keys_are_unique_across_a_blend_sharing_record_ids_and_find_the_s
     key = sorted(k for k in id_of if k.startswith(str(b)))[0]
     dataset, _, shard_key = key.rpartition(KEY_SEP)
     assert find_sample(dataset, shard_key).id == id_of[key] == find_sample(dataset, key).id  # (the notebook's lookup)
-    assert mmdata_main(["preview", dataset, "--key", key]) == 0
-    assert id_of[key] in capsys.readouterr().out
+    for command in ("preview", "inspect"):
+        assert mmdata_main([command, dataset, "--key", key]) == 0
+        assert id_of[key] in capsys.readouterr().out
     assert mmdata_main(["preview", str(a), "--key", key]) == 2  # a key of b asked of a: named
     assert f"names a sample of {b}, not of {a}" in capsys.readouterr().err
