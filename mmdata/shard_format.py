@@ -23,6 +23,9 @@ VIDEO_PLACEHOLDER = "<video>"
 JSON_MEMBER = "json"
 SHARD_NAME_TEMPLATE = "shard-{:06d}.tar"
 MANIFEST_NAME = "manifest.json"
+#: a sample's key across datasets, as metrics name it: `DATASET#SHARD_KEY` (the dataset folder
+#: and the sample's shard key; `energon_loaders.task_encoding.sample_key`)
+SAMPLE_KEY_SEP = "#"
 QUARANTINE_NAME = "quarantine.jsonl"
 ENERGON_META = ".nv-meta"  # energon's metadata folder (written last but one, before the manifest)
 # A job's intermediate state; its presence without a manifest means the job has not finished.

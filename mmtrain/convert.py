@@ -26,12 +26,23 @@ HF_TO_MCORE = """Convert an HF (transformers) checkpoint into a megatron distrib
 `checkpoint.load` starts from, in any TP/PP layout (megatron checkpoints are reshardable).
 
   mmtrain convert hf-to-mcore --model FAMILY --src HF_DIR --dst CKPT_DIR [--tp N --pp N]
+
+The format of HF_DIR is read from its config.json (llava-ov: transformers' LLaVA-OneVision or the
+LLaVA-NeXT code's LlavaQwenForCausalLM, e.g. Aquila-VL-2B and its stage checkpoints).
 """
 MCORE_TO_HF = """Convert a megatron checkpoint (a run's `checkpoints/` folder, one `iter_*` folder, or the
 output of hf-to-mcore) into an HF (transformers) checkpoint: config, safetensors shards and index.
 
-  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gib G]
+  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gib G] [--format F]
+
+--format chooses the HF layout where a family has several (llava-ov: transformers, the default,
+or llava-next, the original LLaVA-NeXT code's LlavaQwenForCausalLM).
 """
+
+
+def _formats() -> list[str]:
+    """Every family's `export_formats`, in order, once."""
+    return list(dict.fromkeys(f for n in registry.convertible_families() for f in registry.get_family(n).hf.export_formats))
 
 
 def _flags(kind: str) -> dict[str, str]:
@@ -71,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser,
     to_hf.add_argument("--dst", required=True, metavar="HF_DIR", help="HF checkpoint dir to write")
     for flag, help_text in _flags("export_from").items():
         to_hf.add_argument(f"--{flag}", metavar="DIR", help=help_text)
+    if _formats():
+        to_hf.add_argument("--format", choices=_formats(), default=None,
+                           help="HF checkpoint format to write (default: the family's first; llava-ov: transformers)")
     to_hf.add_argument("--max-shard-gib", type=float, default=2.0, metavar="G",
                        help="largest safetensors shard, in GiB (default 2)")
     to_hf.set_defaults(run=run)
@@ -109,6 +123,12 @@ def _convert(args: argparse.Namespace) -> int:
         _check_sources({"--src": args.src, **{f"--{k}": v for k, v in extras.items()}}, args.dst)
         if args.max_shard_gib <= 0:
             raise UserError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+        fmt = getattr(args, "format", None)
+        if fmt is not None:
+            if fmt not in hf.export_formats:
+                raise UserError(f"mcore-to-hf --model {args.model} writes no --format {fmt}"
+                                + (f" (it writes {', '.join(hf.export_formats)})" if hf.export_formats else ""))
+            extras["format"] = fmt
         out = hf.to_hf(args.src, args.dst, max_shard_bytes=int(args.max_shard_gib * 1024**3), **extras)
         print(f"wrote HF checkpoint {out}")
     return 0

@@ -46,6 +46,9 @@ class HFConversion:
     #: HF parts an export may take from elsewhere: `--<flag> DIR` -> help text (e.g. a VQ model
     #: that training does not touch and a checkpoint may not carry); passed to `to_hf` by flag
     export_from: dict[str, str] = field(default_factory=dict)
+    #: HF checkpoint formats `to_hf` writes (`--format`, passed as `format=`), the default first;
+    #: empty when the family writes one format only
+    export_formats: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,10 @@ class FamilySpec:
     #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the
     #: model and the tokenizer must agree on. None: nothing family-specific to check
     check_tokenizer: Optional[Callable[["Recipe", Any], list[str]]] = None
+    #: (the loaded HF tokenizer) -> tokens added: what the family's loader adds to a tokenizer
+    #: that lacks them (llava-ov: `<image>`/`<video>`), applied to the copy a run keeps with its
+    #: checkpoints. None: the tokenizer is kept as it is
+    prepare_tokenizer: Optional[Callable[[Any], list[str]]] = None
 
     # ---- checkpoints and inference --------------------------------------------------------
     #: HF <-> megatron conversion; None: the family has no HF counterpart

@@ -50,7 +50,7 @@ def images(seed: int = 0) -> list[Image.Image]:
     return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
-def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7):
+def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7, image_token: int = IMAGE_TOKEN):
     """One sample per image: [text] <image>*n [text]; returns input_ids, pixel_values (padded), image_sizes."""
     g = torch.Generator().manual_seed(seed)
     procs = [anyres.process_image(im, 9, image_size=IMAGE_SIZE, patch_size=PATCH) for im in imgs]
@@ -61,5 +61,5 @@ def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7):
         pv[i, : p.num_tiles] = p.pixel_values
         pre = torch.randint(0, 990, (text_len,), generator=g)
         post = torch.randint(0, 990, (text_len,), generator=g)
-        rows.append(torch.cat([pre, torch.full((p.num_tokens,), IMAGE_TOKEN), post]))
+        rows.append(torch.cat([pre, torch.full((p.num_tokens,), image_token), post]))
     return rows, pv, torch.tensor([list(p.image_size) for p in procs])

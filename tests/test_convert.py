@@ -205,8 +205,11 @@ def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     from mmtrain.runtime.checkpoint.weights import load_model_weights
     from mmtrain.runtime.distributed import ensure_model_parallel
 
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
     torch.manual_seed(4)
     Qwen2ForCausalLM(Qwen2Config(**text_config())).save_pretrained(tmp_path / "llm")
+    build_tiny_qwen2_tokenizer(tmp_path / "llm")  # the media ids are read from the LLM's tokenizer
     vis = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"}))
     vis.save_pretrained(tmp_path / "vis")
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),

@@ -19,6 +19,7 @@ from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, statel
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows
+from mmdata.shard_format import SAMPLE_KEY_SEP
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,16 @@ class PackingTaskEncoder(TaskEncoder):
         raise NotImplementedError
 
 
+
+
+def sample_key(sample: Any) -> str:
+    """`DATASET#SHARD_KEY`: unique across shards, subsets and blended datasets (a record `id`
+    repeats across sources, a shard key across datasets), and found again in O(1) with
+    `mmdata preview DATASET --key SHARD_KEY` (a shard key is the sample's global index)."""
+    sources = getattr(sample, "__sources__", None) or ()
+    return f"{sources[0].dataset_path}{SAMPLE_KEY_SEP}{sample.__key__}" if sources else str(sample.__key__)
+
+
 def packed_batch_fields(rows: Sequence[Sequence[Any]], seq_length: int, pad_token_id: int,
                         stats: dict[str, int] | None = None) -> dict[str, Any]:
     """The `PackedBatch` fields of rows of encoded samples (each with `id`, `input_ids` and
@@ -108,7 +119,7 @@ def packed_batch_fields(rows: Sequence[Sequence[Any]], seq_length: int, pad_toke
         max_seqlen=packed.max_seqlen,
         sample_ids=[[s.id for s in row] for row in rows],
         num_loss_tokens=int((packed.labels != IGNORE_INDEX).sum()),
-        sample_keys=[[s.__key__ for s in row] for row in rows],
+        sample_keys=[[sample_key(s) for s in row] for row in rows],
         num_real_tokens=packed.num_real_tokens,
         stats=dict(stats or {}),
     )

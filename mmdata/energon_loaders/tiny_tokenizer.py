@@ -86,17 +86,21 @@ def _train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str
 
 
 def build_tiny_qwen2_tokenizer(
-    out_dir: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 1024
+    out_dir: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 1024, media_tokens: bool = True
 ) -> Path:
     """Train and save a tiny Qwen2-style tokenizer directory; returns `out_dir`.
 
     Deterministic: the same texts and vocab size give byte-identical files.
     Loadable offline with `transformers.AutoTokenizer.from_pretrained(out_dir)`.
+    `media_tokens=False`: without `<image>`/`<video>`, like a published LLM-only (Qwen2.5) or
+    LLaVA-NeXT-format checkpoint's tokenizer.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus = list(_BUILTIN_TEXTS) * 4 + [t for t in (texts or []) if t]
-    tok = _train_tokenizer(corpus, vocab_size)
+    specials = SPECIAL_TOKENS if media_tokens else [t for t in SPECIAL_TOKENS if t not in (IMAGE_TOKEN, VIDEO_TOKEN)]
+    extra = [t for t in specials if t != ENDOFTEXT]
+    tok = _train_tokenizer(corpus, vocab_size, specials)
     tok.save(str(out / "tokenizer.json"))
     added = {
         str(tok.token_to_id(t)): {
@@ -107,12 +111,12 @@ def build_tiny_qwen2_tokenizer(
             "single_word": False,
             "special": True,
         }
-        for t in SPECIAL_TOKENS
+        for t in specials
     }
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN],
+        "additional_special_tokens": extra,
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
@@ -125,7 +129,7 @@ def build_tiny_qwen2_tokenizer(
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": [IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN]}, indent=2, sort_keys=True)
+        json.dumps({"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": extra}, indent=2, sort_keys=True)
         + "\n"
     )
     return out

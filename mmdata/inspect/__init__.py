@@ -5,6 +5,7 @@ random sample of the shards (`--all` reads everything). See docs/inspect.md; one
 detail: `mmdata preview`.
 
   mmdata inspect DIR [--tokenizer TOK] [--json] [--sample N | --all]
+  mmdata inspect DIR --key K [--tokenizer TOK]     one sample, as `mmdata preview DIR --key K`
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random sample (default 0)")
     parser.add_argument("--context-lengths", type=str, default="4096,8192,16384,32768",
                         help="comma-separated context lengths for the packing estimate")
+    parser.add_argument("--key", default=None, metavar="K",
+                        help="show this one sample instead of the summary, as `mmdata preview DIR --key K`: a sample "
+                             "key from metrics / worst-samples (DIR#0000000041), a shard key or a record id")
 
 
 def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
     from mmdata.inspect.stats import summarize
 
+    if args.key is not None:  # one sample: the preview's view (found in one seek by key)
+        from mmdata.inspect import preview
+
+        return preview.run(argparse.Namespace(dir=args.dir, key=args.key, index=None, tokenizer=args.tokenizer,
+                                              tiles_png=None))
     if args.sample < 1:
         raise UserError(f"--sample must be >= 1, got {args.sample}")
     try:

@@ -342,13 +342,19 @@ def random_samples(root: str | Path | Dataset, n: int, seed: int = 0) -> list[Sh
 
 
 def find_sample(root: str | Path | Dataset, sample_id: str) -> ShardSample | None:
-    """Look a sample up by its shard key (e.g. "0000000042") or by its original record id.
+    """Look a sample up by its shard key (e.g. "0000000042"), its sample key as metrics print it
+    ("DIR#0000000042": ValueError when DIR is another dataset) or its original record id.
 
     A key is the sample's global index (shard_format), so it costs one seek. An original id is
     not indexed: that costs a scan of every shard's headers and JSON members (media skipped),
     i.e. time linear in the number of samples — fine for thousands, minutes for tens of millions.
     """
     ds = root if isinstance(root, Dataset) else open_dataset(root)
+    dataset, sep, shard_key = sample_id.rpartition(sf.SAMPLE_KEY_SEP)
+    if sep and Path(dataset).is_dir():  # (a record id may hold the separator too)
+        if Path(dataset).resolve() != Path(ds.root).resolve():
+            raise ValueError(f"{sample_id!r} names a sample of {dataset}, not of {ds.root}")
+        sample_id = shard_key
     if sample_id.isdigit():
         g = int(sample_id)
         if 0 <= g < ds.total_samples:

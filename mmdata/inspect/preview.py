@@ -6,7 +6,7 @@ template), so they are what training will count.
 
   mmdata preview DIR                     the first sample
   mmdata preview DIR --index 41          the 42nd sample (global position, shard order)
-  mmdata preview DIR --key 0000000041    by shard key, or by the record's original id
+  mmdata preview DIR --key 0000000041    by shard key (or DIR#0000000041, the sample key metrics print), or by the record's original id
   mmdata preview DIR --tokenizer TOK     + text/loss tokens and the loss spans (⟦...⟧)
   mmdata preview DIR --tiles-png out.png the images with their anyres tile grid
 """
@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--index", type=int, default=None, metavar="N",
                        help="the sample at this global position (0-based, shard order; default 0)")
     which.add_argument("--key", default=None, metavar="K",
-                       help="the sample with this shard key (e.g. 0000000041) or original record id "
-                            "(an id needs a scan of the shards)")
+                       help="the sample with this shard key (e.g. 0000000041), sample key as metrics and "
+                            "worst-samples name it (DIR#0000000041), or original record id (an id needs a scan "
+                            "of the shards)")
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                         help="local HF tokenizer folder: text and loss tokens, and the conversation with its loss "
                              "spans marked")
@@ -45,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
 
     ds = open_dataset(args.dir)
     if args.key is not None:
-        sample = find_sample(ds, args.key)
+        try:
+            sample = find_sample(ds, args.key)
+        except ValueError as err:  # a sample key of another dataset
+            raise UserError(f"--key {err}") from None
         if sample is None:
             raise UserError(f"{args.dir}: no sample with key or id {args.key!r}")
         position = None

@@ -9,7 +9,7 @@ with no torch/megatron import: the recipe validator and the CLI read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from mmtrain.config.schema import DataConfig
 from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
@@ -56,8 +56,10 @@ class LlavaOVModelConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
-    image_token_id: int = 151646
-    video_token_id: int = 151647
+    #: the tokenizer's `<image>` / `<video>` ids; null (the default): read from `tokenizer.path`
+    #: before the run starts (added to a tokenizer that lacks them); a pinned id must match it
+    image_token_id: Optional[int] = None
+    video_token_id: Optional[int] = None
     max_tiles: int = 9  # anyres_max_9
     grid_max: int = 6  # pinpoints (1..grid_max) x (1..grid_max) x image_size
     make_vocab_size_divisible_by: int = 64  # also multiplied by TP when padding

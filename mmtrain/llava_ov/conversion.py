@@ -1,6 +1,10 @@
 """HF <-> megatron checkpoint conversion for LLaVA-OV (library behind `mmtrain convert`): the
-LLaVA-OV sources (a whole checkpoint; a Qwen2 LLM + SigLIP for stage 1) and the HF config on
-export, run by the shared machinery in mmtrain/runtime/hf_conversion.py (any TP/PP, streaming).
+LLaVA-OV sources (a whole checkpoint in the transformers or the LLaVA-NeXT format, told apart by
+its config.json; a Qwen2 LLM + SigLIP for stage 1) and the HF config on export (either format),
+run by the shared machinery in mmtrain/runtime/hf_conversion.py (any TP/PP, streaming).
+
+Media token ids come from the source's tokenizer; one without `<image>`/`<video>` gets them
+added (media_tokens.py), and the resolved tokenizer is kept with the converted weights.
 """
 
 from __future__ import annotations
@@ -14,6 +18,15 @@ from typing import Callable, Optional
 import torch
 
 from mmtrain.llava_ov.config import LlavaOVModelConfig
+from mmtrain.llava_ov.llava_next import (
+    LLAVA_NEXT,
+    TRANSFORMERS,
+    LlavaNextStateDictAdapter,
+    detect_format,
+    llava_next_config,
+    llava_next_hf_config,
+)
+from mmtrain.llava_ov.media_tokens import MediaTokens, grow_rows, resolve_media_tokens, vocab_rows_for
 from mmtrain.llava_ov.state_dict_adapter import (
     LlavaOVStateDictAdapter,
     SiglipStateDictAdapter,
@@ -59,12 +72,52 @@ def tied_source(cfg: LlavaOVModelConfig) -> Optional[str]:
 
 
 def llava_source(hf_dir: str | os.PathLike) -> tuple[LlavaOVModelConfig, Callable[[str], torch.Tensor]]:
-    """A whole LLaVA-OV HF dir -> (config, canonical-megatron-tensor getter), keys validated."""
-    cfg = llava_config_from_hf(read_config(hf_dir))
+    """A whole LLaVA-OV HF dir, either format -> (config, canonical-megatron-tensor getter),
+    keys validated."""
+    hf = read_config(hf_dir)
+    if detect_format(hf, f"{hf_dir}/config.json") == LLAVA_NEXT:
+        return llava_next_source(hf_dir, hf)
+    cfg = llava_config_from_hf(hf)
     adapter = LlavaOVStateDictAdapter(cfg)
     reader = SafetensorsReader(hf_dir, adapter.normalize_hf_key)
     adapter.check_hf_keys(reader.keys())
     return cfg, lambda name: adapter.mcore_tensor(name, reader.get)
+
+
+def _growing(get: Callable[[str], Optional[torch.Tensor]], vocab_rows: int) -> Callable[[str], Optional[torch.Tensor]]:
+    """`get` whose embedding / output tensors grow to `vocab_rows` (media tokens added)."""
+
+    def grown(name: str) -> Optional[torch.Tensor]:
+        t = get(name)
+        if t is not None and name.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
+            t = grow_rows(t, vocab_rows, name)
+        return t
+
+    return grown
+
+
+def llava_next_source(hf_dir: str | os.PathLike, hf: Optional[dict] = None):
+    """A LLaVA-NeXT-format dir (`LlavaQwenForCausalLM`) -> (config, getter); the media ids come
+    from its tokenizer (added when missing, the vocabulary rows grown to hold them)."""
+    hf = hf if hf is not None else read_config(hf_dir)
+    tokens = resolve_media_tokens(hf_dir)
+    reader = SafetensorsReader(hf_dir)
+    # the embedding's own rows (a config's vocab_size may count the tokenizer, not the padded table)
+    embed = "model.embed_tokens.weight"
+    embed_rows = reader.shape(embed)[0] if embed in reader.keys() else int(hf["vocab_size"])
+    rows = vocab_rows_for(tokens, embed_rows)
+    cfg, stored = llava_next_config(hf, Path(hf_dir), reader.keys(), tokens.image_token_id, tokens.video_token_id,
+                                    rows, f"{hf_dir}/config.json")
+    adapter = LlavaNextStateDictAdapter(cfg, stored)
+    adapter.check_hf_keys(reader.keys())
+    return cfg, _growing(lambda name: adapter.mcore_tensor(name, reader.get), rows)
+
+
+def source_tokens(hf_dir: str | os.PathLike) -> Optional[MediaTokens]:
+    """The resolved tokenizer of a source whose media ids come from it (LLaVA-NeXT format)."""
+    if detect_format(read_config(hf_dir)) == LLAVA_NEXT:
+        return resolve_media_tokens(hf_dir)
+    return None
 
 
 def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, base: Optional[LlavaOVModelConfig] = None,
@@ -81,7 +134,11 @@ def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, bas
     src_layers = int(vis["num_hidden_layers"])
     keep = src_layers - drop_last_vision_layers
     base = base or LlavaOVModelConfig()
-    cfg = replace(base, llm=llm_config_from_hf(text, "config"), vision=vision_config_from_hf(vis, keep, "config"))
+    llm_cfg = llm_config_from_hf(text, "config")
+    tokens = resolve_media_tokens(llm_dir)  # the media ids: the LLM tokenizer's (added when missing)
+    llm_cfg = replace(llm_cfg, vocab_size=vocab_rows_for(tokens, llm_cfg.vocab_size))
+    base = replace(base, image_token_id=tokens.image_token_id, video_token_id=tokens.video_token_id)
+    cfg = replace(base, llm=llm_cfg, vision=vision_config_from_hf(vis, keep, "config"))
     llm_reader = SafetensorsReader(llm_dir)
     llm_ad = Qwen2StateDictAdapter(cfg.llm, "language_model.")
     llm_ad.check_hf_keys(llm_reader.keys())
@@ -96,7 +153,7 @@ def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, bas
             return vis_ad.mcore_tensor(name, vis_reader.get)
         return None  # projector / image_newline: freshly initialised
 
-    return cfg, get
+    return cfg, _growing(get, cfg.llm.vocab_size)
 
 
 # ----------------------------------------------------------------------------- hf -> mcore
@@ -116,8 +173,15 @@ def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp:
     cfg, _ = llava_source(src)  # validate before starting any rank
     # a whole LLaVA-OV checkpoint fills every weight: no random init
     import_to_mcore(ImportJob(_whole_source, {"src": str(src)}, build_stage, str(dst), tp, pp))
-    record_source(dst, [src], read_config(src))
+    assets = record_source(dst, [src], read_config(src))
+    _keep_tokenizer(source_tokens(src), assets)
     return cfg
+
+
+def _keep_tokenizer(tokens: Optional[MediaTokens], assets: Path) -> None:
+    """The resolved tokenizer (media tokens present) replaces the source's copied one."""
+    if tokens is not None:
+        tokens.tokenizer.save_pretrained(str(assets))
 
 
 def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str | os.PathLike, tp: int = 1,
@@ -126,22 +190,31 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
     # the stage-1 getter returns None for the projector / image_newline: they keep their init
     import_to_mcore(ImportJob(_stage1_source, {"llm": str(llm), "vision": str(vision), "base": base},
                               build_stage, str(dst), tp, pp, fresh_init=True))
-    record_source(dst, [vision, llm], None)
+    assets = record_source(dst, [vision, llm], None)
+    _keep_tokenizer(resolve_media_tokens(llm), assets)
     return cfg
 
 
 # ----------------------------------------------------------------------------- mcore -> hf
 
 
-def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> Path:
-    """Single process: load at TP=1/PP=1 (dist-checkpoint reshards), stream out HF safetensors."""
+def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3,
+                format: str = TRANSFORMERS) -> Path:
+    """Single process: load at TP=1/PP=1 (dist-checkpoint reshards), stream out HF safetensors in
+    `format` (transformers' LlavaOnevisionForConditionalGeneration, or LLaVA-NeXT's
+    LlavaQwenForCausalLM). The recorded source config is the template when it has that format."""
     cfg, model = load_unsharded(src, LlavaOVModelConfig, build_stage)
-    adapter = LlavaOVStateDictAdapter(cfg)
+    template = source_config(src)
+    if template is not None and detect_format(template) != format:
+        template = None
+    if format == LLAVA_NEXT:
+        adapter, hf_cfg = LlavaNextStateDictAdapter(cfg), llava_next_hf_config(cfg, template)
+    else:
+        adapter, hf_cfg = LlavaOVStateDictAdapter(cfg), hf_config_from_llava(cfg, template)
     canon = canonical_tensors(model, cfg.llm.vocab_size, adapter)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     write_sharded(adapter.iter_hf(canon.__getitem__), dst, max_shard_bytes)
-    hf_cfg = hf_config_from_llava(cfg, source_config(src))
     (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     copy_recorded_assets(src, dst)
     return dst

@@ -53,6 +53,9 @@ class LlavaOVModel(MegatronModule):
         options: Optional[ParallelOptions] = None,
         vp_stage: Optional[int] = None,
     ) -> None:
+        if cfg.image_token_id is None or cfg.video_token_id is None:
+            raise ValueError("model.image_token_id / video_token_id are null: they are read from the tokenizer "
+                             "before a run starts (or pin them in the recipe)")
         opts = options or ParallelOptions()
         lm_config = language_transformer_config(cfg.llm, cfg.params_dtype, opts)
         super().__init__(config=lm_config)

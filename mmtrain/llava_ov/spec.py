@@ -58,36 +58,64 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1):
 def media_token_problems(m: LlavaOVModelConfig, image_id: int | None, video_id: int | None,
                          tokenizer_path: str) -> list[str]:
     """The model finds media positions by token id: a tokenizer whose `<image>`/`<video>` ids
-    differ from the model config would silently misplace image features."""
+    differ from the ids a recipe pins would silently misplace image features."""
     return [
-        f"model.{key}: {want}, but the tokenizer at {tokenizer_path} maps {tok} to {got} (set model.{key}={got}, "
-        "or use the tokenizer the model was made with)"
+        f"model.{key}: {want}, but the tokenizer at {tokenizer_path} maps {tok} to {got} (set model.{key}={got} "
+        "or leave it null to take the tokenizer's, or use the tokenizer the model was made with)"
         for key, want, tok, got in (
             ("image_token_id", m.image_token_id, "<image>", image_id),
             ("video_token_id", m.video_token_id, "<video>", video_id),
         )
-        if want != got
+        if want is not None and want != got
     ]
 
 
 def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, tokenizer_path: str) -> None:
     """Refuse (ValueError) what `media_token_problems` finds; the loader's last line of defence."""
     wrong = media_token_problems(m, image_id, video_id, tokenizer_path)
+    if m.image_token_id is None or m.video_token_id is None:
+        wrong.append("model.image_token_id / video_token_id are unresolved (the run's preflight reads them from "
+                     f"the tokenizer at {tokenizer_path})")
     if wrong:
         raise ValueError("media token ids disagree: " + "; ".join(wrong))
 
 
 def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
-    """Before training (FamilySpec.check_tokenizer): the tokenizer's `<image>`/`<video>` ids."""
+    """Before training (FamilySpec.check_tokenizer): the tokenizer's `<image>`/`<video>` ids, added
+    as the loader adds them when the tokenizer lacks them, fill the recipe's null ids (logged) and
+    must equal pinned ones; the LLM's vocabulary rows must hold them."""
+    import logging
+
+    from mmdata.energon_loaders.llava_ov.chat_template import token_id
     from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
 
-    unk = getattr(tokenizer, "unk_token_id", None)
+    m: LlavaOVModelConfig = recipe.model
+    added = prepare_tokenizer(tokenizer)
+    image_id, video_id = token_id(tokenizer, IMAGE_TOKEN), token_id(tokenizer, VIDEO_TOKEN)
+    problems = media_token_problems(m, image_id, video_id, recipe.tokenizer.path)
+    if problems:
+        return problems
+    log = logging.getLogger(__name__)
+    if added:
+        log.info("tokenizer at %s has no %s: added as special token(s) (as the loader does)", recipe.tokenizer.path,
+                 " / ".join(added))
+    if m.image_token_id is None or m.video_token_id is None:
+        log.info("model.image_token_id=%d, model.video_token_id=%d: from the tokenizer at %s", image_id, video_id,
+                 recipe.tokenizer.path)
+    m.image_token_id, m.video_token_id = image_id, video_id
+    if max(image_id, video_id) >= m.llm.vocab_size:
+        return [f"model.llm.vocab_size: {m.llm.vocab_size} rows cannot hold the tokenizer's <image>/<video> ids "
+                f"{image_id}/{video_id}; start from weights converted with `mmtrain convert hf-to-mcore`, which "
+                "adds the rows (mean-initialised), and set model.llm.vocab_size to theirs"]
+    return []
 
-    def token_id(token: str) -> int | None:
-        tid = tokenizer.convert_tokens_to_ids(token)
-        return None if tid is None or (tid == unk and token not in tokenizer.get_vocab()) else int(tid)
 
-    return media_token_problems(recipe.model, token_id(IMAGE_TOKEN), token_id(VIDEO_TOKEN), recipe.tokenizer.path)
+def prepare_tokenizer(tokenizer: Any) -> list[str]:
+    """What the loader does to the tokenizer (FamilySpec.prepare_tokenizer): `<image>`/`<video>`
+    added when missing."""
+    from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens
+
+    return add_media_tokens(tokenizer)
 
 
 def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
@@ -113,10 +141,10 @@ def _to_mcore(src: str, dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
     return hf_to_mcore(src, dst, tp=tp, pp=pp)
 
 
-def _to_hf(src: str, dst: str, *, max_shard_bytes: int) -> Path:
+def _to_hf(src: str, dst: str, *, max_shard_bytes: int, format: str = "transformers") -> Path:
     from mmtrain.llava_ov.conversion import mcore_to_hf
 
-    return mcore_to_hf(src, dst, max_shard_bytes)
+    return mcore_to_hf(src, dst, max_shard_bytes, format=format)
 
 
 def _assemble(dirs: dict[str, str], dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
@@ -145,12 +173,16 @@ LLAVA_OV = FamilySpec(
     forward_step=forward_step,
     model_shapes=model_shapes,
     check_tokenizer=check_tokenizer,
+    prepare_tokenizer=prepare_tokenizer,
     hf=HFConversion(
         to_mcore=_to_mcore,
         to_hf=_to_hf,
         load_into_model=_load_into_model,
-        assemble_from={"llm": "Qwen2/2.5 HF dir", "vision": "SigLIP HF dir (its last layer is dropped)"},
+        assemble_from={"llm": "Qwen2/2.5 HF dir with its tokenizer (the <image>/<video> ids come from it, "
+                              "added when missing)",
+                       "vision": "SigLIP HF dir (its last layer is dropped)"},
         assemble=_assemble,
+        export_formats=("transformers", "llava-next"),
     ),
     generation=GenerationSpec(
         help="answers about an image (the checkpoint's own chat template and image layout)",

@@ -48,6 +48,14 @@ class SafetensorsReader:
     def keys(self) -> set[str]:
         return set(self._where)
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape, read from the file header (no data)."""
+        if key not in self._where:
+            raise KeyError(f"{self.dir}: tensor {key!r} not found")
+        fname, orig = self._where[key]
+        with safe_open(str(self.dir / fname), "pt") as h:
+            return tuple(h.get_slice(orig).get_shape())
+
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise KeyError(f"{self.dir}: tensor {key!r} not found")

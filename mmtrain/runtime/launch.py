@@ -121,6 +121,7 @@ def train(recipe: Recipe) -> int:
     try:
         if ctx.rank == 0:
             config = save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
+            keep_tokenizer(recipe)
             announce(recipe, config)
         trainer = Trainer(recipe, registry.get_family(recipe.family), ctx, dump_recipe(recipe))
         trainer.setup()
@@ -130,6 +131,24 @@ def train(recipe: Recipe) -> int:
     finally:
         destroy_distributed()
     return 0
+
+
+def keep_tokenizer(recipe: Recipe) -> Path:
+    """The run's tokenizer, as its loader resolves it (the family's added tokens included), next
+    to its checkpoints (`checkpoints/hf_assets/`): `mmtrain convert mcore-to-hf` exports it with the
+    weights, so transformers and `mmtrain generate` load the vocabulary the model was trained on."""
+    from mmdata.local_tokenizer import load_local_tokenizer
+    from mmtrain import registry
+    from mmtrain.runtime.checkpoint.layout import checkpoints_root
+    from mmtrain.runtime.hf_conversion import ASSETS_DIR
+
+    tokenizer = load_local_tokenizer(recipe.tokenizer.path, "tokenizer.path:")
+    prepare = registry.get_family(recipe.family).prepare_tokenizer
+    if prepare is not None:
+        prepare(tokenizer)
+    out = checkpoints_root(recipe.run_dir) / ASSETS_DIR
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
 def announce(recipe: Recipe, config: Path) -> None:

@@ -17,7 +17,9 @@ reader and the next writer drop). Fields:
                         (mmtrain/runtime/evaluation.py)
   val_tokens     int    those real (label) tokens, whole job; with val_loss
   val_time_s     float  wall time of that evaluation; with val_loss
-  sample_ids     list[str]          ids of every sample in this step, gathered over DP ranks
+  sample_ids     list[str]          every sample of this step, gathered over DP ranks, by its
+                                    sample key `DATASET#SHARD_KEY` (unique across blended
+                                    datasets; `mmdata preview DATASET --key SHARD_KEY` shows it)
   sample_losses  {str: float}       per-sample mean loss over that sample's real tokens, keyed by
                  or list[float|None] the same ids, or a list aligned with `sample_ids` (null where
                                     unknown). This is what `worst-samples` ranks by.

@@ -41,7 +41,11 @@ class StepData:
 
 
 def batch_sample_ids(batch: PackedBatch) -> list[str]:
-    return [str(sid) for row in batch.sample_ids for sid in row]
+    """The batch's samples as metrics name them: by sample key (`DATASET#SHARD_KEY`, unique across
+    shards and blended datasets; `task_encoding.sample_key`), not by record id, which repeats
+    across sources; in `sample_ids` order (the per-sample losses follow it)."""
+    rows = batch.sample_keys or batch.sample_ids
+    return [str(sid) for row in rows for sid in row]
 
 
 class TrainData:

@@ -49,12 +49,35 @@ def with_video_placeholder(conversations: Sequence[dict]) -> list[dict]:
     return out
 
 
+def token_id(tokenizer: Any, token: str) -> int | None:
+    """The id of `token` when it is one whole token of the vocabulary, else None."""
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or (tid == getattr(tokenizer, "unk_token_id", None) and token not in tokenizer.get_vocab()):
+        return None
+    return int(tid)
+
+
+def add_media_tokens(tokenizer: Any) -> list[str]:
+    """Give `tokenizer` the `<image>`/`<video>` placeholders it lacks, as unnormalised special
+    tokens after its vocabulary (as transformers' LLaVA-OneVision conversion does): published LLM
+    tokenizers (Qwen2.5) and LLaVA-NeXT checkpoints have none. Deterministic: every process that
+    loads the same tokenizer gets the same ids. Returns the tokens added."""
+    from transformers import AddedToken
+
+    added = [t for t in (IMAGE_TOKEN, VIDEO_TOKEN) if token_id(tokenizer, t) is None]
+    if added:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
+    return added
+
+
 class ChatTokenizer:
-    """Renders LLaVA-format conversations into ids + labels with a given HF tokenizer."""
+    """Renders LLaVA-format conversations into ids + labels with a given HF tokenizer (the
+    media placeholders are added to it when missing, see `add_media_tokens`)."""
 
     def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        add_media_tokens(tokenizer)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN)}
         missing = [t for t, i in ids.items() if i is None or i == getattr(tokenizer, "unk_token_id", -1)]
         if missing:
