@@ -33,7 +33,7 @@ def _recipe(tmp_path, *overrides, path=AQUILA):
 
 
 def _tiny(tmp_path, *overrides):
-    """The tiny recipe on 2 processes with 8 sequences a step: 45 candidate layouts."""
+    """The tiny recipe on 2 processes with 8 sequences a step: 56 candidate layouts."""
     return _recipe(tmp_path, "parallel.nproc_per_node=2", "train.global_batch_size=8", *overrides, path=TINY)
 
 
@@ -91,6 +91,29 @@ def test_needs_more_memory_orders_only_memory_dimensions(tmp_path):
     assert needs_more_memory(small.with_(recompute="none"), small)
     assert not needs_more_memory(small, small.with_(micro_batch_size=2))
     assert not needs_more_memory(small.with_(pp=2, dp=1), small)  # another layout: no conclusion
+    # recomputing fewer layers (megatron's block method) keeps more activations
+    assert needs_more_memory(small.with_(recompute_num_layers=1), small)
+    assert needs_more_memory(small.with_(recompute="selective"), small.with_(recompute_num_layers=1))
+    assert not needs_more_memory(small, small.with_(recompute_num_layers=1))
+
+
+def test_recomputing_some_layers_sits_between_none_and_full(tmp_path):
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
+
+    r = _recipe(tmp_path)  # 28 layers
+    shapes, hw = LLAVA_OV.model_shapes(r.model), Hardware.from_auto_tune(r.auto_tune)
+    L = Layout.from_recipe(r).with_(pp=1, dp=8)
+    mem = {n: estimate_memory(shapes, [], L.with_(recompute="full", recompute_num_layers=n)).total for n in (0, 7, 14)}
+    step = {n: estimate_step_time(shapes, [], L.with_(recompute="full", recompute_num_layers=n), hw).total_s
+            for n in (0, 7, 14)}
+    none = L.with_(recompute="none")
+    assert mem[0] < mem[14] < mem[7] < estimate_memory(shapes, [], none).total
+    assert step[0] > step[14] > step[7] > estimate_step_time(shapes, [], none, hw).total_s
+    layouts = candidate_layouts(SpaceContext(r, shapes, on_cuda=False))
+    assert {L.recompute_num_layers for L in layouts} == {0, 7, 14}  # auto: all, 1/4, 1/2 of the layers
+    assert all(L.recompute == "full" and L.recompute_num_layers < 28 // L.pp for L in layouts if L.recompute_num_layers)
+    best = at.best_recipe(r, at.Candidate(L.with_(recompute="full", recompute_num_layers=7), None, None, 0, 1))
+    assert (best.parallel.recompute, best.parallel.recompute_num_layers) == ("full", 7)
 
 
 # ----------------------------------------------------------------------------- memory pruning and order
@@ -185,7 +208,7 @@ def test_budget_stops_the_search_and_best_yaml_is_the_best_measured(tmp_path):
     text = buf.getvalue()
     assert "speedup over the recipe's own layout" in text and "pruned without running" in text
     rows = list(csv.DictReader(res.csv_path.open()))
-    assert len(rows) == len(res.candidates) == 45
+    assert len(rows) == len(res.candidates) == 56
     assert {row["status"] for row in rows} >= {"ran", "not_run"}
     ran_rows = [row for row in rows if row["status"] == "ran"]
     assert all(float(row["meas_tokens_per_s"]) > 0 and row["meas_mem_gib_by_rank"].count(";") == 1 for row in ran_rows)
@@ -237,12 +260,14 @@ def test_nothing_fits_exits_non_zero(tmp_path, capsys):
 
 @pytest.mark.parametrize("bad", ["auto_tune.memory_fraction=1.5", "auto_tune.tp=[0]", "auto_tune.device_tflops=0",
                                  "auto_tune.min_memory_fraction=0.95", "auto_tune.trial_steps=2",
-                                 "auto_tune.max_minutes=0"])
+                                 "auto_tune.max_minutes=0", "parallel.recompute_num_layers=-1"])
 def test_auto_tune_keys_validated(tmp_path, bad):
     from mmtrain.config import RecipeError
 
     with pytest.raises(RecipeError, match=bad.split("=")[0].replace(".", r"\.")):
         _recipe(tmp_path, bad)
+    with pytest.raises(RecipeError, match="needs parallel.recompute=full"):
+        _recipe(tmp_path, "parallel.recompute=none", "parallel.recompute_num_layers=2")
 
 
 # ----------------------------------------------------------------------------- slow: a real search
@@ -250,7 +275,7 @@ def test_auto_tune_keys_validated(tmp_path, bad):
 
 @pytest.mark.slow
 def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
-    """The tiny recipe on 2 gloo processes: the memory model prunes most of the 45 layouts, the
+    """The tiny recipe on 2 gloo processes: the memory model prunes most of the 56 layouts, the
     recipe's own layout and the most promising survivor run as real trials (torchrun, the real
     loader and model), history.csv holds ran and pruned rows, and --launch trains best.yaml."""
     import os
@@ -273,7 +298,7 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     rows = list(csv.DictReader((run / "auto_tune" / "history.csv").open()))
     status = [row["status"] for row in rows]
-    assert len(rows) == 45 and status.count("ran") >= 1
+    assert len(rows) == 56 and status.count("ran") >= 1
     assert status.count("pruned_memory") + status.count("pruned_history") >= 0.8 * len(rows)
     ran = [row for row in rows if row["status"] == "ran"]
     assert any(row["baseline"] == "True" for row in ran)

@@ -16,6 +16,7 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     _sizes(r, errors)
     _optimizer(r, errors)
     _layout(r, errors)
+    _recompute(r, errors)
     _auto_tune(r, errors)
     _parts(r, spec, errors)
     if r.action == "run":
@@ -88,6 +89,15 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
                    f"{t.global_batch_size} is not divisible by micro_batch_size*dp = "
                    f"{t.micro_batch_size}*{dp} = {t.micro_batch_size * dp} "
                    f"(dp = world {world} / (tp {p.tp} * pp {p.pp}))", layout + [("train", "micro_batch_size")])
+
+
+def _recompute(r: Recipe, errors: RecipeErrors) -> None:
+    p = r.parallel
+    if p.recompute_num_layers < 0:
+        errors.add(("parallel", "recompute_num_layers"), f"must be >= 0, got {p.recompute_num_layers}")
+    elif p.recompute_num_layers and p.recompute != "full":
+        errors.add(("parallel", "recompute_num_layers"), f"a number of recomputed layers needs parallel.recompute="
+                   f"full, got {p.recompute!r}", [("parallel", "recompute")])
 
 
 def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:

@@ -88,6 +88,9 @@ class ParallelConfig:
     master_port: int = 29500
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    # with recompute full: 0 = every layer; N = only the first N layers of each pipeline stage
+    # (megatron's block method: less recompute, more memory)
+    recompute_num_layers: int = 0
     precision: Precision = "fp32"
     distributed_optimizer: bool = True
     backend: Backend = "auto"
@@ -137,6 +140,7 @@ class AutoTuneConfig:
     pp: list[int] = field(default_factory=list)
     micro_batch_size: list[int] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
+    recompute_num_layers: list[int] = field(default_factory=list)  # auto: 0 (all), 1/4 and 1/2 of the layers
     sequence_parallel: list[bool] = field(default_factory=list)  # auto: both where tp > 1
     # auto: both on CUDA where dp > 1; the recipe's value on CPU (the substitute does not shard)
     distributed_optimizer: list[bool] = field(default_factory=list)

@@ -409,12 +409,25 @@ def table(cands: list[Candidate], top: int) -> str:
     return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [TABLE, *rows])
 
 
+def check_trials_can_start(recipe: Recipe, spec: FamilySpec) -> None:
+    """The checks of `action: run` (required keys, data, tokenizer, starting checkpoint), once
+    before the first trial: a missing shard folder is one message (exit 2), not N crashed trials."""
+    from mmtrain.config import load_recipe_dict
+    from mmtrain.runtime.preflight import preflight
+
+    as_run = dataclasses.replace(recipe, action="run")
+    load_recipe_dict(recipe_to_dict(as_run), family=recipe.family, source="the trial recipe (action: run)")
+    preflight(as_run, spec)
+
+
 def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None, trial_fn: TrialFn = run_trial,
                   on_cuda: bool | None = None) -> AutoTuneResult:
     """Search, print the summary, write history.csv, best.yaml and calibration.yaml."""
     stream = out or sys.stdout
     on_cuda = trials_on_cuda(recipe) if on_cuda is None else on_cuda
     emit = lambda s: print(s, file=stream, flush=True)  # noqa: E731
+    if trial_fn is run_trial and recipe.auto_tune.max_trials > 0:
+        check_trials_can_start(recipe, spec)
     out_dir = Path(recipe.run_dir) / OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     cands = search(recipe, spec, trial_fn, on_cuda, log=emit)

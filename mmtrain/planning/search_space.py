@@ -56,6 +56,15 @@ def tp_valid(L: Layout, c: SpaceContext) -> bool:
     return ok and c.recipe.parallel.nproc_per_node % L.tp == 0
 
 
+def recompute_memory_rank(L: Layout) -> float:
+    """Recompute modes by the activations they keep: none 2, selective 1 (all but the attention
+    internals), full below that: 1 / (1 + N) when only N layers of a stage are, 0 when all are
+    (fewer recomputed layers keep more activations)."""
+    if L.recompute != "full":
+        return {"none": 2.0, "selective": 1.0}[L.recompute]
+    return 1.0 / (1 + L.recompute_num_layers) if L.recompute_num_layers else 0.0
+
+
 @dataclass(frozen=True)
 class Dimension:
     name: str  # the Layout field and the auto_tune: list key
@@ -63,9 +72,9 @@ class Dimension:
     auto: Callable[[SpaceContext], list[Any]]
     splits_world: bool = False
     valid: Callable[[Layout, SpaceContext], bool] = lambda L, c: True
-    # for pruning by history: a key that grows with the memory a value needs (None: not ordered,
-    # so an OOM says nothing about other values of this dimension)
-    memory_order: Callable[[Any], Any] | None = None
+    # for pruning by history: a number that grows with the memory the layout needs through this
+    # dimension (None: not ordered, so an OOM says nothing about other values of it)
+    memory_order: Callable[[Layout], float] | None = None
 
 
 DIMENSIONS: tuple[Dimension, ...] = (
@@ -75,16 +84,21 @@ DIMENSIONS: tuple[Dimension, ...] = (
               valid=lambda L, c: c.shapes.decoder.layers % L.pp == 0),
     Dimension("micro_batch_size", "train.micro_batch_size",
               auto=lambda c: [m for m in divisors(c.recipe.train.global_batch_size) if m <= MAX_AUTO_MICRO_BATCH],
-              memory_order=lambda m: m),
+              memory_order=lambda L: L.micro_batch_size),
     Dimension("recompute", "parallel.recompute", auto=lambda c: list(RECOMPUTE_MODES),
-              memory_order=lambda rc: {"full": 0, "selective": 1, "none": 2}[rc]),
+              memory_order=lambda L: recompute_memory_rank(L)),
+    Dimension("recompute_num_layers", "parallel.recompute_num_layers",
+              auto=lambda c: sorted({0, c.shapes.decoder.layers // 4, c.shapes.decoder.layers // 2}),
+              valid=lambda L, c: L.recompute_num_layers == 0 or (
+                  L.recompute == "full" and L.recompute_num_layers < c.shapes.decoder.layers // L.pp),
+              memory_order=lambda L: 0.0),  # ordered together with recompute (recompute_memory_rank)
     Dimension("sequence_parallel", "parallel.sequence_parallel", auto=lambda c: [False, True],
               valid=lambda L, c: L.tp > 1 or not L.sequence_parallel,  # SP only splits over TP
-              memory_order=lambda sp: not sp),
+              memory_order=lambda L: not L.sequence_parallel),
     Dimension("distributed_optimizer", "parallel.distributed_optimizer",
               auto=lambda c: [True, False] if c.on_cuda else [c.recipe.parallel.distributed_optimizer],
               valid=lambda L, c: L.dp > 1 or L.distributed_optimizer == c.recipe.parallel.distributed_optimizer,
-              memory_order=lambda do: not do),
+              memory_order=lambda L: not L.distributed_optimizer),
 )
 
 
@@ -116,11 +130,10 @@ def needs_more_memory(a: Layout, b: Layout, dims: tuple[Dimension, ...] = DIMENS
     and at least as memory-hungry in every ordered one (larger micro-batch, less recompute,
     no sequence parallelism, no optimizer sharding). After `b` ran out of memory, `a` would too."""
     for d in dims:
-        va, vb = getattr(a, d.name), getattr(b, d.name)
         if d.memory_order is None:
-            if va != vb:
+            if getattr(a, d.name) != getattr(b, d.name):
                 return False
-        elif d.memory_order(va) < d.memory_order(vb):
+        elif d.memory_order(a) < d.memory_order(b):
             return False
     return True
 
@@ -133,7 +146,8 @@ def layout_values(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> d
 
 def layout_key(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> str:
     """A stable text key of a layout's tuned values (history rows, trial folder names)."""
-    short = {"micro_batch_size": "mbs", "recompute": "rc", "sequence_parallel": "sp", "distributed_optimizer": "do"}
+    short = {"micro_batch_size": "mbs", "recompute": "rc", "recompute_num_layers": "rcl", "sequence_parallel": "sp",
+             "distributed_optimizer": "do"}
     parts = []
     for name, value in layout_values(layout, dims).items():
         text = str(int(value)) if isinstance(value, bool) else str(value)

@@ -167,9 +167,12 @@ class Trainer:
         """What the model builder needs to know about parallelism/memory (sizes come from
         megatron's parallel_state)."""
         recompute = self.ctx.recompute
+        some_layers = self.recipe.parallel.recompute_num_layers  # 0: every layer (uniform, one at a time)
         return ParallelOptions(
             sequence_parallel=self.ctx.sequence_parallel,
             recompute_granularity=None if recompute == "none" else recompute,
+            recompute_method="block" if some_layers else "uniform",
+            recompute_num_layers=some_layers or 1,
             params_dtype=self.ctx.params_dtype_name,
         )
 
