@@ -134,6 +134,12 @@ def test_memory_model_prunes_and_orders(tmp_path):
     # the recipe's own layout runs first (the speedup's reference), then the model's order
     order = at.trial_order(cands)
     assert order[0].baseline and [c.est_step_s for c in order[1:]] == sorted(c.est_step_s for c in order[1:])
+    # under the band's lower edge the recipe's own layout still runs (the speedup's reference)
+    high = _recipe(tmp_path, "auto_tune.min_memory_fraction=0.85")
+    cands = at.evaluate(high, LLAVA_OV, on_cuda=True)
+    at.prune_by_memory(cands, high)
+    base = next(c for c in cands if c.baseline)
+    assert base.est_mem_gib < 68 and not base.status
 
 
 def test_calibration_file_moves_the_estimates(tmp_path):

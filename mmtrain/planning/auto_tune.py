@@ -150,7 +150,7 @@ def prune_by_memory(cands: list[Candidate], recipe: Recipe) -> None:
     for c in cands:
         if c.est_mem_gib > upper:
             c.status, c.reason = PRUNED_MEMORY, f"estimate {c.est_mem_gib:.3g} GiB > {upper:.3g} GiB budget"
-        elif c.est_mem_gib < lower:
+        elif c.est_mem_gib < lower and not c.baseline:  # the recipe's own layout stays: the reference
             c.status, c.reason = PRUNED_MEMORY, f"estimate {c.est_mem_gib:.3g} GiB < {lower:.3g} GiB (utilisation band)"
 
 

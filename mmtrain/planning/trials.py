@@ -90,6 +90,9 @@ def run_trial(recipe: Recipe, run_dir: Path, time_limit_s: float) -> TrialResult
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc, timed_out = proc.returncode, True
+        except BaseException:  # Ctrl-C of the search: its own session would outlive us otherwise
+            _kill_group(proc)
+            raise
     wall = time.monotonic() - start
     return measure(run_dir, trial, rc, timed_out, wall, time_limit_s)
 

@@ -157,8 +157,10 @@ def announce(recipe: Recipe, config: Path) -> None:
     c = recipe.checkpoint
     every = f"every {c.interval} steps and at the end" if c.interval > 0 else "at the end"
     keep = f", keeping the last {c.keep_last}" if c.keep_last > 0 else ""
-    log.info("run_dir %s: metrics %s, checkpoints %s/ (%s%s), resolved recipe %s", run_dir, run_dir / METRICS_FILE,
-             run_dir / "checkpoints", every, keep, config.resolve())
+    checkpoints = f"checkpoints {run_dir / 'checkpoints'}/ ({every}{keep})" if c.save else \
+        "no checkpoints (checkpoint.save: false)"
+    log.info("run_dir %s: metrics %s, %s, resolved recipe %s", run_dir, run_dir / METRICS_FILE, checkpoints,
+             config.resolve())
 
 
 def setup_logging(rank: int | None = None, verbose: bool = True, verbose_third_party: bool | None = None) -> None:
