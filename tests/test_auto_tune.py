@@ -192,7 +192,7 @@ def test_slow_results_prune_what_cannot_beat_the_best(tmp_path):
     sim = Simulated()
     res = at.run_auto_tune(r, LLAVA_OV, out=io.StringIO(), trial_fn=sim, on_cuda=False)
     slow = [c for c in res.candidates if c.status == at.PRUNED_HISTORY]
-    assert slow and all("model predicts" in c.reason for c in slow)
+    assert slow and all("model predicts at best" in c.reason for c in slow)
     assert len(sim.ran) + len(slow) + sum(c.status == at.PRUNED_MEMORY for c in res.candidates) == len(res.candidates)
 
 

@@ -15,8 +15,8 @@
    (`failed`) and the search goes on.
 4. Prune by history while searching (`pruned_history`): after an OOM, every layout that needs at
    least as much memory by construction (same layout, larger micro-batch, less recompute, ...);
-   after each result, every layout the model (scaled to the measured trials) predicts at least
-   `slow_margin` slower than the best so far. The search stops at `auto_tune.max_trials` trials or
+   after each result, every layout that even its best case (the model scaled by the smallest
+   measured/modelled ratio so far) puts `slow_margin` slower than the best measured one. The search stops at `auto_tune.max_trials` trials or
    `auto_tune.max_minutes` (the rest: `not_run`).
 5. Results in `<run_dir>/auto_tune/`: `history.csv` (one row per candidate: layout, status,
    reason, estimated and measured memory, step time and tokens/s), `best.yaml` (the recipe with
@@ -171,10 +171,12 @@ def oom_dominator(c: Candidate, done: list[Candidate]) -> Candidate | None:
     return None
 
 
-def time_scale(done: list[Candidate]) -> float | None:
-    """Measured / modelled step time over the trials so far (the model's bias on this machine)."""
+def optimistic_time_scale(done: list[Candidate]) -> float | None:
+    """The smallest measured / modelled step-time ratio of the trials so far: scaled by it, the
+    model gives a layout's best case, so "cannot beat the best" is not decided on an average the
+    model's misranking would skew."""
     ratios = [c.trial.step_time_s / c.est_step_s for c in done if c.measured and c.trial.step_time_s]
-    return statistics.median(ratios) if ratios else None
+    return min(ratios) if ratios else None
 
 
 def best_measured(cands: list[Candidate]) -> Candidate | None:
@@ -246,13 +248,13 @@ def search(recipe: Recipe, spec: FamilySpec, trial_fn: TrialFn = run_trial, on_c
         if (f := oom_dominator(c, done)) is not None:
             c.status, c.reason = PRUNED_HISTORY, f"needs at least the memory of {f.key}, which ran out of memory"
             continue
-        best, scale = best_measured(done), time_scale(done)
+        best, scale = best_measured(done), optimistic_time_scale(done)
         if best is not None and scale is not None and not c.baseline:
             predicted = c.est_step_s * scale
             if predicted > best.trial.step_time_s * (1 + a.slow_margin):
                 c.status, c.reason = PRUNED_HISTORY, (
-                    f"model predicts {predicted:.3g} s/step, > {best.trial.step_time_s:.3g} s of {best.key} "
-                    f"+ {a.slow_margin:.0%}")
+                    f"model predicts at best {predicted:.3g} s/step, > {best.trial.step_time_s:.3g} s of "
+                    f"{best.key} + {a.slow_margin:.0%}")
                 continue
         left_s = a.max_minutes * 60 - (time.monotonic() - start)
         if trials >= a.max_trials or left_s <= 0:
@@ -325,8 +327,9 @@ def layout_text(L: Layout) -> str:
             f"{'on' if L.distributed_optimizer else 'off'}")
 
 
-def fit_calibration(cands: list[Candidate], device: str) -> tuple[Calibration | None, list[str]]:
-    """The model against the measured trials: errors before/after calibration, and the fit."""
+def fit_calibration(cands: list[Candidate], device: str, in_use: str | None) -> tuple[Calibration | None, list[str]]:
+    """The model against the measured trials: its error raw, with the calibration file in use
+    (if any) and refitted on these trials; and that fit."""
     ran = [c for c in cands if c.measured and c.trial.max_peak_gib is not None]
     if not ran:
         return None, []
@@ -337,11 +340,14 @@ def fit_calibration(cands: list[Candidate], device: str) -> tuple[Calibration | 
     cal = fit(est_mem, meas_mem, est_step, meas_step, device)
     mem_after, step_after, loo = calibrated_errors(est_mem, meas_mem, est_step, meas_step)
     how = "leave-one-out" if loo else "in-sample, fewer than 3 trials"
+    used = lambda est, meas: (f"; with auto_tune.calibration: {rel_errors(est, meas).text()}"  # noqa: E731
+                              if in_use else "")
     lines = [
         f"memory model vs measured peak (busiest rank, {plural(len(ran), 'trial')}): "
-        f"{rel_errors(est_mem, meas_mem).text()}; calibrated ({how}): {mem_after.text()}",
-        f"step-time model vs measured: {rel_errors(est_step, meas_step).text()}; calibrated ({how}): "
-        f"{step_after.text()}",
+        f"{rel_errors(est_mem, meas_mem).text()}{used([c.est_mem_gib for c in ran], meas_mem)}; "
+        f"refitted here ({how}): {mem_after.text()}",
+        f"step-time model vs measured: {rel_errors(est_step, meas_step).text()}"
+        f"{used([c.est_step_s for c in ran], meas_step)}; refitted here ({how}): {step_after.text()}",
         f"calibration: memory = {cal.memory_offset_gib:.3g} GiB + {cal.memory_scale:.3g} x model, "
         f"step time = {cal.time_scale:.3g} x model",
     ]
@@ -438,7 +444,7 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None, t
     if best is None and model_only:
         best = min((c for c in cands if c.status == NOT_RUN), key=lambda c: c.est_step_s, default=None)
     lines = [""] + summary(recipe, cands, best, model_only)
-    cal, cal_lines = fit_calibration(cands, "cuda" if on_cuda else "cpu")
+    cal, cal_lines = fit_calibration(cands, "cuda" if on_cuda else "cpu", recipe.auto_tune.calibration)
     if cal is not None:
         cal_path = cal.save(out_dir / "calibration.yaml")
         lines += cal_lines + [f"  (use it: auto_tune.calibration={cal_path})"]
