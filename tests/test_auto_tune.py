@@ -264,6 +264,16 @@ def test_nothing_fits_exits_non_zero(tmp_path, capsys):
     assert load_recipe(tmp_path / "cli" / "auto_tune" / "best.yaml", family="llava-ov").action == "run"
 
 
+def test_trials_refuse_what_cannot_start(tmp_path):
+    """Checked once before the first trial: a multi-node recipe, and the checks of action: run."""
+    from mmdata.errors import UserError
+
+    with pytest.raises(UserError, match="this node only"):
+        at.check_trials_can_start(_tiny(tmp_path, "parallel.nnodes=2"), LLAVA_OV)
+    with pytest.raises(UserError, match="data.paths"):
+        at.check_trials_can_start(_tiny(tmp_path, f"data.paths=[{tmp_path / 'missing'}]"), LLAVA_OV)
+
+
 @pytest.mark.parametrize("bad", ["auto_tune.memory_fraction=1.5", "auto_tune.tp=[0]", "auto_tune.device_tflops=0",
                                  "auto_tune.min_memory_fraction=0.95", "auto_tune.trial_steps=2",
                                  "auto_tune.max_minutes=0", "parallel.recompute_num_layers=-1"])

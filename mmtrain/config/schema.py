@@ -152,8 +152,8 @@ class AutoTuneConfig:
     trial_steps: int = 6  # optimizer steps per trial
     warmup_steps: int = 2  # first steps of a trial left out of its tokens/s
     trial_timeout_s: float = 600.0  # a trial still running after this is killed (status timeout)
-    # history pruning: skip a layout when the model, scaled to the trials so far, predicts it at
-    # least this much slower than the best measured one
+    # history pruning: skip a layout when even its best case (the model scaled by the smallest
+    # measured/modelled ratio so far) is this much slower than the best measured one
     slow_margin: float = 0.1
     # per-machine calibration (written by a search as <run_dir>/auto_tune/calibration.yaml):
     # scales the model's memory and step time in dry_run and auto_tune

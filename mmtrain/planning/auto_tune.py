@@ -421,6 +421,11 @@ def check_trials_can_start(recipe: Recipe, spec: FamilySpec) -> None:
     from mmtrain.config import load_recipe_dict
     from mmtrain.runtime.preflight import preflight
 
+    from mmdata.errors import UserError
+
+    if recipe.parallel.nnodes > 1:
+        raise UserError(f"auto_tune trials run on this node only, but parallel.nnodes={recipe.parallel.nnodes}: "
+                        "tune on one node (parallel.nnodes=1) or rank with the model alone (auto_tune.max_trials=0)")
     as_run = dataclasses.replace(recipe, action="run")
     load_recipe_dict(recipe_to_dict(as_run), family=recipe.family, source="the trial recipe (action: run)")
     preflight(as_run, spec)
