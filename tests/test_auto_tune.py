@@ -245,6 +245,19 @@ def test_failures_are_classified_from_the_trial_log(tmp_path):
     crash = measure(tmp_path, r, 1, False, 3.0, 60)
     assert crash.status == "crash" and crash.reason == "ValueError: bad shape"
     assert measure(tmp_path, r, -9, True, 60.0, 60).status == "timeout"
+    # a success: medians over the steps after the warm-up (a stalled step does not decide),
+    # and every rank's peak memory growth
+    import json
+
+    steps = [(1, 9.0), (2, 9.0), (3, 1.0), (4, 30.0), (5, 1.2), (6, 0.8)]  # r.auto_tune.warmup_steps == 2
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens": 4096, "step_time_s": t}) + "\n"
+                                                    for s, t in steps[: r.auto_tune.trial_steps]))
+    (tmp_path / "memory").mkdir()
+    for rank, grown in ((0, 0.25), (1, 0.5)):
+        (tmp_path / "memory" / f"rank{rank:05d}.json").write_text(json.dumps({"grown_gib": grown}))
+    ok = measure(tmp_path, r, 0, False, 20.0, 60)
+    assert ok.status == "ran" and ok.step_time_s == pytest.approx(1.1) and ok.tokens_per_s == pytest.approx((4096 / 1.2 + 4096 / 1.0) / 2)
+    assert ok.peak_mem_gib == [0.25, 0.5] and ok.max_peak_gib == 0.5
 
 
 def test_nothing_fits_exits_non_zero(tmp_path, capsys):

@@ -4,8 +4,8 @@ The trial is the recipe itself with the layout applied, `train.iters = auto_tune
 checkpoints, no evaluation, its own run_dir, started through the same launcher as
 `mmtrain FAMILY RECIPE` (torchrun workers on `mmtrain.runtime.worker`, on this node) in its own
 process group, and killed with that group when it passes its time limit. Measured:
-tokens/s and step time over the steps after `auto_tune.warmup_steps` (from the trial's
-metrics.jsonl), and every rank's peak memory (`<trial>/memory/rank*.json`, written by the
+tokens/s and step time, the medians over the steps after `auto_tune.warmup_steps` (from the
+trial's metrics.jsonl), and every rank's peak memory (`<trial>/memory/rank*.json`, written by the
 trainer). A failure is classified (oom, timeout, crash) with the line that says why; it never
 raises.
 """
@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -120,13 +121,15 @@ def measure(run_dir: Path, trial: Recipe, rc: int, timed_out: bool, wall_s: floa
     if rc != 0:
         oom = OOM_PATTERNS.search(log_text) or rc in (-signal.SIGKILL, 128 + signal.SIGKILL)
         return TrialResult("oom" if oom else "crash", failure_line(log_text, rc), peak_mem_gib=mem, wall_s=wall_s)
-    records = [r for r in read_metrics(run_dir) if r["step"] > trial.auto_tune.warmup_steps]
-    time_s = sum(float(r.get("step_time_s") or 0) for r in records)
-    if not records or time_s <= 0:
+    steps = [(int(r.get("tokens") or 0), float(r.get("step_time_s") or 0))
+             for r in read_metrics(run_dir) if r["step"] > trial.auto_tune.warmup_steps]
+    steps = [(n, t) for n, t in steps if t > 0]
+    if not steps:
         return TrialResult("crash", f"exited 0 but logged no step after the {trial.auto_tune.warmup_steps} "
                                     "warm-up steps", peak_mem_gib=mem, wall_s=wall_s)
-    tokens = sum(int(r.get("tokens") or 0) for r in records)
-    return TrialResult("ran", "", tokens / time_s, time_s / len(records), mem, wall_s)
+    # medians: one step stalled by another job on a shared machine does not decide the ranking
+    return TrialResult("ran", "", statistics.median(n / t for n, t in steps), statistics.median(t for _, t in steps),
+                       mem, wall_s)
 
 
 def rank_peaks(run_dir: Path) -> list[float]:
