@@ -221,6 +221,17 @@ def test_budget_stops_the_search_and_best_yaml_is_the_best_measured(tmp_path):
     assert (res.csv_path.parent / "calibration.yaml").exists()
 
 
+def test_minutes_budget_stops_the_search(tmp_path, monkeypatch):
+    """A clock that advances 4 minutes per reading: auto_tune.max_minutes=10 allows 2 trials."""
+    clock = iter(range(0, 10**6, 240))
+    monkeypatch.setattr(at, "_now", lambda: float(next(clock)))
+    sim = Simulated()
+    res = at.run_auto_tune(_tiny(tmp_path, "auto_tune.max_minutes=10", "auto_tune.slow_margin=100"), LLAVA_OV,
+                           out=io.StringIO(), trial_fn=sim, on_cuda=False)
+    assert len(sim.ran) == 2
+    assert all("max_minutes=10 spent" in c.reason for c in res.candidates if c.status == at.NOT_RUN)
+
+
 def test_rerun_reuses_finished_trials(tmp_path):
     r = _tiny(tmp_path, "auto_tune.max_trials=3", "auto_tune.slow_margin=100")
     first = Simulated()

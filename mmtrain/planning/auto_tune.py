@@ -67,6 +67,7 @@ from mmtrain.spec import FamilySpec
 
 OUT_DIR = "auto_tune"
 PRUNED_MEMORY, PRUNED_HISTORY, RAN, FAILED, NOT_RUN = "pruned_memory", "pruned_history", "ran", "failed", "not_run"
+_now = time.monotonic  # the search's clock (max_minutes); tests move it
 #: (recipe for one layout, its trial run_dir, time limit in s) -> measurement; tests pass a simulator
 TrialFn = Callable[[Recipe, Path, float], TrialResult]
 
@@ -241,7 +242,7 @@ def search(recipe: Recipe, spec: FamilySpec, trial_fn: TrialFn = run_trial, on_c
         if c.key in earlier:
             _record(c, earlier[c.key], reused=True)
             done.append(c)
-    start, trials = time.monotonic(), 0
+    start, trials = _now(), 0
     for c in order:
         if c.status:
             continue
@@ -256,7 +257,7 @@ def search(recipe: Recipe, spec: FamilySpec, trial_fn: TrialFn = run_trial, on_c
                     f"model predicts at best {predicted:.3g} s/step, > {best.trial.step_time_s:.3g} s of "
                     f"{best.key} + {a.slow_margin:.0%}")
                 continue
-        left_s = a.max_minutes * 60 - (time.monotonic() - start)
+        left_s = a.max_minutes * 60 - (_now() - start)
         if trials >= a.max_trials or left_s <= 0:
             c.status = NOT_RUN
             c.reason = (f"budget: auto_tune.max_trials={a.max_trials} spent" if trials >= a.max_trials
