@@ -323,7 +323,8 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 
 
 def layout_text(L: Layout) -> str:
-    return (f"tp {L.tp}, pp {L.pp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}, "
+    some = f" (the first {L.recompute_num_layers} layers of each stage)" if L.recompute_num_layers else ""
+    return (f"tp {L.tp}, pp {L.pp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
             f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
             f"{'on' if L.distributed_optimizer else 'off'}")
 
@@ -383,7 +384,8 @@ def summary(recipe: Recipe, cands: list[Candidate], best: Candidate | None, mode
             lines.append(f"speedup over the recipe's own layout ({base.key}, {base.trial.tokens_per_s:,.0f} tokens/s): "
                          f"{best.trial.tokens_per_s / base.trial.tokens_per_s:.2f}x")
         else:
-            lines.append(f"speedup over the recipe's own layout: n/a ({base.status + ': ' + base.reason if base else 'not in the search space'})")
+            why = f"{base.status}: {base.reason}" if base else "not in the search space"
+            lines.append(f"speedup over the recipe's own layout: n/a ({why})")
     elif best is not None:
         lines.append(f"best (modelled): {layout_text(best.layout)}: ~{best.est_mem_gib:.3g} GiB/rank, "
                      f"~{best.est_step_s:.3g} s/step")
@@ -413,7 +415,8 @@ def table(cands: list[Candidate], top: int) -> str:
                      f"{c.est_step_s:.3g}", f"{t.step_time_s:.3g}" if ran else "-",
                      f"{t.tokens_per_s:,.0f}" if ran else "-"])
     widths = [max(len(r[i]) for r in [TABLE, *rows]) for i in range(len(TABLE))]
-    return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [TABLE, *rows])
+    lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [TABLE, *rows]]
+    return "\n".join(lines + ["(* the recipe's own layout; est = the model, calibrated when auto_tune.calibration is set)"])
 
 
 def check_trials_can_start(recipe: Recipe, spec: FamilySpec) -> None:
