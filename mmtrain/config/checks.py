@@ -16,6 +16,7 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     _sizes(r, errors)
     _optimizer(r, errors)
     _layout(r, errors)
+    _recompute(r, errors)
     _auto_tune(r, errors)
     _parts(r, spec, errors)
     if r.action == "run":
@@ -90,6 +91,15 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
                    f"(dp = world {world} / (tp {p.tp} * pp {p.pp}))", layout + [("train", "micro_batch_size")])
 
 
+def _recompute(r: Recipe, errors: RecipeErrors) -> None:
+    p = r.parallel
+    if p.recompute_num_layers < 0:
+        errors.add(("parallel", "recompute_num_layers"), f"must be >= 0, got {p.recompute_num_layers}")
+    elif p.recompute_num_layers and p.recompute != "full":
+        errors.add(("parallel", "recompute_num_layers"), f"a number of recomputed layers needs parallel.recompute="
+                   f"full, got {p.recompute!r}", [("parallel", "recompute")])
+
+
 def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
     a = r.auto_tune
     for name in ("device_memory_gb", "device_tflops", "tp_bandwidth_gbps", "dp_bandwidth_gbps", "top"):
@@ -103,6 +113,20 @@ def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
     for name in ("tp", "pp", "micro_batch_size"):
         if any(x <= 0 for x in getattr(a, name)):
             errors.add(("auto_tune", name), f"candidates must be > 0, got {getattr(a, name)}")
+    if not 0 <= a.min_memory_fraction < a.memory_fraction:
+        errors.add(("auto_tune", "min_memory_fraction"), f"must be in [0, auto_tune.memory_fraction="
+                   f"{a.memory_fraction}), got {a.min_memory_fraction}", [("auto_tune", "memory_fraction")])
+    for name in ("max_trials", "warmup_steps"):
+        if getattr(a, name) < 0:
+            errors.add(("auto_tune", name), f"must be >= 0, got {getattr(a, name)}")
+    for name in ("max_minutes", "trial_timeout_s"):
+        if getattr(a, name) <= 0:
+            errors.add(("auto_tune", name), f"must be > 0, got {getattr(a, name)}")
+    if a.trial_steps <= a.warmup_steps:
+        errors.add(("auto_tune", "trial_steps"), f"must be > auto_tune.warmup_steps={a.warmup_steps} (tokens/s "
+                   f"is measured after the warm-up), got {a.trial_steps}", [("auto_tune", "warmup_steps")])
+    if a.slow_margin < 0:
+        errors.add(("auto_tune", "slow_margin"), f"must be >= 0, got {a.slow_margin}")
 
 
 def _parts(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:

@@ -88,6 +88,9 @@ class ParallelConfig:
     master_port: int = 29500
     sequence_parallel: bool = False
     recompute: Recompute = "none"
+    # with recompute full: 0 = every layer; N = only the first N layers of each pipeline stage
+    # (megatron's block method: less recompute, more memory)
+    recompute_num_layers: int = 0
     precision: Precision = "fp32"
     distributed_optimizer: bool = True
     backend: Backend = "auto"
@@ -107,6 +110,7 @@ class CheckpointConfig:
     interval: int = 1000  # save every N steps (and at the end); 0 = only at the end
     keep_last: int = 2  # 0 = keep all
     load: str | None = field(default=None, metadata=PATH)  # checkpoint dir (or HF dir) to start from
+    save: bool = True  # false: write no checkpoint at all (auto-tune trials, throughput runs)
     # take only the model weights from `load` (fresh optimizer, schedule, step, data), as a new
     # training stage does; a run that has its own checkpoints in run_dir always resumes them
     weights_only: bool = False
@@ -120,9 +124,10 @@ class LoggingConfig:
 
 @dataclass
 class AutoTuneConfig:
-    """Search space and device model for `action: auto_tune` (mmtrain/planning/auto_tune.py).
+    """Search space, device model and trial budget for `action: auto_tune`
+    (mmtrain/planning/auto_tune.py; the dimensions: mmtrain/planning/search_space.py).
 
-    Empty candidate lists mean "every valid value"."""
+    Empty candidate lists mean "auto": every valid value for the world size and the model."""
 
     device_memory_gb: float = 80.0
     memory_fraction: float = 0.9  # usable share of device memory (allocator, fragmentation)
@@ -135,6 +140,24 @@ class AutoTuneConfig:
     pp: list[int] = field(default_factory=list)
     micro_batch_size: list[int] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
+    recompute_num_layers: list[int] = field(default_factory=list)  # auto: 0 (all), 1/4 and 1/2 of the layers
+    sequence_parallel: list[bool] = field(default_factory=list)  # auto: both where tp > 1
+    # auto: both on CUDA where dp > 1; the recipe's value on CPU (the substitute does not shard)
+    distributed_optimizer: list[bool] = field(default_factory=list)
+    # the utilisation band's lower edge: layouts whose estimate uses less than this share of
+    # device_memory_gb are pruned as wasteful (FlagScale: 0.2); 0 keeps them
+    min_memory_fraction: float = 0.0
+    max_trials: int = 8  # trial runs of the real job; 0 = rank with the cost model only
+    max_minutes: float = 60.0  # wall-clock budget of the whole search
+    trial_steps: int = 6  # optimizer steps per trial
+    warmup_steps: int = 2  # first steps of a trial left out of its tokens/s
+    trial_timeout_s: float = 600.0  # a trial still running after this is killed (status timeout)
+    # history pruning: skip a layout when even its best case (the model scaled by the smallest
+    # measured/modelled ratio so far) is this much slower than the best measured one
+    slow_margin: float = 0.1
+    # per-machine calibration (written by a search as <run_dir>/auto_tune/calibration.yaml):
+    # scales the model's memory and step time in dry_run and auto_tune
+    calibration: str | None = field(default=None, metadata=PATH)
     top: int = 10  # rows in the printed table
     # share of LLM positions that are media features; sizes the encoder activations in dry_run
     # and auto_tune (1.0 = worst case, every position a media feature)

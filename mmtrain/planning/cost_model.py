@@ -188,6 +188,7 @@ class Layout:
     sequence_parallel: bool
     distributed_optimizer: bool
     precision: str
+    recompute_num_layers: int = 0  # with full recompute: 0 = every layer, N = the first N of each stage
 
     @property
     def world(self) -> int:
@@ -201,7 +202,14 @@ class Layout:
     def from_recipe(cls, recipe: Any) -> "Layout":
         p, t = recipe.parallel, recipe.train
         return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
-                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision)
+                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision,
+                   recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0)
+
+    def recomputed_layers(self, stage_layers: int) -> int:
+        """Decoder layers of a stage whose activations are recomputed (full recompute)."""
+        if self.recompute != "full":
+            return 0
+        return min(self.recompute_num_layers, stage_layers) if self.recompute_num_layers else stage_layers
 
     def with_(self, **kw: Any) -> "Layout":
         return replace(self, **kw)
@@ -288,7 +296,8 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
             acts = per_layer  # forward only: one layer's working set
         elif L.recompute == "full":
             layer_input = d.hidden / (L.tp if L.sequence_parallel else 1) * tokens * ab
-            acts = n_layers * layer_input * in_flight(stage) + per_layer
+            n_rc = L.recomputed_layers(n_layers)  # the rest keep their activations
+            acts = (n_rc * layer_input + (n_layers - n_rc) * per_layer) * in_flight(stage) + per_layer
         else:
             acts = n_layers * per_layer * in_flight(stage)
         logits = tokens * d.padded_vocab(L.tp) / L.tp * (ab + 4) if last else 0.0  # logits + fp32 softmax
@@ -372,7 +381,9 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
     upstream_trains = any(trains[p] for p in shapes.upstream_parts)
     dec_bwd = 2.0 if trains[shapes.decoder_part] else (1.0 if upstream_trains else 0.0)
     enc_bwd = 2.0 if shapes.encoder is not None and trains[shapes.encoder_part] else 0.0
-    recompute_fwd = {"full": 1.0, "selective": 0.0, "none": 0.0}[L.recompute]
+    layers_per_stage = shapes.decoder.layers / L.pp
+    recompute_fwd = {"full": L.recomputed_layers(round(layers_per_stage)) / layers_per_stage,
+                     "selective": 0.0, "none": 0.0}[L.recompute]
     attn_share = (2 * shapes.decoder.heads * shapes.decoder.kv_channels * L.seq_length * shapes.decoder.layers) / max(dec, 1)
     if L.recompute == "selective":
         recompute_fwd = attn_share
@@ -387,7 +398,8 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
     tp_comm = 0.0
     if L.tp > 1:
         msg = L.micro_batch_size * L.seq_length * d.hidden * ab
-        per_layer = 4 + (2 if L.recompute == "full" else 0)  # 2 fwd + 2 bwd all-reduce(-equivalents)
+        # 2 fwd + 2 bwd all-reduce(-equivalents), and the recomputed forward's 2
+        per_layer = 4 + (2 * recompute_fwd if L.recompute == "full" else 0)
         n = per_layer * d.layers / L.pp * L.grad_accum
         tp_comm = n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
     dp_comm = 0.0

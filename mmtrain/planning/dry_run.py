@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
+from mmdata.units import plural
+from mmtrain.planning.calibration import Calibration
 from mmtrain.planning.cost_model import (
     GB,
     Hardware,
@@ -60,6 +62,11 @@ def build_report(recipe: Recipe, spec: FamilySpec) -> DryRunReport:
     step = estimate_step_time(shapes, recipe.freeze, layout, Hardware.from_auto_tune(at), frac)
     report = DryRunReport(params, mem, mem_plain, by_rc, step, layout, at.device_memory_gb, "")
     report.text = format_report(recipe, report, shapes.decoder.tied)
+    if at.calibration:
+        cal = Calibration.load(at.calibration)
+        report.text += (f"\ncalibrated for {cal.host or 'this machine'} ({at.calibration}, fitted on "
+                        f"{plural(cal.trials, 'trial')}): memory {fmt_gb(cal.memory_bytes(mem.total))} per rank, "
+                        f"step time {cal.step_s(step.total_s):.3g} s")
     return report
 
 

@@ -13,7 +13,9 @@ The recipe is validated (every problem at once, each naming its key) and the ove
                  the workers are started here with torchrun (run the same command on every node
                  with its parallel.node_rank=K); a world of one trains in this process.
   dry_run      - print parameter counts and the per-rank memory estimate (nothing is built)
-  auto_tune    - search parallel layouts with the cost model; exits 1 when no layout fits
+  auto_tune    - search parallel layouts: prune with the cost model, run short trials of the real
+                 job on the survivors, write run_dir/auto_tune/{history.csv,best.yaml};
+                 exits 1 when no layout fits or none ran (--launch: then train best.yaml)
   print_config - print the resolved recipe (as --print-config) and exit
 
 Exit status: 0 done, 2 a problem with the recipe or what it points at (one message, nothing
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved recipe (stage, overrides and defaults applied) and exit; "
                              "the same as action=print_config")
+    parser.add_argument("--launch", action="store_true",
+                        help="with action=auto_tune: train the best layout (run_dir/auto_tune/best.yaml) right "
+                             "after the search")
 
 
 def run(args: argparse.Namespace, family: str) -> int:
@@ -69,7 +74,13 @@ def run(args: argparse.Namespace, family: str) -> int:
     if recipe.action == "auto_tune":
         from mmtrain.planning.auto_tune import run_auto_tune
 
-        return run_auto_tune(recipe, spec).exit_code  # prints the table and the best layout
+        result = run_auto_tune(recipe, spec)  # prints the summary and the best layout
+        if result.exit_code or not getattr(args, "launch", False):
+            return result.exit_code
+        recipe = load_recipe(result.recipe_path, family=family)
+        log.info("--launch: training the best layout, %s", result.recipe_path)
+    elif getattr(args, "launch", False):
+        raise UserError("--launch goes with action=auto_tune (it trains the layout the search found best)")
 
     from mmtrain.runtime.distributed import env_rank_world
     from mmtrain.runtime.preflight import preflight
@@ -84,10 +95,10 @@ def run(args: argparse.Namespace, family: str) -> int:
     return spawn_workers(recipe, resolved)
 
 
-def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:
-    """Start this node's workers with torchrun on the resolved recipe; return their exit code."""
+def torchrun_command(recipe: Recipe, resolved_recipe: Path) -> list[str]:
+    """The torchrun command line that starts this node's workers (also auto-tune's trials)."""
     p = recipe.parallel
-    cmd = [
+    return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc_per_node={p.nproc_per_node}",
         f"--nnodes={p.nnodes}",
@@ -96,6 +107,12 @@ def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:
         f"--master_port={p.master_port}",
         "-m", "mmtrain.runtime.worker", str(resolved_recipe),
     ]  # fmt: skip
+
+
+def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:
+    """Start this node's workers with torchrun on the resolved recipe; return their exit code."""
+    p = recipe.parallel
+    cmd = torchrun_command(recipe, resolved_recipe)
     log.info("launching %d worker(s) on this node: %s", p.nproc_per_node, " ".join(cmd))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -159,8 +176,10 @@ def announce(recipe: Recipe, config: Path) -> None:
     c = recipe.checkpoint
     every = f"every {c.interval} steps and at the end" if c.interval > 0 else "at the end"
     keep = f", keeping the last {c.keep_last}" if c.keep_last > 0 else ""
-    log.info("run_dir %s: metrics %s, checkpoints %s/ (%s%s), resolved recipe %s", run_dir, run_dir / METRICS_FILE,
-             run_dir / "checkpoints", every, keep, config.resolve())
+    checkpoints = f"checkpoints {run_dir / 'checkpoints'}/ ({every}{keep})" if c.save else \
+        "no checkpoints (checkpoint.save: false)"
+    log.info("run_dir %s: metrics %s, %s, resolved recipe %s", run_dir, run_dir / METRICS_FILE, checkpoints,
+             config.resolve())
 
 
 def setup_logging(rank: int | None = None, verbose: bool = True, verbose_third_party: bool | None = None) -> None:

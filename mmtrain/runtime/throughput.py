@@ -51,3 +51,49 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     import psutil
 
     return {"mem_rss_gib": psutil.Process().memory_info().rss / gib}
+
+
+#: per-rank peak memory files under run_dir (auto-tune trials read them; one small JSON per rank)
+RANK_MEMORY_DIR = "memory"
+
+
+class PeakMemory:
+    """This rank's peak memory over the run, against what the process held before the model
+    was built, written to `<run_dir>/memory/rank<N>.json` after every step.
+
+    CUDA: `max_memory_allocated` (read every step before `memory_stats` resets it) against the
+    allocation at set-up (about 0). CPU: the process's peak RSS (`ru_maxrss`) against its RSS at
+    set-up (interpreter, torch, megatron, process groups). `grown_gib` = peak - base is what the
+    cost model's per-rank estimate describes (weights, gradients, optimizer states, activations)."""
+
+    def __init__(self, device: torch.device, run_dir: "os.PathLike", rank: int) -> None:
+        self.device = device
+        self.path = os.path.join(run_dir, RANK_MEMORY_DIR, f"rank{rank:05d}.json")
+        self.rank = rank
+        self.base = self._current()
+        self.peak = self.base
+
+    def _current(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) / float(1 << 30)
+        import psutil
+
+        return psutil.Process().memory_info().rss / float(1 << 30)
+
+    def _peak_now(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / float(1 << 30)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / float(1 << 30)  # KiB on Linux
+
+    def record(self, step: int) -> None:
+        import json
+
+        self.peak = max(self.peak, self._peak_now())
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"rank": self.rank, "step": step, "device": self.device.type, "base_gib": self.base,
+                       "peak_gib": self.peak, "grown_gib": self.peak - self.base}, f)
+        os.replace(tmp, self.path)

@@ -48,7 +48,7 @@ from mmtrain.runtime.evaluation import EvalResult, eval_due, isolated_from_train
 from mmtrain.runtime.loss import lm_loss_sums, per_sample_loss_sums
 from mmtrain.runtime.lr_schedule import LRSchedule
 from mmtrain.runtime.optimizer import ModelParts, apply_freeze, build_optimizer
-from mmtrain.runtime.throughput import device_peak_flops, memory_stats, mfu
+from mmtrain.runtime.throughput import PeakMemory, device_peak_flops, memory_stats, mfu
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
 
@@ -101,6 +101,7 @@ class Trainer:
         from megatron.core.utils import get_model_config
 
         recipe, ctx, spec = self.recipe, self.ctx, self.spec
+        self.peak_memory = PeakMemory(ctx.device, Path(recipe.run_dir), ctx.rank)  # before the model exists
         # refuse a checkpoint of another architecture before building anything
         start = self.checkpoints.starting_point(recipe.checkpoint.load, recipe.checkpoint.weights_only,
                                                 recipe.model, spec.architecture_keys)
@@ -166,9 +167,12 @@ class Trainer:
         """What the model builder needs to know about parallelism/memory (sizes come from
         megatron's parallel_state)."""
         recompute = self.ctx.recompute
+        some_layers = self.recipe.parallel.recompute_num_layers  # 0: every layer (uniform, one at a time)
         return ParallelOptions(
             sequence_parallel=self.ctx.sequence_parallel,
             recompute_granularity=None if recompute == "none" else recompute,
+            recompute_method="block" if some_layers else "uniform",
+            recompute_num_layers=some_layers or 1,
             params_dtype=self.ctx.params_dtype_name,
         )
 
@@ -347,10 +351,11 @@ class Trainer:
             if eval_due(result.step, recipe.train.eval_interval):
                 result.evaluation = self.evaluate()
             results.append(result)
+            self.peak_memory.record(result.step)  # before _log's memory_stats resets CUDA peaks
             self._log(result)
-            if interval > 0 and result.step % interval == 0:
+            if interval > 0 and result.step % interval == 0 and recipe.checkpoint.save:
                 self.save()
-        if self._last_saved_step != self.state.step:
+        if self._last_saved_step != self.state.step and recipe.checkpoint.save:
             self.save()
         if self.metrics is not None:
             self.metrics.close()
