@@ -29,7 +29,8 @@ def test_candidates_are_valid_layouts_and_ranked(tmp_path):
     budget = r.auto_tune.device_memory_gb * GB * r.auto_tune.memory_fraction
     for c in cands:
         L = c.layout
-        assert L.tp * L.pp * L.dp == 8 and r.model.llm.num_layers % L.pp == 0
+        assert L.tp * L.pp * L.cp * L.dp == 8 and r.model.llm.num_layers % L.pp == 0
+        assert L.seq_length % (2 * L.cp * (L.tp if L.sequence_parallel else 1)) == 0
         assert r.model.llm.num_query_groups % L.tp == 0 and L.global_batch_size % (L.micro_batch_size * L.dp) == 0
         assert c.fits == (c.memory.total <= budget)
         assert L.sequence_parallel == (L.tp > 1)
@@ -39,11 +40,16 @@ def test_candidates_are_valid_layouts_and_ranked(tmp_path):
     assert times == sorted(times)
     assert {c.layout.recompute for c in cands} == {"none", "selective", "full"}
     assert {c.layout.tp for c in cands} == {1, 2}  # 12 heads / 2 KV groups: tp 4, 8 impossible
+    assert {c.layout.cp for c in cands} == {1, 2, 4, 8}
+    # context parallelism divides the per-rank activations (same tp/pp/mbs, no recompute)
+    by_cp = {c.layout.cp: c for c in cands if (c.layout.tp, c.layout.pp, c.layout.micro_batch_size,
+                                                c.layout.recompute) == (1, 1, 1, "none")}
+    assert by_cp[2].memory.activations == pytest.approx(by_cp[1].memory.activations / 2)
 
 
 def test_recompute_trades_memory_for_time(tmp_path):
     by_key = {(c.layout.tp, c.layout.pp, c.layout.micro_batch_size, c.layout.recompute): c
-              for c in evaluate(_recipe(tmp_path), LLAVA_OV)}
+              for c in evaluate(_recipe(tmp_path, "auto_tune.cp=[1]"), LLAVA_OV)}
     none, full = by_key[(1, 1, 2, "none")], by_key[(1, 1, 2, "full")]
     assert full.memory.total < none.memory.total
     assert full.step.total_s > none.step.total_s
@@ -69,8 +75,8 @@ def test_run_writes_best_recipe_that_validates(tmp_path):
     again = load_recipe(res.recipe_path, family="llava-ov")
     assert again == res.best_recipe and again.action == "run"
     L = res.best.layout
-    assert (again.parallel.tp, again.parallel.pp, again.train.micro_batch_size, again.parallel.recompute) == (
-        L.tp, L.pp, L.micro_batch_size, L.recompute)
+    assert (again.parallel.tp, again.parallel.pp, again.parallel.cp, again.train.micro_batch_size,
+            again.parallel.recompute) == (L.tp, L.pp, L.cp, L.micro_batch_size, L.recompute)
     assert len(res.csv_path.read_text().splitlines()) == len(res.candidates) + 1
 
 

@@ -135,7 +135,7 @@ def test_reference_run_trains_logs_and_checkpoints(ref_run):
     assert not list((ckpts / ".staging").glob("iter_*"))  # nothing half-written left
     last = ckpts / "iter_0000006"
     state = json.loads((last / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["layout"] == {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+    assert state["step"] == 6 and state["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "world_size": 1}
     for sub in ("model/metadata.json", "optimizer/metadata.json", "rng/rank_00000.pt", "config.yaml"):
         assert (last / sub).exists(), sub
     assert json.loads((last / "loader" / "loader_dp00000_of00001.json").read_text())
@@ -178,7 +178,7 @@ def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, token
         assert pp2[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
         assert pp2[step]["sample_ids"] == ref[step]["sample_ids"]
     state = json.loads((run / "checkpoints" / "iter_0000006" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 1, "pp": 2, "dp": 1, "world_size": 2}
+    assert state["layout"] == {"tp": 1, "pp": 2, "cp": 1, "dp": 1, "world_size": 2}
 
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, shards_dir, tokenizer_dir):

@@ -5,11 +5,17 @@ vocabulary, and megatron's TP tags for models built without random init.
 Packed sequences run in megatron's THD layout: the [B, S] batch is flattened to one [B*S] stream
 and `cu_seqlens` (one segment per packed sample / padding run) drives both RoPE (positions
 restart per segment) and attention (no attention across segments), as TE/flash-attn do on GPU.
+With context parallelism each rank runs its share of that stream (`context_parallel.py`).
+
+The loss (`DecoderLM`, when labels are given): by default the memory-lean blocked output
+projection + cross-entropy of `lm_loss.py` (or a fused GPU kernel), never the full-vocabulary
+logits; `parallel.lm_loss: plain` keeps megatron's own output layer + vocab-parallel cross
+entropy (the reference the lean loss is tested against).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -20,7 +26,66 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.layer_specs import transformer_layer_spec
 from mmtrain.models.lm_config import LLMConfig
+from mmtrain.models.lm_loss import DEFAULT_BLOCK_MB, fused_kernel, linear_cross_entropy
 from mmtrain.models.norm import TorchNorm
+
+
+class DecoderLM(GPTModel):
+    """megatron's `GPTModel` whose loss never materialises the full-vocabulary logits.
+
+    `forward(..., labels=[b, s])` returns the per-token loss `[b, s]` (fp32; 0 where the label
+    is < 0, e.g. IGNORE_INDEX) over the true vocabulary `true_vocab`; without labels it returns
+    logits exactly as `GPTModel` does. The weights, their names and everything else are
+    `GPTModel`'s."""
+
+    def __init__(self, *args: Any, true_vocab: int, loss_impl: str = "chunked",
+                 loss_block_mb: int = DEFAULT_BLOCK_MB, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.true_vocab = true_vocab
+        self.loss_impl = loss_impl
+        self.loss_block_mb = loss_block_mb
+
+    def _postprocess(self, hidden_states: torch.Tensor, **kw: Any) -> torch.Tensor:
+        labels = kw.get("labels")
+        if labels is None or not self.post_process or self.config.mtp_num_layers:
+            return super()._postprocess(hidden_states=hidden_states, **kw)
+        if self.loss_impl == "plain":
+            loss = self._plain_loss(hidden_states, labels, kw)
+        else:
+            loss = self._lean_loss(hidden_states, labels)
+        return loss * (labels >= 0)
+
+    def _plain_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, kw: dict) -> torch.Tensor:
+        """megatron's output layer + vocab-parallel cross entropy (full logits)."""
+        target = labels.clamp(min=0)
+        if self.vocab_size == self.true_vocab:
+            return super()._postprocess(hidden_states=hidden_states, **{**kw, "labels": target})
+        logits = super()._postprocess(hidden_states=hidden_states, **{**kw, "labels": None, "runtime_gather_output": False})
+        return vocab_parallel_loss(logits, target, self.true_vocab)
+
+    def _lean_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Blocked (or fused) output projection + cross entropy: [s, b, h] -> [b, s] losses."""
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if self.config.sequence_parallel and tp > 1:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states, True, group=tp_group)
+        elif tp > 1:
+            hidden_states = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else self.output_layer.weight
+        hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.size(-1))  # [b*s, h], labels' order
+        flat_labels = labels.reshape(-1)
+        if self.loss_impl == "fused":
+            kernel = fused_kernel(hidden.dtype)
+            if kernel is None or tp > 1:
+                raise RuntimeError("parallel.lm_loss=fused needs a working fused kernel and TP = 1")
+            loss = kernel[1](hidden, weight[: self.true_vocab], flat_labels).float()
+        else:
+            loss = linear_cross_entropy(
+                hidden, weight, flat_labels, vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.size(0),
+                true_vocab=self.true_vocab, block_mb=self.loss_block_mb, group=tp_group if tp > 1 else None,
+            )
+        return loss.view(labels.shape)
 
 
 def build_language_model(
@@ -32,14 +97,17 @@ def build_language_model(
     post_process: bool = True,
     vp_stage: Optional[int] = None,
     parallel_output: bool = True,
-) -> GPTModel:
+    loss_impl: str = "chunked",
+    loss_block_mb: int = DEFAULT_BLOCK_MB,
+) -> DecoderLM:
     """The decoder as a megatron `GPTModel` (`vocab_size`: the padded table size)."""
     block = TransformerBlockSubmodules(
-        layer_specs=[transformer_layer_spec(causal=True)] * get_num_layers_to_build(lm_config, vp_stage=vp_stage),
+        layer_specs=[transformer_layer_spec(causal=True, context_parallel=lm_config.context_parallel_size > 1)]
+        * get_num_layers_to_build(lm_config, vp_stage=vp_stage),
         layer_norm=TorchNorm,
     )
     theta = llm.rope_theta
-    return GPTModel(
+    return DecoderLM(
         config=lm_config,
         transformer_layer_spec=block,
         vocab_size=vocab_size,
@@ -53,6 +121,9 @@ def build_language_model(
         rotary_base=int(theta) if float(theta).is_integer() else theta,
         scatter_embedding_sequence_parallel=False,
         vp_stage=vp_stage,
+        true_vocab=llm.vocab_size,
+        loss_impl=loss_impl,
+        loss_block_mb=loss_block_mb,
     )
 
 

@@ -1,8 +1,9 @@
-"""`action: auto_tune`: a model-based search over (tp, pp, micro_batch_size, recompute).
+"""`action: auto_tune`: a model-based search over (tp, pp, cp, micro_batch_size, recompute).
 
 For the recipe's world size (`parallel.nproc_per_node * parallel.nnodes`), every layout that
 megatron accepts (tp within a node and dividing the attention heads / KV groups, pp dividing
-the layers, the global batch divisible by micro x dp) is scored with the analytical memory and
+the layers, cp splitting the sequence into 2*cp chunks, the global batch divisible by micro x
+dp) is scored with the analytical memory and
 step-time model of mmtrain/planning/cost_model.py against `auto_tune.device_memory_gb *
 auto_tune.memory_fraction`. Layouts that fit are ranked by modelled step time (compute incl.
 recompute, 1F1B pipeline bubble, TP all-reduces, DP gradient reduction). Sequence parallelism
@@ -26,6 +27,7 @@ from typing import TextIO
 
 from mmtrain.planning.cost_model import (
     GB,
+    sequence_split_multiple,
     Hardware,
     Layout,
     MemoryEstimate,
@@ -92,16 +94,19 @@ def search_space(recipe: Recipe, shapes: ModelShapes) -> list[Layout]:
         for pp in pps:
             if world % (tp * pp) or shapes.decoder.layers % pp:
                 continue
-            dp = world // (tp * pp)
-            if t.global_batch_size % dp:
-                continue
-            per_dp = t.global_batch_size // dp
-            for mbs in a.micro_batch_size or [m for m in _divisors(per_dp) if m <= 64]:
-                if per_dp % mbs:
+            for cp in a.cp or _divisors(world // (tp * pp)):
+                if world % (tp * pp * cp) or t.seq_length % sequence_split_multiple(cp, tp, tp > 1):
                     continue
-                for rc in a.recompute or RECOMPUTE_MODES:
-                    layouts.append(base.with_(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=rc,
-                                              sequence_parallel=tp > 1))
+                dp = world // (tp * pp * cp)
+                if t.global_batch_size % dp:
+                    continue
+                per_dp = t.global_batch_size // dp
+                for mbs in a.micro_batch_size or [m for m in _divisors(per_dp) if m <= 64]:
+                    if per_dp % mbs:
+                        continue
+                    for rc in a.recompute or RECOMPUTE_MODES:
+                        layouts.append(base.with_(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=mbs, recompute=rc,
+                                                  sequence_parallel=tp > 1))
     return layouts
 
 
@@ -121,7 +126,7 @@ def evaluate(recipe: Recipe, spec: FamilySpec) -> list[Candidate]:
 
 def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
     L = c.layout
-    parallel = dataclasses.replace(recipe.parallel, tp=L.tp, pp=L.pp, recompute=L.recompute,
+    parallel = dataclasses.replace(recipe.parallel, tp=L.tp, pp=L.pp, cp=L.cp, recompute=L.recompute,
                                    sequence_parallel=L.sequence_parallel)
     train = dataclasses.replace(recipe.train, micro_batch_size=L.micro_batch_size)
     return dataclasses.replace(recipe, action="run", parallel=parallel, train=train)
@@ -129,12 +134,12 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 
 def _row(rank: int, c: Candidate, tflops: float) -> list[str]:
     L, s = c.layout, c.step
-    return [str(rank), str(L.tp), str(L.pp), str(L.dp), str(L.micro_batch_size), L.recompute,
+    return [str(rank), str(L.tp), str(L.pp), str(L.cp), str(L.dp), str(L.micro_batch_size), L.recompute,
             f"{c.memory.total / GB:.1f}", f"{s.total_s:.2f}", f"{c.tokens_per_s_per_device():,.0f}",
             f"{c.mfu(tflops):.0%}", "yes" if c.fits else "no"]
 
 
-HEADER = ["rank", "tp", "pp", "dp", "mbs", "recompute", "mem_gb", "step_s", "tok/s/dev", "mfu", "fits"]
+HEADER = ["rank", "tp", "pp", "cp", "dp", "mbs", "recompute", "mem_gb", "step_s", "tok/s/dev", "mfu", "fits"]
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -152,10 +157,10 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -
     csv_path = run_dir / "auto_tune.csv"
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(HEADER[:6] + ["sequence_parallel", "mem_gb", "step_s", "tokens_per_s_per_device", "mfu", "fits"])
+        w.writerow(HEADER[:7] + ["sequence_parallel", "mem_gb", "step_s", "tokens_per_s_per_device", "mfu", "fits"])
         for i, c in enumerate(cands, 1):
             L = c.layout
-            w.writerow([i, L.tp, L.pp, L.dp, L.micro_batch_size, L.recompute, L.sequence_parallel,
+            w.writerow([i, L.tp, L.pp, L.cp, L.dp, L.micro_batch_size, L.recompute, L.sequence_parallel,
                         round(c.memory.total / GB, 3), round(c.step.total_s, 4),
                         round(c.tokens_per_s_per_device(), 1), round(c.mfu(a.device_tflops), 4), c.fits])
     fitting = [c for c in cands if c.fits]
@@ -176,7 +181,7 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -
         chosen = best_recipe(recipe, best)
         recipe_path = save_resolved(chosen, run_dir / "auto_tune.yaml")
         L = best.layout
-        lines.append(f"best: tp {L.tp}, pp {L.pp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute "
+        lines.append(f"best: tp {L.tp}, pp {L.pp}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute "
                      f"{L.recompute}, sequence parallel {'on' if L.sequence_parallel else 'off'}: "
                      f"~{best.memory.total / GB:.1f} GB/rank, ~{best.step.total_s:.2f} s/step")
         lines.append(f"wrote {recipe_path} (run it: mmtrain {recipe.family} {recipe_path}) and {csv_path}")

@@ -15,6 +15,13 @@ moments per trainable parameter, the 12 B sharded over DP with the distributed o
 4 + 4 + 8. Activations assume flash/SDPA attention (no s x s score matrix is stored), so
 `selective` recompute saves little memory here; `full` keeps one layer input per layer plus one
 layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage.
+
+Context parallelism (`cp`) gives each rank 1/cp of every sequence: activations, the encoder's
+share of media and the loss scale with it; its K/V exchange (TE's p2p ring) is modelled as
+hidden behind the attention compute where that is long enough. The LM loss follows
+`parallel.lm_loss`: `plain` holds the full-vocabulary logits and their fp32 softmax; the
+chunked loss (models/lm_loss.py; also the upper bound for a fused kernel) holds one vocabulary
+block of logits, an fp32 hidden-state gradient and the output layer's weight gradient.
 """
 
 from __future__ import annotations
@@ -166,9 +173,17 @@ def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> Pa
 # ----------------------------------------------------------------------------- layout
 
 
+def sequence_split_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """What `train.seq_length` must be a multiple of for megatron to split it over CP (2*cp
+    chunks) and, with sequence parallelism, each CP share over TP."""
+    if cp <= 1:
+        return 1
+    return 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/mbs/recompute."""
+    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/cp/mbs/recompute."""
 
     tp: int
     pp: int
@@ -180,20 +195,29 @@ class Layout:
     sequence_parallel: bool
     distributed_optimizer: bool
     precision: str
+    cp: int = 1
+    lm_loss: str = "auto"  # parallel.lm_loss; anything but "plain" is estimated as the chunked loss
+    lm_loss_block_mb: int = 256
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def grad_accum(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def tokens_per_rank(self) -> int:
+        """Token positions of one micro-batch that one rank runs (1/cp of each sequence)."""
+        return self.micro_batch_size * self.seq_length // self.cp
+
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
         p, t = recipe.parallel, recipe.train
         return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
-                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision)
+                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision, p.cp, p.lm_loss,
+                   p.lm_loss_block_mb)
 
     def with_(self, **kw: Any) -> "Layout":
         return replace(self, **kw)
@@ -247,7 +271,7 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
     frozen = {k: counts.trainable[k] == 0 for k in counts.parts}
     dec_frozen = frozen[shapes.decoder_part]
     ab = _act_bytes(L.precision)
-    tokens = L.micro_batch_size * L.seq_length
+    tokens = L.tokens_per_rank
     w_bytes, g_bytes, o_bytes = (2, 4, 12) if L.precision == "bf16" else (4, 4, 8)
     o_share = 1 / L.dp if L.distributed_optimizer else 1.0
     in_flight = lambda stage: min(L.pp - stage, L.grad_accum)  # noqa: E731  (1F1B warm-up depth)
@@ -283,7 +307,7 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
             acts = n_layers * layer_input * in_flight(stage) + per_layer
         else:
             acts = n_layers * per_layer * in_flight(stage)
-        logits = tokens * d.padded_vocab(L.tp) / L.tp * (ab + 4) if last else 0.0  # logits + fp32 softmax
+        logits = lm_loss_bytes(d, L, tokens) if last else 0.0
         enc = 0.0
         if first and v is not None:
             media_tokens = tokens * media_token_fraction
@@ -295,6 +319,18 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
             best = est
     assert best is not None
     return best
+
+
+def lm_loss_bytes(d: DecoderShape, L: Layout, tokens: int) -> float:
+    """Transient memory of the LM head + loss on the last stage for `tokens` positions."""
+    local_vocab = d.padded_vocab(L.tp) // L.tp
+    ab = _act_bytes(L.precision)
+    if L.lm_loss == "plain":
+        return tokens * local_vocab * (ab + 4)  # logits + their fp32 softmax / gradient
+    rows = max(128, (L.lm_loss_block_mb * 2**20) // max(1, tokens * 8) // 128 * 128)  # lm_loss.vocab_block_size
+    block = tokens * min(rows, local_vocab) * 8  # fp32 logits block + its low-precision twin
+    hidden = tokens * d.hidden * (4 + ab)  # fp32 grad of the hidden states + their (gathered) copy
+    return block + hidden + local_vocab * d.hidden * ab  # + the output weight's gradient
 
 
 # ----------------------------------------------------------------------------- time
@@ -322,10 +358,11 @@ class StepTime:
     tp_comm_s: float
     dp_comm_s: float
     model_flops: float  # FLOPs per step, all ranks, without recompute (what MFU counts)
+    cp_comm_s: float = 0.0  # the part of the CP K/V exchange not hidden behind attention
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.cp_comm_s
 
     def mfu(self, world: int, device_tflops: float) -> float:
         """Model FLOPs utilisation of `world` devices of `device_tflops` peak each."""
@@ -383,10 +420,27 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
         n = per_layer * d.layers / L.pp * L.grad_accum
         tp_comm = n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
     dp_comm = 0.0
-    if L.dp > 1:
+    replicas = L.dp * L.cp  # gradients are reduced over the data-parallel x CP group
+    if replicas > 1:
         grads = counts.total_trainable / (L.tp * L.pp) * 4
-        dp_comm = 2 * (L.dp - 1) / L.dp * grads / (hw.dp_bandwidth_gbps * 1e9)
-    return StepTime(compute, bubble, tp_comm, dp_comm, useful)
+        dp_comm = 2 * (replicas - 1) / replicas * grads / (hw.dp_bandwidth_gbps * 1e9)
+    return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm_time(shapes, L, hw))
+
+
+def cp_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware) -> float:
+    """Exposed time of the CP K/V ring per step: each layer passes every rank's K/V around the
+    ring (cp-1 steps) in forward, K/V and their gradients in backward (and once more when full
+    recompute reruns the forward), overlapped with that layer's attention compute."""
+    if L.cp <= 1:
+        return 0.0
+    d = shapes.decoder
+    kv_bytes = L.tokens_per_rank * 2 * d.kv_groups * d.kv_channels / L.tp * _act_bytes(L.precision)
+    passes = 3 + (1 if L.recompute == "full" else 0)
+    layers = d.layers / L.pp
+    comm = layers * passes * (L.cp - 1) * kv_bytes / (hw.tp_bandwidth_gbps * 1e9)
+    attn_flops = layers * L.tokens_per_rank * 2 * d.heads * d.kv_channels / L.tp * L.seq_length * passes
+    attn = attn_flops / (hw.device_tflops * 1e12 * hw.matmul_efficiency)
+    return max(0.0, comm - attn) * L.grad_accum
 
 
 def fmt_count(n: float) -> str:

@@ -93,10 +93,15 @@ def train(recipe: Recipe) -> int:
     from mmtrain.config import dump_recipe, save_resolved
     from mmtrain.models.state_dict_adapter import ConversionError
     from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
-    from mmtrain.runtime.distributed import destroy_distributed, init_distributed
+    from mmtrain.runtime.distributed import UnsupportedLayout, destroy_distributed, init_distributed
     from mmtrain.runtime.trainer import Trainer
 
-    ctx = init_distributed(recipe.parallel, seed=recipe.seed)
+    try:
+        ctx = init_distributed(recipe.parallel, seed=recipe.seed)
+    except UnsupportedLayout as err:
+        print(f"mmtrain: {err}", file=sys.stderr)
+        destroy_distributed()
+        return 2
     setup_logging(ctx.rank, verbose=ctx.rank == 0 or ctx.is_logging_rank)
     try:
         if ctx.rank == 0:
@@ -104,7 +109,7 @@ def train(recipe: Recipe) -> int:
         trainer = Trainer(recipe, registry.get_family(recipe.family), ctx, dump_recipe(recipe))
         trainer.setup()
         trainer.fit()
-    except (CheckpointMismatchError, ConversionError) as err:
+    except (CheckpointMismatchError, ConversionError, UnsupportedLayout) as err:
         print(f"mmtrain: {err}", file=sys.stderr)
         return 2
     finally:

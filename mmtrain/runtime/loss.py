@@ -9,6 +9,12 @@ micro-batches and DP ranks - the same number a single process would compute.
 `report` carries what the train loop logs: `lm loss` as `[sum, count]` (megatron's convention),
 and per-sample `[sum, count]` rows aligned with the batch's flattened `sample_ids`, so a loss
 spike can be traced to the samples that caused it.
+
+Context parallelism: every CP rank of a data-parallel rank holds the same batch but computes the
+loss of its own share of the positions (the model's per-token loss is zero elsewhere).
+`loss_mask` restricts the mask to that share, so every count and sum is this rank's part and
+adding them over the CP group (megatron does, for the gradient scale; the train loop does, for
+the logs and the per-sample losses) counts each token exactly once.
 """
 
 from __future__ import annotations
@@ -19,6 +25,20 @@ import torch
 
 if TYPE_CHECKING:
     from mmdata.energon_loaders.batch import PackedBatch
+
+
+def loss_mask(batch: PackedBatch) -> torch.Tensor:
+    """[B, S] bool: the positions whose label takes a loss on this rank: label != IGNORE_INDEX
+    and, under context parallelism, held by this CP rank. Every family's loss function masks
+    with it."""
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    from mmtrain.models.context_parallel import current_layout
+
+    mask = batch.labels != IGNORE_INDEX
+    layout = current_layout(batch.cu_seqlens)
+    if layout.cp > 1:
+        mask = mask & layout.held().view(mask.shape).to(mask.device)
+    return mask
 
 
 def per_sample_loss_sums(
