@@ -300,7 +300,8 @@ def test_aquila_stage_settings():
     assert (m.llm.num_attention_heads, m.llm.num_query_groups, m.llm.vocab_size) == (12, 2, 151936)
     assert m.llm.tie_word_embeddings and m.vision.num_layers == 26 and m.max_tiles == 9
     assert (t.seq_length, t.micro_batch_size, t.global_batch_size) == (12288, 2, 512)
-    assert (p.recompute, p.precision, p.distributed_optimizer, p.nproc_per_node) == ("full", "bf16", True, 8)
+    assert (p.recompute, p.precision, p.distributed_optimizer, p.nproc_per_node) == ("none", "bf16", True, 8)
+    assert (p.cp, p.dp, p.lm_loss) == (2, 4, "auto")  # the long-context layout
 
 
 def test_tiny_recipe_matches_the_demo_tokenizer(tmp_path):

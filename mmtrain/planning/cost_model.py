@@ -253,11 +253,15 @@ def _act_bytes(precision: str) -> int:
 
 
 def decoder_layer_activation_elems(d: DecoderShape, tp: int, sp: bool) -> float:
-    """Elements kept per token by one decoder layer for backward (no recompute)."""
+    """Elements kept per token by one decoder layer of the local spec for backward (no
+    recompute), counted from what autograd saves (tests/test_train_runtime.py measures it)."""
     q, kv = d.heads * d.kv_channels, d.kv_groups * d.kv_channels
     replicated = 4 * d.hidden  # two norm inputs + two norm outputs (split only with SP)
-    sharded = (q + 2 * kv) + q + 2 * d.ffn + d.ffn  # qkv, attention out, fc1 out, SwiGLU out
-    return replicated / (tp if sp else 1) + sharded / tp
+    rope = 4 * d.kv_channels  # cos and sin tables of the q and k rotations, per token
+    # attention: q, k, v and the output kept by the attention kernel, the output the projection
+    # keeps; SwiGLU (unfused): fc1 output (gate + up), silu(gate), the up half, their product
+    sharded = (q + 2 * kv) + 2 * q + 5 * d.ffn
+    return replicated / (tp if sp else 1) + rope + sharded / tp
 
 
 def encoder_layer_activation_elems(v: EncoderShape, tp: int) -> float:
@@ -273,7 +277,7 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
     ab = _act_bytes(L.precision)
     tokens = L.tokens_per_rank
     w_bytes, g_bytes, o_bytes = (2, 4, 12) if L.precision == "bf16" else (4, 4, 8)
-    o_share = 1 / L.dp if L.distributed_optimizer else 1.0
+    o_share = 1 / (L.dp * L.cp) if L.distributed_optimizer else 1.0  # sharded over the DP x CP group
     in_flight = lambda stage: min(L.pp - stage, L.grad_accum)  # noqa: E731  (1F1B warm-up depth)
 
     best: MemoryEstimate | None = None
@@ -300,13 +304,14 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
         # decoder activations; a frozen decoder still back-propagates to the parts feeding it
         needs_backward = not all(frozen.values())
         per_layer = decoder_layer_activation_elems(d, L.tp, L.sequence_parallel) * tokens * ab
+        # + one layer's working set: the forward's live tensors, or a backward step's gradients
         if not needs_backward:
-            acts = per_layer  # forward only: one layer's working set
+            acts = per_layer
         elif L.recompute == "full":
             layer_input = d.hidden / (L.tp if L.sequence_parallel else 1) * tokens * ab
             acts = n_layers * layer_input * in_flight(stage) + per_layer
         else:
-            acts = n_layers * per_layer * in_flight(stage)
+            acts = n_layers * per_layer * in_flight(stage) + per_layer
         logits = lm_loss_bytes(d, L, tokens) if last else 0.0
         enc = 0.0
         if first and v is not None:
@@ -325,10 +330,11 @@ def lm_loss_bytes(d: DecoderShape, L: Layout, tokens: int) -> float:
     """Transient memory of the LM head + loss on the last stage for `tokens` positions."""
     local_vocab = d.padded_vocab(L.tp) // L.tp
     ab = _act_bytes(L.precision)
+    upcast = 4 if ab != 4 else 0  # low-precision logits get an fp32 copy for the softmax
     if L.lm_loss == "plain":
-        return tokens * local_vocab * (ab + 4)  # logits + their fp32 softmax / gradient
+        return tokens * local_vocab * (4 + upcast)  # fp32 logits/softmax (its gradient reuses it)
     rows = max(128, (L.lm_loss_block_mb * 2**20) // max(1, tokens * 8) // 128 * 128)  # lm_loss.vocab_block_size
-    block = tokens * min(rows, local_vocab) * 8  # fp32 logits block + its low-precision twin
+    block = tokens * min(rows, local_vocab) * (4 + (upcast and ab + ab))  # fp32 block (+ matmul out, grad)
     hidden = tokens * d.hidden * (4 + ab)  # fp32 grad of the hidden states + their (gathered) copy
     return block + hidden + local_vocab * d.hidden * ab  # + the output weight's gradient
 

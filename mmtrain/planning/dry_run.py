@@ -91,7 +91,7 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
     m = r.memory
     lines.append(f"memory per rank (estimate; busiest pipeline stage = {m.stage}, {fmt_count(m.params_on_rank)} params on it)")
     rows = [("weights", m.weights), ("gradients", m.grads),
-            (f"optimizer states{' (sharded / dp)' if L.distributed_optimizer and L.dp > 1 else ''}", m.optimizer),
+            (f"optimizer states{' (sharded / dp' + (' x cp)' if L.cp > 1 else ')') if L.distributed_optimizer and L.dp * L.cp > 1 else ''}", m.optimizer),
             (f"activations (recompute {L.recompute})", m.activations),
             ("encoder activations", m.encoder_activations),
             (f"logits + loss ({'full logits' if L.lm_loss == 'plain' else 'chunked'})", m.logits)]
@@ -99,7 +99,7 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
         lines.append(f"  {name:<38}{fmt_gb(b):>12}")
     lines.append(f"  {'total':<38}{fmt_gb(m.total):>12}   "
                  f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GB)")
-    if L.distributed_optimizer and L.dp > 1:
+    if L.distributed_optimizer and L.dp * L.cp > 1:
         lines.append(f"  without the distributed optimizer: {fmt_gb(r.memory_no_distopt.total)}")
     lines.append("  total by recompute mode: " + ", ".join(
         f"{rc} {fmt_gb(m.total)} (activations {fmt_gb(m.activations)})" for rc, m in r.memory_by_recompute.items()))
