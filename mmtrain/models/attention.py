@@ -12,11 +12,12 @@ ever materialised:
 - elsewhere (CPU, fp32): `grouped_varlen_sdpa`. Sequences of (nearly) equal length are stacked
   into one batch and run through ONE causal SDPA call per group (fused flash kernel on CPU),
   right-padded to the group's longest. Right padding is exact under causal attention: pad keys
-  come after every real query (bidirectional attention masks them). One gather in, one gather out, however many sequences: this
-  replaced a per-sequence Python loop whose slicing made the backward pass allocate a full-size
-  gradient per sequence. Measured (benchmarks/bench_long_context.py --varlen): never slower
-  than that loop, 2-4x faster on many short packed samples. FlexAttention with a document mask
-  was the other candidate; torch 2.13 has no FlexAttention backward on CPU.
+  come after every real query (bidirectional attention masks them). One gather in, one gather
+  out, however many sequences: this replaced a per-sequence Python loop whose slicing made the
+  backward pass allocate a full-size gradient per sequence. Measured with
+  benchmarks/bench_varlen_attention.py: 2-4x faster than that loop on many short packed
+  samples, the same within noise elsewhere. FlexAttention with a document mask was the other
+  candidate; torch 2.13 has no FlexAttention backward on CPU.
 """
 
 from __future__ import annotations
