@@ -170,8 +170,12 @@ def gpu_varlen_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torc
                                     softmax_scale=scale, causal=causal)
     varlen_attn = _torch_varlen()
     params = inspect.signature(varlen_attn).parameters
-    kw: dict[str, Any] = {"scale": scale}
-    if "is_causal" in params:  # torch 2.9 - 2.11
+    kw: dict[str, Any] = {}
+    if "scale" in params:
+        kw["scale"] = scale
+    elif abs(scale * math.sqrt(q.size(-1)) - 1.0) > 1e-6:  # older signature: default scale only
+        q = q * (scale * math.sqrt(q.size(-1)))
+    if "is_causal" in params:  # torch 2.10
         kw["is_causal"] = causal
     elif causal:  # torch >= 2.12 spells causal as a (left, right) window
         kw["window_size"] = (-1, 0)
@@ -265,8 +269,10 @@ class SDPACoreAttention(MegatronModule):
              params: PackedSeqParams, causal: bool) -> torch.Tensor:
         """[t, np, hn] packed sequences -> [t, np*hn]."""
         backend = gpu_varlen_backend(query.dtype) if query.is_cuda else None
+        dropout = self._dropout()
+        if backend == "torch" and dropout > 0.0:  # PyTorch's varlen kernel has no dropout
+            backend = None
         if backend is not None:
-            dropout = self._dropout()
             if dropout > 0.0 and not self.config.sequence_parallel:
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     out = gpu_varlen_attention(backend, query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
