@@ -20,17 +20,21 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
 from mmtrain.llava_ov.layout import pack_media_features
 from mmtrain.llava_ov.projector import build_projector, projector_transformer_config
 from mmtrain.llava_ov.vision import SiglipVisionModel, vision_transformer_config
 from mmtrain.models.context_parallel import CPLayout, current_layout
-from mmtrain.models.language_model import build_language_model, restore_tp_attributes
+from mmtrain.models.language_model import (
+    build_language_model,
+    embed_tokens,
+    packed_decoder_forward,
+    restore_tp_attributes,
+)
 from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs, language_transformer_config
 
 
@@ -107,9 +111,8 @@ class LlavaOVModel(MegatronModule):
         """Token embeddings of this rank's share of the stream with the media features spliced
         in, [t_local, 1, h]. Under context parallelism the vision tower runs only on the media
         that have positions on this rank (see `_local_media`)."""
-        ids = batch.input_ids.reshape(-1)  # THD: one stream
-        local_ids = layout.split(ids)
-        emb = self.language_model.embedding(input_ids=local_ids[None], position_ids=None)  # [t, 1, h]
+        emb = embed_tokens(self.language_model, batch, layout)
+        ids = batch.input_ids.reshape(-1)
         is_media = (ids == self.cfg.image_token_id) | (ids == self.cfg.video_token_id)
         n_pos = int(is_media.sum())
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
@@ -124,8 +127,6 @@ class LlavaOVModel(MegatronModule):
                 emb[rows, 0] = feats if feature_rows is None else feats[feature_rows]
         elif n_pos:
             raise ValueError(f"input_ids hold {n_pos} image/video placeholder tokens but the batch has no pixel_values")
-        if self.config.sequence_parallel:
-            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
         return emb
 
     def _local_media(self, batch: LlavaOVBatch, layout: CPLayout, is_media: torch.Tensor
@@ -160,26 +161,6 @@ class LlavaOVModel(MegatronModule):
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: LlavaOVBatch, return_logits: bool = False) -> torch.Tensor:
-        b, s = batch.input_ids.shape
         layout = current_layout(batch.cu_seqlens)  # this CP rank's share (the identity without CP)
-        if return_logits and layout.cp > 1:
-            raise NotImplementedError("return_logits is not available under context parallelism")
         decoder_input = self._decoder_input(batch, layout) if self.pre_process else None
-        labels = None
-        if self.post_process and not return_logits:
-            labels = layout.split(batch.labels.reshape(-1), fill=IGNORE_INDEX)[None]
-        out = self.language_model(
-            input_ids=None,
-            position_ids=None,
-            attention_mask=None,
-            decoder_input=decoder_input,
-            labels=labels,
-            packed_seq_params=layout.packed_seq_params(batch.input_ids.device),
-            runtime_gather_output=True if return_logits else None,
-        )
-        if not self.post_process:
-            return out
-        if return_logits:
-            return out.reshape(b, s, -1)[..., : self.cfg.llm.vocab_size]
-        # per-token loss [B, S]; 0 where IGNORE_INDEX and at positions other CP ranks hold
-        return layout.scatter(out.reshape(-1)).view(b, s)
+        return packed_decoder_forward(self.language_model, batch, layout, decoder_input, return_logits)

@@ -15,19 +15,23 @@ entropy (the reference the lean loss is tested against).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmtrain.models.context_parallel import CPLayout
 from mmtrain.models.layer_specs import transformer_layer_spec
 from mmtrain.models.lm_config import LLMConfig
 from mmtrain.models.lm_loss import DEFAULT_BLOCK_MB, fused_kernel, linear_cross_entropy
 from mmtrain.models.norm import TorchNorm
+
+if TYPE_CHECKING:
+    from mmdata.energon_loaders.batch import PackedBatch
 
 
 class DecoderLM(GPTModel):
@@ -127,13 +131,47 @@ def build_language_model(
     )
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
-    """THD parameters for a packed batch (self-attention: the same segments for q and kv)."""
-    cu = cu_seqlens.to(torch.int32)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-        max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen),
+def embed_tokens(lm: DecoderLM, batch: PackedBatch, layout: CPLayout) -> torch.Tensor:
+    """Token embeddings of this CP rank's share of the batch's stream, [t_local, 1, h] (not yet
+    scattered for sequence parallelism: a family may splice media features in first)."""
+    ids = layout.split(batch.input_ids.reshape(-1))
+    return lm.embedding(input_ids=ids[None], position_ids=None)
+
+
+def packed_decoder_forward(lm: DecoderLM, batch: PackedBatch, layout: CPLayout,
+                           decoder_input: Optional[torch.Tensor] = None, return_logits: bool = False) -> torch.Tensor:
+    """The decoder stage on a packed batch in THD layout, this CP rank's share of it.
+
+    First stage: `decoder_input` is this rank's embedded share ([t_local, 1, h], e.g. with media
+    spliced in; default: the token embeddings); it is scattered for sequence parallelism here.
+    Last stage: the per-token loss `[B, S]` (0 where the label is IGNORE_INDEX and at positions
+    other CP ranks hold), or with `return_logits` the logits `[B, S, vocab]` gathered over TP
+    (no CP). Other stages: the hidden states for the next stage."""
+    b, s = batch.input_ids.shape
+    if return_logits and layout.cp > 1:
+        raise NotImplementedError("return_logits is not available under context parallelism")
+    if lm.pre_process:
+        if decoder_input is None:
+            decoder_input = embed_tokens(lm, batch, layout)
+        if lm.config.sequence_parallel:
+            decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
+    labels = None
+    if lm.post_process and not return_logits:
+        labels = layout.split(batch.labels.reshape(-1), fill=IGNORE_INDEX)[None]
+    out = lm(
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        decoder_input=decoder_input,
+        labels=labels,
+        packed_seq_params=layout.packed_seq_params(batch.input_ids.device),
+        runtime_gather_output=True if return_logits else None,
     )
+    if not lm.post_process:
+        return out
+    if return_logits:
+        return out.reshape(b, s, -1)[..., : lm.true_vocab]
+    return layout.scatter(out.reshape(-1)).view(b, s)
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, true_vocab: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX, PackedBatch
+from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.planning.cost_model import training_flops_per_token
