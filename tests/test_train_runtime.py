@@ -330,13 +330,19 @@ def parity_reference(tmp_path_factory, shards_dir, tokenizer_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2",), ()], ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", [
+    ("parallel.tp=2",), ("parallel.pp=2",), (),
+    ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.cp=2", "parallel.pp=2"),
+    ("parallel.cp=2",),
+], ids=["tp2", "pp2", "dp2", "tp2-sp-cp2", "pp2-cp2", "dp2-cp2"])
 def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer_dir):
     """Same HF weights, same global batches (`data.sharding=replicated`): TP=2, PP=2 and DP=2
-    (2 processes each) reproduce the single-process losses of the first steps."""
+    (2 processes each), and each of them with CP=2 (4 processes: the gradient reduction over the
+    data-parallel x CP group, the loss over the CP group, pipeline shapes of per-rank token
+    counts), reproduce the single-process losses of the first steps."""
     common, ref = parity_reference
     run = tmp_path / "run"
-    train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=2)
+    train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=4 if "parallel.cp=2" in layout else 2)
     got = metrics(run)
     assert sorted(got) == [1, 2, 3]
     for step in (1, 2, 3):
@@ -390,25 +396,6 @@ def test_memory_and_sequence_parallel_options_keep_the_numbers(variant, parity_r
     for step in (1, 2, 3):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.pp=2",), ()],
-                         ids=["tp2-sp-cp2", "pp2-cp2", "dp2-cp2"])
-def test_context_parallel_with_tensor_pipeline_and_data_parallel(layout, parity_reference, tmp_path, shards_dir,
-                                                                 tokenizer_dir):
-    """CP=2 combined with TP=2 (+SP), PP=2 or DP=2 (4 processes) reproduces one process: the
-    gradient reduction over the data-parallel x CP group, the loss over the CP group, megatron's
-    pipeline shapes for per-rank token counts."""
-    common, ref = parity_reference
-    run = tmp_path / "run"
-    train(run, shards_dir, tokenizer_dir, *common, "parallel.cp=2", *layout, nproc=4)
-    got = metrics(run)
-    assert sorted(got) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
-        assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"])
 
 
 @pytest.mark.slow

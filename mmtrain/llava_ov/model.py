@@ -42,8 +42,9 @@ class LlavaOVModel(MegatronModule):
     """One pipeline stage of LLaVA-OV.
 
     `forward(batch)` returns, on the last stage, the per-token loss `[B, S]` (0 where the label is
-    IGNORE_INDEX, and at positions another CP rank holds) or, with `return_logits=True`, logits `[B, S, vocab]` gathered over TP and cut
-    to the true vocabulary; on other stages the hidden states for the next stage.
+    IGNORE_INDEX, and at positions another CP rank holds) or, with `return_logits=True`, logits
+    `[B, S, vocab]` gathered over TP and cut to the true vocabulary; on other stages the hidden
+    states for the next stage (`models.language_model.packed_decoder_forward`).
     """
 
     def __init__(
