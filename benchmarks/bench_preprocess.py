@@ -1,31 +1,37 @@
-"""Benchmark `mmdata preprocess` against a plain single-process baseline on the same input.
+"""Benchmark `mmdata preprocess` against what a user would otherwise write, on the same input.
 
-Baseline: read every record of the Infinity-MM tars in input order and write it with
-`webdataset.ShardWriter` (no validation, no shuffle, no manifest). Ours: the full Ray job
-(full image decode check, seeded global shuffle, energon metadata, manifest), run as a
-subprocess so its driver's peak RSS can be measured, in two settings:
+Three sides, each run as its own subprocess on the same Infinity-MM tars (synthetic, realistic
+layout):
 
-- cold: the job starts (and stops) its own private local Ray instance, as `mmdata preprocess`
-  does by default. This is the headline figure: it includes Ray start-up and shutdown.
-- warm: a Ray instance (same CPU cap) is already running and the job joins it with
-  `--address`, the normal production case on a cluster. Ray start-up is then not paid.
+- ShardWriter: one process reads every record of the tars in input order and writes it with
+  `webdataset.ShardWriter` (no validation, no shuffle, no manifest).
+- Ray Data: the pipeline Ray's docs suggest for a shuffled WebDataset copy:
+  `ray.data.read_webdataset(paths, decoder=None)` -> `random_shuffle(seed=0)` ->
+  `write_webdataset(out, encoder=None)`, no validation; plus the one `map` a real run needs:
+  samples whose member sets differ (`{stem}.jpg` here, `{stem}.png` there, a second image) come
+  back with NaN for the members they lack, which `write_webdataset` rejects, so the map keeps
+  the bytes/str fields only.
+- ours: the full job (full decode check of every image, seeded global shuffle, energon index,
+  length index, manifest), starting its own private Ray (`--num-cpus`).
 
-Both are timed by the job itself (`wall_time_s` in the manifest: from the start of
-run_preprocess to the manifest, Ray start/connect, shutdown/disconnect and the energon index
-included) and end to end (`e2e`: the whole subprocess, interpreter start-up and imports
-included). Repeated at N and 4N: the driver's peak RSS must stay flat (within 20%) because rows
-and media never pass through the driver. From the two sizes, t = fixed + n / rate gives each
-side's marginal throughput and fixed start-up cost, and the size where the job overtakes the
-baseline end to end; `--scale-copies K` measures that directly on K copies of the 4N input.
-It also times Ray alone (start or connect, one empty task per CPU, stop): no Ray job can finish
-sooner, so the baseline's time over that floor is the best ratio any Ray job could reach at N.
+Timed end to end (the subprocess's wall time: interpreter start-up, imports, Ray start and stop
+included: what a user waits for) and by the side itself (ours: the manifest's `wall_time_s`).
+Sizes N and 4N (default N = 12,000, so 48,000 at the largest; `--quick`: 1,000 and 4,000, one
+run each); each measurement is the median of `--repeats` runs. From N and 4N, t = fixed + n /
+rate gives each side's marginal throughput and fixed cost. The drivers' peak RSS (ours and Ray
+Data's; the baseline's whole process) is printed for both sizes: ours must stay flat (within
+20 %) because rows and media never pass through its driver (tests/test_preprocess_scaling.py
+asserts it). At 4N ours also runs with `--dedup phash` and with `--no-length-index`, giving the
+cost of near-duplicate removal and of the length index as a share of the job. Ray alone (start,
+one empty task per CPU, stop) is timed too: no Ray job can finish sooner.
 
-    .venv/bin/python benchmarks/bench_preprocess.py [--num-samples 4000] [--num-cpus 2]
-        [--repeats 3] [--scale-copies 6]
+    .venv/bin/python benchmarks/bench_preprocess.py [--num-samples 12000] [--num-cpus 2]
+        [--repeats 1] [--quick] [--warm] [--scale-copies K] [--workdir DIR]
 
-Ends with BENCH lines `BENCH <name> baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>`:
-`preprocess` (cold job, largest size), `preprocess_warm` (warm job, largest size) and
-`preprocess_throughput` (marginal rates, fixed start-up costs excluded).
+Ends with `BENCH <name> baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>` lines:
+`preprocess` (ours vs ShardWriter, end to end, largest size), `preprocess_vs_ray_data` (ours vs
+Ray Data, end to end, largest size), `preprocess_throughput` (marginal end-to-end rates, ours vs
+ShardWriter) and, with `--warm`, `preprocess_warm` (ours joining a running Ray, largest size).
 """
 
 from __future__ import annotations
@@ -33,41 +39,92 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-import webdataset as wds
-
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
-DRIVER = r"""
-import json, resource, sys
+CHUNK = 1000  # records per generated input part: the N input is a prefix of the 4N one
+
+OURS = r"""
+import resource, sys
 from mmdata.preprocess.cli import main
 rc = main(sys.argv[1:])
 print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
 sys.exit(rc)
 """
 
+SHARDWRITER = r"""
+import resource, sys, tarfile, time
+from pathlib import Path
+import webdataset as wds
+
+t0 = time.perf_counter()
+raw, out, per_shard = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+out.mkdir(parents=True, exist_ok=True)
+n = 0
+with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+    for tar_path in sorted(raw.rglob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            sample = {}
+            for info in tar:
+                if not info.isfile():
+                    continue
+                key, _, ext = info.name.partition(".")
+                if sample and sample["__key__"] != f"{tar_path.stem}_{key}":
+                    sink.write(sample)
+                    n += 1
+                    sample = {}
+                sample["__key__"] = f"{tar_path.stem}_{key}"
+                sample[ext] = tar.extractfile(info).read()
+            if sample:
+                sink.write(sample)
+                n += 1
+print(f"SAMPLES={n}\nT={time.perf_counter() - t0:.3f}")
+print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
+"""
+
+RAY_DATA = r"""
+import resource, sys, tarfile, time
+from pathlib import Path
+
+t0 = time.perf_counter()
+import ray
+
+raw, out, num_cpus = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=True,
+         logging_level="warning")
+ray.data.DataContext.get_current().enable_progress_bars = False
+paths = sorted(str(p) for p in raw.rglob("*.tar"))
+ds = ray.data.read_webdataset(paths, decoder=None)
+ds = ds.random_shuffle(seed=0)
+# Samples with other member sets come back with NaN for the members they lack: keep the bytes.
+ds = ds.map(lambda r: {k: v for k, v in r.items() if isinstance(v, (bytes, str))})
+ds.write_webdataset(out, encoder=None)
+ray.shutdown()
+t = time.perf_counter() - t0
+n = 0
+for p in Path(out).glob("*.tar"):
+    with tarfile.open(p) as tar:
+        n += sum(1 for m in tar if m.name.endswith(".json"))
+print(f"SAMPLES={n}\nT={t:.3f}")
+print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
+"""
 
 # Ray's own fixed cost, with nothing to do: start (or join) as the job does, run one empty task
-# per CPU (so every worker process starts), stop. No job can finish faster, so base_t / floor is
-# the highest ratio any Ray job can reach at that size.
+# per CPU (so every worker process starts), stop. No job can finish faster.
 RAY_FLOOR = r"""
 import sys, time
 import ray
-from mmdata.preprocess.job import PreprocessConfig, _init_ray
+from mmdata.ray_job import init_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
 
-cfg = PreprocessConfig(dataset="infinity-mm", inputs=[], output="", num_cpus=int(sys.argv[1]),
-                       address=sys.argv[2] if len(sys.argv) > 2 else None)
-own = _init_ray(cfg)
+own = init_ray(sys.argv[2] if len(sys.argv) > 2 else None, int(sys.argv[1]))
 
 @ray.remote(num_cpus=1)
 def nothing():
@@ -88,87 +145,44 @@ def _ray_env() -> dict[str, str]:
     return env
 
 
-def ray_floor(num_cpus: int, address: str | None = None) -> float:
-    """Seconds Ray alone takes (start or connect, one empty task per CPU, stop), imports excluded."""
-    proc = subprocess.run([sys.executable, "-c", RAY_FLOOR, str(num_cpus), *([address] if address else [])],
-                          capture_output=True, text=True, env=_ray_env())
-    if proc.returncode != 0:
-        raise SystemExit(f"Ray floor measurement failed:\n{proc.stdout}\n{proc.stderr}")
-    return float(next(l for l in proc.stdout.splitlines() if l.startswith("FLOOR_S=")).split("=")[1])
-
-
-def make_input(root: Path, n: int, seed: int) -> Path:
-    raw = root / f"raw_{n}"
-    # Generated in chunks so the generator itself never holds 4N images.
-    chunk = 1000
-    for start in range(0, n, chunk):
-        recs = generate_records(min(chunk, n - start), seed=seed + start)
-        write_infinity_mm(recs, raw / f"part{start // chunk:04d}", samples_per_tar=250)
-    return raw
-
-
-def baseline(raw: Path, out: Path, samples_per_shard: int) -> tuple[int, float]:
-    """Plain single-process copy in input order with webdataset.ShardWriter."""
-    out.mkdir(parents=True, exist_ok=True)
+def _run(script: str, *args: str) -> tuple[dict[str, float], float, str]:
+    """Run a side's script; (its KEY=value lines, end-to-end seconds, stdout)."""
     t0 = time.perf_counter()
-    n = 0
-    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=samples_per_shard, verbose=0) as sink:
-        for tar_path in sorted(raw.rglob("*.tar")):
-            with tarfile.open(tar_path) as tar:
-                sample: dict = {}
-                for info in tar:
-                    if not info.isfile():
-                        continue
-                    key, _, ext = info.name.partition(".")
-                    if sample and sample["__key__"] != f"{tar_path.stem}_{key}":
-                        sink.write(sample)
-                        n += 1
-                        sample = {}
-                    sample["__key__"] = f"{tar_path.stem}_{key}"
-                    sample[ext] = tar.extractfile(info).read()
-                if sample:
-                    sink.write(sample)
-                    n += 1
-    return n, time.perf_counter() - t0
-
-
-def ours(raw: Path, out: Path, samples_per_shard: int, num_cpus: int,
-         address: str | None = None) -> tuple[dict, float, int]:
-    args = ["--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "0",
-            "--samples-per-shard", str(samples_per_shard), "--num-cpus", str(num_cpus), "--no-progress"]
-    env = _ray_env()
-    if address:
-        args += ["--address", address]
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=_ray_env())
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"mmdata preprocess failed:\n{proc.stdout}\n{proc.stderr}")
-    rss_kb = int(next(l for l in proc.stdout.splitlines() if l.startswith("PEAK_RSS_KB=")).split("=")[1])
-    manifest = json.loads((out / "manifest.json").read_text())
-    return manifest, wall, rss_kb
+        raise SystemExit(f"{script.strip().splitlines()[0]} ... {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    values = {}
+    for line in proc.stdout.splitlines():
+        key, eq, value = line.partition("=")
+        if eq and key.isupper():
+            values[key] = float(value)
+    return values, wall, proc.stdout
 
 
-def _start_warm_ray(num_cpus: int) -> str:
-    """A private local Ray instance owned by this process (stopped by ray.shutdown(), which only
-    ends the processes it started); jobs join it with --address."""
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 << 20,
-             log_to_driver=False, configure_logging=True, logging_level="warning")
-    return ray.get_runtime_context().gcs_address
+def ray_floor(num_cpus: int, address: str | None = None) -> float:
+    """Seconds Ray alone takes (start or connect, one empty task per CPU, stop), imports excluded."""
+    return _run(RAY_FLOOR, str(num_cpus), *([address] if address else []))[0]["FLOOR_S"]
 
 
-def _phases(m: dict) -> str:
-    return ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in m["run"]["phases"].items()) + \
-        f" (input files scanned by the driver itself while Ray and its workers started: {m['run'].get('scanned_in_driver', 0)})"
-
-
-def _median_run(fn, repeats: int):
-    """The run with the median wall time of `repeats` runs (machines here are shared and noisy)."""
-    runs = sorted((fn() for _ in range(repeats)), key=lambda r: r["t"])
-    return runs[len(runs) // 2]
+def make_input(root: Path, n_max: int, sizes: list[int], seed: int) -> dict[int, Path]:
+    """Inputs for each size: parts of CHUNK records generated once for the largest size; a
+    smaller size hard-links the tars of its first parts (so N is a prefix of 4N)."""
+    parts = root / "parts"
+    for start in range(0, n_max, CHUNK):
+        recs = generate_records(min(CHUNK, n_max - start), seed=seed + start)
+        write_infinity_mm(recs, parts / f"part{start // CHUNK:04d}", samples_per_tar=250)
+    out = {}
+    for n in sizes:
+        d = root / f"raw_{n}"
+        d.mkdir()
+        for k in range(n // CHUNK):
+            for tar in (parts / f"part{k:04d}").rglob("*.tar"):
+                link = d / tar.relative_to(parts)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.link(tar, link)
+        out[n] = d
+    return out
 
 
 def _scaled_input(root: Path, src: Path, copies: int) -> Path:
@@ -176,8 +190,14 @@ def _scaled_input(root: Path, src: Path, copies: int) -> Path:
     job (ids are file path + member), so all of them are validated, shuffled and written again."""
     big = root / f"raw_x{copies}"
     for c in range(copies):
-        shutil.copytree(src, big / f"copy{c:02d}")
+        shutil.copytree(src, big / f"copy{c:02d}", symlinks=False)
     return big
+
+
+def _median_run(fn, repeats: int) -> dict:
+    """The run with the median end-to-end time of `repeats` runs (machines here are shared)."""
+    runs = sorted((fn() for _ in range(repeats)), key=lambda r: r["e2e"])
+    return runs[len(runs) // 2]
 
 
 def _fit(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
@@ -186,96 +206,133 @@ def _fit(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
     return rate, t1 - n1 / rate
 
 
+def _phases(m: dict) -> str:
+    return ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in m["run"]["phases"].items()) + \
+        f" (files scanned by the driver while Ray started: {m['run'].get('scanned_in_driver', 0)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-samples", type=int, default=4000, help="N (the second round uses 4N)")
-    p.add_argument("--scale-copies", type=int, default=0,
-                   help="also run on K copies of the 4N input (K*4N records) to check the end-to-end "
-                        "ratio where Ray's fixed start-up cost is amortised (default 0: skip)")
+    p.add_argument("--num-samples", type=int, default=12000, help=f"N, a multiple of {CHUNK} (the second size is 4N)")
+    p.add_argument("--quick", action="store_true", help="smoke run: N = 1000, one repeat, no warm runs")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement; the median is reported")
     p.add_argument("--num-cpus", type=int, default=2)
-    p.add_argument("--samples-per-shard", type=int, default=500)
+    p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-warm", action="store_true", help="skip the runs against an already started Ray")
+    p.add_argument("--warm", action="store_true", help="also run ours joining an already running Ray (--address)")
+    p.add_argument("--scale-copies", type=int, default=0,
+                   help="also run ours and ShardWriter on K copies of the 4N input (K*4N records)")
     p.add_argument("--workdir", type=Path, default=None, help="where to put data (default: a temp dir, removed)")
     args = p.parse_args(argv)
+    n = 1000 if args.quick else args.num_samples
+    reps = 1 if args.quick else args.repeats
+    if n % CHUNK or n <= 0:
+        p.error(f"--num-samples must be a positive multiple of {CHUNK}")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_preprocess_"))
-    n, reps = args.num_samples, args.repeats
-    rows: list[dict] = []
+    root.mkdir(parents=True, exist_ok=True)
+    spp = str(args.samples_per_shard)
 
-    def run_base(raw: Path, size: int) -> dict:
-        nb, tb = baseline(raw, root / "base", args.samples_per_shard)
+    def base(raw: Path, size: int) -> dict:
+        v, wall, _ = _run(SHARDWRITER, str(raw), str(root / "base"), spp)
         shutil.rmtree(root / "base")
-        assert nb == size, (nb, size)
-        return {"t": tb}
+        assert v["SAMPLES"] == size, (v, size)
+        return {"e2e": wall, "t": v["T"], "rss_mb": v["PEAK_RSS_KB"] / 1024}
 
-    def run_ours(raw: Path, size: int, address: str | None = None) -> dict:
-        m, wall, rss_kb = ours(raw, root / "ours", args.samples_per_shard, args.num_cpus, address=address)
+    def ray_data(raw: Path, size: int) -> dict:
+        v, wall, _ = _run(RAY_DATA, str(raw), str(root / "rd"), str(args.num_cpus))
+        shutil.rmtree(root / "rd")
+        assert v["SAMPLES"] == size, (v, size)
+        return {"e2e": wall, "t": v["T"], "rss_mb": v["PEAK_RSS_KB"] / 1024}
+
+    def ours(raw: Path, size: int, *extra: str) -> dict:
+        v, wall, _ = _run(OURS, "--dataset", "infinity-mm", "--input", str(raw), "--output", str(root / "ours"),
+                          "--seed", "0", "--samples-per-shard", spp, "--num-cpus", str(args.num_cpus), "--no-progress",
+                          *extra)
+        m = json.loads((root / "ours" / "manifest.json").read_text())
         shutil.rmtree(root / "ours")
         assert m["counts"]["read"] == size, m["counts"]
-        return {"t": m["wall_time_s"], "e2e": wall, "rss_mb": rss_kb / 1024, "m": m}
+        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "m": m}
 
+    sides = {"base": ("ShardWriter", base), "rd": ("Ray Data", ray_data), "ours": ("ours", ours)}
+    rows: list[dict] = []
     try:
-        raws = {n: make_input(root, n, args.seed), 4 * n: make_input(root, 4 * n, args.seed)}
-        if args.scale_copies:
-            raws[4 * n * args.scale_copies] = _scaled_input(root, raws[4 * n], args.scale_copies)
-        floors = {"cold": _median_run(lambda: {"t": ray_floor(args.num_cpus)}, reps)["t"]}
+        raws = make_input(root, 4 * n, [n, 4 * n], args.seed)
+        floor = _median_run(lambda: {"e2e": ray_floor(args.num_cpus)}, reps)["e2e"]
         for size, raw in raws.items():
-            rows.append({"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6,
-                         "base": _median_run(lambda: run_base(raw, size), reps),
-                         "cold": _median_run(lambda: run_ours(raw, size), reps)})
-        if not args.no_warm:
+            row = {"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6}
+            for key, (_, fn) in sides.items():
+                row[key] = _median_run(lambda: fn(raw, size), reps)
+            rows.append(row)
+        big = rows[-1]
+        big["dedup"] = _median_run(lambda: ours(raws[4 * n], 4 * n, "--dedup", "phash"), reps)
+        big["nolen"] = _median_run(lambda: ours(raws[4 * n], 4 * n, "--no-length-index"), reps)
+        if args.scale_copies:
+            scaled = _scaled_input(root, raws[4 * n], args.scale_copies)
+            size = 4 * n * args.scale_copies
+            rows.append({"n": size, "mb": sum(f.stat().st_size for f in scaled.rglob("*.tar")) / 1e6,
+                         "base": _median_run(lambda: base(scaled, size), reps),
+                         "ours": _median_run(lambda: ours(scaled, size), reps)})
+        if args.warm and not args.quick:
             import ray
 
-            address = _start_warm_ray(args.num_cpus)
+            ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=True, logging_level="warning")
+            address = ray.get_runtime_context().gcs_address
             try:
-                floors["warm"] = _median_run(lambda: {"t": ray_floor(args.num_cpus, address)}, reps)["t"]
-                for r in rows:
-                    r["warm"] = _median_run(lambda: run_ours(raws[r["n"]], r["n"], address), reps)
-                    assert r["warm"]["m"]["shards"] == r["cold"]["m"]["shards"]  # same bytes either way
+                big["warm"] = _median_run(lambda: ours(raws[4 * n], 4 * n, "--address", address), reps)
             finally:
                 ray.shutdown()
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    modes = ["cold"] + ([] if args.no_warm else ["warm"])
-    print(f"{'N':>7} {'input MB':>9} {'baseline/s':>11} " + "".join(f"{m + '/s':>8} {m + ' e2e/s':>11} {'ratio':>6} " for m in modes)
-          + f"{'driver peak RSS MB':>19}")
+
+    print(f"{'N':>7} {'input MB':>9} " + "".join(f"{label + ' e2e/s':>18} " for label, _ in sides.values())
+          + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MiB ours':>12} {'RSS MiB RD':>10} {'RSS MiB SW':>10}")
     for r in rows:
-        line = f"{r['n']:>7} {r['mb']:>9.1f} {r['n'] / r['base']['t']:>11.0f} "
-        for m in modes:
-            line += f"{r['n'] / r[m]['t']:>8.0f} {r['n'] / r[m]['e2e']:>11.0f} {r['base']['t'] / r[m]['t']:>6.2f} "
-        print(line + f"{r['cold']['rss_mb']:>19.1f}")
+        line = f"{r['n']:>7} {r['mb']:>9.1f} "
+        for key in sides:
+            line += f"{r['n'] / r[key]['e2e']:>18.0f} " if key in r else f"{'—':>18} "
+        line += f"{r['n'] / r['ours']['t']:>11.0f} {r['base']['e2e'] / r['ours']['e2e']:>8.2f} "
+        line += f"{r['rd']['e2e'] / r['ours']['e2e']:>8.2f} " if "rd" in r else f"{'—':>8} "
+        line += f"{r['ours']['rss_mb']:>12.0f} " + (f"{r['rd']['rss_mb']:>10.0f} " if "rd" in r else f"{'—':>10} ")
+        print(line + f"{r['base']['rss_mb']:>10.0f}")
+    print("e2e/s = records / wall time of the whole subprocess (interpreter start-up, imports, Ray start and "
+          "stop included); ours job/s = records / the job's own wall_time_s (imports excluded)")
     for r in rows:
-        for m in modes:
-            print(f"{m} phases at N={r['n']}: {_phases(r[m]['m'])}")
-    # The ceiling: a Ray job can't beat the time Ray alone takes with nothing to do.
-    for m in modes:
-        print(f"{m}: Ray alone (start or connect, one empty task per CPU, stop) takes "
-              f"{floors[m]:.1f}s, so no {m} Ray job can exceed ratio "
-              + ", ".join(f"{r['base']['t'] / floors[m]:.2f} at N={r['n']}" for r in rows))
-    growth = rows[1]["cold"]["rss_mb"] / rows[0]["cold"]["rss_mb"] - 1
-    print(f"driver peak RSS growth N -> 4N (cold): {growth * 100:+.1f}% "
-          f"({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, limit 20%)")
-    print("cold/s, warm/s = records / job wall time (manifest wall_time_s: Ray start or connect, all stages, "
-          "shutdown, energon index); e2e adds interpreter start-up and imports; cold starts a private Ray, "
-          "warm joins one already running (--address)")
-    # Throughput apart from fixed start-up costs: t = fixed + n / rate through N and 4N.
-    fits = {k: _fit(n, rows[0][k]["t"], 4 * n, rows[1][k]["t"]) for k in ["base", *modes]}
-    rb, fb = fits["base"]
-    for m in modes:
-        rate, fixed = fits[m]
-        cross = (fixed - fb) / (1 / rb - 1 / rate) if rate > rb else float("inf")
-        print(f"{m}: marginal {rate:.0f} samples/s vs baseline {rb:.0f} (ratio {rate / rb:.2f}); fixed cost "
-              f"{fixed:.1f}s vs {fb:.1f}s; end-to-end break-even at ~{cross:,.0f} records")
+        print(f"ours phases at N={r['n']}: {_phases(r['ours']['m'])}")
+    print(f"Ray alone (start, one empty task per CPU, stop) takes {floor:.1f}s, so no cold Ray job can exceed "
+          + ", ".join(f"{r['n'] / floor:,.0f} samples/s at N={r['n']}" for r in rows[:2]))
+    small, large = rows[0], rows[1]
+    growth = large["ours"]["rss_mb"] / small["ours"]["rss_mb"] - 1
+    rd_growth = large["rd"]["rss_mb"] / small["rd"]["rss_mb"] - 1
+    print(f"driver peak RSS growth N -> 4N: ours {growth * 100:+.1f}% "
+          f"({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, limit 20%), Ray Data {rd_growth * 100:+.1f}%")
+    fits = {k: _fit(n, small[k]["e2e"], 4 * n, large[k]["e2e"]) for k in sides}
+    for key, (label, _) in sides.items():
+        rate, fixed = fits[key]
+        print(f"{label}: marginal {rate:,.0f} samples/s, fixed {fixed:.1f}s (end to end, fit through N and 4N)")
+    dedup_share = 1 - large["ours"]["t"] / large["dedup"]["t"]
+    len_share = 1 - large["nolen"]["t"] / large["ours"]["t"]
+    print(f"cost at N={4 * n} (job wall time): --dedup phash {large['dedup']['t']:.1f}s vs {large['ours']['t']:.1f}s "
+          f"without ({dedup_share:+.1%} of the dedup job; hashes from the records' phash field: "
+          f"{large['dedup']['m']['curation']['dedup']['phash_images']}); length index: "
+          f"{large['ours']['t']:.1f}s vs {large['nolen']['t']:.1f}s without ({len_share:+.1%} of the job)")
+    if "warm" in large:
+        print(f"ours joining a running Ray (--address) at N={4 * n}: {4 * n / large['warm']['e2e']:,.0f} samples/s "
+              f"end to end, job {4 * n / large['warm']['t']:,.0f}/s")
     last = rows[-1]
-    for m in modes:
-        name = "preprocess" if m == "cold" else f"preprocess_{m}"
-        print(f"BENCH {name} baseline={last['n'] / last['base']['t']:.1f} ours={last['n'] / last[m]['t']:.1f} "
-              f"unit=samples/s ratio={last['base']['t'] / last[m]['t']:.3f}")
-    print(f"BENCH preprocess_throughput baseline={rb:.1f} ours={fits[modes[-1]][0]:.1f} unit=samples/s "
-          f"ratio={fits[modes[-1]][0] / rb:.3f}")
+    print(f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "
+          f"unit=samples/s ratio={last['base']['e2e'] / last['ours']['e2e']:.3f}")
+    print(f"BENCH preprocess_vs_ray_data baseline={large['n'] / large['rd']['e2e']:.1f} "
+          f"ours={large['n'] / large['ours']['e2e']:.1f} unit=samples/s ratio={large['rd']['e2e'] / large['ours']['e2e']:.3f}")
+    print(f"BENCH preprocess_throughput baseline={fits['base'][0]:.1f} ours={fits['ours'][0]:.1f} unit=samples/s "
+          f"ratio={fits['ours'][0] / fits['base'][0]:.3f}")
+    if "warm" in large:
+        print(f"BENCH preprocess_warm baseline={large['n'] / large['base']['e2e']:.1f} "
+              f"ours={large['n'] / large['warm']['e2e']:.1f} unit=samples/s "
+              f"ratio={large['base']['e2e'] / large['warm']['e2e']:.3f}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

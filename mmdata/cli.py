@@ -1,18 +1,38 @@
-"""`mmdata` console script: one subcommand per module, imported lazily so `--help` is fast.
+"""mmdata: multimodal instruction data -> energon-ready shards, and a look inside them.
 
-Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+  mmdata synth ...            a small synthetic dataset in a real on-disk layout
+  mmdata preprocess ...       raw records -> energon-ready shards (Ray job, resumable)
+  mmdata pack-plan DIR ...    a global packing plan from a shard folder's length index
+  mmdata inspect DIR          what a shard folder holds (tables or JSON)
+  mmdata preview DIR ...      one sample as the model sees it
+  mmdata tokenize-images ...  shard images -> Emu3 VQ token shards (Ray job, resumable)
+
+`mmdata COMMAND --help` describes each command and its options; docs/ has the how-tos.
+Exit status: 0 done; 2 an expected problem (a bad option, a missing path, an output folder of
+another job), said in one line before anything is written; 130 interrupted (Ctrl-C: a Ray job
+resumes when rerun); 1 an unexpected error, whose traceback goes to a log file named on stderr
+(--verbose prints it).
 """
+
+# One subcommand per module; each exposes `add_arguments(parser)` and `run(args) -> int`, and
+# the error policy (mmdata/errors.py) is applied here, once.
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+import mmdata
+from mmdata.errors import HintingParser, add_common_options, run_main
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.preprocess.synth", "write a small synthetic dataset in a real on-disk layout"),
     "preprocess": ("mmdata.preprocess.cli", "Ray job: validate, globally shuffle and write energon-ready shards"),
+    "pack-plan": ("mmdata.preprocess.pack_plan", "a deterministic global packing plan from a shards directory's length index"),
     "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
+    "preview": ("mmdata.inspect.preview", "show one sample as the model sees it: images, tiles, chat, tokens, loss"),
     "tiny-tokenizer": (
         "mmdata.energon_loaders.tiny_tokenizer",
         "train the tiny offline Qwen2-style (or --family emu3) tokenizer used by the demo and the tests",
@@ -23,19 +43,23 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmdata", description=__doc__.splitlines()[0])
+    parser = HintingParser(prog="mmdata", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_options(parser, version=mmdata.__version__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
+        add_common_options(p)
         p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time: local paths never reach the hub
     args = build_parser().parse_args(argv)
-    return int(args._module.run(args) or 0)
+    return run_main(f"mmdata {args.command}", args, args._module.run)
 
 
 if __name__ == "__main__":

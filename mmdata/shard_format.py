@@ -24,6 +24,9 @@ JSON_MEMBER = "json"
 SHARD_NAME_TEMPLATE = "shard-{:06d}.tar"
 MANIFEST_NAME = "manifest.json"
 QUARANTINE_NAME = "quarantine.jsonl"
+ENERGON_META = ".nv-meta"  # energon's metadata folder (written last but one, before the manifest)
+# A job's intermediate state; its presence without a manifest means the job has not finished.
+WORK_DIR_NAME = ".mmdata-work"
 # Fixed tar metadata so shards are byte-identical across runs.
 TAR_MTIME = 0
 TAR_UID = 0
@@ -31,6 +34,15 @@ TAR_GID = 0
 TAR_UNAME = ""
 TAR_GNAME = ""
 TAR_MODE = 0o644
+
+
+MODALITIES = ("text_only", "single_image", "multi_image", "video")
+
+
+def modality_of(n_images: int, has_video: bool) -> str:
+    if has_video:
+        return "video"
+    return "text_only" if n_images == 0 else "single_image" if n_images == 1 else "multi_image"
 
 
 def image_member_name(index: int, ext: str) -> str:
@@ -64,4 +76,9 @@ class SampleRecord:
     images: list[str] = field(default_factory=list)  # e.g. ["img00.jpg"]
     video: str | None = None  # e.g. "video.mp4"
     meta: dict[str, Any] = field(default_factory=dict)  # ram++_tags, phash, qw2vl_loss, image sizes ...
-    provenance: dict[str, Any] = field(default_factory=dict)  # dataset, file, member/line, index
+    # Where the record came from: dataset, file, member/line, index; `source_image` /
+    # `source_video`: the record's `image` / `video` field exactly as the source wrote it (in
+    # Infinity-MM an absolute path on the producer's storage, not a member name), when it had
+    # one; `media_resolution`: how its media were found ("by_name", "by_basename", "by_stem",
+    # see preprocess/adapters/media_resolution.py), when it has media.
+    provenance: dict[str, Any] = field(default_factory=dict)

@@ -1,66 +1,124 @@
 """HF <-> megatron checkpoint conversion for every family with an HF counterpart
-(`FamilySpec.hf`; the families are those in mmtrain/registry.py).
+(`FamilySpec.hf`; the families are those in mmtrain/registry.py). See docs/conversion.md.
 
   mmtrain convert hf-to-mcore --model FAMILY --src HF_DIR --dst CKPT_DIR [--tp N --pp N]
-  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gb G]
+  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gib G]
 
 A family may also assemble its first weights from separate HF checkpoints, e.g. llava-ov:
   mmtrain convert hf-to-mcore --model llava-ov --llm QWEN2_DIR --vision SIGLIP_DIR --dst CKPT_DIR
         (stage-1 weights: SigLIP's last layer dropped, projector and image_newline fresh)
+and take the HF parts it does not train from elsewhere on export, e.g. emu3 (whose VQ model a
+converted checkpoint keeps, but a checkpoint trained from scratch lacks):
+  mmtrain convert mcore-to-hf --model emu3 --src CKPT_DIR --dst HF_DIR --vq VQ_DIR --tokenizer TOK_DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
+from collections.abc import Callable
+from pathlib import Path
 
+from mmdata.errors import UserError
 from mmtrain import registry
 
+HF_TO_MCORE = """Convert an HF (transformers) checkpoint into a megatron distributed checkpoint that
+`checkpoint.load` starts from, in any TP/PP layout (megatron checkpoints are reshardable).
 
-def _assembly_flags() -> dict[str, str]:
-    """`--flag` -> help, over every family's assembly sources."""
+  mmtrain convert hf-to-mcore --model FAMILY --src HF_DIR --dst CKPT_DIR [--tp N --pp N]
+"""
+MCORE_TO_HF = """Convert a megatron checkpoint (a run's `checkpoints/` folder, one `iter_*` folder, or the
+output of hf-to-mcore) into an HF (transformers) checkpoint: config, safetensors shards and index.
+
+  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gib G]
+"""
+
+
+def _flags(kind: str) -> dict[str, str]:
+    """`--flag` -> help, over every family's `assemble_from` or `export_from`."""
     flags: dict[str, str] = {}
     for name in registry.convertible_families():
-        for flag, help_text in registry.get_family(name).hf.assemble_from.items():
-            flags.setdefault(flag, f"{help_text} [{name}]")
+        for flag, help_text in getattr(registry.get_family(name).hf, kind).items():
+            flags[flag] = f"{flags[flag]}; {help_text} [{name}]" if flag in flags else f"{help_text} [{name}]"
     return flags
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
-    parser.add_argument("--model", required=True, choices=registry.convertible_families(), help="model family")
-    parser.add_argument("--src", help="HF dir (hf-to-mcore) or megatron checkpoint dir (mcore-to-hf)")
-    parser.add_argument("--dst", required=True)
-    for flag, help_text in _assembly_flags().items():
-        parser.add_argument(f"--{flag}", help=f"hf-to-mcore: assemble from separate checkpoints: {help_text}")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to convert in (checkpoint is reshardable)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout to convert in")
-    parser.add_argument("--max-shard-gb", type=float, default=2.0, help="mcore-to-hf: max safetensors shard size")
+def add_arguments(parser: argparse.ArgumentParser,
+                  add_common: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> None:
+    """One sub-command per direction, each with its own options and help."""
+    raw = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    families = registry.convertible_families()
+
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF checkpoint -> megatron checkpoint", description=HF_TO_MCORE,
+                              formatter_class=raw)
+    to_mcore.add_argument("--model", required=True, choices=families, help="model family")
+    to_mcore.add_argument("--src", metavar="HF_DIR", help="HF checkpoint dir (config.json + *.safetensors)")
+    to_mcore.add_argument("--dst", required=True, metavar="CKPT_DIR", help="megatron checkpoint dir to write")
+    for flag, help_text in _flags("assemble_from").items():
+        to_mcore.add_argument(f"--{flag}", metavar="DIR",
+                              help=f"instead of --src, assemble from separate checkpoints: {help_text}")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to write (default 1)")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout to write (default 1)")
+    to_mcore.set_defaults(run=run)
+    add_common(to_mcore)
+
+    to_hf = sub.add_parser("mcore-to-hf", help="megatron checkpoint -> HF checkpoint", description=MCORE_TO_HF,
+                           formatter_class=raw)
+    to_hf.add_argument("--model", required=True, choices=families, help="model family")
+    to_hf.add_argument("--src", required=True, metavar="CKPT_DIR",
+                       help="megatron checkpoint: a run's checkpoints/ dir, an iter_* dir, or hf-to-mcore's output")
+    to_hf.add_argument("--dst", required=True, metavar="HF_DIR", help="HF checkpoint dir to write")
+    for flag, help_text in _flags("export_from").items():
+        to_hf.add_argument(f"--{flag}", metavar="DIR", help=help_text)
+    to_hf.add_argument("--max-shard-gib", type=float, default=2.0, metavar="G",
+                       help="largest safetensors shard, in GiB (default 2)")
+    to_hf.set_defaults(run=run)
+    add_common(to_hf)
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmtrain.models.state_dict_adapter import ConversionError
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _convert(args)
+    except ConversionError as exc:  # a checkpoint that does not fit the family: told in one line
+        raise UserError(str(exc)) from None
+
+
+def _convert(args: argparse.Namespace) -> int:
     hf = registry.get_family(args.model).hf
-    parts = {flag: getattr(args, flag) for flag in _assembly_flags() if getattr(args, flag) is not None}
     if args.direction == "hf-to-mcore":
+        parts = {flag: getattr(args, flag) for flag in _flags("assemble_from") if getattr(args, flag, None) is not None}
         if bool(parts) == bool(args.src) or (parts and set(parts) != set(hf.assemble_from)):
             both = " ".join(f"--{f} DIR" for f in hf.assemble_from)
-            return _usage_error(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
-                                + (f", or all of {both}" if both else ""))
+            raise UserError(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
+                            + (f", or all of {both}" if both else ""))
+        _check_sources({"--src": args.src} if args.src else {f"--{k}": v for k, v in parts.items()}, args.dst)
         if parts:
             hf.assemble(parts, args.dst, tp=args.tp, pp=args.pp)
         else:
             hf.to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp)
         print(f"wrote megatron checkpoint {args.dst}")
     else:
-        if parts or not args.src:
-            return _usage_error("mcore-to-hf: give --src CKPT_DIR (and no assembly sources)")
-        out = hf.to_hf(args.src, args.dst, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+        extras = {flag: getattr(args, flag) for flag in _flags("export_from") if getattr(args, flag, None) is not None}
+        unknown = sorted(set(extras) - set(hf.export_from))
+        if unknown:
+            raise UserError(f"mcore-to-hf --model {args.model} takes no {' '.join('--' + f for f in unknown)}")
+        _check_sources({"--src": args.src, **{f"--{k}": v for k, v in extras.items()}}, args.dst)
+        if args.max_shard_gib <= 0:
+            raise UserError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+        out = hf.to_hf(args.src, args.dst, max_shard_bytes=int(args.max_shard_gib * 1024**3), **extras)
         print(f"wrote HF checkpoint {out}")
     return 0
 
 
-def _usage_error(message: str) -> int:
-    print(f"mmtrain convert: {message}", file=sys.stderr)
-    return 2
+def _check_sources(sources: dict[str, str], dst: str) -> None:
+    """Every source is an existing local folder and --dst is not a file: before any work."""
+    for flag, path in sources.items():
+        if not Path(path).is_dir():
+            what = "is a file, not a checkpoint folder" if Path(path).exists() else "does not exist"
+            raise UserError(f"{flag} {path} {what}")
+    if Path(dst).exists() and not Path(dst).is_dir():
+        raise UserError(f"--dst {dst} is a file; give a folder to write the checkpoint into")

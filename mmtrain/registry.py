@@ -6,10 +6,11 @@ docs/architecture.md)."""
 from __future__ import annotations
 
 from mmtrain.config.errors import suggest
+from mmtrain.emu3.spec import EMU3
 from mmtrain.llava_ov.spec import LLAVA_OV
 from mmtrain.spec import FamilySpec
 
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (LLAVA_OV,)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (LLAVA_OV, EMU3)}
 
 
 def family_names() -> list[str]:

@@ -33,7 +33,7 @@ class HFConversion:
 
     #: (src HF dir, dst megatron dir, *, tp, pp) -> the model config written with the weights
     to_mcore: Callable[..., Any]
-    #: (src megatron dir, dst HF dir, *, max_shard_bytes) -> the HF dir written
+    #: (src megatron dir, dst HF dir, *, max_shard_bytes, **export_from dirs given) -> the HF dir
     to_hf: Callable[..., Path]
     #: (model chunks of this rank, HF dir, the recipe's model config) -> None; refuses an HF
     #: config that does not match the recipe, naming the key
@@ -43,6 +43,9 @@ class HFConversion:
     assemble_from: dict[str, str] = field(default_factory=dict)
     #: ({flag: dir}, dst megatron dir, *, tp, pp) -> the model config written
     assemble: Optional[Callable[..., Any]] = None
+    #: HF parts an export may take from elsewhere: `--<flag> DIR` -> help text (e.g. a VQ model
+    #: that training does not touch and a checkpoint may not carry); passed to `to_hf` by flag
+    export_from: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,11 @@ class FamilySpec:
     # ---- planning -------------------------------------------------------------------------
     #: (model config) -> the cost model's shape description (dry_run, auto_tune, MFU)
     model_shapes: Callable[[Any], "ModelShapes"]
+
+    #: (recipe, the loaded HF tokenizer of `tokenizer.path`) -> problems, each naming its key;
+    #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the
+    #: model and the tokenizer must agree on. None: nothing family-specific to check
+    check_tokenizer: Optional[Callable[["Recipe", Any], list[str]]] = None
 
     # ---- checkpoints and inference --------------------------------------------------------
     #: HF <-> megatron conversion; None: the family has no HF counterpart

@@ -4,7 +4,9 @@
 `emu3_dev_shards`: 16 records in our shard format covering every path of the tokenizing job
 (RGB/RGBA/L/P images, sizes that are not multiples of 8, multi-image, text-only, undecodable
 bytes, an aspect ratio the processor refuses, a video); `token_dir`: those shards through
-`mmdata tokenize-images` (2 CPUs, 3 samples per chunk). Session-scoped, read-only.
+`mmdata tokenize-images` (2 CPUs, 3 samples per chunk); `demo_token_dir`: the conftest's
+synthetic Infinity-MM shards tokenized the same way (what Emu3 trains on in the tests and the
+demo). Session-scoped, read-only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# transformers' Emu3 chat template (the one Emu3-Chat-hf ships and transformers' processor tests use)
+HF_EMU3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}"
+    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
+    "{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 TEST_IMAGE_AREA = 4096  # 64x64 pixels: ~8x8 grids keep the VQ cheap on CPU
 DEV_SAMPLES_PER_SHARD = 8
 KINDS = ("rgb_jpeg", "rgba_l_pair", "palette", "text_only", "broken", "too_wide", "video", "same_size_pair")
@@ -94,7 +106,7 @@ def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def emu3_tok_dir(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
 
     return build_tiny_emu3_tokenizer(tmp_path_factory.mktemp("emu3_tok") / "tok")
 
@@ -139,18 +151,44 @@ def hf_codes(proc, vq, image: Image.Image) -> np.ndarray:
         return vq.encode(inputs["pixel_values"], inputs["image_sizes"]).image_tokens[0].numpy()
 
 
-def tiny_hf_emu3(tok, vq_dir):
-    """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights."""
+def tiny_hf_emu3(tok, vq_dir, *, layers: int = 1, hidden: int = 32, heads: int = 2, kv_heads: int = 1,
+                 seed: int = 0, noise: float = 0.0, max_positions: int = 2048):
+    """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights;
+    `noise` perturbs every text-model tensor (norms and all) so conversions cannot pass by luck."""
     import torch
     from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     vq = Emu3VQVAE.from_pretrained(vq_dir)
-    text = Emu3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          attention_dropout=0.0)
+    text = Emu3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=max_positions, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, attention_dropout=0.0)
     config = Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
     model = Emu3ForConditionalGeneration(config).eval()
     model.model.vqmodel.load_state_dict(vq.state_dict())
+    if noise:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "vqmodel" not in name:
+                    p.add_(torch.randn_like(p) * noise)
     return model
+
+
+def save_hf_emu3(model, tok_dir: Path, vq_dir: Path, out: Path) -> Path:
+    """An HF Emu3 dir as a hub checkpoint has it: weights, config, tokenizer, image processor."""
+    import shutil
+
+    model.save_pretrained(out)
+    for f in (*tok_dir.iterdir(), vq_dir / "preprocessor_config.json"):
+        shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_token_dir(tmp_path_factory, shards_dir, tiny_vq_dir) -> Path:
+    """The conftest's preprocessed synthetic Infinity-MM shards (the demo's kind of data: captions,
+    multi-turn and multi-image chats, text-only records) through `mmdata tokenize-images`."""
+    out = tmp_path_factory.mktemp("emu3_demo_tokens") / "tokens"
+    run_tokenize_cli(*tokenize_args(shards_dir, tiny_vq_dir, out, "--num-cpus", "2"))
+    return out

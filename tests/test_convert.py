@@ -103,29 +103,40 @@ def test_sharded_export_writes_an_index(converted, tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("tie", [True, False])
-def test_qwen2_alone_parity_and_round_trip(tie):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("arch,tie", [("qwen2", True), ("qwen2", False), ("llama", False)])
+def test_decoder_alone_parity_and_round_trip(arch, tie):
+    """Qwen2ForCausalLM (qkv bias) and LlamaForCausalLM (none) through the shared decoder adapters."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from mmtrain.models.language_model import build_language_model
     from mmtrain.models.lm_config import padded_vocab_size
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
     from mmtrain.models.model_io import iter_canonical, load_canonical
-    from mmtrain.models.state_dict_adapter import Qwen2StateDictAdapter, llm_config_from_hf
+    from mmtrain.models.state_dict_adapter import (
+        LlamaStateDictAdapter,
+        Qwen2StateDictAdapter,
+        llama_config_from_hf,
+        llm_config_from_hf,
+    )
     from mmtrain.runtime.distributed import ensure_model_parallel
 
+    config_cls, model_cls, adapter_cls, to_llm = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, Qwen2StateDictAdapter, llm_config_from_hf),
+        "llama": (LlamaConfig, LlamaForCausalLM, LlamaStateDictAdapter, llama_config_from_hf),
+    }[arch]
     ensure_model_parallel(1, 1)
     torch.manual_seed(2)
-    tc = text_config(tie_word_embeddings=tie, vocab_size=997)  # not a multiple of 8: padded
-    hf = Qwen2ForCausalLM(Qwen2Config(**tc)).eval()
+    tc = text_config(tie_word_embeddings=tie, vocab_size=997, model_type=arch)  # not a multiple of 8: padded
+    hf = model_cls(config_cls(**tc)).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    llm = llm_config_from_hf(hf.config.to_dict())
+    llm = to_llm(hf.config.to_dict())
+    assert llm.qkv_bias == (arch == "qwen2")
     sd = hf.state_dict()
     if tie:
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-    adapter = Qwen2StateDictAdapter(llm)
+    adapter = adapter_cls(llm)
     adapter.check_hf_keys(set(sd))
     gpt = build_language_model(llm, language_transformer_config(llm, "float32", ParallelOptions()),
                                vocab_size=padded_vocab_size(llm.vocab_size, 8)).eval()
@@ -276,12 +287,22 @@ def test_bad_inputs_name_the_tensor_or_key(hf_dir, tmp_path):
 
 @pytest.mark.unit
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
-    """The registry's families are the --model choices; a half-given assembly is one line, exit 2."""
+    """The registry's families are the --model choices; a half-given assembly and a missing source
+    are one line, exit 2, before anything is written."""
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path), "--dst", str(tmp_path / "o")) == 2
     assert "give either --src HF_DIR, or all of --llm DIR --vision DIR" in capsys.readouterr().err
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")) == 2
-    with pytest.raises(SystemExit):
-        _cli("hf-to-mcore", "--model", "emu3", "--src", str(tmp_path), "--dst", str(tmp_path / "o"))
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "o")) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'missing'} does not exist")
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "none"), "--dst", str(tmp_path / "o")) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'none'} does not exist")
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path), "--dst", str(tmp_path / "o"),
+                "--vq", str(tmp_path)) == 2  # an export source of another family
+    assert "mcore-to-hf --model llava-ov takes no --vq" in capsys.readouterr().err
+    for bad in (["mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")],  # --src is required
+                ["hf-to-mcore", "--model", "chameleon", "--src", str(tmp_path), "--dst", str(tmp_path / "o")]):
+        with pytest.raises(SystemExit) as exit_:
+            _cli(*bad)
+        assert exit_.value.code == 2
     assert not (tmp_path / "o").exists()
 
 

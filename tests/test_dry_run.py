@@ -139,3 +139,56 @@ def test_cli_dry_run(capsys):
     assert "memory per rank" in out and "1,945,595,424 parameters" in out
     assert main(["llava-ov", str(AQUILA), "action=dry_run", "parallel.tp=5"]) == 2
     assert "parallel.tp=5" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- emu3
+
+EMU3_TINY, EMU3_8B = RECIPES / "emu3-tiny.yaml", RECIPES / "emu3-8b.yaml"
+
+
+def _hf_emu3_text_numel(llm) -> int:
+    """numel of transformers' Emu3 text model + lm_head (Emu3ForConditionalGeneration without its
+    VQ model) for these sizes, built on the meta device (no memory, any size)."""
+    import torch
+    from transformers import Emu3ForCausalLM, Emu3TextConfig
+
+    from mmtrain.models.state_dict_adapter import hf_llama_text_config
+
+    fields = {k: v for k, v in hf_llama_text_config(llm).items() if k not in ("attention_bias", "mlp_bias")}
+    with torch.device("meta"):
+        model = Emu3ForCausalLM(Emu3TextConfig(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.unit
+def test_emu3_counts_equal_the_built_model_and_hf(megatron_cpu):
+    from mmtrain.emu3.spec import EMU3
+
+    recipe = load_recipe(EMU3_TINY)
+    counts = param_counts(EMU3.model_shapes(recipe.model))
+    built = EMU3.build_model(recipe.model)
+    assert counts.total == sum(p.numel() for p in built.parameters())
+    assert counts.vocab_padding == (1504 - 1503) * 64 * 2  # untied: embedding and output layer rows
+    assert counts.unpadded_total == _hf_emu3_text_numel(recipe.model.llm)
+
+
+@pytest.mark.unit
+def test_emu3_8b_counts_equal_hf_and_the_layout_fits_80gb():
+    from transformers import Emu3TextConfig
+
+    from mmtrain.emu3.spec import EMU3
+
+    recipe = load_recipe(EMU3_8B, ["action=dry_run"])
+    llm = recipe.model.llm
+    published = Emu3TextConfig()  # transformers' defaults are Emu3-8B's (Emu3-Chat-hf)
+    assert (llm.num_layers, llm.hidden_size, llm.ffn_hidden_size, llm.num_attention_heads, llm.num_query_groups,
+            llm.vocab_size, llm.rope_theta, llm.tie_word_embeddings) == (
+        published.num_hidden_layers, published.hidden_size, published.intermediate_size,
+        published.num_attention_heads, published.num_key_value_heads, published.vocab_size,
+        published.rope_parameters["rope_theta"], published.tie_word_embeddings)
+    buf = io.StringIO()
+    report = run_dry_run(recipe, EMU3, out=buf)
+    assert report.params.unpadded_total == _hf_emu3_text_numel(llm) == 8_492_011_520
+    assert f"{report.params.unpadded_total:,} parameters with the true vocabulary" in buf.getvalue()
+    assert report.fits and report.memory.total < 0.9 * 80 * GB
+    assert report.layout.seq_length >= 32768 and report.layout.tp * report.layout.dp == 8

@@ -26,7 +26,7 @@ from tests.conftest import SYNTH_NUM_SAMPLES, SYNTH_SEED
 from tests.inspect_fixtures import broken_dataset  # noqa: F401 - session fixture
 
 JSON_KEYS = {
-    "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine",
+    "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine", "preprocess", "length_index",
     "sampled", "modality", "languages", "turns_per_sample", "images", "image_tokens_per_sample", "tokenizer",
     "text_tokens_per_sample", "loss_tokens_per_sample", "total_tokens_per_sample", "loader_skips", "packing",
 }
@@ -211,7 +211,7 @@ def test_quarantine_reasons_and_counts(broken_dataset):
 def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     out, recs = broken_dataset
     d = json.loads(_inspect_cli(str(out), "--json", "--all", "--tokenizer", str(tokenizer_dir)).stdout)
-    assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/1"
+    assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/2"
     valid = [r for r in recs if not r.broken]
     assert d["samples"] == d["sampled"]["count"] == len(valid)
     assert {k: v["count"] for k, v in d["modality"].items() if v["count"]} == dict(Counter(map(_expected_modality, valid)))
@@ -219,12 +219,15 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
         assert set(d[key]) == DIST_KEYS
     assert d["text_tokens_per_sample"]["count"] == len(valid)
     assert d["quarantine"]["total"] == len(recs) - len(valid)
+    media = d["preprocess"]["media_resolution"]
+    assert sum(media[k] for k in ("by_name", "by_basename", "by_stem")) == sum(1 for r in valid if r.images or r.video)
     from mmdata.cli import main
 
     capsys.readouterr()
     assert main(["inspect", str(out), "--sample", "8"]) == 0
     table = capsys.readouterr().out
-    for word in ("Dataset", "Sources", "Quarantine", "Modality", "single_image", "image_empty", "tiles / image"):
+    for word in ("Dataset", "Sources", "Quarantine", "Media resolution", "by stem", "Modality", "single_image",
+                 "image_empty", "tiles / image"):
         assert word in table, word
     assert f"{len(valid)}" in table
     assert main(["inspect", str(out / "missing")]) == 2

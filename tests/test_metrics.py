@@ -73,15 +73,17 @@ def test_worst_samples_cli(tmp_path, capsys):
         w.write({"step": 3, "loss": 0.5, "sample_ids": ["s-6", "s-7"]})  # ids only
     assert mmtrain_main(["worst-samples", str(tmp_path), "--top", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("step 2: loss 5.0")
+    assert out.splitlines()[0].startswith("step 2: loss 5.0000")  # rounded
     rows = [line.split() for line in out.splitlines()[2:]]
     assert rows == [["1", "s-3", "7.5000"], ["2", "s-5", "4.0000"]]
     assert mmtrain_main(["worst-samples", str(tmp_path / "metrics.jsonl"), "--step", "3"]) == 0
     out = capsys.readouterr().out
     assert "no per-sample losses" in out and "s-6" in out and "s-7" in out
-    assert mmtrain_main(["worst-samples", str(tmp_path), "--step", "9"]) == 1
-    assert "step 9 not in metrics" in capsys.readouterr().err
-    assert mmtrain_main(["worst-samples", str(tmp_path / "nothing")]) == 1
+    assert mmtrain_main(["worst-samples", str(tmp_path), "--step", "9"]) == 2  # a user error: one line
+    err = capsys.readouterr().err
+    assert "step 9 not in metrics" in err and len(err.strip().splitlines()) == 1
+    assert mmtrain_main(["worst-samples", str(tmp_path / "nothing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
 
 
 def test_tensorboard_scalars_when_installed(tmp_path):

@@ -5,6 +5,7 @@ the `--address` path against a Ray head the test starts on 127.0.0.1."""
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 import io
 import json
 import os
@@ -29,6 +30,20 @@ VENV_BIN = Path(sys.executable).parent
 
 N = 200
 SEED = 7
+
+
+def expected_media_rule(src) -> str | None:
+    """How the job must find a synthetic record's images (synth writes exact member names,
+    member basenames under a foreign folder, or foreign paths)."""
+    entries = src.record.get("image")
+    entries = [entries] if isinstance(entries, str) else entries or []
+    if not entries:
+        return None
+    if entries == src.member_names:
+        return "by_name"
+    if [e.rsplit("/", 1)[-1] for e in entries] == src.member_names:
+        return "by_basename"
+    return "by_stem"
 
 
 def read_shards(out: Path) -> list[tuple[str, dict, dict[str, bytes], list[tarfile.TarInfo]]]:
@@ -79,6 +94,12 @@ def test_counts_reconcile_and_quarantine_reasons(broken_raw, run_a):
         assert src["read"] == src["written"] + src["quarantined"]
     assert sum(s["read"] for s in c["by_source"].values()) == N
     assert c["by_reason"] == {reason: 4 for reason in BROKEN_KINDS.values()}
+    # foreign `image` paths resolve by stem, and the manifest counts each rule
+    rules = Counter(expected_media_rule(r) for r in recs if not r.broken)
+    assert c["media_resolution"] == {"by_name": rules["by_name"], "by_basename": rules["by_basename"],
+                                     "by_stem": rules["by_stem"], "unreferenced_members": 0}
+    assert rules["by_stem"] > rules["by_name"] > 0 and rules["by_basename"] > 0
+    assert any(len(r.member_names) > 1 and r.members_sorted for r in recs if not r.broken)  # name-ordered tars
     q = [json.loads(line) for line in (out / sf.QUARANTINE_NAME).read_text().splitlines()]
     assert len(q) == 20
     for line in q:
@@ -128,8 +149,11 @@ def test_shard_format(run_a, broken_raw):
         for name in rec["images"]:
             fmt = Image.open(io.BytesIO(members[name])).format
             assert name.endswith({"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp"}[fmt])
-        assert rec["source"] == src.record["source"] and rec["meta"]["phash"] == src.record["phash"]
+        assert rec["source"] == src.record["source"] and rec["meta"].get("phash") == src.record.get("phash")
         assert rec["provenance"]["file"].endswith(".tar") and rec["provenance"]["member"] == f"{src.stem}.json"
+        # the `image` field as the source wrote it (a foreign path, mostly), kept as provenance
+        assert rec["provenance"].get("source_image") == src.record.get("image")
+        assert rec["provenance"].get("media_resolution") == expected_media_rule(src)
     assert any(not rec["images"] for _, rec, _, _ in samples)  # text-only samples are shard members too
 
 
@@ -168,11 +192,13 @@ def test_refuses_other_job_dir_unless_overwrite(broken_raw, run_a, tmp_path):
     shutil.copytree(run_a[0], out)
     proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "9",
                               "--samples-per-shard", "40", check=False)
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr and "different inputs" in proc.stderr
-    # same inputs + seed: recognised as complete, nothing rewritten
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
+    assert "(changed: seed 7 → 9)" in proc.stderr  # the refusal names the option that changed
+    # same inputs + seed: recognised as complete, nothing rewritten; the copy's own path is printed
     proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "7",
                               "--samples-per-shard", "40", check=False)
     assert proc.returncode == 0 and "already complete" in proc.stderr
+    assert proc.stdout.startswith(f"{out.resolve()}: 180 samples in 5 shards") and str(run_a[0]) not in proc.stdout
 
 
 def test_energon_yields_every_valid_sample_once(shards_dir, synth_raw_dir):
@@ -237,6 +263,33 @@ def test_llava_json_dataset_with_videos(tmp_path):
             assert rec["images"] == [] and rec["meta"]["video_size_frames"][2] >= 4
         else:
             assert rec["video"] is None and "video.mp4" not in members
+
+
+def test_fail_fast_on_systematic_loss_then_rerun_relaxed(tmp_path):
+    """Tars whose image members are elsewhere: most records would be image_missing. The job stops
+    naming the reason, the count and 3 examples, leaves no manifest or shard, and a rerun with
+    the check relaxed continues from the files already scanned."""
+    raw = tmp_path / "raw"
+    recs = generate_records(40, seed=4)
+    write_infinity_mm(recs, raw, samples_per_tar=10)
+    for path in raw.rglob("*.tar"):
+        with tarfile.open(path) as tar:
+            kept = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.name.endswith(".json")]
+        with tarfile.open(path, "w") as tar:
+            for m, data in kept:
+                tar.addfile(m, io.BytesIO(data))
+    n_image = sum(1 for r in recs if r.images)
+    args = ["--dataset", "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "out"), "--num-cpus", "2"]
+    proc = run_preprocess_cli(*args, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{n_image} of the first 40 records" in proc.stderr and "image_missing" in proc.stderr
+    assert sum(r.id in proc.stderr for r in recs) == 3  # three examples, with their details
+    assert "--max-quarantine-fraction 1.0" in proc.stderr
+    assert not (tmp_path / "out" / sf.MANIFEST_NAME).exists() and not list((tmp_path / "out").glob("shard-*"))
+    run_preprocess_cli(*args, "--max-quarantine-fraction", "1.0")
+    m = json.loads((tmp_path / "out" / sf.MANIFEST_NAME).read_text())
+    assert m["counts"]["by_reason"] == {"image_missing": n_image} and m["counts"]["written"] == 40 - n_image
+    assert m["run"]["resumed"]["scan"] == 4  # the stopped job's scans were kept
 
 
 def test_help_and_bad_input(tmp_path):

@@ -1,5 +1,6 @@
 """Resumability: a driver SIGKILLed mid-way (during scan, then during shard writing) and rerun
-gives the same manifest and shards as an uninterrupted run."""
+gives the same manifest and shards as an uninterrupted run, curation stages (dedup, an
+up-sampling mix with its merge stage) included."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def _start_and_kill_when(args: list[str], ready) -> None:
 def test_killed_driver_rerun_gives_same_output(tmp_path):
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(400, seed=11, broken_fraction=0.05), raw, samples_per_tar=25)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("weights: {laion_caption: 2, '*': 1}\nrepeat: true\n")
     common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
-              "--num-cpus", "1"]
+              "--num-cpus", "1", "--dedup", "phash:2", "--mix", str(mix)]
     ref = tmp_path / "ref"
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"
@@ -55,5 +58,92 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     assert m_out["run"]["resumed"]["shards"] >= 3 and m_out["run"]["resumed"]["scan"] >= 1
     for s in m_ref["shards"]:
         assert (out / s["name"]).read_bytes() == (ref / s["name"]).read_bytes()
-    assert (out / sf.QUARANTINE_NAME).read_bytes() == (ref / sf.QUARANTINE_NAME).read_bytes()
+    for name in (sf.QUARANTINE_NAME, "duplicates.jsonl", "lengths.parquet"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes()
+    assert m_ref["counts"]["repeated"] > 0
     assert not work.exists() and not list(out.glob(".shard-*"))
+
+
+# A driver whose Ctrl-C lands at a fixed point: inside `ray.init` (held back until Ray is up), or
+# in the finish step while `lengths.parquet` is being written (`.nv-meta` and the manifest not yet).
+_SIGINT_AT = """
+import os, signal, sys, time
+point = sys.argv.pop(1)
+if point == "ray_init":
+    import ray
+    real_init = ray.init
+    def init(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_init(*args, **kwargs)
+    ray.init = init
+elif point == "finish":
+    import mmdata.preprocess.job as job
+    real_write = job.write_length_index
+    def write(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        return real_write(*args, **kwargs)
+    job.write_length_index = write
+from mmdata.preprocess.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _interrupted_run(args: list[str], point: str | None = None, ready=None) -> subprocess.CompletedProcess:
+    """Run the CLI; SIGINT it at `point` (see _SIGINT_AT), or send SIGINT to its whole process
+    group (a terminal's Ctrl-C: Ray's processes get it too) as soon as `ready()` holds."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-c", _SIGINT_AT, point or "-", "--no-progress", *args]
+    # (a test run in the background inherits an ignored SIGINT: the job gets Python's default back)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    if ready is not None:
+        while proc.poll() is None and not ready():
+            time.sleep(0.02)
+        assert proc.poll() is None, "job finished before it could be interrupted: make the test input bigger"
+        os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_sigint_at_three_points_then_rerun_gives_identical_output(tmp_path):
+    """Ctrl-C inside ray.init, while shards are written and in the finish step: each time exit 130
+    with "interrupted: rerun the same command to resume" (no traceback, no crash), no manifest,
+    and the half-finished folder is refused by inspect and the loaders; the rerun then gives
+    byte-identical output."""
+    from mmdata.energon_loaders.loader import build_loader
+    from mmdata.readiness import DatasetNotReady
+
+    raw = tmp_path / "raw"
+    write_infinity_mm(generate_records(240, seed=5, broken_fraction=0.05), raw, samples_per_tar=20)
+    common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "1", "--samples-per-shard", "6",
+              "--num-cpus", "1"]
+    ref = tmp_path / "ref"
+    run_preprocess_cli(*common, "--output", str(ref))
+    out = tmp_path / "out"
+    args = [*common, "--output", str(out)]
+    shard_markers = lambda: len(list((out / ".mmdata-work" / "shards").glob("*.tar.json")))  # noqa: E731
+    for point, ready in (("ray_init", None), (None, lambda: shard_markers() >= 2), ("finish", None)):
+        proc = _interrupted_run(args, point, ready)
+        where = point or "writing shards"
+        assert proc.returncode == 130, (where, proc.returncode, proc.stderr[-3000:])
+        assert proc.stderr.strip().splitlines()[-1] == "interrupted: rerun the same command to resume", where
+        assert "Traceback" not in proc.stderr and "Segmentation" not in proc.stderr, (where, proc.stderr[-3000:])
+        assert not (out / sf.MANIFEST_NAME).exists() and (out / ".mmdata-work").is_dir(), where
+        inspect = subprocess.run([sys.executable, "-m", "mmdata.cli", "inspect", str(out)], capture_output=True,
+                                 text=True)
+        assert inspect.returncode == 2 and "unfinished `mmdata preprocess` job" in inspect.stderr, where
+        with pytest.raises(DatasetNotReady, match="rerun the same command"):
+            build_loader(out, task_encoder=None, micro_batch_size=1)
+    run_preprocess_cli(*args)
+    m_ref, m_out = (json.loads((d / sf.MANIFEST_NAME).read_text()) for d in (ref, out))
+    assert stable_view(m_out) == stable_view(m_ref)
+    names = [s["name"] for s in m_ref["shards"]]
+    assert len(names) >= 4 and m_out["run"]["resumed"]["scan"] == len(m_ref["inputs"])
+    for name in names + [f"{n}.idx" for n in names] + [sf.QUARANTINE_NAME, "lengths.parquet"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    for meta in (ref / ".nv-meta").iterdir():
+        if meta.name != "index.uuid":  # a fresh random id per preparation, as energon's own
+            assert (out / ".nv-meta" / meta.name).read_bytes() == meta.read_bytes(), meta.name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())

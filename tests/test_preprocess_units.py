@@ -40,7 +40,7 @@ class _Files(MediaResolver):
             p.write_bytes(data)
             self.refs[name] = MediaRef(str(p), 0, len(data), name)
 
-    def __call__(self, ref):
+    def by_name(self, ref):
         return self.refs.get(ref)
 
 
@@ -148,7 +148,7 @@ def test_write_shard_is_deterministic_and_atomic(tmp_path):
 def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     """A tar cut short: records before the damage go through, the rest is quarantined."""
     from mmdata.preprocess.adapters import list_units
-    from mmdata.preprocess.stages import scan_unit
+    from mmdata.preprocess.stages import JobSpec, scan_unit
     from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
@@ -159,7 +159,8 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     (tmp_path / "work" / "scan").mkdir(parents=True)
     unit = list_units("infinity-mm", [raw])[0]
     assert unit.path == str(victim.resolve())
-    counts = scan_unit("infinity-mm", unit, 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    spec = JobSpec("infinity-mm", 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    counts = scan_unit(unit, spec)
     assert 0 < counts["written"] < 10 and counts["read"] == counts["written"] + counts["quarantined"]
     assert counts["by_reason"].get("input_truncated", 0) >= 1
     lines = (tmp_path / "work" / "scan" / "u0000000.quarantine.jsonl").read_text().splitlines()
@@ -168,7 +169,7 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     not_a_tar.parent.mkdir(parents=True)
     not_a_tar.write_bytes(b"\x00garbage" * 10)
     bad = next(u for u in list_units("infinity-mm", [raw]) if u.path == str(not_a_tar.resolve()))
-    counts = scan_unit("infinity-mm", bad, 0, 2, ValidationConfig(), str(tmp_path / "work"))
+    counts = scan_unit(bad, spec)
     assert counts["read"] == counts["quarantined"] == 1 and counts["by_reason"] == {"input_unreadable": 1}
 
 
@@ -214,15 +215,53 @@ def test_input_files_cache_keeps_recently_used_files_open(tmp_path):
 
 
 def test_offsets_files_round_trip_and_slices(tmp_path):
-    from mmdata.preprocess.stages import _concat_rows, _load_offsets, _read_rows, _save_offsets
+    from mmdata.preprocess.rows import concat_rows, load_offsets, read_rows, save_offsets
 
     rows = [bytes([i]) * (i % 5) + b"\0x" for i in range(50)]
-    data, offsets = _concat_rows(rows)
+    data, offsets = concat_rows(rows)
     (tmp_path / "r.rows").write_bytes(data)
-    _save_offsets(tmp_path / "r.i64", offsets)
+    save_offsets(tmp_path / "r.i64", offsets)
     assert (tmp_path / "r.i64").stat().st_size == 8 * len(offsets)
-    assert _load_offsets(tmp_path / "r.i64", 0, len(offsets)) == offsets
+    assert load_offsets(tmp_path / "r.i64", 0, len(offsets)) == offsets
     for start, stop in ((0, 50), (7, 8), (13, 41), (49, 50), (20, 20)):
-        assert _read_rows(tmp_path / "r.rows", tmp_path / "r.i64", start, stop) == rows[start:stop]
+        assert read_rows(tmp_path / "r.rows", tmp_path / "r.i64", start, stop) == rows[start:stop]
     with pytest.raises(IOError, match="work folder damaged"):
-        _load_offsets(tmp_path / "r.i64", 45, 10)
+        load_offsets(tmp_path / "r.i64", 45, 10)
+
+
+def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):
+    """The verdict covers the first files (input order) holding >= K records, whatever order
+    they finish in; it names the reason, the count and 3 examples from those files."""
+    from mmdata.preprocess.loss_check import LossCheck, SystematicLoss
+    from mmdata.preprocess.quarantine import quarantine_line
+
+    def part(i: int) -> Path:
+        return tmp_path / f"u{i}.jsonl"
+
+    def unit(i: int, read: int, missing: int) -> dict:
+        part(i).write_text("".join(quarantine_line(f"r{i}-{k}", f"f{i}.tar:{k}.json", "image_missing", f"detail {k}")
+                                   + "\n" for k in range(missing)))
+        return {"read": read, "by_reason": {"image_missing": missing} if missing else {}}
+
+    clean_prefix = LossCheck(num_units=5, max_fraction=0.2, quarantine_part=part, first_records=100)
+    clean_prefix.add(2, unit(2, 50, 50))  # a later, bad file finishes first: not judged yet
+    clean_prefix.add(1, unit(1, 50, 0))
+    assert not clean_prefix.decided
+    clean_prefix.add(0, unit(0, 60, 0))  # files 0-1 hold 110 >= 100 records, none lost: fine
+    assert clean_prefix.decided and clean_prefix.read == 110
+    clean_prefix.add(3, unit(3, 10, 10))  # decided once: later files do not matter
+
+    bad_prefix = LossCheck(num_units=5, max_fraction=0.2, quarantine_part=part, first_records=100)
+    bad_prefix.add(1, unit(1, 50, 0))
+    with pytest.raises(SystematicLoss) as e:
+        bad_prefix.add(0, unit(0, 60, 30))  # 30 of 110 = 27 % > 20 %
+    msg = str(e.value)
+    assert "30 of the first 110 records" in msg and "image_missing" in msg and "--max-quarantine-fraction 0.2" in msg
+    assert all(f"r0-{k} at f0.tar:{k}.json: detail {k}" in msg for k in range(3)) and "r0-3" not in msg
+
+    few = LossCheck(num_units=2, max_fraction=0.5, quarantine_part=part)  # fewer records than K: all of them
+    few.add(0, unit(0, 10, 5))
+    with pytest.raises(SystematicLoss):
+        few.add(1, unit(1, 10, 6))  # 11 of 20 > 50 %
+    off = LossCheck(num_units=1, max_fraction=1.0, quarantine_part=part)
+    off.add(0, unit(0, 10, 10))  # 1.0 disables the check

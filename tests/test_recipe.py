@@ -4,6 +4,7 @@ family's sections, parts and cross-checks come from its FamilySpec."""
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,8 +132,8 @@ def test_missing_required_keys():
 
 def test_overrides_apply_and_bad_override_is_named():
     r = load(overrides=["train.iters=99", "data.paths=[a, b]", "checkpoint.load=ckpt", "model.inner.name=x"])
-    assert r.train.iters == 99 and r.data.paths == ["a", "b"]
-    assert r.checkpoint.load == "ckpt" and r.model.inner.name == "x"
+    assert r.train.iters == 99 and r.data.paths == [os.path.abspath("a"), os.path.abspath("b")]  # paths: absolute
+    assert r.checkpoint.load == os.path.abspath("ckpt") and r.model.inner.name == "x"
     (err,) = errors_of(overrides=["train.itres=5"])
     assert err.startswith("override 'train.itres=5': train.itres: unknown key") and "'iters'" in err
     with pytest.raises(RecipeError, match="expected KEY=VALUE"):
@@ -229,7 +230,7 @@ def test_evaluation_needs_validation_data():
     assert err.startswith("override 'train.eval_interval=100': data.val_paths: must list at least one shard dir")
     assert "train.eval_interval=100" in err
     r = load(overrides=["train.eval_interval=100", "data.val_paths=[held_out]", "train.eval_iters=2"])
-    assert r.train.eval_interval == 100 and r.train.eval_iters == 2 and r.data.val_paths == ["held_out"]
+    assert r.train.eval_interval == 100 and r.train.eval_iters == 2 and r.data.val_paths == [os.path.abspath("held_out")]
     assert errors_of(overrides=["train.eval_iters=0"]) == [
         "override 'train.eval_iters=0': train.eval_iters: must be > 0, got 0"
     ]
@@ -293,7 +294,7 @@ def test_aquila_stage_settings():
     assert later.freeze == []
     assert later.optimizer.lr == 1e-5 and later.optimizer.lr_mult == {"vision_tower": 0.2}
     assert later.optimizer.lr * later.optimizer.lr_mult["vision_tower"] == pytest.approx(2e-6)
-    assert later.checkpoint.weights_only and later.checkpoint.load == "runs/aquila-vl-2b/stage1/checkpoints"
+    assert later.checkpoint.weights_only and later.checkpoint.load == os.path.abspath("runs/aquila-vl-2b/stage1/checkpoints")
     assert not s1.checkpoint.weights_only and s1.run_dir != later.run_dir
     m, t, p = later.model, later.train, later.parallel
     assert (m.llm.num_layers, m.llm.hidden_size, m.llm.ffn_hidden_size) == (28, 1536, 8960)

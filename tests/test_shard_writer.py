@@ -16,7 +16,7 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.preprocess.energon_meta import ShardLayout
 from mmdata.preprocess.shard_writer import SampleMembers, ShardResult, sha256_file, tar_header, write_shard
-from mmdata.preprocess.stages import decode_row, encode_row
+from mmdata.preprocess.rows import decode_row, encode_row, rekey_row, row_head
 
 pytestmark = pytest.mark.unit
 
@@ -154,15 +154,20 @@ def test_row_round_trip() -> None:
               f"img{i:02d}.jpg") for i in range(40)]
     media.append(("/data/undecodable-\udcff.tar", 0, 0, "video.mp4"))  # a non-UTF-8 file name (os.fsdecode)
     for m in (media, media[:1], []):
-        row = encode_row(2**64 - 1, "stage1/a b/000.tar:0001.json", record_json, m)
+        rid = "stage1/a b/000.tar:0001.json"
+        row = encode_row(2**64 - 1, rid, (3, 17), "src é", "stage1/a b", record_json, m)
         got_json, got_media = decode_row(row)
         assert json.loads(got_json) == record and got_json == record_json.encode()
         assert got_media == m
+        assert row_head(row) == (rid, (3, 17), "src é", "stage1/a b")
+        copy = rekey_row(row, 5, rid + "#repeat1")  # a repeated copy: new key and identity, same record
+        assert copy[:8] == (5).to_bytes(8, "big") and row_head(copy) == (rid + "#repeat1", (3, 17), "src é", "stage1/a b")
+        assert decode_row(copy) == decode_row(row)
 
 
 def test_row_rejects_nul_in_rid() -> None:
     with pytest.raises(ValueError):
-        encode_row(1, "a\0b", "{}", [])
+        encode_row(1, "a\0b", (0, 0), "", "", "{}", [])
 
 
 def test_sorted_rows_sort_by_key_then_rid() -> None:
@@ -170,7 +175,8 @@ def test_sorted_rows_sort_by_key_then_rid() -> None:
     rids = ["a", "a0", "a/b", "ab", "a\x01", "é", "中", "z", "", "a b"]
     items = [(rng.choice([0, 1, 255, 256, 2**63, 2**64 - 1, rng.randrange(2**64)]), rng.choice(rids) + rng.choice(["", "x", "é"]))
              for _ in range(2000)]
-    rows = [encode_row(k, rid, json.dumps({"k": k}), [("/p", 1, 2, "img00.jpg")] * rng.randrange(3)) for k, rid in items]
+    rows = [encode_row(k, rid, (0, 0), "s", "", json.dumps({"k": k}), [("/p", 1, 2, "img00.jpg")] * rng.randrange(3))
+            for k, rid in items]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     keys = [(items[i][0], items[i][1]) for i in order]
     assert keys == sorted(keys)
@@ -179,7 +185,7 @@ def test_sorted_rows_sort_by_key_then_rid() -> None:
 def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) -> None:
     from mmdata.preprocess import adapters
     from mmdata.preprocess.shuffle_plan import plan_shards
-    from mmdata.preprocess.stages import scan_unit, sort_bucket, write_shard_task
+    from mmdata.preprocess.stages import JobSpec, scan_unit, sort_bucket, write_shard_task
     from mmdata.preprocess.synth import generate_records, write_infinity_mm
     from mmdata.preprocess.validation import ValidationConfig
 
@@ -192,16 +198,17 @@ def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) ->
         for d in ("scan", "sorted", "shards"):
             (work / d).mkdir(parents=True)
         out.mkdir()
+        spec = JobSpec("infinity-mm", 0, nb, ValidationConfig(), str(work))
         for u in units:
-            scan_unit("infinity-mm", u, 0, nb, ValidationConfig(), str(work))
-        counts = [sort_bucket(b, len(units), str(work)) for b in range(nb)]
-        results = [write_shard_task(p, str(work), str(out)) for p in plan_shards(counts, 16)]
+            scan_unit(u, spec)
+        counts = [sort_bucket(b, len(units), spec)["count"] for b in range(nb)]
+        results = [write_shard_task(p, spec, str(out)) for p in plan_shards(counts, 16)]
         assert sum(r["samples"] for r in results) == sum(counts) > 0
         for r in results:
             _check_layout(out / r["name"], ShardLayout.from_json((work / "shards" / f"{r['name']}.layout.json").read_text()))
             assert (out / r["name"].replace(".tar", ".tar.idx")).exists()
         digests.append([r["sha256"] for r in results])
         # A rerun keeps the shards (resume markers) with the same digests.
-        again = [write_shard_task(p, str(work), str(out)) for p in plan_shards(counts, 16)]
+        again = [write_shard_task(p, spec, str(out)) for p in plan_shards(counts, 16)]
         assert all(r["resumed"] for r in again) and [r["sha256"] for r in again] == digests[-1]
     assert digests[0] == digests[1] == digests[2]

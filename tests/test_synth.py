@@ -4,6 +4,7 @@ records, byte-determinism, and the llava-json layout."""
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 import io
 import json
 import subprocess
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmdata.preprocess.synth import BROKEN_KINDS, generate_records, write_infinity_mm, write_llava_json
+from mmdata.preprocess.synth import (
+    BROKEN_KINDS, PRODUCER_ROOT, generate_records, write_infinity_mm, write_llava_json,
+)
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
@@ -81,6 +84,32 @@ def test_broken_fraction_covers_every_kind(varied):
     assert len(broken) == 15
     assert set(broken) == set(BROKEN_KINDS)
     assert generate_records(50, seed=0, broken_fraction=0.0) and not any(r.broken for r in generate_records(50, seed=0))
+
+
+def test_image_field_is_provenance_like_the_published_tars(varied):
+    """By default `image` is mostly a foreign absolute path whose basename and extension differ
+    from the member; some records use the member's basename or its exact name. `phash` is a list
+    of 64-bit integers, one per image."""
+    _, recs, _ = varied
+    styles = Counter()
+    for r in recs:
+        entries = r.record.get("image")
+        if r.video is not None or entries is None:
+            assert not r.member_names and "phash" not in r.record
+            continue
+        entries = [entries] if isinstance(entries, str) else entries
+        assert len(entries) == len(r.member_names) == len(r.images) == len(r.record["phash"])
+        assert all(isinstance(h, int) and 0 <= h < 2**64 for h in r.record["phash"])
+        bases = [e.rsplit("/", 1)[-1] for e in entries]
+        style = "exact" if entries == r.member_names else "basename" if bases == r.member_names else "foreign"
+        styles[style] += 1
+        assert style == "exact" or all(e.startswith(PRODUCER_ROOT) for e in entries)
+    assert styles["foreign"] > styles["exact"] + styles["basename"] and styles["exact"] and styles["basename"]
+    names = [n for r in recs for n in r.member_names]
+    assert any(n.endswith((".jpeg", ".JPG")) for n in names) and any(".1." in n for n in names)
+    member_only = generate_records(40, seed=1, image_field="member")
+    assert all(r.record.get("image") in (None, r.member_names[0] if len(r.member_names) == 1 else r.member_names)
+               for r in member_only)
 
 
 def test_byte_deterministic(tmp_path):

@@ -10,13 +10,15 @@ import shutil
 import subprocess
 import tarfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from mmdata.preprocess import tar_scan
 from mmdata.preprocess.adapters import infinity_mm
-from mmdata.preprocess.adapters.base import InputUnit, MediaRef, MediaResolver, RawRecord
+from mmdata.preprocess.adapters.base import InputUnit, MediaRef
+from mmdata.preprocess.adapters.media_resolution import member_order
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
 from mmdata.preprocess.tar_scan import list_tar
 
@@ -210,7 +212,21 @@ def test_damaged_and_foreign_files(tmp_path: Path):
 # reference: the rewrite must yield the very same records.
 
 
-class _OldTarMembers(MediaResolver):
+@dataclass
+class _OldRecord:
+    """RawRecord as it was then (media by name through `resolve_media`, own images in tar order)."""
+
+    rid: str
+    location: str
+    json_bytes: bytes | None
+    provenance: dict
+    resolve_media: "_OldTarMembers"
+    error: str | None = None
+    error_detail: str = ""
+    default_media: list[str] = field(default_factory=list)
+
+
+class _OldTarMembers:
     def __init__(self, path: str, members: dict[str, tarfile.TarInfo]):
         self.path, self.members = path, members
 
@@ -222,7 +238,7 @@ class _OldTarMembers(MediaResolver):
         return MediaRef(self.path, info.offset_data, info.size, info.name)
 
 
-def _old_iter_records(unit: InputUnit) -> Iterator[RawRecord]:
+def _old_iter_records(unit: InputUnit) -> Iterator[_OldRecord]:
     _key_of, IMAGE_EXTS = infinity_mm._key_of, infinity_mm.IMAGE_EXTS
     infos: list[tarfile.TarInfo] = []
     json_bytes_of: dict[str, bytes | None] = {}
@@ -260,19 +276,19 @@ def _old_iter_records(unit: InputUnit) -> Iterator[RawRecord]:
         images = [m.name for m in group if m.name.lower().endswith(IMAGE_EXTS)]
         prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
         if not jsons:
-            yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
+            yield _OldRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
                             error="json_missing", error_detail=f"members {[m.name for m in group]} have no .json",
                             default_media=images)
             continue
         jm = jsons[0]
         prov["member"] = jm.name
         data = json_bytes_of[jm.name]
-        yield RawRecord(f"{unit.rel}:{jm.name}", f"{unit.path}:{jm.name}", data, prov, resolver,
+        yield _OldRecord(f"{unit.rel}:{jm.name}", f"{unit.path}:{jm.name}", data, prov, resolver,
                         error=None if data is not None else "input_truncated",
                         error_detail="" if data is not None else f"{jm.name}: data cut short", default_media=images)
     if tail_error:
         prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(order)}
-        yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
+        yield _OldRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
                         error="input_truncated", error_detail=tail_error)
 
 
@@ -280,18 +296,23 @@ def _assert_same_records(unit: InputUnit, cut: bool = False) -> int:
     """Same records as the old code; for a cut file (`cut`), the new code may add the one
     `<rest>` record the old code missed when the cut fell on a header boundary."""
     old, new = list(_old_iter_records(unit)), list(infinity_mm.iter_records(unit))
-    fields = ("rid", "location", "json_bytes", "provenance", "error", "error_detail", "default_media")
+    fields = ("rid", "location", "json_bytes", "provenance", "error", "error_detail")
     if cut and new[-1].rid.endswith(":<rest>") and not old[-1].rid.endswith(":<rest>"):
         new = new[:-1]
     assert [[getattr(r, f) for f in fields] for r in new] == [[getattr(r, f) for f in fields] for r in old]
+    # the same own images, now in webdataset numbering order ({stem}.jpg, {stem}.1.png, ...)
+    assert [r.own_images for r in new] == [member_order(r.default_media) for r in old]
     with tarfile.open(unit.path, "r:") as tar:
         try:
             names = [m.name for m in tar] + ["nope.jpg", "dir/00000000.json"]
         except tarfile.TarError:
             names = [m.name for m in tar.members]
     for r_old, r_new in zip(old, new):
-        for ref in r_old.default_media + names:
-            assert r_new.resolve_media(ref) == r_old.resolve_media(ref)
+        for ref in names:  # exact member names resolve as before (basenames: media_resolution's rules)
+            if ref in r_old.resolve_media.members:
+                assert r_new.locator.by_name(ref) == r_old.resolve_media(ref)
+            else:
+                assert r_new.locator.by_name(ref) is None
     return len(new)
 
 

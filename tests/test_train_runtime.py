@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1,
-          expect_rc: int = 0) -> subprocess.CompletedProcess:
+          expect_rc: int = 0, command: list[str] = MMTRAIN) -> subprocess.CompletedProcess:
     args = [
         f"run_dir={run_dir}",
         f"data.paths=[{shards}]",
@@ -59,7 +59,7 @@ def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: 
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(MMTRAIN + args, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != expect_rc:
         raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -157,6 +157,12 @@ def test_exact_resume(ref_run, tmp_path, shards_dir, tokenizer_dir):
     run = interrupted_copy(ref_run, tmp_path / "run", at_step=4)
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
     assert "resumed from" in proc.stderr
+    # what a user reads: where the outputs go, an ETA per step, no third-party noise
+    assert (f"run_dir {run}: metrics {run / 'metrics.jsonl'}, checkpoints {run / 'checkpoints'}/ (every 2 steps "
+            "and at the end, keeping the last 2)") in proc.stderr
+    step_lines = [line for line in proc.stderr.splitlines() if " | loss " in line]
+    assert len(step_lines) == 2 and all(" | eta " in line for line in step_lines)
+    assert "Warning" not in proc.stderr and "Filling reading buffer" not in proc.stderr
     ref, resumed = metrics(ref_run), metrics(run)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
@@ -184,14 +190,16 @@ def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, token
 
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, shards_dir, tokenizer_dir):
-    """The recipe says 3 decoder layers, the checkpoint holds 2: refused before anything is built,
-    in one line naming the key (exit code 2), for a resume and for a weights-only start."""
+    """The recipe says 3 decoder layers, the checkpoint holds 2: refused before anything is built
+    or written (the run checks before training, mmtrain/runtime/preflight.py), in one line naming
+    the key (exit code 2), for a resume and for a weights-only start."""
     for extra in ((), ("checkpoint.weights_only=true",)):
-        proc = train(tmp_path / f"run{len(extra)}", shards_dir, tokenizer_dir, "train.iters=6", "model.llm.num_layers=3",
+        run_dir = tmp_path / f"run{len(extra)}"
+        proc = train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "model.llm.num_layers=3",
                      f"checkpoint.load={ref_run / 'checkpoints'}", *extra, expect_rc=2)
-        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("mmtrain: ")]
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("  - checkpoint.load: ")]
         assert "model.llm.num_layers is 3 in the recipe but 2 in the checkpoint" in line
-        assert "Traceback" not in proc.stderr
+        assert "Traceback" not in proc.stderr and not run_dir.exists()
 
 
 def test_frozen_parameters_do_not_change(tmp_path, shards_dir, tokenizer_dir):

@@ -8,19 +8,20 @@ Common modules (one job each):
   packing.py         pack selection (energon hook) and packed-row attention metadata
   loader.py          build_loader(data, task_encoder, ...) -> SavableLoader, LoaderStats, blend YAML
   state_codec.py     loader state <-> JSON (no pickles in checkpoints)
+  sequence.py        one sample's token sequence (ids, unshifted targets, media spans), length policy
+  task_encoding.py   PackingTaskEncoder (counted skips, packing + batch hooks), PackedBatch fields
   video.py           decord probing / uniform frame sampling
   tiny_tokenizer.py  offline Qwen2-style tokenizer for tests/demos
-  tiny_emu3_tokenizer.py  offline tokenizer with Emu3's vocabulary layout (specials + visual tokens)
-  emu3_serialize.py  Emu3's token stream: [bos] text [boi] "H*W" [img] rows+[eol] [eof] [eoi] (pure)
-  vq_token_sample.py energon sample type of Emu3 token shards (mmdata tokenize-images) + sample_loader
+  vq_token_sample.py energon sample type of VQ token shards (mmdata tokenize-images) + sample_loader
   dev_shards.py      write small energon-ready shard sets from in-memory samples
 
 Per family:
   llava_ov/          anyres tiling, Qwen2 chat template + loss mask, LlavaOVTaskEncoder,
                      LlavaOVBatch, build_llava_ov_loader()
+  emu3/              Emu3 serialisation, understanding / generation tasks + loss masks,
+                     Emu3TaskEncoder, Emu3Batch, build_emu3_loader(), tiny Emu3 tokenizer
 
-(`anyres.py` here re-exports `llava_ov/anyres.py` at its former import path.)
 
-A new family adds one package here with its task encoder, its `PackedBatch` subclass and a
-`build_<family>_loader` that hands the encoder to `loader.build_loader`.
+A new family adds one package here with its task encoder (a `PackingTaskEncoder`), its
+`PackedBatch` subclass and a `build_<family>_loader` that hands the encoder to `loader.build_loader`.
 """

@@ -24,6 +24,7 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
 from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
+from mmdata.readiness import data_source_samples
 
 
 @dataclass
@@ -111,9 +112,8 @@ def _resolve_data(data: str | Path | Sequence[str | Path]) -> Path:
         paths = [Path(p) for p in data]
     if not paths:
         raise ValueError("no data paths given")
-    for p in paths:
-        if not p.exists():
-            raise FileNotFoundError(f"data path {p} does not exist")
+    for p in paths:  # finished datasets only (an interrupted preprocess job's folder is refused)
+        data_source_samples(p)
     if len(paths) == 1:
         return paths[0]
     # Same dirs -> same file, so a resumed run rebuilds an identical metadataset.

@@ -9,7 +9,6 @@ template. This builds one in well under a second from a built-in English+Chinese
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -143,12 +142,13 @@ def add_arguments(parser) -> None:  # `mmdata tiny-tokenizer`
 
 def run(args) -> int:
     if args.family == "emu3":
-        from mmdata.energon_loaders import tiny_emu3_tokenizer
+        from mmdata.energon_loaders.emu3 import tiny_tokenizer
 
-        return tiny_emu3_tokenizer.run(args)
+        return tiny_tokenizer.run(args)
     if args.codebook_size is not None:
-        print("error: --codebook-size applies to --family emu3 only", file=sys.stderr)
-        return 2
+        from mmdata.errors import UserError
+
+        raise UserError("--codebook-size applies to --family emu3 only")
     out = build_tiny_qwen2_tokenizer(args.output, vocab_size=args.vocab_size)
     print(f"wrote a tiny Qwen2-style tokenizer to {out}")
     return 0

@@ -5,7 +5,7 @@ and `get_train_dataset` work on token shards. The on-disk contract is
 mmdata/vision_tokens/token_format.py.
 
 Grids arrive as (height, width) unsigned integer arrays of VQ codes; turning them into the
-model's token stream (Emu3: emu3_serialize.py) is the task encoder's job.
+model's token stream (Emu3: emu3/serialize.py) is the task encoder's job.
 """
 
 from __future__ import annotations

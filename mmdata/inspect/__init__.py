@@ -1,7 +1,10 @@
 """Summarise a shards directory before spending GPU-days on it: sample and shard counts,
 sources, quarantine reasons, modality mix, image sizes, anyres tiles and image tokens, text
 tokens, turns, languages and packing efficiency, from the manifest plus a bounded, seeded
-random sample of the shards (`--all` reads everything). See docs/inspect.md.
+random sample of the shards (`--all` reads everything). See docs/inspect.md; one sample in
+detail: `mmdata preview`.
+
+  mmdata inspect DIR [--tokenizer TOK] [--json] [--sample N | --all]
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from mmdata.inspect.dataset import (  # noqa: F401 - public API
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="shards directory (output of `mmdata preprocess`)")
-    parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="HF tokenizer dir: enables text/loss/total tokens and packing efficiency")
+    parser.add_argument("dir", type=Path, metavar="DIR", help="shards directory (output of `mmdata preprocess`)")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="TOK",
+                        help="local HF tokenizer folder: enables text/loss/total tokens and packing efficiency")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (keys: docs/inspect.md)")
     parser.add_argument("--sample", type=int, default=1000, help="random samples to read (default 1000)")
     parser.add_argument("--all", action="store_true", help="read every sample instead of a random sample")
@@ -36,22 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.errors import UserError
     from mmdata.inspect.stats import summarize
 
     if args.sample < 1:
-        print("mmdata inspect: --sample must be >= 1", file=sys.stderr)
-        return 2
+        raise UserError(f"--sample must be >= 1, got {args.sample}")
     try:
         lengths = tuple(int(x) for x in args.context_lengths.split(",") if x.strip())
     except ValueError:
-        print(f"mmdata inspect: bad --context-lengths {args.context_lengths!r}", file=sys.stderr)
-        return 2
-    try:
-        summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
-                            tokenizer=args.tokenizer, context_lengths=lengths)
-    except FileNotFoundError as e:
-        print(f"mmdata inspect: {e}", file=sys.stderr)
-        return 2
+        raise UserError(f"--context-lengths must be comma-separated integers, got {args.context_lengths!r}") from None
+    if not lengths or min(lengths) <= 0:
+        raise UserError(f"--context-lengths must list positive integers, got {args.context_lengths!r}")
+    summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
+                        tokenizer=args.tokenizer, context_lengths=lengths)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
     else:

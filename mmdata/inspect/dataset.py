@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from mmdata import shard_format as sf
+from mmdata.readiness import DatasetNotReady, unfinished_job
 
 ITAR_SUFFIX = ".tar.idx"  # energon's per-shard sample-offset index (uint64 little-endian)
 INFO_JSON = ".nv-meta/.info.json"  # energon's shard sample counts
@@ -236,7 +237,12 @@ def open_dataset(root: str | Path) -> Dataset:
     """The manifest and shard list of `root`; falls back to energon's info and the tar files."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"not a shards directory: {root}")
+        raise DatasetNotReady(f"{root} is not a shards directory ({'a file' if root.exists() else 'does not exist'})")
+    if (why := unfinished_job(root)) is not None:
+        raise DatasetNotReady(why)
+    if not ((root / sf.MANIFEST_NAME).is_file() or (root / sf.ENERGON_META).is_dir() or any(root.glob("*.tar"))):
+        raise DatasetNotReady(f"{root} is not a shards directory: no {sf.MANIFEST_NAME}, {sf.ENERGON_META}/ or *.tar "
+                              "(expected the output of `mmdata preprocess`)")
     manifest = None
     if (root / sf.MANIFEST_NAME).is_file():
         manifest = json.loads((root / sf.MANIFEST_NAME).read_text())

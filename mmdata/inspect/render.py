@@ -14,17 +14,9 @@ from PIL import Image, ImageDraw
 
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.inspect.stats import DatasetSummary, SampleStats
+from mmdata.units import format_bytes
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def _fmt(x: Any) -> str:
@@ -50,7 +42,7 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
             ["directory", d["dataset"]],
             ["samples", _fmt(d["samples"])],
             ["shards", _fmt(d["shards"])],
-            ["bytes", human_bytes(d["bytes"])],
+            ["bytes", format_bytes(d["bytes"])],
             ["quarantined", _fmt(d["quarantine"]["total"])],
             ["manifest", "yes" if d["manifest"] else "no"],
             ["inspected", "all samples" if sampled["all"] else f"{sampled['count']:,} random samples (seed {sampled['seed']})"],
@@ -58,6 +50,7 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
         ]),
         (f"Sources (from {d['sources_from']})", ["source", "samples", "share"], _share_rows(d["sources"])),
         ("Quarantine", ["reason", "records"], [[k, _fmt(v)] for k, v in d["quarantine"]["reasons"].items()] or [["(none)", "0"]]),
+        *_preprocess_tables(d["preprocess"]),
         ("Modality (sampled)", ["modality", "samples", "share"], _share_rows(d["modality"])),
         ("Languages (sampled)", ["language", "samples", "share"], _share_rows(d["languages"])),
     ]
@@ -83,11 +76,40 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
     if grids:
         tables.append(("Anyres grids (single-image samples)", ["grid (rows x cols)", "images"],
                        [[k, _fmt(v)] for k, v in sorted(grids.items(), key=lambda kv: -kv[1])]))
+    li = d["length_index"]
+    if li is not None:
+        tables.append((f"Packing from the length index ({li['compared']:,} of {li['samples']:,} samples; text tokens: "
+                       f"{li['text_tokens']})", ["context", "online packer", "offline plan", "pack-plan file"],
+                       [[_fmt(int(k)), *(f"{100 * v[x]:.1f}%" if v[x] is not None else "—"
+                                         for x in ("online", "plan", "plan_file"))] for k, v in li["packing"].items()]))
     if d["packing"] is not None:
         tables.append(("Packing (the loader's packer on the sampled lengths)",
                        ["context", "efficiency", "sequences", "over length"],
                        [[_fmt(int(k)), f"{100 * v['efficiency']:.1f}%", _fmt(v["sequences"]), _fmt(v["over_length"])]
                         for k, v in d["packing"].items()]))
+    return tables
+
+
+def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
+    """What `mmdata preprocess` counted beyond sources and quarantine (from the manifest)."""
+    if not pre:
+        return []
+    tables: list[Table] = []
+    if "media_resolution" in pre:
+        tables.append(("Media resolution (valid records; manifest)", ["how the media were found", "records"],
+                       [[k.replace("_", " "), _fmt(v)] for k, v in pre["media_resolution"].items()]))
+    rows = [[f"filtered: {rule}", _fmt(n)] for rule, n in pre.get("by_filter", {}).items()]
+    dedup = (pre.get("curation") or {}).get("dedup")
+    if dedup:
+        rows.append([f"duplicates (phash:{dedup['distance']}, scope {dedup['scope']})", _fmt(pre.get("duplicates", 0))])
+    mix = (pre.get("curation") or {}).get("mix")
+    if mix:
+        rows.append([f"mixed out (mix by {mix['by']})", _fmt(pre.get("mixed_out", 0))])
+        rows.append(["repeated (mix)", _fmt(pre.get("repeated", 0))])
+        rows += [[f"mix {g or '(none)'}: target → realised", f"{_fmt(mix['target'][g])} → {_fmt(mix['realised'][g])}"]
+                 for g in mix.get("target", {})]
+    if rows:
+        tables.append(("Curation (manifest)", ["what", "records"], rows))
     return tables
 
 

@@ -20,11 +20,10 @@ from PIL import Image
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import with_video_placeholder
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
-from mmdata.inspect.packing import PackingEstimate, estimate_packing
-from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_packing
+from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
-SCHEMA = "mmdata.inspect/1"
-MODALITIES = ("text_only", "single_image", "multi_image", "video")
+SCHEMA = "mmdata.inspect/2"
 LANGUAGES = ("zh", "en", "other")
 DEFAULT_CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
 
@@ -70,12 +69,6 @@ class SampleStats:
     @property
     def total_tokens(self) -> int | None:
         return None if self.text_tokens is None else self.text_tokens + self.image_tokens
-
-
-def modality_of(n_images: int, has_video: bool) -> str:
-    if has_video:
-        return "video"
-    return "text_only" if n_images == 0 else "single_image" if n_images == 1 else "multi_image"
 
 
 def _is_cjk(ch: str) -> bool:
@@ -184,13 +177,13 @@ def measure_sample(
     )
 
 
-def load_chat_tokenizer(path: str | Path):
-    """The loader's `ChatTokenizer` over an HF tokenizer directory (offline)."""
-    from transformers import AutoTokenizer
-
+def load_chat_tokenizer(path: str | Path, what: str = "tokenizer"):
+    """The loader's `ChatTokenizer` over a local HF tokenizer folder (UserError naming `what`
+    when there is none; nothing is downloaded)."""
     from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+    from mmdata.local_tokenizer import load_local_tokenizer
 
-    return ChatTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    return ChatTokenizer(load_local_tokenizer(path, what))
 
 
 # ----------------------------------------------------------------------------- summary
@@ -236,6 +229,8 @@ class DatasetSummary:
     sources: dict[str, int]  # samples per source
     sources_from: str  # "manifest" (exact) or "sample" (estimated from the sampled records)
     quarantine: dict[str, int]  # reason -> count
+    preprocess: dict[str, Any] | None  # what the job counted besides sources (manifest counts), None without one
+    length_index: dict[str, Any] | None  # plan vs online packing from lengths.parquet, None without one
     sample_seed: int
     sampled_all: bool
     tokenizer: str | None
@@ -270,6 +265,8 @@ class DatasetSummary:
             "sources": _shares(self.sources),
             "sources_from": self.sources_from,
             "quarantine": {"total": sum(self.quarantine.values()), "reasons": dict(self.quarantine)},
+            "preprocess": self.preprocess,
+            "length_index": self.length_index,
             "sampled": {"count": len(s), "all": self.sampled_all, "seed": self.sample_seed},
             "modality": _shares(_counts([x.modality for x in s], MODALITIES)),
             "languages": _shares(_counts([x.language for x in s], LANGUAGES)),
@@ -296,6 +293,21 @@ class DatasetSummary:
         }
 
 
+#: manifest `counts` keys shown by inspect (preprocess/manifest.py `Counts`), when present
+PREPROCESS_COUNT_KEYS = ("media_resolution", "filtered", "by_filter", "duplicates", "mixed_out", "repeated")
+
+
+def _manifest_preprocess(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the job counted besides sources and quarantine, and its curation settings."""
+    counts = (manifest or {}).get("counts")
+    if counts is None:
+        return None
+    out = {k: counts[k] for k in PREPROCESS_COUNT_KEYS if k in counts}
+    if manifest.get("curation"):
+        out["curation"] = manifest["curation"]
+    return out
+
+
 def _manifest_sources(manifest: dict[str, Any] | None) -> dict[str, int] | None:
     """Written samples per source from the manifest's counts (preprocess/manifest.py `Counts`)."""
     by_source = (manifest or {}).get("counts", {}).get("by_source")
@@ -317,7 +329,7 @@ def summarize(
     """Summarise a shards dir from its manifest, quarantine and `sample` random samples (all
     samples with `all=True`). `tokenizer` is an HF tokenizer dir or a `ChatTokenizer`."""
     ds: Dataset = open_dataset(root)
-    chat = load_chat_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    chat = load_chat_tokenizer(tokenizer, "--tokenizer") if isinstance(tokenizer, (str, Path)) else tokenizer
     samples = list(iter_samples(ds)) if all else random_samples(ds, sample, seed)
     stats = [measure_sample(x, chat, max_tiles=max_tiles) for x in samples]
     sources = _manifest_sources(ds.manifest)
@@ -335,6 +347,8 @@ def summarize(
         sources=sources,
         sources_from=sources_from,
         quarantine=quarantine,
+        preprocess=_manifest_preprocess(ds.manifest),
+        length_index=length_index_packing(ds.root, context_lengths),
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,

@@ -12,6 +12,8 @@ of `TarIndexWriter`); tests/test_energon_index.py checks they equal `prepare_dat
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import struct
 import uuid
@@ -24,7 +26,7 @@ import yaml
 
 from mmdata import shard_format as sf
 
-NV_META = ".nv-meta"
+NV_META = sf.ENERGON_META
 TAR_INDEX_SUFFIX = ".tar.idx"  # energon's ITAR_SUFFIX
 
 # The text of `.nv-meta/sample_loader.py` written next to every shard set.
@@ -81,16 +83,22 @@ def write_tar_index(tar_path: Path, layout: ShardLayout) -> None:
     tmp.replace(tar_path.with_name(tar_path.name[: -len(".tar")] + TAR_INDEX_SUFFIX))
 
 
-def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable[ShardLayout]) -> None:
+def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable[ShardLayout],
+                        dataset: dict | None = None, sample_loader_py: str = SAMPLE_LOADER_PY) -> None:
     """What `prepare_dataset` writes for these shards (split `train` = all of them, in order),
     from their recorded layouts; the `.tar.idx` files are written by the shard writers. Layouts
-    are consumed one shard at a time, so memory does not grow with the dataset."""
+    are consumed one shard at a time, so memory does not grow with the dataset. `dataset` and
+    `sample_loader_py`: the sample type's `dataset.yaml` and loader (default ConversationSample).
+
+    Published atomically (built in a temporary folder, then renamed): energon takes a folder
+    with `.nv-meta/` for a dataset, so it never sees a partial one."""
     if not shard_names:
         return
-    meta = out_dir / NV_META
-    meta.mkdir(exist_ok=True)
+    final = out_dir / NV_META
+    meta = out_dir / f"{NV_META}.tmp-{os.getpid()}"
+    shutil.rmtree(meta, ignore_errors=True)
+    meta.mkdir()
     sqlite_path = meta / "index.sqlite"
-    sqlite_path.unlink(missing_ok=True)
     counts: dict[str, int] = {}
     with sqlite3.connect(sqlite_path) as db:
         for ddl in _SCHEMA:
@@ -109,8 +117,11 @@ def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable
     (meta / ".info.json").write_text(json.dumps(info, indent=2))
     splits = {"split_parts": {"train": _collapse(shard_names)}, "exclude": []}
     (meta / "split.yaml").write_text(yaml.dump(splits, sort_keys=False))
-    (meta / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
-    (meta / "sample_loader.py").write_text(SAMPLE_LOADER_PY)
+    (meta / "dataset.yaml").write_text(yaml.safe_dump(dataset or DATASET_YAML, sort_keys=False))
+    (meta / "sample_loader.py").write_text(sample_loader_py)
+    if final.exists():  # from an interrupted finish of this same job
+        shutil.rmtree(final)
+    os.replace(meta, final)
 
 
 def _collapse(shard_names: list[str]) -> list[str]:

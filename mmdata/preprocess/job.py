@@ -1,17 +1,26 @@
-"""The Ray job behind `mmdata preprocess` (the driver; the stage functions are in stages.py).
+"""The Ray job behind `mmdata preprocess` (the driver; the stage functions are in stages.py and
+curation/dedup.py).
 
 Stages (each resumable through marker files under `DIR/.mmdata-work/`):
-1. scan   - one task per input file: read records, validate them (full image decode), give each
-            valid one its seeded shuffle key and spill its compact index row into the file's
-            bucket-sorted run; quarantine lines go to a per-file part.
-2. sort   - one task per bucket (a contiguous key range): gather that bucket's rows from every
-            run, sort them by key, write the sorted bucket with a row-offset index.
-3. write  - one task per output shard: take its global-rank range out of the sorted buckets,
-            fetch the original media bytes by (file, offset, size) and write the tar atomically.
-4. finish - energon preparation (.nv-meta), quarantine.jsonl, manifest.json.
+1. scan    - one task per input file: read records, validate them (full image decode), apply the
+             filters, give each kept one its seeded shuffle key and spill its compact index row
+             into the file's bucket-grouped run (with --dedup also its LSH entries); quarantine
+             lines go to a per-file part.
+2. dedup   - (--dedup) one task per LSH partition finds near-duplicates, then one task per sort
+             bucket keeps each dropped record's best neighbour.
+3. sort    - one task per bucket (a contiguous key range): gather that bucket's rows from every
+             run, drop duplicates, apply the mix, sort them by key. With an up-sampling --mix,
+             a merge task per bucket then adds the repeated copies other buckets sent it.
+4. write   - one task per output shard: take its global-rank range out of the sorted buckets,
+             fetch the original media bytes by (file, offset, size) and write the tar atomically;
+             count its samples' tokens for the length index.
+5. finish  - quarantine.jsonl, duplicates.jsonl, lengths.parquet, then energon's .nv-meta
+             (published atomically) and manifest.json last: a folder holding the work folder
+             and no manifest is unfinished, and readers refuse it (mmdata/readiness.py).
 
-The driver only holds ObjectRefs, per-bucket counts and per-shard results; rows and media never
-pass through it, so its memory does not grow with the number of records.
+The driver only holds ObjectRefs, per-bucket counts, per-group counts and per-shard results;
+rows, hashes and media never pass through it, so its memory does not grow with the number of
+records.
 """
 
 from __future__ import annotations
@@ -23,30 +32,46 @@ import shutil
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 import mmdata
 from mmdata import shard_format as sf
+from mmdata.errors import UserError, deferred_interrupt
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.adapters.llava_json import check_image_root
+from mmdata.preprocess.curation import dedup as dd
+from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
+from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
+from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_length_index
+from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
+from mmdata.preprocess.rows import ROW_FORMAT
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import (ROW_FORMAT, bucket_file, scan_file, scan_unit, shard_work_file, sort_bucket,
-                                      write_shard_task)
+from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
+                                      sort_bucket, write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
+from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
+                             shutdown_ray)
+from mmdata.units import plural
 
-WORK_DIR_NAME = ".mmdata-work"
+WORK_DIR_NAME = sf.WORK_DIR_NAME
+TOOL = "mmdata preprocess"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
+DUPLICATES_NAME = "duplicates.jsonl"
+PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(UserError):
     """A problem with the job's inputs/outputs that the user must fix (printed, exit 2)."""
 
 
@@ -66,69 +91,91 @@ class PreprocessConfig:
     target_shard_bytes: int = DEFAULT_TARGET_SHARD_BYTES
     progress: bool = True
     keep_work_dir: bool = False
+    # Stop when one quarantine reason takes more than this share of the first records (1.0: never).
+    # Not part of the fingerprint: it never changes the output, and a rerun that relaxes it
+    # continues the stopped job.
+    max_quarantine_fraction: float = DEFAULT_MAX_FRACTION
+    # Curation (docs/preprocess.md "Curation"): --filter EXPR..., --dedup phash[:D],
+    # --dedup-scope record|image, --mix FILE.yaml|source=weight,...
+    filters: list[str] = field(default_factory=list)
+    dedup: str | None = None
+    dedup_scope: str = "record"
+    mix: str | None = None
+    tokenizer: Path | None = None  # exact text tokens in the length index (else an estimate)
+    length_index: bool = True  # write lengths.parquet (--no-length-index: skip its token counting)
+
+
+@dataclass(frozen=True)
+class Curation:
+    """The curation options, parsed and checked before any work starts."""
+
+    filters: tuple[FilterRule, ...] = ()
+    dedup_distance: int | None = None
+    dedup_scope: str = "record"
+    mix: MixSpec | None = None
+    tokenizer_sha256: str | None = None
+
+    def to_json(self) -> dict:
+        return {"filters": [r.expr for r in self.filters],
+                "dedup": None if self.dedup_distance is None else {
+                    "method": "phash", "distance": self.dedup_distance, "scope": self.dedup_scope,
+                    "bands": len(dd.band_masks(self.dedup_distance))},
+                "mix": self.mix.to_json() if self.mix else None}
+
+
+def parse_curation(cfg: PreprocessConfig) -> Curation:
+    """All curation flags checked up front: a malformed one is exit 2 before any work."""
+    try:
+        rules = tuple(parse_filters(list(cfg.filters)))
+        distance = dd.parse_dedup(cfg.dedup) if cfg.dedup else None
+        if cfg.dedup_scope not in dd.SCOPES:
+            raise ValueError(f"--dedup-scope must be one of {dd.SCOPES}")
+        mix = parse_mix(cfg.mix) if cfg.mix else None
+        tok = tokenizer_fingerprint(cfg.tokenizer) if cfg.tokenizer else None
+    except (FilterError, MixError, ValueError, FileNotFoundError) as e:
+        raise PreprocessError(str(e)) from None
+    if cfg.tokenizer:  # loadable here, not only in the scan tasks
+        from mmdata.local_tokenizer import load_local_tokenizer
+
+        load_local_tokenizer(cfg.tokenizer, "--tokenizer")
+    return Curation(rules, distance, cfg.dedup_scope, mix, tok)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _input_fingerprint(cfg: PreprocessConfig, units: list[InputUnit]) -> tuple[str, list[dict]]:
+def _job_description(cfg: PreprocessConfig, cur: Curation, units: list[InputUnit]) -> dict:
+    """Everything the output depends on: its fingerprint is the job's identity, and a refusal
+    names the entries that differ (the manifest keeps it as `job`, `inputs` apart)."""
     inputs = [{"path": u.path, "rel": u.rel, "size": u.size, "mtime_ns": u.mtime_ns} for u in units]
-    fp = fingerprint({
+    return {
         "format_version": sf.FORMAT_VERSION, "dataset": cfg.dataset, "inputs": inputs, "seed": cfg.seed,
         "samples_per_shard": cfg.samples_per_shard, "target_shard_bytes": cfg.target_shard_bytes,
         "image_root": str(cfg.image_root) if cfg.image_root else None, "validation": asdict(cfg.validation),
-    })
-    return fp, inputs
+        "curation": cur.to_json(), "tokenizer": cur.tokenizer_sha256, "length_index": cfg.length_index,
+    }
+
+
+def _manifest_job(manifest: dict) -> dict | None:
+    return {**manifest["job"], "inputs": manifest.get("inputs")} if isinstance(manifest.get("job"), dict) else None
 
 
 def _our_outputs(out: Path) -> list[Path]:
-    names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, NV_META, WORK_DIR_NAME]
-    paths = [out / n for n in names if (out / n).exists()]
-    paths += sorted(out.glob("shard-*.tar")) + sorted(out.glob("shard-*.tar.idx"))
-    paths += sorted(out.glob(".shard-*.tar.tmp-*")) + sorted(out.glob("shard-*.tar.idx.tmp"))
-    return paths
+    extra = [out / n for n in (DUPLICATES_NAME, LENGTHS_NAME) if (out / n).exists()]
+    return shard_outputs(out) + extra + sorted(out.glob(PLAN_GLOB))
 
 
-def _remove(paths: Iterable[Path]) -> None:
-    for p in paths:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
-
-
-def _check_output_dir(out: Path, fp: str, overwrite: bool) -> dict | None:
-    """Refuse an output dir holding another job's result; return the manifest if ours is complete."""
-    if overwrite:
-        _remove(_our_outputs(out))
-        return None
-    manifest_path, work_json = out / sf.MANIFEST_NAME, out / WORK_DIR_NAME / "work.json"
-    hint = "pass --overwrite to replace it, or choose another --output"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("fingerprint") == fp:
-            return manifest
-        raise PreprocessError(f"{out} already holds shards made from different inputs, seed or options "
-                              f"(manifest fingerprint {str(manifest.get('fingerprint'))[:12]} != {fp[:12]}); {hint}")
-    if work_json.exists():
-        if json.loads(work_json.read_text()).get("fingerprint") != fp:
-            raise PreprocessError(f"{out} holds an unfinished job on different inputs, seed or options; {hint}")
-    elif any(out.glob("shard-*.tar")) or (out / NV_META).exists():
-        raise PreprocessError(f"{out} holds shards not written by a resumable mmdata job; {hint}")
-    return None
-
-
-def _prepare_work_dir(out: Path, fp: str, num_buckets: int) -> Path:
+def _prepare_work_dir(out: Path, fp: str, num_buckets: int, job: dict) -> Path:
     work = out / WORK_DIR_NAME
     wj = work / "work.json"
-    state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT}
+    state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT, "tool": TOOL, "job": job}
     if wj.exists() and any(json.loads(wj.read_text()).get(k) != state[k] for k in ("num_buckets", "row_format")):
         # Shards do not depend on the bucket count or the row encoding; only the intermediate runs do.
-        _remove([work / "scan", work / "sorted"])
-    for d in ("scan", "sorted", "shards"):
+        remove([work / "scan", work / "sorted", work / "dedup"])
+    for d in ("scan", "sorted", "dedup", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp")):
-        stale.unlink(missing_ok=True)
+    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
+    remove(stale + list(out.glob(f"{NV_META}.tmp-*")))
     write_json_atomic(wj, state)
     return work
 
@@ -139,13 +186,15 @@ class _DriverScanner(threading.Thread):
     and the cores are mostly idle meanwhile. The driver thread and the Ray submission loop take
     files from one shared queue; once stopped, the thread finishes its current file and the rest
     go to Ray. scan_unit is a pure function of the file, so who scans a file never changes the
-    output. Memory: one file's index rows at a time, as in a Ray task."""
+    output. Memory: one file's index rows at a time, as in a Ray task. Results are handed to the
+    main thread as they come (`drain`), so its checks see the first files early."""
 
     def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict]):
         super().__init__(name="mmdata-driver-scan", daemon=True)
         self._todo, self._scan, self._lock = deque(units), scan, threading.Lock()
         self._stopped = False
-        self.results: list[dict] = []
+        self._done: list[tuple[InputUnit, dict]] = []  # not yet drained
+        self.scanned = 0
         self.error: BaseException | None = None
 
     def take(self) -> InputUnit | None:
@@ -155,80 +204,106 @@ class _DriverScanner(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopped and (unit := self.take()) is not None:
-                self.results.append(self._scan(unit))
+                result = self._scan(unit)
+                with self._lock:
+                    self._done.append((unit, result))
+                    self.scanned += 1
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by finish()
             self.error = e
+
+    def drain(self) -> list[tuple[InputUnit, dict]]:
+        """(unit, result) of the files scanned since the last call."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
 
     def stop(self) -> None:
         """Take no new file (the current one is finished)."""
         self._stopped = True
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[tuple[InputUnit, dict]]:
         self.stop()
         self.join()
         if self.error is not None:
             raise self.error
-        return self.results
+        return self.drain()
 
 
-def _init_ray(cfg: PreprocessConfig) -> bool:
-    """Connect to --address / RAY_ADDRESS, or start a private local instance. Returns ownership."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
-                 object_store_memory=256 << 20, **kwargs)
-    return True
-
-
-_END = object()
-
-
-def _run_bounded(submit: Callable[[object], object], items: Iterable[object], max_in_flight: int,
-                 on_done: Callable[[object, object], None]) -> None:
-    """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
-    import ray
-
-    pending: dict = {}
-
-    def drain(n_left: int) -> None:
-        while len(pending) > n_left:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                on_done(pending.pop(ref), ray.get(ref))
-
-    it = iter(items)
-    while True:
-        drain(max_in_flight - 1)  # wait for a free slot before taking the next item
-        item = next(it, _END)
-        if item is _END:
-            break
-        pending[submit(item)] = item
-    drain(0)
-
-
-def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shard_names: list[str]) -> None:
-    """energon's index from the layouts the shard writers recorded, and quarantine.jsonl."""
-    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in shard_names)
-    write_energon_index(out, shard_names, layouts)
+def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[ShardResult], num_buckets: int,
+                    dedup: bool, text_tokens: str | None) -> str | None:
+    """quarantine.jsonl, duplicates.jsonl, the length index (returns its sha256; None:
+    `text_tokens` None, no index), then energon's index from the layouts the shard writers
+    recorded, published atomically: with the manifest after it, it is what says "finished"."""
+    names = [s.name for s in shards]
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
+    if dedup:
+        concat_parts([bucket_file(work, b, "duplicates.jsonl") for b in range(num_buckets)], out / DUPLICATES_NAME)
+    lengths_sha = None
+    if text_tokens is not None:
+        firsts = np.cumsum([0] + [s.samples for s in shards])
+        lengths_sha = write_length_index(
+            out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)], text_tokens)
+    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in names)
+    write_energon_index(out, names, layouts)
+    return lengths_sha
 
 
-def auto_samples_per_shard(counts: Counts, target_bytes: int) -> int:
-    if counts.written == 0:
+def _nothing_to_write(counts: Counts, files: int) -> str:
+    """Why a job that would write 0 samples stops (nothing is written)."""
+    c = counts.to_json()
+    if c["read"] == 0:
+        return f"no record to write: 0 records read from {plural(files, 'input file')}"
+    why = [f"{c['quarantined']:,} quarantined ("
+           + ", ".join(f"{r} {n:,}" for r, n in sorted(c["by_reason"].items(), key=lambda kv: -kv[1])[:3]) + ")"
+           ] if c["quarantined"] else []
+    why += [f"{c[k]:,} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out") if c.get(k)]
+    return (f"no sample to write: of {plural(c['read'], 'record')} read, {', '.join(why)}; nothing was written. "
+            "Check --dataset, --image-root and the curation flags")
+
+
+def auto_samples_per_shard(valid_bytes: int, records: int, target_bytes: int) -> int:
+    """Samples per shard for ~target_bytes shards, from the kept records' average size."""
+    if records == 0:
         return 1
-    per_sample = counts.valid_bytes / counts.written + 2048  # tar headers + padding
+    per_sample = valid_bytes / records + 2048  # tar headers + padding
     return int(max(1, min(1_000_000, round(target_bytes / per_sample))))
 
 
+def _run_resumable(prog, name: str, key: str, items: list, marker: Callable[[object], Path],
+                   submit: Callable[[object], object], on_result: Callable[[object, dict], None], resumed: Counter,
+                   max_in_flight: int) -> None:
+    """One stage of tasks that each leave a JSON done-marker (equal to their return value):
+    finished items are taken from their markers (counted in resumed[key]), the rest run on Ray."""
+    prog.stage(name, len(items))
+    todo = []
+    for item in items:
+        path = marker(item)
+        if path.exists():
+            on_result(item, json.loads(path.read_text()))
+            resumed[key] += 1
+            prog.advance(name)
+        else:
+            todo.append(item)
+
+    def done(item, result: dict) -> None:
+        on_result(item, result)
+        prog.advance(name)
+
+    prog.resumed(name, resumed[key], len(items), "task")
+    run_bounded(submit, todo, max_in_flight, done)
+
+
+def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
+    """(targets, factors) per mix group; listed groups absent from the data count as 0."""
+    groups = {**{g: 0 for g, _ in spec.weights if g != "*"}, **available}
+    targets = group_targets(spec, groups)
+    return targets, factors(targets, groups)
+
+
+@resumable
 def run_preprocess(cfg: PreprocessConfig) -> dict:
-    """Run the whole job; returns the manifest. Raises PreprocessError on user errors."""
+    """Run the whole job; returns the manifest. Raises PreprocessError on user errors, and
+    Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
     import ray
 
     from mmdata.preprocess.progress import JobProgress, summary_table
@@ -236,8 +311,11 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     t_start = time.perf_counter()
     if cfg.dataset not in adapters.DATASETS:
         raise PreprocessError(f"unknown --dataset {cfg.dataset!r}; expected one of {adapters.DATASETS}")
-    if cfg.samples_per_shard is not None and cfg.samples_per_shard <= 0:
-        raise PreprocessError("--samples-per-shard must be positive")
+    for flag, value in (("--samples-per-shard", cfg.samples_per_shard), ("--num-cpus", cfg.num_cpus),
+                        ("--num-buckets", cfg.num_buckets)):
+        if value is not None and value <= 0:
+            raise PreprocessError(f"{flag} must be a positive number, got {value}")
+    cur = parse_curation(cfg)
     try:
         units = adapters.list_units(cfg.dataset, [Path(p) for p in cfg.inputs], cfg.image_root)
     except FileNotFoundError as e:
@@ -250,16 +328,23 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     units = [dataclasses.replace(u, index=i) for i, u in enumerate(kept)]
     if not units:
         raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    fp, inputs = _input_fingerprint(cfg, units)
-    done_manifest = _check_output_dir(out, fp, cfg.overwrite)
+    if cfg.dataset == "llava-json" and (problem := check_image_root(units)):
+        raise PreprocessError(problem)
+    job = _job_description(cfg, cur, units)
+    fp, inputs = fingerprint(job), job["inputs"]
+    done_manifest = check_output_dir(out, fp, job, cfg.overwrite, _our_outputs, PreprocessError, _manifest_job)
     if done_manifest is not None:
-        print(f"{out}: already complete for these inputs and seed; nothing to do", file=sys.stderr)
+        print(f"{out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         if not cfg.keep_work_dir:  # killed between writing the manifest and cleaning up
             shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
         return done_manifest
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
     num_buckets = cfg.num_buckets or default_num_buckets(sum(u.size for u in units))
-    work = _prepare_work_dir(out, fp, num_buckets)
+    work = _prepare_work_dir(out, fp, num_buckets, job)
+    spec = JobSpec(cfg.dataset, cfg.seed, num_buckets, cfg.validation, str(work), cur.filters, cur.dedup_distance,
+                   cur.dedup_scope, cur.mix.by if cur.mix else None,
+                   str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None, cfg.length_index)
     phases: dict[str, float] = {}
     t_phase = time.perf_counter()
 
@@ -269,71 +354,123 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         phases[name] = round(now - t_phase, 3)
         t_phase = now
 
-    resumed = {"scan": 0, "sort": 0, "shards": 0}
+    resumed: Counter[str] = Counter(scan=0, sort=0, shards=0)
     counts = Counts()
+    groups: Counter[str] = Counter()  # kept records per mix group, after the filters
+    phash: Counter[str] = Counter()
+    loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
+
+    def add_scan(unit: InputUnit, result: dict) -> None:
+        counts.merge(result)
+        groups.update(result.get("groups", {}))
+        phash.update(result.get("phash", {}))
+        loss.add(unit.index, result)
+
     todo = []
-    for u in units:
-        marker = scan_file(work, u.index, "done.json")
-        if marker.exists():
-            counts.merge(json.loads(marker.read_text()))
-            resumed["scan"] += 1
-        else:
-            todo.append(u)
+    try:
+        for u in units:
+            marker = scan_file(work, u.index, "done.json")
+            if marker.exists():
+                add_scan(u, json.loads(marker.read_text()))
+                resumed["scan"] += 1
+            else:
+                todo.append(u)
+    except SystematicLoss as e:
+        raise PreprocessError(str(e)) from None
+    resumed_records = counts.read
     # While Ray starts (and its workers), the driver scans files itself.
-    scanner = _DriverScanner(todo, lambda u: scan_unit(cfg.dataset, u, cfg.seed, num_buckets,
-                                                        cfg.validation, str(work)))
+    t_scan = time.perf_counter()
+    scanner = _DriverScanner(todo, lambda u: scan_unit(u, spec))
     scanner.start()
     try:
-        own_ray = _init_ray(cfg)
+        own_ray = init_ray(cfg.address, cfg.num_cpus)
     except BaseException:
         scanner.stop()
+        scanner.join()
         raise
     phase_done("ray_init_s")
+    mix_report: dict | None = None
     try:
-        scan_r = ray.remote(num_cpus=1)(scan_unit)
-        sort_r = ray.remote(num_cpus=1)(sort_bucket)
-        write_r = ray.remote(num_cpus=1)(write_shard_task)
+        remote = {f.__name__: ray.remote(num_cpus=1)(f) for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket,
+                                                                  sort_bucket, merge_bucket, write_shard_task)}
         max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
         with JobProgress(cfg.progress) as prog:
             # 1. scan + validate
-            prog.stage("scan+validate", len(units))
-            for _ in range(resumed["scan"]):
+            prog.stage("scan+validate", len(units), started=t_scan, base_records=resumed_records)
+            prog.resumed("scan+validate", resumed["scan"], len(units), "input file")
+            prog.advance("scan+validate", resumed["scan"], records=counts.read)
+
+            def scanned(unit: InputUnit, result: dict) -> None:
+                add_scan(unit, result)
                 prog.advance("scan+validate", records=counts.read)
 
-            def scanned(unit, result: dict) -> None:
-                if unit is not None:
-                    scanner.stop()  # Ray workers are up: leave the rest to them
-                counts.merge(result)
-                prog.advance("scan+validate", records=counts.read)
+            def scanned_by_ray(unit: InputUnit, result: dict) -> None:
+                scanner.stop()  # Ray workers are up: leave the rest to them
+                for done in scanner.drain():
+                    scanned(*done)
+                scanned(unit, result)
 
-            _run_bounded(lambda u: scan_r.remote(cfg.dataset, u, cfg.seed, num_buckets, cfg.validation, str(work)),
-                         iter(scanner.take, None), max_in_flight, scanned)
-            for result in scanner.finish():
-                scanned(None, result)
+            for done in scanner.drain():
+                scanned(*done)
+            run_bounded(lambda u: remote["scan_unit"].remote(u, spec), iter(scanner.take, None), max_in_flight,
+                        scanned_by_ray)
+            for done in scanner.finish():
+                scanned(*done)
+            candidates, candidate_bytes = counts.written, counts.valid_bytes
             phase_done("scan_s")
-            # 2. sort buckets
-            prog.stage("sort buckets", num_buckets)
+            # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
+            dropped_by_group: Counter[str] = Counter()
+            if spec.dedup:
+                _run_resumable(prog, "dedup: find", "dedup_find", list(range(num_buckets)), lambda p: dd.partition_marker(work, p),
+                               lambda p: remote["dedup_partition"].remote(p, len(units), num_buckets,
+                                                                          spec.dedup_distance, str(work)),
+                               lambda p, r: None, resumed, max_in_flight)
+                _run_resumable(prog, "dedup: resolve", "dedup_resolve", list(range(num_buckets)), lambda b: dd.resolve_marker(work, b),
+                               lambda b: remote["resolve_bucket"].remote(b, num_buckets, str(work)),
+                               lambda b, r: dropped_by_group.update(r["by_group"]), resumed, max_in_flight)
+                phase_done("dedup_s")
+            # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
+            mix_factors, spill = None, False
+            if cur.mix is not None:
+                by_key = {f"{dd.key64(g):016x}": g for g in groups}
+                available = {g: n - dropped_by_group.get(f"{dd.key64(g):016x}", 0) for g, n in groups.items()}
+                if set(dropped_by_group) - set(by_key):
+                    raise RuntimeError("internal: duplicates counted for a mix group no scan saw")
+                targets, mix_factors = _mix_plan(cur.mix, available)
+                spill = any(f > 1 for f in mix_factors.values())
+                mix_report = {"available": {g: available.get(g, 0) for g in targets}, "target": targets,
+                              "factor": {g: round(f, 6) for g, f in mix_factors.items()}}
             bucket_counts = [0] * num_buckets
-            todo_b = []
-            for b in range(num_buckets):
-                marker = bucket_file(work, b, "done.json")
-                if marker.exists():
-                    bucket_counts[b] = json.loads(marker.read_text())["count"]
-                    resumed["sort"] += 1
-                    prog.advance("sort buckets")
-                else:
-                    todo_b.append(b)
+            realised: dict[str, Counter] = {}
 
-            def sorted_(b, n: int) -> None:
-                bucket_counts[b] = n
-                prog.advance("sort buckets")
+            def sorted_(b: int, r: dict) -> None:
+                bucket_counts[b] = r["count"]
+                counts.add_curation(r["curation"])
+                for g, c in r["mix"].items():
+                    realised.setdefault(g, Counter()).update(c)
 
-            _run_bounded(lambda b: sort_r.remote(b, len(units), str(work)), todo_b, max_in_flight, sorted_)
-            if sum(bucket_counts) != counts.written:
-                raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, {counts.written} validated")
+            _run_resumable(prog, "sort buckets", "sort", list(range(num_buckets)), lambda b: bucket_file(work, b, "done.json"),
+                           lambda b: remote["sort_bucket"].remote(b, len(units), spec, mix_factors, spill),
+                           sorted_, resumed, max_in_flight)
+            if spill:  # repeated copies landed in other buckets: add them there
+
+                def merged(b: int, r: dict) -> None:
+                    bucket_counts[b] = r["count"]
+
+                _run_resumable(prog, "merge repeats", "merge", list(range(num_buckets)),
+                               lambda b: bucket_file(work, b, "merged.json"),
+                               lambda b: remote["merge_bucket"].remote(b, spec), merged, resumed, max_in_flight)
+            if sum(bucket_counts) != counts.written or not counts.reconciles():
+                raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, counts say {counts.to_json()}")
+            if sum(bucket_counts) == 0:  # leave nothing behind
+                discard(out, work, created)
+                raise PreprocessError(_nothing_to_write(counts, len(units)))
+            if mix_report is not None:
+                mix_report["realised"] = {g: realised.get(g, Counter())["kept"] + realised.get(g, Counter())["repeated"]
+                                          for g in mix_report["target"]}
             phase_done("sort_s")
-            # 3. write shards
-            sps = cfg.samples_per_shard or auto_samples_per_shard(counts, cfg.target_shard_bytes)
+            # 4. write shards
+            sps = cfg.samples_per_shard or auto_samples_per_shard(candidate_bytes, candidates, cfg.target_shard_bytes)
             plans = plan_shards(bucket_counts, sps)
             results: list[dict | None] = [None] * len(plans)
             prog.stage("write shards", len(plans))
@@ -345,21 +482,31 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 written[0] += res["samples"]
                 prog.advance("write shards", records=written[0], unit="samples")
 
-            _run_bounded(lambda p: write_r.remote(p, str(work), str(out)), plans, max_in_flight, wrote)
+            run_bounded(lambda p: remote["write_shard_task"].remote(p, spec, str(out), spill), plans,
+                        max_in_flight, wrote)
+            prog.resumed("write shards", resumed["shards"], len(plans), "shard", after=True)
             phase_done("write_s")
-        # 4. finish: energon index + quarantine while Ray shuts down (that is mostly waiting)
+        # 5. finish: energon index, quarantine, duplicates, length index while Ray shuts down
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
+        text_tokens = None if not spec.lengths else "tokenizer" if spec.tokenizer else "estimate"
         finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
-        finished = finishing.submit(_finish_outputs, out, work, units, [s.name for s in shards])
+        finished = finishing.submit(_finish_outputs, out, work, units, shards, num_buckets, spec.dedup, text_tokens)
         finishing.shutdown(wait=False)
+    except SystematicLoss as e:
+        raise PreprocessError(str(e)) from None
     finally:
         scanner.stop()
-        if own_ray:
-            ray.shutdown()
-    finished.result()  # re-raises an error of the finishing step
+        scanner.join()
+        shutdown_ray(own_ray)
+    lengths_sha = finished.result()  # re-raises an error of the finishing step
     phase_done("finish_s")
+    curation = cur.to_json()
+    if curation["dedup"] is not None:
+        curation["dedup"]["phash_images"] = {"from_field": phash["from_field"], "computed": phash["computed"]}
+    if mix_report is not None:
+        curation["mix"] = {**curation["mix"], **mix_report}
     manifest = {
-        "tool": "mmdata preprocess",
+        "tool": TOOL,
         "version": mmdata.__version__,
         "format_version": sf.FORMAT_VERSION,
         "fingerprint": fp,
@@ -369,19 +516,25 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "options": {"image_root": str(cfg.image_root) if cfg.image_root else None,
                     "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
         "inputs": inputs,
+        "job": {k: v for k, v in job.items() if k != "inputs"},
         "counts": counts.to_json(),
+        "curation": curation,
         "shards": [asdict(s) for s in shards],
+        "length_index": None if lengths_sha is None else {
+            "file": LENGTHS_NAME, "sha256": lengths_sha, "text_tokens": text_tokens,
+            "tokenizer_sha256": cur.tokenizer_sha256},
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
-        "run": {"output": str(out), "num_buckets": num_buckets, "resumed": resumed, "phases": phases,
-                "scanned_in_driver": len(scanner.results),
+        "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,
+                "scanned_in_driver": scanner.scanned, "tokenizer": spec.tokenizer,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
-    write_json_atomic(out / sf.MANIFEST_NAME, manifest)
-    if not cfg.keep_work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with deferred_interrupt():  # the manifest says "finished": then the work folder goes
+        write_json_atomic(out / sf.MANIFEST_NAME, manifest)
+        if not cfg.keep_work_dir:
+            shutil.rmtree(work, ignore_errors=True)
     if cfg.progress:
         from rich.console import Console
 
-        Console(stderr=True).print(summary_table(manifest))
+        Console(stderr=True).print(summary_table(manifest, out))
     return manifest

@@ -1,11 +1,15 @@
-"""The three Ray stages of `mmdata preprocess`, as plain functions (the driver wraps them with
+"""The Ray stages of `mmdata preprocess`, as plain functions (the driver wraps them with
 `ray.remote`). Each is idempotent and writes its results atomically under the work folder with a
-`.done.json`/marker last, so a retried or resumed task gives the same bytes.
+done-marker last, so a retried or resumed task gives the same bytes.
 
-- scan_unit: validate one input file's records; spill valid index rows grouped by bucket.
-- sort_bucket: gather one bucket's rows from every scan run and sort them by (key, rid).
+- scan_unit: validate one input file's records and apply the filters; spill the kept records'
+  index rows grouped by sort bucket, and (with --dedup) their LSH entries.
+- (curation/dedup.py: dedup_partition and resolve_bucket, between scan and sort)
+- sort_bucket: gather one bucket's rows from every scan run, drop duplicates, apply the mix
+  (keep / repeat), sort by (key, rid). Repeated copies bound for other buckets are spilled.
+- merge_bucket: (only when the mix repeats records) add the copies bound for this bucket.
 - write_shard_task: write one shard from its global-rank slices, fetching media by offset, plus
-  energon's .tar.idx and the shard's layout (work/shards/<shard>.layout.json).
+  energon's .tar.idx, the shard's layout and its part of the length index.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from __future__ import annotations
 import json
 import os
 import resource
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict
-from itertools import accumulate
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,147 +27,253 @@ import numpy as np
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.curation.dedup import EntryBuilder, key64, load_drops
+from mmdata.preprocess.curation.features import conversation_key, filter_fields, image_hashes
+from mmdata.preprocess.curation.filters import FilterRule, first_failed
+from mmdata.preprocess.curation.mix import copies
 from mmdata.preprocess.energon_meta import TAR_INDEX_SUFFIX, write_tar_index
+from mmdata.preprocess.lengths import LENGTHS_DTYPE, LengthCounter
 from mmdata.preprocess.manifest import Counts
 from mmdata.preprocess.quarantine import quarantine_line
+from mmdata.preprocess.rows import (
+    concat_rows, decode_row, encode_row, load_row_group, read_all_rows, read_rows, rekey_row, row_head,
+    save_offsets, save_row_groups, write_bytes_atomic,
+)
 from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
 from mmdata.preprocess.validation import Valid, ValidationConfig, validate
 
 
-# ----------------------------------------------------------------------------- small file helpers
+@dataclass(frozen=True)
+class JobSpec:
+    """What every task needs to know about the job (sent with each task)."""
+
+    dataset: str
+    seed: int
+    num_buckets: int
+    validation: ValidationConfig
+    work: str
+    filters: tuple[FilterRule, ...] = ()
+    dedup_distance: int | None = None  # None: no --dedup
+    dedup_scope: str = "record"
+    mix_by: str | None = None  # None: no --mix
+    tokenizer: str | None = None
+    lengths: bool = True  # count tokens for the length index (--no-length-index: zeros)
+
+    @property
+    def dedup(self) -> bool:
+        return self.dedup_distance is not None
+
+    def group_of(self, source: str, subset: str) -> str:
+        """The record's --mix group."""
+        return source if self.mix_by == "source" else subset
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-# Offsets files are raw little-endian int64 arrays: a sort task reads a slice of two of them for
-# every (bucket, input file) pair, and np.fromfile on raw data costs a fraction of np.load's
-# header parsing and mmap.
-_I64 = np.dtype("<i8")
-
-
-def _save_offsets(path: Path, offsets: list[int]) -> None:
-    _write_bytes_atomic(path, np.asarray(offsets, dtype=_I64).tobytes())
-
-
-def _load_offsets(path: Path, start: int, count: int) -> list[int]:
-    """Entries [start, start + count) of an offsets file."""
-    got = np.fromfile(path, dtype=_I64, count=count, offset=start * _I64.itemsize)
-    if len(got) != count:
-        raise IOError(f"{path}: {len(got)} of {count} offsets at entry {start} (work folder damaged?)")
-    return got.tolist()
-
-
-def _read_rows(rows_path: Path, offsets_path: Path, start: int, stop: int) -> list[bytes]:
-    """Rows [start, stop) of a row file whose row boundaries are in an offsets file."""
-    if stop <= start:
-        return []
-    offs = _load_offsets(offsets_path, start, stop - start + 1)
-    lo = offs[0]
-    with open(rows_path, "rb") as f:
-        f.seek(lo)
-        data = f.read(offs[-1] - lo)
-    return [data[a - lo:b - lo] for a, b in zip(offs, offs[1:])]
+# ----------------------------------------------------------------------------- work files
 
 
 def scan_file(work: str | Path, unit_index: int, suffix: str) -> Path:
-    """One of a scan run's files: rows, rowoffs.i64, buckets.i64, quarantine.jsonl, done.json."""
+    """One of a scan run's files: rows, rowoffs.i64, groups.i64 (by bucket), quarantine.jsonl,
+    ids / idoffs.i64 (dedup), done.json."""
     return Path(work) / "scan" / f"u{unit_index:07d}.{suffix}"
 
 
-def _concat_rows(rows: list[bytes]) -> tuple[bytes, list[int]]:
-    """Rows back to back (no separators: rows are binary) and their boundaries."""
-    return b"".join(rows), [0, *accumulate(map(len, rows))]
-
-
-# ----------------------------------------------------------------------------- index rows
-ROW_FORMAT = 3  # bump when the encoding changes: unfinished jobs then rescan instead of misreading
-# A row is the 8-byte big-endian shuffle key, then NUL-separated UTF-8 fields:
-#     rid \0 record_json \0 (path \0 offset \0 size \0 suffix)*   (offset, size in decimal)
-# The record JSON is stored as is (no second escaping, no json.loads in the writer). The key is
-# fixed width and NUL sorts below every other byte, so sorting raw rows sorts by (key, rid) and
-# the output order stays a function of (inputs, seed). No field can hold a NUL: json.dumps
-# escapes control characters, and OS paths and tar member names cannot contain one.
-
-
-def encode_row(key: int, rid: str, record_json: str, media: Iterable[tuple[str, int, int, str]]) -> bytes:
-    if "\0" in rid:
-        raise ValueError(f"record id contains NUL: {rid!r}")
-    # Names may hold undecodable bytes (surrogate escapes, as os.fsencode); the JSON must be UTF-8.
-    refs = "".join(f"\0{path}\0{offset}\0{size}\0{suffix}" for path, offset, size, suffix in media)
-    return b"".join((key.to_bytes(8, "big"), rid.encode("utf-8", "surrogateescape"), b"\0",
-                     record_json.encode(), refs.encode("utf-8", "surrogateescape")))
-
-
-def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]]]:
-    """(record JSON bytes, [(path, offset, size, suffix)]) of an encoded row."""
-    f = row[8:].split(b"\0")
-    m = [x.decode("utf-8", "surrogateescape") for x in f[2:]]
-    return f[1], [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])]
-
-
-def scan_unit(dataset: str, unit: InputUnit, seed: int, num_buckets: int, vcfg: ValidationConfig,
-              work: str) -> dict:
-    """Validate every record of one input file; spill valid rows grouped by bucket."""
-    # Counts are per `source` field; records whose JSON is unreadable count under their folder.
-    fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
-    counts = Counts()
-    by_bucket: list[list[bytes]] = [[] for _ in range(num_buckets)]
-    qlines: list[str] = []
-    try:
-        for raw in adapters.iter_records(dataset, unit):
-            res = validate(raw, vcfg)
-            if isinstance(res, Valid):
-                key = shuffle_key(seed, raw.rid)
-                row = encode_row(key, raw.rid, res.record_json,
-                                 [(m.path, m.offset, m.size, suffix) for m, suffix in res.media])
-                by_bucket[bucket_of(key, num_buckets)].append(row)
-                counts.add_record(res.source or fallback_source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
-            else:
-                qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
-                counts.add_record(res.source or fallback_source, False, res.reason)
-    except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
-        qlines.append(quarantine_line(unit.rel, unit.path, "input_unreadable", f"{type(e).__name__}: {e}"))
-        counts.add_record(fallback_source, False, "input_unreadable")
-    data, row_offsets = _concat_rows([r for rows in by_bucket for r in rows])
-    bucket_offsets = [0]
-    for rows in by_bucket:
-        bucket_offsets.append(bucket_offsets[-1] + len(rows))
-    _write_bytes_atomic(scan_file(work, unit.index, "rows"), data)
-    _save_offsets(scan_file(work, unit.index, "rowoffs.i64"), row_offsets)
-    _save_offsets(scan_file(work, unit.index, "buckets.i64"), bucket_offsets)
-    _write_bytes_atomic(scan_file(work, unit.index, "quarantine.jsonl"), "".join(q + "\n" for q in qlines).encode())
-    result = counts.to_json()
-    _write_bytes_atomic(scan_file(work, unit.index, "done.json"), json.dumps(result).encode())
-    return result
-
-
-_PREFETCH_BYTES = 64 << 20  # media requested from the kernel ahead of the shard writer
-
-
 def bucket_file(work: str | Path, bucket: int, suffix: str) -> Path:
-    """One of a sorted bucket's files: rows, rowoffs.i64, done.json."""
+    """One of a sorted bucket's files: rows, rowoffs.i64, duplicates.jsonl, copies.* (repeated
+    copies for other buckets), merged.rows / merged.rowoffs.i64, done.json, merged.json."""
     return Path(work) / "sorted" / f"b{bucket:05d}.{suffix}"
 
 
-def sort_bucket(bucket: int, num_units: int, work: str) -> int:
-    """Gather one bucket's rows from every scan run and sort them by (key, rid)."""
-    w = Path(work)
+def bucket_rows(work: str | Path, bucket: int, merged: bool) -> tuple[Path, Path]:
+    """(rows, row offsets) of a finished bucket: the merged ones when the mix repeats records."""
+    pre = "merged." if merged else ""
+    return bucket_file(work, bucket, f"{pre}rows"), bucket_file(work, bucket, f"{pre}rowoffs.i64")
+
+
+def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
+    """One of a written shard's work files: json (its done-marker), layout.json, lengths."""
+    return Path(work) / "shards" / f"{shard_name}.{suffix}"
+
+
+def _subset(unit: InputUnit) -> str:
+    """The input file's folder under its input root (e.g. stage2/2a), "" at the top."""
+    parent = Path(unit.rel).parent.as_posix()
+    return "" if parent == "." else parent
+
+
+# ----------------------------------------------------------------------------- scan
+
+
+def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
+    """Validate every record of one input file; spill the kept rows grouped by bucket."""
+    # Counts are per `source` field; records whose JSON is unreadable count under their folder.
+    fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
+    subset = _subset(unit)
+    counts = Counts()
+    by_bucket: list[list[bytes]] = [[] for _ in range(spec.num_buckets)]
+    qlines: list[str] = []
+    groups: Counter[str] = Counter()  # kept records per mix group
+    entries = EntryBuilder(spec.dedup_distance, spec.dedup_scope) if spec.dedup else None
+    ids: list[str] = []  # (dedup) "id NUL location" per kept record, for duplicates.jsonl
+    phash: Counter[str] = Counter()  # image hashes taken from the field / computed
+    kept = 0  # the next kept record's ordinal (its handle: what dedup marks refer to)
+    try:
+        for raw in adapters.iter_records(spec.dataset, unit):
+            res = validate(raw, spec.validation, keep_image_bytes=spec.dedup)
+            if not isinstance(res, Valid):
+                qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
+                counts.add_record(res.source or fallback_source, False, res.reason)
+                continue
+            source = res.source or fallback_source
+            counts.add_media(res.media_rule, res.unreferenced_members)
+            rule = first_failed(list(spec.filters), filter_fields(res.record, subset)) if spec.filters else None
+            if rule is not None:
+                counts.add_filtered(source, rule.expr)
+                continue
+            key = shuffle_key(spec.seed, raw.rid)
+            bucket = bucket_of(key, spec.num_buckets)
+            handle = (unit.index, kept)
+            kept += 1
+            media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
+            by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media))
+            counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
+            group = spec.group_of(source, subset) if spec.mix_by else ""
+            if spec.mix_by:
+                groups[group] += 1
+            if entries is not None:
+                ids.append(f"{res.record['id']}\0{raw.location}")
+                if res.image_bytes and res.record["video"] is None:
+                    hashes, computed = image_hashes(res.record["meta"].get("phash"), res.image_bytes)
+                    phash["computed" if computed else "from_field"] += len(hashes)
+                    pixels = sum(w * h for w, h, _ in res.record["meta"]["image_sizes"])
+                    entries.add(hashes, conversation_key(res.record["conversations"]), pixels,
+                                key64(f"{res.record['id']}\0{source}"), key64(raw.rid), unit.index, handle[1], key,
+                                key64(group) if spec.mix_by else 0)
+    except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
+        qlines.append(quarantine_line(unit.rel, unit.path, "input_unreadable", f"{type(e).__name__}: {e}"))
+        counts.add_record(fallback_source, False, "input_unreadable")
+    save_row_groups(scan_file(spec.work, unit.index, "run"), by_bucket)
+    write_bytes_atomic(scan_file(spec.work, unit.index, "quarantine.jsonl"), "".join(q + "\n" for q in qlines).encode())
+    result = counts.to_json()
+    if spec.mix_by:
+        result["groups"] = dict(sorted(groups.items()))
+    if entries is not None:
+        data, offsets = concat_rows([i.encode("utf-8", "surrogateescape") for i in ids])
+        write_bytes_atomic(scan_file(spec.work, unit.index, "ids"), data)
+        save_offsets(scan_file(spec.work, unit.index, "idoffs.i64"), offsets)
+        entries.save(spec.work, unit.index, spec.num_buckets)
+        result["phash"] = {"from_field": phash["from_field"], "computed": phash["computed"]}
+    write_bytes_atomic(scan_file(spec.work, unit.index, "done.json"), json.dumps(result).encode())
+    return result
+
+
+# ----------------------------------------------------------------------------- sort
+
+
+def _record_ref(work: str, handle: tuple[int, int]) -> tuple[str, str]:
+    """(id, location) of a kept record by its handle (dedup's per-file id table)."""
+    unit, ordinal = handle
+    (raw,) = read_rows(scan_file(work, unit, "ids"), scan_file(work, unit, "idoffs.i64"), ordinal, ordinal + 1)
+    record_id, _, location = raw.decode("utf-8", "surrogateescape").partition("\0")
+    return record_id, location
+
+
+def _drop_duplicates(rows: list[bytes], bucket: int, spec: JobSpec, tally) -> list[bytes]:
+    """The rows that survive dedup; duplicates.jsonl lines for the others (in (key, rid) order)."""
+    drops = load_drops(spec.work, bucket)
+    kept, lines = [], []
+    for row in sorted(rows) if drops else rows:
+        _, handle, source, _ = row_head(row)
+        drop = drops.get(handle)
+        if drop is None:
+            kept.append(row)
+            continue
+        tally(source, "duplicates")
+        (record_id, location), (nid, nlocation) = _record_ref(spec.work, handle), _record_ref(spec.work, drop[:2])
+        lines.append(json.dumps({"id": record_id, "source_location": location, "duplicate_of": nid,
+                                 "duplicate_of_location": nlocation, "distance": drop[2], "scope": spec.dedup_scope},
+                                ensure_ascii=False, sort_keys=True))
+    write_bytes_atomic(bucket_file(spec.work, bucket, "duplicates.jsonl"), "".join(x + "\n" for x in lines).encode())
+    return kept
+
+
+def _apply_mix(rows: list[bytes], bucket: int, factors: dict[str, float], spec: JobSpec, tally,
+               copies_out: list[list[bytes]]) -> list[bytes]:
+    """Each record written `mix.copies` times (0: mixed out); a repeated copy gets its own
+    shuffle key, so it goes to whichever bucket that key falls in."""
+    out: list[bytes] = []
+    for row in rows:
+        rid, _, source, subset = row_head(row)
+        group = spec.group_of(source, subset)
+        n = copies(factors.get(group, 0.0), spec.seed, rid)
+        tally(source, "mixed_out" if n == 0 else "kept", group)
+        if n:
+            out.append(row)
+        for j in range(1, n):
+            copy_rid = f"{rid}#repeat{j}"
+            key = shuffle_key(spec.seed, copy_rid)
+            b = bucket_of(key, spec.num_buckets)
+            (out if b == bucket else copies_out[b]).append(rekey_row(row, key, copy_rid))
+            tally(source, "repeated", group)
+    return out
+
+
+def sort_bucket(bucket: int, num_units: int, spec: JobSpec, factors: dict[str, float] | None = None,
+                spill: bool = False) -> dict:
+    """Gather one bucket's rows from every scan run, drop its duplicates (--dedup), apply the mix
+    factors (--mix; repeated copies for other buckets spilled when `spill`), and sort them by
+    (key, rid). Returns the count and the curation tallies per source and per mix group."""
+    w = Path(spec.work)
     rows: list[bytes] = []
     for u in range(num_units):
-        lo, hi = _load_offsets(scan_file(w, u, "buckets.i64"), bucket, 2)
-        if hi > lo:
-            rows.extend(_read_rows(scan_file(w, u, "rows"), scan_file(w, u, "rowoffs.i64"), lo, hi))
+        rows.extend(load_row_group(scan_file(w, u, "run"), bucket))
+    curation: dict[str, Counter] = defaultdict(Counter)
+    mix: dict[str, Counter] = defaultdict(Counter)
+
+    def tally(source: str, what: str, group: str | None = None) -> None:
+        if what != "kept":
+            curation[source][what] += 1
+        if group is not None:
+            mix[group][what] += 1
+
+    if spec.dedup:
+        rows = _drop_duplicates(rows, bucket, spec, tally)
+    copies_out: list[list[bytes]] = [[] for _ in range(spec.num_buckets)]
+    if factors is not None:
+        rows = _apply_mix(rows, bucket, factors, spec, tally, copies_out)
     rows.sort()
-    data, offsets = _concat_rows(rows)
-    _write_bytes_atomic(bucket_file(w, bucket, "rows"), data)
-    _save_offsets(bucket_file(w, bucket, "rowoffs.i64"), offsets)
-    _write_bytes_atomic(bucket_file(w, bucket, "done.json"), json.dumps({"count": len(rows)}).encode())
-    return len(rows)
+    data, offsets = concat_rows(rows)
+    rows_path, offs_path = bucket_rows(w, bucket, merged=False)
+    write_bytes_atomic(rows_path, data)
+    save_offsets(offs_path, offsets)
+    if spill:
+        save_row_groups(bucket_file(w, bucket, "copies"), copies_out)
+    result = {"count": len(rows), "curation": {s: dict(c) for s, c in sorted(curation.items())},
+              "mix": {g: dict(c) for g, c in sorted(mix.items())}}
+    write_bytes_atomic(bucket_file(w, bucket, "done.json"), json.dumps(result).encode())
+    return result
+
+
+def merge_bucket(bucket: int, spec: JobSpec) -> dict:
+    """A sorted bucket plus the repeated copies other buckets spilled to it, sorted again."""
+    w = Path(spec.work)
+    rows = read_all_rows(*bucket_rows(w, bucket, merged=False))
+    for b in range(spec.num_buckets):
+        rows.extend(load_row_group(bucket_file(w, b, "copies"), bucket))
+    rows.sort()
+    data, offsets = concat_rows(rows)
+    rows_path, offs_path = bucket_rows(w, bucket, merged=True)
+    write_bytes_atomic(rows_path, data)
+    save_offsets(offs_path, offsets)
+    result = {"count": len(rows)}
+    write_bytes_atomic(bucket_file(w, bucket, "merged.json"), json.dumps(result).encode())
+    return result
+
+
+# ----------------------------------------------------------------------------- write
+
+
+_PREFETCH_BYTES = 64 << 20  # media requested from the kernel ahead of the shard writer
 
 
 def _fd_budget() -> int:
@@ -222,19 +332,22 @@ def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
     return Path(work) / "shards" / f"{shard_name}.{suffix}"
 
 
-def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
-    """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches)."""
+def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = False) -> dict:
+    """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches),
+    and its part of the length index (counted here, in the workers: the loader's anyres code
+    imports torch, which the driver, scanning while Ray starts, should not pay for)."""
+    work = spec.work
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
     path, marker = o / name, shard_work_file(w, name, "json")
     layout_path, index_path = shard_work_file(w, name, "layout.json"), o / f"{name[:-len('.tar')]}{TAR_INDEX_SUFFIX}"
-    if all(p.exists() for p in (marker, path, layout_path, index_path)):
+    lengths_path = shard_work_file(w, name, "lengths")
+    if all(p.exists() for p in (marker, path, layout_path, index_path, lengths_path)):
         done = json.loads(marker.read_text())
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
             return {**done, "resumed": True}
     rows = [decode_row(row) for sl in plan.slices
-            for row in _read_rows(bucket_file(w, sl.bucket, "rows"), bucket_file(w, sl.bucket, "rowoffs.i64"),
-                                  sl.start, sl.stop)]
+            for row in read_rows(*bucket_rows(w, sl.bucket, merged), sl.start, sl.stop)]
     files = _InputFiles()
 
     def samples() -> Iterator[SampleMembers]:
@@ -256,10 +369,14 @@ def write_shard_task(plan: ShardPlan, work: str, out: str) -> dict:
         files.close()
     if result.samples != plan.num_samples:
         raise RuntimeError(f"{name}: wrote {result.samples} samples, planned {plan.num_samples}")
-    # energon's .tar.idx and the layout (for the driver's energon index) before the marker.
+    # energon's .tar.idx, the layout (for the driver's energon index) and the shard's part of the
+    # length index before the marker.
     write_tar_index(path, layout)
-    _write_bytes_atomic(layout_path, layout.to_json().encode())
-    _write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
+    write_bytes_atomic(layout_path, layout.to_json().encode())
+    lengths = LengthCounter(spec.tokenizer) if spec.lengths else None
+    tokens = [lengths(json.loads(r[0])) if lengths else (0, 0) for r in rows]
+    write_bytes_atomic(lengths_path, np.array(tokens, dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
+    write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}
 
 

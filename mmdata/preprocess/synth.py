@@ -2,14 +2,21 @@
 LLaVA-style JSONL + image folder), varied like the real data and optionally with a fraction
 of deliberately broken records, so demos and tests exercise every path of the preprocessor.
 
+As in the published Infinity-MM tars, a record's `image` field is by default provenance, not
+a member name: mostly an absolute path on the producer's storage whose basename and extension
+differ from the member `{stem}.jpg` (some records name the member exactly, some by basename
+under a foreign folder; `--image-field member` writes only exact member names). `phash` is the
+card's format, a list of 64-bit integers (the perceptual hash of each image).
+
 The output is byte-deterministic for a given (--dataset, --num-samples, --seed,
---broken-fraction, --samples-per-tar).
+--broken-fraction, --video-fraction, --samples-per-tar, --image-field).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import sys
 import json
 import tarfile
 from dataclasses import dataclass, field
@@ -17,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from mmdata.preprocess.curation.phash import phash
 
 # Broken kinds, and the quarantine reason `mmdata preprocess` must give each one.
 BROKEN_KINDS: dict[str, str] = {
@@ -62,10 +71,20 @@ TEXT_ONLY = [
 ]
 
 
+# How a record's `image` entries relate to the members (--image-field realistic): shares of
+# foreign absolute paths (basename and extension unrelated to the member), the member's basename
+# under a foreign folder, and the exact member name.
+IMAGE_FIELD_STYLES = {"foreign": 0.7, "basename": 0.15, "exact": 0.15}
+PRODUCER_ROOT = "/mnt/hpfs/baai/infinity-mm/data"
+# Extensions a producer path may carry whatever the member's format is.
+FOREIGN_EXTS = ["jpg", "jpeg", "JPG", "png", "webp"]
+
+
 @dataclass
 class SynthImage:
     name_ext: str  # "jpg" | "png" | "webp"
     data: bytes
+    phash: int = 0  # perceptual hash of the picture before encoding (the producer's `phash`)
 
 
 def _encode_video(rng: np.random.Generator) -> bytes:
@@ -99,6 +118,8 @@ class SynthRecord:
     broken: str | None = None  # a key of BROKEN_KINDS
     json_bytes: bytes = b""
     video: bytes | None = None  # an MP4 clip (member `{stem}.mp4`), for video records
+    member_names: list[str] = field(default_factory=list)  # the image members, `{stem}[.k].{ext}`
+    members_sorted: bool = False  # members written in name order (`{stem}.1.png` before `{stem}.jpg`)
 
     @property
     def id(self) -> str:
@@ -108,8 +129,9 @@ class SynthRecord:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=["infinity-mm", "llava-json"], default="infinity-mm",
                         help="on-disk layout to write (default: infinity-mm)")
-    parser.add_argument("--output", required=True, type=Path, help="output directory")
-    parser.add_argument("--num-samples", type=int, required=True, help="number of records")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR",
+                        help="output directory (new or empty; see --overwrite)")
+    parser.add_argument("--num-samples", type=int, required=True, metavar="N", help="number of records")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--broken-fraction", type=float, default=0.0,
                         help="fraction of deliberately broken records, cycling through "
@@ -118,31 +140,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of records that are short MP4 clips with a <video> turn (default 0)")
     parser.add_argument("--samples-per-tar", type=int, default=100,
                         help="records per tar file in the infinity-mm layout (default 100)")
+    parser.add_argument("--image-field", choices=["realistic", "member"], default="realistic",
+                        help="infinity-mm `image` field: realistic (mostly foreign absolute paths whose "
+                             "basename/extension differ from the member, as in the published tars) or "
+                             "member (exact member names) (default realistic)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --output: first delete what synth writes there (stageN/ "
+                             "folders, or annotations.jsonl, images/ and videos/); other files are kept")
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.preprocess.synth ...`: the subcommand alone."""
-    parser = argparse.ArgumentParser(prog="mmdata synth", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from mmdata.cli import main as mmdata_main
+
+    return mmdata_main(["synth", *(sys.argv[1:] if argv is None else argv)])
+
+
+def own_entries(dataset: str) -> list[str]:
+    """The top-level entries synth writes into its output folder."""
+    if dataset == "infinity-mm":
+        return sorted({stage for stage, _ in SUBSETS})
+    return ["annotations.jsonl", "images", "videos"]
+
+
+def check_output(out: Path, dataset: str, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty folder without --overwrite (which removes synth's own
+    entries first, so no stale file of a bigger earlier run stays behind)."""
+    from mmdata.errors import UserError
+    from mmdata.ray_job import remove
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; give a new or empty folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UserError(f"--output {out} is not empty; choose a new or empty folder, or pass --overwrite to replace "
+                        f"what synth writes there ({', '.join(own_entries(dataset))})")
+    remove([out / name for name in own_entries(dataset) if (out / name).exists()])
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.errors import UserError
+    from mmdata.units import plural
+
+    if args.num_samples <= 0:
+        raise UserError(f"--num-samples must be a positive number, got {args.num_samples}")
+    if args.samples_per_tar <= 0:
+        raise UserError(f"--samples-per-tar must be a positive number, got {args.samples_per_tar}")
+    for flag, value in (("--broken-fraction", args.broken_fraction), ("--video-fraction", args.video_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise UserError(f"{flag} must be between 0 and 1, got {value}")
+    check_output(args.output, args.dataset, args.overwrite)
     records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction,
-                               video_fraction=args.video_fraction)
+                               video_fraction=args.video_fraction, image_field=args.image_field)
     if args.dataset == "infinity-mm":
         files = write_infinity_mm(records, args.output, samples_per_tar=args.samples_per_tar)
     else:
         files = write_llava_json(records, args.output)
     n_broken = sum(1 for r in records if r.broken)
-    print(f"wrote {len(records)} records ({n_broken} broken) in {len(files)} files under {args.output}")
+    print(f"wrote {plural(len(records), 'record')} ({n_broken:,} broken) in {plural(len(files), 'file')} "
+          f"under {args.output}")
     return 0
 
 
 # ----------------------------------------------------------------------------- generation
 
 
-def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str) -> bytes:
+def _draw_image(rng: np.random.Generator, size: tuple[int, int], mode: str) -> Image.Image:
     """A cheap but non-trivial picture: a colour gradient plus a few solid rectangles."""
     w, h = size
     c0, c1 = rng.integers(0, 256, size=(2, 3))
@@ -163,14 +227,23 @@ def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mod
         img.putalpha(Image.fromarray(alpha, "L"))
     elif mode == "P":
         img = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+    return img
+
+
+def encode_image(img: Image.Image, fmt: str, quality: int = 85) -> bytes:
     buf = io.BytesIO()
     if fmt == "jpg":
-        img.save(buf, format="JPEG", quality=85)
+        img.save(buf, format="JPEG", quality=quality)
     elif fmt == "png":
         img.save(buf, format="PNG", compress_level=1)
     else:
-        img.save(buf, format="WEBP", quality=80, method=0)
+        img.save(buf, format="WEBP", quality=quality - 5, method=0)
     return buf.getvalue()
+
+
+def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str) -> SynthImage:
+    img = _draw_image(rng, size, mode)
+    return SynthImage(fmt, encode_image(img, fmt), phash(img, fast=True))
 
 
 def _random_image(rng: np.random.Generator) -> SynthImage:
@@ -178,7 +251,28 @@ def _random_image(rng: np.random.Generator) -> SynthImage:
     fmt = str(rng.choice(["jpg", "jpg", "jpg", "png", "webp"]))
     modes = {"jpg": ["RGB", "RGB", "L"], "png": ["RGB", "L", "RGBA", "P"], "webp": ["RGB", "RGBA"]}[fmt]
     mode = str(rng.choice(modes))
-    return SynthImage(fmt, _encode_image(rng, size, fmt, mode))
+    return _encode_image(rng, size, fmt, mode)
+
+
+def _member_names(rng: np.random.Generator, stem: str, images: list[SynthImage]) -> list[str]:
+    """`{stem}.{ext}`, `{stem}.1.{ext}`, ...; a JPEG member is sometimes `.jpeg` or `.JPG`."""
+    names = []
+    for k, im in enumerate(images):
+        ext = im.name_ext
+        if ext == "jpg":
+            ext = str(rng.choice(["jpg"] * 8 + ["jpeg", "JPG"]))
+        names.append(f"{stem}.{ext}" if k == 0 else f"{stem}.{k}.{ext}")
+    return names
+
+
+def _image_field(rng: np.random.Generator, subset: str, members: list[str], style: str) -> list[str]:
+    """The record's `image` entries for its members, in one of IMAGE_FIELD_STYLES."""
+    folder = f"{PRODUCER_ROOT}/{subset}/images"
+    if style == "exact":
+        return list(members)
+    if style == "basename":
+        return [f"{folder}/{name}" for name in members]
+    return [f"{folder}/{int(rng.integers(0, 2**40)):010x}_{k}.{rng.choice(FOREIGN_EXTS)}" for k in range(len(members))]
 
 
 def _turns(rng: np.random.Generator, n_images: int, literal_placeholder: bool, n_rounds: int, zh: bool) -> list[dict]:
@@ -194,14 +288,18 @@ def _turns(rng: np.random.Generator, n_images: int, literal_placeholder: bool, n
 
 
 def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float = 0.0,
-                     video_fraction: float = 0.0) -> list[SynthRecord]:
+                     video_fraction: float = 0.0, image_field: str = "realistic") -> list[SynthRecord]:
     """Generate `num_samples` varied records; broken ones are spread evenly and cycle kinds.
 
-    Video records (opt-in) come from a separate random stream, so `video_fraction=0` output is
-    unchanged by the feature.
+    Video records (opt-in) and the member/field naming come from separate random streams, so
+    the records' content does not depend on them.
     """
+    if image_field not in ("realistic", "member"):
+        raise ValueError(f"image_field must be 'realistic' or 'member', not {image_field!r}")
     rng = np.random.default_rng(seed)
     video_rng = np.random.default_rng([seed, 1])
+    names_rng = np.random.default_rng([seed, 2])
+    styles, style_p = list(IMAGE_FIELD_STYLES), np.array(list(IMAGE_FIELD_STYLES.values()))
     n_broken = int(round(num_samples * broken_fraction))
     broken_at: dict[int, str] = {}
     if n_broken:
@@ -222,7 +320,7 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
         n_images = {"caption": 1, "single": 1, "multiturn": 1, "multi_image": int(rng.integers(2, 4)), "text_only": 0}[kind]
         images = [_random_image(rng) for _ in range(n_images)]
         if broken == "truncated_jpeg":
-            images[0] = SynthImage("jpg", _encode_image(rng, (640, 480), "jpg", "RGB"))
+            images[0] = _encode_image(rng, (640, 480), "jpg", "RGB")
         literal = kind == "multi_image" or rng.random() < 0.7
         if kind == "text_only":
             q, a = TEXT_ONLY[int(rng.integers(0, len(TEXT_ONLY)))]
@@ -232,23 +330,25 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
         if broken == "placeholder_mismatch":
             conv[0]["value"] = "<image>\n" * (n_images + 1) + conv[0]["value"].replace("<image>", "")
         stem = f"{i:08d}"
-        names = [f"{stem}.{ext}" if k == 0 else f"{stem}.{k}.{ext}" for k, ext in enumerate(im.name_ext for im in images)]
+        names = _member_names(names_rng, stem, images)
+        style = str(names_rng.choice(styles, p=style_p)) if image_field == "realistic" else "exact"
+        entries = _image_field(names_rng, subset, names, style)
         record = {
             "id": f"{subset}-{i:08d}",
             "source": subset,
             "conversations": conv,
-            "image": (names[0] if len(names) == 1 else names) if names else None,
+            "image": (entries[0] if len(entries) == 1 else entries) if entries else None,
             "ram++_tags": [str(t) for t in rng.choice(["sky", "box", "red", "gradient", "art"], size=2, replace=False)],
             "ram++_tags_score": [round(float(s), 4) for s in rng.random(2)],
-            "phash": f"{int(rng.integers(0, 2**63)):016x}",
+            "phash": [im.phash for im in images],
             "qw2vl_loss": round(float(rng.random() * 3), 4),
         }
         if not names:
-            del record["image"]
+            del record["image"], record["phash"]
         if broken == "empty_image":
-            images[0] = SynthImage(images[0].name_ext, b"")
+            images[0] = SynthImage(images[0].name_ext, b"", images[0].phash)
         elif broken == "truncated_jpeg":
-            images[0] = SynthImage("jpg", images[0].data[: len(images[0].data) // 2])
+            images[0] = SynthImage("jpg", images[0].data[: len(images[0].data) // 2], images[0].phash)
         json_bytes = json.dumps(record, ensure_ascii=False).encode()
         if broken == "malformed_json":
             json_bytes = json_bytes[: len(json_bytes) // 2]
@@ -257,17 +357,16 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
             video = _encode_video(video_rng)
             images = []
             record.pop("image", None)
+            record.pop("phash", None)
             record["video"] = f"{stem}.mp4"
             record["conversations"] = [{"from": "human", "value": "<video>\nWhat happens in this clip?"},
                                        {"from": "gpt", "value": "A coloured bar moves from left to right."}]
             json_bytes = json.dumps(record, ensure_ascii=False).encode()
-        out.append(SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes, video))
+        members_sorted = bool(names_rng.random() < 0.5) and len(names) > 1  # (one draw per record)
+        if video is not None:
+            names, members_sorted = [], False
+        out.append(SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes, video, names, members_sorted))
     return out
-
-
-def _image_names(rec: SynthRecord) -> list[str]:
-    ref = rec.record.get("image")
-    return [] if ref is None else [ref] if isinstance(ref, str) else list(ref)
 
 
 # ----------------------------------------------------------------------------- writers
@@ -295,10 +394,10 @@ def write_infinity_mm(records: list[SynthRecord], output: Path, *, samples_per_t
             with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
                 for rec in recs[start:start + samples_per_tar]:
                     _add_member(tar, f"{rec.stem}.json", rec.json_bytes)
-                    for k, (name, img) in enumerate(zip(_image_names(rec), rec.images)):
-                        if rec.broken == "missing_image" and k == 0:
-                            continue
-                        _add_member(tar, name, img.data)
+                    members = [(name, img.data) for k, (name, img) in enumerate(zip(rec.member_names, rec.images))
+                               if not (rec.broken == "missing_image" and k == 0)]
+                    for name, data in sorted(members) if rec.members_sorted else members:
+                        _add_member(tar, name, data)
                     if rec.video is not None:
                         _add_member(tar, rec.record["video"], rec.video)
             files.append(path)
@@ -311,7 +410,7 @@ def write_llava_json(records: list[SynthRecord], output: Path) -> list[Path]:
     ann = output / "annotations.jsonl"
     with ann.open("wb") as f:
         for rec in records:
-            names = [f"images/{n}" for n in _image_names(rec)]
+            names = [f"images/{n}" for n in rec.member_names]
             if rec.broken == "malformed_json":
                 f.write(rec.json_bytes.replace(b"\n", b" ") + b"\n")
             else:

@@ -14,6 +14,7 @@ from PIL import Image, ImageFile
 
 from mmdata.preprocess import decode_check
 from mmdata.preprocess.adapters.base import MediaRef, RawRecord
+from mmdata.preprocess.adapters.media_resolution import Resolution, basename, resolve, weakest
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SampleRecord, image_member_name, video_member_name
 
 # Reason codes (machine-readable; documented in docs/preprocess.md).
@@ -44,6 +45,10 @@ class Valid:
     record_json: str  # the normalised SampleRecord, serialised
     media: list[tuple[MediaRef, str]]  # (where the bytes are, member suffix e.g. "img00.jpg")
     source: str
+    record: dict  # the normalised SampleRecord (what record_json holds)
+    media_rule: str | None  # how its media were found (media_resolution.RULES; None: no media)
+    unreferenced_members: int  # own image members that no entry used
+    image_bytes: list[bytes]  # the images' bytes, when validate(keep_image_bytes=True)
 
 
 @dataclass
@@ -169,15 +174,29 @@ def _conversations(obj: dict) -> list[dict]:
     return out
 
 
-def _image_refs(obj: dict, default: list[str]) -> list[str]:
+def _image_refs(obj: dict) -> list[str] | None:
+    """The record's image entries; None when it has no image field (its own members are then
+    its images), [] when the field is explicitly empty (text-only)."""
+    if "image" not in obj and "images" not in obj:
+        return None
     ref = obj.get("image", obj.get("images"))
     if ref is None or ref == "" or ref == []:
-        return [] if "image" in obj or "images" in obj else list(default)
+        return []
     if isinstance(ref, str):
         return [ref]
     if isinstance(ref, list) and all(isinstance(r, str) and r for r in ref):
         return list(ref)
     raise _Reject("schema_invalid", f"`image` must be a string or a list of strings, got {type(ref).__name__}")
+
+
+def _missing_detail(what: str, entries: list[str] | None, res: Resolution, own: list[str]) -> str:
+    """Why the entries did not all resolve: which one, and what the sample does hold."""
+    k = next(i for i, m in enumerate(res.media) if m is None)
+    shown = f"{what} {entries[k]!r}" if entries is not None else f"{what} {k}"
+    if not own:
+        return f"{shown} not found: no member of that name or basename, and the sample has no {what} member"
+    n = len(entries) if entries is not None else len(res.media)
+    return f"{shown} not found: the sample's {what} members ({', '.join(own)}) are fewer than its {n} {what} entries"
 
 
 def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER,
@@ -193,8 +212,11 @@ def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = I
         raise _Reject("placeholder_mismatch", f"`{placeholder}` in a non-human turn")
 
 
-def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
+def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = False) -> Valid | Invalid:
+    """Validate one record. `keep_image_bytes`: hand the checked images' bytes back in
+    `Valid.image_bytes` (for curation steps that need pixels), instead of reading them twice."""
     record_id, source = raw.rid, ""
+    image_bytes: list[bytes] = []
     try:
         if raw.error:
             raise _Reject(raw.error, raw.error_detail)
@@ -208,48 +230,63 @@ def validate(raw: RawRecord, cfg: ValidationConfig) -> Valid | Invalid:
             raise _Reject("schema_invalid", "`id` must be a string or an integer")
         record_id = str(obj.get("id", raw.rid))
         source = obj.get("source", "") if isinstance(obj.get("source", ""), str) else str(obj.get("source"))
+        source = source.replace("\0", "\ufffd")  # (index rows separate fields with NUL)
         conv = _conversations(obj)
-        refs = _image_refs(obj, raw.default_media)
-        if len(refs) > cfg.max_images_per_record:
-            raise _Reject("schema_invalid", f"{len(refs)} images > {cfg.max_images_per_record}")
+        entries = _image_refs(obj)
+        if entries is not None and len(entries) > cfg.max_images_per_record:
+            raise _Reject("schema_invalid", f"{len(entries)} images > {cfg.max_images_per_record}")
+        images = resolve(entries, raw.own_images, raw.locator)
+        if not images.complete:
+            raise _Reject("image_missing", _missing_detail("image", entries, images, raw.own_images))
+        if len(images.media) > cfg.max_images_per_record:
+            raise _Reject("schema_invalid", f"{len(images.media)} images > {cfg.max_images_per_record}")
         media: list[tuple[MediaRef, str]] = []
         sizes = []
-        for k, ref in enumerate(refs):
-            m = raw.resolve_media(ref)
-            if m is None:
-                raise _Reject("image_missing", f"image {ref!r} not found")
-            ext, w, h, mode = check_image(raw.resolve_media.read(m), ref, cfg)
+        for k, m in enumerate(images.media):
+            data = raw.locator.read(m)
+            ext, w, h, mode = check_image(data, m.name, cfg)
             media.append((m, image_member_name(k, ext)))
             sizes.append([w, h, mode])
-        _normalise_placeholders(conv, len(refs))
-        video_name, video_meta = None, None
+            if keep_image_bytes:
+                image_bytes.append(data)
+        _normalise_placeholders(conv, len(media))
+        video_name, video_meta, video_rule = None, None, None
         video_ref = obj.get("video")
         if video_ref not in (None, ""):
             if not isinstance(video_ref, str):
                 raise _Reject("schema_invalid", "`video` must be a string")
-            m = raw.resolve_media(video_ref)
-            if m is None:
-                raise _Reject("video_missing", f"video {video_ref!r} not found")
-            w, h, frames = check_video(raw.resolve_media.read(m), video_ref, cfg)
-            ext = video_ref.rsplit(".", 1)[-1].lower() if "." in video_ref.rsplit("/", 1)[-1] else "mp4"
+            video = resolve([video_ref], raw.own_videos, raw.locator)
+            if not video.complete:
+                raise _Reject("video_missing", _missing_detail("video", [video_ref], video, raw.own_videos))
+            m = video.media[0]
+            w, h, frames = check_video(raw.locator.read(m), m.name, cfg)
+            ext = m.name.rsplit(".", 1)[-1].lower() if "." in basename(m.name) else "mp4"
             video_name = video_member_name(ext)
             media.append((m, video_name))
-            video_meta = [w, h, frames]
+            video_meta, video_rule = [w, h, frames], video.rule
         _normalise_placeholders(conv, int(video_name is not None), VIDEO_PLACEHOLDER, "videos")
     except _Reject as r:
         return Invalid(r.reason, r.detail, record_id, source)
     meta = {k: obj[k] for k in META_FIELDS if k in obj}
+    provenance = dict(raw.provenance)
+    for field_name, key in (("image", "source_image"), ("images", "source_image"), ("video", "source_video")):
+        if obj.get(field_name) not in (None, "", []) and key not in provenance:
+            provenance[key] = obj[field_name]
+    rule = weakest((images.rule, video_rule))
+    if rule is not None:
+        provenance["media_resolution"] = rule
     if sizes:
         meta["image_sizes"] = sizes
     if video_meta:
         meta["video_size_frames"] = video_meta
     rec = SampleRecord(id=record_id, source=source, conversations=conv,
                        images=[s for _, s in media if s != video_name], video=video_name,
-                       meta=meta, provenance=raw.provenance)
+                       meta=meta, provenance=provenance)
     # vars() rather than dataclasses.asdict: asdict deep-copies every nested value (slow, needless).
-    text = json.dumps(vars(rec), ensure_ascii=False, sort_keys=True)
+    record = vars(rec)
+    text = json.dumps(record, ensure_ascii=False, sort_keys=True)
     try:
         text.encode()
     except UnicodeEncodeError as e:  # e.g. a lone surrogate written as "\ud800" in the source JSON
         return Invalid("json_malformed", f"text is not valid Unicode: {e.reason} at {e.start}", record_id, source)
-    return Valid(text, media, source)
+    return Valid(text, media, source, record, rule, images.unreferenced, image_bytes)

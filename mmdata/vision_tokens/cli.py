@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_IMAGE_AREA} = 512x512, Emu3-Chat's); 0 keeps the VQ dir's own bounds")
     parser.add_argument("--address", default=None,
                         help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where the VQ runs (default auto: cuda when the Ray cluster has GPUs)")
     parser.add_argument("--gpus-per-task", type=float, default=1.0,
@@ -39,37 +39,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.vision_tokens.job import TokenizeConfig, TokenizeError, run_tokenize
+    from mmdata.errors import UserError
+    from mmdata.units import plural
+    from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize
 
     if args.image_area < 0:
-        print("error: --image-area must be positive (or 0 for the VQ dir's own bounds)", file=sys.stderr)
-        return 2
+        raise UserError(f"--image-area must be positive (or 0 for the VQ dir's own bounds), got {args.image_area}")
     if args.gpus_per_task <= 0:
-        print("error: --gpus-per-task must be positive", file=sys.stderr)
-        return 2
+        raise UserError(f"--gpus-per-task must be positive, got {args.gpus_per_task}")
     cfg = TokenizeConfig(
         input=args.shards, vision_tokenizer=args.vision_tokenizer, output=args.output,
         image_area=args.image_area or None, address=args.address, num_cpus=args.num_cpus, device=args.device,
         gpus_per_task=args.gpus_per_task, batch_size=args.batch_size, chunk_samples=args.chunk_samples,
         overwrite=args.overwrite, progress=not args.no_progress,
     )
-    try:
-        manifest = run_tokenize(cfg)
-    except TokenizeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    manifest = run_tokenize(cfg)
     c = manifest["counts"]
-    print(f"{manifest['run']['output']}: {c['written']} samples ({c['tokens']['images']} images, "
-          f"{c['tokens']['visual_tokens']} visual tokens) in {len(manifest['shards'])} shards, "
-          f"{c['quarantined']} quarantined (of {c['read']} read)")
+    print(f"{args.output.resolve()}: {plural(c['written'], 'sample')} ({plural(c['tokens']['images'], 'image')}, "
+          f"{plural(c['tokens']['visual_tokens'], 'visual token')}) in {plural(len(manifest['shards']), 'shard')}, "
+          f"{c['quarantined']:,} quarantined (of {c['read']:,} read)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.vision_tokens.cli ...`: the subcommand alone (used by tests and scripts)."""
-    parser = argparse.ArgumentParser(prog="mmdata tokenize-images", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from mmdata.cli import main as mmdata_main
+
+    return mmdata_main(["tokenize-images", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

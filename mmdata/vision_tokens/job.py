@@ -7,8 +7,9 @@
 2. write    - one task per shard: concatenate its chunks into the output shard.
 3. finish   - energon index (.nv-meta naming VQTokenSample), quarantine.jsonl, manifest.json.
 
-Resumable like `mmdata preprocess` (markers under DIR/.mmdata-work/, same output-folder
-checks, `--overwrite`), and byte-deterministic whatever the number of workers.
+Resumable like `mmdata preprocess` (markers under DIR/.mmdata-work/, the same output-folder
+checks, `--overwrite`, Ctrl-C handling and publish order: mmdata/ray_job.py), and
+byte-deterministic whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-import yaml
-
 import mmdata
 from mmdata import shard_format as sf
-from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
-from mmdata.preprocess.job import WORK_DIR_NAME, PreprocessError, _check_output_dir, _init_ray, _remove, _run_bounded
+from mmdata.errors import UserError, deferred_interrupt
+from mmdata.preprocess.energon_meta import ShardLayout, write_energon_index
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.stages import shard_work_file
+from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
+                             shutdown_ray)
+from mmdata.readiness import unfinished_job
+from mmdata.units import plural
 from mmdata.vision_tokens import token_format as tf
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, chunk_file, count_samples, tokenize_chunk,
                                          write_token_shard)
@@ -43,7 +46,11 @@ DEFAULT_CHUNK_SAMPLES = 64
 TOKEN_STATS = ("images", "visual_tokens", "text_only")
 
 
-class TokenizeError(PreprocessError):
+TOOL = "mmdata tokenize-images"
+WORK_DIR_NAME = sf.WORK_DIR_NAME
+
+
+class TokenizeError(UserError):
     """A problem with the job's inputs/outputs that the user must fix (printed, exit 2)."""
 
 
@@ -75,6 +82,8 @@ def _read_input(folder: Path) -> _Input:
     """The input shards in order, with sample counts and a fingerprint of their content."""
     if not folder.is_dir():
         raise TokenizeError(f"{folder}: no such shard folder")
+    if (why := unfinished_job(folder)) is not None:
+        raise TokenizeError(why)
     manifest_path = folder / sf.MANIFEST_NAME
     if manifest_path.is_file():
         m = json.loads(manifest_path.read_text())
@@ -99,16 +108,16 @@ def _plan_chunks(shards: list[tuple[str, int]], chunk_samples: int) -> dict[str,
                    for i, start in enumerate(range(0, n, chunk_samples))] for name, n in shards}
 
 
-def _prepare_work_dir(out: Path, fp: str, chunk_samples: int) -> Path:
+def _prepare_work_dir(out: Path, fp: str, chunk_samples: int, job: dict) -> Path:
     work = out / WORK_DIR_NAME
     wj = work / "work.json"
-    state = {"fingerprint": fp, "chunk_samples": chunk_samples}
+    state = {"fingerprint": fp, "chunk_samples": chunk_samples, "tool": TOOL, "job": job}
     if wj.exists() and json.loads(wj.read_text()).get("chunk_samples") != chunk_samples:
-        _remove([work / "chunks", work / "shards"])  # other chunk boundaries: redo (the output is the same)
+        remove([work / "chunks", work / "shards"])  # other chunk boundaries: redo (the output is the same)
     for d in ("chunks", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    for stale in list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp")):
-        stale.unlink(missing_ok=True)
+    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
+    remove(stale + list(out.glob(f"{sf.ENERGON_META}.tmp-*")))
     write_json_atomic(wj, state)
     return work
 
@@ -138,30 +147,27 @@ def _resolve_device(cfg: TokenizeConfig) -> str:
     return cfg.device
 
 
-def _replace_sample_type(out: Path) -> None:
-    """Point the energon index written by preprocess's writer at the token sample type."""
-    module, cls = tf.SAMPLE_TYPE
-    meta = out / NV_META
-    if not meta.is_dir():
-        return
-    dataset = {"sample_type": {"__module__": module, "__class__": cls}, "sample_loader": "sample_loader.py:sample_loader",
-               "part_filter": "sample_loader.py:part_filter"}
-    (meta / "dataset.yaml").write_text(yaml.safe_dump(dataset, sort_keys=False))
-    (meta / "sample_loader.py").write_text(
-        "# Written by mmdata tokenize-images: the loader lives in the installed package.\n"
-        f"from {module} import part_filter, sample_loader  # noqa: F401\n")
-
-
 def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str]) -> None:
-    layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
-    write_energon_index(out, written, layouts)
-    _replace_sample_type(out)
+    """quarantine.jsonl, then energon's index naming the token sample type (published atomically)."""
     parts = [chunk_file(work, c.shard, c.index, "quarantine.jsonl") for chunks in plan.values() for c in chunks]
     concat_parts(parts, out / sf.QUARANTINE_NAME)
+    module, cls = tf.SAMPLE_TYPE
+    dataset = {"sample_type": {"__module__": module, "__class__": cls}, "sample_loader": "sample_loader.py:sample_loader",
+               "part_filter": "sample_loader.py:part_filter"}
+    loader_py = ("# Written by mmdata tokenize-images: the loader lives in the installed package.\n"
+                 f"from {module} import part_filter, sample_loader  # noqa: F401\n")
+    layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
+    write_energon_index(out, written, layouts, dataset=dataset, sample_loader_py=loader_py)
 
 
+def _manifest_job(manifest: dict) -> dict | None:
+    return manifest.get("job") if isinstance(manifest.get("job"), dict) else None
+
+
+@resumable
 def run_tokenize(cfg: TokenizeConfig) -> dict:
-    """Run the whole job; returns the manifest. Raises TokenizeError on user errors."""
+    """Run the whole job; returns the manifest. Raises TokenizeError on user errors, and
+    Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
     import ray
 
     from mmdata.preprocess.progress import JobProgress
@@ -173,9 +179,13 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
         raise TokenizeError("--batch-size must be positive")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise TokenizeError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+    if cfg.num_cpus is not None and cfg.num_cpus <= 0:
+        raise TokenizeError(f"--num-cpus must be a positive number, got {cfg.num_cpus}")
     inp_dir, out = Path(cfg.input).resolve(), Path(cfg.output).resolve()
     if out == inp_dir:
         raise TokenizeError("--output must differ from the input shard folder")
+    if out.exists() and not out.is_dir():
+        raise TokenizeError(f"--output {out} is a file; give a folder (a new one, or one this tool wrote)")
     inp = _read_input(inp_dir)
     try:
         check_vq_dir(cfg.vision_tokenizer)
@@ -185,7 +195,7 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
     pool = ThreadPoolExecutor(1, thread_name_prefix="mmdata-vq")
     vq_future = pool.submit(_read_vq, cfg)
     pool.shutdown(wait=False)
-    own_ray = _init_ray(cfg)
+    own_ray = init_ray(cfg.address, cfg.num_cpus)
     try:
         vq = vq_future.result()
         device = _resolve_device(cfg)
@@ -193,17 +203,19 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
         import torch
         import transformers
 
-        fp = fingerprint({"format_version": tf.TOKEN_FORMAT_VERSION, "input": inp.fingerprint, "vq": vq["fingerprint"],
-                          "processor": vq["processor"], "device": device, "batch_size": batch_size,
-                          "transformers": transformers.__version__, "torch": torch.__version__})
-        out.mkdir(parents=True, exist_ok=True)
-        done_manifest = _check_output_dir(out, fp, cfg.overwrite)
+        job = {"format_version": tf.TOKEN_FORMAT_VERSION, "input": inp.fingerprint, "vq": vq["fingerprint"],
+               "processor": vq["processor"], "device": device, "batch_size": batch_size,
+               "transformers": transformers.__version__, "torch": torch.__version__}
+        fp = fingerprint(job)
+        done_manifest = check_output_dir(out, fp, job, cfg.overwrite, shard_outputs, TokenizeError, _manifest_job)
         if done_manifest is not None:
             print(f"{out}: already complete for these shards and VQ model; nothing to do", file=sys.stderr)
             if not cfg.keep_work_dir:
                 shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
             return done_manifest
-        work = _prepare_work_dir(out, fp, cfg.chunk_samples)
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        work = _prepare_work_dir(out, fp, cfg.chunk_samples, job)
         opts = TokenizeOptions(str(inp_dir), str(work), vq["path"], vq["fingerprint"], cfg.image_area, device,
                                batch_size, threads=1)
         plan = _plan_chunks(inp.shards, cfg.chunk_samples)
@@ -228,7 +240,12 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
                 resumed["chunks"] += int(r["resumed"])
                 prog.advance("tokenize images", records=stats["images"], unit="images")
 
-            _run_bounded(lambda c: tokenize_r.remote(c, opts), chunks, max_in_flight, tokenized)
+            run_bounded(lambda c: tokenize_r.remote(c, opts), chunks, max_in_flight, tokenized)
+            prog.resumed("tokenize images", resumed["chunks"], len(chunks), "chunk", after=True)
+            if counts.written == 0:  # leave nothing behind
+                discard(out, work, created)
+                raise TokenizeError(f"no sample to write: all {plural(counts.read, 'sample')} were quarantined "
+                                    f"({', '.join(f'{r} {n:,}' for r, n in counts.to_json()['by_reason'].items())})")
             phases["tokenize_s"] = round(time.perf_counter() - t0, 3)
             t0 = time.perf_counter()
             prog.stage("write shards", len(plan))
@@ -239,12 +256,12 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
                 resumed["shards"] += int(r["resumed"])
                 prog.advance("write shards")
 
-            _run_bounded(lambda n: write_r.remote(n, len(plan[n]), str(work), str(out)), list(plan), max_in_flight,
-                         wrote)
+            run_bounded(lambda n: write_r.remote(n, len(plan[n]), str(work), str(out)), list(plan), max_in_flight,
+                        wrote)
+            prog.resumed("write shards", resumed["shards"], len(plan), "shard", after=True)
             phases["write_s"] = round(time.perf_counter() - t0, 3)
     finally:
-        if own_ray:
-            ray.shutdown()
+        shutdown_ray(own_ray)
     t0 = time.perf_counter()
     shards = [{k: results[n][k] for k in ("name", "samples", "bytes", "sha256")} for n in plan if results[n]["samples"]]
     _finish_outputs(out, work, plan, [s["name"] for s in shards])
@@ -254,6 +271,7 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
         "version": mmdata.__version__,
         "format_version": tf.TOKEN_FORMAT_VERSION,
         "fingerprint": fp,
+        "job": job,
         "input": {"path": str(inp_dir), "fingerprint": inp.fingerprint,
                   "manifest_fingerprint": (inp.manifest or {}).get("fingerprint")},
         "vision_tokenizer": {k: vq[k] for k in ("path", "layout", "fingerprint", "config")},
@@ -271,21 +289,22 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
                 "phases": phases, "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
                 "num_cpus": cfg.num_cpus},
     }
-    write_json_atomic(out / sf.MANIFEST_NAME, manifest)
-    if not cfg.keep_work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+    with deferred_interrupt():  # the manifest says "finished": then the work folder goes
+        write_json_atomic(out / sf.MANIFEST_NAME, manifest)
+        if not cfg.keep_work_dir:
+            shutil.rmtree(work, ignore_errors=True)
     if cfg.progress:
         from rich.console import Console
 
-        Console(stderr=True).print(summary_table(manifest))
+        Console(stderr=True).print(summary_table(manifest, out))
     return manifest
 
 
-def summary_table(manifest: dict):
+def summary_table(manifest: dict, out: Path | None = None):
     from rich.table import Table
 
     c, tok = manifest["counts"], manifest["counts"]["tokens"]
-    t = Table(title=f"mmdata tokenize-images: {manifest['run']['output']}")
+    t = Table(title=f"mmdata tokenize-images: {out or manifest['run']['output']}")
     t.add_column("what")
     t.add_column("count", justify="right")
     for label, n in (("samples read", c["read"]), ("samples written", c["written"]),
@@ -295,7 +314,7 @@ def summary_table(manifest: dict):
     for reason, n in c["by_reason"].items():
         t.add_row(f"  reason {reason}", f"{n:,}")
     wall = manifest.get("wall_time_s") or 0.0
-    t.caption = (f"{len(manifest['shards'])} shards on {manifest['device']}, image area {manifest['image_area']}, "
+    t.caption = (f"{plural(len(manifest['shards']), 'shard')} on {manifest['device']}, image area {manifest['image_area']}, "
                  f"VQ {manifest['vision_tokenizer']['fingerprint'][:12]}, {wall:.1f} s "
                  f"({tok['images'] / max(wall, 1e-9):,.1f} images/s)")
     return t

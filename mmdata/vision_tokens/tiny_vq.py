@@ -11,7 +11,6 @@ it exactly like real weights. Deterministic: the same seed and sizes give the sa
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 DEFAULT_CODEBOOK_SIZE = 512  # the tiny Emu3 tokenizer's default number of visual tokens
@@ -48,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.codebook_size < 1:
-        print(f"error: --codebook-size must be positive, got {args.codebook_size}", file=sys.stderr)
-        return 2
+        from mmdata.errors import UserError
+
+        raise UserError(f"--codebook-size must be positive, got {args.codebook_size}")
     out = build_tiny_vq(args.output, seed=args.seed, codebook_size=args.codebook_size)
     print(f"wrote a tiny random Emu3 VQ model ({args.codebook_size} codes, seed {args.seed}) to {out}")
     return 0

@@ -7,11 +7,13 @@ from __future__ import annotations
 import difflib
 from typing import Any, Sequence
 
+from mmdata.errors import UserError
+
 KeyPath = tuple[str, ...]
 
 
-class RecipeError(ValueError):
-    """All problems found in one recipe, one per line, each naming the key path."""
+class RecipeError(UserError, ValueError):
+    """All problems found in one recipe, one per line, each naming the key path (exit 2)."""
 
     def __init__(self, errors: Sequence[str], source: str = "recipe"):
         self.errors = list(errors)

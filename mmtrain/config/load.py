@@ -9,6 +9,7 @@ A recipe is validated here, once; the runtime reads the typed result and trusts 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -90,9 +91,26 @@ def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: Fam
         data = convert_section(sections.get("data", {}), spec.data_config_cls, ("data",), errors)
         if recipe is not None and model is not None and data is not None:
             recipe.model, recipe.data = model, data
+            absolute_paths(recipe)
             cross_checks(recipe, spec, errors)
     errors.raise_if_any()
     return recipe
+
+
+def absolute_paths(obj: Any) -> None:
+    """Make the recipe's local paths (fields with `schema.PATH` metadata, in any section)
+    absolute against the working directory, in place: the recipe, its saved copy and every
+    worker then mean the same files from any folder."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("path"):
+            setattr(obj, f.name, [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            absolute_paths(value)
+
+
+def _absolute(path: Any) -> Any:
+    return os.path.abspath(os.path.expanduser(path)) if isinstance(path, str) and path else path
 
 
 def _migrations(tree: dict, spec: FamilySpec | None, errors: RecipeErrors) -> None:
@@ -130,9 +148,12 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    header = ("# Resolved recipe (stage and command-line overrides applied), written by mmtrain.\n"
-              "# Re-run it as is: mmtrain FAMILY THIS_FILE\n")
-    return header + yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=False)
+    header = ("# Resolved recipe (stage and command-line overrides applied, paths absolute), written by mmtrain.\n"
+              f"# Re-run it as is, from any folder: mmtrain {recipe.family} THIS_FILE\n")
+    plain = recipe_to_dict(recipe)
+    if plain.get("action") == "print_config":  # what was printed is the recipe to run
+        plain["action"] = "run"
+    return header + yaml.safe_dump(plain, sort_keys=False, default_flow_style=False)
 
 
 def save_resolved(recipe: Recipe, path: str | os.PathLike) -> Path:

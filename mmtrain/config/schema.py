@@ -2,7 +2,9 @@
 written. The family-specific sections are the family's own dataclasses (`FamilySpec`):
 `model:` entirely, `data:` as a subclass of `DataConfig` adding the family's loader keys.
 
-Every key, with meaning and default: docs/recipes.md.
+Every key, with meaning and default: docs/recipes.md (tests/test_cli_ux.py checks that its
+tables agree with the defaults here). Fields holding a local path carry `PATH` metadata: the
+resolved recipe (`<run_dir>/config.yaml`) writes them absolute.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Literal
 
 from mmtrain.planning.cost_model import PEAK_TFLOPS
 
-Action = Literal["run", "dry_run", "auto_tune"]
+Action = Literal["run", "dry_run", "auto_tune", "print_config"]
 Decay = Literal["cosine", "linear", "constant"]
 Recompute = Literal["none", "full", "selective"]
 Precision = Literal["fp32", "bf16"]
@@ -22,16 +24,18 @@ CPComm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]  # megatron's names (TE 
 LMLoss = Literal["auto", "fused", "chunked", "plain"]
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+#: dataclass field metadata of a local path (or a list of them): written absolute when saved
+PATH = {"path": True}
 
 
 @dataclass
 class DataConfig:
     """Where the shards are and how the loader streams them (mmdata.energon_loaders)."""
 
-    paths: list[str] = field(default_factory=list)  # shard dirs, or one energon metadataset YAML
+    paths: list[str] = field(default_factory=list, metadata=PATH)  # shard dirs, or one energon metadataset YAML
     num_workers: int = 2
     packing: bool = True
-    packing_buffer_size: int = 64
+    packing_buffer_size: int = 256  # = mmdata.energon_loaders.packing.DEFAULT_PACKING_BUFFER
     shuffle_buffer_size: int = 100
     # how DP ranks split the stream:
     #   "dp": energon's own per-DP-rank sharding (scales; loader state is tied to the DP size)
@@ -41,12 +45,12 @@ class DataConfig:
     sharding: Sharding = "dp"
     # held-out shard dirs (or one metadataset YAML) for `train.eval_interval`; read with the
     # same loader settings, the recipe's seed and no state carried between evaluations
-    val_paths: list[str] = field(default_factory=list)
+    val_paths: list[str] = field(default_factory=list, metadata=PATH)
 
 
 @dataclass
 class TokenizerConfig:
-    path: str | None = None  # HF tokenizer dir; required for action=run
+    path: str | None = field(default=None, metadata=PATH)  # local HF tokenizer dir; required for action=run
 
 
 @dataclass
@@ -117,7 +121,7 @@ class ParallelConfig:
 class CheckpointConfig:
     interval: int = 1000  # save every N steps (and at the end); 0 = only at the end
     keep_last: int = 2  # 0 = keep all
-    load: str | None = None  # checkpoint dir (or HF dir) to start from
+    load: str | None = field(default=None, metadata=PATH)  # checkpoint dir (or HF dir) to start from
     # take only the model weights from `load` (fresh optimizer, schedule, step, data), as a new
     # training stage does; a run that has its own checkpoints in run_dir always resumes them
     weights_only: bool = False
@@ -126,7 +130,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     interval: int = 1
-    tensorboard: bool = True  # used only when `tensorboard` is importable
+    tensorboard: bool = False  # also TensorBoard scalars (needs the `tensorboard` package)
 
 
 @dataclass
@@ -159,7 +163,7 @@ class Recipe:
 
     action: Action = "run"
     family: str
-    run_dir: str
+    run_dir: str = field(metadata=PATH)
     seed: int = 1234
     stage: str | None = None
     model: Any

@@ -11,23 +11,7 @@ from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
-
-
-def _segments(attention_mask: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """Per-row [valid, padding] segments; only right padding is meaningful for a causal LM call."""
-    b, s = attention_mask.shape
-    lens: list[int] = []
-    pos = torch.zeros((b, s), dtype=torch.long)
-    for r in range(b):
-        row = attention_mask[r].to(torch.bool)
-        valid = int(row.sum())
-        if valid and not bool(row[:valid].all()):
-            raise ValueError(
-                f"attention_mask row {r} is left-padded or holey; use right padding (processor padding_side='right')"
-            )
-        lens += [valid] if valid == s else ([valid, s - valid] if valid else [s])
-        pos[r, :valid] = torch.arange(valid)
-    return lens, pos
+from mmtrain.models.language_model import segments_from_attention_mask
 
 
 def hf_inputs_to_batch(
@@ -42,8 +26,7 @@ def hf_inputs_to_batch(
     b, s = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    lens, pos = _segments(attention_mask)
-    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu, pos = segments_from_attention_mask(attention_mask)
     v = cfg.vision
     items = []  # (kind, tiles [n, 3, H, W], (h, w), grid, tokens, placeholder id)
     if pixel_values is not None:
@@ -105,7 +88,7 @@ def hf_inputs_to_batch(
         labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
         position_ids=pos,
         cu_seqlens=cu,
-        max_seqlen=int(max(lens)),
+        max_seqlen=int((cu[1:] - cu[:-1]).max()),
         pixel_values=px,
         tiles_per_media=torch.tensor([it[1].shape[0] for it in ordered], dtype=torch.long),
         media_kind=torch.tensor([it[0] for it in ordered], dtype=torch.long),

@@ -54,19 +54,39 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1):
     return loader
 
 
-def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, tokenizer_path: str) -> None:
+def media_token_problems(m: LlavaOVModelConfig, image_id: int | None, video_id: int | None,
+                         tokenizer_path: str) -> list[str]:
     """The model finds media positions by token id: a tokenizer whose `<image>`/`<video>` ids
-    differ from the model config would silently misplace image features, so refuse early."""
-    wrong = [
-        f"model.{key}={want} but the tokenizer at {tokenizer_path} maps {tok} to {got}"
+    differ from the model config would silently misplace image features."""
+    return [
+        f"model.{key}: {want}, but the tokenizer at {tokenizer_path} maps {tok} to {got} (set model.{key}={got}, "
+        "or use the tokenizer the model was made with)"
         for key, want, tok, got in (
             ("image_token_id", m.image_token_id, "<image>", image_id),
             ("video_token_id", m.video_token_id, "<video>", video_id),
         )
         if want != got
     ]
+
+
+def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, tokenizer_path: str) -> None:
+    """Refuse (ValueError) what `media_token_problems` finds; the loader's last line of defence."""
+    wrong = media_token_problems(m, image_id, video_id, tokenizer_path)
     if wrong:
         raise ValueError("media token ids disagree: " + "; ".join(wrong))
+
+
+def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
+    """Before training (FamilySpec.check_tokenizer): the tokenizer's `<image>`/`<video>` ids."""
+    from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
+
+    unk = getattr(tokenizer, "unk_token_id", None)
+
+    def token_id(token: str) -> int | None:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        return None if tid is None or (tid == unk and token not in tokenizer.get_vocab()) else int(tid)
+
+    return media_token_problems(recipe.model, token_id(IMAGE_TOKEN), token_id(VIDEO_TOKEN), recipe.tokenizer.path)
 
 
 def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
@@ -123,6 +143,7 @@ LLAVA_OV = FamilySpec(
     build_loader=build_loader,
     forward_step=forward_step,
     model_shapes=model_shapes,
+    check_tokenizer=check_tokenizer,
     hf=HFConversion(
         to_mcore=_to_mcore,
         to_hf=_to_hf,

@@ -2,7 +2,7 @@
 mappings (LlavaOnevisionConfig, SiglipVisionConfig) they need.
 
 Built from the shared machinery in `mmtrain.models.state_dict_adapter` (streaming triples,
-qkv/gate-up layouts, the Qwen2 decoder part). Layouts added here: SigLIP's patch conv +
+qkv/gate-up layouts, the Llama-style decoder part). Layouts added here: SigLIP's patch conv +
 position table, the projector's two linears, `image_newline`, and the HF on-disk name variants
 of LLaVA-OV checkpoints.
 """
@@ -15,8 +15,8 @@ from typing import Optional
 from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
 from mmtrain.models.state_dict_adapter import (
     ConversionError,
+    LlamaDecoderAdapter,
     Pair,
-    Qwen2Adapter,
     StateDictAdapter,
     llm_config_from_hf,
 )
@@ -96,7 +96,7 @@ class LlavaOVStateDictAdapter(StateDictAdapter):
                 ("vision_projection.encoder.linear_fc2.bias", ["multi_modal_projector.linear_2.bias"], "copy"),
             ]
         self._pairs.append(("image_newline", ["image_newline"], "copy"))
-        self._add(Qwen2Adapter(cfg.llm, "language_model.model.", "language_model.lm_head.weight", "language_model."))
+        self._add(LlamaDecoderAdapter(cfg.llm, "language_model.model.", "language_model.lm_head.weight", "language_model."))
         if not cfg.llm.tie_word_embeddings:
             self.ignorable = re.compile(r"^vision_tower\.head\.")
 

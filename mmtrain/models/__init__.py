@@ -7,7 +7,8 @@
   layer_specs.py         local pre-norm transformer layer spec, MLP submodules, core-attention pick
   attention.py           SDPACoreAttention (packed THD without an S x S mask; CPU and GPU)
   norm.py                TorchNorm (LayerNorm / RMSNorm that works with sequence parallelism)
-  state_dict_adapter.py  HF <-> megatron streaming adapters, qkv / gate-up layouts, Qwen2 decoder
+  state_dict_adapter.py  HF <-> megatron streaming adapters, qkv / gate-up layouts, the Llama-style
+                         decoder (Llama, Qwen2), decoder HF config mappings
   model_io.py            canonical tensors <-> a TP/PP-sharded model
   hf_io.py               safetensors reading (one tensor at a time) and sharded writing
 """

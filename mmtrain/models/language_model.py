@@ -1,6 +1,7 @@
 """The decoder as a megatron-core `GPTModel` on the local layer spec, and the pieces around it
-every family's model uses: THD packed-sequence parameters, the LM loss over the true (unpadded)
-vocabulary, and megatron's TP tags for models built without random init.
+every family's model uses: token embedding of a packed batch, THD packed-sequence parameters,
+the decoder run to per-token loss (over the true, unpadded vocabulary) or logits, HF-style
+attention masks as packed segments, and megatron's TP tags for models built without random init.
 
 Packed sequences run in megatron's THD layout: the [B, S] batch is flattened to one [B*S] stream
 and `cu_seqlens` (one segment per packed sample / padding run) drives both RoPE (positions
@@ -172,6 +173,25 @@ def packed_decoder_forward(lm: DecoderLM, batch: PackedBatch, layout: CPLayout,
     if return_logits:
         return out.reshape(b, s, -1)[..., : lm.true_vocab]
     return layout.scatter(out.reshape(-1)).view(b, s)
+
+
+def segments_from_attention_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An HF-style [B, S] attention mask (1 = token, right padding) -> (cu_seqlens over the
+    flattened B*S stream with one segment per row's tokens and one per its padding, position ids
+    restarting per row), so HF-style calls run as packed batches."""
+    b, s = attention_mask.shape
+    lens: list[int] = []
+    pos = torch.zeros((b, s), dtype=torch.long)
+    for r in range(b):
+        row = attention_mask[r].to(torch.bool)
+        valid = int(row.sum())
+        if valid and not bool(row[:valid].all()):
+            raise ValueError(
+                f"attention_mask row {r} is left-padded or holey; use right padding (processor padding_side='right')"
+            )
+        lens += [valid] if valid == s else ([valid, s - valid] if valid else [s])
+        pos[r, :valid] = torch.arange(valid)
+    return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32), pos
 
 
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, true_vocab: int) -> torch.Tensor:

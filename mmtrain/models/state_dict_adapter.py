@@ -1,5 +1,7 @@
 """HF <-> megatron-core state-dict adapters: the streaming machinery every family's adapter is
-built from, and the Qwen2/2.5 (Llama-style) decoder part.
+built from, and the Llama-style decoder part (Llama and the many HF models with its layout;
+Qwen2/2.5 adds a qkv bias), with whole-model adapters for `LlamaForCausalLM` and `Qwen2ForCausalLM` and the HF
+config mappings of such decoders.
 
 Both sides are seen as *canonical full tensors*: HF names as transformers writes them to disk,
 and megatron names at TP=1 with global layer numbers (`mmtrain.models.model_io` shards them for
@@ -10,7 +12,7 @@ An adapter is a list of (megatron name, [HF names], op) triples, op one of
 - "copy": one tensor as is;
 - "cat": HF gate/up -> megatron SwiGLU `linear_fc1` = [gate; up];
 - "qkv": HF q/k/v (+ biases) -> megatron `linear_qkv` in its per-query-group interleaved layout
-  [g0: q(heads/groups) k v | g1: ...] (GQA for Qwen2, one group per head for ViT encoders).
+  [g0: q(heads/groups) k v | g1: ...] (GQA for decoders, one group per head for ViT encoders).
 Tied embeddings have no lm_head / output_layer; vocab padding to a TP multiple is applied when a
 tensor is placed into a model (model_io).
 """
@@ -68,9 +70,10 @@ class PartAdapter(Protocol):
     def groups(self) -> tuple[int, int]: ...
 
 
-class Qwen2Adapter:
-    """Qwen2/2.5 decoder. `hf_prefix` is where `layers.N...` live (e.g. "model." or
-    "language_model.model."), `lm_head` the untied output weight's name."""
+class LlamaDecoderAdapter:
+    """A Llama-style decoder (HF names as Llama and Qwen2/2.5 write them; the qkv bias only when
+    `cfg.qkv_bias`, as Qwen2). `hf_prefix` is where `layers.N...` live (e.g. "model."
+    or "language_model.model."), `lm_head` the untied output weight's name."""
 
     def __init__(self, cfg: LLMConfig, hf_prefix: str, lm_head: str, mc_prefix: str = "") -> None:
         self.cfg, self.hp, self.lm_head, self.mp = cfg, hf_prefix, lm_head, mc_prefix
@@ -184,16 +187,22 @@ class StateDictAdapter:
             )
 
 
-class Qwen2StateDictAdapter(StateDictAdapter):
-    """`Qwen2ForCausalLM` <-> a megatron `GPTModel` (names relative to the GPTModel)."""
+class LlamaStateDictAdapter(StateDictAdapter):
+    """`LlamaForCausalLM`-layout checkpoints (`model.` + `lm_head.weight`) <-> a megatron
+    `GPTModel` (names relative to the GPTModel, under `mc_prefix`). A tied checkpoint may still
+    store `lm_head.weight`; it is ignored on the way in."""
 
     ignorable = re.compile(r"^lm_head\.weight$")
 
     def __init__(self, cfg: LLMConfig, mc_prefix: str = "") -> None:
         super().__init__()
-        self._add(Qwen2Adapter(cfg, "model.", "lm_head.weight", mc_prefix))
+        self._add(LlamaDecoderAdapter(cfg, "model.", "lm_head.weight", mc_prefix))
         if not cfg.tie_word_embeddings:
             self.ignorable = re.compile(r"$^")
+
+
+class Qwen2StateDictAdapter(LlamaStateDictAdapter):
+    """`Qwen2ForCausalLM` <-> a megatron `GPTModel`: the Llama layout with the qkv bias."""
 
 
 # ----------------------------------------------------------------------------- configs
@@ -208,18 +217,16 @@ def _rope_theta(text: dict) -> float:
     return float(rp.get("rope_theta", 10000.0))
 
 
-def llm_config_from_hf(text: dict, where: str = "text_config") -> LLMConfig:
-    mt = text.get("model_type", "qwen2")
-    if mt not in ("qwen2",):
-        raise ConversionError(f"{where}.model_type={mt!r}: only qwen2 (Qwen2/Qwen2.5) decoders are supported")
-    if text.get("use_sliding_window"):
-        raise ConversionError(f"{where}.use_sliding_window=true is not supported")
+def _decoder_config(text: dict, where: str, qkv_bias: bool) -> LLMConfig:
     if text.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"{where}.hidden_act={text.get('hidden_act')!r}: expected silu")
-    heads = int(text["num_attention_heads"])
+    heads, hidden = int(text["num_attention_heads"]), int(text["hidden_size"])
+    if text.get("head_dim") not in (None, hidden // heads):
+        raise ConversionError(f"{where}.head_dim={text['head_dim']}: only hidden_size / num_attention_heads "
+                              f"= {hidden // heads} is supported")
     return LLMConfig(
         num_layers=int(text["num_hidden_layers"]),
-        hidden_size=int(text["hidden_size"]),
+        hidden_size=hidden,
         ffn_hidden_size=int(text["intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(text.get("num_key_value_heads") or heads),
@@ -228,5 +235,42 @@ def llm_config_from_hf(text: dict, where: str = "text_config") -> LLMConfig:
         rope_theta=_rope_theta(text),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-        qkv_bias=True,
+        qkv_bias=qkv_bias,
+    )
+
+
+def llm_config_from_hf(text: dict, where: str = "text_config") -> LLMConfig:
+    """A Qwen2/2.5 config (dict) -> LLMConfig (qkv bias on)."""
+    mt = text.get("model_type", "qwen2")
+    if mt not in ("qwen2",):
+        raise ConversionError(f"{where}.model_type={mt!r}: only qwen2 (Qwen2/Qwen2.5) decoders are supported")
+    if text.get("use_sliding_window"):
+        raise ConversionError(f"{where}.use_sliding_window=true is not supported")
+    return _decoder_config(text, where, qkv_bias=True)
+
+
+def llama_config_from_hf(text: dict, where: str = "config", model_types: tuple[str, ...] = ("llama",)) -> LLMConfig:
+    """A Llama-style config (`LlamaConfig` or another HF model type with that decoder, named in
+    `model_types`; as a dict) -> LLMConfig; refuses what the megatron decoder does not model
+    (linear biases, another head_dim, RoPE scaling)."""
+    mt = text.get("model_type")
+    if mt not in model_types:
+        raise ConversionError(f"{where}.model_type={mt!r}: expected one of {list(model_types)}")
+    for key in ("attention_bias", "mlp_bias"):
+        if text.get(key):
+            raise ConversionError(f"{where}.{key}=true is not supported (the decoder has no linear biases)")
+    return _decoder_config(text, where, qkv_bias=False)
+
+
+def hf_llama_text_config(llm: LLMConfig) -> dict:
+    """The decoder keys of a Llama-style HF config for `llm` (merged over a model type's own)."""
+    if llm.qkv_bias:
+        raise ConversionError("a Llama-style HF config has no qkv bias (model.llm.qkv_bias must be false)")
+    return dict(
+        hidden_size=llm.hidden_size, intermediate_size=llm.ffn_hidden_size, num_hidden_layers=llm.num_layers,
+        num_attention_heads=llm.num_attention_heads, num_key_value_heads=llm.num_query_groups,
+        vocab_size=llm.vocab_size, max_position_embeddings=llm.max_position_embeddings,
+        rms_norm_eps=llm.rms_norm_eps, tie_word_embeddings=llm.tie_word_embeddings, hidden_act="silu",
+        attention_bias=False, mlp_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
     )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from mmdata.units import plural
 from mmtrain.planning.cost_model import (
     GB,
     sequence_split_multiple,
@@ -139,7 +140,7 @@ def _row(rank: int, c: Candidate, tflops: float) -> list[str]:
             f"{c.mfu(tflops):.0%}", "yes" if c.fits else "no"]
 
 
-HEADER = ["rank", "tp", "pp", "cp", "dp", "mbs", "recompute", "mem_gb", "step_s", "tok/s/dev", "mfu", "fits"]
+HEADER = ["rank", "tp", "pp", "cp", "dp", "mbs", "recompute", "mem_gib", "step_s", "tok/s/dev", "mfu", "fits"]
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -157,7 +158,7 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -
     csv_path = run_dir / "auto_tune.csv"
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(HEADER[:7] + ["sequence_parallel", "mem_gb", "step_s", "tokens_per_s_per_device", "mfu", "fits"])
+        w.writerow(HEADER[:7] + ["sequence_parallel", "mem_gib", "step_s", "tokens_per_s_per_device", "mfu", "fits"])
         for i, c in enumerate(cands, 1):
             L = c.layout
             w.writerow([i, L.tp, L.pp, L.cp, L.dp, L.micro_batch_size, L.recompute, L.sequence_parallel,
@@ -166,8 +167,8 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -
     fitting = [c for c in cands if c.fits]
     lines = [
         f"auto_tune: {len(cands)} layouts for world size {p.world_size} "
-        f"({p.nnodes} node(s) x {p.nproc_per_node}), {len(fitting)} fit in "
-        f"{a.device_memory_gb:g} GB x {a.memory_fraction:g}; {a.device_tflops:g} TFLOP/s peak at "
+        f"({plural(p.nnodes, 'node')} x {p.nproc_per_node}), {len(fitting)} fit in "
+        f"{a.device_memory_gb:g} GiB x {a.memory_fraction:g}; {a.device_tflops:g} TFLOP/s peak at "
         f"{a.matmul_efficiency:.0%} efficiency",
         "MODEL-BASED SEARCH: memory and step times are analytical estimates (mmtrain/planning/cost_model.py), "
         "no trial runs were made. Confirm the winner with a short run (train.iters=5).",
@@ -183,10 +184,10 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -
         L = best.layout
         lines.append(f"best: tp {L.tp}, pp {L.pp}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute "
                      f"{L.recompute}, sequence parallel {'on' if L.sequence_parallel else 'off'}: "
-                     f"~{best.memory.total / GB:.1f} GB/rank, ~{best.step.total_s:.2f} s/step")
+                     f"~{best.memory.total / GB:.1f} GiB/rank, ~{best.step.total_s:.2f} s/step")
         lines.append(f"wrote {recipe_path} (run it: mmtrain {recipe.family} {recipe_path}) and {csv_path}")
     else:
-        lines.append(f"no layout fits; smallest needs {cands[0].memory.total / GB:.1f} GB/rank" if cands
+        lines.append(f"no layout fits; smallest needs {cands[0].memory.total / GB:.1f} GiB/rank" if cands
                      else "no valid layout for this world size and batch")
         lines.append(f"wrote {csv_path}")
     text = "\n".join(lines)

@@ -31,7 +31,7 @@ from typing import Any
 
 from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
 
-GB = 1024**3
+GB = 1024**3  # a GiB: `auto_tune.device_memory_gb` and every memory figure are in GiB
 
 #: dense peak TFLOP/s per device, by (name fragment, precision): the runtime's MFU denominator
 #: and the default `auto_tune.device_tflops` (H100 bf16)
@@ -146,10 +146,17 @@ class ParamCounts:
     decoder_embedding: int
     decoder_layers: int
     trainable: dict[str, int] = field(default_factory=dict)
+    #: parameters in the rows megatron adds to pad the vocabulary (embedding and untied head)
+    vocab_padding: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.parts.values())
+
+    @property
+    def unpadded_total(self) -> int:
+        """The count of the model with its true vocabulary: what the HF checkpoint holds (numel)."""
+        return self.total - self.vocab_padding
 
     @property
     def total_trainable(self) -> int:
@@ -167,7 +174,8 @@ def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> Pa
     layers = d.layers * decoder_layer_params(d)
     parts[shapes.decoder_part] = parts.get(shapes.decoder_part, 0) + emb + layers + d.hidden + (0 if d.tied else emb)
     trainable = {k: (0 if k in freeze else n) for k, n in parts.items()}
-    return ParamCounts(parts, emb, layers, trainable)
+    padding = (d.padded_vocab(tp) - d.vocab) * d.hidden * (1 if d.tied else 2)
+    return ParamCounts(parts, emb, layers, trainable, padding)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -457,4 +465,7 @@ def fmt_count(n: float) -> str:
 
 
 def fmt_gb(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= GB / 100 or b == 0 else f"{b / 1024**2:.1f} MB"
+    """Bytes in binary units with their right names ("3.62 GiB"), as every command prints them."""
+    from mmdata.units import format_bytes
+
+    return format_bytes(b)

@@ -75,6 +75,9 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
                  f"{fmt_count(p.total - p.total_trainable):>14}")
     lines.append(f"  ({p.total:,} parameters; decoder embedding {fmt_count(p.decoder_embedding)}, "
                  f"decoder layers {fmt_count(p.decoder_layers)})")
+    if p.vocab_padding:
+        lines.append(f"  ({p.unpadded_total:,} parameters with the true vocabulary, as in the HF checkpoint; "
+                     f"the {fmt_count(p.vocab_padding)} more are megatron's vocabulary padding)")
     if tied_head:
         lines.append(f"  (tied output layer; checkpoints that store it as its own tensor hold "
                      f"{fmt_count(p.total + p.decoder_embedding)} numbers)")
@@ -98,7 +101,7 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
     for name, b in rows:
         lines.append(f"  {name:<38}{fmt_gb(b):>12}")
     lines.append(f"  {'total':<38}{fmt_gb(m.total):>12}   "
-                 f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GB)")
+                 f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GiB)")
     if L.distributed_optimizer and L.dp * L.cp > 1:
         lines.append(f"  without the distributed optimizer: {fmt_gb(r.memory_no_distopt.total)}")
     lines.append("  total by recompute mode: " + ", ".join(

@@ -1,17 +1,24 @@
-"""Train (or dry-run / auto-tune) a model family from a YAML recipe.
+"""Train (or dry-run / auto-tune) a FAMILY model from a YAML recipe (keys: docs/recipes.md).
 
-  mmtrain FAMILY RECIPE [a.b.c=value ...]
+  mmtrain FAMILY RECIPE [a.b.c=value ...]        e.g. train.iters=100 "data.paths=[/data/s2]"
+  mmtrain FAMILY RECIPE --print-config           the resolved recipe, nothing run
 
-The recipe is validated, overrides applied, and the resolved copy written to
-`<run_dir>/config.yaml`. Then, by `action:`:
-  run       - train. Inside torchrun (RANK/WORLD_SIZE set) or a SLURM step with one task per
-              process (SLURM_PROCID/SLURM_NTASKS), this process is one worker. Otherwise, when
-              parallel.nproc_per_node x parallel.nnodes > 1, the workers are started here with
-              torchrun (run the same command on every node with its parallel.node_rank=K) and
-              the launcher returns their exit code; a world of one trains in this process.
-  dry_run   - print parameter counts and the per-rank memory estimate (mmtrain/planning/dry_run.py)
-  auto_tune - search parallel layouts for the recipe (mmtrain/planning/auto_tune.py); exits 1
-              when no layout fits
+The recipe is validated (every problem at once, each naming its key) and the overrides applied
+(written `a.b.c=value`, without dashes). Then, by `action:`:
+  run          - check what the run will touch (data paths, tokenizer, the run dir's
+                 checkpoints: mmtrain/runtime/preflight.py), write the resolved recipe to
+                 `<run_dir>/config.yaml` (absolute paths) and train. Inside torchrun
+                 (RANK/WORLD_SIZE set) or a SLURM step with one task per process, this process
+                 is one worker. Otherwise, when parallel.nproc_per_node x parallel.nnodes > 1,
+                 the workers are started here with torchrun (run the same command on every node
+                 with its parallel.node_rank=K); a world of one trains in this process.
+  dry_run      - print parameter counts and the per-rank memory estimate (nothing is built)
+  auto_tune    - search parallel layouts with the cost model; exits 1 when no layout fits
+  print_config - print the resolved recipe (as --print-config) and exit
+
+Exit status: 0 done, 2 a problem with the recipe or what it points at (one message, nothing
+written), 130 interrupted, 1 an unexpected error (its traceback in a log file, or on stderr
+with --verbose).
 """
 
 from __future__ import annotations
@@ -29,23 +36,31 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="YAML recipe (see recipes/ and docs/recipes.md)")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. train.iters=10"
-    )
+    parser.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/ and docs/recipes.md)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="recipe overrides, e.g. train.iters=10 (no leading dashes); a value is YAML")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved recipe (stage, overrides and defaults applied) and exit; "
+                             "the same as action=print_config")
 
 
 def run(args: argparse.Namespace, family: str) -> int:
+    from mmdata.errors import UserError
     from mmtrain import registry
-    from mmtrain.config import RecipeError, load_recipe, save_resolved
+    from mmtrain.config import dump_recipe, load_recipe, save_resolved
 
-    setup_logging()
-    try:
-        recipe = load_recipe(args.recipe, args.overrides, family=family)
-    except RecipeError as err:
-        print(err, file=sys.stderr)
-        return 2
+    verbose = bool(getattr(args, "verbose", False))
+    setup_logging(verbose_third_party=verbose)
+    recipe_path = Path(args.recipe)
+    if not recipe_path.is_file():
+        raise UserError(f"recipe {args.recipe} {'is a folder' if recipe_path.exists() else 'does not exist'}; "
+                        "give a YAML recipe file (see recipes/)")
+    overrides = [*args.overrides, *(["action=print_config"] if args.print_config else [])]
+    recipe = load_recipe(recipe_path, overrides, family=family)
     spec = registry.get_family(recipe.family)
+    if recipe.action == "print_config":
+        print(dump_recipe(recipe), end="")
+        return 0
     if recipe.action == "dry_run":
         from mmtrain.planning.dry_run import run_dry_run
 
@@ -57,7 +72,11 @@ def run(args: argparse.Namespace, family: str) -> int:
         return run_auto_tune(recipe, spec).exit_code  # prints the table and the best layout
 
     from mmtrain.runtime.distributed import env_rank_world
+    from mmtrain.runtime.preflight import preflight
 
+    preflight(recipe, spec)  # before anything is built, spawned or written
+    if verbose:
+        os.environ["MMTRAIN_VERBOSE"] = "1"  # the workers' third-party warnings too
     inside_launcher = env_rank_world() is not None
     if inside_launcher or recipe.parallel.world_size == 1:
         return train(recipe)
@@ -89,6 +108,7 @@ def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:
 def train(recipe: Recipe) -> int:
     """Train in this process (one worker of a distributed job, or the whole job). A starting
     checkpoint that does not fit the recipe is a user error: one line, exit code 2."""
+    from mmdata.errors import UserError
     from mmtrain import registry
     from mmtrain.config import dump_recipe, save_resolved
     from mmtrain.models.state_dict_adapter import ConversionError
@@ -99,27 +119,44 @@ def train(recipe: Recipe) -> int:
     try:
         ctx = init_distributed(recipe.parallel, seed=recipe.seed)
     except UnsupportedLayout as err:
-        print(f"mmtrain: {err}", file=sys.stderr)
         destroy_distributed()
-        return 2
+        raise UserError(str(err)) from None
     setup_logging(ctx.rank, verbose=ctx.rank == 0 or ctx.is_logging_rank)
     try:
         if ctx.rank == 0:
-            save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
+            config = save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
+            announce(recipe, config)
         trainer = Trainer(recipe, registry.get_family(recipe.family), ctx, dump_recipe(recipe))
         trainer.setup()
         trainer.fit()
-    except (CheckpointMismatchError, ConversionError, UnsupportedLayout) as err:
-        print(f"mmtrain: {err}", file=sys.stderr)
-        return 2
+    except (CheckpointMismatchError, ConversionError) as err:
+        raise UserError(str(err)) from None
     finally:
         destroy_distributed()
     return 0
 
 
-def setup_logging(rank: int | None = None, verbose: bool = True) -> None:
+def announce(recipe: Recipe, config: Path) -> None:
+    """Where this run's outputs go, said once at the start."""
+    from mmtrain.runtime.metrics import METRICS_FILE
+
+    run_dir = Path(recipe.run_dir).resolve()
+    c = recipe.checkpoint
+    every = f"every {c.interval} steps and at the end" if c.interval > 0 else "at the end"
+    keep = f", keeping the last {c.keep_last}" if c.keep_last > 0 else ""
+    log.info("run_dir %s: metrics %s, checkpoints %s/ (%s%s), resolved recipe %s", run_dir, run_dir / METRICS_FILE,
+             run_dir / "checkpoints", every, keep, config.resolve())
+
+
+def setup_logging(rank: int | None = None, verbose: bool = True, verbose_third_party: bool | None = None) -> None:
     """INFO logs on the ranks that matter (rank 0, and the one holding the loss), warnings
-    everywhere (MMTRAIN_LOG_ALL_RANKS=1: INFO everywhere)."""
+    everywhere (MMTRAIN_LOG_ALL_RANKS=1: INFO everywhere). Third-party noise (megatron's and
+    torch's warnings about optional packages, energon's "Filling reading buffer" bars) is
+    silenced unless --verbose (MMTRAIN_VERBOSE=1 in the workers)."""
+    if verbose_third_party is None:
+        verbose_third_party = os.environ.get("MMTRAIN_VERBOSE") == "1"
+    if not verbose_third_party:
+        quiet_third_party()
     prefix = f"[rank {rank}] " if rank is not None else ""
     level = logging.INFO if (verbose or os.environ.get("MMTRAIN_LOG_ALL_RANKS")) else logging.WARNING
     root = logging.getLogger()
@@ -131,3 +168,17 @@ def setup_logging(rank: int | None = None, verbose: bool = True) -> None:
         handler.setFormatter(fmt)
     root.setLevel(logging.WARNING)
     logging.getLogger("mmtrain").setLevel(level)
+
+
+#: modules whose warnings are not the user's business by default (optional accelerators absent,
+#: deprecations inside megatron, pin_memory without a GPU)
+THIRD_PARTY_WARNINGS = r"(megatron|torch|transformers|apex|transformer_engine|tensorboard)(\.|$)"
+
+
+def quiet_third_party() -> None:
+    """Hide third-party warnings and progress bars (inherited by loader workers)."""
+    import warnings
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm at import (energon's packing buffer bar)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY_WARNINGS)

@@ -19,7 +19,8 @@ the logs and the per-sample losses) counts each token exactly once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -98,3 +99,15 @@ def lm_loss_sums(reports: list[dict[str, Any]], device: torch.device | str) -> t
         lm = report["lm loss"].detach().to(device=device, dtype=torch.float64)
         total += lm if lm.numel() == 2 else torch.stack([lm.sum(), lm.new_ones(())])
     return total
+
+
+def packed_forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """megatron forward step `(data_iterator, model) -> (output, loss_fn)` for a family whose
+    model stage is called on its batch and returns the per-token loss `[B, S]` on the last stage:
+    the loss is summed over the real (label != IGNORE_INDEX) tokens this rank holds (`loss_mask`:
+    under context parallelism, its share of the positions) with their count (`masked_loss_sum`)."""
+    from mmtrain.runtime.distributed import compute_device
+
+    batch = next(data_iterator).to(compute_device())
+    output = model(batch)
+    return output, functools.partial(masked_loss_sum, loss_mask=loss_mask(batch))

@@ -22,8 +22,9 @@ reader and the next writer drop). Fields:
                  or list[float|None] the same ids, or a list aligned with `sample_ids` (null where
                                     unknown). This is what `worst-samples` ranks by.
 
-Non-finite floats are written as the strings "nan", "inf", "-inf" (strict JSON). When
-`tensorboard` is importable, every numeric field is also logged as the scalar `train/<field>`.
+Non-finite floats are written as the strings "nan", "inf", "-inf" (strict JSON). With
+`logging.tensorboard: true` (which needs the `tensorboard` package), every numeric field is also
+logged as the scalar `train/<field>`.
 
 On resume from step k, `MetricsWriter(run_dir, resume_step=k)` drops the records after k, so the
 file again reads as one run.
@@ -39,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -145,12 +145,21 @@ class MetricsWriter:
         self.close()
 
 
-def _summary_writer(log_dir: Path) -> Any:
-    """TensorBoard writer when the optional `tensorboard` package is installed, else None."""
+def tensorboard_available() -> bool:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        import tensorboard  # noqa: F401
     except ImportError:
-        return None
+        return False
+    return True
+
+
+def _summary_writer(log_dir: Path) -> Any:
+    """TensorBoard writer; asking for one without the optional `tensorboard` package is an error
+    (the recipe check says so before training starts: mmtrain/runtime/preflight.py)."""
+    if not tensorboard_available():
+        raise ImportError("logging.tensorboard is true but the `tensorboard` package is not installed")
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(log_dir=str(log_dir))
 
 
@@ -197,20 +206,36 @@ def _badness(item: tuple[str, float | None]) -> tuple[int, float]:
     return (1, -loss)
 
 
+WORST_SAMPLES_HELP = """Trace a loss spike to its data: the samples of one training step ranked by their own
+loss (highest first; NaN first of all), read from RUN_DIR/metrics.jsonl, where every step records
+its sample ids and per-sample losses.
+
+  mmtrain worst-samples RUN_DIR [--step N] [--top K]
+
+Without --step, the step with the highest loss. The ids are the shard keys (look a sample up with
+`mmdata preview SHARDS --key ID`).
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="run directory (or its metrics.jsonl)")
-    parser.add_argument("--step", type=int, default=None, help="step to inspect (default: highest loss)")
-    parser.add_argument("--top", type=int, default=10, help="how many samples to print (0 = all)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or its metrics.jsonl)")
+    parser.add_argument("--step", type=int, default=None, help="step to inspect (default: the highest-loss step)")
+    parser.add_argument("--top", type=int, default=10, help="how many samples to print (default 10; 0 = all)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.errors import UserError
+
+    path = Path(args.run_dir)
+    if not path.exists() or (path.is_dir() and not (path / METRICS_FILE).is_file()):
+        raise UserError(f"{path}: no {METRICS_FILE} there (give a run_dir of `mmtrain FAMILY RECIPE`)")
     try:
-        record, ranked = worst_samples(read_metrics(args.run_dir), args.step, args.top)
-    except (LookupError, OSError, ValueError) as err:
-        print(f"worst-samples: {err} ({args.run_dir})", file=sys.stderr)
-        return 1
+        record, ranked = worst_samples(read_metrics(path), args.step, args.top)
+    except (LookupError, ValueError) as err:
+        raise UserError(f"{err} ({path})") from None
     extras = ", ".join(f"{k} {record[k]:.4g}" for k in ("lr", "grad_norm") if isinstance(record.get(k), (int, float)))
-    print(f"step {record['step']}: loss {record.get('loss')}" + (f" ({extras})" if extras else ""))
+    loss = _as_float(record.get("loss"))
+    print(f"step {record['step']}: loss {'-' if loss is None else f'{loss:.4f}'}" + (f" ({extras})" if extras else ""))
     if not ranked:
         print("  no sample ids were logged for this step")
         return 0

@@ -362,6 +362,7 @@ class Trainer:
         recipe, ctx = self.recipe, self.ctx
         results = []
         interval = recipe.checkpoint.interval
+        self._fit_start = (time.perf_counter(), self.state.step)  # for the ETA
         while self.state.step < recipe.train.iters:
             result = self.train_step()
             if eval_due(result.step, recipe.train.eval_interval):
@@ -415,12 +416,21 @@ class Trainer:
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
             log.info(
                 "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s | %.2f samples/s"
-                " | mfu %s | mem %.2f GiB%s",
+                " | mfu %s | mem %.2f GiB | eta %s%s",
                 r.step, self.recipe.train.iters, r.loss if r.loss is not None else float("nan"),
                 r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"],
                 f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)", mem,
-                _eval_log_part(ev),
+                self._eta(r.step), _eval_log_part(ev),
             )  # fmt: skip
+
+    def _eta(self, step: int) -> str:
+        """Time left at the mean step time of this run so far (evaluations and saves included)."""
+        from mmdata.units import format_duration
+
+        t0, step0 = getattr(self, "_fit_start", (None, 0))
+        if t0 is None or step <= step0:
+            return "?"
+        return format_duration((self.recipe.train.iters - step) * (time.perf_counter() - t0) / (step - step0))
 
 
 class RecordingIterator:

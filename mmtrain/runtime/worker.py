@@ -12,7 +12,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmtrain.config import RecipeError, load_recipe
+    from mmdata.errors import UserError
+    from mmtrain.config import load_recipe
     from mmtrain.runtime.launch import setup_logging, train
 
     argv = sys.argv[1:] if argv is None else argv
@@ -20,12 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m mmtrain.runtime.worker RESOLVED_RECIPE [KEY=VALUE ...]", file=sys.stderr)
         return 2
     setup_logging()
-    try:
-        recipe = load_recipe(argv[0], argv[1:])
-    except RecipeError as err:
-        print(err, file=sys.stderr)
-        return 2
-    return train(recipe)
+    try:  # the launcher checked the recipe and what it points at; a problem found here is still one line
+        return train(load_recipe(argv[0], argv[1:]))
+    except UserError as err:
+        print(f"mmtrain worker: error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -24,15 +24,17 @@ batcher shifts them (see batch.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, encode_with_offsets
+from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+#: the token sequence of one LLaVA-OV sample (ids, unshifted labels, media spans)
+ChatTokens = TokenSequence
 
 
 def with_video_placeholder(conversations: Sequence[dict]) -> list[dict]:
@@ -47,32 +49,12 @@ def with_video_placeholder(conversations: Sequence[dict]) -> list[dict]:
     return out
 
 
-class ConversationError(ValueError):
-    """A conversation that cannot be rendered (unknown role, placeholder/media count mismatch)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass
-class ChatTokens:
-    input_ids: np.ndarray  # [L] int64, media expanded
-    labels: np.ndarray  # [L] int64, unshifted targets, IGNORE_INDEX where no loss
-    #: per media, in stream order: (kind "image"|"video", start position, length)
-    media_spans: list[tuple[str, int, int]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
 class ChatTokenizer:
     """Renders LLaVA-format conversations into ids + labels with a given HF tokenizer."""
 
     def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self._fast = getattr(tokenizer, "backend_tokenizer", None)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN)}
         missing = [t for t, i in ids.items() if i is None or i == getattr(tokenizer, "unk_token_id", -1)]
         if missing:
@@ -87,32 +69,12 @@ class ChatTokenizer:
 
     def messages(self, conversations: Sequence[dict]) -> list[dict[str, str]]:
         """LLaVA turns -> [{role, content}], default system prompt first unless one is given."""
-        out: list[dict[str, str]] = []
-        for i, turn in enumerate(conversations):
-            role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
-            if role is None:
-                raise ConversationError("bad_role", f"turn {i}: unknown role {turn.get('from')!r}")
-            value = turn.get("value", turn.get("content"))
-            if not isinstance(value, str):
-                raise ConversationError("bad_turn", f"turn {i}: value is not a string")
-            if role == "system" and i != 0:
-                raise ConversationError("bad_role", f"turn {i}: system turn not first")
-            out.append({"role": role, "content": value})
-        if not out or out[0]["role"] != "system":
-            out.insert(0, {"role": "system", "content": self.system_prompt})
-        return out
+        return [{"role": r, "content": v} for r, v in conversation_turns(conversations, self.system_prompt)]
 
     def render(self, conversations: Sequence[dict]) -> str:
         return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in self.messages(conversations))
 
     # -- tokenization ------------------------------------------------------------------------
-
-    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        if self._fast is not None:
-            enc = self._fast.encode(text, add_special_tokens=False)
-            return list(enc.ids), list(enc.offsets)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
     def tokenize(
         self,
@@ -129,7 +91,7 @@ class ChatTokenizer:
         for msg in self.messages(conversations):
             header = f"{IM_START}{msg['role']}\n"
             text = f"{header}{msg['content']}{IM_END}\n"
-            ids, offsets = self._encode(text)
+            ids, offsets = encode_with_offsets(self.tokenizer, text)
             is_assistant = msg["role"] == "assistant"
             loss_end = len(text) - 1  # content + <|im_end|>, not the final "\n"
             for tok_i, (tid, (start, end)) in enumerate(zip(ids, offsets)):
@@ -164,23 +126,3 @@ class ChatTokenizer:
                 f"({len(image_token_counts)} images, {len(video_token_counts)} videos)",
             )
         return ChatTokens(np.concatenate(ids_out), np.concatenate(labels_out), media_spans)
-
-
-@dataclass
-class TruncationResult:
-    tokens: ChatTokens | None  # None when the sample must be dropped
-    outcome: str  # "fits" | "truncated" | "too_long_media" | "no_loss_after_truncation"
-
-
-def apply_length_policy(tokens: ChatTokens, max_length: int) -> TruncationResult:
-    """Over-length policy: cut trailing text tokens to `max_length` if the cut is after the last
-    media token and leaves at least one loss token; otherwise drop (never cut an image)."""
-    if len(tokens) <= max_length:
-        return TruncationResult(tokens, "fits")
-    media_end = max((start + n for _, start, n in tokens.media_spans), default=0)
-    if media_end > max_length:
-        return TruncationResult(None, "too_long_media")
-    labels = tokens.labels[:max_length]
-    if not (labels != IGNORE_INDEX).any():
-        return TruncationResult(None, "no_loss_after_truncation")
-    return TruncationResult(ChatTokens(tokens.input_ids[:max_length], labels, tokens.media_spans), "truncated")

@@ -4,25 +4,22 @@ Stages (energon hooks, all `@stateless` so energon can replay them on restore):
 1. `preencode_sample`: read image headers / probe the video (sizes -> token counts, no pixel
    decode), render + tokenize the chat with media expanded, shift labels, apply the
    over-length policy. Cheap and small, so the packing buffer holds encoded bytes, not tiles.
-2. `select_samples_to_pack`: first-fit-decreasing over the buffer into `seq_length` bins.
+2. `select_samples_to_pack`: largest-first knapsack over the buffer into `seq_length` bins.
 3. `postencode_sample`: decode pixels (anyres / base-only / video frames) for chosen samples.
-4. `pack_selected_samples` + `batch`: rows, position ids, cu_seqlens, flattened media.
+4. `pack_selected_samples` + `batch` -> `collate_rows`: rows, position ids, cu_seqlens,
+   flattened media.
 
-Bad samples raise `SkipSample` after counting a reason; counts travel to the main process in
-each batch's `stats` (per worker, since the previous batch) and are summed by the loader.
+Packing, counted skips and the batch hook are the common `task_encoding.PackingTaskEncoder`.
 """
 
 from __future__ import annotations
 
 import io
-import logging
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
-from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
+from megatron.energon import Sample, edataclass, stateless
 from PIL import Image
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
@@ -34,13 +31,11 @@ from mmdata.energon_loaders.llava_ov.chat_template import (
     apply_length_policy,
     with_video_placeholder,
 )
-from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows, shift_labels
+from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
+from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
-
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,25 +86,14 @@ class LlavaOVSample(Sample):
     truncated: bool = False
 
 
-@edataclass
-class LlavaOVPackedSample(Sample):
-    samples: list
-
-
-def _count_key(reason: str) -> str:
-    return f"skipped/{reason}"
-
-
-class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVBatch, LlavaOVBatch]):
-    # Media stay raw bytes: decoding happens here so failures become counted skips.
-    decoder = None
+class LlavaOVTaskEncoder(PackingTaskEncoder):
+    """ConversationSample -> LlavaOVSample (pre/post-encode) -> packed LlavaOVBatch."""
 
     def __init__(self, tokenizer_path: str, config: LlavaOVEncoderConfig):
-        super().__init__()
+        super().__init__(config.seq_length)
         self.tokenizer_path = str(tokenizer_path)
         self.config = config
         self._chat: ChatTokenizer | None = None
-        self._stats: Counter = Counter()
         # Load once here (main process): a bad tokenizer fails early with a clear message, and
         # forked workers inherit it instead of each re-importing transformers and re-loading.
         _ = self.chat
@@ -119,19 +103,11 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
     @property
     def chat(self) -> ChatTokenizer:
         if self._chat is None:  # loaded lazily, once per worker process
-            from transformers import AutoTokenizer
+            from mmdata.local_tokenizer import load_local_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            tok = load_local_tokenizer(self.tokenizer_path)
             self._chat = ChatTokenizer(tok, system_prompt=self.config.system_prompt)
         return self._chat
-
-    def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
-        """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance
-        counter, so bad data never stops training)."""
-        self._stats[_count_key(reason)] += 1
-        message = f"sample {sample_id!r} skipped: {reason}{': ' + detail if detail else ''}"
-        log.warning(message)
-        return SkipSample(message)
 
     def _image_ref(self, data: bytes, kind: int, where: str, sample_id: str) -> MediaRef:
         c = self.config
@@ -181,7 +157,7 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
         if result.tokens is None:
             raise self._skip(result.outcome, sid, f"{len(tokens)} tokens > seq_length {c.seq_length}")
         if result.outcome == "truncated":
-            self._stats["truncated"] += 1
+            self._count("truncated")
         # media order in the stream = placeholder order; tokenize() consumed images then videos
         # in their own orders, so re-order refs to follow the token stream.
         image_refs = iter([m for m in media if m.kind != MEDIA_VIDEO])
@@ -222,31 +198,8 @@ class LlavaOVTaskEncoder(TaskEncoder[ConversationSample, LlavaOVSample, LlavaOVB
             sample, id=sample.id, input_ids=sample.input_ids, labels=sample.labels, media=encoded, truncated=sample.truncated
         )
 
-    def select_samples_to_pack(self, samples: list[LlavaOVSample]) -> list[list[LlavaOVSample]]:
-        bins = largest_first_knapsack([len(s.input_ids) for s in samples], self.config.seq_length)
-        return [[samples[i] for i in b] for b in bins]
-
-    @stateless
-    def pack_selected_samples(self, samples: list[LlavaOVSample]) -> LlavaOVPackedSample:
-        if not samples:  # every sample of this pack failed to decode (already counted)
-            raise SkipSample("empty pack")
-        return LlavaOVPackedSample(
-            __key__=",".join(s.__key__ for s in samples),
-            __restore_key__=(),
-            __subflavors__=None,
-            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
-            samples=list(samples),
-        )
-
-    @stateless
-    def batch(self, samples: list[Any]) -> LlavaOVBatch:
-        rows = [s.samples if isinstance(s, LlavaOVPackedSample) else [s] for s in samples]
-        return collate_rows(rows, self.config, self.chat.pad_token_id, self._take_stats())
-
-    def _take_stats(self) -> dict[str, int]:
-        stats = dict(self._stats)
-        self._stats.clear()
-        return stats
+    def collate(self, rows: list[list[LlavaOVSample]], stats: dict[str, int]) -> LlavaOVBatch:
+        return collate_rows(rows, self.config, self.chat.pad_token_id, stats)
 
 
 def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
@@ -266,7 +219,6 @@ def collate_rows(
     rows: list[list[LlavaOVSample]], config: LlavaOVEncoderConfig, pad_token_id: int, stats: dict[str, int] | None = None
 ) -> LlavaOVBatch:
     """Rows of post-encoded samples -> the model batch (conventions: batch.py, ../batch.py)."""
-    packed = pack_rows([[(s.input_ids, s.labels) for s in row] for row in rows], config.seq_length, pad_token_id)
     media: list[EncodedMedia] = [m for row in rows for s in row for m in s.media]
     prepared = [m.prepared for m in media]
     shape = (sum(p.num_tiles for p in prepared), 3, config.image_size, config.image_size)
@@ -278,22 +230,12 @@ def collate_rows(
         return torch.tensor(values, dtype=torch.int64).reshape(shape)
 
     n = len(media)
-    num_loss = int((packed.labels != IGNORE_INDEX).sum())
     return LlavaOVBatch(
-        input_ids=packed.input_ids,
-        labels=packed.labels,
-        position_ids=packed.position_ids,
-        cu_seqlens=packed.cu_seqlens,
-        max_seqlen=packed.max_seqlen,
+        **packed_batch_fields(rows, config.seq_length, pad_token_id, stats),
         pixel_values=pixel_values,
         tiles_per_media=_long([p.num_tiles for p in prepared], (n,)),
         media_kind=_long([m.kind for m in media], (n,)),
         image_sizes=_long([list(p.image_size) for p in prepared], (n, 2)),
         grid_shapes=_long([list(p.grid_shape) for p in prepared], (n, 2)),
         num_media_tokens=_long([m.num_tokens for m in media], (n,)),
-        sample_ids=[[s.id for s in row] for row in rows],
-        num_loss_tokens=num_loss,
-        sample_keys=[[s.__key__ for s in row] for row in rows],
-        num_real_tokens=packed.num_real_tokens,
-        stats=dict(stats or {}),
     )

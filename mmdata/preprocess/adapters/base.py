@@ -43,18 +43,25 @@ class RawRecord:
     location: str  # human-readable source location for quarantine messages
     json_bytes: bytes | None  # None when the record has no JSON at all
     provenance: dict
-    # Media resolution: name as written in the record -> MediaRef, or None when missing.
-    resolve_media: "MediaResolver"
+    # Finds media by name for the record's `image` / `video` entries (media_resolution.py).
+    locator: "MediaResolver"
     error: str | None = None  # an adapter-level problem (e.g. "json_missing")
     error_detail: str = ""
-    default_media: list[str] = field(default_factory=list)  # media found by naming convention
+    # The sample's own media members (webdataset: same key), in member order.
+    own_images: list[str] = field(default_factory=list)
+    own_videos: list[str] = field(default_factory=list)
 
 
 class MediaResolver:
-    """Maps an image reference from a record to a MediaRef (or None if absent)."""
+    """Finds an input's media by name: the first two rules of media_resolution.resolve."""
 
-    def __call__(self, ref: str) -> MediaRef | None:  # pragma: no cover - interface
+    def by_name(self, ref: str) -> MediaRef | None:  # pragma: no cover - interface
+        """The media named exactly `ref` (a tar member, a file under the image root)."""
         raise NotImplementedError
+
+    def by_basename(self, ref: str) -> MediaRef | None:
+        """Media anywhere in the input with `ref`'s basename (None where that means nothing)."""
+        return None
 
     def read(self, media: MediaRef) -> bytes:
         """The media's bytes (adapters may keep their input file open across records)."""

@@ -1,6 +1,8 @@
 """Infinity-MM layout: `stageN/<subset>/*.tar`, each sample a `{stem}.json` plus its
-image member(s) (`{stem}.jpg|png|webp`, extra images `{stem}.1.png` ...). Only tar headers are
-read here; image bytes are addressed by offset and read by the validator / shard writer."""
+image member(s) (`{stem}.jpg|png|webp`, extra images `{stem}.1.png` ...). The record's `image`
+field is provenance, not a member name: media_resolution.py maps it onto the members. Only tar
+headers are read here; media bytes are addressed by offset and read by the validator / shard
+writer."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mmdata.preprocess.adapters.base import InputUnit, MediaRef, MediaResolver, RawRecord, walk_files
+from mmdata.preprocess.adapters.media_resolution import basename, member_order
 from mmdata.preprocess.tar_scan import TarMember, list_tar
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+VIDEO_EXTS = (".mp4", ".mkv", ".webm", ".mov", ".avi")
 
 
 def list_units(inputs: list[Path]) -> list[InputUnit]:
@@ -37,6 +41,7 @@ class _TarMembers(MediaResolver):
     def __init__(self, path: str, members: dict[str, TarMember]):
         self.path, self.members = path, members
         self._file: io.FileIO | None = None
+        self._by_basename: dict[str, TarMember | None] | None = None  # built on first use
 
     def read(self, media: MediaRef) -> bytes:
         if media.path != self.path:
@@ -52,12 +57,20 @@ class _TarMembers(MediaResolver):
         if self._file is not None:
             self._file.close()
 
-    def __call__(self, ref: str) -> MediaRef | None:
-        name = ref.replace("\\", "/").rsplit("/", 1)[-1]
-        info = self.members.get(ref) or self.members.get(name)
-        if info is None:
-            return None
-        return MediaRef(self.path, info.offset_data, info.size, info.name)
+    def _ref(self, info: TarMember | None) -> MediaRef | None:
+        return None if info is None else MediaRef(self.path, info.offset_data, info.size, info.name)
+
+    def by_name(self, ref: str) -> MediaRef | None:
+        return self._ref(self.members.get(ref))
+
+    def by_basename(self, ref: str) -> MediaRef | None:
+        """The member with `ref`'s basename, when exactly one member of this tar has it."""
+        if self._by_basename is None:
+            self._by_basename = {}
+            for name, info in self.members.items():
+                base = basename(name)
+                self._by_basename[base] = None if base in self._by_basename else info
+        return self._ref(self._by_basename.get(basename(ref)))
 
 
 def _key_of(name: str) -> tuple[str, str]:
@@ -85,19 +98,21 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
     json_bytes_of = _read_members(resolver, [members[name] for name in json_of.values() if name is not None])
     try:
         for index, (key, group) in enumerate(groups.items()):
-            images = [m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)]
+            images = member_order([m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)])
+            videos = member_order([m.name for m, _ in group if m.name.lower().endswith(VIDEO_EXTS)])
             prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
             name = json_of[key]
             if name is None:
                 yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
                                 error="json_missing", error_detail=f"members {[m.name for m, _ in group]} have no .json",
-                                default_media=images)
+                                own_images=images, own_videos=videos)
                 continue
             prov["member"] = name
             data = json_bytes_of[name]
             yield RawRecord(f"{unit.rel}:{name}", f"{unit.path}:{name}", data, prov, resolver,
                             error=None if data is not None else "input_truncated",
-                            error_detail="" if data is not None else f"{name}: data cut short", default_media=images)
+                            error_detail="" if data is not None else f"{name}: data cut short",
+                            own_images=images, own_videos=videos)
         if tail_error:
             prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(groups)}
             yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,

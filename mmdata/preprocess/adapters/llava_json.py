@@ -27,7 +27,7 @@ class _Files(MediaResolver):
     def __init__(self, root: str):
         self.root = os.path.realpath(root)
 
-    def __call__(self, ref: str) -> MediaRef | None:
+    def by_name(self, ref: str) -> MediaRef | None:
         path = os.path.realpath(os.path.join(self.root, ref))
         # Never follow a reference out of the image root.
         if os.path.commonpath([path, self.root]) != self.root or not os.path.isfile(path):
@@ -60,3 +60,42 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
         prov = {"dataset": "llava-json", "file": unit.rel, "item": i, "index": i}
         yield RawRecord(f"{unit.rel}:{i}", f"{unit.path}[{i}]", json.dumps(rec, ensure_ascii=False).encode(),
                         prov, resolver)
+
+
+def check_image_root(units: list[InputUnit], max_refs: int = 32, max_records: int = 2000) -> str | None:
+    """Why the job would lose every image, or None: when none of the first `max_refs` image
+    entries (from at most `max_records` records) resolves under its image root, the root is
+    almost surely wrong; say so before any work starts, naming a folder that works if one of
+    the annotation file's ancestors (or the working directory) is it."""
+    tried: list[tuple[InputUnit, str]] = []
+    records = 0
+    for unit in units:
+        resolver = _Files(unit.image_root or os.path.dirname(unit.path))
+        for raw in iter_records(unit):
+            records += 1
+            try:
+                entries = json.loads(raw.json_bytes or b"null").get("image")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                entries = None
+            for ref in [entries] if isinstance(entries, str) else entries if isinstance(entries, list) else []:
+                if not isinstance(ref, str) or not ref:
+                    continue
+                if resolver.by_name(ref) is not None:
+                    return None
+                tried.append((unit, ref))
+            if len(tried) >= max_refs or records >= max_records:
+                break
+        if len(tried) >= max_refs or records >= max_records:
+            break
+    if not tried:
+        return None
+    unit, ref = tried[0]
+    root = unit.image_root or os.path.dirname(unit.path)
+    msg = (f"none of the first {len(tried)} image paths of {unit.rel} resolves under the image root {root} "
+           f"(e.g. {ref!r} -> {os.path.join(root, ref)}: not found)")
+    if os.path.isabs(ref):
+        return msg + "; the paths are absolute: pass --image-root with a folder that contains them"
+    for candidate in [*list(Path(unit.path).parents)[:5], Path.cwd()]:
+        if str(candidate) != root and all((candidate / r).is_file() for _, r in tried[:4]):
+            return msg + f"; they resolve under {candidate}: pass --image-root {candidate}"
+    return msg + "; pass --image-root DIR, the folder the image paths are relative to"

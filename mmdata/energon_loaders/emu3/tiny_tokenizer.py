@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmdata.energon_loaders import emu3_serialize as v
+from mmdata.energon_loaders.emu3 import serialize as v
 from mmdata.energon_loaders.tiny_tokenizer import _BUILTIN_TEXTS, IM_END, IM_START, _train_tokenizer
 from mmdata.vision_tokens.tiny_vq import DEFAULT_CODEBOOK_SIZE  # the tiny VQ's codebook
 

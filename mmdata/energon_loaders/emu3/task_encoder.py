@@ -1,0 +1,137 @@
+"""The Emu3 TaskEncoder: VQ token samples (`mmdata tokenize-images` shards) -> packed `Emu3Batch`es.
+
+`encode_sample` (energon hook, `@stateless(restore_seeds=True)`): picks the sample's task,
+renders its tokens (tasks.py), shifts the labels and applies the over-length policy. Token
+grids are already in the shard, so there is nothing to decode later; packing, counted skips and
+the batch hook are the common `task_encoding.PackingTaskEncoder`.
+
+Randomness (which task, whether a caption is dropped for classifier-free guidance) is drawn from
+Python's `random`, which energon seeds per sample from the worker seed (the recipe's seed, the
+rank and worker) and the sample's index before calling the hook, and re-seeds identically when
+it replays a sample on restore: the choices are reproducible across runs and exact across resume.
+
+Tasks: a record whose metadataset entry has the subflavor `task: understanding|generation`
+takes that task; otherwise it is drawn with `tasks` weights (generation only for records with
+one image and one question/answer exchange, the answer being the caption; see tasks.py).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+from megatron.energon import Sample, edataclass, stateless
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.emu3.batch import Emu3Batch
+from mmdata.energon_loaders.emu3.tasks import (
+    DEFAULT_SYSTEM_PROMPT,
+    GENERATION,
+    TASKS,
+    UNDERSTANDING,
+    Emu3Tasks,
+    generation_caption,
+    pick_task,
+)
+from mmdata.energon_loaders.packing import shift_labels
+from mmdata.energon_loaders.sequence import ConversationError, apply_length_policy
+from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
+from mmdata.energon_loaders.vq_token_sample import VQTokenSample
+
+
+@dataclass
+class Emu3EncoderConfig:
+    seq_length: int
+    #: task -> weight of the per-sample draw (see the module docstring)
+    tasks: dict[str, float] = field(default_factory=lambda: {UNDERSTANDING: 1.0, GENERATION: 1.0})
+    #: probability that a generation sample's caption is replaced by `uncond_prompt` (CFG)
+    p_uncond: float = 0.05
+    uncond_prompt: str = ""
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.tasks) - set(TASKS))
+        if unknown:
+            raise ValueError(f"unknown Emu3 task(s) {unknown}; known: {list(TASKS)}")
+        if any(w < 0 for w in self.tasks.values()) or not sum(self.tasks.values()) > 0:
+            raise ValueError(f"task weights must be >= 0 with a positive sum, got {self.tasks}")
+        if not 0.0 <= self.p_uncond <= 1.0:
+            raise ValueError(f"p_uncond must be in [0, 1], got {self.p_uncond}")
+
+
+@edataclass
+class Emu3Sample(Sample):
+    id: str
+    input_ids: np.ndarray
+    labels: np.ndarray  # shifted
+    task: str
+    uncond: bool = False  # a generation sample whose caption was dropped
+    truncated: bool = False
+
+
+class Emu3TaskEncoder(PackingTaskEncoder):
+    """VQTokenSample -> Emu3Sample (one task each) -> packed Emu3Batch."""
+
+    def __init__(self, tokenizer_path: str, config: Emu3EncoderConfig):
+        super().__init__(config.seq_length)
+        self.tokenizer_path = str(tokenizer_path)
+        self.config = config
+        self._tasks: Emu3Tasks | None = None
+        _ = self.tasks  # load in the main process: fail early, workers inherit it
+
+    @property
+    def tasks(self) -> Emu3Tasks:
+        if self._tasks is None:
+            from transformers import AutoTokenizer
+
+            self._tasks = Emu3Tasks(AutoTokenizer.from_pretrained(self.tokenizer_path), self.config.system_prompt)
+        return self._tasks
+
+    def _task_of(self, sample: VQTokenSample, caption: str | None) -> str:
+        forced = (sample.__subflavors__ or {}).get("task")
+        u = random.random()  # seeded by energon per sample (restore_seeds)
+        if forced is not None:
+            if forced not in TASKS:
+                raise self._skip("bad_task_subflavor", sample.id, f"subflavor task={forced!r}; known: {list(TASKS)}")
+            if forced == GENERATION and caption is None:
+                raise self._skip("not_a_generation_sample", sample.id, "needs one image and one question/answer")
+            return forced
+        task = pick_task(u, self.config.tasks, caption is not None)
+        if task is None:
+            raise self._skip("not_a_generation_sample", sample.id, "needs one image and one question/answer")
+        return task
+
+    @stateless(restore_seeds=True)
+    def encode_sample(self, sample: VQTokenSample) -> Emu3Sample:
+        c, sid = self.config, str(sample.id)
+        grids = list(sample.image_tokens or [])
+        conversations = list(sample.conversations)
+        caption = generation_caption(conversations, len(grids))
+        task = self._task_of(sample, caption)
+        uncond = task == GENERATION and random.random() < c.p_uncond
+        try:
+            if task == GENERATION:
+                tokens = self.tasks.generation(c.uncond_prompt if uncond else caption, grids[0])
+            else:
+                tokens = self.tasks.understanding(conversations, grids)
+        except ConversationError as exc:
+            raise self._skip(exc.reason, sid, str(exc)) from exc
+        if not (tokens.labels != IGNORE_INDEX).any():
+            raise self._skip("no_assistant_tokens", sid)
+        result = apply_length_policy(tokens, c.seq_length)
+        if result.tokens is None:
+            raise self._skip(result.outcome, sid, f"{len(tokens)} tokens > seq_length {c.seq_length}")
+        if result.outcome == "truncated":
+            self._count("truncated")
+        self._count(f"task/{task}")
+        if uncond:
+            self._count("task/generation_uncond")
+        return Emu3Sample.derive_from(
+            sample, id=sid, input_ids=result.tokens.input_ids, labels=shift_labels(result.tokens.labels),
+            task=task, uncond=uncond, truncated=result.outcome == "truncated",
+        )
+
+    def collate(self, rows: list[list[Emu3Sample]], stats: dict[str, int]) -> Emu3Batch:
+        return Emu3Batch(**packed_batch_fields(rows, self.config.seq_length, self.tasks.vocab.pad, stats),
+                         tasks=[[s.task for s in row] for row in rows])

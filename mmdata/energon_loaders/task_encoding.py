@@ -1,0 +1,114 @@
+"""What every family's task encoder shares on energon's side: counted skips, packing through
+energon's hooks, the batch hook and the `PackedBatch` fields of packed rows (the token sequence
+of one sample and the over-length policy are in `sequence.py`).
+
+A family's encoder subclasses `PackingTaskEncoder`, turns raw samples into encoded samples that
+carry `input_ids` and shifted `labels` (energon's `encode_sample` or `preencode_sample` /
+`postencode_sample`), and implements `collate(rows, stats)`; selection of the samples that share
+a row, the packed sample and the batch hook are done here. The shared batch fields come from
+`packed_batch_fields`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Sequence
+
+from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows
+
+log = logging.getLogger(__name__)
+
+
+@edataclass
+class PackedSamples(Sample):
+    """The encoded samples energon's packing put into one row."""
+
+    samples: list
+
+
+def skip_key(reason: str) -> str:
+    """The stats counter of a skip reason (`LoaderStats.skipped` strips the prefix)."""
+    return f"skipped/{reason}"
+
+
+class PackingTaskEncoder(TaskEncoder):
+    """Counted skips, packing hooks and the batch hook of a family's task encoder.
+
+    Encoded samples must have `input_ids` (their length is what packing fills rows with); the
+    subclass sets `seq_length` and implements `collate`. Skips and other counters travel to the
+    main process in each batch's `stats` (per worker, since its previous batch)."""
+
+    # Media stay as stored (bytes / arrays): decoding happens in the encoder, where a failure
+    # becomes a counted skip instead of a dead worker.
+    decoder = None
+
+    def __init__(self, seq_length: int) -> None:
+        super().__init__()
+        self.seq_length = seq_length
+        self._stats: Counter = Counter()
+
+    def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
+        """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance
+        counter, so bad data never stops training)."""
+        self._stats[skip_key(reason)] += 1
+        message = f"sample {sample_id!r} skipped: {reason}{': ' + detail if detail else ''}"
+        log.warning(message)
+        return SkipSample(message)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self._stats[key] += n
+
+    def _take_stats(self) -> dict[str, int]:
+        stats = dict(self._stats)
+        self._stats.clear()
+        return stats
+
+    # -- energon packing / batching hooks ---------------------------------------------------
+
+    def select_samples_to_pack(self, samples: list[Any]) -> list[list[Any]]:
+        bins = largest_first_knapsack([len(s.input_ids) for s in samples], self.seq_length)
+        return [[samples[i] for i in b] for b in bins]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[Any]) -> PackedSamples:
+        if not samples:  # every sample of this pack failed to decode (already counted)
+            raise SkipSample("empty pack")
+        return PackedSamples(
+            __key__=",".join(s.__key__ for s in samples),
+            __restore_key__=(),
+            __subflavors__=None,
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            samples=list(samples),
+        )
+
+    @stateless
+    def batch(self, samples: list[Any]) -> Any:
+        rows = [s.samples if isinstance(s, PackedSamples) else [s] for s in samples]
+        return self.collate(rows, self._take_stats())
+
+    def collate(self, rows: list[list[Any]], stats: dict[str, int]) -> Any:
+        """Rows of encoded samples -> the family's batch (a PackedBatch subclass)."""
+        raise NotImplementedError
+
+
+def packed_batch_fields(rows: Sequence[Sequence[Any]], seq_length: int, pad_token_id: int,
+                        stats: dict[str, int] | None = None) -> dict[str, Any]:
+    """The `PackedBatch` fields of rows of encoded samples (each with `id`, `input_ids` and
+    shifted `labels`): packed tensors, attention metadata, ids and counters."""
+    packed = pack_rows([[(s.input_ids, s.labels) for s in row] for row in rows], seq_length, pad_token_id)
+    return dict(
+        input_ids=packed.input_ids,
+        labels=packed.labels,
+        position_ids=packed.position_ids,
+        cu_seqlens=packed.cu_seqlens,
+        max_seqlen=packed.max_seqlen,
+        sample_ids=[[s.id for s in row] for row in rows],
+        num_loss_tokens=int((packed.labels != IGNORE_INDEX).sum()),
+        sample_keys=[[s.__key__ for s in row] for row in rows],
+        num_real_tokens=packed.num_real_tokens,
+        stats=dict(stats or {}),
+    )

@@ -1,0 +1,132 @@
+"""The per-sample length index: how many LLM positions each written sample takes, so packing can
+be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
+
+- image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres`) on the
+  image sizes the validator read from the headers: a single image is anyres (base tile + grid,
+  anyres_max_9), each image of a multi-image sample one base tile, a video its sampled frames
+  (at most 32) pooled to 14 x 14 plus one newline;
+- text tokens: with `--tokenizer DIR` exactly what the loader's `ChatTokenizer` makes of the
+  conversation (Qwen2 chat template with the default system prompt, media placeholders not
+  counted); without one, an estimate (`estimate_text_tokens`).
+
+`DIR/lengths.parquet` has one row per written sample in output order: `index` (the global
+sample index; the shard key is `f"{index:010d}"`), `shard` (its shard's number), `text_tokens`,
+`image_tokens`, `total_tokens` (int32). Its metadata names how text was counted
+(`mmdata.text_tokens`: `tokenizer` or `estimate`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from mmdata.preprocess.shard_writer import sha256_file
+from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
+LENGTHS_NAME = "lengths.parquet"
+CJK_CHARS_PER_TOKEN = 1.5
+OTHER_CHARS_PER_TOKEN = 4.0
+TURN_OVERHEAD = 5  # <|im_start|> role "\n" ... <|im_end|> "\n"
+SYSTEM_TOKENS = 6  # "You are a helpful assistant." in a Qwen2 vocabulary
+
+
+def _is_cjk(ch: str) -> bool:
+    o = ord(ch)
+    return 0x3400 <= o <= 0x9FFF or 0xF900 <= o <= 0xFAFF or 0x20000 <= o <= 0x2A6DF or 0x3000 <= o <= 0x303F
+
+
+def estimate_text_tokens(conversations: list[dict]) -> int:
+    """The estimate used without --tokenizer: per turn 5 template tokens plus the text at 1.5
+    CJK characters or 4 other characters per token (placeholders not counted), plus the default
+    system turn (6 + 5) unless the record has one: the usual rates of BPE vocabularies like
+    Qwen2's for English and Chinese text, not a measurement. Use --tokenizer for exact counts."""
+    total = 0 if conversations and conversations[0]["from"] == "system" else SYSTEM_TOKENS + TURN_OVERHEAD
+    for turn in conversations:
+        text = turn["value"].replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
+        cjk = sum(1 for ch in text if _is_cjk(ch))
+        total += TURN_OVERHEAD + math.ceil(cjk / CJK_CHARS_PER_TOKEN + (len(text) - cjk) / OTHER_CHARS_PER_TOKEN)
+    return total
+
+
+def media_tokens(record: dict) -> tuple[list[int], list[int]]:
+    """(tokens per image, tokens per video) as the LLaVA-OV loader lays the media out."""
+    from mmdata.energon_loaders.llava_ov import anyres
+    from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
+
+    meta = record.get("meta") or {}
+    sizes = meta.get("image_sizes") or []
+    images = [anyres.image_layout(h, w, len(sizes) == 1)[1] for w, h, _ in sizes]
+    video = meta.get("video_size_frames")
+    videos = [anyres.num_video_tokens(min(int(video[2]), DEFAULT_MAX_FRAMES))] if video else []
+    return images, videos
+
+
+@lru_cache(maxsize=2)
+def _chat_tokenizer(path: str):
+    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    return ChatTokenizer(load_local_tokenizer(path, "--tokenizer"))
+
+
+class LengthCounter:
+    """(text tokens, media tokens) of a normalised record; one per scan task."""
+
+    def __init__(self, tokenizer: str | None = None):
+        self.tokenizer = tokenizer
+
+    def __call__(self, record: dict) -> tuple[int, int]:
+        images, videos = media_tokens(record)
+        media = sum(images) + sum(videos)
+        if self.tokenizer is None:
+            return estimate_text_tokens(record["conversations"]), media
+        from mmdata.energon_loaders.llava_ov.chat_template import ConversationError
+
+        try:
+            toks = _chat_tokenizer(self.tokenizer).tokenize(record["conversations"], images, videos)
+        except ConversationError:  # the loader skips such a record; count what the text would be
+            return estimate_text_tokens(record["conversations"]), media
+        return len(toks) - sum(n for _, _, n in toks.media_spans), media
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """sha256 over the tokenizer folder's files (names and bytes): the index depends on them."""
+    h = hashlib.sha256()
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--tokenizer {path}: not a folder")
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the index file
+
+LENGTHS_DTYPE = np.dtype("<i4")  # per shard work file: rows of (text_tokens, image_tokens)
+
+
+def write_length_index(out: Path, parts: list[tuple[int, Path]], text_tokens: str) -> str:
+    """`lengths.parquet` from the shards' parts [(first global index, part file)], one row
+    group per shard, streamed (memory: one shard). Returns its sha256."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("index", pa.int64()), ("shard", pa.int32()), ("text_tokens", pa.int32()),
+                        ("image_tokens", pa.int32()), ("total_tokens", pa.int32())],
+                       metadata={"mmdata.text_tokens": text_tokens})
+    tmp = out / f".{LENGTHS_NAME}.tmp"
+    with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        for shard, (first, part) in enumerate(parts):
+            a = np.fromfile(part, dtype=LENGTHS_DTYPE).reshape(-1, 2)
+            n = len(a)
+            writer.write_table(pa.table({
+                "index": np.arange(first, first + n, dtype=np.int64), "shard": np.full(n, shard, dtype=np.int32),
+                "text_tokens": a[:, 0], "image_tokens": a[:, 1], "total_tokens": a[:, 0] + a[:, 1],
+            }, schema=schema))
+    tmp.replace(out / LENGTHS_NAME)
+    return sha256_file(out / LENGTHS_NAME)

@@ -1,0 +1,209 @@
+"""What the resumable Ray jobs (`mmdata preprocess`, `mmdata tokenize-images`) share: starting
+and stopping Ray, bounded task submission, and the output folder's rules.
+
+Output folder: a job's state lives in `DIR/.mmdata-work/` (with `work.json`: the job's
+fingerprint and its description); energon's `.nv-meta/` and then `manifest.json` are published
+last, so a folder with a work folder and no manifest is unfinished (mmdata/readiness.py). A rerun
+of the same command resumes it; a folder holding another job's output, or files this tool did
+not write, is refused with the options that differ (`--overwrite` replaces this tool's outputs).
+
+Interrupts: Ctrl-C while Ray starts or stops is held back until it is up or down (an interrupt
+inside `ray.init` leaves half-started processes and crashed the interpreter at exit); elsewhere
+the job stops its tasks, shuts Ray down and raises `Interrupted` ("rerun the same command to
+resume", exit status 130).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from mmdata import shard_format as sf
+from mmdata.errors import Interrupted, UserError, deferred_interrupt
+from mmdata.units import plural
+
+INTERRUPTED = "interrupted: rerun the same command to resume"
+
+
+def init_ray(address: str | None, num_cpus: int | None) -> bool:
+    """Connect to `address` / RAY_ADDRESS, or start a private local instance (Ctrl-C held back
+    until it is up). Returns whether this process owns the instance."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
+    try:
+        with deferred_interrupt():
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 << 20,
+                         **kwargs)
+    except KeyboardInterrupt:  # held back until Ray was up: take it down again
+        shutdown_ray(True)
+        raise
+    return True
+
+
+def shutdown_ray(owned: bool) -> None:
+    """Stop the instance this process started (Ctrl-C held back until it is down)."""
+    if owned:
+        import ray
+
+        with deferred_interrupt():
+            ray.shutdown()
+
+
+def resumable(job: Callable[..., Any]) -> Callable[..., Any]:
+    """A job function whose Ctrl-C (after its own clean-up: `finally` blocks shut Ray down)
+    becomes `Interrupted`: "rerun the same command to resume", exit status 130."""
+
+    @functools.wraps(job)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return job(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Interrupted(INTERRUPTED) from None
+
+    return run
+
+
+def discard(out: Path, work: Path, created: bool) -> None:
+    """Leave nothing behind (a job that has nothing to write): the work folder, and the output
+    folder when this run created it and it is empty otherwise."""
+    remove([work] + ([out] if created and not any(p != work for p in out.iterdir()) else []))
+
+
+_END = object()
+
+
+def run_bounded(submit: Callable[[Any], Any], items: Iterable[Any], max_in_flight: int,
+                on_done: Callable[[Any, Any], None]) -> None:
+    """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
+    import ray
+
+    pending: dict = {}
+
+    def drain(n_left: int) -> None:
+        while len(pending) > n_left:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                on_done(pending.pop(ref), ray.get(ref))
+
+    it = iter(items)
+    try:
+        while True:
+            drain(max_in_flight - 1)  # wait for a free slot before taking the next item
+            item = next(it, _END)
+            if item is _END:
+                break
+            pending[submit(item)] = item
+        drain(0)
+    except KeyboardInterrupt:
+        for ref in pending:  # stop what is running: the rerun redoes unfinished tasks
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # noqa: BLE001 - best effort: Ray's shutdown stops them anyway
+                pass
+        raise
+
+
+def remove(paths: Iterable[Path]) -> None:
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def check_output_dir(out: Path, fp: str, job: dict, overwrite: bool, own_outputs: Callable[[Path], list[Path]],
+                     error: type[UserError], saved_job: Callable[[dict], dict | None] = lambda m: m.get("job")) -> dict | None:
+    """Before anything is written: refuse an output that is a file, or a folder holding another
+    job's result or files this tool did not write; return the manifest when this very job is
+    already complete there. `--overwrite` removes this tool's outputs (other files are kept).
+    `job` is what the fingerprint `fp` was computed from; `saved_job(manifest)` the manifest's."""
+    if out.exists() and not out.is_dir():
+        raise error(f"--output {out} is a file; give a folder (a new one, or one this tool wrote)")
+    if not out.exists():
+        return None
+    if overwrite:
+        remove(own_outputs(out))
+        return None
+    manifest_path, work_json = out / sf.MANIFEST_NAME, out / sf.WORK_DIR_NAME / "work.json"
+    hint = "pass --overwrite to replace it, or choose another --output"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") == fp:
+            return manifest
+        raise error(f"{out} already holds shards made with other inputs or options "
+                    f"({changes_text(saved_job(manifest), job, manifest.get('fingerprint'), fp)}); {hint}")
+    if work_json.exists():
+        state = json.loads(work_json.read_text())
+        if state.get("fingerprint") != fp:
+            raise error(f"{out} holds an unfinished job on other inputs or options "
+                        f"({changes_text(state.get('job'), job, state.get('fingerprint'), fp)}); {hint}")
+        return None
+    own = set(own_outputs(out))
+    if any(p.name.startswith("shard-") for p in own) or (out / sf.ENERGON_META).exists():
+        raise error(f"{out} holds shards not written by a resumable mmdata job; {hint}")
+    foreign = sorted(p.name for p in out.iterdir() if p not in own)
+    if foreign:
+        raise error(f"--output {out} is not empty ({plural(len(foreign), 'entry', 'entries')} this tool did not write, e.g. "
+                    f"{foreign[0]!r}); choose an empty or new folder, or pass --overwrite to write there anyway")
+    return None
+
+
+def shard_outputs(out: Path) -> list[Path]:
+    """The files both jobs write into `out` besides their own: manifest, quarantine, energon's
+    metadata, the work folder, the shards with their indexes, and their temporary files."""
+    names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, sf.ENERGON_META, sf.WORK_DIR_NAME]
+    paths = [out / n for n in names if (out / n).exists()]
+    for pattern in ("shard-*.tar", "shard-*.tar.idx", ".shard-*.tar.tmp-*", "shard-*.tar.idx.tmp",
+                    f"{sf.ENERGON_META}.tmp-*"):
+        paths += sorted(out.glob(pattern))
+    return paths
+
+
+# ----------------------------------------------------------------------------- what changed
+
+
+def changes_text(old: dict | None, new: dict, old_fp: Any, new_fp: str) -> str:
+    """"samples_per_shard 50 → 100, seed 0 → 1" (at most 3, then "and N more"); the two
+    fingerprints when the old job's description is unknown (written by an older version)."""
+    if not isinstance(old, dict):
+        return f"fingerprint {str(old_fp)[:12]} → {new_fp[:12]}"
+    diffs = describe_changes(old, new)
+    if not diffs:
+        return f"fingerprint {str(old_fp)[:12]} → {new_fp[:12]}"
+    more = f", and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+    return "changed: " + ", ".join(diffs[:3]) + more
+
+
+def describe_changes(old: Any, new: Any, path: str = "") -> list[str]:
+    """Leaf differences between two JSON-like values, as "path old → new"."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in list(old) + [k for k in new if k not in old]:
+            out += describe_changes(old.get(k), new.get(k), f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(old, list) and isinstance(new, list):
+        if len(old) != len(new):
+            return [f"{path}: {len(old)} → {len(new)} entries"]
+        out = []
+        for i, (a, b) in enumerate(zip(old, new)):
+            label = b.get("rel") or b.get("path") if isinstance(b, dict) else None
+            out += describe_changes(a, b, f"{path}[{label or i}]")
+        return out
+    return [] if old == new else [f"{path} {_short(old)} → {_short(new)}"]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,224 @@
+"""How every family's HF <-> megatron conversion runs (the families supply the model, the tensor
+getters and the name adapters; see e.g. mmtrain/llava_ov/conversion.py).
+
+Import (HF -> megatron): `import_to_mcore` builds the model stage of every rank of the requested
+TP/PP layout (one spawned process per rank when TP*PP > 1, gloo on CPU), streams each canonical
+tensor from the family's source getter into its shard, and writes a torch_dist checkpoint
+(reshardable to any layout at load time). Host memory: about one model copy plus one tensor.
+
+Export (megatron -> HF): `load_unsharded` loads a checkpoint at TP=1/PP=1 (dist-checkpoint
+reshards), `canonical_tensors` reads it back as canonical tensors for the family's adapter to
+stream into size-bounded safetensors shards.
+
+Sources and model builders are module-level functions (they cross the spawn boundary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from mmtrain.models.megatron_config import ParallelOptions
+
+#: inside a converted checkpoint: the source's tokenizer/processor files and its config.json
+#: (`source_config.json`), so an export writes them back
+ASSETS_DIR = "hf_assets"
+SOURCE_CONFIG = "source_config.json"
+
+#: (source args) -> (model config, canonical-tensor getter, tied output source or None); the
+#: getter returns None for a parameter that keeps its fresh init
+Source = Callable[[dict], tuple[Any, Callable[[str], Optional[torch.Tensor]], Optional[str]]]
+#: (model config, ParallelOptions) -> this rank's model stage
+BuildStage = Callable[[Any, ParallelOptions], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class ImportJob:
+    source: Source
+    source_args: dict
+    build_stage: BuildStage
+    dst: str
+    tp: int = 1
+    pp: int = 1
+    #: False when the source fills every weight (no random init, no transient init copies)
+    fresh_init: bool = False
+    seed: int = 1234
+    threads: int = 1
+
+
+def import_to_mcore(job: ImportJob) -> None:
+    """Run the import on TP*PP ranks (in this process when that is 1)."""
+    world = job.tp * job.pp
+    if world == 1:
+        _import_rank(job)
+        return
+    import torch.multiprocessing as mp
+
+    from mmtrain.runtime.distributed import free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_entry, args=(job, r, world, port)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"conversion failed on rank(s) {bad} (see their error output above)")
+
+
+def _import_rank(job: ImportJob) -> None:
+    """On every rank: build this stage, fill it from the source, save collectively."""
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.runtime.checkpoint.weights import save_model_weights
+    from mmtrain.runtime.distributed import ensure_model_parallel
+
+    torch.set_num_threads(max(1, job.threads))
+    ensure_model_parallel(job.tp, job.pp, seed=job.seed)
+    cfg, get, tied = job.source(job.source_args)
+    model = job.build_stage(cfg, ParallelOptions(perform_initialization=job.fresh_init))
+    load_canonical(model, get, tied_output_source=tied)
+    save_model_weights([model], job.dst, iteration=0, model_config=cfg)
+
+
+def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _import_rank(job)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def build_pipeline_stage(build: Callable[..., torch.nn.Module], cfg: Any,
+                         options: Optional[ParallelOptions] = None) -> torch.nn.Module:
+    """`build(cfg, pre_process=, post_process=, options=)` for this rank's pipeline stage."""
+    from megatron.core import parallel_state
+
+    return build(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
+                 post_process=parallel_state.is_pipeline_last_stage(), options=options)
+
+
+def load_unsharded(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
+                   iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
+    """(model config, model) of a megatron checkpoint at TP=1/PP=1, in this process, weights
+    loaded (no random init)."""
+    from mmtrain.runtime.checkpoint.weights import load_model_weights
+    from mmtrain.runtime.distributed import ensure_model_parallel
+
+    ensure_model_parallel(1, 1)
+    cfg = saved_model_config(ckpt_dir, config_cls, iteration)
+    model = build_stage(cfg, ParallelOptions(perform_initialization=False))
+    load_model_weights([model], ckpt_dir, iteration)
+    return cfg, model
+
+
+def saved_model_config(ckpt_dir: str | os.PathLike, config_cls: type, iteration: Optional[int] = None) -> Any:
+    """The model config stored next to a checkpoint's weights, validated like a recipe section."""
+    from mmtrain.config.typed import from_plain
+    from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
+
+    return from_plain(config_cls, load_model_config_dict(ckpt_dir, iteration), f"{ckpt_dir} {MODEL_CONFIG}")
+
+
+def canonical_tensors(model: torch.nn.Module, true_vocab: int, adapter: Any) -> dict[str, torch.Tensor]:
+    """The canonical tensors of an unsharded model (vocab cut to `true_vocab`), checked to hold
+    every tensor the family's adapter will ask for."""
+    from mmtrain.models.model_io import iter_canonical
+    from mmtrain.models.state_dict_adapter import ConversionError
+
+    canon = dict(iter_canonical(model, true_vocab=true_vocab))
+    missing = sorted(set(adapter.mcore_names()) - set(canon))
+    if missing:
+        raise ConversionError(f"checkpoint model lacks tensor(s) {missing[:10]}")
+    return canon
+
+
+def record_source(dst: str | os.PathLike, hf_dirs: list[str | os.PathLike], hf_config: Optional[dict]) -> Path:
+    """Keep the sources' assets (tokenizer, processor...) and HF config next to the converted
+    weights; returns the assets dir."""
+    from mmtrain.models.hf_io import copy_assets
+
+    assets = Path(dst) / ASSETS_DIR
+    for d in hf_dirs:
+        copy_assets(d, assets)
+    if hf_config is not None:
+        assets.mkdir(parents=True, exist_ok=True)
+        (assets / SOURCE_CONFIG).write_text(json.dumps(hf_config, indent=2))
+    return assets
+
+
+def source_config(ckpt_dir: str | os.PathLike) -> Optional[dict]:
+    """The HF config recorded at import (the template of an export), if any."""
+    f = Path(ckpt_dir) / ASSETS_DIR / SOURCE_CONFIG
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def copy_recorded_assets(ckpt_dir: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """The recorded asset files (not directories, not the source config) into an HF export."""
+    assets = Path(ckpt_dir) / ASSETS_DIR
+    if assets.is_dir():
+        for f in assets.iterdir():
+            if f.is_file() and f.name != SOURCE_CONFIG:
+                shutil.copy2(f, Path(dst) / f.name)
+
+
+# ----------------------------------------------------------------------------- HF weights, no files
+
+
+#: (HF dir) -> (model config, canonical-tensor getter) of a whole HF checkpoint, keys validated
+HFSource = Callable[[str | os.PathLike], tuple[Any, Callable[[str], Optional[torch.Tensor]]]]
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    """An HF model dir (config.json) rather than a megatron checkpoint dir (`latest`)."""
+    from mmtrain.runtime.checkpoint.layout import LATEST
+
+    p = Path(path)
+    return (p / "config.json").is_file() and not (p / LATEST).exists()
+
+
+def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
+                       hf_source: HFSource, iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
+    """(model config, unsharded model) from a megatron checkpoint dir or an HF dir
+    (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init)."""
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.runtime.distributed import ensure_model_parallel
+
+    if not is_hf_dir(ckpt_dir):
+        return load_unsharded(ckpt_dir, config_cls, build_stage, iteration)
+    ensure_model_parallel(1, 1)
+    cfg, get = hf_source(ckpt_dir)
+    model = build_stage(cfg, ParallelOptions(perform_initialization=False))
+    load_canonical(model, get)
+    return cfg, model
+
+
+def load_hf_into_chunks(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf_source: HFSource,
+                        expect: Any = None, architecture_keys: tuple[str, ...] = (),
+                        tied_output_source: Callable[[Any], Optional[str]] = lambda cfg: None) -> None:
+    """Fill (possibly TP/PP-sharded) model chunks straight from an HF dir (a recipe's
+    `checkpoint.load`), after checking its config against the recipe's model config on the
+    family's architecture keys (naming the key that differs). `tied_output_source(cfg)`: see
+    `model_io.load_canonical`."""
+    from mmtrain.models.model_io import load_canonical
+    from mmtrain.models.state_dict_adapter import ConversionError
+    from mmtrain.runtime.checkpoint.layout import unwrap
+
+    cfg, get = hf_source(hf_dir)
+    for key in architecture_keys if expect is not None else ():
+        if getattr(expect, key) != getattr(cfg, key):
+            raise ConversionError(
+                f"{hf_dir}: HF config does not match the recipe: model.{key} is {getattr(expect, key)} in the recipe, "
+                f"{getattr(cfg, key)} in the HF checkpoint"
+            )
+    for chunk in model_chunks:
+        load_canonical(unwrap(chunk), get, tied_output_source=tied_output_source(cfg))

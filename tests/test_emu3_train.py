@@ -1,0 +1,103 @@
+"""`mmtrain emu3 recipes/emu3-tiny.yaml` on the shared runtime (CPU/gloo), on token shards of the
+demo's kind of data (synthetic Infinity-MM through `mmdata tokenize-images`) with both tasks.
+
+Fast tier: a reference run (the loss falls, metrics, checkpoints) and exact resume. Slow tier:
+from the same HF weights (`checkpoint.load` of a tiny `Emu3ForConditionalGeneration` dir,
+converted on the fly into each layout) and the same global batches (`data.sharding=replicated`),
+TP=2 x PP=2 with sequence parallelism (4 processes) and DP=2 reproduce the single-process
+losses; the DP=2 checkpoint resumes on TP=2 (another layout) and continues the DP=2 run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: F401
+from tests.test_train_runtime import REPO, interrupted_copy, metrics, train
+
+EMU3 = [sys.executable, "-m", "mmtrain.cli", "emu3", str(REPO / "recipes" / "emu3-tiny.yaml")]
+
+
+def emu3_train(run_dir: Path, tokens: Path, tokenizer: Path, *overrides: str, nproc: int = 1):
+    return train(run_dir, tokens, tokenizer, "train.seq_length=512", *overrides, nproc=nproc, command=EMU3)
+
+
+@pytest.fixture(scope="module")
+def ref_run(tmp_path_factory, demo_token_dir, emu3_tok_dir) -> Path:
+    run = tmp_path_factory.mktemp("emu3_ref") / "run"
+    emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    return run
+
+
+def test_emu3_trains_on_both_tasks_and_the_loss_falls(ref_run):
+    m = metrics(ref_run)
+    assert sorted(m) == [1, 2, 3, 4, 5, 6]
+    assert all(r["num_loss_tokens"] > 0 and len(r["sample_losses"]) == len(r["sample_ids"]) for r in m.values())
+    assert (m[5]["loss"] + m[6]["loss"]) / 2 < m[1]["loss"] - 0.3
+    assert sorted(d.name for d in (ref_run / "checkpoints").glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+
+
+def test_emu3_exact_resume(ref_run, tmp_path, demo_token_dir, emu3_tok_dir):
+    """Killed after step 4's checkpoint, rerun: steps 5-6 are the uninterrupted run's, exactly
+    (model, optimizer, RNG and the loader state, including its task and CFG draws)."""
+    run = interrupted_copy(ref_run, tmp_path / "run", at_step=4)
+    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    assert "resumed from" in proc.stderr
+    ref, resumed = metrics(ref_run), metrics(run)
+    for step in (5, 6):
+        for key in ("loss", "grad_norm", "sample_ids", "sample_losses"):
+            assert resumed[step][key] == ref[step][key], (step, key)
+
+
+# ----------------------------------------------------------------------------- slow: layouts
+
+
+@pytest.fixture(scope="module")
+def parity_reference(tmp_path_factory, demo_token_dir, emu3_tok_dir, tiny_vq_dir):
+    from transformers import AutoTokenizer
+
+    base = tmp_path_factory.mktemp("emu3_parity")
+    model = tiny_hf_emu3(AutoTokenizer.from_pretrained(emu3_tok_dir), tiny_vq_dir, layers=2, hidden=64, heads=4,
+                         kv_heads=2, seed=3, noise=0.02, max_positions=4096)
+    hf = save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, base / "hf")
+    common = ("train.iters=4", "checkpoint.interval=2", "data.sharding=replicated", f"checkpoint.load={hf}")
+    emu3_train(base / "ref", demo_token_dir, emu3_tok_dir, *common)
+    return common, metrics(base / "ref")
+
+
+def _same_losses(got: dict, ref: dict, steps) -> None:
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+        assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"]), step
+
+
+@pytest.mark.slow
+def test_emu3_tp2_pp2_sequence_parallel_losses_equal_one_process(parity_reference, tmp_path, demo_token_dir,
+                                                                  emu3_tok_dir):
+    common, ref = parity_reference
+    run = tmp_path / "tp2pp2"
+    emu3_train(run, demo_token_dir, emu3_tok_dir, *common, "parallel.tp=2", "parallel.pp=2",
+               "parallel.sequence_parallel=true", nproc=4)
+    _same_losses(metrics(run), ref, (1, 2, 3, 4))
+
+
+@pytest.mark.slow
+def test_emu3_dp2_losses_equal_one_process_and_resume_on_tp2(parity_reference, tmp_path, demo_token_dir,
+                                                             emu3_tok_dir):
+    common, ref = parity_reference
+    dp2 = tmp_path / "dp2"
+    emu3_train(dp2, demo_token_dir, emu3_tok_dir, *common, nproc=2)
+    _same_losses(metrics(dp2), ref, (1, 2, 3, 4))
+    tp2 = tmp_path / "tp2"
+    proc = emu3_train(tp2, demo_token_dir, emu3_tok_dir, "train.iters=4", "checkpoint.interval=0",
+                      "data.sharding=replicated", f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}",
+                      "parallel.tp=2", nproc=2)
+    assert "same layout: False, loader restored: True" in proc.stderr
+    got = metrics(tp2)
+    assert sorted(got) == [3, 4]
+    _same_losses(got, metrics(dp2), (3, 4))
+    assert [got[s]["sample_ids"] for s in (3, 4)] == [metrics(dp2)[s]["sample_ids"] for s in (3, 4)]

@@ -1,0 +1,99 @@
+"""The per-sample length index the job writes (it counts what the loader counts) and
+`mmdata pack-plan`: every sample exactly once, sequences that fit, >= 99 % efficiency on the
+synthetic mix at 8K and 12K (above the online packer), deterministic; `mmdata inspect` shows
+the plan against the online packer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from mmdata import shard_format as sf
+from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.inspect.packing import estimate_packing
+from mmdata.inspect.stats import summarize
+from mmdata.preprocess import pack_plan
+from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from tests.conftest import run_preprocess_cli
+
+
+@pytest.fixture(scope="module")
+def tok_shards(tmp_path_factory):
+    """600 synthetic records through the job with the tiny tokenizer (exact text tokens)."""
+    root = tmp_path_factory.mktemp("packplan")
+    tok = build_tiny_qwen2_tokenizer(root / "tok")
+    write_infinity_mm(generate_records(600, seed=8), root / "raw", samples_per_tar=100)
+    out = root / "shards"
+    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "1",
+                       "--samples-per-shard", "200", "--num-cpus", "2", "--tokenizer", str(tok))
+    return out, tok
+
+
+def test_length_index_counts_what_the_loader_counts(tok_shards):
+    out, tok = tok_shards
+    m = json.loads((out / sf.MANIFEST_NAME).read_text())
+    table = pq.read_table(out / "lengths.parquet")
+    assert table.schema.metadata[b"mmdata.text_tokens"] == b"tokenizer"
+    assert m["length_index"]["text_tokens"] == "tokenizer" and m["length_index"]["tokenizer_sha256"]
+    idx = table.column("index").to_numpy()
+    assert (idx == np.arange(m["counts"]["written"])).all()
+    assert np.bincount(table.column("shard").to_numpy()).tolist() == [s["samples"] for s in m["shards"]]
+    text, image = table.column("text_tokens").to_numpy(), table.column("image_tokens").to_numpy()
+    assert (table.column("total_tokens").to_numpy() == text + image).all()
+    # the loader's own numbers (inspect: ChatTokenizer + anyres on the header sizes) for a sample
+    summary = summarize(out, sample=120, seed=2, tokenizer=tok)
+    assert len(summary.samples) == 120
+    for s in summary.samples:
+        i = int(s.key)
+        assert (text[i], image[i]) == (s.text_tokens, s.image_tokens), s.key
+
+
+def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
+    from mmdata.cli import main
+
+    out, _ = tok_shards
+    lengths = pq.read_table(out / "lengths.parquet").column("total_tokens").to_numpy()
+    for seq in (8192, 12288):
+        assert main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
+        path = pack_plan.plan_path(out, seq)
+        info = pack_plan.read_plan_info(path)
+        plan = pq.read_table(path)
+        bins, index, tokens = (plan.column(c).to_numpy() for c in ("bin", "index", "tokens"))
+        assert sorted(index.tolist()) == list(range(len(lengths)))  # every sample exactly once
+        assert (tokens == lengths[index]).all() and (np.diff(bins) >= 0).all() and bins[-1] == info["bins"] - 1
+        per_bin = np.bincount(bins, weights=np.minimum(tokens, seq))
+        assert per_bin.max() <= seq and info["over_length"] == int((lengths > seq).sum())
+        assert info["efficiency"] == pytest.approx(per_bin.sum() / (len(per_bin) * seq), abs=1e-6)
+        online = estimate_packing(lengths.tolist(), seq)
+        assert info["efficiency"] >= 0.99 and info["bins"] <= online.sequences, (seq, info, online)
+        assert info["bins"] <= -(-int(np.minimum(lengths, seq).sum()) // seq) + 1  # at most one over the bound
+        assert info["lengths_sha256"] == json.loads((out / sf.MANIFEST_NAME).read_text())["length_index"]["sha256"]
+        first = path.read_bytes()
+        assert main(["pack-plan", str(out), "--seq-length", str(seq)]) == 0  # all CPUs: same plan
+        assert path.read_bytes() == first
+    d = summarize(out, sample=5, context_lengths=(8192, 12288)).to_dict()["length_index"]
+    assert d["samples"] == d["compared"] == len(lengths) and d["text_tokens"] == "tokenizer"
+    for seq in ("8192", "12288"):
+        p = d["packing"][seq]
+        assert p["plan"] >= 0.99 and p["plan"] >= p["online"] and p["plan_file"] == pytest.approx(p["plan"], abs=1e-4)
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--sample", "5", "--context-lengths", "8192"]) == 0
+    assert "offline plan" in capsys.readouterr().out
+    assert main(["pack-plan", str(out.parent / "raw"), "--seq-length", "8192"]) == 2  # no length index
+
+
+def test_plan_packing_covers_everything_whatever_chunks(monkeypatch):
+    rng = np.random.default_rng(4)
+    lengths = np.concatenate([rng.integers(1, 3000, 900), [0, 9000, 8192, 8191]])
+    one = pack_plan.plan_packing(lengths, 8192, seed=3)
+    got = np.sort(np.concatenate(one.bins))
+    assert (got == np.arange(len(lengths))).all() and one.over_length == 1
+    assert all(np.minimum(lengths, 8192)[b].sum() <= 8192 for b in one.bins)
+    assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3).bins] == [b.tolist() for b in one.bins]
+    assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=4).bins] != [b.tolist() for b in one.bins]
+    monkeypatch.setattr(pack_plan, "CHUNK", 300)  # chunks packed in parallel give the serial plan
+    serial = [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=1).bins]
+    assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=2).bins] == serial
