@@ -90,8 +90,8 @@ def test_aquila_counts_match_published_sizes():
     assert 1.9e9 < c.total < 2.0e9  # unique parameters: ~1.95B
 
 
-def _mem(recipe, **layout):
-    shapes = LLAVA_OV.model_shapes(recipe.model)
+def _mem(recipe, spec=LLAVA_OV, **layout):
+    shapes = spec.model_shapes(recipe.model)
     return estimate_memory(shapes, recipe.freeze, Layout.from_recipe(recipe).with_(**layout))
 
 
@@ -192,3 +192,19 @@ def test_emu3_8b_counts_equal_hf_and_the_layout_fits_80gb():
     assert f"{report.params.unpadded_total:,} parameters with the true vocabulary" in buf.getvalue()
     assert report.fits and report.memory.total < 0.9 * 80 * GB
     assert report.layout.seq_length >= 32768 and report.layout.tp * report.layout.dp == 8
+
+
+@pytest.mark.unit
+def test_emu3_8b_long_stage_fits_131072_tokens_with_context_parallelism():
+    """Emu3's published 131,072-token chat context on the recipe's 8 GPUs: CP splits the
+    sequence, the lean loss keeps the 184,622-word logits out of memory (full logits would
+    take ~10x more)."""
+    from mmtrain.emu3.spec import EMU3
+
+    recipe = load_recipe(EMU3_8B, ["action=dry_run", "stage=long"])
+    report = run_dry_run(recipe, EMU3, out=io.StringIO())
+    L = report.layout
+    assert (L.seq_length, L.cp, L.tp * L.cp * L.dp, L.tokens_per_rank) == (131072, 2, 8, 65536)
+    assert report.fits and report.memory.total < 0.9 * 80 * GB
+    assert report.memory.logits < 2.5 * GB
+    assert _mem(recipe, EMU3, lm_loss="plain").logits > 8 * report.memory.logits
