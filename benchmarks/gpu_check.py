@@ -11,18 +11,25 @@ Correctness (each prints PASS/FAIL with the error it measured):
   cp        our context-parallel token layout against TE's `thd_get_partitioned_indices` (TE
             only); with `torchrun --nproc_per_node=N` (N GPUs, TE): TE's context-parallel
             attention on each rank's share against whole-sequence attention.
-Throughput: the Aquila-VL-2B shape (recipes/aquila-vl-2b.yaml's model: Qwen2.5-1.5B + SigLIP,
-bf16, random weights) on synthetic packed batches of anyres images + text at seq 12,288 x
-micro-batch 2, megatron DDP + megatron's optimizer, for each `--recompute` mode: tokens/s, MFU
-(decoder model FLOPs, as the train loop logs it, and with the vision tower), peak memory next to
-the dry-run estimate of the same layout. Without pillow the vision tower is left out (decoder
-only) and the script says so.
+Throughput (`--families`), megatron DDP + megatron's optimizer, bf16, random weights, for each
+`--recompute` mode: tokens/s, MFU (decoder model FLOPs, as the train loop logs it, and with the
+vision tower), peak memory next to the dry-run estimate of the same layout:
+  aquila-vl-2b  recipes/aquila-vl-2b.yaml's model (Qwen2.5-1.5B + SigLIP) on synthetic packed
+                batches of anyres images + text at seq 12,288 x micro-batch 2. Without pillow
+                the vision tower is left out (decoder only) and the script says so.
+  emu3-8b       recipes/emu3-8b.yaml's shapes (hidden 4096, the real 184,622-word vocabulary)
+                with `--emu3-layers` (4) of its 32 layers, `Emu3Model` as `mmtrain emu3` trains
+                it, on packed prompt + 4,160-visual-token samples at `--emu3-seq-length`
+                (32,768) x micro-batch 1; under torchrun each GPU holds 1/N of the sequence.
+Each (family, recompute mode) builds its model and runs `--warmup` + `--steps` steps (not timed
+on a GPU yet); `--families` and `--recompute` trim the run.
 
 Needs only: torch (CUDA), megatron-core 0.16 (no extras), pyyaml and psutil; optional:
 pillow (vision tower), transformer-engine, flash-attn, cut-cross-entropy / liger-kernel.
 No energon, Ray, data or network.
 
   python benchmarks/gpu_check.py [--steps 4] [--recompute full,none] [--seq-length 12288]
+                                 [--families aquila-vl-2b,emu3-8b] [--emu3-seq-length 32768]
   torchrun --nproc_per_node=2 benchmarks/gpu_check.py      (multi-GPU: the TE CP check and CP=2
                                                            throughput instead of the 1-GPU checks)
   python benchmarks/gpu_check.py --allow-cpu --tiny        (exercise the script on a CPU)
@@ -286,7 +293,83 @@ def check_te_context_parallel(device: torch.device) -> None:
 # ----------------------------------------------------------------------------- throughput
 
 
-SAMPLE_LEN = 4096  # tokens per synthetic sample: one 384x768 anyres image (2,214 positions) + text
+SAMPLE_LEN = 4096  # tokens per synthetic LLaVA-OV sample: one 384x768 anyres image (2,214 positions) + text
+EMU3_SAMPLE_LEN = 4224  # tokens per synthetic Emu3 sample: a 64-token prompt + one 512x512 image (4,160 tokens)
+
+
+@dataclasses.dataclass
+class Workload:
+    """What `throughput` trains: a family's recipe (sizes), its model and synthetic batches."""
+
+    title: str
+    recipe: Any
+    shapes: Any  # planning.cost_model.ModelShapes (the dry-run estimate and the MFU come from it)
+    parts: dict  # trainable parts for the optimizer
+    build: Callable[[Any], torch.nn.Module]  # ParallelOptions -> model
+    batch: Callable[[int, int, torch.device], Any]  # (rows, seq, device) -> batch
+    media_fraction: float  # share of positions that are encoder features (dry-run encoder activations)
+    media_tokens: Callable[[Any], int]  # encoder positions of a batch (for the MFU with the encoder)
+
+
+TINY_LLM = ["model.llm.num_layers=2", "model.llm.hidden_size=128", "model.llm.ffn_hidden_size=256",
+            "model.llm.num_attention_heads=4", "model.llm.num_query_groups=2"]
+
+
+def aquila_workload(args: argparse.Namespace, with_vision: bool) -> Workload:
+    """Aquila-VL-2B (recipes/aquila-vl-2b.yaml: Qwen2.5-1.5B + SigLIP) on packed anyres samples;
+    without the vision tower its decoder alone, through the shared packed decoder forward."""
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import LLAVA_OV, PARTS
+
+    overrides = ["stage=2a", f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}"]
+    if args.tiny:
+        overrides += TINY_LLM + ["model.vision.num_layers=2", "model.vision.hidden_size=64",
+                                 "model.vision.ffn_hidden_size=128", "model.vision.num_attention_heads=2"]
+    recipe = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", overrides)
+    shapes = LLAVA_OV.model_shapes(recipe.model)
+    if not with_vision:
+        shapes = dataclasses.replace(shapes, encoder=None, connectors=())
+
+    def build(opts: Any) -> torch.nn.Module:
+        if with_vision:
+            return LLAVA_OV.build_model(recipe.model, options=opts)
+        from mmtrain.models.language_model import build_language_model
+        from mmtrain.models.megatron_config import language_transformer_config
+
+        m = recipe.model
+        cfg = language_transformer_config(m.llm, opts.params_dtype or m.params_dtype, opts)
+        return _DecoderOnly(build_language_model(m.llm, cfg, vocab_size=m.padded_vocab_size(1), loss_impl=opts.lm_loss))
+
+    return Workload(
+        title="Aquila-VL-2B" + ("" if with_vision else " decoder only (no vision tower)"), recipe=recipe,
+        shapes=shapes, parts=PARTS if with_vision else {"llm": ("language_model",)}, build=build,
+        batch=lambda rows, seq, device: synthetic_batch(recipe.model, rows, seq, device),
+        media_fraction=_media_fraction(recipe.model, args) if with_vision else 0.0,
+        media_tokens=lambda b: int(b.pixel_values.shape[0]) * recipe.model.vision.num_patches if with_vision else 0,
+    )
+
+
+def emu3_workload(args: argparse.Namespace) -> Workload:
+    """Emu3-8B's shapes (recipes/emu3-8b.yaml: hidden 4096, GQA 32/8, FFN 14336, the real
+    184,622-word vocabulary, untied) with `--emu3-layers` of its 32 layers (one GPU does not hold
+    all 32 with their optimizer states), on packed text-to-image samples: the same `Emu3Model`
+    and shared packed decoder forward that `mmtrain emu3` trains."""
+    from mmtrain.config import load_recipe
+    from mmtrain.emu3.spec import EMU3, PARTS
+
+    overrides = [f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}",
+                 f"model.llm.num_layers={args.emu3_layers}"]
+    if args.tiny:
+        overrides += TINY_LLM
+    recipe = load_recipe(REPO / "recipes" / "emu3-8b.yaml", overrides)
+    layers = recipe.model.llm.num_layers
+    return Workload(
+        title=f"Emu3-8B shapes, {layers} of 32 layers, vocab {recipe.model.llm.vocab_size:,}", recipe=recipe,
+        shapes=EMU3.model_shapes(recipe.model), parts=PARTS,
+        build=lambda opts: EMU3.build_model(recipe.model, options=opts),
+        batch=lambda rows, seq, device: emu3_batch(recipe.model.llm.vocab_size, rows, seq, device),
+        media_fraction=0.0, media_tokens=lambda b: 0,
+    )
 
 
 def synthetic_batch(model_cfg: Any, rows: int, seq: int, device: torch.device) -> Any:
@@ -331,52 +414,70 @@ def synthetic_batch(model_cfg: Any, rows: int, seq: int, device: torch.device) -
     ).to(device)
 
 
-def throughput(args: argparse.Namespace, ctx: Any, with_vision: bool) -> None:
+def emu3_batch(vocab: int, rows: int, seq: int, device: torch.device) -> Any:
+    """Packed rows of Emu3 generation samples: a text prompt, then an image as visual tokens
+    (the top 32,768 ids of the vocabulary), the loss on the image tokens, as the task encoder
+    lays them out; a short sample fills the rest of each row."""
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    from mmdata.energon_loaders.emu3.batch import Emu3Batch
+
+    prompt, visual_start = 64, max(0, vocab - 32768)
+    sample_len = min(EMU3_SAMPLE_LEN, seq)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, min(visual_start, 150000) or vocab, (rows, seq), generator=gen)
+    labels = torch.full((rows, seq), IGNORE_INDEX)
+    bounds, sample_ids = [0], []
+    for r in range(rows):
+        starts = list(range(0, seq, sample_len))
+        for start in starts:
+            end = min(start + sample_len, seq)
+            image = torch.arange(start + min(prompt, (end - start) // 2), end)
+            ids[r, image] = torch.randint(visual_start, vocab, (image.numel(),), generator=gen)
+            labels[r, image[:-1]] = ids[r, image[1:]]
+            bounds.append(r * seq + end)
+        sample_ids.append([f"s{r}_{i}" for i in range(len(starts))])
+    return Emu3Batch(
+        input_ids=ids, labels=labels, position_ids=torch.zeros_like(ids),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), max_seqlen=sample_len, sample_ids=sample_ids,
+        num_loss_tokens=int((labels != IGNORE_INDEX).sum()), num_real_tokens=rows * seq,
+        tasks=[["generation"] * len(s) for s in sample_ids],
+    ).to(device)
+
+
+def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from mmtrain.config import load_recipe
-    from mmtrain.llava_ov.spec import LLAVA_OV
     from mmtrain.models.lm_loss import resolve_loss_impl
     from mmtrain.models.megatron_config import ParallelOptions
     from mmtrain.planning.cost_model import GB, Layout, estimate_memory, forward_flops_per_token, training_flops_per_token
     from mmtrain.runtime.optimizer import ModelParts, build_optimizer
     from mmtrain.runtime.throughput import device_peak_flops
 
-    overrides = ["stage=2a", f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}"]
-    if args.tiny:
-        overrides += ["model.llm.num_layers=2", "model.llm.hidden_size=128", "model.llm.ffn_hidden_size=256",
-                      "model.llm.num_attention_heads=4", "model.llm.num_query_groups=2", "model.vision.num_layers=2",
-                      "model.vision.hidden_size=64", "model.vision.ffn_hidden_size=128",
-                      "model.vision.num_attention_heads=2"]
-    recipe = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", overrides)
-    shapes = LLAVA_OV.model_shapes(recipe.model)
-    if not with_vision:
-        shapes = dataclasses.replace(shapes, encoder=None, connectors=())
-    dtype = ctx.params_dtype
-    lm_loss = resolve_loss_impl("auto", tp=1, dtype=dtype, on_cuda=ctx.on_cuda)
+    recipe, shapes = work.recipe, work.shapes
+    lm_loss = resolve_loss_impl("auto", tp=1, dtype=ctx.params_dtype, on_cuda=ctx.on_cuda)
     peak_flops = device_peak_flops(ctx.device, ctx.precision)
     for recompute in args.recompute.split(","):
         layout = Layout.from_recipe(recipe).with_(cp=ctx.cp, dp=1, tp=1, pp=1, recompute=recompute,
+                                                 sequence_parallel=False, distributed_optimizer=False,
                                                  global_batch_size=args.micro_batch, lm_loss=lm_loss)
-        est = estimate_memory(shapes, [], layout, media_token_fraction=_media_fraction(recipe.model, args))
+        est = estimate_memory(shapes, [], layout, media_token_fraction=work.media_fraction)
         capacity = torch.cuda.get_device_properties(ctx.device).total_memory if ctx.on_cuda else float("inf")
-        say(f"\nthroughput: Aquila-VL-2B{'' if with_vision else ' decoder only (no vision tower)'}, seq "
-              f"{args.seq_length} x micro-batch {args.micro_batch}, cp {ctx.cp}, recompute {recompute}, "
-              f"{ctx.precision}, LM loss {lm_loss}; dry-run estimate {est.total / GB:.1f} GB/rank")
+        say(f"\nthroughput: {work.title}, seq {args.seq_length} x micro-batch {args.micro_batch}, cp {ctx.cp}, "
+            f"recompute {recompute}, {ctx.precision}, LM loss {lm_loss}; dry-run estimate {est.total / GB:.1f} GiB/rank")
         if est.total > 0.92 * capacity:
-            say(f"  skipped: estimate above 92% of the {capacity / GB:.0f} GB device")
+            say(f"  skipped: estimate above 92% of the {capacity / GB:.0f} GiB device")
             continue
         opts = ParallelOptions(recompute_granularity=None if recompute == "none" else recompute,
                                params_dtype=ctx.params_dtype_name, lm_loss=lm_loss)
-        module = _build(recipe, opts, with_vision).to(ctx.device)
+        module = work.build(opts).to(ctx.device)
         config = get_model_config(module)
         config.calculate_per_token_loss = True
         ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=module)
-        optimizer = build_optimizer([ddp], ModelParts([module], _parts(with_vision)), recipe.optimizer, ctx)
-        batch = synthetic_batch(recipe.model, args.micro_batch, args.seq_length, ctx.device)
-        step = _step_fn(ddp, optimizer, batch, with_vision, finalize_model_grads)
+        optimizer = build_optimizer([ddp], ModelParts([module], work.parts), recipe.optimizer, ctx)
+        batch = work.batch(args.micro_batch, args.seq_length, ctx.device)
+        step = _step_fn(ddp, optimizer, batch, finalize_model_grads)
         for _ in range(args.warmup):
             step()
         _sync(ctx.device)
@@ -388,19 +489,20 @@ def throughput(args: argparse.Namespace, ctx: Any, with_vision: bool) -> None:
         tokens = args.micro_batch * args.seq_length  # all positions of the micro-batch (one CP group)
         tps = tokens / seconds / ctx.cp  # per GPU
         dec_flops = training_flops_per_token(shapes, args.seq_length)
-        media_tokens = int(batch.pixel_values.shape[0]) * recipe.model.vision.num_patches if with_vision else 0
-        vis_flops = 3 * forward_flops_per_token(shapes, args.seq_length)[2] * media_tokens / tokens if with_vision else 0
+        media_tokens = work.media_tokens(batch)
+        vis_flops = 3 * forward_flops_per_token(shapes, args.seq_length)[2] * media_tokens / tokens if media_tokens else 0
         mfu = (dec_flops * tps / peak_flops) if peak_flops else None
         mfu_all = ((dec_flops + vis_flops) * tps / peak_flops) if peak_flops else None
         peak = _peak(ctx.device)
         say(f"  {seconds:.3f} s/step, {tps:,.0f} tokens/s/GPU, MFU "
-              + (f"{mfu:.1%} (decoder, as the train loop logs) / {mfu_all:.1%} (with the vision tower)"
-                 if mfu is not None else "n/a")
-              + f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            + ("n/a" if mfu is None else f"{mfu:.1%} (decoder, as the train loop logs)"
+               + (f" / {mfu_all:.1%} (with the vision tower)" if media_tokens else ""))
+            + f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if ctx.on_cuda:
-            say(f"  peak memory {peak / GB:.1f} GB (torch max allocated) vs dry-run estimate {est.total / GB:.1f} GB "
-                  f"({(peak - est.total) / est.total:+.0%})")
-        check(f"throughput step (recompute {recompute})", all(x == x for x in losses), f"{len(losses)} finite steps")
+            say(f"  peak memory {peak / GB:.1f} GiB (torch max allocated) vs dry-run estimate {est.total / GB:.1f} GiB "
+                f"({(peak - est.total) / est.total:+.0%})")
+        check(f"{work.title.split(',')[0]} throughput step (recompute {recompute})", all(x == x for x in losses),
+              f"{len(losses)} finite steps")
         del ddp, optimizer, module, batch, step
         gc.collect()
         if ctx.on_cuda:
@@ -416,12 +518,6 @@ def _media_fraction(model_cfg: Any, args: argparse.Namespace) -> float:
     return n_img / min(SAMPLE_LEN, args.seq_length)
 
 
-def _parts(with_vision: bool) -> dict:
-    from mmtrain.llava_ov.spec import PARTS
-
-    return PARTS if with_vision else {"llm": ("language_model",)}
-
-
 class _DecoderOnly(torch.nn.Module):
     """The Qwen2 decoder of the recipe, fed the batch's token ids (no media)."""
 
@@ -432,29 +528,12 @@ class _DecoderOnly(torch.nn.Module):
 
     def forward(self, batch: Any) -> torch.Tensor:
         from mmtrain.models.context_parallel import current_layout
+        from mmtrain.models.language_model import packed_decoder_forward
 
-        layout = current_layout(batch.cu_seqlens)
-        ids = layout.split(batch.input_ids.reshape(-1))[None]
-        labels = layout.split(batch.labels.reshape(-1), fill=-100)[None]
-        out = self.language_model(input_ids=ids, position_ids=None, attention_mask=None, labels=labels,
-                                  packed_seq_params=layout.packed_seq_params(ids.device))
-        return layout.scatter(out.reshape(-1)).view(batch.labels.shape)
+        return packed_decoder_forward(self.language_model, batch, current_layout(batch.cu_seqlens))
 
 
-def _build(recipe: Any, opts: Any, with_vision: bool) -> torch.nn.Module:
-    if with_vision:
-        from mmtrain.llava_ov.spec import LLAVA_OV
-
-        return LLAVA_OV.build_model(recipe.model, options=opts)
-    from mmtrain.models.language_model import build_language_model
-    from mmtrain.models.megatron_config import language_transformer_config
-
-    m = recipe.model
-    cfg = language_transformer_config(m.llm, opts.params_dtype or m.params_dtype, opts)
-    return _DecoderOnly(build_language_model(m.llm, cfg, vocab_size=m.padded_vocab_size(1), loss_impl=opts.lm_loss))
-
-
-def _step_fn(ddp: Any, optimizer: Any, batch: Any, with_vision: bool, finalize: Callable) -> Callable[[], float]:
+def _step_fn(ddp: Any, optimizer: Any, batch: Any, finalize: Callable) -> Callable[[], float]:
     from mmtrain.runtime.loss import loss_mask, masked_loss_sum
 
     def step() -> float:
@@ -500,6 +579,10 @@ def main() -> int:
     ap.add_argument("--recompute", default="full,none", help="comma-separated modes to time (none|selective|full)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--decoder-only", action="store_true", help="time the decoder without the vision tower")
+    ap.add_argument("--families", default="aquila-vl-2b,emu3-8b", help="throughput workloads, comma-separated")
+    ap.add_argument("--emu3-layers", type=int, default=4, help="Emu3-8B layers to build (of 32; one GPU)")
+    ap.add_argument("--emu3-seq-length", type=int, default=32768,
+                    help="Emu3's sequence length (micro-batch 1; 0: --seq-length)")
     ap.add_argument("--allow-cpu", action="store_true", help="run on a CPU (to exercise the script)")
     ap.add_argument("--tiny", action="store_true", help="small shapes (with --allow-cpu)")
     args = ap.parse_args()
@@ -508,6 +591,7 @@ def main() -> int:
         return 2
     if args.tiny:
         args.seq_length, args.steps, args.warmup = min(args.seq_length, 8192), min(args.steps, 2), 1
+        args.emu3_seq_length = min(args.emu3_seq_length or args.seq_length, 8448)
 
     from mmtrain.config.schema import ParallelConfig
     from mmtrain.runtime.distributed import destroy_distributed, init_distributed
@@ -526,8 +610,15 @@ def main() -> int:
             if ctx.on_cuda:
                 check_cp_layout()
         check_te_context_parallel(device)
-        if not args.skip_throughput:
-            throughput(args, ctx, with_vision=installed("PIL") and not args.decoder_only)
+        for family in ([] if args.skip_throughput else args.families.split(",")):
+            if family == "aquila-vl-2b":
+                throughput(args, ctx, aquila_workload(args, with_vision=installed("PIL") and not args.decoder_only))
+            elif family == "emu3-8b":
+                emu3_args = argparse.Namespace(**{**vars(args), "seq_length": args.emu3_seq_length or args.seq_length,
+                                                  "micro_batch": 1})
+                throughput(emu3_args, ctx, emu3_workload(emu3_args))
+            else:
+                raise SystemExit(f"gpu_check: --families: unknown {family!r} (aquila-vl-2b, emu3-8b)")
     finally:
         destroy_distributed()
     failed = [name for name, ok, _ in RESULTS if not ok]
