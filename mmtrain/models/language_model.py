@@ -1,7 +1,8 @@
 """The decoder as a megatron-core `GPTModel` on the local layer spec, and the pieces around it
-every family's model uses: token embedding of a packed batch, THD packed-sequence parameters,
-the decoder run to per-token loss (over the true, unpadded vocabulary) or logits, HF-style
-attention masks as packed segments, and megatron's TP tags for models built without random init.
+every family's model uses: token embedding of (this CP rank's share of) a packed batch, the
+decoder stage run to per-token loss (over the true, unpadded vocabulary) or logits
+(`packed_decoder_forward`: CP split, SP scatter, lean loss), HF-style attention masks as packed
+segments, and megatron's TP tags for models built without random init.
 
 Packed sequences run in megatron's THD layout: the [B, S] batch is flattened to one [B*S] stream
 and `cu_seqlens` (one segment per packed sample / padding run) drives both RoPE (positions
