@@ -33,7 +33,7 @@ def _recipe(tmp_path, *overrides, path=AQUILA):
 
 
 def _tiny(tmp_path, *overrides):
-    """The tiny recipe on 2 processes with 8 sequences a step: 56 candidate layouts."""
+    """The tiny recipe on 2 processes with 8 sequences a step: 72 candidate layouts."""
     return _recipe(tmp_path, "parallel.nproc_per_node=2", "train.global_batch_size=8", *overrides, path=TINY)
 
 
@@ -62,12 +62,14 @@ def test_space_holds_only_layouts_megatron_accepts(tmp_path):
     layouts = candidate_layouts(SpaceContext(r, LLAVA_OV.model_shapes(r.model), on_cuda=True))
     assert len(layouts) == len(set(layouts)) > 100
     for L in layouts:
-        assert L.tp * L.pp * L.dp == 8 and 28 % L.pp == 0 and 2 % L.tp == 0
+        assert L.tp * L.pp * L.cp * L.dp == 8 and 28 % L.pp == 0 and 2 % L.tp == 0
+        assert L.seq_length % (2 * L.cp * (L.tp if L.sequence_parallel else 1)) == 0 or L.cp == 1
         assert 512 % (L.micro_batch_size * L.dp) == 0
         assert L.tp > 1 or not L.sequence_parallel
         assert L.dp > 1 or L.distributed_optimizer == r.parallel.distributed_optimizer
     assert {L.tp for L in layouts} == {1, 2}  # tp 4, 8 cannot split 2 KV groups
     assert {L.pp for L in layouts} == {1, 2, 4}  # 7, 14, 28 do not divide the world of 8
+    assert {L.cp for L in layouts} == {1, 2, 4, 8}
     assert {L.recompute for L in layouts} == {"none", "selective", "full"}
     assert {L.distributed_optimizer for L in layouts} == {True, False}  # on CUDA both
     # on CPU the optimizer substitute does not shard: the recipe's value only
@@ -79,7 +81,7 @@ def test_user_lists_restrict_the_space(tmp_path):
     r = _recipe(tmp_path, "auto_tune.tp=[2]", "auto_tune.pp=[1, 3]", "auto_tune.micro_batch_size=[1, 2]",
                 "auto_tune.recompute=[full]", "auto_tune.sequence_parallel=[true]")
     layouts = candidate_layouts(SpaceContext(r, LLAVA_OV.model_shapes(r.model), on_cuda=False))
-    assert {(L.tp, L.pp, L.dp, L.micro_batch_size, L.recompute, L.sequence_parallel) for L in layouts} == {
+    assert {(L.tp, L.pp, L.dp * L.cp, L.micro_batch_size, L.recompute, L.sequence_parallel) for L in layouts} == {
         (2, 1, 4, m, "full", True) for m in (1, 2)}  # pp 3 divides neither 28 layers nor 8 ranks
     assert [d.name for d in DIMENSIONS][:2] == ["tp", "pp"] and all(d.recipe_key.count(".") == 1 for d in DIMENSIONS)
 
@@ -140,6 +142,16 @@ def test_memory_model_prunes_and_orders(tmp_path):
     at.prune_by_memory(cands, high)
     base = next(c for c in cands if c.baseline)
     assert base.est_mem_gib < 68 and not base.status
+
+
+def test_context_parallelism_divides_the_activations(tmp_path):
+    r = _recipe(tmp_path)
+    by_cp = {c.layout.cp: c for c in at.evaluate(r, LLAVA_OV, on_cuda=True)
+             if (c.layout.tp, c.layout.pp, c.layout.micro_batch_size, c.layout.recompute,
+                 c.layout.distributed_optimizer) == (1, 1, 1, "none", False)}
+    assert {1, 2, 4} <= set(by_cp)  # (cp 8 leaves dp 1: the recipe's optimizer setting only)
+    assert by_cp[2].memory.activations == pytest.approx(by_cp[1].memory.activations / 2)
+    assert by_cp[2].layout.dp == by_cp[1].layout.dp // 2
 
 
 def test_calibration_file_moves_the_estimates(tmp_path):
@@ -209,12 +221,12 @@ def test_budget_stops_the_search_and_best_yaml_is_the_best_measured(tmp_path):
     best = load_recipe(res.recipe_path, family="llava-ov")
     assert best.action == "run" and best == res.best_recipe
     L = res.best.layout
-    assert (best.parallel.tp, best.parallel.pp, best.train.micro_batch_size, best.parallel.recompute) == (
-        L.tp, L.pp, L.micro_batch_size, L.recompute)
+    assert (best.parallel.tp, best.parallel.pp, best.parallel.cp, best.train.micro_batch_size,
+            best.parallel.recompute) == (L.tp, L.pp, L.cp, L.micro_batch_size, L.recompute)
     text = buf.getvalue()
     assert "speedup over the recipe's own layout" in text and "pruned without running" in text
     rows = list(csv.DictReader(res.csv_path.open()))
-    assert len(rows) == len(res.candidates) == 56
+    assert len(rows) == len(res.candidates) == 72
     assert {row["status"] for row in rows} >= {"ran", "not_run"}
     ran_rows = [row for row in rows if row["status"] == "ran"]
     assert all(float(row["meas_tokens_per_s"]) > 0 and row["meas_mem_gib_by_rank"].count(";") == 1 for row in ran_rows)
@@ -315,7 +327,7 @@ def test_auto_tune_keys_validated(tmp_path, bad):
 
 @pytest.mark.slow
 def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
-    """The tiny recipe on 2 gloo processes: the memory model prunes most of the 56 layouts, the
+    """The tiny recipe on 2 gloo processes: the memory model prunes most of the 72 layouts, the
     recipe's own layout and the most promising survivor run as real trials (torchrun, the real
     loader and model), history.csv holds ran and pruned rows, and --launch trains best.yaml."""
     import os
@@ -329,7 +341,7 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
     args = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY), "action=auto_tune", f"run_dir={run}",
             f"data.paths=[{shards_dir}]", f"tokenizer.path={tok}", "data.num_workers=1", "train.seq_length=512",
             "train.iters=2", "parallel.nproc_per_node=2", "train.global_batch_size=8",
-            # a band around the recipe's own layout: the memory model keeps 11 of the 56
+            # a band around the recipe's own layout: the memory model keeps 4 of the 72
             "auto_tune.device_memory_gb=0.02", "auto_tune.min_memory_fraction=0.45", "auto_tune.memory_fraction=0.6",
             "auto_tune.max_trials=2", "auto_tune.trial_steps=3", "auto_tune.warmup_steps=1",
             "auto_tune.trial_timeout_s=300", "--launch"]
@@ -338,7 +350,7 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     rows = list(csv.DictReader((run / "auto_tune" / "history.csv").open()))
     status = [row["status"] for row in rows]
-    assert len(rows) == 56 and status.count("ran") >= 1
+    assert len(rows) == 72 and status.count("ran") >= 1
     assert status.count("pruned_memory") + status.count("pruned_history") >= 0.8 * len(rows)
     ran = [row for row in rows if row["status"] == "ran"]
     assert any(row["baseline"] == "True" for row in ran)

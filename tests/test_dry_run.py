@@ -90,14 +90,14 @@ def test_aquila_counts_match_published_sizes():
     assert 1.9e9 < c.total < 2.0e9  # unique parameters: ~1.95B
 
 
-def _mem(recipe, **layout):
-    shapes = LLAVA_OV.model_shapes(recipe.model)
+def _mem(recipe, spec=LLAVA_OV, **layout):
+    shapes = spec.model_shapes(recipe.model)
     return estimate_memory(shapes, recipe.freeze, Layout.from_recipe(recipe).with_(**layout))
 
 
 @pytest.mark.unit
 def test_memory_estimate_responds_to_the_layout():
-    r = load_recipe(AQUILA, ["stage=2a"])
+    r = load_recipe(AQUILA, ["stage=2a", "parallel.cp=1", "parallel.recompute=full"])  # FlagScale's layout
     base = _mem(r)
     assert base.optimizer == pytest.approx(_mem(r, distributed_optimizer=False).optimizer / 8)
     assert _mem(r, recompute="none").activations > 5 * base.activations
@@ -107,7 +107,7 @@ def test_memory_estimate_responds_to_the_layout():
     fp32 = _mem(r, precision="fp32")
     assert fp32.weights == pytest.approx(2 * base.weights)
     # stage 1 trains only the projector: no LLM/vision grads or optimizer states
-    s1 = load_recipe(AQUILA, ["stage=1"])
+    s1 = load_recipe(AQUILA, ["stage=1", "parallel.cp=1", "parallel.recompute=full"])
     m1 = _mem(s1)
     assert m1.grads == pytest.approx(param_counts(LLAVA_OV.model_shapes(s1.model)).parts["projector"] * 4)
     assert m1.total < base.total
@@ -120,8 +120,8 @@ def test_dry_run_prints_counts_and_memory():
     report = run_dry_run(recipe, LLAVA_OV, out=buf)
     text = buf.getvalue()
     for needle in ("vision_tower", "projector", "llm", "total", "memory per rank", "weights", "gradients",
-                   "optimizer states (sharded / dp)", "activations (recompute full)",
-                   "without the distributed optimizer", "analytical model"):
+                   "optimizer states (sharded / dp x cp)", "activations (recompute none)", "logits + loss (chunked)",
+                   "tp 1 x pp 1 x cp 2 x dp 4", "without the distributed optimizer", "analytical model"):
         assert needle in text, needle
     assert f"{report.params.total:,}" in text
     assert report.fits and 20 * GB < report.memory.total < 80 * GB
@@ -192,3 +192,19 @@ def test_emu3_8b_counts_equal_hf_and_the_layout_fits_80gb():
     assert f"{report.params.unpadded_total:,} parameters with the true vocabulary" in buf.getvalue()
     assert report.fits and report.memory.total < 0.9 * 80 * GB
     assert report.layout.seq_length >= 32768 and report.layout.tp * report.layout.dp == 8
+
+
+@pytest.mark.unit
+def test_emu3_8b_long_stage_fits_131072_tokens_with_context_parallelism():
+    """Emu3's published 131,072-token chat context on the recipe's 8 GPUs: CP splits the
+    sequence, the lean loss keeps the 184,622-word logits out of memory (full logits would
+    take ~10x more)."""
+    from mmtrain.emu3.spec import EMU3
+
+    recipe = load_recipe(EMU3_8B, ["action=dry_run", "stage=long"])
+    report = run_dry_run(recipe, EMU3, out=io.StringIO())
+    L = report.layout
+    assert (L.seq_length, L.cp, L.tp * L.cp * L.dp, L.tokens_per_rank) == (131072, 2, 8, 65536)
+    assert report.fits and report.memory.total < 0.9 * 80 * GB
+    assert report.memory.logits < 2.5 * GB
+    assert _mem(recipe, EMU3, lm_loss="plain").logits > 8 * report.memory.logits

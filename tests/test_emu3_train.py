@@ -1,11 +1,13 @@
 """`mmtrain emu3 recipes/emu3-tiny.yaml` on the shared runtime (CPU/gloo), on token shards of the
 demo's kind of data (synthetic Infinity-MM through `mmdata tokenize-images`) with both tasks.
 
-Fast tier: a reference run (the loss falls, metrics, checkpoints) and exact resume. Slow tier:
+Fast tier: a reference run (the loss falls, metrics, checkpoints), exact resume, and context
+parallelism (a CP=1 checkpoint continued at CP=2 equals the one-process run). Slow tier:
 from the same HF weights (`checkpoint.load` of a tiny `Emu3ForConditionalGeneration` dir,
 converted on the fly into each layout) and the same global batches (`data.sharding=replicated`),
-TP=2 x PP=2 with sequence parallelism (4 processes) and DP=2 reproduce the single-process
-losses; the DP=2 checkpoint resumes on TP=2 (another layout) and continues the DP=2 run.
+TP=2 x PP=2 with sequence parallelism (4 processes), CP=2 x TP=2 with sequence parallelism
+(4 processes) and DP=2 reproduce the single-process losses; the DP=2 checkpoint resumes on
+TP=2 (another layout) and continues the DP=2 run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: F401
-from tests.test_train_runtime import REPO, interrupted_copy, metrics, train
+from tests.test_train_runtime import REPO, assert_same_steps, interrupted_copy, metrics, train
 
 EMU3 = [sys.executable, "-m", "mmtrain.cli", "emu3", str(REPO / "recipes" / "emu3-tiny.yaml")]
 
@@ -94,6 +96,24 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
                           np.asarray(hf_image["pixel_values"][0]))
 
 
+def test_emu3_context_parallel_resumes_a_cp1_checkpoint_and_equals_one_process(ref_run, tmp_path, demo_token_dir,
+                                                                                emu3_tok_dir):
+    """The one-process run's step-4 checkpoint continued at CP=2 (2 processes) through the shared
+    packed decoder forward: every packed sample split 2*cp ways, K/V exchanged over gloo, the
+    lean (chunked) loss of each rank's positions reduced over the CP group. Steps 5-6 (losses,
+    grad norms, per-sample losses, the samples themselves) equal the uninterrupted one-process
+    run: model, optimizer and loader state carry across the CP change."""
+    run = tmp_path / "cp2"
+    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=0", "parallel.cp=2",
+                      f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", nproc=2)
+    assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
+    assert "LM loss: chunked" in proc.stderr
+    assert "same layout: False, loader restored: True" in proc.stderr
+    got = metrics(run)
+    assert sorted(got) == [5, 6]
+    assert_same_steps(got, metrics(ref_run), (5, 6))
+
+
 # ----------------------------------------------------------------------------- slow: layouts
 
 
@@ -123,6 +143,18 @@ def test_emu3_tp2_pp2_sequence_parallel_losses_equal_one_process(parity_referenc
     common, ref = parity_reference
     run = tmp_path / "tp2pp2"
     emu3_train(run, demo_token_dir, emu3_tok_dir, *common, "parallel.tp=2", "parallel.pp=2",
+               "parallel.sequence_parallel=true", nproc=4)
+    _same_losses(metrics(run), ref, (1, 2, 3, 4))
+
+
+@pytest.mark.slow
+def test_emu3_cp2_tp2_sequence_parallel_losses_equal_one_process(parity_reference, tmp_path, demo_token_dir,
+                                                                  emu3_tok_dir):
+    """CP=2 x TP=2 with sequence parallelism (4 processes) from the first step: the lean loss
+    vocab-parallel over TP on each CP rank's share, reduced over the CP group."""
+    common, ref = parity_reference
+    run = tmp_path / "cp2tp2"
+    emu3_train(run, demo_token_dir, emu3_tok_dir, *common, "parallel.cp=2", "parallel.tp=2",
                "parallel.sequence_parallel=true", nproc=4)
     _same_losses(metrics(run), ref, (1, 2, 3, 4))
 

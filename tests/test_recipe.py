@@ -147,8 +147,21 @@ def test_divisibility_checks():
     assert err.startswith("override 'train.global_batch_size=6': train.global_batch_size: 6 is not divisible")
     assert "micro_batch_size*dp = 2*2 = 4" in err
     (err,) = errors_of(overrides=["parallel.tp=3"])
-    assert err.startswith("override 'parallel.tp=3': parallel: tp*pp = 3*1 = 3 does not divide the world size")
+    assert err.startswith("override 'parallel.tp=3': parallel: tp*pp*cp = 3*1*1 = 3 does not divide the world size")
     assert load(overrides=["parallel.tp=2", "parallel.pp=2", "train.global_batch_size=2"]).parallel.dp == 1
+    # context parallelism: world = tp*pp*cp*dp, and megatron's 2*cp (x tp with SP) split of the sequence
+    assert load(overrides=["parallel.cp=2", "train.global_batch_size=2"]).parallel.dp == 1
+    (err,) = errors_of(overrides=["parallel.cp=2", "train.global_batch_size=2", "train.seq_length=130"])
+    assert "train.seq_length: 130 is not a multiple of 2*cp = 2*2 = 4" in err
+    (err,) = errors_of(overrides=["parallel.cp=2", "train.global_batch_size=2", "train.seq_length=132",
+                                  "parallel.sequence_parallel=true"])
+    assert "train.seq_length: 132 is not a multiple of 2*cp*tp = 2*2*2 = 8" in err
+    (err,) = errors_of(overrides=["parallel.cp=2", "train.global_batch_size=2", "parallel.cp_comm_type=a2a+p2p"])
+    assert "parallel.hierarchical_cp_sizes: must list the a2a and p2p group sizes whose product is parallel.cp=2" in err
+    assert load(overrides=["parallel.cp=2", "train.global_batch_size=2", "parallel.cp_comm_type=a2a+p2p",
+                           "parallel.hierarchical_cp_sizes=[1, 2]"]).parallel.hierarchical_cp_sizes == [1, 2]
+    (err,) = errors_of(overrides=["parallel.cp_comm_type=ring"])
+    assert "parallel.cp_comm_type" in err and "'all_gather'" in err
 
 
 def test_other_cross_checks():
@@ -288,7 +301,8 @@ def test_aquila_stage_settings():
     assert (m.llm.num_attention_heads, m.llm.num_query_groups, m.llm.vocab_size) == (12, 2, 151936)
     assert m.llm.tie_word_embeddings and m.vision.num_layers == 26 and m.max_tiles == 9
     assert (t.seq_length, t.micro_batch_size, t.global_batch_size) == (12288, 2, 512)
-    assert (p.recompute, p.precision, p.distributed_optimizer, p.nproc_per_node) == ("full", "bf16", True, 8)
+    assert (p.recompute, p.precision, p.distributed_optimizer, p.nproc_per_node) == ("none", "bf16", True, 8)
+    assert (p.cp, p.dp, p.lm_loss) == (2, 4, "auto")  # the long-context layout
 
 
 def test_tiny_recipe_matches_the_demo_tokenizer(tmp_path):

@@ -8,8 +8,10 @@ Fast tier: one reference run (loss decreases, metrics, checkpoint layout, keep-l
 resume, resume on a pipeline-parallel layout (re-sharded model + optimizer; also a PP=2 vs PP=1
 loss-parity check on identical weights and batches), a checkpoint of another architecture
 refused, frozen parameters, periodic evaluation (`val_loss` at the eval steps only, the same
-batches every time, no effect on training). Slow tier: the layout parity matrix (TP=2, PP=2,
-DP=2 from the same HF weights), TP=2 -> TP=1 resume and the PP=2 validation loss.
+batches every time, no effect on training), context parallelism (CP=2 = one process, and its
+checkpoint resumed at CP=1). Slow tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same
+HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume,
+the PP=2 validation loss, and the dry-run memory estimate against a measured peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
 """
@@ -135,7 +137,7 @@ def test_reference_run_trains_logs_and_checkpoints(ref_run):
     assert not list((ckpts / ".staging").glob("iter_*"))  # nothing half-written left
     last = ckpts / "iter_0000006"
     state = json.loads((last / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["layout"] == {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+    assert state["step"] == 6 and state["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "world_size": 1}
     for sub in ("model/metadata.json", "optimizer/metadata.json", "rng/rank_00000.pt", "config.yaml"):
         assert (last / sub).exists(), sub
     assert json.loads((last / "loader" / "loader_dp00000_of00001.json").read_text())
@@ -184,7 +186,7 @@ def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, token
         assert pp2[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
         assert pp2[step]["sample_ids"] == ref[step]["sample_ids"]
     state = json.loads((run / "checkpoints" / "iter_0000006" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 1, "pp": 2, "dp": 1, "world_size": 2}
+    assert state["layout"] == {"tp": 1, "pp": 2, "cp": 1, "dp": 1, "world_size": 2}
 
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, shards_dir, tokenizer_dir):
@@ -269,6 +271,41 @@ def test_evaluations_on_the_same_weights_agree(tmp_path, shards_dir, tokenizer_d
     assert proc.stderr.count("| val_loss ") == 2
 
 
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps) -> None:
+    """Losses, grad norms and per-sample losses of `steps` agree (fp32 reduction-order noise)."""
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+        assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
+        assert got[step]["sample_losses"] == pytest.approx(ref[step]["sample_losses"], rel=1e-5, abs=1e-6), step
+
+
+def test_context_parallel_matches_one_process_and_resumes_at_cp1(parity_reference, tmp_path, shards_dir,
+                                                                 tokenizer_dir):
+    """CP=2 (2 processes; packed rows with images split over the ranks after splicing): the first
+    steps' losses, grad norms and per-sample losses equal the single-process run from the same HF
+    weights. Its step-2 checkpoint resumes at CP=1 (model, optimizer and loader state do not
+    depend on CP) and continues the CP=2 run."""
+    common, ref = parity_reference
+    run = tmp_path / "cp2"
+    proc = train(run, shards_dir, tokenizer_dir, *common, "parallel.cp=2", "checkpoint.interval=2", nproc=2)
+    assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
+    cp2 = metrics(run)
+    assert sorted(cp2) == [1, 2, 3]
+    assert_same_steps(cp2, ref, (1, 2, 3))
+    state = json.loads((run / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
+    assert state["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
+    cp1 = tmp_path / "cp1"
+    proc = train(cp1, shards_dir, tokenizer_dir, *common, f"checkpoint.load={run / 'checkpoints' / 'iter_0000002'}")
+    assert "same layout: False, loader restored: True" in proc.stderr
+    resumed = metrics(cp1)
+    assert sorted(resumed) == [3]
+    assert_same_steps(resumed, cp2, (3,))
+
+
 # ----------------------------------------------------------------------------- slow: layout matrix
 
 
@@ -301,13 +338,19 @@ def parity_reference(tmp_path_factory, shards_dir, tokenizer_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2",), ()], ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", [
+    ("parallel.tp=2",), ("parallel.pp=2",), (),
+    ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.cp=2", "parallel.pp=2"),
+    ("parallel.cp=2",),
+], ids=["tp2", "pp2", "dp2", "tp2-sp-cp2", "pp2-cp2", "dp2-cp2"])
 def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer_dir):
     """Same HF weights, same global batches (`data.sharding=replicated`): TP=2, PP=2 and DP=2
-    (2 processes each) reproduce the single-process losses of the first steps."""
+    (2 processes each), and each of them with CP=2 (4 processes: the gradient reduction over the
+    data-parallel x CP group, the loss over the CP group, pipeline shapes of per-rank token
+    counts), reproduce the single-process losses of the first steps."""
     common, ref = parity_reference
     run = tmp_path / "run"
-    train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=2)
+    train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=4 if "parallel.cp=2" in layout else 2)
     got = metrics(run)
     assert sorted(got) == [1, 2, 3]
     for step in (1, 2, 3):
@@ -361,6 +404,45 @@ def test_memory_and_sequence_parallel_options_keep_the_numbers(variant, parity_r
     for step in (1, 2, 3):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_context_parallel_unpacked_rows(parity_reference, tmp_path, shards_dir, tokenizer_dir):
+    """Unpacked rows (one sample + a padding run each) at CP=2 equal one process."""
+    common, _ = parity_reference
+    runs = {}
+    for name, extra, nproc in (("cp1", (), 1), ("cp2", ("parallel.cp=2",), 2)):
+        runs[name] = tmp_path / name
+        train(runs[name], shards_dir, tokenizer_dir, *common, "data.packing=false", *extra, nproc=nproc)
+    assert_same_steps(metrics(runs["cp2"]), metrics(runs["cp1"]), (1, 2, 3))
+
+
+@pytest.mark.slow
+def test_dry_run_memory_matches_a_measured_peak(tmp_path, shards_dir, tokenizer_dir):
+    """The dry-run estimate of a recipe against the peak memory two training steps of it take
+    on CPU (RSS over the steps minus RSS before the model was built), with the chunked and the
+    full-logits loss: each total within 20% of the measured peak, and the memory the chunked loss
+    saves as estimated within 25%. A decoder-heavy shape (vocab 32,768, 4,096 tokens) so the
+    modelled parts dominate the process's own noise."""
+    out = {}
+    for loss in ("chunked", "plain"):
+        result = tmp_path / f"{loss}.json"
+        overrides = [f"run_dir={tmp_path / loss}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
+                     "data.num_workers=1", "logging.tensorboard=false", "train.seq_length=4096",
+                     "model.llm.vocab_size=32768", "model.llm.hidden_size=256", "model.llm.ffn_hidden_size=1024",
+                     "model.llm.num_layers=4", "train.global_batch_size=1", f"parallel.lm_loss={loss}",
+                     "auto_tune.media_token_fraction=0.5"]
+        # large blocks always from mmap, so RSS follows what is live (no heap fragmentation)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "memory_worker.py"), str(TINY_RECIPE),
+                               str(result), json.dumps(overrides)], capture_output=True, text=True, env=env, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        out[loss] = json.loads(result.read_text())
+    for loss, r in out.items():
+        assert r["total"] == pytest.approx(r["measured"], rel=0.2), (loss, r)
+    saved_measured = out["plain"]["measured"] - out["chunked"]["measured"]
+    saved_estimate = out["plain"]["estimate"]["logits"] - out["chunked"]["estimate"]["logits"]
+    assert saved_measured == pytest.approx(saved_estimate, rel=0.25)
 
 
 @pytest.mark.slow

@@ -3,10 +3,12 @@ family adds its own (`FamilySpec.check_recipe`), run after these."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from mmtrain.config.errors import RecipeErrors, suggest
 from mmtrain.config.schema import Recipe
+from mmtrain.planning.cost_model import sequence_split_multiple
 
 if TYPE_CHECKING:
     from mmtrain.spec import FamilySpec
@@ -33,7 +35,8 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
         ("train", "iters"): t.iters, ("train", "seq_length"): t.seq_length,
         ("train", "micro_batch_size"): t.micro_batch_size, ("train", "global_batch_size"): t.global_batch_size,
         ("train", "eval_iters"): t.eval_iters,
-        ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp,
+        ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp, ("parallel", "cp"): p.cp,
+        ("parallel", "lm_loss_block_mb"): p.lm_loss_block_mb,
         ("parallel", "nproc_per_node"): p.nproc_per_node, ("parallel", "nnodes"): p.nnodes,
         ("logging", "interval"): r.logging.interval,
     }
@@ -75,12 +78,13 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
         errors.add(("parallel", "node_rank"), f"must be in [0, parallel.nnodes={p.nnodes}), got {p.node_rank}")
     if not 0 < p.master_port < 65536:
         errors.add(("parallel", "master_port"), f"must be a TCP port, got {p.master_port}")
-    if min(p.tp, p.pp, p.nproc_per_node, p.nnodes, t.micro_batch_size) <= 0:
+    if min(p.tp, p.pp, p.cp, p.nproc_per_node, p.nnodes, t.micro_batch_size) <= 0:
         return
-    world, mp = p.world_size, p.tp * p.pp
-    layout = [("parallel", k) for k in ("tp", "pp", "nproc_per_node", "nnodes")]
+    _context_parallel(r, errors)
+    world, mp = p.world_size, p.model_parallel
+    layout = [("parallel", k) for k in ("tp", "pp", "cp", "nproc_per_node", "nnodes")]
     if world % mp:
-        errors.add(("parallel",), f"tp*pp = {p.tp}*{p.pp} = {mp} does not divide the world size "
+        errors.add(("parallel",), f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide the world size "
                    f"nproc_per_node*nnodes = {p.nproc_per_node}*{p.nnodes} = {world}", layout)
         return
     dp = world // mp
@@ -88,7 +92,31 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
         errors.add(("train", "global_batch_size"),
                    f"{t.global_batch_size} is not divisible by micro_batch_size*dp = "
                    f"{t.micro_batch_size}*{dp} = {t.micro_batch_size * dp} "
-                   f"(dp = world {world} / (tp {p.tp} * pp {p.pp}))", layout + [("train", "micro_batch_size")])
+                   f"(dp = world {world} / (tp {p.tp} * pp {p.pp} * cp {p.cp}))", layout + [("train", "micro_batch_size")])
+
+
+def _context_parallel(r: Recipe, errors: RecipeErrors) -> None:
+    """megatron's sequence split: seq_length a multiple of 2*cp (x tp with sequence
+    parallelism); a2a+p2p needs the hierarchical sizes, whose product is cp."""
+    t, p = r.train, r.parallel
+    need = sequence_split_multiple(p.cp, p.tp, p.sequence_parallel)
+    if t.seq_length % need:
+        how = f"2*cp*tp = 2*{p.cp}*{p.tp}" if need != 2 * p.cp else f"2*cp = 2*{p.cp}"
+        errors.add(("train", "seq_length"),
+                   f"{t.seq_length} is not a multiple of {how} = {need} (context parallelism splits every "
+                   "sequence into 2*cp chunks)",
+                   [("parallel", "cp")] + ([("parallel", "tp"), ("parallel", "sequence_parallel")]
+                                           if p.sequence_parallel and p.tp > 1 else []))
+    sizes = p.hierarchical_cp_sizes
+    if p.cp > 1 and p.cp_comm_type == "a2a+p2p":
+        if len(sizes) < 2 or math.prod(sizes) != p.cp or min(sizes) < 1:
+            errors.add(("parallel", "hierarchical_cp_sizes"),
+                       f"must list the a2a and p2p group sizes whose product is parallel.cp={p.cp} for "
+                       f"cp_comm_type a2a+p2p, got {sizes}", [("parallel", "cp_comm_type")])
+    elif sizes:
+        errors.add(("parallel", "hierarchical_cp_sizes"),
+                   f"is only used with parallel.cp_comm_type=a2a+p2p (cp > 1), got {sizes}",
+                   [("parallel", "cp_comm_type")])
 
 
 def _recompute(r: Recipe, errors: RecipeErrors) -> None:
@@ -110,7 +138,7 @@ def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
             errors.add(("auto_tune", name), f"must be in (0, 1], got {getattr(a, name)}")
     if not 0 <= a.media_token_fraction <= 1:
         errors.add(("auto_tune", "media_token_fraction"), f"must be in [0, 1], got {a.media_token_fraction}")
-    for name in ("tp", "pp", "micro_batch_size"):
+    for name in ("tp", "pp", "cp", "micro_batch_size"):
         if any(x <= 0 for x in getattr(a, name)):
             errors.add(("auto_tune", name), f"candidates must be > 0, got {getattr(a, name)}")
     if not 0 <= a.min_memory_fraction < a.memory_fraction:

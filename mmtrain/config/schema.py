@@ -20,6 +20,8 @@ Recompute = Literal["none", "full", "selective"]
 Precision = Literal["fp32", "bf16"]
 Backend = Literal["auto", "nccl", "gloo"]
 Sharding = Literal["dp", "replicated"]
+CPComm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]  # megatron's names (TE attention, GPU)
+LMLoss = Literal["auto", "fused", "chunked", "plain"]
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 #: dataclass field metadata of a local path (or a list of them): written absolute when saved
@@ -81,6 +83,10 @@ class OptimizerConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (megatron's 2*cp chunks)
+    # how the CP ranks exchange K/V (GPU, megatron/TE names); on CPU K/V are all-gathered over gloo
+    cp_comm_type: CPComm = "p2p"
+    hierarchical_cp_sizes: list[int] = field(default_factory=list)  # a2a+p2p: [a2a size, p2p size]
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -94,15 +100,24 @@ class ParallelConfig:
     precision: Precision = "fp32"
     distributed_optimizer: bool = True
     backend: Backend = "auto"
+    # the LM loss: auto (a fused GPU kernel when installed and tp == 1, else chunked), fused,
+    # chunked (blocked output projection + cross entropy, no full logits), plain (full logits)
+    lm_loss: LMLoss = "auto"
+    lm_loss_block_mb: int = 256  # MiB of logits one block of the chunked loss may hold
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
     @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one replica of the model and its data: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
     def dp(self) -> int:
         """Data-parallel size (only meaningful once the recipe validated)."""
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // self.model_parallel
 
 
 @dataclass
@@ -138,6 +153,7 @@ class AutoTuneConfig:
     dp_bandwidth_gbps: float = 25.0  # per-device bandwidth for DP gradient traffic, GB/s
     tp: list[int] = field(default_factory=list)
     pp: list[int] = field(default_factory=list)
+    cp: list[int] = field(default_factory=list)
     micro_batch_size: list[int] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
     recompute_num_layers: list[int] = field(default_factory=list)  # auto: 0 (all), 1/4 and 1/2 of the layers

@@ -7,7 +7,9 @@ Why not megatron's `LLaVAModel`: it assumes every tile yields the same number of
 while LLaVA-OV unpads, shrinks and inserts newline features per image. We compose megatron's
 pieces instead and put the layout (`layout.py`) between the projector and the decoder.
 
-Packed sequences run in megatron's THD layout (`language_model.packed_seq_params`).
+Packed sequences run in megatron's THD layout. Under context parallelism the *embedded* sequence
+(after the media features are spliced in) is split over the CP ranks (`models.context_parallel`),
+labels with it; the vision tower encodes only the media a rank holds positions of.
 
 Pipeline parallelism: the vision tower, projector, layout and embedding live on the first stage
 (`pre_process`), the output layer / loss on the last (`post_process`).
@@ -26,12 +28,12 @@ from mmtrain.llava_ov.config import LlavaOVModelConfig
 from mmtrain.llava_ov.layout import pack_media_features
 from mmtrain.llava_ov.projector import build_projector, projector_transformer_config
 from mmtrain.llava_ov.vision import SiglipVisionModel, vision_transformer_config
+from mmtrain.models.context_parallel import CPLayout, current_layout
 from mmtrain.models.language_model import (
     build_language_model,
-    decoder_output,
-    embed_packed,
+    embed_tokens,
+    packed_decoder_forward,
     restore_tp_attributes,
-    sequence_parallel_input,
 )
 from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs, language_transformer_config
 
@@ -40,8 +42,9 @@ class LlavaOVModel(MegatronModule):
     """One pipeline stage of LLaVA-OV.
 
     `forward(batch)` returns, on the last stage, the per-token loss `[B, S]` (0 where the label is
-    IGNORE_INDEX) or, with `return_logits=True`, logits `[B, S, vocab]` gathered over TP and cut
-    to the true vocabulary; on other stages the hidden states for the next stage.
+    IGNORE_INDEX, and at positions another CP rank holds) or, with `return_logits=True`, logits
+    `[B, S, vocab]` gathered over TP and cut to the true vocabulary; on other stages the hidden
+    states for the next stage (`models.language_model.packed_decoder_forward`).
     """
 
     def __init__(
@@ -79,7 +82,7 @@ class LlavaOVModel(MegatronModule):
 
         self.language_model = build_language_model(
             cfg.llm, lm_config, vocab_size=self.padded_vocab_size, pre_process=pre_process,
-            post_process=post_process, vp_stage=vp_stage,
+            post_process=post_process, vp_stage=vp_stage, loss_impl=opts.lm_loss, loss_block_mb=opts.lm_loss_block_mb,
         )
         if not opts.perform_initialization:
             restore_tp_attributes(self)
@@ -92,35 +95,76 @@ class LlavaOVModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     # ------------------------------------------------------------------ pieces
-    def media_embeddings(self, batch: LlavaOVBatch) -> torch.Tensor:
-        """Projected + laid-out features of every media of the batch, [positions, hidden]."""
+    def media_embeddings(self, batch: LlavaOVBatch, media: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Projected + laid-out features of the batch's media (all, or the media indices
+        `media`, in order), [positions, hidden]."""
         assert self.vision_model is not None and self.vision_projection is not None
-        feats = self.vision_model(batch.pixel_values)
-        feats = self.vision_projection(feats)
-        return pack_media_features(
-            feats, batch.tiles_per_media, batch.media_kind, batch.image_sizes,
-            batch.grid_shapes, self.image_newline, self.cfg, batch.num_media_tokens,
-        )
+        pixels, tiles, kind, sizes = batch.pixel_values, batch.tiles_per_media, batch.media_kind, batch.image_sizes
+        grids, counts = batch.grid_shapes, batch.num_media_tokens
+        if media is not None:
+            first_tile = torch.cumsum(tiles, 0) - tiles
+            tile_idx = torch.cat([torch.arange(int(first_tile[m]), int(first_tile[m] + tiles[m])) for m in media.tolist()])
+            pixels = pixels.index_select(0, tile_idx.to(pixels.device))
+            tiles, kind, sizes = tiles[media], kind[media], sizes[media]
+            grids = grids[media] if grids is not None else None
+            counts = counts[media] if counts is not None else None
+        feats = self.vision_projection(self.vision_model(pixels))
+        return pack_media_features(feats, tiles, kind, sizes, grids, self.image_newline, self.cfg, counts)
 
-    def _decoder_input(self, batch: LlavaOVBatch) -> torch.Tensor:
-        ids = batch.input_ids.reshape(1, -1)  # THD: one stream
-        emb = embed_packed(self.language_model, ids)  # [B*S, 1, h]
-        media_mask = (ids[0] == self.cfg.image_token_id) | (ids[0] == self.cfg.video_token_id)
-        n_pos = int(media_mask.sum())
+    def _decoder_input(self, batch: LlavaOVBatch, layout: CPLayout) -> torch.Tensor:
+        """Token embeddings of this rank's share of the stream with the media features spliced
+        in, [t_local, 1, h]. Under context parallelism the vision tower runs only on the media
+        that have positions on this rank (see `_local_media`)."""
+        emb = embed_tokens(self.language_model, batch, layout)
+        ids = batch.input_ids.reshape(-1)
+        is_media = (ids == self.cfg.image_token_id) | (ids == self.cfg.video_token_id)
+        n_pos = int(is_media.sum())
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
-            media = self.media_embeddings(batch).to(emb.dtype)
-            if media.shape[0] != n_pos:
-                raise ValueError(
-                    f"input_ids hold {n_pos} image/video placeholder tokens but the media give {media.shape[0]} features"
-                )
-            emb = emb.clone()
-            emb[media_mask.nonzero(as_tuple=True)[0], 0] = media
+            rows, media, feature_rows = self._local_media(batch, layout, is_media)
+            if media is None or media.numel():
+                feats = self.media_embeddings(batch, media).to(emb.dtype)
+                if media is None and feats.shape[0] != n_pos:
+                    raise ValueError(
+                        f"input_ids hold {n_pos} image/video placeholder tokens but the media give {feats.shape[0]} features"
+                    )
+                emb = emb.clone()
+                emb[rows, 0] = feats if feature_rows is None else feats[feature_rows]
         elif n_pos:
             raise ValueError(f"input_ids hold {n_pos} image/video placeholder tokens but the batch has no pixel_values")
-        return sequence_parallel_input(emb, self.config)
+        return emb
+
+    def _local_media(self, batch: LlavaOVBatch, layout: CPLayout, is_media: torch.Tensor
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(local rows that take a media feature, the media to encode (None: all), the row of
+        each of those features in the encoded media's output (None: in order)).
+
+        Each image/video occupies consecutive positions, and a rank holds 2 chunks of every
+        sequence, so most media fall on one or two ranks: encoding only those avoids running
+        the whole vision tower cp times. A media cut by a chunk boundary is encoded by each
+        rank that holds part of it (its features are computed whole: the anyres layout mixes
+        tiles), and each rank back-propagates only through the positions it holds, so the
+        gradients summed over the CP group are exact."""
+        if layout.index is None:
+            return is_media.nonzero(as_tuple=True)[0], None, None
+        counts = batch.num_media_tokens.to(torch.long).cpu()
+        if int(counts.sum()) != int(is_media.sum()):
+            raise ValueError(f"input_ids hold {int(is_media.sum())} image/video placeholder tokens but the "
+                             f"batch counts {int(counts.sum())} media tokens")
+        index = layout.index
+        held = torch.cat([is_media.cpu(), torch.zeros(1, dtype=torch.bool)])[index]  # local rows on media
+        rows = held.nonzero(as_tuple=True)[0]
+        feature = (torch.cumsum(is_media.cpu().to(torch.long), 0) - 1)[index[rows]]  # global feature index
+        media_of = torch.repeat_interleave(torch.arange(counts.numel()), counts)[feature]
+        media = torch.unique(media_of)
+        first = torch.cumsum(counts, 0) - counts  # each media's first feature, all media
+        first_encoded = torch.cumsum(counts[media], 0) - counts[media]  # ... among the encoded ones
+        slot = torch.searchsorted(media, media_of)
+        feature_rows = feature - first[media_of] + first_encoded[slot]
+        device = is_media.device
+        return rows.to(device), media, feature_rows.to(device)
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: LlavaOVBatch, return_logits: bool = False) -> torch.Tensor:
-        decoder_input = self._decoder_input(batch) if self.pre_process else None
-        return decoder_output(self.language_model, decoder_input, batch.labels, batch.cu_seqlens, batch.max_seqlen,
-                              true_vocab=self.cfg.llm.vocab_size, return_logits=return_logits)
+        layout = current_layout(batch.cu_seqlens)  # this CP rank's share (the identity without CP)
+        decoder_input = self._decoder_input(batch, layout) if self.pre_process else None
+        return packed_decoder_forward(self.language_model, batch, layout, decoder_input, return_logits)

@@ -7,6 +7,7 @@ The parameter names these produce (`linear_qkv`, `linear_proj`, `linear_fc1`, `l
 
 from __future__ import annotations
 
+import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -16,25 +17,42 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from mmtrain.models.attention import SDPACoreAttention
+from mmtrain.models.cp_attention import KVAllGatherCoreAttention
 from mmtrain.models.norm import TorchNorm
 
 
-def core_attention_module() -> type:
-    """SDPA everywhere unless Transformer Engine is importable (GPU): then TE's fused attention."""
+def te_attention() -> type | None:
+    """Transformer Engine's attention when TE is importable on a GPU machine, else None."""
+    if not torch.cuda.is_available():
+        return None
     try:
-        import torch
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except Exception:  # TE not installed (or broken): our SDPA / varlen-flash attention
+        return None
+    return TEDotProductAttention
 
+
+def core_attention_module(context_parallel: bool = False) -> type:
+    """The core attention of a layer.
+
+    GPU: TE's fused attention when installed (THD packed sequences, and megatron's
+    context-parallel path with `parallel.cp_comm_type`); without TE, `SDPACoreAttention` (varlen
+    flash attention for packed sequences) - and context parallelism is refused. CPU:
+    `SDPACoreAttention`, or `KVAllGatherCoreAttention` under context parallelism."""
+    te = te_attention()
+    if te is not None:
+        return te
+    if context_parallel:
         if torch.cuda.is_available():
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
-
-            return TEDotProductAttention
-    except Exception:  # TE not installed: SDPA (flash kernels on GPU via PyTorch)
-        pass
+            raise RuntimeError("parallel.cp > 1 on GPU needs Transformer Engine (megatron's context-parallel "
+                               "attention): pip install transformer-engine[pytorch], or set parallel.cp=1")
+        return KVAllGatherCoreAttention
     return SDPACoreAttention
 
 
-def transformer_layer_spec(causal: bool) -> ModuleSpec:
-    """Pre-norm transformer layer; `causal` False for encoders (bidirectional attention)."""
+def transformer_layer_spec(causal: bool, context_parallel: bool = False) -> ModuleSpec:
+    """Pre-norm transformer layer; `causal` False for encoders (bidirectional attention);
+    `context_parallel` when the layer's sequence is split over the CP group."""
     mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
     return ModuleSpec(
         module=TransformerLayer,
@@ -45,7 +63,7 @@ def transformer_layer_spec(causal: bool) -> ModuleSpec:
                 params={"attn_mask_type": mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=core_attention_module(),
+                    core_attention=core_attention_module(context_parallel),
                     linear_proj=RowParallelLinear,
                 ),
             ),

@@ -4,7 +4,8 @@
 memory settings (sizes come from megatron's `parallel_state`); `base_config_kwargs` is the part
 of every TransformerConfig that follows from it; `language_transformer_config` the decoder's
 config from HF-style sizes (`LLMConfig`). A family's own towers (e.g. a vision encoder) build
-their configs on `base_config_kwargs` as well.
+their configs on `base_config_kwargs` as well: they run whole sequences (context_parallel_size 1)
+even when the decoder is context-parallel.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ class ParallelOptions:
     # False when every weight is loaded right after building (conversion, inference): skips the
     # random init and its transient master-weight copies
     perform_initialization: bool = True
+    # the LM loss: "chunked" (blocked output projection + CE, lm_loss.py), "fused" (a GPU kernel),
+    # "plain" (megatron's full-logits output layer); the runtime resolves the recipe's "auto"
+    lm_loss: str = "chunked"
+    lm_loss_block_mb: int = 256
+    # megatron/TE context-parallel communication (GPU): p2p | all_gather | a2a | a2a+p2p
+    cp_comm_type: str = "p2p"
+    hierarchical_cp_sizes: Optional[list[int]] = None  # a2a+p2p: [a2a size, p2p size]
 
 
 def base_config_kwargs(params_dtype: str, opts: ParallelOptions, *, sequence_parallel: bool) -> dict:
@@ -64,8 +72,14 @@ def base_config_kwargs(params_dtype: str, opts: ParallelOptions, *, sequence_par
 
 
 def language_transformer_config(llm: LLMConfig, params_dtype: str, opts: ParallelOptions) -> TransformerConfig:
-    """The decoder: RMSNorm, SwiGLU, GQA, no linear biases except the optional qkv bias."""
+    """The decoder: RMSNorm, SwiGLU, GQA, no linear biases except the optional qkv bias. It is
+    the tower that runs context-parallel (the CP size comes from megatron's parallel_state)."""
     kw = base_config_kwargs(params_dtype, opts, sequence_parallel=opts.sequence_parallel)
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        kw.update(context_parallel_size=cp, cp_comm_type=opts.cp_comm_type)
+        if opts.hierarchical_cp_sizes:
+            kw.update(hierarchical_context_parallel_sizes=list(opts.hierarchical_cp_sizes))
     if opts.recompute_granularity:
         kw.update(recompute_granularity=opts.recompute_granularity)
         if opts.recompute_granularity == "full":

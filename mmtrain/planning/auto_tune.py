@@ -1,7 +1,7 @@
 """`action: auto_tune`: find the layout that is really fastest, by measuring it.
 
 1. Search space (mmtrain/planning/search_space.py): every layout megatron accepts over the
-   dimensions tp, pp, micro_batch_size, recompute, sequence_parallel, distributed_optimizer (dp
+   dimensions tp, pp, cp, micro_batch_size, recompute, sequence_parallel, distributed_optimizer (dp
    derived), each from its `auto_tune.<dim>` list or, when empty, derived from the world size and
    the model's shapes.
 2. Prune before running: the analytical model (mmtrain/planning/cost_model.py, optionally
@@ -324,7 +324,7 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 
 def layout_text(L: Layout) -> str:
     some = f" (the first {L.recompute_num_layers} layers of each stage)" if L.recompute_num_layers else ""
-    return (f"tp {L.tp}, pp {L.pp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
+    return (f"tp {L.tp}, pp {L.pp}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
             f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
             f"{'on' if L.distributed_optimizer else 'off'}")
 

@@ -15,6 +15,13 @@ moments per trainable parameter, the 12 B sharded over DP with the distributed o
 4 + 4 + 8. Activations assume flash/SDPA attention (no s x s score matrix is stored), so
 `selective` recompute saves little memory here; `full` keeps one layer input per layer plus one
 layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage.
+
+Context parallelism (`cp`) gives each rank 1/cp of every sequence: activations, the encoder's
+share of media and the loss scale with it; its K/V exchange (TE's p2p ring) is modelled as
+hidden behind the attention compute where that is long enough. The LM loss follows
+`parallel.lm_loss`: `plain` holds the full-vocabulary logits and their fp32 softmax; the
+chunked loss (models/lm_loss.py; also the upper bound for a fused kernel) holds one vocabulary
+block of logits, an fp32 hidden-state gradient and the output layer's weight gradient.
 """
 
 from __future__ import annotations
@@ -174,9 +181,17 @@ def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> Pa
 # ----------------------------------------------------------------------------- layout
 
 
+def sequence_split_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """What `train.seq_length` must be a multiple of for megatron to split it over CP (2*cp
+    chunks) and, with sequence parallelism, each CP share over TP."""
+    if cp <= 1:
+        return 1
+    return 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/mbs/recompute."""
+    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/cp/mbs/recompute."""
 
     tp: int
     pp: int
@@ -188,22 +203,30 @@ class Layout:
     sequence_parallel: bool
     distributed_optimizer: bool
     precision: str
+    cp: int = 1
+    lm_loss: str = "auto"  # parallel.lm_loss; anything but "plain" is estimated as the chunked loss
+    lm_loss_block_mb: int = 256
     recompute_num_layers: int = 0  # with full recompute: 0 = every layer, N = the first N of each stage
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def grad_accum(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def tokens_per_rank(self) -> int:
+        """Token positions of one micro-batch that one rank runs (1/cp of each sequence)."""
+        return self.micro_batch_size * self.seq_length // self.cp
+
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
         p, t = recipe.parallel, recipe.train
         return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
-                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision,
-                   recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0)
+                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision, p.cp, p.lm_loss,
+                   p.lm_loss_block_mb, recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0)
 
     def recomputed_layers(self, stage_layers: int) -> int:
         """Decoder layers of a stage whose activations are recomputed (full recompute)."""
@@ -245,11 +268,15 @@ def _act_bytes(precision: str) -> int:
 
 
 def decoder_layer_activation_elems(d: DecoderShape, tp: int, sp: bool) -> float:
-    """Elements kept per token by one decoder layer for backward (no recompute)."""
+    """Elements kept per token by one decoder layer of the local spec for backward (no
+    recompute), counted from what autograd saves (tests/test_train_runtime.py measures it)."""
     q, kv = d.heads * d.kv_channels, d.kv_groups * d.kv_channels
     replicated = 4 * d.hidden  # two norm inputs + two norm outputs (split only with SP)
-    sharded = (q + 2 * kv) + q + 2 * d.ffn + d.ffn  # qkv, attention out, fc1 out, SwiGLU out
-    return replicated / (tp if sp else 1) + sharded / tp
+    rope = 4 * d.kv_channels  # cos and sin tables of the q and k rotations, per token
+    # attention: q, k, v and the output kept by the attention kernel, the output the projection
+    # keeps; SwiGLU (unfused): fc1 output (gate + up), silu(gate), the up half, their product
+    sharded = (q + 2 * kv) + 2 * q + 5 * d.ffn
+    return replicated / (tp if sp else 1) + rope + sharded / tp
 
 
 def encoder_layer_activation_elems(v: EncoderShape, tp: int) -> float:
@@ -263,9 +290,9 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
     frozen = {k: counts.trainable[k] == 0 for k in counts.parts}
     dec_frozen = frozen[shapes.decoder_part]
     ab = _act_bytes(L.precision)
-    tokens = L.micro_batch_size * L.seq_length
+    tokens = L.tokens_per_rank
     w_bytes, g_bytes, o_bytes = (2, 4, 12) if L.precision == "bf16" else (4, 4, 8)
-    o_share = 1 / L.dp if L.distributed_optimizer else 1.0
+    o_share = 1 / (L.dp * L.cp) if L.distributed_optimizer else 1.0  # sharded over the DP x CP group
     in_flight = lambda stage: min(L.pp - stage, L.grad_accum)  # noqa: E731  (1F1B warm-up depth)
 
     best: MemoryEstimate | None = None
@@ -292,15 +319,16 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
         # decoder activations; a frozen decoder still back-propagates to the parts feeding it
         needs_backward = not all(frozen.values())
         per_layer = decoder_layer_activation_elems(d, L.tp, L.sequence_parallel) * tokens * ab
+        # + one layer's working set: the forward's live tensors, or a backward step's gradients
         if not needs_backward:
-            acts = per_layer  # forward only: one layer's working set
+            acts = per_layer
         elif L.recompute == "full":
             layer_input = d.hidden / (L.tp if L.sequence_parallel else 1) * tokens * ab
             n_rc = L.recomputed_layers(n_layers)  # the rest keep their activations
             acts = (n_rc * layer_input + (n_layers - n_rc) * per_layer) * in_flight(stage) + per_layer
         else:
-            acts = n_layers * per_layer * in_flight(stage)
-        logits = tokens * d.padded_vocab(L.tp) / L.tp * (ab + 4) if last else 0.0  # logits + fp32 softmax
+            acts = n_layers * per_layer * in_flight(stage) + per_layer
+        logits = lm_loss_bytes(d, L, tokens) if last else 0.0
         enc = 0.0
         if first and v is not None:
             media_tokens = tokens * media_token_fraction
@@ -312,6 +340,19 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
             best = est
     assert best is not None
     return best
+
+
+def lm_loss_bytes(d: DecoderShape, L: Layout, tokens: int) -> float:
+    """Transient memory of the LM head + loss on the last stage for `tokens` positions."""
+    local_vocab = d.padded_vocab(L.tp) // L.tp
+    ab = _act_bytes(L.precision)
+    upcast = 4 if ab != 4 else 0  # low-precision logits get an fp32 copy for the softmax
+    if L.lm_loss == "plain":
+        return tokens * local_vocab * (4 + upcast)  # fp32 logits/softmax (its gradient reuses it)
+    rows = max(128, (L.lm_loss_block_mb * 2**20) // max(1, tokens * 8) // 128 * 128)  # lm_loss.vocab_block_size
+    block = tokens * min(rows, local_vocab) * (4 + (upcast and ab + ab))  # fp32 block (+ matmul out, grad)
+    hidden = tokens * d.hidden * (4 + ab)  # fp32 grad of the hidden states + their (gathered) copy
+    return block + hidden + local_vocab * d.hidden * ab  # + the output weight's gradient
 
 
 # ----------------------------------------------------------------------------- time
@@ -339,10 +380,11 @@ class StepTime:
     tp_comm_s: float
     dp_comm_s: float
     model_flops: float  # FLOPs per step, all ranks, without recompute (what MFU counts)
+    cp_comm_s: float = 0.0  # the part of the CP K/V exchange not hidden behind attention
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.cp_comm_s
 
     def mfu(self, world: int, device_tflops: float) -> float:
         """Model FLOPs utilisation of `world` devices of `device_tflops` peak each."""
@@ -403,10 +445,27 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
         n = per_layer * d.layers / L.pp * L.grad_accum
         tp_comm = n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
     dp_comm = 0.0
-    if L.dp > 1:
+    replicas = L.dp * L.cp  # gradients are reduced over the data-parallel x CP group
+    if replicas > 1:
         grads = counts.total_trainable / (L.tp * L.pp) * 4
-        dp_comm = 2 * (L.dp - 1) / L.dp * grads / (hw.dp_bandwidth_gbps * 1e9)
-    return StepTime(compute, bubble, tp_comm, dp_comm, useful)
+        dp_comm = 2 * (replicas - 1) / replicas * grads / (hw.dp_bandwidth_gbps * 1e9)
+    return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm_time(shapes, L, hw))
+
+
+def cp_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware) -> float:
+    """Exposed time of the CP K/V ring per step: each layer passes every rank's K/V around the
+    ring (cp-1 steps) in forward, K/V and their gradients in backward (and once more when full
+    recompute reruns the forward), overlapped with that layer's attention compute."""
+    if L.cp <= 1:
+        return 0.0
+    d = shapes.decoder
+    kv_bytes = L.tokens_per_rank * 2 * d.kv_groups * d.kv_channels / L.tp * _act_bytes(L.precision)
+    passes = 3 + (1 if L.recompute == "full" else 0)
+    layers = d.layers / L.pp
+    comm = layers * passes * (L.cp - 1) * kv_bytes / (hw.tp_bandwidth_gbps * 1e9)
+    attn_flops = layers * L.tokens_per_rank * 2 * d.heads * d.kv_channels / L.tp * L.seq_length * passes
+    attn = attn_flops / (hw.device_tflops * 1e12 * hw.matmul_efficiency)
+    return max(0.0, comm - attn) * L.grad_accum
 
 
 def fmt_count(n: float) -> str:

@@ -90,23 +90,26 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
                      f"{fmt_count(p.total + p.decoder_embedding)} numbers)")
     lines.append("")
     world = L.world
-    lines.append(f"layout: world {world} = tp {L.tp} x pp {L.pp} x dp {L.dp}; micro-batch {L.micro_batch_size}, "
-                 f"global batch {L.global_batch_size} ({L.grad_accum} accumulation steps), seq {L.seq_length}")
+    lines.append(f"layout: world {world} = tp {L.tp} x pp {L.pp} x cp {L.cp} x dp {L.dp}; micro-batch "
+                 f"{L.micro_batch_size}, global batch {L.global_batch_size} ({L.grad_accum} accumulation steps), "
+                 f"seq {L.seq_length}" + (f" ({L.tokens_per_rank} tokens per rank)" if L.cp > 1 else ""))
     lines.append(f"        precision {L.precision}, recompute {L.recompute}, sequence parallel "
                  f"{'on' if L.sequence_parallel else 'off'}, distributed optimizer "
-                 f"{'on' if L.distributed_optimizer else 'off'}")
+                 f"{'on' if L.distributed_optimizer else 'off'}, LM loss {L.lm_loss}"
+                 + (f", cp_comm_type {recipe.parallel.cp_comm_type}" if L.cp > 1 else ""))
     lines.append("")
     m = r.memory
     lines.append(f"memory per rank (estimate; busiest pipeline stage = {m.stage}, {fmt_count(m.params_on_rank)} params on it)")
     rows = [("weights", m.weights), ("gradients", m.grads),
-            (f"optimizer states{' (sharded / dp)' if L.distributed_optimizer and L.dp > 1 else ''}", m.optimizer),
+            (f"optimizer states{' (sharded / dp' + (' x cp)' if L.cp > 1 else ')') if L.distributed_optimizer and L.dp * L.cp > 1 else ''}", m.optimizer),
             (f"activations (recompute {L.recompute})", m.activations),
-            ("encoder activations", m.encoder_activations), ("logits + loss", m.logits)]
+            ("encoder activations", m.encoder_activations),
+            (f"logits + loss ({'full logits' if L.lm_loss == 'plain' else 'chunked'})", m.logits)]
     for name, b in rows:
         lines.append(f"  {name:<38}{fmt_gb(b):>12}")
     lines.append(f"  {'total':<38}{fmt_gb(m.total):>12}   "
                  f"({'fits' if r.fits else 'does NOT fit'} in {r.device_memory_gb:g} GiB)")
-    if L.distributed_optimizer and L.dp > 1:
+    if L.distributed_optimizer and L.dp * L.cp > 1:
         lines.append(f"  without the distributed optimizer: {fmt_gb(r.memory_no_distopt.total)}")
     lines.append("  total by recompute mode: " + ", ".join(
         f"{rc} {fmt_gb(m.total)} (activations {fmt_gb(m.activations)})" for rc, m in r.memory_by_recompute.items()))
@@ -116,7 +119,8 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
     lines.append("")
     lines.append(f"modelled step time on {recipe.auto_tune.device_tflops:g}-TFLOP/s devices: {s.total_s:.2f} s "
                  f"(compute {s.compute_s:.2f}, pipeline bubble {s.bubble_s:.2f}, TP comm {s.tp_comm_s:.2f}, "
-                 f"DP comm {s.dp_comm_s:.2f}) -> {tokens / s.total_s / world:,.0f} tokens/s/device, MFU {mfu:.0%}")
+                 f"CP comm {s.cp_comm_s:.2f}, DP comm {s.dp_comm_s:.2f}) -> {tokens / s.total_s / world:,.0f} "
+                 f"tokens/s/device, MFU {mfu:.0%}")
     lines.append("Estimates from an analytical model (mmtrain/planning/cost_model.py), not measurements; "
                  "the model was not built.")
     return "\n".join(lines)

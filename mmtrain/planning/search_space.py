@@ -8,10 +8,7 @@ is a candidate only when every dimension's `valid` accepts it and the world and 
 divide (what megatron accepts).
 
 Adding a dimension is one entry in `DIMENSIONS` (plus its `Layout` field, `auto_tune:` list key
-and, where the cost model should see it, its term there). Context parallelism, for example:
-
-    Dimension("cp", "parallel.cp", splits_world=True, auto=lambda c: divisors(c.world),
-              valid=lambda L, c: c.seq_length % sequence_split_multiple(L.cp, L.tp, L.sequence_parallel) == 0),
+and, where the cost model should see it, its term there), as context parallelism's `cp` is.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
-from mmtrain.planning.cost_model import Layout, ModelShapes
+from mmtrain.planning.cost_model import Layout, ModelShapes, sequence_split_multiple
 
 MAX_AUTO_MICRO_BATCH = 64
 
@@ -82,6 +79,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
               valid=tp_valid),
     Dimension("pp", "parallel.pp", splits_world=True, auto=lambda c: divisors(c.shapes.decoder.layers),
               valid=lambda L, c: c.shapes.decoder.layers % L.pp == 0),
+    # CP cuts every sequence into 2*cp chunks (2*cp*tp with sequence parallelism)
+    Dimension("cp", "parallel.cp", splits_world=True, auto=lambda c: divisors(c.world),
+              valid=lambda L, c: c.seq_length % sequence_split_multiple(L.cp, L.tp, L.sequence_parallel) == 0),
     Dimension("micro_batch_size", "train.micro_batch_size",
               auto=lambda c: [m for m in divisors(c.recipe.train.global_batch_size) if m <= MAX_AUTO_MICRO_BATCH],
               memory_order=lambda L: L.micro_batch_size),

@@ -2,9 +2,14 @@
 
 `init_distributed(parallel_cfg)` turns the recipe's `parallel:` section plus the torchrun/SLURM
 environment into an initialised `torch.distributed` world (gloo on CPU, NCCL on GPU),
-megatron-core's `parallel_state` (TP x PP x DP groups) and a small `ParallelContext` that the
-train loop reads instead of poking at globals. `ensure_model_parallel(tp, pp)` does the same for
-standalone use (conversion, inference, tests) when no launcher did it.
+megatron-core's `parallel_state` (TP x CP x DP x PP groups, megatron's default rank order) and a
+small `ParallelContext` that the train loop reads instead of poking at globals.
+`ensure_model_parallel(tp, pp, cp=...)` does the same for standalone use (conversion, inference,
+tests) when no launcher did it.
+
+Context parallelism: the CP ranks of one data-parallel rank share its batch (they build the same
+loader, at the same DP rank) and each runs its share of every sequence; megatron's DDP reduces
+gradients over the data-parallel x CP group.
 
 Both bring megatron up through `_bring_up_megatron`, the one place the CPU adaptations
 (`cpu_compat.apply`) are applied.
@@ -44,6 +49,8 @@ class ParallelContext:
     dp_rank: int
     backend: str  # "gloo" | "nccl"
     device: torch.device
+    cp: int = 1
+    cp_rank: int = 0
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
     precision: str = "fp32"  # fp32 | bf16 | fp16
@@ -63,8 +70,8 @@ class ParallelContext:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The rank that prints step logs: last PP stage (it has the loss), TP rank 0, DP rank 0."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        """The rank that prints step logs: last PP stage (it has the loss), TP, CP and DP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0
 
     @property
     def params_dtype_name(self) -> str:
@@ -104,16 +111,34 @@ def resolve_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_layout(world_size: int, tp: int, pp: int) -> int:
+class UnsupportedLayout(ValueError):
+    """The recipe's layout cannot run in this process's world (a user error: one line, exit 2)."""
+
+
+def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     """DP size for a world of `world_size` processes, or a clear error."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"parallel.tp and parallel.pp must be >= 1 (got tp={tp}, pp={pp})")
-    if world_size % (tp * pp) != 0:
-        raise ValueError(
+    if tp < 1 or pp < 1 or cp < 1:
+        raise UnsupportedLayout(f"parallel.tp, parallel.pp and parallel.cp must be >= 1 (got tp={tp}, pp={pp}, cp={cp})")
+    if world_size % (tp * pp * cp) != 0:
+        raise UnsupportedLayout(
             f"world size {world_size} (nproc_per_node x nnodes) is not divisible by "
-            f"tp x pp = {tp} x {pp}"
+            f"tp x pp x cp = {tp} x {pp} x {cp}"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
+
+
+def check_context_parallel_backend(cp: int, on_cuda: bool) -> None:
+    """megatron's context-parallel attention on GPU is Transformer Engine's; refuse early and
+    clearly without it (on CPU, mmtrain's K/V all-gather attention serves)."""
+    if cp <= 1 or not on_cuda:
+        return
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
+    except Exception as err:
+        raise UnsupportedLayout(
+            f"parallel.cp={cp} on GPU needs Transformer Engine for megatron's context-parallel attention "
+            f"({type(err).__name__}: {err}); install transformer-engine[pytorch] or set parallel.cp=1"
+        ) from None
 
 
 def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext:
@@ -144,9 +169,10 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             "the launcher started %d processes but the recipe says nproc_per_node x nnodes = %d; "
             "using the launcher's world size (DP adapts)", world_size, expected,
         )  # fmt: skip
-    tp, pp = parallel_cfg.tp, parallel_cfg.pp
-    dp = check_layout(world_size, tp, pp)
+    tp, pp, cp = parallel_cfg.tp, parallel_cfg.pp, parallel_cfg.cp
+    dp = check_layout(world_size, tp, pp, cp)
     backend = resolve_backend(parallel_cfg.backend)
+    check_context_parallel_backend(cp, backend == "nccl")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -162,7 +188,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             timeout=datetime.timedelta(minutes=30),
             **({"device_id": device} if backend == "nccl" else {}),
         )
-    _bring_up_megatron(tp, pp)
+    _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None)
 
     ctx = ParallelContext(
         rank=rank,
@@ -176,6 +202,8 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
         dp_rank=parallel_state.get_data_parallel_rank(),
         backend=backend,
         device=device,
+        cp=cp,
+        cp_rank=parallel_state.get_context_parallel_rank(),
         sequence_parallel=parallel_cfg.sequence_parallel and tp > 1,
         recompute=parallel_cfg.recompute,
         precision=cpu_compat.run_precision(parallel_cfg.precision, device),
@@ -183,15 +211,15 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
     )
     seed_model_parallel(seed, ctx.pp_rank)
     log.info(
-        "distributed: rank %d/%d backend=%s tp=%d pp=%d dp=%d (tp_rank=%d pp_rank=%d dp_rank=%d)",
-        rank, world_size, backend, tp, pp, dp, ctx.tp_rank, ctx.pp_rank, ctx.dp_rank,
+        "distributed: rank %d/%d backend=%s tp=%d pp=%d cp=%d dp=%d (tp_rank=%d pp_rank=%d cp_rank=%d dp_rank=%d)",
+        rank, world_size, backend, tp, pp, cp, dp, ctx.tp_rank, ctx.pp_rank, ctx.cp_rank, ctx.dp_rank,
     )  # fmt: skip
     return ctx
 
 
-def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 1) -> None:
     """Standalone use (conversion, inference, tests): a world of one unless a launcher set
-    torch.distributed up; refuses a different (tp, pp) than the one already initialised."""
+    torch.distributed up; refuses a different (tp, pp, cp) than the one already initialised."""
     if not dist.is_initialized():
         backend = resolve_backend("auto")
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -204,25 +232,29 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
                                     rank=0, world_size=1)
         else:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set")
-    if _bring_up_megatron(tp, pp):
+    if _bring_up_megatron(tp, pp, cp):
         from megatron.core import parallel_state
 
         seed_model_parallel(seed, parallel_state.get_pipeline_model_parallel_rank())
 
 
-def _bring_up_megatron(tp: int, pp: int) -> bool:
-    """The CPU adaptations (no-op with CUDA) and megatron's TP x PP x DP groups; True when the
-    groups were created here (False: they existed already, with this tp and pp)."""
+def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int] | None = None) -> bool:
+    """The CPU adaptations (no-op with CUDA) and megatron's TP x CP x DP x PP groups; True when
+    the groups were created here (False: they existed already, with these sizes)."""
     from megatron.core import parallel_state
 
     cpu_compat.apply()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            hierarchical_context_parallel_sizes=hierarchical_cp,
+        )
         return True
     have = (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size())
-    if have != (tp, pp):
-        raise RuntimeError(f"model parallel already initialised with (tp, pp)={have}, asked for {(tp, pp)}")
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size())
+    if have != (tp, pp, cp):
+        raise RuntimeError(f"model parallel already initialised with (tp, pp, cp)={have}, asked for {(tp, pp, cp)}")
     return False
 
 

@@ -130,10 +130,14 @@ def train(recipe: Recipe) -> int:
     from mmtrain.config import dump_recipe, save_resolved
     from mmtrain.models.state_dict_adapter import ConversionError
     from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
-    from mmtrain.runtime.distributed import destroy_distributed, init_distributed
+    from mmtrain.runtime.distributed import UnsupportedLayout, destroy_distributed, init_distributed
     from mmtrain.runtime.trainer import Trainer
 
-    ctx = init_distributed(recipe.parallel, seed=recipe.seed)
+    try:
+        ctx = init_distributed(recipe.parallel, seed=recipe.seed)
+    except UnsupportedLayout as err:
+        destroy_distributed()
+        raise UserError(str(err)) from None
     setup_logging(ctx.rank, verbose=ctx.rank == 0 or ctx.is_logging_rank)
     try:
         if ctx.rank == 0:

@@ -9,6 +9,12 @@ micro-batches and DP ranks - the same number a single process would compute.
 `report` carries what the train loop logs: `lm loss` as `[sum, count]` (megatron's convention),
 and per-sample `[sum, count]` rows aligned with the batch's flattened `sample_ids`, so a loss
 spike can be traced to the samples that caused it.
+
+Context parallelism: every CP rank of a data-parallel rank holds the same batch but computes the
+loss of its own share of the positions (the model's per-token loss is zero elsewhere).
+`loss_mask` restricts the mask to that share, so every count and sum is this rank's part and
+adding them over the CP group (megatron does, for the gradient scale; the train loop does, for
+the logs and the per-sample losses) counts each token exactly once.
 """
 
 from __future__ import annotations
@@ -20,6 +26,20 @@ import torch
 
 if TYPE_CHECKING:
     from mmdata.energon_loaders.batch import PackedBatch
+
+
+def loss_mask(batch: PackedBatch) -> torch.Tensor:
+    """[B, S] bool: the positions whose label takes a loss on this rank: label != IGNORE_INDEX
+    and, under context parallelism, held by this CP rank. Every family's loss function masks
+    with it."""
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    from mmtrain.models.context_parallel import current_layout
+
+    mask = batch.labels != IGNORE_INDEX
+    layout = current_layout(batch.cu_seqlens)
+    if layout.cp > 1:
+        mask = mask & layout.held().view(mask.shape).to(mask.device)
+    return mask
 
 
 def per_sample_loss_sums(
@@ -84,11 +104,10 @@ def lm_loss_sums(reports: list[dict[str, Any]], device: torch.device | str) -> t
 def packed_forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
     """megatron forward step `(data_iterator, model) -> (output, loss_fn)` for a family whose
     model stage is called on its batch and returns the per-token loss `[B, S]` on the last stage:
-    the loss is summed over the real (label != IGNORE_INDEX) tokens with their count
-    (`masked_loss_sum`)."""
-    from mmdata.energon_loaders.batch import IGNORE_INDEX
+    the loss is summed over the real (label != IGNORE_INDEX) tokens this rank holds (`loss_mask`:
+    under context parallelism, its share of the positions) with their count (`masked_loss_sum`)."""
     from mmtrain.runtime.distributed import compute_device
 
     batch = next(data_iterator).to(compute_device())
     output = model(batch)
-    return output, functools.partial(masked_loss_sum, loss_mask=batch.labels != IGNORE_INDEX)
+    return output, functools.partial(masked_loss_sum, loss_mask=loss_mask(batch))

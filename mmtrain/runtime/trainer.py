@@ -12,8 +12,9 @@
 
 The loss is megatron's per-token convention (`calculate_per_token_loss`): each micro-batch
 returns (sum of token losses, number of label tokens); megatron sums the counts over
-micro-batches and DP ranks and divides the gradients by the total, so any TP/PP/DP layout
-and any micro-batch split of the same global batch gives the same update.
+micro-batches and DP x CP ranks and divides the gradients by the total, so any TP/PP/CP/DP
+layout and any micro-batch split of the same global batch gives the same update. (Under context
+parallelism each CP rank's sums cover the positions it holds: runtime/loss.py.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX, PackedBatch
+from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.planning.cost_model import training_flops_per_token
@@ -43,9 +44,9 @@ from mmtrain.runtime.checkpoint.manager import (
     TrainerState,
     layout_of,
 )
-from mmtrain.runtime.distributed import ParallelContext
+from mmtrain.runtime.distributed import ParallelContext, UnsupportedLayout
 from mmtrain.runtime.evaluation import EvalResult, eval_due, isolated_from_training, val_data
-from mmtrain.runtime.loss import lm_loss_sums, per_sample_loss_sums
+from mmtrain.runtime.loss import lm_loss_sums, loss_mask, per_sample_loss_sums
 from mmtrain.runtime.lr_schedule import LRSchedule
 from mmtrain.runtime.optimizer import ModelParts, apply_freeze, build_optimizer
 from mmtrain.runtime.throughput import PeakMemory, device_peak_flops, memory_stats, mfu
@@ -166,14 +167,30 @@ class Trainer:
     def _model_options(self) -> ParallelOptions:
         """What the model builder needs to know about parallelism/memory (sizes come from
         megatron's parallel_state)."""
-        recompute = self.ctx.recompute
-        some_layers = self.recipe.parallel.recompute_num_layers  # 0: every layer (uniform, one at a time)
+        from mmtrain.models.lm_loss import resolve_loss_impl
+
+        ctx, p = self.ctx, self.recipe.parallel
+        some_layers = p.recompute_num_layers  # 0: every layer (uniform, one at a time)
+        try:
+            lm_loss = resolve_loss_impl(p.lm_loss, tp=ctx.tp, dtype=ctx.params_dtype, on_cuda=ctx.on_cuda)
+        except ValueError as err:
+            raise UnsupportedLayout(str(err)) from None
+        if ctx.rank == 0:
+            log.info("LM loss: %s (parallel.lm_loss=%s)%s", lm_loss, p.lm_loss,
+                     f"; context parallelism cp={ctx.cp}, cp_comm_type={p.cp_comm_type}" if ctx.cp > 1 else "")
+        if ctx.cp > 1 and not ctx.on_cuda:
+            cpu_compat.note("context parallelism: Transformer Engine's CP attention (GPU) -> K/V all-gather over "
+                            f"gloo (KVAllGatherCoreAttention); parallel.cp_comm_type={p.cp_comm_type} applies on GPU")
         return ParallelOptions(
-            sequence_parallel=self.ctx.sequence_parallel,
-            recompute_granularity=None if recompute == "none" else recompute,
+            sequence_parallel=ctx.sequence_parallel,
+            recompute_granularity=None if ctx.recompute == "none" else ctx.recompute,
             recompute_method="block" if some_layers else "uniform",
             recompute_num_layers=some_layers or 1,
-            params_dtype=self.ctx.params_dtype_name,
+            params_dtype=ctx.params_dtype_name,
+            lm_loss=lm_loss,
+            lm_loss_block_mb=p.lm_loss_block_mb,
+            cp_comm_type=p.cp_comm_type,
+            hierarchical_cp_sizes=p.hierarchical_cp_sizes or None,
         )
 
     def _restore(self, start: StartingPoint) -> None:
@@ -226,7 +243,7 @@ class Trainer:
             dtype=torch.float64,
             device=ctx.device,
         )
-        dp_group = parallel_state.get_data_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group()  # CP ranks share a DP rank's batch
         if ctx.dp > 1:
             dist.all_reduce(counts, group=dp_group)
         loss = None
@@ -235,15 +252,19 @@ class Trainer:
         if ctx.is_last_stage:
             loss_sum = lm_loss_sums(reports, ctx.device)
             per_sample = [
-                report["sample_losses"].detach().double().cpu()
+                report["sample_losses"].detach().double()
                 for report in reports
                 if "sample_losses" in report
             ]
-            if ctx.dp > 1:
-                dist.all_reduce(loss_sum, group=dp_group)
+            if ctx.dp * ctx.cp > 1:  # each CP rank summed its own positions
+                dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             loss_sum = loss_sum.cpu()
             loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
-            mine = torch.cat(per_sample) if per_sample else torch.zeros(0, 2)
+            mine = torch.cat(per_sample) if per_sample else torch.zeros(0, 2, dtype=torch.float64)
+            if ctx.cp > 1:
+                mine = mine.to(ctx.device)
+                dist.all_reduce(mine, group=parallel_state.get_context_parallel_group())
+            mine = mine.cpu()
             local = (
                 step_data.sample_ids,
                 [float(s / c) if c > 0 else None for s, c in mine.tolist()],
@@ -290,7 +311,7 @@ class Trainer:
             result = loss_fn(output_tensor)
             labels = batch.labels
             if len(result) == 3 and batch.sample_ids and tuple(output_tensor.shape) == tuple(labels.shape):
-                mask = (labels.to(output_tensor.device) != IGNORE_INDEX).to(output_tensor.dtype)
+                mask = loss_mask(batch).to(device=output_tensor.device, dtype=output_tensor.dtype)
                 report = dict(result[2])
                 report["sample_losses"] = per_sample_loss_sums(output_tensor.detach(), mask, batch)
                 return result[0], result[1], report
@@ -314,8 +335,8 @@ class Trainer:
                     sums += lm_loss_sums(reports, ctx.device)
         if not ctx.is_last_stage:
             return EvalResult(loss=None, tokens=None, time_s=time.perf_counter() - start)
-        if ctx.dp > 1:
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        if ctx.dp * ctx.cp > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         sums = sums.cpu()
         return EvalResult(
             loss=float(sums[0] / sums[1].clamp(min=1)),

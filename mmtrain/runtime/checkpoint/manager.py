@@ -65,7 +65,7 @@ class TrainerState:
     step: int = 0
     consumed_samples: int = 0  # original samples (packed rows count each sample they hold)
     consumed_rows: int = 0  # micro-batch rows = global_batch_size per step
-    layout: dict[str, int] = field(default_factory=dict)  # tp, pp, dp, world_size
+    layout: dict[str, int] = field(default_factory=dict)  # tp, pp, cp, dp, world_size
     data_sharding: str = "dp"
     lr_schedule: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -73,11 +73,13 @@ class TrainerState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if known.get("layout"):  # checkpoints from before context parallelism ran cp = 1
+            known["layout"] = {"cp": 1, **known["layout"]}
         return cls(**known)
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
-    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "world_size": ctx.world_size}
+    return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp, "world_size": ctx.world_size}
 
 
 # ----------------------------------------------------------------------------- stateful parts
@@ -162,8 +164,9 @@ class RngState:
 
 
 class LoaderState:
-    """The loader's position: one file per DP rank (written by its TP0/PP0 rank), or one for
-    all with `data.sharding: replicated`."""
+    """The loader's position: one file per DP rank (written by its TP0/PP0/CP0 rank), or one for
+    all with `data.sharding: replicated`. The CP ranks of a DP rank share its loader, so the
+    state does not depend on CP: a checkpoint resumes at another cp with the same DP size."""
 
     name = "loader"
 
@@ -172,7 +175,8 @@ class LoaderState:
 
     def save(self, ckpt: Path, ctx: ParallelContext) -> None:
         d = self.train_data
-        writes = ctx.rank == 0 if d.sharding == "replicated" else (ctx.tp_rank == 0 and ctx.pp_rank == 0)
+        writes = ctx.rank == 0 if d.sharding == "replicated" else (ctx.tp_rank == 0 and ctx.pp_rank == 0
+                                                                   and ctx.cp_rank == 0)
         if writes:
             (ckpt / self.name / d.state_key).write_text(d.save_state())
 
