@@ -1,0 +1,99 @@
+"""`mmdata preprocess --address` on a real two-node Ray cluster: a head and a separate worker
+node started with `ray start` as processes on 127.0.0.1 (one CPU each). The output is
+byte-identical to a local run, and the job's tasks ran on both nodes (the manifest counts the
+tasks per node id). In the local run, the Ray worker writing the first shard is SIGKILLed
+mid-write (its partial file left behind): Ray retries the task, and the output is still the
+same bytes, with no partial file left."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from mmdata import shard_format as sf
+from mmdata.preprocess.manifest import stable_view
+from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from tests.conftest import run_preprocess_cli
+from tests.test_preprocess import VENV_BIN, _free_port
+
+
+# Loaded by every Python process of the local run (PYTHONPATH): the first shard write, in
+# whichever Ray worker runs it, leaves a partial temp file and kills its own process.
+_KILL_FIRST_SHARD_WRITE = """
+import os, signal
+from pathlib import Path
+from mmdata.preprocess import shard_writer
+real_write = shard_writer._write
+def _write(tmp, samples):
+    try:
+        fd = os.open(Path(os.environ["KILL_ONCE_DIR"]) / "killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return real_write(tmp, samples)
+    os.write(fd, str(os.getpid()).encode())
+    Path(tmp).write_bytes(b"partial shard")
+    os.kill(os.getpid(), signal.SIGKILL)
+shard_writer._write = _write
+"""
+
+
+def _ray_start(*args: str) -> subprocess.Popen:
+    """`ray start ... --block` in its own process group, once it says it is up."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([str(VENV_BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+                             "--num-cpus=1", *args, "--block"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ray runtime started" in line:
+            return proc
+    raise AssertionError("ray start failed:\n" + "".join(lines))
+
+
+@pytest.fixture
+def ray_cluster():
+    """A head and one worker node (distinct processes and resources) on 127.0.0.1."""
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/mmray")
+    procs = [_ray_start("--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp_dir}",
+                        '--resources={"head_node": 1}')]
+    try:
+        procs.append(_ray_start(f"--address=127.0.0.1:{port}", '--resources={"worker_node": 1}'))
+        yield f"127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):  # the groups we started: each `ray start` and what it spawned
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_node_cluster_equals_local_and_uses_both_nodes(ray_cluster, tmp_path):
+    raw = tmp_path / "raw"
+    write_infinity_mm(generate_records(80, seed=3, broken_fraction=0.05), raw, samples_per_tar=10)
+    common = ("--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
+              "--num-buckets", "4")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_FIRST_SHARD_WRITE)
+    run_preprocess_cli(*common, "--output", str(tmp_path / "local"), "--num-cpus", "2",
+                       env={"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+                            "KILL_ONCE_DIR": str(hook)})
+    assert (hook / "killed").exists()  # a worker did die mid-write
+    assert not [p.name for p in (tmp_path / "local").iterdir() if p.name.startswith(".shard-")]
+    run_preprocess_cli(*common, "--output", str(tmp_path / "cluster"), "--address", ray_cluster)
+    local, cluster = (json.loads((tmp_path / d / sf.MANIFEST_NAME).read_text()) for d in ("local", "cluster"))
+    assert cluster["run"]["ray_address"] == ray_cluster
+    assert stable_view(cluster) == stable_view(local)
+    for name in [s["name"] for s in local["shards"]] + [sf.QUARANTINE_NAME]:
+        assert (tmp_path / "cluster" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    nodes = cluster["run"]["task_nodes"]
+    assert len(nodes) == 2 and all(n > 0 for n in nodes.values()), nodes  # tasks ran on both nodes
+    assert sum(nodes.values()) >= 4 + len(local["shards"])  # at least every sort and write task
