@@ -1,9 +1,9 @@
 """`mmdata preprocess --address` on a real two-node Ray cluster: a head and a separate worker
 node started with `ray start` as processes on 127.0.0.1 (one CPU each). The output is
 byte-identical to a local run, and the job's tasks ran on both nodes (the manifest counts the
-tasks per node id). In the local run, the Ray worker writing the first shard is SIGKILLed
-mid-write (its partial file left behind): Ray retries the task, and the output is still the
-same bytes, with no partial file left."""
+tasks per node id). In the local run, the Ray workers running the first sort task and the
+first shard write are SIGKILLed (the writer leaving its partial file behind): Ray retries the
+tasks, and the output is still the same bytes, with no partial file left."""
 
 from __future__ import annotations
 
@@ -24,22 +24,36 @@ from tests.conftest import run_preprocess_cli
 from tests.test_preprocess import VENV_BIN, _free_port
 
 
-# Loaded by every Python process of the local run (PYTHONPATH): the first shard write, in
-# whichever Ray worker runs it, leaves a partial temp file and kills its own process.
-_KILL_FIRST_SHARD_WRITE = """
+# Loaded by every Python process of the local run (PYTHONPATH): the first sort task and the
+# first shard write, in whichever Ray worker runs them, kill their own process (the writer after
+# leaving a partial temp file, as a real crash would).
+_KILL_WORKERS_ONCE = """
 import os, signal
 from pathlib import Path
-from mmdata.preprocess import shard_writer
-real_write = shard_writer._write
-def _write(tmp, samples):
+from mmdata.preprocess import shard_writer, stages
+
+def _first(what):
     try:
-        fd = os.open(Path(os.environ["KILL_ONCE_DIR"]) / "killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(Path(os.environ["KILL_ONCE_DIR"]) / f"killed-{what}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        return real_write(tmp, samples)
-    os.write(fd, str(os.getpid()).encode())
-    Path(tmp).write_bytes(b"partial shard")
-    os.kill(os.getpid(), signal.SIGKILL)
-shard_writer._write = _write
+        return False
+    os.close(fd)
+    return True
+
+real_write, real_sort = shard_writer._write, stages.sort_bucket
+
+def _write(tmp, samples):
+    if _first("write"):
+        Path(tmp).write_bytes(b"partial shard")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_write(tmp, samples)
+
+def sort_bucket(*args, **kwargs):
+    if _first("sort"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_sort(*args, **kwargs)
+
+shard_writer._write, stages.sort_bucket = _write, sort_bucket
 """
 
 
@@ -82,11 +96,11 @@ def test_two_node_cluster_equals_local_and_uses_both_nodes(ray_cluster, tmp_path
               "--num-buckets", "4")
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_KILL_FIRST_SHARD_WRITE)
+    (hook / "sitecustomize.py").write_text(_KILL_WORKERS_ONCE)
     run_preprocess_cli(*common, "--output", str(tmp_path / "local"), "--num-cpus", "2",
                        env={"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
                             "KILL_ONCE_DIR": str(hook)})
-    assert (hook / "killed").exists()  # a worker did die mid-write
+    assert (hook / "killed-sort").exists() and (hook / "killed-write").exists()  # two workers died mid-task
     assert not [p.name for p in (tmp_path / "local").iterdir() if p.name.startswith(".shard-")]
     run_preprocess_cli(*common, "--output", str(tmp_path / "cluster"), "--address", ray_cluster)
     local, cluster = (json.loads((tmp_path / d / sf.MANIFEST_NAME).read_text()) for d in ("local", "cluster"))

@@ -69,8 +69,9 @@ WORK_DIR_NAME = sf.WORK_DIR_NAME
 TOOL = "mmdata preprocess"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
 DUPLICATES_NAME = "duplicates.jsonl"
-PLAN_GLOB = "pack-plan-*.parquet"
-NODE_KEY = "_ray_node"  # (in a task's result: the node that ran it)  # `mmdata pack-plan` outputs: stale once the shards change
+PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
+NODE_KEY = "_ray_node"  # in a task's result: the node that ran it
+PARTIAL_SHARD_GLOB = ".shard-*.tar.tmp-*"  # a shard writer's temp file (shard_writer.write_shard)
 
 
 class PreprocessError(UserError):
@@ -176,7 +177,7 @@ def _prepare_work_dir(out: Path, fp: str, num_buckets: int, job: dict) -> Path:
         remove([work / "scan", work / "sorted", work / "dedup"])
     for d in ("scan", "sorted", "dedup", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
+    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(PARTIAL_SHARD_GLOB)) + list(out.glob("shard-*.tar.idx.tmp"))
     remove(stale + list(out.glob(f"{NV_META}.tmp-*")))
     write_json_atomic(wj, state)
     return work
@@ -238,7 +239,7 @@ def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[
     recorded, published atomically: with the manifest after it, it is what says "finished"."""
     names = [s.name for s in shards]
     # every shard is in place: a partial file of a killed (and retried) writer is now garbage
-    remove(list(out.glob(".shard-*.tar.tmp-*")))
+    remove(list(out.glob(PARTIAL_SHARD_GLOB)))
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
     if dedup:
         concat_parts([bucket_file(work, b, "duplicates.jsonl") for b in range(num_buckets)], out / DUPLICATES_NAME)
@@ -410,7 +411,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     phase_done("ray_init_s")
     mix_report: dict | None = None
     try:
-        remote = {f.__name__: ray.remote(num_cpus=1)(_reporting_node(f))
+        # SPREAD: tasks go round the nodes (each reads and writes the shared file system), rather
+        # than filling the driver's node first; on one node it changes nothing.
+        remote = {f.__name__: ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_reporting_node(f))
                   for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket, sort_bucket, merge_bucket,
                             write_shard_task)}
         max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
