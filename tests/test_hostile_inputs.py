@@ -86,6 +86,7 @@ def test_hostile_inputs_end_in_named_reasons(layout, tmp_path):
     assert suffixes["animated_gif"] == ["img00.gif", "json"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(hi.ODD_VALID_IMAGES))
 def test_odd_images_are_kept_and_decode_as_the_reference_processor(name):
     """CMYK, 16-bit, palette + transparency, animated (first frame) and EXIF-rotated images: the

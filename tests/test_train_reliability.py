@@ -103,6 +103,7 @@ def _fake_ckpt(run_dir: Path) -> Path:
     return ckpt
 
 
+@pytest.mark.unit
 def test_damaged_or_foreign_checkpoints_are_named(tmp_path):
     """Each damage is refused before loading, naming the file or the family (in-process)."""
     ckpt = _fake_ckpt(tmp_path / "a")
