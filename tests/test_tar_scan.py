@@ -322,11 +322,20 @@ def test_iter_records_unchanged(tmp_path: Path):
     assert len(units) == len(files) and sum(_assert_same_records(u) for u in units) >= 60
     # a hand-made tar with orphan images, duplicate names, upper-case and dotted suffixes
     odd = tmp_path / "odd.tar"
+    members = [("a.json", b"{}"), ("a.jpg", b"j"), ("b.png", b"p"), ("c.JSON", b"[1]"), ("c.x.json", b"2"),
+               ("a.jpg", b"j2"), ("d/e.1.webp", b"w"), ("d/e.json", b"{}")]
     with tarfile.open(odd, "w", format=tarfile.GNU_FORMAT) as tar:
-        for name, data in [("a.json", b"{}"), ("a.jpg", b"j"), ("b.png", b"p"), ("c.JSON", b"[1]"),
-                           ("c.x.json", b"2"), ("a.json", b'{"dup": 1}'), ("d/e.1.webp", b"w"), ("d/e.json", b"{}")]:
+        for name, data in members:
             _add(tar, name, data)
     _assert_same_records(InputUnit(0, str(odd), odd.name, 0, 0))
+    # a repeated JSON member is a changed rule: every copy is a `duplicate_key` record (the old
+    # code silently took the first), the other samples are unchanged
+    with tarfile.open(odd, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members + [("a.json", b'{"dup": 1}')]:
+            _add(tar, name, data)
+    records = list(infinity_mm.iter_records(InputUnit(0, str(odd), odd.name, 0, 0)))
+    assert [(r.location.rsplit(":", 1)[1], r.error) for r in records if r.provenance["member"] == "a.json"] == \
+        [("a.json", "duplicate_key")] * 2
     # truncated copies of one synthetic tar: inside headers, JSON data, image data, the end blocks
     raw = Path(units[0].path).read_bytes()
     cut = tmp_path / "cut.tar"

@@ -26,6 +26,7 @@ records.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -69,6 +70,8 @@ TOOL = "mmdata preprocess"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
 DUPLICATES_NAME = "duplicates.jsonl"
 PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
+NODE_KEY = "_ray_node"  # in a task's result: the node that ran it
+PARTIAL_SHARD_GLOB = ".shard-*.tar.tmp-*"  # a shard writer's temp file (shard_writer.write_shard)
 
 
 class PreprocessError(UserError):
@@ -174,7 +177,7 @@ def _prepare_work_dir(out: Path, fp: str, num_buckets: int, job: dict) -> Path:
         remove([work / "scan", work / "sorted", work / "dedup"])
     for d in ("scan", "sorted", "dedup", "shards"):
         (work / d).mkdir(parents=True, exist_ok=True)
-    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
+    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(PARTIAL_SHARD_GLOB)) + list(out.glob("shard-*.tar.idx.tmp"))
     remove(stale + list(out.glob(f"{NV_META}.tmp-*")))
     write_json_atomic(wj, state)
     return work
@@ -235,6 +238,8 @@ def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[
     `text_tokens` None, no index), then energon's index from the layouts the shard writers
     recorded, published atomically: with the manifest after it, it is what says "finished"."""
     names = [s.name for s in shards]
+    # every shard is in place: a partial file of a killed (and retried) writer is now garbage
+    remove(list(out.glob(PARTIAL_SHARD_GLOB)))
     concat_parts([scan_file(work, u.index, "quarantine.jsonl") for u in units], out / sf.QUARANTINE_NAME)
     if dedup:
         concat_parts([bucket_file(work, b, "duplicates.jsonl") for b in range(num_buckets)], out / DUPLICATES_NAME)
@@ -269,9 +274,22 @@ def auto_samples_per_shard(valid_bytes: int, records: int, target_bytes: int) ->
     return int(max(1, min(1_000_000, round(target_bytes / per_sample))))
 
 
+def _reporting_node(task: Callable[..., dict]) -> Callable[..., dict]:
+    """`task` as a Ray task whose result also says which node ran it (NODE_KEY; the driver
+    takes it out and counts tasks per node: the manifest's `run.task_nodes`)."""
+
+    @functools.wraps(task)
+    def run(*args, **kwargs) -> dict:
+        import ray
+
+        return {**task(*args, **kwargs), NODE_KEY: ray.get_runtime_context().get_node_id()}
+
+    return run
+
+
 def _run_resumable(prog, name: str, key: str, items: list, marker: Callable[[object], Path],
                    submit: Callable[[object], object], on_result: Callable[[object, dict], None], resumed: Counter,
-                   max_in_flight: int) -> None:
+                   max_in_flight: int, task_nodes: Counter) -> None:
     """One stage of tasks that each leave a JSON done-marker (equal to their return value):
     finished items are taken from their markers (counted in resumed[key]), the rest run on Ray."""
     prog.stage(name, len(items))
@@ -286,6 +304,7 @@ def _run_resumable(prog, name: str, key: str, items: list, marker: Callable[[obj
             todo.append(item)
 
     def done(item, result: dict) -> None:
+        task_nodes[result.pop(NODE_KEY)] += 1
         on_result(item, result)
         prog.advance(name)
 
@@ -355,6 +374,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         t_phase = now
 
     resumed: Counter[str] = Counter(scan=0, sort=0, shards=0)
+    task_nodes: Counter[str] = Counter()  # Ray tasks run per node id
     counts = Counts()
     groups: Counter[str] = Counter()  # kept records per mix group, after the filters
     phash: Counter[str] = Counter()
@@ -391,8 +411,11 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     phase_done("ray_init_s")
     mix_report: dict | None = None
     try:
-        remote = {f.__name__: ray.remote(num_cpus=1)(f) for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket,
-                                                                  sort_bucket, merge_bucket, write_shard_task)}
+        # SPREAD: tasks go round the nodes (each reads and writes the shared file system), rather
+        # than filling the driver's node first; on one node it changes nothing.
+        remote = {f.__name__: ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_reporting_node(f))
+                  for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket, sort_bucket, merge_bucket,
+                            write_shard_task)}
         max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
         with JobProgress(cfg.progress) as prog:
             # 1. scan + validate
@@ -405,6 +428,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 prog.advance("scan+validate", records=counts.read)
 
             def scanned_by_ray(unit: InputUnit, result: dict) -> None:
+                task_nodes[result.pop(NODE_KEY)] += 1
                 scanner.stop()  # Ray workers are up: leave the rest to them
                 for done in scanner.drain():
                     scanned(*done)
@@ -424,10 +448,10 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 _run_resumable(prog, "dedup: find", "dedup_find", list(range(num_buckets)), lambda p: dd.partition_marker(work, p),
                                lambda p: remote["dedup_partition"].remote(p, len(units), num_buckets,
                                                                           spec.dedup_distance, str(work)),
-                               lambda p, r: None, resumed, max_in_flight)
+                               lambda p, r: None, resumed, max_in_flight, task_nodes)
                 _run_resumable(prog, "dedup: resolve", "dedup_resolve", list(range(num_buckets)), lambda b: dd.resolve_marker(work, b),
                                lambda b: remote["resolve_bucket"].remote(b, num_buckets, str(work)),
-                               lambda b, r: dropped_by_group.update(r["by_group"]), resumed, max_in_flight)
+                               lambda b, r: dropped_by_group.update(r["by_group"]), resumed, max_in_flight, task_nodes)
                 phase_done("dedup_s")
             # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
             mix_factors, spill = None, False
@@ -451,7 +475,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
             _run_resumable(prog, "sort buckets", "sort", list(range(num_buckets)), lambda b: bucket_file(work, b, "done.json"),
                            lambda b: remote["sort_bucket"].remote(b, len(units), spec, mix_factors, spill),
-                           sorted_, resumed, max_in_flight)
+                           sorted_, resumed, max_in_flight, task_nodes)
             if spill:  # repeated copies landed in other buckets: add them there
 
                 def merged(b: int, r: dict) -> None:
@@ -459,7 +483,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
                 _run_resumable(prog, "merge repeats", "merge", list(range(num_buckets)),
                                lambda b: bucket_file(work, b, "merged.json"),
-                               lambda b: remote["merge_bucket"].remote(b, spec), merged, resumed, max_in_flight)
+                               lambda b: remote["merge_bucket"].remote(b, spec), merged, resumed, max_in_flight, task_nodes)
             if sum(bucket_counts) != counts.written or not counts.reconciles():
                 raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, counts say {counts.to_json()}")
             if sum(bucket_counts) == 0:  # leave nothing behind
@@ -477,6 +501,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             written = [0]
 
             def wrote(plan: ShardPlan, res: dict) -> None:
+                task_nodes[res.pop(NODE_KEY)] += 1
                 results[plan.index] = res
                 resumed["shards"] += int(res["resumed"])
                 written[0] += res["samples"]
@@ -526,7 +551,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,
-                "scanned_in_driver": scanner.scanned, "tokenizer": spec.tokenizer,
+                "scanned_in_driver": scanner.scanned, "task_nodes": dict(sorted(task_nodes.items())),
+                "tokenizer": spec.tokenizer,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
     with deferred_interrupt():  # the manifest says "finished": then the work folder goes

@@ -22,7 +22,8 @@ REASONS = (
     "json_missing", "json_malformed", "schema_invalid", "conversation_malformed",
     "image_missing", "image_empty", "image_truncated", "image_undecodable", "image_too_large",
     "placeholder_mismatch", "video_missing", "video_empty", "video_undecodable", "video_too_large",
-    "input_truncated", "input_unreadable",
+    "input_truncated", "input_unreadable", "conversation_too_long", "media_outside_input", "unsafe_member_name",
+    "duplicate_key",
 )
 ROLES = {"human", "gpt", "system"}
 FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff", "MPO": "jpg"}
@@ -38,6 +39,10 @@ class ValidationConfig:
     max_images_per_record: int = 64
     max_video_bytes: int = 1 << 30
     max_video_frames: int = 100_000
+    # Far beyond any real instruction sample (Infinity-MM's longest are a few dozen turns and
+    # tens of kB): a record past these is broken or hostile, and would only be cut by the loader.
+    max_turns: int = 1_000
+    max_conversation_chars: int = 4_000_000
 
 
 @dataclass
@@ -156,10 +161,12 @@ def check_video(data: bytes, name: str, cfg: ValidationConfig) -> tuple[int, int
     return w, h, frames
 
 
-def _conversations(obj: dict) -> list[dict]:
+def _conversations(obj: dict, cfg: ValidationConfig) -> list[dict]:
     conv = obj.get("conversations")
     if not isinstance(conv, list) or not conv:
         raise _Reject("conversation_malformed", "`conversations` missing or empty")
+    if len(conv) > cfg.max_turns:
+        raise _Reject("conversation_too_long", f"{len(conv)} turns > {cfg.max_turns}")
     out = []
     for i, turn in enumerate(conv):
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
@@ -168,9 +175,16 @@ def _conversations(obj: dict) -> list[dict]:
         if role not in ROLES:
             raise _Reject("conversation_malformed", f"turn {i} has role {role!r}, expected one of {sorted(ROLES)}")
         out.append({"from": role, "value": turn["value"]})
+    chars = sum(len(t["value"]) for t in out)
+    if chars > cfg.max_conversation_chars:
+        raise _Reject("conversation_too_long", f"{chars} characters > {cfg.max_conversation_chars}")
     roles = [t["from"] for t in out if t["from"] != "system"]
     if not roles or roles[0] != "human" or "gpt" not in roles:
         raise _Reject("conversation_malformed", "needs a human turn first and at least one gpt turn")
+    if any(a == b for a, b in zip(roles, roles[1:])):
+        k = next(i for i, (a, b) in enumerate(zip(roles, roles[1:])) if a == b)
+        raise _Reject("conversation_malformed", f"turns do not alternate: turns {k} and {k + 1} "
+                      f"(system turns not counted) are both from {roles[k]!r}")
     return out
 
 
@@ -197,6 +211,14 @@ def _missing_detail(what: str, entries: list[str] | None, res: Resolution, own: 
         return f"{shown} not found: no member of that name or basename, and the sample has no {what} member"
     n = len(entries) if entries is not None else len(res.media)
     return f"{shown} not found: the sample's {what} members ({', '.join(own)}) are fewer than its {n} {what} entries"
+
+
+def _reject_outside(entries: list[str] | None, res: Resolution, locator) -> None:
+    """An unresolved entry that points out of the input (`../`, a symlink leaving the image
+    root) is named as such: it is never read, whatever it points at."""
+    for ref, m in zip(entries or [], res.media):
+        if m is None and (where := locator.outside(ref)):
+            raise _Reject("media_outside_input", f"{ref!r} leads outside the input, to {where}; not read")
 
 
 def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER,
@@ -231,12 +253,13 @@ def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = Fal
         record_id = str(obj.get("id", raw.rid))
         source = obj.get("source", "") if isinstance(obj.get("source", ""), str) else str(obj.get("source"))
         source = source.replace("\0", "\ufffd")  # (index rows separate fields with NUL)
-        conv = _conversations(obj)
+        conv = _conversations(obj, cfg)
         entries = _image_refs(obj)
         if entries is not None and len(entries) > cfg.max_images_per_record:
             raise _Reject("schema_invalid", f"{len(entries)} images > {cfg.max_images_per_record}")
         images = resolve(entries, raw.own_images, raw.locator)
         if not images.complete:
+            _reject_outside(entries, images, raw.locator)
             raise _Reject("image_missing", _missing_detail("image", entries, images, raw.own_images))
         if len(images.media) > cfg.max_images_per_record:
             raise _Reject("schema_invalid", f"{len(images.media)} images > {cfg.max_images_per_record}")
@@ -257,6 +280,7 @@ def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = Fal
                 raise _Reject("schema_invalid", "`video` must be a string")
             video = resolve([video_ref], raw.own_videos, raw.locator)
             if not video.complete:
+                _reject_outside([video_ref], video, raw.locator)
                 raise _Reject("video_missing", _missing_detail("video", [video_ref], video, raw.own_videos))
             m = video.media[0]
             w, h, frames = check_video(raw.locator.read(m), m.name, cfg)

@@ -39,6 +39,7 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
         ("parallel", "lm_loss_block_mb"): p.lm_loss_block_mb,
         ("parallel", "nproc_per_node"): p.nproc_per_node, ("parallel", "nnodes"): p.nnodes,
         ("logging", "interval"): r.logging.interval,
+        ("parallel", "collective_timeout_mins"): p.collective_timeout_mins,
     }
     for path, value in positive.items():
         if value <= 0:
@@ -48,6 +49,7 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
         ("checkpoint", "keep_last"): r.checkpoint.keep_last, ("data", "num_workers"): r.data.num_workers,
         ("data", "packing_buffer_size"): r.data.packing_buffer_size,
         ("data", "shuffle_buffer_size"): r.data.shuffle_buffer_size,
+        ("train", "exit_interval"): t.exit_interval, ("train", "exit_duration_mins"): t.exit_duration_mins,
     }
     for path, value in non_negative.items():
         if value < 0:

@@ -61,6 +61,10 @@ class TrainConfig:
     global_batch_size: int = 1
     eval_interval: int = 0  # steps between evaluations on data.val_paths; 0 = no evaluation
     eval_iters: int = 4  # global batches per evaluation
+    # Stop early (checkpoint saved, exit 0), as Megatron's --exit-interval / --exit-duration-in-mins:
+    # a rerun of the same recipe resumes. 0 = off. SIGTERM does the same (docs/reliability.md).
+    exit_interval: int = 0  # stop after the step whose number is a multiple of this
+    exit_duration_mins: float = 0.0  # stop after the first step that ends past this wall time
 
 
 @dataclass
@@ -104,6 +108,8 @@ class ParallelConfig:
     # chunked (blocked output projection + cross entropy, no full logits), plain (full logits)
     lm_loss: LMLoss = "auto"
     lm_loss_block_mb: int = 256  # MiB of logits one block of the chunked loss may hold
+    # a collective that waits longer fails (the rank's peer died or hangs), and the job exits
+    collective_timeout_mins: float = 30.0
 
     @property
     def world_size(self) -> int:

@@ -84,19 +84,13 @@ class ParallelContext:
 
 
 def env_rank_world() -> tuple[int, int, int] | None:
-    """(rank, world_size, local_rank) from torchrun (RANK/WORLD_SIZE) or SLURM (SLURM_PROCID),
-    or None when this process was started by hand (single process)."""
+    """(rank, world_size, local_rank) from torchrun's RANK/WORLD_SIZE (under srun, the launcher
+    sets them from the allocation: slurm.py), or None when this process was started by hand."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return (
             int(os.environ["RANK"]),
             int(os.environ["WORLD_SIZE"]),
             int(os.environ.get("LOCAL_RANK", "0")),
-        )
-    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return (
-            int(os.environ["SLURM_PROCID"]),
-            int(os.environ["SLURM_NTASKS"]),
-            int(os.environ.get("SLURM_LOCALID", "0")),
         )
     return None
 
@@ -156,7 +150,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     else:
         rank, world_size, local_rank = env
-        # SLURM launches: torch's env:// init needs these names.
+        # (set already by torchrun, or by the launcher under srun)
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world_size))
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
@@ -185,7 +179,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             backend=backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=30),
+            timeout=datetime.timedelta(minutes=parallel_cfg.collective_timeout_mins),
             **({"device_id": device} if backend == "nccl" else {}),
         )
     _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None)

@@ -9,7 +9,8 @@ The recipe is validated (every problem at once, each naming its key) and the ove
                  checkpoints: mmtrain/runtime/preflight.py), write the resolved recipe to
                  `<run_dir>/config.yaml` (absolute paths) and train. Inside torchrun
                  (RANK/WORLD_SIZE set) or a SLURM step with one task per process, this process
-                 is one worker. Otherwise, when parallel.nproc_per_node x parallel.nnodes > 1,
+                 is one worker (srun: the rendezvous comes from the allocation, see
+                 mmtrain/runtime/slurm.py). Otherwise, when parallel.nproc_per_node x parallel.nnodes > 1,
                  the workers are started here with torchrun (run the same command on every node
                  with its parallel.node_rank=K); a world of one trains in this process.
   dry_run      - print parameter counts and the per-rank memory estimate (nothing is built)
@@ -88,11 +89,29 @@ def run(args: argparse.Namespace, family: str) -> int:
     preflight(recipe, spec)  # before anything is built, spawned or written
     if verbose:
         os.environ["MMTRAIN_VERBOSE"] = "1"  # the workers' third-party warnings too
+    use_slurm_allocation(recipe)
     inside_launcher = env_rank_world() is not None
     if inside_launcher or recipe.parallel.world_size == 1:
         return train(recipe)
     resolved = save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
     return spawn_workers(recipe, resolved)
+
+
+def use_slurm_allocation(recipe: Recipe) -> None:
+    """Inside `srun` (and not already a torchrun worker): take the rendezvous from the
+    allocation (mmtrain/runtime/slurm.py), as worker env vars or as this node's launcher settings."""
+    from mmtrain.runtime.slurm import slurm_allocation
+
+    slurm = None if "RANK" in os.environ else slurm_allocation(os.environ)
+    if slurm is None:
+        return
+    if slurm.one_task_per_process(recipe.parallel.nproc_per_node):
+        os.environ.update(slurm.worker_env())
+        how = f"task {slurm.procid} of {slurm.ntasks} is one worker"
+    else:
+        recipe.parallel = slurm.launcher_settings(recipe.parallel)
+        how = f"node {slurm.node_rank} of {slurm.nnodes} starts {recipe.parallel.nproc_per_node} workers"
+    log.info("SLURM job %d: %s (rendezvous %s:%d)", slurm.job_id, how, slurm.nodes[0], slurm.master_port)
 
 
 def torchrun_command(recipe: Recipe, resolved_recipe: Path) -> list[str]:

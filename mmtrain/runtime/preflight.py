@@ -92,6 +92,7 @@ def _check_tokenizer(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) 
 def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> None:
     """The run dir's own latest checkpoint (what a rerun resumes), else `checkpoint.load`."""
     from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint, resolve_checkpoint
+    from mmtrain.runtime.checkpoint.integrity import check_checkpoint
     from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError, check_architecture
 
     run_dir = Path(recipe.run_dir)
@@ -114,6 +115,7 @@ def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[s
     else:
         return
     try:
+        check_checkpoint(point, spec.name)
         check_architecture(point.parent, recipe.model, spec.architecture_keys, iteration_of(point))
     except CheckpointMismatchError as err:
         text = str(err)

@@ -49,6 +49,7 @@ from mmtrain.runtime.evaluation import EvalResult, eval_due, isolated_from_train
 from mmtrain.runtime.loss import lm_loss_sums, loss_mask, per_sample_loss_sums
 from mmtrain.runtime.lr_schedule import LRSchedule
 from mmtrain.runtime.optimizer import ModelParts, apply_freeze, build_optimizer
+from mmtrain.runtime.stopping import StopRequests
 from mmtrain.runtime.throughput import PeakMemory, device_peak_flops, memory_stats, mfu
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
@@ -91,6 +92,8 @@ class Trainer:
                                              resolved_yaml=resolved_yaml)
         self.metrics = None
         self._last_saved_step = -1
+        self.stopped_by: Optional[str] = None  # why fit() stopped before train.iters (None: it did not)
+        self._stops = StopRequests(t.exit_interval, t.exit_duration_mins)
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -105,7 +108,7 @@ class Trainer:
         self.peak_memory = PeakMemory(ctx.device, Path(recipe.run_dir), ctx.rank)  # before the model exists
         # refuse a checkpoint of another architecture before building anything
         start = self.checkpoints.starting_point(recipe.checkpoint.load, recipe.checkpoint.weights_only,
-                                                recipe.model, spec.architecture_keys)
+                                                recipe.model, spec.architecture_keys, spec.name)
         module = spec.build_model(
             recipe.model,
             pre_process=ctx.is_first_stage,
@@ -367,17 +370,27 @@ class Trainer:
         results = []
         interval = recipe.checkpoint.interval
         self._fit_start = (time.perf_counter(), self.state.step)  # for the ETA
-        while self.state.step < recipe.train.iters:
-            result = self.train_step()
-            if eval_due(result.step, recipe.train.eval_interval):
-                result.evaluation = self.evaluate()
-            results.append(result)
-            self.peak_memory.record(result.step)  # before _log's memory_stats resets CUDA peaks
-            self._log(result)
-            if interval > 0 and result.step % interval == 0 and recipe.checkpoint.save:
+        with self._stops.catching_sigterm():
+            while self.state.step < recipe.train.iters:
+                result = self.train_step()
+                if eval_due(result.step, recipe.train.eval_interval):
+                    result.evaluation = self.evaluate()
+                results.append(result)
+                self.peak_memory.record(result.step)  # before _log's memory_stats resets CUDA peaks
+                self._log(result)
+                if interval > 0 and result.step % interval == 0 and recipe.checkpoint.save:
+                    self.save()
+                # every rank stops after the same step: the verdict is agreed on (a collective)
+                self.stopped_by = self._stops.due(result.step, ctx.device)
+                if self.stopped_by is not None and result.step < recipe.train.iters:
+                    break
+                self.stopped_by = None
+            if self._last_saved_step != self.state.step and recipe.checkpoint.save:
                 self.save()
-        if self._last_saved_step != self.state.step and recipe.checkpoint.save:
-            self.save()
+        if self.stopped_by is not None and ctx.rank == 0:
+            saved = (f"checkpoint saved in {self.checkpoints.root}. Run the same command again to resume"
+                     if recipe.checkpoint.save else "no checkpoint (checkpoint.save: false)")
+            log.info("stopped after step %d/%d (%s); %s", self.state.step, recipe.train.iters, self.stopped_by, saved)
         if self.metrics is not None:
             self.metrics.close()
         return results

@@ -63,6 +63,10 @@ class MediaResolver:
         """Media anywhere in the input with `ref`'s basename (None where that means nothing)."""
         return None
 
+    def outside(self, ref: str) -> str | None:
+        """Where `ref` would lead when that is outside the input (never read); else None."""
+        return None
+
     def read(self, media: MediaRef) -> bytes:
         """The media's bytes (adapters may keep their input file open across records)."""
         return media.read()

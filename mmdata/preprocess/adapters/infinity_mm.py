@@ -101,6 +101,9 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
             images = member_order([m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)])
             videos = member_order([m.name for m, _ in group if m.name.lower().endswith(VIDEO_EXTS)])
             prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
+            if rejected := _hostile_group(unit, key, group, prov, resolver):
+                yield from rejected
+                continue
             name = json_of[key]
             if name is None:
                 yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
@@ -119,6 +122,29 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
                             error="input_truncated", error_detail=tail_error)
     finally:
         resolver.close()
+
+
+def _unsafe(name: str) -> bool:
+    """An absolute name or one with a `..` part: it would escape a folder it were extracted to."""
+    parts = name.replace("\\", "/").split("/")
+    return name.startswith(("/", "\\")) or ".." in parts
+
+
+def _hostile_group(unit: InputUnit, key: str, group: list[tuple[TarMember, str]], prov: dict,
+                   resolver: "_TarMembers") -> list[RawRecord]:
+    """Records for a sample that cannot be taken at face value (none when it can): members whose
+    names escape the archive's folder, or a key with several JSON members (which JSON goes with
+    which image is unknowable). One record per JSON member, so the counts still match the input."""
+    names = [m.name for m, _ in group]
+    jsons = [m.name for m, suffix in group if suffix == "json"] or [key]
+    if any(_unsafe(n) for n in names):
+        error, detail = "unsafe_member_name", f"member names {names} leave the archive's folder (absolute or `..`)"
+    elif len(jsons) > 1:
+        error, detail = "duplicate_key", f"sample key {key!r} has {len(jsons)} JSON members ({jsons}); ambiguous"
+    else:
+        return []
+    return [RawRecord(f"{unit.rel}:{key}#{k}", f"{unit.path}:{n}", None, {**prov, "member": n}, resolver,
+                      error=error, error_detail=detail) for k, n in enumerate(jsons)]
 
 
 def _read_members(tar: _TarMembers, members: list[TarMember]) -> dict[str, bytes | None]:

@@ -34,6 +34,10 @@ class _Files(MediaResolver):
             return None
         return MediaRef(path, 0, os.path.getsize(path), ref)
 
+    def outside(self, ref: str) -> str | None:
+        path = os.path.realpath(os.path.join(self.root, ref))
+        return path if os.path.commonpath([path, self.root]) != self.root else None
+
 
 def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
     resolver = _Files(unit.image_root or os.path.dirname(unit.path))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 import torch
 
 from mmtrain.runtime import rng
+from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint, write_file_list
 from mmtrain.runtime.checkpoint.layout import (
     TRAINER_STATE,
     checkpoints_root,
@@ -235,9 +236,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ starting point
     def starting_point(self, load: str | None, weights_only: bool, model_config: Any,
-                       architecture_keys: Sequence[str]) -> StartingPoint | None:
+                       architecture_keys: Sequence[str], family: str | None = None) -> StartingPoint | None:
         """The run's own latest checkpoint, else `checkpoint.load` resolved; an mmtrain
-        checkpoint made for another architecture is refused (CheckpointMismatchError)."""
+        checkpoint that is damaged, another family's (integrity.py) or made for another
+        architecture is refused (CheckpointMismatchError)."""
         own = latest_checkpoint(self.root.parent)
         if own is not None:
             point = StartingPoint("mmtrain", own)
@@ -247,6 +249,8 @@ class CheckpointManager:
         else:
             return None
         if point.kind in ("mmtrain", "weights"):
+            if family is not None:
+                check_checkpoint(point.path, family)
             check_architecture(point.path.parent, model_config, architecture_keys, iteration_of(point.path))
         return point
 
@@ -266,7 +270,14 @@ class CheckpointManager:
                 optimizer.reload_model_params()
             return None
         saved = TrainerState.from_dict(json.loads((point.path / TRAINER_STATE).read_text()))
-        restored = {part.name: part.load(point.path, self.ctx, saved) for part in self.parts}
+        restored = {}
+        for part in self.parts:
+            try:
+                restored[part.name] = part.load(point.path, self.ctx, saved)
+            except Exception as e:  # noqa: BLE001 - any loader failure means a damaged checkpoint
+                raise CheckpointDamagedError(
+                    f"{point.path}: its {part.name} state cannot be loaded ({type(e).__name__}: {e}); the "
+                    "checkpoint is damaged: resume from an earlier one with checkpoint.load") from e
         return RestoreResult(saved, saved.layout == layout_of(self.ctx), restored)
 
     # ------------------------------------------------------------------ save
@@ -287,6 +298,7 @@ class CheckpointManager:
         if ctx.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
             (tmp / "config.yaml").write_text(self.resolved_yaml)
+            write_file_list(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

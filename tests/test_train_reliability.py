@@ -1,0 +1,222 @@
+"""Training faults (docs/reliability.md): stopping early and resuming exactly (SIGTERM,
+train.exit_interval, train.exit_duration_mins), damaged or foreign checkpoints refused with a
+message naming the problem, and a dying rank ending the whole job with a non-zero status that
+names it. Real `mmtrain llava-ov` subprocesses on the tiny recipe (helpers: test_train_runtime)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
+from tests.test_train_runtime import MMTRAIN, REPO, free_port, metrics, ref_run, tokenizer_dir, train  # noqa: F401
+
+RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+
+
+def _args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    return MMTRAIN + [f"run_dir={run_dir}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
+                      "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false",
+                      f"parallel.nproc_per_node={nproc}", f"parallel.master_port={free_port()}", *overrides]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
+    """Until metrics.jsonl shows `step` (the process must still be running)."""
+    f = run_dir / "metrics.jsonl"
+    while not (f.exists() and any(json.loads(x)["step"] >= step for x in f.read_text().splitlines() if x.strip())):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+
+
+def _latest(run_dir: Path) -> int:
+    return int((run_dir / "checkpoints" / "latest").read_text())
+
+
+# ----------------------------------------------------------------------------- stopping early
+
+
+@pytest.mark.slow
+def test_stops_early_then_resumes_exactly(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """exit_duration_mins, then exit_interval, then SIGTERM stop the run after a whole step with a
+    checkpoint and exit 0; each rerun resumes, and every loss is the uninterrupted run's."""
+    run = tmp_path / "run"
+    proc = train(run, shards_dir, tokenizer_dir, *RUN, "train.exit_duration_mins=0.0001")
+    assert "stopped after step 1/6 (train.exit_duration_mins reached)" in proc.stderr
+    assert _latest(run) == 1
+    proc = train(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3")
+    assert "resumed from" in proc.stderr and "stopped after step 3/6 (train.exit_interval reached)" in proc.stderr
+    assert _latest(run) == 3
+
+    p = _start(_args(run, shards_dir, tokenizer_dir, *RUN))
+    _wait_for_step(run, p, 4)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate()
+    assert p.returncode == 0, err[-4000:]
+    stopped = _latest(run)
+    assert 4 <= stopped <= 6
+    if stopped < 6:  # (the signal may land after the last step: then the run just ends)
+        assert "SIGTERM received: finishing the current step" in err
+        assert f"stopped after step {stopped}/6 (SIGTERM received)" in err
+    ref, got = metrics(ref_run), metrics(run)
+    assert sorted(got) == list(range(1, stopped + 1))
+    for step in got:  # steps 2-3 and 4-6 ran after a resume
+        assert got[step]["loss"] == ref[step]["loss"], step
+        assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def _copy_ckpt(ref_run: Path, dst: Path) -> Path:
+    """A run dir holding a copy of the reference run's checkpoints (latest: step 6)."""
+    shutil.copytree(ref_run / "checkpoints", dst / "checkpoints")
+    return dst / "checkpoints" / "iter_0000006"
+
+
+def _fake_ckpt(run_dir: Path) -> Path:
+    """A checkpoint's files as a save leaves them (contents aside): the file list is real."""
+    from mmtrain.runtime.checkpoint.integrity import write_file_list
+    from mmtrain.runtime.checkpoint.layout import write_latest
+
+    ckpt = run_dir / "checkpoints" / "iter_0000006"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (ckpt / "optimizer").mkdir()
+    (ckpt / "optimizer" / "common.pt").write_bytes(os.urandom(1261))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 6}))
+    (ckpt / "config.yaml").write_text("action: run\nfamily: llava-ov\n")
+    write_file_list(ckpt)
+    write_latest(ckpt.parent, 6)
+    return ckpt
+
+
+@pytest.mark.unit
+def test_damaged_or_foreign_checkpoints_are_named(tmp_path):
+    """Each damage is refused before loading, naming the file or the family (in-process)."""
+    ckpt = _fake_ckpt(tmp_path / "a")
+    check_checkpoint(ckpt, "llava-ov")  # whole
+    with pytest.raises(CheckpointDamagedError, match="a checkpoint of a llava-ov run, not emu3"):
+        check_checkpoint(ckpt, "emu3")
+    shard = ckpt / "model" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CheckpointDamagedError, match="model/__0_0.distcp has 1000 bytes but was saved with 4096"):
+        check_checkpoint(ckpt, "llava-ov")
+    shard.unlink()
+    with pytest.raises(CheckpointDamagedError, match="incomplete, model/__0_0.distcp is missing"):
+        check_checkpoint(ckpt, "llava-ov")
+    ckpt = _fake_ckpt(tmp_path / "b")
+    (ckpt / "trainer_state.json").write_text("{\"step\": ")
+    (ckpt / "files.json").unlink()  # (an older checkpoint without a file list: still checked)
+    with pytest.raises(CheckpointDamagedError, match="trainer_state.json: unreadable"):
+        check_checkpoint(ckpt, "llava-ov")
+
+
+def test_truncated_checkpoint_refused_by_the_cli(tmp_path, shards_dir, tokenizer_dir):
+    """A rerun whose latest checkpoint was cut short: one line naming the file, exit 2, before
+    anything is built."""
+    ckpt = _fake_ckpt(tmp_path / "run")
+    shard = ckpt / "optimizer" / "common.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = train(tmp_path / "run", shards_dir, tokenizer_dir, *RUN, expect_rc=2)
+    assert "optimizer/common.pt has 100 bytes but was saved with 1261" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_damaged_inside_a_file_refused_at_load(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """Same size, garbage content (the dist-checkpoint metadata): the loader's failure is
+    reported as a damaged checkpoint, naming the part, exit 2."""
+    ckpt = _copy_ckpt(ref_run, tmp_path / "run")
+    meta = ckpt / "model" / ".metadata"
+    meta.write_bytes(bytes(len(meta.read_bytes())))
+    proc = train(tmp_path / "run", shards_dir, tokenizer_dir, *RUN, expect_rc=2)
+    assert "iter_0000006: its model state cannot be loaded" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- a dying rank
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out + [g for c in out for g in _children(c)]
+
+
+def _worker_pid(root: int, rank: int) -> int | None:
+    for pid in _children(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"mmtrain.runtime.worker" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_dying_rank_ends_the_job_naming_it(tmp_path, shards_dir, tokenizer_dir):
+    """DP=2: rank 1 is SIGKILLed after step 1; the whole job exits non-zero (no hang), and the
+    failure summary names rank 1."""
+    run = tmp_path / "run"
+    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
+                     "parallel.collective_timeout_mins=1", nproc=2))
+    _wait_for_step(run, p, 1)
+    victim = _worker_pid(p.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=300)  # a hang guard, not a speed requirement
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("the job hung after a rank died")
+    print(f"job ended {time.monotonic() - t0:.1f} s after rank 1 died")
+    assert p.returncode != 0
+    # torchrun's failure summary: "rank      : 1 (local_rank: 1) / exitcode  : -9 ... Signal 9 (SIGKILL)"
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", err), err[-3000:]
+    assert "Signal 9 (SIGKILL)" in err and "workers exited with code" in err
+
+
+# ----------------------------------------------------------------------------- two nodes
+
+
+@pytest.mark.slow
+def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """`parallel.nnodes=2`: the same command on two "nodes" (node_rank 0 and 1, one process each,
+    torchrun's multi-node rendezvous on 127.0.0.1) trains DP=2 and reproduces the single-process
+    run's losses on the same global batches (`data.sharding=replicated`); it stops after step 3
+    (`train.exit_interval`, agreed by both ranks)."""
+    run = tmp_path / "run"
+    port = free_port()
+    nodes = [_start(_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
+                          "parallel.nnodes=2",
+                          f"parallel.node_rank={k}", "parallel.master_addr=127.0.0.1", f"parallel.master_port={port}"))
+             for k in (0, 1)]
+    for k, p in enumerate(nodes):
+        _, err = p.communicate()
+        assert p.returncode == 0, f"node {k}:\n{err[-6000:]}"
+        assert f"--nnodes=2 --node_rank={k} --master_addr=127.0.0.1 --master_port={port}" in err
+    # both ranks agreed to stop after step 3 (train.exit_interval), with a checkpoint
+    state = json.loads((run / "checkpoints" / "iter_0000003" / "trainer_state.json").read_text())
+    assert state["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+    ref, got = metrics(ref_run), metrics(run)
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
+        assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"]), step
