@@ -97,3 +97,32 @@ def test_plan_packing_covers_everything_whatever_chunks(monkeypatch):
     monkeypatch.setattr(pack_plan, "CHUNK", 300)  # chunks packed in parallel give the serial plan
     serial = [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=1).bins]
     assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=2).bins] == serial
+
+
+def test_shard_writers_count_lengths_without_torch(tok_shards, tmp_path):
+    """What a Ray worker runs to write a shard and its length index (exact counts from the file
+    the driver saves, and the estimate) imports neither torch nor transformers: checked in a
+    fresh interpreter, as a worker starts."""
+    import subprocess
+    import sys
+
+    from mmdata.preprocess.lengths import LengthCounter, write_counting_tokenizer
+
+    _, tok = tok_shards
+    saved = write_counting_tokenizer(tok, tmp_path)
+    record = {"conversations": [{"from": "human", "value": "<image>\nWhat is 这个?"}, {"from": "gpt", "value": "A cat."}],
+              "meta": {"image_sizes": [[640, 480, "jpeg"]]}}
+    worker = (
+        "import json, sys\n"
+        "from mmdata.preprocess.curation.dedup import dedup_partition, resolve_bucket\n"
+        "from mmdata.preprocess.stages import merge_bucket, scan_unit, sort_bucket, write_shard_task\n"
+        "from mmdata.preprocess.lengths import LengthCounter\n"
+        f"record = json.loads({json.dumps(json.dumps(record))})\n"
+        f"print(json.dumps([LengthCounter({saved!r})(record), LengthCounter()(record),\n"
+        "                   sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True, check=True).stdout
+    exact, estimate, imported = json.loads(out)
+    assert imported == []
+    assert tuple(exact) == LengthCounter(str(tok))(record)  # the transformers-loaded tokenizer agrees
+    assert tuple(estimate) == LengthCounter()(record) and estimate[1] == exact[1] > 0

@@ -1,10 +1,11 @@
 """The per-sample length index: how many LLM positions each written sample takes, so packing can
 be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
 
-- image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres`) on the
-  image sizes the validator read from the headers: a single image is anyres (base tile + grid,
-  anyres_max_9), each image of a multi-image sample one base tile, a video its sampled frames
-  (at most 32) pooled to 14 x 14 plus one newline;
+- image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres_math`,
+  torch-free, so the shard writers never import torch) on the image sizes the validator read
+  from the headers: a single image is anyres (base tile + grid, anyres_max_9), each image of a
+  multi-image sample one base tile, a video its sampled frames (at most 32) pooled to 14 x 14
+  plus one newline;
 - text tokens: with `--tokenizer DIR` exactly what the loader's `ChatTokenizer` makes of the
   conversation (Qwen2 chat template with the default system prompt, media placeholders not
   counted); without one, an estimate (`estimate_text_tokens`).
@@ -18,6 +19,7 @@ sample index; the shard key is `f"{index:010d}"`), `shard` (its shard's number),
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -54,7 +56,7 @@ def estimate_text_tokens(conversations: list[dict]) -> int:
 
 def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     """(tokens per image, tokens per video) as the LLaVA-OV loader lays the media out."""
-    from mmdata.energon_loaders.llava_ov import anyres
+    from mmdata.energon_loaders.llava_ov import anyres_math as anyres
     from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 
     meta = record.get("meta") or {}
@@ -65,9 +67,53 @@ def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     return images, videos
 
 
+COUNTING_TOKENIZER_NAME = "counting-tokenizer.json"
+
+
+def write_counting_tokenizer(folder: str | Path, work: str | Path) -> str:
+    """Save the `--tokenizer` folder's tokenizer as the shard writers count with it; returns the
+    path to hand them. transformers imports torch on load (seconds per Ray worker), so the driver,
+    which loads it anyway to check it, writes its fast backend (exactly what the loader's
+    `encode_with_offsets` encodes with) and the ids `ChatTokenizer` reads into one JSON file that
+    the workers load with `tokenizers` alone. A tokenizer without a fast backend is counted from
+    its folder (with transformers)."""
+    from mmdata.energon_loaders.tiny_tokenizer import IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    hf = load_local_tokenizer(folder, "--tokenizer")
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return str(Path(folder).resolve())
+    doc = {"backend": backend.to_str(), "unk_token_id": hf.unk_token_id, "pad_token_id": hf.pad_token_id,
+           "token_ids": {t: hf.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN)}}
+    out = Path(work) / COUNTING_TOKENIZER_NAME
+    out.write_text(json.dumps(doc, sort_keys=True))
+    return str(out)
+
+
+class _SavedTokenizer:
+    """A `write_counting_tokenizer` file with the attributes `ChatTokenizer` reads."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        doc = json.loads(Path(path).read_text())
+        self.backend_tokenizer = Tokenizer.from_str(doc["backend"])
+        self.unk_token_id, self.pad_token_id = doc["unk_token_id"], doc["pad_token_id"]
+        self._ids = doc["token_ids"]
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self._ids[token] if token in self._ids else self.backend_tokenizer.token_to_id(token)
+
+
 @lru_cache(maxsize=2)
 def _chat_tokenizer(path: str):
+    """The counting `ChatTokenizer` of a `write_counting_tokenizer` result (a file, torch-free) or
+    of a tokenizer folder (transformers)."""
     from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+
+    if Path(path).is_file():
+        return ChatTokenizer(_SavedTokenizer(path))
     from mmdata.local_tokenizer import load_local_tokenizer
 
     return ChatTokenizer(load_local_tokenizer(path, "--tokenizer"))
