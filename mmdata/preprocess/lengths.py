@@ -21,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from mmdata.energon_loaders.llava_ov import anyres_math as anyres
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.preprocess.shard_writer import sha256_file
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
@@ -36,9 +39,8 @@ TURN_OVERHEAD = 5  # <|im_start|> role "\n" ... <|im_end|> "\n"
 SYSTEM_TOKENS = 6  # "You are a helpful assistant." in a Qwen2 vocabulary
 
 
-def _is_cjk(ch: str) -> bool:
-    o = ord(ch)
-    return 0x3400 <= o <= 0x9FFF or 0xF900 <= o <= 0xFAFF or 0x20000 <= o <= 0x2A6DF or 0x3000 <= o <= 0x303F
+#: CJK ideographs (+ extension A/B, compatibility) and CJK punctuation, counted in C by `re`
+_CJK = re.compile("[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\U00020000-\U0002a6df]")
 
 
 def estimate_text_tokens(conversations: list[dict]) -> int:
@@ -49,16 +51,13 @@ def estimate_text_tokens(conversations: list[dict]) -> int:
     total = 0 if conversations and conversations[0]["from"] == "system" else SYSTEM_TOKENS + TURN_OVERHEAD
     for turn in conversations:
         text = turn["value"].replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
-        cjk = sum(1 for ch in text if _is_cjk(ch))
+        cjk = len(_CJK.findall(text))
         total += TURN_OVERHEAD + math.ceil(cjk / CJK_CHARS_PER_TOKEN + (len(text) - cjk) / OTHER_CHARS_PER_TOKEN)
     return total
 
 
 def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     """(tokens per image, tokens per video) as the LLaVA-OV loader lays the media out."""
-    from mmdata.energon_loaders.llava_ov import anyres_math as anyres
-    from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-
     meta = record.get("meta") or {}
     sizes = meta.get("image_sizes") or []
     images = [anyres.image_layout(h, w, len(sizes) == 1)[1] for w, h, _ in sizes]

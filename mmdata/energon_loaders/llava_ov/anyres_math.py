@@ -109,6 +109,7 @@ def _anyres_tokens(orig_h: int, orig_w: int, grid: tuple[int, int], pps: int, ma
     return pps * pps + rows * (cols + 1)
 
 
+@lru_cache(maxsize=1 << 16)  # the length index asks for every image; sizes repeat a lot
 def image_layout(
     orig_h: int,
     orig_w: int,
