@@ -6,6 +6,7 @@ the plan against the online packer."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -169,6 +170,18 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
         plan_for_data(out, path, 12288)
     with pytest.raises(PlanError, match="one shard folder"):
         plan_for_data([out, out], None, seq)
+    # a recipe asking for a plan that is not there stops before anything is built; evaluation packs online
+    from mmtrain.config import load_recipe
+    from mmtrain.runtime.evaluation import val_recipe
+    from mmtrain.runtime.preflight import _check_data
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml", [f"data.paths=[{out}]", "data.packing=plan",
+                                                                   "train.seq_length=4096", f"data.val_paths=[{out}]"])
+    problems: list[str] = []
+    _check_data(recipe, problems)
+    assert problems == [f"data.packing: plan: packing plan {out}/pack-plan-4096.parquet not found: run "
+                        f"`mmdata pack-plan {out} --seq-length 4096`"]
+    assert val_recipe(recipe).data.packing is True and val_recipe(recipe).data.packing_plan is None
 
 
 def test_plan_positions_cover_every_sequence_once_per_epoch(tok_shards):
