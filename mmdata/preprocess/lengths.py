@@ -76,15 +76,17 @@ def write_counting_tokenizer(folder: str | Path, work: str | Path) -> str:
     `encode_with_offsets` encodes with) and the ids `ChatTokenizer` reads into one JSON file that
     the workers load with `tokenizers` alone. A tokenizer without a fast backend is counted from
     its folder (with transformers)."""
+    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
     from mmdata.energon_loaders.tiny_tokenizer import IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
     from mmdata.local_tokenizer import load_local_tokenizer
 
     hf = load_local_tokenizer(folder, "--tokenizer")
-    backend = getattr(hf, "backend_tokenizer", None)
-    if backend is None:
+    if getattr(hf, "backend_tokenizer", None) is None:
         return str(Path(folder).resolve())
-    doc = {"backend": backend.to_str(), "unk_token_id": hf.unk_token_id, "pad_token_id": hf.pad_token_id,
-           "token_ids": {t: hf.convert_tokens_to_ids(t) for t in (IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN)}}
+    chat = ChatTokenizer(hf)  # as the loader builds it (which may add tokens to `hf`): then save
+    ids = (chat.im_start_id, chat.im_end_id, chat.image_token_id, chat.video_token_id)
+    doc = {"backend": hf.backend_tokenizer.to_str(), "unk_token_id": hf.unk_token_id, "pad_token_id": hf.pad_token_id,
+           "token_ids": dict(zip((IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN), ids))}
     out = Path(work) / COUNTING_TOKENIZER_NAME
     out.write_text(json.dumps(doc, sort_keys=True))
     return str(out)
@@ -103,6 +105,9 @@ class _SavedTokenizer:
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         return self._ids[token] if token in self._ids else self.backend_tokenizer.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
 
 @lru_cache(maxsize=2)
