@@ -6,6 +6,7 @@ the plan against the online packer."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -97,3 +98,113 @@ def test_plan_packing_covers_everything_whatever_chunks(monkeypatch):
     monkeypatch.setattr(pack_plan, "CHUNK", 300)  # chunks packed in parallel give the serial plan
     serial = [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=1).bins]
     assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=2).bins] == serial
+
+
+def test_shard_writers_count_lengths_without_torch(tok_shards, tmp_path):
+    """What a Ray worker runs to write a shard and its length index (exact counts from the file
+    the driver saves, and the estimate) imports neither torch nor transformers: checked in a
+    fresh interpreter, as a worker starts."""
+    import subprocess
+    import sys
+
+    from mmdata.preprocess.lengths import LengthCounter, write_counting_tokenizer
+
+    _, tok = tok_shards
+    saved = write_counting_tokenizer(tok, tmp_path)
+    record = {"conversations": [{"from": "human", "value": "<image>\nWhat is 这个?"}, {"from": "gpt", "value": "A cat."}],
+              "meta": {"image_sizes": [[640, 480, "jpeg"]]}}
+    worker = (
+        "import json, sys\n"
+        "from mmdata.preprocess.curation.dedup import dedup_partition, resolve_bucket\n"
+        "from mmdata.preprocess.stages import merge_bucket, scan_unit, sort_bucket, write_shard_task\n"
+        "from mmdata.preprocess.lengths import LengthCounter\n"
+        f"record = json.loads({json.dumps(json.dumps(record))})\n"
+        f"print(json.dumps([LengthCounter({saved!r})(record), LengthCounter()(record),\n"
+        "                   sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True, check=True).stdout
+    exact, estimate, imported = json.loads(out)
+    assert imported == []
+    assert tuple(exact) == LengthCounter(str(tok))(record)  # the transformers-loaded tokenizer agrees
+    assert tuple(estimate) == LengthCounter()(record) and estimate[1] == exact[1] > 0
+
+
+def _shard_keys(batch) -> list[list[str]]:
+    """A batch's rows as shard keys (a sample key may carry its dataset: `DATASET#KEY`)."""
+    return [[k.rsplit("#", 1)[-1] for k in row] for row in batch.sample_keys]
+
+
+def _plan_rows(path, first: int, count: int) -> list[list[str]]:
+    """Shard keys of plan sequences [first, first + count), in plan order."""
+    plan = pq.read_table(path)
+    bins, index = plan.column("bin").to_numpy(), plan.column("index").to_numpy()
+    return [[f"{i:010d}" for i in index[bins == b]] for b in range(first, first + count)]
+
+
+def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
+    """data.packing: plan - each micro-batch row is one plan sequence, in plan order across two
+    workers, full rows of the planned tokens; a restored loader continues with the next ones."""
+    from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
+    from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data
+
+    out, tok = tok_shards
+    seq = 8192
+    assert pack_plan.main([str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
+    path = pack_plan.plan_path(out, seq)
+    build = lambda: build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, num_workers=2,  # noqa: E731
+                                          packing="plan", checkpoint_every_min_n_samples=1, checkpoint_every_sec=0)
+    loader = build()
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    state = loader.save_state_json()
+    rest = [next(it) for _ in range(2)]
+    del it
+    assert [row for b in first + rest for row in _shard_keys(b)] == _plan_rows(path, 0, 8)
+    plan = pq.read_table(path)
+    planned = np.bincount(plan.column("bin").to_numpy(), weights=plan.column("tokens").to_numpy())
+    assert sum(b.num_real_tokens for b in first + rest) == int(planned[:8].sum())  # the planned lengths
+    assert loader.stats.skipped == {}
+    resumed = build()
+    resumed.restore_state_json(state)
+    again = iter(resumed)
+    assert [next(again).sample_keys for _ in range(2)] == [b.sample_keys for b in rest]
+    # refusals: another sequence length, a stale plan, a blend
+    with pytest.raises(PlanError, match="mmdata pack-plan"):
+        plan_for_data(out, None, 4096)
+    with pytest.raises(PlanError, match="packs 8192 tokens"):
+        plan_for_data(out, path, 12288)
+    with pytest.raises(PlanError, match="one shard folder"):
+        plan_for_data([out, out], None, seq)
+    # a recipe asking for a plan that is not there stops before anything is built; evaluation packs online
+    from mmtrain.config import load_recipe
+    from mmtrain.runtime.evaluation import val_recipe
+    from mmtrain.runtime.preflight import _check_data
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml", [f"data.paths=[{out}]", "data.packing=plan",
+                                                                   "train.seq_length=4096", f"data.val_paths=[{out}]"])
+    problems: list[str] = []
+    _check_data(recipe, problems)
+    assert problems == [f"data.packing: plan: packing plan {out}/pack-plan-4096.parquet not found: run "
+                        f"`mmdata pack-plan {out} --seq-length 4096`"]
+    assert val_recipe(recipe).data.packing is True and val_recipe(recipe).data.packing_plan is None
+
+
+def test_plan_positions_cover_every_sequence_once_per_epoch(tok_shards):
+    """Ranks take sequences r, r + D, ...; epoch 1 visits the same sequences in another order."""
+    from megatron.energon import WorkerConfig
+
+    from mmdata.energon_loaders.plan_packing import PlanPackedDataset, load_plan, plan_for_data
+
+    out, tok = tok_shards
+    shards, path, info = plan_for_data(out, None, 8192)
+    plan = load_plan(path, info)
+    for dp in (1, 3):
+        epochs = {0: [], 1: []}
+        for rank in range(dp):
+            ds = PlanPackedDataset(shards, plan, None, micro_batch_size=2, seed=5,
+                                   worker_config=WorkerConfig(rank=rank, world_size=dp, num_workers=2))
+            n = ds.rank_sequences
+            for e in epochs:
+                epochs[e] += [ds.sequence_at(e * n + k) for k in range(n)]
+        assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(plan.num_sequences))
+        assert epochs[0] != epochs[1]

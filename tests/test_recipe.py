@@ -174,6 +174,12 @@ def test_other_cross_checks():
     # dry_run / auto_tune need no data
     assert load(overrides=["action=dry_run", "data.paths=[]"]).action == "dry_run"
     assert any("everything is frozen" in e for e in errors_of(overrides=["freeze=[vision_tower, projector, llm]"]))
+    # data.packing: true | false | plan; a plan file only with plan
+    assert load(overrides=["data.packing=plan"]).data.packing == "plan"
+    assert load(overrides=["data.packing=false"]).data.packing is False
+    assert any("data.packing: expected bool or one of 'plan'" in e for e in errors_of(overrides=["data.packing=plans"]))
+    assert any("data.packing_plan: is only read with data.packing: plan" in e
+               for e in errors_of(overrides=["data.packing_plan=/x/pack-plan-8192.parquet"]))
 
 
 def test_family_checks_run_on_its_sections():

@@ -131,7 +131,8 @@ def build_loader(
     dp_size: int = 1,
     num_workers: int = 2,
     seed: int = 0,
-    packing: bool = True,
+    packing: bool | str = True,
+    packing_plan: str | Path | None = None,
     packing_buffer_size: int | None = None,
     shuffle_buffer_size: int = 100,
     max_samples_per_sequence: int = 100,
@@ -143,21 +144,28 @@ def build_loader(
     epochs).
 
     `data`: a shard dir, a metadataset YAML (blend weights), or several shard dirs (equal
-    weights). With `packing`, energon buffers `packing_buffer_size` samples and asks the task
-    encoder which of them share a row.
+    weights). With `packing=True`, energon buffers `packing_buffer_size` samples and asks the task
+    encoder which of them share a row. With `packing="plan"`, rows follow the offline plan of
+    `mmdata pack-plan` (`packing_plan`, default `<data>/pack-plan-<seq_length>.parquet`; one shard
+    dir only): see `plan_packing`.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed)
-    dataset = get_train_dataset(
-        str(_resolve_data(data)),
-        worker_config=worker_config,
-        batch_size=micro_batch_size,
-        shuffle_buffer_size=shuffle_buffer_size,
-        max_samples_per_sequence=max_samples_per_sequence,
-        packing_buffer_size=(packing_buffer_size or DEFAULT_PACKING_BUFFER) if packing else None,
-        task_encoder=task_encoder,
-    )
+    if packing == "plan":
+        dataset = _plan_dataset(data, packing_plan, task_encoder, micro_batch_size, seed, worker_config)
+    elif packing not in (True, False):
+        raise ValueError(f"packing must be true, false or 'plan', got {packing!r}")
+    else:
+        dataset = get_train_dataset(
+            str(_resolve_data(data)),
+            worker_config=worker_config,
+            batch_size=micro_batch_size,
+            shuffle_buffer_size=shuffle_buffer_size,
+            max_samples_per_sequence=max_samples_per_sequence,
+            packing_buffer_size=(packing_buffer_size or DEFAULT_PACKING_BUFFER) if packing else None,
+            task_encoder=task_encoder,
+        )
     loader = get_savable_loader(
         dataset,
         checkpoint_every_sec=checkpoint_every_sec,
@@ -165,3 +173,14 @@ def build_loader(
         watchdog_timeout_seconds=watchdog_timeout_seconds,
     )
     return SavableLoader(loader, task_encoder)
+
+
+
+def _plan_dataset(data: str | Path | Sequence[str | Path], plan: str | Path | None, task_encoder: Any,
+                  micro_batch_size: int, seed: int, worker_config: WorkerConfig) -> Any:
+    """The dataset of `packing="plan"` (mmdata.energon_loaders.plan_packing)."""
+    from mmdata.energon_loaders.plan_packing import PlanPackedDataset, load_plan, plan_for_data
+
+    shards, path, info = plan_for_data(data, plan, task_encoder.seq_length)
+    return PlanPackedDataset(shards, load_plan(path, info), task_encoder, micro_batch_size=micro_batch_size, seed=seed,
+                             worker_config=worker_config)

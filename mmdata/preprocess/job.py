@@ -51,7 +51,7 @@ from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
-from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_length_index
+from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
 from mmdata.preprocess.quarantine import concat_parts
@@ -363,7 +363,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     work = _prepare_work_dir(out, fp, num_buckets, job)
     spec = JobSpec(cfg.dataset, cfg.seed, num_buckets, cfg.validation, str(work), cur.filters, cur.dedup_distance,
                    cur.dedup_scope, cur.mix.by if cur.mix else None,
-                   str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None, cfg.length_index)
+                   write_counting_tokenizer(cfg.tokenizer, work) if cfg.tokenizer else None, cfg.length_index)
     phases: dict[str, float] = {}
     t_phase = time.perf_counter()
 
@@ -552,7 +552,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,
                 "scanned_in_driver": scanner.scanned, "task_nodes": dict(sorted(task_nodes.items())),
-                "tokenizer": spec.tokenizer,
+                "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }
     with deferred_interrupt():  # the manifest says "finished": then the work folder goes

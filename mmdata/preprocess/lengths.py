@@ -1,10 +1,11 @@
 """The per-sample length index: how many LLM positions each written sample takes, so packing can
 be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
 
-- image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres`) on the
-  image sizes the validator read from the headers: a single image is anyres (base tile + grid,
-  anyres_max_9), each image of a multi-image sample one base tile, a video its sampled frames
-  (at most 32) pooled to 14 x 14 plus one newline;
+- image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres_math`,
+  torch-free, so the shard writers never import torch) on the image sizes the validator read
+  from the headers: a single image is anyres (base tile + grid, anyres_max_9), each image of a
+  multi-image sample one base tile, a video its sampled frames (at most 32) pooled to 14 x 14
+  plus one newline;
 - text tokens: with `--tokenizer DIR` exactly what the loader's `ChatTokenizer` makes of the
   conversation (Qwen2 chat template with the default system prompt, media placeholders not
   counted); without one, an estimate (`estimate_text_tokens`).
@@ -18,12 +19,16 @@ sample index; the shard key is `f"{index:010d}"`), `shard` (its shard's number),
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from mmdata.energon_loaders.llava_ov import anyres_math as anyres
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.preprocess.shard_writer import sha256_file
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
@@ -34,9 +39,8 @@ TURN_OVERHEAD = 5  # <|im_start|> role "\n" ... <|im_end|> "\n"
 SYSTEM_TOKENS = 6  # "You are a helpful assistant." in a Qwen2 vocabulary
 
 
-def _is_cjk(ch: str) -> bool:
-    o = ord(ch)
-    return 0x3400 <= o <= 0x9FFF or 0xF900 <= o <= 0xFAFF or 0x20000 <= o <= 0x2A6DF or 0x3000 <= o <= 0x303F
+#: CJK ideographs (+ extension A/B, compatibility) and CJK punctuation, counted in C by `re`
+_CJK = re.compile("[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\U00020000-\U0002a6df]")
 
 
 def estimate_text_tokens(conversations: list[dict]) -> int:
@@ -47,16 +51,13 @@ def estimate_text_tokens(conversations: list[dict]) -> int:
     total = 0 if conversations and conversations[0]["from"] == "system" else SYSTEM_TOKENS + TURN_OVERHEAD
     for turn in conversations:
         text = turn["value"].replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
-        cjk = sum(1 for ch in text if _is_cjk(ch))
+        cjk = len(_CJK.findall(text))
         total += TURN_OVERHEAD + math.ceil(cjk / CJK_CHARS_PER_TOKEN + (len(text) - cjk) / OTHER_CHARS_PER_TOKEN)
     return total
 
 
 def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     """(tokens per image, tokens per video) as the LLaVA-OV loader lays the media out."""
-    from mmdata.energon_loaders.llava_ov import anyres
-    from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-
     meta = record.get("meta") or {}
     sizes = meta.get("image_sizes") or []
     images = [anyres.image_layout(h, w, len(sizes) == 1)[1] for w, h, _ in sizes]
@@ -65,9 +66,58 @@ def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     return images, videos
 
 
+COUNTING_TOKENIZER_NAME = "counting-tokenizer.json"
+
+
+def write_counting_tokenizer(folder: str | Path, work: str | Path) -> str:
+    """Save the `--tokenizer` folder's tokenizer as the shard writers count with it; returns the
+    path to hand them. transformers imports torch on load (seconds per Ray worker), so the driver,
+    which loads it anyway to check it, writes its fast backend (exactly what the loader's
+    `encode_with_offsets` encodes with) and the ids `ChatTokenizer` reads into one JSON file that
+    the workers load with `tokenizers` alone. A tokenizer without a fast backend is counted from
+    its folder (with transformers)."""
+    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+    from mmdata.energon_loaders.tiny_tokenizer import IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    hf = load_local_tokenizer(folder, "--tokenizer")
+    if getattr(hf, "backend_tokenizer", None) is None:
+        return str(Path(folder).resolve())
+    chat = ChatTokenizer(hf)  # as the loader builds it (which may add tokens to `hf`): then save
+    ids = (chat.im_start_id, chat.im_end_id, chat.image_token_id, chat.video_token_id)
+    doc = {"backend": hf.backend_tokenizer.to_str(), "unk_token_id": hf.unk_token_id, "pad_token_id": hf.pad_token_id,
+           "token_ids": dict(zip((IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN), ids))}
+    out = Path(work) / COUNTING_TOKENIZER_NAME
+    out.write_text(json.dumps(doc, sort_keys=True))
+    return str(out)
+
+
+class _SavedTokenizer:
+    """A `write_counting_tokenizer` file with the attributes `ChatTokenizer` reads."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        doc = json.loads(Path(path).read_text())
+        self.backend_tokenizer = Tokenizer.from_str(doc["backend"])
+        self.unk_token_id, self.pad_token_id = doc["unk_token_id"], doc["pad_token_id"]
+        self._ids = doc["token_ids"]
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self._ids[token] if token in self._ids else self.backend_tokenizer.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+
 @lru_cache(maxsize=2)
 def _chat_tokenizer(path: str):
+    """The counting `ChatTokenizer` of a `write_counting_tokenizer` result (a file, torch-free) or
+    of a tokenizer folder (transformers)."""
     from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
+
+    if Path(path).is_file():
+        return ChatTokenizer(_SavedTokenizer(path))
     from mmdata.local_tokenizer import load_local_tokenizer
 
     return ChatTokenizer(load_local_tokenizer(path, "--tokenizer"))

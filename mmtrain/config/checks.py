@@ -54,6 +54,9 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
     for path, value in non_negative.items():
         if value < 0:
             errors.add(path, f"must be >= 0, got {value}")
+    if r.data.packing_plan is not None and r.data.packing != "plan":
+        errors.add(("data", "packing_plan"), f"is only read with data.packing: plan (got packing: {r.data.packing}); "
+                   "set data.packing=plan or drop data.packing_plan", [("data", "packing")])
     if t.eval_interval > 0 and not r.data.val_paths:
         errors.add(("data", "val_paths"), f"must list at least one shard dir or metadataset YAML when "
                    f"train.eval_interval={t.eval_interval} (> 0); set train.eval_interval=0 to skip evaluation",

@@ -34,7 +34,10 @@ class DataConfig:
 
     paths: list[str] = field(default_factory=list, metadata=PATH)  # shard dirs, or one energon metadataset YAML
     num_workers: int = 2
-    packing: bool = True
+    # true: online packing over a buffer; false: one sample per row; "plan": the offline plan of
+    # `mmdata pack-plan` (exact and reproducible; one shard dir; mmdata.energon_loaders.plan_packing)
+    packing: bool | Literal["plan"] = True
+    packing_plan: str | None = field(default=None, metadata=PATH)  # null: <paths[0]>/pack-plan-<seq_length>.parquet
     packing_buffer_size: int = 256  # = mmdata.energon_loaders.packing.DEFAULT_PACKING_BUFFER
     shuffle_buffer_size: int = 100
     # how DP ranks split the stream:

@@ -40,7 +40,7 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1):
     loader = build_emu3_loader(
         d.paths, recipe.tokenizer.path, seq_length=recipe.train.seq_length,
         micro_batch_size=recipe.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-        num_workers=d.num_workers, seed=recipe.seed, packing=d.packing,
+        num_workers=d.num_workers, seed=recipe.seed, packing=d.packing, packing_plan=d.packing_plan,
         packing_buffer_size=d.packing_buffer_size, shuffle_buffer_size=d.shuffle_buffer_size,
         encoder=dict(tasks=dict(d.tasks), p_uncond=d.p_uncond, uncond_prompt=d.uncond_prompt,
                      system_prompt=d.system_prompt),

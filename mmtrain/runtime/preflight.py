@@ -72,6 +72,13 @@ def _check_data(recipe: "Recipe", problems: list[str]) -> list[int]:
                 continue
             if key == "data.paths":
                 train_samples += found
+    if recipe.data.packing == "plan" and train_samples:
+        from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data
+
+        try:
+            plan_for_data(recipe.data.paths, recipe.data.packing_plan, recipe.train.seq_length)
+        except PlanError as err:
+            problems.append(f"data.packing: plan: {err}")
     return train_samples
 
 

@@ -62,10 +62,10 @@ def add_media_tokens(tokenizer: Any) -> list[str]:
     tokens after its vocabulary (as transformers' LLaVA-OneVision conversion does): published LLM
     tokenizers (Qwen2.5) and LLaVA-NeXT checkpoints have none. Deterministic: every process that
     loads the same tokenizer gets the same ids. Returns the tokens added."""
-    from transformers import AddedToken
-
     added = [t for t in (IMAGE_TOKEN, VIDEO_TOKEN) if token_id(tokenizer, t) is None]
     if added:
+        from transformers import AddedToken  # only here: a Ray worker counting lengths never imports torch
+
         tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
     return added
 

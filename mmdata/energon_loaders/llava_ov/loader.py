@@ -22,7 +22,8 @@ def build_llava_ov_loader(
     num_workers: int = 2,
     seed: int = 0,
     max_tiles: int = 9,
-    packing: bool = True,
+    packing: bool | str = True,
+    packing_plan: str | Path | None = None,
     packing_buffer_size: int | None = None,
     shuffle_buffer_size: int = 100,
     max_samples_per_sequence: int = 100,
@@ -38,7 +39,8 @@ def build_llava_ov_loader(
     """This DP rank's savable loader of `LlavaOVBatch` (infinite: energon repeats epochs).
 
     `data`: a shard dir, a metadataset YAML (blend weights), or several shard dirs (equal
-    weights). With `packing`, each row holds several samples up to `seq_length` tokens.
+    weights). With `packing`, each row holds several samples up to `seq_length` tokens;
+    `packing="plan"` packs them as `mmdata pack-plan` planned (`packing_plan`, see `build_loader`).
     """
     config = LlavaOVEncoderConfig(
         seq_length=seq_length,
@@ -58,6 +60,7 @@ def build_llava_ov_loader(
         num_workers=num_workers,
         seed=seed,
         packing=packing,
+        packing_plan=packing_plan,
         packing_buffer_size=packing_buffer_size,
         shuffle_buffer_size=shuffle_buffer_size,
         max_samples_per_sequence=max_samples_per_sequence,

@@ -1,0 +1,197 @@
+"""Packing that follows an offline plan (`mmdata pack-plan`, `data.packing: plan`): every row holds
+exactly one of the plan's sequences, so packing is reproducible and independent of buffer sizes.
+
+Contract (docs/preprocess.md, "Packing plan"): data-parallel rank `r` of `D` takes the plan's
+sequences `r, r + D, r + 2D, ...`; its micro-batch `j` is its sequences `[j*B, (j+1)*B)`, produced
+by loader worker `j mod W`, so batches come out of energon's savable loader (which takes one batch
+from each worker in turn) in plan order. Epoch 0 follows the plan's order; epoch `e > 0` visits
+the same sequences in the order of a permutation seeded with `(seed, e)`: sequences are
+reordered, never regrouped. A rank's stream runs on from one epoch into the next.
+
+Samples are read by global index with energon's random access (its tar index), encoded with the
+family's task encoder (skips counted as online) and packed with its hooks. A worker's whole
+state is the number of batches it has produced, saved and restored by energon's savable loader,
+so a resumed run continues exactly. A sample whose encoded length makes its sequence overflow
+(a plan made from estimated text lengths, or another tokenizer) is skipped and counted as
+`plan_overflow`; plan with the training tokenizer (`mmdata preprocess --tokenizer`) to avoid it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from megatron.energon import SkipSample, TaskEncoder, WorkerConfig
+from megatron.energon.dataset_config import get_dataset_from_config
+from megatron.energon.flavors.base_dataset import SavableDataset
+
+from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
+from mmdata.errors import UserError
+from mmdata.readiness import data_source_samples
+from mmdata.shard_format import MANIFEST_NAME
+
+PLAN_OVERFLOW = "plan_overflow"
+
+
+class PlanError(UserError):
+    """A plan that this data or loader cannot follow (missing, stale, other sequence length)."""
+
+
+@dataclass(frozen=True)
+class PlanSequences:
+    """A plan's sequences: sequence `b` is `indices[starts[b]:starts[b + 1]]` (global indices)."""
+
+    indices: np.ndarray  # global sample indices in plan order (int32 while they fit)
+    starts: np.ndarray  # int64, len = sequences + 1
+    info: dict
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.starts) - 1
+
+    def sequence(self, b: int) -> np.ndarray:
+        return self.indices[self.starts[b]:self.starts[b + 1]]
+
+
+def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None,
+                  seq_length: int) -> tuple[Path, Path, dict]:
+    """(shard dir, plan file, plan metadata) for `packing="plan"`, checked: one shard folder
+    written by `mmdata preprocess`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
+    made from its length index for `seq_length` tokens per sequence."""
+    from mmdata.preprocess.pack_plan import plan_path, read_plan_info
+
+    paths = [data] if isinstance(data, (str, Path)) else list(data)
+    if len(paths) != 1 or not Path(paths[0]).is_dir():
+        raise PlanError("packing 'plan' follows the plan of one shard folder written by `mmdata preprocess`; got "
+                        f"{', '.join(str(p) for p in paths) or 'none'} (pack blends online: packing true)")
+    shards = Path(paths[0])
+    data_source_samples(shards)  # a finished dataset only
+    path = Path(plan) if plan is not None else plan_path(shards, seq_length)
+    remedy = f"run `mmdata pack-plan {shards} --seq-length {seq_length}`"
+    if not path.is_file():
+        raise PlanError(f"packing plan {path} not found: {remedy}")
+    info = read_plan_info(path)
+    if info.get("seq_length") != seq_length:
+        raise PlanError(f"packing plan {path} packs {info.get('seq_length')} tokens per sequence, the loader "
+                        f"{seq_length}: {remedy}")
+    manifest = json.loads((shards / MANIFEST_NAME).read_text())
+    if info.get("lengths_sha256") != (manifest.get("length_index") or {}).get("sha256"):
+        raise PlanError(f"packing plan {path} was made from another length index than {shards}'s "
+                        f"(the shards were rewritten): {remedy}")
+    return shards, path, info
+
+
+def load_plan(path: Path, info: dict) -> PlanSequences:
+    """The sequences of a checked plan file (indices as int32 while they fit: 45M samples take
+    180 MB, shared by the loader's forked workers)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["bin", "index"])
+    indices = table.column("index").to_numpy()
+    indices = indices.astype(np.int32 if len(indices) and indices.max() < 2**31 else np.int64)
+    starts = np.searchsorted(table.column("bin").to_numpy(), np.arange(info["bins"] + 1)).astype(np.int64)
+    return PlanSequences(indices, starts, info)
+
+
+def _encode(task_encoder: TaskEncoder, sample: Any) -> Any:
+    """One sample through the family's encoding hooks, as energon's pipeline would call them."""
+    cls = type(task_encoder)
+    if cls.preencode_sample is not TaskEncoder.preencode_sample:
+        sample = task_encoder.preencode_sample(sample)
+        if cls.postencode_sample is not TaskEncoder.postencode_sample:
+            sample = task_encoder.postencode_sample(sample)
+        return sample
+    return task_encoder.encode_sample(sample)
+
+
+class PlanPackedDataset(SavableDataset):
+    """This worker's micro-batches of plan sequences (see the module docstring)."""
+
+    _savable_fields = ("_batches",)
+
+    def __init__(self, shards: Path, plan: PlanSequences, task_encoder: PackingTaskEncoder, *,
+                 micro_batch_size: int, seed: int, worker_config: WorkerConfig):
+        super().__init__(worker_config)
+        if plan.num_sequences < worker_config.world_size:
+            raise PlanError(f"the plan has {plan.num_sequences} sequences, fewer than the {worker_config.world_size} "
+                            "data-parallel ranks")
+        self.shards, self.plan, self.task_encoder = shards, plan, task_encoder
+        self.micro_batch_size, self.seed = micro_batch_size, seed
+        # sequences of this rank per epoch (rank r takes r, r + D, ...)
+        self.rank_sequences = len(range(worker_config.rank, plan.num_sequences, worker_config.world_size))
+        self._reader: Any = None
+        self._epoch_order: tuple[int, np.ndarray | None] = (0, None)
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self._batches = 0  # micro-batches this worker has produced
+
+    def worker_has_samples(self) -> bool:
+        return True
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        """Micro-batches per epoch of a worker (approximate: epochs run into each other)."""
+        workers = max(1, self.worker_config.num_workers)
+        return -(-self.rank_sequences // (self.micro_batch_size * workers))
+
+    def config(self) -> dict[str, Any]:
+        return {"type": type(self).__qualname__, "plan": self.plan.info, "micro_batch_size": self.micro_batch_size,
+                "seed": self.seed, "worker_config": self.worker_config.config()}
+
+    # -- plan positions --------------------------------------------------------------------------
+
+    def sequence_at(self, position: int) -> int:
+        """The plan sequence at `position` of this rank's endless stream."""
+        epoch, k = divmod(position, self.rank_sequences)
+        slot = self.worker_config.rank + k * self.worker_config.world_size
+        if epoch == 0:
+            return slot
+        if self._epoch_order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_order = (epoch, rng.permutation(self.plan.num_sequences))
+        return int(self._epoch_order[1][slot])
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _read(self, index: int) -> Any:
+        if self._reader is None:  # opened in the worker (file handles are not shared across forks)
+            factory = get_dataset_from_config(self.shards, dataset_config="dataset.yaml", split_config="split.yaml",
+                                              split_part="train", training=False, worker_config=self.worker_config,
+                                              decoder=self.task_encoder.decoder)
+            self._reader = factory.build()
+        sample = self._reader.restore_sample(("MapDataset", index, "Webdataset", int(index)))
+        if sample.__key__ != f"{index:010d}":
+            raise PlanError(f"sample {index} of {self.shards} has key {sample.__key__!r}: the plan does not "
+                            "describe these shards")
+        return sample
+
+    def _row(self, sequence: int) -> list[Any]:
+        """The encoded samples of one plan sequence (skips and overflow counted)."""
+        te, row, used = self.task_encoder, [], 0
+        for index in self.plan.sequence(sequence).tolist():
+            try:
+                encoded = _encode(te, self._read(index))
+            except SkipSample:  # counted by the encoder
+                continue
+            if used + len(encoded.input_ids) > te.seq_length:
+                te._skip(PLAN_OVERFLOW, str(getattr(encoded, "id", index)),
+                         f"{len(encoded.input_ids)} tokens do not fit the {te.seq_length - used} left in plan "
+                         f"sequence {sequence}")
+                continue
+            used += len(encoded.input_ids)
+            row.append(encoded)
+        return row
+
+    def __iter__(self) -> Iterator[Any]:
+        workers = max(1, self.worker_config.num_workers)
+        worker = self.worker_config.rank_worker_id() % workers
+        size = self.micro_batch_size
+        while True:
+            first = (self._batches * workers + worker) * size
+            rows = [r for r in (self._row(self.sequence_at(p)) for p in range(first, first + size)) if r]
+            self._batches += 1
+            if rows:
+                yield self.task_encoder.batch([self.task_encoder.pack_selected_samples(r) for r in rows])
