@@ -41,8 +41,15 @@ def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) 
 
 @pytest.fixture(autouse=True)
 def _no_leaked_patches():
-    """Undo the CPU adaptations a test applied (only if the module was ever imported)."""
+    """Undo the CPU adaptations a test applied (only if the module was ever imported), and the
+    environment variables it set: a leaked RANK/WORLD_SIZE/MASTER_ADDR (e.g. from code that maps
+    a SLURM allocation onto the worker env) would make every later training subprocess wait for
+    a rendezvous that never comes."""
+    environ = dict(os.environ)
     yield
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     cpu_compat = sys.modules.get("mmtrain.runtime.cpu_compat")
     if cpu_compat is not None:
         cpu_compat.revert()
