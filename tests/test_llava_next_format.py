@@ -358,3 +358,62 @@ def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, 
 
     kept = AutoTokenizer.from_pretrained(str(run / "checkpoints" / "hf_assets"))  # exported by mcore-to-hf
     assert kept.convert_tokens_to_ids(["<image>", "<video>"]) == [n, n + 1]
+
+
+def test_transformers_dir_ids_checked_against_its_own_tokenizer(fmt, tmp_path, capsys, caplog):
+    """A transformers-format dir pins `image_token_index`/`video_token_index` in its config: they
+    must be the ids its own tokenizer gives (media tokens added as the loader adds them); a
+    mismatch is one line naming both; a dir without a loadable tokenizer is imported and said."""
+    import shutil
+
+    from mmtrain.llava_ov.conversion import llava_source, source_tokens
+
+    n = fmt["n"]
+    good = tmp_path / "good"
+    shutil.copytree(fmt["hf"], good)
+    for f in fmt["tok"].iterdir():
+        shutil.copy2(f, good / f.name)
+    assert llava_source(good)[0].image_token_id == n
+    assert source_tokens(good).added == ["<image>", "<video>"]  # kept with the conversion, ids n / n+1
+
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {"image_token_index": 5}))
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(bad), "--dst", str(tmp_path / "o")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"image_token_index=5 but its tokenizer maps <image> to {n}" in last and "video_token_index" not in last
+    assert not (tmp_path / "o").exists()
+
+    stub = tmp_path / "stub"  # weights + a tokenizer_config.json that loads no tokenizer
+    shutil.copytree(fmt["hf"], stub)
+    (stub / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    with caplog.at_level(logging.WARNING):
+        assert llava_source(stub)[0].image_token_id == n
+    assert "cannot load its tokenizer" in caplog.text and f"({n} / {n + 1}) are not checked" in caplog.text
+
+
+def test_vocab_too_small_for_the_tokenizer_says_what_to_run(fmt, converted_next):
+    """A run whose tokenizer's media ids exceed model.llm.vocab_size is refused with the fix for
+    where it starts: the rows the checkpoint holds, or the conversion command that adds them."""
+    from transformers import AutoTokenizer
+
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import check_tokenizer
+
+    n, recipes = fmt["n"], Path(__file__).resolve().parents[1] / "recipes"
+
+    def problems(*overrides: str) -> str:
+        recipe = load_recipe(recipes / "llava-ov-tiny.yaml", overrides=[
+            f"tokenizer.path={fmt['tok']}", f"model.llm.vocab_size={n}", "model.image_token_id=null",
+            "model.video_token_id=null", *overrides], family="llava-ov")
+        (msg,) = check_tokenizer(recipe, AutoTokenizer.from_pretrained(str(fmt["tok"])))
+        assert msg.startswith(f"model.llm.vocab_size: {n} rows cannot hold") and f"needs {n + 2} rows" in msg
+        return msg
+
+    assert f"set model.llm.vocab_size={n + 2} for a fresh model" in problems()
+    assert "mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR" in problems()
+    # a LLaVA-NeXT dir loads with its 1000 rows (media rows added on the fly when needed)
+    assert "holds 1000 rows (media rows included): set model.llm.vocab_size=1000" in problems(
+        f"checkpoint.load={fmt['next']}")
+    assert "holds 1000 rows" in problems(f"checkpoint.load={converted_next}")  # its saved model config's

@@ -104,10 +104,47 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
                  recipe.tokenizer.path)
     m.image_token_id, m.video_token_id = image_id, video_id
     if max(image_id, video_id) >= m.llm.vocab_size:
-        return [f"model.llm.vocab_size: {m.llm.vocab_size} rows cannot hold the tokenizer's <image>/<video> ids "
-                f"{image_id}/{video_id}; start from weights converted with `mmtrain convert hf-to-mcore`, which "
-                "adds the rows (mean-initialised), and set model.llm.vocab_size to theirs"]
+        return [vocab_too_small(m.llm.vocab_size, max(image_id, video_id) + 1, len(tokenizer), recipe)]
     return []
+
+
+def vocab_too_small(rows: int, need_ids: int, tokenizer_len: int, recipe: Recipe) -> str:
+    """The refusal of a run whose tokenizer ids exceed the embedding rows, with what fixes it for
+    where the run starts from. Rows are not grown at training start from a megatron checkpoint:
+    the weights would silently differ from the checkpoint the recipe names; conversion (and an HF
+    `checkpoint.load`, converted on the fly) grows them, logged and reproducible, and the recipe
+    states the size it trains."""
+    need = max(need_ids, tokenizer_len)
+    load = recipe.checkpoint.load
+    head = (f"model.llm.vocab_size: {rows} rows cannot hold the tokenizer's <image>/<video> ids (the tokenizer at "
+            f"{recipe.tokenizer.path}, {tokenizer_len} tokens, needs {need} rows): ")
+    stage1 = ("`mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR --dst CKPT_DIR` (adds the "
+              f"rows, mean-initialised), then train with checkpoint.load=CKPT_DIR model.llm.vocab_size={need}")
+    if load is None:
+        return head + f"set model.llm.vocab_size={need} for a fresh model, or start from a Qwen2 LLM + SigLIP with {stage1}"
+    have = _start_rows(load)
+    if have is not None and have >= need:
+        return head + f"checkpoint.load {load} holds {have} rows (media rows included): set model.llm.vocab_size={have}"
+    own = load if (Path(load) / "config.json").is_file() else Path(load) / "hf_assets"
+    return head + (f"checkpoint.load {load} was made for another tokenizer: train with its own (tokenizer.path={own}), "
+                   f"or for a stage-1 start from an LLM whose tokenizer lacks the media tokens use {stage1}")
+
+
+def _start_rows(load: str) -> int | None:
+    """The embedding rows `checkpoint.load` gives: an HF dir's as loaded (media rows added for a
+    LLaVA-NeXT checkpoint), a megatron checkpoint's saved model config's."""
+    from mmtrain.models.state_dict_adapter import ConversionError
+
+    try:
+        if (Path(load) / "config.json").is_file():
+            from mmtrain.llava_ov.conversion import llava_source
+
+            return llava_source(load)[0].llm.vocab_size
+        from mmtrain.runtime.checkpoint.weights import load_model_config_dict
+
+        return int(load_model_config_dict(load)["llm"]["vocab_size"])
+    except (ConversionError, OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def prepare_tokenizer(tokenizer: Any) -> list[str]:
