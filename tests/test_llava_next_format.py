@@ -152,6 +152,7 @@ def test_both_formats_import_to_identical_logits_ids_from_the_tokenizer(fmt, con
     assert cfg == saved_model_config(ck_hf)
     tok = AutoTokenizer.from_pretrained(str(converted_next / "hf_assets"))  # the resolved tokenizer is kept
     assert tok.convert_tokens_to_ids(["<image>", "<video>"]) == [fmt["n"], fmt["n"] + 1]
+    assert (tok.model_max_length, tok.padding_side) == (32768, "right")  # its config's tokenizer_* keys
     a, b = load_llava_ov(converted_next), load_llava_ov(ck_hf)
     for i in range(2):
         assert torch.equal(_logits(a, fmt, i), _logits(b, fmt, i))

@@ -22,6 +22,7 @@ from mmtrain.llava_ov.llava_next import (
     LLAVA_NEXT,
     TRANSFORMERS,
     LlavaNextStateDictAdapter,
+    apply_tokenizer_settings,
     detect_format,
     llava_next_config,
     llava_next_hf_config,
@@ -122,11 +123,13 @@ def llava_next_source(hf_dir: str | os.PathLike, hf: Optional[dict] = None):
 
 def source_tokens(hf_dir: str | os.PathLike) -> Optional[MediaTokens]:
     """The resolved tokenizer to keep with a conversion: a LLaVA-NeXT source's (its media ids come
-    from it), or a transformers source's when media tokens had to be added to it (else its own
+    from it; its config's tokenizer_* settings applied), or a transformers source's when media tokens had to be added to it (else its own
     files are kept as they are)."""
     hf = read_config(hf_dir)
     if detect_format(hf) == LLAVA_NEXT:
-        return resolve_media_tokens(hf_dir)
+        tokens = resolve_media_tokens(hf_dir)
+        apply_tokenizer_settings(tokens.tokenizer, hf, f"{hf_dir}/config.json")
+        return tokens
     cfg = llava_config_from_hf(hf)
     tokens = check_config_media_ids(hf_dir, cfg.image_token_id, cfg.video_token_id)
     return tokens if tokens is not None and tokens.added else None
