@@ -394,9 +394,10 @@ def test_transformers_dir_ids_checked_against_its_own_tokenizer(fmt, tmp_path, c
     assert "cannot load its tokenizer" in caplog.text and f"({n} / {n + 1}) are not checked" in caplog.text
 
 
-def test_vocab_too_small_for_the_tokenizer_says_what_to_run(fmt, converted_next):
-    """A run whose tokenizer's media ids exceed model.llm.vocab_size is refused with the fix for
-    where it starts: the rows the checkpoint holds, or the conversion command that adds them."""
+def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next):
+    """Before a run starts: a pinned media id the tokenizer does not give is named with both
+    values; rows too few for the tokenizer's media ids are refused with the fix for where the run
+    starts (the rows the checkpoint holds, or the conversion command that adds them)."""
     from transformers import AutoTokenizer
 
     from mmtrain.config import load_recipe
@@ -404,17 +405,24 @@ def test_vocab_too_small_for_the_tokenizer_says_what_to_run(fmt, converted_next)
 
     n, recipes = fmt["n"], Path(__file__).resolve().parents[1] / "recipes"
 
-    def problems(*overrides: str) -> str:
+    def problems(*overrides: str) -> list[str]:
         recipe = load_recipe(recipes / "llava-ov-tiny.yaml", overrides=[
-            f"tokenizer.path={fmt['tok']}", f"model.llm.vocab_size={n}", "model.image_token_id=null",
-            "model.video_token_id=null", *overrides], family="llava-ov")
-        (msg,) = check_tokenizer(recipe, AutoTokenizer.from_pretrained(str(fmt["tok"])))
+            f"tokenizer.path={fmt['tok']}", "model.image_token_id=null", "model.video_token_id=null", *overrides],
+            family="llava-ov")
+        return check_tokenizer(recipe, AutoTokenizer.from_pretrained(str(fmt["tok"])))
+
+    assert problems() == []  # null ids: the tokenizer's (media tokens added), inside the rows
+    (pinned,) = problems(f"model.video_token_id={n + 1}", "model.image_token_id=5")
+    assert pinned.startswith("model.image_token_id: 5, but the tokenizer at") and f"maps <image> to {n}" in pinned
+
+    def too_small(*overrides: str) -> str:
+        (msg,) = problems(f"model.llm.vocab_size={n}", *overrides)
         assert msg.startswith(f"model.llm.vocab_size: {n} rows cannot hold") and f"needs {n + 2} rows" in msg
         return msg
 
-    assert f"set model.llm.vocab_size={n + 2} for a fresh model" in problems()
-    assert "mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR" in problems()
+    assert f"set model.llm.vocab_size={n + 2} for a fresh model" in too_small()
+    assert "mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR" in too_small()
     # a LLaVA-NeXT dir loads with its 1000 rows (media rows added on the fly when needed)
-    assert "holds 1000 rows (media rows included): set model.llm.vocab_size=1000" in problems(
+    assert "holds 1000 rows (media rows included): set model.llm.vocab_size=1000" in too_small(
         f"checkpoint.load={fmt['next']}")
-    assert "holds 1000 rows" in problems(f"checkpoint.load={converted_next}")  # its saved model config's
+    assert "holds 1000 rows" in too_small(f"checkpoint.load={converted_next}")  # its saved model config's
