@@ -123,8 +123,8 @@ def llava_next_source(hf_dir: str | os.PathLike, hf: Optional[dict] = None):
 
 def source_tokens(hf_dir: str | os.PathLike) -> Optional[MediaTokens]:
     """The resolved tokenizer to keep with a conversion: a LLaVA-NeXT source's (its media ids come
-    from it; its config's tokenizer_* settings applied), or a transformers source's when media tokens had to be added to it (else its own
-    files are kept as they are)."""
+    from it; its config's tokenizer_* settings applied), or a transformers source's when media
+    tokens had to be added to it (else its own files are kept as they are)."""
     hf = read_config(hf_dir)
     if detect_format(hf) == LLAVA_NEXT:
         tokens = resolve_media_tokens(hf_dir)

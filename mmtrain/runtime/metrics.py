@@ -240,10 +240,10 @@ def run(args: argparse.Namespace) -> int:
     loss = _as_float(record.get("loss"))
     print(f"step {record['step']}: loss {'-' if loss is None else f'{loss:.4f}'}" + (f" ({extras})" if extras else ""))
     if not ranked:
-        print("  no sample ids were logged for this step")
+        print("  no sample keys were logged for this step")
         return 0
     if all(loss is None for _, loss in ranked):
-        print("  no per-sample losses logged; sample ids of the step:")
+        print("  no per-sample losses logged; sample keys of the step:")
     width = max(len(i) for i, _ in ranked)
     print(f"  {'rank':>4}  {'sample_key':<{width}}  loss")
     for n, (sid, loss) in enumerate(ranked, 1):
