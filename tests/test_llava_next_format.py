@@ -394,12 +394,16 @@ def test_transformers_dir_ids_checked_against_its_own_tokenizer(fmt, tmp_path, c
     assert "cannot load its tokenizer" in caplog.text and f"({n} / {n + 1}) are not checked" in caplog.text
 
 
-def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next):
-    """Before a run starts: a pinned media id the tokenizer does not give is named with both
-    values; rows too few for the tokenizer's media ids are refused with the fix for where the run
-    starts (the rows the checkpoint holds, or the conversion command that adds them)."""
+def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, tmp_path):
+    """Before a run starts: a pinned media id the tokenizer does not give, or an HF
+    `checkpoint.load` whose ids differ from the tokenizer's, is named with both values; rows too
+    few for the tokenizer's media ids are refused with the fix for where the run starts (the rows
+    the checkpoint holds, or the conversion command that adds them)."""
+    import shutil
+
     from transformers import AutoTokenizer
 
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import check_tokenizer
 
@@ -409,7 +413,7 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next):
         recipe = load_recipe(recipes / "llava-ov-tiny.yaml", overrides=[
             f"tokenizer.path={fmt['tok']}", "model.image_token_id=null", "model.video_token_id=null", *overrides],
             family="llava-ov")
-        return check_tokenizer(recipe, AutoTokenizer.from_pretrained(str(fmt["tok"])))
+        return check_tokenizer(recipe, AutoTokenizer.from_pretrained(recipe.tokenizer.path))
 
     assert problems() == []  # null ids: the tokenizer's (media tokens added), inside the rows
     (pinned,) = problems(f"model.video_token_id={n + 1}", "model.image_token_id=5")
@@ -426,3 +430,16 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next):
     assert "holds 1000 rows (media rows included): set model.llm.vocab_size=1000" in too_small(
         f"checkpoint.load={fmt['next']}")
     assert "holds 1000 rows" in too_small(f"checkpoint.load={converted_next}")  # its saved model config's
+
+    with_media = build_tiny_qwen2_tokenizer(tmp_path / "tok", vocab_size=512)  # <image>/<video> below n / n+1
+    ids = AutoTokenizer.from_pretrained(str(with_media)).convert_tokens_to_ids(["<image>", "<video>"])
+    (other,) = problems(f"checkpoint.load={fmt['hf']}", f"tokenizer.path={with_media}")
+    assert other.startswith(f"checkpoint.load: {fmt['hf']} has <image>/<video> at ids {n}/{n + 1}, the tokenizer")
+    assert f"at {ids[0]}/{ids[1]}" in other
+    bad = tmp_path / "bad"  # a transformers dir whose config and tokenizer disagree: refused before any rank starts
+    shutil.copytree(fmt["hf"], bad)
+    for f in fmt["tok"].iterdir():
+        shutil.copy2(f, bad / f.name)
+    (bad / "config.json").write_text(json.dumps(json.loads((bad / "config.json").read_text()) | {"image_token_index": 5}))
+    (refused,) = problems(f"checkpoint.load={bad}")
+    assert refused.startswith("checkpoint.load: ") and f"image_token_index=5 but its tokenizer maps <image> to {n}" in refused
