@@ -152,6 +152,7 @@ def test_both_formats_import_to_identical_logits_ids_from_the_tokenizer(fmt, con
     assert cfg == saved_model_config(ck_hf)
     tok = AutoTokenizer.from_pretrained(str(converted_next / "hf_assets"))  # the resolved tokenizer is kept
     assert tok.convert_tokens_to_ids(["<image>", "<video>"]) == [fmt["n"], fmt["n"] + 1]
+    assert (tok.model_max_length, tok.padding_side) == (32768, "right")  # its config's tokenizer_* keys
     a, b = load_llava_ov(converted_next), load_llava_ov(ck_hf)
     for i in range(2):
         assert torch.equal(_logits(a, fmt, i), _logits(b, fmt, i))
@@ -358,3 +359,87 @@ def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, 
 
     kept = AutoTokenizer.from_pretrained(str(run / "checkpoints" / "hf_assets"))  # exported by mcore-to-hf
     assert kept.convert_tokens_to_ids(["<image>", "<video>"]) == [n, n + 1]
+
+
+def test_transformers_dir_ids_checked_against_its_own_tokenizer(fmt, tmp_path, capsys, caplog):
+    """A transformers-format dir pins `image_token_index`/`video_token_index` in its config: they
+    must be the ids its own tokenizer gives (media tokens added as the loader adds them); a
+    mismatch is one line naming both; a dir without a loadable tokenizer is imported and said."""
+    import shutil
+
+    from mmtrain.llava_ov.conversion import llava_source, source_tokens
+
+    n = fmt["n"]
+    good = tmp_path / "good"
+    shutil.copytree(fmt["hf"], good)
+    for f in fmt["tok"].iterdir():
+        shutil.copy2(f, good / f.name)
+    assert llava_source(good)[0].image_token_id == n
+    assert source_tokens(good).added == ["<image>", "<video>"]  # kept with the conversion, ids n / n+1
+
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {"image_token_index": 5}))
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(bad), "--dst", str(tmp_path / "o")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"image_token_index=5 but its tokenizer maps <image> to {n}" in last and "video_token_index" not in last
+    assert not (tmp_path / "o").exists()
+
+    stub = tmp_path / "stub"  # weights + a tokenizer_config.json that loads no tokenizer
+    shutil.copytree(fmt["hf"], stub)
+    (stub / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    with caplog.at_level(logging.WARNING):
+        assert llava_source(stub)[0].image_token_id == n
+    assert "cannot load its tokenizer" in caplog.text and f"({n} / {n + 1}) are not checked" in caplog.text
+
+
+def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, tmp_path):
+    """Before a run starts: a pinned media id the tokenizer does not give, or an HF
+    `checkpoint.load` whose ids differ from the tokenizer's, is named with both values; rows too
+    few for the tokenizer's media ids are refused with the fix for where the run starts (the rows
+    the checkpoint holds, or the conversion command that adds them)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import check_tokenizer
+
+    n, recipes = fmt["n"], Path(__file__).resolve().parents[1] / "recipes"
+
+    def problems(*overrides: str) -> list[str]:
+        recipe = load_recipe(recipes / "llava-ov-tiny.yaml", overrides=[
+            f"tokenizer.path={fmt['tok']}", "model.image_token_id=null", "model.video_token_id=null", *overrides],
+            family="llava-ov")
+        return check_tokenizer(recipe, AutoTokenizer.from_pretrained(recipe.tokenizer.path))
+
+    assert problems() == []  # null ids: the tokenizer's (media tokens added), inside the rows
+    (pinned,) = problems(f"model.video_token_id={n + 1}", "model.image_token_id=5")
+    assert pinned.startswith("model.image_token_id: 5, but the tokenizer at") and f"maps <image> to {n}" in pinned
+
+    def too_small(*overrides: str) -> str:
+        (msg,) = problems(f"model.llm.vocab_size={n}", *overrides)
+        assert msg.startswith(f"model.llm.vocab_size: {n} rows cannot hold") and f"needs {n + 2} rows" in msg
+        return msg
+
+    assert f"set model.llm.vocab_size={n + 2} for a fresh model" in too_small()
+    assert "mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR" in too_small()
+    # a LLaVA-NeXT dir loads with its 1000 rows (media rows added on the fly when needed)
+    assert "holds 1000 rows (media rows included): set model.llm.vocab_size=1000" in too_small(
+        f"checkpoint.load={fmt['next']}")
+    assert "holds 1000 rows" in too_small(f"checkpoint.load={converted_next}")  # its saved model config's
+
+    with_media = build_tiny_qwen2_tokenizer(tmp_path / "tok", vocab_size=512)  # <image>/<video> below n / n+1
+    ids = AutoTokenizer.from_pretrained(str(with_media)).convert_tokens_to_ids(["<image>", "<video>"])
+    (other,) = problems(f"checkpoint.load={fmt['hf']}", f"tokenizer.path={with_media}")
+    assert other.startswith(f"checkpoint.load: {fmt['hf']} has <image>/<video> at ids {n}/{n + 1}, the tokenizer")
+    assert f"at {ids[0]}/{ids[1]}" in other
+    bad = tmp_path / "bad"  # a transformers dir whose config and tokenizer disagree: refused before any rank starts
+    shutil.copytree(fmt["hf"], bad)
+    for f in fmt["tok"].iterdir():
+        shutil.copy2(f, bad / f.name)
+    (bad / "config.json").write_text(json.dumps(json.loads((bad / "config.json").read_text()) | {"image_token_index": 5}))
+    (refused,) = problems(f"checkpoint.load={bad}")
+    assert refused.startswith("checkpoint.load: ") and f"image_token_index=5 but its tokenizer maps <image> to {n}" in refused

@@ -74,6 +74,7 @@ def test_worst_samples_cli(tmp_path, capsys):
     assert mmtrain_main(["worst-samples", str(tmp_path), "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("step 2: loss 5.0000")  # rounded
+    assert out.splitlines()[1].split() == ["rank", "sample_key", "loss"]  # DATASET#SHARD_KEY, as mmdata inspect --key takes
     rows = [line.split() for line in out.splitlines()[2:]]
     assert rows == [["1", "s-3", "7.5000"], ["2", "s-5", "4.0000"]]
     assert mmtrain_main(["worst-samples", str(tmp_path / "metrics.jsonl"), "--step", "3"]) == 0

@@ -22,11 +22,18 @@ from mmtrain.llava_ov.llava_next import (
     LLAVA_NEXT,
     TRANSFORMERS,
     LlavaNextStateDictAdapter,
+    apply_tokenizer_settings,
     detect_format,
     llava_next_config,
     llava_next_hf_config,
 )
-from mmtrain.llava_ov.media_tokens import MediaTokens, grow_rows, resolve_media_tokens, vocab_rows_for
+from mmtrain.llava_ov.media_tokens import (
+    MediaTokens,
+    check_config_media_ids,
+    grow_rows,
+    resolve_media_tokens,
+    vocab_rows_for,
+)
 from mmtrain.llava_ov.state_dict_adapter import (
     LlavaOVStateDictAdapter,
     SiglipStateDictAdapter,
@@ -78,6 +85,7 @@ def llava_source(hf_dir: str | os.PathLike) -> tuple[LlavaOVModelConfig, Callabl
     if detect_format(hf, f"{hf_dir}/config.json") == LLAVA_NEXT:
         return llava_next_source(hf_dir, hf)
     cfg = llava_config_from_hf(hf)
+    check_config_media_ids(hf_dir, cfg.image_token_id, cfg.video_token_id)
     adapter = LlavaOVStateDictAdapter(cfg)
     reader = SafetensorsReader(hf_dir, adapter.normalize_hf_key)
     adapter.check_hf_keys(reader.keys())
@@ -114,10 +122,17 @@ def llava_next_source(hf_dir: str | os.PathLike, hf: Optional[dict] = None):
 
 
 def source_tokens(hf_dir: str | os.PathLike) -> Optional[MediaTokens]:
-    """The resolved tokenizer of a source whose media ids come from it (LLaVA-NeXT format)."""
-    if detect_format(read_config(hf_dir)) == LLAVA_NEXT:
-        return resolve_media_tokens(hf_dir)
-    return None
+    """The resolved tokenizer to keep with a conversion: a LLaVA-NeXT source's (its media ids come
+    from it; its config's tokenizer_* settings applied), or a transformers source's when media
+    tokens had to be added to it (else its own files are kept as they are)."""
+    hf = read_config(hf_dir)
+    if detect_format(hf) == LLAVA_NEXT:
+        tokens = resolve_media_tokens(hf_dir)
+        apply_tokenizer_settings(tokens.tokenizer, hf, f"{hf_dir}/config.json")
+        return tokens
+    cfg = llava_config_from_hf(hf)
+    tokens = check_config_media_ids(hf_dir, cfg.image_token_id, cfg.video_token_id)
+    return tokens if tokens is not None and tokens.added else None
 
 
 def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, base: Optional[LlavaOVModelConfig] = None,

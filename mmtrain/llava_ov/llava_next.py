@@ -19,7 +19,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
 from mmtrain.llava_ov.state_dict_adapter import SiglipAdapter, vision_config_from_hf
@@ -152,6 +152,21 @@ def llava_next_config(hf: dict, hf_dir: Path, keys: set[str], image_token_id: in
                              video_token_id=video_token_id, max_tiles=int(m.group(1)), grid_max=grid_max)
     cfg.projector.bias = True  # nn.Linear's default, always on in LLaVA-NeXT
     return cfg, stored
+
+
+def apply_tokenizer_settings(tokenizer: Any, hf: dict, where: str = "config.json") -> None:
+    """LLaVA-NeXT keeps its tokenizer's training settings in config.json (its train.py sets them
+    on the tokenizer at load): `tokenizer_model_max_length` and `tokenizer_padding_side` go onto
+    the resolved tokenizer, so the one kept with the conversion behaves as the source's did."""
+    settings = {"model_max_length": hf.get("tokenizer_model_max_length"), "padding_side": hf.get("tokenizer_padding_side")}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if settings.get("padding_side") not in (None, "left", "right"):
+        raise ConversionError(f"{where}: tokenizer_padding_side={settings['padding_side']!r}: expected left or right")
+    for key, value in settings.items():
+        setattr(tokenizer, key, int(value) if key == "model_max_length" else value)
+    if settings:
+        log.info("%s: tokenizer %s (from its tokenizer_* keys)", where,
+                 ", ".join(f"{k}={v!r}" for k, v in settings.items()))
 
 
 # ----------------------------------------------------------------------------- config out

@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -42,26 +42,55 @@ def has_tokenizer(path: str | os.PathLike) -> bool:
 def resolve_media_tokens(tokenizer_dir: str | os.PathLike) -> MediaTokens:
     """Load the tokenizer at `tokenizer_dir` and make sure it has `<image>` and `<video>` (added
     as special tokens, unnormalised, when missing)."""
-    from transformers import AutoTokenizer
-
     if not has_tokenizer(tokenizer_dir):
         raise ConversionError(f"{tokenizer_dir}: no tokenizer ({' / '.join(_TOKENIZER_FILES)}); the <image>/<video> "
                               "token ids are read from it")
+    return _with_media_tokens(_load_tokenizer(tokenizer_dir), tokenizer_dir)
+
+
+def _load_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # it warns that a LLaVA-NeXT config.json is no transformers model type
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     except Exception as exc:  # a broken tokenizer dir: say which and why, in one line
         raise ConversionError(f"{tokenizer_dir}: cannot load its tokenizer: {type(exc).__name__}: {exc}") from None
     finally:
         hf_logging.set_verbosity(level)
+
+
+def _with_media_tokens(tok: Any, tokenizer_dir: str | os.PathLike) -> MediaTokens:
     added = add_media_tokens(tok)
     if added:
         log.info("tokenizer at %s had no %s: added as special token(s) with id(s) %s", tokenizer_dir,
                  " / ".join(added), [token_id(tok, t) for t in added])
     return MediaTokens(tok, token_id(tok, IMAGE_TOKEN), token_id(tok, VIDEO_TOKEN), added)
+
+
+def check_config_media_ids(hf_dir: str | os.PathLike, image_id: int, video_id: int) -> Optional[MediaTokens]:
+    """A checkpoint whose config pins the media ids (transformers' `image_token_index` /
+    `video_token_index`) must agree with the tokenizer shipped beside it, as the loader will
+    resolve it (media tokens added when missing): otherwise image features land on the wrong
+    tokens. Returns that resolved tokenizer, or None when the dir has none that loads (weights-only
+    copies, stub tokenizer configs): then the run's own tokenizer is checked at training time."""
+    if not has_tokenizer(hf_dir):
+        return None
+    try:
+        tokens = _with_media_tokens(_load_tokenizer(hf_dir), hf_dir)
+    except ConversionError as exc:
+        log.warning("%s; its config's media token ids (%d / %d) are not checked against it", exc, image_id, video_id)
+        return None
+    wrong = [f"{key}={want} but its tokenizer maps {tok} to {got}"
+             for key, want, tok, got in (("image_token_index", image_id, IMAGE_TOKEN, tokens.image_token_id),
+                                         ("video_token_index", video_id, VIDEO_TOKEN, tokens.video_token_id))
+             if want != got]
+    if wrong:
+        raise ConversionError(f"{hf_dir}/config.json: " + "; ".join(wrong) + " (config and tokenizer are from "
+                              "different models: put the model's own tokenizer beside it)")
+    return tokens
 
 
 def vocab_rows_for(tokens: MediaTokens, rows: int) -> int:

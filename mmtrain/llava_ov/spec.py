@@ -83,11 +83,13 @@ def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, t
 def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     """Before training (FamilySpec.check_tokenizer): the tokenizer's `<image>`/`<video>` ids, added
     as the loader adds them when the tokenizer lacks them, fill the recipe's null ids (logged) and
-    must equal pinned ones; the LLM's vocabulary rows must hold them."""
+    must equal pinned ones, and an HF `checkpoint.load`'s ids (it is validated here, before any
+    rank starts); the LLM's vocabulary rows must hold them."""
     import logging
 
     from mmdata.energon_loaders.llava_ov.chat_template import token_id
     from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
+    from mmtrain.models.state_dict_adapter import ConversionError
 
     m: LlavaOVModelConfig = recipe.model
     added = prepare_tokenizer(tokenizer)
@@ -103,11 +105,69 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
         log.info("model.image_token_id=%d, model.video_token_id=%d: from the tokenizer at %s", image_id, video_id,
                  recipe.tokenizer.path)
     m.image_token_id, m.video_token_id = image_id, video_id
+    load = recipe.checkpoint.load
+    try:
+        hf_start = _hf_start(load)
+    except ConversionError as err:
+        return [f"checkpoint.load: {err}"]
+    if hf_start is not None and (hf_start.image_token_id, hf_start.video_token_id) != (image_id, video_id):
+        return [f"checkpoint.load: {load} has <image>/<video> at ids {hf_start.image_token_id}/{hf_start.video_token_id}, "
+                f"the tokenizer at {recipe.tokenizer.path} at {image_id}/{video_id} (train with the checkpoint's own "
+                f"tokenizer: tokenizer.path={load})"]
     if max(image_id, video_id) >= m.llm.vocab_size:
-        return [f"model.llm.vocab_size: {m.llm.vocab_size} rows cannot hold the tokenizer's <image>/<video> ids "
-                f"{image_id}/{video_id}; start from weights converted with `mmtrain convert hf-to-mcore`, which "
-                "adds the rows (mean-initialised), and set model.llm.vocab_size to theirs"]
+        have = hf_start.llm.vocab_size if hf_start is not None else _saved_rows(load)
+        return [vocab_too_small(m.llm.vocab_size, max(image_id, video_id) + 1, len(tokenizer), recipe, have)]
     return []
+
+
+def vocab_too_small(rows: int, need_ids: int, tokenizer_len: int, recipe: Recipe, have: int | None) -> str:
+    """The refusal of a run whose tokenizer ids exceed the embedding rows, with what fixes it for
+    where the run starts from (`have`: the rows `checkpoint.load` gives, when known). Rows are not
+    grown at training start from a megatron checkpoint: the weights would silently differ from the
+    checkpoint the recipe names; conversion (and an HF `checkpoint.load`, converted on the fly)
+    grows them, logged and reproducible, and the recipe states the size it trains."""
+    need = max(need_ids, tokenizer_len)
+    load = recipe.checkpoint.load
+    head = (f"model.llm.vocab_size: {rows} rows cannot hold the tokenizer's <image>/<video> ids (the tokenizer at "
+            f"{recipe.tokenizer.path}, {tokenizer_len} tokens, needs {need} rows): ")
+    stage1 = ("`mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR --dst CKPT_DIR` (adds the "
+              f"rows, mean-initialised), then train with checkpoint.load=CKPT_DIR model.llm.vocab_size={need}")
+    if load is None:
+        return head + f"set model.llm.vocab_size={need} for a fresh model, or start from a Qwen2 LLM + SigLIP with {stage1}"
+    if have is not None and have >= need:
+        return head + f"checkpoint.load {load} holds {have} rows (media rows included): set model.llm.vocab_size={have}"
+    own = load if (Path(load) / "config.json").is_file() else Path(load) / "hf_assets"
+    return head + (f"checkpoint.load {load} was made for another tokenizer: train with its own (tokenizer.path={own}), "
+                   f"or for a stage-1 start from an LLM whose tokenizer lacks the media tokens use {stage1}")
+
+
+def _hf_start(load: str | None) -> LlavaOVModelConfig | None:
+    """The model config of an HF `checkpoint.load` as it will be loaded (media rows added for a
+    LLaVA-NeXT checkpoint; its tensors and config keys validated): refused here, before any rank
+    starts. None for no or a megatron starting point (preflight checks those)."""
+    from mmtrain.runtime.checkpoint.layout import resolve_checkpoint
+
+    try:
+        kind, point = resolve_checkpoint(load) if load else (None, None)
+    except FileNotFoundError:
+        return None  # reported by preflight's starting-point check
+    if kind != "hf":
+        return None
+    from mmtrain.llava_ov.conversion import llava_source
+
+    return llava_source(point)[0]
+
+
+def _saved_rows(load: str | None) -> int | None:
+    """The embedding rows of a megatron `checkpoint.load`, from its saved model config."""
+    from mmtrain.runtime.checkpoint.layout import iteration_of, resolve_checkpoint
+    from mmtrain.runtime.checkpoint.weights import load_model_config_dict
+
+    try:
+        _, point = resolve_checkpoint(load)
+        return int(load_model_config_dict(point.parent, iteration_of(point))["llm"]["vocab_size"])
+    except (FileNotFoundError, OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def prepare_tokenizer(tokenizer: Any) -> list[str]:

@@ -169,7 +169,7 @@ def _summary_writer(log_dir: Path) -> Any:
 
 
 def worst_samples(records: Iterable[dict], step: int | None = None, top: int = 10) -> tuple[dict, list[tuple[str, float | None]]]:
-    """(record of the step, [(sample_id, loss)] highest loss first). Default step: highest loss."""
+    """(record of the step, [(sample_key, loss)] highest loss first). Default step: highest loss."""
     records = list(records)
     if not records:
         raise LookupError("no metrics records")
@@ -210,12 +210,13 @@ def _badness(item: tuple[str, float | None]) -> tuple[int, float]:
 
 WORST_SAMPLES_HELP = """Trace a loss spike to its data: the samples of one training step ranked by their own
 loss (highest first; NaN first of all), read from RUN_DIR/metrics.jsonl, where every step records
-its sample ids and per-sample losses.
+its samples' keys (field `sample_ids`) and per-sample losses.
 
   mmtrain worst-samples RUN_DIR [--step N] [--top K]
 
-Without --step, the step with the highest loss. The ids are the shard keys (look a sample up with
-`mmdata preview SHARDS --key ID`).
+Without --step, the step with the highest loss. A sample key is DATASET#SHARD_KEY, unique across
+shards and blended datasets (a record id repeats across sources); show the sample, its images,
+conversation and loss spans, with `mmdata inspect DATASET --key KEY`.
 """
 
 
@@ -239,12 +240,12 @@ def run(args: argparse.Namespace) -> int:
     loss = _as_float(record.get("loss"))
     print(f"step {record['step']}: loss {'-' if loss is None else f'{loss:.4f}'}" + (f" ({extras})" if extras else ""))
     if not ranked:
-        print("  no sample ids were logged for this step")
+        print("  no sample keys were logged for this step")
         return 0
     if all(loss is None for _, loss in ranked):
-        print("  no per-sample losses logged; sample ids of the step:")
+        print("  no per-sample losses logged; sample keys of the step:")
     width = max(len(i) for i, _ in ranked)
-    print(f"  {'rank':>4}  {'sample_id':<{width}}  loss")
+    print(f"  {'rank':>4}  {'sample_key':<{width}}  loss")
     for n, (sid, loss) in enumerate(ranked, 1):
         print(f"  {n:>4}  {sid:<{width}}  {'-' if loss is None else f'{loss:.4f}'}")
     return 0
