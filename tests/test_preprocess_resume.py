@@ -84,12 +84,14 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     markers = lambda folder, pattern: len(list((work / folder).glob(pattern)))  # noqa: E731
     # kill 1: while scanning (polled)
     _start_and_kill(args, ready=lambda: markers("scan", "*.done.json") >= 1)
+    assert not (out / sf.MANIFEST_NAME).exists()
     # kill 2: in the sort stage, once the first bucket is sorted
     _start_and_kill(args, point="sort")
-    assert 1 <= markers("sorted", "*.done.json") < 8  # (8 buckets: the floor for small inputs)
+    assert 1 <= markers("sorted", "*.done.json") < 8 and not (out / sf.MANIFEST_NAME).exists()  # (8 buckets: small input)
     # kill 3: while writing shards, once 3 shards have their done-marker <shard>.tar.json (written after
     # <shard>.tar.layout.json, so a bare *.json would count a layout whose marker is not there yet)
     _start_and_kill(args, ready=lambda: markers("shards", "*.tar.json") >= 3)
+    assert not (out / sf.MANIFEST_NAME).exists()
     # kill 4: in the finish step, energon's index half-written (not yet published)
     _start_and_kill(args, point="index")
     assert list(out.glob(".nv-meta.tmp-*")) and not (out / ".nv-meta").exists()
