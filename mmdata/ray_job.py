@@ -28,6 +28,23 @@ from mmdata.errors import Interrupted, UserError, deferred_interrupt
 from mmdata.units import plural
 
 INTERRUPTED = "interrupted: rerun the same command to resume"
+# The object store of a private local instance, in MiB (default 256; Ray's floor is 75). Rows and
+# media never pass through it (tasks read inputs and write shards themselves), so it stays small
+# whatever the data size; the environment variable exists to prove that (tests/test_preprocess_scaling.py).
+OBJECT_STORE_ENV = "MMDATA_OBJECT_STORE_MB"
+DEFAULT_OBJECT_STORE_MB = 256
+MIN_OBJECT_STORE_MB = 75
+
+
+def object_store_bytes() -> int:
+    """The local instance's object store size, from OBJECT_STORE_ENV (a clear error when bad)."""
+    raw = os.environ.get(OBJECT_STORE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_OBJECT_STORE_MB << 20
+    if not raw.isdigit() or int(raw) < MIN_OBJECT_STORE_MB:
+        raise UserError(f"{OBJECT_STORE_ENV}={raw!r}: give a whole number of MiB, at least {MIN_OBJECT_STORE_MB} "
+                        "(Ray's minimum)")
+    return int(raw) << 20
 
 
 def init_ray(address: str | None, num_cpus: int | None) -> bool:
@@ -39,12 +56,13 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
+    store = None if address else object_store_bytes()
     try:
         with deferred_interrupt():
             if address:
                 ray.init(address=address, **kwargs)
             else:
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 << 20,
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=store,
                          **kwargs)
     except KeyboardInterrupt:  # held back until Ray was up: take it down again
         shutdown_ray(True)

@@ -1,8 +1,8 @@
 """`mmdata preprocess --address` on a real two-node Ray cluster: a head and a separate worker
 node started with `ray start` as processes on 127.0.0.1 (one CPU each). The output is
 byte-identical to a local run, and the job's tasks ran on both nodes (the manifest counts the
-tasks per node id). In the local run, the Ray workers running the first sort task and the
-first shard write are SIGKILLed (the writer leaving its partial file behind): Ray retries the
+tasks per node id). In the local run, the Ray workers running the first scan task, the first
+sort task and the first shard write are SIGKILLed (the writer leaving its partial file behind): Ray retries the
 tasks, and the output is still the same bytes, with no partial file left."""
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from tests.conftest import run_preprocess_cli
 from tests.test_preprocess import VENV_BIN, _free_port
 
 
-# Loaded by every Python process of the local run (PYTHONPATH): the first sort task and the
-# first shard write, in whichever Ray worker runs them, kill their own process (the writer after
-# leaving a partial temp file, as a real crash would).
+# Loaded by every Python process of the local run (PYTHONPATH): the first scan task, the first
+# sort task and the first shard write, in whichever Ray worker runs them, kill their own process
+# (the writer after leaving a partial temp file, as a real crash would). The driver leaves every
+# input file to Ray (it would otherwise scan them itself while Ray starts).
 _KILL_WORKERS_ONCE = """
-import os, signal
+import os, signal, sys
 from pathlib import Path
 from mmdata.preprocess import shard_writer, stages
 
@@ -40,7 +41,7 @@ def _first(what):
     os.close(fd)
     return True
 
-real_write, real_sort = shard_writer._write, stages.sort_bucket
+real_write, real_sort, real_scan = shard_writer._write, stages.sort_bucket, stages.scan_unit
 
 def _write(tmp, samples):
     if _first("write"):
@@ -53,7 +54,14 @@ def sort_bucket(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return real_sort(*args, **kwargs)
 
-shard_writer._write, stages.sort_bucket = _write, sort_bucket
+def scan_unit(*args, **kwargs):
+    if "default_worker" in sys.argv[0] and _first("scan"):  # a Ray worker's task
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_scan(*args, **kwargs)
+
+shard_writer._write, stages.sort_bucket, stages.scan_unit = _write, sort_bucket, scan_unit
+from mmdata.preprocess import job  # (after the patches: it imports scan_unit and sort_bucket by name)
+job._DriverScanner.run = lambda self: None
 """
 
 
@@ -100,7 +108,8 @@ def test_two_node_cluster_equals_local_and_uses_both_nodes(ray_cluster, tmp_path
     run_preprocess_cli(*common, "--output", str(tmp_path / "local"), "--num-cpus", "2",
                        env={"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
                             "KILL_ONCE_DIR": str(hook)})
-    assert (hook / "killed-sort").exists() and (hook / "killed-write").exists()  # two workers died mid-task
+    for stage in ("scan", "sort", "write"):  # three workers died mid-task
+        assert (hook / f"killed-{stage}").exists(), stage
     assert not [p.name for p in (tmp_path / "local").iterdir() if p.name.startswith(".shard-")]
     run_preprocess_cli(*common, "--output", str(tmp_path / "cluster"), "--address", ray_cluster)
     local, cluster = (json.loads((tmp_path / d / sf.MANIFEST_NAME).read_text()) for d in ("local", "cluster"))

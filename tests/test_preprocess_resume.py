@@ -1,4 +1,4 @@
-"""Resumability: a driver SIGKILLed mid-way (during scan, then during shard writing) and rerun
+"""Resumability: a driver SIGKILLed mid-way (during scan, sort, shard writing, then the index) and rerun
 gives the same manifest and shards as an uninterrupted run, curation stages (dedup, an
 up-sampling mix with its merge stage) included."""
 
@@ -21,16 +21,51 @@ from tests.conftest import run_preprocess_cli
 
 
 
-def _start_and_kill_when(args: list[str], ready) -> None:
-    """Start the CLI, SIGKILL the driver as soon as `ready()` holds (polled), reap it."""
+# A driver that SIGKILLs itself at a fixed point of a stage whose progress a test cannot poll in
+# time: "sort" (the first sort-bucket result handled, other buckets unsorted), "index" (energon's
+# index half-written in its temporary folder; quarantine.jsonl and lengths.parquet already out).
+_SIGKILL_AT = """
+import os, signal, sys
+point = sys.argv.pop(1)
+import mmdata.preprocess.job as job
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "sort":
+    real_run = job._run_resumable
+    def run_resumable(prog, name, key, items, marker, submit, on_result, *rest):
+        def on_result_then_die(item, result):
+            on_result(item, result)
+            die()
+        return real_run(prog, name, key, items, marker, submit, on_result_then_die if name == "sort buckets" else on_result,
+                        *rest)
+    job._run_resumable = run_resumable
+elif point == "index":
+    real_index = job.write_energon_index
+    def write_index(out, names, layouts, *rest):
+        def layouts_then_die():
+            for i, layout in enumerate(layouts):
+                if i == len(names) // 2:
+                    die()
+                yield layout
+        return real_index(out, names, layouts_then_die(), *rest)
+    job.write_energon_index = write_index
+from mmdata.preprocess.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _start_and_kill(args: list[str], ready=None, point: str | None = None) -> None:
+    """Run the CLI and SIGKILL the driver: as soon as `ready()` holds (polled), or at `point`
+    (see _SIGKILL_AT); reap it."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    while proc.poll() is None and not ready():
-        time.sleep(0.02)
-    assert proc.poll() is None, "job finished before it could be killed: make the test input bigger"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    cmd = [sys.executable, "-c", _SIGKILL_AT, point or "-", "--no-progress", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    if ready is not None:
+        while proc.poll() is None and not ready():
+            time.sleep(0.02)
+        assert proc.poll() is None, "job finished before it could be killed: make the test input bigger"
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, point
 
 
 @pytest.mark.slow
@@ -45,21 +80,34 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"
     work = out / ".mmdata-work"
-    # kill 1: while scanning
-    _start_and_kill_when([*common, "--output", str(out)], lambda: len(list((work / "scan").glob("*.done.json"))) >= 1)
+    args = [*common, "--output", str(out)]
+    markers = lambda folder, pattern: len(list((work / folder).glob(pattern)))  # noqa: E731
+    # kill 1: while scanning (polled)
+    _start_and_kill(args, ready=lambda: markers("scan", "*.done.json") >= 1)
     assert not (out / sf.MANIFEST_NAME).exists()
-    # kill 2: while writing shards, once 3 shards have their done-marker <shard>.tar.json (written after
+    # kill 2: in the sort stage, once the first bucket is sorted
+    _start_and_kill(args, point="sort")
+    assert 1 <= markers("sorted", "*.done.json") < 8 and not (out / sf.MANIFEST_NAME).exists()  # (8 buckets: small input)
+    # kill 3: while writing shards, once 3 shards have their done-marker <shard>.tar.json (written after
     # <shard>.tar.layout.json, so a bare *.json would count a layout whose marker is not there yet)
-    _start_and_kill_when([*common, "--output", str(out)], lambda: len(list((work / "shards").glob("*.tar.json"))) >= 3)
+    _start_and_kill(args, ready=lambda: markers("shards", "*.tar.json") >= 3)
     assert not (out / sf.MANIFEST_NAME).exists()
+    # kill 4: in the finish step, energon's index half-written (not yet published)
+    _start_and_kill(args, point="index")
+    assert list(out.glob(".nv-meta.tmp-*")) and not (out / ".nv-meta").exists()
+    assert (out / sf.QUARANTINE_NAME).exists() and not (out / sf.MANIFEST_NAME).exists()
     run_preprocess_cli(*common, "--output", str(out))
     m_ref, m_out = (json.loads((d / sf.MANIFEST_NAME).read_text()) for d in (ref, out))
     assert stable_view(m_out) == stable_view(m_ref)
-    assert m_out["run"]["resumed"]["shards"] >= 3 and m_out["run"]["resumed"]["scan"] >= 1
+    resumed = m_out["run"]["resumed"]  # the last run redid nothing but the finish step
+    assert (resumed["scan"], resumed["sort"], resumed["shards"]) == (len(m_ref["inputs"]), 8, len(m_ref["shards"]))
     for s in m_ref["shards"]:
         assert (out / s["name"]).read_bytes() == (ref / s["name"]).read_bytes()
     for name in (sf.QUARANTINE_NAME, "duplicates.jsonl", "lengths.parquet"):
         assert (out / name).read_bytes() == (ref / name).read_bytes()
+    for meta in (ref / ".nv-meta").iterdir():
+        if meta.name != "index.uuid":  # a fresh random id per preparation, as energon's own
+            assert (out / ".nv-meta" / meta.name).read_bytes() == meta.read_bytes(), meta.name
     assert m_ref["counts"]["repeated"] > 0
     assert not work.exists() and not list(out.glob(".shard-*"))
 

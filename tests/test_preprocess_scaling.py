@@ -2,7 +2,8 @@
 process at N and 4N records stays within 20 % (rows, hashes and media never pass through the
 driver; it holds per-bucket, per-group and per-shard counts only). Measured exactly as
 benchmarks/bench_preprocess.py measures it, with near-duplicate removal and the length index
-on, so their stages are covered too."""
+on, so their stages are covered too. And an input several times the Ray object store goes
+through with the driver's memory bounded (`MMDATA_OBJECT_STORE_MB`)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,66 @@ def test_driver_rss_flat_from_n_to_4n(tmp_path):
         rss[n] = values["PEAK_RSS_KB"]
     growth = rss[4 * N] / rss[N] - 1
     assert abs(growth) <= 0.2, f"driver peak RSS {rss[N] / 1024:.0f} MB at {N} -> {rss[4 * N] / 1024:.0f} MB at {4 * N}"
+
+
+@pytest.mark.slow
+def test_input_several_times_the_object_store(tmp_path, monkeypatch):
+    """An input 16x the object store (Ray's smallest, 75 MiB; 1 MiB noise JPEGs) goes through
+    whole, and the driver's peak RSS stays below half the input: rows and media never pass
+    through the object store or the driver (tasks read inputs and write shards themselves)."""
+    import io
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.ray_job import MIN_OBJECT_STORE_MB, OBJECT_STORE_ENV
+
+    buf = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buf, format="JPEG", quality=90)
+    records = generate_records(40, seed=1)
+    for r in records:
+        for image in r.images:
+            image.data = buf.getvalue()
+    write_infinity_mm(records, tmp_path / "part", samples_per_tar=20)
+    # the same tars under distinct paths (hard links: ids are path + member, so every copy is new)
+    tars = sorted((tmp_path / "part").rglob("*.tar"))
+    store = MIN_OBJECT_STORE_MB << 20
+    copies = -(-16 * store // sum(t.stat().st_size for t in tars))
+    raw = tmp_path / "raw"
+    for c in range(copies):
+        for tar in tars:
+            link = raw / f"copy{c:02d}" / tar.relative_to(tmp_path / "part")
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.link(tar, link)
+    total = sum(t.stat().st_size for t in raw.rglob("*.tar"))
+    assert total >= 16 * store
+    monkeypatch.setenv(OBJECT_STORE_ENV, str(MIN_OBJECT_STORE_MB))
+    out = tmp_path / "out"
+    values, _, _ = _run(OURS, "--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
+                        "--samples-per-shard", "50", "--num-cpus", "2", "--no-progress", "--no-length-index")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["read"] == copies * len(records) and manifest["counts"]["quarantined"] == 0
+    written = sum(s["bytes"] for s in manifest["shards"])
+    assert written >= 16 * store
+    rss = values["PEAK_RSS_KB"] * 1024
+    print(f"input {total / 2**20:.0f} MiB, object store {MIN_OBJECT_STORE_MB} MiB, "
+          f"shards {written / 2**20:.0f} MiB, driver peak RSS {rss / 2**20:.0f} MiB, "
+          f"files scanned in the driver {manifest['run']['scanned_in_driver']} of {len(manifest['inputs'])}")
+    assert rss < total / 2, f"driver peak RSS {rss / 2**20:.0f} MiB for {total / 2**20:.0f} MiB of input"
+
+
+def test_object_store_size_from_the_environment(monkeypatch):
+    from mmdata.errors import UserError
+    from mmdata.ray_job import OBJECT_STORE_ENV, object_store_bytes
+
+    monkeypatch.delenv(OBJECT_STORE_ENV, raising=False)
+    assert object_store_bytes() == 256 << 20
+    monkeypatch.setenv(OBJECT_STORE_ENV, "100")
+    assert object_store_bytes() == 100 << 20
+    for bad in ("50", "1.5", "lots"):
+        monkeypatch.setenv(OBJECT_STORE_ENV, bad)
+        with pytest.raises(UserError, match=f"{OBJECT_STORE_ENV}='{bad}': give a whole number of MiB, at least 75"):
+            object_store_bytes()

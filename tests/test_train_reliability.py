@@ -33,6 +33,21 @@ def _start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 
+def _run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
+    """Run a training that dies by SIGKILL; (its exit status, its stderr). Its process group
+    goes with it, as a scheduler takes a job's processes: the loader workers of a SIGKILLed
+    process outlive it (they keep the output pipes open) until then."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra_env}
+    with log.open("w") as f:
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO, start_new_session=True)
+        rc = p.wait()
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left
+        pass
+    return rc, log.read_text()
+
+
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
     """Until metrics.jsonl shows `step` (the process must still be running)."""
     f = run_dir / "metrics.jsonl"
@@ -73,6 +88,33 @@ def test_stops_early_then_resumes_exactly(ref_run, tmp_path, shards_dir, tokeniz
     ref, got = metrics(ref_run), metrics(run)
     assert sorted(got) == list(range(1, stopped + 1))
     for step in got:  # steps 2-3 and 4-6 ran after a resume
+        assert got[step]["loss"] == ref[step]["loss"], step
+        assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """SIGKILL while checkpoint 4 is saved, first with only its model part staged, then with
+    everything staged but not yet renamed into place: each time `latest` stays 2 and checkpoint
+    2 stays whole, and the rerun resumes from it with the uninterrupted run's losses."""
+    from mmtrain.runtime.checkpoint.manager import KILL_IN_SAVE_ENV
+
+    run = tmp_path / "run"
+    staged = run / "checkpoints" / ".staging" / "iter_0000004"
+    for point in ("model", "publish"):
+        rc, err = _run_killed(_args(run, shards_dir, tokenizer_dir, *RUN), tmp_path / f"{point}.log",
+                              **{KILL_IN_SAVE_ENV: f"4:{point}"})
+        assert rc == -signal.SIGKILL, f"{point}: not killed ({rc})\n{err[-3000:]}"
+        assert _latest(run) == 2 and not (run / "checkpoints" / "iter_0000004").exists(), point
+        assert any((staged / "model").iterdir()), point  # the save was under way
+        assert (staged / "files.json").exists() == (point == "publish"), point
+        check_checkpoint(run / "checkpoints" / "iter_0000002", "llava-ov")
+    proc = train(run, shards_dir, tokenizer_dir, *RUN)
+    assert "resumed from" in proc.stderr and "iter_0000002" in proc.stderr
+    assert _latest(run) == 6 and not staged.exists()
+    ref, got = metrics(ref_run), metrics(run)
+    assert sorted(got) == list(range(1, 7))
+    for step in got:  # steps 3-6 ran after the resume from checkpoint 2
         assert got[step]["loss"] == ref[step]["loss"], step
         assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
 
