@@ -65,9 +65,25 @@ job._DriverScanner.run = lambda self: None
 """
 
 
-def _ray_start(*args: str) -> subprocess.Popen:
+# Loaded by the cluster's Ray workers (the nodes' PYTHONPATH): each sort task takes half a second,
+# as real buckets do. The test's tasks otherwise take milliseconds, and Ray then runs them all on
+# the first leased worker (a finished lease is reused for the next task), which proves nothing
+# about placement. With 4 sort tasks in flight and one CPU per node, both nodes must take some.
+_SLOW_SORT = """
+import sys, time
+if "default_worker" in sys.argv[0]:
+    from mmdata.preprocess import stages
+    real_sort = stages.sort_bucket
+    def sort_bucket(*args, **kwargs):
+        time.sleep(0.5)
+        return real_sort(*args, **kwargs)
+    stages.sort_bucket = sort_bucket
+"""
+
+
+def _ray_start(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     """`ray start ... --block` in its own process group, once it says it is up."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env_extra or {})}
     proc = subprocess.Popen([str(VENV_BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
                              "--num-cpus=1", *args, "--block"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
@@ -84,10 +100,14 @@ def ray_cluster():
     """A head and one worker node (distinct processes and resources) on 127.0.0.1."""
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="/tmp/mmray")
+    hook = Path(temp_dir) / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_SORT)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     procs = [_ray_start("--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp_dir}",
-                        '--resources={"head_node": 1}')]
+                        '--resources={"head_node": 1}', env_extra=env)]
     try:
-        procs.append(_ray_start(f"--address=127.0.0.1:{port}", '--resources={"worker_node": 1}'))
+        procs.append(_ray_start(f"--address=127.0.0.1:{port}", '--resources={"worker_node": 1}', env_extra=env))
         yield f"127.0.0.1:{port}"
     finally:
         for proc in reversed(procs):  # the groups we started: each `ray start` and what it spawned
