@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TINY = ["llava-ov", str(REPO / "recipes" / "llava-ov-tiny.yaml"), "train.seq_length=512", "train.global_batch_size=8",
         "data.num_workers=1", "auto_tune.trial_steps=5", "auto_tune.warmup_steps=2", "auto_tune.trial_timeout_s=300",
         # a per-rank grant around the recipe's own layout (CPU processes have no device memory)
-        "auto_tune.device_memory_gb=0.02", "auto_tune.min_memory_fraction=0.45", "auto_tune.memory_fraction=0.6"]
+        "auto_tune.device_memory_gb=0.02", "auto_tune.min_memory_fraction=0.6", "auto_tune.memory_fraction=0.7"]
 
 
 def aquila_args(gpus: int) -> list[str]:

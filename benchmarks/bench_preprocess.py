@@ -50,15 +50,31 @@ from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
 CHUNK = 1000  # records per generated input part: the N input is a prefix of the 4N one
 
-OURS = r"""
+# The measured process's own peak RSS. Not getrusage's ru_maxrss: Linux carries the RSS of the
+# process that forked it across exec (with vfork, the parent's whole footprint), so a driver
+# started from a big pytest process would report the test session's memory. VmHWM belongs to the
+# process's own address space.
+PEAK_RSS = r"""
+import resource
+
+
+def _peak_rss_kb():
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
+    except (OSError, StopIteration):  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+"""
+
+OURS = PEAK_RSS + r"""
 import resource, sys
 from mmdata.preprocess.cli import main
 rc = main(sys.argv[1:])
-print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
+print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
 sys.exit(rc)
 """
 
-SHARDWRITER = r"""
+SHARDWRITER = PEAK_RSS + r"""
 import resource, sys, tarfile, time
 from pathlib import Path
 import webdataset as wds
@@ -85,10 +101,10 @@ with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, verbose=0)
                 sink.write(sample)
                 n += 1
 print(f"SAMPLES={n}\nT={time.perf_counter() - t0:.3f}")
-print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
+print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
 """
 
-RAY_DATA = r"""
+RAY_DATA = PEAK_RSS + r"""
 import resource, sys, tarfile, time
 from pathlib import Path
 
@@ -112,7 +128,7 @@ for p in Path(out).glob("*.tar"):
     with tarfile.open(p) as tar:
         n += sum(1 for m in tar if m.name.endswith(".json"))
 print(f"SAMPLES={n}\nT={t:.3f}")
-print("PEAK_RSS_KB=" + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
+print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
 """
 
 # Ray's own fixed cost, with nothing to do: start (or join) as the job does, run one empty task

@@ -93,6 +93,23 @@ def test_stops_early_then_resumes_exactly(ref_run, tmp_path, shards_dir, tokeniz
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_its_workers_cleanly(tmp_path, shards_dir, tokenizer_dir):
+    """`mmtrain` with 2 workers under torchrun: SIGTERM to the launcher (what `kill PID` or a
+    scheduler sends) reaches the workers, not torchrun (which would kill them and fail): they
+    finish the step, save, and the launcher exits 0."""
+    run = tmp_path / "run"
+    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=30", "checkpoint.interval=0", nproc=2))
+    _wait_for_step(run, p, 2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate()
+    assert p.returncode == 0, err[-4000:]
+    assert "SIGTERM: passed to 2 workers" in err
+    stopped = _latest(run)
+    assert 2 <= stopped < 30 and f"stopped after step {stopped}/30 (SIGTERM received)" in err
+    assert sorted(metrics(run)) == list(range(1, stopped + 1))
+
+
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_path, shards_dir, tokenizer_dir):
     """SIGKILL while checkpoint 4 is saved, first with only its model part staged, then with
     everything staged but not yet renamed into place: each time `latest` stays 2 and checkpoint
@@ -256,7 +273,7 @@ def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, 
         assert f"--nnodes=2 --node_rank={k} --master_addr=127.0.0.1 --master_port={port}" in err
     # both ranks agreed to stop after step 3 (train.exit_interval), with a checkpoint
     state = json.loads((run / "checkpoints" / "iter_0000003" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+    assert state["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "world_size": 2}
     ref, got = metrics(ref_run), metrics(run)
     assert sorted(got) == [1, 2, 3]
     for step in got:

@@ -27,12 +27,16 @@ with --verbose).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+from mmdata.units import plural
 from mmtrain.config import Recipe
 
 log = logging.getLogger(__name__)
@@ -135,10 +139,51 @@ def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:
     log.info("launching %d worker(s) on this node: %s", p.nproc_per_node, " ".join(cmd))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        log.error("workers exited with code %d", proc.returncode)
-    return proc.returncode
+    with subprocess.Popen(cmd, env=env) as proc:
+        with sigterm_to_workers(proc.pid):
+            try:
+                returncode = proc.wait()
+            except BaseException:  # Ctrl-C (it reached the workers too) or an error here: take them down
+                proc.kill()
+                raise
+    if returncode != 0:
+        log.error("workers exited with code %d", returncode)
+    return returncode
+
+
+@contextlib.contextmanager
+def sigterm_to_workers(torchrun_pid: int) -> Iterator[None]:
+    """SIGTERM to this launcher (a scheduler's warning before the time limit, `kill PID`) goes to
+    the workers, which finish the step, save a checkpoint and exit 0 (runtime/stopping.py);
+    torchrun then ends with them, and so do we, with 0. Sent to torchrun itself, it would stop
+    the workers after 30 s and fail the job. Where the workers cannot be found (no /proc), torchrun
+    gets it."""
+    def forward(signum: int, frame: object) -> None:
+        workers = child_pids(torchrun_pid)
+        log.warning("SIGTERM: passed to %s; they finish the current step, save a checkpoint and exit",
+                    plural(len(workers), "worker") if workers else "torchrun")
+        for pid in workers or [torchrun_pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid`, from /proc (Linux); [] elsewhere."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
 
 
 def train(recipe: Recipe) -> int:
