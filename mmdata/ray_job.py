@@ -116,21 +116,16 @@ def run_bounded(submit: Callable[[Any], Any], items: Iterable[Any], max_in_fligh
                 on_done(pending.pop(ref), ray.get(ref))
 
     it = iter(items)
-    try:
-        while True:
-            drain(max_in_flight - 1)  # wait for a free slot before taking the next item
-            item = next(it, _END)
-            if item is _END:
-                break
-            pending[submit(item)] = item
-        drain(0)
-    except KeyboardInterrupt:
-        for ref in pending:  # stop what is running: the rerun redoes unfinished tasks
-            try:
-                ray.cancel(ref, force=True)
-            except Exception:  # noqa: BLE001 - best effort: Ray's shutdown stops them anyway
-                pass
-        raise
+    while True:
+        drain(max_in_flight - 1)  # wait for a free slot before taking the next item
+        item = next(it, _END)
+        if item is _END:
+            break
+        pending[submit(item)] = item
+    drain(0)
+    # On Ctrl-C nothing is cancelled here: the tasks share their owner's fate (Ray kills them when
+    # the driver shuts down or exits), and `ray.cancel(force=True)` racing a task's completion
+    # crashes the driver inside Ray ("Tried to complete task that was not pending", Ray 2.60).
 
 
 def remove(paths: Iterable[Path]) -> None:
