@@ -76,7 +76,20 @@ def shutdown_ray(owned: bool) -> None:
         import ray
 
         with deferred_interrupt():
+            _stop_autoscaler_monitor(ray)
             ray.shutdown()
+
+
+def _stop_autoscaler_monitor(ray) -> None:
+    """`ray.shutdown` stops the raylet and the GCS first; the autoscaler monitor, stopped after
+    them, tries to report its SIGTERM to the GCS that is gone and is killed only after a one-second
+    timeout (Ray 2.60: shutdown 1.1 s, 0.35 s without it). A private single-node instance has
+    nothing to autoscale, so its monitor is killed first. Ray's node handle is not public API:
+    when it is missing or fails, the plain shutdown runs as before."""
+    try:
+        ray._private.worker._global_node.kill_monitor(check_alive=False)
+    except Exception:  # noqa: BLE001 - best effort, see above
+        pass
 
 
 def resumable(job: Callable[..., Any]) -> Callable[..., Any]:
