@@ -248,6 +248,21 @@ def test_no_hub_access_for_local_looking_paths(no_network, tmp_path, capsys, sha
     assert no_network == []
 
 
+def test_both_task_encoders_load_their_tokenizer_locally_with_one_error(no_network, tmp_path):
+    """The shared encoder constructor loads the tokenizer through `load_local_tokenizer` for
+    every family (Emu3's once called transformers directly, which may try the hub)."""
+    from mmdata.energon_loaders.emu3.task_encoder import Emu3EncoderConfig, Emu3TaskEncoder
+    from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
+    from mmdata.errors import UserError
+
+    for encoder, config in ((LlavaOVTaskEncoder, LlavaOVEncoderConfig(seq_length=64)),
+                            (Emu3TaskEncoder, Emu3EncoderConfig(seq_length=64))):
+        for path in ("org/name", str(tmp_path / "nope")):
+            with pytest.raises(UserError, match=f"tokenizer {path} does not exist"):
+                encoder(path, config)
+    assert no_network == []
+
+
 # ----------------------------------------------------------------------------- checks before training
 
 

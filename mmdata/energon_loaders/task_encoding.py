@@ -47,10 +47,28 @@ class PackingTaskEncoder(TaskEncoder):
     # becomes a counted skip instead of a dead worker.
     decoder = None
 
-    def __init__(self, seq_length: int) -> None:
+    def __init__(self, seq_length: int, tokenizer_path: str) -> None:
         super().__init__()
         self.seq_length = seq_length
+        self.tokenizer_path = str(tokenizer_path)
         self._stats: Counter = Counter()
+        self._text: Any = None
+        # Load once here (main process): a bad tokenizer fails early with a clear message, and
+        # forked workers inherit it instead of each re-importing transformers and re-loading.
+        _ = self.text
+
+    def build_text(self, tokenizer: Any) -> Any:
+        """The family's text side (chat template, task prompts) over the loaded HF tokenizer."""
+        raise NotImplementedError
+
+    @property
+    def text(self) -> Any:
+        """`build_text` of the local tokenizer folder (loaded lazily, once per process)."""
+        if self._text is None:
+            from mmdata.local_tokenizer import load_local_tokenizer
+
+            self._text = self.build_text(load_local_tokenizer(self.tokenizer_path))
+        return self._text
 
     def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
         """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance

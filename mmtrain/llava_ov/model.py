@@ -17,11 +17,9 @@ Pipeline parallelism: the vision tower, projector, layout and embedding live on 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-from megatron.core import parallel_state
-from megatron.core.transformer.module import MegatronModule
 
 from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
@@ -29,16 +27,12 @@ from mmtrain.llava_ov.layout import pack_media_features
 from mmtrain.llava_ov.projector import build_projector, projector_transformer_config
 from mmtrain.llava_ov.vision import SiglipVisionModel, vision_transformer_config
 from mmtrain.models.context_parallel import CPLayout, current_layout
-from mmtrain.models.language_model import (
-    build_language_model,
-    embed_tokens,
-    packed_decoder_forward,
-    restore_tp_attributes,
-)
-from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs, language_transformer_config
+from mmtrain.models.language_model import embed_tokens, packed_decoder_forward
+from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs
+from mmtrain.models.stage_model import DecoderStageModel
 
 
-class LlavaOVModel(MegatronModule):
+class LlavaOVModel(DecoderStageModel):
     """One pipeline stage of LLaVA-OV.
 
     `forward(batch)` returns, on the last stage, the per-token loss `[B, S]` (0 where the label is
@@ -47,52 +41,25 @@ class LlavaOVModel(MegatronModule):
     states for the next stage (`models.language_model.packed_decoder_forward`).
     """
 
-    def __init__(
-        self,
-        cfg: LlavaOVModelConfig,
-        *,
-        pre_process: bool = True,
-        post_process: bool = True,
-        options: Optional[ParallelOptions] = None,
-        vp_stage: Optional[int] = None,
-    ) -> None:
+    def __init__(self, cfg: LlavaOVModelConfig, **kwargs) -> None:
         if cfg.image_token_id is None or cfg.video_token_id is None:
             raise ValueError("model.image_token_id / video_token_id are null: they are read from the tokenizer "
                              "before a run starts (or pin them in the recipe)")
-        opts = options or ParallelOptions()
-        lm_config = language_transformer_config(cfg.llm, cfg.params_dtype, opts)
-        super().__init__(config=lm_config)
-        self.cfg = cfg
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.share_embeddings_and_output_weights = cfg.llm.tie_word_embeddings
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.padded_vocab_size = cfg.padded_vocab_size(self.tp_size)
+        super().__init__(cfg, **kwargs)  # (pre_process, post_process, options, vp_stage)
 
+    def build_encoders(self, options: ParallelOptions) -> None:
         self.vision_model: Optional[SiglipVisionModel] = None
         self.vision_projection = None
-        if pre_process:
-            # the vision tower and projector run whole on the first stage: no SP, no PP split
-            base = base_config_kwargs(cfg.params_dtype, opts, sequence_parallel=False) | {"pipeline_model_parallel_size": 1}
-            self.vision_model = SiglipVisionModel(cfg.vision, vision_transformer_config(cfg.vision, base))
-            self.vision_projection = build_projector(cfg, projector_transformer_config(cfg, base))
-            self.image_newline = torch.nn.Parameter(
-                torch.randn(cfg.llm.hidden_size, dtype=lm_config.params_dtype) / cfg.llm.hidden_size**0.5
-            )
-
-        self.language_model = build_language_model(
-            cfg.llm, lm_config, vocab_size=self.padded_vocab_size, pre_process=pre_process,
-            post_process=post_process, vp_stage=vp_stage, loss_impl=opts.lm_loss, loss_block_mb=opts.lm_loss_block_mb,
+        if not self.pre_process:
+            return
+        cfg = self.cfg
+        # the vision tower and projector run whole on the first stage: no SP, no PP split
+        base = base_config_kwargs(cfg.params_dtype, options, sequence_parallel=False) | {"pipeline_model_parallel_size": 1}
+        self.vision_model = SiglipVisionModel(cfg.vision, vision_transformer_config(cfg.vision, base))
+        self.vision_projection = build_projector(cfg, projector_transformer_config(cfg, base))
+        self.image_newline = torch.nn.Parameter(
+            torch.randn(cfg.llm.hidden_size, dtype=self.config.params_dtype) / cfg.llm.hidden_size**0.5
         )
-        if not opts.perform_initialization:
-            restore_tp_attributes(self)
-
-    # ------------------------------------------------------------------ megatron plumbing
-    def set_input_tensor(self, input_tensor: Any) -> None:
-        self.language_model.set_input_tensor(input_tensor)
-
-    def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        return self.language_model.shared_embedding_or_output_weight()
 
     # ------------------------------------------------------------------ pieces
     def media_embeddings(self, batch: LlavaOVBatch, media: Optional[torch.Tensor] = None) -> torch.Tensor:

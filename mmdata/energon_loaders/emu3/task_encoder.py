@@ -74,19 +74,15 @@ class Emu3TaskEncoder(PackingTaskEncoder):
     """VQTokenSample -> Emu3Sample (one task each) -> packed Emu3Batch."""
 
     def __init__(self, tokenizer_path: str, config: Emu3EncoderConfig):
-        super().__init__(config.seq_length)
-        self.tokenizer_path = str(tokenizer_path)
         self.config = config
-        self._tasks: Emu3Tasks | None = None
-        _ = self.tasks  # load in the main process: fail early, workers inherit it
+        super().__init__(config.seq_length, tokenizer_path)
+
+    def build_text(self, tokenizer) -> Emu3Tasks:
+        return Emu3Tasks(tokenizer, self.config.system_prompt)
 
     @property
     def tasks(self) -> Emu3Tasks:
-        if self._tasks is None:
-            from transformers import AutoTokenizer
-
-            self._tasks = Emu3Tasks(AutoTokenizer.from_pretrained(self.tokenizer_path), self.config.system_prompt)
-        return self._tasks
+        return self.text
 
     def _task_of(self, sample: VQTokenSample, caption: str | None) -> str:
         forced = (sample.__subflavors__ or {}).get("task")

@@ -90,24 +90,17 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
     """ConversationSample -> LlavaOVSample (pre/post-encode) -> packed LlavaOVBatch."""
 
     def __init__(self, tokenizer_path: str, config: LlavaOVEncoderConfig):
-        super().__init__(config.seq_length)
-        self.tokenizer_path = str(tokenizer_path)
         self.config = config
-        self._chat: ChatTokenizer | None = None
-        # Load once here (main process): a bad tokenizer fails early with a clear message, and
-        # forked workers inherit it instead of each re-importing transformers and re-loading.
-        _ = self.chat
+        super().__init__(config.seq_length, tokenizer_path)
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def build_text(self, tokenizer) -> ChatTokenizer:
+        return ChatTokenizer(tokenizer, system_prompt=self.config.system_prompt)
+
     @property
     def chat(self) -> ChatTokenizer:
-        if self._chat is None:  # loaded lazily, once per worker process
-            from mmdata.local_tokenizer import load_local_tokenizer
-
-            tok = load_local_tokenizer(self.tokenizer_path)
-            self._chat = ChatTokenizer(tok, system_prompt=self.config.system_prompt)
-        return self._chat
+        return self.text
 
     def _image_ref(self, data: bytes, kind: int, where: str, sample_id: str) -> MediaRef:
         c = self.config
