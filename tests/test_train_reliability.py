@@ -252,6 +252,36 @@ def test_a_dying_rank_ends_the_job_naming_it(tmp_path, shards_dir, tokenizer_dir
     assert "Signal 9 (SIGKILL)" in err and "workers exited with code" in err
 
 
+@pytest.mark.slow
+def test_a_hanging_rank_ends_the_job_after_the_collective_timeout(tmp_path, shards_dir, tokenizer_dir):
+    """DP=2: rank 1 is frozen (SIGSTOP) after step 1, alive but silent, as a rank stuck in a
+    driver or on a dead file system; rank 0's next collective fails after
+    `parallel.collective_timeout_mins` (here 0.2: 12 s) and the whole job exits non-zero."""
+    run = tmp_path / "run"
+    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
+                     "parallel.collective_timeout_mins=0.2", nproc=2))
+    _wait_for_step(run, p, 1)
+    victim = _worker_pid(p.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=300)  # a hang guard, not a speed requirement
+    except subprocess.TimeoutExpired:
+        p.kill()
+        os.kill(victim, signal.SIGKILL)
+        raise AssertionError("the job hung behind a frozen rank")
+    print(f"job ended {time.monotonic() - t0:.1f} s after rank 1 froze")
+    assert p.returncode != 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert max(steps) < 50, "training went on without rank 1"
+    # rank 0's gradient all-reduce (on megatron's DP group) times out after 12 s, then torchrun
+    # stops the frozen rank 1 (SIGTERM is not delivered to a stopped process: SIGKILL after 30 s)
+    assert "Timed out waiting 12000ms" in err, err[-3000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", err), err[-3000:]
+    assert not Path(f"/proc/{victim}").exists() or "zombie" in Path(f"/proc/{victim}/status").read_text()
+
+
 # ----------------------------------------------------------------------------- two nodes
 
 

@@ -182,7 +182,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             timeout=datetime.timedelta(minutes=parallel_cfg.collective_timeout_mins),
             **({"device_id": device} if backend == "nccl" else {}),
         )
-    _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None)
+    _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None, parallel_cfg.collective_timeout_mins)
 
     ctx = ParallelContext(
         rank=rank,
@@ -232,16 +232,21 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 
         seed_model_parallel(seed, parallel_state.get_pipeline_model_parallel_rank())
 
 
-def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int] | None = None) -> bool:
+def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int] | None = None,
+                       timeout_mins: float = 30.0) -> bool:
     """The CPU adaptations (no-op with CUDA) and megatron's TP x CP x DP x PP groups; True when
-    the groups were created here (False: they existed already, with these sizes)."""
+    the groups were created here (False: they existed already, with these sizes).
+
+    `timeout_mins` bounds every collective on megatron's groups (the gradient all-reduce runs on
+    its DP group, not the default one): without it they keep megatron's own 30 minutes whatever
+    `parallel.collective_timeout_mins` says, and a frozen rank stalls the job that long."""
     from megatron.core import parallel_state
 
     cpu_compat.apply()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-            hierarchical_context_parallel_sizes=hierarchical_cp,
+            hierarchical_context_parallel_sizes=hierarchical_cp, distributed_timeout_minutes=timeout_mins,
         )
         return True
     have = (parallel_state.get_tensor_model_parallel_world_size(),
