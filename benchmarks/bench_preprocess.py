@@ -136,7 +136,7 @@ print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
 RAY_FLOOR = r"""
 import sys, time
 import ray
-from mmdata.ray_job import init_ray
+from mmdata.ray_job import init_ray, shutdown_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
 
@@ -147,8 +147,7 @@ def nothing():
     return None
 
 ray.get([nothing.remote() for _ in range(int(ray.cluster_resources()["CPU"]))])
-if own:
-    ray.shutdown()
+shutdown_ray(own)  # the job's own stop
 print("FLOOR_S=%.3f" % (time.perf_counter() - t0), flush=True)
 """
 

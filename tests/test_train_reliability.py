@@ -5,6 +5,7 @@ names it. Real `mmtrain llava-ov` subprocesses on the tiny recipe (helpers: test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
+from mmtrain.runtime.launch import child_pids
 from tests.test_train_runtime import MMTRAIN, REPO, free_port, metrics, ref_run, tokenizer_dir, train  # noqa: F401
 
 RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
@@ -209,15 +211,13 @@ def test_checkpoint_damaged_inside_a_file_refused_at_load(ref_run, tmp_path, sha
 # ----------------------------------------------------------------------------- a dying rank
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out + [g for c in out for g in _children(c)]
+def _descendants(pid: int) -> list[int]:
+    kids = child_pids(pid)
+    return kids + [g for c in kids for g in _descendants(c)]
 
 
 def _worker_pid(root: int, rank: int) -> int | None:
-    for pid in _children(root):
+    for pid in _descendants(root):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -228,25 +228,34 @@ def _worker_pid(root: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
-def test_a_dying_rank_ends_the_job_naming_it(tmp_path, shards_dir, tokenizer_dir):
-    """DP=2: rank 1 is SIGKILLed after step 1; the whole job exits non-zero (no hang), and the
-    failure summary names rank 1."""
-    run = tmp_path / "run"
+def _signal_rank_1_after_step_1(run: Path, shards_dir: Path, tokenizer_dir: Path, sig: signal.Signals,
+                                timeout_mins: float) -> tuple[str, int]:
+    """DP=2 training (50 steps); once step 1 is logged, `sig` to rank 1's worker, then wait for the
+    job to end (it must, and with a non-zero status). Returns (its stderr, rank 1's pid)."""
     p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
-                     "parallel.collective_timeout_mins=1", nproc=2))
+                     f"parallel.collective_timeout_mins={timeout_mins}", nproc=2))
     _wait_for_step(run, p, 1)
     victim = _worker_pid(p.pid, 1)
     assert victim is not None
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     t0 = time.monotonic()
     try:
         _, err = p.communicate(timeout=300)  # a hang guard, not a speed requirement
     except subprocess.TimeoutExpired:
         p.kill()
-        raise AssertionError("the job hung after a rank died")
-    print(f"job ended {time.monotonic() - t0:.1f} s after rank 1 died")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        raise AssertionError(f"the job hung after rank 1 got {sig.name}")
+    print(f"job ended {time.monotonic() - t0:.1f} s after rank 1 got {sig.name}")
     assert p.returncode != 0
+    return err, victim
+
+
+@pytest.mark.slow
+def test_a_dying_rank_ends_the_job_naming_it(tmp_path, shards_dir, tokenizer_dir):
+    """DP=2: rank 1 is SIGKILLed after step 1; the whole job exits non-zero (no hang), and the
+    failure summary names rank 1."""
+    err, _ = _signal_rank_1_after_step_1(tmp_path / "run", shards_dir, tokenizer_dir, signal.SIGKILL, 1)
     # torchrun's failure summary: "rank      : 1 (local_rank: 1) / exitcode  : -9 ... Signal 9 (SIGKILL)"
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", err), err[-3000:]
     assert "Signal 9 (SIGKILL)" in err and "workers exited with code" in err
@@ -258,23 +267,8 @@ def test_a_hanging_rank_ends_the_job_after_the_collective_timeout(tmp_path, shar
     driver or on a dead file system; rank 0's next collective fails after
     `parallel.collective_timeout_mins` (here 0.2: 12 s) and the whole job exits non-zero."""
     run = tmp_path / "run"
-    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
-                     "parallel.collective_timeout_mins=0.2", nproc=2))
-    _wait_for_step(run, p, 1)
-    victim = _worker_pid(p.pid, 1)
-    assert victim is not None
-    os.kill(victim, signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
-        _, err = p.communicate(timeout=300)  # a hang guard, not a speed requirement
-    except subprocess.TimeoutExpired:
-        p.kill()
-        os.kill(victim, signal.SIGKILL)
-        raise AssertionError("the job hung behind a frozen rank")
-    print(f"job ended {time.monotonic() - t0:.1f} s after rank 1 froze")
-    assert p.returncode != 0
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert max(steps) < 50, "training went on without rank 1"
+    err, victim = _signal_rank_1_after_step_1(run, shards_dir, tokenizer_dir, signal.SIGSTOP, 0.2)
+    assert max(metrics(run)) < 50, "training went on without rank 1"
     # rank 0's gradient all-reduce (on megatron's DP group) times out after 12 s, then torchrun
     # stops the frozen rank 1 (SIGTERM is not delivered to a stopped process: SIGKILL after 30 s)
     assert "Timed out waiting 12000ms" in err, err[-3000:]
