@@ -37,8 +37,8 @@ def _start(args: list[str]) -> subprocess.Popen:
 
 def _run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
     """Run a training that dies by SIGKILL; (its exit status, its stderr). Its process group
-    goes with it, as a scheduler takes a job's processes: the loader workers of a SIGKILLed
-    process outlive it (they keep the output pipes open) until then."""
+    goes with it, as a scheduler takes a job's processes (what a bare `kill -9` of the process
+    alone leaves: test_a_sigkilled_run_leaves_no_process_behind)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra_env}
     with log.open("w") as f:
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO, start_new_session=True)
@@ -136,6 +136,48 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_pa
     for step in got:  # steps 3-6 ran after the resume from checkpoint 2
         assert got[step]["loss"] == ref[step]["loss"], step
         assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
+
+
+def _cmdline(pid: int) -> str | None:
+    """A process's command line; None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_leaves_no_process_behind(tmp_path, shards_dir, tokenizer_dir):
+    """`kill -9` of a one-process run, its process alone (a user's `kill -9 PID`, not a scheduler
+    taking the job's group): the processes it started end with it. A checkpoint is saved at every
+    step, so the kill often lands mid-save. Before, the torch_dist writer's multiprocessing manager
+    and multiprocessing's resource tracker stayed behind for good, and so did a writer forked for
+    a save the kill interrupted (in about 1 run in 4)."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    p = subprocess.Popen(_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO,
+                         start_new_session=True)
+    try:
+        _wait_for_step(run, p, 2)  # checkpoint 1 is saved: the writer's manager is running
+        started = {pid: cmd for pid in _descendants(p.pid) if (cmd := _cmdline(pid)) is not None}
+        assert any("multiprocessing.spawn" in cmd for cmd in started.values()), started
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 60  # torch's loader workers look for their parent every 5 s
+        while (left := [pid for pid in started if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, {pid: started[pid] for pid in left}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints

@@ -14,4 +14,5 @@
   metrics.py       metrics.jsonl (+ TensorBoard), `mmtrain worst-samples`
   throughput.py    MFU and memory numbers for the step logs
   checkpoint/      directory layout, model weights, the checkpoint manager
+  child_processes.py  nothing the training process starts outlives it (even after kill -9)
 """

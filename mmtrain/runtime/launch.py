@@ -194,9 +194,11 @@ def train(recipe: Recipe) -> int:
     from mmtrain.config import dump_recipe, save_resolved
     from mmtrain.models.state_dict_adapter import ConversionError
     from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
+    from mmtrain.runtime.child_processes import forked_children_die_with_this_process
     from mmtrain.runtime.distributed import UnsupportedLayout, destroy_distributed, init_distributed
     from mmtrain.runtime.trainer import Trainer
 
+    forked_children_die_with_this_process()  # loader workers, checkpoint writers: not even after kill -9
     try:
         ctx = init_distributed(recipe.parallel, seed=recipe.seed)
     except UnsupportedLayout as err:

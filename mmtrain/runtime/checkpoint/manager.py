@@ -54,6 +54,7 @@ from mmtrain.runtime.checkpoint.weights import (
     model_sharded_state_dict,
     save_model_weights,
 )
+from mmtrain.runtime.child_processes import install_writer_results_queue
 from mmtrain.runtime.distributed import ParallelContext, barrier, seed_model_parallel
 
 # Fault injection for the crash-consistency tests only (tests/test_train_reliability.py):
@@ -129,6 +130,7 @@ class OptimizerState:
         from megatron.core import dist_checkpointing
 
         sharded = self.optimizer.sharded_state_dict(model_sharded_state_dict(self.model_chunks))
+        install_writer_results_queue()
         dist_checkpointing.save(sharded, str(ckpt / self.name))
 
     def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:

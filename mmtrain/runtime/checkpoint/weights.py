@@ -6,7 +6,7 @@ checkpoint whose model does not match the recipe's.
     CKPT_DIR/iter_0000100/model_config.yaml   the family's model config (plain YAML)
 
 Entry scripts that save must have an `if __name__ == "__main__":` guard: the torch_dist writer
-may start a `spawn` multiprocessing manager.
+uses a `spawn` multiprocessing manager (started by runtime/child_processes.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import yaml
 
 from mmtrain.config.typed import to_plain
 from mmtrain.runtime.checkpoint.layout import find_latest_iteration, iter_dir, unwrap, write_latest
+from mmtrain.runtime.child_processes import install_writer_results_queue
 
 MODEL_CONFIG = "model_config.yaml"
 
@@ -72,6 +73,7 @@ def save_model_weights(
     if _rank0():
         model_dir.mkdir(parents=True, exist_ok=True)
     _barrier()
+    install_writer_results_queue()
     dist_checkpointing.save(_sharded(model_chunks), str(model_dir))
     _barrier()
     if _rank0():
