@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
 from mmtrain.runtime.launch import child_pids
@@ -326,7 +327,8 @@ def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, 
     """`parallel.nnodes=2`: the same command on two "nodes" (node_rank 0 and 1, one process each,
     torchrun's multi-node rendezvous on 127.0.0.1) trains DP=2 and reproduces the single-process
     run's losses on the same global batches (`data.sharding=replicated`); it stops after step 3
-    (`train.exit_interval`, agreed by both ranks)."""
+    (`train.exit_interval`, agreed by both ranks). The `config.yaml` both launchers write in the
+    shared run dir (and hand to their workers) is the same on both: node_rank 0."""
     run = tmp_path / "run"
     port = free_port()
     nodes = [_start(_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
@@ -337,6 +339,8 @@ def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, 
         _, err = p.communicate()
         assert p.returncode == 0, f"node {k}:\n{err[-6000:]}"
         assert f"--nnodes=2 --node_rank={k} --master_addr=127.0.0.1 --master_port={port}" in err
+    # each launcher wrote the shared config.yaml its workers read: the same file on both nodes
+    assert yaml.safe_load((run / "config.yaml").read_text())["parallel"]["node_rank"] == 0
     # both ranks agreed to stop after step 3 (train.exit_interval), with a checkpoint
     state = json.loads((run / "checkpoints" / "iter_0000003" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "world_size": 2}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -97,7 +98,11 @@ def run(args: argparse.Namespace, family: str) -> int:
     inside_launcher = env_rank_world() is not None
     if inside_launcher or recipe.parallel.world_size == 1:
         return train(recipe)
-    resolved = save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
+    # Every node's launcher writes this file in the shared run dir and hands it to its workers, so
+    # it must be the same on every node: the job's recipe, node_rank left at 0 (each launcher's own
+    # goes to torchrun; the workers take theirs from torchrun, not from the file).
+    job = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, node_rank=0))
+    resolved = save_resolved(job, Path(recipe.run_dir) / "config.yaml")
     return spawn_workers(recipe, resolved)
 
 
