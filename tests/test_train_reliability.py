@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -152,6 +153,49 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+_FORKER = """
+import os, signal, sys, threading, time
+from mmtrain.runtime.child_processes import forked_children_die_with_this_process
+
+forked_children_die_with_this_process()
+
+
+def fork_sleeper():
+    pid = os.fork()
+    if pid == 0:
+        os.close(1), os.close(2)  # the test reads the parent's output to its end
+        time.sleep(120)
+        os._exit(0)
+    return pid
+
+
+from_thread = []
+t = threading.Thread(target=lambda: from_thread.append(fork_sleeper()))
+t.start()
+t.join()
+print(fork_sleeper(), from_thread[0], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.unit
+def test_children_forked_from_the_main_thread_die_with_a_sigkilled_parent():
+    """The at-fork hook of child_processes.py: a child forked from the main thread is SIGKILLed
+    with its parent; one forked from another thread (whose end would kill it too early) is not."""
+    p = subprocess.run([sys.executable, "-c", _FORKER], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    from_main, from_thread = map(int, p.stdout.split())
+    try:
+        deadline = time.monotonic() + 30
+        while _alive(from_main) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(from_main)
+        assert _alive(from_thread)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(from_thread, signal.SIGKILL)
 
 
 @pytest.mark.slow

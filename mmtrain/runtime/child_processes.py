@@ -18,6 +18,7 @@ from the main thread ask for it; elsewhere, and off Linux, nothing changes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -32,10 +33,15 @@ _fork_hook_installed = False
 _forking_parent: int | None = None  # set in the parent just before a fork from its main thread
 
 
+@functools.cache
+def _prctl():
+    """libc's prctl, looked up before any fork (no dlopen in a child forked from threads)."""
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Have Linux SIGKILL this process when its parent (`parent_pid`) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    if _prctl()(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return  # refused: live as before
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
@@ -55,6 +61,7 @@ def forked_children_die_with_this_process() -> None:
     """From now on, every process forked from this one's main thread dies with it."""
     global _fork_hook_installed
     if _LINUX and not _fork_hook_installed:
+        _prctl()
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _fork_hook_installed = True
 
