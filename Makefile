@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	# A CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build).
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
+	# Byte-compile our own packages once: an editable install leaves that to the first import, and
+	# with PYTHONDONTWRITEBYTECODE set every process (each Ray worker, each test subprocess) would
+	# compile them from source again.
+	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q mmdata mmtrain > /dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -95,14 +95,14 @@ def load_grouped(path: Path, dtype: np.dtype, group: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- index rows
-ROW_FORMAT = 5  # bump when the encoding or the record content changes: unfinished jobs then rescan
+ROW_FORMAT = 6  # bump when the encoding or the record content changes: unfinished jobs then rescan
 # A row is the 8-byte big-endian shuffle key, then NUL-separated UTF-8 fields:
 #     rid \0 handle \0 source \0 subset \0 record_json (\0 path \0 offset \0 size \0 suffix)*
 # handle is "unit:ordinal" (the record's input file and its place among the file's kept
 # records: what dedup marks refer to); numbers are decimal. The record JSON is stored as is (no
 # second escaping, no json.loads in the writer). The key is fixed width and NUL sorts below
 # every other byte, so sorting raw rows sorts by (key, rid) and the output order stays a
-# function of (inputs, seed). No field can hold a NUL: json.dumps escapes control characters,
+# function of (inputs, seed). No field can hold a NUL: JSON writers escape control characters,
 # OS paths and tar member names cannot contain one, and the validator replaces it in `source`.
 
 

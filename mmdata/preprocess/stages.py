@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmdata import fast_json
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
@@ -374,7 +375,7 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
     write_tar_index(path, layout)
     write_bytes_atomic(layout_path, layout.to_json().encode())
     lengths = LengthCounter(spec.tokenizer) if spec.lengths else None
-    tokens = [lengths(json.loads(r[0])) if lengths else (0, 0) for r in rows]
+    tokens = [lengths(fast_json.loads(r[0])[0]) if lengths else (0, 0) for r in rows]
     write_bytes_atomic(lengths_path, np.array(tokens, dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
     write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}

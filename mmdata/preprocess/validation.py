@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageFile
 
+from mmdata import fast_json
 from mmdata.preprocess import decode_check
 from mmdata.preprocess.adapters.base import MediaRef, RawRecord
 from mmdata.preprocess.adapters.media_resolution import Resolution, basename, resolve, weakest
@@ -243,7 +244,7 @@ def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = Fal
         if raw.error:
             raise _Reject(raw.error, raw.error_detail)
         try:
-            obj = json.loads(raw.json_bytes or b"")
+            obj, by_orjson = fast_json.loads(raw.json_bytes or b"")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _Reject("json_malformed", str(e)) from None
         if not isinstance(obj, dict):
@@ -308,7 +309,7 @@ def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = Fal
                        meta=meta, provenance=provenance)
     # vars() rather than dataclasses.asdict: asdict deep-copies every nested value (slow, needless).
     record = vars(rec)
-    text = json.dumps(record, ensure_ascii=False, sort_keys=True)
+    text = fast_json.dumps_sorted(record, by_orjson)
     try:
         text.encode()
     except UnicodeEncodeError as e:  # e.g. a lone surrogate written as "\ud800" in the source JSON

@@ -1,0 +1,45 @@
+"""The private Ray instance a job starts: only the processes a job uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = r"""
+import json, os
+import psutil, ray
+from ray._private import node as ray_node
+from mmdata.ray_job import init_ray, shutdown_ray
+
+original = ray_node.Node.__init__
+owned = init_ray(None, 1)
+
+@ray.remote(num_cpus=1)
+def pid():
+    return os.getpid()
+
+worker = ray.get(pid.remote())
+children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+restored = ray_node.Node.__init__ is original
+shutdown_ray(owned)
+print(json.dumps({"owned": owned, "worker": worker, "children": children, "restored": restored}))
+"""
+
+
+def _probe() -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_private_instance_runs_tasks_without_log_or_autoscaler_monitor() -> None:
+    r = _probe()
+    assert r["owned"] and r["worker"] > 0 and r["restored"]
+    children = r["children"]
+    assert any("raylet" in c for c in children) and any("gcs_server" in c for c in children), children
+    assert not any("log_monitor.py" in c for c in children), children
+    assert not any("autoscaler/_private/monitor.py" in c for c in children), children
