@@ -17,7 +17,9 @@ layout):
 Timed end to end (the subprocess's wall time: interpreter start-up, imports, Ray start and stop
 included: what a user waits for) and by the side itself (ours: the manifest's `wall_time_s`).
 Sizes N and 4N (default N = 12,000, so 48,000 at the largest; `--quick`: 1,000 and 4,000, one
-run each); each measurement is the median of `--repeats` runs. From N and 4N, t = fixed + n /
+run each); each measurement is the median of `--repeats` runs, taken in rounds that run every
+side once in turn (so a shared machine's load swings reach all sides alike), and each round's
+ours/ShardWriter ratio is printed too. From N and 4N, t = fixed + n /
 rate gives each side's marginal throughput and fixed cost. The drivers' peak RSS (ours and Ray
 Data's; the baseline's whole process) is printed for both sizes: ours must stay flat (within
 20 %) because rows and media never pass through its driver (tests/test_preprocess_scaling.py
@@ -37,9 +39,11 @@ ShardWriter) and, with `--warm`, `preprocess_warm` (ours joining a running Ray, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -211,8 +215,19 @@ def _scaled_input(root: Path, src: Path, copies: int) -> Path:
 
 def _median_run(fn, repeats: int) -> dict:
     """The run with the median end-to-end time of `repeats` runs (machines here are shared)."""
-    runs = sorted((fn() for _ in range(repeats)), key=lambda r: r["e2e"])
+    return _median(fn() for _ in range(repeats))
+
+
+def _median(runs) -> dict:
+    runs = sorted(runs, key=lambda r: r["e2e"])
     return runs[len(runs) // 2]
+
+
+def _rounds(fns: dict, repeats: int) -> tuple[dict, list[dict]]:
+    """({side: its median-time run}, [{side: run} per round]). A round runs every side once, in
+    turn, so a change in a shared machine's load reaches all sides of a round alike."""
+    rounds = [{key: fn() for key, fn in fns.items()} for _ in range(repeats)]
+    return {key: _median(r[key] for r in rounds) for key in fns}, rounds
 
 
 def _fit(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
@@ -275,12 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         floor = _median_run(lambda: {"e2e": ray_floor(args.num_cpus)}, reps)["e2e"]
         for size, raw in raws.items():
             row = {"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6}
-            for key, (_, fn) in sides.items():
-                row[key] = _median_run(lambda: fn(raw, size), reps)
+            fns = {key: functools.partial(fn, raw, size) for key, (_, fn) in sides.items()}
+            if size == 4 * n:  # the costs of dedup and of the length index, in the same rounds
+                fns["dedup"] = functools.partial(ours, raw, size, "--dedup", "phash")
+                fns["nolen"] = functools.partial(ours, raw, size, "--no-length-index")
+            medians, rounds = _rounds(fns, reps)
+            row.update(medians, paired=[r["base"]["e2e"] / r["ours"]["e2e"] for r in rounds])
             rows.append(row)
         big = rows[-1]
-        big["dedup"] = _median_run(lambda: ours(raws[4 * n], 4 * n, "--dedup", "phash"), reps)
-        big["nolen"] = _median_run(lambda: ours(raws[4 * n], 4 * n, "--no-length-index"), reps)
         if args.scale_copies:
             scaled = _scaled_input(root, raws[4 * n], args.scale_copies)
             size = 4 * n * args.scale_copies
@@ -315,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
           "stop included); ours job/s = records / the job's own wall_time_s (imports excluded)")
     for r in rows:
         print(f"ours phases at N={r['n']}: {_phases(r['ours']['m'])}")
+    for r in rows:
+        if "paired" in r:
+            print(f"ours/SW per round at N={r['n']} (both sides under the same load): "
+                  + ", ".join(f"{x:.2f}" for x in r["paired"]) + f"; median {statistics.median(r['paired']):.2f}")
     print(f"Ray alone (start, one empty task per CPU, stop) takes {floor:.1f}s, so no cold Ray job can exceed "
           + ", ".join(f"{r['n'] / floor:,.0f} samples/s at N={r['n']}" for r in rows[:2]))
     small, large = rows[0], rows[1]
