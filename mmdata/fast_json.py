@@ -29,7 +29,7 @@ import orjson
 # (C speed; a regular expression for long digit runs cost twice json.loads itself).
 _U64_MAX, _I64_MIN_ABS = b"18446744073709551615", b"9223372036854775808"
 _DIGIT_MARKS = bytes(1 if 0x30 <= b <= 0x39 else 0 for b in range(256))
-_LONG_RUN = b"\x01" * (len(_I64_MIN_ABS))  # shorter runs always fit
+_LONG_RUN = b"\x01" * len(_I64_MIN_ABS)  # shorter runs always fit
 
 
 def _fits_orjson(data: bytes) -> bool:

@@ -121,7 +121,8 @@ def _stop_autoscaler_monitor(ray) -> None:
     them, tries to report its SIGTERM to the GCS that is gone and is killed only after a one-second
     timeout (Ray 2.60: shutdown 1.1 s, 0.35 s without it). A private single-node instance has
     nothing to autoscale, so its monitor is killed first. Ray's node handle is not public API:
-    when it is missing or fails, the plain shutdown runs as before."""
+    when it is missing or fails, the plain shutdown runs as before. (An instance started through
+    `_without_cluster_helpers` has no monitor; this covers the Ray versions where that did not apply.)"""
     try:
         ray._private.worker._global_node.kill_monitor(check_alive=False)
     except Exception:  # noqa: BLE001 - best effort, see above
