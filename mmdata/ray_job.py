@@ -74,36 +74,46 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
 
 @contextlib.contextmanager
 def _without_cluster_helpers() -> Iterator[None]:
-    """While `ray.init` starts a private instance: no log monitor and no autoscaler monitor.
-    Each is a Python process importing much of Ray (about 0.6 and 0.5 CPU-seconds), started on
-    the cores the job is scanning on, for nothing a private job uses: its drivers pass
-    log_to_driver=False (worker logs stay in the session folder either way) and a one-node
-    instance has nothing to autoscale. Without them a private instance's processes use about
-    1.1 CPU-seconds less (measured per process on 2 cores), CPU the driver's scan thread gets
-    while Ray starts. `ray start` takes both (`--include-log-monitor=False`,
-    `--no-monitor`), `ray.init` neither, so they are set on the node it builds
-    (`RayParams.include_log_monitor`, `.no_monitor`); when Ray's private node class is not
-    there, Ray starts as it always does."""
+    """While `ray.init` starts a private instance: no log monitor, no autoscaler monitor and no
+    API server. Each is a Python process importing much of Ray, started on the cores the job is
+    scanning on, for nothing a private job uses:
+    - the log monitor: its drivers pass log_to_driver=False (worker logs stay in the session
+      folder either way);
+    - the autoscaler monitor: a one-node instance has nothing to autoscale;
+    - the API server (`dashboard.py`): with include_dashboard=False it loads only the usage-stats
+      module, which reports to Ray's servers unless the user opted out, and a job makes no
+      network calls. `ray.init` also waits for it to come up (about 1 s on 2 cores).
+    Together about 1.7 CPU-seconds, measured per process on 2 cores. `ray start` takes the first
+    two (`--include-log-monitor=False`, `--no-monitor`), `ray.init` none, so the two settings are
+    put on the node it builds (`RayParams.include_log_monitor`, `.no_monitor`) and the API
+    server's start is skipped on that node only (the node's webui_url stays None, as it is for
+    a node without one). When Ray's private node class is not there, Ray starts as it always does."""
     try:
         from ray._private import node as ray_node
 
-        original = ray_node.Node.__init__
+        original_init, original_api = ray_node.Node.__init__, ray_node.Node.start_api_server
     except (ImportError, AttributeError):
         yield
         return
 
-    @functools.wraps(original)
+    @functools.wraps(original_init)
     def lean_init(self, ray_params, *args, **kwargs):
         if kwargs.get("head", args[0] if args else False):
             ray_params.include_log_monitor = False
             ray_params.no_monitor = True
-        original(self, ray_params, *args, **kwargs)
+            self._mmdata_lean = True
+        original_init(self, ray_params, *args, **kwargs)
 
-    ray_node.Node.__init__ = lean_init
+    @functools.wraps(original_api)
+    def lean_api_server(self, *args, **kwargs):
+        if not getattr(self, "_mmdata_lean", False):
+            original_api(self, *args, **kwargs)
+
+    ray_node.Node.__init__, ray_node.Node.start_api_server = lean_init, lean_api_server
     try:
         yield
     finally:
-        ray_node.Node.__init__ = original
+        ray_node.Node.__init__, ray_node.Node.start_api_server = original_init, original_api
 
 
 def shutdown_ray(owned: bool) -> None:

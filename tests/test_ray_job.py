@@ -13,7 +13,7 @@ import psutil, ray
 from ray._private import node as ray_node
 from mmdata.ray_job import init_ray, shutdown_ray
 
-original = ray_node.Node.__init__
+original = (ray_node.Node.__init__, ray_node.Node.start_api_server)
 owned = init_ray(None, 1)
 
 @ray.remote(num_cpus=1)
@@ -22,9 +22,11 @@ def pid():
 
 worker = ray.get(pid.remote())
 children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-restored = ray_node.Node.__init__ is original
+restored = (ray_node.Node.__init__, ray_node.Node.start_api_server) == original
+dashboard_url = ray._private.worker._global_node.webui_url
 shutdown_ray(owned)
-print(json.dumps({"owned": owned, "worker": worker, "children": children, "restored": restored}))
+print(json.dumps({"owned": owned, "worker": worker, "children": children, "restored": restored,
+                  "dashboard_url": dashboard_url}))
 """
 
 
@@ -36,10 +38,14 @@ def _probe() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_private_instance_runs_tasks_without_log_or_autoscaler_monitor() -> None:
+def test_private_instance_runs_tasks_without_monitors_or_api_server() -> None:
+    """No log monitor, no autoscaler monitor and no API server (`dashboard.py`, whose usage-stats
+    module would report to Ray's servers); tasks still run and Ray's node class is restored."""
     r = _probe()
     assert r["owned"] and r["worker"] > 0 and r["restored"]
     children = r["children"]
     assert any("raylet" in c for c in children) and any("gcs_server" in c for c in children), children
     assert not any("log_monitor.py" in c for c in children), children
     assert not any("autoscaler/_private/monitor.py" in c for c in children), children
+    assert not any("dashboard/dashboard.py" in c for c in children), children
+    assert r["dashboard_url"] is None
