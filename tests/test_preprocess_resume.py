@@ -23,7 +23,8 @@ from tests.conftest import run_preprocess_cli
 
 # A driver that SIGKILLs itself at a fixed point of a stage whose progress a test cannot poll in
 # time: "sort" (the first sort-bucket result handled, other buckets unsorted), "index" (energon's
-# index half-written in its temporary folder; quarantine.jsonl and lengths.parquet already out).
+# index built in its temporary folder but not published; quarantine.jsonl and lengths.parquet
+# already out).
 _SIGKILL_AT = """
 import os, signal, sys
 point = sys.argv.pop(1)
@@ -40,15 +41,9 @@ if point == "sort":
                         *rest)
     job._run_resumable = run_resumable
 elif point == "index":
-    real_index = job.write_energon_index
-    def write_index(out, names, layouts, *rest):
-        def layouts_then_die():
-            for i, layout in enumerate(layouts):
-                if i == len(names) // 2:
-                    die()
-                yield layout
-        return real_index(out, names, layouts_then_die(), *rest)
-    job.write_energon_index = write_index
+    def finish(self):  # every shard indexed in the temporary folder, nothing published yet
+        die()
+    job.EnergonIndexWriter.finish = finish
 from mmdata.preprocess.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -92,7 +87,7 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     # <shard>.tar.layout.json, so a bare *.json would count a layout whose marker is not there yet)
     _start_and_kill(args, ready=lambda: markers("shards", "*.tar.json") >= 3)
     assert not (out / sf.MANIFEST_NAME).exists()
-    # kill 4: in the finish step, energon's index half-written (not yet published)
+    # kill 4: in the finish step, energon's index built but not yet published
     _start_and_kill(args, point="index")
     assert list(out.glob(".nv-meta.tmp-*")) and not (out / ".nv-meta").exists()
     assert (out / sf.QUARANTINE_NAME).exists() and not (out / sf.MANIFEST_NAME).exists()

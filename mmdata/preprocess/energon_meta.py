@@ -83,45 +83,83 @@ def write_tar_index(tar_path: Path, layout: ShardLayout) -> None:
     tmp.replace(tar_path.with_name(tar_path.name[: -len(".tar")] + TAR_INDEX_SUFFIX))
 
 
-def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable[ShardLayout],
-                        dataset: dict | None = None, sample_loader_py: str = SAMPLE_LOADER_PY) -> None:
-    """What `prepare_dataset` writes for these shards (split `train` = all of them, in order),
-    from their recorded layouts; the `.tar.idx` files are written by the shard writers. Layouts
-    are consumed one shard at a time, so memory does not grow with the dataset. `dataset` and
+class EnergonIndexWriter:
+    """What `prepare_dataset` writes for a shard set (split `train` = all of them, in order),
+    built one shard at a time from the layouts the shard writers recorded: `add` each shard in
+    order (the job does it as shards finish, while later ones are still being written), then
+    `finish`. The `.tar.idx` files are written by the shard writers. `dataset` and
     `sample_loader_py`: the sample type's `dataset.yaml` and loader (default ConversationSample).
 
-    Published atomically (built in a temporary folder, then renamed): energon takes a folder
-    with `.nv-meta/` for a dataset, so it never sees a partial one."""
-    if not shard_names:
-        return
-    final = out_dir / NV_META
-    meta = out_dir / f"{NV_META}.tmp-{os.getpid()}"
-    shutil.rmtree(meta, ignore_errors=True)
-    meta.mkdir()
-    sqlite_path = meta / "index.sqlite"
-    counts: dict[str, int] = {}
-    with sqlite3.connect(sqlite_path) as db:
+    Built in a temporary folder and published atomically by `finish`: energon takes a folder with
+    `.nv-meta/` for a dataset, so it never sees a partial one. That is also why the database is
+    written without a rollback journal or fsyncs: a build that dies leaves only the temporary
+    folder, which the next run removes and rebuilds. The inserts are one transaction, so the
+    same shards give the same bytes."""
+
+    def __init__(self, out_dir: Path, dataset: dict | None = None, sample_loader_py: str = SAMPLE_LOADER_PY):
+        self.out_dir, self.dataset, self.sample_loader_py = Path(out_dir), dataset, sample_loader_py
+        self.meta = self.out_dir / f"{NV_META}.tmp-{os.getpid()}"
+        self.counts: dict[str, int] = {}  # shard name -> samples, in add order
+        self._db: sqlite3.Connection | None = None
+
+    def _open(self) -> sqlite3.Connection:
+        shutil.rmtree(self.meta, ignore_errors=True)
+        self.meta.mkdir()
+        # (the connection is used by whichever single thread adds and finishes)
+        db = sqlite3.connect(self.meta / "index.sqlite", check_same_thread=False)
+        db.execute("PRAGMA journal_mode=OFF")
+        db.execute("PRAGMA synchronous=OFF")
         for ddl in _SCHEMA:
             db.execute(ddl)
-        for tar_id, (name, layout) in enumerate(zip(shard_names, layouts, strict=True)):
-            ends = [off for _, off in layout.samples[1:]] + [layout.end]
-            db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
-                           ((tar_id, key, i, off, end - off) for i, ((key, off), end) in enumerate(zip(layout.samples, ends))))
-            db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)", ((tar_id, *part) for part in layout.parts))
-            counts[name] = len(layout.samples)
+        return db
+
+    def add(self, name: str, layout: ShardLayout) -> None:
+        """Index the next shard (shards are added in their split order)."""
+        if name in self.counts:
+            raise ValueError(f"{name}: already in the index")
+        if self._db is None:
+            self._db = self._open()
+        tar_id = len(self.counts)
+        ends = [off for _, off in layout.samples[1:]] + [layout.end]
+        self._db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
+                             ((tar_id, key, i, off, end - off)
+                              for i, ((key, off), end) in enumerate(zip(layout.samples, ends))))
+        self._db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)",
+                             ((tar_id, *part) for part in layout.parts))
+        self.counts[name] = len(layout.samples)
+
+    def finish(self) -> None:
+        """Create the indexes, write the other files and publish `.nv-meta/` (nothing when no
+        shard was added)."""
+        if self._db is None:
+            return
         for ddl in _INDEXES:
-            db.execute(ddl)
-    db.close()
-    (meta / "index.uuid").write_text(str(uuid.uuid4()))
-    info = {"energon_version": version("megatron-energon"), "shard_counts": counts}
-    (meta / ".info.json").write_text(json.dumps(info, indent=2))
-    splits = {"split_parts": {"train": _collapse(shard_names)}, "exclude": []}
-    (meta / "split.yaml").write_text(yaml.dump(splits, sort_keys=False))
-    (meta / "dataset.yaml").write_text(yaml.safe_dump(dataset or DATASET_YAML, sort_keys=False))
-    (meta / "sample_loader.py").write_text(sample_loader_py)
-    if final.exists():  # from an interrupted finish of this same job
-        shutil.rmtree(final)
-    os.replace(meta, final)
+            self._db.execute(ddl)
+        self._db.commit()
+        self._db.close()
+        self._db = None
+        meta, names = self.meta, list(self.counts)
+        (meta / "index.uuid").write_text(str(uuid.uuid4()))
+        info = {"energon_version": version("megatron-energon"), "shard_counts": self.counts}
+        (meta / ".info.json").write_text(json.dumps(info, indent=2))
+        splits = {"split_parts": {"train": _collapse(names)}, "exclude": []}
+        (meta / "split.yaml").write_text(yaml.dump(splits, sort_keys=False))
+        (meta / "dataset.yaml").write_text(yaml.safe_dump(self.dataset or DATASET_YAML, sort_keys=False))
+        (meta / "sample_loader.py").write_text(self.sample_loader_py)
+        final = self.out_dir / NV_META
+        if final.exists():  # from an interrupted finish of this same job
+            shutil.rmtree(final)
+        os.replace(meta, final)
+
+
+def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable[ShardLayout],
+                        dataset: dict | None = None, sample_loader_py: str = SAMPLE_LOADER_PY) -> None:
+    """`.nv-meta/` for these shards from their layouts (see EnergonIndexWriter). Layouts are
+    consumed one shard at a time, so memory does not grow with the dataset."""
+    index = EnergonIndexWriter(out_dir, dataset, sample_loader_py)
+    for name, layout in zip(shard_names, layouts, strict=True):
+        index.add(name, layout)
+    index.finish()
 
 
 def _collapse(shard_names: list[str]) -> list[str]:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from mmdata.preprocess.adapters.llava_json import check_image_root
 from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
-from mmdata.preprocess.energon_meta import NV_META, ShardLayout, write_energon_index
+from mmdata.preprocess.energon_meta import NV_META, EnergonIndexWriter, ShardLayout
 from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
 from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
@@ -232,11 +232,18 @@ class _DriverScanner(threading.Thread):
         return self.drain()
 
 
+def _index_shard(index: EnergonIndexWriter, work: Path, name: str) -> None:
+    index.add(name, ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()))
+
+
 def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[ShardResult], num_buckets: int,
-                    dedup: bool, text_tokens: str | None) -> str | None:
+                    dedup: bool, text_tokens: str | None, index: EnergonIndexWriter, indexed: list[Future]) -> str | None:
     """quarantine.jsonl, duplicates.jsonl, the length index (returns its sha256; None:
-    `text_tokens` None, no index), then energon's index from the layouts the shard writers
-    recorded, published atomically: with the manifest after it, it is what says "finished"."""
+    `text_tokens` None, no index), then energon's index, whose shards were added as they were
+    written (`indexed`), published atomically: with the manifest after it, it is what says
+    "finished"."""
+    for f in indexed:
+        f.result()  # (done: the same single thread ran them first) re-raises an indexing error
     names = [s.name for s in shards]
     # every shard is in place: a partial file of a killed (and retried) writer is now garbage
     remove(list(out.glob(PARTIAL_SHARD_GLOB)))
@@ -248,8 +255,7 @@ def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[
         firsts = np.cumsum([0] + [s.samples for s in shards])
         lengths_sha = write_length_index(
             out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)], text_tokens)
-    layouts = (ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()) for name in names)
-    write_energon_index(out, names, layouts)
+    index.finish()
     return lengths_sha
 
 
@@ -410,6 +416,11 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise
     phase_done("ray_init_s")
     mix_report: dict | None = None
+    # One thread indexes the written shards for energon (in shard order, as they finish), then
+    # runs the finish step while Ray shuts down.
+    finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
+    index, indexed = EnergonIndexWriter(out), []
+    finish_submitted = False
     try:
         # SPREAD: tasks go round the nodes (each reads and writes the shared file system), rather
         # than filling the driver's node first; on one node it changes nothing.
@@ -493,7 +504,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                 mix_report["realised"] = {g: realised.get(g, Counter())["kept"] + realised.get(g, Counter())["repeated"]
                                           for g in mix_report["target"]}
             phase_done("sort_s")
-            # 4. write shards
+            # 4. write shards; each is indexed once it and all before it are written
             sps = cfg.samples_per_shard or auto_samples_per_shard(candidate_bytes, candidates, cfg.target_shard_bytes)
             plans = plan_shards(bucket_counts, sps)
             results: list[dict | None] = [None] * len(plans)
@@ -503,6 +514,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             def wrote(plan: ShardPlan, res: dict) -> None:
                 task_nodes[res.pop(NODE_KEY)] += 1
                 results[plan.index] = res
+                while len(indexed) < len(plans) and (done := results[len(indexed)]) is not None:
+                    indexed.append(finishing.submit(_index_shard, index, work, done["name"]))
                 resumed["shards"] += int(res["resumed"])
                 written[0] += res["samples"]
                 prog.advance("write shards", records=written[0], unit="samples")
@@ -511,15 +524,16 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
                         max_in_flight, wrote)
             prog.resumed("write shards", resumed["shards"], len(plans), "shard", after=True)
             phase_done("write_s")
-        # 5. finish: energon index, quarantine, duplicates, length index while Ray shuts down
+        # 5. finish: quarantine, duplicates, length index, energon index published, while Ray shuts down
         shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
         text_tokens = None if not spec.lengths else "tokenizer" if spec.tokenizer else "estimate"
-        finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
-        finished = finishing.submit(_finish_outputs, out, work, units, shards, num_buckets, spec.dedup, text_tokens)
-        finishing.shutdown(wait=False)
+        finished = finishing.submit(_finish_outputs, out, work, units, shards, num_buckets, spec.dedup, text_tokens,
+                                    index, indexed)
+        finish_submitted = True
     except SystematicLoss as e:
         raise PreprocessError(str(e)) from None
     finally:
+        finishing.shutdown(wait=False, cancel_futures=not finish_submitted)
         scanner.stop()
         scanner.join()
         shutdown_ray(own_ray)
