@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from mmdata.preprocess import decode_check
-from mmdata.preprocess.validation import ValidationConfig, _Reject, check_image
+from mmdata.preprocess.validation import ValidationConfig, _Reject, check_image, quiet_pillow_bomb_warning
 
 pytestmark = pytest.mark.unit
 
@@ -162,3 +162,39 @@ def test_image_check_catches_whatever_a_full_pillow_decode_catches(fmt, mode, kw
         cases.append(bytes(b))
     for case in cases:
         _agrees_with_pillow(case, fmt)
+
+
+def test_check_keeps_warning_filters_other_threads_add(monkeypatch):
+    """The check must not save and restore the process's warning filters around a decode: the
+    driver scans in a thread while its main thread imports Ray, and a filter an import adds
+    meanwhile (requests silencing urllib3's SOCKS warning) was lost, printing that warning."""
+    import warnings
+
+    class OtherThreadsWarning(UserWarning):
+        pass
+
+    real = decode_check.check_png_stream
+
+    def check_while_an_import_adds_a_filter(*args):
+        warnings.filterwarnings("ignore", category=OtherThreadsWarning)
+        return real(*args)
+
+    monkeypatch.setattr(decode_check, "check_png_stream", check_while_an_import_adds_a_filter)
+    try:
+        assert check_image(_encode(_picture("RGB"), "PNG"), "x", ValidationConfig())[0] == "png"
+        assert any(f[2] is OtherThreadsWarning for f in warnings.filters)
+    finally:
+        warnings.filters[:] = [f for f in warnings.filters if f[2] is not OtherThreadsWarning]
+
+
+def test_over_pillows_limit_the_job_limit_decides():
+    """Above Pillow's MAX_IMAGE_PIXELS (but under twice it) the job's own --max-image-pixels
+    decides: a larger limit admits the image, the default one rejects it as image_too_large.
+    (Pillow's warning is silenced as a scan task does it.)"""
+    quiet_pillow_bomb_warning()
+    w, h = 10_000, Image.MAX_IMAGE_PIXELS // 10_000 + 10  # just over Pillow's limit
+    data = _encode(Image.new("L", (w, h)), "PNG", compress_level=1)
+    assert check_image(data, "big", ValidationConfig(max_image_pixels=2 * w * h))[1:3] == (w, h)
+    with pytest.raises(_Reject) as e:
+        check_image(data, "big", ValidationConfig())
+    assert e.value.reason == "image_too_large"

@@ -42,7 +42,7 @@ from mmdata.preprocess.rows import (
 )
 from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
-from mmdata.preprocess.validation import Valid, ValidationConfig, validate
+from mmdata.preprocess.validation import Valid, ValidationConfig, quiet_pillow_bomb_warning, validate
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,7 @@ def _subset(unit: InputUnit) -> str:
 
 def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     """Validate every record of one input file; spill the kept rows grouped by bucket."""
+    quiet_pillow_bomb_warning()
     # Counts are per `source` field; records whose JSON is unreadable count under their folder.
     fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
     subset = _subset(unit)

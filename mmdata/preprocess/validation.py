@@ -72,6 +72,20 @@ class _Reject(Exception):
         self.reason, self.detail = reason, detail
 
 
+def quiet_pillow_bomb_warning() -> None:
+    """Pillow's own decompression-bomb check warns above its MAX_IMAGE_PIXELS; `_guard_pixels`
+    applies the job's --max-image-pixels right after the header is read, so that warning adds
+    nothing. It is ignored by a filter (set again by each scan task: a `catch_warnings()` around
+    an import drops it), not turned into an error by a `catch_warnings()` per image: that saves
+    and restores the process's whole filter list around every decode, undoing filters other
+    threads add meanwhile (the driver scans while it imports Ray; a lost filter of `requests`
+    printed urllib3's SOCKS warning)."""
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+quiet_pillow_bomb_warning()
+
+
 def _png_fast_ok(img: Image.Image) -> bool:
     """A plain (non-interlaced, non-animated) PNG: validated by `check_png_stream`."""
     return not img.info.get("interlace") and not getattr(img, "is_animated", False)
@@ -96,18 +110,16 @@ def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str,
             _guard_pixels(w, h, name, cfg)
             decode_check.check_webp(data, has_alpha)
             return "WEBP", w, h, "RGBA" if has_alpha else "RGB"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        img = Image.open(io.BytesIO(data))
-        w, h = img.size
-        _guard_pixels(w, h, name, cfg)
-        fmt, mode = img.format or "", img.mode
-        if fmt == "JPEG":
-            decode_check.check_jpeg_with_pillow(img)
-        elif fmt == "PNG" and _png_fast_ok(img):
-            decode_check.check_png_stream(data, w, h)
-        else:
-            img.load()
+    img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    _guard_pixels(w, h, name, cfg)
+    fmt, mode = img.format or "", img.mode
+    if fmt == "JPEG":
+        decode_check.check_jpeg_with_pillow(img)
+    elif fmt == "PNG" and _png_fast_ok(img):
+        decode_check.check_png_stream(data, w, h)
+    else:
+        img.load()
     return fmt, w, h, mode
 
 
@@ -121,7 +133,7 @@ def check_image(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int
         fmt, w, h, mode = _open_and_check(data, name, cfg)
     except _Reject:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except Image.DecompressionBombError as e:  # (over twice Pillow's limit, before our guard)
         raise _Reject("image_too_large", f"{name}: {e}") from None
     except OSError as e:
         msg = str(e)
