@@ -198,3 +198,74 @@ def test_over_pillows_limit_the_job_limit_decides():
     with pytest.raises(_Reject) as e:
         check_image(data, "big", ValidationConfig())
     assert e.value.reason == "image_too_large"
+
+
+def _png_variants() -> list[tuple[str, bytes]]:
+    """PNGs as real data has them: every mode Pillow writes, palette transparency, grey and
+    truecolour tRNS, pHYs, gAMA-free and optimised files, text and ICC chunks, and APNG."""
+    from PIL import PngImagePlugin
+
+    out = []
+    base = _picture("RGB", (61, 37))
+    for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16"):
+        im = base.convert(mode) if mode != "I;16" else _picture("I;16", (61, 37))
+        out.append((f"{mode}", _encode(im, "PNG")))
+        out.append((f"{mode} optimize", _encode(im, "PNG", optimize=True)))
+        out.append((f"{mode} dpi", _encode(im, "PNG", dpi=(72, 72))))
+    out.append(("P tRNS", _encode(base.convert("P"), "PNG", transparency=3)))
+    out.append(("L tRNS", _encode(base.convert("L"), "PNG", transparency=7)))
+    out.append(("RGB tRNS", _encode(base, "PNG", transparency=(1, 2, 3))))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "a text chunk")
+    out.append(("RGB tEXt", _encode(base, "PNG", pnginfo=info)))
+    out.append(("RGB iCCP", _encode(base, "PNG", icc_profile=b"\0" * 200)))
+    out.append(("APNG", _encode(base, "PNG", save_all=True, append_images=[base.transpose(Image.Transpose.ROTATE_180)])))
+    return out
+
+
+def _pillow_png_header(data: bytes):
+    """What the validator takes from Pillow: (size, mode, plain) or None when it cannot open."""
+    try:
+        im = Image.open(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - any refusal
+        return None
+    plain = im.format == "PNG" and not im.info.get("interlace") and not getattr(im, "is_animated", False)
+    return (im.size, im.mode, plain)
+
+
+def test_png_header_is_pillows_reading_or_leaves_it_to_pillow():
+    """The fast PNG header reader either gives exactly what Pillow's open gives (size and mode
+    of a plain PNG) or returns None so that Pillow decides: on every variant and on thousands
+    of damaged headers (bit flips and cuts in the chunks before the image data)."""
+    rng = random.Random(7)
+    taken = 0
+    for label, data in _png_variants():
+        mine, pillow = decode_check.png_header(data), _pillow_png_header(data)
+        if label in ("RGB tEXt", "RGB iCCP", "APNG"):
+            assert mine is None, label  # chunks Pillow does more with: Pillow opens these
+        else:
+            assert mine is not None and ((mine[0], mine[1]), mine[2], True) == pillow, (label, mine, pillow)
+        idat = data.index(b"IDAT")
+        for _ in range(150):
+            bad = bytearray(data)
+            if rng.random() < 0.8:
+                for _ in range(rng.randint(1, 3)):
+                    i = rng.randrange(8, idat + 4)
+                    bad[i] ^= 1 << rng.randrange(8)
+            else:
+                bad = bad[:rng.randrange(8, idat + 8)]
+            mine = decode_check.png_header(bytes(bad))
+            if mine is not None:
+                taken += 1
+                assert ((mine[0], mine[1]), mine[2], True) == _pillow_png_header(bytes(bad)), label
+    assert taken > 0  # some damage leaves a readable header (e.g. in an unknown chunk's value)
+
+
+def test_png_fast_path_gives_pillows_verdict_on_the_image_data():
+    """A plain PNG taken by the fast header reader gets the same stream check as before: a cut
+    or corrupt image stream is still rejected, with the same reasons."""
+    data = _encode(_picture("RGB", (320, 200)), "PNG")
+    assert check_image(data, "x", ValidationConfig())[:3] == ("png", 320, 200)
+    with pytest.raises(_Reject) as e:
+        check_image(data[: len(data) * 2 // 3], "x", ValidationConfig())
+    assert e.value.reason == "image_truncated"

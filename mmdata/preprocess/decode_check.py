@@ -10,22 +10,32 @@ colour conversion). Every function raises OSError with a message naming what is 
 - JPEG: libjpeg-turbo (simplejpeg) at 1/8 scale to grey, strict; anything it does not accept
   goes through Pillow's own draft decode, so a rejection is always Pillow's verdict (libjpeg
   warnings such as extraneous bytes are tolerated, as at training time).
-- PNG (non-interlaced): every IDAT inflated with ISA-L, exact data length, valid row filters.
+- PNG (non-interlaced): every IDAT inflated with ISA-L, exact data length, valid row filters;
+  a plain PNG's header chunks are read here too (as Pillow reads them), others open with Pillow.
 - WebP (still): libwebp decode to YUV(A) without the in-loop filter or fancy upsampling.
 """
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import simplejpeg
 from isal import isal_zlib
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from webp._webp import ffi as _webp_ffi
 from webp._webp import lib as _webp
 
 # PNG colour type -> samples per pixel (PNG spec, table 11.1).
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
 _PNG_PIECE = 8 << 20  # inflate in pieces of this many bytes: memory stays bounded for huge images
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_MODES = {key: modes[0] for key, modes in PngImagePlugin._MODES.items()}  # (depth, colour type) -> mode
+# Header chunks whose Pillow handler only records a value, with the length it needs (shorter:
+# Pillow refuses the file). Any other chunk Pillow has a handler for (text, ICC profile, EXIF,
+# APNG, a second IHDR) sends the file to Pillow; chunks it has none for it skips, CRC checked.
+_PNG_PLAIN_CHUNKS = {b"PLTE": 0, b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9}
+_PNG_TRNS_MIN = {"1": 2, "L": 2, "I;16": 2, "RGB": 6}  # tRNS: grey 2 bytes, truecolour 6
 
 # libwebp's WebPDecoderOptions begins `int bypass_filtering; int no_fancy_upsampling;` (decode.h,
 # ABI 0x02xx: 19 ints, use_threads at byte 40). The binding only names use_threads, so the two
@@ -77,6 +87,45 @@ def check_jpeg_with_pillow(img: Image.Image) -> None:
     w, h = img.size
     img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
     img.load()
+
+
+def is_png(data: bytes) -> bool:
+    return data[:8] == _PNG_SIGNATURE
+
+
+def png_header(data: bytes) -> tuple[int, int, str] | None:
+    """(width, height, Pillow mode) of a plain PNG - IHDR first, not interlaced, no chunk before
+    the image data that Pillow does more with than record a value - read from its chunks with
+    every header chunk's CRC and length checked as `PngImagePlugin` checks them. None for
+    anything else, including damage: the caller then opens it with Pillow, whose verdict and
+    message stand. (Pillow's chunk parsing in Python cost about as much as the data check.)"""
+    n = len(data)
+    if n < 45 or data[8:16] != b"\x00\x00\x00\x0dIHDR":
+        return None
+    w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    mode = _PNG_MODES.get((data[24], data[25]))
+    if mode is None or data[27] or data[28] or not (w and h):  # filter method, interlace
+        return None
+    pos = 8
+    while pos + 12 <= n:
+        length, cid = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+        if cid == b"IDAT":
+            return w, h, mode
+        end = pos + 8 + length
+        if end + 4 > n or not PngImagePlugin.is_cid(cid):
+            return None
+        if cid == b"tRNS":
+            if length < _PNG_TRNS_MIN.get(mode, 0):
+                return None
+        elif cid in _PNG_PLAIN_CHUNKS:
+            if length < _PNG_PLAIN_CHUNKS[cid]:
+                return None
+        elif pos != 8 and hasattr(PngImagePlugin.PngStream, f"chunk_{cid.decode('ascii')}"):
+            return None
+        if zlib.crc32(data[pos + 4:end]) != int.from_bytes(data[end:end + 4], "big"):
+            return None
+        pos = end + 4
+    return None
 
 
 def check_png_stream(data: bytes, w: int, h: int) -> None:

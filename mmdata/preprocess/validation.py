@@ -98,8 +98,9 @@ def _guard_pixels(w: int, h: int, name: str, cfg: ValidationConfig) -> None:
 
 def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int, int, str]:
     """(format, width, height, mode) after the format's full decode check; raises OSError.
-    Plain JPEGs and still WebPs never reach Pillow (its Python header parsing would cost as
-    much as the check); everything else, and every JPEG the fast decoder does not take, does."""
+    Plain JPEGs, plain PNGs and still WebPs never reach Pillow (its Python header parsing would
+    cost as much as the check); everything else, and every JPEG or PNG the fast path does not
+    take, does."""
     if decode_check.is_jpeg(data) and (header := decode_check.jpeg_header(data)):
         _guard_pixels(header[0], header[1], name, cfg)
         if decode_check.jpeg_decodes_cleanly(data):
@@ -110,6 +111,11 @@ def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str,
             _guard_pixels(w, h, name, cfg)
             decode_check.check_webp(data, has_alpha)
             return "WEBP", w, h, "RGBA" if has_alpha else "RGB"
+    elif decode_check.is_png(data) and (header := decode_check.png_header(data)):
+        w, h, mode = header
+        _guard_pixels(w, h, name, cfg)
+        decode_check.check_png_stream(data, w, h)
+        return "PNG", w, h, mode
     img = Image.open(io.BytesIO(data))
     w, h = img.size
     _guard_pixels(w, h, name, cfg)
