@@ -155,10 +155,11 @@ def test_row_round_trip() -> None:
     media.append(("/data/undecodable-\udcff.tar", 0, 0, "video.mp4"))  # a non-UTF-8 file name (os.fsdecode)
     for m in (media, media[:1], []):
         rid = "stage1/a b/000.tar:0001.json"
-        row = encode_row(2**64 - 1, rid, (3, 17), "src é", "stage1/a b", record_json, m)
-        got_json, got_media = decode_row(row)
+        tokens = (rng.randrange(1 << 30), rng.randrange(1 << 30))
+        row = encode_row(2**64 - 1, rid, (3, 17), "src é", "stage1/a b", record_json, m, tokens)
+        got_json, got_media, got_tokens = decode_row(row)
         assert json.loads(got_json) == record and got_json == record_json.encode()
-        assert got_media == m
+        assert got_media == m and got_tokens == tokens
         assert row_head(row) == (rid, (3, 17), "src é", "stage1/a b")
         copy = rekey_row(row, 5, rid + "#repeat1")  # a repeated copy: new key and identity, same record
         assert copy[:8] == (5).to_bytes(8, "big") and row_head(copy) == (rid + "#repeat1", (3, 17), "src é", "stage1/a b")

@@ -2,7 +2,7 @@
 be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
 
 - image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres_math`,
-  torch-free, so the shard writers never import torch) on the image sizes the validator read
+  torch-free, so the scan tasks never import torch) on the image sizes the validator read
   from the headers: a single image is anyres (base tile + grid, anyres_max_9), each image of a
   multi-image sample one base tile, a video its sampled frames (at most 32) pooled to 14 x 14
   plus one newline;
@@ -70,7 +70,7 @@ COUNTING_TOKENIZER_NAME = "counting-tokenizer.json"
 
 
 def write_counting_tokenizer(folder: str | Path, work: str | Path) -> str:
-    """Save the `--tokenizer` folder's tokenizer as the shard writers count with it; returns the
+    """Save the `--tokenizer` folder's tokenizer as the scan tasks count with it; returns the
     path to hand them. transformers imports torch on load (seconds per Ray worker), so the driver,
     which loads it anyway to check it, writes its fast backend (exactly what the loader's
     `encode_with_offsets` encodes with) and the ids `ChatTokenizer` reads into one JSON file that

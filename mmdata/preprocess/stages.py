@@ -3,7 +3,8 @@
 done-marker last, so a retried or resumed task gives the same bytes.
 
 - scan_unit: validate one input file's records and apply the filters; spill the kept records'
-  index rows grouped by sort bucket, and (with --dedup) their LSH entries.
+  index rows (with their length-index token counts) grouped by sort bucket, and (with --dedup)
+  their LSH entries.
 - (curation/dedup.py: dedup_partition and resolve_bucket, between scan and sort)
 - sort_bucket: gather one bucket's rows from every scan run, drop duplicates, apply the mix
   (keep / repeat), sort by (key, rid). Repeated copies bound for other buckets are spilled.
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mmdata import fast_json
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
@@ -116,6 +116,7 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     qlines: list[str] = []
     groups: Counter[str] = Counter()  # kept records per mix group
     entries = EntryBuilder(spec.dedup_distance, spec.dedup_scope) if spec.dedup else None
+    lengths = LengthCounter(spec.tokenizer) if spec.lengths else None
     ids: list[str] = []  # (dedup) "id NUL location" per kept record, for duplicates.jsonl
     phash: Counter[str] = Counter()  # image hashes taken from the field / computed
     kept = 0  # the next kept record's ordinal (its handle: what dedup marks refer to)
@@ -137,7 +138,8 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
             handle = (unit.index, kept)
             kept += 1
             media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
-            by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media))
+            tokens = lengths(res.record) if lengths else (0, 0)
+            by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media, tokens))
             counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
             group = spec.group_of(source, subset) if spec.mix_by else ""
             if spec.mix_by:
@@ -329,15 +331,9 @@ class _InputFiles:
         self.fds.clear()
 
 
-def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
-    """One of a written shard's work files: json (its done-marker), layout.json."""
-    return Path(work) / "shards" / f"{shard_name}.{suffix}"
-
-
 def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = False) -> dict:
     """Write one shard (or keep it if an earlier run already wrote it and its sha256 matches),
-    and its part of the length index (counted here, in the workers: the loader's anyres code
-    imports torch, which the driver, scanning while Ray starts, should not pay for)."""
+    and its part of the length index (the counts the scan put in the rows)."""
     work = spec.work
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
@@ -354,7 +350,7 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
 
     def samples() -> Iterator[SampleMembers]:
         ahead, ahead_bytes, done_bytes = 0, 0, 0
-        for i, (record_json, media) in enumerate(rows):
+        for i, (record_json, media, _) in enumerate(rows):
             while ahead < len(rows) and (ahead <= i or ahead_bytes - done_bytes < _PREFETCH_BYTES):
                 for p, off, size, _ in rows[ahead][1]:
                     files.prefetch(p, off, size)
@@ -375,9 +371,7 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
     # length index before the marker.
     write_tar_index(path, layout)
     write_bytes_atomic(layout_path, layout.to_json().encode())
-    lengths = LengthCounter(spec.tokenizer) if spec.lengths else None
-    tokens = [lengths(fast_json.loads(r[0])[0]) if lengths else (0, 0) for r in rows]
-    write_bytes_atomic(lengths_path, np.array(tokens, dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
+    write_bytes_atomic(lengths_path, np.array([r[2] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
     write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}
 
