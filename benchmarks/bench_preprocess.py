@@ -19,7 +19,8 @@ included: what a user waits for) and by the side itself (ours: the manifest's `w
 Sizes N and 4N (default N = 12,000, so 48,000 at the largest; `--quick`: 1,000 and 4,000, one
 run each); each measurement is the median of `--repeats` runs, taken in rounds that run every
 side once in turn (so a shared machine's load swings reach all sides alike), and each round's
-ours/ShardWriter ratio is printed too. From N and 4N, t = fixed + n /
+ours/ShardWriter ratio is printed too (each round: Ray Data first, then ShardWriter and
+ours next to each other in alternating order, then the variants). From N and 4N, t = fixed + n /
 rate gives each side's marginal throughput and fixed cost. The drivers' peak RSS (ours and Ray
 Data's; the baseline's whole process) is printed for both sizes: ours must stay flat (within
 20 %) because rows and media never pass through its driver (tests/test_preprocess_scaling.py
@@ -223,10 +224,19 @@ def _median(runs) -> dict:
     return runs[len(runs) // 2]
 
 
+def _round_order(keys: list[str], r: int) -> list[str]:
+    """The order of round r: Ray Data first, then ShardWriter and ours next to each other, which
+    of the two comes first alternating by round, then the variants. So neither of the compared
+    sides always runs right after Ray Data (which pushes every byte through the object store)."""
+    pair = ["base", "ours"] if r % 2 == 0 else ["ours", "base"]
+    return [k for k in keys if k == "rd"] + pair + [k for k in keys if k not in ("rd", "base", "ours")]
+
+
 def _rounds(fns: dict, repeats: int) -> tuple[dict, list[dict]]:
     """({side: its median-time run}, [{side: run} per round]). A round runs every side once, in
-    turn, so a change in a shared machine's load reaches all sides of a round alike."""
-    rounds = [{key: fn() for key, fn in fns.items()} for _ in range(repeats)]
+    turn (`_round_order`), so a change in a shared machine's load reaches all sides of a round
+    alike."""
+    rounds = [{key: fns[key]() for key in _round_order(list(fns), r)} for r in range(repeats)]
     return {key: _median(r[key] for r in rounds) for key in fns}, rounds
 
 
