@@ -259,6 +259,8 @@ def test_png_header_is_pillows_reading_or_leaves_it_to_pillow():
                 taken += 1
                 assert ((mine[0], mine[1]), mine[2], True) == _pillow_png_header(bytes(bad)), label
     assert taken > 0  # some damage leaves a readable header (e.g. in an unknown chunk's value)
+    plain = _encode(_picture("RGB", (61, 37)), "PNG")
+    assert decode_check.png_header(b"\x00" + plain[1:]) is None  # no PNG signature: not read as one
 
 
 def test_png_fast_path_gives_pillows_verdict_on_the_image_data():

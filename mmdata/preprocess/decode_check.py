@@ -89,10 +89,6 @@ def check_jpeg_with_pillow(img: Image.Image) -> None:
     img.load()
 
 
-def is_png(data: bytes) -> bool:
-    return data[:8] == _PNG_SIGNATURE
-
-
 def png_header(data: bytes) -> tuple[int, int, str] | None:
     """(width, height, Pillow mode) of a plain PNG - IHDR first, not interlaced, no chunk before
     the image data that Pillow does more with than record a value - read from its chunks with
@@ -100,7 +96,7 @@ def png_header(data: bytes) -> tuple[int, int, str] | None:
     anything else, including damage: the caller then opens it with Pillow, whose verdict and
     message stand. (Pillow's chunk parsing in Python cost about as much as the data check.)"""
     n = len(data)
-    if n < 45 or data[8:16] != b"\x00\x00\x00\x0dIHDR":
+    if n < 45 or data[:8] != _PNG_SIGNATURE or data[8:16] != b"\x00\x00\x00\x0dIHDR":
         return None
     w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     mode = _PNG_MODES.get((data[24], data[25]))

@@ -111,7 +111,7 @@ def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str,
             _guard_pixels(w, h, name, cfg)
             decode_check.check_webp(data, has_alpha)
             return "WEBP", w, h, "RGBA" if has_alpha else "RGB"
-    elif decode_check.is_png(data) and (header := decode_check.png_header(data)):
+    elif header := decode_check.png_header(data):
         w, h, mode = header
         _guard_pixels(w, h, name, cfg)
         decode_check.check_png_stream(data, w, h)
