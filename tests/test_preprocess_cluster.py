@@ -61,7 +61,8 @@ def scan_unit(*args, **kwargs):
 
 shard_writer._write, stages.sort_bucket, stages.scan_unit = _write, sort_bucket, scan_unit
 from mmdata.preprocess import job  # (after the patches: it imports scan_unit and sort_bucket by name)
-job._DriverScanner.run = lambda self: None
+from mmdata.preprocess import driver_scan
+driver_scan.DriverScanner.start = lambda self: None
 """
 
 

@@ -31,9 +31,8 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -50,6 +49,7 @@ from mmdata.preprocess.adapters.llava_json import check_image_root
 from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
+from mmdata.preprocess.driver_scan import DriverScanner
 from mmdata.preprocess.energon_meta import NV_META, EnergonIndexWriter, ShardLayout
 from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
@@ -183,55 +183,6 @@ def _prepare_work_dir(out: Path, fp: str, num_buckets: int, job: dict) -> Path:
     return work
 
 
-class _DriverScanner(threading.Thread):
-    """Scans input files in the driver until Ray is up and its first scan task has finished:
-    a private Ray instance takes seconds to boot and each job's workers take a while to start,
-    and the cores are mostly idle meanwhile. The driver thread and the Ray submission loop take
-    files from one shared queue; once stopped, the thread finishes its current file and the rest
-    go to Ray. scan_unit is a pure function of the file, so who scans a file never changes the
-    output. Memory: one file's index rows at a time, as in a Ray task. Results are handed to the
-    main thread as they come (`drain`), so its checks see the first files early."""
-
-    def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict]):
-        super().__init__(name="mmdata-driver-scan", daemon=True)
-        self._todo, self._scan, self._lock = deque(units), scan, threading.Lock()
-        self._stopped = False
-        self._done: list[tuple[InputUnit, dict]] = []  # not yet drained
-        self.scanned = 0
-        self.error: BaseException | None = None
-
-    def take(self) -> InputUnit | None:
-        with self._lock:
-            return self._todo.popleft() if self._todo else None
-
-    def run(self) -> None:
-        try:
-            while not self._stopped and (unit := self.take()) is not None:
-                result = self._scan(unit)
-                with self._lock:
-                    self._done.append((unit, result))
-                    self.scanned += 1
-        except BaseException as e:  # noqa: BLE001 - re-raised in the driver by finish()
-            self.error = e
-
-    def drain(self) -> list[tuple[InputUnit, dict]]:
-        """(unit, result) of the files scanned since the last call."""
-        with self._lock:
-            done, self._done = self._done, []
-        return done
-
-    def stop(self) -> None:
-        """Take no new file (the current one is finished)."""
-        self._stopped = True
-
-    def finish(self) -> list[tuple[InputUnit, dict]]:
-        self.stop()
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.drain()
-
-
 def _index_shard(index: EnergonIndexWriter, work: Path, name: str) -> None:
     index.add(name, ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()))
 
@@ -329,11 +280,6 @@ def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int],
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run the whole job; returns the manifest. Raises PreprocessError on user errors, and
     Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
-    # Ray is imported before the driver's scan thread starts: an import is hundreds of small
-    # file reads, each releasing the GIL, and a scanning thread takes it at each one, so the
-    # import would wait a switch interval each time (measured: 0.3 s alone, over 2 s beside it).
-    import ray
-
     from mmdata.preprocess.progress import JobProgress, summary_table
 
     t_start = time.perf_counter()
@@ -407,15 +353,16 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     except SystematicLoss as e:
         raise PreprocessError(str(e)) from None
     resumed_records = counts.read
-    # While Ray starts (and its workers), the driver scans files itself.
+    # While Ray is imported and starts (and its workers), a child of the driver scans files.
     t_scan = time.perf_counter()
-    scanner = _DriverScanner(todo, lambda u: scan_unit(u, spec))
+    scanner = DriverScanner(todo, functools.partial(scan_unit, spec=spec))
     scanner.start()
     try:
+        import ray  # (after the fork: the child shares nothing with Ray)
+
         own_ray = init_ray(cfg.address, cfg.num_cpus)
     except BaseException:
-        scanner.stop()
-        scanner.join()
+        scanner.close()
         raise
     phase_done("ray_init_s")
     mix_report: dict | None = None
@@ -450,10 +397,11 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
             for done in scanner.drain():
                 scanned(*done)
-            run_bounded(lambda u: remote["scan_unit"].remote(u, spec), iter(scanner.take, None), max_in_flight,
-                        scanned_by_ray)
+            scan_in_ray = lambda u: remote["scan_unit"].remote(u, spec)  # noqa: E731
+            run_bounded(scan_in_ray, iter(scanner.take, None), max_in_flight, scanned_by_ray)
             for done in scanner.finish():
                 scanned(*done)
+            run_bounded(scan_in_ray, scanner.unfinished(), max_in_flight, scanned_by_ray)
             candidates, candidate_bytes = counts.written, counts.valid_bytes
             phase_done("scan_s")
             # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
@@ -537,8 +485,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise PreprocessError(str(e)) from None
     finally:
         finishing.shutdown(wait=False, cancel_futures=not finish_submitted)
-        scanner.stop()
-        scanner.join()
+        scanner.close()
         shutdown_ray(own_ray)
     lengths_sha = finished.result()  # re-raises an error of the finishing step
     phase_done("finish_s")

@@ -1,0 +1,155 @@
+"""The driver's scan process: every file is scanned exactly once (by the child or by whoever
+takes it), a failure is re-raised with the file's name, a file the child died on is handed back,
+and the child never outlives the driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.driver_scan import DriverScanner
+
+
+def _units(n: int) -> list[InputUnit]:
+    return [InputUnit(index=i, path=f"/data/part{i:03d}.tar", rel=f"part{i:03d}.tar", size=100, mtime_ns=0)
+            for i in range(n)]
+
+
+def _echo(unit: InputUnit) -> dict:
+    return {"index": unit.index, "scanned_by": os.getpid()}
+
+
+def _slow(unit: InputUnit) -> dict:
+    time.sleep(0.05)
+    return _echo(unit)
+
+
+def test_every_file_is_scanned_once_by_the_child_or_by_take():
+    units = _units(60)
+    scanner = DriverScanner(units, _slow)
+    scanner.start()
+    try:
+        time.sleep(0.3)  # the child scans a few
+        scanner.stop()
+        by_ray = list(iter(scanner.take, None))
+        results = scanner.drain() + scanner.finish()
+        assert scanner.unfinished() == []
+    finally:
+        scanner.close()
+    in_child = [u.index for u, _ in results]
+    assert in_child and by_ray, (len(in_child), len(by_ray))
+    assert sorted(in_child + [u.index for u in by_ray]) == list(range(60))
+    assert all(r == {"index": u.index, "scanned_by": r["scanned_by"]} for u, r in results)
+    assert {r["scanned_by"] for _, r in results} != {os.getpid()}  # another process did the work
+    assert scanner.scanned == len(in_child)
+
+
+def test_without_stop_the_child_scans_everything():
+    scanner = DriverScanner(_units(25), _echo)
+    scanner.start()
+    try:
+        scanner._process.join()  # it ends by itself when no file is left
+        results = scanner.finish()
+    finally:
+        scanner.close()
+    assert [u.index for u, _ in results] == list(range(25))
+    assert scanner.take() is None and scanner.unfinished() == []
+
+
+def _fails_on_third(unit: InputUnit) -> dict:
+    if unit.index == 2:
+        raise ValueError("bad header")
+    return _echo(unit)
+
+
+def test_a_failed_scan_is_raised_with_the_file_name():
+    scanner = DriverScanner(_units(5), _fails_on_third)
+    scanner.start()
+    try:
+        scanner._process.join()  # it stops at the failure
+        with pytest.raises(RuntimeError, match=r"part002\.tar in the driver failed:(.|\n)*ValueError: bad header"):
+            scanner.finish()
+    finally:
+        scanner.close()
+
+
+def _dies_on_second(unit: InputUnit) -> dict:
+    if unit.index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _echo(unit)
+
+
+def test_a_file_the_child_died_on_is_handed_back():
+    scanner = DriverScanner(_units(4), _dies_on_second)
+    scanner.start()
+    try:
+        scanner._process.join()
+        results = scanner.finish()
+    finally:
+        scanner.close()
+    assert scanner._process.exitcode == -signal.SIGKILL
+    assert [u.index for u, _ in results] == [0]
+    assert [u.index for u in scanner.unfinished()] == [1]  # then 2, 3 were never claimed
+    assert [u.index for u in iter(scanner.take, None)] == [2, 3]
+
+
+def _forever(unit: InputUnit) -> dict:
+    time.sleep(3600)
+    return {}
+
+
+def test_close_ends_a_busy_child_at_once():
+    scanner = DriverScanner(_units(2), _forever)
+    scanner.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    scanner.close()
+    assert time.monotonic() - t0 < 60  # (not the hour: terminated, not waited for)
+    assert not scanner._process.is_alive()
+
+
+def test_nothing_to_scan_starts_no_process():
+    scanner = DriverScanner([], _echo)
+    scanner.start()
+    assert scanner._process.pid is None
+    assert scanner.finish() == [] and scanner.unfinished() == []
+    scanner.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_the_child_dies_with_a_killed_driver(tmp_path: Path):
+    driver = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        from tests.test_driver_scan import _units, _forever
+        from mmdata.preprocess.driver_scan import DriverScanner
+        s = DriverScanner(_units(2), _forever)
+        s.start()
+        print(s._process.pid, flush=True)
+        time.sleep(3600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(600):  # the kernel signals it as the driver exits; reaped by init
+        if not _alive(child):
+            break
+        time.sleep(0.05)
+    assert not _alive(child), "the scan process outlived its driver"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
