@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -52,8 +53,9 @@ def test_every_file_is_scanned_once_by_the_child_or_by_take():
     assert scanner.scanned == len(in_child)
 
 
-def test_without_stop_the_child_scans_everything():
-    scanner = DriverScanner(_units(25), _echo)
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_without_stop_the_child_scans_everything(start_method):
+    scanner = DriverScanner(_units(25), _echo, start_method)
     scanner.start()
     try:
         scanner._process.join()  # it ends by itself when no file is left
@@ -114,6 +116,19 @@ def test_close_ends_a_busy_child_at_once():
     scanner.close()
     assert time.monotonic() - t0 < 60  # (not the hour: terminated, not waited for)
     assert not scanner._process.is_alive()
+
+
+def test_fork_only_from_a_process_without_threads_or_ray(monkeypatch):
+    from mmdata.preprocess import driver_scan
+
+    monkeypatch.setattr(driver_scan.sys, "platform", "linux")
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert driver_scan._start_method() == ("fork" if threading.active_count() == 1 else "spawn")
+    monkeypatch.setitem(sys.modules, "ray", object())
+    assert driver_scan._start_method() == "spawn"
+    monkeypatch.setattr(driver_scan.sys, "platform", "darwin")
+    monkeypatch.delitem(sys.modules, "ray")
+    assert driver_scan._start_method() == "spawn"
 
 
 def test_nothing_to_scan_starts_no_process():

@@ -21,16 +21,24 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from mmdata.preprocess.adapters.base import InputUnit
 
-# fork: the child starts at once with every module the scan needs already imported. Elsewhere
-# (macOS, Windows) a fresh interpreter, which imports them first.
-_START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _start_method() -> str:
+    """fork where it is safe: on Linux, from a process with no other threads and no Ray in it
+    (the CLI forks before it imports Ray), so the child starts at once with every module the
+    scan needs. Elsewhere (macOS, Windows, a notebook running Ray) a fresh interpreter, which
+    imports them first."""
+    if sys.platform.startswith("linux") and threading.active_count() == 1 and "ray" not in sys.modules:
+        return "fork"
+    return "spawn"
 
 
 def _claim(counter, n: int) -> int | None:
@@ -72,8 +80,8 @@ class DriverScanner:
     files not yet claimed with `take()`, collects results with `drain()` (as they come, so its
     checks see the first files early) and `finish()`, and always ends with `close()`."""
 
-    def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict]):
-        ctx = multiprocessing.get_context(_START_METHOD)
+    def __init__(self, units: list[InputUnit], scan: Callable[[InputUnit], dict], start_method: str | None = None):
+        ctx = multiprocessing.get_context(start_method or _start_method())
         self._units = list(units)
         self._counter = ctx.Value("q", 0)
         self._stopped = ctx.Value("b", 0)
