@@ -78,8 +78,8 @@ def quiet_pillow_bomb_warning() -> None:
     nothing. It is ignored by a filter (set again by each scan task: a `catch_warnings()` around
     an import drops it), not turned into an error by a `catch_warnings()` per image: that saves
     and restores the process's whole filter list around every decode, undoing filters other
-    threads add meanwhile (the driver scans while it imports Ray; a lost filter of `requests`
-    printed urllib3's SOCKS warning)."""
+    threads add meanwhile (when the driver scanned in a thread while it imported Ray, a lost
+    filter of `requests` printed urllib3's SOCKS warning)."""
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
