@@ -199,3 +199,34 @@ def test_max_tiles_changes_only_the_shrink():
     a, b = anyres.process_image(image, max_tiles=9), anyres.process_image(image, max_tiles=4)
     assert torch.equal(a.pixel_values, b.pixel_values)
     assert b.num_tokens < a.num_tokens
+
+
+_HWC_QUIET = """
+import warnings
+from PIL import Image
+from mmdata.energon_loaders.llava_ov import anyres
+
+warnings.simplefilter("error")  # any warning from here on fails the program
+for size in ((3, 2), (64, 48)):
+    anyres._hwc(Image.new("RGB", size))
+
+# A filter another thread adds while an image is wrapped must survive the call.
+real = anyres.torch.from_numpy
+def from_numpy_while_another_thread_adds_a_filter(array):
+    warnings.filterwarnings("ignore", message="added meanwhile")
+    return real(array)
+anyres.torch.from_numpy = from_numpy_while_another_thread_adds_a_filter
+anyres._hwc(Image.new("RGB", (5, 5)))
+anyres.torch.from_numpy = real
+assert any(f[1] is not None and f[1].pattern == "added meanwhile" for f in warnings.filters), "a filter was dropped"
+"""
+
+
+def test_hwc_neither_warns_nor_touches_the_warning_filters():
+    """torch's one-time "non-writable NumPy array" warning is spent at import, so wrapping an
+    image's pixels warns nothing and never saves/restores the process's filters (a
+    `catch_warnings()` per image would drop filters that other threads add meanwhile)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _HWC_QUIET], check=True)

@@ -89,11 +89,22 @@ def _normalise_(out: torch.Tensor, mean: Sequence[float], std: Sequence[float]) 
     out.mul_(scale).add_(shift)
 
 
+def _consume_torchs_read_only_warning() -> None:
+    """torch warns once per process ("The given NumPy array is not writable") the first time it
+    wraps a read-only array; `_hwc` only reads, so that warning is spent here, once, instead of
+    a `catch_warnings()` around every image (which also saves and restores the process's whole
+    filter list each time, undoing filters that other threads add meanwhile)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(np.asarray(Image.new("RGB", (1, 1))))
+
+
+_consume_torchs_read_only_warning()
+
+
 def _hwc(image: Image.Image) -> torch.Tensor:
     """[H, W, 3] uint8 view of a PIL image's pixels (we only read it, so skip a second copy)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable NumPy array": read only
-        return torch.from_numpy(np.asarray(image))
+    return torch.from_numpy(np.asarray(image))
 
 
 @dataclass
