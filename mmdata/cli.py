@@ -29,6 +29,7 @@ import sys
 import mmdata
 from mmdata.errors import HintingParser, add_common_options, run_main
 
+
 def _collect_then_freeze() -> None:
     """At exit, collect garbage once, then freeze the objects still alive. The interpreter's
     teardown otherwise runs the cycle collector over Ray's and Arrow's whole heap again and

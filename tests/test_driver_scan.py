@@ -121,12 +121,12 @@ def test_close_ends_a_busy_child_at_once():
 def test_fork_only_from_a_process_without_threads_or_ray(monkeypatch):
     from mmdata.preprocess import driver_scan
 
-    monkeypatch.setattr(driver_scan.sys, "platform", "linux")
+    monkeypatch.setattr(driver_scan, "LINUX", True)
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     assert driver_scan._start_method() == ("fork" if threading.active_count() == 1 else "spawn")
     monkeypatch.setitem(sys.modules, "ray", object())
     assert driver_scan._start_method() == "spawn"
-    monkeypatch.setattr(driver_scan.sys, "platform", "darwin")
+    monkeypatch.setattr(driver_scan, "LINUX", False)
     monkeypatch.delitem(sys.modules, "ray")
     assert driver_scan._start_method() == "spawn"
 

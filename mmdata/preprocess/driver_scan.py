@@ -15,8 +15,6 @@ the child took but could not finish (it died) is handed back by `unfinished()`, 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -26,17 +24,15 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from mmdata.parent_death import LINUX, die_with_parent
 from mmdata.preprocess.adapters.base import InputUnit
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
 
 def _start_method() -> str:
     """fork where it is safe: on Linux, from a process with no other threads and no Ray in it
     (the CLI forks before it imports Ray), so the child starts at once with every module the
     scan needs. Elsewhere (macOS, Windows, a notebook running Ray) a fresh interpreter, which
     imports them first."""
-    if sys.platform.startswith("linux") and threading.active_count() == 1 and "ray" not in sys.modules:
+    if LINUX and threading.active_count() == 1 and "ray" not in sys.modules:
         return "fork"
     return "spawn"
 
@@ -51,19 +47,11 @@ def _claim(counter, n: int) -> int | None:
         return i
 
 
-def _die_with_driver() -> None:
-    """Ask the kernel to kill this process when the driver dies, even by SIGKILL (Linux; the scan
-    loop also checks between files that the driver is still its parent, on every platform)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _scan_loop(units: list[InputUnit], scan: Callable[[InputUnit], dict], counter, stopped,
                results: Connection, driver: int) -> None:
     """The child: scan claimed files until stopped or none is left; send (kind, position, payload)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it stops the child
-    _die_with_driver()
+    die_with_parent(driver)  # (and the loop checks between files, on every platform)
     try:
         while not stopped.value and os.getppid() == driver and (i := _claim(counter, len(units))) is not None:
             try:
@@ -170,4 +158,3 @@ class DriverScanner:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
-

@@ -7,7 +7,7 @@ Two kinds of helper processes stayed behind for good after a bare SIGKILL:
   kept for the process's life: `filesystem_async._get_write_results_queue`), and with it stays
   multiprocessing's resource tracker (which lives while any process holds its pipe).
 
-Linux can SIGKILL a child when its parent dies (PR_SET_PDEATHSIG). Forked children ask for it
+Linux can SIGKILL a child when its parent dies (PR_SET_PDEATHSIG, `mmdata/parent_death.py`). Forked children ask for it
 in an at-fork hook; the manager is started here, the way megatron starts it, with the request
 in its initializer, and megatron is handed its queue before its first save.
 
@@ -17,34 +17,16 @@ from the main thread ask for it; elsewhere, and off Linux, nothing changes.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import multiprocessing as mp
 import os
-import signal
-import sys
 import threading
 from multiprocessing.managers import SyncManager
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_LINUX = sys.platform.startswith("linux")
+from mmdata.parent_death import LINUX, die_with_parent, prctl
+
 _manager: SyncManager | None = None  # kept alive with its queue
 _fork_hook_installed = False
 _forking_parent: int | None = None  # set in the parent just before a fork from its main thread
-
-
-@functools.cache
-def _prctl():
-    """libc's prctl, looked up before any fork (no dlopen in a child forked from threads)."""
-    return ctypes.CDLL(None, use_errno=True).prctl
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have Linux SIGKILL this process when its parent (`parent_pid`) dies."""
-    if _prctl()(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return  # refused: live as before
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
 
 
 def _before_fork() -> None:
@@ -60,8 +42,8 @@ def _after_fork_in_child() -> None:
 def forked_children_die_with_this_process() -> None:
     """From now on, every process forked from this one's main thread dies with it."""
     global _fork_hook_installed
-    if _LINUX and not _fork_hook_installed:
-        _prctl()
+    if LINUX and not _fork_hook_installed:
+        prctl()
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _fork_hook_installed = True
 
@@ -76,7 +58,7 @@ def install_writer_results_queue() -> bool:
         return False
     if _manager is not None:
         return True
-    if (not _LINUX or threading.current_thread() is not threading.main_thread()
+    if (not LINUX or threading.current_thread() is not threading.main_thread()
             or getattr(filesystem_async, "_results_queue", object()) is not None):
         return False  # elsewhere, or megatron already has its queue (or no longer keeps one there)
     manager = SyncManager(ctx=mp.get_context("spawn"))
