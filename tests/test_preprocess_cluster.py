@@ -43,11 +43,11 @@ def _first(what):
 
 real_write, real_sort, real_scan = shard_writer._write, stages.sort_bucket, stages.scan_unit
 
-def _write(tmp, samples):
+def _write(tmp, *args):
     if _first("write"):
         Path(tmp).write_bytes(b"partial shard")
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_write(tmp, samples)
+    return real_write(tmp, *args)
 
 def sort_bucket(*args, **kwargs):
     if _first("sort"):

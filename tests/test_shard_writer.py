@@ -53,9 +53,10 @@ def _samples(rng: random.Random, n: int, first: int = 0) -> list[SampleMembers]:
     return samples
 
 
-def _write(tmp_path: Path, samples: list[SampleMembers], name: str = "shard-000000.tar") -> tuple[Path, ShardResult]:
+def _write(tmp_path: Path, samples: list[SampleMembers], name: str = "shard-000000.tar",
+           direct: bool | None = None) -> tuple[Path, ShardResult]:
     path = tmp_path / name
-    result, layout = write_shard(path, iter(samples))
+    result, layout = write_shard(path, iter(samples), direct)
     _check_layout(path, layout)
     return path, result
 
@@ -73,10 +74,11 @@ def _check_layout(path: Path, layout: ShardLayout) -> None:
     assert layout.end == end
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
 @pytest.mark.parametrize("n", [0, 1, 2, 19, 20, 21, 300])
-def test_byte_identical_to_tarfile(tmp_path: Path, n: int) -> None:
+def test_byte_identical_to_tarfile(tmp_path: Path, n: int, direct: bool) -> None:
     samples = _samples(random.Random(n), n)
-    path, res = _write(tmp_path, samples)
+    path, res = _write(tmp_path, samples, direct=direct)
     data = path.read_bytes()
     assert data == _reference_tar(samples)
     assert len(data) % (20 * 512) == 0
@@ -85,11 +87,12 @@ def test_byte_identical_to_tarfile(tmp_path: Path, n: int) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
 
 
-@pytest.mark.parametrize("size", SIZES + [4 << 20, (4 << 20) + 1, 5 << 20])
-def test_every_member_size(tmp_path: Path, size: int) -> None:
-    # Sizes around block boundaries, and members big enough to take the unbuffered path.
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
+@pytest.mark.parametrize("size", SIZES + [4 << 20, (4 << 20) + 1, 5 << 20, (8 << 20) + 1])
+def test_every_member_size(tmp_path: Path, size: int, direct: bool) -> None:
+    # Sizes around block boundaries, and members larger than the writer's flush size and its buffer.
     samples = [SampleMembers(f"{i:010d}", [("bin", os.urandom(size)), ("json", b"{}")]) for i in range(3)]
-    path, _ = _write(tmp_path, samples)
+    path, _ = _write(tmp_path, samples, direct=direct)
     assert path.read_bytes() == _reference_tar(samples)
 
 

@@ -5,6 +5,8 @@ place (a crash never leaves a half shard under the final name), sha256 computed 
 The ustar headers are built by hand (fixed fields precomputed, only name/size/checksum vary):
 `tarfile` costs tens of microseconds of Python per member. The bytes are exactly those that
 `tarfile.open(mode="w", format=tarfile.USTAR_FORMAT)` writes for the same members (tested).
+They go out through `direct_io.SequentialFile` (O_DIRECT where the file system suits it: the
+shards are not read back by the job, so copying them into the page cache is wasted work).
 The writer also records the shard's layout (sample and member offsets), from which energon's
 index is written without reading the shard back."""
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmdata import shard_format as sf
+from mmdata.preprocess.direct_io import SequentialFile, direct_io_wanted
 from mmdata.preprocess.energon_meta import ShardLayout
 
 BLOCK = 512
@@ -63,10 +66,15 @@ def tar_header(name: str, size: int) -> bytes:
     return b"".join((nb, bytes(NAME_LEN - len(nb)), _MID, size_f, _MTIME, b"%06o\0 " % chksum, _TAIL))
 
 
-def write_shard(path: Path, samples: Iterable[SampleMembers]) -> tuple[ShardResult, ShardLayout]:
+def write_shard(path: Path, samples: Iterable[SampleMembers],
+                direct: bool | None = None) -> tuple[ShardResult, ShardLayout]:
+    """Write the shard atomically. `direct`: O_DIRECT or not (None: as `direct_io_wanted` says
+    for the shard's folder); the bytes are the same either way."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if direct is None:
+        direct = direct_io_wanted(str(path.parent))
     try:
-        *result, layout = _write(tmp, samples)
+        *result, layout = _write(tmp, samples, direct)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -74,45 +82,29 @@ def write_shard(path: Path, samples: Iterable[SampleMembers]) -> tuple[ShardResu
     return ShardResult(path.name, *result), layout
 
 
-def _write(tmp: Path, samples: Iterable[SampleMembers]) -> tuple[int, int, str, ShardLayout]:
-    n, total, sha, buf = 0, 0, hashlib.sha256(), bytearray()
+def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool) -> tuple[int, int, str, ShardLayout]:
+    n = 0
     layout = ShardLayout([], [], 0)
-    with open(tmp, "wb") as f:
-
-        def emit() -> None:
-            sha.update(buf)
-            f.write(buf)
-            buf.clear()
-
+    with SequentialFile(tmp, direct) as f:
         for sample in samples:
             if "." in sample.key or "/" in sample.key:
                 raise ValueError(f"invalid sample key {sample.key!r}")
             if sample.members:  # (a sample without members leaves no trace in the tar)
-                layout.samples.append((sample.key, total + len(buf)))
+                layout.samples.append((sample.key, f.offset))
             for suffix, data in sorted(sample.members):
                 size = len(data)
-                buf += tar_header(f"{sample.key}.{suffix}", size)
-                layout.parts.append((len(layout.samples) - 1, suffix, total + len(buf), size))
-                if size >= _FLUSH:  # a large video: hash and write it in place rather than copy it
-                    total += len(buf) + size
-                    emit()
-                    sha.update(data)
-                    f.write(data)
-                else:
-                    buf += data
-                buf += _ZEROS[: -size % BLOCK]
+                f.put(tar_header(f"{sample.key}.{suffix}", size))
+                layout.parts.append((len(layout.samples) - 1, suffix, f.offset, size))
+                f.put(data)
+                f.put(_ZEROS[: -size % BLOCK])
             n += 1
-            if len(buf) >= _FLUSH:
-                total += len(buf)
-                emit()
+            if f.staged >= _FLUSH:
+                f.flush()
         # End of archive: two zero blocks, then zero-fill to a whole record, as tarfile does.
-        layout.end = total + len(buf)
-        buf += bytes(2 * BLOCK + -(layout.end + 2 * BLOCK) % RECORD)
-        total += len(buf)
-        emit()
-        f.flush()
-        os.fsync(f.fileno())
-    return n, total, sha.hexdigest(), layout
+        layout.end = f.offset
+        f.put(bytes(2 * BLOCK + -(layout.end + 2 * BLOCK) % RECORD))
+        f.finish()
+        return n, f.offset, f.sha.hexdigest(), layout
 
 
 def sha256_file(path: Path) -> str:
