@@ -1,6 +1,6 @@
-"""The driver's scan process: every file is scanned exactly once (by the child or by whoever
-takes it), a failure is re-raised with the file's name, a file the child died on is handed back,
-and the child never outlives the driver."""
+"""The driver's scan processes: every file is scanned exactly once (by a child or by whoever
+takes it), a failure is re-raised with the file's name, a file a child died on is handed back,
+and no child outlives the driver."""
 
 from __future__ import annotations
 
@@ -33,12 +33,13 @@ def _slow(unit: InputUnit) -> dict:
     return _echo(unit)
 
 
-def test_every_file_is_scanned_once_by_the_child_or_by_take():
-    units = _units(60)
-    scanner = DriverScanner(units, _slow)
+@pytest.mark.parametrize("processes", [1, 3])
+def test_every_file_is_scanned_once_by_the_children_or_by_take(processes):
+    units = _units(90)
+    scanner = DriverScanner(units, _slow, processes=processes)
     scanner.start()
     try:
-        time.sleep(0.3)  # the child scans a few
+        time.sleep(0.5)  # the children scan a few each
         scanner.stop()
         by_ray = list(iter(scanner.take, None))
         results = scanner.drain() + scanner.finish()
@@ -47,9 +48,10 @@ def test_every_file_is_scanned_once_by_the_child_or_by_take():
         scanner.close()
     in_child = [u.index for u, _ in results]
     assert in_child and by_ray, (len(in_child), len(by_ray))
-    assert sorted(in_child + [u.index for u in by_ray]) == list(range(60))
+    assert sorted(in_child + [u.index for u in by_ray]) == list(range(90))
     assert all(r == {"index": u.index, "scanned_by": r["scanned_by"]} for u, r in results)
-    assert {r["scanned_by"] for _, r in results} != {os.getpid()}  # another process did the work
+    workers = {r["scanned_by"] for _, r in results}
+    assert os.getpid() not in workers and len(workers) == processes  # each child did some of the work
     assert scanner.scanned == len(in_child)
 
 
@@ -58,7 +60,7 @@ def test_without_stop_the_child_scans_everything(start_method):
     scanner = DriverScanner(_units(25), _echo, start_method)
     scanner.start()
     try:
-        scanner._process.join()  # it ends by itself when no file is left
+        [p.join() for p in scanner._processes]  # it ends by itself when no file is left
         results = scanner.finish()
     finally:
         scanner.close()
@@ -72,11 +74,12 @@ def _fails_on_third(unit: InputUnit) -> dict:
     return _echo(unit)
 
 
-def test_a_failed_scan_is_raised_with_the_file_name():
-    scanner = DriverScanner(_units(5), _fails_on_third)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_failed_scan_is_raised_with_the_file_name(processes):
+    scanner = DriverScanner(_units(5), _fails_on_third, processes=processes)
     scanner.start()
     try:
-        scanner._process.join()  # it stops at the failure
+        [p.join() for p in scanner._processes]  # it stops at the failure
         with pytest.raises(RuntimeError, match=r"part002\.tar in the driver failed:(.|\n)*ValueError: bad header"):
             scanner.finish()
     finally:
@@ -89,15 +92,28 @@ def _dies_on_second(unit: InputUnit) -> dict:
     return _echo(unit)
 
 
+def test_a_file_a_child_died_on_is_handed_back_while_the_others_go_on():
+    scanner = DriverScanner(_units(30), _dies_on_second, processes=3)
+    scanner.start()
+    try:
+        [p.join() for p in scanner._processes]  # the other two finish every other file
+        results = scanner.finish()
+    finally:
+        scanner.close()
+    assert sorted(p.exitcode for p in scanner._processes) == [-signal.SIGKILL, 0, 0]
+    assert sorted(u.index for u, _ in results) == [i for i in range(30) if i != 1]
+    assert [u.index for u in scanner.unfinished()] == [1] and scanner.take() is None
+
+
 def test_a_file_the_child_died_on_is_handed_back():
     scanner = DriverScanner(_units(4), _dies_on_second)
     scanner.start()
     try:
-        scanner._process.join()
+        [p.join() for p in scanner._processes]
         results = scanner.finish()
     finally:
         scanner.close()
-    assert scanner._process.exitcode == -signal.SIGKILL
+    assert scanner._processes[0].exitcode == -signal.SIGKILL
     assert [u.index for u, _ in results] == [0]
     assert [u.index for u in scanner.unfinished()] == [1]  # then 2, 3 were never claimed
     assert [u.index for u in iter(scanner.take, None)] == [2, 3]
@@ -115,7 +131,7 @@ def test_close_ends_a_busy_child_at_once():
     t0 = time.monotonic()
     scanner.close()
     assert time.monotonic() - t0 < 60  # (not the hour: terminated, not waited for)
-    assert not scanner._process.is_alive()
+    assert not any(p.is_alive() for p in scanner._processes)
 
 
 def test_fork_only_from_a_process_without_threads_or_ray(monkeypatch):
@@ -134,7 +150,7 @@ def test_fork_only_from_a_process_without_threads_or_ray(monkeypatch):
 def test_nothing_to_scan_starts_no_process():
     scanner = DriverScanner([], _echo)
     scanner.start()
-    assert scanner._process.pid is None
+    assert not scanner.started
     assert scanner.finish() == [] and scanner.unfinished() == []
     scanner.close()
 
@@ -146,20 +162,21 @@ def test_the_child_dies_with_a_killed_driver(tmp_path: Path):
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
         from tests.test_driver_scan import _units, _forever
         from mmdata.preprocess.driver_scan import DriverScanner
-        s = DriverScanner(_units(2), _forever)
+        s = DriverScanner(_units(2), _forever, processes=2)
         s.start()
-        print(s._process.pid, flush=True)
+        print(*(p.pid for p in s._processes), flush=True)
         time.sleep(3600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
-    child = int(proc.stdout.readline())
+    children = [int(pid) for pid in proc.stdout.readline().split()]
+    assert len(children) == 2
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    for _ in range(600):  # the kernel signals it as the driver exits; reaped by init
-        if not _alive(child):
+    for _ in range(600):  # the kernel signals them as the driver exits; reaped by init
+        if not any(map(_alive, children)):
             break
         time.sleep(0.05)
-    assert not _alive(child), "the scan process outlived its driver"
+    assert not any(map(_alive, children)), "a scan process outlived its driver"
 
 
 def _alive(pid: int) -> bool:

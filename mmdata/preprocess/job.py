@@ -49,7 +49,7 @@ from mmdata.preprocess.adapters.llava_json import check_image_root
 from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
-from mmdata.preprocess.driver_scan import DriverScanner
+from mmdata.preprocess.driver_scan import DriverScanner, available_cpus
 from mmdata.preprocess.energon_meta import NV_META, EnergonIndexWriter, ShardLayout
 from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
@@ -353,12 +353,15 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     except SystematicLoss as e:
         raise PreprocessError(str(e)) from None
     resumed_records = counts.read
-    # While Ray is imported and starts (and its workers), a child of the driver scans files.
+    # While Ray is imported and starts (and its workers), children of the driver scan files: one
+    # per core a private instance will use (one when joining a running cluster, which is quick).
     t_scan = time.perf_counter()
-    scanner = DriverScanner(todo, functools.partial(scan_unit, spec=spec))
+    private = not (cfg.address or os.environ.get("RAY_ADDRESS"))
+    scanner = DriverScanner(todo, functools.partial(scan_unit, spec=spec),
+                            processes=(cfg.num_cpus or available_cpus()) if private else 1)
     scanner.start()
     try:
-        import ray  # (after the fork: the child shares nothing with Ray)
+        import ray  # (after the fork: the children share nothing with Ray)
 
         own_ray = init_ray(cfg.address, cfg.num_cpus)
     except BaseException:
