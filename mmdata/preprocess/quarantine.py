@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 
+# A decoder's message may name a Python object by its address ("cannot identify image file
+# <_io.BytesIO object at 0x7f...>"), which differs in every run: the detail keeps the rest.
+_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
+
+
 def quarantine_line(record_id: str, location: str, reason: str, detail: str) -> str:
-    return json.dumps({"id": record_id, "source_location": location, "reason": reason, "detail": detail},
-                      ensure_ascii=False, sort_keys=True)
+    return json.dumps({"id": record_id, "source_location": location, "reason": reason,
+                       "detail": _ADDRESS.sub("", detail)}, ensure_ascii=False, sort_keys=True)
 
 
 def concat_parts(parts: list[Path], dest: Path) -> None:

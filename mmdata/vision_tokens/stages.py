@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -108,14 +107,11 @@ def _vision_tokenizer(opts: TokenizeOptions):
     return _TOKENIZERS[key]
 
 
-_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
-
-
 class _Rejected(Exception):
-    """A record the job cannot tokenize: a machine-readable reason and a deterministic detail."""
+    """A record the job cannot tokenize: a machine-readable reason and a detail (made
+    deterministic by `quarantine_line`)."""
 
     def __init__(self, reason: str, detail: str):
-        detail = _ADDRESS.sub("", detail)  # e.g. "<_io.BytesIO object at 0x7f..>": varies per run
         super().__init__(detail)
         self.reason, self.detail = reason, detail
 
