@@ -74,6 +74,48 @@ def test_invalid_records_get_their_reason(tmp_path, obj, files, reason):
     assert isinstance(res, Invalid) and res.reason == reason, res
 
 
+SYS = {"from": "system", "value": "Be brief."}
+
+
+@pytest.mark.parametrize("conversations, detail", [
+    ([SYS, {"from": "gpt", "value": "x"}], "needs a human turn first and at least one gpt turn"),
+    ([{"from": "human", "value": "a"}, SYS], "needs a human turn first and at least one gpt turn"),
+    ([{"from": "human", "value": "a"}, SYS, {"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}],
+     "turns do not alternate: turns 0 and 1 (system turns not counted) are both from 'human'"),
+    ([{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}, {"from": "gpt", "value": "c"}],
+     "turns do not alternate: turns 1 and 2 (system turns not counted) are both from 'gpt'"),
+    ([{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}],
+     "turn 1 has role 'bot', expected one of ['gpt', 'human', 'system']"),
+    ([{"from": "human", "value": "a"}, ["gpt", "b"]], "turn 1 is not {from, value: str}"),
+    ([{"from": "human", "value": "a" * 12}, {"from": "gpt", "value": "b" * 10}], "22 characters > 20"),
+    ([{"from": "human", "value": "hi <video>"}, {"from": "gpt", "value": "b"}], "1 `<video>` placeholders for 0 videos"),
+    ([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>"}], "1 `<image>` placeholders for 0 images"),
+])
+def test_conversation_rejections_say_what_is_wrong(tmp_path, conversations, detail):
+    res = validate(_record(tmp_path, {"id": "a", "conversations": conversations}),
+                   ValidationConfig(max_conversation_chars=20))
+    assert isinstance(res, Invalid) and res.detail == detail, res
+
+
+def test_system_turns_are_kept_and_not_counted_for_alternation(tmp_path):
+    conversations = [SYS, {"from": "human", "value": "a"}, SYS, {"from": "gpt", "value": "b"}]
+    res = validate(_record(tmp_path, {"id": "a", "conversations": conversations}), ValidationConfig())
+    assert isinstance(res, Valid) and res.record["conversations"] == conversations
+
+
+def test_quarantine_details_are_the_same_in_every_run(tmp_path):
+    """Pillow names an unreadable in-memory file by its object's address, which differs per run."""
+    from mmdata.preprocess.quarantine import quarantine_line
+
+    obj = {"id": "a", "conversations": CONV, "image": "x.png"}
+    res = validate(_record(tmp_path, obj, {"x.png": b"not an image at all"}), ValidationConfig())
+    assert isinstance(res, Invalid) and "cannot identify image file" in res.detail
+    line = json.loads(quarantine_line(res.id, "f.tar:x.json", res.reason, res.detail))
+    assert "0x" not in line["detail"] and line["detail"].startswith("x.png: cannot identify image file")
+    assert quarantine_line("i", "l", "r", "<Foo object at 0x7f3a2b> and <bar at 0xDEAD>") == \
+        quarantine_line("i", "l", "r", "<Foo object at 0x55aa> and <bar at 0x1>")
+
+
 def test_video_records(tmp_path):
     import numpy as np
 

@@ -50,8 +50,10 @@ def estimate_text_tokens(conversations: list[dict]) -> int:
     Qwen2's for English and Chinese text, not a measurement. Use --tokenizer for exact counts."""
     total = 0 if conversations and conversations[0]["from"] == "system" else SYSTEM_TOKENS + TURN_OVERHEAD
     for turn in conversations:
-        text = turn["value"].replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
-        cjk = len(_CJK.findall(text))
+        text = turn["value"]
+        if "<" in text:
+            text = text.replace(IMAGE_PLACEHOLDER, "").replace(VIDEO_PLACEHOLDER, "")
+        cjk = 0 if text.isascii() else len(_CJK.findall(text))
         total += TURN_OVERHEAD + math.ceil(cjk / CJK_CHARS_PER_TOKEN + (len(text) - cjk) / OTHER_CHARS_PER_TOKEN)
     return total
 

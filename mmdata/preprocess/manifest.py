@@ -44,7 +44,10 @@ class Counts:
     media_resolution: dict = field(default_factory=_media_resolution_zero)
 
     def _source(self, source: str) -> dict:
-        return self.by_source.setdefault(source, dict.fromkeys(SOURCE_KEYS, 0))
+        counts = self.by_source.get(source)
+        if counts is None:
+            counts = self.by_source[source] = dict.fromkeys(SOURCE_KEYS, 0)
+        return counts
 
     def _bump(self, source: str, what: str, n: int = 1) -> None:
         setattr(self, what, getattr(self, what) + n)
@@ -56,12 +59,16 @@ class Counts:
         self.media_resolution[UNREFERENCED] += unreferenced
 
     def add_record(self, source: str, ok: bool, reason: str | None = None, nbytes: int = 0) -> None:
-        self._bump(source, "read")
+        counts = self._source(source)  # (once per record: spelled out rather than two _bump calls)
+        self.read += 1
+        counts["read"] += 1
         if ok:
-            self._bump(source, "written")
+            self.written += 1
+            counts["written"] += 1
             self.valid_bytes += nbytes
         else:
-            self._bump(source, "quarantined")
+            self.quarantined += 1
+            counts["quarantined"] += 1
             self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
 
     def add_filtered(self, source: str, rule: str) -> None:

@@ -9,13 +9,20 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 KEY_BITS = 64
 
 
 def shuffle_key(seed: int, rid: str) -> int:
-    h = hashlib.blake2b(rid.encode("utf-8"), digest_size=8, key=str(seed).encode("ascii")[:64] or b"0")
+    h = _keyed_hash(seed).copy()  # (copying the keyed state costs half of keying a new one)
+    h.update(rid.encode("utf-8"))
     return int.from_bytes(h.digest(), "big")
+
+
+@lru_cache(maxsize=8)
+def _keyed_hash(seed: int):
+    return hashlib.blake2b(digest_size=8, key=str(seed).encode("ascii")[:64] or b"0")
 
 
 def bucket_of(key: int, num_buckets: int) -> int:

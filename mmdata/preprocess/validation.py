@@ -187,23 +187,27 @@ def _conversations(obj: dict, cfg: ValidationConfig) -> list[dict]:
     if len(conv) > cfg.max_turns:
         raise _Reject("conversation_too_long", f"{len(conv)} turns > {cfg.max_turns}")
     out = []
+    roles = []  # without system turns
+    chars = 0
     for i, turn in enumerate(conv):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+        value = turn.get("value") if isinstance(turn, dict) else None
+        if not isinstance(value, str):
             raise _Reject("conversation_malformed", f"turn {i} is not {{from, value: str}}")
         role = turn.get("from")
         if role not in ROLES:
             raise _Reject("conversation_malformed", f"turn {i} has role {role!r}, expected one of {sorted(ROLES)}")
-        out.append({"from": role, "value": turn["value"]})
-    chars = sum(len(t["value"]) for t in out)
+        out.append({"from": role, "value": value})
+        chars += len(value)
+        if role != "system":
+            roles.append(role)
     if chars > cfg.max_conversation_chars:
         raise _Reject("conversation_too_long", f"{chars} characters > {cfg.max_conversation_chars}")
-    roles = [t["from"] for t in out if t["from"] != "system"]
     if not roles or roles[0] != "human" or "gpt" not in roles:
         raise _Reject("conversation_malformed", "needs a human turn first and at least one gpt turn")
-    if any(a == b for a, b in zip(roles, roles[1:])):
-        k = next(i for i, (a, b) in enumerate(zip(roles, roles[1:])) if a == b)
-        raise _Reject("conversation_malformed", f"turns do not alternate: turns {k} and {k + 1} "
-                      f"(system turns not counted) are both from {roles[k]!r}")
+    for k in range(len(roles) - 1):
+        if roles[k] == roles[k + 1]:
+            raise _Reject("conversation_malformed", f"turns do not alternate: turns {k} and {k + 1} "
+                          f"(system turns not counted) are both from {roles[k]!r}")
     return out
 
 
@@ -242,7 +246,12 @@ def _reject_outside(entries: list[str] | None, res: Resolution, locator) -> None
 
 def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER,
                             what: str = "images") -> None:
-    n_ph = sum(t["value"].count(placeholder) for t in conv)
+    n_ph = 0
+    for t in conv:
+        if placeholder in t["value"]:
+            n_ph += t["value"].count(placeholder)
+    if n_media == n_ph == 0:
+        return
     if n_media and n_ph == 0:
         first_human = next(t for t in conv if t["from"] == "human")
         first_human["value"] = f"{placeholder}\n{first_human['value']}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,10 @@ class InputUnit:
     image_root: str | None = None  # llava-json only
 
 
-@dataclass(frozen=True)
-class MediaRef:
-    """Bytes [offset, offset+size) of `path` (a tar member's data or a whole image file)."""
+class MediaRef(NamedTuple):
+    """Bytes [offset, offset+size) of `path` (a tar member's data or a whole image file).
+    (A NamedTuple: one or more is made per record on the scan's hot path, where a frozen
+    dataclass cost a microsecond each.)"""
 
     path: str
     offset: int

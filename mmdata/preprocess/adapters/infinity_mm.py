@@ -98,8 +98,13 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
     json_bytes_of = _read_members(resolver, [members[name] for name in json_of.values() if name is not None])
     try:
         for index, (key, group) in enumerate(groups.items()):
-            images = member_order([m.name for m, _ in group if m.name.lower().endswith(IMAGE_EXTS)])
-            videos = member_order([m.name for m, _ in group if m.name.lower().endswith(VIDEO_EXTS)])
+            images, videos = [], []
+            for m, suffix in group:  # (suffix: lower case, after the basename's first dot)
+                if f".{suffix}".endswith(IMAGE_EXTS):
+                    images.append(m.name)
+                elif f".{suffix}".endswith(VIDEO_EXTS):
+                    videos.append(m.name)
+            images, videos = member_order(images), member_order(videos)
             prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
             if rejected := _hostile_group(unit, key, group, prov, resolver):
                 yield from rejected
@@ -126,6 +131,8 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
 
 def _unsafe(name: str) -> bool:
     """An absolute name or one with a `..` part: it would escape a folder it were extracted to."""
+    if "/" not in name and "\\" not in name:  # (the usual `{stem}.json`: one part)
+        return name == ".."
     parts = name.replace("\\", "/").split("/")
     return name.startswith(("/", "\\")) or ".." in parts
 

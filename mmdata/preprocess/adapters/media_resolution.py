@@ -39,7 +39,7 @@ class Locator(Protocol):
     def by_basename(self, ref: str) -> MediaRef | None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Resolution:
     media: list[MediaRef | None]  # parallel to the entries; None: not found
     rules: list[str | None]
@@ -47,17 +47,23 @@ class Resolution:
 
     @property
     def complete(self) -> bool:
-        return all(m is not None for m in self.media)
+        return None not in self.media
 
     @property
     def rule(self) -> str | None:
         return weakest(self.rules)
 
 
+_RANK = {rule: i for i, rule in enumerate(RULES)}
+
+
 def weakest(rules: Iterable[str | None]) -> str | None:
     """A record's rule: the weakest one any of its media needed (None: no media)."""
-    used = [r for r in rules if r is not None]
-    return max(used, key=RULES.index) if used else None
+    worst = None
+    for rule in rules:
+        if rule is not None and (worst is None or _RANK[rule] > _RANK[worst]):
+            worst = rule
+    return worst
 
 
 def basename(ref: str) -> str:
@@ -98,6 +104,8 @@ def resolve(entries: list[str] | None, own: list[str], locator: Locator) -> Reso
 
 def member_order(names: list[str]) -> list[str]:
     """Own media member names in webdataset numbering order (see the module docstring)."""
+    if len(names) < 2:
+        return names
 
     def rank(item: tuple[int, str]) -> tuple[int, int, int]:
         pos, name = item
