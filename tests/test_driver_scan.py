@@ -68,6 +68,22 @@ def test_without_stop_the_child_scans_everything(start_method):
     assert scanner.take() is None and scanner.unfinished() == []
 
 
+def _niceness(unit: InputUnit) -> dict:
+    return {"nice": os.nice(0)}
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no os.nice")
+def test_children_scan_below_the_drivers_priority():
+    """Ray's start comes first: the children take the CPU it leaves."""
+    scanner = DriverScanner(_units(4), _niceness, processes=2)
+    scanner.start()
+    try:
+        results = scanner.finish()
+    finally:
+        scanner.close()
+    assert {r["nice"] for _, r in results} == {min(19, os.nice(0) + 10)}
+
+
 def _fails_on_third(unit: InputUnit) -> dict:
     if unit.index == 2:
         raise ValueError("bad header")
