@@ -107,6 +107,50 @@ def test_webp_alpha_plane_is_checked():
         check_image(bytes(bad), "x", ValidationConfig())
 
 
+def _riff_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, pos = [], 12
+    while pos + 8 <= len(data):
+        size = int.from_bytes(data[pos + 4:pos + 8], "little")
+        chunks.append((data[pos:pos + 4], data[pos + 8:pos + 8 + size]))
+        pos += 8 + size + (size & 1)
+    return chunks
+
+
+def _riff(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"WEBP" + b"".join(cid + len(p).to_bytes(4, "little") + p + b"\0" * (len(p) & 1) for cid, p in chunks)
+    return b"RIFF" + len(body).to_bytes(4, "little") + body
+
+
+@pytest.mark.parametrize("alpha", ["paletted", "graded"])
+@pytest.mark.parametrize("height", [1, 2, 3, 16, 17, 32, 33, 97])
+def test_webp_alpha_rows_are_all_decoded_whatever_the_height(height, alpha):
+    """The check decodes a crop at the bottom of the frame (see `check_webp`): the alpha plane's
+    last rows must still be entropy-decoded, the colour frame's last macroblocks parsed. Cutting the compressed alpha stream's last bytes
+    (the last row's codes; chunk sizes fixed, so only the alpha stream is short) fails whenever
+    Pillow fails. (Measured: a crop ending one row short accepts these cuts.) Paletted alpha
+    takes libwebp's 8-bit path, graded alpha the 32-bit one."""
+    rng = np.random.default_rng(height)
+    plane = (rng.integers(0, 4, (height, 67)) * 80 if alpha == "paletted"
+             else np.linspace(0, 200, 67)[None, :] + rng.integers(0, 40, (height, 67)))
+    im = _picture("RGBA", (67, height))
+    im.putalpha(Image.fromarray(plane.astype(np.uint8)))
+    data = _encode(im, "WEBP", quality=80)
+    chunks = _riff_chunks(data)
+    assert [cid for cid, _ in chunks] == [b"VP8X", b"ALPH", b"VP8 "]
+    alph = chunks[1][1]
+    assert alph[0] & 3 == (1 if height >= 16 else alph[0] & 3)  # compressed (tiny planes may be stored raw)
+    assert check_image(data, "x", ValidationConfig())[1:3] == (67, height)
+    rejected = 0
+    for cut in (1, 2, 3, 5, 8, 13, 21, 34):
+        if cut < len(alph) - 1:
+            rejected += not _agrees_with_pillow(_riff([chunks[0], (b"ALPH", alph[:-cut]), chunks[2]]), "WEBP")
+    assert rejected > 0  # the cuts did reach data the decoder needs
+    # and the colour frame: its last macroblock row's tokens are parsed too
+    vp8 = chunks[2][1]
+    assert sum(not _agrees_with_pillow(_riff([chunks[0], chunks[1], (b"VP8 ", vp8[:-cut])]), "WEBP")
+               for cut in (1, 3, 8, 21) if cut < len(vp8) // 2) > 0
+
+
 def test_truncated_jpeg_is_image_truncated():
     data = _encode(_picture("RGB", (640, 480)), "JPEG", quality=90)
     with pytest.raises(_Reject) as e:

@@ -12,7 +12,8 @@ colour conversion). Every function raises OSError with a message naming what is 
   warnings such as extraneous bytes are tolerated, as at training time).
 - PNG (non-interlaced): every IDAT inflated with ISA-L, exact data length, valid row filters;
   a plain PNG's header chunks are read here too (as Pillow reads them), others open with Pillow.
-- WebP (still): libwebp decode to YUV(A) without the in-loop filter or fancy upsampling.
+- WebP (still): libwebp decode to YUV(A) without the in-loop filter or fancy upsampling, of a
+  crop of the bottom rows (every row is still parsed; see `check_webp`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ _PNG_MODES = {key: modes[0] for key, modes in PngImagePlugin._MODES.items()}  # 
 _PNG_PLAIN_CHUNKS = {b"PLTE": 0, b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9}
 _PNG_TRNS_MIN = {"1": 2, "L": 2, "I;16": 2, "RGB": 6}  # tRNS: grey 2 bytes, truecolour 6
 
-# libwebp's WebPDecoderOptions begins `int bypass_filtering; int no_fancy_upsampling;` (decode.h,
-# ABI 0x02xx: 19 ints, use_threads at byte 40). The binding only names use_threads, so the two
-# flags are set through the documented layout, and only when the compiled layout is that one.
+# libwebp's WebPDecoderOptions begins `int bypass_filtering, no_fancy_upsampling, use_cropping,
+# crop_left, crop_top, crop_width, crop_height;` (decode.h, ABI 0x02xx: 19 ints, use_threads at
+# byte 40). The binding only names use_threads, so these are set through the documented layout,
+# and only when the compiled layout is that one.
 _WEBP_FAST_OPTIONS = (_webp_ffi.sizeof("WebPDecoderOptions") == 76
                       and _webp_ffi.offsetof("WebPDecoderOptions", "use_threads") == 40)
 _WEBP_STATUS = {
@@ -173,8 +175,15 @@ def webp_features(data: bytes) -> tuple[int, int, bool, bool]:
     return features.width, features.height, bool(features.has_alpha), bool(features.has_animation)
 
 
-def check_webp(data: bytes, has_alpha: bool) -> None:
-    """Decode the (still) frame, alpha plane included, into a throw-away YUV(A) buffer."""
+def check_webp(data: bytes, width: int, height: int, has_alpha: bool) -> None:
+    """Decode the (still) frame, alpha plane included, into a throw-away YUV(A) buffer.
+
+    Only the last two or three rows are asked for (a crop that ends at the bottom edge): libwebp
+    still parses every macroblock of the frame and entropy-decodes every row of the alpha plane
+    (both stop at the crop's bottom, which is the image's), but it skips what cannot fail above
+    the crop: copying out the rows, and expanding a paletted alpha plane to bytes (a third of an
+    RGBA WebP's decode). libwebp snaps a YUV crop's top to an even row, so the top is chosen even
+    and the bottom stays the last row."""
     config = _webp_ffi.new("WebPDecoderConfig *")
     if not _webp.WebPInitDecoderConfig(config):
         raise RuntimeError("libwebp: decoder ABI mismatch")
@@ -182,6 +191,8 @@ def check_webp(data: bytes, has_alpha: bool) -> None:
         flags = _webp_ffi.cast("int *", _webp_ffi.addressof(config.options))
         flags[0] = 1  # bypass_filtering
         flags[1] = 1  # no_fancy_upsampling
+        top = max(0, height - 2) & ~1
+        flags[2], flags[3], flags[4], flags[5], flags[6] = 1, 0, top, width, height - top  # use_cropping, left, top, w, h
     config.output.colorspace = _webp.MODE_YUVA if has_alpha else _webp.MODE_YUV
     status = _webp.WebPDecode(_webp_ffi.from_buffer(data), len(data), config)
     _webp.WebPFreeDecBuffer(_webp_ffi.addressof(config.output))

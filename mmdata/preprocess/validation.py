@@ -109,7 +109,7 @@ def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str,
         w, h, has_alpha, animated = decode_check.webp_features(data)
         if not animated:
             _guard_pixels(w, h, name, cfg)
-            decode_check.check_webp(data, has_alpha)
+            decode_check.check_webp(data, w, h, has_alpha)
             return "WEBP", w, h, "RGBA" if has_alpha else "RGB"
     elif header := decode_check.png_header(data):
         w, h, mode = header

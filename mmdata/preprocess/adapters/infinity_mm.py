@@ -100,9 +100,10 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
         for index, (key, group) in enumerate(groups.items()):
             images, videos = [], []
             for m, suffix in group:  # (suffix: lower case, after the basename's first dot)
-                if f".{suffix}".endswith(IMAGE_EXTS):
+                dotted = f".{suffix}"
+                if dotted.endswith(IMAGE_EXTS):
                     images.append(m.name)
-                elif f".{suffix}".endswith(VIDEO_EXTS):
+                elif dotted.endswith(VIDEO_EXTS):
                     videos.append(m.name)
             images, videos = member_order(images), member_order(videos)
             prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
