@@ -28,6 +28,17 @@ def _echo(unit: InputUnit) -> dict:
     return {"index": unit.index, "scanned_by": os.getpid()}
 
 
+def _scan_everything(scanner: DriverScanner) -> list:
+    """Start the children, let them scan every file (they end by themselves when none is left)
+    and collect the results."""
+    scanner.start()
+    try:
+        [p.join() for p in scanner._processes]
+        return scanner.finish()
+    finally:
+        scanner.close()
+
+
 def _slow(unit: InputUnit) -> dict:
     time.sleep(0.05)
     return _echo(unit)
@@ -58,12 +69,7 @@ def test_every_file_is_scanned_once_by_the_children_or_by_take(processes):
 @pytest.mark.parametrize("start_method", [None, "spawn"])
 def test_without_stop_the_child_scans_everything(start_method):
     scanner = DriverScanner(_units(25), _echo, start_method)
-    scanner.start()
-    try:
-        [p.join() for p in scanner._processes]  # it ends by itself when no file is left
-        results = scanner.finish()
-    finally:
-        scanner.close()
+    results = _scan_everything(scanner)
     assert [u.index for u, _ in results] == list(range(25))
     assert scanner.take() is None and scanner.unfinished() == []
 
@@ -75,13 +81,7 @@ def _niceness(unit: InputUnit) -> dict:
 @pytest.mark.skipif(not hasattr(os, "nice"), reason="no os.nice")
 def test_children_scan_below_the_drivers_priority():
     """Ray's start comes first: the children take the CPU it leaves."""
-    scanner = DriverScanner(_units(4), _niceness, processes=2)
-    scanner.start()
-    try:
-        [p.join() for p in scanner._processes]  # they end by themselves when no file is left
-        results = scanner.finish()
-    finally:
-        scanner.close()
+    results = _scan_everything(DriverScanner(_units(4), _niceness, processes=2))
     assert len(results) == 4 and {r["nice"] for _, r in results} == {min(19, os.nice(0) + 10)}
 
 
