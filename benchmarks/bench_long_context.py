@@ -82,18 +82,16 @@ def hf_step(length: int) -> tuple[float, float]:
 def ours_step(length: int) -> tuple[float, float]:
     """One training step of mmtrain's decoder (CP size = this torchrun world, or 1): (loss,
     seconds of the step)."""
-    from types import SimpleNamespace
-
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from mmtrain.models.context_parallel import current_layout
     from mmtrain.models.language_model import build_language_model
     from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
-    from mmtrain.runtime import cpu_compat
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
@@ -105,11 +103,10 @@ def ours_step(length: int) -> tuple[float, float]:
     config.calculate_per_token_loss = True
     model = build_language_model(llm, config, vocab_size=padded_vocab_size(llm.vocab_size, 64), loss_impl="chunked")
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        **cpu_compat.adapt_ddp_config(dict(grad_reduce_in_fp32=True, overlap_grad_reduce=True), torch.device("cpu"))),
-        module=model)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True), module=model)
     ddp.broadcast_params()
-    opt = cpu_compat.MainGradAdamW([{"params": [p for p in model.parameters() if p.requires_grad]}], SimpleNamespace(
-        lr=1e-4, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.0, clip_grad=1.0))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, adam_beta1=0.9, adam_beta2=0.95,
+                                                 adam_eps=1e-8, weight_decay=0.0, clip_grad=1.0), [ddp])
     ids = _tokens(length)[0]
     labels = torch.cat([ids[1:], torch.full((1,), -100)])  # shifted, like the loaders' batches
     if cp > 1:

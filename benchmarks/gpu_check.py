@@ -80,13 +80,16 @@ def installed(module: str) -> bool:
 
 def environment(device: torch.device) -> dict[str, Any]:
     from mmtrain.models.attention import gpu_varlen_backend
-    from mmtrain.models.layer_specs import te_attention
+    from mmtrain.models.te_support import te_status
 
+    te = te_status()
     env = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "megatron-core": _version("megatron-core"),
-        "transformer-engine": _version("transformer-engine") if te_attention() is not None else None,
+        # te_support, not a successful import: megatron binds a MagicMock TEDotProductAttention
+        # without TE (review A2); the reason says why TE is unusable (e.g. a torch ABI mismatch)
+        "transformer-engine": te.version if te.available else f"unusable ({te.reason})",
         "flash-attn": _version("flash-attn") if installed("flash_attn") else None,
         "varlen kernel (no TE)": gpu_varlen_backend(torch.bfloat16) or "grouped SDPA",
         "pillow": installed("PIL"),
@@ -129,7 +132,7 @@ def check_varlen(device: torch.device, tiny: bool) -> None:
 
     from mmtrain.models.attention import SDPACoreAttention, gpu_varlen_backend
     from mmtrain.models.context_parallel import cp_layout
-    from mmtrain.models.layer_specs import te_attention
+    from mmtrain.models.te_support import te_dot_product_attention
 
     heads, groups, dim = (4, 2, 16) if tiny else (12, 2, 128)
     lens = [37, 512, 5, 1300, 64, 64, 900] if not tiny else [37, 100, 5, 64]
@@ -144,7 +147,7 @@ def check_varlen(device: torch.device, tiny: bool) -> None:
     ref = _per_sample(*ref_in, lens)
     ref.backward(grad.double())
     modules = [("ours", SDPACoreAttention)]
-    te = te_attention()
+    te = te_dot_product_attention() if device.type == "cuda" else None  # None without a real TE (A2)
     if te is not None:
         modules.append(("TE", te))
     for dtype in (torch.bfloat16, torch.float32):
@@ -230,11 +233,12 @@ def check_decoder(device: torch.device, tiny: bool) -> None:
 def check_cp_layout() -> None:
     from mmtrain.models.context_parallel import cp_layout, padding_multiple
 
-    try:
-        import transformer_engine_torch as tex  # noqa: F401
-    except ImportError:
-        say("  (cp layout vs TE: Transformer Engine not installed, skipped)")
+    from mmtrain.models.te_support import te_status
+
+    if not te_status().available:
+        say(f"  (cp layout vs TE: Transformer Engine unusable, skipped: {te_status().reason})")
         return
+    import transformer_engine_torch as tex
     lens = [45, 8, 130, 3, 60, 1000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     worst = 0
@@ -258,11 +262,11 @@ def check_te_context_parallel(device: torch.device) -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from mmtrain.models.context_parallel import current_layout
-    from mmtrain.models.layer_specs import te_attention
+    from mmtrain.models.te_support import te_dot_product_attention
     from mmtrain.models.lm_config import LLMConfig
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
 
-    te = te_attention()
+    te = te_dot_product_attention()
     cp = parallel_state.get_context_parallel_world_size()
     if te is None or cp < 2:
         return
@@ -308,11 +312,19 @@ class Workload:
     build: Callable[[Any], torch.nn.Module]  # ParallelOptions -> model
     batch: Callable[[int, int, torch.device], Any]  # (rows, seq, device) -> batch
     media_fraction: float  # share of positions that are encoder features (dry-run encoder activations)
-    media_tokens: Callable[[Any], int]  # encoder positions of a batch (for the MFU with the encoder)
+    media_tokens: Callable[[Any], int]  # encoder positions of a batch
+    encoder_inputs: Callable[[Any], int] | None = None  # tiles of a batch (FamilySpec.encoder_inputs; MFU)
 
 
 TINY_LLM = ["model.llm.num_layers=2", "model.llm.hidden_size=128", "model.llm.ffn_hidden_size=256",
             "model.llm.num_attention_heads=4", "model.llm.num_query_groups=2"]
+
+
+# The recipe leaves the media ids null for the run preflight to read off the tokenizer
+# (llava_ov/spec.py); this script runs no preflight and loads no tokenizer, so it pins Qwen2.5's
+# ids (the tokenizer's <image> / <video>, added after its vocabulary): null ids make
+# LlavaOVModel refuse to build and would write None into the synthetic batch (review A3).
+AQUILA_MEDIA_IDS = ("model.image_token_id=151665", "model.video_token_id=151666")
 
 
 def aquila_workload(args: argparse.Namespace, with_vision: bool) -> Workload:
@@ -321,7 +333,8 @@ def aquila_workload(args: argparse.Namespace, with_vision: bool) -> Workload:
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, PARTS
 
-    overrides = ["stage=2a", f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}"]
+    overrides = ["stage=2a", f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}",
+                 *AQUILA_MEDIA_IDS]
     if args.tiny:
         overrides += TINY_LLM + ["model.vision.num_layers=2", "model.vision.hidden_size=64",
                                  "model.vision.ffn_hidden_size=128", "model.vision.num_attention_heads=2"]
@@ -346,6 +359,7 @@ def aquila_workload(args: argparse.Namespace, with_vision: bool) -> Workload:
         batch=lambda rows, seq, device: synthetic_batch(recipe.model, rows, seq, device),
         media_fraction=_media_fraction(recipe.model, args) if with_vision else 0.0,
         media_tokens=lambda b: int(b.pixel_values.shape[0]) * recipe.model.vision.num_patches if with_vision else 0,
+        encoder_inputs=LLAVA_OV.encoder_inputs if with_vision else None,
     )
 
 
@@ -450,7 +464,7 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
 
     from mmtrain.models.lm_loss import resolve_loss_impl
     from mmtrain.models.megatron_config import ParallelOptions
-    from mmtrain.planning.cost_model import GB, Layout, estimate_memory, forward_flops_per_token, training_flops_per_token
+    from mmtrain.planning.cost_model import GB, Layout, estimate_memory, training_flops_per_token
     from mmtrain.runtime.optimizer import ModelParts, build_optimizer
     from mmtrain.runtime.throughput import device_peak_flops
 
@@ -488,25 +502,56 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
         seconds = (time.perf_counter() - start) / args.steps
         tokens = args.micro_batch * args.seq_length  # all positions of the micro-batch (one CP group)
         tps = tokens / seconds / ctx.cp  # per GPU
-        dec_flops = training_flops_per_token(shapes, args.seq_length)
-        media_tokens = work.media_tokens(batch)
-        vis_flops = 3 * forward_flops_per_token(shapes, args.seq_length)[2] * media_tokens / tokens if media_tokens else 0
-        mfu = (dec_flops * tps / peak_flops) if peak_flops else None
-        mfu_all = ((dec_flops + vis_flops) * tps / peak_flops) if peak_flops else None
+        # the old per-token figure (one sample per row, every part at 3x: overstated on packed
+        # rows, review B1), printed next to the corrected one for comparison only
+        old_flops = training_flops_per_token(shapes, args.seq_length)
+        mfu_old = (old_flops * tps / peak_flops) if peak_flops else None
+        flops = corrected_step_flops(work, batch)  # Σ len² per packed sample, frozen 2x, vision tower
+        mfu = (flops / seconds / ctx.cp / peak_flops) if peak_flops else None
         peak = _peak(ctx.device)
         say(f"  {seconds:.3f} s/step, {tps:,.0f} tokens/s/GPU, MFU "
-            + ("n/a" if mfu is None else f"{mfu:.1%} (decoder, as the train loop logs)"
-               + (f" / {mfu_all:.1%} (with the vision tower)" if media_tokens else ""))
+            + ("n/a" if mfu is None else f"{mfu:.1%} (step_flops: Σ len², frozen parts 2x, vision tower) "
+               f"[old per-token formula {mfu_old:.1%}]")
             + f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if ctx.on_cuda:
             say(f"  peak memory {peak / GB:.1f} GiB (torch max allocated) vs dry-run estimate {est.total / GB:.1f} GiB "
                 f"({(peak - est.total) / est.total:+.0%})")
+        FIGURES.append(Figure(work.title, args.seq_length, args.micro_batch, recompute, seconds, tps, mfu, peak,
+                              est.total))
         check(f"{work.title.split(',')[0]} throughput step (recompute {recompute})", all(x == x for x in losses),
               f"{len(losses)} finite steps")
         del ddp, optimizer, module, batch, step
         gc.collect()
         if ctx.on_cuda:
             torch.cuda.empty_cache()
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One timed (family, layout): what gpu_smoke's final table prints."""
+
+    title: str
+    seq_length: int
+    micro_batch: int
+    recompute: str
+    seconds_per_step: float
+    tokens_per_s_per_gpu: float
+    mfu: float | None  # corrected formula (cost_model.step_flops); None without a known peak
+    peak_bytes: int  # torch max allocated (0 on a CPU)
+    estimate_bytes: float  # the dry run's per-rank estimate of the same layout
+
+
+FIGURES: list[Figure] = []
+
+
+def corrected_step_flops(work: Workload, batch: Any) -> float:
+    """Model FLOPs of one step on `batch` by the train loop's formula (cost_model.step_flops, review
+    B1): causal attention from Σ len² of the packed samples, each part's backward from the freeze
+    set (every part of `work.parts` trains here), the vision tower from the batch's tiles."""
+    from mmtrain.planning.cost_model import step_flops
+
+    tiles = work.encoder_inputs(batch) if work.encoder_inputs is not None else 0
+    return step_flops(work.shapes, [batch.host_cu_seqlens()], tiles, list(work.parts)).total
 
 
 def _media_fraction(model_cfg: Any, args: argparse.Namespace) -> float:

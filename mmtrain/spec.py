@@ -109,6 +109,10 @@ class FamilySpec:
     # ---- planning -------------------------------------------------------------------------
     #: (model config) -> the cost model's shape description (dry_run, auto_tune, MFU)
     model_shapes: Callable[[Any], "ModelShapes"]
+    #: (a micro-batch of `batch_type`) -> tiles/frames its encoder runs on, read from host fields
+    #: (no device read), for the train loop's MFU (`cost_model.step_flops`). None: the family
+    #: encodes no media in training (e.g. pre-tokenized images)
+    encoder_inputs: Optional[Callable[[Any], int]] = None
 
     #: (recipe, the loaded HF tokenizer of `tokenizer.path`) -> problems, each naming its key;
     #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the

@@ -22,7 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# The CPU tiers hide CUDA before anything imports torch, so a GPU host runs them unchanged (every
+# device decision keys on the run's device, and the run's device is then the CPU). The GPU tier
+# (`make test-gpu`, tests/gpu/) sets MMTRAIN_GPU_TESTS=1 to keep the GPUs visible.
+if os.environ.get("MMTRAIN_GPU_TESTS") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
 
 SYNTH_NUM_SAMPLES = 120
 SYNTH_SEED = 0

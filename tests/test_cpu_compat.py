@@ -31,7 +31,13 @@ def test_apply_is_idempotent_redirects_and_reverts():
     torch.cuda.synchronize()
     assert compute_device() == torch.device("cpu")
     assert torch.zeros.__wrapped__ is originals[0]  # wrapped once
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    # megatron's clipping minus its torch.cuda.FloatTensor assertion; the original is put back
+    assert moptimizer.clip_grad_by_total_norm_fp32 is cpu_compat._clip_grad_by_total_norm_fp32_cpu
     cpu_compat.revert()
+    assert moptimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
     assert not cpu_compat.active()
     assert (torch.zeros, torch.cuda.current_device, torch.Tensor.cuda) == originals
 
@@ -88,15 +94,37 @@ def test_meta_device_context_still_sees_wrapped_factories():
 
 
 def test_run_settings_on_cpu_and_noop_with_cuda(monkeypatch):
+    """What remains substituted: precision and the distributed optimizer. megatron's DDP settings
+    and optimizer are its own on CPU (no DDP adaptation, no optimizer stand-in exists)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    ddp = {"overlap_grad_reduce": True, "grad_reduce_in_fp32": True}
     assert cpu_compat.run_precision("bf16", cpu) == "fp32"
     assert cpu_compat.distributed_optimizer(True, cpu) is False
-    assert cpu_compat.adapt_ddp_config(ddp, cpu)["overlap_grad_reduce"] is False
+    assert not hasattr(cpu_compat, "adapt_ddp_config") and not hasattr(cpu_compat, "MainGradAdamW")
     n = len(cpu_compat.SUBSTITUTIONS)
     assert cpu_compat.run_precision("bf16", cuda) == "bf16"
     assert cpu_compat.distributed_optimizer(True, cuda) is True
-    assert cpu_compat.adapt_ddp_config(ddp, cuda) == ddp
     assert len(cpu_compat.SUBSTITUTIONS) == n  # nothing substituted (or logged) with CUDA
     monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
     assert cpu_compat.apply() is False and not cpu_compat.active()
+
+
+@cpu_only
+def test_grad_clipping_patch_is_megatrons_arithmetic_and_version_gated(monkeypatch):
+    """The CPU clipping scales like megatron's (max_norm / (norm + 1e-6), only when < 1), and a
+    megatron-core outside the checked versions is refused loudly instead of patched blind."""
+    from megatron.core import package_info
+
+    grads = [torch.full((3,), 2.0), torch.full((2,), -1.0)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    cpu_compat._clip_grad_by_total_norm_fp32_cpu(params, max_norm=1.0, total_norm=4.0)
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g * (1.0 / (4.0 + 1.0e-6)))
+    cpu_compat._clip_grad_by_total_norm_fp32_cpu(params, max_norm=100.0, total_norm=4.0)  # no-op
+    assert torch.equal(params[0].grad, grads[0] * (1.0 / (4.0 + 1.0e-6)))
+    cpu_compat.revert()
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    with pytest.raises(RuntimeError, match="re-check clip_grads.py"):
+        cpu_compat.apply()
+    cpu_compat.revert()

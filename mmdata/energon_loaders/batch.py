@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; this module stays import-light
     import torch
@@ -45,12 +45,62 @@ class PackedBatch:
     #: the loader sums them into its `stats`
     stats: dict[str, int] = field(default_factory=dict)
 
-    def to(self: _B, device: Any) -> _B:
-        """A copy with every tensor moved to `device`."""
+    #: fields the model reads on the host (`.tolist()`, `int()`, python loops): `to()` leaves them
+    #: on the CPU, so reading them never waits for the device. A family adds its own.
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = ("cu_seqlens_host",)
+    #: fields only the first pipeline stage reads (media inputs): other stages leave them on the host
+    FIRST_STAGE_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    #: host copy of `cu_seqlens` (attention needs the device copy, layouts/losses read this one);
+    #: None until `to()` fills it
+    cu_seqlens_host: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """`cu_seqlens` on the CPU without a device-to-host read when the batch came through `to()`."""
+        if self.cu_seqlens_host is not None:
+            return self.cu_seqlens_host
+        return self.cu_seqlens.cpu()  # a batch built on the device by hand: one read
+
+    def pin_memory(self: _B) -> _B:
+        """A copy with every tensor in page-locked memory. torch's DataLoader pin thread calls
+        this (`torch/utils/data/_utils/pin_memory.py` pins objects with a `pin_memory()`
+        method); without it a dataclass batch stays pageable and every H2D copy blocks."""
         import torch
 
-        moved = {
-            f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
-            for f in dataclasses.fields(self)
-        }
-        return type(self)(**moved)
+        return self._map(lambda name, v: v.pin_memory() if isinstance(v, torch.Tensor) else v)
+
+    def to(self: _B, device: Any, first_stage: bool = True) -> _B:
+        """A copy with the model's inputs on `device` (asynchronous from pinned memory); the
+        host metadata (`HOST_FIELDS`, and `cu_seqlens_host`) stays on the CPU, and with
+        `first_stage=False` so do the inputs only the first pipeline stage reads."""
+        import torch
+
+        device = torch.device(device)
+        stay = set(self.HOST_FIELDS) | (set() if first_stage else set(self.FIRST_STAGE_FIELDS))
+
+        def move(name: str, v: Any) -> Any:
+            if not isinstance(v, torch.Tensor) or name in stay:
+                return v
+            return v.to(device, non_blocking=v.device.type == "cpu" and v.is_pinned())
+
+        moved = self._map(move)
+        if moved.cu_seqlens_host is None and self.cu_seqlens.device.type == "cpu":
+            moved.cu_seqlens_host = self.cu_seqlens
+        return moved
+
+    def _map(self: _B, fn: Any) -> _B:
+        return type(self)(**{f.name: fn(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+def host_to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """A small host tensor (an index the model computed on the CPU) on `device`, without a
+    stream sync: a copy from pageable memory to a CUDA device waits for the stream, one from
+    pinned memory with `non_blocking=True` does not. Keyed on the target device."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu" or t.device == device:
+        return t.to(device)
+    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())

@@ -22,6 +22,7 @@ Backend = Literal["auto", "nccl", "gloo"]
 Sharding = Literal["dp", "replicated"]
 CPComm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]  # megatron's names (TE attention, GPU)
 LMLoss = Literal["auto", "fused", "chunked", "plain"]
+TransformerImpl = Literal["local", "transformer_engine"]  # megatron's names for the decoder's layer spec
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 #: dataclass field metadata of a local path (or a list of them): written absolute when saved
@@ -68,6 +69,9 @@ class TrainConfig:
     # a rerun of the same recipe resumes. 0 = off. SIGTERM does the same (docs/reliability.md).
     exit_interval: int = 0  # stop after the step whose number is a multiple of this
     exit_duration_mins: float = 0.0  # stop after the first step that ends past this wall time
+    # bit-reproducible steps at some speed cost: torch deterministic algorithms, cuBLAS workspace
+    # config, megatron's deterministic_mode and TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
+    deterministic: bool = False
 
 
 @dataclass
@@ -111,6 +115,10 @@ class ParallelConfig:
     # chunked (blocked output projection + cross entropy, no full logits), plain (full logits)
     lm_loss: LMLoss = "auto"
     lm_loss_block_mb: int = 256  # MiB of logits one block of the chunked loss may hold
+    # the decoder's layer spec: local (torch/megatron modules, any device) or transformer_engine
+    # (TE fused norm+linear, fused THD RoPE, wgrad fusion; CUDA with TE only). Off by default
+    # until the gpu test tier has passed with it on a device (docs/gpu.md)
+    transformer_impl: TransformerImpl = "local"
     # a collective that waits longer fails (the rank's peer died or hangs), and the job exits
     collective_timeout_mins: float = 30.0
 

@@ -45,11 +45,11 @@ class Emu3StateDictAdapter(StateDictAdapter):
 
     ignorable = re.compile(rf"^{re.escape(VQ_PREFIX)}")
 
-    def __init__(self, cfg: Emu3ModelConfig) -> None:
+    def __init__(self, cfg: Emu3ModelConfig, transformer_impl: str = "local") -> None:
         super().__init__()
         if cfg.llm.tie_word_embeddings:  # HF Emu3 always stores its lm_head
             raise ConversionError("model.llm.tie_word_embeddings=true: Emu3 checkpoints have an untied lm_head")
-        self._add(LlamaDecoderAdapter(cfg.llm, TEXT_PREFIX, LM_HEAD, "language_model."))
+        self._add(LlamaDecoderAdapter(cfg.llm, TEXT_PREFIX, LM_HEAD, "language_model.", transformer_impl))
 
     def normalize_hf_key(self, key: str) -> str:
         return normalize_emu3_hf_key(key)

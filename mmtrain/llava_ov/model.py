@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from mmdata.energon_loaders.batch import host_to_device
+from mmdata.energon_loaders.llava_ov.anyres import normalise_pixels
 from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
 from mmtrain.llava_ov.layout import pack_media_features
@@ -66,15 +68,18 @@ class LlavaOVModel(DecoderStageModel):
         """Projected + laid-out features of the batch's media (all, or the media indices
         `media`, in order), [positions, hidden]."""
         assert self.vision_model is not None and self.vision_projection is not None
+        # the metadata are host tensors (LlavaOVBatch.HOST_FIELDS): these reads never sync
         pixels, tiles, kind, sizes = batch.pixel_values, batch.tiles_per_media, batch.media_kind, batch.image_sizes
         grids, counts = batch.grid_shapes, batch.num_media_tokens
         if media is not None:
             first_tile = torch.cumsum(tiles, 0) - tiles
             tile_idx = torch.cat([torch.arange(int(first_tile[m]), int(first_tile[m] + tiles[m])) for m in media.tolist()])
-            pixels = pixels.index_select(0, tile_idx.to(pixels.device))
+            pixels = pixels.index_select(0, host_to_device(tile_idx, pixels.device))
             tiles, kind, sizes = tiles[media], kind[media], sizes[media]
             grids = grids[media] if grids is not None else None
             counts = counts[media] if counts is not None else None
+        if pixels.dtype == torch.uint8:  # the loader's tiles: normalised here, on the device
+            pixels = normalise_pixels(pixels, batch.pixel_mean, batch.pixel_std)
         feats = self.vision_projection(self.vision_model(pixels))
         return pack_media_features(feats, tiles, kind, sizes, grids, self.image_newline, self.cfg, counts)
 
@@ -83,12 +88,14 @@ class LlavaOVModel(DecoderStageModel):
         in, [t_local, 1, h]. Under context parallelism the vision tower runs only on the media
         that have positions on this rank (see `_local_media`)."""
         emb = embed_tokens(self.language_model, batch, layout)
-        ids = batch.input_ids.reshape(-1)
+        ids = batch.host_input_ids().reshape(-1)  # placeholders located on the host: no sync
         is_media = (ids == self.cfg.image_token_id) | (ids == self.cfg.video_token_id)
         n_pos = int(is_media.sum())
+        encoded = False
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
-            rows, media, feature_rows = self._local_media(batch, layout, is_media)
+            rows, media, feature_rows = self._local_media(batch, layout, is_media, emb.device)
             if media is None or media.numel():
+                encoded = True
                 feats = self.media_embeddings(batch, media).to(emb.dtype)
                 if media is None and feats.shape[0] != n_pos:
                     raise ValueError(
@@ -98,9 +105,30 @@ class LlavaOVModel(DecoderStageModel):
                 emb[rows, 0] = feats if feature_rows is None else feats[feature_rows]
         elif n_pos:
             raise ValueError(f"input_ids hold {n_pos} image/video placeholder tokens but the batch has no pixel_values")
+        if not encoded and self._encoders_need_grad():
+            emb = emb + self._zero_encoder_term().to(emb.dtype)
         return emb
 
-    def _local_media(self, batch: LlavaOVBatch, layout: CPLayout, is_media: torch.Tensor
+    def _encoders_need_grad(self) -> bool:
+        """Whether a backward will follow that must reach the vision tower, projector or newline."""
+        encoders = [self.vision_model, self.vision_projection]
+        return torch.is_grad_enabled() and (
+            self.image_newline.requires_grad or any(p.requires_grad for m in encoders for p in m.parameters())
+        )
+
+    def _zero_encoder_term(self) -> torch.Tensor:
+        """A scalar 0 that depends on every vision tower, projector and newline parameter.
+
+        Why: a text-only micro-batch, or a CP rank holding no media position, would leave those
+        parameters without a gradient, and megatron DDP's overlapped grad reduce asserts on a
+        parameter that got none (review A1). Added to the embeddings it changes no value (x + 0
+        is x) and gives them zero gradients; the tower sees one patch (`one_patch_output`), so
+        the extra compute is negligible."""
+        assert self.vision_model is not None and self.vision_projection is not None
+        feats = self.vision_projection(self.vision_model.one_patch_output())
+        return (feats.sum() + self.image_newline.sum()) * 0.0
+
+    def _local_media(self, batch: LlavaOVBatch, layout: CPLayout, is_media: torch.Tensor, device: torch.device
                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(local rows that take a media feature, the media to encode (None: all), the row of
         each of those features in the encoded media's output (None: in order)).
@@ -110,9 +138,11 @@ class LlavaOVModel(DecoderStageModel):
         the whole vision tower cp times. A media cut by a chunk boundary is encoded by each
         rank that holds part of it (its features are computed whole: the anyres layout mixes
         tiles), and each rank back-propagates only through the positions it holds, so the
-        gradients summed over the CP group are exact."""
+        gradients summed over the CP group are exact.
+
+        `is_media` and the metadata are host tensors; the index tensors go to `device` once."""
         if layout.index is None:
-            return is_media.nonzero(as_tuple=True)[0], None, None
+            return host_to_device(is_media.nonzero(as_tuple=True)[0], device), None, None
         counts = batch.num_media_tokens.to(torch.long).cpu()
         if int(counts.sum()) != int(is_media.sum()):
             raise ValueError(f"input_ids hold {int(is_media.sum())} image/video placeholder tokens but the "
@@ -127,11 +157,10 @@ class LlavaOVModel(DecoderStageModel):
         first_encoded = torch.cumsum(counts[media], 0) - counts[media]  # ... among the encoded ones
         slot = torch.searchsorted(media, media_of)
         feature_rows = feature - first[media_of] + first_encoded[slot]
-        device = is_media.device
-        return rows.to(device), media, feature_rows.to(device)
+        return host_to_device(rows, device), media, host_to_device(feature_rows, device)
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: LlavaOVBatch, return_logits: bool = False) -> torch.Tensor:
-        layout = current_layout(batch.cu_seqlens)  # this CP rank's share (the identity without CP)
+        layout = current_layout(batch.host_cu_seqlens())  # this CP rank's share (the identity without CP)
         decoder_input = self._decoder_input(batch, layout) if self.pre_process else None
         return packed_decoder_forward(self.language_model, batch, layout, decoder_input, return_logits)

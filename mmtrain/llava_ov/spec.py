@@ -186,13 +186,22 @@ def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
         decoder=DecoderShape.from_llm(m.llm, m.make_vocab_size_divisible_by),
         decoder_part="llm",
         encoder=EncoderShape(v.num_layers, v.hidden_size, v.ffn_hidden_size, v.num_attention_heads,
-                             v.image_size, v.patch_size, v.num_channels),
+                             v.image_size, v.patch_size, v.num_channels,
+                             frozen_params=2 * v.hidden_size),  # ln_post: the features skip it (vision.py)
         encoder_part="vision_tower",
         connectors=(
-            Connector("projector", projector_weights + (2 * h if m.projector.bias else 0), projector_weights),
+            # its first linear reads the tower's output: input gradients only when the tower trains
+            Connector("projector", projector_weights + (2 * h if m.projector.bias else 0), projector_weights,
+                      input_matmul_params=v.hidden_size * h),
             Connector("llm", h),  # image_newline
         ),
     )
+
+
+def encoder_inputs(batch: LlavaOVBatch) -> int:
+    """Tiles/frames the vision tower encodes for a micro-batch (MFU), from a host field: no device read."""
+    tiles = batch.tiles_per_media
+    return int(tiles.sum()) if tiles is not None and tiles.numel() else 0
 
 
 def _to_mcore(src: str, dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
@@ -232,6 +241,7 @@ LLAVA_OV = FamilySpec(
     build_loader=build_loader,
     forward_step=forward_step,
     model_shapes=model_shapes,
+    encoder_inputs=encoder_inputs,
     check_tokenizer=check_tokenizer,
     prepare_tokenizer=prepare_tokenizer,
     hf=HFConversion(

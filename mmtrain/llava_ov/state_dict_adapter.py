@@ -82,7 +82,7 @@ class LlavaOVStateDictAdapter(StateDictAdapter):
 
     ignorable = re.compile(r"^language_model\.lm_head\.weight$|^vision_tower\.head\.")
 
-    def __init__(self, cfg: LlavaOVModelConfig) -> None:
+    def __init__(self, cfg: LlavaOVModelConfig, transformer_impl: str = "local") -> None:
         super().__init__()
         self.cfg = cfg
         self._add(SiglipAdapter(cfg.vision, "vision_tower.", "vision_model."))
@@ -96,7 +96,8 @@ class LlavaOVStateDictAdapter(StateDictAdapter):
                 ("vision_projection.encoder.linear_fc2.bias", ["multi_modal_projector.linear_2.bias"], "copy"),
             ]
         self._pairs.append(("image_newline", ["image_newline"], "copy"))
-        self._add(LlamaDecoderAdapter(cfg.llm, "language_model.model.", "language_model.lm_head.weight", "language_model."))
+        self._add(LlamaDecoderAdapter(cfg.llm, "language_model.model.", "language_model.lm_head.weight", "language_model.",
+                                      transformer_impl))
         if not cfg.llm.tie_word_embeddings:
             self.ignorable = re.compile(r"^vision_tower\.head\.")
 

@@ -56,8 +56,13 @@ class SiglipVisionModel(MegatronModule):
             config=config, spec=transformer_layer_spec(causal=False), pre_process=True,
             post_process=False, pg_collection=pg_collection,
         )
-        # kept for SigLIP-alone use and lossless HF round trips; LLaVA-OV features skip it
+        # kept for SigLIP-alone use and lossless HF round trips (transformers' LlavaOnevision
+        # checkpoints hold `vision_tower.vision_model.post_layernorm.*`), but LLaVA-OV features
+        # skip it: frozen, so it is loaded and exported unchanged and never sits in megatron's
+        # grad buffer, where a parameter without a gradient fails the overlapped reduce (review A1).
+        # `apply_freeze` only ever freezes, so no stage turns it back on.
         self.ln_post = TorchNorm(config, cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ln_post.requires_grad_(False)
 
     def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
         self.decoder.set_input_tensor(input_tensor)
@@ -78,3 +83,16 @@ class SiglipVisionModel(MegatronModule):
         if apply_post_layernorm:
             x = self.ln_post(x)
         return x
+
+    def one_patch_output(self) -> torch.Tensor:
+        """[1, 1, hidden]: one zero patch through the conv, the first position and every layer.
+
+        Why: a micro-batch (or a CP rank) without media still has to give each trainable tower
+        parameter a gradient, or megatron DDP's overlapped grad reduce asserts (review A1); the
+        model adds `0 * sum` of this (through the projector) to its embeddings. A sequence of
+        one patch keeps that extra compute negligible."""
+        p = self.cfg.patch_size
+        x = self.conv1(self.conv1.weight.new_zeros(1, self.cfg.num_channels, p, p)).flatten(2).transpose(1, 2)
+        x = x + self.position_embeddings.weight[:1].unsqueeze(0)
+        x = self.decoder(x.transpose(0, 1).contiguous(), attention_mask=None)
+        return x.transpose(0, 1).contiguous()

@@ -110,7 +110,9 @@ class VarlenPlan:
 def varlen_plan(packed_seq_params: PackedSeqParams) -> VarlenPlan:
     """The plan of a micro-batch, built once and reused by every layer when the params can
     hold it (`context_parallel.PackedSequence`)."""
-    build = lambda: VarlenPlan.build(packed_seq_params.cu_seqlens_q.tolist())  # noqa: E731
+    host = getattr(packed_seq_params, "cu_seqlens_host", None)  # PackedSequence: no device read
+    cu = host if host is not None else packed_seq_params.cu_seqlens_q
+    build = lambda: VarlenPlan.build(cu.tolist())  # noqa: E731
     plan = getattr(packed_seq_params, "plan", None)
     return plan("varlen", build) if plan is not None else build()
 

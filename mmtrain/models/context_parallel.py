@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from mmdata.energon_loaders.batch import host_to_device
+
 
 @dataclass
 class PackedSequence(PackedSeqParams):
@@ -36,6 +38,8 @@ class PackedSequence(PackedSeqParams):
     micro-batch and reuse in every layer (megatron hands the same object to each layer)."""
 
     _plans: dict = field(default_factory=dict, repr=False, compare=False)
+    #: host copy of `cu_seqlens_q`, for plans built on the host (no device-to-host read)
+    cu_seqlens_host: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def plan(self, key: str, build: Callable[[], Any]) -> Any:
         if key not in self._plans:
@@ -73,7 +77,7 @@ class CPLayout:
         if self.index is None:
             return x
         ext = torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])
-        return ext.index_select(0, self.index.to(x.device))
+        return ext.index_select(0, host_to_device(self.index, x.device))
 
     def scatter(self, local: torch.Tensor) -> torch.Tensor:
         """`local [t_local, ...]` -> `[total, ...]`, zero at positions other ranks hold
@@ -81,7 +85,7 @@ class CPLayout:
         if self.index is None:
             return local
         out = local.new_zeros((self.total + 1, *local.shape[1:]))
-        return out.index_copy(0, self.index.to(local.device), local)[: self.total]
+        return out.index_copy(0, host_to_device(self.index, local.device), local)[: self.total]
 
     def held(self) -> torch.Tensor:
         """[total] bool: the stream positions this rank holds."""
@@ -95,11 +99,13 @@ class CPLayout:
         """THD parameters of this rank's share. The sequence boundaries are the global padded
         ones (megatron's RoPE and TE's CP attention divide them by cp themselves); the padding
         slots count as tokens of their sequence, which is exact under causal attention."""
-        cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        host = self.cu_seqlens.to(dtype=torch.int32)
+        cu = host if device is None else host_to_device(host, device)  # pinned + async: no stream sync
         padded = cu if self.cp > 1 else None
         return PackedSequence(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
             cu_seqlens_kv_padded=padded, max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+            cu_seqlens_host=host if host.device.type == "cpu" else None,
         )
 
 
@@ -133,7 +139,8 @@ def cp_layout(cu_seqlens: torch.Tensor, cp: int, rank: int, multiple: int,
 
 
 def current_layout(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> CPLayout:
-    """`cp_layout` for this process's CP rank (sizes from megatron's parallel_state)."""
+    """`cp_layout` for this process's CP rank (sizes from megatron's parallel_state). Pass the
+    host copy (`PackedBatch.host_cu_seqlens()`): a device tensor costs a device-to-host read."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() <= 1:

@@ -27,10 +27,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmtrain.models.context_parallel import CPLayout
-from mmtrain.models.layer_specs import transformer_layer_spec
+from mmtrain.models.layer_specs import decoder_layer_spec
 from mmtrain.models.lm_config import LLMConfig
-from mmtrain.models.lm_loss import DEFAULT_BLOCK_MB, fused_kernel, linear_cross_entropy
+from mmtrain.models.lm_loss import DEFAULT_BLOCK_MB, fused_kernel, linear_cross_entropy, plain_loss_fusion
 from mmtrain.models.norm import TorchNorm
+from mmtrain.models.te_support import have_te
 
 if TYPE_CHECKING:
     from mmdata.energon_loaders.batch import PackedBatch
@@ -62,7 +63,10 @@ class DecoderLM(GPTModel):
         return loss * (labels >= 0)
 
     def _plain_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, kw: dict) -> torch.Tensor:
-        """megatron's output layer + vocab-parallel cross entropy (full logits)."""
+        """megatron's output layer + vocab-parallel cross entropy (full logits); TE's fused cross
+        entropy when the run is on CUDA with TE (decided on the hidden states' device: the run's)."""
+        for field, value in plain_loss_fusion(hidden_states.device.type == "cuda", have_te()).items():
+            setattr(self.config, field, value)  # read by megatron's compute_language_model_loss per call
         target = labels.clamp(min=0)
         if self.vocab_size == self.true_vocab:
             return super()._postprocess(hidden_states=hidden_states, **{**kw, "labels": target})
@@ -82,7 +86,7 @@ class DecoderLM(GPTModel):
         hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.size(-1))  # [b*s, h], labels' order
         flat_labels = labels.reshape(-1)
         if self.loss_impl == "fused":
-            kernel = fused_kernel(hidden.dtype)
+            kernel = fused_kernel(hidden.dtype, hidden.device)
             if kernel is None or tp > 1:
                 raise RuntimeError("parallel.lm_loss=fused needs a working fused kernel and TP = 1")
             loss = kernel[1](hidden, weight[: self.true_vocab], flat_labels).float()
@@ -108,7 +112,8 @@ def build_language_model(
 ) -> DecoderLM:
     """The decoder as a megatron `GPTModel` (`vocab_size`: the padded table size)."""
     block = TransformerBlockSubmodules(
-        layer_specs=[transformer_layer_spec(causal=True, context_parallel=lm_config.context_parallel_size > 1)]
+        layer_specs=[decoder_layer_spec(getattr(lm_config, "transformer_impl", "local"),
+                                        context_parallel=lm_config.context_parallel_size > 1)]
         * get_num_layers_to_build(lm_config, vp_stage=vp_stage),
         layer_norm=TorchNorm,
     )

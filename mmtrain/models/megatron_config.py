@@ -43,6 +43,64 @@ class ParallelOptions:
     # megatron/TE context-parallel communication (GPU): p2p | all_gather | a2a | a2a+p2p
     cp_comm_type: str = "p2p"
     hierarchical_cp_sizes: Optional[list[int]] = None  # a2a+p2p: [a2a size, p2p size]
+    # the decoder's layer spec (megatron's `transformer_impl` wording): "local" (torch/megatron
+    # modules, runs anywhere) or "transformer_engine" (TE fused norm+linear, fused THD RoPE,
+    # wgrad fusion; CUDA + TE only). The towers always use the local spec.
+    transformer_impl: str = "local"
+    # the run's device (the runtime's, never torch.cuda.is_available()); decides the TE spec
+    on_cuda: bool = False
+    # train.deterministic: TransformerConfig.deterministic_mode (the runtime also sets
+    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which megatron requires with it)
+    deterministic: bool = False
+
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+class TransformerImplUnavailable(RuntimeError):
+    """`parallel.transformer_impl: transformer_engine` asked for where TE cannot run."""
+
+
+@dataclass(frozen=True)
+class DecoderFusions:
+    """Which megatron fusions the decoder's TransformerConfig turns on (one decision, CPU-testable)."""
+
+    use_te_spec: bool = False
+    apply_rope_fusion: bool = False  # TE's fused THD RoPE (review C1: megatron's unfused path syncs ~112x/forward)
+    bias_activation_fusion: bool = False  # SwiGLU only: the towers' tanh/erf GELU must stay unfused (C2)
+    gradient_accumulation_fusion: bool = False  # TE accumulates wgrad into main_grad (no apex needed)
+
+    def config_kwargs(self) -> dict:
+        return dict(apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
+                    gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+
+
+def decoder_fusions(on_cuda: bool, te_available: bool, transformer_impl: str, te_reason: str = "") -> DecoderFusions:
+    """The decoder's fusions from (the run is on CUDA?, TE usable?, the recipe's switch).
+    "local" keeps everything off (today's behaviour, the default until the gpu tier has passed
+    with the switch on); "transformer_engine" refuses loudly where it cannot run."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"parallel.transformer_impl={transformer_impl!r}: expected one of {list(TRANSFORMER_IMPLS)}")
+    if transformer_impl == "local":
+        return DecoderFusions()
+    if not on_cuda:
+        raise TransformerImplUnavailable("parallel.transformer_impl=transformer_engine needs a CUDA run (this run is on "
+                                         "CPU); set parallel.transformer_impl=local")
+    if not te_available:
+        raise TransformerImplUnavailable("parallel.transformer_impl=transformer_engine needs Transformer Engine: "
+                                         f"{te_reason or 'not available'}; set parallel.transformer_impl=local")
+    return DecoderFusions(use_te_spec=True, apply_rope_fusion=True, bias_activation_fusion=True,
+                          gradient_accumulation_fusion=True)
+
+
+def resolve_decoder_fusions(opts: "ParallelOptions") -> DecoderFusions:
+    """`decoder_fusions` for these options, asking te_support only when the switch is on."""
+    if opts.transformer_impl == "local":
+        return decoder_fusions(opts.on_cuda, False, "local")
+    from mmtrain.models.te_support import te_status
+
+    st = te_status()
+    return decoder_fusions(opts.on_cuda, st.available, opts.transformer_impl, st.reason)
 
 
 def base_config_kwargs(params_dtype: str, opts: ParallelOptions, *, sequence_parallel: bool) -> dict:
@@ -59,13 +117,15 @@ def base_config_kwargs(params_dtype: str, opts: ParallelOptions, *, sequence_par
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not opts.on_cuda,  # the run's device (review A7), not torch.cuda.is_available()
+        deterministic_mode=opts.deterministic,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        transformer_impl="local",  # megatron defaults to "transformer_engine"; only the decoder may switch
         init_method_std=0.02,
         perform_initialization=opts.perform_initialization,
     )
@@ -84,6 +144,9 @@ def language_transformer_config(llm: LLMConfig, params_dtype: str, opts: Paralle
         kw.update(recompute_granularity=opts.recompute_granularity)
         if opts.recompute_granularity == "full":
             kw.update(recompute_method=opts.recompute_method, recompute_num_layers=opts.recompute_num_layers)
+    kw.update(resolve_decoder_fusions(opts).config_kwargs())  # decoder only: SwiGLU (the towers keep GELU unfused)
+    # megatron's own field; build_language_model reads it to pick the decoder's layer spec
+    kw.update(transformer_impl=opts.transformer_impl)
     return TransformerConfig(
         num_layers=llm.num_layers,
         hidden_size=llm.hidden_size,

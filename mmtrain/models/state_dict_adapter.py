@@ -70,13 +70,46 @@ class PartAdapter(Protocol):
     def groups(self) -> tuple[int, int]: ...
 
 
+#: a decoder layer's pre-norm weights: local spec name -> TE spec name (TE folds the norm into the
+#: following linear: `TELayerNormColumnParallelLinear.layer_norm_weight`)
+TE_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+#: TE modules' `_extra_state` (fp8 metadata): no HF counterpart, ignored by the mapping
+TE_EXTRA_STATE = re.compile(r"(^|\.)_extra_state$")
+
+
+def _layer_re(decoder_prefix: str) -> re.Pattern:
+    return re.compile(rf"^({re.escape(decoder_prefix)}decoder\.layers\.\d+\.)(.+)$")
+
+
+def to_te_name(name: str, decoder_prefix: str = "") -> str:
+    """A local-spec megatron name -> the TE-spec name (unchanged unless it is a decoder pre-norm)."""
+    m = _layer_re(decoder_prefix).match(name)
+    return m.group(1) + TE_NORM_NAMES[m.group(2)] if m and m.group(2) in TE_NORM_NAMES else name
+
+
+def to_local_name(name: str, decoder_prefix: str = "") -> str:
+    """A TE-spec megatron name -> the local-spec name (the inverse of `to_te_name`)."""
+    back = {te: local for local, te in TE_NORM_NAMES.items()}
+    m = _layer_re(decoder_prefix).match(name)
+    return m.group(1) + back[m.group(2)] if m and m.group(2) in back else name
+
+
+def is_te_extra_state(name: str) -> bool:
+    return bool(TE_EXTRA_STATE.search(name))
+
+
 class LlamaDecoderAdapter:
     """A Llama-style decoder (HF names as Llama and Qwen2/2.5 write them; the qkv bias only when
     `cfg.qkv_bias`, as Qwen2). `hf_prefix` is where `layers.N...` live (e.g. "model."
     or "language_model.model."), `lm_head` the untied output weight's name."""
 
-    def __init__(self, cfg: LLMConfig, hf_prefix: str, lm_head: str, mc_prefix: str = "") -> None:
+    def __init__(self, cfg: LLMConfig, hf_prefix: str, lm_head: str, mc_prefix: str = "",
+                 transformer_impl: str = "local") -> None:
         self.cfg, self.hp, self.lm_head, self.mp = cfg, hf_prefix, lm_head, mc_prefix
+        self.te = transformer_impl == "transformer_engine"  # megatron names of the TE decoder spec
 
     def _layer_pairs(self, i: int) -> list[Pair]:
         h, m = f"{self.hp}layers.{i}.", f"{self.mp}decoder.layers.{i}."
@@ -91,6 +124,8 @@ class LlamaDecoderAdapter:
         ]
         if self.cfg.qkv_bias:
             out.append((m + "self_attention.linear_qkv.bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], "qkv"))
+        if self.te:
+            out = [(to_te_name(n, self.mp), hs, op) for n, hs, op in out]
         return out
 
     def pairs(self) -> list[Pair]:
@@ -139,6 +174,8 @@ class StateDictAdapter:
         for m, hs, op in self._pairs:
             if m == name:
                 return self._to_mcore(m, hs, op, get_hf)
+        if is_te_extra_state(name):
+            raise ConversionError(f"{name!r} is TE's _extra_state (no HF counterpart): skip it (is_te_extra_state)")
         raise ConversionError(f"megatron tensor {name!r} has no HF counterpart in {type(self).__name__}")
 
     def _to_mcore(self, m: str, hs: list[str], op: str, get_hf: Getter) -> torch.Tensor:
@@ -194,9 +231,9 @@ class LlamaStateDictAdapter(StateDictAdapter):
 
     ignorable = re.compile(r"^lm_head\.weight$")
 
-    def __init__(self, cfg: LLMConfig, mc_prefix: str = "") -> None:
+    def __init__(self, cfg: LLMConfig, mc_prefix: str = "", transformer_impl: str = "local") -> None:
         super().__init__()
-        self._add(LlamaDecoderAdapter(cfg, "model.", "lm_head.weight", mc_prefix))
+        self._add(LlamaDecoderAdapter(cfg, "model.", "lm_head.weight", mc_prefix, transformer_impl))
         if not cfg.tie_word_embeddings:
             self.ignorable = re.compile(r"$^")
 

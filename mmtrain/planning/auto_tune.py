@@ -119,10 +119,11 @@ class AutoTuneResult:
 
 
 def trials_on_cuda(recipe: Recipe) -> bool:
-    """Whether trials run on GPUs (the launcher's choice: backend auto/nccl with CUDA present)."""
-    import torch
+    """Whether trials run on GPUs: the backend their workers will resolve (nccl: CUDA), the one
+    run-device decision (runtime.distributed.resolve_backend; gloo with GPUs visible is refused)."""
+    from mmtrain.runtime.distributed import resolve_backend
 
-    return recipe.parallel.backend != "gloo" and torch.cuda.is_available()
+    return resolve_backend(recipe.parallel.backend) == "nccl"
 
 
 def evaluate(recipe: Recipe, spec: FamilySpec, on_cuda: bool | None = None,

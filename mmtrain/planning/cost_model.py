@@ -1,7 +1,8 @@
 """Analytical cost model: parameter counts, per-rank memory and step time from a recipe, without
 building the model. `dry_run` prints it for the recipe's layout; `auto_tune` searches layouts
-with it; the train loop's MFU uses its FLOPs per token. Everything here is arithmetic on a
-`ModelShapes` description, so the 2B recipe is estimated in milliseconds on a laptop.
+with it; the train loop's MFU uses `step_flops` on each step's packed layout (sum of len^2 per
+sample), freeze set and media. Everything here is arithmetic on a `ModelShapes` description, so
+the 2B recipe is estimated in milliseconds on a laptop.
 
 A family describes its model (`FamilySpec.model_shapes`) as shared building blocks, each
 assigned to one of the family's trainable parts: a decoder (Qwen2/Llama-style: GQA, optional qkv
@@ -27,7 +28,7 @@ block of logits, an fp32 hidden-state gradient and the output layer's weight gra
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterable
 
 from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
 
@@ -83,6 +84,8 @@ class EncoderShape:
     image_size: int
     patch_size: int
     channels: int
+    #: parameters kept (loaded and exported) but never trained, e.g. a final norm the features skip
+    frozen_params: int = 0
 
     @property
     def patches(self) -> int:
@@ -96,6 +99,9 @@ class Connector:
     part: str
     params: int
     matmul_params: int = 0  # weights applied to every media token (2 FLOPs each)
+    #: the share of `matmul_params` in the matmul that reads the encoder's output (its input
+    #: gradient is computed only when the encoder trains: `part_passes`)
+    input_matmul_params: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,12 @@ class ModelShapes:
     encoder: EncoderShape | None = None
     encoder_part: str = ""
     connectors: tuple[Connector, ...] = ()
+
+    @property
+    def flow_order(self) -> list[str]:
+        """The parts in data-flow order: encoder, connectors, decoder (gradients flow backwards)."""
+        return list(dict.fromkeys(([self.encoder_part] if self.encoder else [])
+                                  + [c.part for c in self.connectors] + [self.decoder_part]))
 
     @property
     def upstream_parts(self) -> list[str]:
@@ -174,6 +186,8 @@ def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> Pa
     layers = d.layers * decoder_layer_params(d)
     parts[shapes.decoder_part] = parts.get(shapes.decoder_part, 0) + emb + layers + d.hidden + (0 if d.tied else emb)
     trainable = {k: (0 if k in freeze else n) for k, n in parts.items()}
+    if v is not None and shapes.encoder_part not in freeze:
+        trainable[shapes.encoder_part] -= v.frozen_params
     padding = (d.padded_vocab(tp) - d.vocab) * d.hidden * (1 if d.tied else 2)
     return ParamCounts(parts, emb, layers, trainable, padding)
 
@@ -392,46 +406,181 @@ class StepTime:
 
 
 def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float, float, float]:
-    """(decoder matmuls + causal attention, LM head, encoder + connectors per media token)."""
-    d, v = shapes.decoder, shapes.encoder
-    q = d.heads * d.kv_channels
-    decoder = d.layers * (2 * decoder_layer_params(d) + 2 * q * seq_length)  # QK^T + AV, causal half
+    """(decoder matmuls + causal attention, LM head, encoder + connectors per media token) for one
+    sample filling a `seq_length` row: the dry run's and auto-tune's per-token view (an upper bound
+    on attention for packed rows; `step_flops` counts each batch's real layout)."""
+    d = shapes.decoder
+    decoder = d.layers * (2 * decoder_layer_params(d) + 2 * d.heads * d.kv_channels * seq_length)
     head = 2 * d.hidden * d.padded_vocab(1)
-    media = 2.0 * sum(c.matmul_params for c in shapes.connectors)
-    if v is not None:
-        media += v.layers * (2 * encoder_layer_params(v) + 4 * v.hidden * v.patches)
+    media = 0.0
+    if shapes.encoder is not None:
+        media = sum(f.total for f in _media_forward(shapes, 1).values()) / shapes.encoder.patches
     return decoder, head, media
 
 
 def training_flops_per_token(shapes: ModelShapes, seq_length: int) -> float:
-    """Decoder training FLOPs per token for the train loop's MFU: 3 x (forward + backward) the
-    decoder and LM-head forward of `forward_flops_per_token`. The encoder is left out: its share
-    depends on the tiles of each step, which the loop does not track per token."""
+    """Decoder + LM-head training FLOPs per token when every part trains and one sample fills each
+    `seq_length` row (3 x the forward). An estimate for planning only: the train loop's MFU comes
+    from `step_flops` on each step's packed layout, freeze set and media."""
     decoder, head, _ = forward_flops_per_token(shapes, seq_length)
     return 3.0 * (decoder + head)
+
+
+# ----------------------------------------------------------------------------- FLOPs of a step
+
+
+@dataclass(frozen=True)
+class PartFlops:
+    """Forward FLOPs of one part, by how their backward is counted (see `part_passes`)."""
+
+    weights: float = 0.0  # matmuls with the part's weights, reading the part's own activations
+    core: float = 0.0  # weightless matmuls: attention's Q K^T and P V
+    inputs: float = 0.0  # matmuls with the part's weights reading the part's input (patch conv, ...)
+
+    def __add__(self, o: "PartFlops") -> "PartFlops":
+        return PartFlops(self.weights + o.weights, self.core + o.core, self.inputs + o.inputs)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.core + self.inputs
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Forward-equivalents one training step spends on each kind of a part's matmuls."""
+
+    weights: int
+    core: int
+    inputs: int
+
+    def apply(self, f: PartFlops) -> float:
+        return self.weights * f.weights + self.core * f.core + self.inputs * f.inputs
+
+
+def part_passes(shapes: ModelShapes, trainable_parts: Iterable[str]) -> dict[str, Passes]:
+    """How many times each part's forward FLOPs are spent in a training step, from which parts train.
+
+    The rule, per matmul `Y = X W` of forward cost F: backward computes `dX = dY W^T` (F) when
+    anything before it needs a gradient, and `dW = X^T dY` (F) when W trains. Attention's `Q K^T`
+    and `P V` have no weights: whenever a gradient passes through them their backward computes
+    both operands' gradients (2F). Parts run in data-flow order (encoder -> connectors -> decoder
+    with its LM head, `ModelShapes.flow_order`); a gradient passes through a part when it trains
+    or an earlier part does. So:
+
+    - the part trains: weight matmuls 3x, attention 3x; a matmul reading the part's input (the
+      patch conv on pixels, the projector's first linear on the tower's output) 3x only when an
+      earlier part trains, else 2x (autograd computes no gradient for an input that needs none);
+    - frozen, an earlier part trains (e.g. the LLM at LLaVA-OV stage 1, under the trained
+      projector): weight matmuls 2x (forward + input gradient), attention 3x, input matmuls 2x;
+    - frozen and no earlier part trains (e.g. the vision tower at stage 1): 1x, forward only.
+
+    Not counted (they are not model FLOPs): recompute's extra forward, flash attention's
+    recomputation of the scores in backward, norms, softmax and other elementwise work."""
+    trains = set(trainable_parts)
+    out: dict[str, Passes] = {}
+    upstream = False  # an earlier part trains
+    for part in shapes.flow_order:
+        t = part in trains
+        flow = t or upstream
+        out[part] = Passes(weights=1 + flow + t, core=1 + 2 * flow, inputs=1 + upstream + t)
+        upstream = upstream or t
+    return out
+
+
+def executed_lengths(cu_seqlens: Any, pad_to: int = 1) -> list[int]:
+    """Segment lengths of one `cu_seqlens` (a micro-batch's flattened stream or one row) as the
+    device runs them: every non-empty segment (a packed sample or a padding run; THD attention
+    runs over each) padded up to `pad_to` (context parallelism pads each to 2*cp*tp:
+    models/context_parallel.py). Takes a host tensor or a list; never reads a device."""
+    cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    return [-(-n // pad_to) * pad_to for n in lens] if pad_to > 1 else lens
+
+
+def _decoder_forward(d: DecoderShape, tokens: int, sum_sq: int) -> PartFlops:
+    """Layers (2 FLOPs per weight per token; causal attention 2*q*len^2 per sample: half of the
+    4*q*len^2 of Q K^T + P V over a full len x len matrix) + the LM head on every position."""
+    q = d.heads * d.kv_channels
+    return PartFlops(weights=tokens * (d.layers * 2 * decoder_layer_params(d) + 2 * d.hidden * d.padded_vocab(1)),
+                     core=d.layers * 2 * q * sum_sq)
+
+
+def _media_forward(shapes: ModelShapes, tiles: int) -> dict[str, PartFlops]:
+    """Encoder + connectors on `tiles` tiles/frames: each tile is `patches` tokens through the
+    patch conv, every layer (full attention over the tile: 4*h*patches^2) and the connectors."""
+    v = shapes.encoder
+    if v is None or tiles <= 0:
+        return {}
+    n = tiles * v.patches
+    out = {shapes.encoder_part: PartFlops(
+        weights=n * v.layers * 2 * encoder_layer_params(v),
+        core=tiles * v.layers * 4 * v.hidden * v.patches**2,
+        inputs=n * 2 * v.channels * v.patch_size**2 * v.hidden,
+    )}
+    for c in shapes.connectors:
+        f = PartFlops(weights=2.0 * n * (c.matmul_params - c.input_matmul_params), inputs=2.0 * n * c.input_matmul_params)
+        out[c.part] = out.get(c.part, PartFlops()) + f
+    return out
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Model FLOPs of one step's micro-batches (one model replica's share of the global batch)."""
+
+    by_part: dict[str, float]  # training FLOPs per part (passes applied)
+    forward: float  # forward FLOPs of all parts
+    tokens: int  # decoder positions executed (CP padding included)
+    sum_len_sq: int  # sum of len^2 over the executed segments
+    tiles: int  # tiles/frames through the encoder
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_part.values())
+
+
+def step_flops(shapes: ModelShapes, cu_seqlens: Iterable[Any], tiles: int, trainable_parts: Iterable[str],
+               *, pad_to: int = 1) -> StepFlops:
+    """Training FLOPs of one step from its real packed layout: `cu_seqlens` holds one host
+    `cu_seqlens` per micro-batch (or per row: segments never cross rows), `tiles` the tiles/frames
+    the encoder runs on, `trainable_parts` the parts not frozen, `pad_to` the CP padding multiple
+    (`models.context_parallel.padding_multiple(cp, tp)`; 1 without CP). Decoder matmuls and the LM
+    head scale with the executed positions, causal attention with sum(len_i^2) of the samples
+    (THD attention runs per packed sample), the encoder with `tiles`; each part's backward
+    follows `part_passes`. The train loop's MFU (runtime/throughput.py) and benchmarks call it."""
+    tokens = sum_sq = 0
+    for cu in cu_seqlens:
+        lens = executed_lengths(cu, pad_to)
+        tokens += sum(lens)
+        sum_sq += sum(n * n for n in lens)
+    fwd = {shapes.decoder_part: _decoder_forward(shapes.decoder, tokens, sum_sq)}
+    for part, f in _media_forward(shapes, tiles).items():
+        fwd[part] = fwd.get(part, PartFlops()) + f
+    passes = part_passes(shapes, trainable_parts)
+    by_part = {part: passes[part].apply(f) for part, f in fwd.items()}
+    return StepFlops(by_part, sum(f.total for f in fwd.values()), tokens, sum_sq, int(tiles))
 
 
 def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, hw: Hardware,
                        media_token_fraction: float = 1.0) -> StepTime:
     L = layout
     counts = param_counts(shapes, freeze, L.tp)
-    trains = {k: n > 0 for k, n in counts.trainable.items()}
+    trainable = [k for k, n in counts.trainable.items() if n > 0]
     dec, head, media = forward_flops_per_token(shapes, L.seq_length)
     tokens_step = L.global_batch_size * L.seq_length
-    # backward ~ 2x forward for weights+inputs; a frozen part that still passes gradients back
-    # does ~1x (input grads only); a part nothing upstream of which trains does none.
-    upstream_trains = any(trains[p] for p in shapes.upstream_parts)
-    dec_bwd = 2.0 if trains[shapes.decoder_part] else (1.0 if upstream_trains else 0.0)
-    enc_bwd = 2.0 if shapes.encoder is not None and trains[shapes.encoder_part] else 0.0
+    # model FLOPs by the train loop's accounting (`step_flops`), for rows each filled by one
+    # sample (the upper bound of sum(len^2): packed rows of shorter samples cost less attention)
+    # and `media_token_fraction` of the positions taken by media (one encoder token each)
+    v = shapes.encoder
+    row_tiles = L.seq_length * media_token_fraction / v.patches if v is not None else 0.0
+    useful = step_flops(shapes, [[0, L.seq_length]], row_tiles, trainable).total * L.global_batch_size
+    dec_backward = part_passes(shapes, trainable)[shapes.decoder_part].weights > 1
     layers_per_stage = shapes.decoder.layers / L.pp
     recompute_fwd = {"full": L.recomputed_layers(round(layers_per_stage)) / layers_per_stage,
                      "selective": 0.0, "none": 0.0}[L.recompute]
     attn_share = (2 * shapes.decoder.heads * shapes.decoder.kv_channels * L.seq_length * shapes.decoder.layers) / max(dec, 1)
     if L.recompute == "selective":
         recompute_fwd = attn_share
-    flops = tokens_step * ((dec + head) * (1 + dec_bwd) + dec * recompute_fwd * (dec_bwd > 0)
-                           + media * media_token_fraction * (1 + enc_bwd))
-    useful = tokens_step * ((dec + head) * (1 + dec_bwd) + media * media_token_fraction * (1 + enc_bwd))
+    flops = useful + tokens_step * dec * recompute_fwd * dec_backward  # + the recomputed decoder forward
     world = L.world
     compute = flops / world / (hw.device_tflops * 1e12 * hw.matmul_efficiency)
     bubble = compute * (L.pp - 1) / max(L.grad_accum, 1)

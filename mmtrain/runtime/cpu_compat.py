@@ -13,11 +13,17 @@ edited; every substitution is logged once and listed in `SUBSTITUTIONS`.
    The attention backend is not patched: the layer specs pick `SDPACoreAttention`.
 2. Run settings, chosen by the runtime through the functions below:
    - precision: bf16/fp16 requests run in fp32 (`run_precision`);
-   - DDP: no overlapped grad reduce and no distributed optimizer (they need CUDA streams and
-     reduce-scatter, which gloo lacks) -> plain bucketed all-reduce (`adapt_ddp_config`,
-     `distributed_optimizer`);
-   - optimizer: megatron's wrappers refuse CPU tensors -> `MainGradAdamW`, torch AdamW on the
-     fp32 `param.main_grad` buffers megatron DDP fills, with megatron's TP/PP-aware clipping.
+   - distributed optimizer: off on CPU (`distributed_optimizer`), because megatron's
+     `DistributedOptimizer` refuses CPU parameters (see the function for the line).
+
+What is NOT substituted (megatron's own, on CPU as on GPU): megatron DDP with its own settings,
+overlapped bucketed grad reduction included (async `allreduce_coalesced` works on gloo; the only
+CUDA streams in DDP are for `num_distributed_optimizer_instances > 1`), and megatron's optimizer
+(`get_megatron_optimizer` -> FP32Optimizer around torch AdamW when neither TE nor apex is there,
+its grad-norm, clipping and dist-checkpoint `sharded_state_dict`). One megatron function is
+replaced for that: `clip_grad_by_total_norm_fp32` asserts a CUDA tensor type (see
+`_patch_grad_clipping`). gloo in torch 2.13 has reduce-scatter (coalesced too), so the
+distributed optimizer's stand-in is forced by megatron's type check alone.
 """
 
 from __future__ import annotations
@@ -25,11 +31,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +169,44 @@ def _patch_rng_tracker() -> None:
     _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
 
 
+#: the megatron-core minor versions whose `clip_grad_by_total_norm_fp32` this module replaces
+_CLIP_PATCH_VERSIONS = ("0.16.",)
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters: Any, max_norm: float, total_norm: float,
+                                      use_decoupled_grad: bool = False) -> None:
+    """megatron's `clip_grad_by_total_norm_fp32` less its CUDA type assertion: the same grads, the
+    same coefficient, scaled with megatron's own multi-tensor scale (its local fallback on CPU)."""
+    from megatron.core.optimizer import clip_grads
+
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            assert grad.dtype in (torch.float32, torch.bfloat16), grad.dtype  # the CPU form of megatron's check
+            grads.append(clip_grads.to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        overflow = torch.zeros(1, dtype=torch.int)
+        clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, overflow, [grads, grads], clip_coeff)
+
+
+def _patch_grad_clipping() -> None:
+    """megatron's optimizer clips through `clip_grad_by_total_norm_fp32`, which asserts a CUDA type
+    on every grad (megatron-core 0.16 `optimizer/clip_grads.py:167`):
+        assert param.grad.type() == 'torch.cuda.FloatTensor'
+    Both callers (`MegatronOptimizer.clip_grad_norm`, `ChainedOptimizer.step`) use the name bound in
+    `megatron.core.optimizer.optimizer`; that binding is replaced, version-gated."""
+    from megatron.core import package_info
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    version = package_info.__version__
+    if not version.startswith(_CLIP_PATCH_VERSIONS):
+        raise RuntimeError(f"cpu_compat replaces megatron-core's clip_grad_by_total_norm_fp32 for "
+                           f"{_CLIP_PATCH_VERSIONS}, found {version}: re-check clip_grads.py and this patch")
+    _patch(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu)
+
+
 def apply() -> bool:
     """Apply the process-wide patches if (and only if) CUDA is absent. Idempotent; returns True
     when the patches are active. Called by `runtime.distributed` when it brings megatron up."""
@@ -190,6 +232,9 @@ def apply() -> bool:
     note(f"torch.{{{','.join(_FACTORIES)}}}(device='cuda') -> device='cpu'")
     _patch(torch.cuda, "synchronize", lambda *a, **k: None)
     note("torch.cuda.synchronize() -> no-op (gloo ops are complete when they return)")
+    _patch_grad_clipping()
+    note("megatron clip_grad_by_total_norm_fp32 -> the same clipping without its torch.cuda.FloatTensor "
+         "assertion (megatron's optimizer runs on CPU)")
     _patch_rng_tracker()
     note("megatron CUDA RNG-states tracker -> CpuRNGStatesTracker (same fork/add semantics); "
          "recompute's CUDA-RNG snapshot -> empty (CPU and tracker states are still replayed)")
@@ -219,134 +264,16 @@ def run_precision(requested: str, device: torch.device) -> str:
 
 
 def distributed_optimizer(requested: bool, device: torch.device) -> bool:
-    """megatron's distributed optimizer needs CUDA (reduce-scatter over NCCL)."""
+    """megatron's distributed optimizer refuses CPU parameters; off on CPU.
+
+    megatron-core 0.16 `optimizer/distrib_optimizer.py:420`, building the shard groups:
+        elif model_param.type() == 'torch.cuda.FloatTensor':
+        ...
+        else:
+            raise TypeError('Wrapped parameters must be one of torch.cuda.FloatTensor, ...')
+    (gloo itself would do: torch 2.13's gloo has `reduce_scatter_tensor`, coalesced too.)"""
     if device.type == "cpu" and requested:
-        note("distributed optimizer -> off (CUDA-only); optimizer states are replicated over DP")
+        note("distributed optimizer -> off (megatron's DistributedOptimizer accepts only torch.cuda "
+             "parameter types); optimizer states are replicated over DP")
         return False
     return requested
-
-
-def adapt_ddp_config(ddp_kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """megatron DDP's settings on CPU: no overlapped grad reduce (CUDA streams)."""
-    if device.type == "cpu":
-        ddp_kwargs = dict(ddp_kwargs, overlap_grad_reduce=False)
-        note("DDP: overlap_grad_reduce off (CUDA streams) -> bucketed all-reduce of fp32 main_grad over gloo")
-    return ddp_kwargs
-
-
-class MainGradAdamW:
-    """CPU substitute for megatron's optimizer wrapper (same calls the train loop makes:
-    `step() -> (ok, grad_norm, num_zeros)`, `zero_grad`, `param_groups`, `sharded_state_dict`,
-    `load_sharded`).
-
-    `torch.optim.AdamW` stepping on the fp32 `param.main_grad` buffers that megatron DDP fills,
-    with global-norm clipping across TP/PP (TP-duplicated and shared params counted once, like
-    megatron). Its state is saved through dist-checkpointing with the same sharding as the
-    parameters, so it re-shards to another TP/PP layout like the model does."""
-
-    def __init__(self, param_groups: list[dict[str, Any]], optimizer_cfg: Any) -> None:
-        note("optimizer: megatron get_megatron_optimizer (CUDA-only) -> torch.optim.AdamW on "
-             "param.main_grad with TP/PP-aware global-norm clipping (MainGradAdamW)")
-        self.clip_grad = optimizer_cfg.clip_grad
-        self.optimizer = torch.optim.AdamW(
-            param_groups,
-            lr=optimizer_cfg.lr,
-            betas=(optimizer_cfg.adam_beta1, optimizer_cfg.adam_beta2),
-            eps=optimizer_cfg.adam_eps,
-            weight_decay=optimizer_cfg.weight_decay,
-            foreach=False,
-        )
-        self._init_state()
-
-    # -- the megatron-optimizer surface the loop uses -------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def parameters(self) -> Iterable[torch.nn.Parameter]:
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
-        params = list(self.parameters())
-        grad_norm = self.grad_norm(params)
-        if not math.isfinite(grad_norm):
-            log.warning("non-finite grad norm %s: skipping the update", grad_norm)
-            return False, grad_norm, None
-        if self.clip_grad > 0 and grad_norm > self.clip_grad:
-            coeff = self.clip_grad / (grad_norm + 1.0e-6)
-            for p in params:
-                if getattr(p, "main_grad", None) is not None:
-                    p.main_grad.mul_(coeff)
-        for p in params:
-            main_grad = getattr(p, "main_grad", None)
-            p.grad = None if main_grad is None else main_grad.to(p.dtype)
-        self.optimizer.step()
-        for p in params:
-            p.grad = None
-        return True, grad_norm, None
-
-    @torch.no_grad()
-    def grad_norm(self, params: list[torch.nn.Parameter]) -> float:
-        """L2 norm of the full (unsharded) gradient: local squares of params that are neither
-        TP duplicates nor the second copy of a shared (tied) weight, summed over TP x PP."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        total = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            grad = getattr(p, "main_grad", None)
-            if grad is None:
-                continue
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                total += grad.detach().double().pow(2).sum()
-        group = parallel_state.get_model_parallel_group()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
-        return float(total.sqrt())
-
-    # -- state ---------------------------------------------------------------------------
-    def _init_state(self) -> None:
-        """Materialise AdamW's state (zeros, step 0) so that a fresh optimizer and a loaded one
-        have the same structure (dist-checkpointing loads into existing tensors)."""
-        for p in self.parameters():
-            state = self.optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def sharded_state_dict(
-        self, model_sharded_state_dict: dict[str, Any], is_loading: bool = False
-    ) -> dict[str, Any]:
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map,
-            optim_state_to_sharding_state,
-        )
-
-        state_dict = self.optimizer.state_dict()
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.parameters())
-        steps = {float(s["step"]) for s in state_dict["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise ValueError(f"optimizer steps differ across params: {sorted(steps)}")
-        optim_state_to_sharding_state(state_dict, id_map, exclude_keys=("step",))
-        # param groups are rebuilt from the recipe (the schedule re-sets lr/wd per step), so only
-        # the per-parameter moments and the shared step count are persisted.
-        return {"state": state_dict["state"], "common_step": steps.pop() if steps else 0.0}
-
-    def load_sharded(self, loaded: dict[str, Any]) -> None:
-        step = torch.tensor(float(loaded.get("common_step", 0.0)))
-        current = self.optimizer.state_dict()
-        new_state = {}
-        for pid, tensors in loaded["state"].items():
-            entry = dict(tensors)
-            entry["step"] = step.clone()
-            new_state[int(pid)] = entry
-        current["state"] = new_state
-        self.optimizer.load_state_dict(current)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from mmtrain.runtime import cpu_compat
+from mmtrain.runtime import cpu_compat, cuda_settings
 
 if TYPE_CHECKING:
     from mmtrain.config.schema import ParallelConfig
@@ -95,14 +95,51 @@ def env_rank_world() -> tuple[int, int, int] | None:
     return None
 
 
-def resolve_backend(requested: str) -> str:
-    if requested in ("gloo", "nccl"):
-        if requested == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("parallel.backend=nccl but CUDA is not available")
-        return requested
-    if requested != "auto":
+def resolve_backend(requested: str, cuda_visible: bool | None = None) -> str:
+    """The process-group backend, which is THE run-device decision (nccl: CUDA, gloo: CPU).
+
+    `cuda_visible` is asked here, once (default: `torch.cuda.is_available()`); everything after
+    keys on the resulting device. gloo while CUDA is visible is refused (review A7): megatron,
+    cpu_compat and TE would still see the GPU, giving a half-CPU half-GPU model; hide the GPUs
+    instead (CUDA_VISIBLE_DEVICES="")."""
+    if cuda_visible is None:
+        cuda_visible = torch.cuda.is_available()
+    if requested not in ("auto", "gloo", "nccl"):
         raise ValueError(f"parallel.backend must be auto|gloo|nccl, got {requested!r}")
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not cuda_visible:
+        raise RuntimeError("parallel.backend=nccl but CUDA is not available")
+    if requested == "gloo" and cuda_visible:
+        raise UnsupportedLayout("parallel.backend=gloo while CUDA devices are visible: a CPU run on a GPU host needs "
+                                "the GPUs hidden (CUDA_VISIBLE_DEVICES=\"\"); or use parallel.backend=auto|nccl")
+    if requested == "auto":
+        return "nccl" if cuda_visible else "gloo"
+    return requested
+
+
+def cuda_device_index(local_rank: int, device_count: int, local_world_size: int | None = None) -> int:
+    """The CUDA device of this process: LOCAL_RANK modulo the visible devices (review A5: under
+    `srun --gpus-per-task=1` each task sees one device while LOCAL_RANK runs 0..7).
+
+    `local_world_size` (torchrun's LOCAL_WORLD_SIZE: processes of this node sharing one device
+    list) larger than `device_count` means two ranks on one GPU, which NCCL refuses
+    ("Duplicate GPU detected"): a clear error instead."""
+    if device_count < 1:
+        raise RuntimeError("a CUDA run but no CUDA device is visible")
+    if local_world_size is not None and local_world_size > device_count:
+        raise UnsupportedLayout(
+            f"{local_world_size} processes on this node but only {device_count} CUDA device(s) visible: NCCL "
+            "cannot put two ranks on one GPU; lower parallel.nproc_per_node (or tp x pp for conversion) to "
+            f"{device_count}, or make more GPUs visible"
+        )
+    return local_rank % device_count
+
+
+def set_cuda_device(local_rank: int) -> torch.device:
+    """Choose and set this process's CUDA device (before init_process_group: NCCL binds to it)."""
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    index = cuda_device_index(local_rank, torch.cuda.device_count(), int(lws) if lws else None)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 class UnsupportedLayout(ValueError):
@@ -123,16 +160,18 @@ def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
 
 def check_context_parallel_backend(cp: int, on_cuda: bool) -> None:
     """megatron's context-parallel attention on GPU is Transformer Engine's; refuse early and
-    clearly without it (on CPU, mmtrain's K/V all-gather attention serves)."""
+    clearly without it (on CPU, mmtrain's K/V all-gather attention serves). Asked through
+    te_support: megatron's TE import succeeds with a MagicMock when TE is missing (review A2)."""
     if cp <= 1 or not on_cuda:
         return
-    try:
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
-    except Exception as err:
+    from mmtrain.models.te_support import te_status
+
+    st = te_status()
+    if not st.available:
         raise UnsupportedLayout(
             f"parallel.cp={cp} on GPU needs Transformer Engine for megatron's context-parallel attention "
-            f"({type(err).__name__}: {err}); install transformer-engine[pytorch] or set parallel.cp=1"
-        ) from None
+            f"({st.reason}); install transformer-engine[pytorch] or set parallel.cp=1"
+        )
 
 
 def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext:
@@ -167,9 +206,14 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
     dp = check_layout(world_size, tp, pp, cp)
     backend = resolve_backend(parallel_cfg.backend)
     check_context_parallel_backend(cp, backend == "nccl")
+    precision_problem = cuda_settings.precision_problem(parallel_cfg.precision, cp, backend == "nccl")
+    if precision_problem:
+        raise UnsupportedLayout(precision_problem)
+    note = cuda_settings.fp32_on_cuda_note(parallel_cfg.precision, backend == "nccl")
+    if note and rank == 0:
+        log.warning("%s", note)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = set_cuda_device(local_rank)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("MMTRAIN_CPU_THREADS", "1")))
@@ -217,6 +261,8 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 
     if not dist.is_initialized():
         backend = resolve_backend("auto")
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if backend == "nccl":  # review A4: without it every rank of a conversion sits on cuda:0
+            set_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # a launcher set it up
             dist.init_process_group(backend=backend, rank=rank, world_size=world)
         elif world == 1:
@@ -258,8 +304,10 @@ def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int]
 
 
 def compute_device() -> torch.device:
-    """Where this process's model tensors live: the current CUDA device, else the CPU."""
-    if torch.cuda.is_available():
+    """Where this process's model tensors live: the run's device, read off the process group
+    (nccl: the current CUDA device, set by `set_cuda_device`; gloo or none: the CPU), never
+    `torch.cuda.is_available()` (review A7)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -90,7 +90,7 @@ def _import_rank(job: ImportJob) -> None:
 
 def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _import_rank(job)
     import torch.distributed as dist
 

@@ -200,15 +200,18 @@ def train(recipe: Recipe) -> int:
     from mmtrain.models.state_dict_adapter import ConversionError
     from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
     from mmtrain.runtime.child_processes import forked_children_die_with_this_process
+    from mmtrain.runtime.cuda_settings import apply_process_env, apply_torch_flags, torch_flags
     from mmtrain.runtime.distributed import UnsupportedLayout, destroy_distributed, init_distributed
     from mmtrain.runtime.trainer import Trainer
 
     forked_children_die_with_this_process()  # loader workers, checkpoint writers: not even after kill -9
+    apply_process_env(recipe.parallel.tp, recipe.train.deterministic)  # before CUDA starts
     try:
         ctx = init_distributed(recipe.parallel, seed=recipe.seed)
     except UnsupportedLayout as err:
         destroy_distributed()
         raise UserError(str(err)) from None
+    apply_torch_flags(torch_flags(ctx.on_cuda, ctx.precision, recipe.train.deterministic))
     setup_logging(ctx.rank, verbose=ctx.rank == 0 or ctx.is_logging_rank)
     try:
         if ctx.rank == 0:

@@ -36,9 +36,11 @@ def loss_mask(batch: PackedBatch) -> torch.Tensor:
     from mmtrain.models.context_parallel import current_layout
 
     mask = batch.labels != IGNORE_INDEX
-    layout = current_layout(batch.cu_seqlens)
+    layout = current_layout(_host_cu_seqlens(batch))
     if layout.cp > 1:
-        mask = mask & layout.held().view(mask.shape).to(mask.device)
+        from mmdata.energon_loaders.batch import host_to_device
+
+        mask = mask & host_to_device(layout.held().view(mask.shape), mask.device)
     return mask
 
 
@@ -53,7 +55,7 @@ def per_sample_loss_sums(
     b, s = token_loss.shape
     flat_loss = (token_loss * loss_mask).reshape(-1).detach().float()
     flat_mask = loss_mask.reshape(-1).float()
-    cu = batch.cu_seqlens.to(torch.int64).tolist()
+    cu = _host_cu_seqlens(batch).to(torch.int64).tolist()  # host copy: no device sync
     starts_by_row: dict[int, list[tuple[int, int]]] = {}
     for start, end in zip(cu[:-1], cu[1:]):
         if end > start:
@@ -108,6 +110,27 @@ def packed_forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Mo
     under context parallelism, its share of the positions) with their count (`masked_loss_sum`)."""
     from mmtrain.runtime.distributed import compute_device
 
-    batch = next(data_iterator).to(compute_device())
+    # async from pinned memory; later pipeline stages leave the media inputs on the host
+    batch = next(data_iterator).to(compute_device(), first_stage=_is_first_stage(model))
     output = model(batch)
     return output, functools.partial(masked_loss_sum, loss_mask=loss_mask(batch))
+
+
+def _is_first_stage(model: torch.nn.Module) -> bool:
+    """Whether this model chunk embeds the inputs (its `pre_process`), looking through the
+    wrappers megatron puts around it (DDP, Float16Module: each keeps the wrapped one as
+    `.module`). Unknown: True, so the batch moves whole, as before."""
+    m: Any = model
+    for _ in range(8):
+        if hasattr(m, "pre_process"):
+            return bool(m.pre_process)
+        m = getattr(m, "module", None)
+        if m is None:
+            break
+    return True
+
+
+def _host_cu_seqlens(batch: Any) -> torch.Tensor:
+    """`PackedBatch.host_cu_seqlens()` (no device read); any batch-like object with `cu_seqlens` too."""
+    host = getattr(batch, "host_cu_seqlens", None)
+    return host() if host is not None else batch.cu_seqlens.cpu()

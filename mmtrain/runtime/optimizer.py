@@ -9,9 +9,14 @@
   peak and floor LR = `optimizer.lr` / `min_lr` times `optimizer.lr_mult[part]` (default 1);
   no weight decay on biases and 1-D parameters (norm scales). Every rank builds the same group
   list (possibly with empty groups) so checkpoints line up across pipeline stages.
-- GPU: megatron's `get_megatron_optimizer` (distributed optimizer when configured, bf16 main
-  params, its own grad clipping), with the same per-part LRs as config overrides.
-- CPU: `cpu_compat.MainGradAdamW` (megatron's wrappers refuse CPU tensors).
+- The optimizer, on CPU and GPU alike: megatron's `get_megatron_optimizer` (distributed optimizer
+  when configured, bf16 main params, its own grad clipping), with the per-part LRs as config
+  overrides. On CPU it is megatron's FP32Optimizer around torch AdamW (runtime/cpu_compat.py says
+  what that needs).
+- DDP settings (`ddp_config_kwargs`): megatron's overlapped grad reduction everywhere; with the
+  distributed optimizer also the overlapped, aligned param all-gather (review C5).
+- `optimizer_kind`: what a checkpoint records so that a resume with another optimizer layout
+  starts that optimizer fresh instead of failing (checkpoint/manager.py, review A9).
 """
 
 from __future__ import annotations
@@ -97,20 +102,50 @@ def build_param_groups(
     return groups
 
 
+#: megatron's DistributedOptimizer checkpoint format, set explicitly (its default,
+#: `fully_sharded_model_space`, is deprecated in 0.16): re-shardable across DP sizes
+DISTRIB_OPTIM_SHARDING_TYPE = "fully_reshardable"
+
+
+def ddp_config_kwargs(ctx: ParallelContext) -> dict[str, Any]:
+    """megatron DDP's settings, the same on every device: fp32 grad reduction overlapped with the
+    backward pass; with the distributed optimizer, the param all-gather overlapped with the
+    forward pass and dispatched by every PP stage at the start of a step (`align_param_gather`)."""
+    distributed = ctx.distributed_optimizer
+    return dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=distributed,
+        overlap_param_gather=distributed,
+        align_param_gather=distributed,
+        check_for_nan_in_grad=False,
+    )
+
+
+def optimizer_kind(ctx: ParallelContext) -> dict[str, Any]:
+    """What the optimizer checkpoint's layout depends on (recorded in trainer_state.json)."""
+    if ctx.distributed_optimizer:
+        return {"name": "megatron.DistributedOptimizer", "sharding_type": DISTRIB_OPTIM_SHARDING_TYPE}
+    mixed = ctx.precision in ("bf16", "fp16")
+    return {"name": "megatron.Float16Optimizer" if mixed else "megatron.FP32Optimizer", "sharding_type": "model_space"}
+
+
+def optimizer_sharded_metadata(ctx: ParallelContext) -> dict[str, Any] | None:
+    """The `metadata` megatron's `optimizer.sharded_state_dict` gets (the DistributedOptimizer's
+    format named explicitly; None for the others, which take no format)."""
+    if ctx.distributed_optimizer:
+        return {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE}
+    return None
+
+
 def build_optimizer(
     model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
 ) -> Any:
-    """megatron's optimizer on GPU; `cpu_compat.MainGradAdamW` on CPU."""
-    if ctx.on_cuda:
-        return _build_megatron_optimizer(model_chunks, parts, optimizer_cfg, ctx)
-    return cpu_compat.MainGradAdamW(build_param_groups(model_chunks, parts, optimizer_cfg), optimizer_cfg)
-
-
-def _build_megatron_optimizer(
-    model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
-) -> Any:
+    """megatron's optimizer, on every device (CPU: cpu_compat's grad-clipping patch is active)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
+    if ctx.device.type == "cpu" and not cpu_compat.active():
+        raise RuntimeError("megatron's optimizer on CPU needs cpu_compat.apply() (runtime.distributed does it)")
     config, overrides = megatron_optimizer_config(parts, optimizer_cfg, ctx)
     return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
 
@@ -136,11 +171,16 @@ def megatron_optimizer_config(parts: ModelParts, optimizer_cfg: OptimizerConfig,
         fp16=ctx.precision == "fp16",
         params_dtype=ctx.params_dtype,
         use_distributed_optimizer=ctx.distributed_optimizer,
+        overlap_param_gather=ctx.distributed_optimizer,  # as on the DDP config (ddp_config_kwargs)
     )
     overrides = dict(get_standard_config_overrides(config))
     for part in parts.names:
         peak, floor = part_lrs(optimizer_cfg, part)
         if peak != optimizer_cfg.lr:
             key = ParamKey(predicate=ParamPredicate(name=f"part:{part}", fn=lambda p, part=part: parts.part_of(p) == part))
-            overrides[key] = {"max_lr": peak, "min_lr": floor}
+            # lr_mult only tags the group: megatron matches saved to current param groups by
+            # (wd_mult, lr_mult, ...) (`_filter_and_reorder_param_groups`), so a part with its
+            # own LR needs its own key there (our LRSchedule reads max_lr/min_lr only)
+            mult = optimizer_cfg.lr_mult.get(part, 1.0)
+            overrides[key] = {"max_lr": peak, "min_lr": floor, "lr_mult": mult}
     return config, overrides

@@ -33,13 +33,20 @@ def get_rng_state() -> dict[str, Any]:
             "cached_gaussian": float(np_cached),
         },
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if _on_cuda() else None,
         "tracker": {},
     }
     tracker = mrandom.get_cuda_rng_tracker()
     if tracker.is_initialized():
         state["tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
     return state
+
+
+def _on_cuda() -> bool:
+    """The run's device (a CPU run on a GPU host has no CUDA stream to save; review A7)."""
+    from mmtrain.runtime.distributed import compute_device
+
+    return compute_device().type == "cuda"
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -58,7 +65,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         )
     )
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
+    if state.get("cuda") is not None and _on_cuda():
         torch.cuda.set_rng_state(state["cuda"])
     if state.get("tracker"):
         mrandom.get_cuda_rng_tracker().set_states(dict(state["tracker"]))

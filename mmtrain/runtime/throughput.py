@@ -1,19 +1,22 @@
 """Step timing, MFU and memory numbers for the step logs.
 
-MFU = achieved model FLOP/s / (peak FLOP/s of the devices in use). The model side comes from the
-cost model's training FLOPs per token of the family's shapes; the peak from the cost model's
-device table (dense bf16 tensor-core numbers; fp32 runs use the fp32 / tf32 figure). CPUs have
-no meaningful single peak, so MFU is reported as null there rather than as a made-up number.
+MFU = achieved model FLOP/s / (peak FLOP/s of the devices in use). The model side is counted per
+step from the step's own micro-batches (`batch_flops`: the cost model's `step_flops` on their
+packed layout, tiles and the freeze set), so packing (sum of len^2), frozen parts and the vision
+tower are all in it; the peak comes from the cost model's device table (dense bf16 tensor-core
+numbers; fp32 runs use the fp32 / tf32 figure). CPUs have no meaningful single peak, so MFU is
+reported as null there rather than as a made-up number.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from mmtrain.planning.cost_model import PEAK_TFLOPS
+from mmdata.energon_loaders.batch import PackedBatch
+from mmtrain.planning.cost_model import PEAK_TFLOPS, ModelShapes, StepFlops, step_flops
 
 
 def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
@@ -30,12 +33,30 @@ def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
     return None
 
 
-def mfu(
-    flops_per_token: float, tokens_per_s: float, world_size: int, peak_flops: Optional[float]
-) -> Optional[float]:
-    if not peak_flops or flops_per_token <= 0:
+def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], trainable_parts: Iterable[str],
+                encoder_inputs: Optional[Callable[[Any], int]] = None, pad_to: int = 1) -> StepFlops:
+    """Model FLOPs of this rank's micro-batches of a step (one model replica's whole sequences,
+    whatever its TP/PP/CP split): each batch's host `cu_seqlens` (no device read), the tiles
+    `encoder_inputs` counts (the family's `FamilySpec.encoder_inputs`; None: no encoder),
+    `pad_to` = the CP padding multiple (`models.context_parallel.padding_multiple`)."""
+    batches = list(micro_batches)
+    tiles = sum(encoder_inputs(b) for b in batches) if encoder_inputs is not None else 0
+    return step_flops(shapes, [b.host_cu_seqlens() for b in batches], tiles, trainable_parts, pad_to=pad_to)
+
+
+def model_tflops_per_s(flops: float, seconds: float, world_size: int) -> Optional[float]:
+    """Model TFLOP/s per device: `flops` of a step (all ranks) done in `seconds` by `world_size` devices."""
+    if seconds <= 0 or flops <= 0:
         return None
-    return flops_per_token * tokens_per_s / (peak_flops * world_size)
+    return flops / seconds / world_size / 1e12
+
+
+def mfu(flops: float, seconds: float, world_size: int, peak_flops: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation: `flops` of a step (all ranks; `batch_flops` summed over DP) done in
+    `seconds` by `world_size` devices of `peak_flops` each; None without a known peak."""
+    if not peak_flops or flops <= 0 or seconds <= 0:
+        return None
+    return flops / seconds / (peak_flops * world_size)
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions
-from mmtrain.planning.cost_model import training_flops_per_token
 from mmtrain.runtime import cpu_compat
 from mmtrain.runtime.checkpoint.manager import (
     CheckpointManager,
@@ -48,9 +47,16 @@ from mmtrain.runtime.distributed import ParallelContext, UnsupportedLayout
 from mmtrain.runtime.evaluation import EvalResult, eval_due, isolated_from_training, val_data
 from mmtrain.runtime.loss import lm_loss_sums, loss_mask, per_sample_loss_sums
 from mmtrain.runtime.lr_schedule import LRSchedule
-from mmtrain.runtime.optimizer import ModelParts, apply_freeze, build_optimizer
+from mmtrain.runtime.optimizer import (
+    ModelParts,
+    apply_freeze,
+    build_optimizer,
+    ddp_config_kwargs,
+    optimizer_kind,
+    optimizer_sharded_metadata,
+)
 from mmtrain.runtime.stopping import StopRequests
-from mmtrain.runtime.throughput import PeakMemory, device_peak_flops, memory_stats, mfu
+from mmtrain.runtime.throughput import PeakMemory, batch_flops, device_peak_flops, memory_stats, mfu, model_tflops_per_s
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
 
@@ -72,6 +78,8 @@ class StepResult:
     sample_ids: list[str]
     sample_losses: list[Optional[float]]
     evaluation: Optional[EvalResult] = None  # set at train.eval_interval steps
+    #: model FLOPs of the global batch (every DP replica's micro-batches, `cost_model.step_flops`)
+    flops: float = 0.0
 
 
 class Trainer:
@@ -132,12 +140,7 @@ class Trainer:
             config.variable_seq_lengths = True
             if config.pipeline_dtype is None:
                 config.pipeline_dtype = ctx.params_dtype
-        ddp_config = DistributedDataParallelConfig(**cpu_compat.adapt_ddp_config(dict(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=True,
-            use_distributed_optimizer=ctx.distributed_optimizer,
-            check_for_nan_in_grad=False,
-        ), ctx.device))
+        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(ctx))
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
         ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
         self.model = [ddp]
@@ -145,27 +148,38 @@ class Trainer:
         config.finalize_model_grads_func = finalize_model_grads
 
         self.optimizer = build_optimizer(self.model, self.parts, recipe.optimizer, ctx)
-        if ctx.on_cuda and hasattr(self.optimizer, "scale_loss"):
-            config.grad_scale_func = self.optimizer.scale_loss
+        config.grad_scale_func = self.optimizer.scale_loss  # megatron's loss scale (1.0 unless fp16)
+        self.state.optimizer = optimizer_kind(ctx)
         self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
         self.state.lr_schedule = self.schedule.state_dict()
         self.data = TrainData(spec, recipe, ctx)
         self.checkpoints.track(
             ModelState(self.model, recipe.model),
-            OptimizerState(self.optimizer, self.model),
+            OptimizerState(self.optimizer, self.model, optimizer_kind(ctx), optimizer_sharded_metadata(ctx)),
             RngState(recipe.seed),
             LoaderState(self.data),
         )
         if start is not None:
             self._restore(start)
         self.peak_flops = device_peak_flops(ctx.device, ctx.precision)
-        self.flops_per_token = training_flops_per_token(spec.model_shapes(recipe.model), recipe.train.seq_length)
+        self.flops_shapes = spec.model_shapes(recipe.model)  # MFU: FLOPs of each step's batches (`_model_flops`)
         if ctx.is_logging_rank:
             self.metrics = _open_metrics(recipe, self.state.step)
             log.info(
                 "model stage %d/%d built: trainable params %s; %d micro-batches/step/rank",
                 ctx.pp_rank, ctx.pp, self.trainable, self.num_microbatches,
             )  # fmt: skip
+
+    def _check_cp_comm_type(self) -> None:
+        """TE's context-parallel attention on packed sequences, for this TE version (review A6)."""
+        from mmtrain.models.te_support import te_status
+        from mmtrain.runtime.cuda_settings import cp_comm_type_problem
+
+        d = self.spec.model_shapes(self.recipe.model).decoder
+        p = self.recipe.parallel
+        problem = cp_comm_type_problem(p.cp_comm_type, p.cp, p.tp, d.kv_groups, d.heads, te_status().version_tuple())
+        if problem:
+            raise UnsupportedLayout(problem)
 
     def _model_options(self) -> ParallelOptions:
         """What the model builder needs to know about parallelism/memory (sizes come from
@@ -181,6 +195,8 @@ class Trainer:
         if ctx.rank == 0:
             log.info("LM loss: %s (parallel.lm_loss=%s)%s", lm_loss, p.lm_loss,
                      f"; context parallelism cp={ctx.cp}, cp_comm_type={p.cp_comm_type}" if ctx.cp > 1 else "")
+        if ctx.cp > 1 and ctx.on_cuda:
+            self._check_cp_comm_type()
         if ctx.cp > 1 and not ctx.on_cuda:
             cpu_compat.note("context parallelism: Transformer Engine's CP attention (GPU) -> K/V all-gather over "
                             f"gloo (KVAllGatherCoreAttention); parallel.cp_comm_type={p.cp_comm_type} applies on GPU")
@@ -194,6 +210,9 @@ class Trainer:
             lm_loss_block_mb=p.lm_loss_block_mb,
             cp_comm_type=p.cp_comm_type,
             hierarchical_cp_sizes=p.hierarchical_cp_sizes or None,
+            transformer_impl=p.transformer_impl,
+            on_cuda=ctx.on_cuda,
+            deterministic=self.recipe.train.deterministic,
         )
 
     def _restore(self, start: StartingPoint) -> None:
@@ -231,6 +250,7 @@ class Trainer:
         step_data = self.data.next_step()
         data_wait = time.perf_counter() - start
 
+        self._dispatch_param_gather()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -242,7 +262,7 @@ class Trainer:
         # ---- global numbers for the logs (the loss lives on the last PP stage)
         # collectives run on the backend's device (NCCL needs CUDA tensors)
         counts = torch.tensor(
-            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens],
+            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self._model_flops(step_data)],
             dtype=torch.float64,
             device=ctx.device,
         )
@@ -295,9 +315,20 @@ class Trainer:
             tokens=int(counts[0]),
             samples=int(counts[1]),
             loss_tokens=int(counts[2]),
+            flops=float(counts[3]),
             sample_ids=sample_ids,
             sample_losses=sample_losses,
         )
+
+    def _model_flops(self, step_data: Any) -> float:
+        """Model FLOPs of this rank's micro-batches: one replica's whole sequences (the same on its
+        TP/PP/CP ranks), from their host `cu_seqlens` and tiles and the recipe's freeze set; summed
+        over DP with the step's counts (no extra collective, no device read)."""
+        from mmtrain.models.context_parallel import padding_multiple
+
+        trainable = [part for part in self.spec.parts if part not in self.recipe.freeze]
+        return batch_flops(self.flops_shapes, step_data.micro_batches, trainable, self.spec.encoder_inputs,
+                           pad_to=padding_multiple(self.ctx.cp, self.ctx.tp)).total
 
     def _forward_step(self, data_iterator: "RecordingIterator", model: Any) -> tuple[Any, Any]:
         """The family's forward step, with per-sample losses added to its loss report.
@@ -396,8 +427,28 @@ class Trainer:
         return results
 
     def save(self) -> None:
+        self._finish_param_gather()
         self.checkpoints.save(self.state)
         self._last_saved_step = self.state.step
+
+    def _overlapped_param_gather(self) -> list[Any]:
+        """The DDP chunks whose updated weights reach them by an all-gather overlapped with the next
+        forward (distributed optimizer with overlap_param_gather): after `optimizer.step()` each DP
+        rank holds only its own shard until then."""
+        return [chunk for chunk in self.model if getattr(chunk, "use_forward_hook", False)]
+
+    def _dispatch_param_gather(self) -> None:
+        """With `align_param_gather` the forward hooks dispatch nothing ahead: every PP stage starts
+        all its buckets' all-gathers here, at once, and the hooks wait for the ones they need (what
+        megatron's `config.param_sync_func` does in its interleaved schedule)."""
+        for chunk in self._overlapped_param_gather():
+            chunk.start_param_sync()
+
+    def _finish_param_gather(self) -> None:
+        """Complete weights in every DP rank before they are saved (megatron-LM disables the forward
+        pre-hook with a param sync around its checkpoint saves for the same reason)."""
+        for chunk in self._overlapped_param_gather():
+            chunk.start_param_sync(force_sync=True)
 
     def _log(self, r: StepResult) -> None:
         if not self.ctx.is_logging_rank:
@@ -410,7 +461,8 @@ class Trainer:
             "grad_norm": r.grad_norm if math.isfinite(r.grad_norm) else None,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": r.samples / r.step_time_s if r.step_time_s > 0 else 0.0,
-            "mfu": mfu(self.flops_per_token, tokens_per_s, self.ctx.world_size, self.peak_flops),
+            "mfu": mfu(r.flops, r.step_time_s, self.ctx.world_size, self.peak_flops),
+            "model_tflops_per_s": model_tflops_per_s(r.flops, r.step_time_s, self.ctx.world_size),
             "step_time_s": r.step_time_s,
             "data_wait_s": r.data_wait_s,
             "tokens": r.tokens,

@@ -80,13 +80,24 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _normalise_(out: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
-    """In place: out = (out/255 - mean) / std as one multiply-add (scalars when channels agree)."""
+    """In place: out = (out/255 - mean) / std as one multiply-add (scalars when channels agree).
+    Two separate IEEE fp32 ops (a multiply, then an add), so the result is the same bits on
+    any device."""
     if len(set(mean)) == 1 and len(set(std)) == 1:
         out.mul_(1.0 / (255.0 * std[0])).add_(-mean[0] / std[0])
         return
     scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, 3, 1, 1)
     shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32).view(1, 3, 1, 1)
-    out.mul_(scale).add_(shift)
+    out.mul_(scale.to(out.device)).add_(shift.to(out.device))
+
+
+def normalise_pixels(pixels: torch.Tensor, mean: Sequence[float] = SIGLIP_MEAN,
+                     std: Sequence[float] = SIGLIP_STD) -> torch.Tensor:
+    """uint8 tiles [N, 3, S, S] (0..255) -> float32 normalised, on `pixels`' device. The loader
+    ships uint8 (4x less to pin and copy than fp32); the model calls this on the device."""
+    out = pixels.to(torch.float32)
+    _normalise_(out, mean, std)
+    return out
 
 
 def _consume_torchs_read_only_warning() -> None:
@@ -120,8 +131,8 @@ class TileCanvas:
 class PreparedMedia:
     """Resized/padded uint8 pixels of one media, not yet cut into float tiles.
 
-    Kept compact (uint8, HWC) until the batch is assembled: the loader then cuts and converts
-    every media of a batch straight into one float tensor and normalises it in a single pass.
+    Kept compact (uint8, HWC) until the batch is assembled: the loader then cuts every media
+    of a batch straight into one uint8 CHW tensor; the model normalises it on the device.
     """
 
     canvases: list[TileCanvas]
@@ -134,8 +145,8 @@ class PreparedMedia:
         return sum(c.rows * c.cols for c in self.canvases)
 
     def write_tiles(self, out: torch.Tensor) -> None:
-        """Copy this media's tiles (0..255 float, CHW) into out[:num_tiles] with one strided
-        uint8 -> float32 copy per canvas (no intermediate permuted copies)."""
+        """Copy this media's tiles (0..255, CHW) into out[:num_tiles] with one strided copy per
+        canvas (no intermediate permuted copies)."""
         i = 0
         for c in self.canvases:
             size = c.pixels.shape[0] // c.rows
@@ -146,23 +157,27 @@ class PreparedMedia:
             i += n
 
 
+def tiles_to_uint8(media: Sequence[PreparedMedia], image_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """All tiles of `media`, in order, as one [tiles, 3, S, S] uint8 tensor (not normalised)."""
+    total = sum(m.num_tiles for m in media)
+    if out is None:
+        out = torch.empty((total, 3, image_size, image_size), dtype=torch.uint8)
+    i = 0
+    for m in media:
+        m.write_tiles(out[i : i + m.num_tiles])
+        i += m.num_tiles
+    return out
+
+
 def tiles_to_pixel_values(
     media: Sequence[PreparedMedia],
     image_size: int,
     mean: Sequence[float] = SIGLIP_MEAN,
     std: Sequence[float] = SIGLIP_STD,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All tiles of `media`, in order, as one normalised [tiles, 3, S, S] float32 tensor."""
-    total = sum(m.num_tiles for m in media)
-    if out is None:
-        out = torch.empty((total, 3, image_size, image_size), dtype=torch.float32)
-    i = 0
-    for m in media:
-        m.write_tiles(out[i : i + m.num_tiles])
-        i += m.num_tiles
-    _normalise_(out, mean, std)
-    return out
+    """All tiles of `media`, in order, as one normalised [tiles, 3, S, S] float32 tensor: the
+    same `normalise_pixels` the model applies on the device to the loader's uint8 tiles."""
+    return normalise_pixels(tiles_to_uint8(media, image_size), mean, std)
 
 
 def prepare_image(

@@ -16,8 +16,8 @@ On top of `PackedBatch` (token stream, shifted labels, packing metadata):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mmdata.energon_loaders.batch import PackedBatch
 
@@ -32,9 +32,43 @@ MEDIA_VIDEO = 2  # sampled frames, pooled per frame
 
 @dataclass(kw_only=True)
 class LlavaOVBatch(PackedBatch):
-    pixel_values: torch.Tensor  # [total_tiles, 3, H, W] float32 (SigLIP-normalised)
+    #: [total_tiles, 3, H, W]: uint8 resized/padded tiles from the loader (4x less to pin and copy
+    #: than fp32), normalised on the device by `normalised_pixels()`; float = already normalised
+    pixel_values: torch.Tensor
     tiles_per_media: torch.Tensor  # [num_media] int64
     media_kind: torch.Tensor  # [num_media] int64 (MEDIA_*)
     image_sizes: torch.Tensor  # [num_media, 2] int64 original (height, width)
     grid_shapes: torch.Tensor  # [num_media, 2] int64 anyres grid (rows, cols); (0, 0) if none
     num_media_tokens: torch.Tensor  # [num_media] int64 LLM positions each media expands to
+    #: the normalisation `normalised_pixels()` applies to uint8 `pixel_values`
+    pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_MEAN (kept import-light)
+    pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_STD
+    #: host copy of `input_ids` (where the media placeholders are); filled by `to()`
+    input_ids_host: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    # the layout and the CP media split read these with .tolist(): they never leave the host
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.HOST_FIELDS + (
+        "tiles_per_media", "media_kind", "image_sizes", "grid_shapes", "num_media_tokens", "input_ids_host",
+    )
+    FIRST_STAGE_FIELDS: ClassVar[tuple[str, ...]] = ("pixel_values",)
+
+    def to(self, device: Any, first_stage: bool = True) -> LlavaOVBatch:
+        moved = super().to(device, first_stage)
+        if moved.input_ids_host is None and self.input_ids.device.type == "cpu":
+            moved.input_ids_host = self.input_ids
+        return moved
+
+    def host_input_ids(self) -> torch.Tensor:
+        """`input_ids` on the CPU without a device-to-host read when the batch came through `to()`."""
+        return self.input_ids_host if self.input_ids_host is not None else self.input_ids.cpu()
+
+    def normalised_pixels(self) -> torch.Tensor:
+        """float32 SigLIP-normalised tiles on `pixel_values`' device (bit-equal to the loader's
+        former fp32 normalisation: `anyres.normalise_pixels`)."""
+        import torch
+
+        from mmdata.energon_loaders.llava_ov.anyres import normalise_pixels
+
+        if self.pixel_values.dtype != torch.uint8:
+            return self.pixel_values
+        return normalise_pixels(self.pixel_values, self.pixel_mean, self.pixel_std)

@@ -196,16 +196,16 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
 
 
 def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 tensor for the batch's pixels; in a DataLoader worker it is allocated in shared
-    memory directly (as torch's default_collate does), so handing it to the trainer process
-    costs no extra copy of the tiles."""
+    """A uint8 tensor for the batch's pixels (the model normalises them on the device); in a
+    DataLoader worker it is allocated in shared memory directly (as torch's default_collate
+    does), so handing it to the trainer process costs no extra copy of the tiles."""
     numel = 1
     for d in shape:
         numel *= d
     if torch.utils.data.get_worker_info() is None or numel == 0:
-        return torch.empty(shape, dtype=torch.float32)
-    storage = torch.UntypedStorage._new_shared(numel * 4)
-    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(numel)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape)
 
 
 def collate_rows(
@@ -215,9 +215,7 @@ def collate_rows(
     media: list[EncodedMedia] = [m for row in rows for s in row for m in s.media]
     prepared = [m.prepared for m in media]
     shape = (sum(p.num_tiles for p in prepared), 3, config.image_size, config.image_size)
-    pixel_values = anyres.tiles_to_pixel_values(
-        prepared, config.image_size, config.image_mean, config.image_std, out=_batch_tensor(shape)
-    )
+    pixel_values = anyres.tiles_to_uint8(prepared, config.image_size, out=_batch_tensor(shape))
 
     def _long(values: list, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).reshape(shape)
@@ -226,6 +224,8 @@ def collate_rows(
     return LlavaOVBatch(
         **packed_batch_fields(rows, config.seq_length, pad_token_id, stats),
         pixel_values=pixel_values,
+        pixel_mean=tuple(config.image_mean),
+        pixel_std=tuple(config.image_std),
         tiles_per_media=_long([p.num_tiles for p in prepared], (n,)),
         media_kind=_long([m.kind for m in media], (n,)),
         image_sizes=_long([list(p.image_size) for p in prepared], (n, 2)),

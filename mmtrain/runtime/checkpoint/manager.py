@@ -77,6 +77,8 @@ class TrainerState:
     data_sharding: str = "dp"
     lr_schedule: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # the optimizer's checkpoint layout (runtime.optimizer.optimizer_kind): {} in older checkpoints
+    optimizer: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
@@ -121,15 +123,30 @@ class ModelState:
 
 
 class OptimizerState:
+    """megatron's optimizer state through dist-checkpointing. Its layout depends on the optimizer
+    kind (FP32/Float16Optimizer: per-parameter moments sharded like the weights; the distributed
+    optimizer: its own sharding type), recorded in trainer_state.json: a checkpoint of another kind
+    (a CPU-made run resumed with the distributed optimizer on GPU, or the reverse) starts the
+    optimizer fresh, with a warning, instead of failing as a damaged checkpoint (review A9)."""
+
     name = "optimizer"
 
-    def __init__(self, optimizer: Any, model_chunks: list[torch.nn.Module]) -> None:
+    def __init__(self, optimizer: Any, model_chunks: list[torch.nn.Module], kind: dict[str, Any] | None = None,
+                 metadata: dict[str, Any] | None = None) -> None:
         self.optimizer, self.model_chunks = optimizer, model_chunks
+        self.kind = kind or {}
+        self.metadata = metadata  # megatron's sharded_state_dict(metadata=...): the DistOpt format
+
+    def _sharded(self, is_loading: bool) -> dict[str, Any]:
+        model_sd = model_sharded_state_dict(self.model_chunks)
+        if self.metadata is None:
+            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self.metadata)
 
     def save(self, ckpt: Path, ctx: ParallelContext) -> None:
         from megatron.core import dist_checkpointing
 
-        sharded = self.optimizer.sharded_state_dict(model_sharded_state_dict(self.model_chunks))
+        sharded = self._sharded(is_loading=False)
         install_writer_results_queue()
         dist_checkpointing.save(sharded, str(ckpt / self.name))
 
@@ -139,13 +156,29 @@ class OptimizerState:
         if not (ckpt / self.name / "metadata.json").exists():
             log.warning("%s has no optimizer state; starting the optimizer fresh", ckpt)
             return False
-        sharded = self.optimizer.sharded_state_dict(model_sharded_state_dict(self.model_chunks), is_loading=True)
-        loaded = dist_checkpointing.load(sharded, str(ckpt / self.name))
-        if hasattr(self.optimizer, "load_sharded"):  # cpu_compat.MainGradAdamW
-            self.optimizer.load_sharded(loaded)
-        else:  # megatron optimizer (GPU path)
-            self.optimizer.load_state_dict(loaded)
+        if saved.optimizer and self.kind and saved.optimizer != self.kind:
+            if ctx.rank == 0:
+                log.warning(
+                    "%s holds the state of another optimizer (%s; this run uses %s): starting the optimizer "
+                    "fresh (moments and step from zero; model, schedule and data resume)", ckpt,
+                    _describe(saved.optimizer), _describe(self.kind),
+                )  # fmt: skip
+            return False
+        loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(ckpt / self.name))
+        self.optimizer.load_state_dict(loaded)
         return True
+
+
+def _describe(kind: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(kind.items()))
+
+
+def reload_model_params(optimizer: Any) -> None:
+    """megatron's mixed-precision and distributed optimizers keep fp32 copies of the weights made at
+    construction (before any weights were loaded): refresh them from the model whenever the
+    optimizer state was not restored, else the first step writes the stale copies back (review B2)."""
+    if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
 
 
 class RngState:
@@ -272,10 +305,7 @@ class CheckpointManager:
                 load_hf(point.path)
             else:
                 model.load(point.path, self.ctx, TrainerState())
-            optimizer = next((p.optimizer for p in self.parts if isinstance(p, OptimizerState)), None)
-            if hasattr(optimizer, "reload_model_params"):
-                # megatron's mixed-precision optimizers keep fp32 copies made at construction
-                optimizer.reload_model_params()
+            reload_model_params(self._optimizer())
             return None
         saved = TrainerState.from_dict(json.loads((point.path / TRAINER_STATE).read_text()))
         restored = {}
@@ -286,7 +316,12 @@ class CheckpointManager:
                 raise CheckpointDamagedError(
                     f"{point.path}: its {part.name} state cannot be loaded ({type(e).__name__}: {e}); the "
                     "checkpoint is damaged: resume from an earlier one with checkpoint.load") from e
+        if not restored.get(OptimizerState.name, True):
+            reload_model_params(self._optimizer())
         return RestoreResult(saved, saved.layout == layout_of(self.ctx), restored)
+
+    def _optimizer(self) -> Any:
+        return next((p.optimizer for p in self.parts if isinstance(p, OptimizerState)), None)
 
     # ------------------------------------------------------------------ save
     def save(self, state: TrainerState) -> Path:

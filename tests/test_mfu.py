@@ -1,0 +1,177 @@
+"""MFU accounting (review B1): model FLOPs of a step from its real packed layout, freeze set and media.
+
+Every expected number below is worked out by hand from a tiny shape, so a change in the formula
+shows up as a changed number rather than as a re-derived one:
+
+decoder: 2 layers, hidden 64, FFN 128, 4 heads x 16 channels (q = 64), 2 KV groups (kv = 32),
+vocabulary 1000 (tied, no padding), no qkv bias. Parameters per layer:
+    attention  64 x (64 + 2 x 32) + 64 x 64 = 8192 + 4096 = 12288
+    SwiGLU     64 x 2 x 128 + 128 x 64      = 16384 + 8192 = 24576
+    2 norms    2 x 64                        = 128            -> 36992
+  forward per position: 2 layers x 2 x 36992 + LM head 2 x 64 x 1000 = 147968 + 128000 = 275968
+  causal attention per sample of length n: 2 layers x 2 x q x n^2 = 256 n^2 (half of Q K^T + P V)
+encoder (per tile of 28 px at patch 14 = 4 patches): 2 layers, hidden 32, FFN 64, 3 channels
+    layer params 3x32x32 + 96 + 32x32 + 32 + 32x64 + 64 + 64x32 + 32 + 4x32 = 8544
+    per tile: layers 4 x 2 x 2 x 8544 = 136704, attention 2 x 4 x 32 x 4^2 = 4096,
+    patch conv 4 x 2 x (3 x 14 x 14) x 32 = 150528
+projector (per patch): Linear(32 -> 64) = 2048 weights reading the tower, Linear(64 -> 64) = 4096
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmtrain.planning.cost_model import Connector, DecoderShape, EncoderShape, ModelShapes
+
+pytestmark = pytest.mark.unit
+
+DEC = DecoderShape(layers=2, hidden=64, ffn=128, heads=4, kv_groups=2, kv_channels=16, vocab=1000,
+                   make_vocab_divisible_by=1, tied=True, qkv_bias=False)
+ENC = EncoderShape(layers=2, hidden=32, ffn=64, heads=2, image_size=28, patch_size=14, channels=3)
+TEXT = ModelShapes(decoder=DEC, decoder_part="llm")  # an Emu3-like family: no encoder
+VLM = ModelShapes(decoder=DEC, decoder_part="llm", encoder=ENC, encoder_part="vision_tower",
+                  connectors=(Connector("projector", 6144 + 128, 6144, input_matmul_params=2048), Connector("llm", 64)))
+PER_TOKEN = 2 * 2 * 36992 + 2 * 64 * 1000  # = 275968
+
+
+def test_hand_numbers_of_the_tiny_shape():
+    from mmtrain.planning.cost_model import decoder_layer_params, encoder_layer_params
+
+    assert decoder_layer_params(DEC) == 36992 and PER_TOKEN == 275968
+    assert encoder_layer_params(ENC) == 8544 and ENC.patches == 4
+
+
+def test_one_4096_sample_vs_four_1024_samples_in_a_row():
+    """THD attention runs per packed sample: four 1024-token samples cost a quarter of the
+    attention of one 4096-token sample (sum len^2 = 4 x 1024^2 vs 4096^2); the matmuls are the same."""
+    from mmtrain.planning.cost_model import step_flops
+
+    one = step_flops(TEXT, [[0, 4096]], 0, ["llm"])
+    four = step_flops(TEXT, [[0, 1024, 2048, 3072, 4096]], 0, ["llm"])
+    # one sample:  3 x (4096 x 275968 + 256 x 4096^2) = 3 x (1130364928 + 4294967296) = 16275996672
+    assert one.total == 3 * (4096 * 275968 + 256 * 4096**2) == 16_275_996_672
+    # four samples: 3 x (4096 x 275968 + 256 x 4 x 1024^2) = 3 x (1130364928 + 1073741824) = 6612320256
+    assert four.total == 3 * (4096 * 275968 + 256 * 4 * 1024**2) == 6_612_320_256
+    assert (one.tokens, one.sum_len_sq, four.sum_len_sq) == (4096, 4096**2, 4 * 1024**2)
+    # micro-batches (or rows) add up: two rows of two 1024-token samples = the four-sample row
+    assert step_flops(TEXT, [[0, 1024, 2048], [0, 1024, 2048]], 0, ["llm"]).total == four.total
+
+
+def test_the_old_whole_row_formula_is_the_one_sample_case():
+    """`training_flops_per_token` (planning) is the one-sample-per-row, all-trained case."""
+    from mmtrain.planning.cost_model import step_flops, training_flops_per_token
+
+    assert training_flops_per_token(TEXT, 4096) * 4096 == pytest.approx(step_flops(TEXT, [[0, 4096]], 0, ["llm"]).total)
+
+
+def test_cp_padding_counted_as_executed():
+    """Under CP every segment is padded to 2*cp*tp (here 8): a 1000-token sample stays 1000, a
+    30-token padding run becomes 32; both run through the matmuls and attention."""
+    from mmtrain.planning.cost_model import executed_lengths, step_flops
+
+    assert executed_lengths(torch.tensor([0, 1000, 1030], dtype=torch.int32), pad_to=8) == [1000, 32]
+    f = step_flops(TEXT, [[0, 1000, 1030]], 0, ["llm"], pad_to=8)
+    # 3 x ((1000 + 32) x 275968 + 256 x (1000^2 + 32^2)) = 3 x (284798976 + 256262144) = 1623183360
+    assert f.total == 3 * (1032 * 275968 + 256 * (1000**2 + 32**2)) == 1_623_183_360
+
+
+def test_frozen_llm_at_stage_1_counts_2x_and_the_frozen_tower_1x():
+    """LLaVA-OV stage 1: tower and LLM frozen, projector trained. One row of two 1024-token
+    samples, three tiles (12 patches)."""
+    from mmtrain.planning.cost_model import part_passes, step_flops
+
+    p = part_passes(VLM, ["projector"])
+    assert (p["vision_tower"].weights, p["vision_tower"].core, p["vision_tower"].inputs) == (1, 1, 1)
+    assert (p["projector"].weights, p["projector"].inputs) == (3, 2)  # no input grad into a frozen tower
+    assert (p["llm"].weights, p["llm"].core) == (2, 3)  # input grads only; attention's dQ, dK, dV
+
+    f = step_flops(VLM, [[0, 1024, 2048]], 3, ["projector"])
+    # LLM: 2 x 2048 x 275968 + 3 x 256 x 2 x 1024^2 = 1130364928 + 1610612736 = 2740977664
+    assert f.by_part["llm"] == 2 * 2048 * 275968 + 3 * 256 * 2 * 1024**2 == 2_740_977_664
+    # tower, forward only: 3 tiles x (136704 + 4096 + 150528) = 873984
+    assert f.by_part["vision_tower"] == 3 * (136704 + 4096 + 150528) == 873_984
+    # projector on 12 patches: 3 x 12 x 2 x 4096 + 2 x 12 x 2 x 2048 = 294912 + 98304 = 393216
+    assert f.by_part["projector"] == 3 * 12 * 2 * 4096 + 2 * 12 * 2 * 2048 == 393_216
+    assert f.total == 2_740_977_664 + 873_984 + 393_216
+    # what d23ed41 logged for the same step: 3 x (decoder + head) with attention over the whole row
+    # = 3 x (565182464 + 1073741824) = 4916772864: 1.79x the real count on this small model
+    old = 3 * (2048 * 275968 + 256 * 2048**2)
+    assert old == 4_916_772_864 and old / f.total == pytest.approx(1.793, abs=1e-3)
+
+
+def test_vision_tower_counted_when_everything_trains():
+    from mmtrain.planning.cost_model import step_flops
+
+    f = step_flops(VLM, [[0, 1024, 2048]], 3, ["vision_tower", "projector", "llm"])
+    # tower trains, nothing before it: layers and attention 3x, the patch conv 2x (no pixel grads)
+    assert f.by_part["vision_tower"] == 3 * 3 * (136704 + 4096) + 2 * 3 * 150528 == 2_170_368
+    assert f.by_part["projector"] == 3 * 12 * 2 * (4096 + 2048) == 442_368
+    assert f.by_part["llm"] == 3 * (2048 * 275968 + 256 * 2 * 1024**2) == 3_306_160_128  # 3 x (565182464 + 536870912)
+    assert step_flops(VLM, [[0, 1024, 2048]], 0, ["vision_tower", "projector", "llm"]).by_part.keys() == {"llm"}
+
+
+def _llava_batch(cu: list[int], tiles: list[int]):
+    from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
+
+    s, n = cu[-1], len(tiles)
+    z = torch.zeros(1, s, dtype=torch.int64)
+    return LlavaOVBatch(input_ids=z, labels=z, position_ids=z, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                        max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
+                        pixel_values=torch.zeros(sum(tiles), 3, 28, 28, dtype=torch.uint8),
+                        tiles_per_media=torch.tensor(tiles), media_kind=torch.zeros(n, dtype=torch.int64),
+                        image_sizes=torch.zeros(n, 2, dtype=torch.int64), grid_shapes=torch.zeros(n, 2, dtype=torch.int64),
+                        num_media_tokens=torch.zeros(n, dtype=torch.int64))
+
+
+def test_trainer_step_flops_from_its_micro_batches():
+    """What `Trainer.train_step` adds to the step's counts: the batches' host cu_seqlens, the
+    family's tile count and the recipe's freeze set (stage 1)."""
+    from mmtrain.llava_ov.spec import LLAVA_OV
+    from mmtrain.runtime.train_data import StepData
+    from mmtrain.runtime.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.spec, t.flops_shapes = LLAVA_OV, VLM
+    t.recipe = SimpleNamespace(freeze=["vision_tower", "llm"])
+    t.ctx = SimpleNamespace(cp=1, tp=1)
+    batches = [_llava_batch([0, 1024, 2048], [1, 2]), _llava_batch([0, 4096], [])]
+    assert LLAVA_OV.encoder_inputs(batches[0]) == 3 and LLAVA_OV.encoder_inputs(batches[1]) == 0
+    flops = t._model_flops(StepData(micro_batches=batches))
+    second = 2 * 4096 * 275968 + 3 * 256 * 4096**2  # the frozen LLM on one 4096-token sample
+    assert flops == 2_740_977_664 + 873_984 + 393_216 + second
+
+
+def test_logged_mfu_uses_the_step_flops():
+    """`_log` divides the step's FLOPs (not flops-per-token x tokens/s) by time, devices and peak."""
+    from mmtrain.runtime.trainer import StepResult, Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=2, device=torch.device("cpu"))
+    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=1000), train=SimpleNamespace(iters=10))
+    t.peak_flops = 1e12
+    records = []
+    t.metrics = SimpleNamespace(write=records.append)
+    r = StepResult(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0,
+                   tokens=4096, samples=1, loss_tokens=10, sample_ids=[], sample_losses=[], flops=6e12)
+    t._log(r)
+    assert records[0]["mfu"] == pytest.approx(6e12 / 2.0 / (2 * 1e12))  # 1.5 TFLOP/s per device / 1 TFLOP/s
+    assert records[0]["model_tflops_per_s"] == pytest.approx(1.5)
+    t.peak_flops = None  # CPU: no honest peak
+    t._log(r)
+    assert records[1]["mfu"] is None and records[1]["model_tflops_per_s"] == pytest.approx(1.5)
+
+
+def test_planning_estimate_follows_the_freeze_set():
+    """dry_run / auto_tune count a frozen LLM under a trained projector at 2x (matmuls) and the
+    frozen tower at 1x, the same rule as the train loop."""
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time, step_flops
+
+    layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, seq_length=2048, recompute="none",
+                    sequence_parallel=False, distributed_optimizer=False, precision="bf16")
+    hw = Hardware(100.0, 0.5, 100.0, 100.0)
+    est = estimate_step_time(VLM, ["vision_tower", "llm"], layout, hw, media_token_fraction=0.0)
+    assert est.model_flops == 4 * step_flops(VLM, [[0, 2048]], 0, ["projector"]).total
+    assert est.model_flops == 4 * (2 * 2048 * 275968 + 3 * 256 * 2048**2)

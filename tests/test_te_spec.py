@@ -1,0 +1,64 @@
+"""Issue 29 C1/C2: the TE decoder switch (decision logic, adapter name mapping) on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmtrain.models.lm_config import LLMConfig
+from mmtrain.models.megatron_config import TransformerImplUnavailable, decoder_fusions
+from mmtrain.models.state_dict_adapter import Qwen2StateDictAdapter, to_local_name, to_te_name
+
+pytestmark = pytest.mark.unit
+
+LLM = LLMConfig(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                vocab_size=32, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, qkv_bias=True)
+
+
+def test_local_keeps_fusions_off():
+    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="local")
+    assert not (f.use_te_spec or f.apply_rope_fusion or f.bias_activation_fusion or f.gradient_accumulation_fusion)
+
+
+def test_te_on_cuda_with_te_turns_decoder_fusions_on():
+    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine")
+    assert f.use_te_spec and f.apply_rope_fusion and f.bias_activation_fusion and f.gradient_accumulation_fusion
+
+
+def test_te_refused_on_cpu_and_without_te():
+    with pytest.raises(TransformerImplUnavailable, match="CUDA"):
+        decoder_fusions(on_cuda=False, te_available=True, transformer_impl="transformer_engine")
+    with pytest.raises(TransformerImplUnavailable, match="import transformer_engine failed"):
+        decoder_fusions(True, False, "transformer_engine", "import transformer_engine failed: X")
+
+
+def _hf(adapter):
+    g = torch.Generator().manual_seed(0)
+    shapes = {}
+    # build a tiny HF state dict through the local adapter's megatron->HF direction
+    local = Qwen2StateDictAdapter(LLM)
+    mc = {}
+    for m, hs, op in local._pairs:
+        n = {"qkv": (8 + 4 + 4) if "weight" in m else 16}.get(op)
+        shape = (16, 8) if op == "qkv" and m.endswith("weight") else (16,) if op == "qkv" else (
+            (32, 16) if op == "cat" else (32, 8) if "embeddings" in m else (8,) if "norm" in m else (8, 16))
+        mc[m] = torch.randn(shape, generator=g)
+    return mc, dict(local.iter_hf(mc.__getitem__))
+
+
+def test_hf_te_hf_round_trip_is_identity_and_names_map_both_ways():
+    mc_local, hf = _hf(None)
+    te = Qwen2StateDictAdapter(LLM, transformer_impl="transformer_engine")
+    names = te.mcore_names()
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in names
+    assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+    mc_te = {n: te.mcore_tensor(n, hf.__getitem__) for n in names}
+    back = dict(te.iter_hf(mc_te.__getitem__))
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    # a local-layout checkpoint's names map to the TE names and back
+    assert sorted(to_te_name(n) for n in mc_local) == sorted(names)
+    assert all(to_local_name(to_te_name(n)) == n for n in mc_local)
+    assert to_te_name("vision_model.decoder.layers.0.input_layernorm.weight", "language_model.") == \
+        "vision_model.decoder.layers.0.input_layernorm.weight"
