@@ -50,10 +50,13 @@ def test_every_file_is_scanned_once_by_the_children_or_by_take(processes):
     scanner = DriverScanner(units, _slow, processes=processes)
     scanner.start()
     try:
-        time.sleep(0.5)  # the children scan a few each
+        results = []
+        while not results:  # the children have scanned some (however loaded the machine is)
+            time.sleep(0.02)
+            results += scanner.drain()
         scanner.stop()
         by_ray = list(iter(scanner.take, None))
-        results = scanner.drain() + scanner.finish()
+        results += scanner.drain() + scanner.finish()
         assert scanner.unfinished() == []
     finally:
         scanner.close()

@@ -62,3 +62,27 @@ def test_hf_te_hf_round_trip_is_identity_and_names_map_both_ways():
     assert all(to_local_name(to_te_name(n)) == n for n in mc_local)
     assert to_te_name("vision_model.decoder.layers.0.input_layernorm.weight", "language_model.") == \
         "vision_model.decoder.layers.0.input_layernorm.weight"
+
+
+def test_the_te_spec_without_te_says_why(megatron_cpu):
+    from mmtrain.models.layer_specs import decoder_layer_spec
+
+    with pytest.raises(RuntimeError, match="import transformer_engine failed"):
+        decoder_layer_spec("transformer_engine")
+    assert decoder_layer_spec("local").module.__name__ == "TransformerLayer"
+
+
+def test_a_checkpoint_loads_only_into_the_spec_that_wrote_it(tmp_path):
+    """TE's spec names the pre-norms `linear_qkv.layer_norm_weight`, the local one
+    `input_layernorm.weight`: a resume across the switch is refused up front, naming the way out."""
+    import json
+
+    from mmtrain.runtime.checkpoint.manager import check_layer_spec
+    from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "transformer_impl": "transformer_engine"}))
+    check_layer_spec(tmp_path, "transformer_engine")
+    with pytest.raises(CheckpointMismatchError, match="mcore-to-hf"):
+        check_layer_spec(tmp_path, "local")
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # older checkpoints: local
+    check_layer_spec(tmp_path, "local")

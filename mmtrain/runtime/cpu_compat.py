@@ -9,7 +9,12 @@ edited; every substitution is logged once and listed in `SUBSTITUTIONS`.
    `device="cuda"` factory calls (schedules' token counts, p2p shape buffers, DDP grad buffers),
    a CUDA-RNG-based state tracker forked inside attention/embedding dropout and snapshotted by
    activation recompute, `torch.cuda.synchronize()` in the dist-checkpoint writer and the
-   pipeline's shape exchange. `apply()` redirects exactly those to the CPU.
+   pipeline's shape exchange. `apply()` redirects exactly those to the CPU. The lines that force
+   them (megatron-core 0.16):
+     distributed/param_and_grad_buffer.py:783   torch.zeros(..., device=torch.cuda.current_device(), ...)
+     pipeline_parallel/schedules.py:596         total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")
+     tensor_parallel/random.py:66               default_generator = torch.cuda.default_generators[idx]
+     dist_checkpointing/strategies/filesystem_async.py:230   torch.cuda.synchronize()
    The attention backend is not patched: the layer specs pick `SDPACoreAttention`.
 2. Run settings, chosen by the runtime through the functions below:
    - precision: bf16/fp16 requests run in fp32 (`run_precision`);

@@ -100,6 +100,7 @@ def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[s
     """The run dir's own latest checkpoint (what a rerun resumes), else `checkpoint.load`."""
     from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint, resolve_checkpoint
     from mmtrain.runtime.checkpoint.integrity import check_checkpoint
+    from mmtrain.runtime.checkpoint.manager import check_layer_spec
     from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError, check_architecture
 
     run_dir = Path(recipe.run_dir)
@@ -124,6 +125,7 @@ def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[s
     try:
         check_checkpoint(point, spec.name)
         check_architecture(point.parent, recipe.model, spec.architecture_keys, iteration_of(point))
+        check_layer_spec(point, recipe.parallel.transformer_impl)
     except CheckpointMismatchError as err:
         text = str(err)
         if key == "run_dir":  # its checkpoints are resumed whatever checkpoint.load says

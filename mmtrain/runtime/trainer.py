@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.config.schema import Recipe
-from mmtrain.models.megatron_config import ParallelOptions
+from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
 from mmtrain.runtime import cpu_compat
 from mmtrain.runtime.checkpoint.manager import (
     CheckpointManager,
@@ -116,7 +116,8 @@ class Trainer:
         self.peak_memory = PeakMemory(ctx.device, Path(recipe.run_dir), ctx.rank)  # before the model exists
         # refuse a checkpoint of another architecture before building anything
         start = self.checkpoints.starting_point(recipe.checkpoint.load, recipe.checkpoint.weights_only,
-                                                recipe.model, spec.architecture_keys, spec.name)
+                                                recipe.model, spec.architecture_keys, spec.name,
+                                                recipe.parallel.transformer_impl)
         module = spec.build_model(
             recipe.model,
             pre_process=ctx.is_first_stage,
@@ -150,6 +151,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.parts, recipe.optimizer, ctx)
         config.grad_scale_func = self.optimizer.scale_loss  # megatron's loss scale (1.0 unless fp16)
         self.state.optimizer = optimizer_kind(ctx)
+        self.state.transformer_impl = recipe.parallel.transformer_impl
         self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
         self.state.lr_schedule = self.schedule.state_dict()
         self.data = TrainData(spec, recipe, ctx)
@@ -200,7 +202,7 @@ class Trainer:
         if ctx.cp > 1 and not ctx.on_cuda:
             cpu_compat.note("context parallelism: Transformer Engine's CP attention (GPU) -> K/V all-gather over "
                             f"gloo (KVAllGatherCoreAttention); parallel.cp_comm_type={p.cp_comm_type} applies on GPU")
-        return ParallelOptions(
+        options = ParallelOptions(
             sequence_parallel=ctx.sequence_parallel,
             recompute_granularity=None if ctx.recompute == "none" else ctx.recompute,
             recompute_method="block" if some_layers else "uniform",
@@ -214,6 +216,11 @@ class Trainer:
             on_cuda=ctx.on_cuda,
             deterministic=self.recipe.train.deterministic,
         )
+        try:
+            resolve_decoder_fusions(options)  # transformer_engine off CUDA or without TE: one clear line
+        except TransformerImplUnavailable as err:
+            raise UnsupportedLayout(str(err)) from None
+        return options
 
     def _restore(self, start: StartingPoint) -> None:
         result = self.checkpoints.restore(start, self._load_hf)

@@ -49,6 +49,7 @@ from mmtrain.runtime.checkpoint.layout import (
     write_latest,
 )
 from mmtrain.runtime.checkpoint.weights import (
+    CheckpointMismatchError,
     check_architecture,
     load_model_weights,
     model_sharded_state_dict,
@@ -79,6 +80,9 @@ class TrainerState:
     seed: int = 0
     # the optimizer's checkpoint layout (runtime.optimizer.optimizer_kind): {} in older checkpoints
     optimizer: dict[str, Any] = field(default_factory=dict)
+    # the decoder's layer spec (parallel.transformer_impl): its parameter names differ between
+    # "local" and "transformer_engine", so a checkpoint loads only into the spec that wrote it
+    transformer_impl: str = "local"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
@@ -167,6 +171,21 @@ class OptimizerState:
         loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(ckpt / self.name))
         self.optimizer.load_state_dict(loaded)
         return True
+
+
+def check_layer_spec(ckpt: Path, transformer_impl: str) -> None:
+    """Refuse a checkpoint written with the other decoder layer spec: TE's spec keeps the pre-norm
+    weights inside the fused linears (`linear_qkv.layer_norm_weight`), the local one in
+    `input_layernorm.weight`, so dist-checkpointing would find neither. The HF format is the bridge."""
+    state_file = ckpt / TRAINER_STATE
+    if not state_file.exists():
+        return
+    saved = TrainerState.from_dict(json.loads(state_file.read_text())).transformer_impl
+    if saved != transformer_impl:
+        raise CheckpointMismatchError(
+            f"{ckpt}: written with parallel.transformer_impl={saved}, this run uses {transformer_impl}; their "
+            f"parameter names differ. Set parallel.transformer_impl={saved}, or export it "
+            "(`mmtrain convert mcore-to-hf`) and start from the HF directory")
 
 
 def _describe(kind: dict[str, Any]) -> str:
@@ -277,10 +296,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ starting point
     def starting_point(self, load: str | None, weights_only: bool, model_config: Any,
-                       architecture_keys: Sequence[str], family: str | None = None) -> StartingPoint | None:
+                       architecture_keys: Sequence[str], family: str | None = None,
+                       transformer_impl: str = "local") -> StartingPoint | None:
         """The run's own latest checkpoint, else `checkpoint.load` resolved; an mmtrain
-        checkpoint that is damaged, another family's (integrity.py) or made for another
-        architecture is refused (CheckpointMismatchError)."""
+        checkpoint that is damaged, another family's (integrity.py), made for another
+        architecture or with another decoder layer spec is refused (CheckpointMismatchError)."""
         own = latest_checkpoint(self.root.parent)
         if own is not None:
             point = StartingPoint("mmtrain", own)
@@ -293,6 +313,7 @@ class CheckpointManager:
             if family is not None:
                 check_checkpoint(point.path, family)
             check_architecture(point.path.parent, model_config, architecture_keys, iteration_of(point.path))
+            check_layer_spec(point.path, transformer_impl)
         return point
 
     # ------------------------------------------------------------------ restore
