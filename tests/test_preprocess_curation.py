@@ -180,8 +180,57 @@ def test_malformed_curation_flags_rejected_before_any_work(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     for flags, why in [(["--filter", "qw2vl_loss<=two"], "is a number"), (["--dedup", "phash:99"], "0..8"),
-                       (["--mix", str(tmp_path / "none.yaml")], "none.yaml"), (["--mix", "a:1"], "source=weight")]:
+                       (["--mix", str(tmp_path / "none.yaml")], "none.yaml"), (["--mix", "a:1"], "source=weight"),
+                       (["--filter", "sourse==a"], "did you mean 'source'")]:
         proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "o"),
                                   *flags, check=False)
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (tmp_path / "o").exists()
+
+
+SYNTH_SOURCES = ("2a", "gpt4_synthetic", "laion_caption", "llava_onevision")
+SYNTH_SUBSETS = ("stage1/laion_caption", "stage2/2a", "stage3/llava_onevision", "stage4/gpt4_synthetic")
+
+
+def _error_line(stderr: str, term: str) -> str:
+    """The one line of the error naming `term` (Ray may log other lines to stderr)."""
+    lines = [x for x in stderr.splitlines() if repr(term) in x]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, bad, known, close", [
+    (["--mix", "laion=1,2a=2"], "laion", SYNTH_SOURCES, "laion_caption"),
+    (["--filter", "source in [laion_caption, gpt4]"], "gpt4", SYNTH_SOURCES, "gpt4_synthetic"),
+    (["--mix", "subset.yaml"], "stage2/2b", SYNTH_SUBSETS, "stage2/2a"),
+], ids=["mix-source", "filter-source", "mix-subset"])
+def test_term_matching_no_source_is_exit_2_and_writes_nothing(synth_raw_dir, tmp_path, flags, bad, known, close):
+    """A --mix or --filter term naming no source (or subset) of the input would silently mix or
+    filter out records (`laion` for `laion_caption` dropped 428 of 600): exit 2, one line naming
+    the term and listing what the input has, and nothing under --output."""
+    (tmp_path / "subset.yaml").write_text("by: subset\nweights: {stage1/laion_caption: 1, stage2/2b: 1}\n")
+    flags = [str(tmp_path / f) if f.endswith(".yaml") else f for f in flags]
+    out = tmp_path / "out"
+    proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
+                              "--num-cpus", "2", *flags, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    line = _error_line(proc.stderr, bad)
+    assert all(k in line for k in known), line
+    assert f"did you mean {close!r}" in line, line
+    assert not out.exists(), sorted(out.rglob("*"))  # no shards, no work folder: the run left nothing
+
+
+def test_valid_inline_mix_still_mixes_by_source(synth_raw_dir, tmp_path):
+    """The check leaves a valid mix alone: only the named sources, in their 1:2 proportion."""
+    out = tmp_path / "out"
+    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
+                       "--num-cpus", "2", "--mix", "laion_caption=1,2a=2")
+    m = json.loads((out / sf.MANIFEST_NAME).read_text())
+    by_source = Counter(rec["source"] for _, rec, _, _ in read_shards(out))
+    assert set(by_source) == {"laion_caption", "2a"}
+    mix = m["curation"]["mix"]
+    assert set(mix["target"]) == set(SYNTH_SOURCES)
+    assert mix["target"]["2a"] == 2 * mix["target"]["laion_caption"] > 0
+    assert mix["realised"] == {g: by_source[g] for g in mix["target"]}
+    assert m["counts"]["mixed_out"] > 0

@@ -49,6 +49,7 @@ from mmdata.preprocess.adapters.llava_json import check_image_root
 from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
+from mmdata.preprocess.curation.terms import unmatched
 from mmdata.preprocess.driver_scan import DriverScanner, available_cpus
 from mmdata.preprocess.energon_meta import NV_META, EnergonIndexWriter, ShardLayout
 from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
@@ -59,7 +60,7 @@ from mmdata.preprocess.rows import ROW_FORMAT
 from mmdata.preprocess.shard_writer import ShardResult
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
 from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
-                                      sort_bucket, write_shard_task)
+                                      sort_bucket, subset_of, write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
 from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
                              shutdown_ray)
@@ -276,6 +277,18 @@ def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int],
     return targets, factors(targets, groups)
 
 
+def unmatched_terms(cfg: PreprocessConfig, cur: Curation, kind: str, known: set[str]) -> str | None:
+    """The error for --mix weights and --filter values on `kind` (source or subset) that name
+    nothing in the input (they would drop its records silently); None when all match."""
+    problems = []
+    if cur.mix is not None and cur.mix.by == kind and (bad := [g for g in cur.mix.listed() if g not in known]):
+        problems.append(unmatched(f"--mix {cfg.mix!r}", kind, bad, known))
+    for rule in cur.filters:
+        if rule.field == kind and (bad := [v for v in rule.values() if v not in known]):
+            problems.append(unmatched(f"--filter {rule.expr!r}", kind, bad, known))
+    return "; ".join(problems) or None
+
+
 @resumable
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run the whole job; returns the manifest. Raises PreprocessError on user errors, and
@@ -304,6 +317,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
     if cfg.dataset == "llava-json" and (problem := check_image_root(units)):
         raise PreprocessError(problem)
+    if problem := unmatched_terms(cfg, cur, "subset", {subset_of(u) for u in units}):
+        raise PreprocessError(problem)  # subsets are the input folders: known before any work
     job = _job_description(cfg, cur, units)
     fp, inputs = fingerprint(job), job["inputs"]
     done_manifest = check_output_dir(out, fp, job, cfg.overwrite, _our_outputs, PreprocessError, _manifest_job)
@@ -407,6 +422,10 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
             run_bounded(scan_in_ray, scanner.unfinished(), max_in_flight, scanned_by_ray)
             candidates, candidate_bytes = counts.written, counts.valid_bytes
             phase_done("scan_s")
+            # sources are the records' own field: known once every file is scanned, before any output
+            if problem := unmatched_terms(cfg, cur, "source", set(counts.by_source)):
+                discard(out, work, created)
+                raise PreprocessError(problem)
             # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
             dropped_by_group: Counter[str] = Counter()
             if spec.dedup:

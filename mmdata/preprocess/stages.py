@@ -96,7 +96,7 @@ def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
     return Path(work) / "shards" / f"{shard_name}.{suffix}"
 
 
-def _subset(unit: InputUnit) -> str:
+def subset_of(unit: InputUnit) -> str:
     """The input file's folder under its input root (e.g. stage2/2a), "" at the top."""
     parent = Path(unit.rel).parent.as_posix()
     return "" if parent == "." else parent
@@ -110,7 +110,7 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     quiet_pillow_bomb_warning()
     # Counts are per `source` field; records whose JSON is unreadable count under their folder.
     fallback_source = Path(unit.rel).parent.name or Path(unit.rel).stem
-    subset = _subset(unit)
+    subset = subset_of(unit)
     counts = Counts()
     by_bucket: list[list[bytes]] = [[] for _ in range(spec.num_buckets)]
     qlines: list[str] = []

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mmdata.preprocess.curation.terms import closest
+
 NUMBER, TEXT = "number", "text"
 # field -> (type, what it is); the values come from curation.features.RecordFeatures
 FIELDS: dict[str, tuple[str, str]] = {
@@ -49,6 +51,10 @@ class FilterRule:
         if self.op in ("in", "not in"):
             return f"{self.field} {self.op} [{', '.join(_show(v) for v in self.value)}]"
         return f"{self.field}{self.op}{_show(self.value)}"
+
+    def values(self) -> tuple[Any, ...]:
+        """The value(s) the rule compares with (a list's items, or the one value)."""
+        return self.value if self.op in ("in", "not in") else (self.value,)
 
     def passes(self, features: dict[str, Any]) -> bool:
         have = features.get(self.field)
@@ -95,7 +101,9 @@ def parse_filter(expr: str) -> FilterRule:
                           f"'source in [a, b]' (OP: < <= > >= == != in, not in)")
     field, op, rest = m[1], " ".join(m[2].split()), m[3]
     if field not in FIELDS:
-        raise FilterError(f"--filter {expr!r}: unknown field {field!r}; fields: {', '.join(FIELDS)}")
+        guess = closest(field, FIELDS)
+        hint = f" (did you mean {guess!r}?)" if guess is not None else ""
+        raise FilterError(f"--filter {expr!r}: unknown field {field!r}{hint}; fields: {', '.join(FIELDS)}")
     if op in ("in", "not in"):
         if not (rest.startswith("[") and rest.endswith("]")):
             raise FilterError(f"--filter {expr!r}: `{op}` takes a list, e.g. [a, b]")

@@ -53,6 +53,10 @@ class MixSpec:
         w = dict(self.weights)
         return w.get(group, w.get(OTHERS, 0.0))
 
+    def listed(self) -> list[str]:
+        """The groups named by weight (OTHERS excluded): each must exist in the input."""
+        return [g for g, _ in self.weights if g != OTHERS]
+
     def to_json(self) -> dict:
         return {"by": self.by, "weights": dict(self.weights), "total": self.total, "repeat": self.repeat}
 
