@@ -46,8 +46,9 @@ def _energon_prepare(folder: Path, names: list[str]) -> None:
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
     with contextlib.redirect_stdout(io.StringIO()):
-        BaseWebdatasetFactory.prepare_dataset(folder, names, split_parts_ratio=[("train", 1.0)], shuffle_seed=None,
-                                              workers=1)
+        # as `energon prepare --split-ratio 1,0,0`: every shard in train, val and test empty
+        ratio = [("train", 1.0), ("val", 0.0), ("test", 0.0)]
+        BaseWebdatasetFactory.prepare_dataset(folder, names, split_parts_ratio=ratio, shuffle_seed=None, workers=1)
 
 
 def _rows(db: Path, table: str) -> list[tuple]:

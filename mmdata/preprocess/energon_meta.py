@@ -1,6 +1,6 @@
 """Make a shard folder energon-ready: `.nv-meta/` (index.sqlite, index.uuid, .info.json,
-split.yaml with every shard in `train`, dataset.yaml naming our ConversationSample, the
-sample_loader.py that re-exports our loader) and one `.tar.idx` per shard.
+split.yaml with every shard in `train` and empty `val`/`test`, dataset.yaml naming our
+ConversationSample, the sample_loader.py that re-exports our loader) and one `.tar.idx` per shard.
 
 Written from the `ShardLayout` each shard writer recorded while writing, not by energon's
 `prepare_dataset`: that reads every shard back (as costly as the whole write stage) and
@@ -28,6 +28,7 @@ from mmdata import shard_format as sf
 
 NV_META = sf.ENERGON_META
 TAR_INDEX_SUFFIX = ".tar.idx"  # energon's ITAR_SUFFIX
+EMPTY_SPLIT_PARTS = ("val", "test")  # in split.yaml, empty: energon's tools visit them by default
 
 # The text of `.nv-meta/sample_loader.py` written next to every shard set.
 SAMPLE_LOADER_PY = '''\
@@ -84,7 +85,8 @@ def write_tar_index(tar_path: Path, layout: ShardLayout) -> None:
 
 
 class EnergonIndexWriter:
-    """What `prepare_dataset` writes for a shard set (split `train` = all of them, in order),
+    """What `prepare_dataset` writes for a shard set (split `train` = all of them, in order;
+    `val` and `test` empty),
     built one shard at a time from the layouts the shard writers recorded: `add` each shard in
     order (the job does it as shards finish, while later ones are still being written), then
     `finish`. The `.tar.idx` files are written by the shard writers. `dataset` and
@@ -142,8 +144,7 @@ class EnergonIndexWriter:
         (meta / "index.uuid").write_text(str(uuid.uuid4()))
         info = {"energon_version": version("megatron-energon"), "shard_counts": self.counts}
         (meta / ".info.json").write_text(json.dumps(info, indent=2))
-        splits = {"split_parts": {"train": _collapse(names)}, "exclude": []}
-        (meta / "split.yaml").write_text(yaml.dump(splits, sort_keys=False))
+        (meta / "split.yaml").write_text(yaml.dump(split_config(names), sort_keys=False))
         (meta / "dataset.yaml").write_text(yaml.safe_dump(self.dataset or DATASET_YAML, sort_keys=False))
         (meta / "sample_loader.py").write_text(self.sample_loader_py)
         final = self.out_dir / NV_META
@@ -160,6 +161,15 @@ def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable
     for name, layout in zip(shard_names, layouts, strict=True):
         index.add(name, layout)
     index.finish()
+
+
+def split_config(shard_names: list[str]) -> dict:
+    """split.yaml: every shard in `train`, and `val`/`test` present but empty, as energon's own
+    `energon prepare --split-ratio 1,0,0` writes it. energon's tools (`energon lint`, `energon
+    preview`) visit `train,val,test` by default: a missing part is an `AssertionError: Invalid
+    split part`, an empty one is skipped as empty."""
+    return {"split_parts": {"train": _collapse(shard_names), **{part: [] for part in EMPTY_SPLIT_PARTS}},
+            "exclude": []}
 
 
 def _collapse(shard_names: list[str]) -> list[str]:
