@@ -202,7 +202,7 @@ def check_decoder(device: torch.device, tiny: bool) -> None:
     llm = LLMConfig(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, num_query_groups=2,
                     vocab_size=vocab, max_position_embeddings=16384)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    cfg = language_transformer_config(llm, dtype, ParallelOptions())
+    cfg = language_transformer_config(llm, dtype, ParallelOptions(on_cuda=device.type == "cuda"))
     lens = [3000, 1000, 4192] if not tiny else [300, 100, 112]
     total = sum(lens)
     ids = torch.randint(0, vocab, (1, total), generator=torch.Generator().manual_seed(2)).to(device)
@@ -271,7 +271,8 @@ def check_te_context_parallel(device: torch.device) -> None:
     if te is None or cp < 2:
         return
     llm = LLMConfig(num_layers=1, hidden_size=1536, num_attention_heads=12, num_query_groups=2)
-    cfg = language_transformer_config(llm, "bfloat16", ParallelOptions(cp_comm_type=os.environ.get("CP_COMM", "p2p")))
+    cfg = language_transformer_config(llm, "bfloat16", ParallelOptions(cp_comm_type=os.environ.get("CP_COMM", "p2p"),
+                                                                         on_cuda=True))
     lens = [4000, 777, 2300, 64]
     total = sum(lens)
     g = torch.Generator(device=device).manual_seed(4)
@@ -465,7 +466,7 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
     from mmtrain.models.lm_loss import resolve_loss_impl
     from mmtrain.models.megatron_config import ParallelOptions
     from mmtrain.planning.cost_model import GB, Layout, estimate_memory, training_flops_per_token
-    from mmtrain.runtime.optimizer import ModelParts, build_optimizer
+    from mmtrain.runtime.optimizer import ModelParts, build_optimizer, ddp_config_kwargs
     from mmtrain.runtime.throughput import device_peak_flops
 
     recipe, shapes = work.recipe, work.shapes
@@ -473,7 +474,7 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
     peak_flops = device_peak_flops(ctx.device, ctx.precision)
     for recompute in args.recompute.split(","):
         layout = Layout.from_recipe(recipe).with_(cp=ctx.cp, dp=1, tp=1, pp=1, recompute=recompute,
-                                                 sequence_parallel=False, distributed_optimizer=False,
+                                                 sequence_parallel=False, distributed_optimizer=ctx.distributed_optimizer,
                                                  global_batch_size=args.micro_batch, lm_loss=lm_loss)
         est = estimate_memory(shapes, [], layout, media_token_fraction=work.media_fraction)
         capacity = torch.cuda.get_device_properties(ctx.device).total_memory if ctx.on_cuda else float("inf")
@@ -483,12 +484,14 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
             say(f"  skipped: estimate above 92% of the {capacity / GB:.0f} GiB device")
             continue
         opts = ParallelOptions(recompute_granularity=None if recompute == "none" else recompute,
-                               params_dtype=ctx.params_dtype_name, lm_loss=lm_loss)
+                               params_dtype=ctx.params_dtype_name, lm_loss=lm_loss, on_cuda=ctx.on_cuda)
         module = work.build(opts).to(ctx.device)
         config = get_model_config(module)
         config.calculate_per_token_loss = True
-        ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=module)
+        # the trainer's DDP settings: overlapped grad reduce; with the distributed optimizer the
+        # overlapped, aligned param all-gather too (runtime/optimizer.ddp_config_kwargs)
+        ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs(ctx)),
+                                      module=module)
         optimizer = build_optimizer([ddp], ModelParts([module], work.parts), recipe.optimizer, ctx)
         batch = work.batch(args.micro_batch, args.seq_length, ctx.device)
         step = _step_fn(ddp, optimizer, batch, finalize_model_grads)
@@ -582,6 +585,8 @@ def _step_fn(ddp: Any, optimizer: Any, batch: Any, finalize: Callable) -> Callab
     from mmtrain.runtime.loss import loss_mask, masked_loss_sum
 
     def step() -> float:
+        if getattr(ddp, "use_forward_hook", False):  # overlap_param_gather: as Trainer._dispatch_param_gather
+            ddp.start_param_sync()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         out = ddp(batch)
@@ -642,7 +647,7 @@ def main() -> int:
     from mmtrain.runtime.distributed import destroy_distributed, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_distributed(ParallelConfig(cp=world, nproc_per_node=world, precision="bf16", distributed_optimizer=False),
+    ctx = init_distributed(ParallelConfig(cp=world, nproc_per_node=world, precision="bf16", distributed_optimizer=True),
                            seed=1234)
     device = ctx.device
     environment(device)

@@ -8,7 +8,7 @@ the last pipeline stage), and logs `val_loss` / `val_tokens` with that step.
 An evaluation must not change training, and every evaluation must read the same batches:
 - the validation loader is its own energon loader, rebuilt for each evaluation with the
   recipe's loader settings and seed (energon restores a loader state only before the first
-  batch, and its `val` split needs a `split.yaml` entry that our shards do not have), so the
+  batch, and the `val` part our shards' `split.yaml` lists is empty), so the
   batches repeat exactly and the training loader never moves;
 - the model runs in eval mode under `torch.no_grad()` and gets its previous mode back;
 - every RNG stream a training step reads (python, numpy, torch, CUDA, megatron's tracker) is
