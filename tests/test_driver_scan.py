@@ -64,8 +64,11 @@ def test_every_file_is_scanned_once_by_the_children_or_by_take(processes):
     assert in_child and by_ray, (len(in_child), len(by_ray))
     assert sorted(in_child + [u.index for u in by_ray]) == list(range(90))
     assert all(r == {"index": u.index, "scanned_by": r["scanned_by"]} for u, r in results)
-    workers = {r["scanned_by"] for _, r in results}
-    assert os.getpid() not in workers and len(workers) == processes  # each child did some of the work
+    # the scan ran in `processes` children (under load, at nice +10, one may start only after
+    # the others have taken everything, so which child scanned what is not asserted)
+    children = {p.pid for p in scanner._processes}
+    assert len(children) == processes and os.getpid() not in children
+    assert {r["scanned_by"] for _, r in results} <= children
     assert scanner.scanned == len(in_child)
 
 
