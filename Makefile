@@ -1,6 +1,6 @@
 # The README's two commands: `make demo` and `make test`. Both create/refresh .venv first.
 # Tiers: `make test-unit` (pure functions, in-process models: -m unit), `make test` (everything
-# but the slow tier: unit + integration), `make test-slow`, `make test-all`.
+# but the slow tier: unit + integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host).
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO   := demo_out
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-unit test-slow test-all clean
+.PHONY: install demo test test-unit test-slow test-all test-gpu clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m "slow or not slow"
+
+# The GPU tier (tests/gpu/, about 10 min on one H200): CUDA stays visible (tests/conftest.py hides
+# it otherwise); on a host without CUDA every test is skipped with the reason.
+test-gpu: $(STAMP)
+	MMTRAIN_GPU_TESTS=1 $(PY) -m pytest -m gpu tests/gpu
 
 clean:
 	rm -rf $(DEMO) .pytest_cache

@@ -1,0 +1,100 @@
+"""The gpu tier (`make test-gpu`): the real CLIs on one CUDA device, in bf16 with the distributed
+optimizer, checking the GPU review's findings (/work/shared/reference/gpu-path-review.md).
+
+Every test here carries the `gpu` marker. Without a usable GPU each one is skipped with one reason
+and costs nothing: the CPU tiers (`make test`, `-m slow`) collect this folder too, and the skip is
+decided before any fixture (data, models) is built. Two ways to be skipped:
+- MMTRAIN_GPU_TESTS is not 1: tests/conftest.py hides CUDA from every test then, so the CPU tiers
+  stay on the CPU of a GPU host;
+- no CUDA device visible (this CPU-only host).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+HOW = "the gpu tier runs on a GPU host with `make test-gpu`"
+
+
+def gpu_skip_reason() -> str | None:
+    """Why the gpu tier cannot run in this process, or None when it can."""
+    if os.environ.get("MMTRAIN_GPU_TESTS") != "1":
+        return f"MMTRAIN_GPU_TESTS is not set (tests/conftest.py hides CUDA): {HOW}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no CUDA device: {HOW}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every item of the tier is `gpu`
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mine = [item for item in items if HERE in Path(str(item.fspath)).resolve().parents]
+    if not mine:
+        return
+    reason = gpu_skip_reason()
+    for item in mine:
+        item.add_marker(pytest.mark.gpu)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# ----------------------------------------------------------------------------- shared assets
+# (session-scoped, read-only; built only when a test that runs asks for them)
+
+from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, tiny_vq_dir  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def qwen_tok(tmp_path_factory) -> Path:
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("gpu_tok") / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def llava_shards(tmp_path_factory) -> Path:
+    """Image and text-only samples alternating by key (tests/gpu/runs.py: llava_mixed_samples)."""
+    from tests.gpu.runs import write_llava_mixed_shards
+
+    return write_llava_mixed_shards(tmp_path_factory.mktemp("gpu_llava_data") / "shards")
+
+
+@pytest.fixture(scope="session")
+def llava_gpu_run(tmp_path_factory, llava_shards, qwen_tok):
+    """freeze list (recipe syntax) -> (run dir, process) of a 4-step bf16 LLaVA-OV run on CUDA with
+    checkpoints at steps 2 and 4; each freeze set trains once per session."""
+    from tests.gpu import runs
+
+    done: dict[str, tuple[Path, object]] = {}
+
+    def get(freeze: str) -> tuple[Path, object]:
+        if freeze not in done:
+            run_dir = tmp_path_factory.mktemp("gpu_llava_run") / "run"
+            proc = runs.train("llava-ov", run_dir, llava_shards, qwen_tok, *runs.llava_4_steps(freeze), *runs.GPU)
+            done[freeze] = (run_dir, proc)
+        return done[freeze]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def emu3_gpu_run(tmp_path_factory, demo_token_dir, emu3_tok_dir):
+    """(run dir, process) of a 4-step bf16 Emu3 run on CUDA (the CPU tests' token shards)."""
+    from tests.gpu import runs
+
+    run_dir = tmp_path_factory.mktemp("gpu_emu3_run") / "run"
+    proc = runs.train("emu3", run_dir, demo_token_dir, emu3_tok_dir, *runs.FOUR_STEPS, *runs.GPU)
+    return run_dir, proc
+
+
+@pytest.fixture(scope="session")
+def llava_hf_start(tmp_path_factory) -> Path:
+    """A tiny HF LLaVA-OV made on the CPU: the common starting point of the CPU/GPU comparisons."""
+    from tests.gpu.runs import write_llava_hf
+
+    return write_llava_hf(tmp_path_factory.mktemp("gpu_llava_hf") / "hf")
