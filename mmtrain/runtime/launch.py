@@ -77,33 +77,59 @@ def run(args: argparse.Namespace, family: str) -> int:
 
         run_dry_run(recipe, spec)  # prints the report
         return 0
-    if recipe.action == "auto_tune":
-        from mmtrain.planning.auto_tune import run_auto_tune
+    with contextlib.ExitStack() as locks:
+        if recipe.action == "auto_tune":
+            from mmtrain.planning.auto_tune import run_auto_tune
 
-        result = run_auto_tune(recipe, spec)  # prints the summary and the best layout
-        if result.exit_code or not getattr(args, "launch", False):
-            return result.exit_code
-        recipe = load_recipe(result.recipe_path, family=family)
-        log.info("--launch: training the best layout, %s", result.recipe_path)
-    elif getattr(args, "launch", False):
-        raise UserError("--launch goes with action=auto_tune (it trains the layout the search found best)")
+            locks.enter_context(run_dir_lock(recipe))  # its trials and results live in run_dir
+            result = run_auto_tune(recipe, spec)  # prints the summary and the best layout
+            if result.exit_code or not getattr(args, "launch", False):
+                return result.exit_code
+            recipe = load_recipe(result.recipe_path, family=family)
+            log.info("--launch: training the best layout, %s", result.recipe_path)
+        elif getattr(args, "launch", False):
+            raise UserError("--launch goes with action=auto_tune (it trains the layout the search found best)")
 
+        from mmtrain.runtime.distributed import env_rank_world
+        from mmtrain.runtime.preflight import preflight
+
+        preflight(recipe, spec)  # before anything is built, spawned or written
+        if verbose:
+            os.environ["MMTRAIN_VERBOSE"] = "1"  # the workers' third-party warnings too
+        use_slurm_allocation(recipe)
+        locks.enter_context(run_dir_lock(recipe))  # before anything is written into run_dir
+        inside_launcher = env_rank_world() is not None
+        if inside_launcher or recipe.parallel.world_size == 1:
+            return train(recipe)
+        # Every node's launcher writes this file in the shared run dir and hands it to its workers, so
+        # it must be the same on every node: the job's recipe, node_rank left at 0 (each launcher's own
+        # goes to torchrun; the workers take theirs from torchrun, not from the file).
+        job = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, node_rank=0))
+        resolved = save_resolved(job, Path(recipe.run_dir) / "config.yaml")
+        return spawn_workers(recipe, resolved)
+
+
+#: set by a launcher holding the run_dir lock for the workers it starts (their rank 0 then does
+#: not take it again): the run_dir, resolved
+RUN_DIR_LOCK_ENV = "MMTRAIN_RUN_DIR_LOCKED"
+
+
+def run_dir_lock(recipe: Recipe) -> contextlib.AbstractContextManager:
+    """One job per run_dir (mmdata/folder_lock.py): a second job exits 2 naming the first.
+    The process that owns the run takes it: a launcher started by hand on node 0 (one per job),
+    or, inside a launcher that is not ours (torchrun, srun with one task per process), the
+    worker of rank 0. Workers of our own launcher find it held (RUN_DIR_LOCK_ENV) and take
+    nothing, so the ranks of one job never compete for it."""
+    from mmdata.folder_lock import FolderLock
     from mmtrain.runtime.distributed import env_rank_world
-    from mmtrain.runtime.preflight import preflight
 
-    preflight(recipe, spec)  # before anything is built, spawned or written
-    if verbose:
-        os.environ["MMTRAIN_VERBOSE"] = "1"  # the workers' third-party warnings too
-    use_slurm_allocation(recipe)
-    inside_launcher = env_rank_world() is not None
-    if inside_launcher or recipe.parallel.world_size == 1:
-        return train(recipe)
-    # Every node's launcher writes this file in the shared run dir and hands it to its workers, so
-    # it must be the same on every node: the job's recipe, node_rank left at 0 (each launcher's own
-    # goes to torchrun; the workers take theirs from torchrun, not from the file).
-    job = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, node_rank=0))
-    resolved = save_resolved(job, Path(recipe.run_dir) / "config.yaml")
-    return spawn_workers(recipe, resolved)
+    run_dir = Path(recipe.run_dir).resolve()
+    rank_world = env_rank_world()
+    if rank_world is None:
+        owner = recipe.parallel.node_rank == 0
+    else:
+        owner = rank_world[0] == 0 and os.environ.get(RUN_DIR_LOCK_ENV) != str(run_dir)
+    return FolderLock(run_dir, "run_dir") if owner else contextlib.nullcontext()
 
 
 def use_slurm_allocation(recipe: Recipe) -> None:
@@ -144,6 +170,10 @@ def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:
     log.info("launching %d worker(s) on this node: %s", p.nproc_per_node, " ".join(cmd))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    from mmdata.folder_lock import holds
+
+    if holds(recipe.run_dir):
+        env[RUN_DIR_LOCK_ENV] = str(Path(recipe.run_dir).resolve())
     with subprocess.Popen(cmd, env=env) as proc:
         with sigterm_to_workers(proc.pid):
             try:
@@ -193,7 +223,13 @@ def child_pids(pid: int) -> list[int]:
 
 def train(recipe: Recipe) -> int:
     """Train in this process (one worker of a distributed job, or the whole job). A starting
-    checkpoint that does not fit the recipe is a user error: one line, exit code 2."""
+    checkpoint that does not fit the recipe is a user error: one line, exit code 2. The
+    run_dir is held for the whole run (`run_dir_lock`)."""
+    with run_dir_lock(recipe):  # (a no-op where the launcher of this process holds it)
+        return _train(recipe)
+
+
+def _train(recipe: Recipe) -> int:
     from mmdata.errors import UserError
     from mmtrain import registry
     from mmtrain.config import dump_recipe, save_resolved
