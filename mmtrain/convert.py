@@ -15,8 +15,9 @@ converted checkpoint keeps, but a checkpoint trained from scratch lacks):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mmdata.errors import UserError
@@ -25,19 +26,33 @@ from mmtrain import registry
 HF_TO_MCORE = """Convert an HF (transformers) checkpoint into a megatron distributed checkpoint that
 `checkpoint.load` starts from, in any TP/PP layout (megatron checkpoints are reshardable).
 
-  mmtrain convert hf-to-mcore --model FAMILY --src HF_DIR --dst CKPT_DIR [--tp N --pp N]
+  mmtrain convert hf-to-mcore --model FAMILY --src HF_DIR --dst CKPT_DIR [--tp N --pp N] [--overwrite]
 
+A non-empty CKPT_DIR is refused unless --overwrite, which replaces it whole at the end.
 The format of HF_DIR is read from its config.json (llava-ov: transformers' LLaVA-OneVision or the
 LLaVA-NeXT code's LlavaQwenForCausalLM, e.g. Aquila-VL-2B and its stage checkpoints).
+The megatron weights keep the source's dtype (bf16 stays bf16) unless --dtype says otherwise.
 """
 MCORE_TO_HF = """Convert a megatron checkpoint (a run's `checkpoints/` folder, one `iter_*` folder, or the
 output of hf-to-mcore) into an HF (transformers) checkpoint: config, safetensors shards and index.
 
-  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gib G] [--format F]
+  mmtrain convert mcore-to-hf --model FAMILY --src CKPT_DIR --dst HF_DIR [--max-shard-gib G] [--format F] [--overwrite]
 
+A non-empty HF_DIR is refused unless --overwrite, which replaces it whole at the end (no stale
+shard of an earlier export stays behind).
 --format chooses the HF layout where a family has several (llava-ov: transformers, the default,
-or llava-next, the original LLaVA-NeXT code's LlavaQwenForCausalLM).
+or llava-next, the original LLaVA-NeXT code's LlavaQwenForCausalLM). The export keeps the dtype
+the megatron weights are stored in (config.json's dtype says it) unless --dtype says otherwise.
 """
+
+
+OVERWRITE_HELP = ("replace a non-empty --dst (refused without it): the new checkpoint is written next to it and "
+                  "swapped in at the end, so a failure leaves the old one intact and no old file stays behind")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = {"hf-to-mcore": "dtype the megatron weights are stored in (default auto: the source's, e.g. bfloat16 for "
+                             "the published checkpoints; recorded as the saved model config's params_dtype)",
+              "mcore-to-hf": "dtype of the exported tensors and config.json (default auto: the dtype the megatron "
+                             "weights are stored in: a converted checkpoint's source dtype, a training's precision)"}
 
 
 def _formats() -> list[str]:
@@ -71,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser,
                               help=f"instead of --src, assemble from separate checkpoints: {help_text}")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to write (default 1)")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout to write (default 1)")
+    to_mcore.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP["hf-to-mcore"])
+    to_mcore.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     to_mcore.set_defaults(run=run)
     add_common(to_mcore)
 
@@ -87,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser,
                            help="HF checkpoint format to write (default: the family's first; llava-ov: transformers)")
     to_hf.add_argument("--max-shard-gib", type=float, default=2.0, metavar="G",
                        help="largest safetensors shard, in GiB (default 2)")
+    to_hf.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP["mcore-to-hf"])
+    to_hf.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     to_hf.set_defaults(run=run)
     add_common(to_hf)
 
@@ -110,10 +129,11 @@ def _convert(args: argparse.Namespace) -> int:
             raise UserError(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
                             + (f", or all of {both}" if both else ""))
         _check_sources({"--src": args.src} if args.src else {f"--{k}": v for k, v in parts.items()}, args.dst)
-        if parts:
-            hf.assemble(parts, args.dst, tp=args.tp, pp=args.pp)
-        else:
-            hf.to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp)
+        with _writing(args, [args.src] if args.src else list(parts.values())) as dst:
+            if parts:
+                hf.assemble(parts, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
+            else:
+                hf.to_mcore(args.src, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
         print(f"wrote megatron checkpoint {args.dst}")
     else:
         extras = {flag: getattr(args, flag) for flag in _flags("export_from") if getattr(args, flag, None) is not None}
@@ -129,8 +149,11 @@ def _convert(args: argparse.Namespace) -> int:
                 raise UserError(f"mcore-to-hf --model {args.model} writes no --format {fmt}"
                                 + (f" (it writes {', '.join(hf.export_formats)})" if hf.export_formats else ""))
             extras["format"] = fmt
-        out = hf.to_hf(args.src, args.dst, max_shard_bytes=int(args.max_shard_gib * 1024**3), **extras)
-        print(f"wrote HF checkpoint {out}")
+        sources = [args.src, *(v for k, v in extras.items() if k != "format")]
+        with _writing(args, sources) as dst:
+            hf.to_hf(args.src, str(dst), max_shard_bytes=int(args.max_shard_gib * 1024**3), dtype=args.dtype,
+                     **extras)
+        print(f"wrote HF checkpoint {Path(args.dst).resolve()}")
     return 0
 
 
@@ -142,3 +165,18 @@ def _check_sources(sources: dict[str, str], dst: str) -> None:
             raise UserError(f"{flag} {path} {what}")
     if Path(dst).exists() and not Path(dst).is_dir():
         raise UserError(f"--dst {dst} is a file; give a folder to write the checkpoint into")
+
+
+@contextlib.contextmanager
+def _writing(args: argparse.Namespace, sources: list[str]) -> Iterator[Path]:
+    """The folder to write the checkpoint into, for --dst: one conversion per --dst at a time
+    (mmdata/folder_lock.py); a non-empty --dst refused without --overwrite and replaced whole
+    with it, never a source inside it."""
+    from mmdata.folder_lock import FolderLock, fresh_folder
+
+    dst = Path(args.dst).resolve()
+    for src in sources:
+        if Path(src).resolve().is_relative_to(dst):
+            raise UserError(f"--dst {args.dst} holds the source {src}; write the checkpoint to another folder")
+    with FolderLock(dst, "--dst"), fresh_folder(dst, args.overwrite, "--dst") as tmp:
+        yield tmp

@@ -31,9 +31,11 @@ class HFConversion:
     `mmtrain convert` calls `to_mcore` / `to_hf`; a recipe whose `checkpoint.load` names an HF
     directory is filled by `load_into_model` (converted on the fly, into any TP/PP layout)."""
 
-    #: (src HF dir, dst megatron dir, *, tp, pp) -> the model config written with the weights
+    #: (src HF dir, dst megatron dir, *, tp, pp, dtype) -> the model config written with the
+    #: weights (dtype: `--dtype`, "auto" keeps the source's)
     to_mcore: Callable[..., Any]
-    #: (src megatron dir, dst HF dir, *, max_shard_bytes, **export_from dirs given) -> the HF dir
+    #: (src megatron dir, dst HF dir, *, max_shard_bytes, dtype, **export_from dirs given) -> the
+    #: HF dir (dtype: `--dtype`, "auto" keeps the stored weights')
     to_hf: Callable[..., Path]
     #: (model chunks of this rank, HF dir, the recipe's model config) -> None; refuses an HF
     #: config that does not match the recipe, naming the key
@@ -41,7 +43,7 @@ class HFConversion:
     #: initial weights assembled from separate HF checkpoints: `--<flag> DIR` -> help text
     #: (e.g. a language model and a vision tower before any multimodal training)
     assemble_from: dict[str, str] = field(default_factory=dict)
-    #: ({flag: dir}, dst megatron dir, *, tp, pp) -> the model config written
+    #: ({flag: dir}, dst megatron dir, *, tp, pp, dtype) -> the model config written
     assemble: Optional[Callable[..., Any]] = None
     #: HF parts an export may take from elsewhere: `--<flag> DIR` -> help text (e.g. a VQ model
     #: that training does not touch and a checkpoint may not carry); passed to `to_hf` by flag

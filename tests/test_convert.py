@@ -409,3 +409,90 @@ def test_weights_io_latest_fallback_and_config_mismatch(converted, tmp_path):
         check_architecture(copy, replace(cfg, vision=replace(cfg.vision, num_layers=3)), ARCHITECTURE_KEYS)
     with pytest.raises(RecipeError, match="llm.bogus"):
         from_plain(LlavaOVModelConfig, {"llm": {"bogus": 1}}, "model_config.yaml")
+
+
+# ----------------------------------------------------------------------------- dtype through the round trip
+
+
+@pytest.fixture(scope="module")
+def hf_dir_bf16(tmp_path_factory):
+    """The `hf_dir` model stored in bf16, as the published LLaVA checkpoints are."""
+    d = tmp_path_factory.mktemp("hf_bf16")
+    model = hf_llava(seed=1).to(torch.bfloat16)
+    model.save_pretrained(d)
+    return d, model
+
+
+@pytest.fixture(scope="module")
+def converted_bf16(hf_dir_bf16, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("ckpt_bf16")
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(hf_dir_bf16[0]), "--dst", str(dst)) == 0
+    return dst
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("source,dtype", [("", torch.float32), ("_bf16", torch.bfloat16)], ids=["fp32", "bf16"])
+def test_round_trip_keeps_the_source_dtype(request, source, dtype, tmp_path):
+    """hf-to-mcore stores (and records) the source's dtype, mcore-to-hf writes it back, bit for
+    bit, with config.json saying it; a bf16 export is half the size of an fp32 one."""
+    from mmtrain.llava_ov.conversion import saved_model_config
+    from mmtrain.runtime.hf_conversion import stored_dtype
+
+    src, _ = request.getfixturevalue("hf_dir" + source)
+    ckpt = request.getfixturevalue("converted" + source)
+    name = str(dtype).removeprefix("torch.")
+    assert saved_model_config(ckpt).params_dtype == name == stored_dtype(ckpt)
+    out = tmp_path / "out"
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out)) == 0
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(a) == set(b) and all(b[k].dtype == a[k].dtype == dtype and torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "config.json").read_text())["dtype"] == name
+    size = (out / "model.safetensors").stat().st_size
+    assert abs(size - (src / "model.safetensors").stat().st_size) < 0.02 * size
+    if dtype == torch.bfloat16:
+        fp32_size = (request.getfixturevalue("hf_dir")[0] / "model.safetensors").stat().st_size
+        assert size < 0.55 * fp32_size
+
+
+@pytest.mark.unit
+def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16, tmp_path):
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    from mmtrain.llava_ov.conversion import saved_model_config
+    from mmtrain.runtime.hf_conversion import stored_dtype
+
+    src, _ = hf_dir_bf16
+    out = tmp_path / "fp32"
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_bf16), "--dst", str(out),
+                "--dtype", "float32") == 0
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(b[k].dtype == torch.float32 and torch.equal(a[k].float(), b[k]) for k in a)  # bf16 -> fp32 is exact
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert LlavaOnevisionForConditionalGeneration.from_pretrained(out).dtype == torch.float32
+
+    ckpt = tmp_path / "ck32"
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt), "--dtype", "float32") == 0
+    assert saved_model_config(ckpt).params_dtype == "float32" == stored_dtype(ckpt)
+    with pytest.raises(SystemExit):
+        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(tmp_path / "x"), "--dtype", "int8")
+
+
+@pytest.mark.unit
+def test_export_of_a_bf16_training_checkpoint_is_bf16(hf_dir_bf16, converted_bf16, tmp_path):
+    """A bf16 training saves bf16 weights with the recipe's model config (params_dtype float32 by
+    default, parallel.precision=bf16): the export follows the stored weights, not that key."""
+    from dataclasses import replace
+
+    from mmtrain.llava_ov.config import LlavaOVModelConfig
+    from mmtrain.llava_ov.conversion import build_stage
+    from mmtrain.runtime.checkpoint.weights import save_model_weights
+    from mmtrain.runtime.hf_conversion import load_unsharded
+
+    cfg, model = load_unsharded(converted_bf16, LlavaOVModelConfig, build_stage, params_dtype="bfloat16")
+    run = tmp_path / "checkpoints"
+    save_model_weights([model], run, iteration=5, model_config=replace(cfg, params_dtype="float32"))
+    out = tmp_path / "hf"
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(run), "--dst", str(out)) == 0
+    a, b = load_file(hf_dir_bf16[0] / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

@@ -132,3 +132,29 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     assert (load_emu3(dst)(ids) - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.unit
+def test_bf16_round_trip_keeps_bf16(hf_dir, emu3_tok_dir, tiny_vq_dir, tmp_path):
+    """A bf16 Emu3 dir comes back bf16 and bit-identical (the kept VQ too), config.json saying so;
+    `--dtype float32` exports fp32."""
+    import copy
+
+    from mmtrain.emu3.config import Emu3ModelConfig
+    from mmtrain.runtime.hf_conversion import saved_model_config
+
+    src = save_hf_emu3(copy.deepcopy(hf_dir[1]).to(torch.bfloat16), emu3_tok_dir, tiny_vq_dir, tmp_path / "hf_bf16")
+    ckpt, out, out32 = tmp_path / "ck", tmp_path / "out", tmp_path / "out32"
+    assert _cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(ckpt)) == 0
+    assert saved_model_config(ckpt, Emu3ModelConfig).params_dtype == "bfloat16"  # recorded
+    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out)) == 0
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(a) == set(b)
+    for k in a:
+        assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k]), k
+    assert {t.dtype for t in b.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out32), "--dtype", "float32") == 0
+    c = load_file(out32 / "model.safetensors")
+    assert all(c[k].dtype == torch.float32 and torch.equal(a[k].float(), c[k]) for k in a if a[k].is_floating_point())
+    assert json.loads((out32 / "config.json").read_text())["dtype"] == "float32"

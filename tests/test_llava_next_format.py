@@ -443,3 +443,33 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
     (bad / "config.json").write_text(json.dumps(json.loads((bad / "config.json").read_text()) | {"image_token_index": 5}))
     (refused,) = problems(f"checkpoint.load={bad}")
     assert refused.startswith("checkpoint.load: ") and f"image_token_index=5 but its tokenizer maps <image> to {n}" in refused
+
+
+def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_path):
+    """The published LLaVA-NeXT checkpoints are bf16: LLaVA-NeXT -> mcore -> LLaVA-NeXT is
+    bit-identical in bf16 (half the fp32 size, config says bfloat16), and the transformers export
+    is bf16 too."""
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    def to_bf16(sd, cfg):
+        return {k: v.to(torch.bfloat16) for k, v in sd.items()}, cfg | {"torch_dtype": "bfloat16"}
+
+    src = write_llava_next(tmp_path / "next_bf16", fmt["model"], fmt["tok"], edit=to_bf16)
+    ckpt = tmp_path / "ck"
+    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt)) == 0
+    back = tmp_path / "back"
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(back), "--format", "llava-next") == 0
+    a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert set(a) == set(b) and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    fp32_size = (fmt["next"] / "model.safetensors").stat().st_size
+    assert (back / "model.safetensors").stat().st_size < 0.55 * fp32_size
+
+    out = tmp_path / "as_hf"
+    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out), "--format", "transformers") == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out)
+    ref = fmt["model"].state_dict()
+    got = hf.state_dict()
+    assert hf.dtype == torch.bfloat16 and set(got) == set(ref)
+    assert all(torch.equal(got[k], ref[k].to(torch.bfloat16)) for k in ref)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -34,7 +35,14 @@ from mmtrain.emu3.state_dict_adapter import (
     hf_config_from_emu3,
     normalize_emu3_hf_key,
 )
-from mmtrain.models.hf_io import SafetensorsReader, copy_assets, read_config, write_sharded
+from mmtrain.models.hf_io import (
+    SafetensorsReader,
+    cast_floating,
+    copy_assets,
+    read_config,
+    with_config_dtype,
+    write_sharded,
+)
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.state_dict_adapter import ConversionError
 from mmtrain.runtime.hf_conversion import (
@@ -43,6 +51,8 @@ from mmtrain.runtime.hf_conversion import (
     build_pipeline_stage,
     canonical_tensors,
     copy_recorded_assets,
+    export_dtype,
+    import_dtype,
     import_to_mcore,
     load_unsharded,
     record_source,
@@ -110,11 +120,16 @@ def keep_vq(hf_dir: str | os.PathLike, dst: str | os.PathLike) -> Path:
 # ----------------------------------------------------------------------------- hf -> mcore
 
 
-def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1) -> Emu3ModelConfig:
+def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1,
+                dtype: str = "auto") -> Emu3ModelConfig:
+    """`dtype`: the megatron decoder's (auto: the source's, recorded as the saved params_dtype);
+    the kept VQ model stays as the source stores it."""
     cfg, _ = emu3_source(src)  # validate the text model before starting any rank...
+    cfg = replace(cfg, params_dtype=import_dtype(dtype, src))
     assets = record_source(dst, [src], read_config(src))
     keep_vq(src, assets / VQ_DIR)  # ...and the VQ (refused with a reason, e.g. no processor config)
-    import_to_mcore(ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp))
+    import_to_mcore(ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp,
+                              params_dtype=cfg.params_dtype))
     return cfg
 
 
@@ -122,9 +137,11 @@ def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp:
 
 
 def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, *,
-                vq: Optional[str | os.PathLike] = None, tokenizer: Optional[str | os.PathLike] = None) -> Path:
+                vq: Optional[str | os.PathLike] = None, tokenizer: Optional[str | os.PathLike] = None,
+                dtype: str = "auto") -> Path:
     """Single process: the decoder at TP=1/PP=1 plus the VQ model (kept at import, or `vq`)
-    -> an `Emu3ForConditionalGeneration` dir."""
+    -> an `Emu3ForConditionalGeneration` dir. `dtype`: the tensors' and config.json's (auto: the
+    dtype the megatron weights are stored in; the VQ's tensors then stay as they are stored)."""
     template = source_config(src) or {}
     vq_dir = Path(vq) if vq is not None else Path(src) / ASSETS_DIR / VQ_DIR
     if not (vq_dir / "config.json").is_file():
@@ -140,7 +157,8 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
                                    "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
     if "vocabulary_map" not in template:
         raise ConversionError(f"{src}: no vocabulary map recorded; give --tokenizer TOKENIZER_DIR (the Emu3 tokenizer)")
-    cfg, model = load_unsharded(src, Emu3ModelConfig, build_stage)
+    stored, out_dtype = export_dtype(dtype, src)
+    cfg, model = load_unsharded(src, Emu3ModelConfig, build_stage, params_dtype=stored)
     adapter = Emu3StateDictAdapter(cfg)
     canon = canonical_tensors(model, cfg.llm.vocab_size, adapter)
     vq_config, vq_tensors = _vq_tensors(vq_dir)
@@ -148,9 +166,10 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
         template["vq_config"] = {**vq_config, "model_type": "emu3_vqgan"}
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    write_sharded(chain(adapter.iter_hf(canon.__getitem__), ((VQ_PREFIX + k, t) for k, t in vq_tensors)),
-                  dst, max_shard_bytes)
-    (dst / "config.json").write_text(json.dumps(hf_config_from_emu3(cfg, template), indent=2))
+    vq_stream = cast_floating(((VQ_PREFIX + k, t) for k, t in vq_tensors), None if dtype == "auto" else out_dtype)
+    write_sharded(chain(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), vq_stream), dst, max_shard_bytes)
+    hf_cfg = with_config_dtype(hf_config_from_emu3(cfg, template), out_dtype)
+    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     copy_recorded_assets(src, dst)
     for extra in (tokenizer, vq_dir):
         if extra is not None:

@@ -62,16 +62,17 @@ def model_shapes(m: Emu3ModelConfig) -> ModelShapes:
     return ModelShapes(decoder=DecoderShape.from_llm(m.llm, m.make_vocab_size_divisible_by), decoder_part="llm")
 
 
-def _to_mcore(src: str, dst: str, *, tp: int, pp: int) -> Emu3ModelConfig:
+def _to_mcore(src: str, dst: str, *, tp: int, pp: int, dtype: str = "auto") -> Emu3ModelConfig:
     from mmtrain.emu3.conversion import hf_to_mcore
 
-    return hf_to_mcore(src, dst, tp=tp, pp=pp)
+    return hf_to_mcore(src, dst, tp=tp, pp=pp, dtype=dtype)
 
 
-def _to_hf(src: str, dst: str, *, max_shard_bytes: int, vq: str | None = None, tokenizer: str | None = None) -> Path:
+def _to_hf(src: str, dst: str, *, max_shard_bytes: int, vq: str | None = None, tokenizer: str | None = None,
+           dtype: str = "auto") -> Path:
     from mmtrain.emu3.conversion import mcore_to_hf
 
-    return mcore_to_hf(src, dst, max_shard_bytes, vq=vq, tokenizer=tokenizer)
+    return mcore_to_hf(src, dst, max_shard_bytes, vq=vq, tokenizer=tokenizer, dtype=dtype)
 
 
 def _load_into_model(model_chunks: list, hf_dir: str, model_config: Emu3ModelConfig) -> None:

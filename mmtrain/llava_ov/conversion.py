@@ -41,7 +41,7 @@ from mmtrain.llava_ov.state_dict_adapter import (
     llava_config_from_hf,
     vision_config_from_hf,
 )
-from mmtrain.models.hf_io import SafetensorsReader, read_config, write_sharded
+from mmtrain.models.hf_io import SafetensorsReader, cast_floating, read_config, with_config_dtype, write_sharded
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.state_dict_adapter import ConversionError, Qwen2StateDictAdapter, llm_config_from_hf
 from mmtrain.runtime import hf_conversion
@@ -50,6 +50,8 @@ from mmtrain.runtime.hf_conversion import (
     build_pipeline_stage,
     canonical_tensors,
     copy_recorded_assets,
+    export_dtype,
+    import_dtype,
     import_to_mcore,
     load_unsharded,
     record_source,
@@ -184,10 +186,14 @@ def _stage1_source(args: dict):
     return cfg, get, tied_source(cfg)
 
 
-def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1) -> LlavaOVModelConfig:
+def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1,
+                dtype: str = "auto") -> LlavaOVModelConfig:
+    """`dtype`: the megatron weights' (auto: the source's, recorded as the saved params_dtype)."""
     cfg, _ = llava_source(src)  # validate before starting any rank
+    cfg = replace(cfg, params_dtype=import_dtype(dtype, src))
     # a whole LLaVA-OV checkpoint fills every weight: no random init
-    import_to_mcore(ImportJob(_whole_source, {"src": str(src)}, build_stage, str(dst), tp, pp))
+    import_to_mcore(ImportJob(_whole_source, {"src": str(src)}, build_stage, str(dst), tp, pp,
+                              params_dtype=cfg.params_dtype))
     assets = record_source(dst, [src], read_config(src))
     _keep_tokenizer(source_tokens(src), assets)
     return cfg
@@ -200,11 +206,13 @@ def _keep_tokenizer(tokens: Optional[MediaTokens], assets: Path) -> None:
 
 
 def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str | os.PathLike, tp: int = 1,
-                    pp: int = 1, base: Optional[LlavaOVModelConfig] = None) -> LlavaOVModelConfig:
+                    pp: int = 1, base: Optional[LlavaOVModelConfig] = None, dtype: str = "auto") -> LlavaOVModelConfig:
+    """`dtype`: the megatron weights' (auto: the LLM's, which holds most of them)."""
     cfg, _ = stage1_source(llm, vision, base)
+    cfg = replace(cfg, params_dtype=import_dtype(dtype, llm))
     # the stage-1 getter returns None for the projector / image_newline: they keep their init
     import_to_mcore(ImportJob(_stage1_source, {"llm": str(llm), "vision": str(vision), "base": base},
-                              build_stage, str(dst), tp, pp, fresh_init=True))
+                              build_stage, str(dst), tp, pp, fresh_init=True, params_dtype=cfg.params_dtype))
     assets = record_source(dst, [vision, llm], None)
     _keep_tokenizer(resolve_media_tokens(llm), assets)
     return cfg
@@ -214,11 +222,13 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
 
 
 def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3,
-                format: str = TRANSFORMERS) -> Path:
+                format: str = TRANSFORMERS, dtype: str = "auto") -> Path:
     """Single process: load at TP=1/PP=1 (dist-checkpoint reshards), stream out HF safetensors in
     `format` (transformers' LlavaOnevisionForConditionalGeneration, or LLaVA-NeXT's
-    LlavaQwenForCausalLM). The recorded source config is the template when it has that format."""
-    cfg, model = load_unsharded(src, LlavaOVModelConfig, build_stage)
+    LlavaQwenForCausalLM). The recorded source config is the template when it has that format.
+    `dtype`: the tensors' and config.json's (auto: the dtype the megatron weights are stored in)."""
+    stored, out_dtype = export_dtype(dtype, src)
+    cfg, model = load_unsharded(src, LlavaOVModelConfig, build_stage, params_dtype=stored)
     template = source_config(src)
     if template is not None and detect_format(template) != format:
         template = None
@@ -229,7 +239,8 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
     canon = canonical_tensors(model, cfg.llm.vocab_size, adapter)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    write_sharded(adapter.iter_hf(canon.__getitem__), dst, max_shard_bytes)
+    write_sharded(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), dst, max_shard_bytes)
+    hf_cfg = with_config_dtype(hf_cfg, out_dtype, "torch_dtype" if format == LLAVA_NEXT else "dtype")
     (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     copy_recorded_assets(src, dst)
     return dst

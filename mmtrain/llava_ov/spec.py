@@ -204,22 +204,22 @@ def encoder_inputs(batch: LlavaOVBatch) -> int:
     return int(tiles.sum()) if tiles is not None and tiles.numel() else 0
 
 
-def _to_mcore(src: str, dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
+def _to_mcore(src: str, dst: str, *, tp: int, pp: int, dtype: str = "auto") -> LlavaOVModelConfig:
     from mmtrain.llava_ov.conversion import hf_to_mcore
 
-    return hf_to_mcore(src, dst, tp=tp, pp=pp)
+    return hf_to_mcore(src, dst, tp=tp, pp=pp, dtype=dtype)
 
 
-def _to_hf(src: str, dst: str, *, max_shard_bytes: int, format: str = "transformers") -> Path:
+def _to_hf(src: str, dst: str, *, max_shard_bytes: int, format: str = "transformers", dtype: str = "auto") -> Path:
     from mmtrain.llava_ov.conversion import mcore_to_hf
 
-    return mcore_to_hf(src, dst, max_shard_bytes, format=format)
+    return mcore_to_hf(src, dst, max_shard_bytes, format=format, dtype=dtype)
 
 
-def _assemble(dirs: dict[str, str], dst: str, *, tp: int, pp: int) -> LlavaOVModelConfig:
+def _assemble(dirs: dict[str, str], dst: str, *, tp: int, pp: int, dtype: str = "auto") -> LlavaOVModelConfig:
     from mmtrain.llava_ov.conversion import assemble_stage1
 
-    return assemble_stage1(dirs["llm"], dirs["vision"], dst, tp=tp, pp=pp)
+    return assemble_stage1(dirs["llm"], dirs["vision"], dst, tp=tp, pp=pp, dtype=dtype)
 
 
 def _load_into_model(model_chunks: list, hf_dir: str, model_config: LlavaOVModelConfig) -> None:

@@ -13,6 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+#: `--dtype` / config `dtype` spellings of the floating dtypes a checkpoint is written in
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: safetensors header dtype -> our spelling
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
 #: non-weight files worth carrying along (tokenizer, processor, chat template, generation)
 ASSET_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -56,6 +61,22 @@ class SafetensorsReader:
         with safe_open(str(self.dir / fname), "pt") as h:
             return tuple(h.get_slice(orig).get_shape())
 
+    def dtype(self) -> str | None:
+        """The floating dtype holding most of the weights (from the headers, no data), e.g.
+        "bfloat16" for the published LLaVA checkpoints; None without floating tensors."""
+        elements: dict[str, int] = {}
+        by_file: dict[str, list[str]] = {}
+        for fname, orig in self._where.values():
+            by_file.setdefault(fname, []).append(orig)
+        for fname, keys in by_file.items():
+            with safe_open(str(self.dir / fname), "pt") as h:
+                for key in keys:
+                    sl = h.get_slice(key)
+                    name = _ST_DTYPES.get(sl.get_dtype())
+                    if name is not None:
+                        elements[name] = elements.get(name, 0) + int(torch.Size(sl.get_shape()).numel())
+        return max(elements, key=elements.__getitem__) if elements else None
+
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise KeyError(f"{self.dir}: tensor {key!r} not found")
@@ -71,6 +92,40 @@ def read_config(hf_dir: str | os.PathLike) -> dict:
     if not f.is_file():
         raise FileNotFoundError(f"{f}: missing")
     return json.loads(f.read_text())
+
+
+def source_dtype(hf_dir: str | os.PathLike, config: dict | None = None) -> str:
+    """The dtype an HF checkpoint is stored in: its tensors' (what the files hold), else its
+    config's `dtype` / `torch_dtype`, else float32."""
+    found = SafetensorsReader(hf_dir).dtype()
+    if found is not None:
+        return found
+    config = read_config(hf_dir) if config is None else config
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if named in DTYPE_NAMES else "float32"
+
+
+def with_config_dtype(config: dict, dtype: str, key: str = "dtype") -> dict:
+    """`config` saying `dtype` wherever it names one (top level and sub-configs, either
+    spelling), and at the top level under `key` when it names none (transformers >= 4.56 reads
+    `dtype`; the LLaVA-NeXT code's transformers `torch_dtype`)."""
+    out = dict(config)
+    if not any(k in out for k in ("dtype", "torch_dtype")):
+        out[key] = dtype
+    for k, v in out.items():
+        if k in ("dtype", "torch_dtype"):
+            out[k] = dtype
+        elif isinstance(v, dict) and any(s in v for s in ("dtype", "torch_dtype")):
+            out[k] = with_config_dtype(v, dtype)
+    return out
+
+
+def cast_floating(tensors: Iterable[tuple[str, torch.Tensor]],
+                  dtype: str | None) -> Iterable[tuple[str, torch.Tensor]]:
+    """The stream with its floating tensors in `dtype` (None: as they are); integer buffers keep theirs."""
+    target = DTYPE_NAMES[dtype] if dtype is not None else None
+    for name, t in tensors:
+        yield name, t.to(target) if target is not None and t.is_floating_point() else t
 
 
 def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike,

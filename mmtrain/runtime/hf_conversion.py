@@ -10,6 +10,12 @@ Export (megatron -> HF): `load_unsharded` loads a checkpoint at TP=1/PP=1 (dist-
 reshards), `canonical_tensors` reads it back as canonical tensors for the family's adapter to
 stream into size-bounded safetensors shards.
 
+Dtype: an import builds the model in the source's dtype (`import_dtype`: its tensors', e.g.
+bf16 for the published LLaVA checkpoints), so the megatron weights are stored in it and the
+saved model config's `params_dtype` records it; an export writes the dtype the megatron weights
+are stored in (`export_dtype`: a converted checkpoint's source dtype, a trained one's
+`parallel.precision`). `--dtype` chooses another either way.
+
 Sources and model builders are module-level functions (they cross the spawn boundary).
 """
 
@@ -18,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,6 +56,9 @@ class ImportJob:
     fresh_init: bool = False
     seed: int = 1234
     threads: int = 1
+    #: the dtype the megatron weights are built and stored in (the saved config's params_dtype);
+    #: None: the source's model config's
+    params_dtype: Optional[str] = None
 
 
 def import_to_mcore(job: ImportJob) -> None:
@@ -83,6 +92,8 @@ def _import_rank(job: ImportJob) -> None:
     torch.set_num_threads(max(1, job.threads))
     ensure_model_parallel(job.tp, job.pp, seed=job.seed)
     cfg, get, tied = job.source(job.source_args)
+    if job.params_dtype is not None:
+        cfg = replace(cfg, params_dtype=job.params_dtype)
     model = job.build_stage(cfg, ParallelOptions(perform_initialization=job.fresh_init))
     load_canonical(model, get, tied_output_source=tied)
     save_model_weights([model], job.dst, iteration=0, model_config=cfg)
@@ -108,14 +119,17 @@ def build_pipeline_stage(build: Callable[..., torch.nn.Module], cfg: Any,
 
 
 def load_unsharded(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
-                   iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
+                   iteration: Optional[int] = None, params_dtype: Optional[str] = None) -> tuple[Any, torch.nn.Module]:
     """(model config, model) of a megatron checkpoint at TP=1/PP=1, in this process, weights
-    loaded (no random init)."""
+    loaded (no random init); `params_dtype` overrides the dtype the model is built in (and the
+    config's)."""
     from mmtrain.runtime.checkpoint.weights import load_model_weights
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     cfg = saved_model_config(ckpt_dir, config_cls, iteration)
+    if params_dtype is not None:
+        cfg = replace(cfg, params_dtype=params_dtype)
     model = build_stage(cfg, ParallelOptions(perform_initialization=False))
     load_model_weights([model], ckpt_dir, iteration)
     return cfg, model
@@ -127,6 +141,41 @@ def saved_model_config(ckpt_dir: str | os.PathLike, config_cls: type, iteration:
     from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
 
     return from_plain(config_cls, load_model_config_dict(ckpt_dir, iteration), f"{ckpt_dir} {MODEL_CONFIG}")
+
+
+def import_dtype(requested: str, hf_dir: str | os.PathLike) -> str:
+    """The dtype an import stores the megatron weights in: `requested`, or (auto) the HF source's."""
+    from mmtrain.models.hf_io import source_dtype
+
+    return source_dtype(hf_dir) if requested == "auto" else requested
+
+
+def stored_dtype(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> str:
+    """The floating dtype holding most of a megatron checkpoint's weights (from its metadata, no
+    data): an import's source dtype, a training's precision (bf16 training stores bf16 weights,
+    its fp32 master copies live in the optimizer state)."""
+    from megatron.core import dist_checkpointing
+
+    from mmtrain.models.hf_io import DTYPE_NAMES
+    from mmtrain.runtime.checkpoint.layout import find_latest_iteration, iter_dir
+
+    it = find_latest_iteration(ckpt_dir) if iteration is None else iteration
+    if it is None:
+        raise FileNotFoundError(f"{ckpt_dir}: no checkpoint (no 'latest' file and no iter_*/model)")
+    names = {v: k for k, v in DTYPE_NAMES.items()}
+    elements: dict[str, int] = {}
+    for t in dist_checkpointing.load_tensors_metadata(str(iter_dir(ckpt_dir, it) / "model")).values():
+        name = names.get(getattr(t, "dtype", None))
+        if name is not None:
+            elements[name] = elements.get(name, 0) + int(torch.Size(t.global_shape).numel())
+    return max(elements, key=elements.__getitem__) if elements else "float32"
+
+
+def export_dtype(requested: str, ckpt_dir: str | os.PathLike) -> tuple[str, str]:
+    """(the dtype the checkpoint's weights are stored in, the dtype the export writes:
+    `requested`, or (auto) the stored one)."""
+    stored = stored_dtype(ckpt_dir)
+    return stored, stored if requested == "auto" else requested
 
 
 def canonical_tensors(model: torch.nn.Module, true_vocab: int, adapter: Any) -> dict[str, torch.Tensor]:
@@ -189,12 +238,14 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
                        hf_source: HFSource, iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
     """(model config, unsharded model) from a megatron checkpoint dir or an HF dir
-    (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init)."""
+    (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init).
+    Built in float32 from either (a converted bf16 checkpoint records bfloat16): the CPU parity
+    checks compare in fp32, and generation casts to its own `--dtype`."""
     from mmtrain.models.model_io import load_canonical
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     if not is_hf_dir(ckpt_dir):
-        return load_unsharded(ckpt_dir, config_cls, build_stage, iteration)
+        return load_unsharded(ckpt_dir, config_cls, build_stage, iteration, params_dtype="float32")
     ensure_model_parallel(1, 1)
     cfg, get = hf_source(ckpt_dir)
     model = build_stage(cfg, ParallelOptions(perform_initialization=False))
