@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--context-lengths must be comma-separated integers, got {args.context_lengths!r}") from None
     if not lengths or min(lengths) <= 0:
         raise UserError(f"--context-lengths must list positive integers, got {args.context_lengths!r}")
+    from mmdata.inspect.tokens import is_token_dataset
+
+    if is_token_dataset(args.dir):
+        return _inspect_tokens(args)
     summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
                         tokenizer=args.tokenizer, context_lengths=lengths)
     if args.json:
@@ -71,4 +75,25 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=None if sys.stdout.isatty() else 110)  # pipes/logs: wide enough for the tables
         for table in summary_tables(summary):
             console.print(table)
+    return 0
+
+
+def _inspect_tokens(args: argparse.Namespace) -> int:
+    """Emu3 VQ token shards: a summary of their grids (mmdata/inspect/tokens.py), not images."""
+    from mmdata.inspect.tokens import summarize_tokens, token_summary_tables
+
+    if args.tokenizer is not None:
+        print(f"note: {args.dir} holds Emu3 VQ token shards; --tokenizer (text tokens, packing) is not used for them",
+              file=sys.stderr)
+    ds = open_dataset(args.dir)
+    samples = list(iter_samples(ds)) if args.all else random_samples(ds, args.sample, args.seed)
+    summary = summarize_tokens(ds, samples, seed=args.seed, sampled_all=args.all or len(samples) >= ds.total_samples)
+    if args.json:
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+        return 0
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 110)
+    for table in token_summary_tables(summary):
+        console.print(table)
     return 0

@@ -60,6 +60,16 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--index {position} is out of range: {args.dir} holds {total:,} samples (0..{total - 1:,})")
         shard, pos = ds.locate(position)
         sample = next(read_shard(shard, [pos]))
+    from mmdata.inspect.tokens import is_token_dataset, preview_lines
+
+    if is_token_dataset(args.dir):  # Emu3 VQ token shards: code grids, no pictures to tile
+        if args.tiles_png is not None:
+            raise UserError(f"{args.dir} holds Emu3 VQ token shards (code grids, no images): --tiles-png needs the "
+                            "image shards they were made from (their manifest's input path)")
+        console = Console(highlight=False, soft_wrap=True)
+        for i, line in enumerate(preview_lines(sample, position)):
+            console.print(Text(line, style="bold" if i == 0 else ""))
+        return 0
     chat = load_chat_tokenizer(args.tokenizer, what="--tokenizer") if args.tokenizer else None
     stats = measure_sample(sample, chat)
     console = Console(highlight=False, soft_wrap=True)  # long lines stay whole in pipes and logs
