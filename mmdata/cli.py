@@ -6,6 +6,8 @@
   mmdata inspect DIR          what a shard folder holds (tables or JSON)
   mmdata preview DIR ...      one sample as the model sees it
   mmdata tokenize-images ...  shard images -> Emu3 VQ token shards (Ray job, resumable)
+  mmdata tiny-tokenizer ...   the tiny offline Qwen2-style (or Emu3) tokenizer of the demo and tests
+  mmdata tiny-vq ...          a tiny random Emu3 VQ model for the demo and the tests
 
 `mmdata COMMAND --help` describes each command and its options; docs/ has the how-tos.
 Exit status: 0 done; 2 an expected problem (a bad option, a missing path, an output folder of

@@ -45,13 +45,44 @@ class HintingParser(argparse.ArgumentParser):
     """argparse with a hint for overrides written the torchrun / accelerate way (`--train.iters=2`),
     and the same policy for usage errors: one line, exit 2."""
 
+    def add_subparsers(self, **kwargs):  # type: ignore[override]
+        """As argparse's; the action is kept so that a typo can be matched against every sub-command's flags."""
+        action = super().add_subparsers(**kwargs)
+        self.__dict__.setdefault("subcommand_actions", []).append(action)
+        return action
+
     def error(self, message: str) -> None:  # type: ignore[override]
         dotted = re.findall(r"--([A-Za-z_]\w*(?:\.\w+)+)(=\S*)?", message)
         if dotted:
             key, value = dotted[0]
             message += f" (recipe overrides are written without dashes: {key}{value or '=VALUE'})"
+        elif message.startswith("unrecognized arguments:"):
+            message += _did_you_mean(message, self)
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every `--flag` of `parser` (read from its help) and of its sub-commands, at any depth."""
+    out = set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", parser.format_help()))
+    for sub in getattr(parser, "subcommand_actions", []):
+        for child in sub.choices.values():
+            out |= _option_strings(child)
+    return out
+
+
+def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    """" (did you mean --overwrite?)" for the first unrecognised `--flag` close to a known one."""
+    import difflib
+
+    known = sorted(_option_strings(parser))
+    for word in message.split(":", 1)[1].split():
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def add_common_options(parser: argparse.ArgumentParser, version: str | None = None) -> None:
@@ -61,7 +92,24 @@ def add_common_options(parser: argparse.ArgumentParser, version: str | None = No
     parser.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
                         help="print the traceback of an unexpected error (default: written to a log file)")
     if top:
-        parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
+        parser.add_argument("--version", action=_VersionAction, version=version,
+                            help="print the version, the git revision and the versions of torch, megatron-core, "
+                                 "energon, ray and transformers, and exit")
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: mmdata/versions.py's report (built only when asked: it reads package metadata)."""
+
+    def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):  # noqa: A002 - argparse's keyword
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from mmdata.versions import version_report
+
+        print(version_report(parser.prog, self.version))  # stdout, as argparse's own version action
+        parser.exit(0)
 
 
 def run_main(prog: str, args: argparse.Namespace, command: Callable[[argparse.Namespace], int | None]) -> int:

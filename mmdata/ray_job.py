@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import time
@@ -64,13 +65,40 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
             if address:
                 ray.init(address=address, **kwargs)
             else:
-                with _lean_private_start():
+                with _lean_private_start(), _quiet_default_token_auth():
                     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=store,
                              **kwargs)
     except KeyboardInterrupt:  # held back until Ray was up: take it down again
         shutdown_ray(True)
         raise
     return True
+
+
+class _DropAuthEnabledNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_AUTH_ENABLED_NOTICE)
+
+
+#: what Ray (2.5x+) logs on every start of a new local instance, whose token authentication it turns
+#: on by default: a notice, not a problem, for a private instance of this job. (Ray's warning that
+#: authentication is *disabled* stays: that one is a real risk.) Matched by its text, so when Ray
+#: rewords it the notice shows again; nothing breaks.
+RAY_AUTH_ENABLED_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+#: the logger of that notice (Ray's module logger)
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _quiet_default_token_auth() -> Iterator[None]:
+    """Drop RAY_AUTH_ENABLED_NOTICE while `ray.init` starts a private instance."""
+    flt, logger = _DropAuthEnabledNotice(), logging.getLogger(RAY_AUTH_LOGGER)
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 @contextlib.contextmanager

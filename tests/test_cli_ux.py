@@ -113,7 +113,12 @@ def test_help_of_every_command_renders_and_describes_every_option(which, capsys)
         assert "--tp" in helps[("convert", "hf-to-mcore")] and "--tp" not in helps[("convert", "mcore-to-hf")]
         assert "--max-shard-gib" in helps[("convert", "mcore-to-hf")]
     rc, out, _ = cli(main, capsys, "--version")
-    assert rc == 0 and re.fullmatch(rf"{which} \d+\.\d+\.\d+\s*", out)
+    first, *rest = out.splitlines()
+    assert rc == 0 and re.fullmatch(rf"{which} \d+\.\d+\.\d+", first)
+    named = dict(line.strip().split(": ", 1) for line in rest)
+    for lib in ("torch", "megatron-core", "megatron-energon", "ray", "transformers"):
+        assert re.match(r"\d+\.\d+", named[lib]), (lib, named)
+    assert re.fullmatch(r"[0-9a-f]{12}(, modified)?", named["git revision"]), named  # the tests run in a checkout
 
 
 def test_mmtrain_lists_only_families_that_work(tmp_path, capsys):
@@ -534,3 +539,34 @@ def test_preview_shows_a_sample_as_the_model_sees_it(shards_dir, tokenizer_dir, 
     assert rc == 0 and f"sample {sample.key}" in out2 and "pass --tokenizer" in out2
     assert_user_error(*cli(mmdata_main, capsys, "preview", shards_dir, "--index", ds.total_samples)[::2],
                       f"--index {ds.total_samples} is out of range")
+
+
+def test_a_private_ray_start_does_not_print_rays_token_auth_notice(tmp_path):
+    """Ray turns token authentication on for a new local instance and logs a notice on every start
+    when RAY_AUTH_MODE is unset (the other tests set it): mmdata's private instance keeps the
+    default without printing the notice, and the job runs (HOME is the test's: Ray writes its token
+    under ~/.ray)."""
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.ray_job import RAY_AUTH_ENABLED_NOTICE
+
+    raw = tmp_path / "raw"
+    write_infinity_mm(generate_records(8, seed=5), raw, samples_per_tar=8)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["HOME"] = str(tmp_path / "home")
+    proc = subprocess.run([sys.executable, "-m", "mmdata.cli", "preprocess", "--no-progress", "--dataset",
+                           "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "out"), "--num-cpus", "1"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert RAY_AUTH_ENABLED_NOTICE not in proc.stderr and "Token authentication" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("which,argv,meant", [
+    ("mmdata", ["inspect", "DIR", "--jsn"], "--json"),
+    ("mmtrain", ["convert", "mcore-to-hf", "--model", "llava-ov", "--src", "a", "--dst", "b", "--overwite"],
+     "--overwrite"),
+])
+def test_a_flag_typo_gets_a_did_you_mean(which, argv, meant, capsys):
+    main = mmdata_main if which == "mmdata" else mmtrain_main
+    rc, _, err = cli(main, capsys, *argv)
+    assert rc == 2 and f"unrecognized arguments: {argv[-1]} (did you mean {meant}?)" in err, err

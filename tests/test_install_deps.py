@@ -1,0 +1,29 @@
+"""What a plain `pip install .` (no extras) must bring: the packages the shipped recipes' defaults
+use at run time. A default that needs a test-only extra fails preflight for a new user."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].strip().lower() for r in reqs}
+
+
+@pytest.mark.unit
+def test_recipe_defaults_need_no_extra():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = _requirement_names(project["dependencies"])
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    uses_tensorboard = [r.name for r in recipes
+                        if ((yaml.safe_load(r.read_text()) or {}).get("logging") or {}).get("tensorboard")]
+    assert uses_tensorboard, "no shipped recipe sets logging.tensorboard: true (update this test)"
+    assert "tensorboard" in runtime, (f"{uses_tensorboard} set logging.tensorboard: true: tensorboard must be a "
+                                      "runtime dependency, not only in the test extra")
