@@ -570,3 +570,10 @@ def test_a_flag_typo_gets_a_did_you_mean(which, argv, meant, capsys):
     main = mmdata_main if which == "mmdata" else mmtrain_main
     rc, _, err = cli(main, capsys, *argv)
     assert rc == 2 and f"unrecognized arguments: {argv[-1]} (did you mean {meant}?)" in err, err
+
+
+@pytest.mark.unit
+def test_generate_help_speaks_of_guidance_only_where_there_is_guidance(capsys):
+    helps = {family: cli(mmtrain_main, capsys, "generate", family, "--help")[1] for family in ("llava-ov", "emu3")}
+    assert "guid" not in helps["llava-ov"].lower() and "cfg" not in helps["llava-ov"].lower()
+    assert "--cfg-scale" in helps["emu3"] and "negative row" in " ".join(helps["emu3"].split())

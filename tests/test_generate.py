@@ -11,6 +11,7 @@ decode step = megatron's modules, top-k / top-p = transformers' warpers, user er
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -442,8 +443,14 @@ def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path,
     bare = tmp_path / "bare"
     shutil.copytree(emu3_mcore, bare, ignore=shutil.ignore_patterns("hf_assets"))
     assert "give --tokenizer DIR" in err("emu3", "--checkpoint", str(bare), "--prompt", "x", "--vq", str(emu3_hf[0]))
-    assert "multiples of the VQ's spatial factor 8" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x",
-                                                           "--height", "20")
+    assert ("multiples of the VQ's spatial factor 8; the nearest sizes that fit: --height 16 --width 512 or "
+            "--height 24 --width 512") in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--height", "20")
+    too_big = err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--height", "4096", "--width", "2048")
+    fit = re.search(r"needs \d+ positions, the model has (\d+); the largest size of this aspect ratio that fits: "
+                    r"--height (\d+) --width (\d+)$", too_big)
+    assert fit, too_big
+    h, w = int(fit[2]), int(fit[3])
+    assert h % 8 == 0 and w % 8 == 0 and abs(h / w - 2) < 0.2, too_big
     assert "no such directory" in err("emu3", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x")
     assert "top_p" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--top-p", "0")
     # --output that cannot be written: refused before the model loads, nothing written
@@ -523,3 +530,16 @@ def test_checkpoint_resolution(emu3_hf, emu3_mcore, tmp_path):
     assert hf.is_hf and hf.assets == emu3_hf[0]
     with pytest.raises(GenerationError, match="neither a megatron checkpoint"):
         resolve_checkpoint(tmp_path, "emu3")
+
+
+@pytest.mark.unit
+def test_largest_fitting_grid_keeps_the_aspect_ratio_and_fits():
+    from mmtrain.emu3.generation import largest_fitting_grid
+
+    def positions(r: int, c: int) -> int:  # Emu3's layout: a prompt, then rows of codes + end-of-line
+        return 20 + r * (c + 1) + 3
+
+    r, c = largest_fitting_grid(64, 32, positions, 1000)
+    assert positions(r, c) <= 1000 < positions(r + 1, round(32 * (r + 1) / 64))
+    assert abs(r / c - 2) < 0.1
+    assert largest_fitting_grid(64, 32, positions, 10) is None

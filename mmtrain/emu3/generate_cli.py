@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="caption of the unconditional (guidance) row; default empty, the caption drop training uses")
     g.add_argument("--cfg-scale", type=float, default=DEFAULT_CFG_SCALE,
                    help="classifier-free guidance: uncond + s * (cond - uncond) on log-probs; 1 = none, "
-                        "0 = the negative prompt alone (default %(default)s)")
+                        "0 = the negative prompt alone; a guided prompt adds its negative row to the --batch-size batch "
+                        "(default %(default)s)")
     g.add_argument("--height", type=int, default=DEFAULT_SIZE,
                    help="image height in pixels, a multiple of the VQ's spatial factor (8) (default %(default)s)")
     g.add_argument("--width", type=int, default=DEFAULT_SIZE, help="image width in pixels (default %(default)s)")

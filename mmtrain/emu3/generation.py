@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -85,9 +85,23 @@ class ImageStructure:
 def grid_shape(height: int, width: int, factor: int) -> tuple[int, int]:
     """(rows, cols) of VQ codes of an image of height x width pixels."""
     if height <= 0 or width <= 0 or height % factor or width % factor:
+        down = [max(factor, v // factor * factor) for v in (height, width)]
+        up = [max(factor, -(-v // factor) * factor) for v in (height, width)]
+        near = " or ".join(dict.fromkeys(f"--height {h} --width {w}" for h, w in (down, up)))
         raise GenerationError(f"image size {height}x{width}: height and width must be positive multiples of the "
-                              f"VQ's spatial factor {factor}")
+                              f"VQ's spatial factor {factor}; the nearest sizes that fit: {near}")
     return height // factor, width // factor
+
+
+def largest_fitting_grid(rows: int, cols: int, positions: Callable[[int, int], int],
+                         limit: int) -> tuple[int, int] | None:
+    """The largest (rows, cols) grid of about the aspect ratio of rows x cols whose generation needs
+    at most `limit` positions (`positions(rows, cols)`), or None when not even one row fits."""
+    for r in range(rows - 1, 0, -1):
+        c = max(1, round(cols * r / rows))
+        if positions(r, c) <= limit:
+            return r, c
+    return None
 
 
 def grid_from_tokens(tokens: Sequence[int], rows: int, cols: int, vocab: Emu3Vocab) -> np.ndarray:
@@ -172,13 +186,26 @@ class Emu3ImageGenerator:
         prompt = generation_prompt(p.text, rows, cols, self.vocab, self.encode_text)
         negative = generation_prompt(p.negative, rows, cols, self.vocab, self.encode_text)
         longest = max(len(prompt), len(negative)) + structure.num_tokens
-        if longest > self.config.llm.max_position_embeddings:
-            raise GenerationError(f"a {rows}x{cols}-code image needs {longest} positions, the model has "
-                                  f"{self.config.llm.max_position_embeddings}")
+        limit = self.config.llm.max_position_embeddings
+        if longest > limit:
+            raise GenerationError(f"image size {p.height}x{p.width} ({rows}x{cols} codes) needs {longest} positions, "
+                                  f"the model has {limit}; {self._what_fits(p, rows, cols, limit)}")
         return GenerationRequest(
             prompt=prompt, max_new_tokens=structure.num_tokens, negative_prompt=negative,
             guidance_scale=p.cfg_scale, seed=p.seed, stop_token_ids=(self.vocab.eos,), logits_processor=structure,
         )
+
+    def _what_fits(self, p: ImagePrompt, rows: int, cols: int, limit: int) -> str:
+        """The largest size of about the same aspect ratio that this prompt fits in, as options."""
+        def positions(r: int, c: int) -> int:
+            texts = (p.text, p.negative)
+            return (max(len(generation_prompt(t, r, c, self.vocab, self.encode_text)) for t in texts)
+                    + ImageStructure(r, c, self.vocab, self.visual_mask).num_tokens)
+
+        fit = largest_fitting_grid(rows, cols, positions, limit)
+        if fit is None:
+            return "not even one row of codes fits after this prompt: shorten the prompt"
+        return f"the largest size of this aspect ratio that fits: --height {fit[0] * self.factor} --width {fit[1] * self.factor}"
 
     def finish(self, prompts: Sequence[ImagePrompt], results: Sequence[GenerationResult]) -> list[GeneratedImage]:
         out = []

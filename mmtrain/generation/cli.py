@@ -74,7 +74,7 @@ def _shared_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> N
                    help="sample among the most likely tokens whose probability reaches p; 1 = all (default %(default)s)")
     s.add_argument("--greedy", action="store_true", help="greedy decoding (same as --temperature 0)")
     s.add_argument("--batch-size", type=int, default=8,
-                   help="prompts per forward batch (guidance adds one row per prompt) (default %(default)s)")
+                   help="prompts per forward batch (default %(default)s)")
     s.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 
