@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, family: str) -> int:
     if not recipe_path.is_file():
         raise UserError(f"recipe {args.recipe} {'is a folder' if recipe_path.exists() else 'does not exist'}; "
                         "give a YAML recipe file (see recipes/)")
-    overrides = [*args.overrides, *(["action=print_config"] if args.print_config else [])]
+    overrides = [*args.overrides, *(["action=print_config"] if args.print_config else []), *launcher_world()]
     recipe = load_recipe(recipe_path, overrides, family=family)
     spec = registry.get_family(recipe.family)
     if recipe.action == "print_config":
@@ -130,6 +130,21 @@ def run_dir_lock(recipe: Recipe) -> contextlib.AbstractContextManager:
     else:
         owner = rank_world[0] == 0 and os.environ.get(RUN_DIR_LOCK_ENV) != str(run_dir)
     return FolderLock(run_dir, "run_dir") if owner else contextlib.nullcontext()
+
+
+def launcher_world(environ: dict[str, str] | None = None) -> list[str]:
+    """Inside a launcher that is not ours (`torchrun --nproc_per_node 2 mmtrain ...`), its world
+    decides: the overrides `parallel.nproc_per_node` and `parallel.nnodes` from torchrun's
+    WORLD_SIZE and LOCAL_WORLD_SIZE (applied last, so the recipe need not repeat what the launcher
+    was told). Empty when this process was started by hand or by srun."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return []
+    world = int(env["WORLD_SIZE"])
+    per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+    if per_node <= 0 or world % per_node:
+        return []
+    return [f"parallel.nproc_per_node={per_node}", f"parallel.nnodes={world // per_node}"]
 
 
 def use_slurm_allocation(recipe: Recipe) -> None:
