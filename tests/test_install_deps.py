@@ -27,3 +27,19 @@ def test_recipe_defaults_need_no_extra():
     assert uses_tensorboard, "no shipped recipe sets logging.tensorboard: true (update this test)"
     assert "tensorboard" in runtime, (f"{uses_tensorboard} set logging.tensorboard: true: tensorboard must be a "
                                       "runtime dependency, not only in the test extra")
+
+
+@pytest.mark.unit
+def test_the_libraries_whose_internals_matter_are_pinned_to_what_runs_here():
+    """Ray, megatron-core, energon and webp carry an upper bound at the tested minor version, and
+    the installed versions (what CI tests) satisfy the requirement."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    reqs = {Requirement(r).name: Requirement(r) for r in
+            tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for name in ("ray", "megatron-core", "megatron-energon", "webp"):
+        spec = reqs[name].specifier
+        assert any(s.operator == "<" for s in spec), f"{name} has no upper bound: {spec}"
+        assert spec.contains(version(name)), f"installed {name} {version(name)} is outside {spec}"
