@@ -111,3 +111,14 @@ def test_packing_efficiency_on_synthetic_mix(seq_length, buffer, minimum, mix_le
     eff = packing_efficiency(bins, seq_length)
     print(f"packing efficiency at {seq_length}: {eff:.4f} over {len(bins)} rows")
     assert eff >= minimum
+
+
+def test_overfull_row_is_fatal_to_the_loader_not_a_skipped_sample():
+    """More tokens than seq_length in one row is a broken invariant: energon's handler must not
+    skip it (it would skip batch after batch and the run would exit 0)."""
+    from megatron.energon.errors import SYSTEM_EXCEPTIONS, FatalSampleError
+
+    sample = (np.arange(6), np.arange(6))
+    with pytest.raises(FatalSampleError, match="exceed seq_length 8"):
+        pack_rows([[sample, sample]], seq_length=8, pad_token_id=0)
+    assert FatalSampleError in SYSTEM_EXCEPTIONS  # what energon re-raises instead of handling

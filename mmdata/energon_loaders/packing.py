@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from megatron.energon.errors import FatalSampleError
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 
@@ -95,8 +96,9 @@ def pack_rows(
         pos = 0
         for ids, lab in samples:
             n = int(ids.shape[0])
-            if pos + n > seq_length:
-                raise ValueError(f"row {b}: packed samples exceed seq_length {seq_length}")
+            if pos + n > seq_length:  # a broken invariant (e.g. a loader state of other data), not a bad
+                # sample: energon's error handler would skip such batches until 100 in a row failed
+                raise FatalSampleError(f"row {b}: packed samples exceed seq_length {seq_length}")
             input_ids[b, pos : pos + n] = ids
             labels[b, pos : pos + n] = lab
             position_ids[b, pos : pos + n] = np.arange(n)
