@@ -10,6 +10,7 @@ action=auto_tune` (memory-model pruning, trials of the real job, history pruning
          [--nproc 2] [--max-trials 6] [--shards DIR --tokenizer DIR] [--calibration FILE]
          [KEY=VALUE ...]                                     # more recipe overrides
   python benchmarks/bench_auto_tune.py --aquila [--max-trials 3]   # GPU: the Aquila-VL-2B shape
+  python benchmarks/bench_auto_tune.py --quick                # smoke run: 2 trials of 3 steps, 40 samples
 
 `--aquila` (prepared for a GPU machine; needs CUDA): recipes/aquila-vl-2b.yaml stage 2a from a
 random init on every visible GPU, synthetic shards and the tiny tokenizer (the media token ids
@@ -41,6 +42,10 @@ TINY = ["llava-ov", str(REPO / "recipes" / "llava-ov-tiny.yaml"), "train.seq_len
         # a per-rank grant around the recipe's own layout (CPU processes have no device memory)
         "auto_tune.device_memory_gb=0.02", "auto_tune.min_memory_fraction=0.6", "auto_tune.memory_fraction=0.7"]
 
+# --quick: the same search, shorter trials (a smoke run of the whole path, not a measurement)
+QUICK = ["auto_tune.trial_steps=3", "auto_tune.warmup_steps=1"]
+QUICK_TRIALS, QUICK_SAMPLES = 2, 40
+
 
 def aquila_args(gpus: int) -> list[str]:
     import torch
@@ -66,14 +71,16 @@ def figures(history: Path) -> dict:
                 mem_err=(statistics.median(errs), max(errs)) if errs else None, base=base, best=best)
 
 
-def calibrated_error(ran: list[dict]) -> tuple[float, float] | None:
+def calibrated_error(ran: list[dict]) -> tuple[float, float, bool] | None:
+    """(median, worst) calibrated memory error and whether it is leave-one-out (>= 3 trials;
+    with fewer the fit is checked on its own points, which says little)."""
     from mmtrain.planning.calibration import calibrated_errors
 
     if not ran:
         return None
     col = lambda k: [float(r[k]) for r in ran]  # noqa: E731
-    mem, _, _ = calibrated_errors(col("model_mem_gib"), col("meas_mem_gib"), col("model_step_s"), col("meas_step_s"))
-    return mem.median, mem.worst
+    mem, _, loo = calibrated_errors(col("model_mem_gib"), col("meas_mem_gib"), col("model_step_s"), col("meas_step_s"))
+    return mem.median, mem.worst, loo
 
 
 def main() -> int:
@@ -85,6 +92,7 @@ def main() -> int:
     ap.add_argument("--calibration", type=Path, help="an earlier search's calibration.yaml (auto_tune.calibration)")
     ap.add_argument("--aquila", action="store_true", help="the Aquila-VL-2B shape on the visible GPUs")
     ap.add_argument("--work", type=Path, help="keep the run here (default: a temporary dir)")
+    ap.add_argument("--quick", action="store_true", help="smoke run (tiny recipe): 2 trials of 3 steps, 40 samples")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -94,7 +102,7 @@ def main() -> int:
     else:
         from bench_train_llava import build_data
 
-        shards, tok = build_data(work / "data")
+        shards, tok = build_data(work / "data", QUICK_SAMPLES if args.quick else 200)
     if args.aquila:
         import torch
 
@@ -104,7 +112,9 @@ def main() -> int:
             return 2
         base, nproc, trials = aquila_args(gpus), gpus, args.max_trials or 3
     else:
-        base, nproc, trials = TINY, args.nproc, args.max_trials or 6
+        base, nproc, trials = TINY, args.nproc, args.max_trials or (QUICK_TRIALS if args.quick else 6)
+        if args.quick:
+            base = [*TINY, *QUICK]
     run = work / "run"
     cmd = [sys.executable, "-m", "mmtrain.cli", *base, "action=auto_tune", f"run_dir={run}",
            f"data.paths=[{shards}]", f"tokenizer.path={tok}", f"parallel.nproc_per_node={nproc}",
@@ -123,7 +133,8 @@ def main() -> int:
           f"{f['pruned_memory']}, history {f['pruned_history']}); trials {f['trials']} ({f['failed']} failed)")
     if f["mem_err"]:
         print(f"memory model error vs measured peak: median {f['mem_err'][0]:.0%}, worst {f['mem_err'][1]:.0%}; "
-              f"calibrated (leave-one-out from 3 trials): median {after[0]:.0%}, worst {after[1]:.0%}")
+              f"calibrated ({'leave-one-out' if after[2] else 'in-sample'} from {len(f['ran'])} trials): "
+              f"median {after[0]:.0%}, worst {after[1]:.0%}")
     print(f"BENCH auto_tune_trials baseline={f['n']} ours={f['trials']} unit=trials "
           f"ratio={f['n'] / max(f['trials'], 1):.2f}")
     if f["mem_err"]:

@@ -19,6 +19,7 @@ same weights).
 
   python benchmarks/bench_generate.py [--prompts 4] [--size 128] [--batch-size 1] [--repeats 2]
          [--threads 1] [--layers 4 --hidden 256] [--llava-new-tokens 48]
+  python benchmarks/bench_generate.py --quick     # smoke run: 1 prompt, 64 px, 1 round, 2 x 128 Emu3, 16 new tokens
 
 `--batch-size B` generates B prompts per call on both sides (transformers left-pads them).
 Ends with:
@@ -302,10 +303,14 @@ def main() -> int:
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="what the rates divide by: the side's CPU seconds (default: single-threaded sides on a "
                          "shared machine are timed by the CPU time they got) or wall seconds")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 1 prompt, 64x64 images, 1 round, a 2-layer x 128 Emu3, 16 LLaVA-OV new tokens")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--assets", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.size, args.repeats, args.layers, args.hidden, args.llava_new_tokens = 1, 64, 1, 2, 128, 16
     if args.side:
         res = run_side(args.side, json.loads(args.assets), args)
         Path(args.result).write_text(json.dumps(res))
@@ -321,7 +326,7 @@ def main() -> int:
                 out = work / f"{side}.json"
                 cmd = [sys.executable, __file__, "--side", side, "--assets", json.dumps(assets), "--result", str(out)]
                 cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                        if k not in ("side", "assets", "result") and v is not None]
+                        if k not in ("side", "assets", "result", "quick") and v is not None]
                 subprocess.run(cmd, check=True, cwd=REPO)
                 res = json.loads(out.read_text())
                 print(f"round {r + 1} {side:>10}: {res['wall']:.2f} s wall, {res['cpu']:.2f} s CPU, {res['outputs']} "

@@ -11,6 +11,10 @@ Prints wall-clock samples/s and tiles/s for both, samples per CPU-second (main p
 workers: the "per core" figure, robust on a shared machine), the packing efficiency at
 4K/8K/16K (selection as the loader does it, over the same shards) and ends with one line:
 BENCH loader baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>   (per core)
+
+  python benchmarks/bench_loader.py [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
+
+`--quick` (a smoke run): 32 synthetic samples, so 64 timed per side.
 """
 
 from __future__ import annotations
@@ -219,7 +223,10 @@ def main() -> None:
     parser.add_argument("--measure", type=int, default=0, help="samples timed per side (default: 2 passes)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 32 synthetic samples (64 timed per side)")
     args = parser.parse_args()
+    if args.quick:
+        args.num_samples = 32
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:

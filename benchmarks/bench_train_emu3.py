@@ -20,6 +20,10 @@ counts (robust to other work on a shared machine; every round is printed).
   python benchmarks/bench_train_emu3.py [--steps 12] [--warmup 2] [--repeats 2] [--threads 1] [--seq-length 1024]
          [--tokens DIR --tokenizer DIR]   (default: built here: synth -> preprocess -> tiny VQ ->
                                            tokenize-images, tiny Emu3 tokenizer)
+  python benchmarks/bench_train_emu3.py --quick    # smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples
+
+The sample check compares metrics' sample keys (`DATASET#SHARD_KEY`, what the trainer logs) with
+the same keys of the baseline's batches, named by the trainer's own `batch_sample_ids`.
 
 Ends with:
   BENCH train_emu3 baseline=<x> ours=<y> unit=tokens/s ratio=<ours/baseline>
@@ -47,7 +51,9 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
 
 
-def build_data(work: Path) -> tuple[Path, Path]:
+def build_data(work: Path, num_samples: int = 200) -> tuple[Path, Path]:
+    """Token shards of synthetic Infinity-MM samples (synth -> preprocess -> tiny VQ ->
+    tokenize-images) and the tiny Emu3 tokenizer."""
     from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.vision_tokens.tiny_vq import build_tiny_vq
 
@@ -55,9 +61,10 @@ def build_data(work: Path) -> tuple[Path, Path]:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
     run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True, env=env, capture_output=True)  # noqa: E731
-    run("mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw), "--num-samples", "200", "--seed", "0")
+    run("mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw), "--num-samples", str(num_samples),
+        "--seed", "0")
     run("mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm", "--input", str(raw), "--output",
-        str(shards), "--seed", "0", "--samples-per-shard", "50", "--num-cpus", "2")
+        str(shards), "--seed", "0", "--samples-per-shard", str(max(1, num_samples // 4)), "--num-cpus", "2")
     vq = build_tiny_vq(work / "vq", seed=0)
     run("mmdata.vision_tokens.cli", "--no-progress", str(shards), "--vision-tokenizer", str(vq), "--output", str(tokens),
         "--image-area", "4096", "--num-cpus", "2")
@@ -143,6 +150,8 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
     from mmtrain import registry
     from mmtrain.config import load_recipe
 
+    from mmtrain.runtime.train_data import batch_sample_ids
+
     recipe = load_recipe(RECIPE, overrides, family="emu3")
     result: dict = {}
     if name == "baseline":
@@ -153,7 +162,8 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
         steps = [[next(it) for _ in range(per_step)] for _ in range(steps_n)]
         del it, loader
         result["real_tokens"] = [sum(int(mb.num_real_tokens) for mb in step) for step in steps]
-        result["sample_ids"] = [[sid for mb in step for row in mb.sample_ids for sid in row] for step in steps]
+        # named as the trainer names them in metrics.jsonl (the unique sample keys): like with like
+        result["sample_ids"] = [[sid for mb in step for sid in batch_sample_ids(mb)] for step in steps]
         result["tasks"] = [[t for mb in step for row in mb.tasks for t in row] for step in steps]
         result["times"] = run_baseline(recipe, steps, threads)
     else:
@@ -172,6 +182,20 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
     out.write_text(json.dumps(result))
 
 
+def check_same_samples(runs: dict[str, list[dict]]) -> None:
+    """Fail unless every round of both sides trained on the same samples, step by step (the
+    baseline's first round is the reference; empty or missing steps count as a mismatch)."""
+    ref = runs["baseline"][0]["sample_ids"]
+    if not ref or not all(ref):
+        raise SystemExit("the baseline drew no samples")
+    for name, rounds in runs.items():
+        for i, r in enumerate(rounds, 1):
+            if r["sample_ids"] != ref:
+                step = next((k for k, (a, b) in enumerate(zip(r["sample_ids"], ref), 1) if a != b),
+                            min(len(r["sample_ids"]), len(ref)) + 1)
+                raise SystemExit(f"{name} round {i}, step {step}: ours trained on other samples than the baseline")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
@@ -181,15 +205,19 @@ def main() -> int:
     ap.add_argument("--tokens", help="token shards (mmdata tokenize-images output)")
     ap.add_argument("--tokenizer", help="the Emu3 tokenizer of those shards")
     ap.add_argument("--seq-length", type=int, default=1024)
+    ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the data is built here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples")
     ap.add_argument("--side", choices=["baseline", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.repeats, args.seq_length, args.num_samples = 3, 1, 1, 512, 40
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-train-emu3-"))
     if args.side is None and not (args.tokens and args.tokenizer):
         print("building synthetic shards -> tiny VQ token shards + tiny Emu3 tokenizer ...", flush=True)
-        args.tokens, args.tokenizer = map(str, build_data(work))
+        args.tokens, args.tokenizer = map(str, build_data(work, args.num_samples))
     overrides = [f"run_dir={work / (args.side or 'run')}", f"data.paths=[{args.tokens}]", f"tokenizer.path={args.tokenizer}",
                  f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
                  "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]
@@ -210,8 +238,7 @@ def main() -> int:
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             runs[name].append(json.loads(out.read_text()))
     real_tokens = runs["baseline"][0]["real_tokens"]
-    if any(r["sample_ids"] != runs["baseline"][0]["sample_ids"] for rs in runs.values() for r in rs):
-        raise SystemExit("ours trained on other samples than the baseline")
+    check_same_samples(runs)
 
     w = args.warmup
     tokens = sum(real_tokens[w:])

@@ -13,8 +13,12 @@ logs its data wait per step and it is subtracted).
 Throughput: real (non-padding) tokens per second, the median of the per-step rates after the
 warm-up (robust to a stalled step on a shared machine; the totals are printed too).
 
-  python benchmarks/bench_train_llava.py [--steps 12] [--warmup 2] [--threads 1]
+  python benchmarks/bench_train_llava.py [--quick] [--steps 12] [--warmup 2] [--threads 1]
          [--shards DIR --tokenizer DIR]    (default: built here from `mmdata synth`)
+
+`--quick` (a smoke run, seconds of training): 3 steps, 1 warm-up, seq 512, 40 synthetic samples.
+The sample check compares metrics' sample keys (`DATASET#SHARD_KEY`, what the trainer logs) with
+the same keys of the baseline's batches, named by the trainer's own `batch_sample_ids`.
 
 Ends with: BENCH train_llava baseline=<x> ours=<y> unit=tokens/s ratio=<ours/baseline>
 """
@@ -39,16 +43,18 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 
 
-def build_data(work: Path) -> tuple[Path, Path]:
+def build_data(work: Path, num_samples: int = 200) -> tuple[Path, Path]:
+    """Synthetic Infinity-MM shards made by `mmdata synth` + `mmdata preprocess`, and the tiny tokenizer."""
     from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     raw, shards = work / "raw", work / "shards"
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env.pop("RAY_ADDRESS", None)
     subprocess.run([sys.executable, "-m", "mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw),
-                    "--num-samples", "200", "--seed", "0"], check=True, env=env, capture_output=True)
+                    "--num-samples", str(num_samples), "--seed", "0"], check=True, env=env, capture_output=True)
     subprocess.run([sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm",
-                    "--input", str(raw), "--output", str(shards), "--seed", "0", "--samples-per-shard", "50",
-                    "--num-cpus", "2"], check=True, env=env, capture_output=True)
+                    "--input", str(raw), "--output", str(shards), "--seed", "0", "--samples-per-shard",
+                    str(max(1, num_samples // 4)), "--num-cpus", "2"], check=True, env=env, capture_output=True)
     return shards, build_tiny_qwen2_tokenizer(work / "tokenizer")
 
 
@@ -140,6 +146,21 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
     return times
 
 
+def check_same_samples(records: list[dict], steps: list[list]) -> None:
+    """Fail unless every step of ours (metrics.jsonl) trained on the baseline's samples, in order.
+    Both sides are named as the trainer names them (`batch_sample_ids`: the unique sample keys),
+    so like is compared with like; a missing step counts as a mismatch."""
+    from mmtrain.runtime.train_data import batch_sample_ids
+
+    if len(records) != len(steps):
+        raise SystemExit(f"ours logged {len(records)} steps, the baseline trained {len(steps)}")
+    for rec, step in zip(records, steps):
+        ids = [sid for mb in step for sid in batch_sample_ids(mb)]
+        if not ids or rec["sample_ids"] != ids:
+            raise SystemExit(f"step {rec['step']}: ours trained on other samples than the baseline "
+                             f"(ours {rec['sample_ids'][:3]}..., baseline {ids[:3]}...)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
@@ -148,7 +169,11 @@ def main() -> int:
     ap.add_argument("--shards")
     ap.add_argument("--tokenizer")
     ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the shards are built here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 warm-up, seq 512, 40 samples")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.seq_length, args.num_samples = 3, 1, 512, 40
 
     from mmtrain import registry
     from mmtrain.config import load_recipe
@@ -158,7 +183,7 @@ def main() -> int:
         shards, tokenizer = Path(args.shards), Path(args.tokenizer)
     else:
         print("building synthetic shards + tiny tokenizer ...", flush=True)
-        shards, tokenizer = build_data(work)
+        shards, tokenizer = build_data(work, args.num_samples)
     overrides = [f"run_dir={work / 'run'}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
                  f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
                  "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]
@@ -184,10 +209,7 @@ def main() -> int:
     setup_logging()
     train(recipe)
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    for rec, step in zip(records, steps):
-        ids = [sid for mb in step for row in mb.sample_ids for sid in row]
-        if rec["sample_ids"] != ids:
-            raise SystemExit(f"step {rec['step']}: ours trained on other samples than the baseline")
+    check_same_samples(records, steps)
     # compute only, like the baseline (its batches were drawn and converted before timing)
     our_times = [rec["step_time_s"] - rec.get("data_wait_s", 0.0) for rec in records]
     our_waits = [rec.get("data_wait_s", 0.0) for rec in records]

@@ -1,0 +1,115 @@
+"""Every benchmark in benchmarks/ runs to its end in its `--quick` mode (issue 30: benchmarks
+that cannot rot). A benchmark no test runs breaks silently when the code under it changes (the
+train_llava sample check did, when metrics' sample ids became `DATASET#SHARD_KEY` keys), so each
+`bench_*.py` runs here as a user runs it, in a subprocess, and must exit 0 and print its
+`BENCH <name> ... ratio=` line. The ratio's value is not checked: quick sizes measure nothing.
+
+Benchmarks whose quick run still needs Ray jobs or many training processes are `slow`
+(`pytest -m slow tests/test_benchmarks_quick.py`); the rest run in the default tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+
+# script -> the BENCH line it must print; slow: why its quick run cannot take seconds
+QUICK_RUNS: dict[str, tuple[str, str | None]] = {
+    "bench_varlen_attention.py": ("varlen_attention", None),
+    "bench_train_llava.py": ("train_llava", None),
+    "bench_loader.py": ("loader", None),
+    "bench_generate.py": ("generate_llava_ov", None),
+    "bench_train_emu3.py": ("train_emu3", "its data needs two Ray jobs (preprocess, tokenize-images)"),
+    "bench_auto_tune.py": ("auto_tune_trials", "each trial is a 2-process training run"),
+    "bench_long_context.py": ("long_context", "a sweep of ~10 training processes at the Qwen2 vocabulary"),
+    "bench_preprocess.py": ("preprocess", "Ray jobs (ours and Ray Data) at 1,000 and 4,000 records"),
+    "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
+}
+
+
+def _params() -> list:
+    return [pytest.param(script, name, id=script.removesuffix(".py"),
+                         marks=[pytest.mark.slow] if why else [])
+            for script, (name, why) in QUICK_RUNS.items()]
+
+
+def _env() -> dict[str, str]:
+    """A user's shell: the repo importable, Ray jobs starting their own private instance."""
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def bench_line(stdout: str, name: str) -> str | None:
+    """The `BENCH <name> baseline=.. ours=.. unit=.. ratio=..` line of a run's output, if any."""
+    pattern = re.compile(rf"^BENCH {re.escape(name)} baseline=\S+ ours=\S+ unit=\S+ ratio=\S+$", re.M)
+    match = pattern.search(stdout)
+    return match.group(0) if match else None
+
+
+def test_every_benchmark_has_a_quick_run() -> None:
+    """A new bench_*.py must get a --quick mode and a row here; GPU checks (gpu_*.py) are not benchmarks."""
+    scripts = {p.name for p in BENCHMARKS.glob("bench_*.py")}
+    assert scripts == set(QUICK_RUNS), f"not covered: {sorted(scripts - set(QUICK_RUNS))}, " \
+                                       f"gone: {sorted(set(QUICK_RUNS) - scripts)}"
+    for script in scripts:
+        assert '"--quick"' in (BENCHMARKS / script).read_text(), f"{script} has no --quick option"
+
+
+def test_bench_line_pattern() -> None:
+    """The check below can fail: a line without its ratio, or another benchmark's line, is no match."""
+    assert bench_line("x\nBENCH loader baseline=1.0 ours=2.0 unit=samples/s ratio=2.00\n", "loader")
+    assert bench_line("BENCH loader baseline=1.0 ours=2.0 unit=samples/s\n", "loader") is None
+    assert bench_line("BENCH loader_x baseline=1 ours=2 unit=s ratio=2\n", "loader") is None
+
+
+@pytest.mark.parametrize("script,name", _params())
+def test_quick_run_ends_with_its_bench_line(script: str, name: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True)
+    tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}\n{tail}"
+    assert bench_line(proc.stdout, name), f"{script} --quick printed no 'BENCH {name} ... ratio=' line\n{tail}"
+
+
+def _batch(keys: list[list[str]], ids: list[list[str]]) -> SimpleNamespace:
+    """What batch_sample_ids reads of a packed batch: per row, the sample keys and record ids."""
+    return SimpleNamespace(sample_keys=keys, sample_ids=ids)
+
+
+def test_train_llava_sample_check_compares_keys_and_stays_strict() -> None:
+    """Metrics name samples by key (`DATASET#SHARD_KEY`): the check compares keys with keys, and
+    still fails on other samples, another order or a missing step."""
+    from benchmarks.bench_train_llava import check_same_samples
+
+    steps = [[_batch([["d#0001", "d#0002"]], [["r1", "r2"]]), _batch([["d#0003"]], [["r3"]])],
+             [_batch([["d#0004"]], [["r4"]]), _batch([["d#0005"]], [["r5"]])]]
+    good = [{"step": 1, "sample_ids": ["d#0001", "d#0002", "d#0003"]}, {"step": 2, "sample_ids": ["d#0004", "d#0005"]}]
+    check_same_samples(good, steps)
+    for bad in ([{**good[0], "sample_ids": ["d#0002", "d#0001", "d#0003"]}, good[1]],  # another order
+                [good[0], {**good[1], "sample_ids": ["d#0004", "d#0009"]}],  # another sample
+                [good[0]],  # a step missing
+                # record ids instead of keys: what the benchmark compared before the fix
+                [{"step": 1, "sample_ids": ["r1", "r2", "r3"]}, {"step": 2, "sample_ids": ["r4", "r5"]}]):
+        with pytest.raises(SystemExit, match="other samples|logged 1 steps"):
+            check_same_samples(bad, steps)
+
+
+def test_train_emu3_sample_check_stays_strict() -> None:
+    from benchmarks.bench_train_emu3 import check_same_samples
+
+    ref = [["d#1", "d#2"], ["d#3"]]
+    check_same_samples({"baseline": [{"sample_ids": ref}], "ours": [{"sample_ids": ref}, {"sample_ids": ref}]})
+    for ours in ([["d#1", "d#2"]], [["d#1", "d#2"], ["d#4"]], [["d#2", "d#1"], ["d#3"]]):
+        with pytest.raises(SystemExit, match="other samples"):
+            check_same_samples({"baseline": [{"sample_ids": ref}], "ours": [{"sample_ids": ours}]})
