@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -113,7 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser,
 def run(args: argparse.Namespace) -> int:
     from mmtrain.models.state_dict_adapter import ConversionError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    verbose = getattr(args, "verbose", False) or os.environ.get("MMTRAIN_VERBOSE") == "1"
+    # our INFO lines; third-party loggers (megatron's "Using Megatron-FSDP ...") at WARNING unless --verbose
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mmtrain").setLevel(logging.INFO)
+    if not verbose:
+        _quiet_third_party()
     try:
         return _convert(args)
     except ConversionError as exc:  # a checkpoint that does not fit the family: told in one line
@@ -129,6 +135,8 @@ def _convert(args: argparse.Namespace) -> int:
             raise UserError(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
                             + (f", or all of {both}" if both else ""))
         _check_sources({"--src": args.src} if args.src else {f"--{k}": v for k, v in parts.items()}, args.dst)
+        if args.src:
+            _check_hf_source(args.model, args.src)
         with _writing(args, [args.src] if args.src else list(parts.values())) as dst:
             if parts:
                 hf.assemble(parts, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
@@ -141,6 +149,7 @@ def _convert(args: argparse.Namespace) -> int:
         if unknown:
             raise UserError(f"mcore-to-hf --model {args.model} takes no {' '.join('--' + f for f in unknown)}")
         _check_sources({"--src": args.src, **{f"--{k}": v for k, v in extras.items()}}, args.dst)
+        _check_megatron_source(args.model, args.src)
         if args.max_shard_gib <= 0:
             raise UserError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
         fmt = getattr(args, "format", None)
@@ -165,6 +174,107 @@ def _check_sources(sources: dict[str, str], dst: str) -> None:
             raise UserError(f"{flag} {path} {what}")
     if Path(dst).exists() and not Path(dst).is_dir():
         raise UserError(f"--dst {dst} is a file; give a folder to write the checkpoint into")
+
+
+def _quiet_third_party() -> None:
+    """Hide the third-party warnings training hides (optional Transformer Engine / Apex absent,
+    megatron deprecations), here and in the ranks a conversion spawns (they read the variable
+    when they import mmtrain/runtime/hf_conversion.py, before megatron)."""
+    from mmtrain.runtime.hf_conversion import QUIET_ENV
+    from mmtrain.runtime.launch import quiet_third_party
+
+    quiet_third_party()
+    os.environ[QUIET_ENV] = "1"
+
+
+def _is_megatron_dir(path: Path) -> bool:
+    """A megatron checkpoint: a `latest` file or iter_*/model folders, or one iter_* folder."""
+    from mmtrain.runtime.checkpoint.layout import find_latest_iteration
+
+    return find_latest_iteration(path) is not None or (path / "model").is_dir()
+
+
+def _hf_owner(config: dict) -> str | None:
+    """The family whose HF `model_type` this config.json has (GenerationSpec.hf_model_types)."""
+    for name in registry.convertible_families():
+        gen = registry.get_family(name).generation
+        if gen is not None and config.get("model_type") in gen.hf_model_types:
+            return name
+    return None
+
+
+def _check_hf_source(family: str, src: str) -> None:
+    """hf-to-mcore --src is an HF checkpoint (not a megatron one) of `family`: refused in one line."""
+    import json
+
+    path = Path(src)
+    if _is_megatron_dir(path):
+        raise UserError(f"--src {src} is a megatron checkpoint, not an HF one; hf-to-mcore reads an HF dir "
+                        f"(to export this one: mmtrain convert mcore-to-hf --model {family} --src {src} --dst HF_DIR)")
+    if not (path / "config.json").is_file():
+        raise UserError(f"--src {src} is not an HF checkpoint: it has no config.json")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise UserError(f"--src {src}/config.json is not valid JSON ({exc})") from None
+    owner = _hf_owner(config)
+    if owner is not None and owner != family:
+        raise UserError(f"--src {src} is an HF {owner} checkpoint (model_type {config.get('model_type')!r}), "
+                        f"not {family}; give --model {owner}")
+
+
+def _megatron_config(path: Path) -> dict | None:
+    """The saved model config (model_config.yaml) of a megatron checkpoint, None if unreadable."""
+    import yaml
+
+    from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
+
+    try:
+        if (path / "model").is_dir() and (path / MODEL_CONFIG).is_file():
+            return yaml.safe_load((path / MODEL_CONFIG).read_text())
+        return load_model_config_dict(path)
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _megatron_owners(config: dict) -> list[str]:
+    """The families whose model config this saved model config is: it names every field (a
+    saved config is written whole; defaults would let a smaller config pass as a larger one)
+    and validates."""
+    import dataclasses
+
+    from mmtrain.config.errors import RecipeError
+    from mmtrain.config.typed import from_plain
+
+    owners = []
+    for name in registry.convertible_families():
+        cls = registry.get_family(name).model_config_cls
+        if not {f.name for f in dataclasses.fields(cls)} <= set(config):
+            continue
+        try:
+            from_plain(cls, config, "model_config.yaml")
+        except (RecipeError, TypeError, ValueError):
+            continue
+        owners.append(name)
+    return owners
+
+
+def _check_megatron_source(family: str, src: str) -> None:
+    """mcore-to-hf --src is a megatron checkpoint (not an HF one) of `family`: refused in one line."""
+    from mmtrain.runtime.hf_conversion import is_hf_dir
+
+    path = Path(src)
+    if is_hf_dir(path):
+        raise UserError(f"--src {src} is an HF checkpoint (config.json), not a megatron one; mcore-to-hf reads a "
+                        f"megatron checkpoint (to import this one: mmtrain convert hf-to-mcore --model {family} "
+                        f"--src {src} --dst CKPT_DIR)")
+    if not _is_megatron_dir(path):
+        raise UserError(f"--src {src} is not a megatron checkpoint: no 'latest' file, no iter_*/model folder")
+    config = _megatron_config(path)
+    owners = _megatron_owners(config) if isinstance(config, dict) else []
+    if owners and family not in owners:
+        raise UserError(f"--src {src} is a megatron {' or '.join(owners)} checkpoint (its model_config.yaml), "
+                        f"not {family}; give --model {owners[0]}")
 
 
 @contextlib.contextmanager

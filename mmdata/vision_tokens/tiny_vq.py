@@ -35,7 +35,18 @@ def build_tiny_vq(out_dir: str | Path, seed: int = 0, codebook_size: int = DEFAU
     model = Emu3VQVAE(Emu3VQVAEConfig(codebook_size=codebook_size, **TINY_VQ_CONFIG)).eval()
     model.save_pretrained(out, safe_serialization=True)
     Emu3ImageProcessor(**EMU3_PROCESSOR).save_pretrained(out)
+    _honour_umask(out)
     return out
+
+
+def _honour_umask(out: Path) -> None:
+    """safetensors writes its files 0600; give them the mode `open()` would (0o666 & ~umask)."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.glob("*.safetensors"):
+        os.chmod(f, 0o666 & ~mask)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

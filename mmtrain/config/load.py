@@ -164,6 +164,9 @@ def save_resolved(recipe: Recipe, path: str | os.PathLike) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(dump_recipe(recipe))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it 0600; a recipe is as shareable as the run_dir
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -10,6 +10,7 @@ added (media_tokens.py), and the resolved tokenizer is kept with the converted w
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -56,6 +57,23 @@ from mmtrain.runtime.hf_conversion import (
     load_unsharded,
     record_source,
     source_config,
+)
+
+log = logging.getLogger(__name__)
+
+#: SigLIP's normalisation (the released LLaVA-OneVision processors')
+SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
+#: the chat template of an export without a recorded one: the Qwen2 ChatML our loader trains on
+#: (mmdata/energon_loaders/llava_ov/chat_template.py: default system prompt, `<image>`/`<video>`
+#: placeholders, one per media item, before the turn's text), for typed or plain-string content
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # ----------------------------------------------------------------------------- building
@@ -243,4 +261,83 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
     hf_cfg = with_config_dtype(hf_cfg, out_dtype, "torch_dtype" if format == LLAVA_NEXT else "dtype")
     (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     copy_recorded_assets(src, dst)
+    if format == TRANSFORMERS:
+        write_processor(cfg, hf_cfg, dst)
     return dst
+
+
+# ----------------------------------------------------------------------------- the HF processor
+
+
+def image_processor(cfg: LlavaOVModelConfig, hf_cfg: dict):
+    """transformers' LLaVA-OneVision image processor for this model: its tower's image size,
+    the anyres grid pinpoints of its config, SigLIP's mean/std (the PIL implementation: it saves
+    as `LlavaOnevisionImageProcessor`, which loads as the fast one where torchvision is)."""
+    from transformers import LlavaOnevisionImageProcessorPil
+
+    size = cfg.vision.image_size
+    return LlavaOnevisionImageProcessorPil(image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD),
+                                           size={"height": size, "width": size},
+                                           image_grid_pinpoints=[list(p) for p in hf_cfg["image_grid_pinpoints"]])
+
+
+def processor_settings(cfg: LlavaOVModelConfig, hf_cfg: dict) -> dict:
+    """`LlavaOnevisionProcessor`'s own arguments: the base tile's features, how they are
+    selected, the tiling cap (e.g. anyres_max_9), the media tokens."""
+    return {"num_image_tokens": (cfg.vision.image_size // cfg.vision.patch_size) ** 2,
+            "vision_feature_select_strategy": hf_cfg.get("vision_feature_select_strategy", "full"),
+            "vision_aspect_ratio": hf_cfg.get("vision_aspect_ratio", f"anyres_max_{cfg.max_tiles}"),
+            "image_token": "<image>", "video_token": "<video>"}
+
+
+def _export_tokenizer(cfg: LlavaOVModelConfig, dst: Path):
+    """The export's tokenizer (the recorded one, copied into `dst`) with `<image>`/`<video>` at
+    the model's ids and a chat template; None (logged) when `dst` has no loadable tokenizer."""
+    from transformers import AutoTokenizer
+
+    from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(dst))
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("%s: no loadable tokenizer (%s): the processor files are written without one", dst,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    add_media_tokens(tok)
+    ids = (token_id(tok, "<image>"), token_id(tok, "<video>"))
+    if ids != (cfg.image_token_id, cfg.video_token_id):
+        raise ConversionError(f"{dst}: the tokenizer's <image>/<video> ids {ids} are not the model's "
+                              f"({cfg.image_token_id}, {cfg.video_token_id})")
+    return tok
+
+
+def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
+    """What `LlavaOnevisionProcessor.save_pretrained` writes, so `AutoProcessor.from_pretrained(dst)`
+    works: preprocessor_config.json, processor_config.json, the tokenizer files with the media
+    tokens, chat_template.jinja (the recorded template, else CHAT_TEMPLATE). Built from the real
+    transformers objects; where torchvision is missing (no video processor can be built) the
+    processor_config.json holds the processor's own arguments."""
+    from transformers import LlavaOnevisionProcessor
+
+    from mmtrain.llava_ov.generation import processor_chat_template
+
+    images = image_processor(cfg, hf_cfg)
+    settings = processor_settings(cfg, hf_cfg)
+    tok = _export_tokenizer(cfg, dst)
+    template = processor_chat_template(dst) or CHAT_TEMPLATE  # (a tokenizer's own renders text-only turns)
+    if tok is not None:
+        try:
+            from transformers import LlavaOnevisionVideoProcessor
+
+            video = LlavaOnevisionVideoProcessor()
+        except ImportError:  # torchvision absent: the part files are saved one by one below
+            video = None
+        if video is not None:
+            LlavaOnevisionProcessor(images, tok, video, chat_template=template, **settings).save_pretrained(str(dst))
+            images.save_pretrained(str(dst))  # (transformers 5 nests it in processor_config.json only)
+            return
+        tok.save_pretrained(str(dst))
+    images.save_pretrained(str(dst))
+    (dst / "chat_template.jinja").write_text(template, encoding="utf-8")
+    (dst / "processor_config.json").write_text(json.dumps({"processor_class": LlavaOnevisionProcessor.__name__,
+                                                           **settings}, indent=2) + "\n")

@@ -26,23 +26,72 @@ ASSET_FILES = (
 )  # fmt: skip
 
 
+def file_mode() -> int:
+    """0o666 & ~umask: the mode `open()` would give a new file (safetensors writes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def honour_umask(path: str | os.PathLike) -> None:
+    """Give a file written by a library that ignores the umask the mode `open()` would have."""
+    os.chmod(path, file_mode())
+
+
+#: torch.save'd (pickle) weight files, read with weights_only=True as transformers does
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A `pytorch_model*.bin` state dict, memory-mapped (zip format) so reading it costs no RAM
+    until a tensor is used; weights_only=True never runs pickled code."""
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (pre-1.6, non-zip) serialization cannot be mmapped
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def _safetensors_map(d: Path) -> dict[str, str] | None:
+    """tensor -> file of the safetensors weights in `d`, None when there are none."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        return None
+    weight_map: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            weight_map.update({k: f.name for k in h.keys()})
+    return weight_map
+
+
+def _bin_map(d: Path) -> dict[str, str] | None:
+    """tensor -> file of the `pytorch_model*.bin` weights in `d`, None when there are none."""
+    index = d / BIN_INDEX
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(d.glob("pytorch_model*.bin"))
+    weight_map: dict[str, str] = {}
+    for f in files:
+        weight_map.update({k: f.name for k in _load_bin(f)})
+    return weight_map or None
+
+
 class SafetensorsReader:
-    """Lazy reader over `model.safetensors` or `model.safetensors.index.json` shards; keys are
-    exposed through `normalize` (e.g. the HF on-disk name variants -> canonical names)."""
+    """Lazy reader over `model.safetensors` or `model.safetensors.index.json` shards, or, in a
+    folder without safetensors, `pytorch_model.bin` / `pytorch_model.bin.index.json` shards
+    (memory-mapped, weights_only); keys are exposed through `normalize` (e.g. the HF on-disk
+    name variants -> canonical names)."""
 
     def __init__(self, hf_dir: str | os.PathLike, normalize: Callable[[str], str] = lambda k: k) -> None:
         self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{self.dir}: no *.safetensors (pickle .bin checkpoints are not read)")
-            weight_map = {}
-            for f in files:
-                with safe_open(str(f), "pt") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
+        weight_map = _safetensors_map(self.dir)
+        self.pickled = weight_map is None
+        if weight_map is None:
+            weight_map = _bin_map(self.dir)
+        if weight_map is None:
+            raise FileNotFoundError(f"{self.dir}: no weights (*.safetensors or pytorch_model*.bin)")
         self._where: dict[str, tuple[str, str]] = {}
         for key, fname in weight_map.items():
             norm = normalize(key)
@@ -53,11 +102,16 @@ class SafetensorsReader:
     def keys(self) -> set[str]:
         return set(self._where)
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        """A tensor's shape, read from the file header (no data)."""
+    def _locate(self, key: str) -> tuple[str, str]:
         if key not in self._where:
             raise KeyError(f"{self.dir}: tensor {key!r} not found")
-        fname, orig = self._where[key]
+        return self._where[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape, read from the file header (no data)."""
+        fname, orig = self._locate(key)
+        if self.pickled:
+            return tuple(_load_bin(self.dir / fname)[orig].shape)
         with safe_open(str(self.dir / fname), "pt") as h:
             return tuple(h.get_slice(orig).get_shape())
 
@@ -68,19 +122,26 @@ class SafetensorsReader:
         by_file: dict[str, list[str]] = {}
         for fname, orig in self._where.values():
             by_file.setdefault(fname, []).append(orig)
+        names = {v: k for k, v in DTYPE_NAMES.items()}
         for fname, keys in by_file.items():
-            with safe_open(str(self.dir / fname), "pt") as h:
-                for key in keys:
-                    sl = h.get_slice(key)
-                    name = _ST_DTYPES.get(sl.get_dtype())
-                    if name is not None:
-                        elements[name] = elements.get(name, 0) + int(torch.Size(sl.get_shape()).numel())
+            for name, numel in self._dtypes(fname, keys, names):
+                if name is not None:
+                    elements[name] = elements.get(name, 0) + numel
         return max(elements, key=elements.__getitem__) if elements else None
 
+    def _dtypes(self, fname: str, keys: list[str], names: dict) -> list[tuple[str | None, int]]:
+        """(dtype name or None, elements) of `keys` in one file."""
+        if self.pickled:
+            sd = _load_bin(self.dir / fname)
+            return [(names.get(sd[k].dtype), sd[k].numel()) for k in keys]
+        with safe_open(str(self.dir / fname), "pt") as h:
+            return [(_ST_DTYPES.get(h.get_slice(k).get_dtype()), int(torch.Size(h.get_slice(k).get_shape()).numel()))
+                    for k in keys]
+
     def get(self, key: str) -> torch.Tensor:
-        if key not in self._where:
-            raise KeyError(f"{self.dir}: tensor {key!r} not found")
-        fname, orig = self._where[key]
+        fname, orig = self._locate(key)
+        if self.pickled:  # cloned out of the mapping, so no page of the file stays resident
+            return _load_bin(self.dir / fname)[orig].clone()
         # open per tensor: a long-lived handle keeps every page it ever touched mapped (resident),
         # which would make a streaming conversion hold the whole source checkpoint in RSS
         with safe_open(str(self.dir / fname), "pt") as h:
@@ -147,6 +208,7 @@ def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os
             return
         path = out / f"_shard_{len(tmp_files):05d}.safetensors"
         save_file(current, str(path), metadata={"format": "pt"})
+        honour_umask(path)
         tmp_files.append(path)
         current, size = {}, 0
 

@@ -28,9 +28,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
+#: set by `mmtrain convert` (unless --verbose): a rank it spawns hides third-party warnings
+#: from here on, before megatron is imported (spawned processes inherit no warning filters)
+QUIET_ENV = "MMTRAIN_CONVERT_QUIET"
+if os.environ.get(QUIET_ENV) == "1":
+    from mmtrain.runtime.launch import quiet_third_party
 
-from mmtrain.models.megatron_config import ParallelOptions
+    quiet_third_party()
+
+import torch  # noqa: E402
+
+from mmtrain.models.megatron_config import ParallelOptions  # noqa: E402
 
 #: inside a converted checkpoint: the source's tokenizer/processor files and its config.json
 #: (`source_config.json`), so an export writes them back
