@@ -115,6 +115,11 @@ class FamilySpec:
     #: (no device read), for the train loop's MFU (`cost_model.step_flops`). None: the family
     #: encodes no media in training (e.g. pre-tokenized images)
     encoder_inputs: Optional[Callable[[Any], int]] = None
+    #: the energon sample type of the shards the family trains on, as `.nv-meta/dataset.yaml`
+    #: names it ("module.Class"), and what such shards are (with the command that writes them):
+    #: preflight refuses a data path of another type before anything is built or written.
+    #: None: not checked
+    sample_type: Optional[tuple[str, str]] = None
 
     #: (recipe, the loaded HF tokenizer of `tokenizer.path`) -> problems, each naming its key;
     #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the

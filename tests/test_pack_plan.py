@@ -182,10 +182,13 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml", [f"data.paths=[{out}]", "data.packing=plan",
                                                                    "train.seq_length=4096", f"data.val_paths=[{out}]"])
+    from mmtrain import registry
+
     problems: list[str] = []
-    _check_data(recipe, problems)
+    _check_data(recipe, registry.get_family("llava-ov"), problems)
     assert problems == [f"data.packing: plan: packing plan {out}/pack-plan-4096.parquet not found: run "
-                        f"`mmdata pack-plan {out} --seq-length 4096`"]
+                        f"`mmdata pack-plan {out} --seq-length 4096 --image-size 30 --patch-size 14 --max-tiles 9 "
+                        "--grid-max 6 --video-frames 8` (or `mmdata pack-plan --recipe RECIPE.yaml`)"]
     assert val_recipe(recipe).data.packing is True and val_recipe(recipe).data.packing_plan is None
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 from megatron.energon import SkipSample, TaskEncoder, WorkerConfig
@@ -32,6 +32,9 @@ from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
 from mmdata.errors import UserError
 from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    from mmdata.preprocess.pack_plan import PlanGeometry
 
 PLAN_OVERFLOW = "plan_overflow"
 
@@ -57,10 +60,12 @@ class PlanSequences:
 
 
 def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None,
-                  seq_length: int) -> tuple[Path, Path, dict]:
+                  seq_length: int, geometry: "PlanGeometry | None" = None) -> tuple[Path, Path, dict]:
     """(shard dir, plan file, plan metadata) for `packing="plan"`, checked: one shard folder
     written by `mmdata preprocess`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
-    made from its length index for `seq_length` tokens per sequence."""
+    made from its length index for `seq_length` tokens per sequence and, when `geometry` is
+    given (the recipe's), with that image token geometry: a plan counted with another one fills
+    its sequences with the wrong number of image tokens, silently."""
     from mmdata.preprocess.pack_plan import plan_path, read_plan_info
 
     paths = [data] if isinstance(data, (str, Path)) else list(data)
@@ -70,7 +75,8 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     shards = Path(paths[0])
     data_source_samples(shards)  # a finished dataset only
     path = Path(plan) if plan is not None else plan_path(shards, seq_length)
-    remedy = f"run `mmdata pack-plan {shards} --seq-length {seq_length}`"
+    remedy = f"run `mmdata pack-plan {shards} --seq-length {seq_length}" + (
+        f" {geometry.flags()}`" if geometry is not None else "`") + " (or `mmdata pack-plan --recipe RECIPE.yaml`)"
     if not path.is_file():
         raise PlanError(f"packing plan {path} not found: {remedy}")
     info = read_plan_info(path)
@@ -81,7 +87,26 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     if info.get("lengths_sha256") != (manifest.get("length_index") or {}).get("sha256"):
         raise PlanError(f"packing plan {path} was made from another length index than {shards}'s "
                         f"(the shards were rewritten): {remedy}")
+    if geometry is not None:
+        _check_geometry(path, info, geometry, remedy)
     return shards, path, info
+
+
+def _check_geometry(path: Path, info: dict, geometry: "PlanGeometry", remedy: str) -> None:
+    """Refuse a plan counted with another image geometry than the recipe's. A plan made before
+    plans recorded theirs counted with the default geometry: accepted for a recipe using it."""
+    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, geometry_differences, plan_geometry
+
+    have = plan_geometry(info)
+    if have is None:
+        if geometry == DEFAULT_GEOMETRY:
+            return
+        differ = ", ".join(geometry_differences(DEFAULT_GEOMETRY, geometry))
+        raise PlanError(f"packing plan {path} records no image geometry (made by an older `mmdata pack-plan`, which "
+                        f"counted with the default one: {differ}): {remedy}")
+    if have != geometry:
+        raise PlanError(f"packing plan {path} counted image tokens with another geometry than the recipe's: "
+                        f"{', '.join(geometry_differences(have, geometry))}: {remedy}")
 
 
 def load_plan(path: Path, info: dict) -> PlanSequences:

@@ -14,7 +14,12 @@ or drops them). The result is a pure function of (lengths, N, seed).
 The plan file (`DIR/pack-plan-<N>.parquet`, see docs/preprocess.md "Packing plan"), one row per
 sample in plan order: `bin` (the sequence's number, 0..bins-1 in plan order), `index` (the
 sample's global index; its shard key is `f"{index:010d}"`), `tokens` (its length). The schema
-metadata `mmdata.pack_plan` holds the settings and the checks a loader needs.
+metadata `mmdata.pack_plan` holds the settings and the checks a loader needs, among them the
+image token geometry it counted with (`geometry`: image_size, patch_size, max_tiles, grid_max,
+video_frames). The length index counts with LLaVA-OV's own geometry (729 tokens per 384-px tile);
+`--recipe RECIPE.yaml` (or the geometry flags) plans for the recipe's vision tower instead: the
+image tokens are then recounted from the records' image header sizes, the text tokens kept.
+Training refuses a plan whose geometry differs from the recipe's (`plan_packing.plan_for_data`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mmdata.energon_loaders.llava_ov import anyres_math as anyres
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.preprocess.lengths import LENGTHS_NAME
 
 PLAN_FORMAT = 1
@@ -35,6 +42,69 @@ WINDOW = 256  # the loader's packing buffer (energon_loaders.packing.DEFAULT_PAC
 CARRY_BELOW = 0.995  # sequences filled less than this go back into the next window ...
 MAX_CARRY = WINDOW // 2  # ... up to this many samples
 CHUNK = 1 << 20  # samples planned independently (in parallel); about a minute of CPU each
+
+
+@dataclass(frozen=True)
+class PlanGeometry:
+    """What a sample's image tokens depend on besides its image sizes: the vision tower's tile
+    and patch, the anyres tile budget and grid, the video frame limit (the loader's settings)."""
+
+    image_size: int = anyres.DEFAULT_IMAGE_SIZE
+    patch_size: int = anyres.DEFAULT_PATCH_SIZE
+    max_tiles: int = anyres.DEFAULT_MAX_TILES
+    grid_max: int = anyres.DEFAULT_GRID_MAX
+    video_frames: int = DEFAULT_MAX_FRAMES
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in GEOMETRY_FIELDS}
+
+    def flags(self) -> str:
+        """The pack-plan options that make a plan with this geometry."""
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.as_dict().items())
+
+    def media_tokens(self, record: dict) -> int:
+        """LLM positions of a record's media, as the LLaVA-OV loader lays them out with this
+        geometry (lengths.media_tokens at the default one), from the validator's header sizes."""
+        meta = record.get("meta") or {}
+        sizes = meta.get("image_sizes") or []
+        total = sum(anyres.image_layout(h, w, len(sizes) == 1, image_size=self.image_size, patch_size=self.patch_size,
+                                        max_tiles=self.max_tiles, grid_max=self.grid_max)[1] for w, h, _ in sizes)
+        video = meta.get("video_size_frames")
+        if video:
+            total += anyres.num_video_tokens(min(int(video[2]), self.video_frames), self.image_size, self.patch_size)
+        return total
+
+
+GEOMETRY_FIELDS = ("image_size", "patch_size", "max_tiles", "grid_max", "video_frames")
+DEFAULT_GEOMETRY = PlanGeometry()
+
+
+def recipe_geometry(recipe) -> PlanGeometry | None:
+    """The image token geometry of an mmtrain recipe (its `model.vision`, `model.max_tiles`,
+    `model.grid_max`, `data.video_frames`, what the loader is built with); None for a recipe
+    whose model has no vision tower (its plans count no image geometry)."""
+    m, d = recipe.model, recipe.data
+    vision = getattr(m, "vision", None)
+    if vision is None or not hasattr(m, "max_tiles"):
+        return None
+    grid_max = getattr(m, "grid_max", anyres.DEFAULT_GRID_MAX)
+    return PlanGeometry(vision.image_size, vision.patch_size, m.max_tiles, grid_max,
+                        getattr(d, "video_frames", DEFAULT_MAX_FRAMES))
+
+
+def plan_geometry(info: dict) -> PlanGeometry | None:
+    """The geometry a plan recorded; None for a plan made before plans recorded it (those
+    counted with the default geometry)."""
+    g = info.get("geometry")
+    if not isinstance(g, dict):
+        return None
+    return PlanGeometry(**{k: int(g[k]) for k in GEOMETRY_FIELDS if k in g})
+
+
+def geometry_differences(have: PlanGeometry, want: PlanGeometry) -> list[str]:
+    """`field plan X, recipe Y` for each field that differs."""
+    return [f"{k} {getattr(have, k)} (recipe: {getattr(want, k)})" for k in GEOMETRY_FIELDS
+            if getattr(have, k) != getattr(want, k)]
 
 
 @dataclass
@@ -114,6 +184,28 @@ def read_lengths(root: Path):
     return pq.read_table(path)
 
 
+def recount_lengths(root: Path, table, geometry: PlanGeometry) -> np.ndarray:
+    """Per length-index row: its text tokens plus its media recounted with `geometry` from the
+    records in the shards (`{key}.json`, only those members are read)."""
+    import tarfile
+
+    from mmdata import shard_format as sf
+
+    index = table.column("index").to_numpy()
+    media = np.full(int(index.max()) + 1 if len(index) else 0, -1, dtype=np.int64)
+    for tar_path in sorted(root.glob("shard-*.tar")):
+        with tarfile.open(tar_path, "r:") as tar:
+            for member in tar:
+                key, _, suffix = member.name.partition(".")
+                if suffix == sf.JSON_MEMBER and member.isfile() and key.isdigit() and int(key) < len(media):
+                    media[int(key)] = geometry.media_tokens(json.loads(tar.extractfile(member).read()))
+    missing = index[media[index] < 0]
+    if len(missing):
+        raise FileNotFoundError(f"{root}: the shards lack the records of {len(missing)} samples of the length index "
+                                f"(e.g. key {int(missing[0]):010d}): rerun `mmdata preprocess`")
+    return table.column("text_tokens").to_numpy().astype(np.int64) + media[index]
+
+
 def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -143,8 +235,22 @@ def read_plan_info(path: Path) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, metavar="DIR", help="shards folder written by `mmdata preprocess` (has lengths.parquet)")
-    parser.add_argument("--seq-length", type=int, required=True, metavar="N", help="tokens per packed sequence")
+    parser.add_argument("dir", type=Path, metavar="DIR", nargs="?", default=None,
+                        help="shards folder written by `mmdata preprocess` (has lengths.parquet); default with "
+                             "--recipe: its data.paths[0]")
+    parser.add_argument("--recipe", type=Path, default=None, metavar="RECIPE.yaml",
+                        help="an mmtrain llava-ov recipe: the plan counts image tokens with its geometry "
+                             "(model.vision image_size/patch_size, model.max_tiles, model.grid_max, data.video_frames) "
+                             "and packs train.seq_length tokens unless --seq-length says otherwise")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a recipe override, as `mmtrain` takes them (repeatable; with --recipe), "
+                             "e.g. --set train.seq_length=4096")
+    parser.add_argument("--seq-length", type=int, default=None, metavar="N",
+                        help="tokens per packed sequence (required without --recipe)")
+    for name in GEOMETRY_FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N",
+                            help=f"image geometry: {name} (default: the recipe's, "
+                                 f"else {getattr(DEFAULT_GEOMETRY, name)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes (default: all CPUs); the plan does not depend on it")
@@ -154,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
     from mmdata.readiness import unfinished_job
 
-    root = args.dir
+    root, seq_length, geometry = _settings(args)
+    args.seq_length = seq_length
     if args.seq_length <= 0:
         raise UserError(f"--seq-length must be positive, got {args.seq_length}")
     if args.jobs is not None and args.jobs <= 0:
@@ -168,14 +275,52 @@ def run(args: argparse.Namespace) -> int:
     from mmdata.preprocess.shard_writer import sha256_file
 
     manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").is_file() else {}
-    lengths = table.column("total_tokens").to_numpy().astype(np.int64)
+    if geometry == DEFAULT_GEOMETRY:  # what the length index counted with
+        lengths = table.column("total_tokens").to_numpy().astype(np.int64)
+    else:
+        try:
+            lengths = recount_lengths(root, table, geometry)
+        except FileNotFoundError as e:
+            raise UserError(str(e)) from None
     plan = plan_packing(lengths, args.seq_length, args.seed, args.jobs or os.cpu_count() or 1)
     meta = {"lengths_sha256": sha256_file(root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
-            "text_tokens": (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode()}
+            "text_tokens": (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
+            "geometry": geometry.as_dict()}
     out = write_plan(root, plan, table.column("index").to_numpy(), args.seed, meta)
     print(f"{out}: {len(plan.bins):,} sequences of {args.seq_length:,} tokens for {len(lengths):,} samples, "
-          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length)")
+          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); image geometry {geometry.flags()}")
     return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry]:
+    """(shards dir, seq_length, geometry) from the flags, else the recipe, else the defaults."""
+    from mmdata.errors import UserError
+
+    overrides = list(args.overrides)
+    if overrides and args.recipe is None:
+        raise UserError(f"--set {' '.join(overrides)}: recipe overrides need --recipe RECIPE.yaml")
+    base, seq_length, root = DEFAULT_GEOMETRY, args.seq_length, args.dir
+    if args.recipe is not None:
+        from mmtrain.config.load import load_recipe
+
+        recipe = load_recipe(args.recipe, overrides)
+        geometry = recipe_geometry(recipe)
+        if geometry is None:
+            raise UserError(f"--recipe {args.recipe}: family {recipe.family} has no image geometry to plan with "
+                            "(pack-plan counts LLaVA-OV image tokens)")
+        base = geometry
+        seq_length = seq_length if seq_length is not None else recipe.train.seq_length
+        if root is None and recipe.data.paths:
+            root = Path(recipe.data.paths[0])
+    if root is None:
+        raise UserError("give the shards folder DIR (or --recipe with data.paths)")
+    if seq_length is None:
+        raise UserError("give --seq-length N (or --recipe, whose train.seq_length is used)")
+    given = {k: getattr(args, k) for k in GEOMETRY_FIELDS if getattr(args, k) is not None}
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in given.items() if v <= 0]
+    if bad:
+        raise UserError(f"{', '.join(bad)}: must be positive")
+    return root, seq_length, PlanGeometry(**{**base.as_dict(), **given})
 
 
 def main(argv: list[str] | None = None) -> int:

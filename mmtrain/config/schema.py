@@ -146,6 +146,10 @@ class CheckpointConfig:
     # take only the model weights from `load` (fresh optimizer, schedule, step, data), as a new
     # training stage does; a run that has its own checkpoints in run_dir always resumes them
     weights_only: bool = False
+    # resume a checkpoint whose data (paths, blend, seq_length, packing...) differs from the
+    # recipe's: weights, optimizer and step resume, the loader starts fresh from its seed
+    # (without it such a resume is refused: mmtrain/runtime/checkpoint/data_identity.py)
+    reset_data: bool = False
 
 
 @dataclass

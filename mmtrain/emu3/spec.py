@@ -94,6 +94,8 @@ EMU3 = FamilySpec(
     build_loader=build_loader,
     forward_step=forward_step,
     model_shapes=model_shapes,
+    sample_type=("mmdata.energon_loaders.vq_token_sample.VQTokenSample",
+                 "Emu3 VQ token shards (mmdata tokenize-images)"),
     hf=HFConversion(
         to_mcore=_to_mcore,
         to_hf=_to_hf,

@@ -242,6 +242,7 @@ LLAVA_OV = FamilySpec(
     forward_step=forward_step,
     model_shapes=model_shapes,
     encoder_inputs=encoder_inputs,
+    sample_type=("mmdata.energon_loaders.sample.ConversationSample", "LLaVA image/text shards (mmdata preprocess)"),
     check_tokenizer=check_tokenizer,
     prepare_tokenizer=prepare_tokenizer,
     hf=HFConversion(

@@ -98,6 +98,11 @@ def run(args: argparse.Namespace, family: str) -> int:
             os.environ["MMTRAIN_VERBOSE"] = "1"  # the workers' third-party warnings too
         use_slurm_allocation(recipe)
         locks.enter_context(run_dir_lock(recipe))  # before anything is written into run_dir
+        done = finished_step(recipe)
+        if done is not None:  # a rerun of a finished training: nothing to build or spawn
+            log.info("%s: already at train.iters=%d (checkpoint iter_%07d); nothing to do (raise train.iters to "
+                     "train on)", recipe.run_dir, recipe.train.iters, done)
+            return 0
         inside_launcher = env_rank_world() is not None
         if inside_launcher or recipe.parallel.world_size == 1:
             return train(recipe)
@@ -130,6 +135,16 @@ def run_dir_lock(recipe: Recipe) -> contextlib.AbstractContextManager:
     else:
         owner = rank_world[0] == 0 and os.environ.get(RUN_DIR_LOCK_ENV) != str(run_dir)
     return FolderLock(run_dir, "run_dir") if owner else contextlib.nullcontext()
+
+
+def finished_step(recipe: Recipe) -> int | None:
+    """The step of the run's own latest checkpoint (what a rerun resumes) when it has reached
+    train.iters already, else None."""
+    from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint
+
+    latest = latest_checkpoint(recipe.run_dir)
+    step = iteration_of(latest) if latest is not None else None
+    return step if step is not None and step >= recipe.train.iters else None
 
 
 def launcher_world(environ: dict[str, str] | None = None) -> list[str]:

@@ -6,7 +6,11 @@ run dir's `config.yaml` keeps describing its checkpoints.
 
 - `data.paths` / `data.val_paths`: each a finished energon shard folder with samples, or a
   metadataset YAML whose datasets all are (mmdata/readiness.py: an unfinished preprocess job's
-  folder is refused);
+  folder is refused), each dataset (every leaf of a metadataset blend) of the family's
+  energon sample type (`FamilySpec.sample_type`, read from `.nv-meta/dataset.yaml`): Emu3 token
+  shards given to llava-ov, or LLaVA shards to emu3, are refused naming both kinds;
+- `data.packing: plan`: the plan was made for this data, `train.seq_length` and the recipe's
+  image token geometry (mmdata/energon_loaders/plan_packing.py);
 - `tokenizer.path`: a local HF tokenizer folder (never sent to the hub) whose ids fit the
   recipe (the family's `check_tokenizer`, e.g. llava-ov's media token ids);
 - the starting checkpoint (the run dir's own latest, else `checkpoint.load`): it exists and was
@@ -44,9 +48,13 @@ class PreflightError(UserError):
 def preflight(recipe: "Recipe", spec: "FamilySpec") -> None:
     """Raise PreflightError listing every problem; log warnings. For `action: run`."""
     problems: list[str] = []
-    samples = _check_data(recipe, problems)
+    samples = _check_data(recipe, spec, problems)
     _check_tokenizer(recipe, spec, problems)
     _check_starting_point(recipe, spec, problems)
+    if not problems:  # a damaged or foreign checkpoint is named already; its data is not checked then
+        from mmtrain.runtime.checkpoint.data_identity import resume_data_problems
+
+        problems += resume_data_problems(recipe)
     if recipe.logging.tensorboard:
         from mmtrain.runtime.metrics import tensorboard_available
 
@@ -58,11 +66,12 @@ def preflight(recipe: "Recipe", spec: "FamilySpec") -> None:
     _warn_shuffle_buffer(recipe, samples)
 
 
-def _check_data(recipe: "Recipe", problems: list[str]) -> list[int]:
+def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> list[int]:
     """Samples of every training dataset (for the warnings); problems appended."""
     from mmdata.readiness import DatasetNotReady, data_source_samples
 
     train_samples: list[int] = []
+    wrong_kind = False
     for key, paths in (("data.paths", recipe.data.paths), ("data.val_paths", recipe.data.val_paths)):
         for i, path in enumerate(paths):
             try:
@@ -70,16 +79,105 @@ def _check_data(recipe: "Recipe", problems: list[str]) -> list[int]:
             except DatasetNotReady as err:
                 problems.append(f"{key}[{i}]: {err}")
                 continue
+            kind_problems = _sample_type_problems(f"{key}[{i}]", Path(path), spec)
+            problems += kind_problems
+            wrong_kind = wrong_kind or bool(kind_problems)
             if key == "data.paths":
                 train_samples += found
-    if recipe.data.packing == "plan" and train_samples:
+    if recipe.data.packing == "plan" and train_samples and not wrong_kind:
         from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data
+        from mmdata.preprocess.pack_plan import recipe_geometry
 
         try:
-            plan_for_data(recipe.data.paths, recipe.data.packing_plan, recipe.train.seq_length)
+            plan_for_data(recipe.data.paths, recipe.data.packing_plan, recipe.train.seq_length,
+                          geometry=recipe_geometry(recipe))
         except PlanError as err:
             problems.append(f"data.packing: plan: {err}")
     return train_samples
+
+
+def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]:
+    """One line per dataset under `path` whose energon sample type is not the family's: the
+    loader would fail on every sample only after the model was built and run_dir written."""
+    if spec.sample_type is None:
+        return []
+    from mmtrain.registry import FAMILIES
+
+    want, what = spec.sample_type
+    problems = []
+    for leaf in _leaf_datasets(path):
+        found = dataset_sample_type(leaf)
+        if found is None or found == want:
+            continue
+        where = str(path) if leaf == path else f"{path} (its dataset {leaf})"
+        other = next((f for f in FAMILIES.values() if f.sample_type and f.sample_type[0] == found), None)
+        held = (f"{_short(found)} samples, {other.sample_type[1]}" if other is not None
+                else f"samples of energon type {found}, which no mmtrain family trains on")
+        fix = f"use `mmtrain {other.name}` for these shards, or " if other is not None else ""
+        problems.append(f"{key}: {where} holds {held}; mmtrain {spec.name} trains on {_short(want)} samples, "
+                        f"{what}: {fix}give data paths of that kind")
+    return problems
+
+
+def _short(sample_type: str) -> str:
+    return sample_type.rsplit(".", 1)[-1]
+
+
+def dataset_sample_type(folder: Path) -> str | None:
+    """"module.Class" of a shard folder's energon sample type (`.nv-meta/dataset.yaml`, else our
+    manifest's `energon.sample_type`); None when neither names one (nothing to check)."""
+    import json
+
+    import yaml
+
+    from mmdata import shard_format as sf
+
+    meta = folder / sf.ENERGON_META / "dataset.yaml"
+    try:
+        doc = yaml.safe_load(meta.read_text()) if meta.is_file() else None
+    except (OSError, yaml.YAMLError):
+        doc = None
+    st = doc.get("sample_type") if isinstance(doc, dict) else None
+    if isinstance(st, dict) and st.get("__class__"):
+        return f"{st.get('__module__')}.{st['__class__']}" if st.get("__module__") else str(st["__class__"])
+    if isinstance(st, str) and st:
+        return st
+    try:
+        manifest = json.loads((folder / sf.MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    found = (manifest.get("energon") or {}).get("sample_type") if isinstance(manifest, dict) else None
+    return found if isinstance(found, str) and found else None
+
+
+def _leaf_datasets(path: Path, depth: int = 0) -> list[Path]:
+    """The shard folders a data path reads: itself, or every `path:` of a metadataset YAML
+    (relative to the YAML's folder; nested metadatasets followed)."""
+    import yaml
+
+    if not (path.is_file() and path.suffix in (".yaml", ".yml")):
+        return [path]
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return []  # reported by the readiness check
+    leaves: list[Path] = []
+    for rel in _yaml_paths(doc):
+        target = Path(rel) if Path(rel).is_absolute() else path.parent / rel
+        if not target.is_file():
+            leaves.append(target)
+        elif depth < 8:
+            leaves += _leaf_datasets(target, depth + 1)
+    return list(dict.fromkeys(leaves))
+
+
+def _yaml_paths(node: object) -> list[str]:
+    """Every string `path:` value in a parsed metadataset, in document order."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in ([v] if k == "path" and isinstance(v, str) else _yaml_paths(v))]
+    if isinstance(node, list):
+        return [p for item in node for p in _yaml_paths(item)]
+    return []
 
 
 def _check_tokenizer(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> None:

@@ -19,9 +19,11 @@ parallelism each CP rank's sums cover the positions it holds: runtime/loss.py.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -33,6 +35,8 @@ from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
 from mmtrain.runtime import cpu_compat
+from mmtrain.runtime.checkpoint.data_identity import data_identity, explain, recipe_changes, resume_decision
+from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint
 from mmtrain.runtime.checkpoint.manager import (
     CheckpointManager,
     LoaderState,
@@ -87,7 +91,9 @@ class Trainer:
         self.recipe = recipe
         self.spec = spec
         self.ctx = ctx
-        self.state = TrainerState(layout=layout_of(ctx), data_sharding=recipe.data.sharding, seed=recipe.seed)
+        self.state = TrainerState(layout=layout_of(ctx), data_sharding=recipe.data.sharding, seed=recipe.seed,
+                                  data=data_identity(recipe), data_reset=recipe.checkpoint.reset_data)
+        self._resolved_yaml = resolved_yaml
         t = recipe.train
         # the launcher's world may differ from the recipe's (DP adapts): check the actual one
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
@@ -118,6 +124,8 @@ class Trainer:
         start = self.checkpoints.starting_point(recipe.checkpoint.load, recipe.checkpoint.weights_only,
                                                 recipe.model, spec.architecture_keys, spec.name,
                                                 recipe.parallel.transformer_impl)
+        # refuse a loader state made for other data before building anything (data_identity.py)
+        data_decision = resume_decision(start.path, recipe) if start is not None and start.kind == "mmtrain" else None
         module = spec.build_model(
             recipe.model,
             pre_process=ctx.is_first_stage,
@@ -159,9 +167,10 @@ class Trainer:
             ModelState(self.model, recipe.model),
             OptimizerState(self.optimizer, self.model, optimizer_kind(ctx), optimizer_sharded_metadata(ctx)),
             RngState(recipe.seed),
-            LoaderState(self.data),
+            LoaderState(self.data, restore=data_decision != "reset"),
         )
         if start is not None:
+            self._announce_resume(start, data_decision)
             self._restore(start)
         self.peak_flops = device_peak_flops(ctx.device, ctx.precision)
         self.flops_shapes = spec.model_shapes(recipe.model)  # MFU: FLOPs of each step's batches (`_model_flops`)
@@ -238,6 +247,17 @@ class Trainer:
                 "resumed from %s at step %d (same layout: %s, loader restored: %s)",
                 start.path, self.state.step, result.same_layout, result.restored[LoaderState.name],
             )  # fmt: skip
+
+    def _announce_resume(self, start: StartingPoint, data_decision: Optional[str]) -> None:
+        """Rank 0 says what the resume does with the data and each recipe change that takes
+        effect now (train.iters, the LR schedule...), one line each."""
+        if self.ctx.rank != 0 or data_decision is None:
+            return
+        line = explain(data_decision, start.path, self.recipe)
+        if line is not None:
+            (log.warning if data_decision == "unchecked" else log.info)(line)
+        for change in recipe_changes(start.path, self._resolved_yaml):
+            log.info("resume: %s", change)
 
     def _load_hf(self, path: Path) -> None:
         """An HF directory as the starting point, converted on the fly by the family (straight
@@ -408,7 +428,7 @@ class Trainer:
         results = []
         interval = recipe.checkpoint.interval
         self._fit_start = (time.perf_counter(), self.state.step)  # for the ETA
-        with self._stops.catching_sigterm():
+        with self._stops.catching_sigterm(), self._saying_where_to_resume_on_ctrl_c():
             while self.state.step < recipe.train.iters:
                 result = self.train_step()
                 if eval_due(result.step, recipe.train.eval_interval):
@@ -432,6 +452,25 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         return results
+
+    @contextlib.contextmanager
+    def _saying_where_to_resume_on_ctrl_c(self) -> Iterator[None]:
+        """Ctrl-C stops at once (no save: a step may be half done); rank 0 says which step the last
+        checkpoint holds and that the same command resumes from it."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.ctx.rank == 0:
+                latest = latest_checkpoint(self.recipe.run_dir)  # what is on disk (a save may have just ended)
+                if latest is not None:
+                    log.warning("interrupted in step %d/%d: the last checkpoint holds step %d (%s); run the same "
+                                "command again to resume from it", self.state.step + 1, self.recipe.train.iters,
+                                iteration_of(latest), latest)
+                else:
+                    log.warning("interrupted in step %d/%d before any checkpoint of this run was saved; the same "
+                                "command starts again from its starting point", self.state.step + 1,
+                                self.recipe.train.iters)
+            raise
 
     def save(self) -> None:
         self._finish_param_gather()

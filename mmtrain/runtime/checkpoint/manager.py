@@ -8,7 +8,8 @@ Layout of `<run_dir>/checkpoints/iter_0000010/` (directory names: layout.py):
   rng/rank_00003.pt           RngState: per-rank RNG streams (python, numpy, torch, CUDA, tracker)
   loader/<key>.json           LoaderState: energon `save_state_rank()` per DP rank (or one, when
                               replicated), as JSON (mmdata.energon_loaders.state_codec), no pickles
-  trainer_state.json          TrainerState: step, consumed samples, layout, LR schedule, seed
+  trainer_state.json          TrainerState: step, consumed samples, layout, LR schedule, seed, and
+                              the data the loader state was made for (data_identity.py)
   config.yaml                 the resolved recipe
 `<run_dir>/checkpoints/latest` holds the newest complete iteration number.
 
@@ -26,6 +27,7 @@ HF directory converted on the fly by the family). A starting point made for anot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -83,6 +85,10 @@ class TrainerState:
     # the decoder's layer spec (parallel.transformer_impl): its parameter names differ between
     # "local" and "transformer_engine", so a checkpoint loads only into the spec that wrote it
     transformer_impl: str = "local"
+    # what the loader state was made for (data_identity.data_identity): {} in older checkpoints
+    data: dict[str, Any] = field(default_factory=dict)
+    # written by a run with checkpoint.reset_data on: a rerun of it continues its data position
+    data_reset: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
@@ -231,8 +237,9 @@ class LoaderState:
 
     name = "loader"
 
-    def __init__(self, train_data: TrainData) -> None:
+    def __init__(self, train_data: TrainData, restore: bool = True) -> None:
         self.train_data = train_data
+        self.restore = restore  # False: checkpoint.reset_data (the loader starts fresh; saved as usual)
 
     def save(self, ckpt: Path, ctx: ParallelContext) -> None:
         d = self.train_data
@@ -243,6 +250,8 @@ class LoaderState:
 
     def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
         d = self.train_data
+        if not self.restore:
+            return False  # the trainer says why (checkpoint.reset_data)
         state_file = ckpt / self.name / d.state_key
         if state_file.is_file() and saved.data_sharding == d.sharding:
             d.restore_state(state_file.read_text())
@@ -368,6 +377,8 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            with contextlib.suppress(OSError):  # (not empty: a killed earlier save's leftovers; the next save clears them)
+                staging_root.rmdir()
             write_latest(self.root, state.step)
             prune(self.root, self.keep_last)
             log.info("saved checkpoint %s", final)

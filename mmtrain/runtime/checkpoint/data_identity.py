@@ -1,0 +1,250 @@
+"""What a checkpoint's loader state was made for, and what a resume changes.
+
+energon restores a loader state only into a loader built the same way: other shards, blend
+weights, `train.seq_length`, packing, buffer sizes, worker count, micro-batch size or seed make
+the restored buffers wrong (e.g. packs longer than the new `seq_length`: thousands of skipped
+samples) or fail energon's asserts. So every checkpoint records its data identity in
+`trainer_state.json` (`TrainerState.data`), and a resume whose recipe differs is refused with one
+line naming each key `old -> new` and the switch that allows it, `checkpoint.reset_data: true`
+(weights, optimizer and step resume; the loader starts fresh from its seed).
+
+Not part of the identity: `data.val_paths` (evaluation builds its own loader each time) and
+`data.sharding` / the DP size (the loader state is then not restored at all: `LoaderState`).
+
+`checkpoint.reset_data` resets at most once per change: a checkpoint written by a run with the
+switch on records it (`TrainerState.data_reset`), and a rerun of that run (a crash, a time limit)
+resumes its data position as long as the data stays the same.
+
+Other recipe changes that take effect on resume (`train.iters`, the LR schedule, the global
+batch...) are not refused: `recipe_changes` says each in one log line.
+
+`resume_data_problems(recipe)` runs the refusal check from the recipe alone, for the launcher's
+preflight (before `config.yaml` is rewritten and workers are spawned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from mmtrain.runtime.checkpoint.layout import TRAINER_STATE, latest_checkpoint, resolve_checkpoint
+from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
+
+if TYPE_CHECKING:
+    from mmtrain.config.schema import Recipe
+
+log = logging.getLogger(__name__)
+
+RESET_SWITCH = "checkpoint.reset_data=true"
+#: data keys the loader state does not depend on (see the module docstring)
+NOT_IN_LOADER_STATE = ("val_paths", "sharding")
+#: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
+ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
+
+#: recipe keys announced (not refused) when a resume changes them, with what follows
+ANNOUNCED: dict[str, str] = {
+    "train.iters": "the LR schedule is recomputed",
+    "optimizer.lr": "the LR schedule is recomputed",
+    "optimizer.min_lr": "the LR schedule is recomputed",
+    "optimizer.lr_mult": "the LR schedule is recomputed",
+    "optimizer.warmup_fraction": "the LR schedule is recomputed",
+    "optimizer.decay": "the LR schedule is recomputed",
+    "train.global_batch_size": "steps from now on take the new batch (consumed samples keep counting)",
+    "optimizer.weight_decay": "applies from the next step",
+    "optimizer.adam_beta1": "applies from the next step",
+    "optimizer.adam_beta2": "applies from the next step",
+    "optimizer.adam_eps": "applies from the next step",
+    "optimizer.clip_grad": "applies from the next step",
+    "freeze": "the trained parts change from the next step",
+    "train.eval_interval": "applies from the next step",
+}
+
+
+class DataChangedError(CheckpointMismatchError):
+    """The recipe's data differs from what the checkpoint's loader state was made for."""
+
+
+# ----------------------------------------------------------------------------- the identity
+
+
+def data_identity(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
+    fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
+    from mmtrain.config.load import recipe_to_dict
+
+    data = recipe_to_dict(recipe)["data"]
+    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in NOT_IN_LOADER_STATE}
+    ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]
+    ident["data.sources"] = {p: _fingerprint(Path(p)) for p in ident["data.paths"]}
+    ident["train.seq_length"] = recipe.train.seq_length
+    ident["train.micro_batch_size"] = recipe.train.micro_batch_size
+    ident["seed"] = recipe.seed
+    return json.loads(json.dumps(ident))
+
+
+def _fingerprint(source: Path) -> str:
+    """A short digest of what a data source holds: a metadataset YAML's text (its blend weights
+    and paths), or a shard folder's energon sample counts and index id (missing files hash as
+    empty: preflight names an unready folder)."""
+    digest = hashlib.sha256()
+    for target in [source] if source.is_file() else [source / f for f in ENERGON_META_FILES]:
+        try:
+            digest.update(target.read_bytes())
+        except OSError:
+            pass
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def blend_weights(source: Path) -> list[float] | None:
+    """A metadataset YAML's train blend weights (for the message), None for a shard folder."""
+    if not source.is_file():
+        return None
+    try:
+        doc = yaml.safe_load(source.read_text())
+        return [float(entry.get("weight", 1.0)) for entry in doc["splits"]["train"]["blend"]]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError, ValueError):
+        return None
+
+
+def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key old -> new` for each key whose value differs (a key only one side has counts)."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        if key == "data.sources":
+            changes += _source_changes(old or {}, new or {}, current.get("data.paths") or [])
+        else:
+            changes.append(f"{key} {_show(old)} -> {_show(new)}")
+    return changes
+
+
+def _source_changes(old: dict[str, str], new: dict[str, str], paths: list[str]) -> list[str]:
+    """Sources at the same path whose contents changed (a changed path is data.paths' line)."""
+    lines = []
+    for i, path in enumerate(paths):
+        if path in old and old[path] != new.get(path):
+            weights = blend_weights(Path(path))
+            what = f"blend rewritten (weights now {weights})" if weights is not None else "shards rewritten"
+            lines.append(f"data.paths[{i}] {path}: {what}")
+    return lines
+
+
+def _show(value: Any) -> str:
+    return "(unset)" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def refusal(ckpt: Path, changes: list[str]) -> str:
+    """The one-line refusal naming each change and the switch."""
+    return (f"{ckpt}: its loader state was saved for other data ({'; '.join(changes)}); resuming it would "
+            f"feed the old loader position into the new data. Restore those keys to resume exactly, or set "
+            f"{RESET_SWITCH} to keep the weights, optimizer and step and start the data fresh, or use another "
+            "run_dir")
+
+
+# ----------------------------------------------------------------------------- the decision
+
+
+def saved_record(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's trainer_state.json ({} when unreadable: other checks name that)."""
+    try:
+        return json.loads((ckpt / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def resume_decision(ckpt: Path, recipe: Recipe) -> str:
+    """How the loader state of the training checkpoint `ckpt` is treated on resume:
+    'restore' (the data is the same), 'reset' (checkpoint.reset_data applies), 'unchecked'
+    (a checkpoint without the record: restored as before). Raises DataChangedError when the data
+    differs and the switch is off."""
+    record = saved_record(ckpt)
+    saved = record.get("data") or {}
+    reset = recipe.checkpoint.reset_data
+    if not saved:
+        return "reset" if reset else "unchecked"
+    changes = identity_changes(saved, data_identity(recipe))
+    if not changes:
+        # a rerun of a reset run continues its data; a checkpoint written without the switch resets
+        return "reset" if reset and not record.get("data_reset", False) else "restore"
+    if reset:
+        return "reset"
+    raise DataChangedError(refusal(ckpt, changes))
+
+
+def explain(decision: str, ckpt: Path, recipe: Recipe) -> str | None:
+    """The log line of a decision, None when there is nothing to say."""
+    if decision == "reset":
+        return (f"checkpoint.reset_data: the loader starts fresh from its seed (data.paths "
+                f"{recipe.data.paths}); weights, optimizer and step come from {ckpt}")
+    if decision == "unchecked":
+        return (f"{ckpt} records no data identity (written by an older version): its loader state is restored "
+                "without checking that data.paths, the blend, train.seq_length and data.packing are unchanged")
+    if recipe.checkpoint.reset_data:
+        return ("checkpoint.reset_data: the data is unchanged since this run's reset, so its data position "
+                "resumes")
+    return None
+
+
+def resume_point(recipe: Recipe) -> Path | None:
+    """The training checkpoint whose loader state a run would restore (its own latest, else a
+    full `checkpoint.load`), or None (fresh start, weights only, HF, nothing valid)."""
+    run_dir = Path(recipe.run_dir)
+    own = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if own is not None:
+        return own
+    if not recipe.checkpoint.load or recipe.checkpoint.weights_only:
+        return None
+    try:
+        kind, path = resolve_checkpoint(recipe.checkpoint.load)
+    except FileNotFoundError:
+        return None  # preflight's own check names it
+    return path if kind == "mmtrain" else None
+
+
+def resume_data_problems(recipe: Recipe) -> list[str]:
+    """For preflight: the refusal line (key `run_dir` or `checkpoint.load`) when resuming would
+    restore a loader state made for other data; [] otherwise."""
+    point = resume_point(recipe)
+    if point is None:
+        return []
+    try:
+        resume_decision(point, recipe)
+    except DataChangedError as err:
+        key = "run_dir" if point.parent.parent.resolve() == Path(recipe.run_dir).resolve() else "checkpoint.load"
+        return [f"{key}: {err}"]
+    return []
+
+
+# ----------------------------------------------------------------------------- announcements
+
+
+def recipe_changes(ckpt: Path, resolved_yaml: str) -> list[str]:
+    """One line per ANNOUNCED key the new resolved recipe changes against the checkpoint's
+    `config.yaml` (none when the checkpoint has no readable one)."""
+    try:
+        old = _flatten(yaml.safe_load((ckpt / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        return []
+    new = _flatten(yaml.safe_load(resolved_yaml) or {})
+    return [f"{key} {_show(old.get(key))} -> {_show(new.get(key))}: {why}"
+            for key, why in ANNOUNCED.items() if old.get(key) != new.get(key)]
+
+
+def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; mappings under a leaf key (lr_mult) stay whole."""
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in ANNOUNCED:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
