@@ -180,10 +180,11 @@ def _quiet_third_party() -> None:
     """Hide the third-party warnings training hides (optional Transformer Engine / Apex absent,
     megatron deprecations), here and in the ranks a conversion spawns (they read the variable
     when they import mmtrain/runtime/hf_conversion.py, before megatron)."""
-    from mmtrain.runtime.hf_conversion import QUIET_ENV
     from mmtrain.runtime.launch import quiet_third_party
 
-    quiet_third_party()
+    quiet_third_party()  # first: importing hf_conversion imports megatron
+    from mmtrain.runtime.hf_conversion import QUIET_ENV
+
     os.environ[QUIET_ENV] = "1"
 
 

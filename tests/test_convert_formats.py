@@ -86,6 +86,7 @@ def test_export_has_the_processor_and_tiles_as_our_loader(exported):
 
     _, out, stderr = exported
     _no_noise(stderr)
+    assert "wrote shard 1 (" in stderr  # progress of the export, in the CLI's own log
     for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja", "tokenizer.json"):
         assert (out / name).is_file(), name
     settings = json.loads((out / "processor_config.json").read_text())
@@ -157,6 +158,10 @@ def test_sharded_bin_converts_at_tp2_quietly(hf_tok_dir, tmp_path):
     proc = _mmtrain("hf-to-mcore", "--model", "llava-ov", "--src", str(b), "--dst", str(tmp_path / "ck"), "--tp", "2")
     assert proc.returncode == 0, proc.stderr
     _no_noise(proc.stderr)
+    progress = [x for x in proc.stderr.splitlines() if x.startswith("hf-to-mcore: ")]  # rank 0's lines only
+    assert [x.split(" (")[0].split(" [")[0] for x in progress] == [
+        "hf-to-mcore: building the model", "hf-to-mcore: filling it from the source",
+        "hf-to-mcore: saving the megatron checkpoint"], progress
     out = tmp_path / "hf"
     assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "ck"), "--dst", str(out)) == 0
     a, c = SafetensorsReader(src), SafetensorsReader(out)

@@ -6,6 +6,7 @@ the plan against the online packer."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,7 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
     lengths = pq.read_table(out / "lengths.parquet").column("total_tokens").to_numpy()
     for seq in (8192, 12288):
         assert main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
+        assert re.search(r"pack chunks .* 1/1", capsys.readouterr().err)  # its progress, on stderr
         path = pack_plan.plan_path(out, seq)
         info = pack_plan.read_plan_info(path)
         plan = pq.read_table(path)

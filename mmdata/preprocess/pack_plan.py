@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,10 +151,12 @@ def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list
     return bins
 
 
-def plan_packing(lengths: np.ndarray, seq_length: int, seed: int = 0, jobs: int = 1) -> PackPlan:
+def plan_packing(lengths: np.ndarray, seq_length: int, seed: int = 0, jobs: int = 1,
+                 on_chunk: Callable[[int], None] | None = None) -> PackPlan:
     """Windowed largest-first knapsack with carry-over (see the module docstring). The seeded
     order is cut into chunks of CHUNK samples packed independently (in `jobs` processes) and
-    concatenated in order, so the plan does not depend on `jobs`."""
+    concatenated in order, so the plan does not depend on `jobs`. `on_chunk(total)` is called
+    once per packed chunk (progress)."""
     if seq_length <= 0:
         raise ValueError("seq_length must be positive")
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -164,9 +167,17 @@ def plan_packing(lengths: np.ndarray, seq_length: int, seed: int = 0, jobs: int 
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(jobs, len(chunks))) as pool:
-            parts = list(pool.map(_pack_chunk, chunks, [clipped] * len(chunks), [seq_length] * len(chunks)))
+            parts = []
+            for part in pool.map(_pack_chunk, chunks, [clipped] * len(chunks), [seq_length] * len(chunks)):
+                parts.append(part)
+                if on_chunk is not None:
+                    on_chunk(len(chunks))
     else:
-        parts = [_pack_chunk(c, clipped, seq_length) for c in chunks]
+        parts = []
+        for c in chunks:
+            parts.append(_pack_chunk(c, clipped, seq_length))
+            if on_chunk is not None:
+                on_chunk(len(chunks))
     return PackPlan(seq_length, [b for part in parts for b in part], lengths)
 
 
@@ -184,21 +195,26 @@ def read_lengths(root: Path):
     return pq.read_table(path)
 
 
-def recount_lengths(root: Path, table, geometry: PlanGeometry) -> np.ndarray:
+def recount_lengths(root: Path, table, geometry: PlanGeometry,
+                    on_shard: Callable[[int], None] | None = None) -> np.ndarray:
     """Per length-index row: its text tokens plus its media recounted with `geometry` from the
-    records in the shards (`{key}.json`, only those members are read)."""
+    records in the shards (`{key}.json`, only those members are read). `on_shard(total)` is
+    called once per shard read (progress)."""
     import tarfile
 
     from mmdata import shard_format as sf
 
     index = table.column("index").to_numpy()
     media = np.full(int(index.max()) + 1 if len(index) else 0, -1, dtype=np.int64)
-    for tar_path in sorted(root.glob("shard-*.tar")):
+    shards = sorted(root.glob("shard-*.tar"))
+    for tar_path in shards:
         with tarfile.open(tar_path, "r:") as tar:
             for member in tar:
                 key, _, suffix = member.name.partition(".")
                 if suffix == sf.JSON_MEMBER and member.isfile() and key.isdigit() and int(key) < len(media):
                     media[int(key)] = geometry.media_tokens(json.loads(tar.extractfile(member).read()))
+        if on_shard is not None:
+            on_shard(len(shards))
     missing = index[media[index] < 0]
     if len(missing):
         raise FileNotFoundError(f"{root}: the shards lack the records of {len(missing)} samples of the length index "
@@ -254,6 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes (default: all CPUs); the plan does not depend on it")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress display on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -275,14 +292,16 @@ def run(args: argparse.Namespace) -> int:
     from mmdata.preprocess.shard_writer import sha256_file
 
     manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").is_file() else {}
-    if geometry == DEFAULT_GEOMETRY:  # what the length index counted with
-        lengths = table.column("total_tokens").to_numpy().astype(np.int64)
-    else:
-        try:
-            lengths = recount_lengths(root, table, geometry)
-        except FileNotFoundError as e:
-            raise UserError(str(e)) from None
-    plan = plan_packing(lengths, args.seq_length, args.seed, args.jobs or os.cpu_count() or 1)
+    with _Stages(enabled=not args.no_progress) as progress:
+        if geometry == DEFAULT_GEOMETRY:  # what the length index counted with
+            lengths = table.column("total_tokens").to_numpy().astype(np.int64)
+        else:
+            try:
+                lengths = recount_lengths(root, table, geometry, on_shard=progress.step("recount shards"))
+            except FileNotFoundError as e:
+                raise UserError(str(e)) from None
+        plan = plan_packing(lengths, args.seq_length, args.seed, args.jobs or os.cpu_count() or 1,
+                            on_chunk=progress.step("pack chunks"))
     meta = {"lengths_sha256": sha256_file(root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
             "text_tokens": (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
             "geometry": geometry.as_dict()}
@@ -290,6 +309,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"{out}: {len(plan.bins):,} sequences of {args.seq_length:,} tokens for {len(lengths):,} samples, "
           f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); image geometry {geometry.flags()}")
     return 0
+
+
+class _Stages:
+    """Live progress of pack-plan's stages (the job's own progress display, one bar each)."""
+
+    def __init__(self, enabled: bool):
+        from mmdata.preprocess.progress import JobProgress
+
+        self.job = JobProgress(enabled)
+
+    def __enter__(self) -> "_Stages":
+        self.job.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.job.__exit__(*exc)
+
+    def step(self, name: str) -> Callable[[int], None]:
+        """A callback advancing stage `name` by one of `total` (the stage starts at its first call)."""
+        def advance(total: int) -> None:
+            if name not in self.job.tasks:
+                self.job.stage(name, total)
+            self.job.advance(name)
+        return advance
 
 
 def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry]:

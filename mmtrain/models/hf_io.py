@@ -4,6 +4,7 @@ write size-bounded shards with an index) -- never pickle, never the whole model 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Callable, Iterable
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
 
 #: `--dtype` / config `dtype` spellings of the floating dtypes a checkpoint is written in
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -210,6 +213,8 @@ def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os
         save_file(current, str(path), metadata={"format": "pt"})
         honour_umask(path)
         tmp_files.append(path)
+        log.info("wrote shard %d (%.2f GiB, %d tensors so far, %.2f GiB in all)", len(tmp_files), size / 1024**3,
+                 len(names), total / 1024**3)  # (progress: a large export takes minutes)
         current, size = {}, 0
 
     for name, t in tensors:

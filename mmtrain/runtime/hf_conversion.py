@@ -99,12 +99,29 @@ def _import_rank(job: ImportJob) -> None:
 
     torch.set_num_threads(max(1, job.threads))
     ensure_model_parallel(job.tp, job.pp, seed=job.seed)
+    say = _rank0_progress(job.tp * job.pp)
     cfg, get, tied = job.source(job.source_args)
     if job.params_dtype is not None:
         cfg = replace(cfg, params_dtype=job.params_dtype)
+    say(f"building the model (tp={job.tp}, pp={job.pp}, {cfg.params_dtype})")
     model = job.build_stage(cfg, ParallelOptions(perform_initialization=job.fresh_init))
+    say("filling it from the source")
     load_canonical(model, get, tied_output_source=tied)
+    say("saving the megatron checkpoint")
     save_model_weights([model], job.dst, iteration=0, model_config=cfg)
+
+
+def _rank0_progress(world: int) -> Callable[[str], None]:
+    """Progress lines of an import on stderr, from rank 0 only (the ranks are spawned processes
+    without the CLI's logging)."""
+    import sys
+
+    rank = int(os.environ.get("RANK", "0"))
+
+    def say(what: str) -> None:
+        if rank == 0:
+            print(f"hf-to-mcore: {what}" + (f" [{world} ranks]" if world > 1 else ""), file=sys.stderr, flush=True)
+    return say
 
 
 def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
