@@ -148,15 +148,15 @@ def _convert(args: argparse.Namespace) -> int:
         unknown = sorted(set(extras) - set(hf.export_from))
         if unknown:
             raise UserError(f"mcore-to-hf --model {args.model} takes no {' '.join('--' + f for f in unknown)}")
-        _check_sources({"--src": args.src, **{f"--{k}": v for k, v in extras.items()}}, args.dst)
-        _check_megatron_source(args.model, args.src)
         if args.max_shard_gib <= 0:
             raise UserError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
         fmt = getattr(args, "format", None)
+        if fmt is not None and fmt not in hf.export_formats:  # the options first, then the folders
+            raise UserError(f"mcore-to-hf --model {args.model} writes no --format {fmt}"
+                            + (f" (it writes {', '.join(hf.export_formats)})" if hf.export_formats else ""))
+        _check_sources({"--src": args.src, **{f"--{k}": v for k, v in extras.items()}}, args.dst)
+        _check_megatron_source(args.model, args.src)
         if fmt is not None:
-            if fmt not in hf.export_formats:
-                raise UserError(f"mcore-to-hf --model {args.model} writes no --format {fmt}"
-                                + (f" (it writes {', '.join(hf.export_formats)})" if hf.export_formats else ""))
             extras["format"] = fmt
         sources = [args.src, *(v for k, v in extras.items() if k != "format")]
         with _writing(args, sources) as dst:
