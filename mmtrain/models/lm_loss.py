@@ -89,6 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             new_max = torch.maximum(run_max, logits.max(dim=1).values)
             run_sum = run_sum * torch.exp(run_max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(dim=1)
             run_max = new_max
+            del logits  # before the next block's GEMM allocates: one [tokens, block] block at a time
         # complete the softmax over the TP group (ranks whose slice is all padding hold -inf / 0)
         global_max = _tp_all_reduce(run_max.clone(), dist.ReduceOp.MAX, group)
         run_sum = torch.where(run_max > float("-inf"), run_sum * torch.exp(run_max - global_max),
@@ -117,6 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = probs.mul_(scale[:, None]).to(hidden.dtype)
             grad_h += (g @ w).float()
             grad_w[start:end] = g.t() @ hidden
+            del probs, g  # (as in forward: the next block's GEMM must not find this one still alive)
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None
 
 
