@@ -290,7 +290,8 @@ def test_checkpoint_damaged_inside_a_file_refused_at_load(ref_run, tmp_path, sha
     ckpt = _copy_ckpt(ref_run, tmp_path / "run")
     meta = ckpt / "model" / ".metadata"
     meta.write_bytes(bytes(len(meta.read_bytes())))
-    proc = train(tmp_path / "run", shards_dir, tokenizer_dir, *RUN, expect_rc=2)
+    # train.iters past the checkpoint's step 6: a rerun at step 6 of 6 has nothing to load ("nothing to do")
+    proc = train(tmp_path / "run", shards_dir, tokenizer_dir, *RUN, "train.iters=8", expect_rc=2)
     assert "iter_0000006: its model state cannot be loaded" in proc.stderr
     assert "Traceback" not in proc.stderr
 
