@@ -89,10 +89,13 @@ FORKING_HOLDER = textwrap.dedent("""
     import os, signal, sys, time
     from mmdata.folder_lock import FolderLock
     with FolderLock(sys.argv[1], "run_dir"):
+        ready_r, ready_w = os.pipe()
         child = os.fork()  # like a loader worker: it outlives the holder's kill -9 here
         if child == 0:
+            os.write(ready_w, b"x")  # fork's after-in-child hooks have run by now
             time.sleep(600)
             os._exit(0)
+        os.read(ready_r, 1)  # a worker that has started (under load the kill could otherwise come first)
         print(child, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 """)
