@@ -54,8 +54,12 @@ def run(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subp
                           text=True, env=env, cwd=REPO)
 
 
-def problem_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("  - ")]
+def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
+    """The single problem line of a run preflight refused (exit 2, one line per problem)."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
 
 
 def test_sample_types_are_read_from_the_energon_index(llava_shards, token_shards):
@@ -68,10 +72,7 @@ def test_sample_types_are_read_from_the_energon_index(llava_shards, token_shards
 def test_llava_ov_refuses_emu3_token_shards(token_shards, llava_tok, tmp_path):
     run_dir = tmp_path / "run"
     proc = run("llava-ov", LLAVA_RECIPE, run_dir, token_shards, llava_tok)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = problem_lines(proc.stderr)
-    assert len(lines) == 1, proc.stderr[-3000:]
-    line = lines[0]
+    line = the_one_refusal(proc)
     assert line.startswith(f"  - data.paths[0]: {token_shards} holds VQTokenSample samples, Emu3 VQ token shards"), line
     assert "mmtrain llava-ov trains on ConversationSample samples, LLaVA image/text shards" in line, line
     assert "`mmtrain emu3`" in line, line
@@ -82,10 +83,7 @@ def test_llava_ov_refuses_emu3_token_shards(token_shards, llava_tok, tmp_path):
 def test_emu3_refuses_llava_shards(llava_shards, emu3_tok_dir, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     proc = run("emu3", EMU3_RECIPE, run_dir, llava_shards, emu3_tok_dir)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = problem_lines(proc.stderr)
-    assert len(lines) == 1, proc.stderr[-3000:]
-    line = lines[0]
+    line = the_one_refusal(proc)
     assert f"data.paths[0]: {llava_shards} holds ConversationSample samples, LLaVA image/text shards" in line, line
     assert "mmtrain emu3 trains on VQTokenSample samples" in line and "`mmtrain llava-ov`" in line, line
     assert "Traceback" not in proc.stderr and not run_dir.exists()
