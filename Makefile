@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO   := demo_out
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-unit test-slow test-all test-gpu clean
+.PHONY: install demo lint test test-unit test-slow test-all test-gpu clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh $(DEMO)
+
+# pyflakes, error-prone pycodestyle rules and bugbear; the rule set is in pyproject.toml.
+lint: $(STAMP)
+	$(PY) -m ruff check mmdata mmtrain tests benchmarks scripts
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards

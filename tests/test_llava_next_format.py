@@ -258,7 +258,7 @@ def test_refusals_name_the_tensor_or_key(fmt, tmp_path, capsys, caplog):
         llava_source(case("missing", missing))
     for key, value in (("mm_projector_type", "linear"), ("image_aspect_ratio", "pad"), ("mm_vision_select_layer", -1),
                        ("mm_patch_merge_type", "flat"), ("architectures", ["LlavaLlamaForCausalLM"])):
-        d = case(f"cfg_{key}", lambda sd, cfg: (sd, cfg | {key: value}))
+        d = case(f"cfg_{key}", lambda sd, cfg, key=key, value=value: (sd, cfg | {key: value}))
         with pytest.raises(ConversionError, match=key):
             llava_source(d)
     grid = case("video_grid", lambda sd, cfg: (sd, cfg | {"mm_newline_position": "grid"}))

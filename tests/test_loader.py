@@ -171,7 +171,7 @@ def test_loss_tokens_decode_to_assistant_answers(dev_dir, tok_dir):
     answers = {s.id: [t["value"] for t in s.conversations if t["from"] == "gpt"] for s in _dev_samples()}
     loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=16, **VISION)
     batch = next(iter(loader))
-    flat_ids, flat_lab, cu = batch.input_ids.flatten(), batch.labels.flatten(), batch.cu_seqlens.tolist()
+    flat_lab, cu = batch.labels.flatten(), batch.cu_seqlens.tolist()
     ids_in_order = batch.sample_ids[0]
     for k, sid in enumerate(ids_in_order):
         a, e = cu[k], cu[k + 1]

@@ -127,7 +127,7 @@ def test_llava_json_layout(tmp_path):
     write_llava_json(recs, tmp_path)
     lines = (tmp_path / "annotations.jsonl").read_bytes().splitlines()
     assert len(lines) == 30
-    ok = [json.loads(l) for r, l in zip(recs, lines) if r.broken != "malformed_json"]
+    ok = [json.loads(line) for r, line in zip(recs, lines) if r.broken != "malformed_json"]
     for rec in ok:
         refs = rec.get("image")
         for ref in ([refs] if isinstance(refs, str) else refs or []):

@@ -35,12 +35,10 @@ def test_te_refused_on_cpu_and_without_te():
 
 def _hf(adapter):
     g = torch.Generator().manual_seed(0)
-    shapes = {}
     # build a tiny HF state dict through the local adapter's megatron->HF direction
     local = Qwen2StateDictAdapter(LLM)
     mc = {}
-    for m, hs, op in local._pairs:
-        n = {"qkv": (8 + 4 + 4) if "weight" in m else 16}.get(op)
+    for m, _hf_names, op in local._pairs:
         shape = (16, 8) if op == "qkv" and m.endswith("weight") else (16,) if op == "qkv" else (
             (32, 16) if op == "cat" else (32, 8) if "embeddings" in m else (8,) if "norm" in m else (8, 16))
         mc[m] = torch.randn(shape, generator=g)

@@ -329,11 +329,11 @@ def _signal_rank_1_after_step_1(run: Path, shards_dir: Path, tokenizer_dir: Path
     t0 = time.monotonic()
     try:
         _, err = p.communicate(timeout=300)  # a hang guard, not a speed requirement
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as hung:
         p.kill()
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
-        raise AssertionError(f"the job hung after rank 1 got {sig.name}")
+        raise AssertionError(f"the job hung after rank 1 got {sig.name}") from hung
     print(f"job ended {time.monotonic() - t0:.1f} s after rank 1 got {sig.name}")
     assert p.returncode != 0
     return err, victim

@@ -20,5 +20,5 @@ class TorchNorm:
         else:
             raise ValueError(f"unsupported normalization {config.normalization!r}")
         for p in norm.parameters():
-            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+            p.sequence_parallel = bool(config.sequence_parallel)
         return norm

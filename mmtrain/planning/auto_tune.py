@@ -33,7 +33,6 @@ import csv
 import dataclasses
 import hashlib
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -58,7 +57,6 @@ from mmtrain.planning.search_space import (
     SpaceContext,
     apply_layout,
     candidate_layouts,
-    dimension_values,
     layout_key,
     needs_more_memory,
 )

@@ -5,7 +5,7 @@ chat template (the one Emu3-Chat-hf ships; the Emu3 reference's `"You are a help
 assistant. USER: {image}{text}. ASSISTANT:"` is its one-turn case) with Emu3's eos closing
 each answer:
 
-    [bos]{system} USER: <img>…<img>{question} ASSISTANT: {answer}[eos] USER: {question} ASSISTANT: {answer}[eos] 
+    [bos]{system} USER: <img>…<img>{question} ASSISTANT: {answer}[eos] USER: {question} ASSISTANT: {answer}[eos]
 
 Each message is rendered as the template does: the system text without a role, "USER: " with
 the turn's images first (the template renders images before text; the `<image>` placeholders

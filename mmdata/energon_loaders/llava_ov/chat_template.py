@@ -117,7 +117,7 @@ class ChatTokenizer:
             ids, offsets = encode_with_offsets(self.tokenizer, text)
             is_assistant = msg["role"] == "assistant"
             loss_end = len(text) - 1  # content + <|im_end|>, not the final "\n"
-            for tok_i, (tid, (start, end)) in enumerate(zip(ids, offsets)):
+            for tid, (start, end) in zip(ids, offsets):
                 if tid == self.image_token_id or tid == self.video_token_id:
                     if is_assistant:
                         raise ConversationError("media_in_assistant", "media placeholder in an assistant turn")

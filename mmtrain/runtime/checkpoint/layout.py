@@ -127,7 +127,7 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model module inside its wrappers (megatron DDP, Float16Module): the one whose
     parameters are named as the family's model names them and whose state is saved."""
     while hasattr(chunk, "module") and not hasattr(chunk, "sharded_state_dict_unwrapped"):
-        inner = getattr(chunk, "module")
+        inner = chunk.module
         if not isinstance(inner, torch.nn.Module):
             break
         chunk = inner
