@@ -22,8 +22,9 @@ positions).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,7 +62,7 @@ class PackingReport:
     def executed_token_efficiency(self) -> float:
         return self.real_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
-    def __add__(self, other: "PackingReport") -> "PackingReport":
+    def __add__(self, other: PackingReport) -> PackingReport:
         if (self.cp, self.tp) != (other.cp, other.tp):
             raise ValueError(f"cannot add reports for CP{self.cp}/TP{self.tp} and CP{other.cp}/TP{other.tp}")
         return PackingReport(self.rows + other.rows, self.capacity + other.capacity,
