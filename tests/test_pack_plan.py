@@ -90,11 +90,17 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
         first = path.read_bytes()
         assert main(["pack-plan", str(out), "--seq-length", str(seq), "--cp", "4", "--tp", "2"]) == 0  # all CPUs: same
         assert path.read_bytes() == first
-    d = summarize(out, sample=5, context_lengths=(8192, 12288)).to_dict()["length_index"]
+    d = summarize(out, sample=5, context_lengths=(8192, 12288), cp=4, tp=2).to_dict()["length_index"]
     assert d["samples"] == d["compared"] == len(lengths) and d["text_tokens"] == "tokenizer"
+    assert (d["cp"], d["tp"]) == (4, 2)
     for seq in ("8192", "12288"):
         p = d["packing"][seq]
         assert p["plan"] >= 0.99 and p["plan"] >= p["online"] and p["plan_file"] == pytest.approx(p["plan"], abs=1e-4)
+        fill, executed = p["bin_fill"], p["executed_token_efficiency"]
+        assert fill["online"] == p["online"] and fill["plan"] == p["plan"] and fill["online"] >= 0.95
+        assert min(executed.values()) >= 0.97 and all(executed[k] <= fill[k] for k in fill)
+        made = pack_plan.read_plan_info(pack_plan.plan_path(out, int(seq)))["packing_report"]  # made at CP4 TP2
+        assert executed["plan_file"] == pytest.approx(made["executed_token_efficiency"], abs=1e-4)
     capsys.readouterr()
     assert main(["inspect", str(out), "--sample", "5", "--context-lengths", "8192"]) == 0
     assert "offline plan" in capsys.readouterr().out
