@@ -104,3 +104,40 @@ def test_random_rows_agree_with_the_runtime(seed: int = 3):
         report = report_from_rows(rows, seq, cp=cp, tp=tp)
         assert report.computed_tokens == _runtime_computed(batch.cu_seqlens, cp, tp), (cp, tp)
         assert isinstance(report, PackingReport) and report.real_tokens == batch.num_real_tokens
+
+
+def test_train_step_report_and_step_line(caplog):
+    """The train loop's per-step report (`throughput.batch_packing` over this rank's micro-batches)
+    and what `_log` writes: `bin_fill` / `executed_token_efficiency` in the metrics record and
+    `| fill X% | exec Y% |` in the step line."""
+    import logging
+    from types import SimpleNamespace
+
+    from mmdata.energon_loaders.batch import PackedBatch
+    from mmtrain.runtime.throughput import batch_packing
+    from mmtrain.runtime.trainer import StepResult, Trainer
+
+    micro = [[[10, 30], [64]], [[20], []]]  # two micro-batches of 2 rows of 64
+    batches = []
+    for rows in micro:
+        p = _batch(rows, 64)
+        batches.append(PackedBatch(input_ids=p.input_ids, labels=p.labels, position_ids=p.position_ids,
+                                   cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen, num_real_tokens=p.num_real_tokens))
+    report = batch_packing(batches, cp=4, tp=2)
+    assert report == report_from_rows([r for rows in micro for r in rows], 64, cp=4, tp=2)
+    assert (report.rows, report.real_tokens, report.computed_tokens) == (4, 124, 144 + 80 + 64)
+
+    t = Trainer.__new__(Trainer)
+    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=1, device=torch.device("cpu"))
+    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=1), train=SimpleNamespace(iters=10))
+    t.peak_flops = None
+    records: list[dict] = []
+    t.metrics = SimpleNamespace(write=records.append)
+    r = StepResult(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0,
+                   tokens=report.real_tokens, samples=4, loss_tokens=10, sample_ids=[], sample_losses=[],
+                   bin_fill=report.bin_fill, executed_token_efficiency=report.executed_token_efficiency)
+    with caplog.at_level(logging.INFO, logger="mmtrain.runtime.trainer"):
+        t._log(r)
+    assert records[0]["bin_fill"] == pytest.approx(124 / 256)
+    assert records[0]["executed_token_efficiency"] == pytest.approx(124 / 288)
+    assert "| fill 48.4% | exec 43.1% |" in caplog.text
