@@ -210,8 +210,12 @@ def test_quarantine_reasons_and_counts(broken_dataset):
 
 def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     out, recs = broken_dataset
-    d = json.loads(_inspect_cli(str(out), "--json", "--all", "--tokenizer", str(tokenizer_dir)).stdout)
-    assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/2"
+    d = json.loads(_inspect_cli(str(out), "--json", "--all", "--tokenizer", str(tokenizer_dir),
+                                "--cp", "2", "--tp", "2").stdout)
+    assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/3"
+    for v in d["packing"].values():  # the packing report: CP2 x TP2 pads every segment to 8 tokens
+        assert v["bin_fill"] == pytest.approx(v["efficiency"], abs=1e-4)
+        assert 0.5 < v["executed_token_efficiency"] <= v["bin_fill"]
     valid = [r for r in recs if not r.broken]
     assert d["samples"] == d["sampled"]["count"] == len(valid)
     assert {k: v["count"] for k, v in d["modality"].items() if v["count"]} == dict(Counter(map(_expected_modality, valid)))
@@ -230,8 +234,11 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
                  "image_empty", "tiles / image"):
         assert word in table, word
     assert f"{len(valid)}" in table
+    assert "bin fill / executed" in table
     assert main(["inspect", str(out / "missing")]) == 2
     assert "not a shards directory" in capsys.readouterr().err
+    assert main(["inspect", str(out), "--cp", "0"]) == 2
+    assert "--cp must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.unit
@@ -255,6 +262,11 @@ def test_packing_estimate_packs_like_the_loader():
     split = estimate_packing([3000, 3000, 1000, 1000], 4096, buffer=2)
     assert (split.sequences, split.efficiency) == (3, pytest.approx(8000 / (3 * 4096)))
     assert estimate_packing([3000, 3000, 1000, 1000], 4096, buffer=4).sequences == 2
+    # the packing report: CP2 x TP2 pads 3001 -> 3008, 999 -> 1000 and each row's padding run 96 -> 96
+    cp = estimate_packing([3001, 999, 3001, 999], 4096, buffer=2, cp=2, tp=2).report
+    assert (cp.rows, cp.real_tokens, cp.computed_tokens) == (2, 8000, 2 * (3008 + 1000 + 96))
+    assert cp.bin_fill == pytest.approx(8000 / 8192) and cp.executed_token_efficiency == pytest.approx(8000 / 8208)
+    assert mixed.report.executed_token_efficiency == mixed.report.bin_fill == mixed.efficiency  # no CP: the rows
 
 
 @pytest.mark.unit

@@ -59,8 +59,11 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
     out, _ = tok_shards
     lengths = pq.read_table(out / "lengths.parquet").column("total_tokens").to_numpy()
     for seq in (8192, 12288):
-        assert main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
-        assert re.search(r"pack chunks .* 1/1", capsys.readouterr().err)  # its progress, on stderr
+        assert main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1", "--cp", "4", "--tp", "2"]) == 0
+        printed = capsys.readouterr()
+        assert re.search(r"pack chunks .* 1/1", printed.err)  # its progress, on stderr
+        assert re.search(r"packing report: bin fill \d+\.\d\d% \| executed-token efficiency \d+\.\d\d% \(CP4 TP2\)",
+                         printed.out)
         path = pack_plan.plan_path(out, seq)
         info = pack_plan.read_plan_info(path)
         plan = pq.read_table(path)
@@ -74,14 +77,31 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
         assert info["efficiency"] >= 0.99 and info["bins"] <= online.sequences, (seq, info, online)
         assert info["bins"] <= -(-int(np.minimum(lengths, seq).sum()) // seq) + 1  # at most one over the bound
         assert info["lengths_sha256"] == json.loads((out / sf.MANIFEST_NAME).read_text())["length_index"]["sha256"]
+        # the packing report in the metadata: CP4 x TP2 pads every sample and padding run to 16
+        report, computed = info["packing_report"], 0
+        for b in range(info["bins"]):
+            row = [min(int(n), seq) for n in tokens[bins == b]]
+            computed += sum(-(-n // 16) * 16 for n in row) + -(-(seq - sum(row)) // 16) * 16
+        assert (report["cp"], report["tp"], report["rows"]) == (4, 2, info["bins"])
+        assert report["capacity"] == info["bins"] * seq
+        assert report["real_tokens"] == int(per_bin.sum()) and report["computed_tokens"] == computed
+        assert report["bin_fill"] == pytest.approx(info["efficiency"], abs=1e-6) and report["bin_fill"] >= 0.99
+        assert report["executed_token_efficiency"] == pytest.approx(per_bin.sum() / computed, abs=1e-6)
+        assert report["executed_token_efficiency"] >= 0.97, report
         first = path.read_bytes()
-        assert main(["pack-plan", str(out), "--seq-length", str(seq)]) == 0  # all CPUs: same plan
+        assert main(["pack-plan", str(out), "--seq-length", str(seq), "--cp", "4", "--tp", "2"]) == 0  # all CPUs: same
         assert path.read_bytes() == first
-    d = summarize(out, sample=5, context_lengths=(8192, 12288)).to_dict()["length_index"]
+    d = summarize(out, sample=5, context_lengths=(8192, 12288), cp=4, tp=2).to_dict()["length_index"]
     assert d["samples"] == d["compared"] == len(lengths) and d["text_tokens"] == "tokenizer"
+    assert (d["cp"], d["tp"]) == (4, 2)
     for seq in ("8192", "12288"):
         p = d["packing"][seq]
         assert p["plan"] >= 0.99 and p["plan"] >= p["online"] and p["plan_file"] == pytest.approx(p["plan"], abs=1e-4)
+        fill, executed = p["bin_fill"], p["executed_token_efficiency"]
+        assert fill["online"] == p["online"] and fill["plan"] == p["plan"] and fill["online"] >= 0.95
+        assert min(executed.values()) >= 0.97 and all(executed[k] <= fill[k] for k in fill)
+        made = pack_plan.read_plan_info(pack_plan.plan_path(out, int(seq)))["packing_report"]  # made at CP4 TP2
+        assert executed["plan_file"] == pytest.approx(made["executed_token_efficiency"], abs=1e-4)
     capsys.readouterr()
     assert main(["inspect", str(out), "--sample", "5", "--context-lengths", "8192"]) == 0
     assert "offline plan" in capsys.readouterr().out

@@ -70,6 +70,8 @@ def test_recipe_plan_counts_what_the_loader_counts(data):
     shards, tok = data
     info = make_plan(shards, str(shards), "--recipe", str(TINY_RECIPE), "--set", f"train.seq_length={SEQ}")
     assert info["geometry"] == TINY and info["seq_length"] == SEQ
+    assert (info["packing_report"]["cp"], info["packing_report"]["tp"]) == (1, 1)  # the recipe's parallel sizes
+    assert info["packing_report"]["computed_tokens"] == info["bins"] * SEQ  # no CP: the rows, nothing more
     plan = pq.read_table(pack_plan.plan_path(shards, SEQ))
     tokens = dict(zip(plan.column("index").to_pylist(), plan.column("tokens").to_pylist()))
     g = TINY
@@ -90,6 +92,10 @@ def test_recipe_plan_counts_what_the_loader_counts(data):
     # the default plan counts LLaVA-OV's tiles: its lengths are the length index's, far longer
     default = make_plan(shards, str(shards), "--seq-length", str(SEQ))
     assert default["geometry"] == DEFAULT
+    cp = make_plan(shards, str(shards), "--recipe", str(TINY_RECIPE), "--set", f"train.seq_length={SEQ}",
+                   "--set", "parallel.cp=2", "--set", "parallel.nproc_per_node=2", "--tp", "2")["packing_report"]
+    assert (cp["cp"], cp["tp"]) == (2, 2) and cp["real_tokens"] == info["packing_report"]["real_tokens"]
+    assert cp["computed_tokens"] > info["packing_report"]["computed_tokens"]  # CP pads each segment to 8
     lengths = pq.read_table(shards / "lengths.parquet").column("total_tokens").to_numpy()
     assert default["tokens"] == int(lengths.sum()) > 2 * info["tokens"]
 

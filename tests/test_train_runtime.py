@@ -98,7 +98,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def ref_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
     """One process, 6 steps, checkpoints every 2 (keep the last 2)."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    proc = train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    (run_dir.parent / "stderr.txt").write_text(proc.stderr)  # its step lines
     return run_dir
 
 
@@ -117,7 +118,10 @@ def interrupted_copy(ref: Path, dst: Path, at_step: int) -> Path:
 
 
 def test_reference_run_trains_logs_and_checkpoints(ref_run):
+    import yaml
+
     m = metrics(ref_run)
+    rows_per_step = yaml.safe_load((ref_run / "config.yaml").read_text())["train"]["global_batch_size"]
     assert sorted(m) == [1, 2, 3, 4, 5, 6]
     for rec in m.values():
         for key in REQUIRED_METRICS:
@@ -126,6 +130,12 @@ def test_reference_run_trains_logs_and_checkpoints(ref_run):
         assert rec["mfu"] is None  # CPU: no honest peak to divide by
         assert rec["sample_ids"] and len(rec["sample_losses"]) == len(rec["sample_ids"])
         assert rec["num_loss_tokens"] > 0
+        # the packing report: real tokens over the global batch's rows; no CP, so nothing computed beyond them
+        assert rec["bin_fill"] == pytest.approx(rec["tokens"] / (rows_per_step * 1024))
+        assert rec["executed_token_efficiency"] == pytest.approx(rec["bin_fill"]) and 0 < rec["bin_fill"] <= 1
+    step_lines = [line for line in (ref_run.parent / "stderr.txt").read_text().splitlines() if "step 6/6 |" in line]
+    fill, executed = m[6]["bin_fill"], m[6]["executed_token_efficiency"]
+    assert step_lines and f"| fill {fill:.1%} | exec {executed:.1%} |" in step_lines[-1], step_lines
     # the synthetic data is learnable: the loss goes down
     assert (m[5]["loss"] + m[6]["loss"]) / 2 < m[1]["loss"] - 0.1
     # warmup then cosine decay to min_lr
@@ -296,6 +306,10 @@ def test_context_parallel_matches_one_process_and_resumes_at_cp1(parity_referenc
     cp2 = metrics(run)
     assert sorted(cp2) == [1, 2, 3]
     assert_same_steps(cp2, ref, (1, 2, 3))
+    for step in (1, 2, 3):  # the same rows, but CP pads every segment to 2*cp: more computed, fewer executed
+        assert cp2[step]["bin_fill"] == pytest.approx(ref[step]["bin_fill"])
+        assert cp2[step]["executed_token_efficiency"] < ref[step]["executed_token_efficiency"]
+    assert f"| exec {cp2[3]['executed_token_efficiency']:.1%} |" in proc.stderr
     state = json.loads((run / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
     cp1 = tmp_path / "cp1"

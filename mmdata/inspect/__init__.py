@@ -4,7 +4,7 @@ tokens, turns, languages and packing efficiency, from the manifest plus a bounde
 random sample of the shards (`--all` reads everything). See docs/inspect.md; one sample in
 detail: `mmdata preview`.
 
-  mmdata inspect DIR [--tokenizer TOK] [--json] [--sample N | --all]
+  mmdata inspect DIR [--tokenizer TOK] [--json] [--sample N | --all] [--cp N --tp N]
   mmdata inspect DIR --key K [--tokenizer TOK]     one sample, as `mmdata preview DIR --key K`
 """
 
@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random sample (default 0)")
     parser.add_argument("--context-lengths", type=str, default="4096,8192,16384,32768",
                         help="comma-separated context lengths for the packing estimate")
+    for name, what in (("cp", "context"), ("tp", "tensor")):
+        parser.add_argument(f"--{name}", type=int, default=1, metavar="N",
+                            help=f"{what} parallel size the packing report (bin fill, executed-token efficiency) "
+                                 "counts CP padding for (default 1)")
     parser.add_argument("--key", default=None, metavar="K",
                         help="show this one sample instead of the summary, as `mmdata preview DIR --key K`: a sample "
                              "key from metrics / worst-samples (DIR#0000000041), a shard key or a record id")
@@ -53,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
                                               tiles_png=None))
     if args.sample < 1:
         raise UserError(f"--sample must be >= 1, got {args.sample}")
+    for name in ("cp", "tp"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
     try:
         lengths = tuple(int(x) for x in args.context_lengths.split(",") if x.strip())
     except ValueError:
@@ -64,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if is_token_dataset(args.dir):
         return _inspect_tokens(args)
     summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
-                        tokenizer=args.tokenizer, context_lengths=lengths)
+                        tokenizer=args.tokenizer, context_lengths=lengths, cp=args.cp, tp=args.tp)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
     else:

@@ -7,6 +7,9 @@ in stream order, are cut into buffers of the same size and packed with that same
 the estimate includes the partly filled last sequence of every buffer, as training sees it.
 Samples longer than the context are counted as `over_length` and clipped to it (the loader
 truncates their text, or drops them when an image would be cut).
+
+Each estimate carries the packing report (`mmdata.energon_loaders.packing_report`): bin fill and
+executed-token efficiency, CP padding counted for the `cp`/`tp` asked for (`--cp`/`--tp`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
+from mmdata.energon_loaders.packing_report import PackingReport, report_from_bins, report_from_rows
 
 #: the loader's default packing buffer
 PACKING_BUFFER = DEFAULT_PACKING_BUFFER
@@ -27,27 +31,43 @@ class PackingEstimate:
     efficiency: float  # real tokens / slots
     sequences: int  # packed sequences needed
     over_length: int  # samples longer than the context (clipped)
+    report: PackingReport  # bin fill and executed-token efficiency at the asked cp/tp
 
 
-def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING_BUFFER) -> PackingEstimate:
+def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING_BUFFER,
+                     cp: int = 1, tp: int = 1) -> PackingEstimate:
     clipped = [min(int(n), context) for n in lengths if int(n) > 0]
     packed: list[list[int]] = []
     for start in range(0, len(clipped), buffer):
         chunk = clipped[start : start + buffer]
         packed.extend([chunk[i] for i in b] for b in largest_first_knapsack(chunk, context))
     return PackingEstimate(context, packing_efficiency(packed, context), len(packed),
-                           sum(1 for n in lengths if int(n) > context))
+                           sum(1 for n in lengths if int(n) > context), report_from_rows(packed, context, cp, tp))
 
 
 #: samples of the length index the online-vs-plan comparison uses (packing them costs ~1 s)
 LENGTH_INDEX_SAMPLE = 8192
 
 
-def length_index_packing(root: Path, context_lengths: Sequence[int]) -> dict | None:
+def plan_file_report(path: Path, cp: int = 1, tp: int = 1) -> PackingReport:
+    """The packing report of a `pack-plan-<N>.parquet` file at `cp`/`tp`, from its `bin` and
+    `tokens` columns (whatever CP size the plan was made for)."""
+    import pyarrow.parquet as pq
+
+    from mmdata.preprocess.pack_plan import read_plan_info
+
+    info = read_plan_info(path)
+    table = pq.read_table(path, columns=["bin", "tokens"])
+    return report_from_bins(table.column("bin").to_numpy(), table.column("tokens").to_numpy(), info["seq_length"],
+                            num_rows=info["bins"], cp=cp, tp=tp)
+
+
+def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1) -> dict | None:
     """The offline plan's efficiency against the online packer's, on the same samples: the
     first LENGTH_INDEX_SAMPLE rows of `lengths.parquet` (stream order: the shards are already
     shuffled); plus the efficiency of any `pack-plan-<N>.parquet` file (over the whole
-    dataset). None when the folder has no length index."""
+    dataset). Beside each efficiency, `bin_fill` and `executed_token_efficiency` of the same
+    three at `cp`/`tp`. None when the folder has no length index."""
     from mmdata.preprocess.lengths import LENGTHS_NAME
     from mmdata.preprocess.pack_plan import plan_packing, plan_path, read_plan_info
 
@@ -61,12 +81,18 @@ def length_index_packing(root: Path, context_lengths: Sequence[int]) -> dict | N
     used = lengths[:LENGTH_INDEX_SAMPLE]
     out: dict = {"samples": int(len(lengths)), "compared": int(len(used)),
                  "text_tokens": (pq.read_schema(path).metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
-                 "packing": {}}
+                 "cp": cp, "tp": tp, "packing": {}}
     for c in context_lengths:
         plan_file = plan_path(Path(root), c)
+        online = estimate_packing(used.tolist(), c, cp=cp, tp=tp) if len(used) else None
+        reports = {"online": None if online is None else online.report,
+                   "plan": plan_packing(used, c).report(cp, tp) if len(used) else None,
+                   "plan_file": plan_file_report(plan_file, cp, tp) if plan_file.is_file() else None}
         out["packing"][str(c)] = {
-            "online": round(estimate_packing(used.tolist(), c).efficiency, 4) if len(used) else None,
-            "plan": round(plan_packing(used, c).efficiency, 4) if len(used) else None,
+            "online": None if online is None else round(online.efficiency, 4),
+            "plan": None if reports["plan"] is None else round(reports["plan"].bin_fill, 4),
             "plan_file": read_plan_info(plan_file)["efficiency"] if plan_file.is_file() else None,
+            **{key: {side: None if r is None else round(getattr(r, key), 4) for side, r in reports.items()}
+               for key in ("bin_fill", "executed_token_efficiency")},
         }
     return out

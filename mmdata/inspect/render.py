@@ -78,15 +78,17 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
                        [[k, _fmt(v)] for k, v in sorted(grids.items(), key=lambda kv: -kv[1])]))
     li = d["length_index"]
     if li is not None:
+        sides = ("online", "plan", "plan_file")
         tables.append((f"Packing from the length index ({li['compared']:,} of {li['samples']:,} samples; text tokens: "
-                       f"{li['text_tokens']})", ["context", "online packer", "offline plan", "pack-plan file"],
-                       [[_fmt(int(k)), *(f"{100 * v[x]:.1f}%" if v[x] is not None else "—"
-                                         for x in ("online", "plan", "plan_file"))] for k, v in li["packing"].items()]))
+                       f"{li['text_tokens']}); bin fill / executed-token efficiency at CP{li['cp']} TP{li['tp']}",
+                       ["context", "online packer", "offline plan", "pack-plan file"],
+                       [[_fmt(int(k)), *(_fill_exec(v["bin_fill"][x], v["executed_token_efficiency"][x])
+                                         for x in sides)] for k, v in li["packing"].items()]))
     if d["packing"] is not None:
         tables.append(("Packing (the loader's packer on the sampled lengths)",
-                       ["context", "efficiency", "sequences", "over length"],
-                       [[_fmt(int(k)), f"{100 * v['efficiency']:.1f}%", _fmt(v["sequences"]), _fmt(v["over_length"])]
-                        for k, v in d["packing"].items()]))
+                       ["context", "bin fill / executed", "sequences", "over length"],
+                       [[_fmt(int(k)), _fill_exec(v["bin_fill"], v["executed_token_efficiency"]),
+                         _fmt(v["sequences"]), _fmt(v["over_length"])] for k, v in d["packing"].items()]))
     return tables
 
 
@@ -111,6 +113,11 @@ def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
     if rows:
         tables.append(("Curation (manifest)", ["what", "records"], rows))
     return tables
+
+
+def _fill_exec(fill: float | None, executed: float | None) -> str:
+    """`99.6% / 99.2%`: bin fill and executed-token efficiency, `—` when unknown."""
+    return "—" if fill is None else f"{100 * fill:.1f}% / {100 * executed:.1f}%"
 
 
 def summary_tables(summary: DatasetSummary) -> list[Any]:

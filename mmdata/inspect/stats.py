@@ -23,7 +23,7 @@ from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_d
 from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_packing
 from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
-SCHEMA = "mmdata.inspect/2"
+SCHEMA = "mmdata.inspect/3"
 LANGUAGES = ("zh", "en", "other")
 DEFAULT_CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
 
@@ -236,6 +236,8 @@ class DatasetSummary:
     tokenizer: str | None
     context_lengths: tuple[int, ...]
     samples: list[SampleStats] = field(default_factory=list)
+    cp: int = 1  # the parallel sizes the packing report counts CP padding for
+    tp: int = 1
 
     # -- derived views (the notebook plots these) -------------------------------------------
 
@@ -247,7 +249,8 @@ class DatasetSummary:
         """Packing estimates per context length (None without a tokenizer); computed once."""
         if "_packing" not in self.__dict__:
             lengths = [s.total_tokens for s in self.samples if s.total_tokens is not None and s.error is None]
-            self.__dict__["_packing"] = {c: estimate_packing(lengths, c) for c in self.context_lengths} if lengths else None
+            self.__dict__["_packing"] = {c: estimate_packing(lengths, c, cp=self.cp, tp=self.tp)
+                                         for c in self.context_lengths} if lengths else None
         return self.__dict__["_packing"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -287,7 +290,9 @@ class DatasetSummary:
             "total_tokens_per_sample": distribution([x.total_tokens for x in tokenized]) if self.tokenizer else None,
             "loader_skips": _counts([x.error for x in s if x.error]) if self.tokenizer else None,
             "packing": None if packing is None else {
-                str(k): {"efficiency": round(v.efficiency, 4), "sequences": v.sequences, "over_length": v.over_length}
+                str(k): {"efficiency": round(v.efficiency, 4), "sequences": v.sequences, "over_length": v.over_length,
+                         "bin_fill": round(v.report.bin_fill, 4),
+                         "executed_token_efficiency": round(v.report.executed_token_efficiency, 4)}
                 for k, v in packing.items()
             },
         }
@@ -325,9 +330,12 @@ def summarize(
     tokenizer: str | Path | Any | None = None,
     context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
     max_tiles: int = anyres.DEFAULT_MAX_TILES,
+    cp: int = 1,
+    tp: int = 1,
 ) -> DatasetSummary:
     """Summarise a shards dir from its manifest, quarantine and `sample` random samples (all
-    samples with `all=True`). `tokenizer` is an HF tokenizer dir or a `ChatTokenizer`."""
+    samples with `all=True`). `tokenizer` is an HF tokenizer dir or a `ChatTokenizer`; `cp`/`tp`
+    are the parallel sizes the packing report counts CP padding for."""
     ds: Dataset = open_dataset(root)
     chat = load_chat_tokenizer(tokenizer, "--tokenizer") if isinstance(tokenizer, (str, Path)) else tokenizer
     samples = list(iter_samples(ds)) if all else random_samples(ds, sample, seed)
@@ -348,11 +356,13 @@ def summarize(
         sources_from=sources_from,
         quarantine=quarantine,
         preprocess=_manifest_preprocess(ds.manifest),
-        length_index=length_index_packing(ds.root, context_lengths),
+        length_index=length_index_packing(ds.root, context_lengths, cp, tp),
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,
         context_lengths=tuple(int(c) for c in context_lengths),
         samples=stats,
+        cp=cp,
+        tp=tp,
     )
 

@@ -20,6 +20,9 @@ video_frames). The length index counts with LLaVA-OV's own geometry (729 tokens 
 `--recipe RECIPE.yaml` (or the geometry flags) plans for the recipe's vision tower instead: the
 image tokens are then recounted from the records' image header sizes, the text tokens kept.
 Training refuses a plan whose geometry differs from the recipe's (`plan_packing.plan_for_data`).
+The metadata's `packing_report` (also printed) holds the plan's bin fill and executed-token
+efficiency at `--cp`/`--tp` (default: the recipe's parallel sizes), CP padding counted as the
+runtime pads (energon_loaders/packing_report.py).
 """
 
 from __future__ import annotations
@@ -31,12 +34,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mmdata.energon_loaders.llava_ov import anyres_math as anyres
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.preprocess.lengths import LENGTHS_NAME
+
+if TYPE_CHECKING:
+    from mmdata.energon_loaders.packing_report import PackingReport
 
 PLAN_FORMAT = 1
 WINDOW = 256  # the loader's packing buffer (energon_loaders.packing.DEFAULT_PACKING_BUFFER)
@@ -124,6 +131,17 @@ class PackPlan:
         if not self.bins:
             return 0.0
         return float(np.minimum(self.lengths, self.seq_length).sum()) / (len(self.bins) * self.seq_length)
+
+    def report(self, cp: int = 1, tp: int = 1) -> "PackingReport":
+        """Bin fill and executed-token efficiency of the plan's sequences as rows trained at
+        context parallelism `cp` and tensor parallelism `tp` (energon_loaders/packing_report.py)."""
+        from mmdata.energon_loaders.packing_report import report_from_bins
+
+        if not self.bins:
+            return report_from_bins(np.zeros(0, np.int64), np.zeros(0, np.int64), self.seq_length, cp=cp, tp=tp)
+        pos = np.concatenate(self.bins)
+        rows = np.repeat(np.arange(len(self.bins), dtype=np.int64), [len(b) for b in self.bins])
+        return report_from_bins(rows, self.lengths[pos], self.seq_length, num_rows=len(self.bins), cp=cp, tp=tp)
 
 
 def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list[np.ndarray]:
@@ -267,6 +285,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N",
                             help=f"image geometry: {name} (default: the recipe's, "
                                  f"else {getattr(DEFAULT_GEOMETRY, name)})")
+    for name, what in (("cp", "context"), ("tp", "tensor")):
+        parser.add_argument(f"--{name}", type=int, default=None, metavar="N",
+                            help=f"{what} parallel size the packing report counts CP padding for (default: the "
+                                 f"recipe's parallel.{name}, else 1); the plan does not depend on it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes (default: all CPUs); the plan does not depend on it")
@@ -277,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
     from mmdata.readiness import unfinished_job
 
-    root, seq_length, geometry = _settings(args)
+    root, seq_length, geometry, (cp, tp) = _settings(args)
     args.seq_length = seq_length
     if args.seq_length <= 0:
         raise UserError(f"--seq-length must be positive, got {args.seq_length}")
@@ -305,9 +327,12 @@ def run(args: argparse.Namespace) -> int:
     meta = {"lengths_sha256": sha256_file(root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
             "text_tokens": (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
             "geometry": geometry.as_dict()}
+    report = plan.report(cp, tp)
+    meta["packing_report"] = report.as_dict()
     out = write_plan(root, plan, table.column("index").to_numpy(), args.seed, meta)
     print(f"{out}: {len(plan.bins):,} sequences of {args.seq_length:,} tokens for {len(lengths):,} samples, "
           f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); image geometry {geometry.flags()}")
+    print(f"packing report: {report.line()}")
     return 0
 
 
@@ -335,14 +360,16 @@ class _Stages:
         return advance
 
 
-def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry]:
-    """(shards dir, seq_length, geometry) from the flags, else the recipe, else the defaults."""
+def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry, tuple[int, int]]:
+    """(shards dir, seq_length, geometry, (cp, tp) of the report) from the flags, else the
+    recipe, else the defaults."""
     from mmdata.errors import UserError
 
     overrides = list(args.overrides)
     if overrides and args.recipe is None:
         raise UserError(f"--set {' '.join(overrides)}: recipe overrides need --recipe RECIPE.yaml")
     base, seq_length, root = DEFAULT_GEOMETRY, args.seq_length, args.dir
+    cp, tp = getattr(args, "cp", None), getattr(args, "tp", None)
     if args.recipe is not None:
         from mmtrain.config.load import load_recipe
 
@@ -355,15 +382,17 @@ def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry]:
         seq_length = seq_length if seq_length is not None else recipe.train.seq_length
         if root is None and recipe.data.paths:
             root = Path(recipe.data.paths[0])
+        cp = cp if cp is not None else recipe.parallel.cp
+        tp = tp if tp is not None else recipe.parallel.tp
     if root is None:
         raise UserError("give the shards folder DIR (or --recipe with data.paths)")
     if seq_length is None:
         raise UserError("give --seq-length N (or --recipe, whose train.seq_length is used)")
     given = {k: getattr(args, k) for k in GEOMETRY_FIELDS if getattr(args, k) is not None}
-    bad = [f"--{k.replace('_', '-')} {v}" for k, v in given.items() if v <= 0]
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in {**given, "cp": cp, "tp": tp}.items() if v is not None and v <= 0]
     if bad:
         raise UserError(f"{', '.join(bad)}: must be positive")
-    return root, seq_length, PlanGeometry(**{**base.as_dict(), **given})
+    return root, seq_length, PlanGeometry(**{**base.as_dict(), **given}), (cp or 1, tp or 1)
 
 
 def main(argv: list[str] | None = None) -> int:

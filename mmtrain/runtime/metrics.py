@@ -11,6 +11,10 @@ reader and the next writer drop). Fields:
   grad_norm      float  global gradient norm before clipping
   tokens_per_s   float  real tokens / step wall time, whole job
   samples_per_s  float  samples / step wall time, whole job
+  bin_fill       float  real tokens / row capacity (rows x seq_length) of the step, whole job
+  executed_token_efficiency
+                 float  real tokens / tokens computed: rows plus the CP padding of every
+                        segment (mmdata/energon_loaders/packing_report.py), whole job
   (optional)     mfu, mem_*, tokens, num_samples, step_time_s, data_wait_s, ... any scalar
   val_loss       float  only at `train.eval_interval` steps: mean loss over the real tokens of
                         `train.eval_iters` global batches of `data.val_paths`

@@ -5,7 +5,8 @@ step from the step's own micro-batches (`batch_flops`: the cost model's `step_fl
 packed layout, tiles and the freeze set), so packing (sum of len^2), frozen parts and the vision
 tower are all in it; the peak comes from the cost model's device table (dense bf16 tensor-core
 numbers; fp32 runs use the fp32 / tf32 figure). CPUs have no meaningful single peak, so MFU is
-reported as null there rather than as a made-up number.
+reported as null there rather than as a made-up number. The packing report (`batch_packing`:
+bin fill and executed-token efficiency, CP padding included) is counted the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from mmdata.energon_loaders.batch import PackedBatch
+from mmdata.energon_loaders.packing_report import PackingReport, empty_report, report_from_cu_seqlens
 from mmtrain.planning.cost_model import PEAK_TFLOPS, ModelShapes, StepFlops, step_flops
 
 
@@ -42,6 +44,17 @@ def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], train
     batches = list(micro_batches)
     tiles = sum(encoder_inputs(b) for b in batches) if encoder_inputs is not None else 0
     return step_flops(shapes, [b.host_cu_seqlens() for b in batches], tiles, trainable_parts, pad_to=pad_to)
+
+
+def batch_packing(micro_batches: Iterable[PackedBatch], cp: int, tp: int) -> PackingReport:
+    """Bin fill and executed-token efficiency of this rank's micro-batches of a step: their rows,
+    real positions and host `cu_seqlens` (no device read), every segment padded to the CP
+    multiple as `models.context_parallel.cp_layout` pads it (mmdata's packing_report.py)."""
+    report = empty_report(cp, tp)
+    for b in micro_batches:
+        rows, seq_length = (int(n) for n in b.input_ids.shape)
+        report = report + report_from_cu_seqlens(b.host_cu_seqlens(), b.num_real_tokens, rows, seq_length, cp, tp)
+    return report
 
 
 def model_tflops_per_s(flops: float, seconds: float, world_size: int) -> Optional[float]:

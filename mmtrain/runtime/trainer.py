@@ -60,7 +60,15 @@ from mmtrain.runtime.optimizer import (
     optimizer_sharded_metadata,
 )
 from mmtrain.runtime.stopping import StopRequests
-from mmtrain.runtime.throughput import PeakMemory, batch_flops, device_peak_flops, memory_stats, mfu, model_tflops_per_s
+from mmtrain.runtime.throughput import (
+    PeakMemory,
+    batch_flops,
+    batch_packing,
+    device_peak_flops,
+    memory_stats,
+    mfu,
+    model_tflops_per_s,
+)
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
 
@@ -84,6 +92,9 @@ class StepResult:
     evaluation: Optional[EvalResult] = None  # set at train.eval_interval steps
     #: model FLOPs of the global batch (every DP replica's micro-batches, `cost_model.step_flops`)
     flops: float = 0.0
+    #: packing of the global batch: real tokens / row capacity, and real / tokens computed (CP padding in)
+    bin_fill: Optional[float] = None
+    executed_token_efficiency: Optional[float] = None
 
 
 class Trainer:
@@ -288,8 +299,10 @@ class Trainer:
 
         # ---- global numbers for the logs (the loss lives on the last PP stage)
         # collectives run on the backend's device (NCCL needs CUDA tensors)
+        packing = batch_packing(step_data.micro_batches, ctx.cp, ctx.tp)
         counts = torch.tensor(
-            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self._model_flops(step_data)],
+            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self._model_flops(step_data),
+             packing.capacity, packing.computed_tokens],
             dtype=torch.float64,
             device=ctx.device,
         )
@@ -343,6 +356,8 @@ class Trainer:
             samples=int(counts[1]),
             loss_tokens=int(counts[2]),
             flops=float(counts[3]),
+            bin_fill=float(counts[0] / counts[4]) if counts[4] > 0 else None,
+            executed_token_efficiency=float(counts[0] / counts[5]) if counts[5] > 0 else None,
             sample_ids=sample_ids,
             sample_losses=sample_losses,
         )
@@ -515,6 +530,8 @@ class Trainer:
             "num_samples": r.samples,
             "num_loss_tokens": r.loss_tokens,
             "skipped_update": not r.updated,
+            "bin_fill": r.bin_fill,
+            "executed_token_efficiency": r.executed_token_efficiency,
             **memory_stats(self.ctx.device),
             "sample_ids": r.sample_ids,
             "sample_losses": r.sample_losses,
@@ -532,9 +549,10 @@ class Trainer:
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
             log.info(
                 "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s | %.2f samples/s"
-                " | mfu %s | mem %.2f GiB | eta %s%s",
+                " | fill %s | exec %s | mfu %s | mem %.2f GiB | eta %s%s",
                 r.step, self.recipe.train.iters, r.loss if r.loss is not None else float("nan"),
-                r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"],
+                r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"], _percent(r.bin_fill),
+                _percent(r.executed_token_efficiency),
                 f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)", mem,
                 self._eta(r.step), _eval_log_part(ev),
             )  # fmt: skip
@@ -563,6 +581,11 @@ class RecordingIterator:
     def __next__(self) -> Any:
         self.last = next(self._it)
         return self.last
+
+
+def _percent(x: Optional[float]) -> str:
+    """`99.2%` for the step line, `-` when unknown."""
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _eval_log_part(ev: Optional[EvalResult]) -> str:
