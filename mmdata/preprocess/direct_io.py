@@ -31,6 +31,7 @@ DIRECT_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", 
 ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the device's logical block size (<= 4 KiB)
 BUFFER_BYTES = 8 << 20  # the staging buffer; whole aligned chunks of it go out at each flush
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_FADVISE = hasattr(os, "posix_fadvise")
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 _buffers = threading.local()  # one staging buffer per thread, reused across files: its pages fault in once
 
@@ -86,11 +87,13 @@ def _give_back(buf: mmap.mmap) -> None:
 class SequentialFile:
     """A new file written front to back through a staging buffer, its sha256 taken as it goes.
     `offset` is where the next byte lands. Use as a context manager; `finish()` writes what is
-    left and fsyncs (a file left without `finish()` is incomplete: the caller removes it)."""
+    left and fsyncs (a file left without `finish()` is incomplete: the caller removes it), then,
+    with `drop_cache`, tells the kernel the file's (now clean) cached pages are not needed."""
 
-    def __init__(self, path: str | Path, direct: bool):
+    def __init__(self, path: str | Path, direct: bool, drop_cache: bool = True):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = bool(direct and _O_DIRECT)
+        self.drop_cache = drop_cache
         self.fd = -1
         if self.direct:
             try:
@@ -148,6 +151,8 @@ class SequentialFile:
             self._write(self._view[:self._fill])
             self._fill = 0
         os.fsync(self.fd)
+        if self.drop_cache and _FADVISE:  # the pages are clean now: let the kernel drop them at once
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def _write(self, chunk: memoryview) -> None:
         self.sha.update(chunk)
