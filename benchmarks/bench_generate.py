@@ -141,29 +141,6 @@ def test_image(i: int):
     return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
 
 
-def emu3_prefix_constraint(rows: int, cols: int, img: int, eol: int, eof: int, eoi: int, eos: int, pad: int, visual):
-    """transformers' `prefix_allowed_tokens_fn` for a rows x cols Emu3 image, as its Emu3 docs (and
-    the Emu3 reference) write it: after the `img` token, `cols` visual tokens then `eol` per row,
-    then eof, eoi, eos, then padding. The baseline of the benchmarks and the tests' oracle."""
-    import torch
-
-    def allowed(batch_id, input_ids):
-        offset = input_ids.shape[0] - torch.nonzero(input_ids == img, as_tuple=True)[0][0]
-        if offset % (cols + 1) == 0:
-            return (eol,)
-        if offset == (cols + 1) * rows + 1:
-            return (eof,)
-        if offset == (cols + 1) * rows + 2:
-            return (eoi,)
-        if offset == (cols + 1) * rows + 3:
-            return (eos,)
-        if offset > (cols + 1) * rows + 3:
-            return (pad,)
-        return visual
-
-    return allowed
-
-
 # ----------------------------------------------------------------------------- one side
 
 
@@ -187,6 +164,8 @@ def _batches(items: list, size: int) -> list[list]:
 def hf_emu3(assets: dict, args):
     import torch
     from transformers import AutoTokenizer, Emu3ForConditionalGeneration, Emu3ImageProcessor, Emu3Processor
+
+    from mmtrain.emu3.hf_reference import emu3_prefix_constraint
 
     model = Emu3ForConditionalGeneration.from_pretrained(assets["emu3_hf"]).eval()
     tok = AutoTokenizer.from_pretrained(assets["emu3_hf"], padding_side="left")

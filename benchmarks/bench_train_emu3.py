@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmtrain.runtime.sample_parity import SampleParityError, check_rounds_match
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
@@ -182,20 +183,6 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
     out.write_text(json.dumps(result))
 
 
-def check_same_samples(runs: dict[str, list[dict]]) -> None:
-    """Fail unless every round of both sides trained on the same samples, step by step (the
-    baseline's first round is the reference; empty or missing steps count as a mismatch)."""
-    ref = runs["baseline"][0]["sample_ids"]
-    if not ref or not all(ref):
-        raise SystemExit("the baseline drew no samples")
-    for name, rounds in runs.items():
-        for i, r in enumerate(rounds, 1):
-            if r["sample_ids"] != ref:
-                step = next((k for k, (a, b) in enumerate(zip(r["sample_ids"], ref), 1) if a != b),
-                            min(len(r["sample_ids"]), len(ref)) + 1)
-                raise SystemExit(f"{name} round {i}, step {step}: ours trained on other samples than the baseline")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
@@ -238,7 +225,10 @@ def main() -> int:
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             runs[name].append(json.loads(out.read_text()))
     real_tokens = runs["baseline"][0]["real_tokens"]
-    check_same_samples(runs)
+    try:
+        check_rounds_match(runs)
+    except SampleParityError as e:
+        raise SystemExit(str(e)) from None
 
     w = args.warmup
     tokens = sum(real_tokens[w:])

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmtrain.runtime.sample_parity import SampleParityError, check_logged_steps_match
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -146,21 +147,6 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
     return times
 
 
-def check_same_samples(records: list[dict], steps: list[list]) -> None:
-    """Fail unless every step of ours (metrics.jsonl) trained on the baseline's samples, in order.
-    Both sides are named as the trainer names them (`batch_sample_ids`: the unique sample keys),
-    so like is compared with like; a missing step counts as a mismatch."""
-    from mmtrain.runtime.train_data import batch_sample_ids
-
-    if len(records) != len(steps):
-        raise SystemExit(f"ours logged {len(records)} steps, the baseline trained {len(steps)}")
-    for rec, step in zip(records, steps):
-        ids = [sid for mb in step for sid in batch_sample_ids(mb)]
-        if not ids or rec["sample_ids"] != ids:
-            raise SystemExit(f"step {rec['step']}: ours trained on other samples than the baseline "
-                             f"(ours {rec['sample_ids'][:3]}..., baseline {ids[:3]}...)")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
@@ -209,7 +195,10 @@ def main() -> int:
     setup_logging()
     train(recipe)
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    check_same_samples(records, steps)
+    try:
+        check_logged_steps_match(records, steps)
+    except SampleParityError as e:
+        raise SystemExit(str(e)) from None
     # compute only, like the baseline (its batches were drawn and converted before timing)
     our_times = [rec["step_time_s"] - rec.get("data_wait_s", 0.0) for rec in records]
     our_waits = [rec.get("data_wait_s", 0.0) for rec in records]

@@ -43,7 +43,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from bench_generate import emu3_prefix_constraint  # (benchmarks/ is this script's folder)
+from mmtrain.emu3.hf_reference import emu3_prefix_constraint
 
 # Emu3's vocabulary layout (ids of the released tokenizer; only their roles matter with random weights)
 PAD, EOL, EOF, BOS, EOS, IMG, BOI, EOI, FIRST_VISUAL = 151643, 151846, 151847, 151849, 151850, 151851, 151852, 151853, 151854

@@ -852,15 +852,36 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds for the whole run (default 600 on CUDA; under --allow-cpu on a CPU 4x that, and "
                          "4x each check's budget: a CPU is not what is timed); a check gets min(its budget, what is "
                          "left)")
+    ap.add_argument("--report", default=None, metavar="WORK_DIR",
+                    help="run nothing: print the table and targets of an earlier run from WORK_DIR/figures.json "
+                         "(every run writes it), the generation figures re-read from WORK_DIR/logs/generation.log")
     ap.add_argument("--child", default=None,
                     help="internal: run one check's in-process part (the subprocess the parent starts)")
     return ap
+
+
+def report(work: Path) -> int:
+    """`--report WORK_DIR`: the table of an earlier run, from its saved figures and logs."""
+    try:
+        figures = json.loads((work / "figures.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"gpu_smoke: --report: cannot read {work / 'figures.json'}: {e}", file=sys.stderr)
+        return 2
+    log = work / "logs" / "generation.log"
+    if log.is_file():
+        figures["generation"] = parse_generation(log.read_text(errors="replace"))
+    print(f"generation: {json.dumps(figures.get('generation'), sort_keys=True)}")
+    for line in table(figures):
+        print(line)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.child:
         return run_as_child(args)
+    if args.report:
+        return report(Path(args.report))
     selected = [c for c in CHECKS if args.only is None or c.name in args.only.split(",")]
     unknown = set(args.only.split(",")) - {c.name for c in CHECKS} if args.only else set()
     if unknown:
@@ -893,6 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         counts[outcome.status] += 1
         print(f"{outcome.status} {spec.name}: {outcome.detail} [{outcome.seconds:.1f} s]", flush=True)
     print(f"\nlogs and runs: {work}")
+    (work / "figures.json").write_text(json.dumps(smoke.figures, indent=1, default=str))
     for line in table(smoke.figures):
         print(line)
     print(f"GPU_SMOKE: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)

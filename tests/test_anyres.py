@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
+from transformers.models.llava_onevision.modeling_llava_onevision import unpad_image
 
 from mmdata.energon_loaders.llava_ov import anyres
 
 pytestmark = pytest.mark.unit
-
-transformers = pytest.importorskip("transformers")
-from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor  # noqa: E402
-from transformers.models.llava_onevision.modeling_llava_onevision import unpad_image  # noqa: E402
 
 torch.set_num_threads(1)
 

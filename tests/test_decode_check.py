@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import random
+import re
+import zlib
 
 import numpy as np
 import pytest
@@ -315,3 +317,73 @@ def test_png_fast_path_gives_pillows_verdict_on_the_image_data():
     with pytest.raises(_Reject) as e:
         check_image(data[: len(data) * 2 // 3], "x", ValidationConfig())
     assert e.value.reason == "image_truncated"
+
+
+def _png_chunk(cid: bytes, body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + cid + body + zlib.crc32(cid + body).to_bytes(4, "big")
+
+
+def _raw_png(depth: int, ctype: int, w: int = 5, h: int = 3) -> bytes:
+    """A PNG of any (bit depth, colour type) the spec allows, built from its chunks."""
+    stride = (w * decode_check._PNG_CHANNELS[ctype] * depth + 7) // 8
+    rows = b"".join(b"\0" + bytes((17 * (r + i)) % 256 for i in range(stride)) for r in range(h))
+    ihdr = w.to_bytes(4, "big") + h.to_bytes(4, "big") + bytes((depth, ctype, 0, 0, 0))
+    plte = _png_chunk(b"PLTE", bytes(i % 256 for i in range(3 * 256))) if ctype == 3 else b""
+    return (decode_check._PNG_SIGNATURE + _png_chunk(b"IHDR", ihdr) + plte
+            + _png_chunk(b"IDAT", zlib.compress(rows)) + _png_chunk(b"IEND", b""))
+
+
+def test_png_mode_table_is_the_installed_pillows():
+    """Our (bit depth, colour type) -> mode table, which replaced Pillow's private `_MODES`, is
+    what the installed Pillow opens each kind of PNG as, for every combination the PNG spec
+    allows: a Pillow that changes a mode fails here, not silently in the validator."""
+    spec = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
+    assert set(decode_check.PNG_MODES) == {(d, c) for c, depths in spec.items() for d in depths}
+    for (depth, ctype), mode in decode_check.PNG_MODES.items():
+        data = _raw_png(depth, ctype)
+        im = Image.open(io.BytesIO(data))
+        im.load()
+        assert im.mode == mode, (depth, ctype, im.mode)
+        assert decode_check.png_header(data) == (5, 3, mode), (depth, ctype)
+    assert decode_check.png_header(_raw_png(8, 0)[:24] + bytes((3,)) + _raw_png(8, 0)[25:]) is None  # no such PNG
+
+
+def test_png_chunks_pillow_handles_are_the_installed_pillows():
+    """Our list of the chunks Pillow's PNG reader acts on is the installed Pillow's (its reader
+    has a `chunk_<type>` method for each); a chunk outside the list is one Pillow skips, so a
+    plain PNG carrying one is still read by the fast header reader."""
+    from PIL import PngImagePlugin
+
+    pillows = {name[len("chunk_"):].encode() for name in dir(PngImagePlugin.PngStream) if name.startswith("chunk_")}
+    assert pillows == decode_check.PNG_PILLOW_CHUNKS
+    data = _raw_png(8, 2)
+    idat = data.index(b"IDAT") - 4
+    for cid in (b"vpAg", b"tIME", b"prVt"):
+        with_chunk = data[:idat] + _png_chunk(cid, b"12345678") + data[idat:]
+        assert decode_check.png_header(with_chunk) == (5, 3, "RGB"), cid
+        Image.open(io.BytesIO(with_chunk)).load()
+
+
+def test_webp_gate_names_the_installed_version():
+    """The WebP check writes decoder options through webp 0.4.x's binding layout: any other
+    version is refused at import, by name, instead of decoding with wrong options."""
+    from importlib import metadata
+
+    installed = metadata.version("webp")
+    assert installed.startswith(decode_check.TESTED_WEBP + ".")
+    decode_check.require_tested_webp()  # the installed one passes
+    for other in ("0.5.0", "1.0.2", "0.3.0"):
+        with pytest.raises(RuntimeError, match=rf"webp {re.escape(other)} is installed.*webp>=0.4,<0.5"):
+            decode_check.require_tested_webp(other)
+
+
+@pytest.mark.parametrize("height,alpha", [(97, False), (96, True), (1, False), (2, True)])
+def test_webp_options_written_through_the_layout_take_effect(height, alpha):
+    """The crop set through the options' layout is what libwebp decodes (two or three bottom
+    rows): were the offsets wrong, the decode would be the full frame or fail."""
+    im = _picture("RGBA" if alpha else "RGB", (181, height))
+    data = _encode(im, "WEBP", quality=80)
+    w, h, has_alpha, _ = decode_check.webp_features(data)
+    status, out_w, out_h = decode_check.webp_decode_crop(data, w, h, has_alpha)
+    top = max(0, h - 2) & ~1
+    assert (status, out_w, out_h) == (0, w, h - top)

@@ -138,3 +138,46 @@ def test_direct_io_wanted_follows_the_file_system_and_the_override(tmp_path: Pat
     assert wanted(None) == (mount_fstype(tmp_path) in direct_io.DIRECT_FILESYSTEMS)
     assert wanted("0") is False and wanted("off") is False
     assert wanted("1") is True and wanted("on") is True
+    assert wanted("auto") == wanted(None) and wanted("") == wanted(None)
+    with pytest.raises(ValueError, match=r"MMDATA_DIRECT_IO='sometimes': expected 0, 1 or auto"):
+        wanted("sometimes")
+
+
+@pytest.mark.parametrize("direct, drop_cache", [(False, True), (False, False), (True, True)])
+def test_shards_drop_their_cached_pages_after_fsync(tmp_path: Path, monkeypatch, direct: bool,
+                                                    drop_cache: bool) -> None:
+    """With `drop_cache` (the shard writer's default) a finished file is fsynced, then DONTNEED
+    drops its now clean pages, the whole file: all of a buffered file, an O_DIRECT file's tail."""
+    if direct and not (LINUX_DIRECT and mount_fstype(tmp_path) in direct_io.DIRECT_FILESYSTEMS):
+        pytest.skip("needs a file system that takes O_DIRECT")
+    calls: list[tuple[int, int, int]] = []
+    real_fsync, real_fadvise = os.fsync, getattr(os, "posix_fadvise", None)
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    if real_fadvise is None:
+        pytest.skip("no posix_fadvise here")
+
+    def fadvise(fd, offset, length, advice):
+        assert synced == [fd], "advice before the fsync: dirty pages are not dropped"
+        calls.append((offset, length, advice))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    data = random.Random(5).randbytes(3 * ALIGN + 17)
+    with SequentialFile(tmp_path / "f.bin", direct, drop_cache=drop_cache) as f:
+        f.put(data)
+        f.finish()
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert calls == ([(0, 0, os.POSIX_FADV_DONTNEED)] if drop_cache else [])
+
+
+def test_a_bad_switch_stops_the_job_before_it_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    from mmdata.cli import main
+
+    monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "fast")
+    (tmp_path / "in").mkdir()
+    rc = main(["preprocess", "--dataset", "infinity-mm", "--input", str(tmp_path / "in"),
+               "--output", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "MMDATA_DIRECT_IO='fast': expected 0, 1 or auto" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

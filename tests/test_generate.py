@@ -21,7 +21,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from benchmarks.bench_generate import emu3_prefix_constraint  # noqa: E402
+from mmtrain.emu3.hf_reference import emu3_prefix_constraint  # noqa: E402
 from tests.emu3_tiny import emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: E402,F401
 from tests.llava_tiny import IMAGE_SIZE, PATCH, hf_llava, images  # noqa: E402
 

@@ -124,7 +124,8 @@ def test_invalid_key_rejected_and_no_partial_file(tmp_path: Path, key: str) -> N
 
 
 def test_readable_by_tarfile_and_webdataset(tmp_path: Path) -> None:
-    wds = pytest.importorskip("webdataset")
+    import webdataset as wds
+
     samples = _samples(random.Random(7), 200)
     samples = [s for s in samples if s.members] + [SampleMembers("0000999999", [("json", b"")])]
     path, _ = _write(tmp_path, samples)

@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
     from mmdata.folder_lock import FolderLock
+    from mmdata.preprocess.direct_io import direct_io_override
     from mmdata.preprocess.job import PreprocessConfig, run_preprocess
     from mmdata.units import plural
 
@@ -74,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--tokenizer only serves the length index; drop it or --no-length-index")
     if not 0.0 <= args.max_quarantine_fraction <= 1.0:
         raise UserError(f"--max-quarantine-fraction must be between 0 and 1, got {args.max_quarantine_fraction}")
+    try:  # read again by each shard writer: a bad value stops the job here, not in its tasks
+        direct_io_override()
+    except ValueError as e:
+        raise UserError(str(e)) from None
     cfg = PreprocessConfig(
         dataset=args.dataset, inputs=list(args.input), output=args.output, seed=args.seed,
         samples_per_shard=args.samples_per_shard, image_root=args.image_root, address=args.address,

@@ -4,12 +4,13 @@ Two kinds of helper processes stayed behind for good after a bare SIGKILL:
 - megatron's torch_dist writer forks one writer per bucket at every save; killed mid-save, a
   writer waits forever on a queue condition only the dead parent could signal;
 - the same writer collects results through a `multiprocessing` manager (spawned at the first save,
-  kept for the process's life: `filesystem_async._get_write_results_queue`), and with it stays
+  kept for the process's life), and with it stays
   multiprocessing's resource tracker (which lives while any process holds its pipe).
 
 Linux can SIGKILL a child when its parent dies (PR_SET_PDEATHSIG, `mmdata/parent_death.py`). Forked children ask for it
 in an at-fork hook; the manager is started here, the way megatron starts it, with the request
-in its initializer, and megatron is handed its queue before its first save.
+in its initializer, and megatron is handed its queue before its first save (through the one
+private megatron name mmtrain uses, gated by version in `megatron_internals.py`).
 
 PR_SET_PDEATHSIG fires when the *thread* that started the child ends, so only children started
 from the main thread ask for it; elsewhere, and off Linux, nothing changes.
@@ -23,6 +24,7 @@ import threading
 from multiprocessing.managers import SyncManager
 
 from mmdata.parent_death import LINUX, die_with_parent, prctl
+from mmtrain.runtime import megatron_internals
 
 _manager: SyncManager | None = None  # kept alive with its queue
 _fork_hook_installed = False
@@ -52,17 +54,13 @@ def install_writer_results_queue() -> bool:
     """Give megatron's torch_dist writer a result queue whose manager dies with this process;
     call before `dist_checkpointing.save`. Returns whether this process now uses it."""
     global _manager
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
-        return False
     if _manager is not None:
         return True
     if (not LINUX or threading.current_thread() is not threading.main_thread()
-            or getattr(filesystem_async, "_results_queue", object()) is not None):
-        return False  # elsewhere, or megatron already has its queue (or no longer keeps one there)
+            or megatron_internals.writer_results_queue() is not None):
+        return False  # elsewhere, or megatron already has its queue
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
+    megatron_internals.set_writer_results_queue(manager.Queue())
     _manager = manager
     return True

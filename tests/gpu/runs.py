@@ -214,7 +214,7 @@ def hf_emu3_tokens(model, prompt_ids, negative_ids, rows: int, cols: int, scale:
     `_hf_emu3_generate`), on the model's device: guidance, negative prompt, prefix constraint, greedy."""
     import torch
 
-    from benchmarks.bench_generate import emu3_prefix_constraint
+    from mmtrain.emu3.hf_reference import emu3_prefix_constraint
 
     vocab = model.model.vocabulary_mapping
     cfg = model.config.text_config
