@@ -112,8 +112,8 @@ def bench_webp(quick: bool) -> dict[str, float]:
         im.save(buf, "WEBP", quality=90)
         data = buf.getvalue()
         w, h, has_alpha, _ = decode_check.webp_features(data)
-        gated = per_call_us(lambda d: decode_check.check_webp(d, w, h, has_alpha), data, calls, repeats)
-        public = per_call_us(lambda d: webp_public_default(d, has_alpha), data, calls, repeats)
+        gated = per_call_us(lambda d, w=w, h=h, a=has_alpha: decode_check.check_webp(d, w, h, a), data, calls, repeats)
+        public = per_call_us(lambda d, a=has_alpha: webp_public_default(d, a), data, calls, repeats)
         pillow = per_call_us(lambda d: Image.open(io.BytesIO(d)).load(), data, calls, repeats)
         print(f"webp {mode} {size[0]}x{size[1]} ({len(data) / 1024:.0f} KiB): gated check {gated:.0f} CPU-µs, "
               f"public default options {public:.0f} µs ({public / gated:.2f}x), "
