@@ -57,15 +57,15 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     small object store (OBJECT_STORE_ENV); the driver neither streams worker logs
     (`log_to_driver=False`: they stay in Ray's session folder) nor prints Ray's info lines.
     Ray's other helper processes (log monitor, autoscaler monitor, a minimal API server) start
-    as Ray decides: about a second of start and stop per job (docs/preprocess.md, "Benchmark"),
-    paid once per job whatever its size. A new `ray.init` cluster reports no usage statistics
+    as Ray decides: part of Ray's fixed start and stop (docs/preprocess.md, "Benchmark"), paid
+    once per job whatever its size. A new `ray.init` cluster reports no usage statistics
     (Ray turns them off for it unless the wheel is a nightly)."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
+    kwargs = {"log_to_driver": False, "configure_logging": True, "logging_level": "warning"}
     store = None if address else object_store_bytes()  # (a bad setting: a clear error before Ray starts)
     try:
         with deferred_interrupt():
