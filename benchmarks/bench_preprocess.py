@@ -247,8 +247,7 @@ def _fit(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
 
 
 def _phases(m: dict) -> str:
-    return ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in m["run"]["phases"].items()) + \
-        f" (files scanned by the driver while Ray started: {m['run'].get('scanned_in_driver', 0)})"
+    return ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in m["run"]["phases"].items())
 
 
 def main(argv: list[str] | None = None) -> int:

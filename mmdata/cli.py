@@ -22,26 +22,12 @@ resumes when rerun); 1 an unexpected error, whose traceback goes to a log file n
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import importlib
 import os
 import sys
 
 import mmdata
 from mmdata.errors import HintingParser, add_common_options, run_main
-
-
-def _collect_then_freeze() -> None:
-    """At exit, collect garbage once, then freeze the objects still alive. The interpreter's
-    teardown otherwise runs the cycle collector over Ray's and Arrow's whole heap again and
-    again (measured: 0.2-0.3 s of every `mmdata preprocess`, on one core). Garbage is still
-    finalized here; what is frozen was alive at exit, which Python never promises to finalize."""
-    gc.collect()
-    gc.freeze()
-
-
-atexit.register(_collect_then_freeze)  # (first registered, so it runs after Ray's own exit handlers)
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.preprocess.synth", "write a small synthetic dataset in a real on-disk layout"),

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,22 +51,30 @@ def object_store_bytes() -> int:
 
 def init_ray(address: str | None, num_cpus: int | None) -> bool:
     """Connect to `address` / RAY_ADDRESS, or start a private local instance (Ctrl-C held back
-    until it is up). Returns whether this process owns the instance."""
+    until it is up). Returns whether this process owns the instance.
+
+    Only `ray.init`'s public options: a private instance gets `num_cpus`, no dashboard and a
+    small object store (OBJECT_STORE_ENV); the driver neither streams worker logs
+    (`log_to_driver=False`: they stay in Ray's session folder) nor prints Ray's info lines.
+    Ray's other helper processes (log monitor, autoscaler monitor, a minimal API server) start
+    as Ray decides: part of Ray's fixed start and stop (docs/preprocess.md, "Benchmark"), paid
+    once per job whatever its size. A new `ray.init` cluster reports no usage statistics
+    (Ray turns them off for it unless the wheel is a nightly)."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(log_to_driver=False, configure_logging=True, logging_level="warning")
-    store = None if address else object_store_bytes()
+    kwargs = {"log_to_driver": False, "configure_logging": True, "logging_level": "warning"}
+    store = None if address else object_store_bytes()  # (a bad setting: a clear error before Ray starts)
     try:
         with deferred_interrupt():
             if address:
                 ray.init(address=address, **kwargs)
             else:
-                with _lean_private_start(), _quiet_default_token_auth():
-                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=store,
-                             **kwargs)
+                with _quiet_default_token_auth():
+                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                             object_store_memory=store, **kwargs)
     except KeyboardInterrupt:  # held back until Ray was up: take it down again
         shutdown_ray(True)
         raise
@@ -86,7 +93,11 @@ class _DropAuthEnabledNotice(logging.Filter):
 RAY_AUTH_ENABLED_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 
-#: the logger of that notice (Ray's module logger)
+#: the logger of that notice (Ray's module logger). Only a name handed to the standard `logging`
+#: module, which matches it as text: nothing of Ray's is imported or called through it, and when
+#: Ray moves the module the filter simply no longer applies (the notice shows; nothing breaks).
+#: tests/test_no_private_ray.py counts imports and attribute uses of Ray's private modules, not
+#: this string.
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
@@ -101,108 +112,14 @@ def _quiet_default_token_auth() -> Iterator[None]:
         logger.removeFilter(flt)
 
 
-@contextlib.contextmanager
-def _lean_private_start() -> Iterator[None]:
-    """While `ray.init` starts a private instance: no log monitor, no autoscaler monitor, no API
-    server, and no one-second wait for the raylet. The first three are Python processes importing
-    much of Ray, started on the cores the job is scanning on, for nothing a private job uses:
-    - the log monitor: its drivers pass log_to_driver=False (worker logs stay in the session
-      folder either way);
-    - the autoscaler monitor: a one-node instance has nothing to autoscale;
-    - the API server (`dashboard.py`): with include_dashboard=False it loads only the usage-stats
-      module, which reports to Ray's servers unless the user opted out, and a job makes no
-      network calls. `ray.init` also waits for it to come up.
-    Together about 1.7 CPU-seconds, measured per process on 2 cores. `ray start` takes the first
-    two (`--include-log-monitor=False`, `--no-monitor`), `ray.init` none, so the two settings are
-    put on the node it builds (`RayParams.include_log_monitor`, `.no_monitor`) and the API
-    server's start is skipped on that node only (its webui_url stays None, as for a node
-    without one). The wait: see `_prompt_get_node`. When Ray's private modules are not there,
-    Ray starts as it always does."""
-    try:
-        from ray._private import node as ray_node
-        from ray._private import services as ray_services
-
-        original_init, original_api = ray_node.Node.__init__, ray_node.Node.start_api_server
-        original_get_node = ray_services.get_node
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    @functools.wraps(original_init)
-    def lean_init(self, ray_params, *args, **kwargs):
-        if kwargs.get("head", args[0] if args else False):
-            ray_params.include_log_monitor = False
-            ray_params.no_monitor = True
-            self._mmdata_lean = True
-        original_init(self, ray_params, *args, **kwargs)
-
-    @functools.wraps(original_api)
-    def lean_api_server(self, *args, **kwargs):
-        if not getattr(self, "_mmdata_lean", False):
-            original_api(self, *args, **kwargs)
-
-    ray_node.Node.__init__, ray_node.Node.start_api_server = lean_init, lean_api_server
-    ray_services.get_node = _prompt_get_node(original_get_node)
-    try:
-        yield
-    finally:
-        ray_node.Node.__init__, ray_node.Node.start_api_server = original_init, original_api
-        ray_services.get_node = original_get_node
-
-
-_NODE_POLL_S = 0.05  # each ask is an RPC the GCS answers while it and the raylet start on the same cores
-_NODE_WAIT_S = 30.0  # Ray's own raylet_start_wait_time_s
-
-
-def _prompt_get_node(original: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-    """Ray's `services.get_node`, which `ray.init` calls until the new raylet has registered
-    with the GCS, goes through the GCS accessor's GetNode, which retries once a second; the
-    raylet registers a fraction of a second after the first ask, so the start waited up to a
-    second with nothing to do (Ray alone: 1.9 s -> 1.4 s; 4.0 s -> 1.9 s with the driver
-    scanning on 2 cores). This asks the GCS for that node every 50 ms first, then calls Ray's
-    own function, which then finds it at once. Any problem with the polling leaves it to Ray's."""
-
-    @functools.wraps(original)
-    def get_node(gcs_address: str, node_id: str):
-        try:
-            from ray._raylet import GcsClient, NodeID
-            from ray.core.generated.gcs_pb2 import GcsNodeInfo
-            from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
-
-            client = GcsClient(address=gcs_address)
-            selector = GetAllNodeInfoRequest.NodeSelector(node_id=NodeID.from_hex(node_id).binary())
-            deadline = time.monotonic() + _NODE_WAIT_S
-            while time.monotonic() < deadline and not client.get_all_node_info(
-                    timeout=5, node_selectors=[selector], state_filter=GcsNodeInfo.GcsNodeState.ALIVE):
-                time.sleep(_NODE_POLL_S)
-        except Exception:  # noqa: BLE001 - best effort: Ray's own wait follows
-            pass
-        return original(gcs_address, node_id)
-
-    return get_node
-
-
 def shutdown_ray(owned: bool) -> None:
-    """Stop the instance this process started (Ctrl-C held back until it is down)."""
+    """Stop the instance this process started, or leave the cluster it joined (Ctrl-C held back
+    until it is down)."""
     if owned:
         import ray
 
         with deferred_interrupt():
-            _stop_autoscaler_monitor(ray)
             ray.shutdown()
-
-
-def _stop_autoscaler_monitor(ray) -> None:
-    """`ray.shutdown` stops the raylet and the GCS first; the autoscaler monitor, stopped after
-    them, tries to report its SIGTERM to the GCS that is gone and is killed only after a one-second
-    timeout (Ray 2.60: shutdown 1.1 s, 0.35 s without it). A private single-node instance has
-    nothing to autoscale, so its monitor is killed first. Ray's node handle is not public API:
-    when it is missing or fails, the plain shutdown runs as before. (An instance started through
-    `_lean_private_start` has no monitor; this covers the Ray versions where that did not apply.)"""
-    try:
-        ray._private.worker._global_node.kill_monitor(check_alive=False)
-    except Exception:  # noqa: BLE001 - best effort, see above
-        pass
 
 
 def resumable(job: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,8 +26,8 @@ from tests.test_preprocess import VENV_BIN, _free_port
 
 # Loaded by every Python process of the local run (PYTHONPATH): the first scan task, the first
 # sort task and the first shard write, in whichever Ray worker runs them, kill their own process
-# (the writer after leaving a partial temp file, as a real crash would). The driver leaves every
-# input file to Ray (it would otherwise scan them itself while Ray starts).
+# (the writer after leaving a partial temp file, as a real crash would). Every input file is
+# scanned by a Ray task.
 _KILL_WORKERS_ONCE = """
 import os, signal, sys
 from pathlib import Path
@@ -61,8 +61,6 @@ def scan_unit(*args, **kwargs):
 
 shard_writer._write, stages.sort_bucket, stages.scan_unit = _write, sort_bucket, scan_unit
 from mmdata.preprocess import job  # (after the patches: it imports scan_unit and sort_bucket by name)
-from mmdata.preprocess import driver_scan
-driver_scan.DriverScanner.start = lambda self: None
 """
 
 

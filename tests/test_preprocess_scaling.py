@@ -117,8 +117,7 @@ def test_input_several_times_the_object_store(tmp_path, monkeypatch):
     assert written >= 16 * store
     rss = values["PEAK_RSS_KB"] * 1024
     print(f"input {total / 2**20:.0f} MiB, object store {MIN_OBJECT_STORE_MB} MiB, "
-          f"shards {written / 2**20:.0f} MiB, driver peak RSS {rss / 2**20:.0f} MiB, "
-          f"files scanned in the driver {manifest['run']['scanned_in_driver']} of {len(manifest['inputs'])}")
+          f"shards {written / 2**20:.0f} MiB, driver peak RSS {rss / 2**20:.0f} MiB")
     assert rss < total / 2, f"driver peak RSS {rss / 2**20:.0f} MiB for {total / 2**20:.0f} MiB of input"
 
 

@@ -1,4 +1,5 @@
-"""The private Ray instance a job starts: only the processes a job uses."""
+"""The private Ray instance a job starts and stops (mmdata/ray_job.py), seen through Ray's public
+API and the processes it leaves: the size it was given, tasks that run, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -7,65 +8,77 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROBE = r"""
 import json, os
 import psutil, ray
-from ray._private import node as ray_node
-from mmdata.ray_job import init_ray, shutdown_ray
+from mmdata.ray_job import init_ray, object_store_bytes, shutdown_ray
 
-from ray._private import services as ray_services, state as ray_state
-
-original = (ray_node.Node.__init__, ray_node.Node.start_api_server, ray_services.get_node)
-registered_when_asked = []  # per call of Ray's own node lookup: was the raylet registered already?
-real_lookup = ray_state.GlobalState.get_node
-
-def lookup(self, node_id):
-    self._connect_and_get_accessor()
-    registered_when_asked.append(any(n["NodeID"] == node_id and n["Alive"] for n in self.node_table()))
-    return real_lookup(self, node_id)
-
-ray_state.GlobalState.get_node = lookup
 owned = init_ray(None, 1)
-ray_state.GlobalState.get_node = real_lookup
+again = init_ray(None, 2)  # Ray is already up in this process: joined, not owned
+shutdown_ray(again)  # (so this leaves it running)
+up_after_unowned_stop = ray.is_initialized()
+resources = ray.cluster_resources()
 
 @ray.remote(num_cpus=1)
 def pid():
     return os.getpid()
 
 worker = ray.get(pid.remote())
-children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-restored = (ray_node.Node.__init__, ray_node.Node.start_api_server, ray_services.get_node) == original
-dashboard_url = ray._private.worker._global_node.webui_url
+started = psutil.Process().children(recursive=True)
+commands = [" ".join(p.cmdline()) for p in started]
 shutdown_ray(owned)
-print(json.dumps({"owned": owned, "worker": worker, "children": children, "restored": restored,
-                  "dashboard_url": dashboard_url,
-                  "registered_when_asked": registered_when_asked}))
+_, alive = psutil.wait_procs(started, timeout=60)  # (a bound, so a leak fails instead of hanging)
+print(json.dumps({"owned": owned, "again": again, "up_after_unowned_stop": up_after_unowned_stop,
+                  "cpus": resources.get("CPU"), "store": resources.get("object_store_memory"),
+                  "expected_store": object_store_bytes(), "worker": worker,
+                  "worker_was_a_child": worker in {p.pid for p in started}, "commands": commands,
+                  "alive_after_shutdown": [" ".join(p.cmdline()) for p in alive if p.is_running()],
+                  "initialized_after_shutdown": ray.is_initialized()}))
 """
 
 
-def _probe() -> dict:
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    """One private instance started and stopped by `init_ray`/`shutdown_ray` in a fresh process."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=240)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=240,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_private_instance_runs_tasks_without_monitors_or_api_server() -> None:
-    """No log monitor, no autoscaler monitor and no API server (`dashboard.py`, whose usage-stats
-    module would report to Ray's servers); tasks still run and Ray's node class is restored."""
-    r = _probe()
-    assert r["owned"] and r["worker"] > 0 and r["restored"]
-    children = r["children"]
-    assert any("raylet" in c for c in children) and any("gcs_server" in c for c in children), children
-    assert not any("log_monitor.py" in c for c in children), children
-    assert not any("autoscaler/_private/monitor.py" in c for c in children), children
-    assert not any("dashboard/dashboard.py" in c for c in children), children
-    assert r["dashboard_url"] is None
+def test_private_instance_gets_the_cpus_and_object_store_it_was_given_and_runs_tasks(probe: dict) -> None:
+    assert probe["owned"] and probe["cpus"] == 1.0
+    assert probe["store"] == probe["expected_store"] == 256 << 20
+    assert probe["worker"] > 0 and probe["worker_was_a_child"]
+    assert any("raylet" in c for c in probe["commands"]) and any("gcs_server" in c for c in probe["commands"])
 
 
-def test_private_start_asks_ray_for_its_node_only_once_registered() -> None:
-    """Ray's own node lookup retries once a second; `ray.init` must reach it only after the new
-    raylet has registered (the job's start polls the GCS first), so it never waits that second."""
-    asked = _probe()["registered_when_asked"]
-    assert asked and all(asked), asked
+def test_a_process_already_running_ray_keeps_it(probe: dict) -> None:
+    """`init_ray` in a process where Ray is up joins it without owning it, and `shutdown_ray` of
+    an instance it does not own leaves it running (a notebook's own Ray survives a job)."""
+    assert probe["again"] is False and probe["up_after_unowned_stop"]
+
+
+def test_shutdown_stops_every_process_the_instance_started(probe: dict) -> None:
+    """Raylet, GCS, workers and Ray's helper processes: none outlives the job."""
+    assert probe["alive_after_shutdown"] == [] and not probe["initialized_after_shutdown"]
+
+
+@pytest.mark.unit
+def test_a_bad_object_store_setting_is_refused_before_ray_starts(monkeypatch) -> None:
+    import ray
+
+    from mmdata.errors import UserError
+    from mmdata.ray_job import OBJECT_STORE_ENV, init_ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already running in this test process")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv(OBJECT_STORE_ENV, "12")
+    with pytest.raises(UserError, match=f"{OBJECT_STORE_ENV}='12'"):
+        init_ray(None, 1)
+    assert not ray.is_initialized()

@@ -50,7 +50,6 @@ from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.curation.terms import unmatched
-from mmdata.preprocess.driver_scan import DriverScanner, available_cpus
 from mmdata.preprocess.energon_meta import NV_META, EnergonIndexWriter, ShardLayout
 from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
@@ -368,20 +367,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     except SystematicLoss as e:
         raise PreprocessError(str(e)) from None
     resumed_records = counts.read
-    # While Ray is imported and starts (and its workers), children of the driver scan files: one
-    # per core a private instance will use (one when joining a running cluster, which is quick).
-    t_scan = time.perf_counter()
-    private = not (cfg.address or os.environ.get("RAY_ADDRESS"))
-    scanner = DriverScanner(todo, functools.partial(scan_unit, spec=spec),
-                            processes=(cfg.num_cpus or available_cpus()) if private else 1)
-    scanner.start()
-    try:
-        import ray  # (after the fork: the children share nothing with Ray)
+    import ray
 
-        own_ray = init_ray(cfg.address, cfg.num_cpus)
-    except BaseException:
-        scanner.close()
-        raise
+    own_ray = init_ray(cfg.address, cfg.num_cpus)
     phase_done("ray_init_s")
     mix_report: dict | None = None
     # One thread indexes the written shards for energon (in shard order, as they finish), then
@@ -398,7 +386,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
         with JobProgress(cfg.progress) as prog:
             # 1. scan + validate
-            prog.stage("scan+validate", len(units), started=t_scan, base_records=resumed_records)
+            prog.stage("scan+validate", len(units), base_records=resumed_records)
             prog.resumed("scan+validate", resumed["scan"], len(units), "input file")
             prog.advance("scan+validate", resumed["scan"], records=counts.read)
 
@@ -408,18 +396,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
 
             def scanned_by_ray(unit: InputUnit, result: dict) -> None:
                 task_nodes[result.pop(NODE_KEY)] += 1
-                scanner.stop()  # Ray workers are up: leave the rest to them
-                for done in scanner.drain():
-                    scanned(*done)
                 scanned(unit, result)
 
-            for done in scanner.drain():
-                scanned(*done)
-            scan_in_ray = lambda u: remote["scan_unit"].remote(u, spec)  # noqa: E731
-            run_bounded(scan_in_ray, iter(scanner.take, None), max_in_flight, scanned_by_ray)
-            for done in scanner.finish():
-                scanned(*done)
-            run_bounded(scan_in_ray, scanner.unfinished(), max_in_flight, scanned_by_ray)
+            run_bounded(lambda u: remote["scan_unit"].remote(u, spec), todo, max_in_flight, scanned_by_ray)
             candidates, candidate_bytes = counts.written, counts.valid_bytes
             phase_done("scan_s")
             # sources are the records' own field: known once every file is scanned, before any output
@@ -507,7 +486,6 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         raise PreprocessError(str(e)) from None
     finally:
         finishing.shutdown(wait=False, cancel_futures=not finish_submitted)
-        scanner.close()
         shutdown_ray(own_ray)
     lengths_sha = finished.result()  # re-raises an error of the finishing step
     phase_done("finish_s")
@@ -537,7 +515,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,
-                "scanned_in_driver": scanner.scanned, "task_nodes": dict(sorted(task_nodes.items())),
+                "task_nodes": dict(sorted(task_nodes.items())),
                 "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
     }

@@ -35,8 +35,8 @@ class JobProgress:
 
     def stage(self, name: str, total: int, *, started: float | None = None, base_records: int = 0) -> None:
         """A new stage of `total` steps. Its rate counts the records done in this run since
-        `started` (default now: work begun before the stage, e.g. scanning while Ray starts,
-        counts from when it began), not the `base_records` a resumed run found done."""
+        `started` (default: now; work begun before the stage counts from when it began), not the
+        `base_records` a resumed run found done."""
         self.tasks[name] = self.progress.add_task(name, total=total, info="")
         self.t0[name] = time.perf_counter() if started is None else started
         self.base[name] = base_records
