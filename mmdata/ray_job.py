@@ -98,7 +98,7 @@ RAY_AUTH_ENABLED_NOTICE = "Token authentication is enabled for this Ray cluster"
 #: Ray moves the module the filter simply no longer applies (the notice shows; nothing breaks).
 #: tests/test_no_private_ray.py counts imports and attribute uses of Ray's private modules, not
 #: this string.
-RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # gated-private-api: a logger name only
 
 
 @contextlib.contextmanager
