@@ -177,6 +177,43 @@ def test_cli_help_and_user_errors(tmp_path, emu3_dev_shards, tiny_vq_dir):
     assert main(["tiny-vq", "--output", str(out), "--codebook-size", "0"]) == 2
 
 
+def test_each_worker_loads_the_vq_once_across_many_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+    """2 workers (actors) over 8 chunks: each loads the VQ once and both get chunks; the bytes
+    are the fixture run's (2 CPUs, 3 samples per chunk: other workers, other chunks)."""
+    out = tmp_path / "two_workers"
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--workers", "2",
+                                    "--chunk-samples", "2"))
+    run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
+    assert run["chunks"] == 8 and run["workers"] == 2
+    assert run["vq_loads"] == [1, 1] and run["worker_restarts"] == [0, 0]
+    assert sum(run["worker_chunks"]) == 8 and min(run["worker_chunks"]) >= 1, run["worker_chunks"]
+    _assert_same_output(out, token_dir)
+
+
+@pytest.mark.slow
+def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+    """A job stopped after its tokenize stage: the rerun reads every finished chunk in the driver,
+    starts no worker (loads no VQ) and writes the same bytes."""
+    out = tmp_path / "resumed"
+    code = ("import sys; from pathlib import Path; from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize; "
+            "a = sys.argv[1:]; run_tokenize(TokenizeConfig(Path(a[0]), Path(a[1]), Path(a[2]), image_area=int(a[3]), "
+            "num_cpus=2, chunk_samples=3, progress=False, keep_work_dir=True))")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(out), str(TEST_IMAGE_AREA)],
+                   check=True, env=env, capture_output=True)
+    (out / sf.MANIFEST_NAME).unlink()  # as if the driver died after the tokenize stage
+    for p in out.glob("shard-*.tar*"):
+        p.unlink()
+    for p in (out / ".mmdata-work" / "shards").iterdir():
+        p.unlink()
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3"))
+    run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
+    assert run["resumed"]["chunks"] == run["chunks"] > 0 and run["resumed"]["shards"] == 0
+    assert run["workers"] == 0 and run["vq_loads"] == []
+    _assert_same_output(out, token_dir)
+
+
 @pytest.mark.slow
 def test_deterministic_across_workers_and_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
     """1 CPU and 5 samples per chunk gives the bytes of the 2-CPU, 3-per-chunk fixture run."""
