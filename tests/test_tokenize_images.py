@@ -334,8 +334,8 @@ def test_killed_worker_is_restarted_and_its_chunks_resent(tmp_path, kill_case, t
     _, err = proc.communicate()
     assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
-    assert sum(run["worker_restarts"]) == 1 and run["workers"] == 2
-    assert run["vq_loads"] == [1, 1]  # the restarted worker's new process loaded it once too
+    assert sorted(run["worker_restarts"]) == [0, 1] and run["workers"] == 2
+    assert sorted(run["vq_loads"]) == [1, 2]  # once per process: the restarted worker's new one loaded it again
     assert sum(run["worker_chunks"]) == run["chunks"]
     _assert_same_output(out, ref)
 

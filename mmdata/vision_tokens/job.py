@@ -122,7 +122,8 @@ def _prepare_work_dir(out: Path, fp: str, chunk_samples: int, job: dict) -> Path
     state = {"fingerprint": fp, "chunk_samples": chunk_samples, "tool": TOOL, "job": job}
     if wj.exists() and json.loads(wj.read_text()).get("chunk_samples") != chunk_samples:
         remove([work / "chunks", work / "shards"])  # other chunk boundaries: redo (the output is the same)
-    for d in ("chunks", "shards"):
+    remove([work / "workers"])  # the load records of an earlier run's workers (counted per run)
+    for d in ("chunks", "shards", "workers"):
         (work / d).mkdir(parents=True, exist_ok=True)
     stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
     remove(stale + list(out.glob(f"{sf.ENERGON_META}.tmp-*")))
@@ -189,21 +190,31 @@ def _worker_count(cfg: TokenizeConfig, res: dict, gpus: float, n_chunks: int) ->
 def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_workers: int, gpus: float,
                          on_done) -> list[dict]:
     """Stream `chunks` to `n_workers` TokenizeWorker actors (each loads the VQ once), then kill
-    them, so that their CPUs and GPUs are free for the write stage. Returns per-worker stats."""
+    them, so that their CPUs and GPUs are free for the write stage. Returns per-worker stats:
+    chunks done, VQ loads (over all its processes) and restarts (processes after the first)."""
     import ray
 
-    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS)(TokenizeWorker)
-    actors = [actor_cls.remote(opts) for _ in range(n_workers)]
+    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS,
+                           max_task_retries=WORKER_MAX_RESTARTS)(TokenizeWorker)
+    actors = [actor_cls.remote(opts, i) for i in range(n_workers)]
+    loads: list[dict[tuple[str, int], int]] = [{} for _ in range(n_workers)]  # worker -> {(host, pid): loads}
+
+    def done(chunk: ChunkSpec, r: dict) -> None:
+        seen = loads[r["worker"]]
+        seen[(r["host"], r["pid"])] = max(seen.get((r["host"], r["pid"]), 0), r["vq_loads"])
+        on_done(chunk, r)
+
     try:
-        pool_stats = run_on_actors(actors, chunks, lambda a, c: a.tokenize.remote(c), on_done,
-                                   queue_per_actor=QUEUED_CHUNKS_PER_WORKER, max_restarts=WORKER_MAX_RESTARTS)
-        alive = [s.deaths <= WORKER_MAX_RESTARTS for s in pool_stats]
-        refs = {i: a.vq_loads.remote() for i, (a, ok) in enumerate(zip(actors, alive)) if ok}
-        loads = dict(zip(refs, ray.get(list(refs.values()))))
+        finished = run_on_actors(actors, chunks, lambda a, c: a.tokenize.remote(c), done,
+                                 queue_per_actor=QUEUED_CHUNKS_PER_WORKER)
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
-    return [{"vq_loads": loads.get(i, 0), "chunks": s.items, "restarts": s.deaths} for i, s in enumerate(pool_stats)]
+    for path in (Path(opts.work) / "workers").glob("w*.json"):  # processes that died before a result
+        p = json.loads(path.read_text())
+        loads[p["worker"]].setdefault((p["host"], p["pid"]), 1)
+    return [{"chunks": finished[i], "vq_loads": sum(loads[i].values()), "restarts": max(0, len(loads[i]) - 1)}
+            for i in range(n_workers)]
 
 
 @resumable

@@ -113,23 +113,34 @@ def vq_loads_in_process() -> int:
     return _VQ_LOADS
 
 
+def worker_file(work: str | Path, index: int, host: str, pid: int) -> Path:
+    """Written by each process of worker `index` once its VQ is loaded: how the driver counts
+    loads and restarts, even of a process that died before it finished a chunk."""
+    return Path(work) / "workers" / f"w{index:04d}.{host}.{pid}.json"
+
+
 class TokenizeWorker:
     """One tokenizing worker (the driver makes it a Ray actor: one per CPU, or per GPU share).
 
     Why an actor: Ray runs every GPU task in a fresh process (`max_calls=1`), so a model cached
     by a task is lost after each chunk. An actor loads the VQ once, in its constructor, and
-    tokenizes every chunk streamed to it with that one model."""
+    tokenizes every chunk streamed to it with that one model. Ray reruns the constructor in a
+    new process when the worker is restarted after a crash."""
 
-    def __init__(self, opts: TokenizeOptions):
-        self.opts = opts
+    def __init__(self, opts: TokenizeOptions, index: int):
+        import socket
+
+        self.opts, self.index = opts, index
         self.vt = load_vision_tokenizer(opts)
+        self.process = {"worker": index, "host": socket.gethostname(), "pid": os.getpid()}
+        path = worker_file(opts.work, index, self.process["host"], self.process["pid"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, json.dumps(self.process).encode())
 
     def tokenize(self, spec: ChunkSpec) -> dict:
-        return tokenize_chunk(spec, self.opts, self.vt)
-
-    def vq_loads(self) -> int:
-        """VQ loads in this worker's process (1 unless something reloads it per chunk)."""
-        return vq_loads_in_process()
+        """The chunk's counts, and which process did it with how many VQ loads so far (1, unless
+        something reloads the model per chunk)."""
+        return {**tokenize_chunk(spec, self.opts, self.vt), **self.process, "vq_loads": vq_loads_in_process()}
 
 
 class _Rejected(Exception):
