@@ -328,8 +328,10 @@ def test_killed_worker_is_restarted_and_its_chunks_resent(tmp_path, kill_case, t
     out = tmp_path / "out"
     proc = _start_job(shards, tiny_vq_dir, out, "--num-cpus", "2", "--workers", "2", *common[2:])
     _wait_for_chunks(proc, out, 3)
-    victims = _descendants_named(proc.pid, "ray::TokenizeWorker")
-    assert victims, "no TokenizeWorker process found under the job"
+    # a worker process that has loaded its VQ (it wrote its load record), found under the job
+    loaded = {int(p.name.rsplit(".", 2)[1]) for p in (out / ".mmdata-work" / "workers").glob("w*.json")}
+    victims = [p for p in _descendants_named(proc.pid, "ray::TokenizeWorker") if p in loaded]
+    assert victims, "no TokenizeWorker process with a loaded VQ found under the job"
     os.kill(victims[0], signal.SIGKILL)
     _, err = proc.communicate()
     assert proc.returncode == 0, err.decode(errors="replace")[-3000:]

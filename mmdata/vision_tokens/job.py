@@ -191,7 +191,8 @@ def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_worke
                          on_done) -> list[dict]:
     """Stream `chunks` to `n_workers` TokenizeWorker actors (each loads the VQ once), then kill
     them, so that their CPUs and GPUs are free for the write stage. Returns per-worker stats:
-    chunks done, VQ loads (over all its processes) and restarts (processes after the first)."""
+    chunks done, VQ loads (over all its processes) and restarts (processes after the first that
+    loaded the VQ: a process killed while still loading leaves no record)."""
     import ray
 
     actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS,
