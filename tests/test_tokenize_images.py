@@ -161,6 +161,19 @@ def test_energon_reads_token_shards(token_dir):
     assert sample.id == json.loads(parts["json"])["id"] and sample.conversations
 
 
+def test_gpu_check_script_helps_and_skips_without_cuda():
+    """benchmarks/gpu_check_tokenize_images.py (run as a script, not imported): --help, and a
+    clear skip line with exit 0 where no CUDA device is visible."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_tokenize_images.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    helped = subprocess.run([sys.executable, str(script), "--help"], check=False, capture_output=True, text=True, env=env)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stderr
+    assert "loads the VQ once" in helped.stdout and "--num-samples" in helped.stdout
+    skipped = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, env=env)
+    assert skipped.returncode == 0, skipped.stderr
+    assert skipped.stdout.strip().splitlines()[-1].startswith("GPU_CHECK skipped: no CUDA device")
+
+
 def test_cli_help_and_user_errors(tmp_path, emu3_dev_shards, tiny_vq_dir):
     from mmdata.cli import main
 
@@ -175,6 +188,46 @@ def test_cli_help_and_user_errors(tmp_path, emu3_dev_shards, tiny_vq_dir):
     assert main(["tokenize-images", str(tmp_path / "nothing"), "--vision-tokenizer", str(tiny_vq_dir),
                  "--output", str(out), "--no-progress"]) == 2
     assert main(["tiny-vq", "--output", str(out), "--codebook-size", "0"]) == 2
+    for flag, value in (("--workers", "0"), ("--gpus-per-worker", "0"), ("--gpus-per-task", "-1")):
+        assert main(["tokenize-images", str(emu3_dev_shards), "--vision-tokenizer", str(tiny_vq_dir),
+                     "--output", str(out), "--no-progress", flag, value]) == 2, flag
+
+
+def test_each_worker_loads_the_vq_once_across_many_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+    """2 workers (actors) over 8 chunks: each loads the VQ once and both get chunks; the bytes
+    are the fixture run's (2 CPUs, 3 samples per chunk: other workers, other chunks)."""
+    out = tmp_path / "two_workers"
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--workers", "2",
+                                    "--chunk-samples", "2"))
+    run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
+    assert run["chunks"] == 8 and run["workers"] == 2
+    assert run["vq_loads"] == [1, 1] and run["worker_restarts"] == [0, 0]
+    assert sum(run["worker_chunks"]) == 8 and min(run["worker_chunks"]) >= 1, run["worker_chunks"]
+    _assert_same_output(out, token_dir)
+
+
+@pytest.mark.slow
+def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+    """A job stopped after its tokenize stage: the rerun reads every finished chunk in the driver,
+    starts no worker (loads no VQ) and writes the same bytes."""
+    out = tmp_path / "resumed"
+    code = ("import sys; from pathlib import Path; from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize; "
+            "a = sys.argv[1:]; run_tokenize(TokenizeConfig(Path(a[0]), Path(a[1]), Path(a[2]), image_area=int(a[3]), "
+            "num_cpus=2, chunk_samples=3, progress=False, keep_work_dir=True))")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(out), str(TEST_IMAGE_AREA)],
+                   check=True, env=env, capture_output=True)
+    (out / sf.MANIFEST_NAME).unlink()  # as if the driver died after the tokenize stage
+    for p in out.glob("shard-*.tar*"):
+        p.unlink()
+    for p in (out / ".mmdata-work" / "shards").iterdir():
+        p.unlink()
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3"))
+    run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
+    assert run["resumed"]["chunks"] == run["chunks"] > 0 and run["resumed"]["shards"] == 0
+    assert run["workers"] == 0 and run["vq_loads"] == []
+    _assert_same_output(out, token_dir)
 
 
 @pytest.mark.slow
@@ -195,30 +248,130 @@ def _assert_same_output(out: Path, ref: Path) -> None:
     assert (out / sf.QUARANTINE_NAME).read_bytes() == (ref / sf.QUARANTINE_NAME).read_bytes()
 
 
-@pytest.mark.slow
-def test_killed_driver_rerun_gives_same_output(tmp_path, emu3_dev_shards, tiny_vq_dir):
-    """SIGKILL the driver once some chunks are done, rerun: the rest is finished and the output
-    equals an uninterrupted run's."""
+@pytest.fixture(scope="module")
+def kill_case(tmp_path_factory, tiny_vq_dir):
+    """64 samples in 2-sample chunks (enough to kill the job midway) and an uninterrupted run's output."""
     from mmdata.energon_loaders.dev_shards import write_dev_shards
 
-    shards = write_dev_shards(tmp_path / "in", dev_samples(64, seed=5), samples_per_shard=16)
+    root = tmp_path_factory.mktemp("tokenize_kill")
+    shards = write_dev_shards(root / "in", dev_samples(64, seed=5), samples_per_shard=16)
     common = ["--num-cpus", "1", "--chunk-samples", "2", "--image-area", str(128 * 128)]
-    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref = root / "ref"
     run_tokenize_cli(*tokenize_args(shards, tiny_vq_dir, ref, *common))
-    chunks = out / ".mmdata-work" / "chunks"
+    return shards, ref, common
+
+
+def _start_job(shards: Path, vq: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress",
-                             *tokenize_args(shards, tiny_vq_dir, out, *common)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    while proc.poll() is None and len(list(chunks.glob("*.json"))) < 3:
+    return subprocess.Popen([sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress",
+                             *tokenize_args(shards, vq, out, *extra)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+
+def _wait_for_chunks(proc: subprocess.Popen, out: Path, n: int) -> None:
+    chunks = out / ".mmdata-work" / "chunks"
+    while proc.poll() is None and len(list(chunks.glob("*.json"))) < n:
         time.sleep(0.02)
     assert proc.poll() is None, "job finished before it could be killed: make the test input bigger"
+
+
+@pytest.mark.slow
+def test_killed_driver_rerun_gives_same_output(tmp_path, kill_case, tiny_vq_dir):
+    """SIGKILL the driver once some chunks are done, rerun: the rest is finished (finished chunks
+    are not sent to workers again) and the output equals an uninterrupted run's."""
+    shards, ref, common = kill_case
+    out = tmp_path / "out"
+    proc = _start_job(shards, tiny_vq_dir, out, *common)
+    _wait_for_chunks(proc, out, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / sf.MANIFEST_NAME).exists()
     run_tokenize_cli(*tokenize_args(shards, tiny_vq_dir, out, *common))
-    m_out = json.loads((out / sf.MANIFEST_NAME).read_text())
-    assert m_out["run"]["resumed"]["chunks"] >= 3
+    run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
+    assert run["resumed"]["chunks"] >= 3
+    assert sum(run["worker_chunks"]) == run["chunks"] - run["resumed"]["chunks"]
     _assert_same_output(out, ref)
     assert not (out / ".mmdata-work").exists()
+
+
+def _descendants_named(root_pid: int, prefix: str) -> list[int]:
+    """Processes under `root_pid` whose command line starts with `prefix` (Ray's process titles)."""
+    parents, found = {}, []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if cmdline.startswith(prefix):
+            found.append(int(d.name))
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root_pid:
+                return True
+        return False
+
+    return [p for p in found if under(p)]
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_its_chunks_resent(tmp_path, kill_case, tiny_vq_dir):
+    """SIGKILL one tokenizing worker (an actor process) mid-job: Ray restarts it, its chunks are
+    sent again, the job finishes in the same run with the uninterrupted run's bytes."""
+    shards, ref, common = kill_case
+    out = tmp_path / "out"
+    proc = _start_job(shards, tiny_vq_dir, out, "--num-cpus", "2", "--workers", "2", *common[2:])
+    _wait_for_chunks(proc, out, 3)
+    # a worker process that has loaded its VQ (it wrote its load record), found under the job
+    loaded = {int(p.name.rsplit(".", 2)[1]) for p in (out / ".mmdata-work" / "workers").glob("w*.json")}
+    victims = [p for p in _descendants_named(proc.pid, "ray::TokenizeWorker") if p in loaded]
+    assert victims, "no TokenizeWorker process with a loaded VQ found under the job"
+    os.kill(victims[0], signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
+    assert sorted(run["worker_restarts"]) == [0, 1] and run["workers"] == 2
+    assert sorted(run["vq_loads"]) == [1, 2]  # once per process: the restarted worker's new one loaded it again
+    assert sum(run["worker_chunks"]) == run["chunks"]
+    _assert_same_output(out, ref)
+
+
+@pytest.mark.slow
+def test_gpu_style_tasks_would_reload_the_vq_for_every_chunk(tmp_path, emu3_dev_shards, tiny_vq_dir):
+    """Why the job uses actors: Ray runs a GPU task (num_gpus > 0) with max_calls=1, a fresh
+    worker process per task. The same with max_calls=1 set by hand on CPU: the per-process VQ
+    load count is 1 in every task, i.e. one load per chunk, where a worker loads once."""
+    code = """
+import json, sys
+import ray
+from mmdata.vision_tokens import stages
+from mmdata.vision_tokens.vq import read_vq_checkpoint
+
+shards, vq, work = sys.argv[1:]
+opts = stages.TokenizeOptions(shards, work, vq, read_vq_checkpoint(vq).fingerprint(), 64 * 64, "cpu", 1, 1)
+
+def one_chunk(spec):
+    import os
+    stages.tokenize_chunk(spec, opts, stages.load_vision_tokenizer(opts))
+    return os.getpid(), stages.vq_loads_in_process()
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+task = ray.remote(num_cpus=1, max_calls=1)(one_chunk)
+specs = [stages.ChunkSpec("shard-000000.tar", i, 2 * i, 2 * i + 2) for i in range(4)]
+print(json.dumps(ray.get([task.remote(s) for s in specs])))
+"""
+    work = tmp_path / "work"
+    (work / "chunks").mkdir(parents=True)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(work)],
+                          capture_output=True, text=True, env=env, check=True)
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [loads for _, loads in results] == [1, 1, 1, 1]  # every task's process loaded the VQ itself
+    assert len({pid for pid, _ in results}) == 4  # in 4 processes: 4 loads for 4 chunks

@@ -28,12 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where the VQ runs (default auto: cuda when the Ray cluster has GPUs)")
-    parser.add_argument("--gpus-per-task", type=float, default=1.0,
-                        help="GPUs each tokenizing task asks Ray for on cuda (default 1; e.g. 0.25 = 4 tasks per GPU)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="tokenizing workers (Ray actors), each loading the VQ model once and keeping it for "
+                             "every chunk it is sent (default: one per CPU of the cluster on cpu, one per "
+                             "--gpus-per-worker GPUs on cuda)")
+    parser.add_argument("--gpus-per-worker", "--gpus-per-task", dest="gpus_per_worker", type=float, default=1.0,
+                        metavar="F",
+                        help="GPUs each worker asks Ray for on cuda (default 1; 0.25 = 4 workers, 4 VQ copies, per "
+                             "GPU). Workers are actors, not tasks, because Ray starts a fresh process for every "
+                             "GPU task (max_calls=1) and would reload the model for each chunk. (--gpus-per-task "
+                             "is the old name.)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="same-size images per VQ forward (default: 1 on CPU, 8 on GPU)")
     parser.add_argument("--chunk-samples", type=int, default=DEFAULT_CHUNK_SAMPLES,
-                        help=f"samples per task (default {DEFAULT_CHUNK_SAMPLES}; never changes the output)")
+                        help=f"samples per chunk, the unit sent to a worker (default {DEFAULT_CHUNK_SAMPLES}; never changes the output)")
     parser.add_argument("--overwrite", action="store_true", help="delete this tool's outputs in --output and start fresh")
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
 
@@ -45,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.image_area < 0:
         raise UserError(f"--image-area must be positive (or 0 for the VQ dir's own bounds), got {args.image_area}")
-    if args.gpus_per_task <= 0:
-        raise UserError(f"--gpus-per-task must be positive, got {args.gpus_per_task}")
+    if args.gpus_per_worker <= 0:
+        raise UserError(f"--gpus-per-worker must be positive, got {args.gpus_per_worker}")
+    if args.workers is not None and args.workers <= 0:
+        raise UserError(f"--workers must be positive, got {args.workers}")
     cfg = TokenizeConfig(
         input=args.shards, vision_tokenizer=args.vision_tokenizer, output=args.output,
         image_area=args.image_area or None, address=args.address, num_cpus=args.num_cpus, device=args.device,
-        gpus_per_task=args.gpus_per_task, batch_size=args.batch_size, chunk_samples=args.chunk_samples,
+        gpus_per_worker=args.gpus_per_worker, workers=args.workers, batch_size=args.batch_size, chunk_samples=args.chunk_samples,
         overwrite=args.overwrite, progress=not args.no_progress,
     )
     manifest = run_tokenize(cfg)

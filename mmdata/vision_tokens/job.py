@@ -1,10 +1,14 @@
 """The Ray job behind `mmdata tokenize-images` (the driver; the stages are in stages.py).
 
-1. tokenize - one task per chunk (a fixed run of samples of one input shard): decode, resize
-              exactly as Emu3ImageProcessor, VQ-encode, spill output members + quarantine lines.
-              One CPU and one torch thread per task and one task per CPU; with GPUs in the
-              cluster, each task also asks for `gpus_per_task` GPUs and runs the VQ on cuda.
-2. write    - one task per shard: concatenate its chunks into the output shard.
+1. tokenize - chunks (fixed runs of samples of one input shard) streamed to TokenizeWorker
+              actors, each holding one VQ model for the whole job: decode, resize exactly as
+              Emu3ImageProcessor, VQ-encode, spill output members + quarantine lines. One CPU
+              and one torch thread per worker and one worker per CPU; with GPUs in the cluster,
+              each worker also asks for `gpus_per_worker` GPUs and runs the VQ on cuda. Actors,
+              not tasks: Ray runs a GPU task in a fresh process each time (`max_calls=1`), which
+              would reload the model for every chunk. Chunks finished by an earlier run are
+              read by the driver; a worker that dies is restarted and its chunks sent again.
+2. write    - one task per shard (after the workers are gone): concatenate its chunks.
 3. finish   - energon index (.nv-meta naming VQTokenSample), quarantine.jsonl, manifest.json.
 
 Resumable like `mmdata preprocess` (markers under DIR/.mmdata-work/, the same output-folder
@@ -36,14 +40,17 @@ from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumab
 from mmdata.readiness import unfinished_job
 from mmdata.units import plural
 from mmdata.vision_tokens import token_format as tf
-from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, chunk_file, count_samples, tokenize_chunk,
-                                         write_token_shard)
+from mmdata.actor_pool import run_on_actors
+from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
+                                         finished_chunk, write_token_shard)
 from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
                                      read_vq_checkpoint, spatial_factor)
 
 DEFAULT_IMAGE_AREA = 512 * 512  # Emu3-Chat's image_area
 DEFAULT_CHUNK_SAMPLES = 64
 TOKEN_STATS = ("images", "visual_tokens", "text_only")
+QUEUED_CHUNKS_PER_WORKER = 2  # one running, the next already shipped: a worker never waits on the driver
+WORKER_MAX_RESTARTS = 2  # Ray restarts a dead worker this often; its chunks are sent again
 
 
 TOOL = "mmdata tokenize-images"
@@ -63,7 +70,8 @@ class TokenizeConfig:
     address: str | None = None
     num_cpus: int | None = None
     device: str = "auto"  # auto | cpu | cuda
-    gpus_per_task: float = 1.0
+    gpus_per_worker: float = 1.0  # on cuda; 0.25 = 4 workers (4 VQ models) share a GPU
+    workers: int | None = None  # None: one per CPU (cpu) or per gpus_per_worker GPUs (cuda)
     batch_size: int | None = None  # None: 1 on CPU, 8 on GPU
     chunk_samples: int = DEFAULT_CHUNK_SAMPLES
     overwrite: bool = False
@@ -114,7 +122,8 @@ def _prepare_work_dir(out: Path, fp: str, chunk_samples: int, job: dict) -> Path
     state = {"fingerprint": fp, "chunk_samples": chunk_samples, "tool": TOOL, "job": job}
     if wj.exists() and json.loads(wj.read_text()).get("chunk_samples") != chunk_samples:
         remove([work / "chunks", work / "shards"])  # other chunk boundaries: redo (the output is the same)
-    for d in ("chunks", "shards"):
+    remove([work / "workers"])  # the load records of an earlier run's workers (counted per run)
+    for d in ("chunks", "shards", "workers"):
         (work / d).mkdir(parents=True, exist_ok=True)
     stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
     remove(stale + list(out.glob(f"{sf.ENERGON_META}.tmp-*")))
@@ -164,6 +173,51 @@ def _manifest_job(manifest: dict) -> dict | None:
     return manifest.get("job") if isinstance(manifest.get("job"), dict) else None
 
 
+def _worker_count(cfg: TokenizeConfig, res: dict, gpus: float, n_chunks: int) -> int:
+    """--workers, or as many as the cluster holds (one per CPU, or per `gpus` GPUs), at most
+    one per chunk; refused when the cluster cannot hold them all (the rest would wait forever)."""
+    cpus_have, gpus_have = res.get("CPU", 0), res.get("GPU", 0)
+    fits = int(gpus_have / gpus + 1e-9) if gpus else int(cpus_have)
+    if cfg.workers is None:
+        return max(1, min(fits, n_chunks))
+    if cfg.workers > fits:
+        need = f"{cfg.workers * gpus:g} GPUs" if gpus else f"{cfg.workers} CPUs"
+        raise TokenizeError(f"--workers {cfg.workers}: needs {need}, the Ray cluster has "
+                            f"{gpus_have:g} GPUs and {cpus_have:g} CPUs")
+    return min(cfg.workers, n_chunks)
+
+
+def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_workers: int, gpus: float,
+                         on_done) -> list[dict]:
+    """Stream `chunks` to `n_workers` TokenizeWorker actors (each loads the VQ once), then kill
+    them, so that their CPUs and GPUs are free for the write stage. Returns per-worker stats:
+    chunks done, VQ loads (over all its processes) and restarts (processes after the first that
+    loaded the VQ: a process killed while still loading leaves no record)."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS,
+                           max_task_retries=WORKER_MAX_RESTARTS)(TokenizeWorker)
+    actors = [actor_cls.remote(opts, i) for i in range(n_workers)]
+    loads: list[dict[tuple[str, int], int]] = [{} for _ in range(n_workers)]  # worker -> {(host, pid): loads}
+
+    def done(chunk: ChunkSpec, r: dict) -> None:
+        seen = loads[r["worker"]]
+        seen[(r["host"], r["pid"])] = max(seen.get((r["host"], r["pid"]), 0), r["vq_loads"])
+        on_done(chunk, r)
+
+    try:
+        finished = run_on_actors(actors, chunks, lambda a, c: a.tokenize.remote(c), done,
+                                 queue_per_actor=QUEUED_CHUNKS_PER_WORKER)
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+    for path in (Path(opts.work) / "workers").glob("w*.json"):  # processes that died before a result
+        p = json.loads(path.read_text())
+        loads[p["worker"]].setdefault((p["host"], p["pid"]), 1)
+    return [{"chunks": finished[i], "vq_loads": sum(loads[i].values()), "restarts": max(0, len(loads[i]) - 1)}
+            for i in range(n_workers)]
+
+
 @resumable
 def run_tokenize(cfg: TokenizeConfig) -> dict:
     """Run the whole job; returns the manifest. Raises TokenizeError on user errors, and
@@ -179,6 +233,10 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
         raise TokenizeError("--batch-size must be positive")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise TokenizeError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+    if cfg.workers is not None and cfg.workers <= 0:
+        raise TokenizeError(f"--workers must be a positive number, got {cfg.workers}")
+    if cfg.gpus_per_worker <= 0:
+        raise TokenizeError(f"--gpus-per-worker must be positive, got {cfg.gpus_per_worker}")
     if cfg.num_cpus is not None and cfg.num_cpus <= 0:
         raise TokenizeError(f"--num-cpus must be a positive number, got {cfg.num_cpus}")
     inp_dir, out = Path(cfg.input).resolve(), Path(cfg.output).resolve()
@@ -220,15 +278,14 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
                                batch_size, threads=1)
         plan = _plan_chunks(inp.shards, cfg.chunk_samples)
         chunks = [c for cs in plan.values() for c in cs]
-        gpus = cfg.gpus_per_task if device == "cuda" else 0
-        tokenize_r = ray.remote(num_cpus=1, num_gpus=gpus)(tokenize_chunk)
+        gpus = cfg.gpus_per_worker if device == "cuda" else 0
         write_r = ray.remote(num_cpus=1)(write_token_shard)
         res = ray.cluster_resources()
-        slots = int(res.get("CPU", 1)) if not gpus else max(1, int(res.get("GPU", 0) / gpus))
-        max_in_flight = max(2, 2 * slots)
+        max_in_flight = max(2, 2 * int(res.get("CPU", 1)))
         counts, stats = Counts(), dict.fromkeys(TOKEN_STATS, 0)
         resumed = {"chunks": 0, "shards": 0}
         phases: dict[str, float] = {"ray_init_s": round(time.perf_counter() - t_start, 3)}
+        workers: list[dict] = []
         with JobProgress(cfg.progress) as prog:
             t0 = time.perf_counter()
             prog.stage("tokenize images", len(chunks))
@@ -240,7 +297,15 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
                 resumed["chunks"] += int(r["resumed"])
                 prog.advance("tokenize images", records=stats["images"], unit="images")
 
-            run_bounded(lambda c: tokenize_r.remote(c, opts), chunks, max_in_flight, tokenized)
+            todo = []
+            for c in chunks:  # chunks an earlier run finished: read here, no worker (and no VQ) for them
+                done = finished_chunk(c, work)
+                if done is None:
+                    todo.append(c)
+                else:
+                    tokenized(c, done)
+            if todo:
+                workers = _tokenize_on_workers(todo, opts, _worker_count(cfg, res, gpus, len(todo)), gpus, tokenized)
             prog.resumed("tokenize images", resumed["chunks"], len(chunks), "chunk", after=True)
             if counts.written == 0:  # leave nothing behind
                 discard(out, work, created)
@@ -287,7 +352,9 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
         "wall_time_s": round(time.perf_counter() - t_start, 3),
         "run": {"output": str(out), "chunk_samples": cfg.chunk_samples, "chunks": len(chunks), "resumed": resumed,
                 "phases": phases, "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
-                "num_cpus": cfg.num_cpus},
+                "num_cpus": cfg.num_cpus, "gpus_per_worker": gpus, "workers": len(workers),
+                "vq_loads": [w["vq_loads"] for w in workers], "worker_chunks": [w["chunks"] for w in workers],
+                "worker_restarts": [w["restarts"] for w in workers]},
     }
     with deferred_interrupt():  # the manifest says "finished": then the work folder goes
         write_json_atomic(out / sf.MANIFEST_NAME, manifest)

@@ -1,9 +1,10 @@
-"""The two Ray stages of `mmdata tokenize-images`, as plain functions (the driver wraps them
-with `ray.remote`). Each is idempotent and writes atomically under the work folder with its
-marker last, so a retried or resumed task gives the same bytes.
+"""The two Ray stages of `mmdata tokenize-images`, as plain code (the driver wraps them with
+`ray.remote`). Each is idempotent and writes atomically under the work folder with its marker
+last, so a retried or resumed chunk gives the same bytes.
 
-- tokenize_chunk: decode, resize (Emu3ImageProcessor) and VQ-encode the images of a fixed run
-  of samples of one input shard; spill the output samples' members and quarantine lines.
+- TokenizeWorker (an actor: loads the VQ once) runs tokenize_chunk: decode, resize
+  (Emu3ImageProcessor) and VQ-encode the images of a fixed run of samples of one input shard;
+  spill the output samples' members and quarantine lines.
 - write_token_shard: concatenate a shard's chunks into the output shard (+ energon .tar.idx).
 
 A chunk's output depends only on its samples, the VQ model and the options (never on which
@@ -34,16 +35,16 @@ from mmdata.vision_tokens import token_format as tf
 
 @dataclass(frozen=True)
 class TokenizeOptions:
-    """What every task needs (small: shipped with each task)."""
+    """What every worker needs (small: shipped to each actor once)."""
 
     input_dir: str
     work: str
     vq_dir: str
-    vq_fingerprint: str  # tasks refuse weights that changed after the driver fingerprinted them
+    vq_fingerprint: str  # workers refuse weights that changed after the driver fingerprinted them
     image_area: int | None
     device: str  # "cpu" | "cuda"
     batch_size: int  # same-size images per VQ forward
-    threads: int  # torch threads per task
+    threads: int  # torch threads per worker
 
 
 @dataclass(frozen=True)
@@ -88,23 +89,58 @@ def count_samples(path: Path) -> int:
 
 # ----------------------------------------------------------------------------- the VQ, once per worker
 
-_TOKENIZERS: dict = {}
+#: VisionTokenizer loads in this process (what `TokenizeWorker.vq_loads` reports: tests and the
+#: manifest show it stays 1 per worker, however many chunks the worker tokenized).
+_VQ_LOADS = 0
 
 
-def _vision_tokenizer(opts: TokenizeOptions):
-    """The worker process's VisionTokenizer (loaded once; Ray reuses worker processes)."""
+def load_vision_tokenizer(opts: TokenizeOptions):
+    """Load the VQ model (seconds for a real one), refusing weights that changed after the
+    driver fingerprinted them."""
+    global _VQ_LOADS
     from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
 
-    key = (opts.vq_dir, opts.image_area, opts.device)
-    if key not in _TOKENIZERS:
-        set_deterministic_torch(opts.device, opts.threads)
-        vt = VisionTokenizer(opts.vq_dir, opts.image_area, opts.device)
-        if vt.fingerprint != opts.vq_fingerprint:
-            raise RuntimeError(f"{opts.vq_dir}: the VQ weights changed while the job ran "
-                               f"(fingerprint {vt.fingerprint[:12]} != {opts.vq_fingerprint[:12]})")
-        _TOKENIZERS.clear()
-        _TOKENIZERS[key] = vt
-    return _TOKENIZERS[key]
+    set_deterministic_torch(opts.device, opts.threads)
+    vt = VisionTokenizer(opts.vq_dir, opts.image_area, opts.device)
+    _VQ_LOADS += 1
+    if vt.fingerprint != opts.vq_fingerprint:
+        raise RuntimeError(f"{opts.vq_dir}: the VQ weights changed while the job ran "
+                           f"(fingerprint {vt.fingerprint[:12]} != {opts.vq_fingerprint[:12]})")
+    return vt
+
+
+def vq_loads_in_process() -> int:
+    return _VQ_LOADS
+
+
+def worker_file(work: str | Path, index: int, host: str, pid: int) -> Path:
+    """Written by each process of worker `index` once its VQ is loaded: how the driver counts
+    loads and restarts, even of a process that died before it finished a chunk."""
+    return Path(work) / "workers" / f"w{index:04d}.{host}.{pid}.json"
+
+
+class TokenizeWorker:
+    """One tokenizing worker (the driver makes it a Ray actor: one per CPU, or per GPU share).
+
+    Why an actor: Ray runs every GPU task in a fresh process (`max_calls=1`), so a model cached
+    by a task is lost after each chunk. An actor loads the VQ once, in its constructor, and
+    tokenizes every chunk streamed to it with that one model. Ray reruns the constructor in a
+    new process when the worker is restarted after a crash."""
+
+    def __init__(self, opts: TokenizeOptions, index: int):
+        import socket
+
+        self.opts, self.index = opts, index
+        self.vt = load_vision_tokenizer(opts)
+        self.process = {"worker": index, "host": socket.gethostname(), "pid": os.getpid()}
+        path = worker_file(opts.work, index, self.process["host"], self.process["pid"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, json.dumps(self.process).encode())
+
+    def tokenize(self, spec: ChunkSpec) -> dict:
+        """The chunk's counts, and which process did it with how many VQ loads so far (1, unless
+        something reloads the model per chunk)."""
+        return {**tokenize_chunk(spec, self.opts, self.vt), **self.process, "vq_loads": vq_loads_in_process()}
 
 
 class _Rejected(Exception):
@@ -175,17 +211,24 @@ class _Encoder:
             rec.grids[i] = grid
 
 
-def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions) -> dict:
-    """Tokenize the images of samples [start, stop) of one input shard. Returns the chunk's
-    counts; its output samples and quarantine lines go to the work folder."""
+def finished_chunk(spec: ChunkSpec, work: str | Path) -> dict | None:
+    """A chunk's counts when a previous run finished it (read by the driver: no worker needed)."""
+    marker = chunk_file(work, spec.shard, spec.index, "json")
+    if not marker.exists():
+        return None
+    return {**json.loads(marker.read_text())["counts"], "resumed": True}
+
+
+def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt) -> dict:
+    """Tokenize the images of samples [start, stop) of one input shard with the loaded VQ `vt`.
+    Returns the chunk's counts; its output samples and quarantine lines go to the work folder."""
+    if (done := finished_chunk(spec, opts.work)) is not None:
+        return done
     marker = chunk_file(opts.work, spec.shard, spec.index, "json")
-    if marker.exists():
-        return {**json.loads(marker.read_text())["counts"], "resumed": True}
     path = Path(opts.input_dir) / spec.shard
     samples = _shard_samples(path)[spec.start:spec.stop]
     if len(samples) != spec.stop - spec.start:
         raise IOError(f"{path}: has fewer samples than planned (input changed?)")
-    vt = _vision_tokenizer(opts)
     encoder = _Encoder(vt, opts.batch_size)
     counts, stats = Counts(), {"images": 0, "visual_tokens": 0, "text_only": 0}
     qlines: list[str] = []
