@@ -78,29 +78,44 @@ def _metadataset_samples(yaml_path: Path, depth: int = 0) -> list[int]:
         raise DatasetNotReady(f"{yaml_path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(doc, dict) or "Metadataset" not in str(doc.get("__class__", "")):
         raise DatasetNotReady(f"{yaml_path} is not an energon metadataset (no `__class__: MetadatasetV2`)")
-    paths = list(_paths_in(doc))
-    if not paths:
+    refs = list(_refs_in(doc))
+    if not refs:
         raise DatasetNotReady(f"{yaml_path} names no dataset (no `path:` entries)")
     samples: list[int] = []
-    for rel in paths:
+    for ref in refs:
+        rel = ref["path"]
         target = (yaml_path.parent / rel) if not Path(rel).is_absolute() else Path(rel)
         try:
             if target.is_file() and target.suffix in (".yaml", ".yml") and depth < 8:
                 samples += _metadataset_samples(target, depth + 1)
             else:
                 samples.append(dataset_samples(target))
+                _check_dataset_config(ref, target)
         except DatasetNotReady as err:
             raise DatasetNotReady(f"{yaml_path}: {err}") from None
     return samples
 
 
-def _paths_in(node: Any):
+def _check_dataset_config(ref: dict, folder: Path) -> None:
+    """A metadataset entry of a shard folder with our `mmdata.yaml` must read it: without
+    `dataset_config`, energon reads `dataset.yaml`, whose InterleavedSample (for loaders without
+    mmdata) no mmdata task encoder takes."""
+    from mmdata.energon_configs import MMDATA_DATASET_CONFIG, has_mmdata_config
+
+    if has_mmdata_config(folder) and ref.get("dataset_config") != MMDATA_DATASET_CONFIG:
+        raise DatasetNotReady(f"the entry of {ref['path']} reads `{ref.get('dataset_config') or 'dataset.yaml'}` "
+                              f"(energon's InterleavedSample): add `dataset_config: {MMDATA_DATASET_CONFIG}` to it "
+                              "so the mmdata loaders get their sample type")
+
+
+def _refs_in(node: Any):
+    """Every mapping with a string `path:` (a dataset or nested metadataset reference), in order."""
     if isinstance(node, dict):
+        if isinstance(node.get("path"), str):
+            yield node
         for key, value in node.items():
-            if key == "path" and isinstance(value, str):
-                yield value
-            else:
-                yield from _paths_in(value)
+            if key != "path":
+                yield from _refs_in(value)
     elif isinstance(node, list):
         for item in node:
-            yield from _paths_in(item)
+            yield from _refs_in(item)

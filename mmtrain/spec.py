@@ -115,7 +115,7 @@ class FamilySpec:
     #: (no device read), for the train loop's MFU (`cost_model.step_flops`). None: the family
     #: encodes no media in training (e.g. pre-tokenized images)
     encoder_inputs: Optional[Callable[[Any], int]] = None
-    #: the energon sample type of the shards the family trains on, as `.nv-meta/dataset.yaml`
+    #: the energon sample type of the shards the family trains on, as `.nv-meta/mmdata.yaml`
     #: names it ("module.Class"), and what such shards are (with the command that writes them):
     #: preflight refuses a data path of another type before anything is built or written.
     #: None: not checked

@@ -169,8 +169,8 @@ def test_mixed_packed_batches_exact_resume_and_task_blend(demo_token_dir, emu3_t
 
     # a metadataset entry's `task` subflavor forces the task of its samples
     blend = tmp_path / "blend.yaml"
-    entries = [{"weight": 1.0, "path": str(demo_token_dir.resolve()), "subflavors": {"task": task}}
-               for task in (UNDERSTANDING, GENERATION)]
+    entries = [{"weight": 1.0, "path": str(demo_token_dir.resolve()), "dataset_config": "mmdata.yaml",
+                "subflavors": {"task": task}} for task in (UNDERSTANDING, GENERATION)]
     blend.write_text(json.dumps({"__module__": "megatron.energon", "__class__": "MetadatasetV2",
                                  "splits": {"train": {"blend": entries}}}))
     loader = _loader(blend, emu3_tok_dir, encoder=dict(tasks={UNDERSTANDING: 1.0}))

@@ -80,7 +80,7 @@ def _train_ids(path: Path) -> list[str]:
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
     ds = get_train_dataset(str(path), split_part="train", worker_config=worker_config, batch_size=1,
                            shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False,
-                           task_encoder=Identity())
+                           task_encoder=Identity(), dataset_config="mmdata.yaml")
     return [s.id for batch in get_loader(ds) for s in batch]
 
 

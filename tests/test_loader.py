@@ -309,15 +309,18 @@ def test_loader_state_json_round_trip(dev_dir, tok_dir):
 
 
 def test_energon_cli_info_and_preview_read_our_shards(dev_dir):
-    """`energon info` / `energon preview` (its click CLI, run in-process) understand our shards."""
+    """`energon info` / `energon preview` (its click CLI, run in-process) understand our shards
+    through `--dataset-config mmdata.yaml` (our sample type; their defaults read energon's
+    InterleavedSample: test_energon_without_mmdata.py)."""
     from click.testing import CliRunner
     from megatron.energon.cli.main import main as energon_main
 
     runner = CliRunner()
-    info = runner.invoke(energon_main, ["info", str(dev_dir)])
+    ours = ["--dataset-config", "mmdata.yaml"]
+    info = runner.invoke(energon_main, ["info", *ours, str(dev_dir)])
     assert info.exit_code == 0, info.output
     assert "ConversationSample" in info.output and "41 samples" in info.output
-    preview = runner.invoke(energon_main, ["preview", "--split-parts", "train", str(dev_dir)], input="n\n")
+    preview = runner.invoke(energon_main, ["preview", *ours, "--split-parts", "train", str(dev_dir)], input="n\n")
     assert preview.exit_code == 0, preview.output
     assert "conversations" in preview.output and "__key__" in preview.output
 

@@ -95,9 +95,10 @@ def test_each_leaf_of_a_metadataset_blend_is_checked(llava_shards, token_shards,
     from mmtrain.runtime.preflight import PreflightError, preflight
 
     blend = tmp_path / "blend.yaml"
+    ours = {"dataset_config": "mmdata.yaml"}  # our sample types (energon's default: InterleavedSample)
     blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
-        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards)},
-                            {"weight": 1.0, "path": os.path.relpath(token_shards, tmp_path)}]}}}))
+        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards), **ours},
+                            {"weight": 1.0, "path": os.path.relpath(token_shards, tmp_path), **ours}]}}}))
     overrides = [f"data.paths=[{blend}]", f"tokenizer.path={llava_tok}", "logging.tensorboard=false",
                  f"run_dir={tmp_path / 'run'}"]
     with pytest.raises(PreflightError) as err:
@@ -108,5 +109,13 @@ def test_each_leaf_of_a_metadataset_blend_is_checked(llava_shards, token_shards,
         err.value.problems
     # the same blend without the token shards passes
     blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
-        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards)}]}}}))
+        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards), **ours}]}}}))
     preflight(load_recipe(LLAVA_RECIPE, overrides), LLAVA_OV)
+    # ... but not without `dataset_config`: energon would hand the task encoder InterleavedSample
+    blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
+        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards)}]}}}))
+    with pytest.raises(PreflightError) as err:
+        preflight(load_recipe(LLAVA_RECIPE, overrides), LLAVA_OV)
+    assert len(err.value.problems) == 1 and "\n" not in err.value.problems[0]
+    assert err.value.problems[0].startswith(f"data.paths[0]: {blend}: the entry of {llava_shards} reads `dataset.yaml`")
+    assert "add `dataset_config: mmdata.yaml`" in err.value.problems[0], err.value.problems

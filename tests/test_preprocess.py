@@ -217,7 +217,7 @@ def test_energon_yields_every_valid_sample_once(shards_dir, synth_raw_dir):
 
     ds = get_train_dataset(str(shards_dir), split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
                            batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False,
-                           task_encoder=Identity())
+                           task_encoder=Identity(), dataset_config="mmdata.yaml")
     seen = []
     for batch in get_loader(ds):
         for s in batch:
@@ -232,10 +232,12 @@ def test_energon_yields_every_valid_sample_once(shards_dir, synth_raw_dir):
 
 
 def test_energon_info_cli(shards_dir):
-    proc = subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", "info", str(shards_dir)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "ConversationSample" in proc.stdout and f"{SYNTH_NUM_SAMPLES} samples" in proc.stdout
+    """energon's default config names its own InterleavedSample, `mmdata.yaml` our type."""
+    for args, sample_type in (([], "InterleavedSample"), (["--dataset-config", "mmdata.yaml"], "ConversationSample")):
+        proc = subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", "info", *args, str(shards_dir)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert sample_type in proc.stdout and f"{SYNTH_NUM_SAMPLES} samples" in proc.stdout, proc.stdout
 
 
 def test_llava_json_dataset_with_videos(tmp_path):

@@ -118,7 +118,8 @@ def test_job_output_matches_hf_and_keeps_keys_order_and_records(token_dir, emu3_
 
 
 def test_energon_reads_token_shards(token_dir):
-    """`energon info` and an energon loader (trivial task encoder) over the token shards."""
+    """`energon info` and an energon loader (trivial task encoder) over the token shards, through
+    our `mmdata.yaml` (the plain `dataset.yaml` without mmdata: test_energon_without_mmdata.py)."""
     from click.testing import CliRunner
     from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
     from megatron.energon.cli.main import main as energon_main
@@ -127,9 +128,10 @@ def test_energon_reads_token_shards(token_dir):
 
     manifest = json.loads((token_dir / sf.MANIFEST_NAME).read_text())
     written = manifest["counts"]["written"]
-    info = CliRunner().invoke(energon_main, ["info", str(token_dir)])
+    info = CliRunner().invoke(energon_main, ["info", "--dataset-config", "mmdata.yaml", str(token_dir)])
     assert info.exit_code == 0, info.output
     assert "VQTokenSample" in info.output and f"{written} samples" in info.output
+    assert "InterleavedSample" in CliRunner().invoke(energon_main, ["info", str(token_dir)]).output
 
     class Identity(DefaultTaskEncoder):
         decoder = None
@@ -142,7 +144,7 @@ def test_energon_reads_token_shards(token_dir):
 
     ds = get_train_dataset(str(token_dir), worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
                            batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None,
-                           task_encoder=Identity())
+                           task_encoder=Identity(), dataset_config="mmdata.yaml")
     seen = {}
     for batch in get_loader(ds):
         s = batch[0]

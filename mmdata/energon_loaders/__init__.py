@@ -4,6 +4,7 @@ task-encoder package per family.
 
 Common modules (one job each):
   sample.py          energon sample type of our shards (ConversationSample) + sample_loader
+                     (named by `.nv-meta/mmdata.yaml`; mmdata/energon_configs.py)
   batch.py           PackedBatch (what the training runtime reads from any batch), IGNORE_INDEX
   packing.py         pack selection (energon hook) and packed-row attention metadata
   loader.py          build_loader(data, task_encoder, ...) -> SavableLoader, LoaderStats, blend YAML

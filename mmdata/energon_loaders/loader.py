@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import yaml
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
+from mmdata.energon_configs import dataset_config, has_mmdata_config
 from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
 from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
@@ -95,9 +96,12 @@ class SavableLoader:
 
 
 def write_blend_yaml(path: str | Path, datasets: Sequence[tuple[str | Path, float]]) -> Path:
-    """Write an energon MetadatasetV2 YAML blending shard dirs with the given weights."""
+    """Write an energon MetadatasetV2 YAML blending shard dirs with the given weights. A dir with
+    our `mmdata.yaml` is read through it (`dataset_config`), so the family's task encoder gets
+    our sample type, not the portable InterleavedSample of `dataset.yaml`."""
     path = Path(path)
-    blend = [{"weight": float(w), "path": str(Path(p).resolve())} for p, w in datasets]
+    blend = [{"weight": float(w), "path": str(Path(p).resolve()),
+              **({"dataset_config": dataset_config(p)} if has_mmdata_config(p) else {})} for p, w in datasets]
     doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend": blend}}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -157,8 +161,13 @@ def build_loader(
     elif packing not in (True, False):
         raise ValueError(f"packing must be true, false or 'plan', got {packing!r}")
     else:
+        source = _resolve_data(data)
+        # a shard dir is read through our own config (mmdata.yaml); a metadataset YAML names it
+        # per dataset (`dataset_config:`, checked by readiness)
+        config = {} if source.is_file() else {"dataset_config": dataset_config(source)}
         dataset = get_train_dataset(
-            str(_resolve_data(data)),
+            str(source),
+            **config,
             worker_config=worker_config,
             batch_size=micro_batch_size,
             shuffle_buffer_size=shuffle_buffer_size,

@@ -28,6 +28,7 @@ from megatron.energon import SkipSample, TaskEncoder, WorkerConfig
 from megatron.energon.dataset_config import get_dataset_from_config
 from megatron.energon.flavors.base_dataset import SavableDataset
 
+from mmdata.energon_configs import dataset_config
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
 from mmdata.errors import UserError
 from mmdata.readiness import data_source_samples
@@ -183,7 +184,8 @@ class PlanPackedDataset(SavableDataset):
 
     def _read(self, index: int) -> Any:
         if self._reader is None:  # opened in the worker (file handles are not shared across forks)
-            factory = get_dataset_from_config(self.shards, dataset_config="dataset.yaml", split_config="split.yaml",
+            factory = get_dataset_from_config(self.shards, dataset_config=dataset_config(self.shards),
+                                              split_config="split.yaml",
                                               split_part="train", training=False, worker_config=self.worker_config,
                                               decoder=self.task_encoder.decoder)
             self._reader = factory.build()

@@ -1,7 +1,7 @@
 """The energon sample type of token shards (`mmdata tokenize-images` output) and its
-`sample_loader`. `.nv-meta/dataset.yaml` of a token shard set names `VQTokenSample`, and its
-`.nv-meta/sample_loader.py` re-exports `sample_loader`/`part_filter` from here, so `energon info`
-and `get_train_dataset` work on token shards. The on-disk contract is
+`sample_loader`. `.nv-meta/mmdata.yaml` of a token shard set names `VQTokenSample`, and its
+`.nv-meta/mmdata_sample_loader.py` re-exports `sample_loader`/`part_filter` from here, so our
+loaders (and `energon info --dataset-config mmdata.yaml`) read token shards as VQTokenSample. The on-disk contract is
 mmdata/vision_tokens/token_format.py.
 
 Grids arrive as (height, width) unsigned integer arrays of VQ codes; turning them into the

@@ -21,23 +21,17 @@ from mmdata.vision_tokens import token_format as tf
 
 #: `--json` schema of a token shard summary (docs/inspect.md)
 TOKEN_SCHEMA = "mmdata.inspect.vq_tokens/1"
-DATASET_YAML = "dataset.yaml"
 
 
 def is_token_dataset(root: str | Path) -> bool:
-    """Whether energon's index of `root` names the VQ token sample type (or, without an index,
-    its manifest says it was written by tokenize-images)."""
-    root = Path(root)
-    meta = root / sf.ENERGON_META / DATASET_YAML
-    if meta.is_file():
-        import yaml
+    """Whether the energon config our loaders read (`.nv-meta/mmdata.yaml`, else `dataset.yaml`)
+    names the VQ token sample type (or, without one, its manifest says it was written by
+    tokenize-images)."""
+    from mmdata.energon_configs import config_sample_type
 
-        try:
-            sample_type = (yaml.safe_load(meta.read_text()) or {}).get("sample_type") or {}
-        except yaml.YAMLError:
-            sample_type = {}
-        if isinstance(sample_type, dict) and sample_type.get("__class__"):
-            return (sample_type.get("__module__"), sample_type.get("__class__")) == tf.SAMPLE_TYPE
+    root = Path(root)
+    if (found := config_sample_type(root)) is not None:
+        return found == ".".join(tf.SAMPLE_TYPE)
     manifest = root / sf.MANIFEST_NAME
     if manifest.is_file():
         try:

@@ -1,12 +1,20 @@
 """Make a shard folder energon-ready: `.nv-meta/` (index.sqlite, index.uuid, .info.json,
-split.yaml with every shard in `train` and empty `val`/`test`, dataset.yaml naming our
-ConversationSample, the sample_loader.py that re-exports our loader) and one `.tar.idx` per shard.
+split.yaml with every shard in `train` and empty `val`/`test`, the two dataset configs below)
+and one `.tar.idx` per shard.
+
+Two dataset configs (mmdata/energon_configs.py says which our readers pick):
+  - `dataset.yaml`, energon's default: the standard `megatron.energon.InterleavedSample`, built
+    by a self-contained `sample_loader.py` (a copy of energon_sample_loader.py, no mmdata
+    import), so plain energon reads our shards where mmdata is not installed;
+  - `mmdata.yaml`: our sample type (ConversationSample, or VQTokenSample for token shards),
+    built by `mmdata_sample_loader.py`, which re-exports the installed package's loader.
 
 Written from the `ShardLayout` each shard writer recorded while writing, not by energon's
 `prepare_dataset`: that reads every shard back (as costly as the whole write stage) and
 importing energon (torch) costs the driver ~3 CPU-seconds, a fifth of a 16k-record job on 2
-cores. The files follow energon 7's formats (index schema of `SqliteIndexWriter`, `.tar.idx`
-of `TarIndexWriter`); tests/test_energon_index.py checks they equal `prepare_dataset`'s output.
+cores. The files follow the formats of energon `ENERGON_FORMAT_VERSION` (index schema of
+`SqliteIndexWriter`, `.tar.idx` of `TarIndexWriter`, split.yaml, .info.json);
+tests/test_energon_index.py checks they equal the installed energon's `prepare_dataset` output.
 """
 
 from __future__ import annotations
@@ -19,28 +27,52 @@ import struct
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 import yaml
 
 from mmdata import shard_format as sf
+from mmdata.energon_configs import ENERGON_DATASET_CONFIG, MMDATA_DATASET_CONFIG
 
 NV_META = sf.ENERGON_META
 TAR_INDEX_SUFFIX = ".tar.idx"  # energon's ITAR_SUFFIX
 EMPTY_SPLIT_PARTS = ("val", "test")  # in split.yaml, empty: energon's tools visit them by default
 
-# The text of `.nv-meta/sample_loader.py` written next to every shard set.
-SAMPLE_LOADER_PY = '''\
-# Written by mmdata preprocess: the loader lives in the installed package.
-from mmdata.energon_loaders.sample import part_filter, sample_loader  # noqa: F401
-'''
+#: The energon release whose on-disk formats this module writes, stamped as `energon_version`
+#: in `.info.json` (the schema we write, not whatever energon happens to be installed).
+#: tests/test_energon_index.py fails when the installed energon's minor version differs: then
+#: compare our files with its `prepare_dataset` output again and update this.
+ENERGON_FORMAT_VERSION = "7.4.1"
 
+#: (module, class) of the sample type `mmdata.yaml` names for preprocess output
+CONVERSATION_SAMPLE_TYPE = ("mmdata.energon_loaders.sample", "ConversationSample")
+
+SAMPLE_LOADER_NAME = "sample_loader.py"  # the self-contained loader of dataset.yaml
+MMDATA_SAMPLE_LOADER_NAME = "mmdata_sample_loader.py"  # the loader of mmdata.yaml
+_PORTABLE_LOADER_SOURCE = Path(__file__).with_name("energon_sample_loader.py")
+
+#: `.nv-meta/dataset.yaml`: energon's own sample type, readable without mmdata
 DATASET_YAML = {
-    "sample_type": {"__module__": "mmdata.energon_loaders.sample", "__class__": "ConversationSample"},
-    "sample_loader": "sample_loader.py:sample_loader",
-    "part_filter": "sample_loader.py:part_filter",
+    "sample_type": {"__module__": "megatron.energon", "__class__": "InterleavedSample"},
+    "sample_loader": f"{SAMPLE_LOADER_NAME}:sample_loader",
+    "part_filter": f"{SAMPLE_LOADER_NAME}:part_filter",
 }
+
+
+def mmdata_dataset_yaml(sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE) -> dict:
+    """`.nv-meta/mmdata.yaml`: our sample type, built by the installed package's loader."""
+    module, cls = sample_type
+    return {"sample_type": {"__module__": module, "__class__": cls},
+            "sample_loader": f"{MMDATA_SAMPLE_LOADER_NAME}:sample_loader",
+            "part_filter": f"{MMDATA_SAMPLE_LOADER_NAME}:part_filter"}
+
+
+def mmdata_sample_loader_py(sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE) -> str:
+    """The text of `.nv-meta/mmdata_sample_loader.py`."""
+    return ("# Written by mmdata: the loader of mmdata.yaml lives in the installed package (dataset.yaml\n"
+            "# and sample_loader.py read these shards without it).\n"
+            f"from {sample_type[0]} import part_filter, sample_loader  # noqa: F401\n")
+
 
 # energon's index.sqlite schema (megatron/energon/flavors/webdataset/indexing.py).
 _SCHEMA = (
@@ -89,8 +121,8 @@ class EnergonIndexWriter:
     `val` and `test` empty),
     built one shard at a time from the layouts the shard writers recorded: `add` each shard in
     order (the job does it as shards finish, while later ones are still being written), then
-    `finish`. The `.tar.idx` files are written by the shard writers. `dataset` and
-    `sample_loader_py`: the sample type's `dataset.yaml` and loader (default ConversationSample).
+    `finish`. The `.tar.idx` files are written by the shard writers. `sample_type`: (module,
+    class) that `mmdata.yaml` names (default ConversationSample).
 
     Built in a temporary folder and published atomically by `finish`: energon takes a folder with
     `.nv-meta/` for a dataset, so it never sees a partial one. That is also why the database is
@@ -98,8 +130,8 @@ class EnergonIndexWriter:
     folder, which the next run removes and rebuilds. The inserts are one transaction, so the
     same shards give the same bytes."""
 
-    def __init__(self, out_dir: Path, dataset: dict | None = None, sample_loader_py: str = SAMPLE_LOADER_PY):
-        self.out_dir, self.dataset, self.sample_loader_py = Path(out_dir), dataset, sample_loader_py
+    def __init__(self, out_dir: Path, sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE):
+        self.out_dir, self.sample_type = Path(out_dir), tuple(sample_type)
         self.meta = self.out_dir / f"{NV_META}.tmp-{os.getpid()}"
         self.counts: dict[str, int] = {}  # shard name -> samples, in add order
         self._db: sqlite3.Connection | None = None
@@ -142,11 +174,13 @@ class EnergonIndexWriter:
         self._db = None
         meta, names = self.meta, list(self.counts)
         (meta / "index.uuid").write_text(str(uuid.uuid4()))
-        info = {"energon_version": version("megatron-energon"), "shard_counts": self.counts}
+        info = {"energon_version": ENERGON_FORMAT_VERSION, "shard_counts": self.counts}
         (meta / ".info.json").write_text(json.dumps(info, indent=2))
         (meta / "split.yaml").write_text(yaml.dump(split_config(names), sort_keys=False))
-        (meta / "dataset.yaml").write_text(yaml.safe_dump(self.dataset or DATASET_YAML, sort_keys=False))
-        (meta / "sample_loader.py").write_text(self.sample_loader_py)
+        (meta / ENERGON_DATASET_CONFIG).write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
+        (meta / SAMPLE_LOADER_NAME).write_text(_PORTABLE_LOADER_SOURCE.read_text())
+        (meta / MMDATA_DATASET_CONFIG).write_text(yaml.safe_dump(mmdata_dataset_yaml(self.sample_type), sort_keys=False))
+        (meta / MMDATA_SAMPLE_LOADER_NAME).write_text(mmdata_sample_loader_py(self.sample_type))
         final = self.out_dir / NV_META
         if final.exists():  # from an interrupted finish of this same job
             shutil.rmtree(final)
@@ -154,10 +188,10 @@ class EnergonIndexWriter:
 
 
 def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable[ShardLayout],
-                        dataset: dict | None = None, sample_loader_py: str = SAMPLE_LOADER_PY) -> None:
+                        sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE) -> None:
     """`.nv-meta/` for these shards from their layouts (see EnergonIndexWriter). Layouts are
     consumed one shard at a time, so memory does not grow with the dataset."""
-    index = EnergonIndexWriter(out_dir, dataset, sample_loader_py)
+    index = EnergonIndexWriter(out_dir, sample_type)
     for name, layout in zip(shard_names, layouts, strict=True):
         index.add(name, layout)
     index.finish()

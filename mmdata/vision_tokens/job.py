@@ -157,16 +157,12 @@ def _resolve_device(cfg: TokenizeConfig) -> str:
 
 
 def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str]) -> None:
-    """quarantine.jsonl, then energon's index naming the token sample type (published atomically)."""
+    """quarantine.jsonl, then energon's index (published atomically): `mmdata.yaml` names the token
+    sample type, `dataset.yaml` energon's InterleavedSample (energon_meta.py)."""
     parts = [chunk_file(work, c.shard, c.index, "quarantine.jsonl") for chunks in plan.values() for c in chunks]
     concat_parts(parts, out / sf.QUARANTINE_NAME)
-    module, cls = tf.SAMPLE_TYPE
-    dataset = {"sample_type": {"__module__": module, "__class__": cls}, "sample_loader": "sample_loader.py:sample_loader",
-               "part_filter": "sample_loader.py:part_filter"}
-    loader_py = ("# Written by mmdata tokenize-images: the loader lives in the installed package.\n"
-                 f"from {module} import part_filter, sample_loader  # noqa: F401\n")
     layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
-    write_energon_index(out, written, layouts, dataset=dataset, sample_loader_py=loader_py)
+    write_energon_index(out, written, layouts, sample_type=tf.SAMPLE_TYPE)
 
 
 def _manifest_job(manifest: dict) -> dict | None:

@@ -17,8 +17,8 @@ quarantine.jsonl). One sample = these tar members (sorted by name, as in shard_f
                                               "pixels": [H, W]}]} (H, W: the resized image)
 
 A text-only record has `{key}.json` and a `vq.json` with no grids. Plus, beside the shards:
-`.nv-meta/` (energon, sample type VQTokenSample), `manifest.json` (VQ fingerprint, image area,
-processor settings, counts), `quarantine.jsonl`.
+`.nv-meta/` (energon: `mmdata.yaml` names VQTokenSample, `dataset.yaml` InterleavedSample),
+`manifest.json` (VQ fingerprint, image area, processor settings, counts), `quarantine.jsonl`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ run dir's `config.yaml` keeps describing its checkpoints.
 - `data.paths` / `data.val_paths`: each a finished energon shard folder with samples, or a
   metadataset YAML whose datasets all are (mmdata/readiness.py: an unfinished preprocess job's
   folder is refused), each dataset (every leaf of a metadataset blend) of the family's
-  energon sample type (`FamilySpec.sample_type`, read from `.nv-meta/dataset.yaml`): Emu3 token
+  energon sample type (`FamilySpec.sample_type`, read from `.nv-meta/mmdata.yaml`): Emu3 token
   shards given to llava-ov, or LLaVA shards to emu3, are refused naming both kinds;
 - `data.packing: plan`: the plan was made for this data, `train.seq_length` and the recipe's
   image token geometry (mmdata/energon_loaders/plan_packing.py);
@@ -124,24 +124,16 @@ def _short(sample_type: str) -> str:
 
 
 def dataset_sample_type(folder: Path) -> str | None:
-    """"module.Class" of a shard folder's energon sample type (`.nv-meta/dataset.yaml`, else our
-    manifest's `energon.sample_type`); None when neither names one (nothing to check)."""
+    """"module.Class" of a shard folder's energon sample type, from the dataset config our
+    loaders read (`.nv-meta/mmdata.yaml`, else `dataset.yaml`: mmdata/energon_configs.py), else
+    our manifest's `energon.sample_type`; None when neither names one (nothing to check)."""
     import json
 
-    import yaml
-
     from mmdata import shard_format as sf
+    from mmdata.energon_configs import config_sample_type
 
-    meta = folder / sf.ENERGON_META / "dataset.yaml"
-    try:
-        doc = yaml.safe_load(meta.read_text()) if meta.is_file() else None
-    except (OSError, yaml.YAMLError):
-        doc = None
-    st = doc.get("sample_type") if isinstance(doc, dict) else None
-    if isinstance(st, dict) and st.get("__class__"):
-        return f"{st.get('__module__')}.{st['__class__']}" if st.get("__module__") else str(st["__class__"])
-    if isinstance(st, str) and st:
-        return st
+    if (found := config_sample_type(folder)) is not None:
+        return found
     try:
         manifest = json.loads((folder / sf.MANIFEST_NAME).read_text())
     except (OSError, ValueError):
