@@ -33,6 +33,7 @@ from mmdata.energon_configs import config_sample_type, dataset_config
 from mmdata.preprocess import energon_sample_loader as portable
 from mmdata.preprocess.energon_meta import NV_META
 from tests.emu3_tiny import demo_token_dir, tiny_vq_dir  # noqa: F401 - session fixtures
+from tests.energon_reading import energon_samples
 
 NO_MMDATA = '''\
 import sys
@@ -158,13 +159,19 @@ def test_written_loader_is_the_self_contained_module(shards_dir):
     assert config_sample_type(shards_dir) == "mmdata.energon_loaders.sample.ConversationSample"
 
 
-def test_preprocess_shards_read_by_plain_energon(bare, shards_dir):
-    records = _records(shards_dir)
-    out, seen = _plain_energon(bare, shards_dir, len(records))
+def _read_by_plain_energon(bare, folder: Path) -> tuple[dict, dict]:
+    """(records, what the plain loop saw) after energon info, lint and preview passed on `folder`."""
+    records = _records(folder)
+    out, seen = _plain_energon(bare, folder, len(records))
     assert "InterleavedSample" in out["info"] and f"{len(records)} samples" in out["info"], out["info"]
     assert "Skipping empty split part val" in out["lint"], out["lint"]
     assert "Sample 0" in out["preview"] and "sequence" in out["preview"], out["preview"]
     assert sorted(seen) == sorted(records)
+    return records, seen
+
+
+def test_preprocess_shards_read_by_plain_energon(bare, shards_dir):
+    records, seen = _read_by_plain_energon(bare, shards_dir)
     with_images = 0
     for key, items in seen.items():
         record = json.loads(records[key][sf.JSON_MEMBER])
@@ -179,12 +186,7 @@ def test_preprocess_shards_read_by_plain_energon(bare, shards_dir):
 
 
 def test_token_shards_read_by_plain_energon(bare, demo_token_dir):  # noqa: F811
-    records = _records(demo_token_dir)
-    out, seen = _plain_energon(bare, demo_token_dir, len(records))
-    assert "InterleavedSample" in out["info"] and f"{len(records)} samples" in out["info"], out["info"]
-    assert "Skipping empty split part val" in out["lint"], out["lint"]
-    assert "Sample 0" in out["preview"] and "sequence" in out["preview"], out["preview"]
-    assert sorted(seen) == sorted(records)
+    records, seen = _read_by_plain_energon(bare, demo_token_dir)
     grids_seen = 0
     for key, items in seen.items():
         record = json.loads(records[key][sf.JSON_MEMBER])
@@ -228,25 +230,8 @@ def test_loader_with_decoding_off_hands_over_bytes():
 
 
 def _identity_ids(path: Path, config: str, take: int | None = None) -> list[str]:
-    """`type:id` of the train split's samples as energon hands them over (one epoch, or the
-    first `take` of the endless stream a weighted blend needs)."""
-    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
-
-    class Identity(DefaultTaskEncoder):
-        decoder = None
-
-        def encode_sample(self, sample):
-            return sample
-
-        def batch(self, samples):
-            return samples
-
-    kwargs = {"dataset_config": config} if path.is_dir() else {}
-    ds = get_train_dataset(str(path), split_part="train", batch_size=1, shuffle_buffer_size=None,
-                           max_samples_per_sequence=None, repeat=take is not None, task_encoder=Identity(),
-                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), **kwargs)
-    ids = (type(s).__name__ + ":" + s.id for batch in get_loader(ds) for s in batch)
-    return list(ids) if take is None else [i for _, i in zip(range(take), ids)]
+    """`type:id` of the train split's samples as energon hands them over."""
+    return [type(s).__name__ + ":" + s.id for s in energon_samples(path, config or None, take)]
 
 
 def test_folder_without_mmdata_yaml_reads_dataset_yaml_as_before(shards_dir, tmp_path):

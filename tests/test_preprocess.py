@@ -25,6 +25,7 @@ from mmdata import shard_format as sf
 from mmdata.preprocess.manifest import stable_view
 from mmdata.preprocess.synth import BROKEN_KINDS, generate_records, write_infinity_mm, write_llava_json
 from tests.conftest import SYNTH_NUM_SAMPLES, run_preprocess_cli
+from tests.energon_reading import energon_samples
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -202,30 +203,15 @@ def test_refuses_other_job_dir_unless_overwrite(broken_raw, run_a, tmp_path):
 
 
 def test_energon_yields_every_valid_sample_once(shards_dir, synth_raw_dir):
-    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
-
     from mmdata.energon_loaders.sample import ConversationSample
 
-    class Identity(DefaultTaskEncoder):
-        decoder = None
-
-        def encode_sample(self, sample):
-            return sample
-
-        def batch(self, samples):
-            return samples
-
-    ds = get_train_dataset(str(shards_dir), split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-                           batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False,
-                           task_encoder=Identity(), dataset_config="mmdata.yaml")
     seen = []
-    for batch in get_loader(ds):
-        for s in batch:
-            assert isinstance(s, ConversationSample)
-            assert len(s.images) == len(s.image_names)
-            for data in s.images:
-                Image.open(io.BytesIO(data)).load()
-            seen.append(s.id)
+    for s in energon_samples(shards_dir, "mmdata.yaml"):
+        assert isinstance(s, ConversationSample)
+        assert len(s.images) == len(s.image_names)
+        for data in s.images:
+            Image.open(io.BytesIO(data)).load()
+        seen.append(s.id)
     assert len(seen) == SYNTH_NUM_SAMPLES and len(set(seen)) == SYNTH_NUM_SAMPLES
     m = json.loads((shards_dir / sf.MANIFEST_NAME).read_text())
     assert m["counts"]["written"] == SYNTH_NUM_SAMPLES

@@ -24,6 +24,7 @@ from mmdata.preprocess.manifest import stable_view
 from mmdata.vision_tokens import token_format as tf
 from tests.emu3_tiny import (EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, emu3_dev_shards, encode_image,  # noqa: F401
                              hf_codes, hf_reference, run_tokenize_cli, tiny_vq_dir, token_dir, tokenize_args)
+from tests.energon_reading import energon_samples
 
 
 def _samples(tar_path: Path) -> list[tuple[str, dict[str, bytes]]]:
@@ -121,7 +122,6 @@ def test_energon_reads_token_shards(token_dir):
     """`energon info` and an energon loader (trivial task encoder) over the token shards, through
     our `mmdata.yaml` (the plain `dataset.yaml` without mmdata: test_energon_without_mmdata.py)."""
     from click.testing import CliRunner
-    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
     from megatron.energon.cli.main import main as energon_main
 
     from mmdata.energon_loaders.vq_token_sample import VQTokenSample
@@ -133,25 +133,11 @@ def test_energon_reads_token_shards(token_dir):
     assert "VQTokenSample" in info.output and f"{written} samples" in info.output
     assert "InterleavedSample" in CliRunner().invoke(energon_main, ["info", str(token_dir)]).output
 
-    class Identity(DefaultTaskEncoder):
-        decoder = None
-
-        def encode_sample(self, sample):
-            return sample
-
-        def batch(self, samples):
-            return samples
-
-    ds = get_train_dataset(str(token_dir), worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-                           batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None,
-                           task_encoder=Identity(), dataset_config="mmdata.yaml")
     seen = {}
-    for batch in get_loader(ds):
-        s = batch[0]
+    for s in energon_samples(token_dir, "mmdata.yaml"):
         assert isinstance(s, VQTokenSample)
         seen[s.__key__] = s
-        if len(seen) == written:
-            break
+    assert len(seen) == written
     with tarfile.open(token_dir / manifest["shards"][0]["name"]) as t:
         first = t.getmembers()[0].name.split(".")[0]
         parts = {m.name.split(".", 1)[1]: t.extractfile(m).read() for m in t.getmembers() if m.name.startswith(first)}

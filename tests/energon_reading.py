@@ -1,0 +1,30 @@
+"""The samples of a dataset exactly as energon's own `get_train_dataset` hands them to a task
+encoder (no decoding, no batching), for tests that check what energon reads from our folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def energon_samples(path: Path, dataset_config: str | None = None, take: int | None = None) -> list[Any]:
+    """The train split's samples in one epoch, or the first `take` of the endless stream (a
+    weighted blend needs that). `dataset_config` is for a shard folder only (a metadataset names
+    its own per entry)."""
+    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
+
+    class Identity(DefaultTaskEncoder):
+        decoder = None
+
+        def encode_sample(self, sample):
+            return sample
+
+        def batch(self, samples):
+            return samples
+
+    kwargs = {"dataset_config": dataset_config} if dataset_config else {}
+    ds = get_train_dataset(str(path), split_part="train", batch_size=1, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=take is not None, task_encoder=Identity(),
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), **kwargs)
+    samples = (s for batch in get_loader(ds) for s in batch)
+    return list(samples) if take is None else [s for _, s in zip(range(take), samples)]
