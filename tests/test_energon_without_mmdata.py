@@ -270,3 +270,21 @@ def test_folder_without_mmdata_yaml_reads_dataset_yaml_as_before(shards_dir, tmp
     assert len(data_source_samples(blend)) == 2  # ready for our loaders
     ids = _identity_ids(blend, "", take=3 * len(new_ids))
     assert set(ids) == set(new_ids)
+
+
+def test_our_task_encoder_names_a_plain_dataset_yaml_read(shards_dir, tmp_path):
+    """Our task encoder given the folder through its plain dataset.yaml (energon's standard type)
+    stops on the first sample, naming the config to pass, not an attribute error."""
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon.errors import FatalSampleError
+
+    from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    encoder = LlavaOVTaskEncoder(str(build_tiny_qwen2_tokenizer(tmp_path / "tok")), LlavaOVEncoderConfig(seq_length=4096))
+    ds = get_train_dataset(str(shards_dir), split_part="train", batch_size=1, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=False, task_encoder=encoder,
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    with pytest.raises(FatalSampleError, match=r"reads ConversationSample samples, got InterleavedSample.*"
+                                              r"dataset_config='mmdata.yaml'"):
+        next(iter(get_loader(ds)))

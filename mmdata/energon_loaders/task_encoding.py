@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
+from megatron.energon.errors import FatalSampleError
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows
@@ -46,6 +47,8 @@ class PackingTaskEncoder(TaskEncoder):
     # Media stay as stored (bytes / arrays): decoding happens in the encoder, where a failure
     # becomes a counted skip instead of a dead worker.
     decoder = None
+    #: the stored sample type the family reads (named by the folder's `.nv-meta/mmdata.yaml`)
+    sample_type: type = Sample
 
     def __init__(self, seq_length: int, tokenizer_path: str) -> None:
         super().__init__()
@@ -69,6 +72,17 @@ class PackingTaskEncoder(TaskEncoder):
 
             self._text = self.build_text(load_local_tokenizer(self.tokenizer_path))
         return self._text
+
+    def _require_sample_type(self, sample: Any) -> None:
+        """A folder read through its plain `dataset.yaml` hands over energon's standard
+        `InterleavedSample` (for readers without mmdata): name that instead of an attribute error
+        deep in the encoder. Fatal, not a skip: every other sample of the folder is the same."""
+        if not isinstance(sample, self.sample_type):
+            raise FatalSampleError(
+                f"{type(self).__name__} reads {self.sample_type.__name__} samples, got {type(sample).__name__} "
+                f"(sample {getattr(sample, '__key__', '?')!r}): the dataset was opened with its plain "
+                "`.nv-meta/dataset.yaml`; pass dataset_config='mmdata.yaml' to energon (or add "
+                "`dataset_config: mmdata.yaml` to the metadataset entry)")
 
     def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
         """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance

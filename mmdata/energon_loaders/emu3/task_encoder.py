@@ -73,6 +73,8 @@ class Emu3Sample(Sample):
 class Emu3TaskEncoder(PackingTaskEncoder):
     """VQTokenSample -> Emu3Sample (one task each) -> packed Emu3Batch."""
 
+    sample_type = VQTokenSample
+
     def __init__(self, tokenizer_path: str, config: Emu3EncoderConfig):
         self.config = config
         super().__init__(config.seq_length, tokenizer_path)
@@ -100,6 +102,7 @@ class Emu3TaskEncoder(PackingTaskEncoder):
 
     @stateless(restore_seeds=True)
     def encode_sample(self, sample: VQTokenSample) -> Emu3Sample:
+        self._require_sample_type(sample)
         c, sid = self.config, str(sample.id)
         grids = list(sample.image_tokens or [])
         conversations = list(sample.conversations)

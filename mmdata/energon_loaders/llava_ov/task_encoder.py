@@ -89,6 +89,8 @@ class LlavaOVSample(Sample):
 class LlavaOVTaskEncoder(PackingTaskEncoder):
     """ConversationSample -> LlavaOVSample (pre/post-encode) -> packed LlavaOVBatch."""
 
+    sample_type = ConversationSample
+
     def __init__(self, tokenizer_path: str, config: LlavaOVEncoderConfig):
         self.config = config
         super().__init__(config.seq_length, tokenizer_path)
@@ -121,6 +123,7 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
 
     @stateless
     def preencode_sample(self, sample: ConversationSample) -> LlavaOVSample:
+        self._require_sample_type(sample)
         c = self.config
         sid = str(sample.id)
         images = list(sample.images or [])
