@@ -163,7 +163,7 @@ def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
             errors.add(("auto_tune", name), f"must be in (0, 1], got {getattr(a, name)}")
     if not 0 <= a.media_token_fraction <= 1:
         errors.add(("auto_tune", "media_token_fraction"), f"must be in [0, 1], got {a.media_token_fraction}")
-    for name in ("tp", "pp", "cp", "micro_batch_size"):
+    for name in ("tp", "pp", "vpp", "cp", "micro_batch_size"):
         if any(x <= 0 for x in getattr(a, name)):
             errors.add(("auto_tune", name), f"candidates must be > 0, got {getattr(a, name)}")
     if not 0 <= a.min_memory_fraction < a.memory_fraction:

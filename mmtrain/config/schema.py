@@ -179,6 +179,7 @@ class AutoTuneConfig:
     dp_bandwidth_gbps: float = 25.0  # per-device bandwidth for DP gradient traffic, GB/s
     tp: list[int] = field(default_factory=list)
     pp: list[int] = field(default_factory=list)
+    vpp: list[int] = field(default_factory=list)  # auto: 1, 2, 4 where the layers and micro-batches allow
     cp: list[int] = field(default_factory=list)
     micro_batch_size: list[int] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
