@@ -118,6 +118,12 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: Sequence[int
     return PipelineSplit(tuple((n // vpp,) * vpp for n in layers), explicit=True)
 
 
+def balanced_layers(num_layers: int, pp: int) -> list[int]:
+    """`num_layers` over `pp` stages as evenly as they go, the extra ones on the later stages (the
+    first holds the embedding and any encoder): 28 over 3 -> [9, 9, 10]."""
+    return [num_layers // pp + (1 if r >= pp - num_layers % pp else 0) for r in range(pp)]
+
+
 def interleaved_schedule_problem(num_microbatches: int, pp: int, vpp: int) -> str | None:
     """Why megatron's interleaved schedule would refuse `num_microbatches` per step and DP rank
     (its default `microbatch_group_size_per_vp_stage` = pp: micro-batches run in groups of pp, so
