@@ -103,16 +103,17 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
 
 
 def _pipeline(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
-    """The decoder's split over pipeline stages and virtual stages (models/pipeline_split.py), and
-    the micro-batches per step megatron's interleaved schedule needs."""
+    """The decoder's split over stages and virtual stages when `parallel.pp_layers` or `vpp` asks for
+    one (models/pipeline_split.py; megatron itself refuses a plain pp that does not divide the
+    layers), and the micro-batches per step megatron's interleaved schedule needs."""
     t, p = r.train, r.parallel
-    if min(p.pp, p.vpp) <= 0:
+    if min(p.pp, p.vpp) <= 0 or (p.vpp == 1 and not p.pp_layers):
         return
     keys = [("parallel", "pp"), ("parallel", "vpp"), ("model",)]
     try:
         split_layers(spec.model_shapes(r.model).decoder.layers, p.pp, p.vpp, p.pp_layers)
     except PipelineSplitError as err:
-        errors.add(("parallel", "pp_layers" if p.pp_layers else "vpp" if p.vpp > 1 else "pp"), str(err), keys)
+        errors.add(("parallel", "pp_layers" if p.pp_layers else "vpp"), str(err), keys)
     if min(p.tp, p.cp, p.nproc_per_node, p.nnodes, t.micro_batch_size) <= 0 or p.world_size % p.model_parallel:
         return
     problem = interleaved_schedule_problem(t.global_batch_size // (t.micro_batch_size * p.dp), p.pp, p.vpp)

@@ -46,10 +46,6 @@ class PipelineSplit:
     def vpp(self) -> int:
         return len(self.counts[0])
 
-    @property
-    def num_layers(self) -> int:
-        return sum(map(sum, self.counts))
-
     def stage_layers(self, pp_rank: int) -> int:
         """Decoder layers of pipeline rank `pp_rank`, over all its chunks."""
         return sum(self.counts[pp_rank])
