@@ -15,7 +15,14 @@ theoretical_memory_usage): bf16 = 2 B weights + 4 B fp32 grads + 12 B fp32 main 
 moments per trainable parameter, the 12 B sharded over DP with the distributed optimizer; fp32 =
 4 + 4 + 8. Activations assume flash/SDPA attention (no s x s score matrix is stored), so
 `selective` recompute saves little memory here; `full` keeps one layer input per layer plus one
-layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage.
+layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage;
+with virtual stages (`vpp`) each model chunk is charged for the forwards megatron's interleaved
+warm-up keeps in flight on it.
+
+Pipeline stages: the decoder is split as megatron splits it (`parallel.pp_layers` or evenly:
+models/pipeline_split.py); the first stage also holds the encoder, connectors and embedding, the
+last the LM head. A step runs at the pace of the slowest stage, plus a bubble of (pp-1)/(vpp*m)
+of it (m micro-batches per DP rank).
 
 Context parallelism (`cp`) gives each rank 1/cp of every sequence: activations, the encoder's
 share of media and the loss scale with it; its K/V exchange (TE's p2p ring) is modelled as
