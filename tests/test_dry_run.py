@@ -167,6 +167,9 @@ def test_dry_run_follows_the_pipeline_split_and_virtual_stages():
     assert "stage 0: 14 decoder layers (7 + 7)" in virtual.text and "bubble (pp-1)/(vpp*m) = 1/(2*64)" in virtual.text
     assert "tp 1 x pp 2 (x vpp 2) x cp 1 x dp 4" in virtual.text and "pipeline stages" not in build_report(
         load_recipe(AQUILA, ["stage=2a", "action=dry_run"]), LLAVA_OV).text
+    # a pp that does not divide the 28 layers: megatron refuses to build it; estimated spread evenly
+    odd = build_report(load_recipe(AQUILA, [*base[:3], "parallel.pp=3", "parallel.nproc_per_node=6"]), LLAVA_OV)
+    assert [m.decoder_layers for m in odd.stage_memory] == [9, 9, 10] and "which megatron refuses" in odd.text
 
 
 @pytest.mark.unit

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
-from mmtrain.models.pipeline_split import PipelineSplit, split_layers
+from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers
 
 GB = 1024**3  # a GiB: `auto_tune.device_memory_gb` and every memory figure are in GiB
 
@@ -254,8 +254,16 @@ class Layout:
                    vpp=p.vpp, pp_layers=tuple(p.pp_layers))
 
     def split(self, num_layers: int) -> PipelineSplit:
-        """The decoder's layers per stage and virtual stage (models/pipeline_split.py)."""
+        """The decoder's layers per stage and virtual stage as megatron builds them
+        (models/pipeline_split.py); PipelineSplitError where it would not."""
         return split_layers(num_layers, self.pp, self.vpp, self.pp_layers)
+
+    def estimated_split(self, num_layers: int) -> PipelineSplit:
+        """`split`, except that a plain pp not dividing the layers (megatron refuses it when it
+        builds the model) spreads them as evenly as they go, so a dry run still estimates it."""
+        if not self.pp_layers and self.vpp == 1 and num_layers % self.pp:
+            return split_layers(num_layers, self.pp, pp_layers=balanced_layers(num_layers, self.pp))
+        return self.split(num_layers)
 
     def recomputed_layers(self, chunk_layers: int) -> int:
         """Decoder layers of a model chunk (a stage, or a virtual stage) whose activations are
@@ -356,7 +364,7 @@ def estimate_stage_memory(shapes: ModelShapes, freeze: list[str], layout: Layout
     tokens = L.tokens_per_rank
     w_bytes, g_bytes, o_bytes = (2, 4, 12) if L.precision == "bf16" else (4, 4, 8)
     o_share = 1 / (L.dp * L.cp) if L.distributed_optimizer else 1.0  # sharded over the DP x CP group
-    split = L.split(d.layers)
+    split = L.estimated_split(d.layers)
 
     out = []
     for stage in range(L.pp):
@@ -636,7 +644,7 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
     layer_forward = tokens_step * dec / d.layers * (passes.weights > 1)
     attn_share = 2 * d.heads * d.kv_channels * L.seq_length * d.layers / max(dec, 1)
     rate = hw.device_tflops * 1e12 * hw.matmul_efficiency
-    split = L.split(d.layers)
+    split = L.estimated_split(d.layers)
     stages = []
     for stage in range(L.pp):
         n = split.stage_layers(stage)
@@ -668,9 +676,10 @@ def _tp_comm_time(d: DecoderShape, L: Layout, hw: Hardware, layers: int, recompu
 
 
 def cp_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, layers: int) -> float:
-    """Exposed time of the CP K/V ring per step on a stage of `layers` decoder layers: each layer passes every rank's K/V around the ring (cp-1 steps) in forward, K/V
-    and their gradients in backward (and once more when full recompute reruns the forward),
-    overlapped with that layer's attention compute."""
+    """Exposed time of the CP K/V ring per step on a stage of `layers` decoder layers: each layer
+    passes every rank's K/V around the ring (cp-1 steps) in forward, K/V and their gradients in
+    backward (and once more when full recompute reruns the forward), overlapped with that
+    layer's attention compute."""
     if L.cp <= 1:
         return 0.0
     d = shapes.decoder

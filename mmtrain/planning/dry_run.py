@@ -138,8 +138,9 @@ def pipeline_lines(r: DryRunReport, shapes: ModelShapes) -> list[str]:
     """Per pipeline stage: its decoder layers (per virtual stage too), what else it holds, its
     memory and modelled time per step; the bubble of the schedule."""
     L, s = r.layout, r.step
-    split = L.split(shapes.decoder.layers)
-    how = "parallel.pp_layers" if split.explicit else "even split"
+    split = L.estimated_split(shapes.decoder.layers)
+    how = ("parallel.pp_layers" if L.pp_layers else "even split" if not split.explicit else
+           "pp does not divide the layers, which megatron refuses: set parallel.pp_layers")
     schedule = f"interleaved 1F1B, {L.vpp} virtual stages per rank" if L.vpp > 1 else "1F1B"
     lines = [f"pipeline stages ({schedule}; decoder layers {split.describe()}, {how})"]
     first = shapes.upstream_parts  # the encoder and connectors feeding the decoder (first chunk)
