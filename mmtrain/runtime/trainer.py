@@ -155,16 +155,8 @@ class Trainer:
         self.parts = ModelParts(chunks, spec.parts)
         self.trainable = apply_freeze(chunks, self.parts, recipe.freeze)
 
-        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(ctx))
-        # megatron-LM's wrapping: one DDP per model chunk, buckets only on the first (the later
-        # chunks' reductions overlap with the compute of the others anyway)
-        self.model = [DistributedDataParallel(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
-                                              disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
-        for ddp in self.model:
-            ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
-        no_sync = [ddp.no_sync for ddp in self.model]
-        for chunk in chunks:  # megatron's schedules read the first chunk's config, the chunks their own
-            config = get_model_config(chunk)
+        configs = [get_model_config(chunk) for chunk in chunks]  # the schedules read the first one's
+        for config in configs:  # before DDP, which sizes its gradient scaling from them
             config.calculate_per_token_loss = True  # see the module docstring
             config.timers = None
             if ctx.pp > 1:
@@ -172,12 +164,21 @@ class Trainer:
                 config.variable_seq_lengths = True
                 if config.pipeline_dtype is None:
                     config.pipeline_dtype = ctx.params_dtype
+        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(ctx))
+        # megatron-LM's wrapping: one DDP per model chunk, buckets only on the first (the later
+        # chunks' reductions overlap with the compute of the others anyway)
+        self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+                      for i, (chunk, config) in enumerate(zip(chunks, configs))]
+        for ddp in self.model:
+            ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
+        no_sync = [ddp.no_sync for ddp in self.model]
+        for config in configs:
             config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
             config.finalize_model_grads_func = finalize_model_grads
 
         self.optimizer = build_optimizer(self.model, self.parts, recipe.optimizer, ctx)
-        for chunk in chunks:
-            get_model_config(chunk).grad_scale_func = self.optimizer.scale_loss  # megatron's (1.0 unless fp16)
+        for config in configs:
+            config.grad_scale_func = self.optimizer.scale_loss  # megatron's loss scale (1.0 unless fp16)
         self.state.optimizer = optimizer_kind(ctx)
         self.state.transformer_impl = recipe.parallel.transformer_impl
         self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
