@@ -235,7 +235,11 @@ class Trainer:
             transformer_impl=p.transformer_impl,
             on_cuda=ctx.on_cuda,
             deterministic=self.recipe.train.deterministic,
+            encoder_tp=p.vision.tp,
         )
+        if p.vision.tp is not None and ctx.rank == 0:
+            log.info("vision tower: its own layout, TP %d; each of the %d ranks sharing a micro-batch encodes its "
+                     "share of the tiles (parallel.vision.tp)", p.vision.tp, ctx.tp // p.vision.tp * ctx.cp)
         try:
             resolve_decoder_fusions(options)  # transformer_engine off CUDA or without TE: one clear line
         except TransformerImplUnavailable as err:
