@@ -384,7 +384,7 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
     tp2 = tmp_path / "tp2"
     proc = train(tp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "parallel.tp=2",
                  "parallel.vision.tp=1", nproc=2)
-    assert "vision tower: its own layout, TP 1; each of the 2 ranks" in proc.stderr
+    assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     tp1 = tmp_path / "tp1"
     proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=0",
                  f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}")

@@ -99,7 +99,7 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
                  + (f", cp_comm_type {recipe.parallel.cp_comm_type}" if L.cp > 1 else ""))
     if L.vision_tp is not None:
         lines.append(f"        vision tower: its own layout, tp {L.vision_tp}; a micro-batch's tiles split over "
-                     f"{L.encoder_shares} ranks, outputs all-gathered (parallel.vision.tp)")
+                     f"{plural(L.encoder_shares, 'rank')}, outputs all-gathered (parallel.vision.tp)")
     lines.append("")
     m = r.memory
     lines.append(f"memory per rank (estimate; busiest pipeline stage = {m.stage}, {fmt_count(m.params_on_rank)} params on it)")
