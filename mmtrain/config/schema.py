@@ -91,6 +91,16 @@ class OptimizerConfig:
 
 
 @dataclass
+class VisionParallelConfig:
+    """The vision tower's own parallel layout (mmtrain/models/encoder_parallel.py)."""
+
+    # null: the language model's (TP-sharded like it; under CP each rank encodes its chunk's media);
+    # 1: a whole tower per rank, the micro-batch's tiles split over the TP x CP group and the
+    # outputs all-gathered; parallel.tp: sharded like the language model, the tiles split over CP
+    tp: int | None = None
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
@@ -121,6 +131,7 @@ class ParallelConfig:
     transformer_impl: TransformerImpl = "local"
     # a collective that waits longer fails (the rank's peer died or hangs), and the job exits
     collective_timeout_mins: float = 30.0
+    vision: VisionParallelConfig = field(default_factory=VisionParallelConfig)
 
     @property
     def world_size(self) -> int:
@@ -181,6 +192,9 @@ class AutoTuneConfig:
     sequence_parallel: list[bool] = field(default_factory=list)  # auto: both where tp > 1
     # auto: both on CUDA where dp > 1; the recipe's value on CPU (the substitute does not shard)
     distributed_optimizer: list[bool] = field(default_factory=list)
+    # the vision tower's layout (parallel.vision.tp; null = the language model's); auto: null and 1
+    # where tp x cp > 1 and the family has a media encoder
+    vision_tp: list[int | None] = field(default_factory=list)
     # the utilisation band's lower edge: layouts whose estimate uses less than this share of
     # device_memory_gb are pruned as wasteful (FlagScale: 0.2); 0 keeps them
     min_memory_fraction: float = 0.0

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mmdata.energon_loaders.batch import PackedBatch
+from mmdata.units import plural
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
 from mmtrain.runtime import cpu_compat
@@ -235,7 +236,11 @@ class Trainer:
             transformer_impl=p.transformer_impl,
             on_cuda=ctx.on_cuda,
             deterministic=self.recipe.train.deterministic,
+            encoder_tp=p.vision.tp,
         )
+        if p.vision.tp is not None and ctx.rank == 0:
+            log.info("vision tower: its own layout, TP %d; a micro-batch's tiles split over %s, each encoding "
+                     "its share (parallel.vision.tp)", p.vision.tp, plural(ctx.tp // p.vision.tp * ctx.cp, "rank"))
         try:
             resolve_decoder_fusions(options)  # transformer_engine off CUDA or without TE: one clear line
         except TransformerImplUnavailable as err:
