@@ -9,8 +9,12 @@ runner (mmdata/stage_runner.py), which runs the stage code of stages.py on Ray.
               not tasks: Ray runs a GPU task in a fresh process each time (`max_calls=1`), which
               would reload the model for every chunk. Chunks finished by an earlier run are
               read by the driver; a worker that dies is restarted and its chunks sent again.
-2. write    - one task per shard (after the workers are gone): concatenate its chunks.
-3. finish   - energon index (.nv-meta naming VQTokenSample), quarantine.jsonl, manifest.json.
+              With --tokenizer, each written sample's lengths per Emu3 task are counted too.
+2. write    - one task per shard (after the workers are gone): concatenate its chunks (and
+              their lengths).
+3. finish   - quarantine.jsonl, lengths.parquet (--tokenizer: the length index `mmdata
+              pack-plan` plans Emu3 packing from), energon index (.nv-meta naming
+              VQTokenSample), manifest.json.
 
 Resumable like `mmdata preprocess`, by the same runner (markers under DIR/.mmdata-work/, the
 same output-folder checks and lock, `--overwrite`, Ctrl-C handling and publish order), and
@@ -31,14 +35,19 @@ import mmdata
 from mmdata import shard_format as sf
 from mmdata.actor_pool import run_on_actors
 from mmdata.errors import UserError
+from mmdata.energon_loaders.emu3.plan_lengths import KIND as LENGTH_INDEX_KIND
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
 from mmdata.preprocess.energon_meta import ShardLayout, write_energon_index
+from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint
 from mmdata.preprocess.manifest import Counts, fingerprint
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.stages import shard_work_file
+from mmdata.ray_job import shard_outputs
 from mmdata.readiness import unfinished_job
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, run_job
 from mmdata.units import plural
 from mmdata.vision_tokens import token_format as tf
+from mmdata.vision_tokens.lengths import write_token_length_index
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
                                          finished_chunk, write_token_shard)
 from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
@@ -52,6 +61,7 @@ WORKER_MAX_RESTARTS = 2  # Ray restarts a dead worker this often; its chunks are
 
 
 TOOL = "mmdata tokenize-images"
+PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
 
 
 class TokenizeError(UserError):
@@ -74,6 +84,8 @@ class TokenizeConfig:
     overwrite: bool = False
     progress: bool = True
     keep_work_dir: bool = False
+    tokenizer: Path | None = None  # Emu3 text tokenizer: write the length index (vision_tokens/lengths.py)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # ... counted with this system prompt (the recipe's data.system_prompt)
 
 
 @dataclass
@@ -136,13 +148,36 @@ def _resolve_device(cfg: TokenizeConfig, resources: dict) -> str:
     return cfg.device
 
 
-def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str]) -> None:
-    """quarantine.jsonl, then energon's index (published atomically): `mmdata.yaml` names the token
-    sample type, `dataset.yaml` energon's InterleavedSample (energon_meta.py)."""
+def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str],
+                    length_index: dict | None) -> str | None:
+    """quarantine.jsonl, the length index (with --tokenizer: returns its sha256), then energon's
+    index (published atomically): `mmdata.yaml` names the token sample type, `dataset.yaml`
+    energon's InterleavedSample (energon_meta.py)."""
     parts = [chunk_file(work, c.shard, c.index, "quarantine.jsonl") for chunks in plan.values() for c in chunks]
     concat_parts(parts, out / sf.QUARANTINE_NAME)
+    lengths_sha = None
+    if length_index is not None:
+        lengths_sha = write_token_length_index(out, [shard_work_file(work, n, "lengths.json") for n in written],
+                                               length_index["tokenizer"], length_index["system_prompt"])
     layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
     write_energon_index(out, written, layouts, sample_type=tf.SAMPLE_TYPE)
+    return lengths_sha
+
+
+def _length_index_settings(cfg: TokenizeConfig) -> dict | None:
+    """What the length index is counted with (part of the job's identity), the tokenizer checked
+    here: None without --tokenizer."""
+    if cfg.tokenizer is None:
+        return None
+    from mmdata.energon_loaders.emu3.tasks import Emu3Tasks
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    try:
+        Emu3Tasks(load_local_tokenizer(cfg.tokenizer, "--tokenizer"), cfg.system_prompt)
+        sha = tokenizer_fingerprint(cfg.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise TokenizeError(f"--tokenizer {cfg.tokenizer}: {e}") from None
+    return {"tokenizer": sha, "system_prompt": cfg.system_prompt}
 
 
 def _worker_count(cfg: TokenizeConfig, res: dict, gpus: float, n_chunks: int) -> int:
@@ -211,6 +246,7 @@ class TokenizeJob(ResumableJob):
         self.counts, self.stats = Counts(), dict.fromkeys(TOKEN_STATS, 0)
         self.workers: list[dict] = []  # per worker: chunks, VQ loads, restarts
         self.results: dict[str, dict] = {}  # per output shard
+        self.lengths_sha: str | None = None
 
     def positive_flags(self) -> dict[str, float | None]:
         cfg = self.cfg
@@ -229,6 +265,7 @@ class TokenizeJob(ResumableJob):
             check_vq_dir(cfg.vision_tokenizer)
         except VQError as e:
             raise TokenizeError(str(e)) from None
+        self.length_index = _length_index_settings(cfg)
 
     def identity(self, ray: RayCluster) -> Identity:
         """The VQ checkpoint is read and fingerprinted while Ray starts (both take seconds); the
@@ -245,13 +282,19 @@ class TokenizeJob(ResumableJob):
         self.batch_size = self.cfg.batch_size or (8 if self.device == "cuda" else 1)
         self.job = {"format_version": tf.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
                     "processor": vq["processor"], "device": self.device, "batch_size": self.batch_size,
-                    "transformers": transformers.__version__, "torch": torch.__version__}
+                    "transformers": transformers.__version__, "torch": torch.__version__,
+                    **({"length_index": self.length_index} if self.length_index else {})}
         return Identity(self.job, {"chunk_samples": self.cfg.chunk_samples})
+
+    def own_outputs(self, out: Path) -> list[Path]:
+        return shard_outputs(out) + [p for p in (out / LENGTHS_NAME,) if p.exists()] + sorted(out.glob(PLAN_GLOB))
 
     def stages(self, run: JobRun) -> Iterator[Stage]:
         cfg, work = self.cfg, run.work
         opts = TokenizeOptions(str(self.inp_dir), str(work), self.vq["path"], self.vq["fingerprint"], cfg.image_area,
-                               self.device, self.batch_size, threads=1)
+                               self.device, self.batch_size, threads=1,
+                               text_tokenizer=str(Path(cfg.tokenizer).resolve()) if self.length_index else None,
+                               system_prompt=cfg.system_prompt)
         self.plan = _plan_chunks(self.inp.shards, cfg.chunk_samples)
         self.chunks = [c for cs in self.plan.values() for c in cs]
         self.gpus = cfg.gpus_per_worker if self.device == "cuda" else 0
@@ -270,7 +313,7 @@ class TokenizeJob(ResumableJob):
                        f"({', '.join(f'{r} {n:,}' for r, n in c.to_json()['by_reason'].items())})")
         write = run.remote(write_token_shard)
         yield Stage("write shards", "shards", "write_s", list(self.plan),
-                    submit=lambda n: write.remote(n, len(self.plan[n]), str(work), str(run.out)),
+                    submit=lambda n: write.remote(n, len(self.plan[n]), str(work), str(run.out), bool(self.length_index)),
                     on_result=self.results.__setitem__, noun="shard")
 
     def _tokenized(self, _chunk: ChunkSpec, result: dict) -> None:
@@ -281,7 +324,8 @@ class TokenizeJob(ResumableJob):
     def finish(self, run: JobRun) -> None:
         self.shards = [{k: self.results[n][k] for k in ("name", "samples", "bytes", "sha256")}
                        for n in self.plan if self.results[n]["samples"]]
-        _finish_outputs(run.out, run.work, self.plan, [s["name"] for s in self.shards])
+        self.lengths_sha = _finish_outputs(run.out, run.work, self.plan, [s["name"] for s in self.shards],
+                                           self.length_index)
 
     def manifest(self, run: JobRun) -> dict:
         import torch
@@ -305,6 +349,9 @@ class TokenizeJob(ResumableJob):
                          "megatron-energon": version("megatron-energon")},
             "counts": {**self.counts.to_json(), "tokens": self.stats},
             "shards": self.shards,
+            "length_index": None if self.lengths_sha is None else {
+                "file": LENGTHS_NAME, "sha256": self.lengths_sha, "kind": LENGTH_INDEX_KIND,
+                "tokenizer_sha256": self.length_index["tokenizer"], "system_prompt": self.length_index["system_prompt"]},
             "energon": {"sample_type": ".".join(tf.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
             "wall_time_s": run.wall_time_s(),
             "run": {"output": str(run.out), "chunk_samples": cfg.chunk_samples, "chunks": len(self.chunks),
