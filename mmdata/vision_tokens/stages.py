@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from mmdata import shard_format as sf
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
 from mmdata.preprocess.energon_meta import write_tar_index
 from mmdata.preprocess.manifest import Counts
 from mmdata.preprocess.quarantine import quarantine_line
@@ -47,7 +48,7 @@ class TokenizeOptions:
     batch_size: int  # same-size images per VQ forward
     threads: int  # torch threads per worker
     text_tokenizer: str | None = None  # Emu3 text tokenizer folder: count each sample's lengths (lengths.py)
-    system_prompt: str = ""  # ... with this system prompt
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # ... with this system prompt
 
 
 @dataclass(frozen=True)

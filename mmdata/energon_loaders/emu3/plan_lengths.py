@@ -12,8 +12,8 @@ prompts. So:
   any unconditional prompt (`sample_lengths`; the index: mmdata/vision_tokens/lengths.py);
 - the plan draws each sample's variant (`draw_variants`: the encoder's `pick_task` rule and CFG
   drop, with the plan's seed) and records it per sample; in `packing: plan` the encoder takes
-  the variant from the plan instead of drawing (`PLAN_VARIANT`), so the plan's lengths are the
-  lengths the loader makes;
+  the variant from the plan instead of drawing (plan_packing.PLAN_VARIANT), so the plan's
+  lengths are the lengths the loader makes;
 - the plan records what the lengths depend on (`Emu3PlanGeometry`: tokenizer, system and
   unconditional prompts, task weights and CFG rate), and training refuses a plan whose
   geometry is not the recipe's.
@@ -34,10 +34,10 @@ from mmdata.energon_loaders.emu3.tasks import (DEFAULT_SYSTEM_PROMPT, GENERATION
 from mmdata.energon_loaders.sequence import ConversationError
 
 UNENCODABLE = -1  # the task encoder skips the sample in that task
-#: a plan's per-sample choice (its `variant` column), handed to the encoder as the subflavor PLAN_VARIANT
+#: a plan's per-sample choice (its `variant` column), handed to the encoder as the subflavor
+#: plan_packing.PLAN_VARIANT
 UNDERSTAND, GENERATE, GENERATE_UNCOND = 0, 1, 2
 VARIANTS = {UNDERSTAND: (UNDERSTANDING, False), GENERATE: (GENERATION, False), GENERATE_UNCOND: (GENERATION, True)}
-PLAN_VARIANT = "plan_variant"
 KIND = "emu3"  # `length_index.kind` in a token manifest; `geometry.kind` in an Emu3 plan
 LENGTH_COLUMNS = ("understanding_tokens", "generation_tokens", "image_block_tokens")
 
