@@ -14,6 +14,9 @@ state is the number of batches it has produced, saved and restored by energon's 
 so a resumed run continues exactly. A sample whose encoded length makes its sequence overflow
 (a plan made from estimated text lengths, or another tokenizer) is skipped and counted as
 `plan_overflow`; plan with the training tokenizer (`mmdata preprocess --tokenizer`) to avoid it.
+A plan whose family drew per-sample choices that change lengths (Emu3's task and caption drop:
+its `variant` column) hands each sample its choice as the subflavor PLAN_VARIANT; one whose keys
+are not the global indices (token shards, which keep their input's keys) lists them (`key`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,13 @@ from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
 
 if TYPE_CHECKING:
+    from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
     from mmdata.preprocess.pack_plan import PlanGeometry
 
 PLAN_OVERFLOW = "plan_overflow"
+#: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
+#: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)
+PLAN_VARIANT = "plan_variant"
 
 
 class PlanError(UserError):
@@ -51,6 +58,8 @@ class PlanSequences:
     indices: np.ndarray  # global sample indices in plan order (int32 while they fit)
     starts: np.ndarray  # int64, len = sequences + 1
     info: dict
+    keys: Any = None  # the samples' keys (a pyarrow string array) where they are not f"{index:010d}"
+    variants: np.ndarray | None = None  # int8 per sample: the family's planned choice (PLAN_VARIANT)
 
     @property
     def num_sequences(self) -> int:
@@ -59,11 +68,18 @@ class PlanSequences:
     def sequence(self, b: int) -> np.ndarray:
         return self.indices[self.starts[b]:self.starts[b + 1]]
 
+    def members(self, b: int) -> Iterator[tuple[int, str, int | None]]:
+        """(global index, expected key, planned variant or None) of sequence `b`'s samples."""
+        for pos in range(int(self.starts[b]), int(self.starts[b + 1])):
+            index = int(self.indices[pos])
+            key = self.keys[pos].as_py() if self.keys is not None else f"{index:010d}"
+            yield index, key, None if self.variants is None else int(self.variants[pos])
 
-def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None,
-                  seq_length: int, geometry: "PlanGeometry | None" = None) -> tuple[Path, Path, dict]:
+
+def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None, seq_length: int,
+                  geometry: "PlanGeometry | Emu3PlanGeometry | None" = None) -> tuple[Path, Path, dict]:
     """(shard dir, plan file, plan metadata) for `packing="plan"`, checked: one shard folder
-    written by `mmdata preprocess`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
+    written by `mmdata preprocess` or `mmdata tokenize-images`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
     made from its length index for `seq_length` tokens per sequence and, when `geometry` is
     given (the recipe's), with that image token geometry: a plan counted with another one fills
     its sequences with the wrong number of image tokens, silently."""
@@ -71,13 +87,14 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
 
     paths = [data] if isinstance(data, (str, Path)) else list(data)
     if len(paths) != 1 or not Path(paths[0]).is_dir():
-        raise PlanError("packing 'plan' follows the plan of one shard folder written by `mmdata preprocess`; got "
+        raise PlanError("packing 'plan' follows the plan of one shard folder (`mmdata preprocess` or "
+                        "`mmdata tokenize-images` output); got "
                         f"{', '.join(str(p) for p in paths) or 'none'} (pack blends online: packing true)")
     shards = Path(paths[0])
     data_source_samples(shards)  # a finished dataset only
     path = Path(plan) if plan is not None else plan_path(shards, seq_length)
-    remedy = f"run `mmdata pack-plan {shards} --seq-length {seq_length}" + (
-        f" {geometry.flags()}`" if geometry is not None else "`") + " (or `mmdata pack-plan --recipe RECIPE.yaml`)"
+    remedy = geometry.remedy(shards, seq_length) if geometry is not None else \
+        f"run `mmdata pack-plan {shards} --seq-length {seq_length}` (or `mmdata pack-plan --recipe RECIPE.yaml`)"
     if not path.is_file():
         raise PlanError(f"packing plan {path} not found: {remedy}")
     info = read_plan_info(path)
@@ -93,21 +110,25 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     return shards, path, info
 
 
-def _check_geometry(path: Path, info: dict, geometry: "PlanGeometry", remedy: str) -> None:
-    """Refuse a plan counted with another image geometry than the recipe's. A plan made before
-    plans recorded theirs counted with the default geometry: accepted for a recipe using it."""
-    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, geometry_differences, plan_geometry
+def _check_geometry(path: Path, info: dict, geometry: "PlanGeometry | Emu3PlanGeometry", remedy: str) -> None:
+    """Refuse a plan counted with another geometry than the recipe's: the image token geometry
+    (LLaVA-OV), or what an Emu3 plan's lengths and variants depend on. A plan made before plans
+    recorded their geometry counted with the default image geometry: accepted for a recipe using it."""
+    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, plan_geometry
 
     have = plan_geometry(info)
-    if have is None:
+    if have is None:  # an old plan: the default image geometry
         if geometry == DEFAULT_GEOMETRY:
             return
-        differ = ", ".join(geometry_differences(DEFAULT_GEOMETRY, geometry))
-        raise PlanError(f"packing plan {path} records no image geometry (made by an older `mmdata pack-plan`, which "
-                        f"counted with the default one: {differ}): {remedy}")
+        have = DEFAULT_GEOMETRY
+        older = " (it records no image geometry: made by an older `mmdata pack-plan`, which counted with the default one)"
+    else:
+        older = ""
+    if type(have) is not type(geometry):
+        raise PlanError(f"packing plan {path} counted {have.counts}{older}, the recipe needs {geometry.counts}: {remedy}")
     if have != geometry:
-        raise PlanError(f"packing plan {path} counted image tokens with another geometry than the recipe's: "
-                        f"{', '.join(geometry_differences(have, geometry))}: {remedy}")
+        raise PlanError(f"packing plan {path} counted {have.counts} with other settings than the recipe's{older}: "
+                        f"{', '.join(have.differences(geometry))}: {remedy}")
 
 
 def load_plan(path: Path, info: dict) -> PlanSequences:
@@ -115,11 +136,14 @@ def load_plan(path: Path, info: dict) -> PlanSequences:
     180 MB, shared by the loader's forked workers)."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=["bin", "index"])
+    names = pq.read_schema(path).names
+    table = pq.read_table(path, columns=["bin", "index"] + [c for c in ("key", "variant") if c in names])
     indices = table.column("index").to_numpy()
     indices = indices.astype(np.int32 if len(indices) and indices.max() < 2**31 else np.int64)
     starts = np.searchsorted(table.column("bin").to_numpy(), np.arange(info["bins"] + 1)).astype(np.int64)
-    return PlanSequences(indices, starts, info)
+    keys = table.column("key").combine_chunks() if "key" in names else None
+    variants = table.column("variant").to_numpy().astype(np.int8) if "variant" in names else None
+    return PlanSequences(indices, starts, info, keys, variants)
 
 
 def _encode(task_encoder: TaskEncoder, sample: Any) -> Any:
@@ -182,7 +206,7 @@ class PlanPackedDataset(SavableDataset):
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def _read(self, index: int) -> Any:
+    def _read(self, index: int, key: str) -> Any:
         if self._reader is None:  # opened in the worker (file handles are not shared across forks)
             factory = get_dataset_from_config(self.shards, dataset_config=dataset_config(self.shards),
                                               split_config="split.yaml",
@@ -190,17 +214,20 @@ class PlanPackedDataset(SavableDataset):
                                               decoder=self.task_encoder.decoder)
             self._reader = factory.build()
         sample = self._reader.restore_sample(("MapDataset", index, "Webdataset", int(index)))
-        if sample.__key__ != f"{index:010d}":
-            raise PlanError(f"sample {index} of {self.shards} has key {sample.__key__!r}: the plan does not "
-                            "describe these shards")
+        if sample.__key__ != key:
+            raise PlanError(f"sample {index} of {self.shards} has key {sample.__key__!r}, the plan says {key!r}: the "
+                            "plan does not describe these shards")
         return sample
 
     def _row(self, sequence: int) -> list[Any]:
         """The encoded samples of one plan sequence (skips and overflow counted)."""
         te, row, used = self.task_encoder, [], 0
-        for index in self.plan.sequence(sequence).tolist():
+        for index, key, variant in self.plan.members(sequence):
+            sample = self._read(index, key)
+            if variant is not None:
+                sample.__subflavors__ = {**(sample.__subflavors__ or {}), PLAN_VARIANT: variant}
             try:
-                encoded = _encode(te, self._read(index))
+                encoded = _encode(te, sample)
             except SkipSample:  # counted by the encoder
                 continue
             if used + len(encoded.input_ids) > te.seq_length:

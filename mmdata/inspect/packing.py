@@ -67,7 +67,7 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     first LENGTH_INDEX_SAMPLE rows of `lengths.parquet` (stream order: the shards are already
     shuffled); plus the efficiency of any `pack-plan-<N>.parquet` file (over the whole
     dataset). Beside each efficiency, `bin_fill` and `executed_token_efficiency` of the same
-    three at `cp`/`tp`. None when the folder has no length index."""
+    three at `cp`/`tp`. None when the folder has no length index of `mmdata preprocess`."""
     from mmdata.preprocess.lengths import LENGTHS_NAME
     from mmdata.preprocess.pack_plan import plan_packing, plan_path, read_plan_info
 
@@ -75,6 +75,9 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     if not path.is_file():
         return None
     import pyarrow.parquet as pq
+
+    if "total_tokens" not in pq.read_schema(path).names:  # token shards' index: lengths per Emu3 task
+        return None
 
     table = pq.read_table(path, columns=["total_tokens"])
     lengths = table.column("total_tokens").to_numpy()

@@ -20,6 +20,13 @@ video_frames). The length index counts with LLaVA-OV's own geometry (729 tokens 
 `--recipe RECIPE.yaml` (or the geometry flags) plans for the recipe's vision tower instead: the
 image tokens are then recounted from the records' image header sizes, the text tokens kept.
 Training refuses a plan whose geometry differs from the recipe's (`plan_packing.plan_for_data`).
+
+Emu3 token shards (`mmdata tokenize-images --tokenizer`, whose length index holds each sample's
+length per Emu3 task) are planned with Emu3's settings instead (the recipe's with `--recipe`,
+else the defaults): each sample's task and caption drop are drawn here and written to the plan
+(`variant`, with the samples' `key`s), the loader encodes each sample as its variant says, and
+the geometry records the tokenizer, prompts, task weights and CFG rate
+(energon_loaders/emu3/plan_lengths.py).
 The metadata's `packing_report` (also printed) holds the plan's bin fill and executed-token
 efficiency at `--cp`/`--tp` (default: the recipe's parallel sizes), CP padding counted as the
 runtime pads (energon_loaders/packing_report.py).
@@ -34,15 +41,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from mmdata.energon_loaders.llava_ov import anyres_math as anyres
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.preprocess.lengths import LENGTHS_NAME
+from mmdata.vision_tokens.lengths import index_meta
 
 if TYPE_CHECKING:
+    from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
     from mmdata.energon_loaders.packing_report import PackingReport
 
 PLAN_FORMAT = 1
@@ -63,12 +72,22 @@ class PlanGeometry:
     grid_max: int = anyres.DEFAULT_GRID_MAX
     video_frames: int = DEFAULT_MAX_FRAMES
 
+    counts: ClassVar[str] = "image tokens (LLaVA-OV image geometry)"  # what a plan made with it counted
+
     def as_dict(self) -> dict[str, int]:
         return {k: int(getattr(self, k)) for k in GEOMETRY_FIELDS}
 
     def flags(self) -> str:
         """The pack-plan options that make a plan with this geometry."""
         return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.as_dict().items())
+
+    def differences(self, want: "PlanGeometry") -> list[str]:
+        return geometry_differences(self, want)
+
+    def remedy(self, shards: Path, seq_length: int) -> str:
+        """The command that makes the plan a recipe with this geometry needs."""
+        return (f"run `mmdata pack-plan {shards} --seq-length {seq_length} {self.flags()}` "
+                "(or `mmdata pack-plan --recipe RECIPE.yaml`)")
 
     def media_tokens(self, record: dict) -> int:
         """LLM positions of a record's media, as the LLaVA-OV loader lays them out with this
@@ -87,11 +106,17 @@ GEOMETRY_FIELDS = ("image_size", "patch_size", "max_tiles", "grid_max", "video_f
 DEFAULT_GEOMETRY = PlanGeometry()
 
 
-def recipe_geometry(recipe) -> PlanGeometry | None:
-    """The image token geometry of an mmtrain recipe (its `model.vision`, `model.max_tiles`,
-    `model.grid_max`, `data.video_frames`, what the loader is built with); None for a recipe
-    whose model has no vision tower (its plans count no image geometry)."""
+def recipe_geometry(recipe) -> "PlanGeometry | Emu3PlanGeometry | None":
+    """What an mmtrain recipe's plans must have counted with: the image token geometry of a
+    LLaVA-OV recipe (its `model.vision`, `model.max_tiles`, `model.grid_max`,
+    `data.video_frames`, what the loader is built with), the task settings and tokenizer of an
+    Emu3 recipe (`data.tasks`, `p_uncond`, `uncond_prompt`, `system_prompt`, `tokenizer.path`);
+    None for a recipe with neither."""
     m, d = recipe.model, recipe.data
+    if hasattr(d, "p_uncond"):  # Emu3's data section: its samples' lengths depend on the task settings
+        from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
+
+        return Emu3PlanGeometry.from_recipe(recipe)
     vision = getattr(m, "vision", None)
     if vision is None or not hasattr(m, "max_tiles"):
         return None
@@ -100,12 +125,16 @@ def recipe_geometry(recipe) -> PlanGeometry | None:
                         getattr(d, "video_frames", DEFAULT_MAX_FRAMES))
 
 
-def plan_geometry(info: dict) -> PlanGeometry | None:
+def plan_geometry(info: dict) -> "PlanGeometry | Emu3PlanGeometry | None":
     """The geometry a plan recorded; None for a plan made before plans recorded it (those
-    counted with the default geometry)."""
+    counted with the default image geometry)."""
     g = info.get("geometry")
     if not isinstance(g, dict):
         return None
+    from mmdata.energon_loaders.emu3.plan_lengths import KIND, Emu3PlanGeometry
+
+    if g.get("kind") == KIND:
+        return Emu3PlanGeometry.from_dict(g)
     return PlanGeometry(**{k: int(g[k]) for k in GEOMETRY_FIELDS if k in g})
 
 
@@ -209,7 +238,11 @@ def read_lengths(root: Path):
 
     path = root / LENGTHS_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `mmdata preprocess` (it writes the length index)")
+        manifest = root / "manifest.json"
+        tool = json.loads(manifest.read_text()).get("tool") if manifest.is_file() else None
+        how = "rerun `mmdata tokenize-images` with --tokenizer DIR (the Emu3 text tokenizer training uses)" \
+            if tool == "mmdata tokenize-images" else "run `mmdata preprocess` (it writes the length index)"
+        raise FileNotFoundError(f"{path} not found: {how}")
     return pq.read_table(path)
 
 
@@ -240,7 +273,10 @@ def recount_lengths(root: Path, table, geometry: PlanGeometry,
     return table.column("text_tokens").to_numpy().astype(np.int64) + media[index]
 
 
-def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict) -> Path:
+def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict,
+               columns: dict | None = None) -> Path:
+    """The plan file; `columns` (per planned sample, aligned with `index`: numpy or pyarrow
+    arrays) are written beside bin, index and tokens (an Emu3 plan's `key` and `variant`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -249,8 +285,10 @@ def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: d
     info = {"format": PLAN_FORMAT, "seq_length": plan.seq_length, "seed": seed, "bins": len(plan.bins),
             "samples": int(len(pos)), "tokens": int(plan.lengths.sum()), "efficiency": round(plan.efficiency, 6),
             "over_length": plan.over_length, **meta}
+    extra = {name: col.take(pa.array(pos)) if isinstance(col, (pa.Array, pa.ChunkedArray)) else col[pos]
+             for name, col in (columns or {}).items()}
     table = pa.table({"bin": np.repeat(np.arange(len(sizes), dtype=np.int64), sizes), "index": index[pos],
-                      "tokens": plan.lengths[pos].astype(np.int32)})
+                      "tokens": plan.lengths[pos].astype(np.int32), **extra})
     table = table.replace_schema_metadata({"mmdata.pack_plan": json.dumps(info, sort_keys=True)})
     out = plan_path(root, plan.seq_length)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -273,9 +311,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shards folder written by `mmdata preprocess` (has lengths.parquet); default with "
                              "--recipe: its data.paths[0]")
     parser.add_argument("--recipe", type=Path, default=None, metavar="RECIPE.yaml",
-                        help="an mmtrain llava-ov recipe: the plan counts image tokens with its geometry "
-                             "(model.vision image_size/patch_size, model.max_tiles, model.grid_max, data.video_frames) "
-                             "and packs train.seq_length tokens unless --seq-length says otherwise")
+                        help="an mmtrain recipe: a llava-ov one counts image tokens with its geometry "
+                             "(model.vision image_size/patch_size, model.max_tiles, model.grid_max, data.video_frames), "
+                             "an emu3 one draws the samples' tasks with its data.tasks / p_uncond / uncond_prompt "
+                             "(checking tokenizer.path and data.system_prompt against the token shards' length "
+                             "index); the plan packs train.seq_length tokens unless --seq-length says otherwise")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="a recipe override, as `mmtrain` takes them (repeatable; with --recipe), "
                              "e.g. --set train.seq_length=4096")
@@ -299,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
     from mmdata.readiness import unfinished_job
 
-    root, seq_length, geometry, (cp, tp) = _settings(args)
+    root, seq_length, geometry, recipe, (cp, tp) = _settings(args)
     args.seq_length = seq_length
     if args.seq_length <= 0:
         raise UserError(f"--seq-length must be positive, got {args.seq_length}")
@@ -315,25 +355,85 @@ def run(args: argparse.Namespace) -> int:
 
     manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").is_file() else {}
     with _Stages(enabled=not args.no_progress) as progress:
-        if geometry == DEFAULT_GEOMETRY:  # what the length index counted with
-            lengths = table.column("total_tokens").to_numpy().astype(np.int64)
+        if index_meta(table).get("kind") is not None:  # token shards (mmdata tokenize-images --tokenizer)
+            inputs = _token_plan_inputs(root, table, geometry, recipe, args.seed)
         else:
-            try:
-                lengths = recount_lengths(root, table, geometry, on_shard=progress.step("recount shards"))
-            except FileNotFoundError as e:
-                raise UserError(str(e)) from None
-        plan = plan_packing(lengths, args.seq_length, args.seed, args.jobs or os.cpu_count() or 1,
+            inputs = _image_plan_inputs(root, table, geometry, progress)
+        plan = plan_packing(inputs.lengths, args.seq_length, args.seed, args.jobs or os.cpu_count() or 1,
                             on_chunk=progress.step("pack chunks"))
     meta = {"lengths_sha256": sha256_file(root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
-            "text_tokens": (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
-            "geometry": geometry.as_dict()}
+            **inputs.meta, "geometry": inputs.geometry.as_dict()}
     report = plan.report(cp, tp)
     meta["packing_report"] = report.as_dict()
-    out = write_plan(root, plan, table.column("index").to_numpy(), args.seed, meta)
-    print(f"{out}: {len(plan.bins):,} sequences of {args.seq_length:,} tokens for {len(lengths):,} samples, "
-          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); image geometry {geometry.flags()}")
+    out = write_plan(root, plan, inputs.index, args.seed, meta, inputs.columns)
+    print(f"{out}: {len(plan.bins):,} sequences of {args.seq_length:,} tokens for {len(inputs.lengths):,} samples, "
+          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}")
     print(f"packing report: {report.line()}")
     return 0
+
+
+@dataclass
+class _PlanInputs:
+    """What a plan is made from: the planned samples' lengths and global indices, extra plan
+    columns, metadata, the geometry it records, and a summary for the command's output line."""
+
+    lengths: np.ndarray
+    index: np.ndarray
+    geometry: "PlanGeometry | Emu3PlanGeometry"
+    summary: str
+    meta: dict
+    columns: dict | None = None
+
+
+def _image_plan_inputs(root: Path, table, geometry: "PlanGeometry | Emu3PlanGeometry | None", progress) -> _PlanInputs:
+    """Image shards (`mmdata preprocess`): the length index's totals, or the image tokens
+    recounted with another geometry."""
+    from mmdata.errors import UserError
+
+    if not isinstance(geometry, PlanGeometry | None):
+        raise UserError(f"{root} holds image shards (`mmdata preprocess`); the recipe's family plans token shards")
+    if geometry in (None, DEFAULT_GEOMETRY):  # what the length index counted with
+        geometry, lengths = DEFAULT_GEOMETRY, table.column("total_tokens").to_numpy().astype(np.int64)
+    else:
+        try:
+            lengths = recount_lengths(root, table, geometry, on_shard=progress.step("recount shards"))
+        except FileNotFoundError as e:
+            raise UserError(str(e)) from None
+    text = (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode()
+    return _PlanInputs(lengths, table.column("index").to_numpy(), geometry, f"image geometry {geometry.flags()}",
+                       {"text_tokens": text})
+
+
+def _token_plan_inputs(root: Path, table, geometry: "PlanGeometry | Emu3PlanGeometry | None", recipe,
+                       seed: int) -> _PlanInputs:
+    """Emu3 token shards: each sample's variant drawn and its length for it (plan_lengths.py);
+    samples the encoder would skip in their variant are left out (`skipped`)."""
+    from mmdata.energon_loaders.emu3 import plan_lengths as e3
+    from mmdata.errors import UserError
+
+    have = index_meta(table)
+    if have.get("kind") != e3.KIND:
+        raise UserError(f"{root}/{LENGTHS_NAME}: a length index of unknown kind {have.get('kind')!r}")
+    if geometry is None:  # no recipe: the default task settings, with the index's tokenizer and prompt
+        geometry = e3.Emu3PlanGeometry(have["tokenizer_sha256"], have["system_prompt"])
+    elif not isinstance(geometry, e3.Emu3PlanGeometry):
+        raise UserError(f"{root} holds Emu3 token shards: plan them with an emu3 --recipe (or none); the image "
+                        "geometry options do not apply")
+    for name, what, flag in (("tokenizer_sha256", "tokenizer", "--tokenizer (the recipe's tokenizer.path)"),
+                             ("system_prompt", "system prompt", "--system-prompt (the recipe's data.system_prompt)")):
+        if getattr(geometry, name) != have[name]:
+            raise UserError(f"{root}'s length index was counted with another {what} than the recipe's ({name} "
+                            f"{have[name]!r:.40}, recipe: {getattr(geometry, name)!r:.40}): rerun "
+                            f"`mmdata tokenize-images` with {flag}")
+    uncond = e3.uncond_prompt_tokens(recipe.tokenizer.path, geometry.uncond_prompt) if recipe is not None else 0
+    variant, lengths = e3.draw_variants(table, geometry, seed, uncond)
+    keep = lengths != e3.UNENCODABLE
+    n = np.bincount(variant[keep], minlength=3)
+    summary = (f"Emu3 tasks: {n[e3.UNDERSTAND]:,} understanding, {n[e3.GENERATE] + n[e3.GENERATE_UNCOND]:,} "
+               f"generation ({n[e3.GENERATE_UNCOND]:,} caption dropped), {int((~keep).sum()):,} skipped")
+    return _PlanInputs(lengths[keep], table.column("index").to_numpy()[keep], geometry, summary,
+                       {"skipped": int((~keep).sum())},
+                       {"key": table.column("key").filter(keep), "variant": variant[keep]})
 
 
 class _Stages:
@@ -360,25 +460,27 @@ class _Stages:
         return advance
 
 
-def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry, tuple[int, int]]:
-    """(shards dir, seq_length, geometry, (cp, tp) of the report) from the flags, else the
-    recipe, else the defaults."""
+def _settings(args: argparse.Namespace):
+    """(shards dir, seq_length, geometry, recipe, (cp, tp) of the report) from the flags, else the
+    recipe, else the defaults (geometry None: what the length index counted with)."""
     from mmdata.errors import UserError
 
     overrides = list(args.overrides)
     if overrides and args.recipe is None:
         raise UserError(f"--set {' '.join(overrides)}: recipe overrides need --recipe RECIPE.yaml")
-    base, seq_length, root = DEFAULT_GEOMETRY, args.seq_length, args.dir
+    base, seq_length, root, recipe = None, args.seq_length, args.dir, None
     cp, tp = getattr(args, "cp", None), getattr(args, "tp", None)
     if args.recipe is not None:
         from mmtrain.config.load import load_recipe
 
         recipe = load_recipe(args.recipe, overrides)
-        geometry = recipe_geometry(recipe)
-        if geometry is None:
-            raise UserError(f"--recipe {args.recipe}: family {recipe.family} has no image geometry to plan with "
-                            "(pack-plan counts LLaVA-OV image tokens)")
-        base = geometry
+        try:
+            base = recipe_geometry(recipe)
+        except FileNotFoundError as e:  # its tokenizer.path
+            raise UserError(f"--recipe {args.recipe}: {e}") from None
+        if base is None:
+            raise UserError(f"--recipe {args.recipe}: family {recipe.family} has nothing to plan with "
+                            "(pack-plan plans LLaVA-OV image shards and Emu3 token shards)")
         seq_length = seq_length if seq_length is not None else recipe.train.seq_length
         if root is None and recipe.data.paths:
             root = Path(recipe.data.paths[0])
@@ -392,7 +494,11 @@ def _settings(args: argparse.Namespace) -> tuple[Path, int, PlanGeometry, tuple[
     bad = [f"--{k.replace('_', '-')} {v}" for k, v in {**given, "cp": cp, "tp": tp}.items() if v is not None and v <= 0]
     if bad:
         raise UserError(f"{', '.join(bad)}: must be positive")
-    return root, seq_length, PlanGeometry(**{**base.as_dict(), **given}), (cp or 1, tp or 1)
+    if given and not isinstance(base, PlanGeometry | None):
+        raise UserError(f"--{next(iter(given)).replace('_', '-')}: image geometry options do not apply to the "
+                        f"recipe's family ({recipe.family})")
+    geometry = PlanGeometry(**{**(base or DEFAULT_GEOMETRY).as_dict(), **given}) if given else base
+    return root, seq_length, geometry, recipe, (cp or 1, tp or 1)
 
 
 def main(argv: list[str] | None = None) -> int:

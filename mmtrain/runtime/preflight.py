@@ -10,7 +10,8 @@ run dir's `config.yaml` keeps describing its checkpoints.
   energon sample type (`FamilySpec.sample_type`, read from `.nv-meta/mmdata.yaml`): Emu3 token
   shards given to llava-ov, or LLaVA shards to emu3, are refused naming both kinds;
 - `data.packing: plan`: the plan was made for this data, `train.seq_length` and the recipe's
-  image token geometry (mmdata/energon_loaders/plan_packing.py);
+  geometry: LLaVA-OV's image token geometry, Emu3's tokenizer, prompts and task settings
+  (mmdata/energon_loaders/plan_packing.py);
 - `tokenizer.path`: a local HF tokenizer folder (never sent to the hub) whose ids fit the
   recipe (the family's `check_tokenizer`, e.g. llava-ov's media token ids);
 - the starting checkpoint (the run dir's own latest, else `checkpoint.load`): it exists and was
@@ -91,7 +92,7 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
         try:
             plan_for_data(recipe.data.paths, recipe.data.packing_plan, recipe.train.seq_length,
                           geometry=recipe_geometry(recipe))
-        except PlanError as err:
+        except (PlanError, FileNotFoundError) as err:  # (FileNotFoundError: a tokenizer.path to fingerprint)
             problems.append(f"data.packing: plan: {err}")
     return train_samples
 
