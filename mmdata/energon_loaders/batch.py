@@ -186,7 +186,9 @@ class PackedBatch:
                 other[name] = v
                 if isinstance(v, tuple):
                     tuples.append(name)
-        return save(tensors, metadata={"fields": json.dumps(other), "tuples": json.dumps(tuples)})
+        # one metadata key: safetensors writes several in no fixed order, and the same batch should
+        # give the same bytes in every process
+        return save(tensors, metadata={"mmdata.batch": json.dumps({"fields": other, "tuples": tuples})})
 
     @classmethod
     def from_bytes(cls: type[_B], data: bytes) -> _B:
@@ -197,9 +199,9 @@ class PackedBatch:
 
         # safetensors' layout: an 8-byte little-endian header size, then the JSON header
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-        meta = header.get("__metadata__") or {}
-        other = json.loads(meta.get("fields", "{}"))
-        for name in json.loads(meta.get("tuples", "[]")):
+        meta = json.loads(header["__metadata__"]["mmdata.batch"])
+        other = meta["fields"]
+        for name in meta["tuples"]:
             other[name] = tuple(other[name])
         return cls(**load(data), **other)
 
