@@ -1,4 +1,4 @@
-"""The DP exchange of vision-aware balancing over gloo (3 processes, no model): every rank ends
+"""The DP exchange of vision-aware balancing over gloo (2 processes, no model): every rank ends
 with exactly the micro-batches the placement gives it, rows arrive byte-identical, and the
 result equals what one process computes holding every rank's rows (`balance_local`, the
 replicated path), so the ranks agree and a resumed run that draws the same rows places them the
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-WORLD = 3
+WORLD = 2
 MICRO, ROWS = 2, 2  # micro-batches per rank, rows per micro-batch
 SEQ = 64
 

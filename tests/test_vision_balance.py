@@ -149,3 +149,52 @@ def test_media_tiles_are_what_the_tower_encodes():
     assert media_tiles({"meta": {"video_size_frames": [64, 48, 100]}}, video_frames=8) == 8
     assert media_tiles({"meta": {"video_size_frames": [64, 48, 5]}}) == 5
     assert media_tiles({"conversations": []}) == 0
+
+
+def test_train_data_balances_replicated_steps(tmp_path):
+    """`data.balance: true` in the train loop's data feed (DP rank 0 of 2, replicated data, so no
+    exchange): each step the feed hands over its rank's share of the rows it drew, placed by
+    `RowBalancer`: the two ranks' shares hold the step's samples, two micro-batches of two rows
+    each, and their costs (tokens + the tiny tower's tile cost x tiles) are more even than drawn."""
+    import torch
+
+    from mmdata.energon_loaders.balance import vision_balance
+    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
+    from mmtrain.planning.cost_model import tile_token_cost
+    from mmtrain.runtime.distributed import ParallelContext
+    from mmtrain.runtime.train_data import TrainData, batch_sample_ids
+    from tests.test_loader import BAD_IDS, _dev_samples
+
+    shards = write_dev_shards(tmp_path / "shards", [s for s in _dev_samples() if s.id not in BAD_IDS])
+    recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [
+        f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
+        "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=8",
+        "data.sharding=replicated", "data.video_frames=4", "data.balance=true"])
+    ctx = ParallelContext(rank=0, world_size=2, local_rank=0, tp=1, pp=1, dp=2, tp_rank=0, pp_rank=0, dp_rank=0,
+                          backend="gloo", device=torch.device("cpu"))
+    data = TrainData(LLAVA_OV, recipe, ctx)
+    place, drawn = data.balancer.balance_local, []
+    data.balancer.balance_local = lambda ranks, me: (drawn.append(ranks), place(ranks, me))[1]
+    tile_tokens = tile_token_cost(LLAVA_OV.model_shapes(recipe.model))
+
+    def cost(micro_batches) -> float:
+        return sum(mb.num_real_tokens + tile_tokens * encoder_inputs(mb) for mb in micro_batches)
+
+    before, after = [], []
+    try:
+        for _ in range(4):
+            step = data.next_step()
+            ranks = drawn[-1]
+            other = place(ranks, 1)
+            assert len(ranks) == 2 and all(len(mbs) == 2 for mbs in ranks)
+            assert all(mb.input_ids.shape == (2, 256) for mb in step.micro_batches + other)
+            ids = sorted(step.sample_ids + [i for mb in other for i in batch_sample_ids(mb)])
+            assert ids == sorted(i for mbs in ranks for mb in mbs for i in batch_sample_ids(mb))
+            before.append(vision_balance([cost(mbs) for mbs in ranks]))
+            after.append(vision_balance([cost(step.micro_batches), cost(other)]))
+    finally:
+        data.close()
+    assert np.mean(after) < np.mean(before), (before, after)

@@ -70,12 +70,14 @@ def plan_file_report(path: Path, cp: int = 1, tp: int = 1) -> PackingReport:
                             num_rows=info["bins"], cp=cp, tp=tp)
 
 
-def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1) -> dict | None:
+def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1,
+                         plans: dict | None = None) -> dict | None:
     """The offline plan's efficiency against the online packer's, on the same samples: the
     first LENGTH_INDEX_SAMPLE rows of `lengths.parquet` (stream order: the shards are already
     shuffled); plus the efficiency of any `pack-plan-<N>.parquet` file (over the whole
     dataset). Beside each efficiency, `bin_fill` and `executed_token_efficiency` of the same
-    three at `cp`/`tp`. None when the folder has no length index."""
+    three at `cp`/`tp`. None when the folder has no length index. `plans` (a dict) receives the
+    plan made per context length, for `length_index_balance`."""
     from mmdata.preprocess.lengths import LENGTHS_NAME
     from mmdata.preprocess.pack_plan import plan_packing, plan_path, read_plan_info
 
@@ -93,8 +95,11 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     for c in context_lengths:
         plan_file = plan_path(Path(root), c)
         online = estimate_packing(used.tolist(), c, cp=cp, tp=tp) if len(used) else None
+        plan = plan_packing(used, c) if len(used) else None
+        if plans is not None:
+            plans[c] = plan
         reports = {"online": None if online is None else online.report,
-                   "plan": plan_packing(used, c).report(cp, tp) if len(used) else None,
+                   "plan": plan.report(cp, tp) if plan is not None else None,
                    "plan_file": plan_file_report(plan_file, cp, tp) if plan_file.is_file() else None}
         out["packing"][str(c)] = {
             "online": None if online is None else round(online.efficiency, 4),
@@ -127,11 +132,12 @@ def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int,
 
 
 def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "StepShape",
-                         tile_tokens: float) -> dict | None:
+                         tile_tokens: float, plans: dict | None = None) -> dict | None:
     """`vision_balance` (max / mean vision work per DP rank per step, mean over steps and the
     worst step) of the online packer and of the offline plan at `shape`, today and balanced
-    (energon_loaders/balance.py), on the length index's first LENGTH_INDEX_SAMPLE samples. None
-    without a length index; `{"note": ...}` for an index written before it counted vision tiles."""
+    (energon_loaders/balance.py), on the length index's first LENGTH_INDEX_SAMPLE samples (the
+    plans `length_index_packing` made of them, when given). None without a length index;
+    `{"note": ...}` for an index written before it counted vision tiles."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -152,7 +158,7 @@ def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "Ste
     out: dict = {**head, "compared": int(len(lengths)), "packing": {}}
     for c in context_lengths:
         online = simulate(online_rank_rows(lengths, tiles, c, shape.dp), shape, tile_tokens)
-        plan = plan_packing(lengths, c)
+        plan = (plans or {}).get(c) or plan_packing(lengths, c)
         out["packing"][str(c)] = {
             "online": {k: v.as_dict() for k, v in online.items()},
             "plan": {"today": plan.vision_balance(tiles, shape, tile_tokens, balanced=False).as_dict(),

@@ -354,6 +354,8 @@ def summarize(
         sources_from = "all" if all or len(samples) >= ds.total_samples else "sample"
         sources = _counts([x.source for x in stats])
     quarantine = _counts([q.reason for q in load_quarantine(ds.root)])
+    plans: dict = {}  # the length index's plans, made once for both reports
+    length_index = length_index_packing(ds.root, context_lengths, cp, tp, plans=plans)
     return DatasetSummary(
         root=str(ds.root),
         total_samples=ds.total_samples,
@@ -364,7 +366,7 @@ def summarize(
         sources_from=sources_from,
         quarantine=quarantine,
         preprocess=_manifest_preprocess(ds.manifest),
-        length_index=length_index_packing(ds.root, context_lengths, cp, tp),
+        length_index=length_index,
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,
@@ -372,6 +374,6 @@ def summarize(
         samples=stats,
         cp=cp,
         tp=tp,
-        vision_balance=length_index_balance(ds.root, context_lengths, step_shape, tile_tokens),
+        vision_balance=length_index_balance(ds.root, context_lengths, step_shape, tile_tokens, plans=plans),
     )
 
