@@ -131,8 +131,11 @@ class PackPlan:
     def sequence_sums(self, per_sample: np.ndarray, clip: bool = False) -> np.ndarray:
         """Per sequence (plan order), the sum of a per-sample array (`clip`: lengths as packed, at
         most seq_length)."""
-        values = np.minimum(per_sample, self.seq_length) if clip else np.asarray(per_sample)
-        return np.array([int(values[b].sum()) for b in self.bins], dtype=np.int64)
+        values = (np.minimum(per_sample, self.seq_length) if clip else np.asarray(per_sample)).astype(np.int64)
+        if not self.bins:
+            return np.zeros(0, dtype=np.int64)
+        starts = np.cumsum([0] + [len(b) for b in self.bins[:-1]])
+        return np.add.reduceat(values[np.concatenate(self.bins)], starts)  # (bins are never empty)
 
     def balanced(self, tiles: np.ndarray, shape: "StepShape", tile_tokens: float, seed: int) -> "PackPlan":
         """The same sequences in the order of vision-aware balancing for `shape` (balance.tiered_order:
