@@ -49,16 +49,14 @@ class LlavaOVBatch(PackedBatch):
     #: built without it is taken as one row's (`row_items`)
     media_per_row: list[int] = field(default_factory=list)
 
-    # the layout and the CP media split read these with .tolist(): they never leave the host
-    HOST_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.HOST_FIELDS + (
-        "tiles_per_media", "media_kind", "image_sizes", "grid_shapes", "num_media_tokens", "input_ids_host",
-    )
-    FIRST_STAGE_FIELDS: ClassVar[tuple[str, ...]] = ("pixel_values",)
-    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.DERIVED_FIELDS + ("input_ids_host",)
-    #: per-media fields, split and joined with their rows
+    #: per-media fields, split and joined with their rows (`row_items`)
     MEDIA_FIELDS: ClassVar[tuple[str, ...]] = (
         "tiles_per_media", "media_kind", "image_sizes", "grid_shapes", "num_media_tokens",
     )
+    # the layout and the CP media split read these with .tolist(): they never leave the host
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.HOST_FIELDS + MEDIA_FIELDS + ("input_ids_host",)
+    FIRST_STAGE_FIELDS: ClassVar[tuple[str, ...]] = ("pixel_values",)
+    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.DERIVED_FIELDS + ("input_ids_host",)
 
     def to(self, device: Any, first_stage: bool = True) -> LlavaOVBatch:
         moved = super().to(device, first_stage)
