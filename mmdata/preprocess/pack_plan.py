@@ -45,12 +45,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from mmdata.energon_loaders.balance import DEFAULT_TILE_TOKENS
 from mmdata.energon_loaders.llava_ov import anyres_math as anyres
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-from mmdata.preprocess.lengths import LENGTHS_NAME
+from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES, media_tiles
 from mmdata.vision_tokens.lengths import index_meta
 
 if TYPE_CHECKING:
+    from mmdata.energon_loaders.balance import StepShape
     from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
     from mmdata.energon_loaders.packing_report import PackingReport
 
@@ -59,6 +61,7 @@ WINDOW = 256  # the loader's packing buffer (energon_loaders.packing.DEFAULT_PAC
 CARRY_BELOW = 0.995  # sequences filled less than this go back into the next window ...
 MAX_CARRY = WINDOW // 2  # ... up to this many samples
 CHUNK = 1 << 20  # samples planned independently (in parallel); about a minute of CPU each
+BALANCE_STREAM = 1  # the balanced order's random stream: default_rng([seed, BALANCE_STREAM])
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,10 @@ class PlanGeometry:
         if video:
             total += anyres.num_video_tokens(min(int(video[2]), self.video_frames), self.image_size, self.patch_size)
         return total
+
+    def media_tiles(self, record: dict) -> int:
+        """Tiles and frames the vision tower encodes for a record with this geometry (lengths.media_tiles)."""
+        return media_tiles(record, image_size=self.image_size, grid_max=self.grid_max, video_frames=self.video_frames)
 
 
 GEOMETRY_FIELDS = ("image_size", "patch_size", "max_tiles", "grid_max", "video_frames")
@@ -149,6 +156,32 @@ class PackPlan:
     seq_length: int
     bins: list[np.ndarray]  # per sequence (plan order): sample positions in the lengths array
     lengths: np.ndarray  # the lengths the plan was made from
+
+    def sequence_sums(self, per_sample: np.ndarray, clip: bool = False) -> np.ndarray:
+        """Per sequence (plan order), the sum of a per-sample array (`clip`: lengths as packed, at
+        most seq_length)."""
+        values = (np.minimum(per_sample, self.seq_length) if clip else np.asarray(per_sample)).astype(np.int64)
+        if not self.bins:
+            return np.zeros(0, dtype=np.int64)
+        starts = np.cumsum([0] + [len(b) for b in self.bins[:-1]])
+        return np.add.reduceat(values[np.concatenate(self.bins)], starts)  # (bins are never empty)
+
+    def balanced(self, tiles: np.ndarray, shape: "StepShape", tile_tokens: float, seed: int) -> "PackPlan":
+        """The same sequences in the order of vision-aware balancing for `shape` (balance.tiered_order:
+        steps of whole tiers of equal-cost sequences), seeded apart from the samples' order."""
+        from mmdata.energon_loaders.balance import row_costs, tiered_order
+
+        costs = row_costs(self.sequence_sums(self.lengths, clip=True), self.sequence_sums(tiles), tile_tokens)
+        order = tiered_order(costs, shape.dp, np.random.default_rng([seed, BALANCE_STREAM]))
+        return PackPlan(self.seq_length, [self.bins[i] for i in order], self.lengths)
+
+    def vision_balance(self, tiles: np.ndarray, shape: "StepShape", tile_tokens: float, balanced: bool):
+        """`balance.plan_balance` of this plan's order: dealt as the plain contract deals it, or
+        placed per step as a balanced plan's loader places it."""
+        from mmdata.energon_loaders.balance import plan_balance
+
+        return plan_balance(self.sequence_sums(self.lengths, clip=True), self.sequence_sums(tiles), shape, tile_tokens,
+                            balanced)
 
     @property
     def over_length(self) -> int:
@@ -246,37 +279,39 @@ def read_lengths(root: Path):
     return pq.read_table(path)
 
 
-def recount_lengths(root: Path, table, geometry: PlanGeometry,
-                    on_shard: Callable[[int], None] | None = None) -> np.ndarray:
-    """Per length-index row: its text tokens plus its media recounted with `geometry` from the
-    records in the shards (`{key}.json`, only those members are read). `on_shard(total)` is
-    called once per shard read (progress)."""
+def recount_media(root: Path, table, geometry: PlanGeometry,
+                  on_shard: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per length-index row: (its text tokens plus its media tokens, its vision tiles), the media
+    recounted with `geometry` from the records in the shards (`{key}.json`, only those members are
+    read). `on_shard(total)` is called once per shard read (progress)."""
     import tarfile
 
     from mmdata import shard_format as sf
 
     index = table.column("index").to_numpy()
-    media = np.full(int(index.max()) + 1 if len(index) else 0, -1, dtype=np.int64)
+    media = np.full((int(index.max()) + 1 if len(index) else 0, 2), -1, dtype=np.int64)
     shards = sorted(root.glob("shard-*.tar"))
     for tar_path in shards:
         with tarfile.open(tar_path, "r:") as tar:
             for member in tar:
                 key, _, suffix = member.name.partition(".")
                 if suffix == sf.JSON_MEMBER and member.isfile() and key.isdigit() and int(key) < len(media):
-                    media[int(key)] = geometry.media_tokens(json.loads(tar.extractfile(member).read()))
+                    record = json.loads(tar.extractfile(member).read())
+                    media[int(key)] = geometry.media_tokens(record), geometry.media_tiles(record)
         if on_shard is not None:
             on_shard(len(shards))
-    missing = index[media[index] < 0]
+    missing = index[media[index, 0] < 0]
     if len(missing):
         raise FileNotFoundError(f"{root}: the shards lack the records of {len(missing)} samples of the length index "
                                 f"(e.g. key {int(missing[0]):010d}): rerun `mmdata preprocess`")
-    return table.column("text_tokens").to_numpy().astype(np.int64) + media[index]
+    return table.column("text_tokens").to_numpy().astype(np.int64) + media[index, 0], media[index, 1]
 
 
 def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict,
                columns: dict | None = None) -> Path:
     """The plan file; `columns` (per planned sample, aligned with `index`: numpy or pyarrow
-    arrays) are written beside bin, index and tokens (an Emu3 plan's `key` and `variant`)."""
+    arrays) are written beside bin, index and tokens (the samples' vision `tiles`; an Emu3
+    plan's `key` and `variant`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -329,6 +364,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", type=int, default=None, metavar="N",
                             help=f"{what} parallel size the packing report counts CP padding for (default: the "
                                  f"recipe's parallel.{name}, else 1); the plan does not depend on it")
+    for name, what in (("dp", "data-parallel ranks"), ("micro_batch_size", "rows per micro-batch (default 1)"),
+                       ("global_batch_size", "rows per step, all ranks")):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N",
+                            help=f"vision-aware balancing for training at this step shape: {what} (default: the "
+                                 "recipe's when its data.balance is true; else no balancing)")
+    parser.add_argument("--tile-tokens", type=float, default=None, metavar="X",
+                        help="the cost of one vision tile in language tokens for balancing (default: the recipe "
+                             f"model's, from the cost model; else {DEFAULT_TILE_TOKENS:g}, Aquila-VL-2B's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="processes (default: all CPUs); the plan does not depend on it")
@@ -339,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
     from mmdata.readiness import unfinished_job
 
-    root, seq_length, geometry, recipe, (cp, tp) = _settings(args)
+    root, seq_length, geometry, recipe, (cp, tp), balance = _settings(args)
     args.seq_length = seq_length
     if args.seq_length <= 0:
         raise UserError(f"--seq-length must be positive, got {args.seq_length}")
@@ -363,21 +406,35 @@ def run(args: argparse.Namespace) -> int:
                             on_chunk=progress.step("pack chunks"))
     meta = {"lengths_sha256": sha256_file(root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
             **inputs.meta, "geometry": inputs.geometry.as_dict()}
+    balance_line = None
+    if balance is not None:
+        shape, tile_tokens = balance
+        today = plan.vision_balance(inputs.tiles, shape, tile_tokens, balanced=False)
+        plan = plan.balanced(inputs.tiles, shape, tile_tokens, args.seed)
+        after = plan.vision_balance(inputs.tiles, shape, tile_tokens, balanced=True)
+        meta["balance"] = {**shape.as_dict(), "tile_tokens": tile_tokens}
+        meta["vision_balance"] = {"today": today.as_dict(), "balanced": after.as_dict()}
+        balance_line = (f"vision balance ({shape.describe()}; max/mean vision work per rank per step): "
+                        f"today {today.line()} -> balanced {after.line()}")
     report = plan.report(cp, tp)
     meta["packing_report"] = report.as_dict()
-    out = write_plan(root, plan, inputs.index, args.seed, meta, inputs.columns)
+    out = write_plan(root, plan, inputs.index, args.seed, meta,
+                     {"tiles": inputs.tiles.astype(np.int32), **(inputs.columns or {})})
     print(f"{out}: {len(plan.bins):,} sequences of {args.seq_length:,} tokens for {len(inputs.lengths):,} samples, "
           f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}")
     print(f"packing report: {report.line()}")
+    if balance_line is not None:
+        print(balance_line)
     return 0
 
 
 @dataclass
 class _PlanInputs:
-    """What a plan is made from: the planned samples' lengths and global indices, extra plan
+    """What a plan is made from: the planned samples' lengths, vision tiles and global indices, extra plan
     columns, metadata, the geometry it records, and a summary for the command's output line."""
 
     lengths: np.ndarray
+    tiles: np.ndarray  # the vision tiles each planned sample's media cost the tower (vision-aware balancing)
     index: np.ndarray
     geometry: "PlanGeometry | Emu3PlanGeometry"
     summary: str
@@ -392,22 +449,28 @@ def _image_plan_inputs(root: Path, table, geometry: "PlanGeometry | Emu3PlanGeom
 
     if not isinstance(geometry, PlanGeometry | None):
         raise UserError(f"{root} holds image shards (`mmdata preprocess`); the recipe's family plans token shards")
-    if geometry in (None, DEFAULT_GEOMETRY):  # what the length index counted with
-        geometry, lengths = DEFAULT_GEOMETRY, table.column("total_tokens").to_numpy().astype(np.int64)
+    geometry = geometry or DEFAULT_GEOMETRY
+    if geometry == DEFAULT_GEOMETRY and VISION_TILES in table.column_names:  # what the length index counted
+        lengths = table.column("total_tokens").to_numpy().astype(np.int64)
+        tiles = table.column(VISION_TILES).to_numpy().astype(np.int64)
     else:
+        if geometry == DEFAULT_GEOMETRY:
+            print(f"note: {root / LENGTHS_NAME} predates its {VISION_TILES} column (vision tiles per sample): "
+                  "counting them from the shards' records", file=sys.stderr)
         try:
-            lengths = recount_lengths(root, table, geometry, on_shard=progress.step("recount shards"))
+            lengths, tiles = recount_media(root, table, geometry, on_shard=progress.step("recount shards"))
         except FileNotFoundError as e:
             raise UserError(str(e)) from None
     text = (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode()
-    return _PlanInputs(lengths, table.column("index").to_numpy(), geometry, f"image geometry {geometry.flags()}",
-                       {"text_tokens": text})
+    return _PlanInputs(lengths, tiles, table.column("index").to_numpy(), geometry,
+                       f"image geometry {geometry.flags()}", {"text_tokens": text})
 
 
 def _token_plan_inputs(root: Path, table, geometry: "PlanGeometry | Emu3PlanGeometry | None", recipe,
                        seed: int) -> _PlanInputs:
     """Emu3 token shards: each sample's variant drawn and its length for it (plan_lengths.py);
-    samples the encoder would skip in their variant are left out (`skipped`)."""
+    samples the encoder would skip in their variant are left out (`skipped`). No vision tower
+    encodes their images (they are tokens already): no tiles."""
     from mmdata.energon_loaders.emu3 import plan_lengths as e3
     from mmdata.errors import UserError
 
@@ -431,7 +494,8 @@ def _token_plan_inputs(root: Path, table, geometry: "PlanGeometry | Emu3PlanGeom
     n = np.bincount(variant[keep], minlength=3)
     summary = (f"Emu3 tasks: {n[e3.UNDERSTAND]:,} understanding, {n[e3.GENERATE] + n[e3.GENERATE_UNCOND]:,} "
                f"generation ({n[e3.GENERATE_UNCOND]:,} caption dropped), {int((~keep).sum()):,} skipped")
-    return _PlanInputs(lengths[keep], table.column("index").to_numpy()[keep], geometry, summary,
+    return _PlanInputs(lengths[keep], np.zeros(int(keep.sum()), np.int64), table.column("index").to_numpy()[keep],
+                       geometry, summary,
                        {"skipped": int((~keep).sum())},
                        {"key": table.column("key").filter(keep), "variant": variant[keep]})
 
@@ -461,8 +525,9 @@ class _Stages:
 
 
 def _settings(args: argparse.Namespace):
-    """(shards dir, seq_length, geometry, recipe, (cp, tp) of the report) from the flags, else the
-    recipe, else the defaults (geometry None: what the length index counted with)."""
+    """(shards dir, seq_length, geometry, recipe, (cp, tp) of the report, (step shape, tile cost)
+    to balance for or None) from the flags, else the recipe, else the defaults (geometry None:
+    what the length index counted with)."""
     from mmdata.errors import UserError
 
     overrides = list(args.overrides)
@@ -470,6 +535,8 @@ def _settings(args: argparse.Namespace):
         raise UserError(f"--set {' '.join(overrides)}: recipe overrides need --recipe RECIPE.yaml")
     base, seq_length, root, recipe = None, args.seq_length, args.dir, None
     cp, tp = getattr(args, "cp", None), getattr(args, "tp", None)
+    shape = {k: getattr(args, k, None) for k in ("dp", "micro_batch_size", "global_batch_size")}
+    tile_tokens = getattr(args, "tile_tokens", None)
     if args.recipe is not None:
         from mmtrain.config.load import load_recipe
 
@@ -486,19 +553,51 @@ def _settings(args: argparse.Namespace):
             root = Path(recipe.data.paths[0])
         cp = cp if cp is not None else recipe.parallel.cp
         tp = tp if tp is not None else recipe.parallel.tp
+        if getattr(recipe.data, "balance", False) or shape["dp"] is not None:
+            mine = {"dp": recipe.parallel.dp, "micro_batch_size": recipe.train.micro_batch_size,
+                    "global_batch_size": recipe.train.global_batch_size}
+            shape = {k: v if v is not None else mine[k] for k, v in shape.items()}
+            if tile_tokens is None:
+                from mmtrain import registry
+                from mmtrain.planning.cost_model import tile_token_cost
+
+                tile_tokens = tile_token_cost(registry.get_family(recipe.family).model_shapes(recipe.model))
     if root is None:
         raise UserError("give the shards folder DIR (or --recipe with data.paths)")
     if seq_length is None:
         raise UserError("give --seq-length N (or --recipe, whose train.seq_length is used)")
     given = {k: getattr(args, k) for k in GEOMETRY_FIELDS if getattr(args, k) is not None}
-    bad = [f"--{k.replace('_', '-')} {v}" for k, v in {**given, "cp": cp, "tp": tp}.items() if v is not None and v <= 0]
+    # (a recipe's tile cost may be 0: a family without a vision tower balances on tokens alone)
+    asked = {**given, "cp": cp, "tp": tp, **shape, "tile_tokens": getattr(args, "tile_tokens", None)}
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in asked.items() if v is not None and v <= 0]
     if bad:
         raise UserError(f"{', '.join(bad)}: must be positive")
     if given and not isinstance(base, PlanGeometry | None):
         raise UserError(f"--{next(iter(given)).replace('_', '-')}: image geometry options do not apply to the "
                         f"recipe's family ({recipe.family})")
     geometry = PlanGeometry(**{**(base or DEFAULT_GEOMETRY).as_dict(), **given}) if given else base
-    return root, seq_length, geometry, recipe, (cp or 1, tp or 1)
+    return root, seq_length, geometry, recipe, (cp or 1, tp or 1), _balance(shape, tile_tokens)
+
+
+def _balance(shape: dict, tile_tokens: float | None) -> tuple["StepShape", float] | None:
+    """The step shape and tile cost to balance for, from --dp/--micro-batch-size/--global-batch-size
+    (--dp and --global-batch-size go together; the micro-batch defaults to 1)."""
+    from mmdata.energon_loaders.balance import StepShape
+    from mmdata.errors import UserError
+
+    if shape["dp"] is None and shape["global_batch_size"] is None:
+        if shape["micro_batch_size"] is not None or tile_tokens is not None:
+            raise UserError("--micro-batch-size/--tile-tokens balance a plan for a step shape: give --dp and "
+                            "--global-batch-size with them")
+        return None
+    if shape["dp"] is None or shape["global_batch_size"] is None:
+        raise UserError("vision-aware balancing needs the step shape: give --dp N and --global-batch-size N "
+                        "(and --micro-batch-size N, default 1), or --recipe with data.balance: true")
+    try:
+        step = StepShape(shape["dp"], shape["micro_batch_size"] or 1, shape["global_batch_size"])
+    except ValueError as e:
+        raise UserError(f"--dp/--micro-batch-size/--global-batch-size: {e}") from None
+    return step, float(tile_tokens if tile_tokens is not None else DEFAULT_TILE_TOKENS)
 
 
 def main(argv: list[str] | None = None) -> int:

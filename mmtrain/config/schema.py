@@ -47,6 +47,11 @@ class DataConfig:
     #   global batch (identical batches for any TP/PP/DP layout, resumable across DP sizes;
     #   costs dp x the decoding work - for tests, layout changes and small DP)
     sharding: Sharding = "dp"
+    # vision-aware balancing: each step's packed rows are spread over the DP ranks and the
+    # micro-batches by cost, tokens + the vision tower's tiles (rows move between DP ranks; what a
+    # sample contributes is unchanged). With packing: plan, the plan must be balanced for the
+    # recipe's step shape (`mmdata pack-plan --recipe`). mmdata.energon_loaders.balance
+    balance: bool = False
     # held-out shard dirs (or one metadataset YAML) for `train.eval_interval`; read with the
     # same loader settings, the recipe's seed and no state carried between evaluations
     val_paths: list[str] = field(default_factory=list, metadata=PATH)

@@ -442,6 +442,17 @@ def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float
     return decoder, head, media
 
 
+def tile_token_cost(shapes: ModelShapes) -> float:
+    """What one media tile costs in decoder tokens: forward FLOPs of a tile through the encoder and
+    the connectors over those of one token through the decoder's matmuls and LM head (attention
+    left out: it depends on the packing). Vision-aware balancing weighs a row's tiles with it
+    (mmdata.energon_loaders.balance); 0 for a family without an encoder."""
+    if shapes.encoder is None:
+        return 0.0
+    tile = sum(f.total for f in _media_forward(shapes, 1).values())
+    return tile / _decoder_forward(shapes.decoder, 1, 0).total
+
+
 def training_flops_per_token(shapes: ModelShapes, seq_length: int) -> float:
     """Decoder + LM-head training FLOPs per token when every part trains and one sample fills each
     `seq_length` row (3 x the forward). An estimate for planning only: the train loop's MFU comes
