@@ -33,6 +33,7 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_preprocess.py": ("preprocess", "Ray jobs (ours and Ray Data) at 1,000 and 4,000 records"),
     "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
     "bench_private_internals.py": ("direct_io", None),
+    "bench_vision_layout.py": ("vision_layout", None),
 }
 
 

@@ -53,6 +53,9 @@ class ParallelOptions:
     # train.deterministic: TransformerConfig.deterministic_mode (the runtime also sets
     # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which megatron requires with it)
     deterministic: bool = False
+    # parallel.vision.tp: a media encoder's own TP (1 or the decoder's), its tiles split over the
+    # ranks that share a micro-batch (models/encoder_parallel.py); None: the decoder's layout
+    encoder_tp: Optional[int] = None
     # the decoder's layers per pipeline stage and virtual stage (parallel.pp_layers / vpp,
     # models/pipeline_split.py); None: megatron's even split, one chunk per stage
     pipeline_split: Optional[PipelineSplit] = None

@@ -2,7 +2,7 @@
 
 1. Search space (mmtrain/planning/search_space.py): every layout megatron accepts over the
    dimensions tp, pp, vpp (virtual pipeline stages: interleaved 1F1B), cp, micro_batch_size,
-   recompute, sequence_parallel, distributed_optimizer (dp derived), each from its
+   recompute, sequence_parallel, distributed_optimizer, vision_tp (dp derived), each from its
    `auto_tune.<dim>` list or, when empty, derived from the world size and the model's shapes. A
    layout keeps the recipe's uneven decoder split (`parallel.pp_layers`) where it fits its pp and
    vpp, else splits evenly.
@@ -196,8 +196,11 @@ def fingerprint(recipe: Recipe) -> str:
     for key in ("run_dir", "action", "auto_tune"):
         d.pop(key, None)
     for dim in DIMENSIONS:
-        section, _, name = dim.recipe_key.partition(".")
-        d.get(section, {}).pop(name, None)
+        *sections, name = dim.recipe_key.split(".")
+        node = d
+        for section in sections:
+            node = node.get(section, {})
+        node.pop(name, None)
     for name in ("master_port", "master_addr", "node_rank"):
         d.get("parallel", {}).pop(name, None)
     d.get("train", {}).pop("iters", None)
@@ -326,9 +329,10 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 def layout_text(L: Layout) -> str:
     some = f" (the first {L.recompute_num_layers} layers of each stage)" if L.recompute_num_layers else ""
     pipeline = (f" x vpp {L.vpp}" if L.vpp > 1 else "") + (f" (decoder layers {list(L.pp_layers)})" if L.pp_layers else "")
+    vision = f", vision tower tp {L.vision_tp} (its own layout)" if L.vision_tp is not None else ""
     return (f"tp {L.tp}, pp {L.pp}{pipeline}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
             f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
-            f"{'on' if L.distributed_optimizer else 'off'}")
+            f"{'on' if L.distributed_optimizer else 'off'}{vision}")
 
 
 def fit_calibration(cands: list[Candidate], device: str, in_use: str | None) -> tuple[Calibration | None, list[str]]:
@@ -395,7 +399,8 @@ def summary(recipe: Recipe, cands: list[Candidate], best: Candidate | None, mode
 
 
 def _sort_key(value: object) -> tuple:
-    return (isinstance(value, str), value if not isinstance(value, str) else 0, str(value))
+    """None (a dimension's "inherit" value) first, then numbers, then text."""
+    return (value is not None, isinstance(value, str), value if isinstance(value, (int, float)) else 0, str(value))
 
 
 def display_order(cands: list[Candidate]) -> list[Candidate]:
