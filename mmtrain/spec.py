@@ -97,7 +97,8 @@ class FamilySpec:
     architecture_keys: tuple[str, ...]
 
     # ---- training -------------------------------------------------------------------------
-    #: (model config, *, pre_process, post_process, options: ParallelOptions) -> one PP stage
+    #: (model config, *, pre_process, post_process, options: ParallelOptions, vp_stage) -> one PP
+    #: stage, or one model chunk of it with virtual stages (`vp_stage`: its index; None without)
     build_model: Callable[..., "torch.nn.Module"]
     #: what `build_loader` yields and `forward_step` consumes (an energon_loaders PackedBatch)
     batch_type: type

@@ -107,6 +107,32 @@ def test_needs_more_memory_orders_only_memory_dimensions(tmp_path):
     assert not needs_more_memory(small, small.with_(recompute_num_layers=1))
 
 
+def test_virtual_stages_join_the_search_space(tmp_path):
+    """vpp is a dimension: 2 and 4 where the decoder splits into pp*vpp chunks and the
+    micro-batches per DP rank come in groups of pp. The recipe's uneven split goes with the
+    layouts it fits (its pp, and vpp dividing its stages) and an even split with the others; the
+    chosen layout's recipe carries both and validates. Interleaving shrinks the modelled bubble."""
+    from mmtrain.config import load_recipe_dict
+    from mmtrain.config.load import recipe_to_dict
+
+    fixed = ["auto_tune.tp=[1]", "auto_tune.cp=[1]", "auto_tune.micro_batch_size=[2]", "auto_tune.recompute=[full]",
+             "auto_tune.recompute_num_layers=[0]", "auto_tune.distributed_optimizer=[true]"]
+    r = _recipe(tmp_path, *fixed, "parallel.cp=1", "parallel.pp=2", "parallel.pp_layers=[12,16]")
+    shapes = LLAVA_OV.model_shapes(r.model)
+    layouts = candidate_layouts(SpaceContext(r, shapes, on_cuda=True))
+    assert {(L.pp, L.vpp, L.pp_layers) for L in layouts} == {
+        (1, 1, ()), (2, 1, (12, 16)), (2, 2, (12, 16)), (2, 4, (12, 16)), (4, 1, ())}  # 28 layers: no 4*2 chunks
+    few = _recipe(tmp_path, *fixed, "train.global_batch_size=8")  # 1 micro-batch per DP rank at pp 2
+    assert {L.vpp for L in candidate_layouts(SpaceContext(few, shapes, on_cuda=True))} == {1}
+    by_vpp = {c.layout.vpp: c for c in at.evaluate(r, LLAVA_OV, on_cuda=True) if c.layout.pp == 2}
+    assert by_vpp[2].step.bubble_s == pytest.approx(by_vpp[1].step.bubble_s / 2)
+    assert by_vpp[2].est_step_s < by_vpp[1].est_step_s and "vpp2" in by_vpp[2].key
+    for L, want in ((by_vpp[4].layout, [12, 16]), (next(L for L in layouts if L.pp == 4), [])):
+        chosen = at.best_recipe(r, at.Candidate(L, None, None, 0, 1))
+        assert (chosen.parallel.pp, chosen.parallel.vpp, chosen.parallel.pp_layers) == (L.pp, L.vpp, want)
+        load_recipe_dict(recipe_to_dict(chosen), family=r.family, source="best.yaml")  # a valid recipe
+
+
 def test_recomputing_some_layers_sits_between_none_and_full(tmp_path):
     from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
 

@@ -12,7 +12,7 @@ import pytest
 
 from mmtrain.config import load_recipe
 from mmtrain.llava_ov.spec import LLAVA_OV
-from mmtrain.planning.cost_model import GB, Layout, estimate_memory, param_counts
+from mmtrain.planning.cost_model import GB, Layout, decoder_layer_params, estimate_memory, param_counts
 from mmtrain.planning.dry_run import build_report, run_dry_run
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -127,6 +127,49 @@ def test_dry_run_prints_counts_and_memory():
     stage1 = build_report(load_recipe(AQUILA, ["stage=1"]), LLAVA_OV)
     assert stage1.params.total_trainable == stage1.params.parts["projector"]
     assert "frozen" in stage1.text
+
+
+@pytest.mark.unit
+def test_dry_run_follows_the_pipeline_split_and_virtual_stages():
+    """Aquila-VL-2B on pp 2 (64 micro-batches per DP rank): two decoder layers moved off the first
+    stage (which also holds the vision tower, projector and embedding) take their weights,
+    activations and compute to the last stage, and the step runs at the slower stage's pace;
+    two virtual stages halve the bubble to (pp-1)/(vpp*m) of it and keep megatron's extra warm-up
+    forwards of the first chunk in flight (3 instead of 2 through the vision tower)."""
+    base = ["stage=2a", "action=dry_run", "parallel.cp=1", "parallel.pp=2"]
+    recipe = load_recipe(AQUILA, base)
+    even = build_report(recipe, LLAVA_OV)
+    moved = build_report(load_recipe(AQUILA, [*base, "parallel.pp_layers=[12,16]"]), LLAVA_OV)
+    virtual = build_report(load_recipe(AQUILA, [*base, "parallel.vpp=2"]), LLAVA_OV)
+    assert [m.decoder_layers for m in even.stage_memory] == [14, 14]
+    assert [m.decoder_layers for m in moved.stage_memory] == [12, 16]
+    two_layers = 2 * decoder_layer_params(LLAVA_OV.model_shapes(recipe.model).decoder) * 2  # bf16 weights
+    e, m = even.stage_memory, moved.stage_memory
+    assert e[0].weights - m[0].weights == pytest.approx(two_layers)
+    assert m[1].weights - e[1].weights == pytest.approx(two_layers)
+    assert m[0].activations < e[0].activations and m[1].activations > e[1].activations
+    assert m[0].encoder_activations == e[0].encoder_activations > 0 and m[1].encoder_activations == 0
+    (e0, e1), (m0, m1) = even.step.stage_s, moved.step.stage_s
+    assert e0 - m0 == pytest.approx(m1 - e1) and m0 < e0  # two layers' compute from stage 0 to stage 1
+    for r in (even, moved, virtual):
+        s = r.step
+        assert s.compute_s + s.tp_comm_s + s.cp_comm_s == pytest.approx(max(s.stage_s))
+        assert s.bubble_s == pytest.approx(s.compute_s * (2 - 1) / (r.layout.vpp * 64))
+    assert virtual.step.bubble_s == pytest.approx(even.step.bubble_s / 2)
+    assert virtual.step.stage_s == pytest.approx(even.step.stage_s)  # the same work per stage
+    v = virtual.stage_memory[0]
+    assert v.encoder_activations == pytest.approx(e[0].encoder_activations * 3 / 2)
+    assert v.activations > e[0].activations and v.weights == e[0].weights
+    assert "stage 0: 12 decoder layers + vision_tower, projector, embedding: " in moved.text
+    assert "stage 1: 16 decoder layers + LM head + loss: " in moved.text
+    assert "pipeline stages (1F1B; decoder layers [12, 16], parallel.pp_layers)" in moved.text
+    assert "(interleaved 1F1B, 2 virtual stages per rank; decoder layers [[7, 7], [7, 7]], even split)" in virtual.text
+    assert "stage 0: 14 decoder layers (7 + 7)" in virtual.text and "bubble (pp-1)/(vpp*m) = 1/(2*64)" in virtual.text
+    assert "tp 1 x pp 2 (x vpp 2) x cp 1 x dp 4" in virtual.text and "pipeline stages" not in build_report(
+        load_recipe(AQUILA, ["stage=2a", "action=dry_run"]), LLAVA_OV).text
+    # a pp that does not divide the 28 layers: megatron refuses to build it; estimated spread evenly
+    odd = build_report(load_recipe(AQUILA, [*base[:3], "parallel.pp=3", "parallel.nproc_per_node=6"]), LLAVA_OV)
+    assert [m.decoder_layers for m in odd.stage_memory] == [9, 9, 10] and "which megatron refuses" in odd.text
 
 
 @pytest.mark.unit

@@ -11,8 +11,10 @@ refused, frozen parameters, periodic evaluation (`val_loss` at the eval steps on
 batches every time, no effect on training), context parallelism (CP=2 = one process, and its
 checkpoint resumed at CP=1). Slow tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same
 HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume
-(the TP=2 run with the vision tower's own layout),
-the PP=2 validation loss, and the dry-run memory estimate against a measured peak.
+(the TP=2 run with the vision tower's own layout), pipeline stages that fit a VLM (an uneven
+decoder split and virtual stages: training and validation losses against one process, resumed
+from and saved as a one-process checkpoint), and the dry-run memory estimate against a measured
+peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
 """
@@ -375,6 +377,34 @@ def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer
 
 
 @pytest.mark.slow
+def test_uneven_and_virtual_pipeline_stages_match_one_process(eval_run, tmp_path, shards_dir, tokenizer_dir):
+    """The evaluated one-process run's step-4 checkpoint continued on PP=2 x VPP=2 (megatron's
+    interleaved 1F1B) with the decoder split [0, 1, 0, 1] per virtual stage: stage 0 holds only
+    the vision tower, projector and embedding (two chunks without decoder layers), stage 1 both
+    layers and the loss. Steps 5-6 (losses, grad norms, per-sample losses) and the step-6
+    validation loss (the interleaved schedule forward only) equal the one-process run's, and the
+    step-6 checkpoint holds the same tensors under the same names (layers stacked on a global
+    layer axis), weights and optimizer moments alike: it resumes at any split. (It is also the
+    pipeline's validation-loss check: the last stage reduces it to the one-process number.)"""
+    run = tmp_path / "pp2-vpp2"
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.pp=2",
+                 "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]", f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
+                 "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
+    assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
+    assert "same layout: False, loader restored: True" in proc.stderr
+    ref, got = metrics(eval_run), metrics(run)
+    assert sorted(got) == [5, 6]
+    assert_same_steps(got, ref, (5, 6))
+    assert got[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
+    last = Path("checkpoints") / "iter_0000006"
+    for part in ("model", "optimizer"):
+        a, b = read_dist_ckpt(eval_run / last / part), read_dist_ckpt(run / last / part)
+        assert a.keys() == b.keys(), part
+        assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), part
+    assert a["optimizer.state.exp_avg.language_model.decoder.layers.mlp.linear_fc1.weight"].shape[0] == 2
+
+
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokenizer_dir):
     """A TP=2 checkpoint (vocab-parallel embedding, column/row-parallel linears, sharded Adam
     moments) continued at TP=1 follows the TP=2 run's loss curve. The TP=2 run gives the vision
@@ -464,17 +494,3 @@ def test_dry_run_memory_matches_a_measured_peak(tmp_path, shards_dir, tokenizer_
     saved_measured = out["plain"]["measured"] - out["chunked"]["measured"]
     saved_estimate = out["plain"]["estimate"]["logits"] - out["chunked"]["estimate"]["logits"]
     assert saved_measured == pytest.approx(saved_estimate, rel=0.25)
-
-
-@pytest.mark.slow
-def test_pipeline_parallel_validation_loss_matches(eval_run, tmp_path, shards_dir, tokenizer_dir):
-    """PP=2 (2 processes) continuing the evaluated run from step 4: the last stage reduces the
-    validation loss to the single-process number."""
-    run = tmp_path / "pp2"
-    train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.pp=2",
-          f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}", "train.eval_interval=2",
-          "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
-    ref, pp2 = metrics(eval_run), metrics(run)
-    assert sorted(pp2) == [5, 6] and "val_loss" not in pp2[5]
-    assert pp2[6]["val_tokens"] == ref[6]["val_tokens"]
-    assert pp2[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)

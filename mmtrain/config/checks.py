@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from mmtrain.config.errors import RecipeErrors, suggest
 from mmtrain.config.schema import Recipe
+from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem, split_layers
 from mmtrain.planning.cost_model import sequence_split_multiple
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     _sizes(r, errors)
     _optimizer(r, errors)
     _layout(r, errors)
+    _pipeline(r, spec, errors)
     _recompute(r, errors)
     _vision_layout(r, spec, errors)
     _auto_tune(r, errors)
@@ -36,7 +38,7 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
         ("train", "iters"): t.iters, ("train", "seq_length"): t.seq_length,
         ("train", "micro_batch_size"): t.micro_batch_size, ("train", "global_batch_size"): t.global_batch_size,
         ("train", "eval_iters"): t.eval_iters,
-        ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp, ("parallel", "cp"): p.cp,
+        ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp, ("parallel", "cp"): p.cp, ("parallel", "vpp"): p.vpp,
         ("parallel", "lm_loss_block_mb"): p.lm_loss_block_mb,
         ("parallel", "nproc_per_node"): p.nproc_per_node, ("parallel", "nnodes"): p.nnodes,
         ("logging", "interval"): r.logging.interval,
@@ -99,6 +101,25 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
                    f"{t.global_batch_size} is not divisible by micro_batch_size*dp = "
                    f"{t.micro_batch_size}*{dp} = {t.micro_batch_size * dp} "
                    f"(dp = world {world} / (tp {p.tp} * pp {p.pp} * cp {p.cp}))", layout + [("train", "micro_batch_size")])
+
+
+def _pipeline(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
+    """The decoder's split over stages and virtual stages when `parallel.pp_layers` or `vpp` asks for
+    one (models/pipeline_split.py; megatron itself refuses a plain pp that does not divide the
+    layers), and the micro-batches per step megatron's interleaved schedule needs."""
+    t, p = r.train, r.parallel
+    if min(p.pp, p.vpp) <= 0 or (p.vpp == 1 and not p.pp_layers):
+        return
+    keys = [("parallel", "pp"), ("parallel", "vpp"), ("model",)]
+    try:
+        split_layers(spec.model_shapes(r.model).decoder.layers, p.pp, p.vpp, p.pp_layers)
+    except PipelineSplitError as err:
+        errors.add(("parallel", "pp_layers" if p.pp_layers else "vpp"), str(err), keys)
+    if min(p.tp, p.cp, p.nproc_per_node, p.nnodes, t.micro_batch_size) <= 0 or p.world_size % p.model_parallel:
+        return
+    problem = interleaved_schedule_problem(t.global_batch_size // (t.micro_batch_size * p.dp), p.pp, p.vpp)
+    if problem:
+        errors.add(("train", "global_batch_size"), problem, [("parallel", "vpp"), ("train", "micro_batch_size")])
 
 
 def _context_parallel(r: Recipe, errors: RecipeErrors) -> None:
@@ -165,7 +186,7 @@ def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
             errors.add(("auto_tune", name), f"must be in (0, 1], got {getattr(a, name)}")
     if not 0 <= a.media_token_fraction <= 1:
         errors.add(("auto_tune", "media_token_fraction"), f"must be in [0, 1], got {a.media_token_fraction}")
-    for name in ("tp", "pp", "cp", "micro_batch_size"):
+    for name in ("tp", "pp", "vpp", "cp", "micro_batch_size"):
         if any(x <= 0 for x in getattr(a, name)):
             errors.add(("auto_tune", name), f"candidates must be > 0, got {getattr(a, name)}")
     if not 0 <= a.min_memory_fraction < a.memory_fraction:

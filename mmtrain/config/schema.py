@@ -109,6 +109,11 @@ class VisionParallelConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    # decoder layers per pipeline stage (pp numbers; or pp*vpp, per virtual stage in megatron's chunk
+    # order), summing to the decoder's layers: e.g. fewer on the first stage, which also runs the
+    # vision tower. Empty = megatron's even split (mmtrain/models/pipeline_split.py)
+    pp_layers: list[int] = field(default_factory=list)
+    vpp: int = 1  # virtual pipeline stages (model chunks) per rank: megatron's interleaved 1F1B when > 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (megatron's 2*cp chunks)
     # how the CP ranks exchange K/V (GPU, megatron/TE names); on CPU K/V are all-gathered over gloo
     cp_comm_type: CPComm = "p2p"
@@ -190,6 +195,7 @@ class AutoTuneConfig:
     dp_bandwidth_gbps: float = 25.0  # per-device bandwidth for DP gradient traffic, GB/s
     tp: list[int] = field(default_factory=list)
     pp: list[int] = field(default_factory=list)
+    vpp: list[int] = field(default_factory=list)  # auto: 1, 2, 4 where the layers and micro-batches allow
     cp: list[int] = field(default_factory=list)
     micro_batch_size: list[int] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)

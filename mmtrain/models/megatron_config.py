@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.lm_config import LLMConfig
+from mmtrain.models.pipeline_split import PipelineSplit
 
 #: the model configs' `params_dtype` spellings
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +56,9 @@ class ParallelOptions:
     # parallel.vision.tp: a media encoder's own TP (1 or the decoder's), its tiles split over the
     # ranks that share a micro-batch (models/encoder_parallel.py); None: the decoder's layout
     encoder_tp: Optional[int] = None
+    # the decoder's layers per pipeline stage and virtual stage (parallel.pp_layers / vpp,
+    # models/pipeline_split.py); None: megatron's even split, one chunk per stage
+    pipeline_split: Optional[PipelineSplit] = None
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -134,6 +138,27 @@ def base_config_kwargs(params_dtype: str, opts: ParallelOptions, *, sequence_par
     )
 
 
+def pipeline_split_kwargs(split: Optional[PipelineSplit]) -> dict:
+    """The decoder's TransformerConfig fields for an uneven split and virtual stages: megatron's
+    `pipeline_model_parallel_layout` (global layer numbers follow it) and
+    `virtual_pipeline_model_parallel_size`. Only the decoder is split: the towers on the first
+    stage keep `pipeline_model_parallel_size` 1.
+
+    The interleaved schedule gets megatron-LM's p2p settings for it (`--overlap-p2p-communication`,
+    its default): unbatched sends and receives. With pp = 2 both neighbours of a rank are the same
+    rank, and a batched call that sends to it in both directions at once is matched in issue
+    order, handing activations to the gradient buffer; the unbatched path sends the two directions
+    on two process groups (p2p_communication._p2p_ops)."""
+    if split is None:
+        return {}
+    kw: dict = {}
+    if split.vpp > 1:
+        kw.update(virtual_pipeline_model_parallel_size=split.vpp, overlap_p2p_comm=True, batch_p2p_comm=False)
+    if split.explicit:
+        kw["pipeline_model_parallel_layout"] = split.megatron_layout()
+    return kw
+
+
 def language_transformer_config(llm: LLMConfig, params_dtype: str, opts: ParallelOptions) -> TransformerConfig:
     """The decoder: RMSNorm, SwiGLU, GQA, no linear biases except the optional qkv bias. It is
     the tower that runs context-parallel (the CP size comes from megatron's parallel_state)."""
@@ -148,6 +173,7 @@ def language_transformer_config(llm: LLMConfig, params_dtype: str, opts: Paralle
         if opts.recompute_granularity == "full":
             kw.update(recompute_method=opts.recompute_method, recompute_num_layers=opts.recompute_num_layers)
     kw.update(resolve_decoder_fusions(opts).config_kwargs())  # decoder only: SwiGLU (the towers keep GELU unfused)
+    kw.update(pipeline_split_kwargs(opts.pipeline_split))
     # megatron's own field; build_language_model reads it to pick the decoder's layer spec
     kw.update(transformer_impl=opts.transformer_impl)
     return TransformerConfig(

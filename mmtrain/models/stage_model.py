@@ -40,6 +40,7 @@ class DecoderStageModel(MegatronModule):
         self.cfg = cfg
         self.pre_process = pre_process
         self.post_process = post_process
+        self.vp_stage = vp_stage  # the virtual pipeline stage (model chunk) this is; None without
         self.share_embeddings_and_output_weights = cfg.llm.tie_word_embeddings
         self.padded_vocab_size = cfg.padded_vocab_size(parallel_state.get_tensor_model_parallel_world_size())
         self.build_encoders(opts)

@@ -1,9 +1,11 @@
 """`action: auto_tune`: find the layout that is really fastest, by measuring it.
 
 1. Search space (mmtrain/planning/search_space.py): every layout megatron accepts over the
-   dimensions tp, pp, cp, micro_batch_size, recompute, sequence_parallel, distributed_optimizer,
-   vision_tp (dp derived), each from its `auto_tune.<dim>` list or, when empty, derived from the world size and
-   the model's shapes.
+   dimensions tp, pp, vpp (virtual pipeline stages: interleaved 1F1B), cp, micro_batch_size,
+   recompute, sequence_parallel, distributed_optimizer, vision_tp (dp derived), each from its
+   `auto_tune.<dim>` list or, when empty, derived from the world size and the model's shapes. A
+   layout keeps the recipe's uneven decoder split (`parallel.pp_layers`) where it fits its pp and
+   vpp, else splits evenly.
 2. Prune before running: the analytical model (mmtrain/planning/cost_model.py, optionally
    calibrated for this machine: `auto_tune.calibration`) removes layouts over
    `device_memory_gb * memory_fraction` or under `device_memory_gb * min_memory_fraction`
@@ -326,8 +328,9 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 
 def layout_text(L: Layout) -> str:
     some = f" (the first {L.recompute_num_layers} layers of each stage)" if L.recompute_num_layers else ""
+    pipeline = (f" x vpp {L.vpp}" if L.vpp > 1 else "") + (f" (decoder layers {list(L.pp_layers)})" if L.pp_layers else "")
     vision = f", vision tower tp {L.vision_tp} (its own layout)" if L.vision_tp is not None else ""
-    return (f"tp {L.tp}, pp {L.pp}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
+    return (f"tp {L.tp}, pp {L.pp}{pipeline}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
             f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
             f"{'on' if L.distributed_optimizer else 'off'}{vision}")
 

@@ -15,7 +15,14 @@ theoretical_memory_usage): bf16 = 2 B weights + 4 B fp32 grads + 12 B fp32 main 
 moments per trainable parameter, the 12 B sharded over DP with the distributed optimizer; fp32 =
 4 + 4 + 8. Activations assume flash/SDPA attention (no s x s score matrix is stored), so
 `selective` recompute saves little memory here; `full` keeps one layer input per layer plus one
-layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage.
+layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage;
+with virtual stages (`vpp`) each model chunk is charged for the forwards megatron's interleaved
+warm-up keeps in flight on it.
+
+Pipeline stages: the decoder is split as megatron splits it (`parallel.pp_layers` or evenly:
+models/pipeline_split.py); the first stage also holds the encoder, connectors and embedding, the
+last the LM head. A step runs at the pace of the slowest stage, plus a bubble of (pp-1)/(vpp*m)
+of it (m micro-batches per DP rank).
 
 Context parallelism (`cp`) gives each rank 1/cp of every sequence: activations, the encoder's
 share of media and the loss scale with it; its K/V exchange (TE's p2p ring) is modelled as
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
+from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers
 
 GB = 1024**3  # a GiB: `auto_tune.device_memory_gb` and every memory figure are in GiB
 
@@ -213,7 +221,7 @@ def sequence_split_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/cp/mbs/recompute."""
+    """What the memory/time model needs from a recipe; auto_tune varies tp/pp/vpp/cp/mbs/recompute."""
 
     tp: int
     pp: int
@@ -229,6 +237,8 @@ class Layout:
     lm_loss: str = "auto"  # parallel.lm_loss; anything but "plain" is estimated as the chunked loss
     lm_loss_block_mb: int = 256
     recompute_num_layers: int = 0  # with full recompute: 0 = every layer, N = the first N of each stage
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
+    pp_layers: tuple[int, ...] = ()  # decoder layers per stage or virtual stage; () = megatron's even split
     vision_tp: int | None = None  # parallel.vision.tp: the encoder's own TP; None = the decoder's layout
 
     @property
@@ -250,7 +260,7 @@ class Layout:
         return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
                    p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision, p.cp, p.lm_loss,
                    p.lm_loss_block_mb, recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0,
-                   vision_tp=p.vision.tp)
+                   vpp=p.vpp, pp_layers=tuple(p.pp_layers), vision_tp=p.vision.tp)
 
     @property
     def encoder_tp(self) -> int:
@@ -263,11 +273,24 @@ class Layout:
         when inherited, every (tp / vision_tp) x cp rank with the encoder's own layout."""
         return self.cp if self.vision_tp is None else self.tp // self.vision_tp * self.cp
 
-    def recomputed_layers(self, stage_layers: int) -> int:
-        """Decoder layers of a stage whose activations are recomputed (full recompute)."""
+    def split(self, num_layers: int) -> PipelineSplit:
+        """The decoder's layers per stage and virtual stage as megatron builds them
+        (models/pipeline_split.py); PipelineSplitError where it would not."""
+        return split_layers(num_layers, self.pp, self.vpp, self.pp_layers)
+
+    def estimated_split(self, num_layers: int) -> PipelineSplit:
+        """`split`, except that a plain pp not dividing the layers (megatron refuses it when it
+        builds the model) spreads them as evenly as they go, so a dry run still estimates it."""
+        if not self.pp_layers and self.vpp == 1 and num_layers % self.pp:
+            return split_layers(num_layers, self.pp, pp_layers=balanced_layers(num_layers, self.pp))
+        return self.split(num_layers)
+
+    def recomputed_layers(self, chunk_layers: int) -> int:
+        """Decoder layers of a model chunk (a stage, or a virtual stage) whose activations are
+        recomputed (full recompute; megatron's block method counts N per chunk)."""
         if self.recompute != "full":
             return 0
-        return min(self.recompute_num_layers, stage_layers) if self.recompute_num_layers else stage_layers
+        return min(self.recompute_num_layers, chunk_layers) if self.recompute_num_layers else chunk_layers
 
     def with_(self, **kw: Any) -> "Layout":
         return replace(self, **kw)
@@ -278,7 +301,7 @@ class Layout:
 
 @dataclass
 class MemoryEstimate:
-    """Bytes on the busiest rank (the pipeline stage with the largest total)."""
+    """Bytes on one pipeline stage's ranks (`estimate_memory`: the stage with the largest total)."""
 
     stage: int
     weights: float
@@ -288,18 +311,42 @@ class MemoryEstimate:
     logits: float
     encoder_activations: float
     params_on_rank: int
+    decoder_layers: int = 0  # decoder layers this stage holds (over its virtual stages)
 
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.encoder_activations
 
 
-def _stage_layers(layers: int, pp: int, stage: int) -> int:
-    return layers // pp + (1 if stage < layers % pp else 0)
-
-
 def _act_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
+
+
+def schedule_table(num_microbatches: int, vpp: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, model chunk) of each forward pass of a pipeline rank, in the order megatron's
+    interleaved schedule runs them (`schedules.get_schedule_table`): groups of `group` micro-batches
+    (its `microbatch_group_size_per_vp_stage`, by default pp) through every chunk in turn."""
+    table: list[tuple[int, int]] = []
+    for first in range(0, num_microbatches, group):
+        last = num_microbatches if first + group >= num_microbatches else first + group
+        table += [(mb, chunk) for chunk in range(vpp) for mb in range(first, last)]
+    return table
+
+
+def forwards_in_flight(L: Layout, stage: int) -> list[int]:
+    """Per model chunk of pipeline rank `stage`, the forward passes whose activations it holds at
+    its peak: the warm-up forwards plus the first steady-state one, before a backward frees any.
+    1F1B (one chunk): min(pp - stage, m) micro-batches. Interleaved: megatron's warm-up
+    ((pp - stage - 1) * 2 + (vpp - 1) * pp forwards, `get_pp_rank_microbatches`) read off its
+    schedule table, so each chunk is charged for its own passes (megatron's
+    `interleaved_schedule_memory_penalty`, 1 + (pp-1)/(pp*vpp) for the first stage, when chunks
+    are even)."""
+    m = L.grad_accum
+    if L.vpp == 1:
+        return [min(L.pp - stage, m)]
+    warmup = (L.pp - stage - 1) * 2 + (L.vpp - 1) * L.pp
+    passes = schedule_table(m, L.vpp, L.pp)[: warmup + 1]
+    return [sum(1 for _, chunk in passes if chunk == c) for c in range(L.vpp)]
 
 
 def decoder_layer_activation_elems(d: DecoderShape, tp: int, sp: bool) -> float:
@@ -320,6 +367,15 @@ def encoder_layer_activation_elems(v: EncoderShape, tp: int) -> float:
 
 def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
                     media_token_fraction: float = 1.0) -> MemoryEstimate:
+    """The busiest pipeline stage's memory (`estimate_stage_memory`)."""
+    return max(estimate_stage_memory(shapes, freeze, layout, media_token_fraction), key=lambda m: m.total)
+
+
+def estimate_stage_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
+                          media_token_fraction: float = 1.0) -> list[MemoryEstimate]:
+    """Per pipeline stage, the memory of one of its ranks: the decoder layers of its split
+    (`parallel.pp_layers`), the encoder, connectors and embedding on the first stage, the head and
+    loss on the last, activations of the forwards each of its chunks keeps in flight."""
     d, v, L = shapes.decoder, shapes.encoder, layout
     counts = param_counts(shapes, freeze, L.tp)
     frozen = {k: counts.trainable[k] == 0 for k in counts.parts}
@@ -328,11 +384,13 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
     tokens = L.tokens_per_rank
     w_bytes, g_bytes, o_bytes = (2, 4, 12) if L.precision == "bf16" else (4, 4, 8)
     o_share = 1 / (L.dp * L.cp) if L.distributed_optimizer else 1.0  # sharded over the DP x CP group
-    in_flight = lambda stage: min(L.pp - stage, L.grad_accum)  # noqa: E731  (1F1B warm-up depth)
+    split = L.estimated_split(d.layers)
 
-    best: MemoryEstimate | None = None
+    out = []
     for stage in range(L.pp):
-        n_layers = _stage_layers(d.layers, L.pp, stage)
+        chunk_layers = split.counts[stage]
+        n_layers = sum(chunk_layers)
+        flights = forwards_in_flight(L, stage)
         first, last = stage == 0, stage == L.pp - 1
         parts: list[tuple[float, bool]] = [(n_layers * decoder_layer_params(d) / L.tp, dec_frozen)]
         if first:
@@ -341,9 +399,9 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
                 parts.append((encoder_params(v) / L.encoder_tp, frozen[shapes.encoder_part]))
             parts += [(c.params / L.tp, frozen[c.part]) for c in shapes.connectors]
         if last:
-            out = counts.decoder_embedding / L.tp
+            out_layer = counts.decoder_embedding / L.tp
             if not d.tied or (L.pp > 1):  # untied head, or the tied copy megatron keeps on the last stage
-                parts.append((out, dec_frozen))
+                parts.append((out_layer, dec_frozen))
             parts.append((d.hidden, dec_frozen))
         n_params = sum(n for n, _ in parts)
         n_train = sum(n for n, fz in parts if not fz)
@@ -354,29 +412,24 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
         # decoder activations; a frozen decoder still back-propagates to the parts feeding it
         needs_backward = not all(frozen.values())
         per_layer = decoder_layer_activation_elems(d, L.tp, L.sequence_parallel) * tokens * ab
+        layer_input = d.hidden / (L.tp if L.sequence_parallel else 1) * tokens * ab
         # + one layer's working set: the forward's live tensors, or a backward step's gradients
-        if not needs_backward:
-            acts = per_layer
-        elif L.recompute == "full":
-            layer_input = d.hidden / (L.tp if L.sequence_parallel else 1) * tokens * ab
-            n_rc = L.recomputed_layers(n_layers)  # the rest keep their activations
-            acts = (n_rc * layer_input + (n_layers - n_rc) * per_layer) * in_flight(stage) + per_layer
-        else:
-            acts = n_layers * per_layer * in_flight(stage) + per_layer
+        acts = per_layer
+        if needs_backward:
+            for n, in_flight in zip(chunk_layers, flights):
+                n_rc = L.recomputed_layers(n)  # full recompute keeps one input per recomputed layer
+                acts += (n_rc * layer_input + (n - n_rc) * per_layer) * in_flight
         logits = lm_loss_bytes(d, L, tokens) if last else 0.0
         enc = 0.0
-        if first and v is not None:
+        if first and v is not None:  # on the first chunk
             batch_media = L.micro_batch_size * L.seq_length * media_token_fraction  # encoder tokens
             elayer = encoder_layer_activation_elems(v, L.encoder_tp) * batch_media / L.encoder_shares * ab
             trains_encoder = not frozen[shapes.encoder_part]
-            enc = (v.layers * elayer * in_flight(stage)) if trains_encoder else elayer
+            enc = (v.layers * elayer * flights[0]) if trains_encoder else elayer
             if L.vision_tp is not None:  # + every share's output, gathered (kept for the projector)
-                enc += batch_media * v.hidden * ab * (in_flight(stage) if trains_encoder else 1)
-        est = MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params))
-        if best is None or est.total > best.total:
-            best = est
-    assert best is not None
-    return best
+                enc += batch_media * v.hidden * ab * (flights[0] if trains_encoder else 1)
+        out.append(MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params), n_layers))
+    return out
 
 
 def lm_loss_bytes(d: DecoderShape, L: Layout, tokens: int) -> float:
@@ -419,6 +472,9 @@ class StepTime:
     model_flops: float  # FLOPs per step, all ranks, without recompute (what MFU counts)
     cp_comm_s: float = 0.0  # the part of the CP K/V exchange not hidden behind attention
     encoder_comm_s: float = 0.0  # the encoder's TP all-reduces, or its own layout's gather (`encoder_comm_time`)
+    #: per pipeline stage, its compute + TP, CP and encoder communication per step (the slowest
+    #: one is compute_s + tp_comm_s + cp_comm_s + encoder_comm_s)
+    stage_s: tuple[float, ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -597,46 +653,54 @@ def step_flops(shapes: ModelShapes, cu_seqlens: Iterable[Any], tiles: int, train
 
 def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, hw: Hardware,
                        media_token_fraction: float = 1.0) -> StepTime:
-    L = layout
+    """A step's time: the pipeline runs at the pace of its slowest stage (its decoder layers of
+    the split, plus the encoder and connectors on the first stage and the LM head on the last),
+    with a bubble of (pp-1)/(vpp*m) of that (m micro-batches per DP rank, vpp virtual stages)."""
+    L, d = layout, shapes.decoder
     counts = param_counts(shapes, freeze, L.tp)
     trainable = [k for k, n in counts.trainable.items() if n > 0]
-    dec, head, media = forward_flops_per_token(shapes, L.seq_length)
+    dec, head, _ = forward_flops_per_token(shapes, L.seq_length)
     tokens_step = L.global_batch_size * L.seq_length
     # model FLOPs by the train loop's accounting (`step_flops`), for rows each filled by one
     # sample (the upper bound of sum(len^2): packed rows of shorter samples cost less attention)
     # and `media_token_fraction` of the positions taken by media (one encoder token each)
     v = shapes.encoder
     row_tiles = L.seq_length * media_token_fraction / v.patches if v is not None else 0.0
-    useful = step_flops(shapes, [[0, L.seq_length]], row_tiles, trainable).total * L.global_batch_size
-    dec_backward = part_passes(shapes, trainable)[shapes.decoder_part].weights > 1
-    layers_per_stage = shapes.decoder.layers / L.pp
-    recompute_fwd = {"full": L.recomputed_layers(round(layers_per_stage)) / layers_per_stage,
-                     "selective": 0.0, "none": 0.0}[L.recompute]
-    attn_share = (2 * shapes.decoder.heads * shapes.decoder.kv_channels * L.seq_length * shapes.decoder.layers) / max(dec, 1)
-    if L.recompute == "selective":
-        recompute_fwd = attn_share
-    flops = useful + tokens_step * dec * recompute_fwd * dec_backward  # + the recomputed decoder forward
-    world = L.world
-    compute = flops / world / (hw.device_tflops * 1e12 * hw.matmul_efficiency)
-    bubble = compute * (L.pp - 1) / max(L.grad_accum, 1)
-    d = shapes.decoder
-    ab = _act_bytes(L.precision)
-    tp_comm = 0.0
-    if L.tp > 1:
-        msg = L.micro_batch_size * L.seq_length * d.hidden * ab
-        # 2 fwd + 2 bwd all-reduce(-equivalents), and the recomputed forward's 2
-        per_layer = 4 + (2 * recompute_fwd if L.recompute == "full" else 0)
-        n = per_layer * d.layers / L.pp * L.grad_accum
-        tp_comm = n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
+    row = step_flops(shapes, [[0, L.seq_length]], row_tiles, trainable)
+    useful = row.total * L.global_batch_size
+    passes = part_passes(shapes, trainable)[shapes.decoder_part]
+    # where the training FLOPs run: the LM head on the last stage, the media parts on the first
+    head_flops = passes.weights * tokens_step * head
+    decoder_flops = row.by_part[shapes.decoder_part] * L.global_batch_size
+    layer_flops = (decoder_flops - head_flops) / d.layers
+    media_flops = useful - decoder_flops
+    # the recomputed forward (a decoder that back-propagates): whole layers (full) or attention (selective)
+    layer_forward = tokens_step * dec / d.layers * (passes.weights > 1)
+    attn_share = 2 * d.heads * d.kv_channels * L.seq_length * d.layers / max(dec, 1)
+    rate = hw.device_tflops * 1e12 * hw.matmul_efficiency
+    enc_trainable = counts.trainable.get(shapes.encoder_part, 0) if v is not None else 0
+    encoder_comm = encoder_comm_time(shapes, L, hw, media_token_fraction, enc_trainable)  # on the first stage
+    split = L.estimated_split(d.layers)
+    stages = []
+    for stage in range(L.pp):
+        n = split.stage_layers(stage)
+        recomputed = sum(L.recomputed_layers(c) for c in split.counts[stage])
+        rerun = recomputed if L.recompute == "full" else n * attn_share if L.recompute == "selective" else 0.0
+        flops = n * layer_flops + rerun * layer_forward
+        flops += media_flops if stage == 0 else 0.0
+        flops += head_flops if stage == L.pp - 1 else 0.0
+        compute = flops * L.pp / L.world / rate  # a stage's work is shared by its tp*cp*dp ranks
+        stages.append((compute, _tp_comm_time(d, L, hw, n, recomputed), cp_comm_time(shapes, L, hw, n),
+                       encoder_comm if stage == 0 else 0.0))
+    compute, tp_comm, cp_comm, encoder_comm = max(stages, key=sum)  # the stage that paces the pipeline
+    bubble = compute * (L.pp - 1) / (L.vpp * max(L.grad_accum, 1))
     dp_comm = 0.0
     replicas = L.dp * L.cp  # gradients are reduced over the data-parallel x CP group
-    enc_trainable = counts.trainable.get(shapes.encoder_part, 0) if v is not None else 0
     if replicas > 1:
         # (an encoder with its own TP holds 1/vision_tp of its weights, not 1/tp)
         grads = (counts.total_trainable / L.tp + enc_trainable * (1 / L.encoder_tp - 1 / L.tp)) / L.pp * 4
         dp_comm = 2 * (replicas - 1) / replicas * grads / (hw.dp_bandwidth_gbps * 1e9)
-    return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm_time(shapes, L, hw),
-                    encoder_comm_time(shapes, L, hw, media_token_fraction, enc_trainable))
+    return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm, encoder_comm, tuple(sum(t) for t in stages))
 
 
 def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_fraction: float,
@@ -667,16 +731,26 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
     return t
 
 
-def cp_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware) -> float:
-    """Exposed time of the CP K/V ring per step: each layer passes every rank's K/V around the
-    ring (cp-1 steps) in forward, K/V and their gradients in backward (and once more when full
-    recompute reruns the forward), overlapped with that layer's attention compute."""
+def _tp_comm_time(d: DecoderShape, L: Layout, hw: Hardware, layers: int, recomputed: int) -> float:
+    """A stage's TP all-reduces per step: 2 forward + 2 backward per layer and micro-batch, and
+    the recomputed forward's 2 per recomputed layer (full recompute)."""
+    if L.tp <= 1:
+        return 0.0
+    msg = L.micro_batch_size * L.seq_length * d.hidden * _act_bytes(L.precision)
+    n = (4 * layers + (2 * recomputed if L.recompute == "full" else 0)) * L.grad_accum
+    return n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
+
+
+def cp_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, layers: int) -> float:
+    """Exposed time of the CP K/V ring per step on a stage of `layers` decoder layers: each layer
+    passes every rank's K/V around the ring (cp-1 steps) in forward, K/V and their gradients in
+    backward (and once more when full recompute reruns the forward), overlapped with that
+    layer's attention compute."""
     if L.cp <= 1:
         return 0.0
     d = shapes.decoder
     kv_bytes = L.tokens_per_rank * 2 * d.kv_groups * d.kv_channels / L.tp * _act_bytes(L.precision)
     passes = 3 + (1 if L.recompute == "full" else 0)
-    layers = d.layers / L.pp
     comm = layers * passes * (L.cp - 1) * kv_bytes / (hw.tp_bandwidth_gbps * 1e9)
     attn_flops = layers * L.tokens_per_rank * 2 * d.heads * d.kv_channels / L.tp * L.seq_length * passes
     attn = attn_flops / (hw.device_tflops * 1e12 * hw.matmul_efficiency)

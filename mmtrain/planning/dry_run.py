@@ -21,9 +21,11 @@ from mmtrain.planning.cost_model import (
     Hardware,
     Layout,
     MemoryEstimate,
+    ModelShapes,
     ParamCounts,
     StepTime,
     estimate_memory,
+    estimate_stage_memory,
     estimate_step_time,
     fmt_count,
     fmt_gb,
@@ -40,6 +42,7 @@ class DryRunReport:
     memory_no_distopt: MemoryEstimate  # same layout without optimizer sharding, for comparison
     memory_by_recompute: dict[str, MemoryEstimate]  # same layout under each recompute mode
     step: StepTime
+    stage_memory: list[MemoryEstimate]  # every pipeline stage (one entry without pipelining)
     layout: Layout
     device_memory_gb: float
     text: str
@@ -55,13 +58,14 @@ def build_report(recipe: Recipe, spec: FamilySpec) -> DryRunReport:
     at = recipe.auto_tune
     frac = at.media_token_fraction
     params = param_counts(shapes, recipe.freeze)
-    mem = estimate_memory(shapes, recipe.freeze, layout, frac)
+    stages = estimate_stage_memory(shapes, recipe.freeze, layout, frac)
+    mem = max(stages, key=lambda m: m.total)
     mem_plain = estimate_memory(shapes, recipe.freeze, layout.with_(distributed_optimizer=False), frac)
     by_rc = {rc: estimate_memory(shapes, recipe.freeze, layout.with_(recompute=rc), frac)
              for rc in RECOMPUTE_MODES}
     step = estimate_step_time(shapes, recipe.freeze, layout, Hardware.from_auto_tune(at), frac)
-    report = DryRunReport(params, mem, mem_plain, by_rc, step, layout, at.device_memory_gb, "")
-    report.text = format_report(recipe, report, shapes.decoder.tied)
+    report = DryRunReport(params, mem, mem_plain, by_rc, step, stages, layout, at.device_memory_gb, "")
+    report.text = format_report(recipe, report, shapes)
     if at.calibration:
         cal = Calibration.load(at.calibration)
         report.text += (f"\ncalibrated for {cal.host or 'this machine'} ({at.calibration}, fitted on "
@@ -70,8 +74,9 @@ def build_report(recipe: Recipe, spec: FamilySpec) -> DryRunReport:
     return report
 
 
-def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
+def format_report(recipe: Recipe, r: DryRunReport, shapes: ModelShapes) -> str:
     L, p = r.layout, r.params
+    tied_head = shapes.decoder.tied
     lines = [f"dry run: {recipe.family} recipe, stage {recipe.stage or '-'}, run_dir {recipe.run_dir}", ""]
     lines.append(f"{'parameters':<16}{'total':>14}{'trainable':>14}{'frozen':>14}")
     for name, n in p.parts.items():
@@ -90,7 +95,8 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
                      f"{fmt_count(p.total + p.decoder_embedding)} numbers)")
     lines.append("")
     world = L.world
-    lines.append(f"layout: world {world} = tp {L.tp} x pp {L.pp} x cp {L.cp} x dp {L.dp}; micro-batch "
+    lines.append(f"layout: world {world} = tp {L.tp} x pp {L.pp}{f' (x vpp {L.vpp})' if L.vpp > 1 else ''} x cp {L.cp} "
+                 f"x dp {L.dp}; micro-batch "
                  f"{L.micro_batch_size}, global batch {L.global_batch_size} ({L.grad_accum} accumulation steps), "
                  f"seq {L.seq_length}" + (f" ({L.tokens_per_rank} tokens per rank)" if L.cp > 1 else ""))
     lines.append(f"        precision {L.precision}, recompute {L.recompute}, sequence parallel "
@@ -125,9 +131,33 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
                  f"CP comm {s.cp_comm_s:.2f}, DP comm {s.dp_comm_s:.2f}, vision comm {s.encoder_comm_s:.2f}) -> "
                  f"{tokens / s.total_s / world:,.0f} "
                  f"tokens/s/device, MFU {mfu:.0%}")
+    if L.pp > 1:
+        lines += [""] + pipeline_lines(r, shapes)
     lines.append("Estimates from an analytical model (mmtrain/planning/cost_model.py), not measurements; "
                  "the model was not built.")
     return "\n".join(lines)
+
+
+def pipeline_lines(r: DryRunReport, shapes: ModelShapes) -> list[str]:
+    """Per pipeline stage: its decoder layers (per virtual stage too), what else it holds, its
+    memory and modelled time per step; the bubble of the schedule."""
+    L, s = r.layout, r.step
+    split = L.estimated_split(shapes.decoder.layers)
+    how = ("parallel.pp_layers" if L.pp_layers else "even split" if not split.explicit else
+           "pp does not divide the layers, which megatron refuses: set parallel.pp_layers")
+    schedule = f"interleaved 1F1B, {L.vpp} virtual stages per rank" if L.vpp > 1 else "1F1B"
+    lines = [f"pipeline stages ({schedule}; decoder layers {split.describe()}, {how})"]
+    first = shapes.upstream_parts  # the encoder and connectors feeding the decoder (first chunk)
+    slowest = max(range(L.pp), key=lambda i: s.stage_s[i])
+    for m in r.stage_memory:
+        holds = (first + ["embedding"] if m.stage == 0 else []) + (["LM head + loss"] if m.stage == L.pp - 1 else [])
+        chunks = f" ({' + '.join(map(str, split.counts[m.stage]))})" if L.vpp > 1 else ""
+        lines.append(f"  stage {m.stage}: {m.decoder_layers} decoder layers{chunks}"
+                     f"{' + ' + ', '.join(holds) if holds else ''}: {fmt_gb(m.total)}, {s.stage_s[m.stage]:.2f} s/step"
+                     + (" (the slowest: it paces the pipeline)" if m.stage == slowest else ""))
+    lines.append(f"  bubble (pp-1)/(vpp*m) = {L.pp - 1}/({L.vpp}*{L.grad_accum}) of the slowest stage's compute: "
+                 f"{s.bubble_s:.2f} s")
+    return lines
 
 
 def run_dry_run(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None) -> DryRunReport:

@@ -20,9 +20,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
+from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem
 from mmtrain.planning.cost_model import Layout, ModelShapes, sequence_split_multiple
 
 MAX_AUTO_MICRO_BATCH = 64
+MAX_AUTO_VPP = 4  # auto: 1, 2, 4 virtual stages where the layers split (megatron-LM runs use a few)
 
 
 def divisors(n: int) -> list[int]:
@@ -53,6 +55,29 @@ def tp_valid(L: Layout, c: SpaceContext) -> bool:
     ok = d.heads % L.tp == 0 and d.kv_groups % L.tp == 0 and d.ffn % L.tp == 0
     ok = ok and (v is None or L.vision_tp is not None or (v.heads % L.tp == 0 and v.ffn % L.tp == 0))
     return ok and c.recipe.parallel.nproc_per_node % L.tp == 0
+
+
+def pipeline_split_valid(L: Layout, c: SpaceContext) -> bool:
+    """megatron can cut the decoder into the layout's stages and virtual stages (the recipe's
+    `parallel.pp_layers` where they fit it, else an even split: `fit_recipe_split`)."""
+    try:
+        L.split(c.shapes.decoder.layers)
+    except PipelineSplitError:
+        return False
+    return True
+
+
+def vpp_valid(L: Layout, c: SpaceContext) -> bool:
+    """Virtual stages need pipelining and micro-batches per DP rank in groups of pp (megatron's
+    interleaved schedule)."""
+    return L.vpp == 1 or (L.pp > 1 and interleaved_schedule_problem(L.grad_accum, L.pp, L.vpp) is None)
+
+
+def fit_recipe_split(L: Layout, c: SpaceContext) -> Layout:
+    """The recipe's `parallel.pp_layers` for a layout it fits (its pp and vpp), else the even split."""
+    if not L.pp_layers or pipeline_split_valid(L, c):
+        return L
+    return L.with_(pp_layers=())
 
 
 def vision_tp_valid(L: Layout, c: SpaceContext) -> bool:
@@ -90,7 +115,10 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("tp", "parallel.tp", splits_world=True, auto=lambda c: divisors(c.recipe.parallel.nproc_per_node),
               valid=tp_valid),
     Dimension("pp", "parallel.pp", splits_world=True, auto=lambda c: divisors(c.shapes.decoder.layers),
-              valid=lambda L, c: c.shapes.decoder.layers % L.pp == 0),
+              valid=pipeline_split_valid),
+    # interleaved 1F1B: a smaller bubble, more in-flight activations (not monotone in vpp: unordered)
+    Dimension("vpp", "parallel.vpp", auto=lambda c: [v for v in divisors(c.shapes.decoder.layers) if v <= MAX_AUTO_VPP],
+              valid=vpp_valid),
     # CP cuts every sequence into 2*cp chunks (2*cp*tp with sequence parallelism)
     Dimension("cp", "parallel.cp", splits_world=True, auto=lambda c: divisors(c.world),
               valid=lambda L, c: c.seq_length % sequence_split_multiple(L.cp, L.tp, L.sequence_parallel) == 0),
@@ -101,8 +129,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
               memory_order=lambda L: recompute_memory_rank(L)),
     Dimension("recompute_num_layers", "parallel.recompute_num_layers",
               auto=lambda c: sorted({0, c.shapes.decoder.layers // 4, c.shapes.decoder.layers // 2}),
-              valid=lambda L, c: L.recompute_num_layers == 0 or (
-                  L.recompute == "full" and L.recompute_num_layers < c.shapes.decoder.layers // L.pp),
+              valid=lambda L, c: L.recompute_num_layers == 0 or (  # megatron counts them per model chunk
+                  L.recompute == "full" and L.recompute_num_layers < c.shapes.decoder.layers // (L.pp * L.vpp)),
               memory_order=lambda L: 0.0),  # ordered together with recompute (recompute_memory_rank)
     Dimension("sequence_parallel", "parallel.sequence_parallel", auto=lambda c: [False, True],
               valid=lambda L, c: L.tp > 1 or not L.sequence_parallel,  # SP only splits over TP
@@ -132,7 +160,7 @@ def candidate_layouts(ctx: SpaceContext, dims: tuple[Dimension, ...] = DIMENSION
         model_parallel = math.prod(chosen[d.name] for d in dims if d.splits_world)
         if ctx.world % model_parallel:
             continue
-        layout = base.with_(dp=ctx.world // model_parallel, **chosen)
+        layout = fit_recipe_split(base.with_(dp=ctx.world // model_parallel, **chosen), ctx)
         if gbs % (layout.micro_batch_size * layout.dp):
             continue
         if all(d.valid(layout, ctx) for d in dims):
@@ -171,10 +199,11 @@ def layout_key(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> str:
 
 
 def apply_layout(recipe: Recipe, layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> Recipe:
-    """The recipe with the layout's values at each dimension's recipe key."""
+    """The recipe with the layout's values at each dimension's recipe key, and its decoder split
+    (the recipe's `parallel.pp_layers`, or [] where they do not fit the layout)."""
     for d in dims:
         recipe = set_key(recipe, d.recipe_key, getattr(layout, d.name))
-    return recipe
+    return set_key(recipe, "parallel.pp_layers", list(layout.pp_layers))
 
 
 def set_key(obj: Any, dotted: str, value: Any) -> Any:

@@ -51,6 +51,7 @@ class ParallelContext:
     device: torch.device
     cp: int = 1
     cp_rank: int = 0
+    vpp: int = 1  # virtual pipeline stages (model chunks) per rank
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
     precision: str = "fp32"  # fp32 | bf16 | fp16
@@ -226,7 +227,8 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             timeout=datetime.timedelta(minutes=parallel_cfg.collective_timeout_mins),
             **({"device_id": device} if backend == "nccl" else {}),
         )
-    _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None, parallel_cfg.collective_timeout_mins)
+    _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None, parallel_cfg.collective_timeout_mins,
+                       vpp=parallel_cfg.vpp)
 
     ctx = ParallelContext(
         rank=rank,
@@ -242,6 +244,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
         device=device,
         cp=cp,
         cp_rank=parallel_state.get_context_parallel_rank(),
+        vpp=parallel_cfg.vpp,
         sequence_parallel=parallel_cfg.sequence_parallel and tp > 1,
         recompute=parallel_cfg.recompute,
         precision=cpu_compat.run_precision(parallel_cfg.precision, device),
@@ -279,9 +282,10 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 
 
 
 def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int] | None = None,
-                       timeout_mins: float = 30.0) -> bool:
+                       timeout_mins: float = 30.0, vpp: int = 1) -> bool:
     """The CPU adaptations (no-op with CUDA) and megatron's TP x CP x DP x PP groups; True when
-    the groups were created here (False: they existed already, with these sizes).
+    the groups were created here (False: they existed already, with these sizes). `vpp` > 1 sets
+    megatron's virtual pipeline size, which selects its interleaved schedule.
 
     `timeout_mins` bounds every collective on megatron's groups (the gradient all-reduce runs on
     its DP group, not the default one): without it they keep megatron's own 30 minutes whatever
@@ -293,6 +297,7 @@ def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int]
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
             hierarchical_context_parallel_sizes=hierarchical_cp, distributed_timeout_minutes=timeout_mins,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         )
         return True
     have = (parallel_state.get_tensor_model_parallel_world_size(),

@@ -39,6 +39,7 @@ if os.environ.get(QUIET_ENV) == "1":
 import torch  # noqa: E402
 
 from mmtrain.models.megatron_config import ParallelOptions  # noqa: E402
+from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers  # noqa: E402
 
 #: inside a converted checkpoint: the source's tokenizer/processor files and its config.json
 #: (`source_config.json`), so an export writes them back
@@ -104,11 +105,21 @@ def _import_rank(job: ImportJob) -> None:
     if job.params_dtype is not None:
         cfg = replace(cfg, params_dtype=job.params_dtype)
     say(f"building the model (tp={job.tp}, pp={job.pp}, {cfg.params_dtype})")
-    model = job.build_stage(cfg, ParallelOptions(perform_initialization=job.fresh_init))
+    model = job.build_stage(cfg, ParallelOptions(perform_initialization=job.fresh_init,
+                                                 pipeline_split=import_split(cfg.llm.num_layers, job.pp)))
     say("filling it from the source")
     load_canonical(model, get, tied_output_source=tied)
     say("saving the megatron checkpoint")
     save_model_weights([model], job.dst, iteration=0, model_config=cfg)
+
+
+def import_split(num_layers: int, pp: int) -> Optional[PipelineSplit]:
+    """The decoder's split over the import's `pp` ranks: megatron's even one where pp divides the
+    layers, else as even as they go (`--pp 3` of 28 layers: [9, 9, 10]). Layer numbers are global
+    either way, so the checkpoint is the same and loads at any layout."""
+    if pp == 1 or num_layers % pp == 0:
+        return None
+    return split_layers(num_layers, pp, pp_layers=balanced_layers(num_layers, pp))
 
 
 def _rank0_progress(world: int) -> Callable[[str], None]:

@@ -36,6 +36,12 @@ from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.units import plural
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
+from mmtrain.models.pipeline_split import (
+    PipelineSplit,
+    PipelineSplitError,
+    interleaved_schedule_problem,
+    split_layers,
+)
 from mmtrain.runtime import cpu_compat
 from mmtrain.runtime.checkpoint.data_identity import data_identity, explain, recipe_changes, resume_decision
 from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint
@@ -117,6 +123,14 @@ class Trainer:
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"micro_batch_size*dp = {t.micro_batch_size}*{ctx.dp}"
             )
+        try:  # the decoder's layers per stage and virtual stage (parallel.pp_layers / vpp)
+            self.pipeline_split = split_layers(spec.model_shapes(recipe.model).decoder.layers, ctx.pp, ctx.vpp,
+                                               recipe.parallel.pp_layers)
+        except PipelineSplitError as err:
+            raise UnsupportedLayout(str(err)) from None
+        problem = interleaved_schedule_problem(self.num_microbatches, ctx.pp, ctx.vpp)  # for the launcher's dp
+        if problem:
+            raise UnsupportedLayout(problem)
         self.checkpoints = CheckpointManager(recipe.run_dir, ctx, keep_last=recipe.checkpoint.keep_last,
                                              resolved_yaml=resolved_yaml)
         self.metrics = None
@@ -141,38 +155,34 @@ class Trainer:
                                                 recipe.parallel.transformer_impl)
         # refuse a loader state made for other data before building anything (data_identity.py)
         data_decision = resume_decision(start.path, recipe) if start is not None and start.kind == "mmtrain" else None
-        module = spec.build_model(
-            recipe.model,
-            pre_process=ctx.is_first_stage,
-            post_process=ctx.is_last_stage,
-            options=self._model_options(),
-        )
-        if ctx.on_cuda:
-            module = module.cuda(torch.cuda.current_device())
-        if not hasattr(module, "model_type"):  # megatron's schedules read it
-            from megatron.core.enums import ModelType
+        chunks = self._build_model_chunks()
+        self.parts = ModelParts(chunks, spec.parts)
+        self.trainable = apply_freeze(chunks, self.parts, recipe.freeze)
 
-            module.model_type = ModelType.encoder_or_decoder
-        self.parts = ModelParts([module], spec.parts)
-        self.trainable = apply_freeze([module], self.parts, recipe.freeze)
-
-        config = get_model_config(module)
-        config.calculate_per_token_loss = True  # see the module docstring
-        config.timers = None
-        if ctx.pp > 1:
-            # packed micro-batches are flattened to one [B*S] stream whose length may vary
-            config.variable_seq_lengths = True
-            if config.pipeline_dtype is None:
-                config.pipeline_dtype = ctx.params_dtype
+        configs = [get_model_config(chunk) for chunk in chunks]  # the schedules read the first one's
+        for config in configs:  # before DDP, which sizes its gradient scaling from them
+            config.calculate_per_token_loss = True  # see the module docstring
+            config.timers = None
+            if ctx.pp > 1:
+                # packed micro-batches are flattened to one [B*S] stream whose length may vary
+                config.variable_seq_lengths = True
+                if config.pipeline_dtype is None:
+                    config.pipeline_dtype = ctx.params_dtype
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(ctx))
-        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-        ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
-        self.model = [ddp]
-        config.no_sync_func = ddp.no_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        # megatron-LM's wrapping: one DDP per model chunk, buckets only on the first (the later
+        # chunks' reductions overlap with the compute of the others anyway)
+        self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+                      for i, (chunk, config) in enumerate(zip(chunks, configs))]
+        for ddp in self.model:
+            ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
+        no_sync = [ddp.no_sync for ddp in self.model]
+        for config in configs:
+            config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+            config.finalize_model_grads_func = finalize_model_grads
 
         self.optimizer = build_optimizer(self.model, self.parts, recipe.optimizer, ctx)
-        config.grad_scale_func = self.optimizer.scale_loss  # megatron's loss scale (1.0 unless fp16)
+        for config in configs:
+            config.grad_scale_func = self.optimizer.scale_loss  # megatron's loss scale (1.0 unless fp16)
         self.state.optimizer = optimizer_kind(ctx)
         self.state.transformer_impl = recipe.parallel.transformer_impl
         self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
@@ -192,9 +202,35 @@ class Trainer:
         if ctx.is_logging_rank:
             self.metrics = _open_metrics(recipe, self.state.step)
             log.info(
-                "model stage %d/%d built: trainable params %s; %d micro-batches/step/rank",
-                ctx.pp_rank, ctx.pp, self.trainable, self.num_microbatches,
+                "model stage %d/%d built%s: trainable params %s; %d micro-batches/step/rank",
+                ctx.pp_rank, ctx.pp, _split_text(self.pipeline_split) if ctx.pp > 1 else "", self.trainable,
+                self.num_microbatches,
             )  # fmt: skip
+
+    def _build_model_chunks(self) -> list[torch.nn.Module]:
+        """This rank's model chunks: one pipeline stage, or with virtual stages (`parallel.vpp`) one
+        chunk per virtual stage, each knowing its `vp_stage` (megatron-LM's `get_model`). The chunk
+        holding the model's first layers (pre_process) is where a family puts its encoders."""
+        from megatron.core import parallel_state
+        from megatron.core.enums import ModelType
+
+        ctx, options = self.ctx, self._model_options()
+        chunks = []
+        for vp in range(ctx.vpp):
+            vp_stage = vp if ctx.vpp > 1 else None
+            chunk = self.spec.build_model(
+                self.recipe.model,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                options=options,
+                vp_stage=vp_stage,
+            )
+            if ctx.on_cuda:
+                chunk = chunk.cuda(torch.cuda.current_device())
+            if not hasattr(chunk, "model_type"):  # megatron's schedules read it
+                chunk.model_type = ModelType.encoder_or_decoder
+            chunks.append(chunk)
+        return chunks
 
     def _check_cp_comm_type(self) -> None:
         """TE's context-parallel attention on packed sequences, for this TE version (review A6)."""
@@ -240,6 +276,7 @@ class Trainer:
             on_cuda=ctx.on_cuda,
             deterministic=self.recipe.train.deterministic,
             encoder_tp=p.vision.tp,
+            pipeline_split=self.pipeline_split,
         )
         if p.vision.tp is not None and ctx.rank == 0:
             log.info("vision tower: its own layout, TP %d; a micro-batch's tiles split over %s, each encoding "
@@ -438,9 +475,11 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         t = self.recipe.train
+        # every model chunk reads the micro-batch it runs (its own iterator with virtual stages)
+        iterators = [RecordingIterator(micro_batches) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=self._forward_step,
-            data_iterator=RecordingIterator(micro_batches),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model,
             num_microbatches=self.num_microbatches,
             # models run packed micro-batches as one flattened [B*S] stream (THD)
@@ -594,6 +633,12 @@ class RecordingIterator:
     def __next__(self) -> Any:
         self.last = next(self._it)
         return self.last
+
+
+def _split_text(split: PipelineSplit) -> str:
+    """` (decoder layers per stage [1, 3], virtual stages 2)` for the set-up line."""
+    virtual = f", {split.vpp} virtual stages per rank (interleaved 1F1B)" if split.vpp > 1 else ""
+    return f" (decoder layers per stage {split.describe()}{virtual})"
 
 
 def _percent(x: Optional[float]) -> str:

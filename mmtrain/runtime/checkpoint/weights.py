@@ -44,7 +44,10 @@ def _sharded(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
     chunks = [unwrap(m) for m in model_chunks]
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}
+    # a chunk without weights (a virtual stage of 0 layers) is left out: megatron checks that the
+    # ranks' non-sharded parts agree, and its empty dict would be one on this rank only
+    sharded = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}
+    return {k: sd for k, sd in sharded.items() if sd}
 
 
 def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
@@ -110,8 +113,8 @@ def load_model_weights(
     if len(chunks) == 1:
         chunks[0].load_state_dict(loaded["model"], strict=strict)
     else:
-        for i, m in enumerate(chunks):
-            m.load_state_dict(loaded[f"model{i}"], strict=strict)
+        for i, m in enumerate(chunks):  # a chunk without weights has no entry (`_sharded`)
+            m.load_state_dict(loaded.get(f"model{i}", {}), strict=strict)
     return iteration
 
 
