@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         m = json.loads((root / "ours" / "manifest.json").read_text())
         shutil.rmtree(root / "ours")
         assert m["counts"]["read"] == size, m["counts"]
-        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "m": m}
+        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "cpu": v["CPU_S"], "m": m}
 
     sides = {"base": ("ShardWriter", base), "rd": ("Ray Data", ray_data), "ours": ("ours", ours)}
     rows: list[dict] = []
@@ -404,6 +404,20 @@ def main(argv: list[str] | None = None) -> int:
           f"per image): "
           f"{floor_rate:,.0f} records/s; ours {fits['ours'][0]:,.0f}/s marginal on {args.num_cpus} CPUs = "
           f"{per_core:,.0f}/s per core (load average {os.getloadavg()[0]:.1f})")
+    phases = {k: (large["ours"]["m"]["run"]["phases"][k] - small["ours"]["m"]["run"]["phases"][k]) / (3 * n) * 1e3
+              for k in small["ours"]["m"]["run"]["phases"]}
+    shard_mb = sum(s["bytes"] for s in large["ours"]["m"]["shards"]) / 1e6
+    scan_per_core = 1e3 / max(phases["scan_s"], 1e-9) / args.num_cpus
+    print("ours' marginal wall time per 1,000 records by phase: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in phases.items())
+          + f" (the write phase writes {shard_mb / (4 * n) * 1e3:,.0f} MB of shards per 1,000 records and fsyncs them: "
+          f"{shard_mb / (4 * n) / max(phases['write_s'], 1e-9) * 1e3:,.0f} MB/s at the margin); the scan phase alone, per "
+          f"core: {scan_per_core:,.0f} records/s ({scan_per_core / floor_rate:.2f} "
+          f"of the floor)")
+    cpu_rate = _fit(n, small["ours"]["cpu"], 4 * n, large["ours"]["cpu"])[0]
+    print(f"CPU account: ours' marginal {1e6 / cpu_rate:,.0f} CPU-us per record (all of the job's processes, through "
+          f"N and 4N) against the floor's {floor['cpu'] / floor['records'] * 1e6:,.0f}: the decode checks are "
+          f"{floor['cpu'] / floor['records'] * cpu_rate:.0%} of ours' marginal CPU (ours took "
+          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all)")
     print(f"Ray's fixed cost: start {fixed['start']:.1f}s + one empty task per CPU {fixed['tasks']:.1f}s + stop "
           f"{fixed['stop']:.1f}s = {fixed['e2e']:.1f}s per job, whatever its size")
     last = rows[-1]

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+POLL_S = 0.25  # how often run_python reads the CPU time of the measured process tree
+
+
 @dataclass(frozen=True)
 class NestedInputs:
     parts: Path  # the generated parts, one folder of `part_records` records each
@@ -103,19 +106,48 @@ def ray_env() -> dict[str, str]:
 
 def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     """`python ARGS` in a new process (ray_env()): its `KEY=value` stdout lines (upper-case keys,
-    numeric values) and its wall time in seconds. RuntimeError with its output if it fails."""
+    numeric values) plus `CPU_S`, and its wall time in seconds. RuntimeError with its output if it
+    fails. `CPU_S` is the CPU time of the process and all its descendants (a Ray job's workers,
+    raylet, GCS, agents), read every POLL_S seconds: a descendant that ends between two reads
+    loses at most that much."""
+    import psutil
+
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ray_env())
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ray_env())
+    cpu: dict[int, float] = {}
+    while True:
+        try:
+            out, err = proc.communicate(timeout=POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            _read_cpu(psutil.Process(proc.pid), cpu)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a.strip().splitlines()[0] + " ..." for a in args)
-        raise RuntimeError(f"python {shown} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    values = {}
-    for line in proc.stdout.splitlines():
+        raise RuntimeError(f"python {shown} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}")
+    values = {"CPU_S": sum(cpu.values())}
+    for line in out.splitlines():
         key, eq, value = line.partition("=")
         if eq and key.isupper():
             values[key] = float(value)
     return values, wall
+
+
+def _read_cpu(root, cpu: dict[int, float]) -> None:
+    """Record the CPU seconds so far of `root` (a psutil.Process) and its descendants in `cpu`."""
+    import psutil
+
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:  # (it just ended)
+        return
+    for p in procs:
+        try:
+            times = p.cpu_times()
+            cpu[p.pid] = times.user + times.system
+        except psutil.Error:
+            pass
 
 
 def run_job(preprocess_args: list[str]) -> tuple[dict[str, float], float]:
