@@ -39,6 +39,12 @@ Figures:
   marginal rates): ours against ShardWriter, references without a target.
 - Ray's fixed cost, on a line of its own: start (as the job starts it), one empty task per CPU,
   stop, each timed; no Ray job can finish sooner.
+- Where the rest goes: ours' marginal wall time per 1,000 records by phase (from the manifests at
+  N and 4N), with the MB/s the write phase reaches at the margin (it writes and fsyncs every
+  shard byte, so a slow disk shows there) and the scan phase's own rate per core against the
+  floor; and a CPU account that a loaded machine leaves standing: the CPU time of every process
+  of ours' job (psutil, polled; mmdata/preprocess/scaling.py) fitted through N and 4N, per
+  record, against the floor's CPU time per record.
 
 Each measurement is the median of `--repeats` runs, taken in rounds that run every side once in
 turn (Ray Data first, then ShardWriter and ours in alternating order, then the variants), so a

@@ -110,3 +110,16 @@ def test_nested_inputs_are_prefixes_and_reuse_their_parts(tmp_path):
     assert tars(again.by_size[32]) == large
     with pytest.raises(ValueError, match="multiples of 8"):
         write_nested_inputs(tmp_path, [12], part_records=8)
+
+
+def test_measured_process_counts_its_descendants_cpu():
+    """run_python's CPU_S covers the whole process tree (a Ray job's work runs in grandchildren):
+    here a grandchild burns 0.6 CPU-seconds while its parent only waits, then idles a few polls so
+    its last CPU time is read before it ends; KEY=value lines come back."""
+    from mmdata.preprocess.scaling import POLL_S, run_python
+
+    burn = f"import time\nwhile time.process_time() < 0.6: pass\ntime.sleep({4 * POLL_S})"
+    values, wall = run_python(["-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}]); "
+                                     "print('ANSWER=42')"])
+    assert values["ANSWER"] == 42 and wall > 0
+    assert values["CPU_S"] >= 0.6, values
