@@ -264,8 +264,11 @@ def _rounds(fns: dict, repeats: int) -> tuple[dict, list[dict]]:
 
 
 def _fit(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
-    """(marginal samples/s, fixed seconds) of t = fixed + n / rate through two sizes."""
-    rate = (n2 - n1) / max(t2 - t1, 1e-9)
+    """(marginal samples/s, fixed seconds) of t = fixed + n / rate through two sizes; NaN when the
+    larger size took no longer (quick sizes on a busy machine: noise, not a rate)."""
+    if t2 <= t1:
+        return float("nan"), float("nan")
+    rate = (n2 - n1) / (t2 - t1)
     return rate, t1 - n1 / rate
 
 
