@@ -1,5 +1,6 @@
-"""What the resumable Ray jobs (`mmdata preprocess`, `mmdata tokenize-images`) share: starting
-and stopping Ray, bounded task submission, and the output folder's rules.
+"""The Ray and output-folder parts under the resumable stage runner (mmdata/stage_runner.py,
+which runs `mmdata preprocess` and `mmdata tokenize-images`): starting and stopping Ray, bounded
+task submission, and the output folder's rules.
 
 Output folder: a job's state lives in `DIR/.mmdata-work/` (with `work.json`: the job's
 fingerprint and its description); energon's `.nv-meta/` and then `manifest.json` are published
@@ -9,14 +10,13 @@ not write, is refused with the options that differ (`--overwrite` replaces this 
 
 Interrupts: Ctrl-C while Ray starts or stops is held back until it is up or down (an interrupt
 inside `ray.init` leaves half-started processes and crashed the interpreter at exit); elsewhere
-the job stops its tasks, shuts Ray down and raises `Interrupted` ("rerun the same command to
-resume", exit status 130).
+the runner stops the job's tasks, shuts Ray down and raises `Interrupted` (INTERRUPTED, exit
+status 130).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mmdata import shard_format as sf
-from mmdata.errors import Interrupted, UserError, deferred_interrupt
+from mmdata.errors import UserError, deferred_interrupt
 from mmdata.units import plural
 
 INTERRUPTED = "interrupted: rerun the same command to resume"
@@ -120,20 +120,6 @@ def shutdown_ray(owned: bool) -> None:
 
         with deferred_interrupt():
             ray.shutdown()
-
-
-def resumable(job: Callable[..., Any]) -> Callable[..., Any]:
-    """A job function whose Ctrl-C (after its own clean-up: `finally` blocks shut Ray down)
-    becomes `Interrupted`: "rerun the same command to resume", exit status 130."""
-
-    @functools.wraps(job)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return job(*args, **kwargs)
-        except KeyboardInterrupt:
-            raise Interrupted(INTERRUPTED) from None
-
-    return run
 
 
 def discard(out: Path, work: Path, created: bool) -> None:

@@ -4,7 +4,8 @@
 `emu3_dev_shards`: 16 records in our shard format covering every path of the tokenizing job
 (RGB/RGBA/L/P images, sizes that are not multiples of 8, multi-image, text-only, undecodable
 bytes, an aspect ratio the processor refuses, a video); `token_dir`: those shards through
-`mmdata tokenize-images` (2 CPUs, 3 samples per chunk); `demo_token_dir`: the conftest's
+`mmdata tokenize-images` (2 CPUs, 3 samples per chunk, the length index counted with
+`emu3_tok_dir`); `demo_token_dir`: the conftest's
 synthetic Infinity-MM shards tokenized the same way (what Emu3 trains on in the tests and the
 demo). Session-scoped, read-only.
 """
@@ -127,9 +128,11 @@ def emu3_dev_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir) -> Path:
+def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir) -> Path:
+    """With the length index (`--tokenizer`): the runs compared with it pass the same option."""
     out = tmp_path_factory.mktemp("emu3_tokens") / "tokens"
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3"))
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3",
+                                    "--tokenizer", str(emu3_tok_dir)))
     return out
 
 

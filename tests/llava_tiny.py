@@ -28,12 +28,14 @@ def vision_config(**kw) -> dict:
 
 
 def hf_llava(seed: int = 0, tie: bool = True, vocab_size: int = 1000, image_token: int = IMAGE_TOKEN,
-             video_token: int = VIDEO_TOKEN):
+             video_token: int = VIDEO_TOKEN, text: dict | None = None, vision: dict | None = None):
+    """`text` / `vision`: overrides of `text_config()` / `vision_config()` (e.g. heads for TP=4)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 
     torch.manual_seed(seed)
     cfg = LlavaOnevisionConfig(
-        text_config=text_config(tie_word_embeddings=tie, vocab_size=vocab_size), vision_config=vision_config(),
+        text_config=text_config(tie_word_embeddings=tie, vocab_size=vocab_size, **(text or {})),
+        vision_config=vision_config(**(vision or {})),
         image_token_index=image_token, video_token_index=video_token,
         image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(IMAGE_SIZE, 6)], tie_word_embeddings=tie,
     )

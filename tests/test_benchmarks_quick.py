@@ -33,6 +33,7 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_preprocess.py": ("preprocess_vs_decode_floor", "Ray jobs (ours and Ray Data) at 250 and 1,000 records"),
     "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
     "bench_private_internals.py": ("direct_io", None),
+    "bench_vision_layout.py": ("vision_layout", None),
 }
 
 

@@ -46,11 +46,13 @@ def test_length_index_counts_what_the_loader_counts(tok_shards):
     text, image = table.column("text_tokens").to_numpy(), table.column("image_tokens").to_numpy()
     assert (table.column("total_tokens").to_numpy() == text + image).all()
     # the loader's own numbers (inspect: ChatTokenizer + anyres on the header sizes) for a sample
+    tiles = table.column("vision_tiles").to_numpy()  # what the vision tower encodes (no videos here)
     summary = summarize(out, sample=120, seed=2, tokenizer=tok)
     assert len(summary.samples) == 120
     for s in summary.samples:
         i = int(s.key)
         assert (text[i], image[i]) == (s.text_tokens, s.image_tokens), s.key
+        assert tiles[i] == sum(im.tiles for im in s.images), s.key
 
 
 def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
@@ -233,3 +235,85 @@ def test_plan_positions_cover_every_sequence_once_per_epoch(tok_shards):
                 epochs[e] += [ds.sequence_at(e * n + k) for k in range(n)]
         assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(plan.num_sequences))
         assert epochs[0] != epochs[1]
+
+
+def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
+    """`pack-plan --dp 2 --micro-batch-size 2 --global-batch-size 8`: the plan records the step
+    shape and the vision balance before and after; the loader hands each DP rank (and, without DP
+    sharding, every rank in turn) the sequences `assign_block` places in each step, every sequence
+    once per epoch (epoch 1: whole tiers shuffled), resumes exactly, and another step shape is
+    refused, by the loader and by the training preflight."""
+    from megatron.energon import WorkerConfig
+
+    from mmdata.cli import main
+    from mmdata.energon_loaders.balance import StepShape, assign_block
+    from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
+    from mmdata.energon_loaders.plan_packing import PlanError, PlanPackedDataset, load_plan, plan_for_data
+
+    out, tok = tok_shards
+    seq, shape = 6144, StepShape(dp=2, micro_batch_size=2, global_batch_size=8)
+    assert main(["pack-plan", str(out), "--seq-length", str(seq), "--dp", "2", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--jobs", "1", "--no-progress"]) == 0
+    line = re.search(r"vision balance \(DP2, micro-batch 2, global batch 8; .*\): today (\d\.\d+) .* -> balanced "
+                     r"(\d\.\d+)", capsys.readouterr().out)
+    assert line and float(line[2]) < float(line[1])
+    shards, path, info = plan_for_data(out, None, seq, step_shape=shape)
+    assert info["balance"] == {**shape.as_dict(), "tile_tokens": 210.0}
+    assert info["vision_balance"]["balanced"]["mean"] == pytest.approx(float(line[2]), abs=5e-4)
+    table = pq.read_table(path)
+    index = table.column("index").to_numpy()
+    assert sorted(index.tolist()) == list(range(len(index)))
+    vision = pq.read_table(out / "lengths.parquet").column("vision_tiles").to_numpy()
+    assert (table.column("tiles").to_numpy() == vision[index]).all()
+    plan = load_plan(path, info)
+    n, g = plan.num_sequences, shape.global_batch_size
+
+    def dataset(rank: int, world: int, micro: int = 2) -> PlanPackedDataset:
+        return PlanPackedDataset(shards, plan, None, micro_batch_size=micro, seed=5,
+                                 worker_config=WorkerConfig(rank=rank, world_size=world, num_workers=1))
+
+    ranks, replicated = [dataset(0, 2), dataset(1, 2)], dataset(0, 1)
+    stream = [ranks[0].stream_sequence(p) for p in range(2 * n)]  # two epochs
+    steps = 2 * n // g
+    assert stream[:n] == list(range(n)) and sorted(stream[n:2 * n]) == list(range(n)) and stream[n:2 * n] != stream[:n]
+    for t in range(steps):
+        block = stream[t * g:(t + 1) * g]
+        placed = assign_block(plan.costs[block].tolist(), shape)
+        for r, ds in enumerate(ranks):
+            for m in range(shape.micro_batches):
+                got = ds.sequences_of_batch(t * shape.micro_batches + m)
+                assert got == [block[j] for j in placed[r][m]]
+                assert replicated.sequences_of_batch((t * 2 + r) * shape.micro_batches + m) == got
+    # the loader reads them and resumes after its first micro-batch (30-px tiles to keep it cheap: the
+    # rows hold the planned samples whatever their tokens, none over length at that size)
+    build = lambda: build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, dp_rank=1, dp_size=2,  # noqa: E731
+                                          num_workers=0, packing="plan", image_size=30, patch_size=14,
+                                          checkpoint_every_min_n_samples=1, checkpoint_every_sec=0)
+    loader = build()
+    it = iter(loader)
+    first = next(it)
+    state = loader.save_state_json()
+    second = next(it)
+    del it
+    keys = lambda b: [[k.rsplit("#", 1)[-1] for k in row] for row in b.sample_keys]  # noqa: E731
+    for b, batch in enumerate((first, second)):
+        assert keys(batch) == [[f"{i:010d}" for i in plan.sequence(s).tolist()] for s in ranks[1].sequences_of_batch(b)]
+    resumed = build()
+    resumed.restore_state_json(state)
+    assert keys(next(iter(resumed))) == keys(second)
+    # another step shape: refused by the plan check (the recipe's), the loader and the preflight
+    with pytest.raises(PlanError, match=r"balanced for another step shape: dp 2 \(recipe: 4\), global_batch_size 8 "):
+        plan_for_data(out, None, seq, step_shape=StepShape(dp=4, micro_batch_size=2, global_batch_size=16))
+    with pytest.raises(PlanError, match="balanced for DP2, micro-batch 2, global batch 8"):
+        dataset(0, 2, micro=1)
+    from mmtrain import registry
+    from mmtrain.config import load_recipe
+    from mmtrain.runtime.preflight import _check_data
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml",
+                         [f"data.paths=[{out}]", "data.packing=plan", f"train.seq_length={seq}",
+                          "train.micro_batch_size=2", "train.global_batch_size=8", "model.vision.image_size=384",
+                          "data.video_frames=32"])  # the plan's (default) geometry
+    problems: list[str] = []
+    _check_data(recipe, registry.get_family("llava-ov"), problems)
+    assert len(problems) == 1 and "balanced for another step shape: dp 2 (recipe: 1)" in problems[0], problems

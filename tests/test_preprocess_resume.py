@@ -31,14 +31,11 @@ import mmdata.preprocess.job as job
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 if point == "sort":
-    real_run = job._run_resumable
-    def run_resumable(prog, name, key, items, marker, submit, on_result, *rest):
-        def on_result_then_die(item, result):
-            on_result(item, result)
-            die()
-        return real_run(prog, name, key, items, marker, submit, on_result_then_die if name == "sort buckets" else on_result,
-                        *rest)
-    job._run_resumable = run_resumable
+    real_sorted = job.PreprocessJob._sorted
+    def sorted_then_die(self, bucket, result):
+        real_sorted(self, bucket, result)
+        die()
+    job.PreprocessJob._sorted = sorted_then_die
 elif point == "index":
     def finish(self):  # every shard indexed in the temporary folder, nothing published yet
         die()

@@ -22,8 +22,9 @@ from PIL import Image
 from mmdata import shard_format as sf
 from mmdata.preprocess.manifest import stable_view
 from mmdata.vision_tokens import token_format as tf
-from tests.emu3_tiny import (EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, emu3_dev_shards, encode_image,  # noqa: F401
-                             hf_codes, hf_reference, run_tokenize_cli, tiny_vq_dir, token_dir, tokenize_args)
+from tests.emu3_tiny import (EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, emu3_dev_shards,  # noqa: F401
+                             emu3_tok_dir, encode_image, hf_codes, hf_reference, run_tokenize_cli, tiny_vq_dir,
+                             token_dir, tokenize_args)
 from tests.energon_reading import energon_samples
 
 
@@ -181,12 +182,14 @@ def test_cli_help_and_user_errors(tmp_path, emu3_dev_shards, tiny_vq_dir):
                      "--output", str(out), "--no-progress", flag, value]) == 2, flag
 
 
-def test_each_worker_loads_the_vq_once_across_many_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+def test_each_worker_loads_the_vq_once_across_many_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir,
+                                                          emu3_tok_dir):
     """2 workers (actors) over 8 chunks: each loads the VQ once and both get chunks; the bytes
-    are the fixture run's (2 CPUs, 3 samples per chunk: other workers, other chunks)."""
+    (length index included) are the fixture run's (2 CPUs, 3 samples per chunk: other workers,
+    other chunks)."""
     out = tmp_path / "two_workers"
     run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--workers", "2",
-                                    "--chunk-samples", "2"))
+                                    "--chunk-samples", "2", "--tokenizer", str(emu3_tok_dir)))
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
     assert run["chunks"] == 8 and run["workers"] == 2
     assert run["vq_loads"] == [1, 1] and run["worker_restarts"] == [0, 0]
@@ -195,23 +198,24 @@ def test_each_worker_loads_the_vq_once_across_many_chunks(tmp_path, token_dir, e
 
 
 @pytest.mark.slow
-def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir):
     """A job stopped after its tokenize stage: the rerun reads every finished chunk in the driver,
     starts no worker (loads no VQ) and writes the same bytes."""
     out = tmp_path / "resumed"
     code = ("import sys; from pathlib import Path; from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize; "
             "a = sys.argv[1:]; run_tokenize(TokenizeConfig(Path(a[0]), Path(a[1]), Path(a[2]), image_area=int(a[3]), "
-            "num_cpus=2, chunk_samples=3, progress=False, keep_work_dir=True))")
+            "num_cpus=2, chunk_samples=3, progress=False, keep_work_dir=True, tokenizer=Path(a[4])))")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(out), str(TEST_IMAGE_AREA)],
-                   check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(out), str(TEST_IMAGE_AREA),
+                    str(emu3_tok_dir)], check=True, env=env, capture_output=True)
     (out / sf.MANIFEST_NAME).unlink()  # as if the driver died after the tokenize stage
     for p in out.glob("shard-*.tar*"):
         p.unlink()
     for p in (out / ".mmdata-work" / "shards").iterdir():
         p.unlink()
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3"))
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3",
+                                    "--tokenizer", str(emu3_tok_dir)))
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
     assert run["resumed"]["chunks"] == run["chunks"] > 0 and run["resumed"]["shards"] == 0
     assert run["workers"] == 0 and run["vq_loads"] == []
@@ -219,10 +223,11 @@ def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_s
 
 
 @pytest.mark.slow
-def test_deterministic_across_workers_and_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir):
+def test_deterministic_across_workers_and_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir):
     """1 CPU and 5 samples per chunk gives the bytes of the 2-CPU, 3-per-chunk fixture run."""
     out = tmp_path / "one_cpu"
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "1", "--chunk-samples", "5"))
+    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "1", "--chunk-samples", "5",
+                                    "--tokenizer", str(emu3_tok_dir)))
     _assert_same_output(out, token_dir)
 
 
@@ -234,6 +239,9 @@ def _assert_same_output(out: Path, ref: Path) -> None:
         idx = s["name"][: -len(".tar")] + ".tar.idx"
         assert (out / idx).read_bytes() == (ref / idx).read_bytes()
     assert (out / sf.QUARANTINE_NAME).read_bytes() == (ref / sf.QUARANTINE_NAME).read_bytes()
+    out_lengths, ref_lengths = (d / "lengths.parquet" for d in (out, ref))  # (with --tokenizer)
+    assert out_lengths.exists() == ref_lengths.exists()
+    assert not ref_lengths.exists() or out_lengths.read_bytes() == ref_lengths.read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ loss-parity check on identical weights and batches), a checkpoint of another arc
 refused, frozen parameters, periodic evaluation (`val_loss` at the eval steps only, the same
 batches every time, no effect on training), context parallelism (CP=2 = one process, and its
 checkpoint resumed at CP=1). Slow tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same
-HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume,
+HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume
+(the TP=2 run with the vision tower's own layout),
 the PP=2 validation loss, and the dry-run memory estimate against a measured peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
@@ -376,9 +377,14 @@ def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer
 @pytest.mark.slow
 def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokenizer_dir):
     """A TP=2 checkpoint (vocab-parallel embedding, column/row-parallel linears, sharded Adam
-    moments) continued at TP=1 follows the TP=2 run's loss curve."""
+    moments) continued at TP=1 follows the TP=2 run's loss curve. The TP=2 run gives the vision
+    tower its own layout (`parallel.vision.tp=1`: whole on each rank, half the tiles each): its
+    weights and moments are saved whole, its step-3 update (grad norm, clipping) is TP=1's, and
+    across the switch the checkpoint resumes (the other direction: tests/test_vision_layout.py)."""
     tp2 = tmp_path / "tp2"
-    train(tp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "parallel.tp=2", nproc=2)
+    proc = train(tp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "parallel.tp=2",
+                 "parallel.vision.tp=1", nproc=2)
+    assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     tp1 = tmp_path / "tp1"
     proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=0",
                  f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}")
@@ -386,6 +392,7 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
     a, b = metrics(tp2), metrics(tp1)
     for step in (3, 4):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-6)
+        assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.slow

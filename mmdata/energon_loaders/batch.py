@@ -13,13 +13,16 @@ Conventions:
   restart at 0 for each sample. `cu_seqlens` are cumulative lengths over the flattened
   `[B*S]` token stream (THD layout), one segment per sample and one per padding run, so
   attention can be restricted to within a segment.
+- Rows are independent: `split_rows` / `join_rows` cut a batch into one-row batches and join
+  any of them back (vision-aware balancing moves whole rows between micro-batches and
+  data-parallel ranks), `to_bytes` / `from_bytes` carry one over the wire (safetensors + JSON).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, TypeVar
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; this module stays import-light
     import torch
@@ -50,6 +53,10 @@ class PackedBatch:
     HOST_FIELDS: ClassVar[tuple[str, ...]] = ("cu_seqlens_host",)
     #: fields only the first pipeline stage reads (media inputs): other stages leave them on the host
     FIRST_STAGE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    #: fields with one entry per row ([B, ...] tensors, per-row lists): `split_rows` cuts them
+    ROW_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "labels", "position_ids", "sample_ids", "sample_keys")
+    #: host copies `to()` fills in: left out when rows are split, joined or sent
+    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = ("cu_seqlens_host",)
 
     #: host copy of `cu_seqlens` (attention needs the device copy, layouts/losses read this one);
     #: None until `to()` fills it
@@ -90,6 +97,123 @@ class PackedBatch:
 
     def _map(self: _B, fn: Any) -> _B:
         return type(self)(**{f.name: fn(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    # -- rows --------------------------------------------------------------------------------
+
+    def split_rows(self: _B) -> list[_B]:
+        """One batch per row (on the host, before `to()`): its tokens, its `cu_seqlens` segments
+        (a row's samples, then its padding run), its samples and counters, and the family's
+        per-row items (`row_items`); the batch's `stats` go with row 0."""
+        b, s = (int(n) for n in self.input_ids.shape)
+        cu = [int(x) for x in self.host_cu_seqlens().tolist()]
+        segments: list[list[int]] = [[] for _ in range(b)]
+        for start, end in zip(cu[:-1], cu[1:]):
+            if end > start:
+                segments[start // s].append(end - start)
+        items = self.row_items()
+        rows = []
+        for r in range(b):
+            fields = {name: getattr(self, name) for name in self._field_names() if name not in self.DERIVED_FIELDS}
+            for name in self.ROW_FIELDS:
+                fields[name] = fields[name][r:r + 1]  # a [1, ...] tensor, or a one-row list ([] when unset)
+            samples = len(self.sample_ids[r]) if self.sample_ids else None
+            if samples is None and b > 1:
+                raise ValueError("split_rows needs the batch's sample_ids (its rows' samples among their segments)")
+            lens = segments[r]
+            fields.update(items[r], cu_seqlens=_cumsum(lens), max_seqlen=max(lens, default=0),
+                          num_loss_tokens=int((self.labels[r] != IGNORE_INDEX).sum()),
+                          num_real_tokens=sum(lens[:samples]) if samples is not None else self.num_real_tokens,
+                          stats=dict(self.stats) if r == 0 else {})
+            rows.append(type(self)(**fields))
+        return rows
+
+    @classmethod
+    def join_rows(cls: type[_B], rows: Sequence[_B]) -> _B:
+        """The batch of these one-or-more-row batches, rows in order (the inverse of `split_rows`)."""
+        import torch
+
+        if not rows:
+            raise ValueError("join_rows needs at least one row")
+        first = rows[0]
+        fields = {name: getattr(first, name) for name in cls._field_names() if name not in cls.DERIVED_FIELDS}
+        for name in cls.ROW_FIELDS:
+            values = [getattr(r, name) for r in rows]
+            fields[name] = torch.cat(values) if hasattr(values[0], "shape") else [x for v in values for x in v]
+        lens: list[int] = []
+        for r in rows:
+            cu = [int(x) for x in r.host_cu_seqlens().tolist()]
+            lens += [e - a for a, e in zip(cu[:-1], cu[1:]) if e > a]
+        stats: dict[str, int] = {}
+        for r in rows:
+            for k, v in r.stats.items():
+                stats[k] = stats.get(k, 0) + v
+        fields.update(cls.join_items(rows), cu_seqlens=_cumsum(lens), max_seqlen=max(lens, default=0),
+                      num_loss_tokens=sum(r.num_loss_tokens for r in rows),
+                      num_real_tokens=sum(r.num_real_tokens for r in rows), stats=stats)
+        return cls(**fields)
+
+    def row_items(self) -> list[dict[str, Any]]:
+        """Per row, the values of the family's fields that are flattened over the rows (e.g. media);
+        a family with such fields implements this and `join_items`."""
+        return [{} for _ in range(int(self.input_ids.shape[0]))]
+
+    @classmethod
+    def join_items(cls, rows: Sequence["PackedBatch"]) -> dict[str, Any]:
+        """The family's flattened fields of rows joined in order (see `row_items`)."""
+        return {}
+
+    @classmethod
+    def _field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    # -- bytes -------------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The batch as safetensors bytes: its tensors, and its other fields as JSON in the
+        metadata (no pickle: `from_bytes` on the receiving side runs no code)."""
+        import json
+
+        from safetensors.torch import save
+
+        tensors, other, tuples = {}, {}, []
+        for name in self._field_names():
+            v = getattr(self, name)
+            if name in self.DERIVED_FIELDS or v is None:
+                continue
+            if hasattr(v, "shape"):
+                tensors[name] = v.detach().contiguous().clone()
+            else:
+                other[name] = v
+                if isinstance(v, tuple):
+                    tuples.append(name)
+        # one metadata key: safetensors writes several in no fixed order, and the same batch should
+        # give the same bytes in every process
+        return save(tensors, metadata={"mmdata.batch": json.dumps({"fields": other, "tuples": tuples})})
+
+    @classmethod
+    def from_bytes(cls: type[_B], data: bytes) -> _B:
+        """The batch `to_bytes` wrote."""
+        import json
+
+        from safetensors.torch import load
+
+        # safetensors' layout: an 8-byte little-endian header size, then the JSON header
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+        meta = json.loads(header["__metadata__"]["mmdata.batch"])
+        other = meta["fields"]
+        for name in meta["tuples"]:
+            other[name] = tuple(other[name])
+        return cls(**load(data), **other)
+
+
+def _cumsum(lengths: Sequence[int]) -> "torch.Tensor":
+    """`cu_seqlens` (int32) of segment lengths."""
+    import torch
+
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32)
 
 
 def host_to_device(t: torch.Tensor, device: Any) -> torch.Tensor:

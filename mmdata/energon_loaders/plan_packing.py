@@ -8,12 +8,26 @@ from each worker in turn) in plan order. Epoch 0 follows the plan's order; epoch
 the same sequences in the order of a permutation seeded with `(seed, e)`: sequences are
 reordered, never regrouped. A rank's stream runs on from one epoch into the next.
 
+A plan balanced for a step shape (`mmdata pack-plan --dp D --micro-batch-size B
+--global-batch-size G`, its `balance` metadata; docs/loaders.md, "Vision-aware balancing") deals
+steps instead: step `t` is the `G` sequences at positions `[t*G, (t+1)*G)` of the stream of all
+epochs (epoch 0 in plan order, epoch `e > 0` the plan's tiers of `D` sequences shuffled whole,
+seeded with `(seed, e)`), and `balance.assign_block` places them by cost: data-parallel rank `r`'s
+micro-batch `m` of the step holds the sequences it assigns to `(r, m)`. Its micro-batches come out
+of the loader step by step (micro-batch `j` of a rank is step `j // M`, `M = G / (D*B)`, made by
+worker `j mod W`); a loader built without DP sharding (the trainer's `data.sharding: replicated`)
+yields every rank's micro-batches of a step, rank after rank. The loader's micro-batch size and DP
+size must be the plan's.
+
 Samples are read by global index with energon's random access (its tar index), encoded with the
 family's task encoder (skips counted as online) and packed with its hooks. A worker's whole
 state is the number of batches it has produced, saved and restored by energon's savable loader,
 so a resumed run continues exactly. A sample whose encoded length makes its sequence overflow
 (a plan made from estimated text lengths, or another tokenizer) is skipped and counted as
 `plan_overflow`; plan with the training tokenizer (`mmdata preprocess --tokenizer`) to avoid it.
+A plan whose family drew per-sample choices that change lengths (Emu3's task and caption drop:
+its `variant` column) hands each sample its choice as the subflavor PLAN_VARIANT; one whose keys
+are not the global indices (token shards, which keep their input's keys) lists them (`key`).
 """
 
 from __future__ import annotations
@@ -29,15 +43,20 @@ from megatron.energon.dataset_config import get_dataset_from_config
 from megatron.energon.flavors.base_dataset import SavableDataset
 
 from mmdata.energon_configs import dataset_config
+from mmdata.energon_loaders.balance import StepShape, assign_block, row_costs, shuffle_tiers
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
 from mmdata.errors import UserError
 from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
 
 if TYPE_CHECKING:
+    from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
     from mmdata.preprocess.pack_plan import PlanGeometry
 
 PLAN_OVERFLOW = "plan_overflow"
+#: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
+#: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)
+PLAN_VARIANT = "plan_variant"
 
 
 class PlanError(UserError):
@@ -51,33 +70,51 @@ class PlanSequences:
     indices: np.ndarray  # global sample indices in plan order (int32 while they fit)
     starts: np.ndarray  # int64, len = sequences + 1
     info: dict
+    keys: Any = None  # the samples' keys (a pyarrow string array) where they are not f"{index:010d}"
+    variants: np.ndarray | None = None  # int8 per sample: the family's planned choice (PLAN_VARIANT)
+    costs: np.ndarray | None = None  # a balanced plan's cost per sequence (balance.row_costs)
 
     @property
     def num_sequences(self) -> int:
         return len(self.starts) - 1
 
+    @property
+    def step_shape(self) -> StepShape | None:
+        """The step shape a balanced plan was made for; None for a plain plan."""
+        return plan_step_shape(self.info)
+
     def sequence(self, b: int) -> np.ndarray:
         return self.indices[self.starts[b]:self.starts[b + 1]]
 
+    def members(self, b: int) -> Iterator[tuple[int, str, int | None]]:
+        """(global index, expected key, planned variant or None) of sequence `b`'s samples."""
+        for pos in range(int(self.starts[b]), int(self.starts[b + 1])):
+            index = int(self.indices[pos])
+            key = self.keys[pos].as_py() if self.keys is not None else f"{index:010d}"
+            yield index, key, None if self.variants is None else int(self.variants[pos])
 
-def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None,
-                  seq_length: int, geometry: "PlanGeometry | None" = None) -> tuple[Path, Path, dict]:
+
+def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None, seq_length: int,
+                  geometry: "PlanGeometry | Emu3PlanGeometry | None" = None,
+                  step_shape: StepShape | None = None) -> tuple[Path, Path, dict]:
     """(shard dir, plan file, plan metadata) for `packing="plan"`, checked: one shard folder
-    written by `mmdata preprocess`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
+    written by `mmdata preprocess` or `mmdata tokenize-images`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
     made from its length index for `seq_length` tokens per sequence and, when `geometry` is
     given (the recipe's), with that image token geometry: a plan counted with another one fills
-    its sequences with the wrong number of image tokens, silently."""
+    its sequences with the wrong number of image tokens, silently; and, when `step_shape` is given
+    (the recipe's), a balanced plan made for that step shape."""
     from mmdata.preprocess.pack_plan import plan_path, read_plan_info
 
     paths = [data] if isinstance(data, (str, Path)) else list(data)
     if len(paths) != 1 or not Path(paths[0]).is_dir():
-        raise PlanError("packing 'plan' follows the plan of one shard folder written by `mmdata preprocess`; got "
+        raise PlanError("packing 'plan' follows the plan of one shard folder (`mmdata preprocess` or "
+                        "`mmdata tokenize-images` output); got "
                         f"{', '.join(str(p) for p in paths) or 'none'} (pack blends online: packing true)")
     shards = Path(paths[0])
     data_source_samples(shards)  # a finished dataset only
     path = Path(plan) if plan is not None else plan_path(shards, seq_length)
-    remedy = f"run `mmdata pack-plan {shards} --seq-length {seq_length}" + (
-        f" {geometry.flags()}`" if geometry is not None else "`") + " (or `mmdata pack-plan --recipe RECIPE.yaml`)"
+    remedy = geometry.remedy(shards, seq_length) if geometry is not None else \
+        f"run `mmdata pack-plan {shards} --seq-length {seq_length}` (or `mmdata pack-plan --recipe RECIPE.yaml`)"
     if not path.is_file():
         raise PlanError(f"packing plan {path} not found: {remedy}")
     info = read_plan_info(path)
@@ -90,36 +127,72 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
                         f"(the shards were rewritten): {remedy}")
     if geometry is not None:
         _check_geometry(path, info, geometry, remedy)
+    if step_shape is not None and (problem := step_shape_problem(info, step_shape, path)) is not None:
+        raise PlanError(problem)
     return shards, path, info
 
 
-def _check_geometry(path: Path, info: dict, geometry: "PlanGeometry", remedy: str) -> None:
-    """Refuse a plan counted with another image geometry than the recipe's. A plan made before
-    plans recorded theirs counted with the default geometry: accepted for a recipe using it."""
-    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, geometry_differences, plan_geometry
+def _check_geometry(path: Path, info: dict, geometry: "PlanGeometry | Emu3PlanGeometry", remedy: str) -> None:
+    """Refuse a plan counted with another geometry than the recipe's: the image token geometry
+    (LLaVA-OV), or what an Emu3 plan's lengths and variants depend on. A plan made before plans
+    recorded their geometry counted with the default image geometry: accepted for a recipe using it."""
+    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, plan_geometry
 
     have = plan_geometry(info)
-    if have is None:
+    if have is None:  # an old plan: the default image geometry
         if geometry == DEFAULT_GEOMETRY:
             return
-        differ = ", ".join(geometry_differences(DEFAULT_GEOMETRY, geometry))
-        raise PlanError(f"packing plan {path} records no image geometry (made by an older `mmdata pack-plan`, which "
-                        f"counted with the default one: {differ}): {remedy}")
+        have = DEFAULT_GEOMETRY
+        older = " (it records no image geometry: made by an older `mmdata pack-plan`, which counted with the default one)"
+    else:
+        older = ""
+    if type(have) is not type(geometry):
+        raise PlanError(f"packing plan {path} counted {have.counts}{older}, the recipe needs {geometry.counts}: {remedy}")
     if have != geometry:
-        raise PlanError(f"packing plan {path} counted image tokens with another geometry than the recipe's: "
-                        f"{', '.join(geometry_differences(have, geometry))}: {remedy}")
+        raise PlanError(f"packing plan {path} counted {have.counts} with other settings than the recipe's{older}: "
+                        f"{', '.join(have.differences(geometry))}: {remedy}")
+
+
+def plan_step_shape(info: dict) -> StepShape | None:
+    """The step shape a plan was balanced for (its `balance` metadata), None for a plain plan."""
+    b = info.get("balance")
+    return StepShape(int(b["dp"]), int(b["micro_batch_size"]), int(b["global_batch_size"])) if b else None
+
+
+def step_shape_problem(info: dict, shape: StepShape, path: Path | str) -> str | None:
+    """Why a balanced plan cannot be followed at `shape` (the recipe's DP size, micro-batch and
+    global batch), None when it can or the plan is plain."""
+    have = plan_step_shape(info)
+    if have is None or have == shape:
+        return None
+    differ = ", ".join(f"{k} {v} (recipe: {getattr(shape, k)})" for k, v in have.as_dict().items()
+                       if v != getattr(shape, k))
+    return (f"packing plan {path} is balanced for another step shape: {differ}: run `mmdata pack-plan --recipe "
+            f"RECIPE.yaml` (or with --dp {shape.dp} --micro-batch-size {shape.micro_batch_size} --global-batch-size "
+            f"{shape.global_batch_size})")
 
 
 def load_plan(path: Path, info: dict) -> PlanSequences:
     """The sequences of a checked plan file (indices as int32 while they fit: 45M samples take
-    180 MB, shared by the loader's forked workers)."""
+    180 MB, shared by the loader's forked workers); a balanced plan's sequence costs with them."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=["bin", "index"])
+    balanced = plan_step_shape(info) is not None
+    names = pq.read_schema(path).names
+    wanted = ["bin", "index"] + (["tokens", "tiles"] if balanced else []) + [c for c in ("key", "variant") if c in names]
+    table = pq.read_table(path, columns=wanted)
     indices = table.column("index").to_numpy()
     indices = indices.astype(np.int32 if len(indices) and indices.max() < 2**31 else np.int64)
     starts = np.searchsorted(table.column("bin").to_numpy(), np.arange(info["bins"] + 1)).astype(np.int64)
-    return PlanSequences(indices, starts, info)
+    keys = table.column("key").combine_chunks() if "key" in names else None
+    variants = table.column("variant").to_numpy().astype(np.int8) if "variant" in names else None
+    costs = None
+    if balanced and info["bins"]:
+        tokens = np.minimum(table.column("tokens").to_numpy().astype(np.int64), info["seq_length"])
+        tiles = table.column("tiles").to_numpy().astype(np.int64)
+        costs = row_costs(np.add.reduceat(tokens, starts[:-1]), np.add.reduceat(tiles, starts[:-1]),
+                          info["balance"]["tile_tokens"])
+    return PlanSequences(indices, starts, info, keys, variants, costs)
 
 
 def _encode(task_encoder: TaskEncoder, sample: Any) -> Any:
@@ -148,8 +221,14 @@ class PlanPackedDataset(SavableDataset):
         self.micro_batch_size, self.seed = micro_batch_size, seed
         # sequences of this rank per epoch (rank r takes r, r + D, ...)
         self.rank_sequences = len(range(worker_config.rank, plan.num_sequences, worker_config.world_size))
+        self.shape = plan.step_shape
+        if self.shape is not None and (micro_batch_size, worker_config.world_size) not in (
+                (self.shape.micro_batch_size, self.shape.dp), (self.shape.micro_batch_size, 1)):
+            raise PlanError(f"the packing plan is balanced for {self.shape.describe()}; this loader has micro-batch "
+                            f"{micro_batch_size} and {worker_config.world_size} data-parallel ranks")
         self._reader: Any = None
         self._epoch_order: tuple[int, np.ndarray | None] = (0, None)
+        self._step: tuple[int, Any] = (-1, None)
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
@@ -161,7 +240,10 @@ class PlanPackedDataset(SavableDataset):
     def len_worker(self, worker_idx: int | None = None) -> int:
         """Micro-batches per epoch of a worker (approximate: epochs run into each other)."""
         workers = max(1, self.worker_config.num_workers)
-        return -(-self.rank_sequences // (self.micro_batch_size * workers))
+        rows = self.rank_sequences
+        if self.shape is not None and self.worker_config.world_size == 1:  # every rank's micro-batches
+            rows = self.plan.num_sequences
+        return -(-rows // (self.micro_batch_size * workers))
 
     def config(self) -> dict[str, Any]:
         return {"type": type(self).__qualname__, "plan": self.plan.info, "micro_batch_size": self.micro_batch_size,
@@ -180,9 +262,37 @@ class PlanPackedDataset(SavableDataset):
             self._epoch_order = (epoch, rng.permutation(self.plan.num_sequences))
         return int(self._epoch_order[1][slot])
 
+    def sequences_of_batch(self, batch: int) -> list[int]:
+        """The plan sequences of micro-batch `batch` of this loader's stream."""
+        if self.shape is None:
+            return [self.sequence_at(p) for p in range(batch * self.micro_batch_size, (batch + 1) * self.micro_batch_size)]
+        per_rank = self.shape.micro_batches
+        if self.worker_config.world_size == 1:  # every rank's micro-batches of a step, rank after rank
+            step, rest = divmod(batch, self.shape.dp * per_rank)
+            rank, micro = divmod(rest, per_rank)
+        else:
+            (step, micro), rank = divmod(batch, per_rank), self.worker_config.rank
+        if self._step[0] != step:
+            g = self.shape.global_batch_size
+            sequences = [self.stream_sequence(p) for p in range(step * g, (step + 1) * g)]
+            self._step = (step, (sequences, assign_block(self.plan.costs[sequences].tolist(), self.shape)))
+        sequences, placed = self._step[1]
+        return [sequences[j] for j in placed[rank][micro]]
+
+    def stream_sequence(self, position: int) -> int:
+        """A balanced plan's sequence at `position` of the stream of all epochs: epoch 0 in plan
+        order, epoch e > 0 with the plan's tiers shuffled whole (seeded with (seed, e))."""
+        epoch, k = divmod(position, self.plan.num_sequences)
+        if epoch == 0:
+            return k
+        if self._epoch_order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_order = (epoch, shuffle_tiers(self.plan.num_sequences, self.shape.dp, rng))
+        return int(self._epoch_order[1][k])
+
     # -- reading ---------------------------------------------------------------------------------
 
-    def _read(self, index: int) -> Any:
+    def _read(self, index: int, key: str) -> Any:
         if self._reader is None:  # opened in the worker (file handles are not shared across forks)
             factory = get_dataset_from_config(self.shards, dataset_config=dataset_config(self.shards),
                                               split_config="split.yaml",
@@ -190,17 +300,20 @@ class PlanPackedDataset(SavableDataset):
                                               decoder=self.task_encoder.decoder)
             self._reader = factory.build()
         sample = self._reader.restore_sample(("MapDataset", index, "Webdataset", int(index)))
-        if sample.__key__ != f"{index:010d}":
-            raise PlanError(f"sample {index} of {self.shards} has key {sample.__key__!r}: the plan does not "
-                            "describe these shards")
+        if sample.__key__ != key:
+            raise PlanError(f"sample {index} of {self.shards} has key {sample.__key__!r}, the plan says {key!r}: the "
+                            "plan does not describe these shards")
         return sample
 
     def _row(self, sequence: int) -> list[Any]:
         """The encoded samples of one plan sequence (skips and overflow counted)."""
         te, row, used = self.task_encoder, [], 0
-        for index in self.plan.sequence(sequence).tolist():
+        for index, key, variant in self.plan.members(sequence):
+            sample = self._read(index, key)
+            if variant is not None:
+                sample.__subflavors__ = {**(sample.__subflavors__ or {}), PLAN_VARIANT: variant}
             try:
-                encoded = _encode(te, self._read(index))
+                encoded = _encode(te, sample)
             except SkipSample:  # counted by the encoder
                 continue
             if used + len(encoded.input_ids) > te.seq_length:
@@ -215,10 +328,9 @@ class PlanPackedDataset(SavableDataset):
     def __iter__(self) -> Iterator[Any]:
         workers = max(1, self.worker_config.num_workers)
         worker = self.worker_config.rank_worker_id() % workers
-        size = self.micro_batch_size
         while True:
-            first = (self._batches * workers + worker) * size
-            rows = [r for r in (self._row(self.sequence_at(p)) for p in range(first, first + size)) if r]
+            batch = self._batches * workers + worker
+            rows = [r for r in (self._row(s) for s in self.sequences_of_batch(batch)) if r]
             self._batches += 1
             if rows:
                 yield self.task_encoder.batch([self.task_encoder.pack_selected_samples(r) for r in rows])

@@ -5,6 +5,7 @@ random sample of the shards (`--all` reads everything). See docs/inspect.md; one
 detail: `mmdata preview`.
 
   mmdata inspect DIR [--tokenizer TOK] [--json] [--sample N | --all] [--cp N --tp N]
+                     [--dp N --micro-batch-size N --global-batch-size N]
   mmdata inspect DIR --key K [--tokenizer TOK]     one sample, as `mmdata preview DIR --key K`
 """
 
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", type=int, default=1, metavar="N",
                             help=f"{what} parallel size the packing report (bin fill, executed-token efficiency) "
                                  "counts CP padding for (default 1)")
+    for name, what, default in (("dp", "data-parallel ranks", 8), ("micro_batch_size", "rows per micro-batch", 2),
+                                ("global_batch_size", "rows per step, all ranks", 32)):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, metavar="N",
+                            help=f"the step shape the vision balance simulates: {what} (default {default})")
     parser.add_argument("--key", default=None, metavar="K",
                         help="show this one sample instead of the summary, as `mmdata preview DIR --key K`: a sample "
                              "key from metrics / worst-samples (DIR#0000000041), a shard key or a record id")
@@ -60,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     for name in ("cp", "tp"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    from mmdata.energon_loaders.balance import StepShape
+
+    try:
+        shape = StepShape(args.dp, args.micro_batch_size, args.global_batch_size)
+    except ValueError as e:
+        raise UserError(f"--dp/--micro-batch-size/--global-batch-size: {e}") from None
     try:
         lengths = tuple(int(x) for x in args.context_lengths.split(",") if x.strip())
     except ValueError:
@@ -71,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if is_token_dataset(args.dir):
         return _inspect_tokens(args)
     summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
-                        tokenizer=args.tokenizer, context_lengths=lengths, cp=args.cp, tp=args.tp)
+                        tokenizer=args.tokenizer, context_lengths=lengths, cp=args.cp, tp=args.tp, step_shape=shape)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
     else:

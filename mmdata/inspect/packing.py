@@ -10,16 +10,24 @@ truncates their text, or drops them when an image would be cut).
 
 Each estimate carries the packing report (`mmdata.energon_loaders.packing_report`): bin fill and
 executed-token efficiency, CP padding counted for the `cp`/`tp` asked for (`--cp`/`--tp`).
+
+`length_index_balance` simulates `--dp` data-parallel ranks training on the length index's
+samples (online: each rank packing its own part of the stream; the plan: the global order) and
+reports the vision balance per step, as the ranks draw their rows today and balanced
+(`mmdata.energon_loaders.balance`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
 from mmdata.energon_loaders.packing_report import PackingReport, report_from_bins, report_from_rows
+
+if TYPE_CHECKING:
+    from mmdata.energon_loaders.balance import StepShape
 
 #: the loader's default packing buffer
 PACKING_BUFFER = DEFAULT_PACKING_BUFFER
@@ -62,12 +70,14 @@ def plan_file_report(path: Path, cp: int = 1, tp: int = 1) -> PackingReport:
                             num_rows=info["bins"], cp=cp, tp=tp)
 
 
-def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1) -> dict | None:
+def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1,
+                         plans: dict | None = None) -> dict | None:
     """The offline plan's efficiency against the online packer's, on the same samples: the
     first LENGTH_INDEX_SAMPLE rows of `lengths.parquet` (stream order: the shards are already
     shuffled); plus the efficiency of any `pack-plan-<N>.parquet` file (over the whole
     dataset). Beside each efficiency, `bin_fill` and `executed_token_efficiency` of the same
-    three at `cp`/`tp`. None when the folder has no length index."""
+    three at `cp`/`tp`. None when the folder has no length index of `mmdata preprocess`. `plans`
+    (a dict) receives the plan made per context length, for `length_index_balance`."""
     from mmdata.preprocess.lengths import LENGTHS_NAME
     from mmdata.preprocess.pack_plan import plan_packing, plan_path, read_plan_info
 
@@ -75,6 +85,9 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     if not path.is_file():
         return None
     import pyarrow.parquet as pq
+
+    if "total_tokens" not in pq.read_schema(path).names:  # token shards' index: lengths per Emu3 task
+        return None
 
     table = pq.read_table(path, columns=["total_tokens"])
     lengths = table.column("total_tokens").to_numpy()
@@ -85,8 +98,11 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     for c in context_lengths:
         plan_file = plan_path(Path(root), c)
         online = estimate_packing(used.tolist(), c, cp=cp, tp=tp) if len(used) else None
+        plan = plan_packing(used, c) if len(used) else None
+        if plans is not None:
+            plans[c] = plan
         reports = {"online": None if online is None else online.report,
-                   "plan": plan_packing(used, c).report(cp, tp) if len(used) else None,
+                   "plan": plan.report(cp, tp) if plan is not None else None,
                    "plan_file": plan_file_report(plan_file, cp, tp) if plan_file.is_file() else None}
         out["packing"][str(c)] = {
             "online": None if online is None else round(online.efficiency, 4),
@@ -94,5 +110,65 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
             "plan_file": read_plan_info(plan_file)["efficiency"] if plan_file.is_file() else None,
             **{key: {side: None if r is None else round(getattr(r, key), 4) for side, r in reports.items()}
                for key in ("bin_fill", "executed_token_efficiency")},
+        }
+    return out
+
+
+def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int, dp: int,
+                     buffer: int = PACKING_BUFFER) -> list[list[tuple[int, int]]]:
+    """Each of `dp` ranks' packed rows as (tokens, tiles), in stream order: rank r reads the r-th
+    contiguous part of the samples (energon gives each DP rank its own slices of the shards,
+    already shuffled) and packs it as the loader does, `buffer` samples at a time."""
+    n = len(lengths)
+    out = []
+    for r in range(dp):
+        part = range(r * n // dp, (r + 1) * n // dp)
+        clipped = [min(int(lengths[i]), context) for i in part]
+        part_tiles = [int(tiles[i]) for i in part]
+        rows: list[tuple[int, int]] = []
+        for start in range(0, len(clipped), buffer):
+            chunk, chunk_tiles = clipped[start:start + buffer], part_tiles[start:start + buffer]
+            rows += [(sum(chunk[i] for i in b), sum(chunk_tiles[i] for i in b))
+                     for b in largest_first_knapsack(chunk, context)]
+        out.append(rows)
+    return out
+
+
+def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "StepShape",
+                         tile_tokens: float, plans: dict | None = None) -> dict | None:
+    """`vision_balance` (max / mean vision work per DP rank per step, mean over steps and the
+    worst step) of the online packer and of the offline plan at `shape`, today and balanced
+    (energon_loaders/balance.py), on the length index's first LENGTH_INDEX_SAMPLE samples (the
+    plans `length_index_packing` made of them, when given). None without a length index;
+    `{"note": ...}` for an index written before it counted vision tiles."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from mmdata.energon_loaders.balance import simulate
+    from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES
+    from mmdata.preprocess.pack_plan import plan_packing
+
+    path = Path(root) / LENGTHS_NAME
+    if not path.is_file():
+        return None
+    names = pq.read_schema(path).names
+    if "total_tokens" not in names:  # token shards' index: no vision tower encodes them
+        return None
+    head = {**shape.as_dict(), "tile_tokens": tile_tokens}
+    if VISION_TILES not in names:
+        return {**head, "note": f"{LENGTHS_NAME} predates its {VISION_TILES} column: rerun `mmdata preprocess` "
+                                "(`mmdata pack-plan` counts them from the records)"}
+    table = pq.read_table(path, columns=["total_tokens", VISION_TILES])
+    lengths = table.column("total_tokens").to_numpy()[:LENGTH_INDEX_SAMPLE].astype(np.int64)
+    tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].astype(np.int64)
+    out: dict = {**head, "compared": int(len(lengths)), "packing": {}}
+    for c in context_lengths:
+        online = simulate(online_rank_rows(lengths, tiles, c, shape.dp), shape, tile_tokens)
+        plan = (plans or {}).get(c) or plan_packing(lengths, c)
+        out["packing"][str(c)] = {
+            "online": {k: v.as_dict() for k, v in online.items()},
+            "plan": {"today": plan.vision_balance(tiles, shape, tile_tokens, balanced=False).as_dict(),
+                     "balanced": plan.balanced(tiles, shape, tile_tokens, seed=0)
+                     .vision_balance(tiles, shape, tile_tokens, balanced=True).as_dict()},
         }
     return out

@@ -84,6 +84,14 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
                        ["context", "online packer", "offline plan", "pack-plan file"],
                        [[_fmt(int(k)), *(_fill_exec(v["bin_fill"][x], v["executed_token_efficiency"][x])
                                          for x in sides)] for k, v in li["packing"].items()]))
+    vb = d.get("vision_balance")
+    if vb is not None and "packing" in vb:
+        tables.append((f"Vision balance: max/mean vision work per rank per step, mean (worst) over steps; "
+                       f"DP{vb['dp']}, micro-batch {vb['micro_batch_size']}, global batch {vb['global_batch_size']} "
+                       f"({vb['compared']:,} samples of the length index)",
+                       ["context", "online today", "online balanced", "plan today", "plan balanced"],
+                       [[_fmt(int(k)), *(_balance(v[side][when]) for side in ("online", "plan")
+                                         for when in ("today", "balanced"))] for k, v in vb["packing"].items()]))
     if d["packing"] is not None:
         tables.append(("Packing (the loader's packer on the sampled lengths)",
                        ["context", "bin fill / executed", "sequences", "over length"],
@@ -113,6 +121,11 @@ def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
     if rows:
         tables.append(("Curation (manifest)", ["what", "records"], rows))
     return tables
+
+
+def _balance(report: dict[str, Any]) -> str:
+    """`1.047 (1.162)`: mean and worst step, `—` without vision work."""
+    return "—" if report["mean"] is None else f"{report['mean']:.3f} ({report['worst']:.3f})"
 
 
 def _fill_exec(fill: float | None, executed: float | None) -> str:

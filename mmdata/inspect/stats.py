@@ -17,15 +17,18 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
+from mmdata.energon_loaders.balance import DEFAULT_TILE_TOKENS, StepShape
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import with_video_placeholder
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
-from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_packing
+from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_balance, length_index_packing
 from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
-SCHEMA = "mmdata.inspect/3"
+SCHEMA = "mmdata.inspect/4"
 LANGUAGES = ("zh", "en", "other")
 DEFAULT_CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
+#: the step shape the vision balance simulates by default: 8 DP ranks, 2 micro-batches of 2 rows each
+DEFAULT_STEP_SHAPE = StepShape(dp=8, micro_batch_size=2, global_batch_size=32)
 
 
 # ----------------------------------------------------------------------------- per sample
@@ -238,6 +241,7 @@ class DatasetSummary:
     samples: list[SampleStats] = field(default_factory=list)
     cp: int = 1  # the parallel sizes the packing report counts CP padding for
     tp: int = 1
+    vision_balance: dict[str, Any] | None = None  # length_index_balance: DP ranks simulated, None without an index
 
     # -- derived views (the notebook plots these) -------------------------------------------
 
@@ -270,6 +274,7 @@ class DatasetSummary:
             "quarantine": {"total": sum(self.quarantine.values()), "reasons": dict(self.quarantine)},
             "preprocess": self.preprocess,
             "length_index": self.length_index,
+            "vision_balance": self.vision_balance,
             "sampled": {"count": len(s), "all": self.sampled_all, "seed": self.sample_seed},
             "modality": _shares(_counts([x.modality for x in s], MODALITIES)),
             "languages": _shares(_counts([x.language for x in s], LANGUAGES)),
@@ -332,10 +337,13 @@ def summarize(
     max_tiles: int = anyres.DEFAULT_MAX_TILES,
     cp: int = 1,
     tp: int = 1,
+    step_shape: StepShape = DEFAULT_STEP_SHAPE,
+    tile_tokens: float = DEFAULT_TILE_TOKENS,
 ) -> DatasetSummary:
     """Summarise a shards dir from its manifest, quarantine and `sample` random samples (all
     samples with `all=True`). `tokenizer` is an HF tokenizer dir or a `ChatTokenizer`; `cp`/`tp`
-    are the parallel sizes the packing report counts CP padding for."""
+    are the parallel sizes the packing report counts CP padding for; `step_shape` and
+    `tile_tokens` what the vision balance simulates."""
     ds: Dataset = open_dataset(root)
     chat = load_chat_tokenizer(tokenizer, "--tokenizer") if isinstance(tokenizer, (str, Path)) else tokenizer
     samples = list(iter_samples(ds)) if all else random_samples(ds, sample, seed)
@@ -346,6 +354,8 @@ def summarize(
         sources_from = "all" if all or len(samples) >= ds.total_samples else "sample"
         sources = _counts([x.source for x in stats])
     quarantine = _counts([q.reason for q in load_quarantine(ds.root)])
+    plans: dict = {}  # the length index's plans, made once for both reports
+    length_index = length_index_packing(ds.root, context_lengths, cp, tp, plans=plans)
     return DatasetSummary(
         root=str(ds.root),
         total_samples=ds.total_samples,
@@ -356,7 +366,7 @@ def summarize(
         sources_from=sources_from,
         quarantine=quarantine,
         preprocess=_manifest_preprocess(ds.manifest),
-        length_index=length_index_packing(ds.root, context_lengths, cp, tp),
+        length_index=length_index,
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
         tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,
@@ -364,5 +374,6 @@ def summarize(
         samples=stats,
         cp=cp,
         tp=tp,
+        vision_balance=length_index_balance(ds.root, context_lengths, step_shape, tile_tokens, plans=plans),
     )
 

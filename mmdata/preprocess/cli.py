@@ -64,7 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mmdata.errors import UserError
-    from mmdata.folder_lock import FolderLock
     from mmdata.preprocess.direct_io import direct_io_override
     from mmdata.preprocess.job import PreprocessConfig, run_preprocess
     from mmdata.units import plural
@@ -87,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
         max_quarantine_fraction=args.max_quarantine_fraction, filters=list(args.filter), dedup=args.dedup,
         dedup_scope=args.dedup_scope, mix=args.mix, tokenizer=args.tokenizer, length_index=not args.no_length_index,
     )
-    with FolderLock(args.output, "--output"):  # one job per output folder (mmdata/folder_lock.py)
-        manifest = run_preprocess(cfg)
+    manifest = run_preprocess(cfg)  # (one job per output folder: the runner locks it, mmdata/folder_lock.py)
     c = manifest["counts"]
     curated = "".join(f", {c[k]:,} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out", "repeated")
                       if c[k])

@@ -1,5 +1,6 @@
-"""The Ray job behind `mmdata preprocess` (the driver; the stage functions are in stages.py and
-curation/dedup.py).
+"""The Ray job behind `mmdata preprocess`: its stages, declared for the resumable stage runner
+(mmdata/stage_runner.py: output checks, folder lock, resume, progress, Ctrl-C, publishing), which
+runs the stage functions of stages.py and curation/dedup.py as Ray tasks.
 
 Stages (each resumable through marker files under `DIR/.mmdata-work/`):
 1. scan    - one task per input file: read records, validate them (full image decode), apply the
@@ -26,15 +27,10 @@ records.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
-import shutil
-import sys
-import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,7 +38,7 @@ import numpy as np
 
 import mmdata
 from mmdata import shard_format as sf
-from mmdata.errors import UserError, deferred_interrupt
+from mmdata.errors import UserError
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.llava_json import check_image_root
@@ -50,10 +46,10 @@ from mmdata.preprocess.curation import dedup as dd
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.curation.terms import unmatched
-from mmdata.preprocess.energon_meta import NV_META, EnergonIndexWriter, ShardLayout
+from mmdata.preprocess.energon_meta import EnergonIndexWriter, ShardLayout
 from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
-from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck, SystematicLoss
-from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
+from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck
+from mmdata.preprocess.manifest import Counts, fingerprint
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.rows import ROW_FORMAT
 from mmdata.preprocess.shard_writer import ShardResult
@@ -61,16 +57,14 @@ from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_
 from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
                                       sort_bucket, subset_of, write_shard_task)
 from mmdata.preprocess.validation import ValidationConfig
-from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
-                             shutdown_ray)
+from mmdata.ray_job import remove, shard_outputs
+from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, json_marker, run_job
 from mmdata.units import plural
 
-WORK_DIR_NAME = sf.WORK_DIR_NAME
 TOOL = "mmdata preprocess"
 DEFAULT_TARGET_SHARD_BYTES = 256 << 20
 DUPLICATES_NAME = "duplicates.jsonl"
 PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
-NODE_KEY = "_ray_node"  # in a task's result: the node that ran it
 PARTIAL_SHARD_GLOB = ".shard-*.tar.tmp-*"  # a shard writer's temp file (shard_writer.write_shard)
 
 
@@ -168,21 +162,6 @@ def _our_outputs(out: Path) -> list[Path]:
     return shard_outputs(out) + extra + sorted(out.glob(PLAN_GLOB))
 
 
-def _prepare_work_dir(out: Path, fp: str, num_buckets: int, job: dict) -> Path:
-    work = out / WORK_DIR_NAME
-    wj = work / "work.json"
-    state = {"fingerprint": fp, "num_buckets": num_buckets, "row_format": ROW_FORMAT, "tool": TOOL, "job": job}
-    if wj.exists() and any(json.loads(wj.read_text()).get(k) != state[k] for k in ("num_buckets", "row_format")):
-        # Shards do not depend on the bucket count or the row encoding; only the intermediate runs do.
-        remove([work / "scan", work / "sorted", work / "dedup"])
-    for d in ("scan", "sorted", "dedup", "shards"):
-        (work / d).mkdir(parents=True, exist_ok=True)
-    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(PARTIAL_SHARD_GLOB)) + list(out.glob("shard-*.tar.idx.tmp"))
-    remove(stale + list(out.glob(f"{NV_META}.tmp-*")))
-    write_json_atomic(wj, state)
-    return work
-
-
 def _index_shard(index: EnergonIndexWriter, work: Path, name: str) -> None:
     index.add(name, ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()))
 
@@ -231,44 +210,6 @@ def auto_samples_per_shard(valid_bytes: int, records: int, target_bytes: int) ->
     return int(max(1, min(1_000_000, round(target_bytes / per_sample))))
 
 
-def _reporting_node(task: Callable[..., dict]) -> Callable[..., dict]:
-    """`task` as a Ray task whose result also says which node ran it (NODE_KEY; the driver
-    takes it out and counts tasks per node: the manifest's `run.task_nodes`)."""
-
-    @functools.wraps(task)
-    def run(*args, **kwargs) -> dict:
-        import ray
-
-        return {**task(*args, **kwargs), NODE_KEY: ray.get_runtime_context().get_node_id()}
-
-    return run
-
-
-def _run_resumable(prog, name: str, key: str, items: list, marker: Callable[[object], Path],
-                   submit: Callable[[object], object], on_result: Callable[[object, dict], None], resumed: Counter,
-                   max_in_flight: int, task_nodes: Counter) -> None:
-    """One stage of tasks that each leave a JSON done-marker (equal to their return value):
-    finished items are taken from their markers (counted in resumed[key]), the rest run on Ray."""
-    prog.stage(name, len(items))
-    todo = []
-    for item in items:
-        path = marker(item)
-        if path.exists():
-            on_result(item, json.loads(path.read_text()))
-            resumed[key] += 1
-            prog.advance(name)
-        else:
-            todo.append(item)
-
-    def done(item, result: dict) -> None:
-        task_nodes[result.pop(NODE_KEY)] += 1
-        on_result(item, result)
-        prog.advance(name)
-
-    prog.resumed(name, resumed[key], len(items), "task")
-    run_bounded(submit, todo, max_in_flight, done)
-
-
 def _mix_plan(spec: MixSpec, available: dict[str, int]) -> tuple[dict[str, int], dict[str, float]]:
     """(targets, factors) per mix group; listed groups absent from the data count as 0."""
     groups = {**{g: 0 for g, _ in spec.weights if g != "*"}, **available}
@@ -288,243 +229,211 @@ def unmatched_terms(cfg: PreprocessConfig, cur: Curation, kind: str, known: set[
     return "; ".join(problems) or None
 
 
-@resumable
+
+# ----------------------------------------------------------------------------- the job
+
+
 def run_preprocess(cfg: PreprocessConfig) -> dict:
-    """Run the whole job; returns the manifest. Raises PreprocessError on user errors, and
-    Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
-    from mmdata.preprocess.progress import JobProgress, summary_table
+    """Run the whole job (mmdata/stage_runner.py); returns the manifest. Raises PreprocessError on
+    user errors, and Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
+    return run_job(PreprocessJob(cfg))
 
-    t_start = time.perf_counter()
-    if cfg.dataset not in adapters.DATASETS:
-        raise PreprocessError(f"unknown --dataset {cfg.dataset!r}; expected one of {adapters.DATASETS}")
-    for flag, value in (("--samples-per-shard", cfg.samples_per_shard), ("--num-cpus", cfg.num_cpus),
-                        ("--num-buckets", cfg.num_buckets)):
-        if value is not None and value <= 0:
-            raise PreprocessError(f"{flag} must be a positive number, got {value}")
-    cur = parse_curation(cfg)
-    try:
-        units = adapters.list_units(cfg.dataset, [Path(p) for p in cfg.inputs], cfg.image_root)
-    except FileNotFoundError as e:
-        raise PreprocessError(str(e)) from None
-    if not units:
-        raise PreprocessError(f"no {cfg.dataset} input files found under {', '.join(map(str, cfg.inputs))}")
-    out = Path(cfg.output).resolve()
-    # Never read our own output back as input (e.g. --output inside an --input folder).
-    kept = [u for u in units if not Path(u.path).is_relative_to(out)]
-    units = [dataclasses.replace(u, index=i) for i, u in enumerate(kept)]
-    if not units:
-        raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
-    if cfg.dataset == "llava-json" and (problem := check_image_root(units)):
-        raise PreprocessError(problem)
-    if problem := unmatched_terms(cfg, cur, "subset", {subset_of(u) for u in units}):
-        raise PreprocessError(problem)  # subsets are the input folders: known before any work
-    job = _job_description(cfg, cur, units)
-    fp, inputs = fingerprint(job), job["inputs"]
-    done_manifest = check_output_dir(out, fp, job, cfg.overwrite, _our_outputs, PreprocessError, _manifest_job)
-    if done_manifest is not None:
-        print(f"{out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
-        if not cfg.keep_work_dir:  # killed between writing the manifest and cleaning up
-            shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
-        return done_manifest
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    num_buckets = cfg.num_buckets or default_num_buckets(sum(u.size for u in units))
-    work = _prepare_work_dir(out, fp, num_buckets, job)
-    spec = JobSpec(cfg.dataset, cfg.seed, num_buckets, cfg.validation, str(work), cur.filters, cur.dedup_distance,
-                   cur.dedup_scope, cur.mix.by if cur.mix else None,
-                   write_counting_tokenizer(cfg.tokenizer, work) if cfg.tokenizer else None, cfg.length_index)
-    phases: dict[str, float] = {}
-    t_phase = time.perf_counter()
 
-    def phase_done(name: str) -> None:
-        nonlocal t_phase
-        now = time.perf_counter()
-        phases[name] = round(now - t_phase, 3)
-        t_phase = now
+class PreprocessJob(ResumableJob):
+    """`mmdata preprocess` as the runner's stages: scan, (dedup find, dedup resolve), sort,
+    (merge repeats), write shards; then the finish step and the manifest."""
 
-    resumed: Counter[str] = Counter(scan=0, sort=0, shards=0)
-    task_nodes: Counter[str] = Counter()  # Ray tasks run per node id
-    counts = Counts()
-    groups: Counter[str] = Counter()  # kept records per mix group, after the filters
-    phash: Counter[str] = Counter()
-    loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
+    tool = TOOL
+    error = PreprocessError
+    work_dirs = ("scan", "sorted", "dedup", "shards")
+    settings_dirs = ("scan", "sorted", "dedup")  # (shards depend on neither bucket count nor row encoding)
 
-    def add_scan(unit: InputUnit, result: dict) -> None:
-        counts.merge(result)
-        groups.update(result.get("groups", {}))
-        phash.update(result.get("phash", {}))
-        loss.add(unit.index, result)
+    def __init__(self, cfg: PreprocessConfig):
+        self.options = self.cfg = cfg
+        self.counts = Counts()
+        self.groups: Counter[str] = Counter()  # kept records per mix group, after the filters
+        self.phash: Counter[str] = Counter()
+        self.dropped_by_group: Counter[str] = Counter()
+        self.realised: dict[str, Counter] = {}  # per mix group: kept / repeated / mixed_out
+        self.mix_report: dict | None = None
+        self.written = 0  # samples in the shards written so far
+        self.indexed: list[Future] = []  # shards handed to the energon index, in shard order
+        self.lengths_sha: str | None = None
 
-    todo = []
-    try:
-        for u in units:
-            marker = scan_file(work, u.index, "done.json")
-            if marker.exists():
-                add_scan(u, json.loads(marker.read_text()))
-                resumed["scan"] += 1
-            else:
-                todo.append(u)
-    except SystematicLoss as e:
-        raise PreprocessError(str(e)) from None
-    resumed_records = counts.read
-    import ray
+    def positive_flags(self) -> dict[str, float | None]:
+        return {"--samples-per-shard": self.cfg.samples_per_shard, "--num-buckets": self.cfg.num_buckets}
 
-    own_ray = init_ray(cfg.address, cfg.num_cpus)
-    phase_done("ray_init_s")
-    mix_report: dict | None = None
-    # One thread indexes the written shards for energon (in shard order, as they finish), then
-    # runs the finish step while Ray shuts down.
-    finishing = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")
-    index, indexed = EnergonIndexWriter(out), []
-    finish_submitted = False
-    try:
-        # SPREAD: tasks go round the nodes (each reads and writes the shared file system), rather
-        # than filling the driver's node first; on one node it changes nothing.
-        remote = {f.__name__: ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_reporting_node(f))
-                  for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket, sort_bucket, merge_bucket,
-                            write_shard_task)}
-        max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-        with JobProgress(cfg.progress) as prog:
-            # 1. scan + validate
-            prog.stage("scan+validate", len(units), base_records=resumed_records)
-            prog.resumed("scan+validate", resumed["scan"], len(units), "input file")
-            prog.advance("scan+validate", resumed["scan"], records=counts.read)
+    def check(self) -> None:
+        cfg = self.cfg
+        if cfg.dataset not in adapters.DATASETS:
+            raise PreprocessError(f"unknown --dataset {cfg.dataset!r}; expected one of {adapters.DATASETS}")
+        self.cur = parse_curation(cfg)
+        try:
+            units = adapters.list_units(cfg.dataset, [Path(p) for p in cfg.inputs], cfg.image_root)
+        except FileNotFoundError as e:
+            raise PreprocessError(str(e)) from None
+        if not units:
+            raise PreprocessError(f"no {cfg.dataset} input files found under {', '.join(map(str, cfg.inputs))}")
+        out = Path(cfg.output).resolve()
+        # Never read our own output back as input (e.g. --output inside an --input folder).
+        kept = [u for u in units if not Path(u.path).is_relative_to(out)]
+        self.units = [dataclasses.replace(u, index=i) for i, u in enumerate(kept)]
+        if not self.units:
+            raise PreprocessError(f"no {cfg.dataset} input files found outside the output folder {out}")
+        if cfg.dataset == "llava-json" and (problem := check_image_root(self.units)):
+            raise PreprocessError(problem)
+        if problem := unmatched_terms(cfg, self.cur, "subset", {subset_of(u) for u in self.units}):
+            raise PreprocessError(problem)  # subsets are the input folders: known before any work
 
-            def scanned(unit: InputUnit, result: dict) -> None:
-                add_scan(unit, result)
-                prog.advance("scan+validate", records=counts.read)
+    def identity(self, ray: RayCluster) -> Identity:
+        self.num_buckets = self.cfg.num_buckets or default_num_buckets(sum(u.size for u in self.units))
+        self.job = _job_description(self.cfg, self.cur, self.units)
+        return Identity(self.job, {"num_buckets": self.num_buckets, "row_format": ROW_FORMAT})
 
-            def scanned_by_ray(unit: InputUnit, result: dict) -> None:
-                task_nodes[result.pop(NODE_KEY)] += 1
-                scanned(unit, result)
+    def own_outputs(self, out: Path) -> list[Path]:
+        return _our_outputs(out)
 
-            run_bounded(lambda u: remote["scan_unit"].remote(u, spec), todo, max_in_flight, scanned_by_ray)
-            candidates, candidate_bytes = counts.written, counts.valid_bytes
-            phase_done("scan_s")
-            # sources are the records' own field: known once every file is scanned, before any output
-            if problem := unmatched_terms(cfg, cur, "source", set(counts.by_source)):
-                discard(out, work, created)
-                raise PreprocessError(problem)
-            # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
-            dropped_by_group: Counter[str] = Counter()
-            if spec.dedup:
-                _run_resumable(prog, "dedup: find", "dedup_find", list(range(num_buckets)), lambda p: dd.partition_marker(work, p),
-                               lambda p: remote["dedup_partition"].remote(p, len(units), num_buckets,
-                                                                          spec.dedup_distance, str(work)),
-                               lambda p, r: None, resumed, max_in_flight, task_nodes)
-                _run_resumable(prog, "dedup: resolve", "dedup_resolve", list(range(num_buckets)), lambda b: dd.resolve_marker(work, b),
-                               lambda b: remote["resolve_bucket"].remote(b, num_buckets, str(work)),
-                               lambda b, r: dropped_by_group.update(r["by_group"]), resumed, max_in_flight, task_nodes)
-                phase_done("dedup_s")
-            # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
-            mix_factors, spill = None, False
-            if cur.mix is not None:
-                by_key = {f"{dd.key64(g):016x}": g for g in groups}
-                available = {g: n - dropped_by_group.get(f"{dd.key64(g):016x}", 0) for g, n in groups.items()}
-                if set(dropped_by_group) - set(by_key):
-                    raise RuntimeError("internal: duplicates counted for a mix group no scan saw")
-                targets, mix_factors = _mix_plan(cur.mix, available)
-                spill = any(f > 1 for f in mix_factors.values())
-                mix_report = {"available": {g: available.get(g, 0) for g in targets}, "target": targets,
-                              "factor": {g: round(f, 6) for g, f in mix_factors.items()}}
-            bucket_counts = [0] * num_buckets
-            realised: dict[str, Counter] = {}
+    def saved_job(self, manifest: dict) -> dict | None:
+        return _manifest_job(manifest)
 
-            def sorted_(b: int, r: dict) -> None:
-                bucket_counts[b] = r["count"]
-                counts.add_curation(r["curation"])
-                for g, c in r["mix"].items():
-                    realised.setdefault(g, Counter()).update(c)
+    def stages(self, run: JobRun) -> Iterator[Stage]:
+        cfg, cur, units, work, nb = self.cfg, self.cur, self.units, run.work, self.num_buckets
+        spec = self.spec = JobSpec(
+            cfg.dataset, cfg.seed, nb, cfg.validation, str(work), cur.filters, cur.dedup_distance, cur.dedup_scope,
+            cur.mix.by if cur.mix else None, write_counting_tokenizer(cfg.tokenizer, work) if cfg.tokenizer else None,
+            cfg.length_index)
+        self.loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
+        scan, find, resolve, sort, merge, write = (
+            run.remote(f) for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket, sort_bucket, merge_bucket,
+                                    write_shard_task))
+        buckets = list(range(nb))
+        # 1. scan + validate
+        yield Stage("scan+validate", "scan", "scan_s", units, submit=lambda u: scan.remote(u, spec),
+                    recorded=json_marker(lambda u: scan_file(work, u.index, "done.json")), on_result=self._scanned,
+                    noun="input file", records=lambda: self.counts.read)
+        self.candidates, self.candidate_bytes = self.counts.written, self.counts.valid_bytes
+        # sources are the records' own field: known once every file is scanned, before any output
+        if problem := unmatched_terms(cfg, cur, "source", set(self.counts.by_source)):
+            run.refuse(problem)
+        # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
+        if spec.dedup:
+            yield Stage("dedup: find", "dedup_find", "dedup_s", buckets,
+                        submit=lambda p: find.remote(p, len(units), nb, spec.dedup_distance, str(work)),
+                        recorded=json_marker(lambda p: dd.partition_marker(work, p)))
+            yield Stage("dedup: resolve", "dedup_resolve", "dedup_s", buckets,
+                        submit=lambda b: resolve.remote(b, nb, str(work)),
+                        recorded=json_marker(lambda b: dd.resolve_marker(work, b)),
+                        on_result=lambda b, r: self.dropped_by_group.update(r["by_group"]))
+        # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
+        mix_factors, spill = self._mix_factors()
+        self.bucket_counts = [0] * nb
+        yield Stage("sort buckets", "sort", "sort_s", buckets,
+                    submit=lambda b: sort.remote(b, len(units), spec, mix_factors, spill),
+                    recorded=json_marker(lambda b: bucket_file(work, b, "done.json")), on_result=self._sorted)
+        if spill:  # repeated copies landed in other buckets: add them there
+            yield Stage("merge repeats", "merge", "sort_s", buckets, submit=lambda b: merge.remote(b, spec),
+                        recorded=json_marker(lambda b: bucket_file(work, b, "merged.json")),
+                        on_result=self._merged)
+        if sum(self.bucket_counts) != self.counts.written or not self.counts.reconciles():
+            raise RuntimeError(f"internal: buckets hold {sum(self.bucket_counts)} rows, "
+                               f"counts say {self.counts.to_json()}")
+        if sum(self.bucket_counts) == 0:  # leave nothing behind
+            run.refuse(_nothing_to_write(self.counts, len(units)))
+        if self.mix_report is not None:
+            self.mix_report["realised"] = {g: self.realised.get(g, Counter())["kept"]
+                                           + self.realised.get(g, Counter())["repeated"]
+                                           for g in self.mix_report["target"]}
+        # 4. write shards; each is indexed (on the runner's background thread) once it and all before it are written
+        self.sps = cfg.samples_per_shard or auto_samples_per_shard(self.candidate_bytes, self.candidates,
+                                                                   cfg.target_shard_bytes)
+        plans = plan_shards(self.bucket_counts, self.sps)
+        self.results: list[dict | None] = [None] * len(plans)
+        self.index = EnergonIndexWriter(run.out)
+        yield Stage("write shards", "shards", "write_s", plans, submit=lambda p: write.remote(p, spec, str(run.out), spill),
+                    on_result=lambda p, r: self._wrote(run, p, r), noun="shard", records=lambda: self.written,
+                    record_noun="samples")
 
-            _run_resumable(prog, "sort buckets", "sort", list(range(num_buckets)), lambda b: bucket_file(work, b, "done.json"),
-                           lambda b: remote["sort_bucket"].remote(b, len(units), spec, mix_factors, spill),
-                           sorted_, resumed, max_in_flight, task_nodes)
-            if spill:  # repeated copies landed in other buckets: add them there
+    # ------------------------------------------------------------------ stage results
 
-                def merged(b: int, r: dict) -> None:
-                    bucket_counts[b] = r["count"]
+    def _scanned(self, unit: InputUnit, result: dict) -> None:
+        self.counts.merge(result)
+        self.groups.update(result.get("groups", {}))
+        self.phash.update(result.get("phash", {}))
+        self.loss.add(unit.index, result)
 
-                _run_resumable(prog, "merge repeats", "merge", list(range(num_buckets)),
-                               lambda b: bucket_file(work, b, "merged.json"),
-                               lambda b: remote["merge_bucket"].remote(b, spec), merged, resumed, max_in_flight, task_nodes)
-            if sum(bucket_counts) != counts.written or not counts.reconciles():
-                raise RuntimeError(f"internal: buckets hold {sum(bucket_counts)} rows, counts say {counts.to_json()}")
-            if sum(bucket_counts) == 0:  # leave nothing behind
-                discard(out, work, created)
-                raise PreprocessError(_nothing_to_write(counts, len(units)))
-            if mix_report is not None:
-                mix_report["realised"] = {g: realised.get(g, Counter())["kept"] + realised.get(g, Counter())["repeated"]
-                                          for g in mix_report["target"]}
-            phase_done("sort_s")
-            # 4. write shards; each is indexed once it and all before it are written
-            sps = cfg.samples_per_shard or auto_samples_per_shard(candidate_bytes, candidates, cfg.target_shard_bytes)
-            plans = plan_shards(bucket_counts, sps)
-            results: list[dict | None] = [None] * len(plans)
-            prog.stage("write shards", len(plans))
-            written = [0]
+    def _mix_factors(self) -> tuple[dict[str, float] | None, bool]:
+        """The mix factor per group (None: no --mix), and whether any repeats records."""
+        if self.cur.mix is None:
+            return None, False
+        groups, dropped = self.groups, self.dropped_by_group
+        by_key = {f"{dd.key64(g):016x}": g for g in groups}
+        available = {g: n - dropped.get(f"{dd.key64(g):016x}", 0) for g, n in groups.items()}
+        if set(dropped) - set(by_key):
+            raise RuntimeError("internal: duplicates counted for a mix group no scan saw")
+        targets, mix_factors = _mix_plan(self.cur.mix, available)
+        self.mix_report = {"available": {g: available.get(g, 0) for g in targets}, "target": targets,
+                           "factor": {g: round(f, 6) for g, f in mix_factors.items()}}
+        return mix_factors, any(f > 1 for f in mix_factors.values())
 
-            def wrote(plan: ShardPlan, res: dict) -> None:
-                task_nodes[res.pop(NODE_KEY)] += 1
-                results[plan.index] = res
-                while len(indexed) < len(plans) and (done := results[len(indexed)]) is not None:
-                    indexed.append(finishing.submit(_index_shard, index, work, done["name"]))
-                resumed["shards"] += int(res["resumed"])
-                written[0] += res["samples"]
-                prog.advance("write shards", records=written[0], unit="samples")
+    def _sorted(self, bucket: int, result: dict) -> None:
+        self.bucket_counts[bucket] = result["count"]
+        self.counts.add_curation(result["curation"])
+        for g, c in result["mix"].items():
+            self.realised.setdefault(g, Counter()).update(c)
 
-            run_bounded(lambda p: remote["write_shard_task"].remote(p, spec, str(out), spill), plans,
-                        max_in_flight, wrote)
-            prog.resumed("write shards", resumed["shards"], len(plans), "shard", after=True)
-            phase_done("write_s")
-        # 5. finish: quarantine, duplicates, length index, energon index published, while Ray shuts down
-        shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in results]  # type: ignore[index]
-        text_tokens = None if not spec.lengths else "tokenizer" if spec.tokenizer else "estimate"
-        finished = finishing.submit(_finish_outputs, out, work, units, shards, num_buckets, spec.dedup, text_tokens,
-                                    index, indexed)
-        finish_submitted = True
-    except SystematicLoss as e:
-        raise PreprocessError(str(e)) from None
-    finally:
-        finishing.shutdown(wait=False, cancel_futures=not finish_submitted)
-        shutdown_ray(own_ray)
-    lengths_sha = finished.result()  # re-raises an error of the finishing step
-    phase_done("finish_s")
-    curation = cur.to_json()
-    if curation["dedup"] is not None:
-        curation["dedup"]["phash_images"] = {"from_field": phash["from_field"], "computed": phash["computed"]}
-    if mix_report is not None:
-        curation["mix"] = {**curation["mix"], **mix_report}
-    manifest = {
-        "tool": TOOL,
-        "version": mmdata.__version__,
-        "format_version": sf.FORMAT_VERSION,
-        "fingerprint": fp,
-        "dataset": cfg.dataset,
-        "seed": cfg.seed,
-        "samples_per_shard": sps,
-        "options": {"image_root": str(cfg.image_root) if cfg.image_root else None,
-                    "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
-        "inputs": inputs,
-        "job": {k: v for k, v in job.items() if k != "inputs"},
-        "counts": counts.to_json(),
-        "curation": curation,
-        "shards": [asdict(s) for s in shards],
-        "length_index": None if lengths_sha is None else {
-            "file": LENGTHS_NAME, "sha256": lengths_sha, "text_tokens": text_tokens,
-            "tokenizer_sha256": cur.tokenizer_sha256},
-        "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample", "split": {"train": len(shards)}},
-        "wall_time_s": round(time.perf_counter() - t_start, 3),
-        "run": {"output": str(out), "num_buckets": num_buckets, "resumed": dict(resumed), "phases": phases,
-                "task_nodes": dict(sorted(task_nodes.items())),
-                "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
-                "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
-    }
-    with deferred_interrupt():  # the manifest says "finished": then the work folder goes
-        write_json_atomic(out / sf.MANIFEST_NAME, manifest)
-        if not cfg.keep_work_dir:
-            shutil.rmtree(work, ignore_errors=True)
-    if cfg.progress:
-        from rich.console import Console
+    def _merged(self, bucket: int, result: dict) -> None:
+        self.bucket_counts[bucket] = result["count"]
 
-        Console(stderr=True).print(summary_table(manifest, out))
-    return manifest
+    def _wrote(self, run: JobRun, plan: ShardPlan, result: dict) -> None:
+        self.results[plan.index] = result
+        while len(self.indexed) < len(self.results) and (done := self.results[len(self.indexed)]) is not None:
+            self.indexed.append(run.background.submit(_index_shard, self.index, run.work, done["name"]))
+        self.written += result["samples"]
+
+    # ------------------------------------------------------------------ finish and manifest
+
+    def finish(self, run: JobRun) -> None:
+        self.shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in self.results]  # type: ignore[index]
+        self.text_tokens = None if not self.spec.lengths else "tokenizer" if self.spec.tokenizer else "estimate"
+        self.lengths_sha = _finish_outputs(run.out, run.work, self.units, self.shards, self.num_buckets,
+                                           self.spec.dedup, self.text_tokens, self.index, self.indexed)
+
+    def manifest(self, run: JobRun) -> dict:
+        cfg, cur, job = self.cfg, self.cur, self.job
+        curation = cur.to_json()
+        if curation["dedup"] is not None:
+            curation["dedup"]["phash_images"] = {"from_field": self.phash["from_field"],
+                                                 "computed": self.phash["computed"]}
+        if self.mix_report is not None:
+            curation["mix"] = {**curation["mix"], **self.mix_report}
+        return {
+            "tool": TOOL,
+            "version": mmdata.__version__,
+            "format_version": sf.FORMAT_VERSION,
+            "fingerprint": fingerprint(job),
+            "dataset": cfg.dataset,
+            "seed": cfg.seed,
+            "samples_per_shard": self.sps,
+            "options": {"image_root": str(cfg.image_root) if cfg.image_root else None,
+                        "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
+            "inputs": job["inputs"],
+            "job": {k: v for k, v in job.items() if k != "inputs"},
+            "counts": self.counts.to_json(),
+            "curation": curation,
+            "shards": [asdict(s) for s in self.shards],
+            "length_index": None if self.lengths_sha is None else {
+                "file": LENGTHS_NAME, "sha256": self.lengths_sha, "text_tokens": self.text_tokens,
+                "tokenizer_sha256": cur.tokenizer_sha256},
+            "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample",
+                        "split": {"train": len(self.shards)}},
+            "wall_time_s": run.wall_time_s(),
+            "run": {"output": str(run.out), "num_buckets": self.num_buckets, "resumed": run.resumed,
+                    "phases": run.phases, "task_nodes": dict(sorted(run.task_nodes.items())),
+                    "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
+                    "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
+        }
+
+    def summary(self, manifest: dict, out: Path):
+        from mmdata.preprocess.progress import summary_table
+
+        return summary_table(manifest, out)

@@ -8,12 +8,15 @@ be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
   plus one newline;
 - text tokens: with `--tokenizer DIR` exactly what the loader's `ChatTokenizer` makes of the
   conversation (Qwen2 chat template with the default system prompt, media placeholders not
-  counted); without one, an estimate (`estimate_text_tokens`).
+  counted); without one, an estimate (`estimate_text_tokens`);
+- vision tiles: what the vision tower encodes for the sample (1 + grid tiles of an anyres image,
+  one tile per image of a multi-image sample, one per sampled video frame): its share of the
+  vision work, which vision-aware balancing spreads (energon_loaders/balance.py).
 
 `DIR/lengths.parquet` has one row per written sample in output order: `index` (the global
 sample index; the shard key is `f"{index:010d}"`), `shard` (its shard's number), `text_tokens`,
-`image_tokens`, `total_tokens` (int32). Its metadata names how text was counted
-(`mmdata.text_tokens`: `tokenizer` or `estimate`).
+`image_tokens`, `total_tokens`, `vision_tiles` (int32; indexes written before it lack the
+column). Its metadata names how text was counted (`mmdata.text_tokens`: `tokenizer` or `estimate`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from mmdata.preprocess.shard_writer import sha256_file
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
 LENGTHS_NAME = "lengths.parquet"
+VISION_TILES = "vision_tiles"  # the index's column of tiles + frames per sample (indexes before it lack it)
 CJK_CHARS_PER_TOKEN = 1.5
 OTHER_CHARS_PER_TOKEN = 4.0
 TURN_OVERHEAD = 5  # <|im_start|> role "\n" ... <|im_end|> "\n"
@@ -66,6 +70,23 @@ def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     video = meta.get("video_size_frames")
     videos = [anyres.num_video_tokens(min(int(video[2]), DEFAULT_MAX_FRAMES))] if video else []
     return images, videos
+
+
+def media_tiles(record: dict, *, image_size: int = anyres.DEFAULT_IMAGE_SIZE, grid_max: int = anyres.DEFAULT_GRID_MAX,
+                video_frames: int = DEFAULT_MAX_FRAMES) -> int:
+    """Tiles and frames the vision tower encodes for a record, as the LLaVA-OV loader lays its
+    media out (from the validator's header sizes): a single image is its base tile plus its
+    anyres grid, each image of several one tile, a video its sampled frames. (`max_tiles` only
+    shrinks the features the grid becomes, not the tiles encoded.)"""
+    meta = record.get("meta") or {}
+    sizes = meta.get("image_sizes") or []
+    if len(sizes) == 1:
+        rows, cols = anyres.anyres_grid_shape(sizes[0][1], sizes[0][0], image_size, grid_max)
+        tiles = 1 + rows * cols
+    else:
+        tiles = len(sizes)
+    video = meta.get("video_size_frames")
+    return tiles + (min(int(video[2]), video_frames) if video else 0)
 
 
 COUNTING_TOKENIZER_NAME = "counting-tokenizer.json"
@@ -126,23 +147,23 @@ def _chat_tokenizer(path: str):
 
 
 class LengthCounter:
-    """(text tokens, media tokens) of a normalised record; one per scan task."""
+    """(text tokens, media tokens, vision tiles) of a normalised record; one per scan task."""
 
     def __init__(self, tokenizer: str | None = None):
         self.tokenizer = tokenizer
 
-    def __call__(self, record: dict) -> tuple[int, int]:
+    def __call__(self, record: dict) -> tuple[int, int, int]:
         images, videos = media_tokens(record)
-        media = sum(images) + sum(videos)
+        media, tiles = sum(images) + sum(videos), media_tiles(record)
         if self.tokenizer is None:
-            return estimate_text_tokens(record["conversations"]), media
+            return estimate_text_tokens(record["conversations"]), media, tiles
         from mmdata.energon_loaders.llava_ov.chat_template import ConversationError
 
         try:
             toks = _chat_tokenizer(self.tokenizer).tokenize(record["conversations"], images, videos)
         except ConversationError:  # the loader skips such a record; count what the text would be
-            return estimate_text_tokens(record["conversations"]), media
-        return len(toks) - sum(n for _, _, n in toks.media_spans), media
+            return estimate_text_tokens(record["conversations"]), media, tiles
+        return len(toks) - sum(n for _, _, n in toks.media_spans), media, tiles
 
 
 def tokenizer_fingerprint(path: str | Path) -> str:
@@ -159,7 +180,8 @@ def tokenizer_fingerprint(path: str | Path) -> str:
 
 # ----------------------------------------------------------------------------- the index file
 
-LENGTHS_DTYPE = np.dtype("<i4")  # per shard work file: rows of (text_tokens, image_tokens)
+LENGTHS_DTYPE = np.dtype("<i4")  # per shard work file: rows of (text_tokens, image_tokens, vision_tiles)
+LENGTHS_COLUMNS = 3
 
 
 def _arrow_column(pa, values: np.ndarray, type_):
@@ -176,15 +198,15 @@ def write_length_index(out: Path, parts: list[tuple[int, Path]], text_tokens: st
     import pyarrow.parquet as pq
 
     schema = pa.schema([("index", pa.int64()), ("shard", pa.int32()), ("text_tokens", pa.int32()),
-                        ("image_tokens", pa.int32()), ("total_tokens", pa.int32())],
+                        ("image_tokens", pa.int32()), ("total_tokens", pa.int32()), (VISION_TILES, pa.int32())],
                        metadata={"mmdata.text_tokens": text_tokens})
     tmp = out / f".{LENGTHS_NAME}.tmp"
     with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         for shard, (first, part) in enumerate(parts):
-            a = np.fromfile(part, dtype=LENGTHS_DTYPE).reshape(-1, 2)
+            a = np.fromfile(part, dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS)
             n = len(a)
             columns = [np.arange(first, first + n, dtype=np.int64), np.full(n, shard, dtype=np.int32),
-                       a[:, 0], a[:, 1], a[:, 0] + a[:, 1]]
+                       a[:, 0], a[:, 1], a[:, 0] + a[:, 1], a[:, 2]]
             writer.write_table(pa.Table.from_arrays(
                 [_arrow_column(pa, c, f.type) for c, f in zip(columns, schema)], schema=schema))
     tmp.replace(out / LENGTHS_NAME)

@@ -15,13 +15,16 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from mmdata.errors import UserError
+
 DEFAULT_MAX_FRACTION = 0.2
 DEFAULT_FIRST_RECORDS = 2000
 EXAMPLES = 3
 
 
-class SystematicLoss(Exception):
-    """One quarantine reason took more than the allowed fraction of the first records."""
+class SystematicLoss(UserError):
+    """One quarantine reason took more than the allowed fraction of the first records (exit 2:
+    a misconfiguration the user fixes)."""
 
 
 class LossCheck:

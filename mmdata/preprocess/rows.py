@@ -95,11 +95,11 @@ def load_grouped(path: Path, dtype: np.dtype, group: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- index rows
-ROW_FORMAT = 7  # bump when the encoding or the record content changes: unfinished jobs then rescan
+ROW_FORMAT = 8  # bump when the encoding or the record content changes: unfinished jobs then rescan
 # A row is the 8-byte big-endian shuffle key, then NUL-separated UTF-8 fields:
 #     rid \0 handle \0 source \0 subset \0 tokens \0 record_json (\0 path \0 offset \0 size \0 suffix)*
 # handle is "unit:ordinal" (the record's input file and its place among the file's kept
-# records: what dedup marks refer to); tokens is "text:media", the record's length-index counts
+# records: what dedup marks refer to); tokens is "text:media:tiles", the record's length-index counts
 # (made by the scan, which holds the parsed record, so the writer never parses it again);
 # numbers are decimal. The record JSON is stored as is (no
 # second escaping, no json.loads in the writer). The key is fixed width and NUL sorts below
@@ -109,10 +109,10 @@ ROW_FORMAT = 7  # bump when the encoding or the record content changes: unfinish
 
 
 def encode_row(key: int, rid: str, handle: tuple[int, int], source: str, subset: str, record_json: str,
-               media: Iterable[tuple[str, int, int, str]], tokens: tuple[int, int] = (0, 0)) -> bytes:
+               media: Iterable[tuple[str, int, int, str]], tokens: tuple[int, ...] = (0, 0, 0)) -> bytes:
     if "\0" in rid:
         raise ValueError(f"record id contains NUL: {rid!r}")
-    head = f"{rid}\0{handle[0]}:{handle[1]}\0{source}\0{subset}\0{tokens[0]}:{tokens[1]}\0"
+    head = f"{rid}\0{handle[0]}:{handle[1]}\0{source}\0{subset}\0{':'.join(str(int(n)) for n in tokens)}\0"
     # Names may hold undecodable bytes (surrogate escapes, as os.fsencode); the JSON must be UTF-8.
     refs = "".join(f"\0{path}\0{offset}\0{size}\0{suffix}" for path, offset, size, suffix in media)
     return b"".join((key.to_bytes(8, "big"), head.encode("utf-8", "surrogateescape"), record_json.encode(),
@@ -127,13 +127,12 @@ def row_head(row: bytes) -> tuple[str, tuple[int, int], str, str]:
             subset.decode("utf-8", "surrogateescape"))
 
 
-def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]], tuple[int, int]]:
-    """(record JSON bytes, [(path, offset, size, suffix)], (text tokens, media tokens))."""
+def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]], tuple[int, ...]]:
+    """(record JSON bytes, [(path, offset, size, suffix)], (text tokens, media tokens, vision tiles))."""
     f = row[8:].split(b"\0")
     m = [x.decode("utf-8", "surrogateescape") for x in f[6:]]
-    text, _, media = f[4].partition(b":")
     return f[5], [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])], \
-        (int(text), int(media))
+        tuple(int(x) for x in f[4].split(b":"))
 
 
 def rekey_row(row: bytes, key: int, rid: str) -> bytes:

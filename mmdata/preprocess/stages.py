@@ -33,7 +33,7 @@ from mmdata.preprocess.curation.features import conversation_key, filter_fields,
 from mmdata.preprocess.curation.filters import FilterRule, first_failed
 from mmdata.preprocess.curation.mix import copies
 from mmdata.preprocess.energon_meta import TAR_INDEX_SUFFIX, write_tar_index
-from mmdata.preprocess.lengths import LENGTHS_DTYPE, LengthCounter
+from mmdata.preprocess.lengths import LENGTHS_COLUMNS, LENGTHS_DTYPE, LengthCounter
 from mmdata.preprocess.manifest import Counts
 from mmdata.preprocess.quarantine import quarantine_line
 from mmdata.preprocess.rows import (
@@ -138,7 +138,7 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
             handle = (unit.index, kept)
             kept += 1
             media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
-            tokens = lengths(res.record) if lengths else (0, 0)
+            tokens = lengths(res.record) if lengths else (0, 0, 0)
             by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media, tokens))
             counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
             group = spec.group_of(source, subset) if spec.mix_by else ""
@@ -371,7 +371,7 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
     # length index before the marker.
     write_tar_index(path, layout)
     write_bytes_atomic(layout_path, layout.to_json().encode())
-    write_bytes_atomic(lengths_path, np.array([r[2] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, 2).tobytes())
+    write_bytes_atomic(lengths_path, np.array([r[2] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS).tobytes())
     write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}
 

@@ -4,7 +4,9 @@ Modules (one job each):
   token_format.py  the token shard contract (member names, grid encoding, the vq.json member)
   vq.py            Emu3ImageProcessor + Emu3VQVAE: load (safetensors only), fingerprint, encode
   stages.py        the job's two Ray stages: tokenize a chunk of samples, write a token shard
-  job.py           the driver: plan chunks, run the stages, energon index, manifest, quarantine
+  job.py           the job's stages for the stage runner (mmdata/stage_runner.py): plan chunks,
+                   energon index, manifest, quarantine
+  lengths.py       the length index of token shards (--tokenizer), for Emu3 packing plans
   cli.py           `mmdata tokenize-images`
   tiny_vq.py       `mmdata tiny-vq`: a tiny random Emu3 VQ model directory for tests and demos
 """

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
 from mmdata.vision_tokens.job import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA
 
 
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="same-size images per VQ forward (default: 1 on CPU, 8 on GPU)")
     parser.add_argument("--chunk-samples", type=int, default=DEFAULT_CHUNK_SAMPLES,
                         help=f"samples per chunk, the unit sent to a worker (default {DEFAULT_CHUNK_SAMPLES}; never changes the output)")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                        help="the Emu3 text tokenizer training uses (the recipe's tokenizer.path): also write "
+                             "lengths.parquet, each sample's exact length per Emu3 task, which `mmdata pack-plan` "
+                             "plans packing from (data.packing: plan)")
+    parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT, metavar="TEXT",
+                        help="with --tokenizer: the system prompt the lengths are counted with (the recipe's "
+                             f"data.system_prompt; default {DEFAULT_SYSTEM_PROMPT!r})")
     parser.add_argument("--overwrite", action="store_true", help="delete this tool's outputs in --output and start fresh")
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
 
@@ -61,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         input=args.shards, vision_tokenizer=args.vision_tokenizer, output=args.output,
         image_area=args.image_area or None, address=args.address, num_cpus=args.num_cpus, device=args.device,
         gpus_per_worker=args.gpus_per_worker, workers=args.workers, batch_size=args.batch_size, chunk_samples=args.chunk_samples,
-        overwrite=args.overwrite, progress=not args.no_progress,
+        overwrite=args.overwrite, progress=not args.no_progress, tokenizer=args.tokenizer,
+        system_prompt=args.system_prompt,
     )
     manifest = run_tokenize(cfg)
     c = manifest["counts"]

@@ -1,4 +1,5 @@
-"""The Ray job behind `mmdata tokenize-images` (the driver; the stages are in stages.py).
+"""The Ray job behind `mmdata tokenize-images`: its stages, declared for the resumable stage
+runner (mmdata/stage_runner.py), which runs the stage code of stages.py on Ray.
 
 1. tokenize - chunks (fixed runs of samples of one input shard) streamed to TokenizeWorker
               actors, each holding one VQ model for the whole job: decode, resize exactly as
@@ -8,11 +9,15 @@
               not tasks: Ray runs a GPU task in a fresh process each time (`max_calls=1`), which
               would reload the model for every chunk. Chunks finished by an earlier run are
               read by the driver; a worker that dies is restarted and its chunks sent again.
-2. write    - one task per shard (after the workers are gone): concatenate its chunks.
-3. finish   - energon index (.nv-meta naming VQTokenSample), quarantine.jsonl, manifest.json.
+              With --tokenizer, each written sample's lengths per Emu3 task are counted too.
+2. write    - one task per shard (after the workers are gone): concatenate its chunks (and
+              their lengths).
+3. finish   - quarantine.jsonl, lengths.parquet (--tokenizer: the length index `mmdata
+              pack-plan` plans Emu3 packing from), energon index (.nv-meta naming
+              VQTokenSample), manifest.json.
 
-Resumable like `mmdata preprocess` (markers under DIR/.mmdata-work/, the same output-folder
-checks, `--overwrite`, Ctrl-C handling and publish order: mmdata/ray_job.py), and
+Resumable like `mmdata preprocess`, by the same runner (markers under DIR/.mmdata-work/, the
+same output-folder checks and lock, `--overwrite`, Ctrl-C handling and publish order), and
 byte-deterministic whatever the number of workers.
 """
 
@@ -20,9 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
-import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -30,17 +33,21 @@ from pathlib import Path
 
 import mmdata
 from mmdata import shard_format as sf
-from mmdata.errors import UserError, deferred_interrupt
+from mmdata.actor_pool import run_on_actors
+from mmdata.errors import UserError
+from mmdata.energon_loaders.emu3.plan_lengths import KIND as LENGTH_INDEX_KIND
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
 from mmdata.preprocess.energon_meta import ShardLayout, write_energon_index
-from mmdata.preprocess.manifest import Counts, fingerprint, write_json_atomic
+from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint
+from mmdata.preprocess.manifest import Counts, fingerprint
 from mmdata.preprocess.quarantine import concat_parts
 from mmdata.preprocess.stages import shard_work_file
-from mmdata.ray_job import (check_output_dir, discard, init_ray, remove, resumable, run_bounded, shard_outputs,
-                             shutdown_ray)
+from mmdata.ray_job import shard_outputs
 from mmdata.readiness import unfinished_job
+from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, run_job
 from mmdata.units import plural
 from mmdata.vision_tokens import token_format as tf
-from mmdata.actor_pool import run_on_actors
+from mmdata.vision_tokens.lengths import write_token_length_index
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
                                          finished_chunk, write_token_shard)
 from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
@@ -54,7 +61,7 @@ WORKER_MAX_RESTARTS = 2  # Ray restarts a dead worker this often; its chunks are
 
 
 TOOL = "mmdata tokenize-images"
-WORK_DIR_NAME = sf.WORK_DIR_NAME
+PLAN_GLOB = "pack-plan-*.parquet"  # `mmdata pack-plan` outputs: stale once the shards change
 
 
 class TokenizeError(UserError):
@@ -77,6 +84,8 @@ class TokenizeConfig:
     overwrite: bool = False
     progress: bool = True
     keep_work_dir: bool = False
+    tokenizer: Path | None = None  # Emu3 text tokenizer: write the length index (vision_tokens/lengths.py)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # ... counted with this system prompt (the recipe's data.system_prompt)
 
 
 @dataclass
@@ -116,21 +125,6 @@ def _plan_chunks(shards: list[tuple[str, int]], chunk_samples: int) -> dict[str,
                    for i, start in enumerate(range(0, n, chunk_samples))] for name, n in shards}
 
 
-def _prepare_work_dir(out: Path, fp: str, chunk_samples: int, job: dict) -> Path:
-    work = out / WORK_DIR_NAME
-    wj = work / "work.json"
-    state = {"fingerprint": fp, "chunk_samples": chunk_samples, "tool": TOOL, "job": job}
-    if wj.exists() and json.loads(wj.read_text()).get("chunk_samples") != chunk_samples:
-        remove([work / "chunks", work / "shards"])  # other chunk boundaries: redo (the output is the same)
-    remove([work / "workers"])  # the load records of an earlier run's workers (counted per run)
-    for d in ("chunks", "shards", "workers"):
-        (work / d).mkdir(parents=True, exist_ok=True)
-    stale = list(work.rglob(".*.tmp-*")) + list(out.glob(".shard-*.tar.tmp-*")) + list(out.glob("shard-*.tar.idx.tmp"))
-    remove(stale + list(out.glob(f"{sf.ENERGON_META}.tmp-*")))
-    write_json_atomic(wj, state)
-    return work
-
-
 def _read_vq(cfg: TokenizeConfig) -> dict:
     """Validate the VQ dir and fingerprint its weights (in the driver, before any task runs)."""
     try:
@@ -145,10 +139,8 @@ def _read_vq(cfg: TokenizeConfig) -> dict:
             "config": ckpt.config, "processor": processor_settings(proc)}
 
 
-def _resolve_device(cfg: TokenizeConfig) -> str:
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0)
+def _resolve_device(cfg: TokenizeConfig, resources: dict) -> str:
+    gpus = resources.get("GPU", 0)
     if cfg.device == "auto":
         return "cuda" if gpus > 0 else "cpu"
     if cfg.device == "cuda" and gpus <= 0:
@@ -156,17 +148,36 @@ def _resolve_device(cfg: TokenizeConfig) -> str:
     return cfg.device
 
 
-def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str]) -> None:
-    """quarantine.jsonl, then energon's index (published atomically): `mmdata.yaml` names the token
-    sample type, `dataset.yaml` energon's InterleavedSample (energon_meta.py)."""
+def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str],
+                    length_index: dict | None) -> str | None:
+    """quarantine.jsonl, the length index (with --tokenizer: returns its sha256), then energon's
+    index (published atomically): `mmdata.yaml` names the token sample type, `dataset.yaml`
+    energon's InterleavedSample (energon_meta.py)."""
     parts = [chunk_file(work, c.shard, c.index, "quarantine.jsonl") for chunks in plan.values() for c in chunks]
     concat_parts(parts, out / sf.QUARANTINE_NAME)
+    lengths_sha = None
+    if length_index is not None:
+        lengths_sha = write_token_length_index(out, [shard_work_file(work, n, "lengths.json") for n in written],
+                                               length_index["tokenizer"], length_index["system_prompt"])
     layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
     write_energon_index(out, written, layouts, sample_type=tf.SAMPLE_TYPE)
+    return lengths_sha
 
 
-def _manifest_job(manifest: dict) -> dict | None:
-    return manifest.get("job") if isinstance(manifest.get("job"), dict) else None
+def _length_index_settings(cfg: TokenizeConfig) -> dict | None:
+    """What the length index is counted with (part of the job's identity), the tokenizer checked
+    here: None without --tokenizer."""
+    if cfg.tokenizer is None:
+        return None
+    from mmdata.energon_loaders.emu3.tasks import Emu3Tasks
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    try:
+        Emu3Tasks(load_local_tokenizer(cfg.tokenizer, "--tokenizer"), cfg.system_prompt)
+        sha = tokenizer_fingerprint(cfg.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise TokenizeError(f"--tokenizer {cfg.tokenizer}: {e}") from None
+    return {"tokenizer": sha, "system_prompt": cfg.system_prompt}
 
 
 def _worker_count(cfg: TokenizeConfig, res: dict, gpus: float, n_chunks: int) -> int:
@@ -214,153 +225,146 @@ def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_worke
             for i in range(n_workers)]
 
 
-@resumable
 def run_tokenize(cfg: TokenizeConfig) -> dict:
-    """Run the whole job; returns the manifest. Raises TokenizeError on user errors, and
-    Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
-    import ray
+    """Run the whole job (mmdata/stage_runner.py); returns the manifest. Raises TokenizeError on user
+    errors, and Interrupted (after shutting Ray down) on Ctrl-C: a rerun of the same job resumes it."""
+    return run_job(TokenizeJob(cfg))
 
-    from mmdata.preprocess.progress import JobProgress
 
-    t_start = time.perf_counter()
-    if cfg.chunk_samples <= 0:
-        raise TokenizeError("--chunk-samples must be positive")
-    if cfg.batch_size is not None and cfg.batch_size <= 0:
-        raise TokenizeError("--batch-size must be positive")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise TokenizeError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
-    if cfg.workers is not None and cfg.workers <= 0:
-        raise TokenizeError(f"--workers must be a positive number, got {cfg.workers}")
-    if cfg.gpus_per_worker <= 0:
-        raise TokenizeError(f"--gpus-per-worker must be positive, got {cfg.gpus_per_worker}")
-    if cfg.num_cpus is not None and cfg.num_cpus <= 0:
-        raise TokenizeError(f"--num-cpus must be a positive number, got {cfg.num_cpus}")
-    inp_dir, out = Path(cfg.input).resolve(), Path(cfg.output).resolve()
-    if out == inp_dir:
-        raise TokenizeError("--output must differ from the input shard folder")
-    if out.exists() and not out.is_dir():
-        raise TokenizeError(f"--output {out} is a file; give a folder (a new one, or one this tool wrote)")
-    inp = _read_input(inp_dir)
-    try:
-        check_vq_dir(cfg.vision_tokenizer)
-    except VQError as e:
-        raise TokenizeError(str(e)) from None
-    # The VQ checkpoint is read and fingerprinted while Ray starts (both take seconds).
-    pool = ThreadPoolExecutor(1, thread_name_prefix="mmdata-vq")
-    vq_future = pool.submit(_read_vq, cfg)
-    pool.shutdown(wait=False)
-    own_ray = init_ray(cfg.address, cfg.num_cpus)
-    try:
-        vq = vq_future.result()
-        device = _resolve_device(cfg)
-        batch_size = cfg.batch_size or (8 if device == "cuda" else 1)
+class TokenizeJob(ResumableJob):
+    """`mmdata tokenize-images` as the runner's stages: tokenize (chunks on actors), write shards;
+    then the finish step and the manifest."""
+
+    tool = TOOL
+    error = TokenizeError
+    work_dirs = ("chunks", "shards", "workers")
+    settings_dirs = ("chunks", "shards")  # other chunk boundaries: redo (the output is the same)
+    per_run_dirs = ("workers",)  # the load records of an earlier run's workers (counted per run)
+
+    def __init__(self, cfg: TokenizeConfig):
+        self.options = self.cfg = cfg
+        self.counts, self.stats = Counts(), dict.fromkeys(TOKEN_STATS, 0)
+        self.workers: list[dict] = []  # per worker: chunks, VQ loads, restarts
+        self.results: dict[str, dict] = {}  # per output shard
+        self.lengths_sha: str | None = None
+
+    def positive_flags(self) -> dict[str, float | None]:
+        cfg = self.cfg
+        return {"--chunk-samples": cfg.chunk_samples, "--batch-size": cfg.batch_size, "--workers": cfg.workers,
+                "--gpus-per-worker": cfg.gpus_per_worker}
+
+    def check(self) -> None:
+        cfg = self.cfg
+        if cfg.device not in ("auto", "cpu", "cuda"):
+            raise TokenizeError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+        self.inp_dir = Path(cfg.input).resolve()
+        if Path(cfg.output).resolve() == self.inp_dir:
+            raise TokenizeError("--output must differ from the input shard folder")
+        self.inp = _read_input(self.inp_dir)
+        try:
+            check_vq_dir(cfg.vision_tokenizer)
+        except VQError as e:
+            raise TokenizeError(str(e)) from None
+        self.length_index = _length_index_settings(cfg)
+
+    def identity(self, ray: RayCluster) -> Identity:
+        """The VQ checkpoint is read and fingerprinted while Ray starts (both take seconds); the
+        device (part of the identity: codes can differ at near-ties) depends on the cluster."""
         import torch
         import transformers
 
-        job = {"format_version": tf.TOKEN_FORMAT_VERSION, "input": inp.fingerprint, "vq": vq["fingerprint"],
-               "processor": vq["processor"], "device": device, "batch_size": batch_size,
-               "transformers": transformers.__version__, "torch": torch.__version__}
-        fp = fingerprint(job)
-        done_manifest = check_output_dir(out, fp, job, cfg.overwrite, shard_outputs, TokenizeError, _manifest_job)
-        if done_manifest is not None:
-            print(f"{out}: already complete for these shards and VQ model; nothing to do", file=sys.stderr)
-            if not cfg.keep_work_dir:
-                shutil.rmtree(out / WORK_DIR_NAME, ignore_errors=True)
-            return done_manifest
-        created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        work = _prepare_work_dir(out, fp, cfg.chunk_samples, job)
-        opts = TokenizeOptions(str(inp_dir), str(work), vq["path"], vq["fingerprint"], cfg.image_area, device,
-                               batch_size, threads=1)
-        plan = _plan_chunks(inp.shards, cfg.chunk_samples)
-        chunks = [c for cs in plan.values() for c in cs]
-        gpus = cfg.gpus_per_worker if device == "cuda" else 0
-        write_r = ray.remote(num_cpus=1)(write_token_shard)
-        res = ray.cluster_resources()
-        max_in_flight = max(2, 2 * int(res.get("CPU", 1)))
-        counts, stats = Counts(), dict.fromkeys(TOKEN_STATS, 0)
-        resumed = {"chunks": 0, "shards": 0}
-        phases: dict[str, float] = {"ray_init_s": round(time.perf_counter() - t_start, 3)}
-        workers: list[dict] = []
-        with JobProgress(cfg.progress) as prog:
-            t0 = time.perf_counter()
-            prog.stage("tokenize images", len(chunks))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="mmdata-vq")
+        vq_future = pool.submit(_read_vq, self.cfg)
+        pool.shutdown(wait=False)
+        ray.start()
+        self.vq = vq = vq_future.result()
+        self.device = _resolve_device(self.cfg, ray.resources())
+        self.batch_size = self.cfg.batch_size or (8 if self.device == "cuda" else 1)
+        self.job = {"format_version": tf.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
+                    "processor": vq["processor"], "device": self.device, "batch_size": self.batch_size,
+                    "transformers": transformers.__version__, "torch": torch.__version__,
+                    **({"length_index": self.length_index} if self.length_index else {})}
+        return Identity(self.job, {"chunk_samples": self.cfg.chunk_samples})
 
-            def tokenized(_chunk, r: dict) -> None:
-                counts.merge(r)
-                for k in TOKEN_STATS:
-                    stats[k] += r[k]
-                resumed["chunks"] += int(r["resumed"])
-                prog.advance("tokenize images", records=stats["images"], unit="images")
+    def own_outputs(self, out: Path) -> list[Path]:
+        return shard_outputs(out) + [p for p in (out / LENGTHS_NAME,) if p.exists()] + sorted(out.glob(PLAN_GLOB))
 
-            todo = []
-            for c in chunks:  # chunks an earlier run finished: read here, no worker (and no VQ) for them
-                done = finished_chunk(c, work)
-                if done is None:
-                    todo.append(c)
-                else:
-                    tokenized(c, done)
-            if todo:
-                workers = _tokenize_on_workers(todo, opts, _worker_count(cfg, res, gpus, len(todo)), gpus, tokenized)
-            prog.resumed("tokenize images", resumed["chunks"], len(chunks), "chunk", after=True)
-            if counts.written == 0:  # leave nothing behind
-                discard(out, work, created)
-                raise TokenizeError(f"no sample to write: all {plural(counts.read, 'sample')} were quarantined "
-                                    f"({', '.join(f'{r} {n:,}' for r, n in counts.to_json()['by_reason'].items())})")
-            phases["tokenize_s"] = round(time.perf_counter() - t0, 3)
-            t0 = time.perf_counter()
-            prog.stage("write shards", len(plan))
-            results: dict[str, dict] = {}
+    def stages(self, run: JobRun) -> Iterator[Stage]:
+        cfg, work = self.cfg, run.work
+        opts = TokenizeOptions(str(self.inp_dir), str(work), self.vq["path"], self.vq["fingerprint"], cfg.image_area,
+                               self.device, self.batch_size, threads=1,
+                               text_tokenizer=str(Path(cfg.tokenizer).resolve()) if self.length_index else None,
+                               system_prompt=cfg.system_prompt)
+        self.plan = _plan_chunks(self.inp.shards, cfg.chunk_samples)
+        self.chunks = [c for cs in self.plan.values() for c in cs]
+        self.gpus = cfg.gpus_per_worker if self.device == "cuda" else 0
 
-            def wrote(name, r: dict) -> None:
-                results[name] = r
-                resumed["shards"] += int(r["resumed"])
-                prog.advance("write shards")
+        def on_workers(todo: list[ChunkSpec], done) -> None:
+            n_workers = _worker_count(cfg, run.ray.resources(), self.gpus, len(todo))
+            self.workers = _tokenize_on_workers(todo, opts, n_workers, self.gpus, done)
 
-            run_bounded(lambda n: write_r.remote(n, len(plan[n]), str(work), str(out)), list(plan), max_in_flight,
-                        wrote)
-            prog.resumed("write shards", resumed["shards"], len(plan), "shard", after=True)
-            phases["write_s"] = round(time.perf_counter() - t0, 3)
-    finally:
-        shutdown_ray(own_ray)
-    t0 = time.perf_counter()
-    shards = [{k: results[n][k] for k in ("name", "samples", "bytes", "sha256")} for n in plan if results[n]["samples"]]
-    _finish_outputs(out, work, plan, [s["name"] for s in shards])
-    phases["finish_s"] = round(time.perf_counter() - t0, 3)
-    manifest = {
-        "tool": "mmdata tokenize-images",
-        "version": mmdata.__version__,
-        "format_version": tf.TOKEN_FORMAT_VERSION,
-        "fingerprint": fp,
-        "job": job,
-        "input": {"path": str(inp_dir), "fingerprint": inp.fingerprint,
-                  "manifest_fingerprint": (inp.manifest or {}).get("fingerprint")},
-        "vision_tokenizer": {k: vq[k] for k in ("path", "layout", "fingerprint", "config")},
-        "image_area": cfg.image_area,
-        "image_processor": vq["processor"],
-        "device": device,
-        "batch_size": batch_size,
-        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                     "megatron-energon": version("megatron-energon")},
-        "counts": {**counts.to_json(), "tokens": stats},
-        "shards": shards,
-        "energon": {"sample_type": ".".join(tf.SAMPLE_TYPE), "split": {"train": len(shards)}},
-        "wall_time_s": round(time.perf_counter() - t_start, 3),
-        "run": {"output": str(out), "chunk_samples": cfg.chunk_samples, "chunks": len(chunks), "resumed": resumed,
-                "phases": phases, "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
-                "num_cpus": cfg.num_cpus, "gpus_per_worker": gpus, "workers": len(workers),
-                "vq_loads": [w["vq_loads"] for w in workers], "worker_chunks": [w["chunks"] for w in workers],
-                "worker_restarts": [w["restarts"] for w in workers]},
-    }
-    with deferred_interrupt():  # the manifest says "finished": then the work folder goes
-        write_json_atomic(out / sf.MANIFEST_NAME, manifest)
-        if not cfg.keep_work_dir:
-            shutil.rmtree(work, ignore_errors=True)
-    if cfg.progress:
-        from rich.console import Console
+        # chunks an earlier run finished are read by the driver: no worker (and no VQ) for them
+        yield Stage("tokenize images", "chunks", "tokenize_s", self.chunks, execute=on_workers,
+                    recorded=lambda c: finished_chunk(c, work), on_result=self._tokenized, noun="chunk",
+                    records=lambda: self.stats["images"], record_noun="images")
+        if self.counts.written == 0:  # leave nothing behind
+            c = self.counts
+            run.refuse(f"no sample to write: all {plural(c.read, 'sample')} were quarantined "
+                       f"({', '.join(f'{r} {n:,}' for r, n in c.to_json()['by_reason'].items())})")
+        write = run.remote(write_token_shard)
+        yield Stage("write shards", "shards", "write_s", list(self.plan),
+                    submit=lambda n: write.remote(n, len(self.plan[n]), str(work), str(run.out), bool(self.length_index)),
+                    on_result=self.results.__setitem__, noun="shard")
 
-        Console(stderr=True).print(summary_table(manifest, out))
-    return manifest
+    def _tokenized(self, _chunk: ChunkSpec, result: dict) -> None:
+        self.counts.merge(result)
+        for k in TOKEN_STATS:
+            self.stats[k] += result[k]
+
+    def finish(self, run: JobRun) -> None:
+        self.shards = [{k: self.results[n][k] for k in ("name", "samples", "bytes", "sha256")}
+                       for n in self.plan if self.results[n]["samples"]]
+        self.lengths_sha = _finish_outputs(run.out, run.work, self.plan, [s["name"] for s in self.shards],
+                                           self.length_index)
+
+    def manifest(self, run: JobRun) -> dict:
+        import torch
+        import transformers
+
+        cfg, vq, workers = self.cfg, self.vq, self.workers
+        return {
+            "tool": TOOL,
+            "version": mmdata.__version__,
+            "format_version": tf.TOKEN_FORMAT_VERSION,
+            "fingerprint": fingerprint(self.job),
+            "job": self.job,
+            "input": {"path": str(self.inp_dir), "fingerprint": self.inp.fingerprint,
+                      "manifest_fingerprint": (self.inp.manifest or {}).get("fingerprint")},
+            "vision_tokenizer": {k: vq[k] for k in ("path", "layout", "fingerprint", "config")},
+            "image_area": cfg.image_area,
+            "image_processor": vq["processor"],
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                         "megatron-energon": version("megatron-energon")},
+            "counts": {**self.counts.to_json(), "tokens": self.stats},
+            "shards": self.shards,
+            "length_index": None if self.lengths_sha is None else {
+                "file": LENGTHS_NAME, "sha256": self.lengths_sha, "kind": LENGTH_INDEX_KIND,
+                "tokenizer_sha256": self.length_index["tokenizer"], "system_prompt": self.length_index["system_prompt"]},
+            "energon": {"sample_type": ".".join(tf.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
+            "wall_time_s": run.wall_time_s(),
+            "run": {"output": str(run.out), "chunk_samples": cfg.chunk_samples, "chunks": len(self.chunks),
+                    "resumed": run.resumed,
+                    "phases": run.phases, "task_nodes": dict(sorted(run.task_nodes.items())),
+                    "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
+                    "num_cpus": cfg.num_cpus, "gpus_per_worker": self.gpus, "workers": len(workers),
+                    "vq_loads": [w["vq_loads"] for w in workers], "worker_chunks": [w["chunks"] for w in workers],
+                    "worker_restarts": [w["restarts"] for w in workers]},
+        }
+
+    def summary(self, manifest: dict, out: Path):
+        return summary_table(manifest, out)
 
 
 def summary_table(manifest: dict, out: Path | None = None):

@@ -5,7 +5,8 @@ last, so a retried or resumed chunk gives the same bytes.
 - TokenizeWorker (an actor: loads the VQ once) runs tokenize_chunk: decode, resize
   (Emu3ImageProcessor) and VQ-encode the images of a fixed run of samples of one input shard;
   spill the output samples' members and quarantine lines.
-- write_token_shard: concatenate a shard's chunks into the output shard (+ energon .tar.idx).
+- write_token_shard: concatenate a shard's chunks into the output shard (+ energon .tar.idx and,
+  with --tokenizer, the shard's part of the length index: vision_tokens/lengths.py).
 
 A chunk's output depends only on its samples, the VQ model and the options (never on which
 worker ran it, or how many), and chunks are fixed runs of `chunk_samples` samples, so the
@@ -17,13 +18,13 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mmdata import shard_format as sf
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
 from mmdata.preprocess.energon_meta import write_tar_index
 from mmdata.preprocess.manifest import Counts
 from mmdata.preprocess.quarantine import quarantine_line
@@ -31,6 +32,7 @@ from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_sha
 from mmdata.preprocess.stages import shard_work_file
 from mmdata.preprocess.tar_scan import list_tar
 from mmdata.vision_tokens import token_format as tf
+from mmdata.vision_tokens.lengths import shard_part
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class TokenizeOptions:
     device: str  # "cpu" | "cuda"
     batch_size: int  # same-size images per VQ forward
     threads: int  # torch threads per worker
+    text_tokenizer: str | None = None  # Emu3 text tokenizer folder: count each sample's lengths (lengths.py)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # ... with this system prompt
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class TokenizeWorker:
 
         self.opts, self.index = opts, index
         self.vt = load_vision_tokenizer(opts)
+        self.tasks = load_text_tasks(opts)
         self.process = {"worker": index, "host": socket.gethostname(), "pid": os.getpid()}
         path = worker_file(opts.work, index, self.process["host"], self.process["pid"])
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +145,28 @@ class TokenizeWorker:
     def tokenize(self, spec: ChunkSpec) -> dict:
         """The chunk's counts, and which process did it with how many VQ loads so far (1, unless
         something reloads the model per chunk)."""
-        return {**tokenize_chunk(spec, self.opts, self.vt), **self.process, "vq_loads": vq_loads_in_process()}
+        return {**tokenize_chunk(spec, self.opts, self.vt, self.tasks), **self.process, "vq_loads": vq_loads_in_process()}
+
+
+def load_text_tasks(opts: TokenizeOptions):
+    """The Emu3 task renderer the loader uses (tasks.py) over the text tokenizer, to count each
+    sample's lengths; None without --tokenizer."""
+    if opts.text_tokenizer is None:
+        return None
+    from mmdata.energon_loaders.emu3.tasks import Emu3Tasks
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    return Emu3Tasks(load_local_tokenizer(opts.text_tokenizer, "--tokenizer"), opts.system_prompt)
+
+
+def record_lengths(tasks, record: dict | None, grids: list[np.ndarray]) -> list[int]:
+    """A written record's lengths per task, as the loader will encode it (plan_lengths.py)."""
+    from mmdata.energon_loaders.emu3.plan_lengths import UNENCODABLE, sample_lengths
+
+    conversations = (record or {}).get("conversations")
+    if not isinstance(conversations, list) or not all(isinstance(t, dict) for t in conversations):
+        return [UNENCODABLE, UNENCODABLE, 0]  # the loader cannot read it as a conversation
+    return list(sample_lengths(tasks, conversations, grids))
 
 
 class _Rejected(Exception):
@@ -219,9 +245,10 @@ def finished_chunk(spec: ChunkSpec, work: str | Path) -> dict | None:
     return {**json.loads(marker.read_text())["counts"], "resumed": True}
 
 
-def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt) -> dict:
-    """Tokenize the images of samples [start, stop) of one input shard with the loaded VQ `vt`.
-    Returns the chunk's counts; its output samples and quarantine lines go to the work folder."""
+def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> dict:
+    """Tokenize the images of samples [start, stop) of one input shard with the loaded VQ `vt`
+    (and with `tasks`, load_text_tasks, count each written sample's lengths). Returns the chunk's
+    counts; its output samples, their lengths and quarantine lines go to the work folder."""
     if (done := finished_chunk(spec, opts.work)) is not None:
         return done
     marker = chunk_file(opts.work, spec.shard, spec.index, "json")
@@ -243,6 +270,7 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt) -> dict:
     encoder.flush()
     blob = bytearray()
     index: list[list] = []
+    lengths: list[list[int]] = []
     for rec in records:
         record = _record_or_none(rec.record_json)
         source = (record or {}).get("source", "") or ""
@@ -266,12 +294,15 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt) -> dict:
             entry.append([suffix, len(blob), len(data)])
             blob += data
         index.append([rec.key, entry])
+        if tasks is not None:
+            lengths.append(record_lengths(tasks, record, rec.grids))
         counts.add_record(source, True, nbytes=sum(len(d) for _, d in members))
     _write_atomic(chunk_file(opts.work, spec.shard, spec.index, "bin"), bytes(blob))
     _write_atomic(chunk_file(opts.work, spec.shard, spec.index, "quarantine.jsonl"),
                   "".join(q + "\n" for q in qlines).encode())
     result = {**counts.to_json(), **stats}
-    _write_atomic(marker, json.dumps({"counts": result, "samples": index}).encode())
+    _write_atomic(marker, json.dumps({"counts": result, "samples": index,
+                                      **({"lengths": lengths} if tasks is not None else {})}).encode())
     return {**result, "resumed": False}
 
 
@@ -321,24 +352,25 @@ def _prepare(key: str, parts: dict[str, bytes], vt, encoder: _Encoder) -> _Pendi
 # ----------------------------------------------------------------------------- stage 2
 
 
-def write_token_shard(shard: str, num_chunks: int, work: str, out: str) -> dict:
-    """Write one output shard from its chunks (or keep it if a previous run wrote it)."""
+def write_token_shard(shard: str, num_chunks: int, work: str, out: str, lengths: bool = False) -> dict:
+    """Write one output shard from its chunks (or keep it if a previous run wrote it), and with
+    `lengths` its part of the length index."""
     w, o = Path(work), Path(out)
     path, marker = o / shard, shard_work_file(w, shard, "json")
-    layout_path = shard_work_file(w, shard, "layout.json")
+    layout_path, lengths_path = shard_work_file(w, shard, "layout.json"), shard_work_file(w, shard, "lengths.json")
     if marker.exists():
         done = json.loads(marker.read_text())
-        if done["samples"] == 0 or (path.exists() and layout_path.exists() and sha256_file(path) == done["sha256"]):
+        if done["samples"] == 0 or (path.exists() and layout_path.exists() and (lengths_path.exists() or not lengths)
+                                    and sha256_file(path) == done["sha256"]):
             return {**done, "resumed": True}
-
-    def samples() -> Iterator[SampleMembers]:
-        for c in range(num_chunks):
-            index = json.loads(chunk_file(w, shard, c, "json").read_text())["samples"]
-            blob = chunk_file(w, shard, c, "bin").read_bytes()
-            for key, members in index:
-                yield SampleMembers(key, [(suffix, blob[off:off + size]) for suffix, off, size in members])
-
-    items = list(samples())
+    items, keys, sample_lengths = [], [], []
+    for c in range(num_chunks):
+        chunk = json.loads(chunk_file(w, shard, c, "json").read_text())
+        blob = chunk_file(w, shard, c, "bin").read_bytes()
+        for key, members in chunk["samples"]:
+            items.append(SampleMembers(key, [(suffix, blob[off:off + size]) for suffix, off, size in members]))
+            keys.append(key)
+        sample_lengths += chunk.get("lengths", [])
     if not items:  # every record quarantined: no shard (energon would list an empty one)
         path.unlink(missing_ok=True)
         done = {"name": shard, "samples": 0, "bytes": 0, "sha256": ""}
@@ -346,6 +378,8 @@ def write_token_shard(shard: str, num_chunks: int, work: str, out: str) -> dict:
         result, layout = write_shard(path, items)
         write_tar_index(path, layout)
         _write_atomic(layout_path, layout.to_json().encode())
+        if lengths:
+            _write_atomic(lengths_path, shard_part(keys, sample_lengths))
         done = asdict(result)
     _write_atomic(marker, json.dumps(done).encode())
     return {**done, "resumed": False}

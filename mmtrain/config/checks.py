@@ -19,6 +19,7 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     _optimizer(r, errors)
     _layout(r, errors)
     _recompute(r, errors)
+    _vision_layout(r, spec, errors)
     _auto_tune(r, errors)
     _parts(r, spec, errors)
     if r.action == "run":
@@ -131,6 +132,27 @@ def _recompute(r: Recipe, errors: RecipeErrors) -> None:
     elif p.recompute_num_layers and p.recompute != "full":
         errors.add(("parallel", "recompute_num_layers"), f"a number of recomputed layers needs parallel.recompute="
                    f"full, got {p.recompute!r}", [("parallel", "recompute")])
+
+
+def _vision_layout(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
+    """`parallel.vision.tp`: null, 1 or parallel.tp, for a family with a media encoder."""
+    from mmtrain.models.encoder_parallel import check_encoder_tp
+
+    p, key = r.parallel, ("parallel", "vision", "tp")
+    wanted = [("auto_tune", "vision_tp", v) for v in r.auto_tune.vision_tp if v is not None]
+    if p.vision.tp is None and not wanted:
+        return
+    if spec.model_shapes(r.model).encoder is None:
+        where = key if p.vision.tp is not None else ("auto_tune", "vision_tp")
+        errors.add(where, f"family {spec.name} has no vision tower trained with the model; leave it null")
+        return
+    if p.vision.tp is not None:
+        if p.vision.tp < 1:
+            errors.add(key, f"must be >= 1 or null, got {p.vision.tp}")
+        elif (problem := check_encoder_tp(p.vision.tp, p.tp)) is not None:
+            errors.add(key, problem, [("parallel", "tp")])
+    if any(v < 1 for *_, v in wanted):
+        errors.add(("auto_tune", "vision_tp"), f"candidates must be >= 1 or null, got {r.auto_tune.vision_tp}")
 
 
 def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:

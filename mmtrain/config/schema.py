@@ -47,6 +47,11 @@ class DataConfig:
     #   global batch (identical batches for any TP/PP/DP layout, resumable across DP sizes;
     #   costs dp x the decoding work - for tests, layout changes and small DP)
     sharding: Sharding = "dp"
+    # vision-aware balancing: each step's packed rows are spread over the DP ranks and the
+    # micro-batches by cost, tokens + the vision tower's tiles (rows move between DP ranks; what a
+    # sample contributes is unchanged). With packing: plan, the plan must be balanced for the
+    # recipe's step shape (`mmdata pack-plan --recipe`). mmdata.energon_loaders.balance
+    balance: bool = False
     # held-out shard dirs (or one metadataset YAML) for `train.eval_interval`; read with the
     # same loader settings, the recipe's seed and no state carried between evaluations
     val_paths: list[str] = field(default_factory=list, metadata=PATH)
@@ -91,6 +96,16 @@ class OptimizerConfig:
 
 
 @dataclass
+class VisionParallelConfig:
+    """The vision tower's own parallel layout (mmtrain/models/encoder_parallel.py)."""
+
+    # null: the language model's (TP-sharded like it; under CP each rank encodes its chunk's media);
+    # 1: a whole tower per rank, the micro-batch's tiles split over the TP x CP group and the
+    # outputs all-gathered; parallel.tp: sharded like the language model, the tiles split over CP
+    tp: int | None = None
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
@@ -121,6 +136,7 @@ class ParallelConfig:
     transformer_impl: TransformerImpl = "local"
     # a collective that waits longer fails (the rank's peer died or hangs), and the job exits
     collective_timeout_mins: float = 30.0
+    vision: VisionParallelConfig = field(default_factory=VisionParallelConfig)
 
     @property
     def world_size(self) -> int:
@@ -181,6 +197,9 @@ class AutoTuneConfig:
     sequence_parallel: list[bool] = field(default_factory=list)  # auto: both where tp > 1
     # auto: both on CUDA where dp > 1; the recipe's value on CPU (the substitute does not shard)
     distributed_optimizer: list[bool] = field(default_factory=list)
+    # the vision tower's layout (parallel.vision.tp; null = the language model's); auto: null and 1
+    # where tp x cp > 1 and the family has a media encoder
+    vision_tp: list[int | None] = field(default_factory=list)
     # the utilisation band's lower edge: layouts whose estimate uses less than this share of
     # device_memory_gb are pruned as wasteful (FlagScale: 0.2); 0 keeps them
     min_memory_fraction: float = 0.0

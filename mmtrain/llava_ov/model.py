@@ -11,6 +11,11 @@ Packed sequences run in megatron's THD layout. Under context parallelism the *em
 (after the media features are spliced in) is split over the CP ranks (`models.context_parallel`),
 labels with it; the vision tower encodes only the media a rank holds positions of.
 
+The vision tower's own layout (`parallel.vision.tp`, `ParallelOptions.encoder_tp`): the ranks of
+the TP x CP group split the micro-batch's tiles, each encodes its share, and the tower outputs are
+all-gathered before the projector (`models.encoder_parallel`; the projector stays with the
+language model's TP and, under CP, runs on the media this rank holds).
+
 Pipeline parallelism: the vision tower, projector, layout and embedding live on the first stage
 (`pre_process`), the output layer / loss on the last (`post_process`).
 """
@@ -29,6 +34,14 @@ from mmtrain.llava_ov.layout import pack_media_features
 from mmtrain.llava_ov.projector import build_projector, projector_transformer_config
 from mmtrain.llava_ov.vision import SiglipVisionModel, vision_transformer_config
 from mmtrain.models.context_parallel import CPLayout, current_layout
+from mmtrain.models.encoder_parallel import (
+    EncoderShare,
+    broadcast_over_tp,
+    gather_shares,
+    mark_replicated_over_tp,
+    replicated_sharded_state_dict,
+    scale_gradient,
+)
 from mmtrain.models.language_model import embed_tokens, packed_decoder_forward
 from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs
 from mmtrain.models.stage_model import DecoderStageModel
@@ -52,36 +65,76 @@ class LlavaOVModel(DecoderStageModel):
     def build_encoders(self, options: ParallelOptions) -> None:
         self.vision_model: Optional[SiglipVisionModel] = None
         self.vision_projection = None
+        #: the tower's own layout (None: the language model's)
+        self.encoder_share: Optional[EncoderShare] = None
         if not self.pre_process:
             return
         cfg = self.cfg
         # the vision tower and projector run whole on the first stage: no SP, no PP split
         base = base_config_kwargs(cfg.params_dtype, options, sequence_parallel=False) | {"pipeline_model_parallel_size": 1}
-        self.vision_model = SiglipVisionModel(cfg.vision, vision_transformer_config(cfg.vision, base))
+        tower_base, tower_groups = base, None
+        if options.encoder_tp is not None:
+            from mmtrain.runtime.distributed import compute_device
+
+            self.encoder_share = EncoderShare.create(options.encoder_tp, compute_device())
+            tower_base = base | {"tensor_model_parallel_size": options.encoder_tp}
+            tower_groups = self.encoder_share.tower_process_groups()
+        self.vision_model = SiglipVisionModel(cfg.vision, vision_transformer_config(cfg.vision, tower_base),
+                                              pg_collection=tower_groups)
+        if self.encoder_share is not None and self.encoder_share.replicated_over_tp:
+            mark_replicated_over_tp(self.vision_model)
+            if options.perform_initialization:
+                broadcast_over_tp(self.vision_model)
         self.vision_projection = build_projector(cfg, projector_transformer_config(cfg, base))
         self.image_newline = torch.nn.Parameter(
             torch.randn(cfg.llm.hidden_size, dtype=self.config.params_dtype) / cfg.llm.hidden_size**0.5
         )
 
     # ------------------------------------------------------------------ pieces
-    def media_embeddings(self, batch: LlavaOVBatch, media: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def media_embeddings(self, batch: LlavaOVBatch, media: Optional[torch.Tensor] = None,
+                         tower_out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Projected + laid-out features of the batch's media (all, or the media indices
-        `media`, in order), [positions, hidden]."""
+        `media`, in order), [positions, hidden]. `tower_out`: the tower's output for all the
+        batch's tiles when it was computed already (the separate layout), else it runs here."""
         assert self.vision_model is not None and self.vision_projection is not None
         # the metadata are host tensors (LlavaOVBatch.HOST_FIELDS): these reads never sync
-        pixels, tiles, kind, sizes = batch.pixel_values, batch.tiles_per_media, batch.media_kind, batch.image_sizes
+        tiles, kind, sizes = batch.tiles_per_media, batch.media_kind, batch.image_sizes
         grids, counts = batch.grid_shapes, batch.num_media_tokens
+        source = batch.pixel_values if tower_out is None else tower_out
         if media is not None:
             first_tile = torch.cumsum(tiles, 0) - tiles
             tile_idx = torch.cat([torch.arange(int(first_tile[m]), int(first_tile[m] + tiles[m])) for m in media.tolist()])
-            pixels = pixels.index_select(0, host_to_device(tile_idx, pixels.device))
+            source = source.index_select(0, host_to_device(tile_idx, source.device))
             tiles, kind, sizes = tiles[media], kind[media], sizes[media]
             grids = grids[media] if grids is not None else None
             counts = counts[media] if counts is not None else None
-        if pixels.dtype == torch.uint8:  # the loader's tiles: normalised here, on the device
-            pixels = normalise_pixels(pixels, batch.pixel_mean, batch.pixel_std)
-        feats = self.vision_projection(self.vision_model(pixels))
+        if tower_out is None:
+            source = self.vision_model(self._normalised(source, batch))
+        feats = self.vision_projection(source)
         return pack_media_features(feats, tiles, kind, sizes, grids, self.image_newline, self.cfg, counts)
+
+    @staticmethod
+    def _normalised(pixels: torch.Tensor, batch: LlavaOVBatch) -> torch.Tensor:
+        if pixels.dtype == torch.uint8:  # the loader's tiles: normalised here, on the device
+            return normalise_pixels(pixels, batch.pixel_mean, batch.pixel_std)
+        return pixels
+
+    def _encode_shares(self, batch: LlavaOVBatch) -> torch.Tensor:
+        """The separate layout: this rank encodes its share of the batch's tiles and receives
+        everyone's; [tiles, patches, vision hidden]. Collective over the TP x CP group."""
+        share = self.encoder_share
+        assert share is not None and self.vision_model is not None
+        pixels = batch.pixel_values
+        first, count, sizes = share.my_tiles(pixels.shape[0])
+        if count:
+            local = self.vision_model(self._normalised(pixels[first : first + count], batch))
+        else:
+            v, w = self.cfg.vision, self.vision_model.conv1.weight
+            local = torch.zeros((0, v.num_patches, v.hidden_size), dtype=w.dtype, device=w.device)
+            if torch.is_grad_enabled() and any(p.requires_grad for p in self.vision_model.parameters()):
+                # no tile for this rank: an empty share that still reaches every tower parameter
+                local = local + self.vision_model.one_patch_output().sum() * 0.0
+        return gather_shares(scale_gradient(local, share.grad_scale), share, sizes)
 
     def _decoder_input(self, batch: LlavaOVBatch, layout: CPLayout) -> torch.Tensor:
         """Token embeddings of this rank's share of the stream with the media features spliced
@@ -94,15 +147,21 @@ class LlavaOVModel(DecoderStageModel):
         encoded = False
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
             rows, media, feature_rows = self._local_media(batch, layout, is_media, emb.device)
+            # the separate layout encodes on every rank, media held or not (a collective)
+            tower_out = self._encode_shares(batch) if self.encoder_share is not None else None
             if media is None or media.numel():
                 encoded = True
-                feats = self.media_embeddings(batch, media).to(emb.dtype)
+                feats = self.media_embeddings(batch, media, tower_out).to(emb.dtype)
                 if media is None and feats.shape[0] != n_pos:
                     raise ValueError(
                         f"input_ids hold {n_pos} image/video placeholder tokens but the media give {feats.shape[0]} features"
                     )
                 emb = emb.clone()
                 emb[rows, 0] = feats if feature_rows is None else feats[feature_rows]
+            elif tower_out is not None and tower_out.requires_grad:
+                # no media position here: the gathered output still takes part in the backward,
+                # whose all-reduce over the CP group every rank joins
+                emb = emb + tower_out.sum().to(emb.dtype) * 0.0
         elif n_pos:
             raise ValueError(f"input_ids hold {n_pos} image/video placeholder tokens but the batch has no pixel_values")
         if not encoded and self._encoders_need_grad():
@@ -158,6 +217,14 @@ class LlavaOVModel(DecoderStageModel):
         slot = torch.searchsorted(media, media_of)
         feature_rows = feature - first[media_of] + first_encoded[slot]
         return host_to_device(rows, device), media, host_to_device(feature_rows, device)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """megatron's, with a tower replicated over TP saved as megatron saves TP-replicated
+        tensors (models/encoder_parallel.py): whole, by TP rank 0."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.encoder_share is not None and self.encoder_share.replicated_over_tp:
+            sharded = replicated_sharded_state_dict(sharded, f"{prefix}vision_model.")
+        return sharded
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: LlavaOVBatch, return_logits: bool = False) -> torch.Tensor:

@@ -10,5 +10,7 @@
   state_dict_adapter.py  HF <-> megatron streaming adapters, qkv / gate-up layouts, the Llama-style
                          decoder (Llama, Qwen2), decoder HF config mappings
   model_io.py            canonical tensors <-> a TP/PP-sharded model
+  encoder_parallel.py    a media encoder's own parallel layout: tiles split over the TP x CP ranks,
+                         outputs gathered, gradients routed back (parallel.vision.tp)
   hf_io.py               safetensors reading (one tensor at a time) and sharded writing
 """

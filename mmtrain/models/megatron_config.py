@@ -52,6 +52,9 @@ class ParallelOptions:
     # train.deterministic: TransformerConfig.deterministic_mode (the runtime also sets
     # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which megatron requires with it)
     deterministic: bool = False
+    # parallel.vision.tp: a media encoder's own TP (1 or the decoder's), its tiles split over the
+    # ranks that share a micro-batch (models/encoder_parallel.py); None: the decoder's layout
+    encoder_tp: Optional[int] = None
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")

@@ -1,8 +1,8 @@
 """`action: auto_tune`: find the layout that is really fastest, by measuring it.
 
 1. Search space (mmtrain/planning/search_space.py): every layout megatron accepts over the
-   dimensions tp, pp, cp, micro_batch_size, recompute, sequence_parallel, distributed_optimizer (dp
-   derived), each from its `auto_tune.<dim>` list or, when empty, derived from the world size and
+   dimensions tp, pp, cp, micro_batch_size, recompute, sequence_parallel, distributed_optimizer,
+   vision_tp (dp derived), each from its `auto_tune.<dim>` list or, when empty, derived from the world size and
    the model's shapes.
 2. Prune before running: the analytical model (mmtrain/planning/cost_model.py, optionally
    calibrated for this machine: `auto_tune.calibration`) removes layouts over
@@ -194,8 +194,11 @@ def fingerprint(recipe: Recipe) -> str:
     for key in ("run_dir", "action", "auto_tune"):
         d.pop(key, None)
     for dim in DIMENSIONS:
-        section, _, name = dim.recipe_key.partition(".")
-        d.get(section, {}).pop(name, None)
+        *sections, name = dim.recipe_key.split(".")
+        node = d
+        for section in sections:
+            node = node.get(section, {})
+        node.pop(name, None)
     for name in ("master_port", "master_addr", "node_rank"):
         d.get("parallel", {}).pop(name, None)
     d.get("train", {}).pop("iters", None)
@@ -323,9 +326,10 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 
 def layout_text(L: Layout) -> str:
     some = f" (the first {L.recompute_num_layers} layers of each stage)" if L.recompute_num_layers else ""
+    vision = f", vision tower tp {L.vision_tp} (its own layout)" if L.vision_tp is not None else ""
     return (f"tp {L.tp}, pp {L.pp}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
             f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
-            f"{'on' if L.distributed_optimizer else 'off'}")
+            f"{'on' if L.distributed_optimizer else 'off'}{vision}")
 
 
 def fit_calibration(cands: list[Candidate], device: str, in_use: str | None) -> tuple[Calibration | None, list[str]]:
@@ -392,7 +396,8 @@ def summary(recipe: Recipe, cands: list[Candidate], best: Candidate | None, mode
 
 
 def _sort_key(value: object) -> tuple:
-    return (isinstance(value, str), value if not isinstance(value, str) else 0, str(value))
+    """None (a dimension's "inherit" value) first, then numbers, then text."""
+    return (value is not None, isinstance(value, str), value if isinstance(value, (int, float)) else 0, str(value))
 
 
 def display_order(cands: list[Candidate]) -> list[Candidate]:

@@ -23,6 +23,14 @@ hidden behind the attention compute where that is long enough. The LM loss follo
 `parallel.lm_loss`: `plain` holds the full-vocabulary logits and their fp32 softmax; the
 chunked loss (models/lm_loss.py; also the upper bound for a fused kernel) holds one vocabulary
 block of logits, an fp32 hidden-state gradient and the output layer's weight gradient.
+
+The encoder's layout (`parallel.vision.tp`, `Layout.vision_tp`): inherited (None), it is
+TP-sharded like the decoder, with two all-reduces per layer forward and two backward on its
+activations, and each CP rank encodes its chunk's media; with its own TP (1 or tp) its weights
+are sharded over that TP only (whole with 1), the micro-batch's tiles are split over the
+(tp / vision_tp) x cp ranks that share it, the outputs all-gathered (their gradients all-reduced
+over CP), and a whole encoder's weight gradients averaged over TP once per step
+(models/encoder_parallel.py).
 """
 
 from __future__ import annotations
@@ -221,6 +229,7 @@ class Layout:
     lm_loss: str = "auto"  # parallel.lm_loss; anything but "plain" is estimated as the chunked loss
     lm_loss_block_mb: int = 256
     recompute_num_layers: int = 0  # with full recompute: 0 = every layer, N = the first N of each stage
+    vision_tp: int | None = None  # parallel.vision.tp: the encoder's own TP; None = the decoder's layout
 
     @property
     def world(self) -> int:
@@ -240,7 +249,19 @@ class Layout:
         p, t = recipe.parallel, recipe.train
         return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
                    p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision, p.cp, p.lm_loss,
-                   p.lm_loss_block_mb, recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0)
+                   p.lm_loss_block_mb, recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0,
+                   vision_tp=p.vision.tp)
+
+    @property
+    def encoder_tp(self) -> int:
+        """TP of the encoder's weights."""
+        return self.tp if self.vision_tp is None else self.vision_tp
+
+    @property
+    def encoder_shares(self) -> int:
+        """Ranks that split one micro-batch's media between them: the CP ranks (each its chunk's)
+        when inherited, every (tp / vision_tp) x cp rank with the encoder's own layout."""
+        return self.cp if self.vision_tp is None else self.tp // self.vision_tp * self.cp
 
     def recomputed_layers(self, stage_layers: int) -> int:
         """Decoder layers of a stage whose activations are recomputed (full recompute)."""
@@ -317,7 +338,7 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
         if first:
             parts.append((counts.decoder_embedding / L.tp, dec_frozen))
             if v is not None:
-                parts.append((encoder_params(v) / L.tp, frozen[shapes.encoder_part]))
+                parts.append((encoder_params(v) / L.encoder_tp, frozen[shapes.encoder_part]))
             parts += [(c.params / L.tp, frozen[c.part]) for c in shapes.connectors]
         if last:
             out = counts.decoder_embedding / L.tp
@@ -345,10 +366,12 @@ def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
         logits = lm_loss_bytes(d, L, tokens) if last else 0.0
         enc = 0.0
         if first and v is not None:
-            media_tokens = tokens * media_token_fraction
-            elayer = encoder_layer_activation_elems(v, L.tp) * media_tokens * ab
+            batch_media = L.micro_batch_size * L.seq_length * media_token_fraction  # encoder tokens
+            elayer = encoder_layer_activation_elems(v, L.encoder_tp) * batch_media / L.encoder_shares * ab
             trains_encoder = not frozen[shapes.encoder_part]
             enc = (v.layers * elayer * in_flight(stage)) if trains_encoder else elayer
+            if L.vision_tp is not None:  # + every share's output, gathered (kept for the projector)
+                enc += batch_media * v.hidden * ab * (in_flight(stage) if trains_encoder else 1)
         est = MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params))
         if best is None or est.total > best.total:
             best = est
@@ -395,10 +418,11 @@ class StepTime:
     dp_comm_s: float
     model_flops: float  # FLOPs per step, all ranks, without recompute (what MFU counts)
     cp_comm_s: float = 0.0  # the part of the CP K/V exchange not hidden behind attention
+    encoder_comm_s: float = 0.0  # the encoder's TP all-reduces, or its own layout's gather (`encoder_comm_time`)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.cp_comm_s
+        return self.compute_s + self.bubble_s + self.tp_comm_s + self.dp_comm_s + self.cp_comm_s + self.encoder_comm_s
 
     def mfu(self, world: int, device_tflops: float) -> float:
         """Model FLOPs utilisation of `world` devices of `device_tflops` peak each."""
@@ -416,6 +440,17 @@ def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float
     if shapes.encoder is not None:
         media = sum(f.total for f in _media_forward(shapes, 1).values()) / shapes.encoder.patches
     return decoder, head, media
+
+
+def tile_token_cost(shapes: ModelShapes) -> float:
+    """What one media tile costs in decoder tokens: forward FLOPs of a tile through the encoder and
+    the connectors over those of one token through the decoder's matmuls and LM head (attention
+    left out: it depends on the packing). Vision-aware balancing weighs a row's tiles with it
+    (mmdata.energon_loaders.balance); 0 for a family without an encoder."""
+    if shapes.encoder is None:
+        return 0.0
+    tile = sum(f.total for f in _media_forward(shapes, 1).values())
+    return tile / _decoder_forward(shapes.decoder, 1, 0).total
 
 
 def training_flops_per_token(shapes: ModelShapes, seq_length: int) -> float:
@@ -595,10 +630,41 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
         tp_comm = n * 2 * (L.tp - 1) / L.tp * msg / (hw.tp_bandwidth_gbps * 1e9)
     dp_comm = 0.0
     replicas = L.dp * L.cp  # gradients are reduced over the data-parallel x CP group
+    enc_trainable = counts.trainable.get(shapes.encoder_part, 0) if v is not None else 0
     if replicas > 1:
-        grads = counts.total_trainable / (L.tp * L.pp) * 4
+        # (an encoder with its own TP holds 1/vision_tp of its weights, not 1/tp)
+        grads = (counts.total_trainable / L.tp + enc_trainable * (1 / L.encoder_tp - 1 / L.tp)) / L.pp * 4
         dp_comm = 2 * (replicas - 1) / replicas * grads / (hw.dp_bandwidth_gbps * 1e9)
-    return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm_time(shapes, L, hw))
+    return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm_time(shapes, L, hw),
+                    encoder_comm_time(shapes, L, hw, media_token_fraction, enc_trainable))
+
+
+def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_fraction: float,
+                      trainable_params: int) -> float:
+    """The encoder's communication per step (`trainable_params`: its trainable weights, 0 when
+    frozen). Inherited with TP: 2 all-reduces per layer forward (+2 backward when it trains) on its
+    share's activations. Its own layout: the all-gather of every share's output, its gradient's
+    all-reduce over CP, the TP all-reduces of a sharded encoder on its share; with `vision_tp` 1
+    the average of its weight gradients over TP, once per step."""
+    v = shapes.encoder
+    if v is None:
+        return 0.0
+    bw, ab = hw.tp_bandwidth_gbps * 1e9, _act_bytes(L.precision)
+    trains = trainable_params > 0
+    out_bytes = L.micro_batch_size * L.seq_length * media_token_fraction * v.hidden * ab  # one micro-batch's
+    share_bytes = out_bytes / L.encoder_shares
+    t = 0.0
+    if L.encoder_tp > 1:
+        t += v.layers * (2 + 2 * trains) * 2 * (L.encoder_tp - 1) / L.encoder_tp * share_bytes / bw
+    if L.vision_tp is not None:
+        n = L.encoder_shares
+        t += (n - 1) / n * out_bytes / bw
+        if trains and L.cp > 1:
+            t += 2 * (L.cp - 1) / L.cp * out_bytes * L.vision_tp / L.tp / bw
+    t *= L.grad_accum
+    if trains and L.vision_tp == 1 and L.tp > 1:
+        t += 2 * (L.tp - 1) / L.tp * trainable_params * 4 / bw
+    return t
 
 
 def cp_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware) -> float:

@@ -97,6 +97,9 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
                  f"{'on' if L.sequence_parallel else 'off'}, distributed optimizer "
                  f"{'on' if L.distributed_optimizer else 'off'}, LM loss {L.lm_loss}"
                  + (f", cp_comm_type {recipe.parallel.cp_comm_type}" if L.cp > 1 else ""))
+    if L.vision_tp is not None:
+        lines.append(f"        vision tower: its own layout, tp {L.vision_tp}; a micro-batch's tiles split over "
+                     f"{plural(L.encoder_shares, 'rank')}, outputs all-gathered (parallel.vision.tp)")
     lines.append("")
     m = r.memory
     lines.append(f"memory per rank (estimate; busiest pipeline stage = {m.stage}, {fmt_count(m.params_on_rank)} params on it)")
@@ -119,7 +122,8 @@ def format_report(recipe: Recipe, r: DryRunReport, tied_head: bool) -> str:
     lines.append("")
     lines.append(f"modelled step time on {recipe.auto_tune.device_tflops:g}-TFLOP/s devices: {s.total_s:.2f} s "
                  f"(compute {s.compute_s:.2f}, pipeline bubble {s.bubble_s:.2f}, TP comm {s.tp_comm_s:.2f}, "
-                 f"CP comm {s.cp_comm_s:.2f}, DP comm {s.dp_comm_s:.2f}) -> {tokens / s.total_s / world:,.0f} "
+                 f"CP comm {s.cp_comm_s:.2f}, DP comm {s.dp_comm_s:.2f}, vision comm {s.encoder_comm_s:.2f}) -> "
+                 f"{tokens / s.total_s / world:,.0f} "
                  f"tokens/s/device, MFU {mfu:.0%}")
     lines.append("Estimates from an analytical model (mmtrain/planning/cost_model.py), not measurements; "
                  "the model was not built.")

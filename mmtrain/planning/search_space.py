@@ -8,7 +8,8 @@ is a candidate only when every dimension's `valid` accepts it and the world and 
 divide (what megatron accepts).
 
 Adding a dimension is one entry in `DIMENSIONS` (plus its `Layout` field, `auto_tune:` list key
-and, where the cost model should see it, its term there), as context parallelism's `cp` is.
+and, where the cost model should see it, its term there), as context parallelism's `cp` and the
+vision tower's own layout `vision_tp` are.
 """
 
 from __future__ import annotations
@@ -46,11 +47,22 @@ class SpaceContext:
 
 
 def tp_valid(L: Layout, c: SpaceContext) -> bool:
-    """TP splits heads, KV groups and FFN of every tower, and stays inside a node."""
+    """TP splits heads, KV groups and FFN of every tower it shards (the encoder's with its
+    layout inherited), and stays inside a node."""
     d, v = c.shapes.decoder, c.shapes.encoder
     ok = d.heads % L.tp == 0 and d.kv_groups % L.tp == 0 and d.ffn % L.tp == 0
-    ok = ok and (v is None or (v.heads % L.tp == 0 and v.ffn % L.tp == 0))
+    ok = ok and (v is None or L.vision_tp is not None or (v.heads % L.tp == 0 and v.ffn % L.tp == 0))
     return ok and c.recipe.parallel.nproc_per_node % L.tp == 0
+
+
+def vision_tp_valid(L: Layout, c: SpaceContext) -> bool:
+    """The encoder's own TP is 1 or the decoder's (models/encoder_parallel.py), and only where
+    some ranks share a micro-batch (else it is the inherited layout under another name)."""
+    if L.vision_tp is None:
+        return True
+    v = c.shapes.encoder
+    return (v is not None and L.vision_tp in (1, L.tp) and L.tp * L.cp > 1
+            and (L.vision_tp == 1 or (v.heads % L.tp == 0 and v.ffn % L.tp == 0)))
 
 
 def recompute_memory_rank(L: Layout) -> float:
@@ -99,6 +111,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
               auto=lambda c: [True, False] if c.on_cuda else [c.recipe.parallel.distributed_optimizer],
               valid=lambda L, c: L.dp > 1 or L.distributed_optimizer == c.recipe.parallel.distributed_optimizer,
               memory_order=lambda L: not L.distributed_optimizer),
+    # the vision tower's own layout: None (the decoder's) or 1 (whole per rank, tiles split over TP x CP)
+    Dimension("vision_tp", "parallel.vision.tp", auto=lambda c: [None, 1] if c.shapes.encoder is not None else [None],
+              valid=vision_tp_valid),
 )
 
 
@@ -147,10 +162,10 @@ def layout_values(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> d
 def layout_key(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> str:
     """A stable text key of a layout's tuned values (history rows, trial folder names)."""
     short = {"micro_batch_size": "mbs", "recompute": "rc", "recompute_num_layers": "rcl", "sequence_parallel": "sp",
-             "distributed_optimizer": "do"}
+             "distributed_optimizer": "do", "vision_tp": "vtp"}
     parts = []
     for name, value in layout_values(layout, dims).items():
-        text = str(int(value)) if isinstance(value, bool) else str(value)
+        text = str(int(value)) if isinstance(value, bool) else "lm" if value is None else str(value)
         parts.append(f"{short.get(name, name)}{text}")
     return "-".join(parts)
 

@@ -6,6 +6,7 @@
   cpu_compat.py    every CPU adaptation of megatron (no-op with CUDA)
   trainer.py       the train loop (megatron schedules, DDP, logging, evaluation, checkpoints)
   train_data.py    a step's micro-batches from the family's loader; loader state
+  row_exchange.py  vision-aware balancing of a step's rows over DP ranks (data.balance)
   evaluation.py    periodic evaluation without side effects on training
   optimizer.py     the family's parts, freezing, per-part LRs, the optimizer
   lr_schedule.py   warmup + cosine / linear / constant

@@ -10,7 +10,9 @@ run dir's `config.yaml` keeps describing its checkpoints.
   energon sample type (`FamilySpec.sample_type`, read from `.nv-meta/mmdata.yaml`): Emu3 token
   shards given to llava-ov, or LLaVA shards to emu3, are refused naming both kinds;
 - `data.packing: plan`: the plan was made for this data, `train.seq_length` and the recipe's
-  image token geometry (mmdata/energon_loaders/plan_packing.py);
+  geometry: LLaVA-OV's image token geometry, Emu3's tokenizer, prompts and task settings
+  (mmdata/energon_loaders/plan_packing.py); a balanced plan for the recipe's DP size,
+  micro-batch and global batch, and with `data.balance: true` the plan must be balanced;
 - `tokenizer.path`: a local HF tokenizer folder (never sent to the hub) whose ids fit the
   recipe (the family's `check_tokenizer`, e.g. llava-ov's media token ids);
 - the starting checkpoint (the run dir's own latest, else `checkpoint.load`): it exists and was
@@ -85,13 +87,21 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
             if key == "data.paths":
                 train_samples += found
     if recipe.data.packing == "plan" and train_samples and not wrong_kind:
-        from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data
+        from mmdata.energon_loaders.balance import StepShape
+        from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data, plan_step_shape
         from mmdata.preprocess.pack_plan import recipe_geometry
 
+        t = recipe.train
+        shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
         try:
-            plan_for_data(recipe.data.paths, recipe.data.packing_plan, recipe.train.seq_length,
-                          geometry=recipe_geometry(recipe))
-        except PlanError as err:
+            _, path, info = plan_for_data(recipe.data.paths, recipe.data.packing_plan, t.seq_length,
+                                          geometry=recipe_geometry(recipe), step_shape=shape)
+            if getattr(recipe.data, "balance", False) and plan_step_shape(info) is None:
+                problems.append(f"data.balance: true: packing plan {path} is not balanced: run `mmdata pack-plan "
+                                f"--recipe RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
+                                f"--micro-batch-size {shape.micro_batch_size} --global-batch-size "
+                                f"{shape.global_batch_size}")
+        except (PlanError, FileNotFoundError) as err:  # (FileNotFoundError: a tokenizer.path to fingerprint)
             problems.append(f"data.packing: plan: {err}")
     return train_samples
 

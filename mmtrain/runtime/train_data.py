@@ -10,6 +10,10 @@ Two ways to split the stream over DP ranks (`data.sharding`):
 - "replicated": every rank reads the single-process stream (`dp_rank=0, dp_size=1`) and keeps
   micro-batches `[dp_rank*M, (dp_rank+1)*M)` of each step's `dp*M`. Any layout then trains on
   exactly the same global batches, and the (identical) loader state resumes at any DP size.
+
+`data.balance: true` with online packing spreads each step's rows over the DP ranks and each
+rank's micro-batches by cost, tokens plus vision tiles (runtime/row_exchange.py; replicated data
+needs no exchange). A balanced packing plan is placed by its loader already.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ class TrainData:
             recipe, dp_rank=self.loader_dp_rank, dp_size=self.loader_dp_size
         )
         self._iter: Iterator[PackedBatch] | None = None
+        self.balancer = None
+        if recipe.data.balance and recipe.data.packing != "plan":
+            from mmtrain.planning.cost_model import tile_token_cost
+            from mmtrain.runtime.row_exchange import RowBalancer
+
+            self.balancer = RowBalancer(tile_token_cost(spec.model_shapes(recipe.model)), spec.encoder_inputs)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -102,12 +112,24 @@ class TrainData:
         gc.collect()
 
     def next_step(self) -> StepData:
+        m = self.micro_per_rank
         if self.sharding == "replicated":
-            drawn = [self._next_micro_batch() for _ in range(self.micro_per_rank * self.ctx.dp)]
-            start = self.ctx.dp_rank * self.micro_per_rank
-            mine = drawn[start : start + self.micro_per_rank]
+            drawn = [self._next_micro_batch() for _ in range(m * self.ctx.dp)]
+            if self.balancer is not None:
+                mine = self.balancer.balance_local([drawn[r * m:(r + 1) * m] for r in range(self.ctx.dp)],
+                                                   self.ctx.dp_rank)
+            else:
+                mine = drawn[self.ctx.dp_rank * m:(self.ctx.dp_rank + 1) * m]
         else:
-            mine = [self._next_micro_batch() for _ in range(self.micro_per_rank)]
+            mine = [self._next_micro_batch() for _ in range(m)]
+            if self.balancer is not None and self.ctx.dp == 1:
+                mine = self.balancer.balance_local([mine], 0)
+            elif self.balancer is not None:
+                from megatron.core import parallel_state
+
+                mine = self.balancer.balance_exchange(mine, parallel_state.get_data_parallel_group(), self.ctx.device)
+        if self.balancer is not None and self.ctx.device.type == "cuda":  # joined rows: pinned again for `to()`
+            mine = [b.pin_memory() for b in mine]
         data = StepData(micro_batches=mine)
         for batch in mine:
             ids = batch_sample_ids(batch)

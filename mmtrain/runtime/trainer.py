@@ -31,7 +31,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from mmdata.energon_loaders.balance import vision_balance
 from mmdata.energon_loaders.batch import PackedBatch
+from mmdata.units import plural
 from mmtrain.config.schema import Recipe
 from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
 from mmtrain.runtime import cpu_compat
@@ -95,6 +97,8 @@ class StepResult:
     #: packing of the global batch: real tokens / row capacity, and real / tokens computed (CP padding in)
     bin_fill: Optional[float] = None
     executed_token_efficiency: Optional[float] = None
+    #: max / mean over the DP ranks of the tiles their vision towers encoded this step (None: no tiles)
+    vision_balance: Optional[float] = None
 
 
 class Trainer:
@@ -235,7 +239,11 @@ class Trainer:
             transformer_impl=p.transformer_impl,
             on_cuda=ctx.on_cuda,
             deterministic=self.recipe.train.deterministic,
+            encoder_tp=p.vision.tp,
         )
+        if p.vision.tp is not None and ctx.rank == 0:
+            log.info("vision tower: its own layout, TP %d; a micro-batch's tiles split over %s, each encoding "
+                     "its share (parallel.vision.tp)", p.vision.tp, plural(ctx.tp // p.vision.tp * ctx.cp, "rank"))
         try:
             resolve_decoder_fusions(options)  # transformer_engine off CUDA or without TE: one clear line
         except TransformerImplUnavailable as err:
@@ -300,9 +308,12 @@ class Trainer:
         # ---- global numbers for the logs (the loss lives on the last PP stage)
         # collectives run on the backend's device (NCCL needs CUDA tensors)
         packing = batch_packing(step_data.micro_batches, ctx.cp, ctx.tp)
+        tiles = [0.0] * ctx.dp  # this rank's tiles in its own slot: the sum gathers every DP rank's
+        tiles[ctx.dp_rank] = float(sum(self.spec.encoder_inputs(b) for b in step_data.micro_batches)
+                                   if self.spec.encoder_inputs is not None else 0)
         counts = torch.tensor(
             [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self._model_flops(step_data),
-             packing.capacity, packing.computed_tokens],
+             packing.capacity, packing.computed_tokens, *tiles],
             dtype=torch.float64,
             device=ctx.device,
         )
@@ -358,6 +369,7 @@ class Trainer:
             flops=float(counts[3]),
             bin_fill=float(counts[0] / counts[4]) if counts[4] > 0 else None,
             executed_token_efficiency=float(counts[0] / counts[5]) if counts[5] > 0 else None,
+            vision_balance=vision_balance(counts[6:].tolist()),
             sample_ids=sample_ids,
             sample_losses=sample_losses,
         )
@@ -532,6 +544,7 @@ class Trainer:
             "skipped_update": not r.updated,
             "bin_fill": r.bin_fill,
             "executed_token_efficiency": r.executed_token_efficiency,
+            "vision_balance": r.vision_balance,
             **memory_stats(self.ctx.device),
             "sample_ids": r.sample_ids,
             "sample_losses": r.sample_losses,

@@ -8,6 +8,7 @@ the task of each packed sample, for inspection and per-task accounting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from mmdata.energon_loaders.batch import PackedBatch
 
@@ -16,3 +17,5 @@ from mmdata.energon_loaders.batch import PackedBatch
 class Emu3Batch(PackedBatch):
     #: per row, the task of each packed sample ("understanding" | "generation"), parallel to sample_ids
     tasks: list[list[str]] = field(default_factory=list)
+
+    ROW_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.ROW_FIELDS + ("tasks",)

@@ -12,7 +12,9 @@ it replays a sample on restore: the choices are reproducible across runs and exa
 
 Tasks: a record whose metadataset entry has the subflavor `task: understanding|generation`
 takes that task; otherwise it is drawn with `tasks` weights (generation only for records with
-one image and one question/answer exchange, the answer being the caption; see tasks.py).
+one image and one question/answer exchange, the answer being the caption; see tasks.py). With
+`packing: plan` the plan drew each sample's task and CFG drop when it was made, and the loader
+hands them over (subflavor PLAN_VARIANT, plan_lengths.py): the plan's lengths are exact.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron.energon import Sample, edataclass, stateless
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.batch import Emu3Batch
+from mmdata.energon_loaders.emu3.plan_lengths import variant_task
 from mmdata.energon_loaders.emu3.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     GENERATION,
@@ -35,6 +38,7 @@ from mmdata.energon_loaders.emu3.tasks import (
     pick_task,
 )
 from mmdata.energon_loaders.packing import shift_labels
+from mmdata.energon_loaders.plan_packing import PLAN_VARIANT
 from mmdata.energon_loaders.sequence import ConversationError, apply_length_policy
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
 from mmdata.energon_loaders.vq_token_sample import VQTokenSample
@@ -107,8 +111,14 @@ class Emu3TaskEncoder(PackingTaskEncoder):
         grids = list(sample.image_tokens or [])
         conversations = list(sample.conversations)
         caption = generation_caption(conversations, len(grids))
-        task = self._task_of(sample, caption)
-        uncond = task == GENERATION and random.random() < c.p_uncond
+        planned = (sample.__subflavors__ or {}).get(PLAN_VARIANT)
+        if planned is None:
+            task = self._task_of(sample, caption)
+            uncond = task == GENERATION and random.random() < c.p_uncond
+        else:  # `packing: plan`: the plan drew the task and the CFG drop (plan_lengths.py)
+            task, uncond = variant_task(planned)
+            if task == GENERATION and caption is None:
+                raise self._skip("not_a_generation_sample", sid, "the plan's generation sample has no caption")
         try:
             if task == GENERATION:
                 tokens = self.tasks.generation(c.uncond_prompt if uncond else caption, grids[0])

@@ -118,7 +118,7 @@ class Emu3Tasks:
             if tid == v.placeholder:
                 if image_i >= len(grids):
                     raise ConversationError("media_mismatch", f"more {IMAGE_PLACEHOLDER} placeholders than images ({len(grids)})")
-                block = self._image_block(grids[image_i])
+                block = self.image_block(grids[image_i])
                 out_ids.append(block)
                 out_labels.append(np.full(len(block), IGNORE_INDEX, dtype=np.int64))
                 spans.append(("image", pos, len(block)))
@@ -135,7 +135,8 @@ class Emu3Tasks:
             raise ConversationError("media_mismatch", f"{image_i} {IMAGE_PLACEHOLDER} placeholders but {len(grids)} images")
         return TokenSequence(np.concatenate(out_ids), np.concatenate(out_labels), spans)
 
-    def _image_block(self, grid: np.ndarray) -> np.ndarray:
+    def image_block(self, grid: np.ndarray) -> np.ndarray:
+        """One image's serialised block ([boi] "H*W" [img] rows [eof] [eoi])."""
         try:
             return image_ids(np.asarray(grid), self.vocab, self.encode_text)
         except ValueError as exc:
@@ -146,7 +147,7 @@ class Emu3Tasks:
     def generation(self, caption: str, grid: np.ndarray) -> TokenSequence:
         v = self.vocab
         prompt = np.asarray([v.bos, *self.encode_text(caption)] if caption else [v.bos], dtype=np.int64)
-        block = self._image_block(grid)
+        block = self.image_block(grid)
         ids = np.concatenate([prompt, block, [v.eos]]).astype(np.int64)
         labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
         # the model generates everything after [img]: rows (visual + eol), eof, eoi, then eos

@@ -17,7 +17,7 @@ On top of `PackedBatch` (token stream, shifted labels, packing metadata):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mmdata.energon_loaders.batch import PackedBatch
 
@@ -45,18 +45,49 @@ class LlavaOVBatch(PackedBatch):
     pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_STD
     #: host copy of `input_ids` (where the media placeholders are); filled by `to()`
     input_ids_host: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: how many of the media each row holds (media never cross rows); the loader fills it, a batch
+    #: built without it is taken as one row's (`row_items`)
+    media_per_row: list[int] = field(default_factory=list)
 
-    # the layout and the CP media split read these with .tolist(): they never leave the host
-    HOST_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.HOST_FIELDS + (
-        "tiles_per_media", "media_kind", "image_sizes", "grid_shapes", "num_media_tokens", "input_ids_host",
+    #: per-media fields, split and joined with their rows (`row_items`)
+    MEDIA_FIELDS: ClassVar[tuple[str, ...]] = (
+        "tiles_per_media", "media_kind", "image_sizes", "grid_shapes", "num_media_tokens",
     )
+    # the layout and the CP media split read these with .tolist(): they never leave the host
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.HOST_FIELDS + MEDIA_FIELDS + ("input_ids_host",)
     FIRST_STAGE_FIELDS: ClassVar[tuple[str, ...]] = ("pixel_values",)
+    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.DERIVED_FIELDS + ("input_ids_host",)
 
     def to(self, device: Any, first_stage: bool = True) -> LlavaOVBatch:
         moved = super().to(device, first_stage)
         if moved.input_ids_host is None and self.input_ids.device.type == "cpu":
             moved.input_ids_host = self.input_ids
         return moved
+
+    def row_items(self) -> list[dict[str, Any]]:
+        """Per row, its media: their metadata, their tiles of `pixel_values`, their count."""
+        rows = int(self.input_ids.shape[0])
+        media = len(self.tiles_per_media)
+        counts = list(self.media_per_row) or ([media] if rows == 1 else [])
+        if len(counts) != rows or sum(counts) != media:
+            raise ValueError(f"media_per_row {self.media_per_row} does not place the batch's {media} media in its "
+                             f"{rows} rows")
+        tiles = [int(t) for t in self.tiles_per_media.tolist()]
+        out, m, t = [], 0, 0
+        for n in counts:
+            k = sum(tiles[m:m + n])
+            out.append({**{name: getattr(self, name)[m:m + n] for name in self.MEDIA_FIELDS},
+                        "pixel_values": self.pixel_values[t:t + k], "media_per_row": [n]})
+            m, t = m + n, t + k
+        return out
+
+    @classmethod
+    def join_items(cls, rows: Sequence[LlavaOVBatch]) -> dict[str, Any]:
+        import torch
+
+        items = [r.row_items() for r in rows]  # checks each row's media
+        return {**{name: torch.cat([getattr(r, name) for r in rows]) for name in cls.MEDIA_FIELDS + ("pixel_values",)},
+                "media_per_row": [n for per_row in items for it in per_row for n in it["media_per_row"]]}
 
     def host_input_ids(self) -> torch.Tensor:
         """`input_ids` on the CPU without a device-to-host read when the batch came through `to()`."""

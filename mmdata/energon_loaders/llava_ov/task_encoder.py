@@ -234,4 +234,5 @@ def collate_rows(
         image_sizes=_long([list(p.image_size) for p in prepared], (n, 2)),
         grid_shapes=_long([list(p.grid_shape) for p in prepared], (n, 2)),
         num_media_tokens=_long([m.num_tokens for m in media], (n,)),
+        media_per_row=[sum(len(s.media) for s in row) for row in rows],
     )

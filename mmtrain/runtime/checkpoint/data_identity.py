@@ -8,8 +8,9 @@ samples) or fail energon's asserts. So every checkpoint records its data identit
 line naming each key `old -> new` and the switch that allows it, `checkpoint.reset_data: true`
 (weights, optimizer and step resume; the loader starts fresh from its seed).
 
-Not part of the identity: `data.val_paths` (evaluation builds its own loader each time) and
-`data.sharding` / the DP size (the loader state is then not restored at all: `LoaderState`).
+Not part of the identity: `data.val_paths` (evaluation builds its own loader each time),
+`data.sharding` / the DP size (the loader state is then not restored at all: `LoaderState`) and
+`data.balance` (rows are placed after the loaders drew them).
 
 `checkpoint.reset_data` resets at most once per change: a checkpoint written by a run with the
 switch on records it (`TrainerState.data_reset`), and a rerun of that run (a crash, a time limit)
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 RESET_SWITCH = "checkpoint.reset_data=true"
 #: data keys the loader state does not depend on (see the module docstring)
-NOT_IN_LOADER_STATE = ("val_paths", "sharding")
+NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance")
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 

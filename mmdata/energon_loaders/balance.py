@@ -1,0 +1,243 @@
+"""Vision-aware balancing: spread a training step's packed rows over the data-parallel ranks and
+over the micro-batches of each rank by their cost, language tokens plus vision-tower work.
+
+A row's cost is `tokens + tile_tokens * tiles` in language-token equivalents: `tiles` counts the
+tiles and video frames the vision tower encodes for the row (1 + grid per anyres image, 1 per
+image of a multi-image sample, 1 per sampled frame), `tile_tokens` is the tower's FLOPs per tile
+over the decoder's FLOPs per token (mmtrain's cost model gives it for a recipe,
+`cost_model.tile_token_cost`; `DEFAULT_TILE_TOKENS` is SigLIP-so400m/384 under Qwen2.5-1.5B, the
+Aquila-VL-2B pair). Rows are packed full, so their tokens hardly differ; what differs 10x between
+rows is their tiles, and the vision tower's share of a rank's step time with them.
+
+`assign_step` is the one balancing decision: longest-processing-time first (rows by falling cost,
+each to the least loaded rank that still has room, then within the rank to its least loaded
+micro-batch), deterministic, every rank and micro-batch keeping its number of rows. The offline
+plan (`mmdata pack-plan --dp ...`, followed by `plan_packing`) and the train loop's online
+exchange (`mmtrain.runtime.row_exchange`) both call it, and `mmdata inspect` / `pack-plan`
+simulate with it. Balancing only moves whole rows: what a sample contributes to the loss does
+not change.
+
+The figure reported everywhere (`vision_balance`): max / mean vision work over the DP ranks of a
+step, the vision work of a rank being its tiles (all tiles cost the same FLOPs, so the ratio of
+FLOPs is the ratio of tiles); `BalanceReport` takes the mean over steps and the worst step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: FLOPs of one 384-px tile through SigLIP-so400m + the mlp2x projector over the FLOPs of one token
+#: through the Qwen2.5-1.5B decoder and its LM head (Aquila-VL-2B; tests/test_vision_balance.py
+#: checks it against mmtrain's cost model)
+DEFAULT_TILE_TOKENS = 210.0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """How a global batch is cut: `dp` ranks, each `global_batch_size / dp` rows in micro-batches
+    of `micro_batch_size` rows."""
+
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % (self.dp * self.micro_batch_size):
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of dp x micro_batch_size "
+                             f"= {self.dp} x {self.micro_batch_size}")
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.global_batch_size // self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per rank per step."""
+        return self.rows_per_rank // self.micro_batch_size
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size}
+
+    def describe(self) -> str:
+        return f"DP{self.dp}, micro-batch {self.micro_batch_size}, global batch {self.global_batch_size}"
+
+
+def row_costs(tokens: Any, tiles: Any, tile_tokens: float) -> np.ndarray:
+    """`tokens + tile_tokens * tiles` per row (float64)."""
+    return np.asarray(tokens, dtype=np.float64) + float(tile_tokens) * np.asarray(tiles, dtype=np.float64)
+
+
+#: (source rank, its row index) of a row: where a rank drew it
+RowRef = tuple[int, int]
+
+
+def assign_step(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[int]]) -> list[list[list[RowRef]]]:
+    """Balance one step: `costs[r][k]` is the cost of the k-th row rank `r` drew (its micro-batches'
+    rows in order), `micro_rows[r]` the row counts of rank r's micro-batches (they add up to
+    `len(costs[r])`). Returns, per rank and micro-batch, the rows it trains, as (source rank,
+    source row), in that order; every rank and micro-batch keeps its row count.
+
+    Longest-processing-time first: rows by falling cost (ties: by source) go to the least loaded
+    rank with room (ties: the row's own rank, then the lowest), then within each rank the same over
+    its micro-batches. Pure and deterministic in its inputs, so ranks that see the same costs
+    agree without talking."""
+    if len(costs) != len(micro_rows):
+        raise ValueError(f"{len(costs)} ranks of costs but {len(micro_rows)} of micro-batch sizes")
+    for r, (c, m) in enumerate(zip(costs, micro_rows)):
+        if sum(m) != len(c):
+            raise ValueError(f"rank {r}: {len(c)} rows but micro-batches of {list(m)} rows")
+    rows = sorted(((float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)),
+                  key=lambda x: (-x[0], x[1], x[2]))
+    room = [len(c) for c in costs]
+    load = [0.0] * len(costs)
+    version = [0] * len(costs)  # a rank's heap entry is current while its version matches
+    heap = [(0.0, d, 0) for d in range(len(costs)) if room[d] > 0]
+    taken: list[list[tuple[float, int, int]]] = [[] for _ in costs]
+    for cost, r, k in rows:
+        while heap[0][2] != version[heap[0][1]]:
+            heapq.heappop(heap)
+        least, d, _ = heap[0]
+        if room[r] > 0 and load[r] == least:  # the row's own rank is among the least loaded: it stays
+            d = r
+        taken[d].append((cost, r, k))
+        load[d] += cost
+        room[d] -= 1
+        version[d] += 1
+        if room[d] > 0:
+            heapq.heappush(heap, (load[d], d, version[d]))
+    return [_spread(mine, micro_rows[d]) for d, mine in enumerate(taken)]
+
+
+def _spread(rows: list[tuple[float, int, int]], micro_rows: Sequence[int]) -> list[list[RowRef]]:
+    """A rank's rows (by falling cost) over its micro-batches, least loaded first; each micro-batch
+    lists its rows by source."""
+    room = list(micro_rows)
+    load = [0.0] * len(room)
+    out: list[list[RowRef]] = [[] for _ in room]
+    for cost, r, k in rows:
+        m = min((j for j in range(len(room)) if room[j] > 0), key=lambda j: (load[j], j))
+        out[m].append((r, k))
+        load[m] += cost
+        room[m] -= 1
+    return [sorted(refs) for refs in out]
+
+
+def vision_balance(work: Sequence[float]) -> float | None:
+    """max / mean of the ranks' vision work (None when no rank has any)."""
+    a = np.asarray(work, dtype=np.float64)
+    mean = float(a.mean()) if a.size else 0.0
+    return float(a.max()) / mean if mean > 0 else None
+
+
+@dataclass(frozen=True)
+class BalanceReport:
+    """`vision_balance` over the steps of a run (steps without vision work are left out)."""
+
+    steps: int
+    mean: float | None  # mean over steps of max/mean vision work per rank
+    worst: float | None  # the worst step's
+
+    @classmethod
+    def of(cls, ratios: Sequence[float | None]) -> BalanceReport:
+        r = [x for x in ratios if x is not None]
+        return cls(len(r), float(np.mean(r)) if r else None, float(np.max(r)) if r else None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "mean": None if self.mean is None else round(self.mean, 4),
+                "worst": None if self.worst is None else round(self.worst, 4)}
+
+    def line(self) -> str:
+        if self.mean is None:
+            return "no vision work"
+        return f"{self.mean:.3f} (worst step {self.worst:.3f}, {self.steps} steps)"
+
+
+def step_balance(tiles: Sequence[Sequence[int]], assignment: Sequence[Sequence[Sequence[RowRef]]] | None = None
+                 ) -> float | None:
+    """`vision_balance` of one step whose rank r drew rows with `tiles[r]`, trained as drawn
+    (`assignment` None) or as `assign_step` placed them."""
+    if assignment is None:
+        return vision_balance([sum(t) for t in tiles])
+    return vision_balance([sum(tiles[r][k] for micro in rank for r, k in micro) for rank in assignment])
+
+
+def simulate(rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, tile_tokens: float
+             ) -> dict[str, BalanceReport]:
+    """`vision_balance` of the full steps the ranks' row streams make, as drawn (`today`) and
+    balanced by `assign_step` (`balanced`): `rank_rows[r]` is rank r's rows in stream order as
+    (tokens, tiles), each step taking `shape.rows_per_rank` of them from every rank."""
+    if len(rank_rows) != shape.dp:
+        raise ValueError(f"{len(rank_rows)} rank streams for dp {shape.dp}")
+    k = shape.rows_per_rank
+    steps = min((len(s) for s in rank_rows), default=0) // k
+    micro = [[shape.micro_batch_size] * shape.micro_batches] * shape.dp
+    today, balanced = [], []
+    for t in range(steps):
+        rows = [s[t * k:(t + 1) * k] for s in rank_rows]
+        tiles = [[v for _, v in r] for r in rows]
+        today.append(step_balance(tiles))
+        costs = [row_costs([n for n, _ in r], [v for _, v in r], tile_tokens) for r in rows]
+        balanced.append(step_balance(tiles, assign_step(costs, micro)))
+    return {"today": BalanceReport.of(today), "balanced": BalanceReport.of(balanced)}
+
+
+# ----------------------------------------------------------------------------- balanced plans
+
+
+def assign_block(costs: Sequence[float], shape: StepShape) -> list[list[list[int]]]:
+    """One step of a balanced plan: its `global_batch_size` sequences (`costs` in stream order;
+    position j is the one the plain contract gives rank `j % dp` as its row `j // dp`) placed by
+    `assign_step`. Per rank and micro-batch, the block positions it trains."""
+    d = shape.dp
+    if len(costs) != shape.global_batch_size:
+        raise ValueError(f"a step of {len(costs)} sequences for global batch size {shape.global_batch_size}")
+    per_rank = [list(costs[r::d]) for r in range(d)]
+    placed = assign_step(per_rank, [[shape.micro_batch_size] * shape.micro_batches] * d)
+    return [[[k * d + r for r, k in micro] for micro in rank] for rank in placed]
+
+
+def tiered_order(costs: np.ndarray, dp: int, rng: np.random.Generator) -> np.ndarray:
+    """The order of a balanced plan's sequences (positions into `costs`): sorted by falling cost
+    (ties at random) and cut into tiers of `dp` sequences of about the same cost; the full tiers
+    follow each other in a random order, the one short tier (the cheapest) ends the order. A step
+    of `global_batch_size` sequences is then `global_batch_size / dp` whole tiers."""
+    costs = np.asarray(costs, dtype=np.float64)
+    order = np.lexsort((rng.permutation(len(costs)), -costs))
+    full = len(costs) // dp
+    tiers = order[:full * dp].reshape(full, dp)[rng.permutation(full)].reshape(-1)
+    return np.concatenate([tiers, order[full * dp:]]).astype(np.int64)
+
+
+def shuffle_tiers(n: int, dp: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of a tiered order's `n` positions that moves whole tiers (the full tiers
+    of `dp` positions among themselves; the short one stays last): a later epoch of a balanced
+    plan, new steps made of the same tiers."""
+    full = n // dp
+    moved = np.arange(full * dp, dtype=np.int64).reshape(full, dp)[rng.permutation(full)].reshape(-1)
+    return np.concatenate([moved, np.arange(full * dp, n, dtype=np.int64)])
+
+
+def plan_balance(seq_tokens: np.ndarray, seq_tiles: np.ndarray, shape: StepShape, tile_tokens: float,
+                 balanced: bool) -> BalanceReport:
+    """`vision_balance` over the full steps of a plan's first epoch (sequences in plan order, with
+    their tokens and tiles): as the plain contract deals them (rank r takes the step's sequences
+    r, r + dp, ...) or, `balanced`, as `assign_block` places them."""
+    g, d = shape.global_batch_size, shape.dp
+    steps = len(seq_tiles) // g
+    tiles = np.asarray(seq_tiles[:steps * g], dtype=np.float64).reshape(steps, g)
+    if not balanced:
+        return BalanceReport.of([vision_balance(t) for t in tiles.reshape(steps, g // d, d).sum(axis=1)])
+    costs = row_costs(seq_tokens[:steps * g], seq_tiles[:steps * g], tile_tokens).reshape(steps, g)
+    ratios = []
+    for t in range(steps):
+        placed = assign_block(costs[t].tolist(), shape)
+        ratios.append(vision_balance([sum(tiles[t, j] for micro in rank for j in micro) for rank in placed]))
+    return BalanceReport.of(ratios)

@@ -1,0 +1,139 @@
+"""Exact Emu3 sample lengths for packing plans: what the length index of token shards records,
+and how `mmdata pack-plan` turns it into one length per sample.
+
+An Emu3 sample's encoded length depends on its task (understanding, or caption -> image
+generation, whose caption classifier-free guidance may drop) and on the text tokenizer and
+prompts. So:
+
+- `mmdata tokenize-images --tokenizer DIR` counts, with the task encoder's own rendering
+  (tasks.py, the same calls `encode_sample` makes), each written sample's length as an
+  understanding sample and as a generation sample (UNENCODABLE where the encoder would skip it),
+  and the tokens of its first image's block, from which a dropped-caption sample is counted for
+  any unconditional prompt (`sample_lengths`; the index: mmdata/vision_tokens/lengths.py);
+- the plan draws each sample's variant (`draw_variants`: the encoder's `pick_task` rule and CFG
+  drop, with the plan's seed) and records it per sample; in `packing: plan` the encoder takes
+  the variant from the plan instead of drawing (plan_packing.PLAN_VARIANT), so the plan's
+  lengths are the lengths the loader makes;
+- the plan records what the lengths depend on (`Emu3PlanGeometry`: tokenizer, system and
+  unconditional prompts, task weights and CFG rate), and training refuses a plan whose
+  geometry is not the recipe's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.emu3.tasks import (DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING, Emu3Tasks,
+                                               generation_caption)
+from mmdata.energon_loaders.sequence import ConversationError
+
+UNENCODABLE = -1  # the task encoder skips the sample in that task
+#: a plan's per-sample choice (its `variant` column), handed to the encoder as the subflavor
+#: plan_packing.PLAN_VARIANT
+UNDERSTAND, GENERATE, GENERATE_UNCOND = 0, 1, 2
+VARIANTS = {UNDERSTAND: (UNDERSTANDING, False), GENERATE: (GENERATION, False), GENERATE_UNCOND: (GENERATION, True)}
+KIND = "emu3"  # `length_index.kind` in a token manifest; `geometry.kind` in an Emu3 plan
+LENGTH_COLUMNS = ("understanding_tokens", "generation_tokens", "image_block_tokens")
+
+
+def sample_lengths(tasks: Emu3Tasks, conversations: Sequence[dict], grids: Sequence[np.ndarray]) -> tuple[int, int, int]:
+    """(understanding tokens, generation tokens, first image block tokens) of one record, as
+    `Emu3TaskEncoder.encode_sample` builds it before the over-length policy."""
+    try:
+        tokens = tasks.understanding(conversations, grids)
+        understanding = len(tokens) if (tokens.labels != IGNORE_INDEX).any() else UNENCODABLE
+    except ConversationError:
+        understanding = UNENCODABLE
+    caption = generation_caption(conversations, len(grids))
+    generation, block = UNENCODABLE, 0
+    if grids:
+        try:
+            block = len(tasks.image_block(grids[0]))
+            generation = len(tasks.generation(caption, grids[0])) if caption is not None else UNENCODABLE
+        except ConversationError:
+            generation = UNENCODABLE
+    return understanding, generation, block
+
+
+def uncond_prompt_tokens(tokenizer_path: str | Path, prompt: str) -> int:
+    """Text tokens of the unconditional prompt that replaces a dropped caption (none for "", the
+    default: Emu3Tasks.generation renders [bos] + prompt + block + [eos])."""
+    if not prompt:
+        return 0
+    from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
+    from mmdata.local_tokenizer import load_local_tokenizer
+
+    return len(hf_text_encoder(load_local_tokenizer(tokenizer_path, "tokenizer"))(prompt))
+
+
+@dataclass(frozen=True)
+class Emu3PlanGeometry:
+    """What an Emu3 plan's lengths and variants depend on besides the samples: the text
+    tokenizer (sha256 of its folder), the prompts, the task weights and the CFG drop rate."""
+
+    tokenizer_sha256: str
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    uncond_prompt: str = ""
+    tasks: dict[str, float] = field(default_factory=lambda: {UNDERSTANDING: 1.0, GENERATION: 1.0})
+    p_uncond: float = 0.05
+
+    counts: ClassVar[str] = "Emu3 sample lengths (a task and caption drop drawn per sample)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": KIND, **asdict(self), "tasks": {k: float(v) for k, v in sorted(self.tasks.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Emu3PlanGeometry:
+        return cls(d["tokenizer_sha256"], d["system_prompt"], d["uncond_prompt"], dict(d["tasks"]),
+                   float(d["p_uncond"]))
+
+    @classmethod
+    def from_recipe(cls, recipe) -> Emu3PlanGeometry:
+        """The geometry of an Emu3 recipe's loader (its `data:` task keys, `tokenizer.path`)."""
+        from mmdata.preprocess.lengths import tokenizer_fingerprint
+
+        d, path = recipe.data, recipe.tokenizer.path
+        if path is None:
+            raise FileNotFoundError("tokenizer.path is not set: an Emu3 plan is checked against its tokenizer")
+        return cls(tokenizer_fingerprint(path), d.system_prompt, d.uncond_prompt, dict(d.tasks), float(d.p_uncond))
+
+    def differences(self, want: Emu3PlanGeometry) -> list[str]:
+        """`field plan X (recipe: Y)` for each setting that differs."""
+        have_d, want_d = self.as_dict(), want.as_dict()
+        return [f"{k} {_short(have_d[k])} (recipe: {_short(want_d[k])})" for k in have_d if have_d[k] != want_d[k]]
+
+    def remedy(self, shards: Path, seq_length: int) -> str:
+        return f"run `mmdata pack-plan {shards} --recipe RECIPE.yaml --set train.seq_length={seq_length}` (the recipe's " \
+               "tokenizer.path and data.tasks / p_uncond / uncond_prompt / system_prompt)"
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def draw_variants(table, geometry: Emu3PlanGeometry, seed: int, uncond_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(variant, length) per length-index row; length UNENCODABLE where the encoder skips the
+    sample in the drawn task. The task draw is `pick_task`'s rule (generation with probability
+    w_gen / (w_gen + w_und) for a record that can be one, else understanding), then the CFG drop
+    with `p_uncond` (the caption replaced by a prompt of `uncond_tokens` tokens), from a generator
+    seeded with `seed`: a pure function of (the index, the settings, the seed)."""
+    und, gen, block = (table.column(c).to_numpy().astype(np.int64) for c in LENGTH_COLUMNS)
+    w_und, w_gen = float(geometry.tasks.get(UNDERSTANDING, 0.0)), float(geometry.tasks.get(GENERATION, 0.0))
+    u = np.random.default_rng([seed, 0xE3]).random((len(und), 2))
+    generate = (gen != UNENCODABLE) & (w_gen > 0) & (u[:, 0] * (w_und + w_gen) < w_gen)
+    uncond = generate & (u[:, 1] < geometry.p_uncond)
+    variant = np.where(generate, np.where(uncond, GENERATE_UNCOND, GENERATE), UNDERSTAND).astype(np.int8)
+    length = np.where(uncond, 2 + uncond_tokens + block, np.where(generate, gen, und if w_und > 0 else UNENCODABLE))
+    return variant, length
+
+
+def variant_task(variant: int) -> tuple[str, bool]:
+    """(task, caption dropped) of a plan variant."""
+    return VARIANTS[int(variant)]

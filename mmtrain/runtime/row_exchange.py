@@ -1,0 +1,112 @@
+"""Vision-aware balancing of a step's rows in the train loop (`data.balance: true`, online packing).
+
+Each DP rank's loader sees only its own stream, so the ranks balance a step together: every rank
+draws its micro-batches as usual, the ranks gather each row's cost (its real tokens and the tiles
+its vision tower encodes: a few integers per row) over the data-parallel group, all compute the
+same placement (`mmdata.energon_loaders.balance.assign_step`: longest first, each rank and
+micro-batch keeping its row count), and the rows that change rank travel whole, as bytes
+(`PackedBatch.to_bytes`, no pickle), by point-to-point sends within the group; each rank joins the
+rows it now holds into its micro-batches. With `data.sharding: replicated` every rank holds the
+whole step already and nothing is sent.
+
+What it keeps: the placement is a function of the rows drawn, and the loaders' states are saved
+between steps, so a resumed run draws the same rows and places them the same (exact resume); a
+row is the same tokens, media and `cu_seqlens` wherever it trains, so every sample's loss is
+what it would have been unbalanced (megatron's per-token loss sums over all rows of all ranks).
+All TP/PP/CP ranks of one DP rank hold the same batches and make the same exchange with their
+peers of the other DP ranks (megatron's data-parallel group is exactly those peers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mmdata.energon_loaders.balance import RowRef, assign_step, row_costs
+from mmdata.energon_loaders.batch import PackedBatch
+
+
+class RowBalancer:
+    """Places a step's rows by cost: `tile_tokens` is a tile's cost in tokens (the cost model's
+    `tile_token_cost`), `tiles_of(batch)` the tiles/frames a batch's vision tower encodes (the
+    family's `encoder_inputs`; None: no encoder)."""
+
+    def __init__(self, tile_tokens: float, tiles_of: Callable[[Any], int] | None) -> None:
+        self.tile_tokens = float(tile_tokens)
+        self.tiles_of = tiles_of
+
+    def _row_cost_inputs(self, rows: Sequence[PackedBatch]) -> tuple[list[int], list[int]]:
+        tiles = [int(self.tiles_of(r)) if self.tiles_of is not None else 0 for r in rows]
+        return [int(r.num_real_tokens) for r in rows], tiles
+
+    def balance_local(self, ranks: Sequence[Sequence[PackedBatch]], me: int) -> list[PackedBatch]:
+        """Rank `me`'s micro-batches when every rank's micro-batches are here (replicated data)."""
+        rows = [[row for mb in mbs for row in mb.split_rows()] for mbs in ranks]
+        costs = [row_costs(*self._row_cost_inputs(r), self.tile_tokens) for r in rows]
+        placed = assign_step(costs, [[_rows(mb) for mb in mbs] for mbs in ranks])
+        return [type(rows[me][0]).join_rows([rows[r][k] for r, k in micro]) for micro in placed[me]]
+
+    def balance_exchange(self, micro_batches: Sequence[PackedBatch], group: Any, device: torch.device
+                         ) -> list[PackedBatch]:
+        """This rank's micro-batches after the DP group's exchange (a collective: every rank of
+        `group` calls it with its own micro-batches of the same step)."""
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        rows = [row for mb in micro_batches for row in mb.split_rows()]
+        micro = [_rows(mb) for mb in micro_batches]
+        tokens, tiles = self._row_cost_inputs(rows)
+        gathered = _all_gather_ints([len(micro), *micro, *tokens, *tiles], group, device)
+        all_micro, costs = [], []
+        for g in gathered:
+            m = g[0]
+            sizes = g[1:1 + m]
+            n = sum(sizes)
+            all_micro.append(sizes)
+            costs.append(row_costs(g[1 + m:1 + m + n], g[1 + m + n:1 + m + 2 * n], self.tile_tokens))
+        placed = assign_step(costs, all_micro)
+        # what leaves this rank and what arrives, in one order every rank agrees on
+        sends = sorted((d, k) for d in range(world) for mb in placed[d] for r, k in mb if r == me and d != me)
+        recvs = sorted((r, k) for mb in placed[me] for r, k in mb if r != me)
+        payload = {k: rows[k].to_bytes() for _, k in sends}
+        sizes = _all_gather_ints([len(rows), *[len(payload.get(k, b"")) for k in range(len(rows))]], group, device)
+        received = _exchange(sends, recvs, payload, [s[1:] for s in sizes], group, device)
+        batch_type = type(rows[0]) if rows else PackedBatch
+        got = {ref: batch_type.from_bytes(data) for ref, data in received.items()}
+        return [batch_type.join_rows([rows[k] if r == me else got[(r, k)] for r, k in mb]) for mb in placed[me]]
+
+
+def _rows(batch: PackedBatch) -> int:
+    return int(batch.input_ids.shape[0])
+
+
+def _all_gather_ints(values: Sequence[int], group: Any, device: torch.device) -> list[list[int]]:
+    """Every rank's list of ints (lists of any lengths), in group-rank order."""
+    n = torch.tensor([len(values)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, n, group=group)
+    longest = max(int(x) for x in lengths)
+    mine = torch.zeros(longest, dtype=torch.int64, device=device)
+    mine[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in lengths]
+    dist.all_gather(out, mine, group=group)
+    return [t[:int(k)].tolist() for t, k in zip(out, lengths)]
+
+
+def _exchange(sends: list[tuple[int, int]], recvs: list[tuple[int, int]], payload: dict[int, bytes],
+              sizes: list[list[int]], group: Any, device: torch.device) -> dict[RowRef, bytes]:
+    """Point-to-point: this rank's row `k` to group rank `d` for each (d, k) of `sends`; row `k`
+    of group rank `r` from it for each (r, k) of `recvs` (`sizes[r][k]` bytes). Both sides list
+    a pair's rows in the same order, which is how NCCL matches them (gloo by the tag as well)."""
+    ops, inbox = [], {}
+    for d, k in sends:
+        data = torch.frombuffer(bytearray(payload[k]), dtype=torch.uint8).to(device)
+        ops.append(dist.P2POp(dist.isend, data, dist.get_global_rank(group, d), group, tag=k))
+    for r, k in recvs:
+        inbox[(r, k)] = torch.empty(sizes[r][k], dtype=torch.uint8, device=device)
+        ops.append(dist.P2POp(dist.irecv, inbox[(r, k)], dist.get_global_rank(group, r), group, tag=k))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return {ref: t.cpu().numpy().tobytes() for ref, t in inbox.items()}

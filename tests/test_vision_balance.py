@@ -1,0 +1,200 @@
+"""Vision-aware balancing (mmdata/energon_loaders/balance.py): the placement of a step's rows over
+DP ranks and micro-batches, the tiered order of balanced plans, the figure they are judged by, the
+cost of a tile, and the per-sample vision tiles of the length index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmdata.energon_loaders.balance import (
+    DEFAULT_TILE_TOKENS,
+    StepShape,
+    assign_block,
+    assign_step,
+    plan_balance,
+    row_costs,
+    shuffle_tiers,
+    simulate,
+    step_balance,
+    tiered_order,
+)
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _mix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sample (tokens, tiles) as the synthetic Infinity-MM mix has them (its length index: share,
+    tiles, mean tokens): text-only samples are short, an image's tokens per tile fall from ~750 at
+    2 tiles to ~300 at 25 (the anyres_max_9 shrink), so rows of equal tokens differ in tiles."""
+    kinds = [(0.16, 0, 83, 22), (0.38, 2, 1513, 93), (0.15, 3, 2082, 221), (0.23, 5, 2875, 279), (0.07, 7, 3521, 1392),
+             (0.01, 25, 7415, 41)]  # (share, tiles, tokens mean, std)
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(len(kinds), size=n, p=[k[0] for k in kinds])
+    tiles = np.array([kinds[i][1] for i in pick])
+    tokens = np.array([rng.normal(kinds[i][2], kinds[i][3]) for i in pick]).clip(20, 8000).astype(np.int64)
+    return tokens, tiles
+
+
+def test_assign_step_places_every_row_once_and_keeps_the_counts():
+    rng = np.random.default_rng(0)
+    micro = [[2, 2]] * 8
+    costs = [rng.uniform(1, 100, 4).tolist() for _ in range(8)]
+    placed = assign_step(costs, micro)
+    assert sorted(ref for rank in placed for mb in rank for ref in mb) == [(r, k) for r in range(8) for k in range(4)]
+    assert [[len(mb) for mb in rank] for rank in placed] == micro
+    assert assign_step(costs, micro) == placed  # a pure function of the costs: ranks agree without talking
+    loads = [sum(costs[r][k] for mb in rank for r, k in mb) for rank in placed]
+    drawn = [sum(c) for c in costs]
+    assert max(loads) / np.mean(loads) < max(drawn) / np.mean(drawn)
+    assert max(loads) - min(loads) <= max(max(c) for c in costs)  # longest-first: within one row of even
+    # within a rank the heavier rows spread over its micro-batches (longest first, least loaded)
+    assert assign_step([[9.0, 8.0, 1.0, 0.5]], [[2, 2]]) == [[[(0, 0), (0, 3)], [(0, 1), (0, 2)]]]
+    # one row per rank: nothing to gain, and no row moves
+    assert assign_step([[5.0], [1.0], [3.0]], [[1], [1], [1]]) == [[[(0, 0)]], [[(1, 0)]], [[(2, 0)]]]
+    with pytest.raises(ValueError, match="rank 1: 2 rows but micro-batches of"):
+        assign_step([[1.0], [1.0, 2.0]], [[1], [1]])
+
+
+def test_balancing_meets_the_target_on_a_mixed_stream():
+    """8 DP ranks, micro-batch 2, 2 micro-batches per step: per-step max/mean vision work of the
+    online packer's rows drops from over 1.1 to at most 1.10 when the step is placed by
+    assign_step; a balanced plan (tiers + per-step placement) gets closer to 1 still."""
+    from mmdata.inspect.packing import online_rank_rows
+    from mmdata.preprocess.pack_plan import plan_packing
+
+    tokens, tiles = _mix(2400, seed=1)
+    shape = StepShape(dp=8, micro_batch_size=2, global_batch_size=32)
+    online = simulate(online_rank_rows(tokens, tiles, 8192, shape.dp), shape, DEFAULT_TILE_TOKENS)
+    assert online["today"].steps == online["balanced"].steps >= 10
+    assert online["today"].mean > 1.1 and online["balanced"].mean <= 1.10
+    assert online["balanced"].worst < online["today"].worst
+    plan = plan_packing(tokens, 8192)
+    today = plan.vision_balance(tiles, shape, DEFAULT_TILE_TOKENS, balanced=False)
+    balanced = plan.balanced(tiles, shape, DEFAULT_TILE_TOKENS, seed=0)
+    after = balanced.vision_balance(tiles, shape, DEFAULT_TILE_TOKENS, balanced=True)
+    assert today.mean > 1.1 and after.mean <= 1.03 and after.worst < today.worst
+    assert sorted(np.concatenate(balanced.bins).tolist()) == list(range(len(tokens)))  # reordered, not regrouped
+    assert {tuple(b) for b in balanced.bins} == {tuple(b) for b in plan.bins}
+    # at one row per rank per step only the plan can help: it makes steps of equal-cost rows
+    one = StepShape(dp=8, micro_batch_size=1, global_batch_size=8)
+    online_one = simulate(online_rank_rows(tokens, tiles, 8192, one.dp), one, DEFAULT_TILE_TOKENS)
+    assert online_one["balanced"].mean == pytest.approx(online_one["today"].mean)
+    plan_one = plan.balanced(tiles, one, DEFAULT_TILE_TOKENS, seed=0).vision_balance(tiles, one, DEFAULT_TILE_TOKENS,
+                                                                                     balanced=True)
+    assert plan_one.mean <= 1.03
+
+
+def test_tiered_order_makes_steps_of_whole_tiers_and_later_epochs_keep_them():
+    rng = np.random.default_rng(3)
+    costs = rng.uniform(0, 10, 45)
+    order = tiered_order(costs, 4, np.random.default_rng(0))
+    assert sorted(order.tolist()) == list(range(45))
+    tiers = costs[order[:44]].reshape(11, 4)
+    ranked = np.sort(costs)[::-1]
+    assert sorted(map(tuple, np.sort(tiers, axis=1))) == sorted(map(tuple, np.sort(ranked[:44].reshape(11, 4), axis=1)))
+    assert order[44] == int(np.argmin(costs))  # the short tier (the cheapest) ends the order
+    moved = shuffle_tiers(45, 4, np.random.default_rng(7))
+    assert sorted(moved.tolist()) == list(range(45)) and moved[44] == 44
+    assert all(set(moved[4 * t:4 * t + 4] // 4) == {moved[4 * t] // 4} for t in range(11))  # whole tiers
+    assert moved.tolist() != list(range(45))
+
+
+def test_assign_block_and_plan_balance_agree():
+    shape = StepShape(dp=2, micro_batch_size=2, global_batch_size=8)
+    costs = [8.0, 1.0, 7.0, 2.0, 6.0, 3.0, 5.0, 4.0]
+    placed = assign_block(costs, shape)
+    assert sorted(j for rank in placed for mb in rank for j in mb) == list(range(8))
+    assert [[len(mb) for mb in rank] for rank in placed] == [[2, 2], [2, 2]]
+    loads = [sum(costs[j] for mb in rank for j in mb) for rank in placed]
+    assert loads == [18.0, 18.0]
+    tiles = np.array([8, 1, 7, 2, 6, 3, 5, 4])
+    zeros = np.zeros(8, dtype=np.int64)
+    assert plan_balance(zeros, tiles, shape, 1.0, balanced=True).mean == pytest.approx(1.0)
+    # the plain contract deals positions 0, 2, 4, 6 to rank 0: 26 of 36 tiles
+    assert plan_balance(zeros, tiles, shape, 1.0, balanced=False).mean == pytest.approx(26 / 18)
+    assert step_balance([[8, 7], [1, 2]]) == pytest.approx(15 / 9)
+    assert step_balance([[0], [0]]) is None
+    with pytest.raises(ValueError, match="not a multiple of dp x micro_batch_size"):
+        StepShape(dp=3, micro_batch_size=2, global_batch_size=8)
+
+
+def test_a_tile_costs_what_the_cost_model_says():
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import LLAVA_OV
+    from mmtrain.planning.cost_model import tile_token_cost
+
+    aquila = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", ["action=dry_run"])
+    assert tile_token_cost(LLAVA_OV.model_shapes(aquila.model)) == pytest.approx(DEFAULT_TILE_TOKENS, rel=0.01)
+    tiny = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", ["action=dry_run"])
+    assert tile_token_cost(LLAVA_OV.model_shapes(tiny.model)) < 10  # a 2-layer 32-wide tower: about a token
+    assert row_costs([100, 0], [1, 2], 210.0).tolist() == [310.0, 420.0]
+
+
+def test_media_tiles_are_what_the_tower_encodes():
+    """lengths.media_tiles from header sizes = the tiles the LLaVA-OV loader cuts."""
+    from PIL import Image
+
+    from mmdata.energon_loaders.llava_ov import anyres
+    from mmdata.preprocess.lengths import media_tiles
+
+    for h, w in ((47, 95), (120, 61), (30, 30), (900, 200)):
+        record = {"meta": {"image_sizes": [[w, h, "jpg"]]}}
+        tiles = anyres.prepare_image(Image.new("RGB", (w, h)), 9, image_size=30, patch_size=14).num_tiles
+        assert media_tiles(record, image_size=30) == tiles, (h, w)
+    assert media_tiles({"meta": {"image_sizes": [[40, 20, "png"], [10, 50, "png"], [5, 5, "png"]]}}) == 3
+    assert media_tiles({"meta": {"video_size_frames": [64, 48, 100]}}, video_frames=8) == 8
+    assert media_tiles({"meta": {"video_size_frames": [64, 48, 5]}}) == 5
+    assert media_tiles({"conversations": []}) == 0
+
+
+def test_train_data_balances_replicated_steps(tmp_path):
+    """`data.balance: true` in the train loop's data feed (DP rank 0 of 2, replicated data, so no
+    exchange): each step the feed hands over its rank's share of the rows it drew, placed by
+    `RowBalancer`: the two ranks' shares hold the step's samples, two micro-batches of two rows
+    each, and their costs (tokens + the tiny tower's tile cost x tiles) are more even than drawn."""
+    import torch
+
+    from mmdata.energon_loaders.balance import vision_balance
+    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
+    from mmtrain.planning.cost_model import tile_token_cost
+    from mmtrain.runtime.distributed import ParallelContext
+    from mmtrain.runtime.train_data import TrainData, batch_sample_ids
+    from tests.test_loader import BAD_IDS, _dev_samples
+
+    shards = write_dev_shards(tmp_path / "shards", [s for s in _dev_samples() if s.id not in BAD_IDS])
+    recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [
+        f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
+        "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=8",
+        "data.sharding=replicated", "data.video_frames=4", "data.balance=true"])
+    ctx = ParallelContext(rank=0, world_size=2, local_rank=0, tp=1, pp=1, dp=2, tp_rank=0, pp_rank=0, dp_rank=0,
+                          backend="gloo", device=torch.device("cpu"))
+    data = TrainData(LLAVA_OV, recipe, ctx)
+    place, drawn = data.balancer.balance_local, []
+    data.balancer.balance_local = lambda ranks, me: (drawn.append(ranks), place(ranks, me))[1]
+    tile_tokens = tile_token_cost(LLAVA_OV.model_shapes(recipe.model))
+
+    def cost(micro_batches) -> float:
+        return sum(mb.num_real_tokens + tile_tokens * encoder_inputs(mb) for mb in micro_batches)
+
+    before, after = [], []
+    try:
+        for _ in range(4):
+            step = data.next_step()
+            ranks = drawn[-1]
+            other = place(ranks, 1)
+            assert len(ranks) == 2 and all(len(mbs) == 2 for mbs in ranks)
+            assert all(mb.input_ids.shape == (2, 256) for mb in step.micro_batches + other)
+            ids = sorted(step.sample_ids + [i for mb in other for i in batch_sample_ids(mb)])
+            assert ids == sorted(i for mbs in ranks for mb in mbs for i in batch_sample_ids(mb))
+            before.append(vision_balance([cost(mbs) for mbs in ranks]))
+            after.append(vision_balance([cost(step.micro_batches), cost(other)]))
+    finally:
+        data.close()
+    assert np.mean(after) < np.mean(before), (before, after)
