@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+import psutil
+
 POLL_S = 0.25  # how often run_python reads the CPU time of the measured process tree
 
 
@@ -110,18 +112,16 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     fails. `CPU_S` is the CPU time of the process and all its descendants (a Ray job's workers,
     raylet, GCS, agents), read every POLL_S seconds: a descendant that ends between two reads
     loses at most that much."""
-    import psutil
-
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ray_env())
-    cpu: dict[int, float] = {}
+    root, cpu = psutil.Process(proc.pid), {}
     while True:
         try:
             out, err = proc.communicate(timeout=POLL_S)
             break
         except subprocess.TimeoutExpired:
-            _read_cpu(psutil.Process(proc.pid), cpu)
+            _read_cpu(root, cpu)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a.strip().splitlines()[0] + " ..." for a in args)
@@ -134,10 +134,8 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     return values, wall
 
 
-def _read_cpu(root, cpu: dict[int, float]) -> None:
-    """Record the CPU seconds so far of `root` (a psutil.Process) and its descendants in `cpu`."""
-    import psutil
-
+def _read_cpu(root: psutil.Process, cpu: dict[int, float]) -> None:
+    """Record the CPU seconds so far of `root` and its descendants in `cpu`."""
     try:
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:  # (it just ended)
@@ -151,8 +149,9 @@ def _read_cpu(root, cpu: dict[int, float]) -> None:
 
 
 def run_job(preprocess_args: list[str]) -> tuple[dict[str, float], float]:
-    """`mmdata preprocess ARGS` in its own process, as a user runs it: ({"PEAK_RSS_KB": ...},
-    wall seconds including interpreter start-up, imports and Ray's start and stop)."""
+    """`mmdata preprocess ARGS` in its own process, as a user runs it: ({"PEAK_RSS_KB": the
+    driver's peak RSS, "CPU_S": the whole job's CPU seconds}, wall seconds including interpreter
+    start-up, imports and Ray's start and stop)."""
     return run_python(["-m", __name__, *preprocess_args])
 
 
