@@ -44,7 +44,7 @@ def make_shards(out: Path, num_samples: int, seed: int) -> Path:
     from mmdata.preprocess.synth import generate_records
 
     samples = []
-    for rec in generate_records(num_samples, seed=seed):
+    for rec in generate_records(num_samples, seed=seed, synthetic=True):
         conv = [dict(t) for t in rec.record["conversations"]]
         missing = len(rec.images) - sum(t["value"].count("<image>") for t in conv)
         if missing > 0:  # what preprocess does when the source has no literal placeholder

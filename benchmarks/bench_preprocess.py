@@ -1,40 +1,61 @@
-"""Benchmark `mmdata preprocess` against what a user would otherwise write, on the same input.
+"""Benchmark `mmdata preprocess` on photo-like data: per core against the decode checks alone,
+end to end against Ray Data doing the same validation and shuffle, and against a plain
+`webdataset.ShardWriter` copy for reference.
 
-Three sides, each run as its own subprocess on the same Infinity-MM tars (synthetic, realistic
-layout):
+Input: `mmdata synth` Infinity-MM tars (realistic layout) whose images are photo-like: crops of
+real photos at synth's mix of sizes, formats and modes (`--synthetic`: the gradient images the
+tests use, which compress to almost nothing and decode 4-6 times faster). Sizes N and 4N (default
+N = 12,000, so 48,000 at the largest; `--quick`: 250 and 1,000, one run each), generated once
+in parts, the N input a prefix of the 4N one (mmdata/preprocess/scaling.py); with `--workdir`
+the parts are kept and reused by later runs with the same seed and image kind.
+
+Sides, each its own subprocess on the same tars:
 
 - ShardWriter: one process reads every record of the tars in input order and writes it with
-  `webdataset.ShardWriter` (no validation, no shuffle, no manifest).
-- Ray Data: the pipeline Ray's docs suggest for a shuffled WebDataset copy:
-  `ray.data.read_webdataset(paths, decoder=None)` -> `random_shuffle(seed=0)` ->
-  `write_webdataset(out, encoder=None)`, no validation; plus the one `map` a real run needs:
-  samples whose member sets differ (`{stem}.jpg` here, `{stem}.png` there, a second image) come
-  back with NaN for the members they lack, which `write_webdataset` rejects, so the map keeps
-  the bytes/str fields only.
-- ours: the full job (full decode check of every image, seeded global shuffle, energon index,
-  length index, manifest), starting its own private Ray (`--num-cpus`).
+  `webdataset.ShardWriter` (no validation, no shuffle, no manifest). It never decodes, so it is
+  a reference, not a target: matching it on photos would mean weakening validation.
+- Ray Data: `ray.data.read_webdataset(paths, decoder=None)` -> a `flat_map` running our own
+  record validation (`mmdata.preprocess.validation.validate`: JSON, conversation, media
+  resolution, the full decode check of every image; invalid records dropped) -> `random_shuffle
+  (seed=0)` -> `write_webdataset(out, encoder=None)` (only bytes/str fields are kept: samples
+  whose member sets differ come back with NaN for the members they lack, which
+  `write_webdataset` rejects).
+- ours: the full job (the same validation, seeded global shuffle, energon index, length index,
+  manifest), starting its own private Ray (`--num-cpus`).
 
-Timed end to end (the subprocess's wall time: interpreter start-up, imports, Ray start and stop
-included: what a user waits for) and by the side itself (ours: the manifest's `wall_time_s`).
-Sizes N and 4N (default N = 12,000, so 48,000 at the largest; `--quick`: 1,000 and 4,000, one
-run each); each measurement is the median of `--repeats` runs, taken in rounds that run every
-side once in turn (so a shared machine's load swings reach all sides alike), and each round's
-ours/ShardWriter ratio is printed too (each round: Ray Data first, then ShardWriter and
-ours next to each other in alternating order, then the variants). From N and 4N, t = fixed + n /
-rate gives each side's marginal throughput and fixed cost. The drivers' peak RSS (ours and Ray
-Data's; the baseline's whole process) is printed for both sizes: ours must stay flat (within
-20 %) because rows and media never pass through its driver (tests/test_preprocess_scaling.py
-asserts it). At 4N ours also runs with `--dedup phash` and with `--no-length-index`, giving the
-cost of near-duplicate removal and of the length index as a share of the job. Ray alone (start,
-one empty task per CPU, stop) is timed too: no Ray job can finish sooner.
+Figures:
+
+- decode floor: the product's own decode check (`validation.check_image`: header parse plus the
+  full decode checks of mmdata/preprocess/decode_check.py) run single-threaded in this process
+  on every image of the records between N and 4N, reads excluded. The floor rate is those 3N
+  records over the summed check time: what one core does if it does nothing but decode checks.
+- ours per core: ours' marginal end-to-end rate (the slope of t = fixed + n / rate through N
+  and 4N, so Ray's start and stop and every other fixed cost drop out) divided by `--num-cpus`.
+  `BENCH preprocess_vs_decode_floor` is ours per core over the floor (target >= 0.85: everything
+  but decoding, on every core, costs at most about 15 %).
+- `BENCH preprocess_vs_ray_data`: end to end (the subprocess's wall time) at 4N, Ray Data over
+  ours (target >= 5).
+- `BENCH preprocess` (end to end at the largest size) and `BENCH preprocess_throughput` (the
+  marginal rates): ours against ShardWriter, references without a target.
+- Ray's fixed cost, on a line of its own: start (as the job starts it), one empty task per CPU,
+  stop, each timed; no Ray job can finish sooner.
+- Where the rest goes: ours' marginal wall time per 1,000 records by phase (from the manifests at
+  N and 4N), with the MB/s the write phase reaches at the margin (it writes and fsyncs every
+  shard byte, so a slow disk shows there) and the scan phase's own rate per core against the
+  floor; and a CPU account that a loaded machine leaves standing: the CPU time of every process
+  of ours' job (psutil, polled; mmdata/preprocess/scaling.py) fitted through N and 4N, per
+  record, against the floor's CPU time per record.
+
+Each measurement is the median of `--repeats` runs, taken in rounds that run every side once in
+turn (Ray Data first, then ShardWriter and ours in alternating order, then the variants), so a
+shared machine's load swings reach all sides alike; each round's ours/ShardWriter ratio is
+printed too. The drivers' peak RSS (ours and Ray Data's; the baseline's whole process) is
+printed for both sizes: ours must stay flat (within 20 %) because rows and media never pass
+through its driver (tests/test_preprocess_scaling.py asserts it). At 4N ours also runs with
+`--dedup phash` and with `--no-length-index`, giving their cost as a share of the job.
 
     .venv/bin/python benchmarks/bench_preprocess.py [--num-samples 12000] [--num-cpus 2]
-        [--repeats 1] [--quick] [--warm] [--scale-copies K] [--workdir DIR]
-
-Ends with `BENCH <name> baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>` lines:
-`preprocess` (ours vs ShardWriter, end to end, largest size), `preprocess_vs_ray_data` (ours vs
-Ray Data, end to end, largest size), `preprocess_throughput` (marginal end-to-end rates, ours vs
-ShardWriter) and, with `--warm`, `preprocess_warm` (ours joining a running Ray, largest size).
+        [--repeats 1] [--quick] [--synthetic] [--warm] [--scale-copies K] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -45,42 +66,20 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from mmdata.preprocess.scaling import NestedInputs, run_job, run_python, write_nested_inputs
 
-CHUNK = 1000  # records per generated input part: the N input is a prefix of the 4N one
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+PART_RECORDS = 1000  # records per generated part (tars of 250, one per subset); N is a multiple of it
+QUICK_PART_RECORDS = 250
 
-# The measured process's own peak RSS. Not getrusage's ru_maxrss: Linux carries the RSS of the
-# process that forked it across exec (with vfork, the parent's whole footprint), so a driver
-# started from a big pytest process would report the test session's memory. VmHWM belongs to the
-# process's own address space.
-PEAK_RSS = r"""
-import resource
-
-
-def _peak_rss_kb():
-    try:
-        with open("/proc/self/status") as f:
-            return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
-    except (OSError, StopIteration):  # not Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-"""
-
-OURS = PEAK_RSS + r"""
-import resource, sys
-from mmdata.preprocess.cli import main
-rc = main(sys.argv[1:])
-print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
-sys.exit(rc)
-"""
-
-SHARDWRITER = PEAK_RSS + r"""
-import resource, sys, tarfile, time
+SHARDWRITER = r"""
+import sys, tarfile, time
 from pathlib import Path
 import webdataset as wds
 
@@ -106,25 +105,55 @@ with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, verbose=0)
                 sink.write(sample)
                 n += 1
 print(f"SAMPLES={n}\nT={time.perf_counter() - t0:.3f}")
-print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
+from mmdata.preprocess.scaling import peak_rss_kb
+print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
 """
 
-RAY_DATA = PEAK_RSS + r"""
-import resource, sys, tarfile, time
+RAY_DATA = r"""
+import sys, tarfile, time
 from pathlib import Path
 
 t0 = time.perf_counter()
 import ray
 
+from mmdata.preprocess.adapters.base import MediaRef, MediaResolver, RawRecord
+from mmdata.preprocess.validation import ValidationConfig, Valid, validate
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+class RowMembers(MediaResolver):
+    # A row's members by name, for our validator (what the job's tar adapter does with offsets).
+    def __init__(self, members):
+        self.members = members
+
+    def by_name(self, ref):
+        data = self.members.get(ref)
+        return None if data is None else MediaRef("", 0, len(data), ref)
+
+    def read(self, media):
+        return self.members[media.name]
+
+
+def validated(row):
+    # The job's own validation of the sample; an invalid one is dropped. Only bytes/str fields
+    # are kept (members a sample lacks come back as NaN, which write_webdataset rejects).
+    row = {k: v for k, v in row.items() if isinstance(v, (bytes, str))}
+    key = row["__key__"]
+    members = {f"{key}.{k}": v for k, v in row.items() if not k.startswith("__")}
+    own = sorted((n for n in members if n.lower().endswith(IMAGE_SUFFIXES)), key=lambda n: (n.count("."), n))
+    raw = RawRecord(rid=key, location=key, json_bytes=members.get(f"{key}.json"), provenance={},
+                    locator=RowMembers(members), own_images=own)
+    return [row] if isinstance(validate(raw, CFG), Valid) else []
+
+
+CFG = ValidationConfig()
 raw, out, num_cpus = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=True,
          logging_level="warning")
 ray.data.DataContext.get_current().enable_progress_bars = False
 paths = sorted(str(p) for p in raw.rglob("*.tar"))
-ds = ray.data.read_webdataset(paths, decoder=None)
-ds = ds.random_shuffle(seed=0)
-# Samples with other member sets come back with NaN for the members they lack: keep the bytes.
-ds = ds.map(lambda r: {k: v for k, v in r.items() if isinstance(v, (bytes, str))})
+ds = ray.data.read_webdataset(paths, decoder=None).flat_map(validated).random_shuffle(seed=0)
 ds.write_webdataset(out, encoder=None)
 ray.shutdown()
 t = time.perf_counter() - t0
@@ -133,76 +162,70 @@ for p in Path(out).glob("*.tar"):
     with tarfile.open(p) as tar:
         n += sum(1 for m in tar if m.name.endswith(".json"))
 print(f"SAMPLES={n}\nT={t:.3f}")
-print("PEAK_RSS_KB=" + str(_peak_rss_kb()), flush=True)
+from mmdata.preprocess.scaling import peak_rss_kb
+print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
 """
 
 # Ray's own fixed cost, with nothing to do: start (or join) as the job does, run one empty task
 # per CPU (so every worker process starts), stop. No job can finish faster.
-RAY_FLOOR = r"""
+RAY_FIXED = r"""
 import sys, time
 import ray
 from mmdata.ray_job import init_ray, shutdown_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
-
 own = init_ray(sys.argv[2] if len(sys.argv) > 2 else None, int(sys.argv[1]))
+t1 = time.perf_counter()
 
 @ray.remote(num_cpus=1)
 def nothing():
     return None
 
 ray.get([nothing.remote() for _ in range(int(ray.cluster_resources()["CPU"]))])
+t2 = time.perf_counter()
 shutdown_ray(own)  # the job's own stop
-print("FLOOR_S=%.3f" % (time.perf_counter() - t0), flush=True)
+t3 = time.perf_counter()
+print(f"START_S={t1 - t0:.3f}\nTASKS_S={t2 - t1:.3f}\nSTOP_S={t3 - t2:.3f}", flush=True)
 """
 
 
-def _ray_env() -> dict[str, str]:
-    """The environment of a measured Ray process: no RAY_ADDRESS from the caller's shell (a cold
-    run must start its own instance, never join another; warm runs pass --address)."""
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)
-    return env
+def _run(script: str, *args: str) -> tuple[dict[str, float], float]:
+    """Run a side's script in its own process; (its KEY=value lines, end-to-end seconds)."""
+    try:
+        return run_python(["-c", script, *args])
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
-def _run(script: str, *args: str) -> tuple[dict[str, float], float, str]:
-    """Run a side's script; (its KEY=value lines, end-to-end seconds, stdout)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=_ray_env())
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{script.strip().splitlines()[0]} ... {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    values = {}
-    for line in proc.stdout.splitlines():
-        key, eq, value = line.partition("=")
-        if eq and key.isupper():
-            values[key] = float(value)
-    return values, wall, proc.stdout
+def ray_fixed(num_cpus: int) -> dict:
+    """Ray alone: start as the job starts it, one empty task per CPU, stop (seconds each)."""
+    v, _ = _run(RAY_FIXED, str(num_cpus))
+    return {"start": v["START_S"], "tasks": v["TASKS_S"], "stop": v["STOP_S"],
+            "e2e": v["START_S"] + v["TASKS_S"] + v["STOP_S"]}
 
 
-def ray_floor(num_cpus: int, address: str | None = None) -> float:
-    """Seconds Ray alone takes (start or connect, one empty task per CPU, stop), imports excluded."""
-    return _run(RAY_FLOOR, str(num_cpus), *([address] if address else []))[0]["FLOOR_S"]
+def decode_floor(inputs: NestedInputs, first: int, last: int) -> dict:
+    """The decode checks alone: `validation.check_image` on every image of the records
+    [first, last) of the generated parts, one at a time in this process, reads excluded.
+    {"records", "images", "e2e": the summed wall time of the checks, "cpu": their CPU time}."""
+    from mmdata.preprocess.validation import ValidationConfig, check_image
 
-
-def make_input(root: Path, n_max: int, sizes: list[int], seed: int) -> dict[int, Path]:
-    """Inputs for each size: parts of CHUNK records generated once for the largest size; a
-    smaller size hard-links the tars of its first parts (so N is a prefix of 4N)."""
-    parts = root / "parts"
-    for start in range(0, n_max, CHUNK):
-        recs = generate_records(min(CHUNK, n_max - start), seed=seed + start)
-        write_infinity_mm(recs, parts / f"part{start // CHUNK:04d}", samples_per_tar=250)
-    out = {}
-    for n in sizes:
-        d = root / f"raw_{n}"
-        d.mkdir()
-        for k in range(n // CHUNK):
-            for tar in (parts / f"part{k:04d}").rglob("*.tar"):
-                link = d / tar.relative_to(parts)
-                link.parent.mkdir(parents=True, exist_ok=True)
-                os.link(tar, link)
-        out[n] = d
-    return out
+    cfg = ValidationConfig()
+    records = images = 0
+    wall = cpu = 0.0
+    for part in inputs.part_dirs(first, last):
+        for tar_path in sorted(part.rglob("*.tar")):
+            with tarfile.open(tar_path) as tar:
+                for info in tar:
+                    if info.name.endswith(".json"):
+                        records += 1
+                    elif info.name.lower().endswith(IMAGE_SUFFIXES):
+                        data = tar.extractfile(info).read()
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        check_image(data, info.name, cfg)
+                        wall, cpu = wall + time.perf_counter() - t0, cpu + time.thread_time() - c0
+                        images += 1
+    return {"records": records, "images": images, "e2e": wall, "cpu": cpu}
 
 
 def _scaled_input(root: Path, src: Path, copies: int) -> Path:
@@ -241,8 +264,11 @@ def _rounds(fns: dict, repeats: int) -> tuple[dict, list[dict]]:
 
 
 def _fit(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
-    """(marginal samples/s, fixed seconds) of t = fixed + n / rate through two sizes."""
-    rate = (n2 - n1) / max(t2 - t1, 1e-9)
+    """(marginal samples/s, fixed seconds) of t = fixed + n / rate through two sizes; NaN when the
+    larger size took no longer (quick sizes on a busy machine: noise, not a rate)."""
+    if t2 <= t1:
+        return float("nan"), float("nan")
+    rate = (n2 - n1) / (t2 - t1)
     return rate, t1 - n1 / rate
 
 
@@ -252,55 +278,68 @@ def _phases(m: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-samples", type=int, default=12000, help=f"N, a multiple of {CHUNK} (the second size is 4N)")
-    p.add_argument("--quick", action="store_true", help="smoke run: N = 1000, one repeat, no warm runs")
+    p.add_argument("--num-samples", type=int, default=12000,
+                   help=f"N, a multiple of {PART_RECORDS} (the second size is 4N)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: N = {QUICK_PART_RECORDS} (in one part), one repeat, no warm runs")
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement; the median is reported")
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synthetic", action="store_true", help="gradient images (the tests' kind) instead of photo-like")
     p.add_argument("--warm", action="store_true", help="also run ours joining an already running Ray (--address)")
     p.add_argument("--scale-copies", type=int, default=0,
                    help="also run ours and ShardWriter on K copies of the 4N input (K*4N records)")
-    p.add_argument("--workdir", type=Path, default=None, help="where to put data (default: a temp dir, removed)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where to put data, the generated input kept for later runs (default: a temp dir, removed)")
     args = p.parse_args(argv)
-    n = 1000 if args.quick else args.num_samples
+    n, part_records = (QUICK_PART_RECORDS, QUICK_PART_RECORDS) if args.quick else (args.num_samples, PART_RECORDS)
     reps = 1 if args.quick else args.repeats
-    if n % CHUNK or n <= 0:
-        p.error(f"--num-samples must be a positive multiple of {CHUNK}")
+    if n % part_records or n <= 0:
+        p.error(f"--num-samples must be a positive multiple of {PART_RECORDS}")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_preprocess_"))
     root.mkdir(parents=True, exist_ok=True)
     spp = str(args.samples_per_shard)
 
     def base(raw: Path, size: int) -> dict:
-        v, wall, _ = _run(SHARDWRITER, str(raw), str(root / "base"), spp)
+        v, wall = _run(SHARDWRITER, str(raw), str(root / "base"), spp)
         shutil.rmtree(root / "base")
         assert v["SAMPLES"] == size, (v, size)
         return {"e2e": wall, "t": v["T"], "rss_mb": v["PEAK_RSS_KB"] / 1024}
 
     def ray_data(raw: Path, size: int) -> dict:
-        v, wall, _ = _run(RAY_DATA, str(raw), str(root / "rd"), str(args.num_cpus))
+        v, wall = _run(RAY_DATA, str(raw), str(root / "rd"), str(args.num_cpus))
         shutil.rmtree(root / "rd")
         assert v["SAMPLES"] == size, (v, size)
         return {"e2e": wall, "t": v["T"], "rss_mb": v["PEAK_RSS_KB"] / 1024}
 
     def ours(raw: Path, size: int, *extra: str) -> dict:
-        v, wall, _ = _run(OURS, "--dataset", "infinity-mm", "--input", str(raw), "--output", str(root / "ours"),
-                          "--seed", "0", "--samples-per-shard", spp, "--num-cpus", str(args.num_cpus), "--no-progress",
-                          *extra)
+        try:
+            v, wall = run_job(["--dataset", "infinity-mm", "--input", str(raw), "--output", str(root / "ours"),
+                               "--seed", "0", "--samples-per-shard", spp, "--num-cpus", str(args.num_cpus),
+                               "--no-progress", *extra])
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
         m = json.loads((root / "ours" / "manifest.json").read_text())
         shutil.rmtree(root / "ours")
         assert m["counts"]["read"] == size, m["counts"]
-        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "m": m}
+        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "cpu": v["CPU_S"], "m": m}
 
     sides = {"base": ("ShardWriter", base), "rd": ("Ray Data", ray_data), "ours": ("ours", ours)}
     rows: list[dict] = []
     try:
-        raws = make_input(root, 4 * n, [n, 4 * n], args.seed)
-        floor = _median_run(lambda: {"e2e": ray_floor(args.num_cpus)}, reps)["e2e"]
+        t0 = time.perf_counter()
+        inputs = write_nested_inputs(root, [n, 4 * n], seed=args.seed, synthetic=args.synthetic,
+                                     part_records=part_records, processes=args.num_cpus)
+        raws = inputs.by_size
+        print(f"input: {4 * n:,} records generated or reused in {time.perf_counter() - t0:.0f}s "
+              f"({'gradient' if args.synthetic else 'photo-like'} images)", flush=True)
+        fixed = _median_run(lambda: ray_fixed(args.num_cpus), reps)
         for size, raw in raws.items():
             row = {"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6}
             fns = {key: functools.partial(fn, raw, size) for key, (_, fn) in sides.items()}
-            if size == 4 * n:  # the costs of dedup and of the length index, in the same rounds
+            if size == 4 * n:  # the decode floor, and the costs of dedup and of the length index, in the same rounds
+                fns["floor"] = functools.partial(decode_floor, inputs, n, 4 * n)
                 fns["dedup"] = functools.partial(ours, raw, size, "--dedup", "phash")
                 fns["nolen"] = functools.partial(ours, raw, size, "--no-length-index")
             medians, rounds = _rounds(fns, reps)
@@ -326,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            for d in [root / f"raw_{k}" for k in (n, 4 * n)] + [root / f"raw_x{args.scale_copies}"]:
+                shutil.rmtree(d, ignore_errors=True)
 
     print(f"{'N':>7} {'input MB':>9} " + "".join(f"{label + ' e2e/s':>18} " for label, _ in sides.values())
           + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MiB ours':>12} {'RSS MiB RD':>10} {'RSS MiB SW':>10}")
@@ -345,8 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         if "paired" in r:
             print(f"ours/SW per round at N={r['n']} (both sides under the same load): "
                   + ", ".join(f"{x:.2f}" for x in r["paired"]) + f"; median {statistics.median(r['paired']):.2f}")
-    print(f"Ray alone (start, one empty task per CPU, stop) takes {floor:.1f}s, so no cold Ray job can exceed "
-          + ", ".join(f"{r['n'] / floor:,.0f} samples/s at N={r['n']}" for r in rows[:2]))
     small, large = rows[0], rows[1]
     growth = large["ours"]["rss_mb"] / small["ours"]["rss_mb"] - 1
     rd_growth = large["rd"]["rss_mb"] / small["rd"]["rss_mb"] - 1
@@ -354,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, limit 20%), Ray Data {rd_growth * 100:+.1f}%")
     fits = {k: _fit(n, small[k]["e2e"], 4 * n, large[k]["e2e"]) for k in sides}
     for key, (label, _) in sides.items():
-        rate, fixed = fits[key]
-        print(f"{label}: marginal {rate:,.0f} samples/s, fixed {fixed:.1f}s (end to end, fit through N and 4N)")
+        rate, fixed_s = fits[key]
+        print(f"{label}: marginal {rate:,.0f} samples/s, fixed {fixed_s:.1f}s (end to end, fit through N and 4N)")
     dedup_share = 1 - large["ours"]["t"] / large["dedup"]["t"]
     len_share = 1 - large["nolen"]["t"] / large["ours"]["t"]
     print(f"cost at N={4 * n} (job wall time): --dedup phash {large['dedup']['t']:.1f}s vs {large['ours']['t']:.1f}s "
@@ -365,11 +405,37 @@ def main(argv: list[str] | None = None) -> int:
     if "warm" in large:
         print(f"ours joining a running Ray (--address) at N={4 * n}: {4 * n / large['warm']['e2e']:,.0f} samples/s "
               f"end to end, job {4 * n / large['warm']['t']:,.0f}/s")
+    floor = large["floor"]
+    floor_rate = floor["records"] / floor["e2e"]
+    per_core = fits["ours"][0] / args.num_cpus
+    print(f"decode floor: {floor['images']:,} images of the {floor['records']:,} records between N and 4N checked "
+          f"in {floor['e2e']:.1f}s on one core ({floor['cpu']:.1f} CPU-s; {floor['e2e'] / floor['images'] * 1e6:,.0f} us "
+          f"per image): "
+          f"{floor_rate:,.0f} records/s; ours {fits['ours'][0]:,.0f}/s marginal on {args.num_cpus} CPUs = "
+          f"{per_core:,.0f}/s per core (load average {os.getloadavg()[0]:.1f})")
+    phases = {k: (large["ours"]["m"]["run"]["phases"][k] - small["ours"]["m"]["run"]["phases"][k]) / (3 * n) * 1e3
+              for k in small["ours"]["m"]["run"]["phases"]}
+    shard_mb = sum(s["bytes"] for s in large["ours"]["m"]["shards"]) / 1e6
+    scan_per_core = 1e3 / max(phases["scan_s"], 1e-9) / args.num_cpus
+    print("ours' marginal wall time per 1,000 records by phase: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in phases.items())
+          + f" (the write phase writes {shard_mb / (4 * n) * 1e3:,.0f} MB of shards per 1,000 records and fsyncs them: "
+          f"{shard_mb / (4 * n) / max(phases['write_s'], 1e-9) * 1e3:,.0f} MB/s at the margin); the scan phase alone, per "
+          f"core: {scan_per_core:,.0f} records/s ({scan_per_core / floor_rate:.2f} "
+          f"of the floor)")
+    cpu_rate = _fit(n, small["ours"]["cpu"], 4 * n, large["ours"]["cpu"])[0]
+    print(f"CPU account: ours' marginal {1e6 / cpu_rate:,.0f} CPU-us per record (all of the job's processes, through "
+          f"N and 4N) against the floor's {floor['cpu'] / floor['records'] * 1e6:,.0f}: the decode checks are "
+          f"{floor['cpu'] / floor['records'] * cpu_rate:.0%} of ours' marginal CPU (ours took "
+          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all)")
+    print(f"Ray's fixed cost: start {fixed['start']:.1f}s + one empty task per CPU {fixed['tasks']:.1f}s + stop "
+          f"{fixed['stop']:.1f}s = {fixed['e2e']:.1f}s per job, whatever its size")
     last = rows[-1]
-    print(f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "
-          f"unit=samples/s ratio={last['base']['e2e'] / last['ours']['e2e']:.3f}")
+    print(f"BENCH preprocess_vs_decode_floor baseline={floor_rate:.1f} ours={per_core:.1f} unit=samples/s/core "
+          f"ratio={per_core / floor_rate:.3f}")
     print(f"BENCH preprocess_vs_ray_data baseline={large['n'] / large['rd']['e2e']:.1f} "
           f"ours={large['n'] / large['ours']['e2e']:.1f} unit=samples/s ratio={large['rd']['e2e'] / large['ours']['e2e']:.3f}")
+    print(f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "
+          f"unit=samples/s ratio={last['base']['e2e'] / last['ours']['e2e']:.3f}")
     print(f"BENCH preprocess_throughput baseline={fits['base'][0]:.1f} ours={fits['ours'][0]:.1f} unit=samples/s "
           f"ratio={fits['ours'][0] / fits['base'][0]:.3f}")
     if "warm" in large:

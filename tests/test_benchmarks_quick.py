@@ -30,7 +30,7 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_train_emu3.py": ("train_emu3", "its data needs two Ray jobs (preprocess, tokenize-images)"),
     "bench_auto_tune.py": ("auto_tune_trials", "each trial is a 2-process training run"),
     "bench_long_context.py": ("long_context", "a sweep of ~10 training processes at the Qwen2 vocabulary"),
-    "bench_preprocess.py": ("preprocess", "Ray jobs (ours and Ray Data) at 1,000 and 4,000 records"),
+    "bench_preprocess.py": ("preprocess_vs_decode_floor", "Ray jobs (ours and Ray Data) at 250 and 1,000 records"),
     "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
     "bench_private_internals.py": ("direct_io", None),
     "bench_vision_layout.py": ("vision_layout", None),

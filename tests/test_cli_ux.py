@@ -190,7 +190,7 @@ def test_a_job_that_would_write_no_sample_stops_and_writes_nothing(tmp_path):
     from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(12, seed=3, broken_fraction=0.25), raw, samples_per_tar=12)
+    write_infinity_mm(generate_records(12, seed=3, broken_fraction=0.25, synthetic=True), raw, samples_per_tar=12)
     out = tmp_path / "out"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "mmdata.cli", "preprocess", "--no-progress", "--dataset",
@@ -557,7 +557,7 @@ def test_a_private_ray_start_does_not_print_rays_token_auth_notice(tmp_path):
     from mmdata.ray_job import RAY_AUTH_ENABLED_NOTICE
 
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(8, seed=5), raw, samples_per_tar=8)
+    write_infinity_mm(generate_records(8, seed=5, synthetic=True), raw, samples_per_tar=8)
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     env["HOME"] = str(tmp_path / "home")
     proc = subprocess.run([sys.executable, "-m", "mmdata.cli", "preprocess", "--no-progress", "--dataset",

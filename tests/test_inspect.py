@@ -52,7 +52,7 @@ def _expected_language(rec) -> str:
 @pytest.fixture(scope="module")
 def truth() -> dict[str, object]:
     """The synthetic records behind `shards_dir`, by id."""
-    return {r.id: r for r in generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED)}
+    return {r.id: r for r in generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED, synthetic=True)}
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def tok_shards(tmp_path_factory):
     """600 synthetic records through the job with the tiny tokenizer (exact text tokens)."""
     root = tmp_path_factory.mktemp("packplan")
     tok = build_tiny_qwen2_tokenizer(root / "tok")
-    write_infinity_mm(generate_records(600, seed=8), root / "raw", samples_per_tar=100)
+    write_infinity_mm(generate_records(600, seed=8, synthetic=True), root / "raw", samples_per_tar=100)
     out = root / "shards"
     run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "1",
                        "--samples-per-shard", "200", "--num-cpus", "2", "--tokenizer", str(tok))

@@ -39,7 +39,7 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("plangeo")
     tok = build_tiny_qwen2_tokenizer(root / "tok")
-    write_infinity_mm(generate_records(120, seed=3), root / "raw", samples_per_tar=40)
+    write_infinity_mm(generate_records(120, seed=3, synthetic=True), root / "raw", samples_per_tar=40)
     out = root / "shards"
     run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "1",
                        "--samples-per-shard", "40", "--num-cpus", "2", "--tokenizer", str(tok))

@@ -83,7 +83,7 @@ def _synthetic_mix_lengths(num_samples: int = 600) -> list[int]:
     with tempfile.TemporaryDirectory() as d:
         chat = ChatTokenizer(AutoTokenizer.from_pretrained(build_tiny_qwen2_tokenizer(d)))
     lengths = []
-    for rec in generate_records(num_samples, seed=0):
+    for rec in generate_records(num_samples, seed=0, synthetic=True):
         sizes = []
         for im in rec.images:
             with Image.open(io.BytesIO(im.data)) as pil:

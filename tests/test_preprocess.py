@@ -67,7 +67,7 @@ def read_shards(out: Path) -> list[tuple[str, dict, dict[str, bytes], list[tarfi
 @pytest.fixture(scope="module")
 def broken_raw(tmp_path_factory):
     raw = tmp_path_factory.mktemp("broken") / "raw"
-    recs = generate_records(N, seed=SEED, broken_fraction=0.1)
+    recs = generate_records(N, seed=SEED, broken_fraction=0.1, synthetic=True)
     write_infinity_mm(recs, raw, samples_per_tar=25)
     return raw, recs
 
@@ -228,7 +228,7 @@ def test_energon_info_cli(shards_dir):
 
 def test_llava_json_dataset_with_videos(tmp_path):
     raw = tmp_path / "llava"
-    recs = generate_records(30, seed=2, broken_fraction=0.2, video_fraction=0.3)
+    recs = generate_records(30, seed=2, broken_fraction=0.2, video_fraction=0.3, synthetic=True)
     videos = {r.id: r.video for r in recs if r.video is not None}
     assert videos
     write_llava_json(recs, raw)
@@ -258,7 +258,7 @@ def test_fail_fast_on_systematic_loss_then_rerun_relaxed(tmp_path):
     naming the reason, the count and 3 examples, leaves no manifest or shard, and a rerun with
     the check relaxed continues from the files already scanned."""
     raw = tmp_path / "raw"
-    recs = generate_records(40, seed=4)
+    recs = generate_records(40, seed=4, synthetic=True)
     write_infinity_mm(recs, raw, samples_per_tar=10)
     for path in raw.rglob("*.tar"):
         with tarfile.open(path) as tar:

@@ -118,7 +118,7 @@ def ray_cluster():
 @pytest.mark.slow
 def test_two_node_cluster_equals_local_and_uses_both_nodes(ray_cluster, tmp_path):
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(80, seed=3, broken_fraction=0.05), raw, samples_per_tar=10)
+    write_infinity_mm(generate_records(80, seed=3, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=10)
     common = ("--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
               "--num-buckets", "4")
     hook = tmp_path / "hook"

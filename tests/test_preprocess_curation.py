@@ -51,7 +51,7 @@ def _edited(im: SynthImage) -> SynthImage:
 def dup_data(tmp_path_factory):
     """60 records plus: 6 exact copies (same text), 4 copies with another answer, and edited
     near-copies whose hash is 1-4 bits away. Also the same records in another input order."""
-    recs = generate_records(60, seed=21)
+    recs = generate_records(60, seed=21, synthetic=True)
     single = [r for r in recs if len(r.images) == 1]
     exact = [_copy(r, i) for i, r in enumerate(single[:6])]
     other_text = [_copy(r, 10 + i, answer="Something else entirely.") for i, r in enumerate(single[6:10])]

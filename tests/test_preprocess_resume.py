@@ -62,7 +62,7 @@ def _start_and_kill(args: list[str], ready=None, point: str | None = None) -> No
 @pytest.mark.slow
 def test_killed_driver_rerun_gives_same_output(tmp_path):
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(400, seed=11, broken_fraction=0.05), raw, samples_per_tar=25)
+    write_infinity_mm(generate_records(400, seed=11, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=25)
     mix = tmp_path / "mix.yaml"
     mix.write_text("weights: {laion_caption: 2, '*': 1}\nrepeat: true\n")
     common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
@@ -155,7 +155,7 @@ def test_sigint_at_three_points_then_rerun_gives_identical_output(tmp_path):
     from mmdata.readiness import DatasetNotReady
 
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(240, seed=5, broken_fraction=0.05), raw, samples_per_tar=20)
+    write_infinity_mm(generate_records(240, seed=5, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=20)
     common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "1", "--samples-per-shard", "6",
               "--num-cpus", "1"]
     ref = tmp_path / "ref"

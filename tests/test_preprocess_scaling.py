@@ -1,73 +1,31 @@
 """The job's driver memory does not grow with the data: peak RSS of `mmdata preprocess`'s
 process at N and 4N records stays within 20 % (rows, hashes and media never pass through the
 driver; it holds per-bucket, per-group and per-shard counts only). Measured as
-benchmarks/bench_preprocess.py measures it (the driver process's own VmHWM, input parts of 1,000
-records with N a prefix of 4N), with near-duplicate removal and the length index on, so their
-stages are covered too. And an input several times the Ray object store goes
-through with the driver's memory bounded (`MMDATA_OBJECT_STORE_MB`)."""
+benchmarks/bench_preprocess.py measures it (mmdata/preprocess/scaling.py: the driver process's
+own VmHWM, N a prefix of 4N; gradient images here, photo-like there), with near-duplicate removal
+and the length index on, so their stages are covered too. And an input several times the Ray
+object store goes through with the driver's memory bounded (`MMDATA_OBJECT_STORE_MB`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from mmdata.preprocess.scaling import run_job, write_nested_inputs
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
 N = 2000
-CHUNK = 1000  # records per generated input part
-
-# The driver, reporting its own peak RSS: VmHWM, not getrusage's ru_maxrss (Linux carries the
-# RSS of the forking process across exec, so a driver started from pytest would report pytest's).
-DRIVER = r"""
-import sys
-from mmdata.preprocess.cli import main
-rc = main(sys.argv[1:])
-with open("/proc/self/status") as f:
-    print("PEAK_RSS_KB=" + next(line.split()[1] for line in f if line.startswith("VmHWM:")), flush=True)
-sys.exit(rc)
-"""
-
-
-def _run_driver(*args: str) -> dict[str, float]:
-    """`mmdata preprocess ARGS` in its own process starting its own Ray; its KEY=value lines."""
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, f"mmdata preprocess {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return {k: float(v) for k, eq, v in (line.partition("=") for line in proc.stdout.splitlines()) if eq and k.isupper()}
-
-
-def make_input(root: Path, n_max: int, sizes: list[int], seed: int) -> dict[int, Path]:
-    """Inputs for each size: parts of CHUNK records generated once for the largest size; a
-    smaller size hard-links the tars of its first parts (so N is a prefix of 4N)."""
-    parts = root / "parts"
-    for start in range(0, n_max, CHUNK):
-        recs = generate_records(min(CHUNK, n_max - start), seed=seed + start)
-        write_infinity_mm(recs, parts / f"part{start // CHUNK:04d}", samples_per_tar=250)
-    out = {}
-    for n in sizes:
-        for k in range(n // CHUNK):
-            for tar in (parts / f"part{k:04d}").rglob("*.tar"):
-                link = root / f"raw_{n}" / tar.relative_to(parts)
-                link.parent.mkdir(parents=True, exist_ok=True)
-                os.link(tar, link)
-        out[n] = root / f"raw_{n}"
-    return out
 
 
 @pytest.mark.slow
 def test_driver_rss_flat_from_n_to_4n(tmp_path):
-    raws = make_input(tmp_path, 4 * N, [N, 4 * N], seed=0)
+    raws = write_nested_inputs(tmp_path, [N, 4 * N], seed=0, synthetic=True).by_size
     rss = {}
     for n, raw in raws.items():
         out = tmp_path / f"out{n}"
-        values = _run_driver("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
-                             "--samples-per-shard", "500", "--num-cpus", "2", "--no-progress", "--dedup", "phash")
+        values, _ = run_job(["--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
+                             "--samples-per-shard", "500", "--num-cpus", "2", "--no-progress", "--dedup", "phash"])
         assert json.loads((out / "manifest.json").read_text())["counts"]["read"] == n
         rss[n] = values["PEAK_RSS_KB"]
     growth = rss[4 * N] / rss[N] - 1
@@ -90,7 +48,7 @@ def test_input_several_times_the_object_store(tmp_path, monkeypatch):
     buf = io.BytesIO()
     noise = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
     Image.fromarray(noise).save(buf, format="JPEG", quality=90)
-    records = generate_records(40, seed=1)
+    records = generate_records(40, seed=1, synthetic=True)
     for r in records:
         for image in r.images:
             image.data = buf.getvalue()
@@ -109,8 +67,8 @@ def test_input_several_times_the_object_store(tmp_path, monkeypatch):
     assert total >= 16 * store
     monkeypatch.setenv(OBJECT_STORE_ENV, str(MIN_OBJECT_STORE_MB))
     out = tmp_path / "out"
-    values = _run_driver("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
-                         "--samples-per-shard", "50", "--num-cpus", "2", "--no-progress", "--no-length-index")
+    values, _ = run_job(["--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
+                         "--samples-per-shard", "50", "--num-cpus", "2", "--no-progress", "--no-length-index"])
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["read"] == copies * len(records) and manifest["counts"]["quarantined"] == 0
     written = sum(s["bytes"] for s in manifest["shards"])
@@ -133,3 +91,35 @@ def test_object_store_size_from_the_environment(monkeypatch):
         monkeypatch.setenv(OBJECT_STORE_ENV, bad)
         with pytest.raises(UserError, match=f"{OBJECT_STORE_ENV}='{bad}': give a whole number of MiB, at least 75"):
             object_store_bytes()
+
+
+def test_nested_inputs_are_prefixes_and_reuse_their_parts(tmp_path):
+    """The N input is the first parts of the 4N one (the same files, hard-linked); a second call
+    reuses the generated parts instead of generating them again."""
+    import tarfile
+
+    def tars(raw):
+        return {str(p.relative_to(raw)): p.stat().st_ino for p in raw.rglob("*.tar")}
+
+    inputs = write_nested_inputs(tmp_path, [8, 32], seed=3, synthetic=True, part_records=8)
+    small, large = tars(inputs.by_size[8]), tars(inputs.by_size[32])
+    assert small and small.items() <= large.items() and len(large) == 4 * len(small)
+    assert sum(name.endswith(".json") for t in inputs.by_size[32].rglob("*.tar")
+               for name in tarfile.open(t).getnames()) == 32
+    again = write_nested_inputs(tmp_path, [8, 32], seed=3, synthetic=True, part_records=8)
+    assert tars(again.by_size[32]) == large
+    with pytest.raises(ValueError, match="multiples of 8"):
+        write_nested_inputs(tmp_path, [12], part_records=8)
+
+
+def test_measured_process_counts_its_descendants_cpu():
+    """run_python's CPU_S covers the whole process tree (a Ray job's work runs in grandchildren):
+    here a grandchild burns 0.6 CPU-seconds while its parent only waits, then idles a few polls so
+    its last CPU time is read before it ends; KEY=value lines come back."""
+    from mmdata.preprocess.scaling import POLL_S, run_python
+
+    burn = f"import time\nwhile time.process_time() < 0.6: pass\ntime.sleep({4 * POLL_S})"
+    values, wall = run_python(["-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}]); "
+                                     "print('ANSWER=42')"])
+    assert values["ANSWER"] == 42 and wall > 0
+    assert values["CPU_S"] >= 0.6, values

@@ -194,7 +194,7 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(40, seed=0), raw, samples_per_tar=10)
+    write_infinity_mm(generate_records(40, seed=0, synthetic=True), raw, samples_per_tar=10)
     victim = sorted(raw.rglob("*.tar"))[0]
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) * 6 // 10])

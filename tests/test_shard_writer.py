@@ -195,7 +195,7 @@ def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) ->
     from mmdata.preprocess.validation import ValidationConfig
 
     raw = tmp_path / "raw input é"  # paths with spaces and non-ASCII travel through the rows
-    write_infinity_mm(generate_records(60, seed=1), raw, samples_per_tar=16)
+    write_infinity_mm(generate_records(60, seed=1, synthetic=True), raw, samples_per_tar=16)
     units = adapters.list_units("infinity-mm", [raw], None)
     digests = []
     for nb in (1, 3, 7):

@@ -28,7 +28,7 @@ def _tree_digest(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def varied(tmp_path_factory):
     out = tmp_path_factory.mktemp("synth_varied") / "raw"
-    recs = generate_records(300, seed=1, broken_fraction=0.05)
+    recs = generate_records(300, seed=1, broken_fraction=0.05, synthetic=True)
     files = write_infinity_mm(recs, out, samples_per_tar=40)
     return out, recs, files
 
@@ -83,7 +83,7 @@ def test_broken_fraction_covers_every_kind(varied):
     broken = [r.broken for r in recs if r.broken]
     assert len(broken) == 15
     assert set(broken) == set(BROKEN_KINDS)
-    assert generate_records(50, seed=0, broken_fraction=0.0) and not any(r.broken for r in generate_records(50, seed=0))
+    assert generate_records(50, seed=0, broken_fraction=0.0, synthetic=True) and not any(r.broken for r in generate_records(50, seed=0, synthetic=True))
 
 
 def test_image_field_is_provenance_like_the_published_tars(varied):
@@ -107,23 +107,23 @@ def test_image_field_is_provenance_like_the_published_tars(varied):
     assert styles["foreign"] > styles["exact"] + styles["basename"] and styles["exact"] and styles["basename"]
     names = [n for r in recs for n in r.member_names]
     assert any(n.endswith((".jpeg", ".JPG")) for n in names) and any(".1." in n for n in names)
-    member_only = generate_records(40, seed=1, image_field="member")
+    member_only = generate_records(40, seed=1, image_field="member", synthetic=True)
     assert all(r.record.get("image") in (None, r.member_names[0] if len(r.member_names) == 1 else r.member_names)
                for r in member_only)
 
 
 def test_byte_deterministic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    write_infinity_mm(generate_records(40, seed=3, broken_fraction=0.1), a, samples_per_tar=10)
-    write_infinity_mm(generate_records(40, seed=3, broken_fraction=0.1), b, samples_per_tar=10)
+    write_infinity_mm(generate_records(40, seed=3, broken_fraction=0.1, synthetic=True), a, samples_per_tar=10)
+    write_infinity_mm(generate_records(40, seed=3, broken_fraction=0.1, synthetic=True), b, samples_per_tar=10)
     assert _tree_digest(a) == _tree_digest(b)
     c = tmp_path / "c"
-    write_infinity_mm(generate_records(40, seed=4, broken_fraction=0.1), c, samples_per_tar=10)
+    write_infinity_mm(generate_records(40, seed=4, broken_fraction=0.1, synthetic=True), c, samples_per_tar=10)
     assert _tree_digest(a) != _tree_digest(c)
 
 
 def test_llava_json_layout(tmp_path):
-    recs = generate_records(30, seed=0, broken_fraction=0.2)
+    recs = generate_records(30, seed=0, broken_fraction=0.2, synthetic=True)
     write_llava_json(recs, tmp_path)
     lines = (tmp_path / "annotations.jsonl").read_bytes().splitlines()
     assert len(lines) == 30
@@ -137,8 +137,8 @@ def test_llava_json_layout(tmp_path):
 def test_videos_are_opt_in(tmp_path):
     import av
 
-    plain = generate_records(40, seed=3)
-    mixed = generate_records(40, seed=3, video_fraction=0.3)
+    plain = generate_records(40, seed=3, synthetic=True)
+    mixed = generate_records(40, seed=3, video_fraction=0.3, synthetic=True)
     assert not any(r.video for r in plain)
     vids = [r for r in mixed if r.video]
     assert vids and all("<video>" in r.record["conversations"][0]["value"] for r in vids)
@@ -159,3 +159,51 @@ def test_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "12 records (6 broken)" in proc.stdout
     assert sorted(p.parts[-3] for p in out.rglob("*.tar")) == ["stage1", "stage2", "stage3", "stage4"]
+
+
+def _bytes_per_pixel(records, fmt: str) -> float:
+    data = pixels = 0
+    for r in records:
+        for im in r.images:
+            if im.name_ext == fmt and im.data and not r.broken:
+                w, h = Image.open(io.BytesIO(im.data)).size
+                data, pixels = data + len(im.data), pixels + w * h
+    return data / pixels
+
+
+def test_photo_like_images_have_real_entropy_and_are_deterministic():
+    """The default images are crops of real photos: encoded they are several times the size of
+    the gradients per pixel (JPEG about 3x, PNG and WebP far more), they are the same in every
+    run (per record from seed and index: a shorter run is a prefix of a longer one), and only
+    the pixels differ from --synthetic (same records, sizes and formats)."""
+    photo, gradient = generate_records(40, seed=5), generate_records(40, seed=5, synthetic=True)
+    ratios = {fmt: _bytes_per_pixel(photo, fmt) / _bytes_per_pixel(gradient, fmt) for fmt in ("jpg", "png", "webp")}
+    assert ratios["jpg"] > 2.5 and ratios["png"] > 10 and ratios["webp"] > 4, ratios
+    again = generate_records(20, seed=5)
+    assert [(r.json_bytes, [im.data for im in r.images]) for r in again] == \
+        [(r.json_bytes, [im.data for im in r.images]) for r in photo[:20]]
+    for p, g in zip(photo, gradient):
+        assert p.member_names == g.member_names and p.record["conversations"] == g.record["conversations"]
+        assert [Image.open(io.BytesIO(im.data)).size for im in p.images if im.data] == \
+            [Image.open(io.BytesIO(im.data)).size for im in g.images if im.data]
+    assert all(p.images[0].data != g.images[0].data for p, g in zip(photo, gradient) if p.images and not p.broken)
+
+
+def test_photos_come_from_the_installed_wheel():
+    """Every source photo is read from scikit-image's bundled files (no download) and decodes."""
+    from mmdata.preprocess.photo_source import PHOTOS, source_photo
+
+    for name in PHOTOS:
+        img = source_photo(name)
+        assert img.mode == "RGB" and min(img.size) >= 150, (name, img.size)
+
+
+def test_cli_default_is_photo_like(tmp_path):
+    """`mmdata synth` writes photo-like images unless --synthetic, as generate_records does."""
+    from mmdata.cli import main
+
+    for flag, synthetic in (([], False), (["--synthetic"], True)):
+        out = tmp_path / f"cli{synthetic}"
+        assert main(["synth", "--output", str(out), "--num-samples", "6", "--seed", "2", *flag]) == 0
+        write_infinity_mm(generate_records(6, seed=2, synthetic=synthetic), tmp_path / f"api{synthetic}")
+        assert _tree_digest(out) == _tree_digest(tmp_path / f"api{synthetic}")

@@ -317,7 +317,7 @@ def _assert_same_records(unit: InputUnit, cut: bool = False) -> int:
 
 
 def test_iter_records_unchanged(tmp_path: Path):
-    files = write_infinity_mm(generate_records(60, seed=0, broken_fraction=0.2), tmp_path / "raw", samples_per_tar=20)
+    files = write_infinity_mm(generate_records(60, seed=0, broken_fraction=0.2, synthetic=True), tmp_path / "raw", samples_per_tar=20)
     units = infinity_mm.list_units([tmp_path / "raw"])
     assert len(units) == len(files) and sum(_assert_same_records(u) for u in units) >= 60
     # a hand-made tar with orphan images, duplicate names, upper-case and dotted suffixes

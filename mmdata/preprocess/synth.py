@@ -2,6 +2,11 @@
 LLaVA-style JSONL + image folder), varied like the real data and optionally with a fraction
 of deliberately broken records, so demos and tests exercise every path of the preprocessor.
 
+Pictures are photo-like by default: crops of real photos resized to each record's size
+(`mmdata/preprocess/photo_source.py`), so encoded sizes and decode costs are those of real data.
+`--synthetic` (`synthetic=True`) draws colour gradients with a few rectangles instead: several
+times cheaper to make and to check, for tests that need tidy fixtures, not realistic pixels.
+
 As in the published Infinity-MM tars, a record's `image` field is by default provenance, not
 a member name: mostly an absolute path on the producer's storage whose basename and extension
 differ from the member `{stem}.jpg` (some records name the member exactly, some by basename
@@ -9,7 +14,9 @@ under a foreign folder; `--image-field member` writes only exact member names). 
 card's format, a list of 64-bit integers (the perceptual hash of each image).
 
 The output is byte-deterministic for a given (--dataset, --num-samples, --seed,
---broken-fraction, --video-fraction, --samples-per-tar, --image-field).
+--broken-fraction, --video-fraction, --samples-per-tar, --image-field, --synthetic). The image
+kind changes only the pixels (a photo's crop depends only on seed and record index): the records'
+structure, sizes, formats and text are the same with and without --synthetic.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from mmdata.preprocess.curation.phash import phash
+from mmdata.preprocess.photo_source import photo_crop
 
 # Broken kinds, and the quarantine reason `mmdata preprocess` must give each one.
 BROKEN_KINDS: dict[str, str] = {
@@ -144,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="infinity-mm `image` field: realistic (mostly foreign absolute paths whose "
                              "basename/extension differ from the member, as in the published tars) or "
                              "member (exact member names) (default realistic)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="colour gradients with a few rectangles instead of photo-like crops of real photos: "
+                             "cheap tidy fixtures, but they compress to almost nothing and decode several times "
+                             "faster than real images (default: photo-like)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty --output: first delete what synth writes there (stageN/ "
                              "folders, or annotations.jsonl, images/ and videos/); other files are kept")
@@ -192,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be between 0 and 1, got {value}")
     check_output(args.output, args.dataset, args.overwrite)
     records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction,
-                               video_fraction=args.video_fraction, image_field=args.image_field)
+                               video_fraction=args.video_fraction, image_field=args.image_field,
+                               synthetic=args.synthetic)
     if args.dataset == "infinity-mm":
         files = write_infinity_mm(records, args.output, samples_per_tar=args.samples_per_tar)
     else:
@@ -206,18 +219,40 @@ def run(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- generation
 
 
-def _draw_image(rng: np.random.Generator, size: tuple[int, int], mode: str) -> Image.Image:
-    """A cheap but non-trivial picture: a colour gradient plus a few solid rectangles."""
-    w, h = size
-    c0, c1 = rng.integers(0, 256, size=(2, 3))
-    t = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :, None]
-    row = (c0[None, None, :] * (1 - t) + c1[None, None, :] * t).astype(np.uint8)
-    arr = np.repeat(row, h, axis=0)
-    for _ in range(int(rng.integers(1, 4))):
-        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
-        x1, y1 = min(w, x0 + int(rng.integers(1, max(2, w // 2)))), min(h, y0 + int(rng.integers(1, max(2, h // 2))))
-        arr[y0:y1, x0:x1] = rng.integers(0, 256, size=3)
-    img = Image.fromarray(arr, "RGB")
+@dataclass(frozen=True)
+class _Gradient:
+    """A cheap but non-trivial RGB picture: a colour gradient plus a few solid rectangles."""
+
+    size: tuple[int, int]
+    colours: np.ndarray  # (2, 3): left and right
+    rects: list[tuple[int, int, int, int, np.ndarray]]  # (x0, y0, x1, y1, colour)
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator, size: tuple[int, int]) -> _Gradient:
+        w, h = size
+        colours = rng.integers(0, 256, size=(2, 3))
+        rects = []
+        for _ in range(int(rng.integers(1, 4))):
+            x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+            x1 = min(w, x0 + int(rng.integers(1, max(2, w // 2))))
+            y1 = min(h, y0 + int(rng.integers(1, max(2, h // 2))))
+            rects.append((x0, y0, x1, y1, rng.integers(0, 256, size=3)))
+        return cls(size, colours, rects)
+
+    def render(self) -> Image.Image:
+        (w, h), (c0, c1) = self.size, self.colours
+        t = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :, None]
+        row = (c0[None, None, :] * (1 - t) + c1[None, None, :] * t).astype(np.uint8)
+        arr = np.repeat(row, h, axis=0)
+        for x0, y0, x1, y1, colour in self.rects:
+            arr[y0:y1, x0:x1] = colour
+        return Image.fromarray(arr, "RGB")
+
+
+def _with_mode(img: Image.Image, mode: str, photo: bool) -> Image.Image:
+    """The RGB picture as `mode`: L, RGB, RGBA (the top half semi-transparent) or P (32 colours;
+    a photo through the fast octree quantizer: median cut takes seconds on a photo)."""
+    w, h = img.size
     if mode == "L":
         img = img.convert("L")
     elif mode == "RGBA":
@@ -225,6 +260,8 @@ def _draw_image(rng: np.random.Generator, size: tuple[int, int], mode: str) -> I
         alpha = np.full((h, w), 255, dtype=np.uint8)
         alpha[: h // 2] = 128
         img.putalpha(Image.fromarray(alpha, "L"))
+    elif mode == "P" and photo:
+        img = img.quantize(32, method=Image.Quantize.FASTOCTREE)
     elif mode == "P":
         img = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
     return img
@@ -241,17 +278,22 @@ def encode_image(img: Image.Image, fmt: str, quality: int = 85) -> bytes:
     return buf.getvalue()
 
 
-def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str) -> SynthImage:
-    img = _draw_image(rng, size, mode)
+def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str,
+                  photo_rng: np.random.Generator | None) -> SynthImage:
+    """A gradient drawn from `rng`, or with `photo_rng` a photo crop drawn from that alone. The
+    gradient is drawn either way, so `rng`'s stream, and with it every record's structure (kinds,
+    sizes, formats, text), does not depend on the image kind: only the pixels do."""
+    gradient, photo = _Gradient.draw(rng, size), photo_rng is not None
+    img = _with_mode(photo_crop(photo_rng, size) if photo else gradient.render(), mode, photo)
     return SynthImage(fmt, encode_image(img, fmt), phash(img, fast=True))
 
 
-def _random_image(rng: np.random.Generator) -> SynthImage:
+def _random_image(rng: np.random.Generator, photo_rng: np.random.Generator | None) -> SynthImage:
     size = IMAGE_SIZES[int(rng.choice(len(IMAGE_SIZES), p=IMAGE_SIZE_WEIGHTS / IMAGE_SIZE_WEIGHTS.sum()))]
     fmt = str(rng.choice(["jpg", "jpg", "jpg", "png", "webp"]))
     modes = {"jpg": ["RGB", "RGB", "L"], "png": ["RGB", "L", "RGBA", "P"], "webp": ["RGB", "RGBA"]}[fmt]
     mode = str(rng.choice(modes))
-    return _encode_image(rng, size, fmt, mode)
+    return _encode_image(rng, size, fmt, mode, photo_rng)
 
 
 def _member_names(rng: np.random.Generator, stem: str, images: list[SynthImage]) -> list[str]:
@@ -288,11 +330,13 @@ def _turns(rng: np.random.Generator, n_images: int, literal_placeholder: bool, n
 
 
 def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float = 0.0,
-                     video_fraction: float = 0.0, image_field: str = "realistic") -> list[SynthRecord]:
+                     video_fraction: float = 0.0, image_field: str = "realistic",
+                     synthetic: bool = False) -> list[SynthRecord]:
     """Generate `num_samples` varied records; broken ones are spread evenly and cycle kinds.
 
     Video records (opt-in) and the member/field naming come from separate random streams, so
-    the records' content does not depend on them.
+    the records' content does not depend on them. Photo crops (the default; `synthetic`:
+    gradients) come from a stream per record, seeded with (seed, index).
     """
     if image_field not in ("realistic", "member"):
         raise ValueError(f"image_field must be 'realistic' or 'member', not {image_field!r}")
@@ -318,9 +362,10 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
             kind = "single"
         zh = rng.random() < 0.25
         n_images = {"caption": 1, "single": 1, "multiturn": 1, "multi_image": int(rng.integers(2, 4)), "text_only": 0}[kind]
-        images = [_random_image(rng) for _ in range(n_images)]
+        photo_rng = None if synthetic else np.random.default_rng([seed, 3, i])
+        images = [_random_image(rng, photo_rng) for _ in range(n_images)]
         if broken == "truncated_jpeg":
-            images[0] = _encode_image(rng, (640, 480), "jpg", "RGB")
+            images[0] = _encode_image(rng, (640, 480), "jpg", "RGB", photo_rng)
         literal = kind == "multi_image" or rng.random() < 0.7
         if kind == "text_only":
             q, a = TEXT_ONLY[int(rng.integers(0, len(TEXT_ONLY)))]

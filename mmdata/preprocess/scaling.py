@@ -1,0 +1,167 @@
+"""Measuring how `mmdata preprocess` scales with its input: nested inputs (the N-record input is
+a prefix of the 4N one, so the slope between them is the job's marginal rate) and the job run as
+a user runs it, in its own process, reporting that process's own peak RSS.
+
+benchmarks/bench_preprocess.py and tests/test_preprocess_scaling.py both measure this way; tests
+import nothing from benchmarks/, so the shared part lives here.
+
+    python -m mmdata.preprocess.scaling PREPROCESS-ARGS...   # `mmdata preprocess`, then PEAK_RSS_KB=...
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import psutil
+
+POLL_S = 0.25  # how often run_python reads the CPU time of the measured process tree
+
+
+@dataclass(frozen=True)
+class NestedInputs:
+    parts: Path  # the generated parts, one folder of `part_records` records each
+    part_records: int
+    by_size: dict[int, Path]  # size -> its input folder
+
+    def part_dirs(self, first: int, last: int) -> list[Path]:
+        """The folders of the parts holding records [first, last) (whole parts)."""
+        return [_part_dir(self.parts, start, self.part_records) for start in range(first, last, self.part_records)]
+
+
+def write_nested_inputs(root: Path, sizes: list[int], *, seed: int = 0, synthetic: bool = False,
+                        part_records: int = 1000, processes: int = 1) -> NestedInputs:
+    """`mmdata synth` Infinity-MM inputs of each size under `root/raw_<n>`, each a prefix of the
+    larger ones: parts of `part_records` records (the part starting at record `start` seeded
+    `seed + start`; one tar per subset, so tars of a quarter part) are generated once, for the
+    largest size, and each size hard-links the tars of its first parts. Parts already under
+    `root` (same seed, image kind and part size) are reused: synth is deterministic.
+    `processes` > 1 generates the missing parts in that many processes."""
+    bad = [n for n in sizes if n <= 0 or n % part_records]
+    if bad:
+        raise ValueError(f"input sizes must be positive multiples of {part_records} records, got {bad}")
+    kind = "synthetic" if synthetic else "photo"
+    inputs = NestedInputs(root / f"parts-{kind}-seed{seed}-{part_records}", part_records,
+                          {n: root / f"raw_{n}" for n in sizes})
+    todo = [d for d in inputs.part_dirs(0, max(sizes)) if not d.is_dir()]
+    jobs = (todo, [seed] * len(todo), [part_records] * len(todo), [synthetic] * len(todo))
+    if processes > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(min(processes, len(todo)), mp_context=get_context("spawn")) as pool:
+            list(pool.map(_write_part, *jobs))
+    else:
+        list(map(_write_part, *jobs))
+    for n, raw in inputs.by_size.items():
+        shutil.rmtree(raw, ignore_errors=True)
+        for part in inputs.part_dirs(0, n):
+            for tar in sorted(part.rglob("*.tar")):
+                link = raw / tar.relative_to(inputs.parts)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.link(tar, link)
+    return inputs
+
+
+def _part_dir(parts: Path, start: int, part_records: int) -> Path:
+    return parts / f"part{start // part_records:05d}"
+
+
+def _write_part(final: Path, seed: int, part_records: int, synthetic: bool) -> None:
+    """Generate one part into a temporary folder and rename it into place (a part folder is
+    always complete)."""
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+
+    start = int(final.name.removeprefix("part")) * part_records
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_infinity_mm(generate_records(part_records, seed=seed + start, synthetic=synthetic), tmp,
+                      samples_per_tar=-(-part_records // 4))
+    tmp.rename(final)
+
+
+def peak_rss_kb() -> int:
+    """This process's own peak RSS in KiB: VmHWM. Not getrusage's ru_maxrss: Linux carries the
+    RSS of the process that forked it across exec, so a job started from a big pytest process
+    would report the test session's memory."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
+    except (OSError, StopIteration):  # not Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def ray_env() -> dict[str, str]:
+    """The environment of a measured process: no RAY_ADDRESS from the caller's shell (a cold run
+    starts its own Ray, never joins another; a warm one passes --address), and Ray's token
+    authentication off unless RAY_AUTH_MODE says otherwise."""
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def run_python(args: list[str]) -> tuple[dict[str, float], float]:
+    """`python ARGS` in a new process (ray_env()): its `KEY=value` stdout lines (upper-case keys,
+    numeric values) plus `CPU_S`, and its wall time in seconds. RuntimeError with its output if it
+    fails. `CPU_S` is the CPU time of the process and all its descendants (a Ray job's workers,
+    raylet, GCS, agents), read every POLL_S seconds: a descendant that ends between two reads
+    loses at most that much."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ray_env())
+    root, cpu = psutil.Process(proc.pid), {}
+    while True:
+        try:
+            out, err = proc.communicate(timeout=POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            _read_cpu(root, cpu)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        shown = " ".join(a if len(a) < 80 else a.strip().splitlines()[0] + " ..." for a in args)
+        raise RuntimeError(f"python {shown} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}")
+    values = {"CPU_S": sum(cpu.values())}
+    for line in out.splitlines():
+        key, eq, value = line.partition("=")
+        if eq and key.isupper():
+            values[key] = float(value)
+    return values, wall
+
+
+def _read_cpu(root: psutil.Process, cpu: dict[int, float]) -> None:
+    """Record the CPU seconds so far of `root` and its descendants in `cpu`."""
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:  # (it just ended)
+        return
+    for p in procs:
+        try:
+            times = p.cpu_times()
+            cpu[p.pid] = times.user + times.system
+        except psutil.Error:
+            pass
+
+
+def run_job(preprocess_args: list[str]) -> tuple[dict[str, float], float]:
+    """`mmdata preprocess ARGS` in its own process, as a user runs it: ({"PEAK_RSS_KB": the
+    driver's peak RSS, "CPU_S": the whole job's CPU seconds}, wall seconds including interpreter
+    start-up, imports and Ray's start and stop)."""
+    return run_python(["-m", __name__, *preprocess_args])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmdata.preprocess.cli import main as preprocess
+
+    rc = preprocess(sys.argv[1:] if argv is None else argv)
+    print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
