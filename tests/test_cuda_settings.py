@@ -96,6 +96,7 @@ def test_the_trainer_passes_the_switches_to_the_model(tmp_path):
                          family="llava-ov")
     trainer = Trainer.__new__(Trainer)
     trainer.recipe, trainer.spec = recipe, registry.get_family("llava-ov")
+    trainer.pipeline_split = None  # one stage: megatron's own split
     trainer.ctx = SimpleNamespace(tp=1, cp=1, rank=1, on_cuda=False, params_dtype=torch.float32, sequence_parallel=False,
                                   recompute="none", params_dtype_name="float32")
     opts = trainer._model_options()
