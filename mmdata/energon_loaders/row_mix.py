@@ -14,7 +14,7 @@ each taken only when it strictly lowers the sum of squared row tiles (so the pas
 1. the best move of one sample to another row, or swap of two samples, over the whole buffer
    (vectorised: the buffer's samples against its samples and rows);
 2. when no such move is left, a re-split of two rows (one above the mean, most tiles first, with one
-   of the `RESPLIT_PARTNERS` rows with fewest tiles): of every split of their samples with tiles (at
+   below it, fewest tiles first): of every split of their samples with tiles (at
    most `RESPLIT_MAX_TILED` of them), the most even one whose samples without tiles still fit, laid
    into the roomier row largest first. Then 1. again.
 
@@ -34,8 +34,6 @@ import numpy as np
 
 from mmdata.energon_loaders.packing import largest_first_knapsack
 
-#: rows with fewest tiles a row above the mean is re-split with
-RESPLIT_PARTNERS = 8
 #: samples with tiles two rows may hold together to be re-split (2^n splits are tried)
 RESPLIT_MAX_TILED = 12
 
@@ -117,11 +115,11 @@ class _Rows:
         return done
 
     def resplit_one(self) -> bool:
-        """Re-split the first pair of rows (above-mean rows by falling tiles, each with its
-        `RESPLIT_PARTNERS` rows of fewest tiles) whose best split is more even than they are."""
+        """Re-split the first pair of rows (above-mean rows by falling tiles, each with the
+        below-mean rows by rising tiles) whose best split is more even than they are."""
         mean = float(self.tiles.mean())
         order = np.lexsort((np.arange(self.count), self.tiles))  # fewest tiles first, ties by index
-        partners = [int(r) for r in order[:RESPLIT_PARTNERS] if self.tiles[r] < mean]
+        partners = [int(r) for r in order if self.tiles[r] < mean]
         members = self.bins()
         for a in (int(r) for r in order[::-1] if self.tiles[r] > mean):
             for b in partners:
