@@ -6,7 +6,7 @@
 bytes, an aspect ratio the processor refuses, a video); `token_dir`: those shards through
 `mmdata tokenize-images` (2 CPUs, 3 samples per chunk); `demo_token_dir`: the conftest's
 synthetic Infinity-MM shards tokenized the same way (what Emu3 trains on in the tests and the
-demo). Session-scoped, read-only.
+demo). Session-scoped (built once per session however many modules import them), read-only.
 """
 
 from __future__ import annotations
@@ -88,6 +88,25 @@ def dev_samples(n: int = 16, seed: int = 0) -> list:
     return out
 
 
+_built: dict[tuple[str, str], Path] = {}
+
+
+def session_fixture(build):
+    """`build` as a session fixture built once per session. pytest registers a fixture imported
+    into several test modules once per module, and builds a session-scoped one again for each
+    (the token shards: a Ray job each); the value is kept here by session (its base temp dir), as
+    tests/inspect_fixtures.py does."""
+
+    @functools.wraps(build)
+    def once(tmp_path_factory, **fixtures):
+        key = (str(tmp_path_factory.getbasetemp()), build.__name__)
+        if key not in _built:
+            _built[key] = build(tmp_path_factory, **fixtures)
+        return _built[key]
+
+    return pytest.fixture(scope="session")(once)
+
+
 def run_tokenize_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`mmdata tokenize-images` in a subprocess (its own Ray instance, nothing left in pytest)."""
     cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress", *args]
@@ -104,21 +123,21 @@ def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
             *extra]
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def emu3_tok_dir(tmp_path_factory) -> Path:
     from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
 
     return build_tiny_emu3_tokenizer(tmp_path_factory.mktemp("emu3_tok") / "tok")
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def tiny_vq_dir(tmp_path_factory) -> Path:
     from mmdata.vision_tokens.tiny_vq import build_tiny_vq
 
     return build_tiny_vq(tmp_path_factory.mktemp("tiny_vq") / "vq", seed=0)
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def emu3_dev_shards(tmp_path_factory) -> Path:
     from mmdata.energon_loaders.dev_shards import write_dev_shards
 
@@ -126,7 +145,7 @@ def emu3_dev_shards(tmp_path_factory) -> Path:
                             samples_per_shard=DEV_SAMPLES_PER_SHARD)
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir) -> Path:
     out = tmp_path_factory.mktemp("emu3_tokens") / "tokens"
     run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3"))
@@ -185,7 +204,7 @@ def save_hf_emu3(model, tok_dir: Path, vq_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def demo_token_dir(tmp_path_factory, shards_dir, tiny_vq_dir) -> Path:
     """The conftest's preprocessed synthetic Infinity-MM shards (the demo's kind of data: captions,
     multi-turn and multi-image chats, text-only records) through `mmdata tokenize-images`."""
