@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
+
+from tests.session_fixtures import session_fixture
 
 # transformers' Emu3 chat template (the one Emu3-Chat-hf ships and transformers' processor tests use)
 HF_EMU3_CHAT_TEMPLATE = (
@@ -86,25 +87,6 @@ def dev_samples(n: int = 16, seed: int = 0) -> list:
             out.append(DevSample(sid, conv(2), [("png", encode_image(rng, 80, 80)),
                                                  ("jpg", encode_image(rng, 80, 80, fmt="JPEG"))]))
     return out
-
-
-_built: dict[tuple[str, str], Path] = {}
-
-
-def session_fixture(build):
-    """`build` as a session fixture built once per session. pytest registers a fixture imported
-    into several test modules once per module, and builds a session-scoped one again for each
-    (the token shards: a Ray job each); the value is kept here by session (its base temp dir), as
-    tests/inspect_fixtures.py does."""
-
-    @functools.wraps(build)
-    def once(tmp_path_factory, **fixtures):
-        key = (str(tmp_path_factory.getbasetemp()), build.__name__)
-        if key not in _built:
-            _built[key] = build(tmp_path_factory, **fixtures)
-        return _built[key]
-
-    return pytest.fixture(scope="session")(once)
 
 
 def run_tokenize_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

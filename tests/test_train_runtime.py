@@ -7,9 +7,10 @@ Every training run is a real `mmtrain llava-ov recipes/llava-ov-tiny.yaml ...` s
 Fast tier: one reference run (loss decreases, metrics, checkpoint layout, keep-last), exact
 resume, resume on a pipeline-parallel layout (re-sharded model + optimizer; also a PP=2 vs PP=1
 loss-parity check on identical weights and batches), a checkpoint of another architecture
-refused, frozen parameters, periodic evaluation (`val_loss` at the eval steps only, the same
-batches every time, no effect on training), context parallelism (CP=2 = one process, and its
-checkpoint resumed at CP=1). Slow tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same
+refused, frozen parameters (LLaVA-OV stage 1) and the next stage starting from its weights only,
+periodic evaluation (`val_loss` at the eval steps only, the same batches every time, no effect on
+training), context parallelism (CP=2 continuing the reference run equals it, and its checkpoint
+resumed at CP=1). Slow tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same
 HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume
 (the TP=2 run with the vision tower's own layout),
 the PP=2 validation loss, and the dry-run memory estimate against a measured peak.
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.session_fixtures import session_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -88,7 +91,7 @@ def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.fixture(scope="module")
+@session_fixture  # imported by the other training test modules
 def tokenizer_dir(tmp_path_factory) -> Path:
     from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
@@ -213,11 +216,21 @@ def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, 
         assert "Traceback" not in proc.stderr and not run_dir.exists()
 
 
-def test_frozen_parameters_do_not_change(tmp_path, shards_dir, tokenizer_dir):
+STAGE1 = ("train.iters=2", "optimizer.lr=1.0e-2")
+
+
+@pytest.fixture(scope="module")
+def stage1_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
+    """LLaVA-OV stage 1: the vision tower and the LLM frozen, 2 steps, a checkpoint after each."""
+    run = tmp_path_factory.mktemp("stage1") / "run"
+    train(run, shards_dir, tokenizer_dir, *STAGE1, "checkpoint.interval=1", "checkpoint.keep_last=0",
+          "freeze=[vision_tower, llm]")
+    return run
+
+
+def test_frozen_parameters_do_not_change(stage1_run):
     """LLaVA-OV stage 1: only the projector trains."""
-    run = tmp_path / "stage1"
-    train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
-          "freeze=[vision_tower, llm]", "optimizer.lr=1.0e-2")
+    run = stage1_run
     a = read_dist_ckpt(run / "checkpoints" / "iter_0000001" / "model")
     b = read_dist_ckpt(run / "checkpoints" / "iter_0000002" / "model")
     assert a.keys() == b.keys()
@@ -229,6 +242,21 @@ def test_frozen_parameters_do_not_change(tmp_path, shards_dir, tokenizer_dir):
     assert all(not torch.equal(a[k], b[k]) for k in projector)
     optim = read_dist_ckpt(run / "checkpoints" / "iter_0000002" / "optimizer")
     assert optim and all(".vision_projection." in k for k in optim)  # no moments for frozen params
+
+
+def test_next_stage_takes_weights_only(stage1_run, tmp_path, shards_dir, tokenizer_dir):
+    """A later stage (`checkpoint.weights_only: true`) starts from the previous stage's weights
+    with a fresh step counter, optimizer, LR schedule and data position, instead of resuming the
+    previous run (which would restore its step and train nothing)."""
+    stage2 = tmp_path / "stage2"
+    train(stage2, shards_dir, tokenizer_dir, *STAGE1, f"checkpoint.load={stage1_run / 'checkpoints'}",
+          "checkpoint.weights_only=true")
+    first, second = metrics(stage1_run), metrics(stage2)
+    assert sorted(second) == [1, 2]  # a fresh step counter: the stage really trains
+    assert second[1]["lr"] == first[1]["lr"]  # a fresh LR schedule (warmup restarts)
+    # same seed -> the same first batch; the trained weights fit it better than the random init
+    assert second[1]["sample_ids"] == first[1]["sample_ids"]
+    assert second[1]["loss"] < first[1]["loss"] - 1e-3
 
 
 # ----------------------------------------------------------------------------- fast: evaluation
@@ -294,31 +322,32 @@ def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps) -> None
         assert got[step]["sample_losses"] == pytest.approx(ref[step]["sample_losses"], rel=1e-5, abs=1e-6), step
 
 
-def test_context_parallel_matches_one_process_and_resumes_at_cp1(parity_reference, tmp_path, shards_dir,
-                                                                 tokenizer_dir):
-    """CP=2 (2 processes; packed rows with images split over the ranks after splicing): the first
-    steps' losses, grad norms and per-sample losses equal the single-process run from the same HF
-    weights. Its step-2 checkpoint resumes at CP=1 (model, optimizer and loader state do not
-    depend on CP) and continues the CP=2 run."""
-    common, ref = parity_reference
+def test_context_parallel_continues_one_process_and_resumes_at_cp1(ref_run, tmp_path, shards_dir, tokenizer_dir):
+    """CP=2 (2 processes; packed rows with images split over the ranks after splicing) continuing
+    the one-process run from its step-4 checkpoint: steps 5-6 (losses, grad norms, per-sample
+    losses, the samples) equal the one-process run's. Its step-5 checkpoint resumes at CP=1 and
+    continues the CP=2 run: model, optimizer and loader state do not depend on CP, either way."""
     run = tmp_path / "cp2"
-    proc = train(run, shards_dir, tokenizer_dir, *common, "parallel.cp=2", "checkpoint.interval=2", nproc=2)
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=1", "parallel.cp=2",
+                 f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", nproc=2)
     assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
-    cp2 = metrics(run)
-    assert sorted(cp2) == [1, 2, 3]
-    assert_same_steps(cp2, ref, (1, 2, 3))
-    for step in (1, 2, 3):  # the same rows, but CP pads every segment to 2*cp: more computed, fewer executed
+    assert "same layout: False, loader restored: True" in proc.stderr
+    ref, cp2 = metrics(ref_run), metrics(run)
+    assert sorted(cp2) == [5, 6]
+    assert_same_steps(cp2, ref, (5, 6))
+    for step in (5, 6):  # the same rows, but CP pads every segment to 2*cp: more computed, fewer executed
         assert cp2[step]["bin_fill"] == pytest.approx(ref[step]["bin_fill"])
         assert cp2[step]["executed_token_efficiency"] < ref[step]["executed_token_efficiency"]
-    assert f"| exec {cp2[3]['executed_token_efficiency']:.1%} |" in proc.stderr
-    state = json.loads((run / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
+    assert f"| exec {cp2[6]['executed_token_efficiency']:.1%} |" in proc.stderr
+    state = json.loads((run / "checkpoints" / "iter_0000005" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
     cp1 = tmp_path / "cp1"
-    proc = train(cp1, shards_dir, tokenizer_dir, *common, f"checkpoint.load={run / 'checkpoints' / 'iter_0000002'}")
+    proc = train(cp1, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0",
+                 f"checkpoint.load={run / 'checkpoints' / 'iter_0000005'}")
     assert "same layout: False, loader restored: True" in proc.stderr
     resumed = metrics(cp1)
-    assert sorted(resumed) == [3]
-    assert_same_steps(resumed, cp2, (3,))
+    assert sorted(resumed) == [6]
+    assert_same_steps(resumed, cp2, (6,))
 
 
 # ----------------------------------------------------------------------------- slow: layout matrix
