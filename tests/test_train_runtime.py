@@ -6,14 +6,15 @@ Every training run is a real `mmtrain llava-ov recipes/llava-ov-tiny.yaml ...` s
 
 Fast tier: one reference run (loss decreases, metrics, checkpoint layout, keep-last), exact
 resume, resume on a pipeline-parallel layout (re-sharded model + optimizer; also a PP=2 vs PP=1
-loss-parity check on identical weights and batches), a checkpoint of another architecture
-refused, frozen parameters (LLaVA-OV stage 1) and the next stage starting from its weights only,
-periodic evaluation (`val_loss` at the eval steps only, the same batches every time, no effect on
-training), context parallelism (CP=2 continuing the reference run equals it, and its checkpoint
-resumed at CP=1). Slow tier: the layout parity matrix (TP=2, PP=2, DP=2 from the same
+loss-parity check on identical weights and batches, and the PP=2 validation loss), a checkpoint
+of another architecture refused, frozen parameters (LLaVA-OV stage 1) and the next stage
+starting from its weights only, periodic evaluation (`val_loss` at the eval steps only, the same
+batches every time, no effect on training), context parallelism (CP=2 continuing the reference
+run equals it, and its checkpoint resumed at CP=1). Slow tier: the layout parity matrix (TP=2
+with sequence parallelism and selective recompute, PP=2 with full recompute, DP=2 from the same
 HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume
-(the TP=2 run with the vision tower's own layout),
-the PP=2 validation loss, and the dry-run memory estimate against a measured peak.
+(the TP=2 run with the vision tower's own layout), DP=2 -> DP=1 resume, and the dry-run memory
+estimate against a measured peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
 """
@@ -185,15 +186,18 @@ def test_exact_resume(ref_run, tmp_path, shards_dir, tokenizer_dir):
         assert resumed[step]["sample_ids"] == ref[step]["sample_ids"]
 
 
-def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, tokenizer_dir):
+def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, tokenizer_dir):
     """A TP1/PP1 checkpoint continued on PP=2 (2 processes started by the launcher): model and
     optimizer re-shard through dist-checkpointing, the loader state carries over (same DP), and
-    the PP=2 losses match the single-process run's on the same weights and batches."""
+    the PP=2 losses match the single-process run's on the same weights and batches. The run
+    continued is the evaluated one (its training is the reference run's): the last stage reduces
+    the validation loss to the single-process number."""
     run = tmp_path / "pp2"
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0",
-                 f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", "parallel.pp=2", nproc=2)
+                 f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}", "parallel.pp=2",
+                 "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
     assert "same layout: False, loader restored: True" in proc.stderr
-    ref, pp2 = metrics(ref_run), metrics(run)
+    ref, pp2 = metrics(eval_run), metrics(run)
     assert sorted(pp2) == [5, 6]
     for step in (5, 6):
         assert pp2[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
@@ -201,6 +205,8 @@ def test_resume_on_pipeline_parallel_layout(ref_run, tmp_path, shards_dir, token
         assert pp2[step]["sample_ids"] == ref[step]["sample_ids"]
     state = json.loads((run / "checkpoints" / "iter_0000006" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 1, "pp": 2, "cp": 1, "dp": 1, "world_size": 2}
+    assert "val_loss" not in pp2[5] and pp2[6]["val_tokens"] == ref[6]["val_tokens"]
+    assert pp2[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
 
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, shards_dir, tokenizer_dir):
@@ -383,15 +389,19 @@ def parity_reference(tmp_path_factory, shards_dir, tokenizer_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    ("parallel.tp=2",), ("parallel.pp=2",), (),
+    ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"),
+    ("parallel.pp=2", "parallel.recompute=full"),
     ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.cp=2", "parallel.pp=2"),
     ("parallel.cp=2",),
-], ids=["tp2", "pp2", "dp2", "tp2-sp-cp2", "pp2-cp2", "dp2-cp2"])
+], ids=["tp2-sp-recompute-selective", "pp2-recompute-full", "tp2-sp-cp2", "pp2-cp2", "dp2-cp2"])
 def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer_dir):
-    """Same HF weights, same global batches (`data.sharding=replicated`): TP=2, PP=2 and DP=2
-    (2 processes each), and each of them with CP=2 (4 processes: the gradient reduction over the
-    data-parallel x CP group, the loss over the CP group, pipeline shapes of per-rank token
-    counts), reproduce the single-process losses of the first steps."""
+    """Same HF weights, same global batches (`data.sharding=replicated`): TP=2 and PP=2 (2
+    processes each; DP=2: test_data_parallel_checkpoint_resumes_at_dp1), and each of them with
+    CP=2 (4 processes: the gradient reduction over the data-parallel x CP group, the loss over the
+    CP group, pipeline shapes of per-rank token counts), reproduce the single-process losses of the
+    first steps. Activation recompute and sequence parallelism change memory and communication,
+    not the math: the TP=2 run has sequence parallelism and selective recompute, the PP=2 run full
+    recompute."""
     common, ref = parity_reference
     run = tmp_path / "run"
     train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=4 if "parallel.cp=2" in layout else 2)
@@ -425,35 +435,26 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
 
 
 @pytest.mark.slow
-def test_data_parallel_checkpoint_resumes_at_dp1(tmp_path, shards_dir, tokenizer_dir):
-    """DP=2 -> DP=1 with `data.sharding=replicated`: the loader state moves with the checkpoint
+def test_data_parallel_checkpoint_resumes_at_dp1(parity_reference, tmp_path, shards_dir, tokenizer_dir):
+    """DP=2 (2 processes) from the parity runs' HF weights reproduces the single-process losses;
+    DP=2 -> DP=1 with `data.sharding=replicated`: the loader state moves with the checkpoint
     (energon refuses per-DP-rank states at another DP size), so the continuation is exact."""
-    dp2 = tmp_path / "dp2"
-    train(dp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "data.sharding=replicated", nproc=2)
-    dp1 = tmp_path / "dp1"
-    proc = train(dp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=0", "data.sharding=replicated",
-                 f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}")
-    assert "same layout: False, loader restored: True" in proc.stderr
-    a, b = metrics(dp2), metrics(dp1)
-    for step in (3, 4):
-        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-6)
-        assert b[step]["sample_ids"] == a[step]["sample_ids"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", [("parallel.recompute=full",), ("parallel.recompute=selective",),
-                                     ("parallel.tp=2", "parallel.sequence_parallel=true")],
-                         ids=["recompute-full", "recompute-selective", "tp2-sequence-parallel"])
-def test_memory_and_sequence_parallel_options_keep_the_numbers(variant, parity_reference, tmp_path, shards_dir, tokenizer_dir):
-    """Activation recompute and sequence parallelism change memory/communication, not the math."""
     common, ref = parity_reference
-    run = tmp_path / "run"
-    nproc = 2 if "parallel.tp=2" in variant else 1
-    train(run, shards_dir, tokenizer_dir, *common, *variant, nproc=nproc)
-    got = metrics(run)
+    dp2 = tmp_path / "dp2"
+    train(dp2, shards_dir, tokenizer_dir, *common, "checkpoint.interval=2", nproc=2)
+    a = metrics(dp2)
+    assert sorted(a) == [1, 2, 3]
     for step in (1, 2, 3):
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+        assert a[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
+        assert a[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+        assert sorted(a[step]["sample_ids"]) == sorted(ref[step]["sample_ids"])
+    dp1 = tmp_path / "dp1"
+    proc = train(dp1, shards_dir, tokenizer_dir, *common, f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}")
+    assert "same layout: False, loader restored: True" in proc.stderr
+    b = metrics(dp1)
+    assert sorted(b) == [3]
+    assert b[3]["loss"] == pytest.approx(a[3]["loss"], rel=1e-5, abs=1e-6)
+    assert b[3]["sample_ids"] == a[3]["sample_ids"]
 
 
 @pytest.mark.slow
@@ -493,17 +494,3 @@ def test_dry_run_memory_matches_a_measured_peak(tmp_path, shards_dir, tokenizer_
     saved_measured = out["plain"]["measured"] - out["chunked"]["measured"]
     saved_estimate = out["plain"]["estimate"]["logits"] - out["chunked"]["estimate"]["logits"]
     assert saved_measured == pytest.approx(saved_estimate, rel=0.25)
-
-
-@pytest.mark.slow
-def test_pipeline_parallel_validation_loss_matches(eval_run, tmp_path, shards_dir, tokenizer_dir):
-    """PP=2 (2 processes) continuing the evaluated run from step 4: the last stage reduces the
-    validation loss to the single-process number."""
-    run = tmp_path / "pp2"
-    train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.pp=2",
-          f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}", "train.eval_interval=2",
-          "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
-    ref, pp2 = metrics(eval_run), metrics(run)
-    assert sorted(pp2) == [5, 6] and "val_loss" not in pp2[5]
-    assert pp2[6]["val_tokens"] == ref[6]["val_tokens"]
-    assert pp2[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
