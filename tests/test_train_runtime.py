@@ -256,7 +256,7 @@ def test_next_stage_takes_weights_only(stage1_run, tmp_path, shards_dir, tokeniz
     previous run (which would restore its step and train nothing)."""
     stage2 = tmp_path / "stage2"
     train(stage2, shards_dir, tokenizer_dir, *STAGE1, f"checkpoint.load={stage1_run / 'checkpoints'}",
-          "checkpoint.weights_only=true")
+          "checkpoint.weights_only=true", "checkpoint.save=false")
     first, second = metrics(stage1_run), metrics(stage2)
     assert sorted(second) == [1, 2]  # a fresh step counter: the stage really trains
     assert second[1]["lr"] == first[1]["lr"]  # a fresh LR schedule (warmup restarts)
@@ -308,7 +308,7 @@ def test_evaluations_on_the_same_weights_agree(tmp_path, shards_dir, tokenizer_d
     """With LR 0 the weights never change, so every evaluation must give the same number: the
     validation stream restarts from its first batch each time."""
     run = tmp_path / "run"
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.interval=0", "optimizer.lr=0",
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.save=false", "optimizer.lr=0",
                  "optimizer.min_lr=0", "train.eval_interval=1", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
     m = metrics(run)
     assert m[1]["val_loss"] == m[2]["val_loss"] and m[1]["val_tokens"] == m[2]["val_tokens"] > 0
@@ -348,7 +348,7 @@ def test_context_parallel_continues_one_process_and_resumes_at_cp1(ref_run, tmp_
     state = json.loads((run / "checkpoints" / "iter_0000005" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
     cp1 = tmp_path / "cp1"
-    proc = train(cp1, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0",
+    proc = train(cp1, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.save=false",
                  f"checkpoint.load={run / 'checkpoints' / 'iter_0000005'}")
     assert "same layout: False, loader restored: True" in proc.stderr
     resumed = metrics(cp1)
@@ -382,7 +382,7 @@ def parity_reference(tmp_path_factory, shards_dir, tokenizer_dir):
     base = tmp_path_factory.mktemp("parity")
     hf = write_tiny_hf_model(TINY_RECIPE, base / "hf")
     ref = base / "ref"
-    common = ("train.iters=3", "checkpoint.interval=0", "data.sharding=replicated", f"checkpoint.load={hf}")
+    common = ("train.iters=3", "checkpoint.save=false", "data.sharding=replicated", f"checkpoint.load={hf}")
     train(ref, shards_dir, tokenizer_dir, *common)
     return common, metrics(ref)
 
@@ -425,7 +425,7 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
                  "parallel.vision.tp=1", nproc=2)
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     tp1 = tmp_path / "tp1"
-    proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=0",
+    proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.save=false",
                  f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}")
     assert "same layout: False" in proc.stderr
     a, b = metrics(tp2), metrics(tp1)
@@ -441,7 +441,7 @@ def test_data_parallel_checkpoint_resumes_at_dp1(parity_reference, tmp_path, sha
     (energon refuses per-DP-rank states at another DP size), so the continuation is exact."""
     common, ref = parity_reference
     dp2 = tmp_path / "dp2"
-    train(dp2, shards_dir, tokenizer_dir, *common, "checkpoint.interval=2", nproc=2)
+    train(dp2, shards_dir, tokenizer_dir, *common, "checkpoint.save=true", "checkpoint.interval=2", nproc=2)
     a = metrics(dp2)
     assert sorted(a) == [1, 2, 3]
     for step in (1, 2, 3):
