@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmdata.folder_lock import lock_path
 from tests.session_fixtures import session_fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +192,8 @@ def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, toke
     optimizer re-shard through dist-checkpointing, the loader state carries over (same DP), and
     the PP=2 losses match the single-process run's on the same weights and batches. The run
     continued is the evaluated one (its training is the reference run's): the last stage reduces
-    the validation loss to the single-process number."""
+    the validation loss to the single-process number. The launcher's workers train under the
+    run_dir lock the launcher holds."""
     run = tmp_path / "pp2"
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0",
                  f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}", "parallel.pp=2",
@@ -207,6 +209,8 @@ def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, toke
     assert state["layout"] == {"tp": 1, "pp": 2, "cp": 1, "dp": 1, "world_size": 2}
     assert "val_loss" not in pp2[5] and pp2[6]["val_tokens"] == ref[6]["val_tokens"]
     assert pp2[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
+    # the launcher held the run_dir (mmdata/folder_lock.py) and its workers trained under it; released at the end
+    assert not lock_path(run).exists()
 
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, shards_dir, tokenizer_dir):
@@ -419,16 +423,26 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
     moments) continued at TP=1 follows the TP=2 run's loss curve. The TP=2 run gives the vision
     tower its own layout (`parallel.vision.tp=1`: whole on each rank, half the tiles each): its
     weights and moments are saved whole, its step-3 update (grad norm, clipping) is TP=1's, and
-    across the switch the checkpoint resumes (the other direction: tests/test_vision_layout.py)."""
+    across the switch the checkpoint resumes (the other direction: tests/test_vision_layout.py).
+    The TP=2 run is started by a launcher that is not ours (`torchrun --nproc_per_node 2 mmtrain
+    ...`) without `parallel.nproc_per_node`: its world comes from torchrun's environment."""
     tp2 = tmp_path / "tp2"
-    proc = train(tp2, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=2", "parallel.tp=2",
-                 "parallel.vision.tp=1", nproc=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           *MMTRAIN[1:], f"run_dir={tp2}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
+           "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false", "train.iters=4",
+           "checkpoint.interval=2", "parallel.tp=2", "parallel.vision.tp=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
+    state = json.loads((tp2 / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
+    assert state["layout"] == {"tp": 2, "pp": 1, "cp": 1, "dp": 1, "world_size": 2}
     tp1 = tmp_path / "tp1"
     proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.save=false",
                  f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}")
     assert "same layout: False" in proc.stderr
     a, b = metrics(tp2), metrics(tp1)
+    assert sorted(a) == [1, 2, 3, 4]
     for step in (3, 4):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-6)
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4)
