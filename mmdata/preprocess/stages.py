@@ -40,7 +40,7 @@ from mmdata.preprocess.rows import (
     concat_rows, decode_row, encode_row, load_row_group, read_all_rows, read_rows, rekey_row, row_head,
     save_offsets, save_row_groups, write_bytes_atomic,
 )
-from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
+from mmdata.preprocess.shard_writer import FileRange, SampleMembers, sha256_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
 from mmdata.preprocess.validation import Valid, ValidationConfig, quiet_pillow_bomb_warning, validate
 
@@ -290,14 +290,15 @@ def _fd_budget() -> int:
 
 class _InputFiles:
     """Open fds of input files (at most `limit`, least recently used closed first), so each
-    media read is a single os.pread: no reopening, seeking or Python file object per image."""
+    media range is copied by a single os.preadv: no reopening, seeking or Python file object
+    per image."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit or _fd_budget()
         self.fds: dict[str, int] = {}
         self.opened = 0  # files opened so far (a cache that thrashes shows here)
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
         fd = self.fds.pop(path, None)
         if fd is None:
             if len(self.fds) >= self.limit:
@@ -311,19 +312,7 @@ class _InputFiles:
         """Ask the kernel to start reading a range now: a shard's media are scattered over the
         inputs (that is the shuffle), and once the scan's pages are evicted, reading them one
         pread at a time waits on each seek in turn; queued together the device overlaps them."""
-        os.posix_fadvise(self._fd(path), offset, size, os.POSIX_FADV_WILLNEED)
-
-    def read(self, path: str, offset: int, size: int) -> bytes:
-        fd = self._fd(path)
-        data = os.pread(fd, size, offset)
-        while 0 < len(data) < size:  # only huge reads (over ~2 GiB on Linux) come back short
-            more = os.pread(fd, size - len(data), offset + len(data))
-            if not more:
-                break
-            data += more
-        if len(data) != size:
-            raise IOError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)} (input changed?)")
-        return data
+        os.posix_fadvise(self.fd(path), offset, size, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -356,13 +345,13 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
                     files.prefetch(p, off, size)
                     ahead_bytes += size
                 ahead += 1
-            members = [(sf.JSON_MEMBER, record_json)]
-            members += [(suffix, files.read(p, off, size)) for p, off, size, suffix in media]
+            members: list[tuple[str, bytes | FileRange]] = [(sf.JSON_MEMBER, record_json)]
+            members += [(suffix, FileRange(p, off, size)) for p, off, size, suffix in media]
             done_bytes += sum(size for _, _, size, _ in media)
             yield SampleMembers(f"{plan.first_rank + i:010d}", members)
 
     try:
-        result, layout = write_shard(path, samples())
+        result, layout = write_shard(path, samples(), files=files)
     finally:
         files.close()
     if result.samples != plan.num_samples:
