@@ -174,7 +174,7 @@ import ray
 from mmdata.ray_job import init_ray, shutdown_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
-own = init_ray(sys.argv[2] if len(sys.argv) > 2 else None, int(sys.argv[1]))
+own = init_ray(sys.argv[2] or None, int(sys.argv[1]))
 t1 = time.perf_counter()
 
 @ray.remote(num_cpus=1)
@@ -183,10 +183,29 @@ def nothing():
 
 ray.get([nothing.remote() for _ in range(int(ray.cluster_resources()["CPU"]))])
 t2 = time.perf_counter()
-shutdown_ray(own)  # the job's own stop
+# Ray's processes (raylet, GCS, helpers, idle workers) use CPU while they wait: a job pays it per
+# second of wall time, so it enters the marginal CPU per record. Measured over a quiet interval.
+import psutil
+
+def tree_cpu():
+    me, total = psutil.Process(), 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+c0, w0 = tree_cpu(), time.perf_counter()
+time.sleep(float(sys.argv[3]))
+idle = (tree_cpu() - c0) / (time.perf_counter() - w0)
 t3 = time.perf_counter()
-print(f"START_S={t1 - t0:.3f}\nTASKS_S={t2 - t1:.3f}\nSTOP_S={t3 - t2:.3f}", flush=True)
+shutdown_ray(own)  # the job's own stop
+t4 = time.perf_counter()
+print(f"START_S={t1 - t0:.3f}\nTASKS_S={t2 - t1:.3f}\nSTOP_S={t4 - t3:.3f}\nIDLE_CPU={idle:.4f}", flush=True)
 """
+RAY_IDLE_S, QUICK_RAY_IDLE_S = 10, 2  # how long Ray's idle CPU is measured
 
 
 def _run(script: str, *args: str) -> tuple[dict[str, float], float]:
@@ -197,10 +216,11 @@ def _run(script: str, *args: str) -> tuple[dict[str, float], float]:
         raise SystemExit(str(e)) from None
 
 
-def ray_fixed(num_cpus: int) -> dict:
-    """Ray alone: start as the job starts it, one empty task per CPU, stop (seconds each)."""
-    v, _ = _run(RAY_FIXED, str(num_cpus))
-    return {"start": v["START_S"], "tasks": v["TASKS_S"], "stop": v["STOP_S"],
+def ray_fixed(num_cpus: int, idle_s: float) -> dict:
+    """Ray alone: start as the job starts it, one empty task per CPU, stop (seconds each), and
+    the CPU its processes use while idle for `idle_s` seconds (in cores)."""
+    v, _ = _run(RAY_FIXED, str(num_cpus), "", str(idle_s))
+    return {"start": v["START_S"], "tasks": v["TASKS_S"], "stop": v["STOP_S"], "idle_cpu": v["IDLE_CPU"],
             "e2e": v["START_S"] + v["TASKS_S"] + v["STOP_S"]}
 
 
@@ -334,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         raws = inputs.by_size
         print(f"input: {4 * n:,} records generated or reused in {time.perf_counter() - t0:.0f}s "
               f"({'gradient' if args.synthetic else 'photo-like'} images)", flush=True)
-        fixed = _median_run(lambda: ray_fixed(args.num_cpus), reps)
+        idle_s = QUICK_RAY_IDLE_S if args.quick else RAY_IDLE_S
+        fixed = _median_run(lambda: ray_fixed(args.num_cpus, idle_s), reps)
         for size, raw in raws.items():
             row = {"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6}
             fns = {key: functools.partial(fn, raw, size) for key, (_, fn) in sides.items()}
@@ -423,15 +444,21 @@ def main(argv: list[str] | None = None) -> int:
           f"core: {scan_per_core:,.0f} records/s ({scan_per_core / floor_rate:.2f} "
           f"of the floor)")
     cpu_rate = _fit(n, small["ours"]["cpu"], 4 * n, large["ours"]["cpu"])[0]
-    print(f"CPU account: ours' marginal {1e6 / cpu_rate:,.0f} CPU-us per record (all of the job's processes, through "
-          f"N and 4N) against the floor's {floor['cpu'] / floor['records'] * 1e6:,.0f}: the decode checks are "
-          f"{floor['cpu'] / floor['records'] * cpu_rate:.0%} of ours' marginal CPU (ours took "
-          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all)")
+    floor_cpu_us, ours_cpu_us = floor["cpu"] / floor["records"] * 1e6, 1e6 / cpu_rate
+    idle_us = fixed["idle_cpu"] * 1e6 / fits["ours"][0]  # Ray's idle cores x ours' marginal seconds per record
+    print(f"CPU account: ours' marginal {ours_cpu_us:,.0f} CPU-us per record (all of the job's processes, through "
+          f"N and 4N) against the floor's {floor_cpu_us:,.0f}: the decode checks are "
+          f"{floor_cpu_us / ours_cpu_us:.0%} of ours' marginal CPU (ours took "
+          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all); of the rest, about {idle_us:,.0f} "
+          f"is Ray's processes idling ({fixed['idle_cpu'] * 100:.1f}% of a core while Ray waits, paid per second: "
+          f"{1e6 / fits['ours'][0]:,.0f} us of ours' marginal wall time per record here)")
     print(f"Ray's fixed cost: start {fixed['start']:.1f}s + one empty task per CPU {fixed['tasks']:.1f}s + stop "
           f"{fixed['stop']:.1f}s = {fixed['e2e']:.1f}s per job, whatever its size")
     last = rows[-1]
     print(f"BENCH preprocess_vs_decode_floor baseline={floor_rate:.1f} ours={per_core:.1f} unit=samples/s/core "
           f"ratio={per_core / floor_rate:.3f}")
+    print(f"BENCH preprocess_vs_decode_floor_cpu baseline={floor_cpu_us:.1f} ours={ours_cpu_us:.1f} unit=cpu_us/record "
+          f"ratio={floor_cpu_us / ours_cpu_us:.3f}")
     print(f"BENCH preprocess_vs_ray_data baseline={large['n'] / large['rd']['e2e']:.1f} "
           f"ours={large['n'] / large['ours']['e2e']:.1f} unit=samples/s ratio={large['rd']['e2e'] / large['ours']['e2e']:.3f}")
     print(f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "
