@@ -284,3 +284,13 @@ def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) ->
         again = [write_shard_task(p, spec, str(out)) for p in plan_shards(counts, 16)]
         assert all(r["resumed"] for r in again) and [r["sha256"] for r in again] == digests[-1]
     assert digests[0] == digests[1] == digests[2]
+
+
+def test_layout_round_trips_through_its_json_undecodable_names_included() -> None:
+    """A shard's layout (written by the shard writer, read by the driver's energon index) comes
+    back equal, also with a member suffix holding a surrogate escape (an undecodable name),
+    which orjson cannot write and `json` then does."""
+    for suffix in ("img00.jpg", "video.m\udcffp4"):
+        layout = ShardLayout([("0000000001", 0), ("0000000002", 2048)],
+                             [(0, "json", 512, 10), (1, suffix, 2560, 5)], 3072)
+        assert ShardLayout.from_json(layout.to_json()) == layout
