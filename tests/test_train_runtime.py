@@ -13,10 +13,10 @@ batches every time, no effect on training), context parallelism (CP=2 continuing
 run equals it, and its checkpoint resumed at CP=1). Slow tier: the layout parity matrix (TP=2
 with sequence parallelism and selective recompute, PP=2 with full recompute, DP=2 from the same
 HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 -> TP=1 resume
-(the TP=2 run with the vision tower's own layout), DP=2 -> DP=1 resume, pipeline stages that fit a
-VLM (an uneven decoder split and virtual stages: training and validation losses against one
-process, resumed from and saved as a one-process checkpoint), and the dry-run memory estimate
-against a measured peak.
+(the TP=2 run with the vision tower's own layout), DP=2 -> DP=1 resume, the new parallel features
+together (an uneven decoder split and virtual stages at TP=2 with the vision tower's own layout
+and vision-aware balancing: training and validation losses against one process, resumed from
+and saved as a one-process checkpoint), and the dry-run memory estimate against a measured peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
 """
@@ -325,11 +325,20 @@ def test_evaluations_on_the_same_weights_agree(tmp_path, shards_dir, tokenizer_d
 # ----------------------------------------------------------------------------- context parallelism
 
 
-def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps) -> None:
-    """Losses, grad norms and per-sample losses of `steps` agree (fp32 reduction-order noise)."""
+def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps, any_order: bool = False) -> None:
+    """Losses, grad norms and per-sample losses of `steps` agree (fp32 reduction-order noise);
+    `any_order`: the same samples, in any order (rows that balancing moved between micro-batches)."""
+    def by_id(record: dict) -> list:  # (id, loss) sorted: a sample drawn twice in a step appears twice
+        return sorted(zip(record["sample_ids"], record["sample_losses"]))
+
     for step in steps:
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+        if any_order:
+            mine, theirs = by_id(got[step]), by_id(ref[step])
+            assert [i for i, _ in mine] == [i for i, _ in theirs], step
+            assert [x for _, x in mine] == pytest.approx([x for _, x in theirs], rel=1e-5, abs=1e-6), step
+            continue
         assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
         assert got[step]["sample_losses"] == pytest.approx(ref[step]["sample_losses"], rel=1e-5, abs=1e-6), step
 
@@ -420,24 +429,33 @@ def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer
 
 
 @pytest.mark.slow
-def test_uneven_and_virtual_pipeline_stages_match_one_process(eval_run, tmp_path, shards_dir, tokenizer_dir):
-    """The evaluated one-process run's step-4 checkpoint continued on PP=2 x VPP=2 (megatron's
-    interleaved 1F1B) with the decoder split [0, 1, 0, 1] per virtual stage: stage 0 holds only
-    the vision tower, projector and embedding (two chunks without decoder layers), stage 1 both
-    layers and the loss. Steps 5-6 (losses, grad norms, per-sample losses) and the step-6
-    validation loss (the interleaved schedule forward only) equal the one-process run's, and the
-    step-6 checkpoint holds the same tensors under the same names (layers stacked on a global
-    layer axis), weights and optimizer moments alike: it resumes at any split. (It is also the
-    pipeline's validation-loss check: the last stage reduces it to the one-process number.)"""
-    run = tmp_path / "pp2-vpp2"
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.pp=2",
-                 "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]", f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
-                 "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
+def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_match_one_process(
+        eval_run, tmp_path, shards_dir, tokenizer_dir):
+    """The new parallel features together (4 processes): the evaluated one-process run's step-4
+    checkpoint continued on TP=2 x PP=2 x VPP=2 (megatron's interleaved 1F1B) with the decoder
+    split [0, 1, 0, 1] per virtual stage (stage 0 holds only the vision tower, projector and
+    embedding: two chunks without decoder layers; stage 1 both layers and the loss), the vision
+    tower's own layout (`parallel.vision.tp=1`: whole on each TP rank of the first chunk, half the
+    tiles each, its gradients summed through megatron's TP average across the chunks' DDPs) and
+    `data.balance` (each step's rows placed by cost over the micro-batches, the same on every
+    stage). Steps 5-6 (losses, grad norms, per-sample losses by sample) and the step-6 validation
+    loss (the interleaved schedule forward only) equal the one-process run's, and the step-6
+    checkpoint holds the same tensors under the same names (layers stacked on a global layer
+    axis; the replicated tower saved whole), weights and optimizer moments alike: it resumes at
+    any split and layout. (It is also the pipeline's validation-loss check: the last stage
+    reduces it to the one-process number.)"""
+    run = tmp_path / "tp2-pp2-vpp2"
+    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.tp=2",
+                 "parallel.pp=2", "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]", "parallel.vision.tp=1",
+                 "data.balance=true", f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
+                 "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=4)
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
+    assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     assert "same layout: False, loader restored: True" in proc.stderr
     ref, got = metrics(eval_run), metrics(run)
     assert sorted(got) == [5, 6]
-    assert_same_steps(got, ref, (5, 6))
+    assert_same_steps(got, ref, (5, 6), any_order=True)
+    assert any(got[s]["sample_ids"] != ref[s]["sample_ids"] for s in (5, 6))  # balancing did move rows
     assert got[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
     last = Path("checkpoints") / "iter_0000006"
     for part in ("model", "optimizer"):
