@@ -14,7 +14,7 @@ BENCH loader baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>   (per c
 
   python benchmarks/bench_loader.py [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
 
-`--quick` (a smoke run): 32 synthetic samples, so 64 timed per side.
+`--quick` (a smoke run): 16 synthetic samples, so 32 timed per side.
 """
 
 from __future__ import annotations
@@ -222,10 +222,10 @@ def main() -> None:
     parser.add_argument("--measure", type=int, default=0, help="samples timed per side (default: 2 passes)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 32 synthetic samples (64 timed per side)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 synthetic samples (32 timed per side)")
     args = parser.parse_args()
     if args.quick:
-        args.num_samples = 32
+        args.num_samples = 16
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:

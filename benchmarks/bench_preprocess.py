@@ -32,19 +32,25 @@ Figures:
 - ours per core: ours' marginal end-to-end rate (the slope of t = fixed + n / rate through N
   and 4N, so Ray's start and stop and every other fixed cost drop out) divided by `--num-cpus`.
   `BENCH preprocess_vs_decode_floor` is ours per core over the floor (target >= 0.85: everything
-  but decoding, on every core, costs at most about 15 %).
+  but decoding, on every core, costs at most about 15 %): a wall-clock figure, so on a shared
+  machine it also measures how much of each core the job got. `BENCH
+  preprocess_vs_decode_floor_cpu` is the same comparison in the CPU account (below): the floor's
+  CPU per record over ours' marginal CPU per record, which the machine's load leaves standing.
 - `BENCH preprocess_vs_ray_data`: end to end (the subprocess's wall time) at 4N, Ray Data over
   ours (target >= 5).
 - `BENCH preprocess` (end to end at the largest size) and `BENCH preprocess_throughput` (the
   marginal rates): ours against ShardWriter, references without a target.
 - Ray's fixed cost, on a line of its own: start (as the job starts it), one empty task per CPU,
-  stop, each timed; no Ray job can finish sooner.
+  stop, each timed; no Ray job can finish sooner. And the CPU Ray's processes use while idle,
+  which a job pays per second: the CPU account charges it per record at ours' marginal wall time.
 - Where the rest goes: ours' marginal wall time per 1,000 records by phase (from the manifests at
   N and 4N), with the MB/s the write phase reaches at the margin (it writes and fsyncs every
   shard byte, so a slow disk shows there) and the scan phase's own rate per core against the
   floor; and a CPU account that a loaded machine leaves standing: the CPU time of every process
   of ours' job (psutil, polled; mmdata/preprocess/scaling.py) fitted through N and 4N, per
-  record, against the floor's CPU time per record.
+  record, against the floor's CPU time per record; and an in-process stage account: scan, sort
+  and write run in this process (no Ray) on the first two parts of the margin, in CPU time per
+  record, the scan against the decode checks of the same images.
 
 Each measurement is the median of `--repeats` runs, taken in rounds that run every side once in
 turn (Ray Data first, then ShardWriter and ours in alternating order, then the variants), so a
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -174,7 +181,7 @@ import ray
 from mmdata.ray_job import init_ray, shutdown_ray
 
 t0 = time.perf_counter()  # like the job's wall_time_s: imports excluded
-own = init_ray(sys.argv[2] if len(sys.argv) > 2 else None, int(sys.argv[1]))
+own = init_ray(sys.argv[2] or None, int(sys.argv[1]))
 t1 = time.perf_counter()
 
 @ray.remote(num_cpus=1)
@@ -183,10 +190,29 @@ def nothing():
 
 ray.get([nothing.remote() for _ in range(int(ray.cluster_resources()["CPU"]))])
 t2 = time.perf_counter()
-shutdown_ray(own)  # the job's own stop
+# Ray's processes (raylet, GCS, helpers, idle workers) use CPU while they wait: a job pays it per
+# second of wall time, so it enters the marginal CPU per record. Measured over a quiet interval.
+import psutil
+
+def tree_cpu():
+    me, total = psutil.Process(), 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+c0, w0 = tree_cpu(), time.perf_counter()
+time.sleep(float(sys.argv[3]))
+idle = (tree_cpu() - c0) / (time.perf_counter() - w0)
 t3 = time.perf_counter()
-print(f"START_S={t1 - t0:.3f}\nTASKS_S={t2 - t1:.3f}\nSTOP_S={t3 - t2:.3f}", flush=True)
+shutdown_ray(own)  # the job's own stop
+t4 = time.perf_counter()
+print(f"START_S={t1 - t0:.3f}\nTASKS_S={t2 - t1:.3f}\nSTOP_S={t4 - t3:.3f}\nIDLE_CPU={idle:.4f}", flush=True)
 """
+RAY_IDLE_S, QUICK_RAY_IDLE_S = 10, 2  # how long Ray's idle CPU is measured
 
 
 def _run(script: str, *args: str) -> tuple[dict[str, float], float]:
@@ -197,10 +223,11 @@ def _run(script: str, *args: str) -> tuple[dict[str, float], float]:
         raise SystemExit(str(e)) from None
 
 
-def ray_fixed(num_cpus: int) -> dict:
-    """Ray alone: start as the job starts it, one empty task per CPU, stop (seconds each)."""
-    v, _ = _run(RAY_FIXED, str(num_cpus))
-    return {"start": v["START_S"], "tasks": v["TASKS_S"], "stop": v["STOP_S"],
+def ray_fixed(num_cpus: int, idle_s: float) -> dict:
+    """Ray alone: start as the job starts it, one empty task per CPU, stop (seconds each), and
+    the CPU its processes use while idle for `idle_s` seconds (in cores)."""
+    v, _ = _run(RAY_FIXED, str(num_cpus), "", str(idle_s))
+    return {"start": v["START_S"], "tasks": v["TASKS_S"], "stop": v["STOP_S"], "idle_cpu": v["IDLE_CPU"],
             "e2e": v["START_S"] + v["TASKS_S"] + v["STOP_S"]}
 
 
@@ -226,6 +253,49 @@ def decode_floor(inputs: NestedInputs, first: int, last: int) -> dict:
                         wall, cpu = wall + time.perf_counter() - t0, cpu + time.thread_time() - c0
                         images += 1
     return {"records": records, "images": images, "e2e": wall, "cpu": cpu}
+
+
+def stage_account(inputs: NestedInputs, first: int, last: int, work_root: Path) -> dict:
+    """The job's stages run in this process on the records [first, last), one after the other,
+    each timed in CPU seconds (`time.thread_time`): scan (validation included), sort, write;
+    and the decode checks alone on the same images, so scan minus floor is the scan's work
+    beyond decoding. No Ray: what each record costs the stages themselves."""
+    from mmdata.preprocess import adapters
+    from mmdata.preprocess.shuffle_plan import plan_shards
+    from mmdata.preprocess.stages import JobSpec, scan_unit, sort_bucket, write_shard_task
+    from mmdata.preprocess.validation import ValidationConfig
+
+    work, out = work_root / "stages-work", work_root / "stages-out"
+    for d in (work, out):
+        shutil.rmtree(d, ignore_errors=True)
+    for d in ("scan", "sorted", "shards"):
+        (work / d).mkdir(parents=True)
+    out.mkdir()
+    units = adapters.list_units("infinity-mm", inputs.part_dirs(first, last))
+    spec, buckets = JobSpec("infinity-mm", 0, 8, ValidationConfig(), str(work)), range(8)
+    c0 = time.thread_time()
+    records = sum(scan_unit(u, spec)["read"] for u in units)
+    c1 = time.thread_time()
+    counts = [sort_bucket(b, len(units), spec)["count"] for b in buckets]
+    c2 = time.thread_time()
+    for plan in plan_shards(counts, 1000):
+        write_shard_task(plan, spec, str(out))
+    c3 = time.thread_time()
+    floor = decode_floor(inputs, first, last)
+    shutil.rmtree(work)
+    shutil.rmtree(out)
+    us = 1e6 / records
+    return {"records": records, "scan": (c1 - c0) * us, "floor": floor["cpu"] * us, "sort": (c2 - c1) * us,
+            "write": (c3 - c2) * us}
+
+
+def _sha256_cpu_us_per_mb() -> float:
+    """CPU-us hashlib's sha256 takes per MB here, on 4 MiB chunks as the shard writer hashes."""
+    chunk, h = os.urandom(4 << 20), hashlib.sha256()
+    c0 = time.thread_time()
+    for _ in range(16):
+        h.update(chunk)
+    return (time.thread_time() - c0) * 1e6 / (16 * len(chunk) / 1e6)
 
 
 def _scaled_input(root: Path, src: Path, copies: int) -> Path:
@@ -334,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         raws = inputs.by_size
         print(f"input: {4 * n:,} records generated or reused in {time.perf_counter() - t0:.0f}s "
               f"({'gradient' if args.synthetic else 'photo-like'} images)", flush=True)
-        fixed = _median_run(lambda: ray_fixed(args.num_cpus), reps)
+        idle_s = QUICK_RAY_IDLE_S if args.quick else RAY_IDLE_S
+        fixed = _median_run(lambda: ray_fixed(args.num_cpus, idle_s), reps)
         for size, raw in raws.items():
             row = {"n": size, "mb": sum(f.stat().st_size for f in raw.rglob("*.tar")) / 1e6}
             fns = {key: functools.partial(fn, raw, size) for key, (_, fn) in sides.items()}
@@ -346,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update(medians, paired=[r["base"]["e2e"] / r["ours"]["e2e"] for r in rounds])
             rows.append(row)
         big = rows[-1]
+        st = stage_account(inputs, n, n + 2 * part_records, root)  # (the first two parts of the margin)
+        sha_us_per_mb = _sha256_cpu_us_per_mb()
         if args.scale_copies:
             scaled = _scaled_input(root, raws[4 * n], args.scale_copies)
             size = 4 * n * args.scale_copies
@@ -423,15 +496,25 @@ def main(argv: list[str] | None = None) -> int:
           f"core: {scan_per_core:,.0f} records/s ({scan_per_core / floor_rate:.2f} "
           f"of the floor)")
     cpu_rate = _fit(n, small["ours"]["cpu"], 4 * n, large["ours"]["cpu"])[0]
-    print(f"CPU account: ours' marginal {1e6 / cpu_rate:,.0f} CPU-us per record (all of the job's processes, through "
-          f"N and 4N) against the floor's {floor['cpu'] / floor['records'] * 1e6:,.0f}: the decode checks are "
-          f"{floor['cpu'] / floor['records'] * cpu_rate:.0%} of ours' marginal CPU (ours took "
-          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all)")
+    floor_cpu_us, ours_cpu_us = floor["cpu"] / floor["records"] * 1e6, 1e6 / cpu_rate
+    idle_us = fixed["idle_cpu"] * 1e6 / fits["ours"][0]  # Ray's idle cores x ours' marginal seconds per record
+    print(f"CPU account: ours' marginal {ours_cpu_us:,.0f} CPU-us per record (all of the job's processes, through "
+          f"N and 4N) against the floor's {floor_cpu_us:,.0f}: the decode checks are "
+          f"{floor_cpu_us / ours_cpu_us:.0%} of ours' marginal CPU (ours took "
+          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all); of the rest, about {idle_us:,.0f} "
+          f"is Ray's processes idling ({fixed['idle_cpu'] * 100:.1f}% of a core while Ray waits, paid per second: "
+          f"{1e6 / fits['ours'][0]:,.0f} us of ours' marginal wall time per record here)")
+    print(f"in-process stage account ({st['records']:,} records of the margin, CPU-us per record, no Ray): scan "
+          f"{st['scan']:,.0f} = decode checks {st['floor']:,.0f} + the rest {st['scan'] - st['floor']:,.0f}; sort "
+          f"{st['sort']:,.0f}; write {st['write']:,.0f} (of which the shard's sha256 about "
+          f"{shard_mb / (4 * n) * sha_us_per_mb:,.0f}); beyond decoding {st['scan'] - st['floor'] + st['sort'] + st['write']:,.0f}")
     print(f"Ray's fixed cost: start {fixed['start']:.1f}s + one empty task per CPU {fixed['tasks']:.1f}s + stop "
           f"{fixed['stop']:.1f}s = {fixed['e2e']:.1f}s per job, whatever its size")
     last = rows[-1]
     print(f"BENCH preprocess_vs_decode_floor baseline={floor_rate:.1f} ours={per_core:.1f} unit=samples/s/core "
           f"ratio={per_core / floor_rate:.3f}")
+    print(f"BENCH preprocess_vs_decode_floor_cpu baseline={floor_cpu_us:.1f} ours={ours_cpu_us:.1f} unit=cpu_us/record "
+          f"ratio={floor_cpu_us / ours_cpu_us:.3f}")
     print(f"BENCH preprocess_vs_ray_data baseline={large['n'] / large['rd']['e2e']:.1f} "
           f"ours={large['n'] / large['ours']['e2e']:.1f} unit=samples/s ratio={large['rd']['e2e'] / large['ours']['e2e']:.3f}")
     print(f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "

@@ -21,6 +21,7 @@ counts (robust to other work on a shared machine; every round is printed).
          [--tokens DIR --tokenizer DIR]   (default: built here: synth -> preprocess -> tiny VQ ->
                                            tokenize-images, tiny Emu3 tokenizer)
   python benchmarks/bench_train_emu3.py --quick    # smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples
+                                                   # (written as shards without the preprocess job)
 
 The sample check compares metrics' sample keys (`DATASET#SHARD_KEY`, what the trainer logs) with
 the same keys of the baseline's batches, named by the trainer's own `batch_sample_ids`.
@@ -52,9 +53,10 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
 
 
-def build_data(work: Path, num_samples: int = 200) -> tuple[Path, Path]:
+def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) -> tuple[Path, Path]:
     """Token shards of synthetic Infinity-MM samples (synth -> preprocess -> tiny VQ ->
-    tokenize-images) and the tiny Emu3 tokenizer."""
+    tokenize-images) and the tiny Emu3 tokenizer. `preprocess_job=False` (`--quick`): the
+    generator's records written straight as shards (bench_loader.make_shards, no Ray job for them)."""
     from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.vision_tokens.tiny_vq import build_tiny_vq
 
@@ -62,10 +64,15 @@ def build_data(work: Path, num_samples: int = 200) -> tuple[Path, Path]:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
     run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True, env=env, capture_output=True)  # noqa: E731
-    run("mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw), "--num-samples", str(num_samples),
-        "--seed", "0")
-    run("mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm", "--input", str(raw), "--output",
-        str(shards), "--seed", "0", "--samples-per-shard", str(max(1, num_samples // 4)), "--num-cpus", "2")
+    if preprocess_job:
+        run("mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw), "--num-samples", str(num_samples),
+            "--seed", "0")
+        run("mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm", "--input", str(raw), "--output",
+            str(shards), "--seed", "0", "--samples-per-shard", str(max(1, num_samples // 4)), "--num-cpus", "2")
+    else:
+        from bench_loader import make_shards
+
+        make_shards(shards, num_samples, seed=0)
     vq = build_tiny_vq(work / "vq", seed=0)
     run("mmdata.vision_tokens.cli", "--no-progress", str(shards), "--vision-tokenizer", str(vq), "--output", str(tokens),
         "--image-area", "4096", "--num-cpus", "2")
@@ -193,7 +200,8 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="the Emu3 tokenizer of those shards")
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the data is built here")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples written without the preprocess job")
     ap.add_argument("--side", choices=["baseline", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -204,7 +212,7 @@ def main() -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-train-emu3-"))
     if args.side is None and not (args.tokens and args.tokenizer):
         print("building synthetic shards -> tiny VQ token shards + tiny Emu3 tokenizer ...", flush=True)
-        args.tokens, args.tokenizer = map(str, build_data(work, args.num_samples))
+        args.tokens, args.tokenizer = map(str, build_data(work, args.num_samples, preprocess_job=not args.quick))
     overrides = [f"run_dir={work / (args.side or 'run')}", f"data.paths=[{args.tokens}]", f"tokenizer.path={args.tokenizer}",
                  f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
                  "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]

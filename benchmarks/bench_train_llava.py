@@ -16,7 +16,8 @@ warm-up (robust to a stalled step on a shared machine; the totals are printed to
   python benchmarks/bench_train_llava.py [--quick] [--steps 12] [--warmup 2] [--threads 1]
          [--shards DIR --tokenizer DIR]    (default: built here from `mmdata synth`)
 
-`--quick` (a smoke run, seconds of training): 3 steps, 1 warm-up, seq 512, 40 synthetic samples.
+`--quick` (a smoke run, seconds of training): 3 steps, 1 warm-up, seq 512, 40 synthetic samples
+written as shards in this process (no preprocess job: not what is measured).
 The sample check compares metrics' sample keys (`DATASET#SHARD_KEY`, what the trainer logs) with
 the same keys of the baseline's batches, named by the trainer's own `batch_sample_ids`.
 
@@ -44,10 +45,16 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 
 
-def build_data(work: Path, num_samples: int = 200) -> tuple[Path, Path]:
-    """Synthetic Infinity-MM shards made by `mmdata synth` + `mmdata preprocess`, and the tiny tokenizer."""
+def build_data(work: Path, num_samples: int = 200, ray_job: bool = True) -> tuple[Path, Path]:
+    """Synthetic Infinity-MM shards made by `mmdata synth` + `mmdata preprocess`, and the tiny
+    tokenizer. `ray_job=False` (`--quick`): the same generator's records written straight as shards
+    (bench_loader.make_shards: the shard format preprocess writes, without starting Ray)."""
     from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
+    if not ray_job:
+        from bench_loader import make_shards
+
+        return make_shards(work / "shards", num_samples, seed=0), build_tiny_qwen2_tokenizer(work / "tokenizer")
     raw, shards = work / "raw", work / "shards"
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
@@ -156,7 +163,8 @@ def main() -> int:
     ap.add_argument("--tokenizer")
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the shards are built here")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 warm-up, seq 512, 40 samples")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 3 steps, 1 warm-up, seq 512, 40 samples written without the preprocess job")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup, args.seq_length, args.num_samples = 3, 1, 512, 40
@@ -169,7 +177,7 @@ def main() -> int:
         shards, tokenizer = Path(args.shards), Path(args.tokenizer)
     else:
         print("building synthetic shards + tiny tokenizer ...", flush=True)
-        shards, tokenizer = build_data(work, args.num_samples)
+        shards, tokenizer = build_data(work, args.num_samples, ray_job=not args.quick)
     overrides = [f"run_dir={work / 'run'}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
                  f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
                  "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]

@@ -7,7 +7,7 @@ bytes, an aspect ratio the processor refuses, a video); `token_dir`: those shard
 `mmdata tokenize-images` (2 CPUs, 3 samples per chunk, the length index counted with
 `emu3_tok_dir`); `demo_token_dir`: the conftest's
 synthetic Infinity-MM shards tokenized the same way (what Emu3 trains on in the tests and the
-demo). Session-scoped, read-only.
+demo). Session-scoped (built once per session however many modules import them), read-only.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
+
+from tests.session_fixtures import session_fixture
 
 # transformers' Emu3 chat template (the one Emu3-Chat-hf ships and transformers' processor tests use)
 HF_EMU3_CHAT_TEMPLATE = (
@@ -105,21 +106,21 @@ def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
             *extra]
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def emu3_tok_dir(tmp_path_factory) -> Path:
     from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
 
     return build_tiny_emu3_tokenizer(tmp_path_factory.mktemp("emu3_tok") / "tok")
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def tiny_vq_dir(tmp_path_factory) -> Path:
     from mmdata.vision_tokens.tiny_vq import build_tiny_vq
 
     return build_tiny_vq(tmp_path_factory.mktemp("tiny_vq") / "vq", seed=0)
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def emu3_dev_shards(tmp_path_factory) -> Path:
     from mmdata.energon_loaders.dev_shards import write_dev_shards
 
@@ -127,7 +128,7 @@ def emu3_dev_shards(tmp_path_factory) -> Path:
                             samples_per_shard=DEV_SAMPLES_PER_SHARD)
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir) -> Path:
     """With the length index (`--tokenizer`): the runs compared with it pass the same option."""
     out = tmp_path_factory.mktemp("emu3_tokens") / "tokens"
@@ -188,7 +189,7 @@ def save_hf_emu3(model, tok_dir: Path, vq_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
+@session_fixture
 def demo_token_dir(tmp_path_factory, shards_dir, tiny_vq_dir) -> Path:
     """The conftest's preprocessed synthetic Infinity-MM shards (the demo's kind of data: captions,
     multi-turn and multi-image chats, text-only records) through `mmdata tokenize-images`."""

@@ -192,6 +192,23 @@ def test_feature_shape_matches_hf_model_unpad(size):
     assert anyres.unpadded_feature_shape(h, w, rows, cols, 27, 9) == tuple(unpadded.shape[1:])
 
 
+def test_grid_shape_matches_hf_best_resolution_on_every_side_class():
+    """anyres_grid_shape's direct covering-grid answer equals HF's `select_best_resolution` loop:
+    every side length around each tile boundary (k*S - 1, k*S, k*S + 1) crossed with every other,
+    past the largest pinpoint too, and random sizes, for two geometries."""
+    from transformers.image_processing_utils import select_best_resolution as hf_best
+
+    rng = np.random.default_rng(0)
+    for image_size, grid_max in ((384, 6), (28, 3)):
+        pinpoints = [list(p) for p in anyres.grid_pinpoints(image_size, grid_max)]
+        sides = sorted({max(1, k * image_size + d) for k in range(grid_max + 2) for d in (-1, 0, 1)} | {1, 2})
+        sizes = [(h, w) for h in sides for w in sides]
+        sizes += [tuple(int(x) for x in rng.integers(1, (grid_max + 1) * image_size, 2)) for _ in range(300)]
+        for h, w in sizes:
+            best_h, best_w = hf_best((h, w), pinpoints)
+            assert anyres.anyres_grid_shape(h, w, image_size, grid_max) == (best_h // image_size, best_w // image_size), (h, w)
+
+
 def test_max_tiles_changes_only_the_shrink():
     image = _random_image(1080, 1920)
     a, b = anyres.process_image(image, max_tiles=9), anyres.process_image(image, max_tiles=4)

@@ -46,7 +46,8 @@ def test_emu3_exact_resume(ref_run, tmp_path, demo_token_dir, emu3_tok_dir):
     """Killed after step 4's checkpoint, rerun: steps 5-6 are the uninterrupted run's, exactly
     (model, optimizer, RNG and the loader state, including its task and CFG draws)."""
     run = interrupted_copy(ref_run, tmp_path / "run", at_step=4)
-    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2",
+                      "checkpoint.save=false")  # its metrics are compared, no checkpoint of it is read
     assert "resumed from" in proc.stderr
     ref, resumed = metrics(ref_run), metrics(run)
     for step in (5, 6):
@@ -104,7 +105,7 @@ def test_emu3_context_parallel_resumes_a_cp1_checkpoint_and_equals_one_process(r
     grad norms, per-sample losses, the samples themselves) equal the uninterrupted one-process
     run: model, optimizer and loader state carry across the CP change."""
     run = tmp_path / "cp2"
-    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=0", "parallel.cp=2",
+    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.save=false", "parallel.cp=2",
                       f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", nproc=2)
     assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
     assert "LM loss: chunked" in proc.stderr
@@ -125,7 +126,7 @@ def parity_reference(tmp_path_factory, demo_token_dir, emu3_tok_dir, tiny_vq_dir
     model = tiny_hf_emu3(AutoTokenizer.from_pretrained(emu3_tok_dir), tiny_vq_dir, layers=2, hidden=64, heads=4,
                          kv_heads=2, seed=3, noise=0.02, max_positions=4096)
     hf = save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, base / "hf")
-    common = ("train.iters=4", "checkpoint.interval=2", "data.sharding=replicated", f"checkpoint.load={hf}")
+    common = ("train.iters=4", "checkpoint.save=false", "data.sharding=replicated", f"checkpoint.load={hf}")
     emu3_train(base / "ref", demo_token_dir, emu3_tok_dir, *common)
     return common, metrics(base / "ref")
 
@@ -164,10 +165,10 @@ def test_emu3_dp2_losses_equal_one_process_and_resume_on_tp2(parity_reference, t
                                                              emu3_tok_dir):
     common, ref = parity_reference
     dp2 = tmp_path / "dp2"
-    emu3_train(dp2, demo_token_dir, emu3_tok_dir, *common, nproc=2)
+    emu3_train(dp2, demo_token_dir, emu3_tok_dir, *common, "checkpoint.save=true", "checkpoint.interval=2", nproc=2)
     _same_losses(metrics(dp2), ref, (1, 2, 3, 4))
     tp2 = tmp_path / "tp2"
-    proc = emu3_train(tp2, demo_token_dir, emu3_tok_dir, "train.iters=4", "checkpoint.interval=0",
+    proc = emu3_train(tp2, demo_token_dir, emu3_tok_dir, "train.iters=4", "checkpoint.save=false",
                       "data.sharding=replicated", f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}",
                       "parallel.tp=2", nproc=2)
     assert "same layout: False, loader restored: True" in proc.stderr

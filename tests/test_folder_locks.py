@@ -192,13 +192,8 @@ def test_a_second_training_into_a_held_run_dir_exits_2_and_writes_nothing(tmp_pa
     assert not run_dir.exists()  # no config.yaml, no metrics.jsonl, no checkpoints
 
 
-@pytest.mark.slow  # a 2-process training (~1 min on 2 cores)
-def test_the_workers_of_one_job_share_its_lock(tmp_path, shards_dir, tokenizer_dir):
-    """The launcher holds the run_dir; its torchrun workers (rank 0 among them) train under it."""
-    run_dir = tmp_path / "run"
-    train(run_dir, shards_dir, tokenizer_dir, "train.iters=2", "parallel.pp=2", nproc=2)
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert not lock_path(run_dir).exists()
+# The launcher holds the run_dir while its torchrun workers train under it (and releases it):
+# tests/test_train_runtime.py::test_resume_on_pipeline_parallel_layout (PP=2, 2 workers).
 
 
 def test_a_second_preprocess_into_a_held_output_exits_2_and_writes_nothing(tmp_path, synth_raw_dir):

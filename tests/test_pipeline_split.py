@@ -2,7 +2,7 @@
 stage and virtual stage as megatron-core builds them, the TransformerConfig fields that ask it
 to, the recipe checks, and the cost model's copy of megatron's interleaved schedule table.
 In-process only; training on such layouts (loss equality with PP 1, resume across splits) is
-tests/test_train_runtime.py::test_uneven_and_virtual_pipeline_stages_match_one_process."""
+tests/test_train_runtime.py::test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_match_one_process."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.emu3_tiny import emu3_tok_dir, tiny_vq_dir  # noqa: F401 - session fixtures
-from tests.emu3_tiny import DEV_SAMPLES_PER_SHARD, dev_samples, run_tokenize_cli, tokenize_args
+from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, tiny_vq_dir  # noqa: F401 - session fixtures
+from tests.emu3_tiny import DEV_SAMPLES_PER_SHARD, dev_samples
 
 REPO = Path(__file__).resolve().parents[1]
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -32,11 +32,9 @@ def llava_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def token_shards(tmp_path_factory, llava_shards, tiny_vq_dir) -> Path:  # noqa: F811
-    """Those shards through `mmdata tokenize-images` (VQTokenSample)."""
-    out = tmp_path_factory.mktemp("kind") / "tokens"
-    run_tokenize_cli(*tokenize_args(llava_shards, tiny_vq_dir, out, "--num-cpus", "2"))
-    return out
+def token_shards(demo_token_dir) -> Path:  # noqa: F811
+    """Emu3 VQ token shards (VQTokenSample): the session's, from `mmdata tokenize-images`."""
+    return demo_token_dir
 
 
 @pytest.fixture(scope="module")

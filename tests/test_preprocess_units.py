@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import tarfile
 from pathlib import Path
@@ -232,7 +233,8 @@ def test_truncated_png_and_webp_are_image_truncated_or_undecodable(tmp_path):
 
 def test_input_files_cache_keeps_recently_used_files_open(tmp_path):
     """A shard writer reads from every input file in turn: the fd cache must evict the least
-    recently used file, not the first opened, and read the right bytes after any eviction."""
+    recently used file, not the first opened, and give fds that read the right bytes after any
+    eviction."""
     from mmdata.preprocess.stages import _InputFiles
 
     paths = []
@@ -242,15 +244,17 @@ def test_input_files_cache_keeps_recently_used_files_open(tmp_path):
         paths.append(str(p))
     a, b, c = paths
     files = _InputFiles(limit=2)
+
+    def read(path: str, offset: int, size: int) -> bytes:
+        return os.pread(files.fd(path), size, offset)
+
     try:
-        assert files.read(a, 0, 3) == b"aaa" and files.read(b, 0, 3) == b"bbb"
-        assert files.read(a, 10, 3) == bytes([0, 1, 2])  # a becomes the most recently used
-        assert files.read(c, 8, 4) == b"cc\x00\x01"  # evicts b, not a
+        assert read(a, 0, 3) == b"aaa" and read(b, 0, 3) == b"bbb"
+        assert read(a, 10, 3) == bytes([0, 1, 2])  # a becomes the most recently used
+        assert read(c, 8, 4) == b"cc\x00\x01"  # evicts b, not a
         assert set(files.fds) == {a, c} and files.opened == 3
-        assert files.read(a, 0, 1) == b"a" and files.opened == 3  # no reopen
-        assert files.read(b, 19, 1) == b"\x09" and files.opened == 4 and set(files.fds) == {a, b}
-        with pytest.raises(IOError, match="expected 5 bytes"):
-            files.read(a, 18, 5)
+        assert read(a, 0, 1) == b"a" and files.opened == 3  # no reopen
+        assert read(b, 19, 1) == b"\x09" and files.opened == 4 and set(files.fds) == {a, b}
     finally:
         files.close()
     assert not files.fds
@@ -307,3 +311,66 @@ def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):
         few.add(1, unit(1, 10, 6))  # 11 of 20 > 50 %
     off = LossCheck(num_units=1, max_fraction=1.0, quarantine_part=part)
     off.add(0, unit(0, 10, 10))  # 1.0 disables the check
+
+
+def _scan_outputs(work: Path, unit_index: int) -> dict[str, bytes]:
+    """A scan run's files (rows, offsets, groups, quarantine part, done marker) by suffix."""
+    prefix = f"u{unit_index:07d}."
+    return {f"{p.parent.name}/{p.name}": p.read_bytes() for folder in ("scan", "dedup")
+            for p in sorted((work / folder).glob(prefix + "*"))}
+
+
+def test_scan_in_batches_gives_what_one_record_at_a_time_gives(tmp_path, monkeypatch):
+    """scan_unit validates records phase by phase in batches (validate_many); a batch of one is
+    the old record-at-a-time scan. Every reason a broken record can have (synth's broken kinds,
+    video records among them), filters and dedup: the same rows, quarantine lines and counts
+    whatever the batch size, down to the last byte."""
+    from mmdata.preprocess import stages
+    from mmdata.preprocess.adapters import list_units
+    from mmdata.preprocess.curation.filters import parse_filters
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+
+    raw = tmp_path / "raw"
+    write_infinity_mm(generate_records(160, seed=3, broken_fraction=0.4, video_fraction=0.1, synthetic=True), raw,
+                      samples_per_tar=60)  # (four subsets: about 40 records in each file)
+    (unit,) = [u for u in list_units("infinity-mm", [raw]) if u.index == 0]
+    outputs = []
+    for batch in (1, 7, stages.SCAN_BATCH_RECORDS):
+        monkeypatch.setattr(stages, "SCAN_BATCH_RECORDS", batch)
+        work = tmp_path / f"work{batch}"
+        for folder in ("scan", "dedup"):
+            (work / folder).mkdir(parents=True)
+        spec = stages.JobSpec("infinity-mm", 0, 3, ValidationConfig(), str(work),
+                              tuple(parse_filters(["turns<=3"])), dedup_distance=2)
+        counts = stages.scan_unit(unit, spec)
+        outputs.append(_scan_outputs(work, unit.index))
+    assert counts["quarantined"] >= 10 and counts["written"] >= 10 and counts.get("filtered", 0) >= 1, counts
+    assert len(counts["by_reason"]) >= 4, counts["by_reason"]
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_scan_keeps_the_records_before_a_file_fails_half_way(tmp_path, monkeypatch):
+    """An input whose reading fails after some records (an I/O error half way): the records
+    read before it are validated and kept, whichever batch they were in, and the rest of the
+    file is one input_unreadable line."""
+    from mmdata.preprocess import adapters, stages
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+
+    raw = tmp_path / "raw"
+    write_infinity_mm(generate_records(80, seed=1, synthetic=True), raw, samples_per_tar=20)  # 4 files of 20
+    unit = adapters.list_units("infinity-mm", [raw])[0]
+    real = adapters.iter_records
+
+    def failing(dataset, unit):
+        for k, record in enumerate(real(dataset, unit)):
+            if k == 13:
+                raise OSError("device gone")
+            yield record
+
+    monkeypatch.setattr(adapters, "iter_records", failing)
+    monkeypatch.setattr(stages, "SCAN_BATCH_RECORDS", 5)
+    (tmp_path / "work" / "scan").mkdir(parents=True)
+    counts = stages.scan_unit(unit, stages.JobSpec("infinity-mm", 0, 2, ValidationConfig(), str(tmp_path / "work")))
+    assert (counts["read"], counts["written"], counts["by_reason"]) == (14, 13, {"input_unreadable": 1})
+    (line,) = (tmp_path / "work" / "scan" / "u0000000.quarantine.jsonl").read_text().splitlines()
+    assert json.loads(line)["detail"] == "OSError: device gone"

@@ -13,15 +13,15 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
 import yaml
 
+from tests.session_fixtures import session_fixture
 from tests.test_train_runtime import REPO, metrics, tokenizer_dir, train  # noqa: F401 - a fixture
 
 TINY = ("train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0")
 
 
-@pytest.fixture(scope="module")
+@session_fixture  # also imported by test_rerun_and_interrupt.py
 def base_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:  # noqa: F811
     """Two steps at seq_length 1024, a checkpoint after each; tests work on copies."""
     run_dir = tmp_path_factory.mktemp("base") / "run"

@@ -15,7 +15,7 @@ import pytest
 
 from mmdata import shard_format as sf
 from mmdata.preprocess.energon_meta import ShardLayout
-from mmdata.preprocess.shard_writer import SampleMembers, ShardResult, sha256_file, tar_header, write_shard
+from mmdata.preprocess.shard_writer import FileRange, SampleMembers, ShardResult, sha256_file, tar_header, write_shard
 from mmdata.preprocess.rows import decode_row, encode_row, rekey_row, row_head
 
 pytestmark = pytest.mark.unit
@@ -94,6 +94,73 @@ def test_every_member_size(tmp_path: Path, size: int, direct: bool) -> None:
     samples = [SampleMembers(f"{i:010d}", [("bin", os.urandom(size)), ("json", b"{}")]) for i in range(3)]
     path, _ = _write(tmp_path, samples, direct=direct)
     assert path.read_bytes() == _reference_tar(samples)
+
+
+class _Files:
+    """OpenFiles for the tests: one fd per path, closed at the end."""
+
+    def __init__(self):
+        self.fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _as_ranges(tmp_path: Path, samples: list[SampleMembers]) -> list[SampleMembers]:
+    """The same samples with every non-JSON member stored in one input file and given as a
+    FileRange into it (as the preprocessing job's write stage gives its media)."""
+    blob, ranged = bytearray(b"header"), []
+    for s in samples:
+        members = []
+        for suffix, data in s.members:
+            if suffix == "json":
+                members.append((suffix, data))
+            else:
+                members.append((suffix, FileRange(str(tmp_path / "input.bin"), len(blob), len(data))))
+                blob += data
+        ranged.append(SampleMembers(s.key, members))
+    (tmp_path / "input.bin").write_bytes(bytes(blob))
+    return ranged
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
+def test_file_ranges_write_the_same_bytes_as_bytes(tmp_path: Path, direct: bool) -> None:
+    """Media copied from input files into the staging buffer (FileRange) give the very shard
+    that the same media as bytes give: members around block boundaries and past the buffer."""
+    samples = _samples(random.Random(3), 120)
+    samples += [SampleMembers(f"{i:010d}", [("bin", os.urandom(size)), ("json", b"{}")])
+                for i, size in enumerate([(8 << 20) + 1, 5 << 20, 513], start=500)]
+    out = tmp_path / "out"
+    out.mkdir()
+    files = _Files()
+    try:
+        res, layout = write_shard(out / "ranges.tar", iter(_as_ranges(tmp_path, samples)), direct, files)
+    finally:
+        files.close()
+    _check_layout(out / "ranges.tar", layout)
+    want = _reference_tar(samples)
+    assert (out / "ranges.tar").read_bytes() == want
+    assert res.sha256 == hashlib.sha256(want).hexdigest()
+
+
+def test_file_range_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
+    """An input cut short since the scan: an IOError naming the file, and no shard left behind."""
+    samples = _as_ranges(tmp_path, _samples(random.Random(5), 30))
+    with open(tmp_path / "input.bin", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 1)
+    out = tmp_path / "out"
+    out.mkdir()
+    files = _Files()
+    with pytest.raises(IOError, match=r"input\.bin: expected \d+ bytes at offset \d+, got \d+ \(input changed\?\)"):
+        write_shard(out / "shard.tar", iter(samples), None, files)
+    files.close()
+    assert list(out.iterdir()) == []
 
 
 def test_header_matches_tarfile_for_unicode_and_max_length_names() -> None:
@@ -217,3 +284,13 @@ def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) ->
         again = [write_shard_task(p, spec, str(out)) for p in plan_shards(counts, 16)]
         assert all(r["resumed"] for r in again) and [r["sha256"] for r in again] == digests[-1]
     assert digests[0] == digests[1] == digests[2]
+
+
+def test_layout_round_trips_through_its_json_undecodable_names_included() -> None:
+    """A shard's layout (written by the shard writer, read by the driver's energon index) comes
+    back equal, also with a member suffix holding a surrogate escape (an undecodable name),
+    which orjson cannot write and `json` then does."""
+    for suffix in ("img00.jpg", "video.m\udcffp4"):
+        layout = ShardLayout([("0000000001", 0), ("0000000002", 2048)],
+                             [(0, "json", 512, 10), (1, suffix, 2560, 5)], 3072)
+        assert ShardLayout.from_json(layout.to_json()) == layout

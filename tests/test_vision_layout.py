@@ -58,9 +58,16 @@ def _share(tp: int, cp: int, encoder_tp: int, groups: dict):
 def _gather_rank(rank: int, port: int, world: int) -> None:
     import torch.distributed as dist
 
+    from mmtrain.models import encoder_parallel
     from mmtrain.models.encoder_parallel import gather_shares, scale_gradient, share_sizes
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a tower whole on every TP rank needs a group of each rank alone, made by every rank together
+    # (on NCCL a group made by the tower's ranks alone would hang): never made behind their backs
+    with pytest.raises(RuntimeError, match="prepare_groups"):
+        encoder_parallel._own_rank_group()
+    own = encoder_parallel._own_rank_group(create=True)
+    assert dist.get_process_group_ranks(own) == [rank] and encoder_parallel._own_rank_group() is own
     for tp, cp, encoder_tp in ((4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 2, 2), (4, 1, 4)):
         groups = {"all": dist.new_group(list(range(world))),
                   "cp": [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]}
@@ -91,7 +98,8 @@ def _gather_rank(rank: int, port: int, world: int) -> None:
 @pytest.mark.unit
 def test_gather_returns_every_share_and_routes_each_gradient_home():
     """4 gloo processes as TP=4, TP=2 x CP=2, CP=4 (tower whole on each rank) and TP=2 x CP=2, TP=4
-    (tower sharded like the LLM): the gather gives every rank all tiles in order; the gradient
+    (tower sharded like the LLM): each rank's group of one (the TP group of a whole tower) exists
+    only once every rank made it together; the gather gives every rank all tiles in order; the gradient
     that reaches a share is the sum of what each CP rank's loss gives those tiles (TP peers hold
     the same one and count once), for 7 tiles (uneven shares), 2 and 1 (empty shares)."""
     import torch.multiprocessing as mp

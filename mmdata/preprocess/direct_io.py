@@ -152,6 +152,23 @@ class SequentialFile:
             if self._fill == BUFFER_BYTES:
                 self.flush()
 
+    def put_range(self, fd: int, offset: int, size: int) -> int:
+        """Append bytes [offset, offset + size) of the open file `fd`, read straight into the
+        staging buffer: no bytes object per range and no second copy (the write stage copies
+        every media byte of a shard; the intermediate object cost about a third of that).
+        Returns how many bytes there were (fewer than `size` only where the file ends early)."""
+        done = 0
+        while done < size:
+            if self._fill == BUFFER_BYTES:
+                self.flush()
+            k = min(size - done, BUFFER_BYTES - self._fill)
+            got = os.preadv(fd, [self._view[self._fill:self._fill + k]], offset + done)
+            if got <= 0:
+                break
+            self._fill += got
+            done += got
+        return done
+
     def flush(self) -> None:
         """Write out the staged bytes: all of them, or with O_DIRECT the whole aligned chunks
         (the rest, under 4 KiB, moves to the front of the buffer)."""

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from mmdata import shard_format as sf
 from mmdata.preprocess.direct_io import SequentialFile, direct_io_wanted
@@ -48,10 +49,24 @@ class ShardResult:
     sha256: str
 
 
+class FileRange(NamedTuple):
+    """A member's data as bytes [offset, offset + size) of an input file: the writer copies
+    them straight from the file into its staging buffer (`SequentialFile.put_range`)."""
+
+    path: str
+    offset: int
+    size: int
+
+
+class OpenFiles(Protocol):
+    def fd(self, path: str) -> int:
+        """An open, readable descriptor of `path`, valid until the next call."""
+
+
 @dataclass
 class SampleMembers:
     key: str
-    members: list[tuple[str, bytes]]  # (suffix, data), e.g. ("img00.jpg", b"...")
+    members: list[tuple[str, bytes | FileRange]]  # (suffix, data), e.g. ("img00.jpg", b"...")
 
 
 def tar_header(name: str, size: int) -> bytes:
@@ -66,15 +81,17 @@ def tar_header(name: str, size: int) -> bytes:
     return b"".join((nb, bytes(NAME_LEN - len(nb)), _MID, size_f, _MTIME, b"%06o\0 " % chksum, _TAIL))
 
 
-def write_shard(path: Path, samples: Iterable[SampleMembers],
-                direct: bool | None = None) -> tuple[ShardResult, ShardLayout]:
+def write_shard(path: Path, samples: Iterable[SampleMembers], direct: bool | None = None,
+                files: OpenFiles | None = None) -> tuple[ShardResult, ShardLayout]:
     """Write the shard atomically. `direct`: O_DIRECT or not (None: as `direct_io_wanted` says
-    for the shard's folder); the bytes are the same either way."""
+    for the shard's folder); the bytes are the same either way. `files` opens the input files
+    of FileRange members (needed when there are any); a range the file no longer holds whole
+    is an IOError naming the file (the input changed since the scan)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if direct is None:
         direct = direct_io_wanted(str(path.parent))
     try:
-        *result, layout = _write(tmp, samples, direct)
+        *result, layout = _write(tmp, samples, direct, files)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -82,7 +99,8 @@ def write_shard(path: Path, samples: Iterable[SampleMembers],
     return ShardResult(path.name, *result), layout
 
 
-def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool) -> tuple[int, int, str, ShardLayout]:
+def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool,
+           files: OpenFiles | None) -> tuple[int, int, str, ShardLayout]:
     n = 0
     layout = ShardLayout([], [], 0)
     with SequentialFile(tmp, direct) as f:
@@ -92,10 +110,19 @@ def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool) -> tuple[i
             if sample.members:  # (a sample without members leaves no trace in the tar)
                 layout.samples.append((sample.key, f.offset))
             for suffix, data in sorted(sample.members):
-                size = len(data)
+                is_range = isinstance(data, FileRange)
+                size = data.size if is_range else len(data)
                 f.put(tar_header(f"{sample.key}.{suffix}", size))
                 layout.parts.append((len(layout.samples) - 1, suffix, f.offset, size))
-                f.put(data)
+                if is_range:
+                    if files is None:
+                        raise ValueError(f"member {sample.key}.{suffix} is a file range, and no files were given")
+                    got = f.put_range(files.fd(data.path), data.offset, size)
+                    if got != size:
+                        raise IOError(f"{data.path}: expected {size} bytes at offset {data.offset}, got {got} "
+                                      "(input changed?)")
+                else:
+                    f.put(data)
                 f.put(_ZEROS[: -size % BLOCK])
             n += 1
             if f.staged >= _FLUSH:

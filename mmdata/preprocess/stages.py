@@ -27,7 +27,7 @@ import numpy as np
 
 from mmdata import shard_format as sf
 from mmdata.preprocess import adapters
-from mmdata.preprocess.adapters.base import InputUnit
+from mmdata.preprocess.adapters.base import InputUnit, RawRecord
 from mmdata.preprocess.curation.dedup import EntryBuilder, key64, load_drops
 from mmdata.preprocess.curation.features import conversation_key, filter_fields, image_hashes
 from mmdata.preprocess.curation.filters import FilterRule, first_failed
@@ -40,9 +40,9 @@ from mmdata.preprocess.rows import (
     concat_rows, decode_row, encode_row, load_row_group, read_all_rows, read_rows, rekey_row, row_head,
     save_offsets, save_row_groups, write_bytes_atomic,
 )
-from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
+from mmdata.preprocess.shard_writer import FileRange, SampleMembers, sha256_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
-from mmdata.preprocess.validation import Valid, ValidationConfig, quiet_pillow_bomb_warning, validate
+from mmdata.preprocess.validation import Valid, ValidationConfig, quiet_pillow_bomb_warning, validate_many
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,32 @@ def subset_of(unit: InputUnit) -> str:
 # ----------------------------------------------------------------------------- scan
 
 
+SCAN_BATCH_RECORDS = 256  # records validated phase by phase together (validation.validate_many)
+SCAN_BATCH_BYTES = 16 << 20  # ... or fewer, when their JSON reaches this size (parsed records stay bounded)
+
+
+def _batches(records: Iterator[RawRecord]) -> Iterator[tuple[list[RawRecord], Exception | None]]:
+    """The records in batches for `validate_many`. An exception from the iterator (an input file
+    unreadable half way) ends the batches, handed back with the records read before it."""
+    batch: list[RawRecord] = []
+    size = 0
+    while True:
+        try:
+            raw = next(records, None)
+        except Exception as e:  # noqa: BLE001 - the scan quarantines the rest of the file
+            yield batch, e
+            return
+        if raw is None:
+            break
+        batch.append(raw)
+        size += len(raw.json_bytes or b"")
+        if len(batch) == SCAN_BATCH_RECORDS or size >= SCAN_BATCH_BYTES:
+            yield batch, None
+            batch, size = [], 0
+    if batch:
+        yield batch, None
+
+
 def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     """Validate every record of one input file; spill the kept rows grouped by bucket."""
     quiet_pillow_bomb_warning()
@@ -121,38 +147,44 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
     phash: Counter[str] = Counter()  # image hashes taken from the field / computed
     kept = 0  # the next kept record's ordinal (its handle: what dedup marks refer to)
     try:
-        for raw in adapters.iter_records(spec.dataset, unit):
-            res = validate(raw, spec.validation, keep_image_bytes=spec.dedup)
-            if not isinstance(res, Valid):
-                qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
-                counts.add_record(res.source or fallback_source, False, res.reason)
-                continue
-            source = res.source or fallback_source
-            counts.add_media(res.media_rule, res.unreferenced_members)
-            rule = first_failed(list(spec.filters), filter_fields(res.record, subset)) if spec.filters else None
-            if rule is not None:
-                counts.add_filtered(source, rule.expr)
-                continue
-            key = shuffle_key(spec.seed, raw.rid)
-            bucket = bucket_of(key, spec.num_buckets)
-            handle = (unit.index, kept)
-            kept += 1
-            media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
-            tokens = lengths(res.record) if lengths else (0, 0, 0)
-            by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media, tokens))
-            counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
-            group = spec.group_of(source, subset) if spec.mix_by else ""
-            if spec.mix_by:
-                groups[group] += 1
-            if entries is not None:
-                ids.append(f"{res.record['id']}\0{raw.location}")
-                if res.image_bytes and res.record["video"] is None:
-                    hashes, computed = image_hashes(res.record["meta"].get("phash"), res.image_bytes)
-                    phash["computed" if computed else "from_field"] += len(hashes)
-                    pixels = sum(w * h for w, h, _ in res.record["meta"]["image_sizes"])
-                    entries.add(hashes, conversation_key(res.record["conversations"]), pixels,
-                                key64(f"{res.record['id']}\0{source}"), key64(raw.rid), unit.index, handle[1], key,
-                                key64(group) if spec.mix_by else 0)
+        for batch, error in _batches(adapters.iter_records(spec.dataset, unit)):
+            results = validate_many(batch, spec.validation, keep_image_bytes=spec.dedup)
+            for locator in {id(raw.locator): raw.locator for raw in batch}.values():
+                locator.close()  # (the file's iterator may have ended, and closed it, before the batch was read)
+            for raw, res in zip(batch, results):
+                if not isinstance(res, Valid):
+                    qlines.append(quarantine_line(res.id, raw.location, res.reason, res.detail))
+                    counts.add_record(res.source or fallback_source, False, res.reason)
+                    continue
+                source = res.source or fallback_source
+                counts.add_media(res.media_rule, res.unreferenced_members)
+                rule = first_failed(list(spec.filters), filter_fields(res.record, subset)) if spec.filters else None
+                if rule is not None:
+                    counts.add_filtered(source, rule.expr)
+                    continue
+                key = shuffle_key(spec.seed, raw.rid)
+                bucket = bucket_of(key, spec.num_buckets)
+                handle = (unit.index, kept)
+                kept += 1
+                media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
+                tokens = lengths(res.record) if lengths else (0, 0, 0)
+                by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media,
+                                                    tokens))
+                counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
+                group = spec.group_of(source, subset) if spec.mix_by else ""
+                if spec.mix_by:
+                    groups[group] += 1
+                if entries is not None:
+                    ids.append(f"{res.record['id']}\0{raw.location}")
+                    if res.image_bytes and res.record["video"] is None:
+                        hashes, computed = image_hashes(res.record["meta"].get("phash"), res.image_bytes)
+                        phash["computed" if computed else "from_field"] += len(hashes)
+                        pixels = sum(w * h for w, h, _ in res.record["meta"]["image_sizes"])
+                        entries.add(hashes, conversation_key(res.record["conversations"]), pixels,
+                                    key64(f"{res.record['id']}\0{source}"), key64(raw.rid), unit.index, handle[1], key,
+                                    key64(group) if spec.mix_by else 0)
+            if error is not None:
+                raise error
     except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
         qlines.append(quarantine_line(unit.rel, unit.path, "input_unreadable", f"{type(e).__name__}: {e}"))
         counts.add_record(fallback_source, False, "input_unreadable")
@@ -290,14 +322,15 @@ def _fd_budget() -> int:
 
 class _InputFiles:
     """Open fds of input files (at most `limit`, least recently used closed first), so each
-    media read is a single os.pread: no reopening, seeking or Python file object per image."""
+    media range is copied by a single os.preadv: no reopening, seeking or Python file object
+    per image."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit or _fd_budget()
         self.fds: dict[str, int] = {}
         self.opened = 0  # files opened so far (a cache that thrashes shows here)
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
         fd = self.fds.pop(path, None)
         if fd is None:
             if len(self.fds) >= self.limit:
@@ -311,19 +344,7 @@ class _InputFiles:
         """Ask the kernel to start reading a range now: a shard's media are scattered over the
         inputs (that is the shuffle), and once the scan's pages are evicted, reading them one
         pread at a time waits on each seek in turn; queued together the device overlaps them."""
-        os.posix_fadvise(self._fd(path), offset, size, os.POSIX_FADV_WILLNEED)
-
-    def read(self, path: str, offset: int, size: int) -> bytes:
-        fd = self._fd(path)
-        data = os.pread(fd, size, offset)
-        while 0 < len(data) < size:  # only huge reads (over ~2 GiB on Linux) come back short
-            more = os.pread(fd, size - len(data), offset + len(data))
-            if not more:
-                break
-            data += more
-        if len(data) != size:
-            raise IOError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)} (input changed?)")
-        return data
+        os.posix_fadvise(self.fd(path), offset, size, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -356,13 +377,13 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
                     files.prefetch(p, off, size)
                     ahead_bytes += size
                 ahead += 1
-            members = [(sf.JSON_MEMBER, record_json)]
-            members += [(suffix, files.read(p, off, size)) for p, off, size, suffix in media]
+            members: list[tuple[str, bytes | FileRange]] = [(sf.JSON_MEMBER, record_json)]
+            members += [(suffix, FileRange(p, off, size)) for p, off, size, suffix in media]
             done_bytes += sum(size for _, _, size, _ in media)
             yield SampleMembers(f"{plan.first_rank + i:010d}", members)
 
     try:
-        result, layout = write_shard(path, samples())
+        result, layout = write_shard(path, samples(), files=files)
     finally:
         files.close()
     if result.samples != plan.num_samples:

@@ -39,6 +39,7 @@ from mmtrain.models.encoder_parallel import (
     broadcast_over_tp,
     gather_shares,
     mark_replicated_over_tp,
+    prepare_groups,
     replicated_sharded_state_dict,
     scale_gradient,
 )
@@ -67,16 +68,17 @@ class LlavaOVModel(DecoderStageModel):
         self.vision_projection = None
         #: the tower's own layout (None: the language model's)
         self.encoder_share: Optional[EncoderShare] = None
+        prepare_groups(options.encoder_tp)  # every rank, first stage or not (a collective over the world)
         if not self.pre_process:
             return
-        cfg = self.cfg
+        from mmtrain.runtime.distributed import compute_device
+
+        cfg, device = self.cfg, compute_device()
         # the vision tower and projector run whole on the first stage: no SP, no PP split
         base = base_config_kwargs(cfg.params_dtype, options, sequence_parallel=False) | {"pipeline_model_parallel_size": 1}
         tower_base, tower_groups = base, None
         if options.encoder_tp is not None:
-            from mmtrain.runtime.distributed import compute_device
-
-            self.encoder_share = EncoderShare.create(options.encoder_tp, compute_device())
+            self.encoder_share = EncoderShare.create(options.encoder_tp, device)
             tower_base = base | {"tensor_model_parallel_size": options.encoder_tp}
             tower_groups = self.encoder_share.tower_process_groups()
         self.vision_model = SiglipVisionModel(cfg.vision, vision_transformer_config(cfg.vision, tower_base),
@@ -84,7 +86,7 @@ class LlavaOVModel(DecoderStageModel):
         if self.encoder_share is not None and self.encoder_share.replicated_over_tp:
             mark_replicated_over_tp(self.vision_model)
             if options.perform_initialization:
-                broadcast_over_tp(self.vision_model)
+                broadcast_over_tp(self.vision_model, device)
         self.vision_projection = build_projector(cfg, projector_transformer_config(cfg, base))
         self.image_newline = torch.nn.Parameter(
             torch.randn(cfg.llm.hidden_size, dtype=self.config.params_dtype) / cfg.llm.hidden_size**0.5

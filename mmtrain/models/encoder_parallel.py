@@ -99,7 +99,7 @@ class EncoderShare:
         if encoder_tp == 1:  # the tiles split over TP x CP, TP-major: a TP row's shares are contiguous
             group, size = ps.get_tensor_and_context_parallel_group(), lm_tp * cp
             tp_index = ps.get_tensor_model_parallel_rank()
-            own_tp_group = _own_group() if lm_tp > 1 else ps.get_tensor_model_parallel_group()
+            own_tp_group = _own_rank_group() if lm_tp > 1 else ps.get_tensor_model_parallel_group()
         else:  # sharded like the language model: the tiles split over CP
             group, size, tp_index = ps.get_context_parallel_group(), cp, 0
             own_tp_group = ps.get_tensor_model_parallel_group()
@@ -124,16 +124,42 @@ class EncoderShare:
         return sum(sizes[: self.index]), sizes[self.index], sizes
 
 
-_OWN_GROUP: Any = None
+def prepare_groups(encoder_tp: Optional[int]) -> None:
+    """The process groups the separate layout needs besides megatron's: a group of each rank alone
+    (the TP group of an encoder that is whole on every rank). Collective over the WORLD: every
+    rank calls it, in the same order, before its model chunks are built, whether or not it holds
+    the encoder (PP stages after the first do not).
+
+    Why every rank: with the default group bound to a device (NCCL, `device_id` given to
+    `init_process_group`), torch makes a new group's communicator by splitting the world's
+    (torch/distributed/distributed_c10d.py, `_new_process_group_helper`: `split_from` when the
+    default group has a `bound_device_id`, passed on as `backend_options.split_from`; ranks outside
+    the group join through `perform_nocolor_split`), and ncclCommSplit is collective over the
+    parent communicator: a group made by the encoder's ranks alone waits forever for the rest."""
+    from megatron.core import parallel_state as ps
+
+    if encoder_tp == 1 and ps.get_tensor_model_parallel_world_size() > 1:
+        _own_rank_group(create=True)
 
 
-def _own_group() -> Any:
-    """A process group of this rank alone (the TP group of an encoder that is whole on every rank);
-    created once, without the other ranks (`use_local_synchronization`)."""
-    global _OWN_GROUP
-    if _OWN_GROUP is None or _OWN_GROUP.size() != 1:
-        _OWN_GROUP = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _OWN_GROUP
+#: (the default group it was made in, this rank's group of one)
+_OWN_RANK_GROUP: tuple[Any, Any] = (None, None)
+
+
+def _own_rank_group(create: bool = False) -> Any:
+    """This rank's group of one, made by `prepare_groups` (`create`: make it now, collectively)."""
+    global _OWN_RANK_GROUP
+    world = dist.group.WORLD
+    made_in, group = _OWN_RANK_GROUP
+    if made_in is world and group is not None:
+        return group
+    if not create:
+        raise RuntimeError("the vision tower's own layout (parallel.vision.tp=1 with parallel.tp > 1) needs "
+                           "encoder_parallel.prepare_groups(1) on every rank before the model is built (a group of "
+                           "each rank alone, made collectively)")
+    group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    _OWN_RANK_GROUP = (world, group)
+    return group
 
 
 # ----------------------------------------------------------------------------- the gather
@@ -214,15 +240,24 @@ def mark_replicated_over_tp(module: torch.nn.Module) -> None:
         param.average_gradients_across_tp_domain = True
 
 
-def broadcast_over_tp(module: torch.nn.Module) -> None:
+def broadcast_over_tp(module: torch.nn.Module, device: torch.device) -> None:
     """The TP group's replicas start from TP rank 0's freshly initialised weights (on GPU
-    megatron draws TP-layer inits from a per-TP-rank RNG stream)."""
+    megatron draws TP-layer inits from a per-TP-rank RNG stream).
+
+    Each tensor goes through the run's `device`: at build time megatron's own layers sit there
+    already (`use_cpu_initialization=False` on GPU) but torch's modules (the patch conv, the
+    position embedding, norms) are still on the host until the trainer moves the model, and NCCL
+    takes CUDA tensors only (a CPU tensor on an NCCL group: "No backend type associated with
+    device type cpu")."""
     from megatron.core import parallel_state as ps
 
     src, group = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_group()
     with torch.no_grad():
         for param in module.parameters():
-            dist.broadcast(param.data, src=src, group=group)
+            staged = param.data if param.device == device else param.data.to(device)
+            dist.broadcast(staged, src=src, group=group)
+            if staged is not param.data:
+                param.data.copy_(staged)
 
 
 def replicated_sharded_state_dict(sharded: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -65,6 +65,14 @@ def llava_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llava_halves_shards(tmp_path_factory) -> Path:
+    """The same samples, images first then text-only (tests/gpu/runs.py: write_llava_halves_shards)."""
+    from tests.gpu.runs import write_llava_halves_shards
+
+    return write_llava_halves_shards(tmp_path_factory.mktemp("gpu_llava_halves") / "shards")
+
+
+@pytest.fixture(scope="session")
 def llava_gpu_run(tmp_path_factory, llava_shards, qwen_tok):
     """freeze list (recipe syntax) -> (run dir, process) of a 4-step bf16 LLaVA-OV run on CUDA with
     checkpoints at steps 2 and 4; each freeze set trains once per session."""

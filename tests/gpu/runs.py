@@ -140,9 +140,37 @@ def write_llava_mixed_shards(out: Path) -> Path:
     return write_dev_shards(out, samples, samples_per_shard=len(samples))
 
 
+def write_llava_halves_shards(out: Path) -> Path:
+    """`llava_mixed_samples` reordered: the 16 image samples first, then the 16 text-only ones. Read
+    in key order by 2 DP ranks (`data.sharding=dp`: energon gives each rank one half), one rank
+    draws only images and the other only text: what vision-aware balancing exchanges rows for."""
+    from mmdata.energon_loaders.dev_shards import write_dev_shards
+
+    samples = llava_mixed_samples()
+    ordered = [s for s in samples if s.images] + [s for s in samples if not s.images]
+    return write_dev_shards(out, ordered, samples_per_shard=len(ordered))
+
+
 def is_text_only(sample_key: str) -> bool:
     """A `DATASET#SHARD_KEY` of `llava_mixed_samples`: odd keys are text-only."""
     return int(sample_key.rsplit("#", 1)[-1]) % 2 == 1
+
+
+def need_gpus(n: int) -> None:
+    """Skip the calling test when fewer than `n` GPUs are visible (one rank per GPU: NCCL refuses
+    two ranks of a communicator on one device)."""
+    import pytest
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < n:
+        pytest.skip(f"needs {n} GPUs (one rank per GPU), {have} visible")
+
+
+def by_sample(record: dict) -> list[tuple[str, float]]:
+    """A metrics record's (sample id, loss) pairs, sorted: the same samples whatever micro-batch
+    or DP rank balancing moved them to."""
+    return sorted(zip(record["sample_ids"], record["sample_losses"]))
 
 
 # ----------------------------------------------------------------------------- Transformer Engine

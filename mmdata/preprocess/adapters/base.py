@@ -73,6 +73,9 @@ class MediaResolver:
         """The media's bytes (adapters may keep their input file open across records)."""
         return media.read()
 
+    def close(self) -> None:
+        """Close what `read` keeps open (a later `read` opens it again)."""
+
 
 def walk_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """Files under `root` (or `root` itself) with one of `suffixes`, sorted for determinism."""
