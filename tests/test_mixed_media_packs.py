@@ -190,3 +190,15 @@ def test_rows_moved_by_balancing_keep_every_sample_loss(setup):
     assert sorted(after) == sorted(before) and len(moved) == 4
     for sid in before:
         torch.testing.assert_close(after[sid], before[sid], **TOL)
+
+
+def test_vision_tiles_known_before_decoding_are_the_tiles_encoded(setup):
+    """What the online packer evens (`vision_tiles` of a pre-encoded sample, from the media refs)
+    is what the vision tower gets after decoding: tiles of an anyres image, one per image of
+    several, one per sampled video frame, none for text."""
+    enc, _, samples = setup
+    for j, (kind, make) in enumerate(KINDS.items()):
+        for i, done in enumerate(samples[kind]):
+            pre = enc.preencode_sample(make(10 * j + i))
+            assert enc.vision_tiles(pre) == sum(m.prepared.num_tiles for m in done.media), (kind, i)
+            assert (enc.vision_tiles(pre) == 0) == (kind == "text-only")

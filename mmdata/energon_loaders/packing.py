@@ -1,7 +1,7 @@
 """Sequence packing: bin selection and packed-row metadata (model-agnostic, reused by Emu3).
 
 `largest_first_knapsack` chooses which buffered samples share a row (energon's
-`select_samples_to_pack` hook); `pack_rows` concatenates per-sample token arrays into fixed
+`select_samples_to_pack` hook, whose rows `row_mix.pack_buffer` then evens in vision tiles); `pack_rows` concatenates per-sample token arrays into fixed
 [B, S] rows and builds the attention metadata: position ids restarting per sample and
 `cu_seqlens` over the flattened B*S stream with one segment per sample and one per padding run,
 so varlen attention never crosses a sample boundary.

@@ -19,7 +19,8 @@ from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, statel
 from megatron.energon.errors import FatalSampleError
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmdata.energon_loaders.packing import largest_first_knapsack, pack_rows
+from mmdata.energon_loaders.packing import pack_rows
+from mmdata.energon_loaders.row_mix import pack_buffer
 from mmdata.shard_format import SAMPLE_KEY_SEP
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,14 @@ class PackingTaskEncoder(TaskEncoder):
 
     # -- energon packing / batching hooks ---------------------------------------------------
 
+    def vision_tiles(self, sample: Any) -> int:
+        """Tiles and video frames the vision tower will encode for a pre-encoded sample (what
+        packing evens out between rows); 0 for a family without a vision tower."""
+        return 0
+
     def select_samples_to_pack(self, samples: list[Any]) -> list[list[Any]]:
-        bins = largest_first_knapsack([len(s.input_ids) for s in samples], self.seq_length)
+        bins = pack_buffer([len(s.input_ids) for s in samples], [self.vision_tiles(s) for s in samples],
+                           self.seq_length)
         return [[samples[i] for i in b] for b in bins]
 
     @stateless

@@ -1,10 +1,11 @@
 """Packing efficiency estimate on sampled sequence lengths, done the way the loader packs.
 
 The loader collects `packing_buffer_size` samples (default 256, `DEFAULT_PACKING_BUFFER` in
-`mmdata.energon_loaders.packing`) and packs each buffer with `largest_first_knapsack` from
-`mmdata.energon_loaders.packing` (its `select_samples_to_pack` hook). Here the sampled lengths,
-in stream order, are cut into buffers of the same size and packed with that same function, so
-the estimate includes the partly filled last sequence of every buffer, as training sees it.
+`mmdata.energon_loaders.packing`) and packs each buffer with `pack_buffer` from
+`mmdata.energon_loaders.row_mix` (its `select_samples_to_pack` hook: `largest_first_knapsack`,
+then rows evened in vision tiles). Here the sampled lengths (and tiles, where known), in stream
+order, are cut into buffers of the same size and packed with that same function, so the estimate
+includes the partly filled last sequence of every buffer, as training sees it.
 Samples longer than the context are counted as `over_length` and clipped to it (the loader
 truncates their text, or drops them when an image would be cut).
 
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
+from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, packing_efficiency
 from mmdata.energon_loaders.packing_report import PackingReport, report_from_bins, report_from_rows
+from mmdata.energon_loaders.row_mix import pack_buffer
 
 if TYPE_CHECKING:
     from mmdata.energon_loaders.balance import StepShape
@@ -43,12 +45,16 @@ class PackingEstimate:
 
 
 def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING_BUFFER,
-                     cp: int = 1, tp: int = 1) -> PackingEstimate:
-    clipped = [min(int(n), context) for n in lengths if int(n) > 0]
+                     cp: int = 1, tp: int = 1, tiles: Sequence[int] | None = None) -> PackingEstimate:
+    """The loader's packing of `lengths` (and their vision `tiles`, None: unknown, packed as
+    without tiles) into rows of `context` tokens, `buffer` samples at a time."""
+    kept = [i for i, n in enumerate(lengths) if int(n) > 0]
+    clipped = [min(int(lengths[i]), context) for i in kept]
+    kept_tiles = [int(tiles[i]) for i in kept] if tiles is not None else [0] * len(kept)
     packed: list[list[int]] = []
     for start in range(0, len(clipped), buffer):
         chunk = clipped[start : start + buffer]
-        packed.extend([chunk[i] for i in b] for b in largest_first_knapsack(chunk, context))
+        packed.extend([chunk[i] for i in b] for b in pack_buffer(chunk, kept_tiles[start : start + buffer], context))
     return PackingEstimate(context, packing_efficiency(packed, context), len(packed),
                            sum(1 for n in lengths if int(n) > context), report_from_rows(packed, context, cp, tp))
 
@@ -89,15 +95,19 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     if "total_tokens" not in pq.read_schema(path).names:  # token shards' index: lengths per Emu3 task
         return None
 
-    table = pq.read_table(path, columns=["total_tokens"])
+    from mmdata.preprocess.lengths import VISION_TILES
+
+    has_tiles = VISION_TILES in pq.read_schema(path).names
+    table = pq.read_table(path, columns=["total_tokens", *([VISION_TILES] if has_tiles else [])])
     lengths = table.column("total_tokens").to_numpy()
     used = lengths[:LENGTH_INDEX_SAMPLE]
+    used_tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].tolist() if has_tiles else None
     out: dict = {"samples": int(len(lengths)), "compared": int(len(used)),
                  "text_tokens": (pq.read_schema(path).metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
                  "cp": cp, "tp": tp, "packing": {}}
     for c in context_lengths:
         plan_file = plan_path(Path(root), c)
-        online = estimate_packing(used.tolist(), c, cp=cp, tp=tp) if len(used) else None
+        online = estimate_packing(used.tolist(), c, cp=cp, tp=tp, tiles=used_tiles) if len(used) else None
         plan = plan_packing(used, c) if len(used) else None
         if plans is not None:
             plans[c] = plan
@@ -118,7 +128,9 @@ def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int,
                      buffer: int = PACKING_BUFFER) -> list[list[tuple[int, int]]]:
     """Each of `dp` ranks' packed rows as (tokens, tiles), in stream order: rank r reads the r-th
     contiguous part of the samples (energon gives each DP rank its own slices of the shards,
-    already shuffled) and packs it as the loader does, `buffer` samples at a time."""
+    already shuffled) and packs it as the loader does (`pack_buffer`), `buffer` samples at a time.
+    Each rank's rows are in the order its buffers yield them: with fewer than a few buffers per
+    rank, the ranks' buffers start on the same step (a long run's drift apart)."""
     n = len(lengths)
     out = []
     for r in range(dp):
@@ -129,7 +141,7 @@ def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int,
         for start in range(0, len(clipped), buffer):
             chunk, chunk_tiles = clipped[start:start + buffer], part_tiles[start:start + buffer]
             rows += [(sum(chunk[i] for i in b), sum(chunk_tiles[i] for i in b))
-                     for b in largest_first_knapsack(chunk, context)]
+                     for b in pack_buffer(chunk, chunk_tiles, context)]
         out.append(rows)
     return out
 

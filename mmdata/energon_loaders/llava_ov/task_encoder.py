@@ -4,7 +4,8 @@ Stages (energon hooks, all `@stateless` so energon can replay them on restore):
 1. `preencode_sample`: read image headers / probe the video (sizes -> token counts, no pixel
    decode), render + tokenize the chat with media expanded, shift labels, apply the
    over-length policy. Cheap and small, so the packing buffer holds encoded bytes, not tiles.
-2. `select_samples_to_pack`: largest-first knapsack over the buffer into `seq_length` bins.
+2. `select_samples_to_pack`: largest-first knapsack over the buffer into `seq_length` bins, then
+   samples exchanged between the bins to even their vision tiles (`row_mix.pack_buffer`).
 3. `postencode_sample`: decode pixels (anyres / base-only / video frames) for chosen samples.
 4. `pack_selected_samples` + `batch` -> `collate_rows`: rows, position ids, cu_seqlens,
    flattened media.
@@ -62,6 +63,14 @@ class MediaRef:
     grid: tuple[int, int]
     frame_indices: list[int] | None = None
 
+    @property
+    def num_tiles(self) -> int:
+        """Tiles the vision tower will encode: base + anyres grid, one (an image of several), or
+        one per sampled frame (the `PreparedMedia.num_tiles` it becomes)."""
+        if self.kind == MEDIA_VIDEO:
+            return len(self.frame_indices or [])
+        return 1 + self.grid[0] * self.grid[1] if self.kind == MEDIA_ANYRES else 1
+
 
 @dataclass
 class EncodedMedia:
@@ -118,6 +127,9 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
             image_size=c.image_size, patch_size=c.patch_size, max_tiles=c.max_tiles, grid_max=c.grid_max,
         )
         return MediaRef(kind, data, (height, width), n, grid)
+
+    def vision_tiles(self, sample: LlavaOVSample) -> int:
+        return sum(m.num_tiles for m in sample.media)
 
     # -- energon hooks ---------------------------------------------------------------------------
 
