@@ -100,6 +100,17 @@ def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, llava_shards, qwen_to
     assert "megatron.DistributedOptimizer" in state
 
 
+def _unbalanced_and_balanced(tmp_path, shards, tokenizer, overrides) -> dict[str, dict]:
+    """The same run without and with `data.balance`: the same samples with the same losses."""
+    got = {}
+    for balance in ("false", "true"):
+        run = tmp_path / f"balance-{balance}"
+        runs.train("llava-ov", run, shards, tokenizer, *overrides, f"data.balance={balance}")
+        got[balance] = runs.metrics(run)
+    _assert_matches(got["true"], got["false"])
+    return got
+
+
 def test_balance_on_one_gpu(tmp_path, llava_halves_shards, qwen_tok, llava_hf_start):
     """`data.balance` on one GPU (DP=1, replicated): a step of 16 micro-batches of 2 rows drawn in
     key order from the halves (8 micro-batches of two images, then 8 of two text-only rows) placed
@@ -109,12 +120,7 @@ def test_balance_on_one_gpu(tmp_path, llava_halves_shards, qwen_tok, llava_hf_st
     (The alternating shards would not do: their micro-batches of 2 are balanced as drawn.)"""
     overrides = (*_common(llava_halves_shards, llava_hf_start), "train.micro_batch_size=2",
                  "train.global_batch_size=32")
-    got = {}
-    for balance in ("false", "true"):
-        run = tmp_path / f"balance-{balance}"
-        runs.train("llava-ov", run, llava_halves_shards, qwen_tok, *overrides, f"data.balance={balance}")
-        got[balance] = runs.metrics(run)
-    _assert_matches(got["true"], got["false"])
+    got = _unbalanced_and_balanced(tmp_path, llava_halves_shards, qwen_tok, overrides)
     for step in range(1, STEPS + 1):
         assert got["true"][step]["sample_ids"] != got["false"][step]["sample_ids"], step
 
@@ -127,12 +133,7 @@ def test_balance_exchanges_rows_over_nccl(tmp_path, llava_halves_shards, qwen_to
     runs.need_gpus(2)
     overrides = ("train.iters=3", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
                  f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU)
-    got = {}
-    for balance in ("false", "true"):
-        run = tmp_path / f"balance-{balance}"
-        runs.train("llava-ov", run, llava_halves_shards, qwen_tok, *overrides, f"data.balance={balance}")
-        got[balance] = runs.metrics(run)
-    _assert_matches(got["true"], got["false"])
+    got = _unbalanced_and_balanced(tmp_path, llava_halves_shards, qwen_tok, overrides)
     for step in range(1, STEPS + 1):
         assert got["false"][step]["vision_balance"] == pytest.approx(2.0)  # the images all on one rank
         assert got["true"][step]["vision_balance"] < 1.5, step
