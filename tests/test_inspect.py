@@ -216,6 +216,10 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     for v in d["packing"].values():  # the packing report: CP2 x TP2 pads every segment to 8 tokens
         assert v["bin_fill"] == pytest.approx(v["efficiency"], abs=1e-4)
         assert 0.5 < v["executed_token_efficiency"] <= v["bin_fill"]
+    vb = d["vision_balance"]  # DP8, micro-batch 2, global batch 32: 4 rows per rank, windows of 2 steps
+    assert (vb["dp"], vb["window"]) == (8, 2)
+    for v in vb["packing"].values():
+        assert set(v["online"]) == {"today", "balanced", "windowed"}
     valid = [r for r in recs if not r.broken]
     assert d["samples"] == d["sampled"]["count"] == len(valid)
     assert {k: v["count"] for k, v in d["modality"].items() if v["count"]} == dict(Counter(map(_expected_modality, valid)))
@@ -234,7 +238,7 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
                  "image_empty", "tiles / image"):
         assert word in table, word
     assert f"{len(valid)}" in table
-    assert "bin fill / executed" in table
+    assert "bin fill / executed" in table and "online, window of 2 steps" in table
     assert main(["inspect", str(out / "missing")]) == 2
     assert "not a shards directory" in capsys.readouterr().err
     assert main(["inspect", str(out), "--cp", "0"]) == 2

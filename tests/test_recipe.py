@@ -180,6 +180,15 @@ def test_other_cross_checks():
     assert any("data.packing: expected bool or one of 'plan'" in e for e in errors_of(overrides=["data.packing=plans"]))
     assert any("data.packing_plan: is only read with data.packing: plan" in e
                for e in errors_of(overrides=["data.packing_plan=/x/pack-plan-8192.parquet"]))
+    # data.balance_window: steps >= 1 or auto, and only for online balancing
+    assert load(overrides=["data.balance=true", "data.balance_window=4"]).data.balance_window == 4
+    assert load(overrides=["data.balance=true"]).data.balance_window == "auto"
+    assert any("data.balance_window: must be >= 1 steps or auto, got 0" in e
+               for e in errors_of(overrides=["data.balance=true", "data.balance_window=0"]))
+    assert any("data.balance_window: is only used by online balancing" in e
+               for e in errors_of(overrides=["data.balance_window=4"]))
+    assert any("data.balance_window: expected int or one of 'auto'" in e
+               for e in errors_of(overrides=["data.balance_window=auot"]))
 
 
 def test_family_checks_run_on_its_sections():

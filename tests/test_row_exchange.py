@@ -2,7 +2,7 @@
 with exactly the micro-batches the placement gives it, rows arrive byte-identical, and the
 result equals what one process computes holding every rank's rows (`balance_local`, the
 replicated path), so the ranks agree and a resumed run that draws the same rows places them the
-same."""
+same; the same for a window of steps (`balance_window_exchange`)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import torch
 WORLD = 2
 MICRO, ROWS = 2, 2  # micro-batches per rank, rows per micro-batch
 SEQ = 64
+WINDOW = 3  # steps of one row per rank balanced together
 
 
-def _row(rank: int, k: int) -> "object":
+def _row(rank: int, k: int, step: int = 0) -> "object":
     """Rank `rank`'s k-th row: a LlavaOVBatch with 0-3 media of 1-5 tiles, tokens and samples."""
     from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, LlavaOVBatch
 
-    g = torch.Generator().manual_seed(100 * rank + k)
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + k)
     media = int(torch.randint(0, 4, (1,), generator=g)) if rank != 1 else 3 * (k % 2)  # rank 1: heavy rows
     tiles = torch.randint(1, 6, (media,), generator=g)
     n = int(torch.randint(10, SEQ, (1,), generator=g))
@@ -29,7 +30,7 @@ def _row(rank: int, k: int) -> "object":
     return LlavaOVBatch(
         input_ids=ids, labels=ids.clone(), position_ids=ids.clone(),
         cu_seqlens=torch.tensor([0, n, SEQ], dtype=torch.int32), max_seqlen=max(n, SEQ - n),
-        sample_ids=[[f"r{rank}k{k}"]], sample_keys=[[f"d#{rank:03d}{k:03d}"]], num_real_tokens=n,
+        sample_ids=[[f"r{rank}k{k}s{step}"]], sample_keys=[[f"d#{step}{rank:03d}{k:03d}"]], num_real_tokens=n,
         pixel_values=torch.randint(0, 255, (int(tiles.sum()), 3, 4, 4), dtype=torch.uint8, generator=g),
         tiles_per_media=tiles, media_kind=torch.full((media,), MEDIA_ANYRES), image_sizes=torch.ones(media, 2).long(),
         grid_shapes=torch.zeros(media, 2).long(), num_media_tokens=tiles * 3, media_per_row=[media],
@@ -37,11 +38,16 @@ def _row(rank: int, k: int) -> "object":
     )
 
 
-def drawn(rank: int) -> list:
-    """Rank `rank`'s micro-batches of the step, as its loader would yield them."""
+def drawn(rank: int, step: int = 0) -> list:
+    """Rank `rank`'s micro-batches of a step, as its loader would yield them."""
     from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 
-    return [LlavaOVBatch.join_rows([_row(rank, m * ROWS + i) for i in range(ROWS)]) for m in range(MICRO)]
+    return [LlavaOVBatch.join_rows([_row(rank, m * ROWS + i, step) for i in range(ROWS)]) for m in range(MICRO)]
+
+
+def drawn_window(rank: int) -> list:
+    """Rank `rank`'s steps of a window: 3 steps of one row, one micro-batch each."""
+    return [[_row(rank, 0, step)] for step in range(WINDOW)]
 
 
 def _balancer():
@@ -59,6 +65,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         mine = _balancer().balance_exchange(drawn(rank), dist.group.WORLD, torch.device("cpu"))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps([mb.to_bytes().hex() for mb in mine]))
+        steps = _balancer().balance_window_exchange(drawn_window(rank), dist.group.WORLD, torch.device("cpu"))
+        Path(out_dir, f"window{rank}.json").write_text(json.dumps([[mb.to_bytes().hex() for mb in s] for s in steps]))
     finally:
         dist.destroy_process_group()
 
@@ -87,3 +95,14 @@ def test_exchange_over_gloo_equals_the_local_placement(tmp_path):
     placed_ids = {sid for rank in range(WORLD) for mb in balancer.balance_local(everyone, rank)
                   for row in mb.sample_ids for sid in row if rank != 1}
     assert any(sid.startswith("r1") for sid in placed_ids)
+    # a window of steps: the same as one process places it, every row trained once, one per rank per step
+    windows = [drawn_window(r) for r in range(WORLD)]
+    got_ids = []
+    for rank in range(WORLD):
+        got = [[LlavaOVBatch.from_bytes(bytes.fromhex(h)) for h in s]
+               for s in json.loads((tmp_path / f"window{rank}.json").read_text())]
+        want = balancer.balance_window_local(windows, rank)
+        assert [[mb.to_bytes() for mb in s] for s in got] == [[mb.to_bytes() for mb in s] for s in want]
+        assert [[mb.input_ids.shape for mb in s] for s in got] == [[(1, SEQ)]] * WINDOW
+        got_ids += [sid for s in got for mb in s for row in mb.sample_ids for sid in row]
+    assert sorted(got_ids) == sorted(f"r{r}k0s{s}" for r in range(WORLD) for s in range(WINDOW))

@@ -16,7 +16,8 @@ HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 
 (the TP=2 run with the vision tower's own layout), DP=2 -> DP=1 resume, the new parallel features
 together (an uneven decoder split and virtual stages at TP=2 with the vision tower's own layout
 and vision-aware balancing: training and validation losses against one process, resumed from
-and saved as a one-process checkpoint), and the dry-run memory estimate against a measured peak.
+and saved as a one-process checkpoint), exact resume inside a balancing window (`data.balance_window`), and the dry-run memory estimate
+against a measured peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
 """
@@ -187,6 +188,43 @@ def test_exact_resume(ref_run, tmp_path, shards_dir, tokenizer_dir):
         assert resumed[step]["loss"] == ref[step]["loss"]
         assert resumed[step]["grad_norm"] == ref[step]["grad_norm"]
         assert resumed[step]["sample_ids"] == ref[step]["sample_ids"]
+
+
+@pytest.mark.slow
+def test_balancing_window_moves_rows_between_steps_and_resumes_inside_one(tmp_path, shards_dir, tokenizer_dir):
+    """`data.balance` with `data.balance_window=4`: rows are placed over 4 steps at a time. At a
+    learning rate of 0 (the weights never change, so a sample's loss does not depend on its step)
+    the first window's 4 steps train the unbalanced run's 4 steps' samples with the same per-sample
+    losses, rows moved between steps. The step-3 checkpoint falls inside the window: its loader
+    file holds the state from before the window and the 3 steps trained, and a run killed there
+    and rerun trains the window's 4th step and the next window's as the uninterrupted run did."""
+    fixed = ("train.iters=6", "optimizer.lr=0", "optimizer.min_lr=0")
+    plain, windowed = tmp_path / "plain", tmp_path / "windowed"
+    train(plain, shards_dir, tokenizer_dir, *fixed, "checkpoint.save=false")
+    window = (*fixed, "checkpoint.interval=3", "data.balance=true", "data.balance_window=4")
+    train(windowed, shards_dir, tokenizer_dir, *window)
+    want, got = metrics(plain), metrics(windowed)
+
+    def by_sample(m: dict, steps) -> list:
+        return sorted((i, x) for s in steps for i, x in zip(m[s]["sample_ids"], m[s]["sample_losses"]))
+
+    first = range(1, 5)
+    assert [i for i, _ in by_sample(got, first)] == [i for i, _ in by_sample(want, first)]
+    assert [x for _, x in by_sample(got, first)] == pytest.approx([x for _, x in by_sample(want, first)],
+                                                                  rel=1e-5, abs=1e-6)
+    assert any(got[s]["sample_ids"] != want[s]["sample_ids"] for s in first)  # rows moved between steps
+    loader = json.loads((windowed / "checkpoints" / "iter_0000003" / "loader" / "loader_dp00000_of00001.json")
+                        .read_text())
+    assert loader["mmtrain.balance_window"] == {"steps": 4, "trained": 3}
+    run = interrupted_copy(windowed, tmp_path / "run", at_step=3)
+    proc = train(run, shards_dir, tokenizer_dir, *window)
+    assert "resumed from" in proc.stderr
+    assert "4 steps at a time (data.balance_window: 4)" in proc.stderr
+    resumed = metrics(run)
+    for step in (4, 5, 6):
+        assert resumed[step]["loss"] == got[step]["loss"], step
+        assert resumed[step]["grad_norm"] == got[step]["grad_norm"], step
+        assert resumed[step]["sample_ids"] == got[step]["sample_ids"], step
 
 
 def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, tokenizer_dir):
@@ -447,7 +485,8 @@ def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_m
     run = tmp_path / "tp2-pp2-vpp2"
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.tp=2",
                  "parallel.pp=2", "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]", "parallel.vision.tp=1",
-                 "data.balance=true", f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
+                 "data.balance=true", "data.balance_window=1",
+                 f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
                  "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=4)
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr

@@ -14,6 +14,8 @@ from mmdata.energon_loaders.balance import (
     StepShape,
     assign_block,
     assign_step,
+    assign_window,
+    auto_window,
     plan_balance,
     row_costs,
     shuffle_tiers,
@@ -80,13 +82,51 @@ def test_balancing_meets_the_target_on_a_mixed_stream():
     assert today.mean > 1.1 and after.mean <= 1.03 and after.worst < today.worst
     assert sorted(np.concatenate(balanced.bins).tolist()) == list(range(len(tokens)))  # reordered, not regrouped
     assert {tuple(b) for b in balanced.bins} == {tuple(b) for b in plan.bins}
-    # at one row per rank per step only the plan can help: it makes steps of equal-cost rows
+    # at one row per rank per step one step's rows cannot be evened: a window of steps (online) or
+    # the plan's steps of equal-cost rows can
     one = StepShape(dp=8, micro_batch_size=1, global_batch_size=8)
-    online_one = simulate(online_rank_rows(tokens, tiles, 8192, one.dp), one, DEFAULT_TILE_TOKENS)
+    online_one = simulate(online_rank_rows(tokens, tiles, 8192, one.dp), one, DEFAULT_TILE_TOKENS,
+                          window=auto_window(one.rows_per_rank))
     assert online_one["balanced"].mean == pytest.approx(online_one["today"].mean)
+    assert online_one["today"].mean > 1.1
+    assert online_one["windowed"].mean <= 1.10 and online_one["windowed"].worst < online_one["today"].worst
     plan_one = plan.balanced(tiles, one, DEFAULT_TILE_TOKENS, seed=0).vision_balance(tiles, one, DEFAULT_TILE_TOKENS,
                                                                                      balanced=True)
     assert plan_one.mean <= 1.03
+
+
+def test_assign_window_spreads_rows_over_steps_and_keeps_every_shape():
+    """A window of steps: every row placed once, each step, rank and micro-batch keeping its row
+    count; at one row per rank per step the steps' ranks come out even where each step alone
+    cannot move a row; one step is `assign_step`; steps of different shapes are each placed alone."""
+    rng = np.random.default_rng(3)
+    dp, steps = 8, 8
+    tiles = rng.choice([2, 3, 5, 7, 25], size=(dp, steps), p=[0.4, 0.2, 0.25, 0.13, 0.02])
+    costs = (8000 + DEFAULT_TILE_TOKENS * tiles).tolist()  # full rows: tiles make the difference
+    shapes = [[[1]] * dp] * steps
+    placed = assign_window(costs, shapes)
+    assert len(placed) == steps and all([[len(mb) for mb in rank] for rank in step] == [[1]] * dp for step in placed)
+    assert sorted(ref for step in placed for rank in step for mb in rank for ref in mb) == [
+        (r, k) for r in range(dp) for k in range(steps)]
+    assert assign_window(costs, shapes) == placed  # pure: ranks and resumed runs agree
+    drawn = [step_balance([[int(tiles[r][s])] for r in range(dp)]) for s in range(steps)]
+    evened = [step_balance(tiles.tolist(), step) for step in placed]
+    assert np.mean(evened) < 1.10 < np.mean(drawn)
+    assert assign_window([c[:1] for c in costs], [shapes[0]]) == [assign_step([c[:1] for c in costs], shapes[0])]
+    # micro-batches of 2 rows, 2 per rank, over 3 steps: counts kept, rows of one step may move
+    costs2 = rng.uniform(1, 100, (4, 12)).tolist()
+    placed2 = assign_window(costs2, [[[2, 2]] * 4] * 3)
+    assert all([[len(mb) for mb in rank] for rank in step] == [[2, 2]] * 4 for step in placed2)
+    assert sorted(ref for step in placed2 for rank in step for mb in rank for ref in mb) == [
+        (r, k) for r in range(4) for k in range(12)]
+    # steps of different shapes (a short last batch): each balanced on its own rows
+    odd = [[[2]] * 2, [[1]] * 2]
+    costs3 = [[5.0, 1.0, 9.0], [4.0, 2.0, 3.0]]
+    assert assign_window(costs3, odd) == [assign_step([[5.0, 1.0], [4.0, 2.0]], [[2], [2]]),
+                                          [[[(0, 2)]], [[(1, 2)]]]]
+    with pytest.raises(ValueError, match="rank 1: 2 rows but the window"):
+        assign_window([[1.0, 2.0], [1.0, 2.0]], [[[1], [1]], [[1], [2]]])
+    assert [auto_window(k) for k in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
 def test_tiered_order_makes_steps_of_whole_tiers_and_later_epochs_keep_them():
@@ -173,12 +213,13 @@ def test_train_data_balances_replicated_steps(tmp_path):
     recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [
         f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
         "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=8",
-        "data.sharding=replicated", "data.video_frames=4", "data.balance=true"])
+        "data.sharding=replicated", "data.video_frames=4", "data.balance=true", "data.balance_window=1"])
     ctx = ParallelContext(rank=0, world_size=2, local_rank=0, tp=1, pp=1, dp=2, tp_rank=0, pp_rank=0, dp_rank=0,
                           backend="gloo", device=torch.device("cpu"))
     data = TrainData(LLAVA_OV, recipe, ctx)
-    place, drawn = data.balancer.balance_local, []
-    data.balancer.balance_local = lambda ranks, me: (drawn.append(ranks), place(ranks, me))[1]
+    place, drawn = type(data.balancer)(data.balancer.tile_tokens, data.balancer.tiles_of).balance_local, []
+    data.balancer.balance_window_local = lambda ranks, me: (drawn.append([s[0] for s in ranks]),
+                                                            [place(drawn[-1], me)])[1]
     tile_tokens = tile_token_cost(LLAVA_OV.model_shapes(recipe.model))
 
     def cost(micro_batches) -> float:
@@ -199,6 +240,77 @@ def test_train_data_balances_replicated_steps(tmp_path):
     finally:
         data.close()
     assert np.mean(after) < np.mean(before), (before, after)
+
+
+def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
+    """`data.balance_window: 4` at one row per rank per step (DP2, replicated data, so both ranks'
+    feeds run here without an exchange): each window's 4 steps train exactly the rows drawn for
+    them, one per rank per step, with their vision work more even than drawn; a loader state saved
+    inside a window names the steps trained, and a fresh feed restored from it hands out the same
+    rest of the window and the windows after, byte for byte; after a whole window the state is the
+    loader's own."""
+    import json
+
+    import torch
+
+    from mmdata.energon_loaders.balance import vision_balance
+    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmtrain.config import load_recipe
+    from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
+    from mmtrain.runtime.distributed import ParallelContext
+    from mmtrain.runtime.train_data import WINDOW_STATE_KEY, TrainData, batch_sample_ids
+    from tests.test_loader import BAD_IDS, _dev_samples
+
+    shards = write_dev_shards(tmp_path / "shards", [s for s in _dev_samples() if s.id not in BAD_IDS])
+    common = [f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
+              "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=1", "train.global_batch_size=2",
+              "data.sharding=replicated", "data.video_frames=4"]
+    recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [*common, "data.balance=true", "data.balance_window=4"])
+
+    def feed(rank: int, r=recipe) -> TrainData:
+        return TrainData(LLAVA_OV, r, ParallelContext(rank=rank, world_size=2, local_rank=rank, tp=1, pp=1, dp=2,
+                                                      tp_rank=0, pp_rank=0, dp_rank=rank, backend="gloo",
+                                                      device=torch.device("cpu")))
+
+    def ids(steps) -> list[str]:
+        return sorted(i for step in steps for mb in step.micro_batches for i in batch_sample_ids(mb))
+
+    ranks, drawn_feed = [feed(0), feed(1)], feed(0, load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", common))
+    try:
+        assert ranks[0].window == 4
+        steps: list[list] = [[], []]
+        for i in range(8):
+            for r in (0, 1):
+                steps[r].append(ranks[r].next_step())
+            if i == 1:
+                inside = ranks[0].save_state()
+            if i == 3:
+                after_window = ranks[0].save_state()
+        drawn = [drawn_feed._next_micro_batch() for _ in range(16)]  # the stream, 2 rows a step
+    finally:
+        for d in (*ranks, drawn_feed):
+            d.close()
+    assert json.loads(inside)[WINDOW_STATE_KEY] == {"steps": 4, "trained": 2}
+    assert WINDOW_STATE_KEY not in json.loads(after_window)
+    before, after = [], []
+    for w in (0, 1):
+        window_drawn = drawn[8 * w:8 * w + 8]
+        window_steps = [s for r in (0, 1) for s in steps[r][4 * w:4 * w + 4]]
+        assert all(len(s.micro_batches) == 1 and s.micro_batches[0].input_ids.shape == (1, 256) for s in window_steps)
+        assert ids(window_steps) == sorted(i for mb in window_drawn for i in batch_sample_ids(mb))
+        before += [vision_balance([encoder_inputs(window_drawn[2 * k + r]) for r in (0, 1)]) for k in range(4)]
+        after += [vision_balance([encoder_inputs(steps[r][4 * w + k].micro_batches[0]) for r in (0, 1)])
+                  for k in range(4)]
+    assert np.mean([b for b in after if b]) < np.mean([b for b in before if b]), (before, after)
+    resumed = feed(0)
+    try:
+        resumed.restore_state(inside)
+        rest = [resumed.next_step() for _ in range(6)]
+    finally:
+        resumed.close()
+    assert [[mb.to_bytes() for mb in s.micro_batches] for s in rest] == [
+        [mb.to_bytes() for mb in s.micro_batches] for s in steps[0][2:]]
 
 
 def _knapsack_rank_rows(tokens: np.ndarray, tiles: np.ndarray, context: int, dp: int) -> list[list[tuple[int, int]]]:

@@ -25,6 +25,7 @@ FLOPs is the ratio of tiles); `BalanceReport` takes the mean over steps and the 
 from __future__ import annotations
 
 import heapq
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,23 +90,31 @@ def assign_step(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[
     rank with room (ties: the row's own rank, then the lowest), then within each rank the same over
     its micro-batches. Pure and deterministic in its inputs, so ranks that see the same costs
     agree without talking."""
+    _check_shapes(costs, micro_rows)
+    return _place([(float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)], micro_rows)
+
+
+def _check_shapes(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[int]]) -> None:
     if len(costs) != len(micro_rows):
         raise ValueError(f"{len(costs)} ranks of costs but {len(micro_rows)} of micro-batch sizes")
     for r, (c, m) in enumerate(zip(costs, micro_rows)):
         if sum(m) != len(c):
             raise ValueError(f"rank {r}: {len(c)} rows but micro-batches of {list(m)} rows")
-    rows = sorted(((float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)),
-                  key=lambda x: (-x[0], x[1], x[2]))
-    room = [len(c) for c in costs]
-    load = [0.0] * len(costs)
-    version = [0] * len(costs)  # a rank's heap entry is current while its version matches
-    heap = [(0.0, d, 0) for d in range(len(costs)) if room[d] > 0]
-    taken: list[list[tuple[float, int, int]]] = [[] for _ in costs]
+
+
+def _place(rows: list[tuple[float, int, int]], micro_rows: Sequence[Sequence[int]]) -> list[list[list[RowRef]]]:
+    """`assign_step` over `rows` as (cost, source rank, source row), rank d taking `sum(micro_rows[d])`."""
+    rows = sorted(rows, key=lambda x: (-x[0], x[1], x[2]))
+    room = [sum(m) for m in micro_rows]
+    load = [0.0] * len(room)
+    version = [0] * len(room)  # a rank's heap entry is current while its version matches
+    heap = [(0.0, d, 0) for d in range(len(room)) if room[d] > 0]
+    taken: list[list[tuple[float, int, int]]] = [[] for _ in room]
     for cost, r, k in rows:
         while heap[0][2] != version[heap[0][1]]:
             heapq.heappop(heap)
         least, d, _ = heap[0]
-        if room[r] > 0 and load[r] == least:  # the row's own rank is among the least loaded: it stays
+        if r < len(room) and room[r] > 0 and load[r] == least:  # the row's own rank is among the least loaded: it stays
             d = r
         taken[d].append((cost, r, k))
         load[d] += cost
@@ -114,6 +123,58 @@ def assign_step(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[
         if room[d] > 0:
             heapq.heappush(heap, (load[d], d, version[d]))
     return [_spread(mine, micro_rows[d]) for d, mine in enumerate(taken)]
+
+
+#: rows per rank a look-ahead window holds with `data.balance_window: auto` (steps = this / rows per rank)
+AUTO_WINDOW_ROWS = 8
+
+
+def auto_window(rows_per_rank: int) -> int:
+    """Steps balanced together by default: enough that each rank holds about `AUTO_WINDOW_ROWS`
+    rows (8 steps at one row per rank per step, 1 from 8 rows per rank, where one step's rows suffice)."""
+    return max(1, AUTO_WINDOW_ROWS // max(1, int(rows_per_rank)))
+
+
+def assign_window(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[Sequence[int]]]
+                  ) -> list[list[list[list[RowRef]]]]:
+    """Balance a window of steps drawn together: `micro_rows[s][r]` is the row counts of rank r's
+    micro-batches in step s, `costs[r]` the costs of every row rank r drew in the window (step by
+    step, in order). Returns, per step, rank and micro-batch, the rows it trains as (source rank,
+    source row); every step, rank and micro-batch keeps its row count.
+
+    At one row per rank per step a step's rows cannot be evened by moving them between ranks;
+    across steps they can. The window's rows, by falling cost, are cut into tiers of one row per
+    rank, and the tiers dealt to the steps in turn (step s takes tiers s, s + W, ...), so each
+    step holds rows of about one cost per tier; `assign_step`'s placement then gives each rank one
+    row of each tier. The steps' order is then shuffled, seeded by the costs (the same on every
+    rank and on a resumed run), so a window does not always run from heavy to light. One step
+    (W = 1) is exactly `assign_step`; steps of different shapes are each balanced on their own."""
+    steps = len(micro_rows)
+    if steps == 0:
+        return []
+    dp = len(costs)
+    per_step = [[sum(m) for m in step] for step in micro_rows]
+    starts = np.cumsum([[0] * dp] + per_step, axis=0)  # [s, r]: rank r's first row of step s
+    for r in range(dp):
+        if starts[-1][r] != len(costs[r]):
+            raise ValueError(f"rank {r}: {len(costs[r])} rows but the window's micro-batches hold {starts[-1][r]}")
+    if steps == 1 or any(step != micro_rows[0] for step in micro_rows):
+        return [_place([(float(costs[r][k]), r, k) for r in range(dp) for k in range(starts[s][r], starts[s + 1][r])],
+                       micro_rows[s]) for s in range(steps)]
+    rows = sorted(((float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)),
+                  key=lambda x: (-x[0], x[1], x[2]))
+    size = sum(per_step[0])
+    dealt: list[list[tuple[float, int, int]]] = [[] for _ in range(steps)]
+    turn = 0
+    for t in range(0, len(rows), dp):
+        for row in rows[t:t + dp]:
+            while len(dealt[turn % steps]) >= size:
+                turn += 1
+            dealt[turn % steps].append(row)
+        turn += 1
+    seed = zlib.crc32(np.asarray([c for c, _, _ in rows], dtype=np.float64).tobytes())
+    order = np.random.default_rng(seed).permutation(steps)
+    return [_place(dealt[int(i)], micro_rows[s]) for s, i in enumerate(order)]
 
 
 def _spread(rows: list[tuple[float, int, int]], micro_rows: Sequence[int]) -> list[list[RowRef]]:
@@ -169,24 +230,33 @@ def step_balance(tiles: Sequence[Sequence[int]], assignment: Sequence[Sequence[S
     return vision_balance([sum(tiles[r][k] for micro in rank for r, k in micro) for rank in assignment])
 
 
-def simulate(rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, tile_tokens: float
-             ) -> dict[str, BalanceReport]:
-    """`vision_balance` of the full steps the ranks' row streams make, as drawn (`today`) and
-    balanced by `assign_step` (`balanced`): `rank_rows[r]` is rank r's rows in stream order as
-    (tokens, tiles), each step taking `shape.rows_per_rank` of them from every rank."""
+def simulate(rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, tile_tokens: float,
+             window: int = 1) -> dict[str, BalanceReport]:
+    """`vision_balance` of the full steps the ranks' row streams make, as drawn (`today`), balanced
+    step by step by `assign_step` (`balanced`) and, with `window` > 1, `window` steps at a time by
+    `assign_window` (`windowed`; the full windows' steps): `rank_rows[r]` is rank r's rows in
+    stream order as (tokens, tiles), each step taking `shape.rows_per_rank` of them from every rank."""
     if len(rank_rows) != shape.dp:
         raise ValueError(f"{len(rank_rows)} rank streams for dp {shape.dp}")
     k = shape.rows_per_rank
     steps = min((len(s) for s in rank_rows), default=0) // k
     micro = [[shape.micro_batch_size] * shape.micro_batches] * shape.dp
-    today, balanced = [], []
+    today, balanced, windowed = [], [], []
     for t in range(steps):
         rows = [s[t * k:(t + 1) * k] for s in rank_rows]
         tiles = [[v for _, v in r] for r in rows]
         today.append(step_balance(tiles))
         costs = [row_costs([n for n, _ in r], [v for _, v in r], tile_tokens) for r in rows]
         balanced.append(step_balance(tiles, assign_step(costs, micro)))
-    return {"today": BalanceReport.of(today), "balanced": BalanceReport.of(balanced)}
+    out = {"today": BalanceReport.of(today), "balanced": BalanceReport.of(balanced)}
+    if window > 1:
+        for t in range(0, steps - window + 1, window):
+            rows = [s[t * k:(t + window) * k] for s in rank_rows]
+            tiles = [[v for _, v in r] for r in rows]
+            costs = [row_costs([n for n, _ in r], [v for _, v in r], tile_tokens) for r in rows]
+            windowed += [step_balance(tiles, step) for step in assign_window(costs, [micro] * window)]
+        out["windowed"] = BalanceReport.of(windowed)
+    return out
 
 
 # ----------------------------------------------------------------------------- balanced plans

@@ -150,13 +150,13 @@ def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "Ste
                          tile_tokens: float, plans: dict | None = None) -> dict | None:
     """`vision_balance` (max / mean vision work per DP rank per step, mean over steps and the
     worst step) of the online packer and of the offline plan at `shape`, today and balanced
-    (energon_loaders/balance.py), on the length index's first LENGTH_INDEX_SAMPLE samples (the
+    (energon_loaders/balance.py; online also over windows of `auto_window` steps, `windowed`), on the length index's first LENGTH_INDEX_SAMPLE samples (the
     plans `length_index_packing` made of them, when given). None without a length index;
     `{"note": ...}` for an index written before it counted vision tiles."""
     import numpy as np
     import pyarrow.parquet as pq
 
-    from mmdata.energon_loaders.balance import simulate
+    from mmdata.energon_loaders.balance import auto_window, simulate
     from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES
     from mmdata.preprocess.pack_plan import plan_packing
 
@@ -166,7 +166,8 @@ def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "Ste
     names = pq.read_schema(path).names
     if "total_tokens" not in names:  # token shards' index: no vision tower encodes them
         return None
-    head = {**shape.as_dict(), "tile_tokens": tile_tokens}
+    window = auto_window(shape.rows_per_rank)
+    head = {**shape.as_dict(), "tile_tokens": tile_tokens, "window": window}
     if VISION_TILES not in names:
         return {**head, "note": f"{LENGTHS_NAME} predates its {VISION_TILES} column: rerun `mmdata preprocess` "
                                 "(`mmdata pack-plan` counts them from the records)"}
@@ -175,7 +176,7 @@ def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "Ste
     tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].astype(np.int64)
     out: dict = {**head, "compared": int(len(lengths)), "packing": {}}
     for c in context_lengths:
-        online = simulate(online_rank_rows(lengths, tiles, c, shape.dp), shape, tile_tokens)
+        online = simulate(online_rank_rows(lengths, tiles, c, shape.dp), shape, tile_tokens, window)
         plan = (plans or {}).get(c) or plan_packing(lengths, c)
         out["packing"][str(c)] = {
             "online": {k: v.as_dict() for k, v in online.items()},

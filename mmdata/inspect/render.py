@@ -89,9 +89,12 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
         tables.append((f"Vision balance: max/mean vision work per rank per step, mean (worst) over steps; "
                        f"DP{vb['dp']}, micro-batch {vb['micro_batch_size']}, global batch {vb['global_batch_size']} "
                        f"({vb['compared']:,} samples of the length index)",
-                       ["context", "online today", "online balanced", "plan today", "plan balanced"],
-                       [[_fmt(int(k)), *(_balance(v[side][when]) for side in ("online", "plan")
-                                         for when in ("today", "balanced"))] for k, v in vb["packing"].items()]))
+                       ["context", "online today", "online balanced", f"online, window of {vb.get('window', 1)} steps",
+                        "plan today", "plan balanced"],
+                       [[_fmt(int(k)), _balance(v["online"]["today"]), _balance(v["online"]["balanced"]),
+                         _balance(v["online"].get("windowed", v["online"]["balanced"])),
+                         _balance(v["plan"]["today"]), _balance(v["plan"]["balanced"])]
+                        for k, v in vb["packing"].items()]))
     if d["packing"] is not None:
         tables.append(("Packing (the loader's packer on the sampled lengths)",
                        ["context", "bin fill / executed", "sequences", "over length"],

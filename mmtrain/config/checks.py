@@ -60,6 +60,13 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
     if r.data.packing_plan is not None and r.data.packing != "plan":
         errors.add(("data", "packing_plan"), f"is only read with data.packing: plan (got packing: {r.data.packing}); "
                    "set data.packing=plan or drop data.packing_plan", [("data", "packing")])
+    window = r.data.balance_window
+    if window != "auto" and window < 1:
+        errors.add(("data", "balance_window"), f"must be >= 1 steps or auto, got {window}")
+    elif window not in ("auto", 1) and (not r.data.balance or r.data.packing == "plan"):
+        errors.add(("data", "balance_window"), f"is only used by online balancing (data.balance: true with "
+                   f"data.packing: true; got balance: {r.data.balance}, packing: {r.data.packing}); "
+                   "set data.balance=true or drop data.balance_window", [("data", "balance"), ("data", "packing")])
     if t.eval_interval > 0 and not r.data.val_paths:
         errors.add(("data", "val_paths"), f"must list at least one shard dir or metadataset YAML when "
                    f"train.eval_interval={t.eval_interval} (> 0); set train.eval_interval=0 to skip evaluation",

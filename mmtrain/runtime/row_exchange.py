@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmdata.energon_loaders.balance import RowRef, assign_step, row_costs
+from mmdata.energon_loaders.balance import RowRef, assign_window, row_costs
 from mmdata.energon_loaders.batch import PackedBatch
 
 
@@ -43,38 +43,62 @@ class RowBalancer:
         return [int(r.num_real_tokens) for r in rows], tiles
 
     def balance_local(self, ranks: Sequence[Sequence[PackedBatch]], me: int) -> list[PackedBatch]:
-        """Rank `me`'s micro-batches when every rank's micro-batches are here (replicated data)."""
-        rows = [[row for mb in mbs for row in mb.split_rows()] for mbs in ranks]
+        """Rank `me`'s micro-batches of one step when every rank's are here (replicated data)."""
+        return self.balance_window_local([[mbs] for mbs in ranks], me)[0]
+
+    def balance_window_local(self, ranks: Sequence[Sequence[Sequence[PackedBatch]]], me: int
+                             ) -> list[list[PackedBatch]]:
+        """Rank `me`'s micro-batches, step by step, of a window of steps when every rank's are here:
+        `ranks[r][s]` is rank r's micro-batches drawn for step s."""
+        rows = [[row for mbs in steps for mb in mbs for row in mb.split_rows()] for steps in ranks]
         costs = [row_costs(*self._row_cost_inputs(r), self.tile_tokens) for r in rows]
-        placed = assign_step(costs, [[_rows(mb) for mb in mbs] for mbs in ranks])
-        return [type(rows[me][0]).join_rows([rows[r][k] for r, k in micro]) for micro in placed[me]]
+        shapes = [[[_rows(mb) for mb in ranks[r][s]] for r in range(len(ranks))] for s in range(len(ranks[0]))]
+        placed = assign_window(costs, shapes)
+        return [[type(rows[me][0]).join_rows([rows[r][k] for r, k in micro]) for micro in step[me]] for step in placed]
 
     def balance_exchange(self, micro_batches: Sequence[PackedBatch], group: Any, device: torch.device
                          ) -> list[PackedBatch]:
-        """This rank's micro-batches after the DP group's exchange (a collective: every rank of
-        `group` calls it with its own micro-batches of the same step)."""
+        """This rank's micro-batches of one step after the DP group's exchange (a collective)."""
+        return self.balance_window_exchange([micro_batches], group, device)[0]
+
+    def balance_window_exchange(self, steps: Sequence[Sequence[PackedBatch]], group: Any, device: torch.device
+                                ) -> list[list[PackedBatch]]:
+        """This rank's micro-batches, step by step, after the DP group's exchange of a window of
+        steps (a collective: every rank of `group` calls it with its own micro-batches of the same
+        steps, `steps[s]` those drawn for step s)."""
         world, me = dist.get_world_size(group), dist.get_rank(group)
-        rows = [row for mb in micro_batches for row in mb.split_rows()]
-        micro = [_rows(mb) for mb in micro_batches]
+        rows = [row for mbs in steps for mb in mbs for row in mb.split_rows()]
+        shape = [len(steps)] + [v for mbs in steps for v in (len(mbs), *(_rows(mb) for mb in mbs))]
         tokens, tiles = self._row_cost_inputs(rows)
-        gathered = _all_gather_ints([len(micro), *micro, *tokens, *tiles], group, device)
-        all_micro, costs = [], []
+        gathered = _all_gather_ints([len(shape), *shape, *tokens, *tiles], group, device)
+        all_shapes, costs = [], []
         for g in gathered:
-            m = g[0]
-            sizes = g[1:1 + m]
-            n = sum(sizes)
-            all_micro.append(sizes)
-            costs.append(row_costs(g[1 + m:1 + m + n], g[1 + m + n:1 + m + 2 * n], self.tile_tokens))
-        placed = assign_step(costs, all_micro)
+            head, n = g[1:1 + g[0]], (len(g) - 1 - g[0]) // 2
+            all_shapes.append(_step_shapes(head))
+            costs.append(row_costs(g[1 + g[0]:1 + g[0] + n], g[1 + g[0] + n:], self.tile_tokens))
+        placed = assign_window(costs, [[all_shapes[r][s] for r in range(world)] for s in range(len(steps))])
+        mine = [ref for step in placed for micro in step[me] for ref in micro]
         # what leaves this rank and what arrives, in one order every rank agrees on
-        sends = sorted((d, k) for d in range(world) for mb in placed[d] for r, k in mb if r == me and d != me)
-        recvs = sorted((r, k) for mb in placed[me] for r, k in mb if r != me)
+        sends = sorted((d, k) for step in placed for d in range(world) for mb in step[d] for r, k in mb
+                       if r == me and d != me)
+        recvs = sorted((r, k) for r, k in mine if r != me)
         payload = {k: rows[k].to_bytes() for _, k in sends}
         sizes = _all_gather_ints([len(rows), *[len(payload.get(k, b"")) for k in range(len(rows))]], group, device)
         received = _exchange(sends, recvs, payload, [s[1:] for s in sizes], group, device)
         batch_type = type(rows[0]) if rows else PackedBatch
         got = {ref: batch_type.from_bytes(data) for ref, data in received.items()}
-        return [batch_type.join_rows([rows[k] if r == me else got[(r, k)] for r, k in mb]) for mb in placed[me]]
+        return [[batch_type.join_rows([rows[k] if r == me else got[(r, k)] for r, k in mb]) for mb in step[me]]
+                for step in placed]
+
+
+def _step_shapes(head: Sequence[int]) -> list[list[int]]:
+    """`[steps, m_0, rows..., m_1, rows..., ...]` back into each step's micro-batch row counts."""
+    out, i = [], 1
+    for _ in range(head[0]):
+        m = head[i]
+        out.append(list(head[i + 1:i + 1 + m]))
+        i += 1 + m
+    return out
 
 
 def _rows(batch: PackedBatch) -> int:

@@ -14,11 +14,18 @@ Two ways to split the stream over DP ranks (`data.sharding`):
 `data.balance: true` with online packing spreads each step's rows over the DP ranks and each
 rank's micro-batches by cost, tokens plus vision tiles (runtime/row_exchange.py; replicated data
 needs no exchange). A balanced packing plan is placed by its loader already.
+
+`data.balance_window` steps are drawn and placed together (`balance.assign_window`): rows move
+between the window's steps as well as between ranks. A checkpoint inside a window saves the
+loader's state from before the window and how many of its steps were trained; the resumed run
+draws the same window again, places it the same and carries on after those steps (exact resume,
+with no rows in the checkpoint).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -28,9 +35,13 @@ from mmtrain.runtime.distributed import ParallelContext
 
 if TYPE_CHECKING:
     from mmtrain.config.schema import Recipe
+    from mmtrain.runtime.row_exchange import RowBalancer
     from mmtrain.spec import FamilySpec
 
 log = logging.getLogger(__name__)
+
+#: the key of a loader state file written inside a balancing window
+WINDOW_STATE_KEY = "mmtrain.balance_window"
 
 
 @dataclass
@@ -69,12 +80,26 @@ class TrainData:
             recipe, dp_rank=self.loader_dp_rank, dp_size=self.loader_dp_size
         )
         self._iter: Iterator[PackedBatch] | None = None
-        self.balancer = None
+        self._spec, self._recipe = spec, recipe
+        self.balancer: RowBalancer | None = None
+        self.window = 1  # steps drawn and placed together
         if recipe.data.balance and recipe.data.packing != "plan":
-            from mmtrain.planning.cost_model import tile_token_cost
-            from mmtrain.runtime.row_exchange import RowBalancer
+            from mmdata.energon_loaders.balance import auto_window
 
-            self.balancer = RowBalancer(tile_token_cost(spec.model_shapes(recipe.model)), spec.encoder_inputs)
+            self.balancer = self._make_balancer()
+            w = recipe.data.balance_window
+            self.window = auto_window(recipe.train.global_batch_size // ctx.dp) if w == "auto" else int(w)
+        self._placed: list[list[PackedBatch]] = []  # this rank's steps of the window not handed out yet
+        self._window_steps = 0  # steps of the window being handed out
+        self._window_start: str | None = None  # the loader's state before it (None: a fresh loader)
+        self._restored: str | None = None  # the loader state restored into the fresh loader
+        self._resume: tuple[int, int] | None = None  # (steps, trained) of a restored window
+
+    def _make_balancer(self) -> RowBalancer:
+        from mmtrain.planning.cost_model import tile_token_cost
+        from mmtrain.runtime.row_exchange import RowBalancer
+
+        return RowBalancer(tile_token_cost(self._spec.model_shapes(self._recipe.model)), self._spec.encoder_inputs)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -85,13 +110,28 @@ class TrainData:
         return f"loader_dp{self.loader_dp_rank:05d}_of{self.loader_dp_size:05d}.json"
 
     def save_state(self) -> str:
-        """The loader's `save_state_rank()` as JSON text (no pickles in checkpoints)."""
+        """The loader's `save_state_rank()` as JSON text (no pickles in checkpoints); inside a
+        balancing window, the state from before the window and how many of its steps trained."""
+        if self._placed:
+            trained = self._window_steps - len(self._placed)
+            return json.dumps({WINDOW_STATE_KEY: {"steps": self._window_steps, "trained": trained},
+                               "loader": self._window_start})
         return self.loader.save_state_json()
 
     def restore_state(self, text: str) -> None:
+        """Restore `save_state`'s text. A window cut by the checkpoint is finished as it was begun:
+        the same steps drawn and placed again (by balancing, even if the recipe turned it off since),
+        those already trained skipped."""
         if self._iter is not None:
             raise RuntimeError("loader state must be restored before the first batch is drawn")
-        self.loader.restore_state_json(text)
+        doc = json.loads(text)
+        if isinstance(doc, dict) and WINDOW_STATE_KEY in doc:
+            window = doc[WINDOW_STATE_KEY]
+            self._resume = (int(window["steps"]), int(window["trained"]))
+            text = doc["loader"]
+        if text is not None:
+            self.loader.restore_state_json(text)
+        self._restored = text
 
     # -- batches ---------------------------------------------------------------------------
     def _next_micro_batch(self) -> PackedBatch:
@@ -112,24 +152,9 @@ class TrainData:
         gc.collect()
 
     def next_step(self) -> StepData:
-        m = self.micro_per_rank
-        if self.sharding == "replicated":
-            drawn = [self._next_micro_batch() for _ in range(m * self.ctx.dp)]
-            if self.balancer is not None:
-                mine = self.balancer.balance_local([drawn[r * m:(r + 1) * m] for r in range(self.ctx.dp)],
-                                                   self.ctx.dp_rank)
-            else:
-                mine = drawn[self.ctx.dp_rank * m:(self.ctx.dp_rank + 1) * m]
-        else:
-            mine = [self._next_micro_batch() for _ in range(m)]
-            if self.balancer is not None and self.ctx.dp == 1:
-                mine = self.balancer.balance_local([mine], 0)
-            elif self.balancer is not None:
-                from megatron.core import parallel_state
-
-                mine = self.balancer.balance_exchange(mine, parallel_state.get_data_parallel_group(), self.ctx.device)
-        if self.balancer is not None and self.ctx.device.type == "cuda":  # joined rows: pinned again for `to()`
-            mine = [b.pin_memory() for b in mine]
+        if not self._placed:
+            self._draw_window()
+        mine = self._placed.pop(0)
         data = StepData(micro_batches=mine)
         for batch in mine:
             ids = batch_sample_ids(batch)
@@ -138,3 +163,29 @@ class TrainData:
             data.num_tokens += batch.num_real_tokens
             data.num_loss_tokens += batch.num_loss_tokens
         return data
+
+    def _draw_window(self) -> None:
+        """Draw the next window's steps (one without balancing) and place their rows."""
+        steps, skip, balancer = self.window, 0, self.balancer
+        if self._resume is not None:
+            (steps, skip), self._resume = self._resume, None
+            balancer = balancer or self._make_balancer()
+        if steps > 1:
+            self._window_start = self._restored if self._iter is None else self.loader.save_state_json()
+        m, dp = self.micro_per_rank, self.ctx.dp
+        if self.sharding == "replicated":
+            drawn = [[self._next_micro_batch() for _ in range(m * dp)] for _ in range(steps)]
+            ranks = [[step[r * m:(r + 1) * m] for step in drawn] for r in range(dp)]
+            placed = ranks[self.ctx.dp_rank] if balancer is None else balancer.balance_window_local(ranks, self.ctx.dp_rank)
+        else:
+            placed = [[self._next_micro_batch() for _ in range(m)] for _ in range(steps)]
+            if balancer is not None and dp == 1:
+                placed = balancer.balance_window_local([placed], 0)
+            elif balancer is not None:
+                from megatron.core import parallel_state
+
+                placed = balancer.balance_window_exchange(placed, parallel_state.get_data_parallel_group(),
+                                                          self.ctx.device)
+        if balancer is not None and self.ctx.device.type == "cuda":  # joined rows: pinned again for `to()`
+            placed = [[b.pin_memory() for b in step] for step in placed]
+        self._window_steps, self._placed = steps, placed[skip:]

@@ -188,6 +188,10 @@ class Trainer:
         self.schedule = LRSchedule.from_recipe(recipe.optimizer, recipe.train.iters)
         self.state.lr_schedule = self.schedule.state_dict()
         self.data = TrainData(spec, recipe, ctx)
+        if self.data.balancer is not None and ctx.rank == 0:
+            log.info("data.balance: rows placed by cost (tokens + %.0f per tile) over the DP ranks and micro-batches, "
+                     "%s at a time (data.balance_window: %s)", self.data.balancer.tile_tokens,
+                     plural(self.data.window, "step"), recipe.data.balance_window)
         self.checkpoints.track(
             ModelState(self.model, recipe.model),
             OptimizerState(self.optimizer, self.model, optimizer_kind(ctx), optimizer_sharded_metadata(ctx)),

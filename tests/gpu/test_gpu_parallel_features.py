@@ -132,7 +132,8 @@ def test_balance_exchanges_rows_over_nccl(tmp_path, llava_halves_shards, qwen_to
     same samples with the same losses, and the vision work spread (vision_balance 2.0 -> lower)."""
     runs.need_gpus(2)
     overrides = ("train.iters=3", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
-                 f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU)
+                 f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU,
+                 "data.balance_window=1")
     got = _unbalanced_and_balanced(tmp_path, llava_halves_shards, qwen_tok, overrides)
     for step in range(1, STEPS + 1):
         assert got["false"][step]["vision_balance"] == pytest.approx(2.0)  # the images all on one rank
@@ -148,5 +149,27 @@ def test_the_features_together_on_four_gpus(one_gpu, tmp_path, llava_shards, qwe
     run = tmp_path / "run"
     runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
                "parallel.nproc_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
-               "parallel.pp_layers=[0,1,0,1]", "parallel.vision.tp=1", "data.balance=true")
+               "parallel.pp_layers=[0,1,0,1]", "parallel.vision.tp=1", "data.balance=true", "data.balance_window=1")
     _assert_matches(runs.metrics(run), one_gpu)
+
+
+def test_balance_window_exchanges_steps_of_rows_over_nccl(tmp_path, llava_halves_shards, qwen_tok, llava_hf_start):
+    """`data.balance` with its default window at DP=2, one rank drawing only image rows and the
+    other only text-only rows, 2 rows per rank per step (auto: windows of 4 steps): the 4 steps'
+    rows travel over NCCL as one exchange; the 4 steps train the same samples as the unbalanced
+    run's 4 steps, every step's vision work spread over the ranks (2.0 unbalanced: the images all on
+    one rank), and the losses are finite (steps differ from the unbalanced run's: rows moved between them)."""
+    runs.need_gpus(2)
+    overrides = ("train.iters=4", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
+                 f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU)
+    got = {}
+    for balance in ("false", "true"):
+        run = tmp_path / f"balance-{balance}"
+        runs.train("llava-ov", run, llava_halves_shards, qwen_tok, *overrides, f"data.balance={balance}")
+        got[balance] = runs.metrics(run)
+    runs.assert_finite(got["true"], range(1, 5))
+    assert sorted(i for s in range(1, 5) for i, _ in runs.by_sample(got["true"][s])) == sorted(
+        i for s in range(1, 5) for i, _ in runs.by_sample(got["false"][s]))
+    for step in range(1, 5):
+        assert got["false"][step]["vision_balance"] == pytest.approx(2.0)
+        assert got["true"][step]["vision_balance"] < 1.5, step

@@ -10,7 +10,8 @@ line naming each key `old -> new` and the switch that allows it, `checkpoint.res
 
 Not part of the identity: `data.val_paths` (evaluation builds its own loader each time),
 `data.sharding` / the DP size (the loader state is then not restored at all: `LoaderState`) and
-`data.balance` (rows are placed after the loaders drew them).
+`data.balance` and `data.balance_window` (rows are placed after the loaders drew them; a window
+cut by a checkpoint is finished as it began: `TrainData.restore_state`).
 
 `checkpoint.reset_data` resets at most once per change: a checkpoint written by a run with the
 switch on records it (`TrainerState.data_reset`), and a rerun of that run (a crash, a time limit)
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 RESET_SWITCH = "checkpoint.reset_data=true"
 #: data keys the loader state does not depend on (see the module docstring)
-NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance")
+NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window")
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 
