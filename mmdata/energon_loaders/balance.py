@@ -102,9 +102,14 @@ def _check_shapes(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequenc
             raise ValueError(f"rank {r}: {len(c)} rows but micro-batches of {list(m)} rows")
 
 
+def _by_falling_cost(rows: Sequence[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
+    """(cost, source rank, source row) by falling cost, ties by source: one order on every rank."""
+    return sorted(rows, key=lambda x: (-x[0], x[1], x[2]))
+
+
 def _place(rows: list[tuple[float, int, int]], micro_rows: Sequence[Sequence[int]]) -> list[list[list[RowRef]]]:
     """`assign_step` over `rows` as (cost, source rank, source row), rank d taking `sum(micro_rows[d])`."""
-    rows = sorted(rows, key=lambda x: (-x[0], x[1], x[2]))
+    rows = _by_falling_cost(rows)
     room = [sum(m) for m in micro_rows]
     load = [0.0] * len(room)
     version = [0] * len(room)  # a rank's heap entry is current while its version matches
@@ -114,7 +119,7 @@ def _place(rows: list[tuple[float, int, int]], micro_rows: Sequence[Sequence[int
         while heap[0][2] != version[heap[0][1]]:
             heapq.heappop(heap)
         least, d, _ = heap[0]
-        if r < len(room) and room[r] > 0 and load[r] == least:  # the row's own rank is among the least loaded: it stays
+        if room[r] > 0 and load[r] == least:  # the row's own rank is among the least loaded: it stays
             d = r
         taken[d].append((cost, r, k))
         load[d] += cost
@@ -153,6 +158,9 @@ def assign_window(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequenc
     if steps == 0:
         return []
     dp = len(costs)
+    for s, step in enumerate(micro_rows):
+        if len(step) != dp:
+            raise ValueError(f"{dp} ranks of costs but step {s} has micro-batch sizes for {len(step)}")
     per_step = [[sum(m) for m in step] for step in micro_rows]
     starts = np.cumsum([[0] * dp] + per_step, axis=0)  # [s, r]: rank r's first row of step s
     for r in range(dp):
@@ -161,8 +169,7 @@ def assign_window(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequenc
     if steps == 1 or any(step != micro_rows[0] for step in micro_rows):
         return [_place([(float(costs[r][k]), r, k) for r in range(dp) for k in range(starts[s][r], starts[s + 1][r])],
                        micro_rows[s]) for s in range(steps)]
-    rows = sorted(((float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)),
-                  key=lambda x: (-x[0], x[1], x[2]))
+    rows = _by_falling_cost([(float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)])
     size = sum(per_step[0])
     dealt: list[list[tuple[float, int, int]]] = [[] for _ in range(steps)]
     turn = 0
@@ -241,20 +248,23 @@ def simulate(rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, t
     k = shape.rows_per_rank
     steps = min((len(s) for s in rank_rows), default=0) // k
     micro = [[shape.micro_batch_size] * shape.micro_batches] * shape.dp
+    tiles = [[v for _, v in s[:steps * k]] for s in rank_rows]
+    costs = [row_costs([n for n, _ in s[:steps * k]], t, tile_tokens) for s, t in zip(rank_rows, tiles)]
+
+    def cut(first: int, last: int) -> tuple[list, list]:
+        """Every rank's tiles and costs of the steps [first, last)."""
+        return [t[first * k:last * k] for t in tiles], [c[first * k:last * k] for c in costs]
+
     today, balanced, windowed = [], [], []
     for t in range(steps):
-        rows = [s[t * k:(t + 1) * k] for s in rank_rows]
-        tiles = [[v for _, v in r] for r in rows]
-        today.append(step_balance(tiles))
-        costs = [row_costs([n for n, _ in r], [v for _, v in r], tile_tokens) for r in rows]
-        balanced.append(step_balance(tiles, assign_step(costs, micro)))
+        step_tiles, step_costs = cut(t, t + 1)
+        today.append(step_balance(step_tiles))
+        balanced.append(step_balance(step_tiles, assign_step(step_costs, micro)))
     out = {"today": BalanceReport.of(today), "balanced": BalanceReport.of(balanced)}
     if window > 1:
         for t in range(0, steps - window + 1, window):
-            rows = [s[t * k:(t + window) * k] for s in rank_rows]
-            tiles = [[v for _, v in r] for r in rows]
-            costs = [row_costs([n for n, _ in r], [v for _, v in r], tile_tokens) for r in rows]
-            windowed += [step_balance(tiles, step) for step in assign_window(costs, [micro] * window)]
+            window_tiles, window_costs = cut(t, t + window)
+            windowed += [step_balance(window_tiles, step) for step in assign_window(window_costs, [micro] * window)]
         out["windowed"] = BalanceReport.of(windowed)
     return out
 

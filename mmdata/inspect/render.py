@@ -89,7 +89,7 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
         tables.append((f"Vision balance: max/mean vision work per rank per step, mean (worst) over steps; "
                        f"DP{vb['dp']}, micro-batch {vb['micro_batch_size']}, global batch {vb['global_batch_size']} "
                        f"({vb['compared']:,} samples of the length index)",
-                       ["context", "online today", "online balanced", f"online, window of {vb.get('window', 1)} steps",
+                       ["context", "online today", "online balanced", f"online, window of {vb['window']} steps",
                         "plan today", "plan balanced"],
                        [[_fmt(int(k)), _balance(v["online"]["today"]), _balance(v["online"]["balanced"]),
                          _balance(v["online"].get("windowed", v["online"]["balanced"])),
