@@ -126,6 +126,8 @@ def test_assign_window_spreads_rows_over_steps_and_keeps_every_shape():
                                           [[[(0, 2)]], [[(1, 2)]]]]
     with pytest.raises(ValueError, match="rank 1: 2 rows but the window"):
         assign_window([[1.0, 2.0], [1.0, 2.0]], [[[1], [1]], [[1], [2]]])
+    with pytest.raises(ValueError, match="2 ranks of costs but step 1 has micro-batch sizes for 1"):
+        assign_window([[1.0, 2.0], [1.0, 2.0]], [[[1], [1]], [[1]]])
     assert [auto_window(k) for k in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
