@@ -48,7 +48,11 @@ Figures:
   shard byte, so a slow disk shows there) and the scan phase's own rate per core against the
   floor; and a CPU account that a loaded machine leaves standing: the CPU time of every process
   of ours' job (psutil, polled; mmdata/preprocess/scaling.py) fitted through N and 4N, per
-  record, against the floor's CPU time per record; and an in-process stage account: scan, sort
+  record, against the floor's CPU time per record, also split by process (Ray's workers, where
+  the tasks run; the driver; Ray's own processes, which cost per second and per node, so a node
+  with many cores approaches the floor over the workers' CPU alone), and the Ray tasks' own CPU
+  per phase (the manifests' `run.task_cpu_s`) at the margin; and an in-process stage
+  account: scan, sort
   and write run in this process (no Ray) on the first two parts of the margin, in CPU time per
   record, the scan against the decode checks of the same images.
 
@@ -79,7 +83,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmdata.preprocess.scaling import NestedInputs, run_job, run_python, write_nested_inputs
+from mmdata.preprocess.scaling import PROCESS_KINDS, NestedInputs, run_job, run_python, write_nested_inputs
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 PART_RECORDS = 1000  # records per generated part (tars of 250, one per subset); N is a multiple of it
@@ -393,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         m = json.loads((root / "ours" / "manifest.json").read_text())
         shutil.rmtree(root / "ours")
         assert m["counts"]["read"] == size, m["counts"]
-        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "cpu": v["CPU_S"], "m": m}
+        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "cpu": v["CPU_S"], "m": m,
+                **{f"cpu_{k}": v[f"CPU_{k.upper()}_S"] for k in PROCESS_KINDS}}
 
     sides = {"base": ("ShardWriter", base), "rd": ("Ray Data", ray_data), "ours": ("ours", ours)}
     rows: list[dict] = []
@@ -504,6 +509,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all); of the rest, about {idle_us:,.0f} "
           f"is Ray's processes idling ({fixed['idle_cpu'] * 100:.1f}% of a core while Ray waits, paid per second: "
           f"{1e6 / fits['ours'][0]:,.0f} us of ours' marginal wall time per record here)")
+    by_kind = {k: 1e6 / _fit(n, small["ours"][f"cpu_{k}"], 4 * n, large["ours"][f"cpu_{k}"])[0] for k in PROCESS_KINDS}
+    print(f"ours' marginal CPU-us per record by process: Ray's workers (the tasks) {by_kind['workers']:,.0f}, the "
+          f"driver {by_kind['driver']:,.0f}, Ray's own processes {by_kind['ray']:,.0f}; the floor over the workers' alone: "
+          f"{floor_cpu_us / by_kind['workers']:.3f} (what a node with many cores approaches: the driver and Ray's "
+          "processes cost per second, spread over all of its cores)")
+    task_cpu = {k: (large["ours"]["m"]["run"]["task_cpu_s"][k] - small["ours"]["m"]["run"]["task_cpu_s"][k]) / (3 * n) * 1e6
+                for k in large["ours"]["m"]["run"]["task_cpu_s"]}
+    tasks_us = sum(task_cpu.values())
+    print("Ray tasks' own CPU at the margin (the manifests' run.task_cpu_s through N and 4N), CPU-us per record: "
+          + ", ".join(f"{k[:-2]} {v:,.0f}" for k, v in task_cpu.items()) + f" = {tasks_us:,.0f}; the floor over "
+          f"the tasks' CPU: {floor_cpu_us / tasks_us if tasks_us > 0 else float('nan'):.3f} (the decode checks' share of the work itself: Ray's start, "
+          "its processes and the driver apart, and steadier than the whole job's account, whose fixed costs vary)")
     print(f"in-process stage account ({st['records']:,} records of the margin, CPU-us per record, no Ray): scan "
           f"{st['scan']:,.0f} = decode checks {st['floor']:,.0f} + the rest {st['scan'] - st['floor']:,.0f}; sort "
           f"{st['sort']:,.0f}; write {st['write']:,.0f} (of which the shard's sha256 about "

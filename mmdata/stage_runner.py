@@ -43,6 +43,7 @@ from mmdata.ray_job import (INTERRUPTED, check_output_dir, discard, init_ray, re
                              shutdown_ray)
 
 NODE_KEY = "_ray_node"  # in a task's result: the node that ran it (counted in `run.task_nodes`)
+CPU_KEY = "_task_cpu_s"  # ... and the CPU seconds its worker process spent on it (`run.task_cpu_s`)
 #: what a killed run leaves in the output folder: temporary shards, tar indexes, energon metadata
 STALE_OUTPUT_GLOBS = (".shard-*.tar.tmp-*", "shard-*.tar.idx.tmp", f"{sf.ENERGON_META}.tmp-*")
 
@@ -207,6 +208,7 @@ class JobRun:
         self.resumed: dict[str, int] = {}  # units found done, per stage key
         self.task_nodes: Counter[str] = Counter()  # Ray tasks run per node id
         self._phases: dict[str, float] = {}
+        self._task_cpu: dict[str, float] = {}  # Ray tasks' CPU seconds, per phase
 
     # ------------------------------------------------------------------ for the job's stages
 
@@ -232,6 +234,13 @@ class JobRun:
         start = {} if self.ray.init_s is None else {"ray_init_s": self.ray.init_s}
         return {**start, **{k: round(v, 3) for k, v in self._phases.items()}}
 
+    @property
+    def task_cpu_s(self) -> dict[str, float]:
+        """CPU seconds per phase that this run's Ray tasks spent, each measured in its worker
+        process while it ran: what the work cost on any cluster, without Ray's start, its idle
+        processes and the driver (docs/preprocess.md, "Throughput")."""
+        return {k: round(v, 3) for k, v in self._task_cpu.items()}
+
     # ------------------------------------------------------------------ the stage loop
 
     def run(self, stage: Stage) -> None:
@@ -256,9 +265,11 @@ class JobRun:
 
         def done(unit: Any, result: dict) -> None:
             nonlocal kept
-            node = result.pop(NODE_KEY, None)
+            node, cpu = result.pop(NODE_KEY, None), result.pop(CPU_KEY, None)
             if node is not None:
                 self.task_nodes[node] += 1
+            if cpu is not None:
+                self._task_cpu[stage.phase] = self._task_cpu.get(stage.phase, 0.0) + cpu
             kept += bool(result.get("resumed"))
             stage.on_result(unit, result)
             prog.advance(name, **records())
@@ -280,7 +291,9 @@ def _reporting_node(task: Callable[..., dict]) -> Callable[..., dict]:
     def run(*args, **kwargs) -> dict:
         import ray
 
-        return {**task(*args, **kwargs), NODE_KEY: ray.get_runtime_context().get_node_id()}
+        c0 = time.process_time()  # the worker process's: threads a task starts count too
+        result = task(*args, **kwargs)
+        return {**result, NODE_KEY: ray.get_runtime_context().get_node_id(), CPU_KEY: time.process_time() - c0}
 
     return run
 

@@ -127,6 +127,10 @@ def test_manifest_describes_shards(run_a, broken_raw):
         data = (out / s["name"]).read_bytes()
         assert s["bytes"] == len(data) and s["sha256"] == hashlib.sha256(data).hexdigest()
     assert m["wall_time_s"] > 0
+    # the Ray tasks' own CPU per phase, measured in their workers; the scan (it decodes every image) the most
+    cpu = m["run"]["task_cpu_s"]
+    assert set(cpu) == {"scan_s", "sort_s", "write_s"} and min(cpu.values()) > 0, cpu
+    assert cpu["scan_s"] > cpu["sort_s"], cpu
 
 
 def test_shard_format(run_a, broken_raw):

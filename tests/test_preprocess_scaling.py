@@ -28,6 +28,9 @@ def test_driver_rss_flat_from_n_to_4n(tmp_path):
                              "--samples-per-shard", "500", "--num-cpus", "2", "--no-progress", "--dedup", "phash"])
         assert json.loads((out / "manifest.json").read_text())["counts"]["read"] == n
         rss[n] = values["PEAK_RSS_KB"]
+        # the benchmark's CPU split finds the job's Ray workers (it fails if Ray renames its worker script)
+        assert values["CPU_WORKERS_S"] > 0 and values["CPU_DRIVER_S"] > 0, values
+        assert sum(values[f"CPU_{k}_S"] for k in ("DRIVER", "WORKERS", "RAY")) == pytest.approx(values["CPU_S"])
     growth = rss[4 * N] / rss[N] - 1
     assert abs(growth) <= 0.2, f"driver peak RSS {rss[N] / 1024:.0f} MB at {N} -> {rss[4 * N] / 1024:.0f} MB at {4 * N}"
 
@@ -123,3 +126,6 @@ def test_measured_process_counts_its_descendants_cpu():
                                      "print('ANSWER=42')"])
     assert values["ANSWER"] == 42 and wall > 0
     assert values["CPU_S"] >= 0.6, values
+    # split by who spent it: the grandchild (nearly all of it) is no Ray worker, so it counts under "ray"
+    assert values["CPU_RAY_S"] >= 0.5 and values["CPU_WORKERS_S"] == 0, values
+    assert values["CPU_DRIVER_S"] + values["CPU_RAY_S"] == pytest.approx(values["CPU_S"]), values

@@ -428,7 +428,8 @@ class PreprocessJob(ResumableJob):
                         "split": {"train": len(self.shards)}},
             "wall_time_s": run.wall_time_s(),
             "run": {"output": str(run.out), "num_buckets": self.num_buckets, "resumed": run.resumed,
-                    "phases": run.phases, "task_nodes": dict(sorted(run.task_nodes.items())),
+                    "phases": run.phases, "task_cpu_s": run.task_cpu_s,
+                    "task_nodes": dict(sorted(run.task_nodes.items())),
                     "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
                     "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
         }

@@ -111,22 +111,25 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     numeric values) plus `CPU_S`, and its wall time in seconds. RuntimeError with its output if it
     fails. `CPU_S` is the CPU time of the process and all its descendants (a Ray job's workers,
     raylet, GCS, agents), read every POLL_S seconds: a descendant that ends between two reads
-    loses at most that much."""
+    loses at most that much. It is also split by who spent it (`process_kind`): `CPU_DRIVER_S`,
+    `CPU_WORKERS_S` and `CPU_RAY_S`."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ray_env())
-    root, cpu = psutil.Process(proc.pid), {}
+    root, cpu, kinds = psutil.Process(proc.pid), {}, {}
     while True:
         try:
             out, err = proc.communicate(timeout=POLL_S)
             break
         except subprocess.TimeoutExpired:
-            _read_cpu(root, cpu)
+            _read_cpu(root, cpu, kinds)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a.strip().splitlines()[0] + " ..." for a in args)
         raise RuntimeError(f"python {shown} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}")
     values = {"CPU_S": sum(cpu.values())}
+    for kind in PROCESS_KINDS:
+        values[f"CPU_{kind.upper()}_S"] = sum(c for pid, c in cpu.items() if kinds[pid] == kind)
     for line in out.splitlines():
         key, eq, value = line.partition("=")
         if eq and key.isupper():
@@ -134,8 +137,28 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     return values, wall
 
 
-def _read_cpu(root: psutil.Process, cpu: dict[int, float]) -> None:
-    """Record the CPU seconds so far of `root` and its descendants in `cpu`."""
+PROCESS_KINDS = ("driver", "workers", "ray")
+
+
+def process_kind(p: psutil.Process, root: psutil.Process) -> str:
+    """Who a measured process is: "driver" (the measured process itself), "workers" (a Ray worker,
+    where the job's tasks run: its command line runs Ray's `default_worker.py`) or "ray" (Ray's
+    own processes: raylet, GCS, dashboard, autoscaler monitor; any other descendant too). The
+    split matters at cluster scale: the workers' CPU grows with the records, Ray's own processes
+    cost per second and per node, so their share per record shrinks as cores are added.
+    tests/test_preprocess_scaling.py fails if a real job's workers are not found this way."""
+    if p.pid == root.pid:
+        return "driver"
+    try:
+        return "workers" if any(a.endswith("default_worker.py") for a in p.cmdline()) else "ray"
+    except psutil.Error:
+        return "ray"
+
+
+def _read_cpu(root: psutil.Process, cpu: dict[int, float], kinds: dict[int, str]) -> None:
+    """Record the CPU seconds so far of `root` and its descendants in `cpu`, and the kind of each
+    in `kinds` (looked at again while it is "ray": a worker caught between fork and exec still
+    shows its parent's command line)."""
     try:
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:  # (it just ended)
@@ -143,6 +166,8 @@ def _read_cpu(root: psutil.Process, cpu: dict[int, float]) -> None:
     for p in procs:
         try:
             times = p.cpu_times()
+            if kinds.get(p.pid, "ray") == "ray":
+                kinds[p.pid] = process_kind(p, root)
             cpu[p.pid] = times.user + times.system
         except psutil.Error:
             pass
