@@ -51,10 +51,9 @@ Figures:
   record, against the floor's CPU time per record, also split by process (Ray's workers, where
   the tasks run; the driver; Ray's own processes, which cost per second and per node, so a node
   with many cores approaches the floor over the workers' CPU alone), and the Ray tasks' own CPU
-  per phase (the manifests' `run.task_cpu_s`) at the margin; and an in-process stage
-  account: scan, sort
-  and write run in this process (no Ray) on the first two parts of the margin, in CPU time per
-  record, the scan against the decode checks of the same images.
+  per phase (the manifests' `run.task_cpu_s`) at the margin; and an in-process stage account:
+  scan, sort and write run in this process (no Ray) on the first two parts of the margin, in CPU
+  time per record, the scan against the decode checks of the same images.
 
 Each measurement is the median of `--repeats` runs, taken in rounds that run every side once in
 turn (Ray Data first, then ShardWriter and ours in alternating order, then the variants), so a
@@ -517,10 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     task_cpu = {k: (large["ours"]["m"]["run"]["task_cpu_s"][k] - small["ours"]["m"]["run"]["task_cpu_s"][k]) / (3 * n) * 1e6
                 for k in large["ours"]["m"]["run"]["task_cpu_s"]}
     tasks_us = sum(task_cpu.values())
+    tasks_ratio = floor_cpu_us / tasks_us if tasks_us > 0 else float("nan")
     print("Ray tasks' own CPU at the margin (the manifests' run.task_cpu_s through N and 4N), CPU-us per record: "
           + ", ".join(f"{k[:-2]} {v:,.0f}" for k, v in task_cpu.items()) + f" = {tasks_us:,.0f}; the floor over "
-          f"the tasks' CPU: {floor_cpu_us / tasks_us if tasks_us > 0 else float('nan'):.3f} (the decode checks' share of the work itself: Ray's start, "
-          "its processes and the driver apart, and steadier than the whole job's account, whose fixed costs vary)")
+          f"the tasks' CPU: {tasks_ratio:.3f} (the decode checks' share of the work itself: Ray's start, its "
+          "processes and the driver apart, and steadier than the whole job's account, whose fixed costs vary)")
     print(f"in-process stage account ({st['records']:,} records of the margin, CPU-us per record, no Ray): scan "
           f"{st['scan']:,.0f} = decode checks {st['floor']:,.0f} + the rest {st['scan'] - st['floor']:,.0f}; sort "
           f"{st['sort']:,.0f}; write {st['write']:,.0f} (of which the shard's sha256 about "
