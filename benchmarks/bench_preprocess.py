@@ -513,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
           f"driver {by_kind['driver']:,.0f}, Ray's own processes {by_kind['ray']:,.0f}; the floor over the workers' alone: "
           f"{floor_cpu_us / by_kind['workers']:.3f} (what a node with many cores approaches: the driver and Ray's "
           "processes cost per second, spread over all of its cores)")
-    task_cpu = {k: (large["ours"]["m"]["run"]["task_cpu_s"][k] - small["ours"]["m"]["run"]["task_cpu_s"][k]) / (3 * n) * 1e6
-                for k in large["ours"]["m"]["run"]["task_cpu_s"]}
+    cpu_n, cpu_4n = (r["ours"]["m"]["run"]["task_cpu_s"] for r in (small, large))
+    task_cpu = {k: (cpu_4n[k] - cpu_n[k]) / (3 * n) * 1e6 for k in cpu_4n}
     tasks_us = sum(task_cpu.values())
     tasks_ratio = floor_cpu_us / tasks_us if tasks_us > 0 else float("nan")
     print("Ray tasks' own CPU at the margin (the manifests' run.task_cpu_s through N and 4N), CPU-us per record: "

@@ -213,12 +213,13 @@ class JobRun:
     # ------------------------------------------------------------------ for the job's stages
 
     def remote(self, fn: Callable[..., dict]):
-        """`fn` as a Ray task of one CPU whose result also says which node ran it. SPREAD: tasks
-        go round the nodes (each reads and writes the shared file system) rather than filling the
-        driver's node first; on one node it changes nothing."""
+        """`fn` as a Ray task of one CPU whose result also says which node ran it and the CPU its
+        worker spent on it (`run.task_nodes`, `run.task_cpu_s`). SPREAD: tasks go round the nodes
+        (each reads and writes the shared file system) rather than filling the driver's node
+        first; on one node it changes nothing."""
         import ray
 
-        return ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_reporting_node(fn))
+        return ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_reporting(fn))
 
     def refuse(self, message: str) -> NoReturn:
         """Stop with a user error, leaving nothing behind (a job that has nothing to write)."""
@@ -238,7 +239,7 @@ class JobRun:
     def task_cpu_s(self) -> dict[str, float]:
         """CPU seconds per phase that this run's Ray tasks spent, each measured in its worker
         process while it ran: what the work cost on any cluster, without Ray's start, its idle
-        processes and the driver (docs/preprocess.md, "Throughput")."""
+        processes and the driver (docs/preprocess.md, "Benchmark")."""
         return {k: round(v, 3) for k, v in self._task_cpu.items()}
 
     # ------------------------------------------------------------------ the stage loop
@@ -286,7 +287,7 @@ class JobRun:
         self._phases["finish_s"] = seconds
 
 
-def _reporting_node(task: Callable[..., dict]) -> Callable[..., dict]:
+def _reporting(task: Callable[..., dict]) -> Callable[..., dict]:
     @functools.wraps(task)
     def run(*args, **kwargs) -> dict:
         import ray
