@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from mmtrain.config.errors import RecipeErrors
     from mmtrain.config.schema import Recipe
-    from mmtrain.planning.cost_model import ModelShapes
+    from mmtrain.models.shapes import ModelShapes
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmtrain.planning.cost_model import Connector, DecoderShape, EncoderShape, ModelShapes
+from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelShapes
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +38,7 @@ PER_TOKEN = 2 * 2 * 36992 + 2 * 64 * 1000  # = 275968
 
 
 def test_hand_numbers_of_the_tiny_shape():
-    from mmtrain.planning.cost_model import decoder_layer_params, encoder_layer_params
+    from mmtrain.models.shapes import decoder_layer_params, encoder_layer_params
 
     assert decoder_layer_params(DEC) == 36992 and PER_TOKEN == 275968
     assert encoder_layer_params(ENC) == 8544 and ENC.patches == 4
@@ -47,7 +47,7 @@ def test_hand_numbers_of_the_tiny_shape():
 def test_one_4096_sample_vs_four_1024_samples_in_a_row():
     """THD attention runs per packed sample: four 1024-token samples cost a quarter of the
     attention of one 4096-token sample (sum len^2 = 4 x 1024^2 vs 4096^2); the matmuls are the same."""
-    from mmtrain.planning.cost_model import step_flops
+    from mmtrain.models.flops import step_flops
 
     one = step_flops(TEXT, [[0, 4096]], 0, ["llm"])
     four = step_flops(TEXT, [[0, 1024, 2048, 3072, 4096]], 0, ["llm"])
@@ -62,7 +62,7 @@ def test_one_4096_sample_vs_four_1024_samples_in_a_row():
 
 def test_the_old_whole_row_formula_is_the_one_sample_case():
     """`training_flops_per_token` (planning) is the one-sample-per-row, all-trained case."""
-    from mmtrain.planning.cost_model import step_flops, training_flops_per_token
+    from mmtrain.models.flops import step_flops, training_flops_per_token
 
     assert training_flops_per_token(TEXT, 4096) * 4096 == pytest.approx(step_flops(TEXT, [[0, 4096]], 0, ["llm"]).total)
 
@@ -70,7 +70,7 @@ def test_the_old_whole_row_formula_is_the_one_sample_case():
 def test_cp_padding_counted_as_executed():
     """Under CP every segment is padded to 2*cp*tp (here 8): a 1000-token sample stays 1000, a
     30-token padding run becomes 32; both run through the matmuls and attention."""
-    from mmtrain.planning.cost_model import executed_lengths, step_flops
+    from mmtrain.models.flops import executed_lengths, step_flops
 
     assert executed_lengths(torch.tensor([0, 1000, 1030], dtype=torch.int32), pad_to=8) == [1000, 32]
     f = step_flops(TEXT, [[0, 1000, 1030]], 0, ["llm"], pad_to=8)
@@ -81,7 +81,7 @@ def test_cp_padding_counted_as_executed():
 def test_frozen_llm_at_stage_1_counts_2x_and_the_frozen_tower_1x():
     """LLaVA-OV stage 1: tower and LLM frozen, projector trained. One row of two 1024-token
     samples, three tiles (12 patches)."""
-    from mmtrain.planning.cost_model import part_passes, step_flops
+    from mmtrain.models.flops import part_passes, step_flops
 
     p = part_passes(VLM, ["projector"])
     assert (p["vision_tower"].weights, p["vision_tower"].core, p["vision_tower"].inputs) == (1, 1, 1)
@@ -103,7 +103,7 @@ def test_frozen_llm_at_stage_1_counts_2x_and_the_frozen_tower_1x():
 
 
 def test_vision_tower_counted_when_everything_trains():
-    from mmtrain.planning.cost_model import step_flops
+    from mmtrain.models.flops import step_flops
 
     f = step_flops(VLM, [[0, 1024, 2048]], 3, ["vision_tower", "projector", "llm"])
     # tower trains, nothing before it: layers and attention 3x, the patch conv 2x (no pixel grads)
@@ -167,7 +167,8 @@ def test_logged_mfu_uses_the_step_flops():
 def test_planning_estimate_follows_the_freeze_set():
     """dry_run / auto_tune count a frozen LLM under a trained projector at 2x (matmuls) and the
     frozen tower at 1x, the same rule as the train loop."""
-    from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time, step_flops
+    from mmtrain.models.flops import step_flops
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time
 
     layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, seq_length=2048, recompute="none",
                     sequence_parallel=False, distributed_optimizer=False, precision="bf16")

@@ -207,7 +207,8 @@ def test_recipe_takes_the_vision_layout_where_it_fits_and_emu3_has_none():
 @pytest.mark.unit
 def test_cost_model_dry_run_and_search_space_know_the_vision_layout(tmp_path):
     from mmtrain.llava_ov.spec import LLAVA_OV
-    from mmtrain.planning.cost_model import Hardware, Layout, encoder_params, estimate_memory, estimate_step_time
+    from mmtrain.models.shapes import encoder_params
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
     from mmtrain.planning.dry_run import build_report
     from mmtrain.planning.search_space import SpaceContext, candidate_layouts, tp_valid
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mmtrain.config.errors import RecipeErrors, suggest
 from mmtrain.config.schema import Recipe
 from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem, split_layers
-from mmtrain.planning.cost_model import sequence_split_multiple
+from mmtrain.models.sequence_split import sequence_split_multiple
 
 if TYPE_CHECKING:
     from mmtrain.spec import FamilySpec

@@ -15,23 +15,21 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from mmdata.units import plural
+from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
+from mmtrain.models.shapes import ModelShapes, ParamCounts, param_counts
 from mmtrain.planning.calibration import Calibration
 from mmtrain.planning.cost_model import (
     GB,
     Hardware,
     Layout,
     MemoryEstimate,
-    ModelShapes,
-    ParamCounts,
     StepTime,
     estimate_memory,
     estimate_stage_memory,
     estimate_step_time,
     fmt_count,
     fmt_gb,
-    param_counts,
 )
-from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
 from mmtrain.spec import FamilySpec
 
 

@@ -21,7 +21,9 @@ from typing import Any, Callable
 
 from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
 from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem
-from mmtrain.planning.cost_model import Layout, ModelShapes, sequence_split_multiple
+from mmtrain.models.sequence_split import sequence_split_multiple
+from mmtrain.models.shapes import ModelShapes
+from mmtrain.planning.cost_model import Layout
 
 MAX_AUTO_MICRO_BATCH = 64
 MAX_AUTO_VPP = 4  # auto: 1, 2, 4 virtual stages where the layers split (megatron-LM runs use a few)
