@@ -150,10 +150,14 @@ class MemoryEstimate:
     encoder_activations: float
     params_on_rank: int
     decoder_layers: int = 0  # decoder layers this stage holds (over its virtual stages)
+    #: the fp32 buffer megatron flattens a replicated encoder's gradients into for their TP average
+    #: (`tp_grad_average_bytes`): it lives after the backward, when the activations are freed
+    grad_average_buffer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.encoder_activations
+        transient = max(self.activations + self.logits + self.encoder_activations, self.grad_average_buffer)
+        return self.weights + self.grads + self.optimizer + transient
 
 
 def _act_bytes(precision: str) -> int:
@@ -266,8 +270,19 @@ def estimate_stage_memory(shapes: ModelShapes, freeze: list[str], layout: Layout
             enc = (v.layers * elayer * flights[0]) if trains_encoder else elayer
             if L.vision_tp is not None:  # + every share's output, gathered (kept for the projector)
                 enc += batch_media * v.hidden * ab * (flights[0] if trains_encoder else 1)
-        out.append(MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params), n_layers))
+        buffer = tp_grad_average_bytes(L, counts.trainable.get(shapes.encoder_part, 0)) if first and v is not None else 0.0
+        out.append(MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params), n_layers, buffer))
     return out
+
+
+def tp_grad_average_bytes(L: Layout, encoder_trainable: int) -> float:
+    """The fp32 gradients a whole (`vision_tp` 1) trained encoder averages over TP after the step's
+    DP reduce: megatron's `finalize_model_grads` tags them `average_gradients_across_tp_domain`,
+    flattens every one of them into one new buffer (`_flatten_dense_tensors`), all-reduces it
+    (AVG, off the overlap) and copies it back (review N9). 0 when nothing is averaged."""
+    if L.vision_tp != 1 or L.tp <= 1 or encoder_trainable <= 0:
+        return 0.0
+    return encoder_trainable * 4.0
 
 
 def lm_loss_bytes(d: DecoderShape, L: Layout, tokens: int) -> float:
@@ -294,6 +309,9 @@ class Hardware:
     matmul_efficiency: float  # achievable share of peak for large bf16 GEMMs
     tp_bandwidth_gbps: float
     dp_bandwidth_gbps: float
+    #: device memory bandwidth (GB/s) for the copies the step makes besides compute: an H100
+    #: SXM's HBM3 (3.35 TB/s) unless told; used for the TP gradient average's flatten and copy-back
+    memory_bandwidth_gbps: float = 3350.0
 
     @classmethod
     def from_auto_tune(cls, at: Any) -> "Hardware":
@@ -381,7 +399,9 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
     frozen). Inherited with TP: 2 all-reduces per layer forward (+2 backward when it trains) on its
     share's activations. Its own layout: the all-gather of every share's output, its gradient's
     all-reduce over CP, the TP all-reduces of a sharded encoder on its share; with `vision_tp` 1
-    the average of its weight gradients over TP, once per step."""
+    the average of its weight gradients over TP, once per step: the all-reduce, plus megatron's
+    flatten into one fp32 buffer and copy back (each a read and a write of every gradient:
+    `tp_grad_average_bytes`, review N9)."""
     v = shapes.encoder
     if v is None:
         return 0.0
@@ -398,8 +418,10 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
         if trains and L.cp > 1:
             t += 2 * (L.cp - 1) / L.cp * out_bytes * L.vision_tp / L.tp / bw
     t *= L.grad_accum
-    if trains and L.vision_tp == 1 and L.tp > 1:
-        t += 2 * (L.tp - 1) / L.tp * trainable_params * 4 / bw
+    grads = tp_grad_average_bytes(L, trainable_params)
+    if grads > 0:
+        t += 2 * (L.tp - 1) / L.tp * grads / bw  # the all-reduce
+        t += 2 * 2 * grads / (hw.memory_bandwidth_gbps * 1e9)  # flatten + copy back: read and write each
     return t
 
 
