@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -73,8 +74,6 @@ def trial_recipe(recipe: Recipe, run_dir: Path) -> Recipe:
 
 def run_trial(recipe: Recipe, run_dir: Path, time_limit_s: float) -> TrialResult:
     """Run `recipe` (already the layout to try) as a trial in `run_dir` (emptied first)."""
-    import shutil
-
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
