@@ -49,14 +49,15 @@ def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], train
     whatever its TP/PP/CP split): each batch's host `cu_seqlens` (no device read), the tiles
     `encoder_inputs` counts (the family's `FamilySpec.encoder_inputs`; None: no encoder).
     Model FLOPs (the MFU's): the real samples' segments of each row (`sample_ids`; a batch
-    without them counts every segment). `executed`: every segment, padding runs included, each
+    without one list per row counts every segment). `executed`: every segment, padding runs included, each
     padded to `pad_to` = the CP padding multiple (`models.context_parallel.padding_multiple`)."""
     batches = list(micro_batches)
     tiles = sum(encoder_inputs(b) for b in batches) if encoder_inputs is not None else 0
     cu = [b.host_cu_seqlens() for b in batches]
     if executed:
         return step_flops(shapes, cu, tiles, trainable_parts, pad_to=pad_to)
-    samples = [[len(ids) for ids in b.sample_ids] if b.sample_ids else None for b in batches]
+    samples = [[len(ids) for ids in b.sample_ids] if len(b.sample_ids) == b.input_ids.shape[0] else None
+               for b in batches]
     return step_flops(shapes, cu, tiles, trainable_parts, samples=samples)
 
 
