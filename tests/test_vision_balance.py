@@ -168,7 +168,7 @@ def test_assign_block_and_plan_balance_agree():
 def test_a_tile_costs_what_the_cost_model_says():
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV
-    from mmtrain.planning.cost_model import tile_token_cost
+    from mmtrain.models.flops import tile_token_cost
 
     aquila = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", ["action=dry_run"])
     assert tile_token_cost(LLAVA_OV.model_shapes(aquila.model)) == pytest.approx(DEFAULT_TILE_TOKENS, rel=0.01)
@@ -206,7 +206,7 @@ def test_train_data_balances_replicated_steps(tmp_path):
     from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
-    from mmtrain.planning.cost_model import tile_token_cost
+    from mmtrain.models.flops import tile_token_cost
     from mmtrain.runtime.distributed import ParallelContext
     from mmtrain.runtime.train_data import TrainData, batch_sample_ids
     from tests.test_loader import BAD_IDS, _dev_samples

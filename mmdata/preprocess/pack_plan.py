@@ -559,7 +559,7 @@ def _settings(args: argparse.Namespace):
             shape = {k: v if v is not None else mine[k] for k, v in shape.items()}
             if tile_tokens is None:
                 from mmtrain import registry
-                from mmtrain.planning.cost_model import tile_token_cost
+                from mmtrain.models.flops import tile_token_cost
 
                 tile_tokens = tile_token_cost(registry.get_family(recipe.family).model_shapes(recipe.model))
     if root is None:
