@@ -22,8 +22,50 @@ def test_local_keeps_fusions_off():
 
 
 def test_te_on_cuda_with_te_turns_decoder_fusions_on():
-    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine")
+    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine", apex_wgrad=True)
     assert f.use_te_spec and f.apply_rope_fusion and f.bias_activation_fusion and f.gradient_accumulation_fusion
+    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine", apex_wgrad=False)
+    assert f.use_te_spec and f.apply_rope_fusion and f.bias_activation_fusion and not f.gradient_accumulation_fusion
+
+
+def _te_switch_config(**fusions) -> "TransformerConfig":  # noqa: F821
+    """The decoder config the TE switch builds, less `apply_rope_fusion` (its check needs TE's
+    kernel at config time; the review's reproduction drops it the same way)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = {**fusions, "apply_rope_fusion": False}
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                             gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                             **kw)
+
+
+def test_the_te_switch_builds_megatrons_output_layer_without_apex(megatron_cpu):
+    """N1: GPTModel's output layer is always megatron's local ColumnParallelLinear, which raises
+    at build when `gradient_accumulation_fusion` is on and apex's `fused_weight_gradient_mlp_cuda`
+    does not import (mcore 0.16.1 tensor_parallel/layers.py:924-933). The TE switch's config must
+    build it on an install without apex (this one: pip cannot install apex)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    config = _te_switch_config(**decoder_fusions(True, True, "transformer_engine").config_kwargs())
+    layer = ColumnParallelLinear(64, 1152, config=config, init_method=config.init_method, bias=False)
+    assert layer.weight.shape == (1152, 64) and not config.gradient_accumulation_fusion
+
+
+def test_the_te_switch_keeps_the_wgrad_fusion_where_apex_imports(tmp_path, monkeypatch):
+    """Where apex's extension imports (a real module on sys.path here), the decision keeps the
+    fusion on: megatron then builds its output layer with it, and TE's linears fuse as well."""
+    import sys
+
+    from mmtrain.models.te_support import APEX_WGRAD_MODULE, apex_wgrad_fusion_available
+
+    (tmp_path / f"{APEX_WGRAD_MODULE}.py").write_text("def wgrad_gemm_accum_fp32(*a):\n    raise NotImplementedError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, APEX_WGRAD_MODULE, raising=False)
+    try:
+        assert apex_wgrad_fusion_available()
+        assert decoder_fusions(True, True, "transformer_engine").gradient_accumulation_fusion
+    finally:
+        sys.modules.pop(APEX_WGRAD_MODULE, None)
 
 
 def test_te_refused_on_cpu_and_without_te():
