@@ -80,6 +80,7 @@ def te_dot_product_attention() -> Optional[type]:
     """megatron's `TEDotProductAttention` class, or None without a real TE."""
     if not have_te():
         return None
+    # optional dependency, asked for only once te_status() found a real TE
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     return TEDotProductAttention
