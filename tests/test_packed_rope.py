@@ -5,6 +5,7 @@ built on it gives the logits megatron's path gives."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,61 +131,42 @@ def test_no_host_read_in_positions_and_rope():
 
 
 # ---------------------------------------------------------------------------------------------
-# a tiny decoder end to end
-
-
-def _tiny_lm(megatrons_attention: bool):
-    """A 2-layer decoder on the project's local spec, or the same weights with megatron's own
-    `SelfAttention` (its unfused THD RoPE) in every layer."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from mmtrain.models.language_model import build_language_model
-    from mmtrain.models.layer_specs import transformer_layer_spec
-    from mmtrain.models.lm_config import LLMConfig
-    from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
-    from mmtrain.models.packed_rope import PackedRoPESelfAttention
-
-    llm = LLMConfig(num_layers=2, hidden_size=HEADS * DIM, ffn_hidden_size=64, num_attention_heads=HEADS,
-                    num_query_groups=1, vocab_size=96, max_position_embeddings=256, rope_theta=10000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True)
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    lm = build_language_model(llm, language_transformer_config(llm, "float32", ParallelOptions()), vocab_size=96)
-    for layer in lm.decoder.layers:
-        old = layer.self_attention
-        assert type(old) is PackedRoPESelfAttention
-        if megatrons_attention:
-            new = SelfAttention(config=old.config, layer_number=old.layer_number, attn_mask_type=AttnMaskType.causal,
-                                submodules=transformer_layer_spec(causal=True).submodules.self_attention.submodules)
-            new.load_state_dict(old.state_dict())
-            layer.self_attention = new
-    return lm.eval()
-
-
-def _batch(lens: list[int]):
-    from mmdata.energon_loaders.batch import PackedBatch
-
-    ids = torch.randint(0, 96, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
-    return PackedBatch(input_ids=ids, labels=ids.clone(), position_ids=torch.cat([torch.arange(n) for n in lens])[None],
-                       cu_seqlens=_cu(lens), max_seqlen=max(lens), sample_ids=[["a", "b", "c"]])
+# a tiny decoder end to end (tests/tiny_decoder.py)
 
 
 @pytest.mark.usefixtures("megatron_cpu")
 def test_tiny_decoder_logits_equal_megatrons_path():
     from mmtrain.models.context_parallel import current_layout
     from mmtrain.models.language_model import packed_decoder_forward
+    from tests.tiny_decoder import packed_batch, tiny_lm
 
-    batch = _batch([5, 9, 1, 17])  # three samples and a padding run
+    batch = packed_batch([5, 9, 1, 17])  # three samples and a padding run
     layout = current_layout(batch.host_cu_seqlens())
     with torch.no_grad():
         with _NoHostRead() as ours:
-            got = packed_decoder_forward(_tiny_lm(False), batch, layout, return_logits=True)
+            got = packed_decoder_forward(tiny_lm(False), batch, layout, return_logits=True)
         with _NoHostRead() as megatrons:
-            ref = packed_decoder_forward(_tiny_lm(True), batch, layout, return_logits=True)
+            ref = packed_decoder_forward(tiny_lm(True), batch, layout, return_logits=True)
     assert torch.equal(got, ref)
     # megatron's path: cu_seqlens.tolist() and `freqs.size(0) == cu_seqlens[-1]` for q and k in
     # each of the 2 layers; ours reads none (what is left is the SDPA plan's read of the host copy)
     assert megatrons.bad.count("tolist") - ours.bad.count("tolist") == 2 * 2
     assert megatrons.bad.count("__bool__") - ours.bad.count("__bool__") == 2 * 2
+
+
+def test_tiny_decoder_under_context_parallelism_equals_megatrons_path(tmp_path):
+    """CP=2 (2 processes, gloo, K/V all-gather attention): on each rank's share of a packed row,
+    the decoder's losses and every weight's gradient are megatron's THD RoPE path's, bit for bit,
+    and its RoPE made no host read (megatron's: 2 per layer for q and k)."""
+    import json
+
+    from tests.test_convert import _torchrun
+
+    out = tmp_path / "result"
+    _torchrun(Path(__file__).parent / "workers" / "packed_rope_cp_worker.py", str(out))
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        for lens, r in res.items():
+            assert r["loss_equal"] and r["grads_equal"], (rank, lens, r)
+            assert r["nonzero"] > 0, (rank, lens)  # this rank held labelled tokens
+            assert r["reads_megatron"] - r["reads_ours"] == 2 * 2 * 2, (rank, lens, r)  # tolist + bool, q and k, 2 layers
