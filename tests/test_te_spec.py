@@ -126,3 +126,29 @@ def test_a_checkpoint_loads_only_into_the_spec_that_wrote_it(tmp_path):
         check_layer_spec(tmp_path, "local")
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # older checkpoints: local
     check_layer_spec(tmp_path, "local")
+
+
+@pytest.mark.parametrize("name", ["swiglu", "swiglu_back"])
+def test_the_fused_swiglu_compiles_at_most_twice_over_thd_lengths(name):
+    """N10: the TE switch's `bias_activation_fusion` runs megatron's SwiGLU under `jit_fuser`, i.e.
+    torch.compile (mcore 0.16.1 jit.py, fusions/fused_bias_swiglu.py). Rows are padded to
+    seq_length, so without CP every micro-batch has the same THD length (one compile); under CP a
+    rank's share changes with the sequences' padding. Over changing lengths dynamo compiles the
+    first length, then one shape-generic graph, and never again: kept on, no recompile storm.
+    (A counting backend: dynamo decides recompiles before any backend runs.)"""
+    import inspect
+
+    from megatron.core.fusions import fused_bias_swiglu
+
+    fn = inspect.unwrap(getattr(fused_bias_swiglu, name))
+    assert fn is not getattr(fused_bias_swiglu, name), "megatron's jit_fuser is no longer torch.compile"
+    graphs = []
+    torch.compiler.reset()
+    compiled = torch.compile(fn, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)
+    try:
+        for tokens in (1000, 1357, 811, 2048, 97, 4096, 2, 3000):
+            y = torch.randn(tokens, 1, 64)
+            compiled(y) if name == "swiglu" else compiled(torch.randn(tokens, 1, 32), y)
+    finally:
+        torch.compiler.reset()
+    assert len(graphs) == 2

@@ -76,8 +76,9 @@ class DecoderFusions:
     use_te_spec: bool = False
     apply_rope_fusion: bool = False  # TE's fused THD RoPE (review C1: megatron's unfused path syncs ~112x/forward)
     # SwiGLU only: the towers' tanh/erf GELU must stay unfused (C2). megatron's `jit_fuser` is
-    # torch.compile: on THD lengths that change every micro-batch dynamo compiles twice per
-    # function (the first length, then one shape-generic graph) and never again (review N10)
+    # torch.compile (review N10): rows are padded to seq_length, so without CP the THD length
+    # never changes (one compile); under CP a rank's share does, and dynamo compiles the first
+    # length, then one shape-generic graph, and never again. Kept on (test_te_spec.py)
     bias_activation_fusion: bool = False
     # wgrad accumulated straight into main_grad. TE's linears do it with TE's own kernels, but
     # megatron's output layer is always the local ColumnParallelLinear, which needs apex's
