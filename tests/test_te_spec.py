@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.lm_config import LLMConfig
 from mmtrain.models.megatron_config import TransformerImplUnavailable, decoder_fusions
@@ -28,11 +29,9 @@ def test_te_on_cuda_with_te_turns_decoder_fusions_on():
     assert f.use_te_spec and f.apply_rope_fusion and f.bias_activation_fusion and not f.gradient_accumulation_fusion
 
 
-def _te_switch_config(**fusions) -> "TransformerConfig":  # noqa: F821
+def _te_switch_config(**fusions) -> TransformerConfig:
     """The decoder config the TE switch builds, less `apply_rope_fusion` (its check needs TE's
     kernel at config time; the review's reproduction drops it the same way)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     kw = {**fusions, "apply_rope_fusion": False}
     return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                              gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,

@@ -67,6 +67,7 @@ def apply_thd_rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
     """RoPE of `t` ([T, h, d] as megatron's THD path takes it, or [T, 1, h, d]) at `positions`
     (`thd_rope_positions`), by megatron's public `apply_rotary_pos_emb` on the per-token table."""
     squeeze = t.dim() == 3
+    positions = positions.to(freqs.device, non_blocking=True)  # a no-op where they were made (cu_seqlens' device)
     out = apply_rotary_pos_emb(t.unsqueeze(1) if squeeze else t, freqs.index_select(0, positions),
                                config=config, cu_seqlens=None, cp_group=cp_group)
     return out.squeeze(1) if squeeze else out
