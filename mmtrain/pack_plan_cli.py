@@ -3,11 +3,11 @@
 values the recipe resolves to:
 
 - the shards: DIR, else the recipe's `data.paths[0]`; the sequence length: `train.seq_length`;
-- what the samples' lengths are counted with (`recipe_geometry`): a LLaVA-OV recipe's image token
-  geometry (`model.vision` image_size / patch_size, `model.max_tiles`, `model.grid_max`,
-  `data.video_frames`, what its loader is built with), an Emu3 recipe's task settings
-  (`data.tasks`, `p_uncond`, `uncond_prompt`, `system_prompt`) and tokenizer (`tokenizer.path`,
-  checked against the token shards' length index);
+- what the samples' lengths are counted with (mmtrain/recipe_plan.py): a LLaVA-OV recipe's image
+  token geometry (`model.vision` image_size / patch_size, `model.max_tiles`, `model.grid_max`,
+  `data.video_frames`), an Emu3 recipe's task settings (`data.tasks`, `p_uncond`,
+  `uncond_prompt`, `system_prompt`) and tokenizer (`tokenizer.path`, checked against the token
+  shards' length index);
 - the packing report's `parallel.cp` / `parallel.tp`;
 - with `data.balance: true` (or `--dp`), vision-aware balancing for the recipe's step shape
   (`parallel.dp`, `train.micro_batch_size`, `train.global_batch_size`) at the model's tile cost
@@ -21,39 +21,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.errors import UserError
 from mmdata.packing.cli import (PlanRequest, add_plan_options, check_positive, geometry_flags, make_plan,
                                 step_balance, step_shape_flags)
 from mmdata.packing.geometry import PlanGeometry
-from mmdata.preprocess.lengths import tokenizer_fingerprint
 from mmtrain import registry
 from mmtrain.config.load import load_recipe
 from mmtrain.planning.cost_model import tile_token_cost
+from mmtrain.recipe_plan import recipe_geometry
 
 HELP = "the packing plan a recipe trains with (data.packing: plan), from its shards' length index"
-
-
-def recipe_geometry(recipe: Any) -> PlanGeometry | Emu3PlanGeometry | None:
-    """What a recipe's plans must have counted with: the image token geometry of a LLaVA-OV
-    recipe, the task settings and tokenizer of an Emu3 recipe (see the module docstring); None
-    for a recipe with neither. FileNotFoundError: an Emu3 recipe without its tokenizer."""
-    m, d = recipe.model, recipe.data
-    if hasattr(d, "p_uncond"):  # Emu3's data section: its samples' lengths depend on the task settings
-        path = recipe.tokenizer.path
-        if path is None:
-            raise FileNotFoundError("tokenizer.path is not set: an Emu3 plan is checked against its tokenizer")
-        return Emu3PlanGeometry(tokenizer_fingerprint(path), d.system_prompt, d.uncond_prompt, dict(d.tasks),
-                                float(d.p_uncond))
-    vision = getattr(m, "vision", None)
-    if vision is None or not hasattr(m, "max_tiles"):
-        return None
-    grid_max = getattr(m, "grid_max", PlanGeometry.grid_max)
-    return PlanGeometry(vision.image_size, vision.patch_size, m.max_tiles, grid_max,
-                        getattr(d, "video_frames", DEFAULT_MAX_FRAMES))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -89,7 +89,7 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
     if recipe.data.packing == "plan" and train_samples and not wrong_kind:
         from mmdata.energon_loaders.balance import StepShape
         from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data, plan_step_shape
-        from mmtrain.pack_plan_cli import recipe_geometry
+        from mmtrain.recipe_plan import recipe_geometry
 
         t = recipe.train
         shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
