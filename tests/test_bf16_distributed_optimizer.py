@@ -102,7 +102,8 @@ def _step(ddp, optimizer, seed: int, distributed: bool) -> float:
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     torch.manual_seed(seed)
-    ddp(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().sum().backward()
+    dtype = next(ddp.parameters()).dtype
+    ddp(torch.randn(4, 8, dtype=dtype)).float().square().sum().backward()
     ddp.finish_grad_sync()
     updated, grad_norm, _ = optimizer.step()
     if distributed:
@@ -112,20 +113,21 @@ def _step(ddp, optimizer, seed: int, distributed: bool) -> float:
 
 
 @cpu_only
-@pytest.mark.parametrize("distributed", [False, True], ids=["float16-optimizer", "distributed-optimizer"])
-def test_a_fresh_bf16_optimizer_loads_its_checkpoint(tmp_path, distributed):
+@pytest.mark.parametrize(("precision", "distributed"), [("bf16", False), ("bf16", True), ("fp32", True)],
+                         ids=["float16-optimizer", "distributed-optimizer", "fp32-distributed-optimizer"])
+def test_a_fresh_optimizer_loads_its_checkpoint(tmp_path, precision, distributed):
     """A resume builds a fresh optimizer and loads the saved state into it. For the
-    DistributedOptimizer around torch's Adam (no TE or apex: the CPU, or a GPU node without them) megatron cannot build the
-    loading template of a fresh optimizer (`distrib_optimizer.py:642` asserts one step in the
-    empty torch state), nor copy the loaded state into it (`:940` KeyError: 'step'), and the
-    loaded step is one tensor shared by every parameter (`:825`), which torch's Adam then
-    advances once per parameter per step: `optimizer.torch_adam_load` answers all three.
-    The moments, the fp32 main params and the step come back exactly, and training continues
-    identically."""
+    DistributedOptimizer around torch's Adam (no TE or apex: the CPU, or a GPU node without them)
+    megatron cannot build the loading template of a fresh optimizer (`distrib_optimizer.py:642`
+    asserts one step in the empty torch state), nor copy the loaded state into it (`:940`
+    KeyError: 'step'), and the loaded step is one tensor shared by every parameter (`:825`),
+    which torch's Adam then advances once per parameter per step: `optimizer.torch_adam_load`
+    answers all three. The optimizer's params (the fp32 main params; fp32 model shards for fp32),
+    the moments and the step come back exactly, and training continues identically."""
     from mmtrain.runtime.checkpoint.manager import OptimizerState, TrainerState
     from mmtrain.runtime.optimizer import optimizer_kind, optimizer_sharded_metadata
 
-    ctx = _ctx("bf16", distributed)
+    ctx = _ctx(precision, distributed)
     kind, md = optimizer_kind(ctx), optimizer_sharded_metadata(ctx)
     ddp, optimizer = _build(ctx)
     for seed in range(2):
@@ -136,12 +138,14 @@ def test_a_fresh_bf16_optimizer_loads_its_checkpoint(tmp_path, distributed):
     ddp2, optimizer2 = _build(ctx)  # the init again: the resume loads the weights first
     ddp2.module.load_state_dict(ddp.module.state_dict())
     assert OptimizerState(optimizer2, [ddp2], kind, md).load(tmp_path, ctx, TrainerState(step=2, optimizer=kind))
-    a, b = _inner(optimizer)[0], _inner(optimizer2)[0]
-    for p, q in zip(ddp.parameters(), ddp2.parameters()):
-        assert torch.equal(p.main_param, q.main_param)
+    a, b = _inner(optimizer)[0].optimizer, _inner(optimizer2)[0].optimizer
+    mains = [(p, q) for g, h in zip(a.param_groups, b.param_groups) for p, q in zip(g["params"], h["params"])]
+    assert mains and all(p.dtype == torch.float32 for p, _ in mains)
+    for p, q in mains:
+        assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(a.optimizer.state[p.main_param][key], b.optimizer.state[q.main_param][key]), key
-    steps = [state["step"] for state in b.optimizer.state.values()]
+            assert torch.equal(a.state[p][key], b.state[q][key]), key
+    steps = [state["step"] for state in b.state.values()]
     assert len({id(step) for step in steps}) == len(steps)  # one step per parameter, as torch's Adam keeps it
     assert _step(ddp, optimizer, 5, distributed) == _step(ddp2, optimizer2, 5, distributed)
     assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), ddp2.parameters()))
