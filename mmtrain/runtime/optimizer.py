@@ -9,10 +9,11 @@
   peak and floor LR = `optimizer.lr` / `min_lr` times `optimizer.lr_mult[part]` (default 1);
   no weight decay on biases and 1-D parameters (norm scales). Every rank builds the same group
   list (possibly with empty groups) so checkpoints line up across pipeline stages.
-- The optimizer, on CPU and GPU alike: megatron's `get_megatron_optimizer` (distributed optimizer
-  when configured, bf16 main params, its own grad clipping), with the per-part LRs as config
-  overrides. On CPU it is megatron's FP32Optimizer around torch AdamW (runtime/cpu_compat.py says
-  what that needs).
+- The optimizer, on CPU and GPU alike: megatron's `get_megatron_optimizer` (FP32Optimizer,
+  Float16OptimizerWithFloat16Params for bf16, DistributedOptimizer when configured; its own grad
+  clipping), with the per-part LRs as config overrides. Without TE or apex it wraps torch's AdamW
+  (runtime/cpu_compat.py says what the CPU needs to build it; `torch_adam_load` what megatron's
+  distributed optimizer needs to load a checkpoint around torch's AdamW, on any device).
 - DDP settings (`ddp_config_kwargs`): megatron's overlapped grad reduction everywhere; with the
   distributed optimizer also the overlapped, aligned param all-gather (review C5).
 - `optimizer_kind`: what a checkpoint records so that a resume with another optimizer layout
