@@ -28,7 +28,7 @@ from mmdata.packing.cli import (PlanRequest, add_plan_options, check_positive, g
 from mmdata.packing.geometry import PlanGeometry
 from mmtrain import registry
 from mmtrain.config.load import load_recipe
-from mmtrain.planning.cost_model import tile_token_cost
+from mmtrain.models.flops import tile_token_cost
 from mmtrain.recipe_plan import recipe_geometry
 
 HELP = "the packing plan a recipe trains with (data.packing: plan), from its shards' length index"
