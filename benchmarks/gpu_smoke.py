@@ -113,7 +113,7 @@ def run_bounded(cmd: list[str], log: Path, timeout: float,
                 env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run `cmd` in its own session with output to `log`; (exit status or None on timeout, output).
     On timeout the whole process group is killed (a trainer's workers go with it)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
@@ -128,6 +128,14 @@ def run_bounded(cmd: list[str], log: Path, timeout: float,
             pass
         proc.wait()
     return rc, log.read_text(errors="replace")
+
+
+def child_pythonpath(*first: Path | str) -> str:
+    """PYTHONPATH for a child: `first`, the repo, then the caller's own entries. Prepended, never
+    replaced (review 2, N2): packages installed with `pip install --target DIR` or a Megatron-LM
+    checkout reach Python only through PYTHONPATH, and a child without them cannot import megatron."""
+    entries = [str(x) for x in (*first, REPO)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
 
 
 def last_error(text: str) -> str:
@@ -166,7 +174,7 @@ def hidden_te_dir(work: Path) -> Path:
 
 
 def hidden_te_env(work: Path) -> dict[str, str]:
-    return {"PYTHONPATH": f"{hidden_te_dir(work)}{os.pathsep}{REPO}"}
+    return {"PYTHONPATH": child_pythonpath(hidden_te_dir(work))}
 
 
 def emit(result: dict[str, Any]) -> None:
@@ -497,25 +505,44 @@ CHECKS = (
 # ----------------------------------------------------------------------------- children
 
 
+def _import_problem(module: str) -> str | None:
+    """Why `module` does not import here (its exception, one line), or None when it does."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure is the answer (a broken TE raises ImportError/OSError)
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    return None
+
+
 def child_env(args: argparse.Namespace) -> dict[str, Any]:
+    """Versions and what imports. FAIL when megatron-core or megatron-energon does not import (every
+    later check needs them; review 2, N2) or when TE's two views disagree."""
     import torch
+
+    cuda = torch.cuda.is_available()
+    parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}", f"CUDA {torch.version.cuda}",
+             f"devices {torch.cuda.device_count() if cuda else 0}"
+             + (f" ({torch.cuda.get_device_name(0)})" if cuda else " (no CUDA)")]
+    missing = {m: p for m in ("megatron.core", "megatron.energon") if (p := _import_problem(m))}
+    if missing:
+        parts += [f"{m} does not import: {p}" for m, p in missing.items()]
+        parts.append(f"PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}")
+        return {"status": "FAIL", "detail": "; ".join(parts)}
+    from megatron.core import __version__ as mcore_version
+    from megatron.energon import __version__ as energon_version
 
     from mmtrain.models.te_support import te_status
 
+    parts += [f"megatron-core {mcore_version}", f"megatron-energon {energon_version}"]
     st = te_status()
+    installed = importlib.util.find_spec("transformer_engine") is not None
+    te_problem = _import_problem("megatron.core.extensions.transformer_engine")
+    have_te: Any = (getattr(sys.modules["megatron.core.extensions.transformer_engine"], "HAVE_TE", None)
+                    if te_problem is None else f"import failed: {te_problem}")
     have = {m: importlib.util.find_spec(m) is not None for m in ("flash_attn", "cut_cross_entropy", "liger_kernel")}
-    try:
-        import megatron.core.extensions.transformer_engine as mte
-
-        have_te: Any = getattr(mte, "HAVE_TE", None)
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        have_te = f"import failed: {type(e).__name__}"
-    cuda = torch.cuda.is_available()
-    parts = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda}",
-             f"devices {torch.cuda.device_count() if cuda else 0}"
-             + (f" ({torch.cuda.get_device_name(0)})" if cuda else " (no CUDA)"),
-             f"TE available={st.available} version={st.version} reason={st.reason or '-'}", f"HAVE_TE={have_te}",
-             ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in have.items())]
+    parts += [f"transformer_engine {'installed' if installed else 'not installed'}",
+              f"TE usable={st.available} version={st.version} reason={st.reason or '-'}", f"megatron HAVE_TE={have_te}",
+              ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in have.items())]
     status = "PASS"
     if st.available:
         from mmtrain.models.layer_specs import te_attention
@@ -525,6 +552,8 @@ def child_env(args: argparse.Namespace) -> dict[str, Any]:
         status = "PASS" if is_class and have_te is True else "FAIL"
     elif have_te is True:
         status, parts[-1] = "FAIL", parts[-1] + "; megatron HAVE_TE=True but te_status says unusable"
+    elif te_problem is not None:  # megatron's TE module must import (it binds mocks) whatever TE's state
+        status = "FAIL"
     return {"status": status, "detail": "; ".join(parts)}
 
 

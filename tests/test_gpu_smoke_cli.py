@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,8 +22,9 @@ SCRIPT = REPO / "benchmarks" / "gpu_smoke.py"
 LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-z]+): (.*) \[\d+\.\d s\]$")
 
 
-def smoke(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO)
+def smoke(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, **(env or {})})
 
 
 def check_lines(out: str) -> dict[str, tuple[str, str]]:
@@ -37,6 +39,7 @@ def test_without_cuda_every_gpu_check_skips_and_the_run_exits_0(tmp_path):
     lines = check_lines(proc.stdout)
     assert list(lines) == list(CHECKS)  # every check, in the review's order
     assert lines["env"][0] == "PASS" and "no CUDA" in lines["env"][1]
+    assert "megatron-core 0.16" in lines["env"][1] and "transformer_engine not installed" in lines["env"][1]
     for name, (status, detail) in lines.items():
         if name != "env":
             assert (status, detail) == ("SKIP", "no CUDA device"), name
@@ -56,6 +59,25 @@ def test_help_describes_every_option_and_check():
         assert rest.strip() or nxt.startswith(" " * 8), flag
     for name in CHECKS:
         assert re.search(rf"^  {name}\s", proc.stdout, re.M), name
+
+
+def test_children_keep_the_callers_pythonpath_and_env_fails_without_megatron(tmp_path):
+    """Review 2, N2: the children prepend the repo to PYTHONPATH instead of replacing it (packages
+    installed with `pip install --target DIR` reach Python only through it), and `env` FAILs when
+    megatron-core does not import. A PYTHONPATH entry whose `megatron` raises stands for a missing
+    megatron-core: before the fix the children never saw it and both checks passed."""
+    shadow = tmp_path / "shadow" / "megatron"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("megatron shadowed by the N2 test")\n')
+    path = os.pathsep.join(p for p in (str(shadow.parent), os.environ.get("PYTHONPATH", "")) if p)
+    proc = smoke("--allow-cpu", "--quick", "--only", "env,build", "--work-dir", str(tmp_path / "work"),
+                 env={"PYTHONPATH": path})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = check_lines(proc.stdout)
+    assert lines["env"][0] == "FAIL", lines
+    assert "megatron.core does not import: ImportError: megatron shadowed by the N2 test" in lines["env"][1]
+    assert lines["build"][0] == "FAIL" and "TE hidden:" in lines["build"][1], lines  # the TE-hidden child too
+    assert "megatron shadowed by the N2 test" in (tmp_path / "work" / "logs" / "build-te-hidden.log").read_text()
 
 
 def test_unknown_check_is_refused():
