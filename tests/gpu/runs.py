@@ -156,15 +156,21 @@ def is_text_only(sample_key: str) -> bool:
     return int(sample_key.rsplit("#", 1)[-1]) % 2 == 1
 
 
-def need_gpus(n: int) -> None:
-    """Skip the calling test when fewer than `n` GPUs are visible (one rank per GPU: NCCL refuses
-    two ranks of a communicator on one device)."""
-    import pytest
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 in the CPU tiers: tests/conftest.py hides CUDA there)."""
     import torch
 
-    have = torch.cuda.device_count()
-    if have < n:
-        pytest.skip(f"needs {n} GPUs (one rank per GPU), {have} visible")
+    return torch.cuda.device_count()
+
+
+def needs_gpus(n: int):
+    """A test's mark: skip it at collection when fewer than `n` GPUs are visible (one rank per GPU:
+    NCCL refuses two ranks of a communicator on one device). Decided before any of its fixtures is
+    built, so one GPU does not train a reference run for tests that then skip (review 2, N5)."""
+    import pytest
+
+    have = visible_gpus()
+    return pytest.mark.skipif(have < n, reason=f"needs {n} GPUs (one rank per GPU), {have} visible")
 
 
 def by_sample(record: dict) -> list[tuple[str, float]]:
