@@ -7,6 +7,7 @@ dependencies, as wheels for the node's Python. This script collects them:
 
 - the closure is read from the installed distributions of the environment that runs it (`make
   wheelhouse` runs it in the project's venv): exactly the versions CI tests, no resolver guesses;
+- setuptools and wheel (pyproject's build-system) for pip's isolated build of the project;
 - torch, transformers and pytest and everything they pull (nvidia-*, triton, numpy, tokenizers, ...)
   are left out: the node has them, and its torch must never be replaced;
 - the `data` extra (Ray, av, decord, scikit-image: the offline preprocessing job) is left out unless
@@ -36,7 +37,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 #: what a GPU node brings (and what must not be swapped): these and their whole closure stay out
-NODE_HAS = ("torch", "transformers", "pytest", "pip", "setuptools", "wheel")
+NODE_HAS = ("torch", "transformers", "pytest", "pip")
 #: from the `test` extra, what the gpu tier needs besides pytest (pyproject's addopts pass --timeout)
 TIER_NEEDS = ("pytest-timeout",)
 #: manylinux tags a node with glibc >= 2.28 takes (older tags are compatible with newer glibc)
@@ -48,7 +49,11 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
 @dataclass(frozen=True)
 class Pin:
     name: str  # canonical
-    version: str
+    version: str  # exact, or "" with `spec`
+    spec: str = ""
+
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version}" if self.version else f"{self.name}{self.spec}"
 
 
 def project_requirements(with_data: bool) -> list[Requirement]:
@@ -97,10 +102,19 @@ def closure(roots: list[Requirement], python: str, skip: frozenset[str] = frozen
     return out
 
 
+def build_requirements() -> list[Requirement]:
+    """pyproject's [build-system] requires: pip builds the project (`-e .` too) in an isolated
+    environment that it fills from the wheelhouse, whatever setuptools the node has."""
+    return [Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]]
+
+
 def wheel_set(python: str, with_data: bool) -> list[Pin]:
     node = closure([Requirement(n) for n in NODE_HAS if _installed(n)], python)
     need = closure(project_requirements(with_data), python, skip=frozenset(node))
-    return sorted(need.values(), key=lambda p: p.name)
+    pins = sorted(need.values(), key=lambda p: p.name)
+    # not necessarily installed here (pip installs them only inside its build environments): the
+    # newest release the requirement allows
+    return pins + [Pin(canonicalize_name(r.name), "", str(r.specifier)) for r in build_requirements()]
 
 
 def _installed(name: str) -> bool:
@@ -116,13 +130,13 @@ def download(pins: list[Pin], python: str, out: Path) -> None:
            "--python-version", python, "--implementation", "cp", "-d", str(out)]
     for p in PLATFORMS:
         cmd += ["--platform", p]
-    subprocess.run(cmd + [f"{p.name}=={p.version}" for p in pins], check=True)
+    subprocess.run(cmd + [p.requirement() for p in pins], check=True)
 
 
 def wheel_matches(path: Path, pin: Pin, python: str) -> bool:
     """Whether `path` is `pin`'s wheel usable by CPython `python` (py3-none, abi3 or cpXY)."""
     parts = path.name[:-4].split("-")
-    if canonicalize_name(parts[0]) != pin.name or parts[1] != pin.version.replace("-", "_"):
+    if canonicalize_name(parts[0]) != pin.name or (pin.version and parts[1] != pin.version.replace("-", "_")):
         return False
     pytags, abi = parts[-3].split("."), parts[-2]
     return abi in ("none", "abi3") or f"cp{python.replace('.', '')}" in pytags
@@ -146,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for python in args.python.split(","):
         pins = wheel_set(python, args.with_data)
         if args.list:
-            print(f"cp{python.replace('.', '')}: " + " ".join(f"{p.name}=={p.version}" for p in pins))
+            print(f"cp{python.replace('.', '')}: " + " ".join(p.requirement() for p in pins))
             continue
         download(pins, python, out)
         files = [w for w in out.glob("*.whl") if any(wheel_matches(w, p, python) for p in pins)]

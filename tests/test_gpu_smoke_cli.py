@@ -1,7 +1,7 @@
 """benchmarks/gpu_smoke.py on a CPU, run as a user runs it (a subprocess; tests do not import from
 benchmarks/): without CUDA every GPU check says SKIP and the run exits 0; `--allow-cpu` runs the
-CPU-runnable checks for real (so the script cannot rot); `--report` prints the table and the
-generation figures of known figures. CUDA is hidden by tests/conftest.py."""
+CPU-runnable checks for real (so the script cannot rot); `--report DIR` writes report.md/json;
+`--show` prints the table and the generation figures of known figures. CUDA is hidden by tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-# the checks in the review's order (section E)
-CHECKS = ("env", "device", "build", "trainer", "checkpoint", "correctness", "sync", "throughput", "generation")
+# issue 43's order (env, device, build, the gpu tier's core, the throughput table), then section E's rest
+CHECKS = ("env", "device", "build", "tier", "throughput", "trainer", "checkpoint", "correctness", "sync", "generation")
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_smoke.py"
 LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-z]+): (.*) \[\d+\.\d s\]$")
@@ -45,7 +45,22 @@ def test_without_cuda_every_gpu_check_skips_and_the_run_exits_0(tmp_path):
             assert (status, detail) == ("SKIP", "no CUDA device"), name
     assert "peak within 10% of dry run: not run" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1] == f"GPU_SMOKE: 1 passed, 0 failed, {len(CHECKS) - 1} skipped"
-    assert json.loads((tmp_path / "figures.json").read_text()) == {}  # nothing timed: --report can re-read it
+    assert json.loads((tmp_path / "figures.json").read_text()) == {}  # nothing timed: --show can re-read it
+
+
+def test_the_report_and_a_spent_budget(tmp_path):
+    """`--report DIR` writes report.json and report.md; a check with less than half its budget left
+    is not started, and says so."""
+    proc = smoke("--only", "env,device", "--budget", "1", "--report", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = check_lines(proc.stdout)
+    assert lines["env"][0] == "SKIP" and lines["env"][1].startswith("not started: ")
+    assert "of the 1 s budget, it needs about" in lines["env"][1]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [("env", "SKIP"), ("device", "SKIP")]
+    assert report["summary"] == "GPU_SMOKE: 0 passed, 0 failed, 2 skipped" and (tmp_path / "r" / "work").is_dir()
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert md.startswith("# gpu_smoke report: CPU") and "| env | SKIP |" in md and "GPU_SMOKE: 0 passed" in md
 
 
 def test_help_describes_every_option_and_check():
@@ -112,13 +127,13 @@ def test_allow_cpu_trains_resumes_and_keeps_weights_at_lr_0(tmp_path):
 
 
 def _report(work: Path, figures: dict, generation_log: str | None = None) -> tuple[str, list[str]]:
-    """`gpu_smoke.py --report WORK`: (the generation figures line, the table's lines)."""
+    """`gpu_smoke.py --show WORK`: (the generation figures line, the table's lines)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "figures.json").write_text(json.dumps(figures))
     if generation_log is not None:
         (work / "logs").mkdir(exist_ok=True)
         (work / "logs" / "generation.log").write_text(generation_log)
-    proc = smoke("--report", str(work))
+    proc = smoke("--show", str(work))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first, *lines = proc.stdout.rstrip().splitlines()
     return first, lines
@@ -152,5 +167,5 @@ def test_generation_output_is_parsed(tmp_path):
 
 
 def test_report_without_figures_is_refused(tmp_path):
-    proc = smoke("--report", str(tmp_path / "nothing"))
+    proc = smoke("--show", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "figures.json" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
