@@ -16,6 +16,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
+from mmdata import shard_format as sf
+from mmdata.preprocess.energon_meta import write_energon_index, write_tar_index
+from mmdata.preprocess.shard_writer import SampleMembers, write_shard
+from mmdata.vision_tokens import token_format as tf
 from tests.test_train_runtime import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
 
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -157,15 +163,6 @@ def write_emu3_token_shards(out: Path, n: int = 48, seed: int = 0, codebook_size
     the GPU path, and a node's wheelhouse has no Ray): captions (one image each, so both tasks
     draw them), two-image chats and text-only records, random 8x8 code grids of the tiny VQ's
     512-code book (the tiny recipe's tokenizer), in shards of 16."""
-    import json
-
-    import numpy as np
-
-    from mmdata import shard_format as sf
-    from mmdata.preprocess.energon_meta import write_energon_index, write_tar_index
-    from mmdata.preprocess.shard_writer import SampleMembers, write_shard
-    from mmdata.vision_tokens import token_format as tf
-
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
     names, layouts, per_shard = [], [], 16
