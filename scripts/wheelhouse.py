@@ -126,11 +126,14 @@ def _installed(name: str) -> bool:
 
 
 def download(pins: list[Pin], python: str, out: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+    """The pinned wheels as they are (--no-deps: the closure is already in `pins`); the build
+    requirements with their dependencies (pip's build environment starts empty)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
            "--python-version", python, "--implementation", "cp", "-d", str(out)]
     for p in PLATFORMS:
         cmd += ["--platform", p]
-    subprocess.run(cmd + [p.requirement() for p in pins], check=True)
+    subprocess.run(cmd + ["--no-deps"] + [p.requirement() for p in pins if p.version], check=True)
+    subprocess.run(cmd + [p.requirement() for p in pins if not p.version], check=True)
 
 
 def wheel_matches(path: Path, pin: Pin, python: str) -> bool:
@@ -163,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cp{python.replace('.', '')}: " + " ".join(p.requirement() for p in pins))
             continue
         download(pins, python, out)
-        files = [w for w in out.glob("*.whl") if any(wheel_matches(w, p, python) for p in pins)]
+        build_deps = [Pin(canonicalize_name(w.name.split("-")[0]), "") for w in out.glob("*.whl")
+                      if canonicalize_name(w.name.split("-")[0]) not in {p.name for p in pins}]
+        files = [w for w in out.glob("*.whl") if any(wheel_matches(w, p, python) for p in pins + build_deps)]
         total.update(files)
         size = sum(f.stat().st_size for f in files)
         print(f"cp{python.replace('.', '')}: {len(files)} wheels, {mb(size)}: "
