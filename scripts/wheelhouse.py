@@ -1,8 +1,8 @@
 """Download the wheels a GPU node needs beside its own torch, for an install without a package index.
 
 A GPU node usually has Python, a CUDA build of torch, transformers and pytest, and often no package
-index. `pip install --no-index --find-links WHEELS -e .` there needs every other distribution the
-project declares (pyproject `dependencies`, plus pytest-timeout for the test settings), and their
+index. `pip install --no-index --find-links WHEELS -e ".[gpu]"` there needs every other distribution the
+project declares (pyproject `dependencies` and the `gpu` extra: pytest-timeout), and their
 dependencies, as wheels for the node's Python. This script collects them:
 
 - the closure is read from the installed distributions of the environment that runs it (`make
@@ -38,8 +38,6 @@ from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parents[1]
 #: what a GPU node brings (and what must not be swapped): these and their whole closure stay out
 NODE_HAS = ("torch", "transformers", "pytest", "pip")
-#: from the `test` extra, what the gpu tier needs besides pytest (pyproject's addopts pass --timeout)
-TIER_NEEDS = ("pytest-timeout",)
 #: manylinux tags a node with glibc >= 2.28 takes (older tags are compatible with newer glibc)
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux_2_5_x86_64",
@@ -57,16 +55,15 @@ class Pin:
 
 
 def project_requirements(with_data: bool) -> list[Requirement]:
-    """pyproject's runtime dependencies (and the `data` extra's with `with_data`) and TIER_NEEDS,
+    """pyproject's runtime dependencies, the `gpu` extra (the tier's pytest-timeout) and with
+    `with_data` the `data` extra,
     read from the file (the installed metadata may be an older checkout's)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
     extras = project.get("optional-dependencies", {})
     if with_data:
         reqs += [Requirement(r) for r in extras.get("data", [])]
-    tier = {canonicalize_name(n) for n in TIER_NEEDS}
-    reqs += [r for r in map(Requirement, extras.get("test", [])) if canonicalize_name(r.name) in tier]
-    return reqs
+    return reqs + [Requirement(r) for r in extras.get("gpu", [])]
 
 
 def _applies(req: Requirement, extras: set[str], python: str) -> bool:

@@ -94,7 +94,7 @@ def test_install_from_the_wheelhouse_collects_the_gpu_tier_and_passes_the_smoke_
 
     t = time.monotonic()
     torch_before = sh(py, "-c", "import torch; print(torch.__version__, torch.__file__)", env=env)
-    sh(py, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels), "-e", str(REPO), env=env)
+    sh(py, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels), "-e", f"{REPO}[gpu]", env=env)
     phase("project from the wheelhouse (--no-index)", t)
     assert sh(py, "-c", "import torch; print(torch.__version__, torch.__file__)", env=env) == torch_before
     listed = {line.split("==")[0].lower() for line in sh(py, "-m", "pip", "freeze", env=env).splitlines()}
