@@ -308,7 +308,7 @@ class Workload:
 
     title: str
     recipe: Any
-    shapes: Any  # planning.cost_model.ModelShapes (the dry-run estimate and the MFU come from it)
+    shapes: Any  # models.shapes.ModelShapes (the dry-run estimate and the MFU come from it)
     parts: dict  # trainable parts for the optimizer
     build: Callable[[Any], torch.nn.Module]  # ParallelOptions -> model
     batch: Callable[[int, int, torch.device], Any]  # (rows, seq, device) -> batch
@@ -540,7 +540,7 @@ class Figure:
     recompute: str
     seconds_per_step: float
     tokens_per_s_per_gpu: float
-    mfu: float | None  # corrected formula (cost_model.step_flops); None without a known peak
+    mfu: float | None  # corrected formula (models/flops.py step_flops); None without a known peak
     peak_bytes: int  # torch max allocated (0 on a CPU)
     estimate_bytes: float  # the dry run's per-rank estimate of the same layout
 
@@ -549,7 +549,7 @@ FIGURES: list[Figure] = []
 
 
 def corrected_step_flops(work: Workload, batch: Any) -> float:
-    """Model FLOPs of one step on `batch` by the train loop's formula (cost_model.step_flops, review
+    """Model FLOPs of one step on `batch` by the train loop's formula (models/flops.py step_flops, review
     B1): causal attention from Σ len² of the packed samples, each part's backward from the freeze
     set (every part of `work.parts` trains here), the vision tower from the batch's tiles."""
     from mmtrain.models.flops import step_flops

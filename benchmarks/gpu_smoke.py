@@ -893,7 +893,7 @@ def table(figures: dict[str, dict]) -> list[str]:
     lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in (header, *rows)]
     lines.insert(1, "-" * len(lines[0]))
-    lines.append("(ratio = peak / dry-run estimate; MFU by the corrected formula, cost_model.step_flops)")
+    lines.append("(ratio = peak / dry-run estimate; MFU by the corrected formula, models/flops.py step_flops)")
     lines.append(targets_line(figures))
     return lines
 
