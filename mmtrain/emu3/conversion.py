@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from mmtrain.emu3.config import Emu3ModelConfig
+from mmtrain.emu3.model import Emu3Model
 from mmtrain.emu3.state_dict_adapter import (
     VQ_PREFIX,
     Emu3StateDictAdapter,
@@ -66,9 +67,7 @@ PROCESSOR_FILE = "preprocessor_config.json"
 
 def build_stage(cfg: Emu3ModelConfig, options: Optional[ParallelOptions] = None):
     """The Emu3Model of this rank's pipeline stage."""
-    from mmtrain.emu3.spec import build_model
-
-    return build_pipeline_stage(build_model, cfg, options)
+    return build_pipeline_stage(Emu3Model, cfg, options)
 
 
 def emu3_source(hf_dir: str | os.PathLike) -> tuple[Emu3ModelConfig, Callable[[str], torch.Tensor]]:

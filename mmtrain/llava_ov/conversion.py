@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from mmtrain.llava_ov.config import LlavaOVModelConfig
+from mmtrain.llava_ov.model import LlavaOVModel
 from mmtrain.llava_ov.llava_next import (
     LLAVA_NEXT,
     TRANSFORMERS,
@@ -81,9 +82,7 @@ CHAT_TEMPLATE = (
 
 def build_stage(cfg: LlavaOVModelConfig, options: Optional[ParallelOptions] = None):
     """The LlavaOVModel of this rank's pipeline stage."""
-    from mmtrain.llava_ov.spec import build_model
-
-    return build_pipeline_stage(build_model, cfg, options)
+    return build_pipeline_stage(LlavaOVModel, cfg, options)
 
 
 def saved_model_config(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVModelConfig:
@@ -237,6 +236,12 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
 
 
 # ----------------------------------------------------------------------------- mcore -> hf
+
+
+def assemble(dirs: dict[str, str], dst: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+             dtype: str = "auto") -> LlavaOVModelConfig:
+    """`HFConversion.assemble`: `--llm DIR --vision DIR` given to `mmtrain convert` -> `assemble_stage1`."""
+    return assemble_stage1(dirs["llm"], dirs["vision"], dst, tp=tp, pp=pp, dtype=dtype)
 
 
 def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3,
