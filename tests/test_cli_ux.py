@@ -285,7 +285,7 @@ def _fake_checkpoint(run_dir: Path, model_config) -> None:
     it = run_dir / "checkpoints" / "iter_0000002"
     it.mkdir(parents=True)
     (run_dir / "checkpoints" / "latest").write_text("2")
-    (it / "trainer_state.json").write_text('{"step": 2}')
+    (it / "trainer_state.json").write_text('{"format": 2, "step": 2}')
     (it / "model_config.yaml").write_text(yaml.safe_dump(to_plain(model_config)))
 
 

@@ -244,7 +244,7 @@ def _fake_ckpt(run_dir: Path) -> Path:
     (ckpt / "model" / "__0_0.distcp").write_bytes(os.urandom(4096))
     (ckpt / "optimizer").mkdir()
     (ckpt / "optimizer" / "common.pt").write_bytes(os.urandom(1261))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 6}))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"format": 2, "step": 6}))
     (ckpt / "config.yaml").write_text("action: run\nfamily: llava-ov\n")
     write_file_list(ckpt)
     write_latest(ckpt.parent, 6)

@@ -41,6 +41,7 @@ import torch
 from mmtrain.runtime import rng
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint, write_file_list
 from mmtrain.runtime.checkpoint.layout import (
+    CHECKPOINT_FORMAT,
     TRAINER_STATE,
     checkpoints_root,
     iter_dir,
@@ -73,6 +74,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainerState:
+    #: layout.CHECKPOINT_FORMAT (integrity.check_checkpoint refuses another)
+    format: int = CHECKPOINT_FORMAT
     step: int = 0
     consumed_samples: int = 0  # original samples (packed rows count each sample they hold)
     consumed_rows: int = 0  # micro-batch rows = global_batch_size per step
@@ -80,22 +83,19 @@ class TrainerState:
     data_sharding: str = "dp"
     lr_schedule: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
-    # the optimizer's checkpoint layout (runtime.optimizer.optimizer_kind): {} in older checkpoints
+    # the optimizer's checkpoint layout (runtime.optimizer.optimizer_kind)
     optimizer: dict[str, Any] = field(default_factory=dict)
     # the decoder's layer spec (parallel.transformer_impl): its parameter names differ between
     # "local" and "transformer_engine", so a checkpoint loads only into the spec that wrote it
     transformer_impl: str = "local"
-    # what the loader state was made for (data_identity.data_identity): {} in older checkpoints
+    # what the loader state was made for (data_identity.data_identity)
     data: dict[str, Any] = field(default_factory=dict)
     # written by a run with checkpoint.reset_data on: a rerun of it continues its data position
     data_reset: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        if known.get("layout"):  # checkpoints from before context parallelism ran cp = 1
-            known["layout"] = {"cp": 1, **known["layout"]}
-        return cls(**known)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
