@@ -16,8 +16,8 @@ Layout of `<run_dir>/checkpoints/iter_0000010/` (directory names: layout.py):
 Atomicity: everything is written into `.staging/iter_0000010/`; only when every rank is done
 does rank 0 rename it into place and then rewrite `latest` (write + os.replace). A crash
 mid-save leaves at most a staging directory that the next save overwrites; `latest` never
-points at a partial checkpoint. Tests prove it by killing a save at a chosen point
-(`KILL_IN_SAVE_ENV`, below).
+points at a partial checkpoint. Tests prove it by killing a save at a chosen point (an observer
+in `SAVE_PHASE_OBSERVERS`, below, installed by tests/workers/kill_in_save.py).
 
 Where a run starts (`CheckpointManager.starting_point`): its own latest checkpoint (a rerun of
 a killed job continues it), else `checkpoint.load` (a training checkpoint, weights only, or an
@@ -61,10 +61,10 @@ from mmtrain.runtime.checkpoint.weights import (
 from mmtrain.runtime.child_processes import install_writer_results_queue
 from mmtrain.runtime.distributed import ParallelContext, barrier, seed_model_parallel
 
-# Fault injection for the crash-consistency tests only (tests/test_train_reliability.py):
-# "STEP:POINT" SIGKILLs rank 0 while saving checkpoint STEP, after the part named POINT is staged
-# (e.g. "model": a partial staging folder) or at "publish" (staged completely, not yet renamed).
-KILL_IN_SAVE_ENV = "MMTRAIN_TEST_KILL_IN_SAVE"
+#: called as (rank, step, phase) at each phase of a save: after the part named `phase` is staged
+#: on this rank (e.g. "model": a partial staging folder), and on rank 0 at "publish" (staged
+#: completely, not yet renamed into place). The crash-consistency tests kill a save here.
+SAVE_PHASE_OBSERVERS: list[Callable[[int, int, str], None]] = []
 
 if TYPE_CHECKING:
     from mmtrain.runtime.train_data import TrainData
@@ -367,13 +367,13 @@ class CheckpointManager:
         barrier()
         for part in self.parts:
             part.save(tmp, ctx)
-            _fault_point(ctx, state.step, part.name)
+            _save_phase(ctx.rank, state.step, part.name)
         barrier()
         if ctx.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
             (tmp / "config.yaml").write_text(self.resolved_yaml)
             write_file_list(tmp)
-            _fault_point(ctx, state.step, "publish")
+            _save_phase(ctx.rank, state.step, "publish")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -386,9 +386,6 @@ class CheckpointManager:
         return final
 
 
-def _fault_point(ctx: ParallelContext, step: int, point: str) -> None:
-    """SIGKILL rank 0 here when KILL_IN_SAVE_ENV names this step and point (tests only)."""
-    if ctx.rank == 0 and os.environ.get(KILL_IN_SAVE_ENV) == f"{step}:{point}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
+def _save_phase(rank: int, step: int, phase: str) -> None:
+    for observer in SAVE_PHASE_OBSERVERS:
+        observer(rank, step, phase)
