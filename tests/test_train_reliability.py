@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
-from mmtrain.runtime.launch import child_pids
+from mmtrain.runtime.launcher import child_pids
 from tests.test_train_runtime import MMTRAIN, REPO, free_port, metrics, ref_run, tokenizer_dir, train  # noqa: F401
 
 RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")

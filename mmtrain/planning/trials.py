@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmtrain.config import Recipe, save_resolved
-from mmtrain.runtime.launch import torchrun_command
+from mmtrain.runtime.torchrun import torchrun_command
 from mmtrain.runtime.metrics import read_metrics
 from mmtrain.runtime.throughput import RANK_MEMORY_DIR
 
