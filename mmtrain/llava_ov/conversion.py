@@ -17,9 +17,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from transformers import (
+    AutoTokenizer,
+    LlavaOnevisionImageProcessorPil,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
+)
 
+from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
 from mmtrain.llava_ov.config import LlavaOVModelConfig
-from mmtrain.llava_ov.model import LlavaOVModel
 from mmtrain.llava_ov.llava_next import (
     LLAVA_NEXT,
     TRANSFORMERS,
@@ -36,6 +42,7 @@ from mmtrain.llava_ov.media_tokens import (
     resolve_media_tokens,
     vocab_rows_for,
 )
+from mmtrain.llava_ov.model import LlavaOVModel
 from mmtrain.llava_ov.state_dict_adapter import (
     LlavaOVStateDictAdapter,
     SiglipStateDictAdapter,
@@ -76,6 +83,19 @@ CHAT_TEMPLATE = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
     "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+PROCESSOR_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def processor_chat_template(d: Path) -> Optional[str]:
+    """The processor's chat template saved in `d`, if any."""
+    jinja, js = d / PROCESSOR_TEMPLATE_FILES[0], d / PROCESSOR_TEMPLATE_FILES[1]
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    if js.is_file():
+        return json.loads(js.read_text(encoding="utf-8")).get("chat_template")
+    return None
+
 
 # ----------------------------------------------------------------------------- building
 
@@ -278,8 +298,6 @@ def image_processor(cfg: LlavaOVModelConfig, hf_cfg: dict):
     """transformers' LLaVA-OneVision image processor for this model: its tower's image size,
     the anyres grid pinpoints of its config, SigLIP's mean/std (the PIL implementation: it saves
     as `LlavaOnevisionImageProcessor`, which loads as the fast one where torchvision is)."""
-    from transformers import LlavaOnevisionImageProcessorPil
-
     size = cfg.vision.image_size
     return LlavaOnevisionImageProcessorPil(image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD),
                                            size={"height": size, "width": size},
@@ -298,10 +316,6 @@ def processor_settings(cfg: LlavaOVModelConfig, hf_cfg: dict) -> dict:
 def _export_tokenizer(cfg: LlavaOVModelConfig, dst: Path):
     """The export's tokenizer (the recorded one, copied into `dst`) with `<image>`/`<video>` at
     the model's ids and a chat template; None (logged) when `dst` has no loadable tokenizer."""
-    from transformers import AutoTokenizer
-
-    from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
-
     try:
         tok = AutoTokenizer.from_pretrained(str(dst))
     except (OSError, ValueError, TypeError) as exc:
@@ -322,18 +336,12 @@ def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
     tokens, chat_template.jinja (the recorded template, else CHAT_TEMPLATE). Built from the real
     transformers objects; where torchvision is missing (no video processor can be built) the
     processor_config.json holds the processor's own arguments."""
-    from transformers import LlavaOnevisionProcessor
-
-    from mmtrain.llava_ov.generation import processor_chat_template
-
     images = image_processor(cfg, hf_cfg)
     settings = processor_settings(cfg, hf_cfg)
     tok = _export_tokenizer(cfg, dst)
     template = processor_chat_template(dst) or CHAT_TEMPLATE  # (a tokenizer's own renders text-only turns)
     if tok is not None:
         try:
-            from transformers import LlavaOnevisionVideoProcessor
-
             video = LlavaOnevisionVideoProcessor()
         except ImportError:  # torchvision absent: the part files are saved one by one below
             video = None

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from mmtrain.config.load import recipe_to_dict
 from mmtrain.runtime.checkpoint.layout import TRAINER_STATE, latest_checkpoint, resolve_checkpoint
 from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
 
@@ -77,8 +78,6 @@ class DataChangedError(CheckpointMismatchError):
 def data_identity(recipe: Recipe) -> dict[str, Any]:
     """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
     fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
-    from mmtrain.config.load import recipe_to_dict
-
     data = recipe_to_dict(recipe)["data"]
     ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in NOT_IN_LOADER_STATE}
     ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]

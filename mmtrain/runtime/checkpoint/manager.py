@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
+from megatron.core import dist_checkpointing
 
 from mmtrain.runtime import rng
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint, write_file_list
@@ -154,15 +155,11 @@ class OptimizerState:
         return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self.metadata)
 
     def save(self, ckpt: Path, ctx: ParallelContext) -> None:
-        from megatron.core import dist_checkpointing
-
         sharded = self._sharded(is_loading=False)
         install_writer_results_queue()
         dist_checkpointing.save(sharded, str(ckpt / self.name))
 
     def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
-        from megatron.core import dist_checkpointing
-
         if not (ckpt / self.name / "metadata.json").exists():
             log.warning("%s has no optimizer state; starting the optimizer fresh", ckpt)
             return False
