@@ -148,6 +148,41 @@ def test_mmtrain_lists_only_families_that_work(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_train_reads_the_family_from_the_recipe_and_aliases_check_it(tmp_path, capsys):
+    """`mmtrain train RECIPE` takes the family from `family:`; `mmtrain FAMILY RECIPE` is the
+    same command and refuses a recipe of another family, naming the key."""
+    emu3 = REPO / "recipes" / "emu3-tiny.yaml"
+    for recipe, family in ((TINY, "llava-ov"), (emu3, "emu3")):
+        rc, out, err = cli(mmtrain_main, capsys, "train", recipe, f"run_dir={tmp_path}", "--print-config")
+        assert rc == 0 and yaml.safe_load(out)["family"] == family, err
+        rc, alias_out, err = cli(mmtrain_main, capsys, family, recipe, f"run_dir={tmp_path}", "--print-config")
+        assert rc == 0 and alias_out == out, err
+    rc, _, err = cli(mmtrain_main, capsys, "emu3", TINY, "--print-config")
+    assert_user_error(rc, err, "family: recipe is for 'llava-ov' but was run as `mmtrain emu3`")
+
+
+@pytest.mark.unit
+def test_every_family_callable_named_by_a_ref_resolves():
+    """The specs name their heavy callables "module:function" (mmtrain/spec.py `Ref`): each one
+    imports and is callable, so a typo fails here rather than in a run."""
+    import dataclasses
+
+    from mmtrain import registry
+    from mmtrain.spec import Ref
+
+    refs = []
+    for spec in registry.FAMILIES.values():
+        for part in (spec, spec.hf, spec.generation):
+            if part is not None:
+                refs += [v for f in dataclasses.fields(part) if isinstance(v := getattr(part, f.name), Ref)]
+    assert len(refs) >= 15
+    for ref in refs:
+        assert callable(ref.resolve()), ref.target
+    with pytest.raises(ValueError, match="module:function"):
+        Ref("mmtrain.emu3.model.Emu3Model")
+
+
+@pytest.mark.unit
 def test_overrides_written_with_dashes_get_a_hint(capsys):
     rc, _, err = cli(mmtrain_main, capsys, "llava-ov", TINY, "--train.iters=2")
     assert rc == 2 and "Traceback" not in err
