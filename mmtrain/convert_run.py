@@ -39,7 +39,8 @@ def convert(args: argparse.Namespace, quiet: bool) -> int:
 def _convert(args: argparse.Namespace) -> int:
     hf = registry.get_family(args.model).hf
     if args.direction == "hf-to-mcore":
-        parts = {flag: getattr(args, flag) for flag in family_flags("assemble_from") if getattr(args, flag, None) is not None}
+        parts = {flag: getattr(args, flag) for flag in family_flags("assemble_from")
+                 if getattr(args, flag, None) is not None}
         if bool(parts) == bool(args.src) or (parts and set(parts) != set(hf.assemble_from)):
             both = " ".join(f"--{f} DIR" for f in hf.assemble_from)
             raise UserError(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
@@ -54,7 +55,8 @@ def _convert(args: argparse.Namespace) -> int:
                 hf.to_mcore(args.src, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
         print(f"wrote megatron checkpoint {args.dst}")
     else:
-        extras = {flag: getattr(args, flag) for flag in family_flags("export_from") if getattr(args, flag, None) is not None}
+        extras = {flag: getattr(args, flag) for flag in family_flags("export_from")
+                  if getattr(args, flag, None) is not None}
         unknown = sorted(set(extras) - set(hf.export_from))
         if unknown:
             raise UserError(f"mcore-to-hf --model {args.model} takes no {' '.join('--' + f for f in unknown)}")
