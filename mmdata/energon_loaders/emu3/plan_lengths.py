@@ -29,9 +29,11 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
 from mmdata.energon_loaders.emu3.tasks import (DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING, Emu3Tasks,
                                                generation_caption)
 from mmdata.energon_loaders.sequence import ConversationError
+from mmdata.local_tokenizer import load_local_tokenizer
 
 UNENCODABLE = -1  # the task encoder skips the sample in that task
 #: a plan's per-sample choice (its `variant` column), handed to the encoder as the subflavor
@@ -66,9 +68,6 @@ def uncond_prompt_tokens(tokenizer_path: str | Path, prompt: str) -> int:
     default: Emu3Tasks.generation renders [bos] + prompt + block + [eos])."""
     if not prompt:
         return 0
-    from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     return len(hf_text_encoder(load_local_tokenizer(tokenizer_path, "tokenizer"))(prompt))
 
 
