@@ -1,14 +1,16 @@
 # The README's two commands: `make demo` and `make test`. Both create/refresh .venv first.
 # Tiers: `make test-unit` (pure functions, in-process models: -m unit), `make test` (everything
-# but the slow tier: unit + integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host).
+# but the slow tier: unit + integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host,
+# its own python3 and torch), `make wheelhouse` (the GPU node's offline install, docs/gpu.md).
 PYTHON ?= python3.11
+NODE_PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DEMO   := demo_out
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo lint test test-unit test-slow test-all test-gpu clean
+.PHONY: install demo lint test test-unit test-slow test-all test-gpu wheelhouse clean
 
 install: $(STAMP)
 
@@ -44,9 +46,16 @@ test-all: $(STAMP)
 	$(PY) -m pytest -m "slow or not slow"
 
 # The GPU tier (tests/gpu/, about 10 min on one H200): CUDA stays visible (tests/conftest.py hides
-# it otherwise); on a host without CUDA every test is skipped with the reason.
-test-gpu: $(STAMP)
-	MMTRAIN_GPU_TESTS=1 $(PY) -m pytest -m gpu tests/gpu
+# it otherwise); on a host without CUDA every test is skipped with the reason. It runs with the
+# node's own interpreter and its installed (CUDA) torch: no venv, no install (docs/gpu.md installs
+# the project beside that torch from the wheelhouse). NODE_PYTHON=... picks another interpreter.
+test-gpu:
+	MMTRAIN_GPU_TESTS=1 $(NODE_PYTHON) -m pytest -m gpu tests/gpu
+
+# The wheels a GPU node needs beside its own torch, transformers and pytest, for cp311 and cp312
+# manylinux x86_64, into wheelhouse/ (scripts/wheelhouse.py; needs the package index).
+wheelhouse: $(STAMP)
+	$(PY) scripts/wheelhouse.py --out wheelhouse
 
 clean:
 	rm -rf $(DEMO) .pytest_cache

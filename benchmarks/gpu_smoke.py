@@ -1,10 +1,14 @@
-"""GPU smoke test on one H200 (<= 10 minutes): the review's section E checks, in its order.
+"""The one GPU check (issue 43): on one GPU (H100/H200) in 10 minutes, a verdict on the whole path.
 
-The checks (docs: /work/shared/reference/gpu-path-review.md, "E. A minimal smoke test"), each one
-line `PASS|FAIL|SKIP <name>: <detail> [<seconds> s]`; a failure does not stop the run:
-  env          torch/CUDA versions, device count, Transformer Engine as megatron sees it
-               (te_support.te_status, HAVE_TE, te_attention is a class), flash_attn /
-               cut_cross_entropy / liger_kernel present (review A2)
+    python benchmarks/gpu_smoke.py --budget 600 --report DIR
+
+Each check is one line `PASS|FAIL|SKIP <name>: <detail> [<seconds> s]`, in this order; a failure
+does not stop the run, and a check is not started when less than half its budget is left of
+`--budget` (SKIP, saying so). `--report DIR` writes DIR/report.md and DIR/report.json.
+  env          Python/torch/CUDA versions, device count; megatron-core and megatron-energon import (FAIL
+               if not: review 2, N2); Transformer Engine as installed, as te_support and as megatron
+               see it (te_status, HAVE_TE, te_attention is a class); flash_attn / cut_cross_entropy /
+               liger_kernel present (review A2)
   device       in subprocesses: CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=1 RANK=0 WORLD_SIZE=1 then
                init_distributed chooses cuda:0 (A5); the tiny recipe with parallel.backend=gloo
                while CUDA is visible is refused with a clear message (A7)
@@ -12,6 +16,12 @@ line `PASS|FAIL|SKIP <name>: <detail> [<seconds> s]`; a failure does not stop th
                forward + backward, once with TE and once with TE hidden (a PYTHONPATH entry whose
                transformer_engine raises ImportError): the SDPA/varlen fallback (A2); where
                transformer_engine is not installed, only the second (the first would repeat it)
+  tier         the LLaVA-OV and Emu3 core of the `gpu` tier (tests/gpu/test_gpu_train.py: both
+               families train 4 bf16 steps with the distributed optimizer, with TE hidden and with TE;
+               LLaVA-OV with every part trained; `make test-gpu` runs the whole tier)
+  throughput   gpu_check.py's throughput(): Aquila-VL-2B at 8,192 and 12,288 x micro-batch 2,
+               Emu3-8B shapes with 4 layers at 32,768: tokens/s/GPU, MFU (corrected formula,
+               review B1), peak memory against the dry-run estimate
   trainer      `mmtrain llava-ov recipes/llava-ov-tiny.yaml`, bf16, distributed optimizer
                (overlap_grad_reduce on), 4 steps of 2 micro-batches (images, then text-only) on
                dev shards, with freeze [] and with freeze [vision_tower, llm] (A1): finite loss
@@ -22,19 +32,18 @@ line `PASS|FAIL|SKIP <name>: <detail> [<seconds> s]`; a failure does not stop th
   sync         CUDA syncs of one decoder forward + backward under
                torch.cuda.set_sync_debug_mode("warn"): Aquila-shaped (28 layers) at 12,288
                (small with --quick) (C3, C4)
-  throughput   gpu_check.py's throughput(): Aquila-VL-2B at 8,192 and 12,288 x micro-batch 2,
-               Emu3-8B shapes with 4 layers at 32,768: tokens/s/GPU, MFU (corrected formula,
-               review B1), peak memory against the dry-run estimate
   generation   gpu_check_generate.py --layers 4 --steps 128 with TE hidden: ms/token (C6)
 Then a table of the timed figures with the targets, and `GPU_SMOKE: N passed, M failed, K skipped`
-(exit 1 when a check failed, else 0). Each check runs in its own subprocess under a time budget.
+(exit 1 when a check failed, else 0). Each check runs in its own subprocess under a time budget;
+children keep the caller's PYTHONPATH (packages installed with `pip install --target`).
 
-Without CUDA every check says SKIP (env PASSes, reporting no CUDA) and the script exits 0;
+Without CUDA every check says SKIP (env runs, reporting no CUDA) and the script exits 0;
 `--allow-cpu` runs at tiny sizes what a CPU can (env, device's refusal logic, build, trainer and
 checkpoint on gloo/fp32 with 2 steps, correctness tiny) so this script cannot rot.
 
-    python benchmarks/gpu_smoke.py [--quick] [--only env,device,...] [--work-dir DIR]
-    python benchmarks/gpu_smoke.py --allow-cpu --quick --only env,device,build,correctness
+    python benchmarks/gpu_smoke.py [--quick] [--only env,device,...] [--work-dir DIR] [--report DIR]
+    python benchmarks/gpu_smoke.py --allow-cpu --quick --only env,build,trainer --report DIR
+    python benchmarks/gpu_smoke.py --show WORK_DIR      # an earlier run's table again
 """
 
 from __future__ import annotations
@@ -113,7 +122,7 @@ def run_bounded(cmd: list[str], log: Path, timeout: float,
                 env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run `cmd` in its own session with output to `log`; (exit status or None on timeout, output).
     On timeout the whole process group is killed (a trainer's workers go with it)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
@@ -128,6 +137,14 @@ def run_bounded(cmd: list[str], log: Path, timeout: float,
             pass
         proc.wait()
     return rc, log.read_text(errors="replace")
+
+
+def child_pythonpath(*first: Path | str) -> str:
+    """PYTHONPATH for a child: `first`, the repo, then the caller's own entries. Prepended, never
+    replaced (review 2, N2): packages installed with `pip install --target DIR` or a Megatron-LM
+    checkout reach Python only through PYTHONPATH, and a child without them cannot import megatron."""
+    entries = [str(x) for x in (*first, REPO)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
 
 
 def last_error(text: str) -> str:
@@ -166,7 +183,7 @@ def hidden_te_dir(work: Path) -> Path:
 
 
 def hidden_te_env(work: Path) -> dict[str, str]:
-    return {"PYTHONPATH": f"{hidden_te_dir(work)}{os.pathsep}{REPO}"}
+    return {"PYTHONPATH": child_pythonpath(hidden_te_dir(work))}
 
 
 def emit(result: dict[str, Any]) -> None:
@@ -408,6 +425,35 @@ def check_checkpoint(smoke: Smoke, budget: float) -> Outcome:
     return Outcome("FAIL" if problems else "PASS", "; ".join(problems) + (" | " if problems else "") + detail)
 
 
+#: the LLaVA-OV and Emu3 core of the gpu tier: both families train on CUDA (bf16, distributed
+#: optimizer, nccl), with TE hidden and, where installed, with TE; of the LLaVA-OV freeze sets only
+#: "all" (one training each: the other two are `make test-gpu`'s)
+TIER_CORE = ("tests/gpu/test_gpu_train.py", "-k", "not projector-only and not frozen-vision")
+
+
+def check_tier(smoke: Smoke, budget: float) -> Outcome:
+    """`pytest -m gpu` on TIER_CORE with CUDA visible; its counts from the junit report."""
+    import xml.etree.ElementTree as ET
+
+    junit = smoke.work / "tier.xml"
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit),
+           "--basetemp", str(smoke.work / "tier"), *TIER_CORE]
+    log = smoke.work / "logs" / "tier.log"
+    rc, out = run_bounded(cmd, log, budget, {"MMTRAIN_GPU_TESTS": "1"})
+    if not junit.exists():
+        return Outcome("FAIL", f"{'timed out' if rc is None else f'exit {rc}'}: {last_error(out)} (log {log})")
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    bad = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    detail = (f"{passed} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped of {n['tests']}"
+              + (f"; failed: {', '.join(bad[:6])}" if bad else "") + (" (timed out)" if rc is None else "")
+              + f" (log {log})")
+    return Outcome("FAIL" if bad or rc is None or passed == 0 else "PASS", detail)
+
+
 def check_correctness(smoke: Smoke, budget: float) -> Outcome:
     r = run_child(smoke, "correctness", budget)
     return Outcome(r["status"], r["detail"])
@@ -481,41 +527,65 @@ class CheckSpec:
     cpu: bool  # runs under --allow-cpu without CUDA
 
 
+#: in the order of issue 43's one GPU check: env, device, build, the gpu tier's core, the throughput
+#: table; then the rest of the review's section E while the budget lasts
 CHECKS = (
     CheckSpec("env", check_env, 45, True),
     CheckSpec("device", check_device, 60, True),
     CheckSpec("build", check_build, 90, True),
+    CheckSpec("tier", check_tier, 180, False),
+    CheckSpec("throughput", check_throughput, 210, False),
     CheckSpec("trainer", check_trainer, 150, True),
     CheckSpec("checkpoint", check_checkpoint, 120, True),
     CheckSpec("correctness", check_correctness, 120, True),
     CheckSpec("sync", check_sync, 120, False),
-    CheckSpec("throughput", check_throughput, 300, False),
     CheckSpec("generation", check_generation, 180, False),
 )
+#: a check starts only with at least this share of its budget left (else SKIP, saying so)
+MIN_SHARE = 0.5
 
 
 # ----------------------------------------------------------------------------- children
 
 
+def _import_problem(module: str) -> str | None:
+    """Why `module` does not import here (its exception, one line), or None when it does."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure is the answer (a broken TE raises ImportError/OSError)
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    return None
+
+
 def child_env(args: argparse.Namespace) -> dict[str, Any]:
+    """Versions and what imports. FAIL when megatron-core or megatron-energon does not import (every
+    later check needs them; review 2, N2) or when TE's two views disagree."""
     import torch
+
+    cuda = torch.cuda.is_available()
+    parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}", f"CUDA {torch.version.cuda}",
+             f"devices {torch.cuda.device_count() if cuda else 0}"
+             + (f" ({torch.cuda.get_device_name(0)})" if cuda else " (no CUDA)")]
+    missing = {m: p for m in ("megatron.core", "megatron.energon") if (p := _import_problem(m))}
+    if missing:
+        parts += [f"{m} does not import: {p}" for m, p in missing.items()]
+        parts.append(f"PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}")
+        return {"status": "FAIL", "detail": "; ".join(parts)}
+    from megatron.core import __version__ as mcore_version
+    from megatron.energon import __version__ as energon_version
 
     from mmtrain.models.te_support import te_status
 
+    parts += [f"megatron-core {mcore_version}", f"megatron-energon {energon_version}"]
     st = te_status()
+    installed = importlib.util.find_spec("transformer_engine") is not None
+    te_problem = _import_problem("megatron.core.extensions.transformer_engine")
+    have_te: Any = (getattr(sys.modules["megatron.core.extensions.transformer_engine"], "HAVE_TE", None)
+                    if te_problem is None else f"import failed: {te_problem}")
     have = {m: importlib.util.find_spec(m) is not None for m in ("flash_attn", "cut_cross_entropy", "liger_kernel")}
-    try:
-        import megatron.core.extensions.transformer_engine as mte
-
-        have_te: Any = getattr(mte, "HAVE_TE", None)
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        have_te = f"import failed: {type(e).__name__}"
-    cuda = torch.cuda.is_available()
-    parts = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda}",
-             f"devices {torch.cuda.device_count() if cuda else 0}"
-             + (f" ({torch.cuda.get_device_name(0)})" if cuda else " (no CUDA)"),
-             f"TE available={st.available} version={st.version} reason={st.reason or '-'}", f"HAVE_TE={have_te}",
-             ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in have.items())]
+    parts += [f"transformer_engine {'installed' if installed else 'not installed'}",
+              f"TE usable={st.available} version={st.version} reason={st.reason or '-'}", f"megatron HAVE_TE={have_te}",
+              ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in have.items())]
     status = "PASS"
     if st.available:
         from mmtrain.models.layer_specs import te_attention
@@ -525,6 +595,8 @@ def child_env(args: argparse.Namespace) -> dict[str, Any]:
         status = "PASS" if is_class and have_te is True else "FAIL"
     elif have_te is True:
         status, parts[-1] = "FAIL", parts[-1] + "; megatron HAVE_TE=True but te_status says unusable"
+    elif te_problem is not None:  # megatron's TE module must import (it binds mocks) whatever TE's state
+        status = "FAIL"
     return {"status": status, "detail": "; ".join(parts)}
 
 
@@ -854,11 +926,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "trainer and checkpoint with 2 steps on gloo/fp32, correctness tiny) instead of skipping")
     ap.add_argument("--work-dir", default=None,
                     help="where data, runs and each check's log go (default: a new temporary dir, kept)")
-    ap.add_argument("--total-budget", type=float, default=None,
+    ap.add_argument("--budget", "--total-budget", dest="total_budget", type=float, default=None,
                     help="seconds for the whole run (default 600 on CUDA; under --allow-cpu on a CPU 4x that, and "
                          "4x each check's budget: a CPU is not what is timed); a check gets min(its budget, what is "
-                         "left)")
-    ap.add_argument("--report", default=None, metavar="WORK_DIR",
+                         "left); a check whose budget is more than twice what is left is not started (SKIP, "
+                         "saying so)")
+    ap.add_argument("--report", default=None, metavar="DIR",
+                    help="write DIR/report.md and DIR/report.json (every check's status, detail and seconds, "
+                         "the table); the work dir defaults to DIR/work")
+    ap.add_argument("--show", default=None, metavar="WORK_DIR",
                     help="run nothing: print the table and targets of an earlier run from WORK_DIR/figures.json "
                          "(every run writes it), the generation figures re-read from WORK_DIR/logs/generation.log")
     ap.add_argument("--child", default=None,
@@ -867,11 +943,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def report(work: Path) -> int:
-    """`--report WORK_DIR`: the table of an earlier run, from its saved figures and logs."""
+    """`--show WORK_DIR`: the table of an earlier run, from its saved figures and logs."""
     try:
         figures = json.loads((work / "figures.json").read_text())
     except (OSError, ValueError) as e:
-        print(f"gpu_smoke: --report: cannot read {work / 'figures.json'}: {e}", file=sys.stderr)
+        print(f"gpu_smoke: --show: cannot read {work / 'figures.json'}: {e}", file=sys.stderr)
         return 2
     log = work / "logs" / "generation.log"
     if log.is_file():
@@ -886,8 +962,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.child:
         return run_as_child(args)
-    if args.report:
-        return report(Path(args.report))
+    if args.show:
+        return report(Path(args.show))
     selected = [c for c in CHECKS if args.only is None or c.name in args.only.split(",")]
     unknown = set(args.only.split(",")) - {c.name for c in CHECKS} if args.only else set()
     if unknown:
@@ -896,7 +972,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
+    if args.work_dir:
+        work = Path(args.work_dir)
+    elif args.report:
+        work = Path(args.report) / "work"
+    else:
+        work = Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     work.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     scale = 1.0 if cuda else CPU_BUDGET_SCALE
@@ -904,13 +985,16 @@ def main(argv: list[str] | None = None) -> int:
         args.total_budget = 600.0 * scale
     smoke = Smoke(args=args, work=work, cuda=cuda, deadline=time.monotonic() + args.total_budget)
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    results: list[tuple[str, Outcome]] = []
+    started = time.monotonic()
     for spec in selected:
         start = time.monotonic()
         if not cuda and not (args.allow_cpu and spec.cpu) and spec.name != "env":
             outcome = Outcome("SKIP", "no CUDA device" + ("" if spec.cpu else " (a GPU-only check)")
                               if args.allow_cpu else "no CUDA device")
-        elif smoke.remaining() < 5:
-            outcome = Outcome("SKIP", f"the {args.total_budget:.0f} s total budget is spent")
+        elif smoke.remaining() < max(5.0, MIN_SHARE * spec.budget_s * scale):
+            outcome = Outcome("SKIP", f"not started: {max(0.0, smoke.remaining()):.0f} s left of the "
+                                      f"{args.total_budget:.0f} s budget, it needs about {spec.budget_s * scale:.0f} s")
         else:
             try:
                 outcome = spec.run(smoke, min(spec.budget_s * scale, smoke.remaining()))
@@ -918,13 +1002,42 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = Outcome("FAIL", f"{type(e).__name__}: {str(e)[:300]}")
         outcome.seconds = time.monotonic() - start
         counts[outcome.status] += 1
+        results.append((spec.name, outcome))
         print(f"{outcome.status} {spec.name}: {outcome.detail} [{outcome.seconds:.1f} s]", flush=True)
     print(f"\nlogs and runs: {work}")
     (work / "figures.json").write_text(json.dumps(smoke.figures, indent=1, default=str))
-    for line in table(smoke.figures):
+    lines = table(smoke.figures)
+    for line in lines:
         print(line)
-    print(f"GPU_SMOKE: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)
+    summary = f"GPU_SMOKE: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped"
+    if args.report:
+        write_report(Path(args.report), smoke, results, lines, summary, time.monotonic() - started)
+        print(f"report: {Path(args.report) / 'report.md'} and report.json")
+    print(summary, flush=True)
     return 1 if counts["FAIL"] else 0
+
+
+def write_report(out: Path, smoke: Smoke, results: list[tuple[str, Outcome]], table_lines: list[str],
+                 summary: str, seconds: float) -> None:
+    """DIR/report.json (machine-readable) and DIR/report.md (for docs/gpu.md and a note)."""
+    import platform
+
+    import torch
+
+    device = torch.cuda.get_device_name(0) if smoke.cuda else f"CPU ({platform.processor() or platform.machine()})"
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"device": device, "torch": torch.__version__, "python": sys.version.split()[0],
+            "budget_s": smoke.args.total_budget, "seconds": round(seconds, 1), "work_dir": str(smoke.work),
+            "checks": [{"name": n, "status": o.status, "detail": o.detail, "seconds": round(o.seconds, 1)}
+                       for n, o in results],
+            "figures": smoke.figures, "summary": summary}
+    (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+    md = [f"# gpu_smoke report: {device}", "",
+          f"torch {torch.__version__}, Python {data['python']}; {seconds:.0f} s of the {smoke.args.total_budget:.0f} s "
+          f"budget; logs in `{smoke.work}`.", "", "| check | status | seconds | detail |", "|---|---|---|---|"]
+    md += [f"| {n} | {o.status} | {o.seconds:.1f} | {o.detail.replace('|', '/')} |" for n, o in results]
+    md += ["", "```", *table_lines, "```", "", summary, ""]
+    (out / "report.md").write_text("\n".join(md))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class DataConfig:
     # vision-aware balancing: each step's packed rows are spread over the DP ranks and the
     # micro-batches by cost, tokens + the vision tower's tiles (rows move between DP ranks; what a
     # sample contributes is unchanged). With packing: plan, the plan must be balanced for the
-    # recipe's step shape (`mmdata pack-plan --recipe`). mmdata.energon_loaders.balance
+    # recipe's step shape (`mmtrain pack-plan RECIPE`). mmdata.energon_loaders.balance
     balance: bool = False
     # online balancing draws this many steps at once and spreads their rows over the steps as well
     # as the ranks (at one row per rank per step one step's rows cannot be evened; a window's can):

@@ -46,7 +46,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ----------------------------------------------------------------------------- shared assets
 # (session-scoped, read-only; built only when a test that runs asks for them)
 
-from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, tiny_vq_dir  # noqa: E402,F401
+from tests.emu3_tiny import emu3_tok_dir, tiny_vq_dir  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def emu3_token_shards(tmp_path_factory) -> Path:
+    """Emu3 token shards written directly, no Ray (tests/gpu/runs.py: write_emu3_token_shards)."""
+    from tests.gpu.runs import write_emu3_token_shards
+
+    return write_emu3_token_shards(tmp_path_factory.mktemp("gpu_emu3_tokens") / "tokens")
 
 
 @pytest.fixture(scope="session")
@@ -91,12 +99,12 @@ def llava_gpu_run(tmp_path_factory, llava_shards, qwen_tok):
 
 
 @pytest.fixture(scope="session")
-def emu3_gpu_run(tmp_path_factory, demo_token_dir, emu3_tok_dir):
-    """(run dir, process) of a 4-step bf16 Emu3 run on CUDA (the CPU tests' token shards)."""
+def emu3_gpu_run(tmp_path_factory, emu3_token_shards, emu3_tok_dir):
+    """(run dir, process) of a 4-step bf16 Emu3 run on CUDA."""
     from tests.gpu import runs
 
     run_dir = tmp_path_factory.mktemp("gpu_emu3_run") / "run"
-    proc = runs.train("emu3", run_dir, demo_token_dir, emu3_tok_dir, *runs.FOUR_STEPS, *runs.GPU)
+    proc = runs.train("emu3", run_dir, emu3_token_shards, emu3_tok_dir, *runs.FOUR_STEPS, *runs.GPU)
     return run_dir, proc
 
 

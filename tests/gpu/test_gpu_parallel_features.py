@@ -69,11 +69,11 @@ def _assert_matches(got: dict[int, dict], ref: dict[int, dict]) -> None:
         assert got[STEPS]["val_loss"] == pytest.approx(ref[STEPS]["val_loss"], rel=LAYOUT_REL)
 
 
+@runs.needs_gpus(2)
 def test_vision_tower_own_layout_at_tp2(one_gpu, tmp_path, llava_shards, qwen_tok, llava_hf_start):
     """`parallel.vision.tp=1` at TP=2 on 2 GPUs: the tower whole on each rank, encoding half the
     tiles, the outputs all-gathered over NCCL; its fresh weights broadcast from TP rank 0 at build
     time (before the trainer moves the model to the GPU). Same numbers as one GPU."""
-    runs.need_gpus(2)
     run = tmp_path / "run"
     proc = runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
                       "parallel.nproc_per_node=2", "parallel.tp=2", "parallel.vision.tp=1")
@@ -82,6 +82,7 @@ def test_vision_tower_own_layout_at_tp2(one_gpu, tmp_path, llava_shards, qwen_to
     _assert_matches(runs.metrics(run), one_gpu)
 
 
+@runs.needs_gpus(2)
 def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, llava_shards, qwen_tok, llava_hf_start):
     """`parallel.vpp=2` at PP=2 on 2 GPUs with an uneven split (stage 0: only the vision tower,
     projector and embedding, its second chunk empty; stage 1: both decoder layers and the loss; the
@@ -89,7 +90,6 @@ def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, llava_shards, qwen_to
     on NCCL, one DDP per chunk under the distributed optimizer with the parameter all-gathers
     overlapped (training and the forward-only evaluation). Same numbers as one GPU, and the step-3
     checkpoint is the distributed optimizer's."""
-    runs.need_gpus(2)
     run = tmp_path / "run"
     proc = runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
                       "parallel.nproc_per_node=2", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]",
@@ -125,12 +125,12 @@ def test_balance_on_one_gpu(tmp_path, llava_halves_shards, qwen_tok, llava_hf_st
         assert got["true"][step]["sample_ids"] != got["false"][step]["sample_ids"], step
 
 
+@runs.needs_gpus(2)
 def test_balance_exchanges_rows_over_nccl(tmp_path, llava_halves_shards, qwen_tok, llava_hf_start):
     """`data.balance` at DP=2 with `data.sharding=dp` on 2 GPUs: one rank draws only image rows,
     the other only text-only rows; the ranks exchange rows as bytes (CUDA uint8 tensors, sizes
     gathered first) over the DP group's NCCL communicator. Against the same run unbalanced: the
     same samples with the same losses, and the vision work spread (vision_balance 2.0 -> lower)."""
-    runs.need_gpus(2)
     overrides = ("train.iters=3", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
                  f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU,
                  "data.balance_window=1")
@@ -140,12 +140,12 @@ def test_balance_exchanges_rows_over_nccl(tmp_path, llava_halves_shards, qwen_to
         assert got["true"][step]["vision_balance"] < 1.5, step
 
 
+@runs.needs_gpus(4)
 def test_the_features_together_on_four_gpus(one_gpu, tmp_path, llava_shards, qwen_tok, llava_hf_start):
     """TP=2 x PP=2 x VPP=2 with an uneven split, the vision tower's own layout and balancing, on 4
     GPUs: the second stage's ranks hold no tower but still join the making of each rank's group of
     one (NCCL splits the world's communicator for it; made by the first stage alone, it hung).
     Same numbers as one GPU."""
-    runs.need_gpus(4)
     run = tmp_path / "run"
     runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
                "parallel.nproc_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
@@ -153,13 +153,13 @@ def test_the_features_together_on_four_gpus(one_gpu, tmp_path, llava_shards, qwe
     _assert_matches(runs.metrics(run), one_gpu)
 
 
+@runs.needs_gpus(2)
 def test_balance_window_exchanges_steps_of_rows_over_nccl(tmp_path, llava_halves_shards, qwen_tok, llava_hf_start):
     """`data.balance` with its default window at DP=2, one rank drawing only image rows and the
     other only text-only rows, 2 rows per rank per step (auto: windows of 4 steps): the 4 steps'
     rows travel over NCCL as one exchange; the 4 steps train the same samples as the unbalanced
     run's 4 steps, every step's vision work spread over the ranks (2.0 unbalanced: the images all on
     one rank), and the losses are finite (steps differ from the unbalanced run's: rows moved between them)."""
-    runs.need_gpus(2)
     overrides = ("train.iters=4", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
                  f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU)
     got = {}

@@ -82,7 +82,7 @@ def _family_data(family: str, request: pytest.FixtureRequest) -> tuple:
     """(data, tokenizer, extra overrides) of `family`'s tiny run."""
     if family == "llava-ov":
         return request.getfixturevalue("llava_shards"), request.getfixturevalue("qwen_tok"), runs.LLAVA_ORDERED
-    return request.getfixturevalue("demo_token_dir"), request.getfixturevalue("emu3_tok_dir"), ()
+    return request.getfixturevalue("emu3_token_shards"), request.getfixturevalue("emu3_tok_dir"), ()
 
 
 @pytest.mark.parametrize("family", ["llava-ov", "emu3"])

@@ -1,5 +1,5 @@
 """Exact Emu3 sample lengths for packing plans: what the length index of token shards records,
-and how `mmdata pack-plan` turns it into one length per sample.
+and how pack-plan (mmdata/packing/emu3.py) turns it into one length per sample.
 
 An Emu3 sample's encoded length depends on its task (understanding, or caption -> image
 generation, whose caption classifier-free guidance may drop) and on the text tokenizer and
@@ -92,23 +92,13 @@ class Emu3PlanGeometry:
         return cls(d["tokenizer_sha256"], d["system_prompt"], d["uncond_prompt"], dict(d["tasks"]),
                    float(d["p_uncond"]))
 
-    @classmethod
-    def from_recipe(cls, recipe) -> Emu3PlanGeometry:
-        """The geometry of an Emu3 recipe's loader (its `data:` task keys, `tokenizer.path`)."""
-        from mmdata.preprocess.lengths import tokenizer_fingerprint
-
-        d, path = recipe.data, recipe.tokenizer.path
-        if path is None:
-            raise FileNotFoundError("tokenizer.path is not set: an Emu3 plan is checked against its tokenizer")
-        return cls(tokenizer_fingerprint(path), d.system_prompt, d.uncond_prompt, dict(d.tasks), float(d.p_uncond))
-
     def differences(self, want: Emu3PlanGeometry) -> list[str]:
         """`field plan X (recipe: Y)` for each setting that differs."""
         have_d, want_d = self.as_dict(), want.as_dict()
         return [f"{k} {_short(have_d[k])} (recipe: {_short(want_d[k])})" for k in have_d if have_d[k] != want_d[k]]
 
     def remedy(self, shards: Path, seq_length: int) -> str:
-        return f"run `mmdata pack-plan {shards} --recipe RECIPE.yaml --set train.seq_length={seq_length}` (the recipe's " \
+        return f"run `mmtrain pack-plan RECIPE.yaml {shards} --set train.seq_length={seq_length}` (the recipe's " \
                "tokenizer.path and data.tasks / p_uncond / uncond_prompt / system_prompt)"
 
 
