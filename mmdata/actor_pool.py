@@ -21,6 +21,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import ray
+from ray.exceptions import RayActorError
+
 
 class ActorPoolError(RuntimeError):
     """Every actor is gone, or one item was lost with more actors than allowed."""
@@ -34,9 +37,6 @@ def run_on_actors(actors: Sequence[Any], items: Iterable[Any], call: Callable[[A
     actor is lost (beyond Ray's restarts) is sent to another live actor, at most
     `max_actors_per_item` actors in all. Returns the items each actor finished, in the order
     of `actors`."""
-    import ray
-    from ray.exceptions import RayActorError
-
     if not actors:
         raise ValueError("run_on_actors needs at least one actor")
     if queue_per_actor < 1:

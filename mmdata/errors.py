@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Iterator
+
+from mmdata.versions import version_report
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -73,8 +76,6 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
     """" (did you mean --overwrite?)" for the first unrecognised `--flag` close to a known one."""
-    import difflib
-
     known = sorted(_option_strings(parser))
     for word in message.split(":", 1)[1].split():
         flag = word.split("=", 1)[0]
@@ -106,8 +107,6 @@ class _VersionAction(argparse.Action):
         self.version = version
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from mmdata.versions import version_report
-
         print(version_report(parser.prog, self.version))  # stdout, as argparse's own version action
         parser.exit(0)
 

@@ -18,7 +18,7 @@ def load_local_tokenizer(path: str | Path, what: str = "tokenizer") -> Any:
     if not p.is_dir():
         state = "is a file, not a folder" if p.exists() else "does not exist"
         raise UserError(f"{what} {path} {state}: give a local HF tokenizer folder (nothing is downloaded)")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: imports torch; Ray length workers stay light
 
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from mmdata import shard_format as sf
+from mmdata.energon_configs import MMDATA_DATASET_CONFIG, has_mmdata_config
 from mmdata.errors import UserError
 
 INFO_JSON = ".info.json"  # energon's per-shard sample counts, inside .nv-meta/
@@ -100,8 +101,6 @@ def _check_dataset_config(ref: dict, folder: Path) -> None:
     """A metadataset entry of a shard folder with our `mmdata.yaml` must read it: without
     `dataset_config`, energon reads `dataset.yaml`, whose InterleavedSample (for loaders without
     mmdata) no mmdata task encoder takes."""
-    from mmdata.energon_configs import MMDATA_DATASET_CONFIG, has_mmdata_config
-
     if has_mmdata_config(folder) and ref.get("dataset_config") != MMDATA_DATASET_CONFIG:
         raise DatasetNotReady(f"the entry of {ref['path']} reads `{ref.get('dataset_config') or 'dataset.yaml'}` "
                               f"(energon's InterleavedSample): add `dataset_config: {MMDATA_DATASET_CONFIG}` to it "

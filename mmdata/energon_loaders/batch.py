@@ -21,11 +21,12 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence, TypeVar
 
 if TYPE_CHECKING:  # torch is imported where tensors are made; this module stays import-light
-    import torch
+    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
 #: label value that takes no loss (transformers' and megatron's convention)
 IGNORE_INDEX = -100
@@ -72,7 +73,7 @@ class PackedBatch:
         """A copy with every tensor in page-locked memory. torch's DataLoader pin thread calls
         this (`torch/utils/data/_utils/pin_memory.py` pins objects with a `pin_memory()`
         method); without it a dataclass batch stays pageable and every H2D copy blocks."""
-        import torch
+        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
         return self._map(lambda name, v: v.pin_memory() if isinstance(v, torch.Tensor) else v)
 
@@ -80,7 +81,7 @@ class PackedBatch:
         """A copy with the model's inputs on `device` (asynchronous from pinned memory); the
         host metadata (`HOST_FIELDS`, and `cu_seqlens_host`) stays on the CPU, and with
         `first_stage=False` so do the inputs only the first pipeline stage reads."""
-        import torch
+        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
         device = torch.device(device)
         stay = set(self.HOST_FIELDS) | (set() if first_stage else set(self.FIRST_STAGE_FIELDS))
@@ -130,7 +131,7 @@ class PackedBatch:
     @classmethod
     def join_rows(cls: type[_B], rows: Sequence[_B]) -> _B:
         """The batch of these one-or-more-row batches, rows in order (the inverse of `split_rows`)."""
-        import torch
+        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
         if not rows:
             raise ValueError("join_rows needs at least one row")
@@ -171,9 +172,7 @@ class PackedBatch:
     def to_bytes(self) -> bytes:
         """The batch as safetensors bytes: its tensors, and its other fields as JSON in the
         metadata (no pickle: `from_bytes` on the receiving side runs no code)."""
-        import json
-
-        from safetensors.torch import save
+        from safetensors.torch import save  # lazy: torch; mmtrain's CLI imports this module
 
         tensors, other, tuples = {}, {}, []
         for name in self._field_names():
@@ -193,9 +192,7 @@ class PackedBatch:
     @classmethod
     def from_bytes(cls: type[_B], data: bytes) -> _B:
         """The batch `to_bytes` wrote."""
-        import json
-
-        from safetensors.torch import load
+        from safetensors.torch import load  # lazy: torch; mmtrain's CLI imports this module
 
         # safetensors' layout: an 8-byte little-endian header size, then the JSON header
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
@@ -208,7 +205,7 @@ class PackedBatch:
 
 def _cumsum(lengths: Sequence[int]) -> "torch.Tensor":
     """`cu_seqlens` (int32) of segment lengths."""
-    import torch
+    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
     out = [0]
     for n in lengths:
@@ -220,7 +217,7 @@ def host_to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
     """A small host tensor (an index the model computed on the CPU) on `device`, without a
     stream sync: a copy from pageable memory to a CUDA device waits for the stream, one from
     pinned memory with `non_blocking=True` does not. Keyed on the target device."""
-    import torch
+    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
     device = torch.device(device)
     if device.type == "cpu" or t.device == device:

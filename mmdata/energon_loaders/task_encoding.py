@@ -21,6 +21,7 @@ from megatron.energon.errors import FatalSampleError
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.packing import pack_rows
 from mmdata.energon_loaders.row_mix import pack_buffer
+from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.shard_format import SAMPLE_KEY_SEP
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,6 @@ class PackingTaskEncoder(TaskEncoder):
     def text(self) -> Any:
         """`build_text` of the local tokenizer folder (loaded lazily, once per process)."""
         if self._text is None:
-            from mmdata.local_tokenizer import load_local_tokenizer
-
             self._text = self.build_text(load_local_tokenizer(self.tokenizer_path))
         return self._text
 

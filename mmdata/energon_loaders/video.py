@@ -29,7 +29,7 @@ def uniform_frame_indices(total_frames: int, max_frames: int = DEFAULT_MAX_FRAME
 
 
 def _reader(data: bytes):
-    import decord
+    import decord  # lazy: optional heavy dependency (video samples only)
 
     return decord.VideoReader(io.BytesIO(data), num_threads=1)
 

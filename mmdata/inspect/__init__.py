@@ -16,6 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
+from mmdata.energon_loaders.balance import StepShape
+from mmdata.errors import UserError
+from mmdata.inspect import preview
+from mmdata.inspect.render import summary_tables
+from mmdata.inspect.stats import summarize
+from mmdata.inspect.tokens import is_token_dataset, summarize_tokens, token_summary_tables
 from mmdata.inspect.dataset import (  # noqa: F401 - public API
     Dataset,
     QuarantineRecord,
@@ -52,12 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.errors import UserError
-    from mmdata.inspect.stats import summarize
-
     if args.key is not None:  # one sample: the preview's view (found in one seek by key)
-        from mmdata.inspect import preview
-
         return preview.run(argparse.Namespace(dir=args.dir, key=args.key, index=None, tokenizer=args.tokenizer,
                                               tiles_png=None))
     if args.sample < 1:
@@ -65,8 +68,6 @@ def run(args: argparse.Namespace) -> int:
     for name in ("cp", "tp"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    from mmdata.energon_loaders.balance import StepShape
-
     try:
         shape = StepShape(args.dp, args.micro_batch_size, args.global_batch_size)
     except ValueError as e:
@@ -77,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--context-lengths must be comma-separated integers, got {args.context_lengths!r}") from None
     if not lengths or min(lengths) <= 0:
         raise UserError(f"--context-lengths must list positive integers, got {args.context_lengths!r}")
-    from mmdata.inspect.tokens import is_token_dataset
-
     if is_token_dataset(args.dir):
         return _inspect_tokens(args)
     summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
@@ -86,10 +85,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
     else:
-        from rich.console import Console
-
-        from mmdata.inspect.render import summary_tables
-
         console = Console(width=None if sys.stdout.isatty() else 110)  # pipes/logs: wide enough for the tables
         for table in summary_tables(summary):
             console.print(table)
@@ -98,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _inspect_tokens(args: argparse.Namespace) -> int:
     """Emu3 VQ token shards: a summary of their grids (mmdata/inspect/tokens.py), not images."""
-    from mmdata.inspect.tokens import summarize_tokens, token_summary_tables
-
     if args.tokenizer is not None:
         print(f"note: {args.dir} holds Emu3 VQ token shards; --tokenizer (text tokens, packing) is not used for them",
               file=sys.stderr)
@@ -109,8 +102,6 @@ def _inspect_tokens(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, ensure_ascii=False))
         return 0
-    from rich.console import Console
-
     console = Console(width=None if sys.stdout.isatty() else 110)
     for table in token_summary_tables(summary):
         console.print(table)

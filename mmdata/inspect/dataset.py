@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+from PIL import Image
 
 from mmdata import shard_format as sf
+from mmdata.energon_loaders.sample import sample_loader
 from mmdata.readiness import DatasetNotReady, unfinished_job
 
 ITAR_SUFFIX = ".tar.idx"  # energon's per-shard sample-offset index (uint64 little-endian)
@@ -120,16 +122,12 @@ class ShardSample:
 
     def open_image(self, i: int):
         """The i-th image, fully decoded (PIL), for display."""
-        from PIL import Image
-
         img = Image.open(io.BytesIO(self.media_bytes(self.image_names[i])))
         img.load()
         return img
 
     def to_energon_fields(self) -> dict[str, Any]:
         """The fields of `ConversationSample`, built by the loaders' own `sample_loader`."""
-        from mmdata.energon_loaders.sample import sample_loader
-
         raw: dict[str, Any] = {sf.JSON_MEMBER: self.record}
         for name, ref in self.members.items():
             if name != sf.JSON_MEMBER:

@@ -16,7 +16,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from PIL import Image
+from rich.console import Console
+from rich.text import Text
+
 from mmdata.errors import UserError
+from mmdata.inspect.dataset import find_sample, open_dataset, read_shard
+from mmdata.inspect.render import draw_anyres_grid, loss_spans
+from mmdata.inspect.stats import load_chat_tokenizer, measure_sample
+from mmdata.inspect.tokens import is_token_dataset, preview_lines
 
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 
@@ -38,12 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.text import Text
-
-    from mmdata.inspect.dataset import find_sample, open_dataset, read_shard
-    from mmdata.inspect.stats import load_chat_tokenizer, measure_sample
-
     ds = open_dataset(args.dir)
     if args.key is not None:
         try:
@@ -60,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--index {position} is out of range: {args.dir} holds {total:,} samples (0..{total - 1:,})")
         shard, pos = ds.locate(position)
         sample = next(read_shard(shard, [pos]))
-    from mmdata.inspect.tokens import is_token_dataset, preview_lines
-
     if is_token_dataset(args.dir):  # Emu3 VQ token shards: code grids, no pictures to tile
         if args.tiles_png is not None:
             raise UserError(f"{args.dir} holds Emu3 VQ token shards (code grids, no images): --tiles-png needs the "
@@ -113,10 +113,6 @@ def _token_line(stats) -> str:
 def _conversation(sample, stats, chat):
     """The turns as written (no tokenizer), or as the model sees them: chat template applied,
     media expanded to their token counts, loss spans in green between ⟦ ⟧."""
-    from rich.text import Text
-
-    from mmdata.inspect.render import loss_spans
-
     text = Text()
     if chat is None or stats.error:
         for turn in sample.conversations:
@@ -138,10 +134,6 @@ def _conversation(sample, stats, chat):
 
 def _write_tiles_png(sample, stats, out: Path) -> None:
     """One image: the anyres canvas with its tile grid; several: each image as its one base tile."""
-    from PIL import Image
-
-    from mmdata.inspect.render import draw_anyres_grid
-
     if not stats.images or stats.error == "image_decode":
         raise UserError(f"sample {stats.key} has no decodable image to draw (--tiles-png)")
     single = len(stats.images) == 1

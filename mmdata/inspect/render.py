@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from PIL import Image, ImageDraw
+from rich.table import Table as RichTable
 
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.inspect.stats import DatasetSummary, SampleStats
@@ -138,8 +139,6 @@ def _fill_exec(fill: float | None, executed: float | None) -> str:
 
 def summary_tables(summary: DatasetSummary) -> list[Any]:
     """rich Tables for the terminal."""
-    from rich.table import Table as RichTable
-
     out = []
     for title, headers, rows in summary_table_data(summary):
         t = RichTable(title=title, title_justify="left")

@@ -19,8 +19,10 @@ from PIL import Image
 
 from mmdata.energon_loaders.balance import DEFAULT_TILE_TOKENS, StepShape
 from mmdata.energon_loaders.llava_ov import anyres
-from mmdata.energon_loaders.llava_ov.chat_template import with_video_placeholder
+from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer, ConversationError, with_video_placeholder
+from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, probe_video
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
+from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_balance, length_index_packing
 from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
@@ -119,8 +121,6 @@ def image_stats(sample: ShardSample, max_tiles: int = anyres.DEFAULT_MAX_TILES) 
 
 def _video_frames(sample: ShardSample, max_frames: int) -> int:
     """Frames the loader samples from the clip (its own probe: container frame count, capped)."""
-    from mmdata.energon_loaders.video import probe_video
-
     return len(probe_video(sample.media_bytes(sample.video_name), max_frames).frame_indices)
 
 
@@ -132,8 +132,6 @@ def measure_sample(
     max_frames: int | None = None,
 ) -> SampleStats:
     """All numbers of one sample; `chat` is a `ChatTokenizer` (text tokens need one)."""
-    from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-
     error = None
     try:
         images = image_stats(sample, max_tiles)
@@ -152,8 +150,6 @@ def measure_sample(
     plain = text.replace(IMAGE_PLACEHOLDER, " ").replace(VIDEO_PLACEHOLDER, " ")
     text_tokens = loss_tokens = None
     if chat is not None and error is None:
-        from mmdata.energon_loaders.llava_ov.chat_template import ConversationError
-
         try:
             toks = chat.tokenize(conv, [i.tokens for i in images], [video_tokens] if has_video else [])
             media = sum(n for _, _, n in toks.media_spans)
@@ -183,9 +179,6 @@ def measure_sample(
 def load_chat_tokenizer(path: str | Path, what: str = "tokenizer"):
     """The loader's `ChatTokenizer` over a local HF tokenizer folder (UserError naming `what`
     when there is none; nothing is downloaded)."""
-    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     return ChatTokenizer(load_local_tokenizer(path, what))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 def load_llava_ov(ckpt_dir, iteration=None):
     """See `mmtrain.llava_ov.load.load_llava_ov` (imported lazily: megatron is heavy)."""
-    from mmtrain.llava_ov.load import load_llava_ov as _load
+    from mmtrain.llava_ov.load import load_llava_ov as _load  # lazy: the CLI imports this package; megatron is heavy
 
     return _load(ckpt_dir, iteration)
 

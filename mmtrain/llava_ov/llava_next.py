@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from mmdata.energon_loaders.llava_ov import anyres
 from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
 from mmtrain.llava_ov.state_dict_adapter import SiglipAdapter, vision_config_from_hf
 from mmtrain.models.state_dict_adapter import ConversionError, LlamaDecoderAdapter, StateDictAdapter, llm_config_from_hf
@@ -108,8 +109,6 @@ def llava_next_config(hf: dict, hf_dir: Path, keys: set[str], image_token_id: in
                       vocab_size: int, where: str = "config.json") -> tuple[LlavaOVModelConfig, int]:
     """A LLaVA-NeXT config (dict) -> (LlavaOVModelConfig, vision layers stored in the weights);
     refuses by key what our model does not compute."""
-    from mmdata.energon_loaders.llava_ov import anyres
-
     archs = hf.get("architectures") or [ARCHITECTURE]
     if ARCHITECTURE not in archs:
         raise ConversionError(f"{where}: architectures={archs}: only {ARCHITECTURE} (a Qwen2 LLM) is supported")
@@ -174,8 +173,6 @@ def apply_tokenizer_settings(tokenizer: Any, hf: dict, where: str = "config.json
 
 def llava_next_hf_config(cfg: LlavaOVModelConfig, template: Optional[dict] = None) -> dict:
     """LlavaOVModelConfig -> a LLaVA-NeXT config dict (over `template`, a LLaVA-NeXT source's)."""
-    from mmdata.energon_loaders.llava_ov import anyres
-
     if not cfg.projector.bias:
         raise ConversionError("model.projector.bias=false: LLaVA-NeXT's mlp2x_gelu projector always has biases")
     llm, v = cfg.llm, cfg.vision

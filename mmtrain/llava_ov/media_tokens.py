@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
 from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
@@ -49,9 +51,6 @@ def resolve_media_tokens(tokenizer_dir: str | os.PathLike) -> MediaTokens:
 
 
 def _load_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # it warns that a LLaVA-NeXT config.json is no transformers model type
     try:

@@ -46,6 +46,7 @@ from mmtrain.models.encoder_parallel import (
 from mmtrain.models.language_model import embed_tokens, packed_decoder_forward
 from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs
 from mmtrain.models.stage_model import DecoderStageModel
+from mmtrain.runtime.distributed import compute_device
 
 
 class LlavaOVModel(DecoderStageModel):
@@ -71,8 +72,6 @@ class LlavaOVModel(DecoderStageModel):
         prepare_groups(options.encoder_tp)  # every rank, first stage or not (a collective over the world)
         if not self.pre_process:
             return
-        from mmtrain.runtime.distributed import compute_device
-
         cfg, device = self.cfg, compute_device()
         # the vision tower and projector run whole on the first stage: no SP, no PP split
         base = base_config_kwargs(cfg.params_dtype, options, sequence_parallel=False) | {"pipeline_model_parallel_size": 1}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from mmdata.energon_loaders.llava_ov import anyres
 from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
 from mmtrain.models.state_dict_adapter import (
     ConversionError,
@@ -147,8 +148,6 @@ def vision_config_from_hf(vis: dict, num_layers: Optional[int] = None, where: st
 
 def llava_config_from_hf(hf: dict) -> LlavaOVModelConfig:
     """`LlavaOnevisionConfig` (config.json dict) -> LlavaOVModelConfig; refuses what we don't model."""
-    from mmdata.energon_loaders.llava_ov import anyres
-
     archs = hf.get("architectures") or ["LlavaOnevisionForConditionalGeneration"]
     if hf.get("model_type") != "llava_onevision" or "LlavaOnevisionForConditionalGeneration" not in archs:
         raise ConversionError(
@@ -188,8 +187,6 @@ def llava_config_from_hf(hf: dict) -> LlavaOVModelConfig:
 
 def hf_config_from_llava(cfg: LlavaOVModelConfig, template: Optional[dict] = None) -> dict:
     """LlavaOVModelConfig -> a `LlavaOnevisionConfig` dict (on top of `template` when known)."""
-    from mmdata.energon_loaders.llava_ov import anyres
-
     out = dict(template or {})
     text = dict(out.get("text_config") or {})
     llm = cfg.llm

@@ -135,7 +135,7 @@ def grouped_varlen_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
 
 def _flash_attn_varlen() -> Any:
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # lazy: optional GPU dependency, probed when chosen
 
         return flash_attn_varlen_func
     except ImportError:
@@ -144,7 +144,7 @@ def _flash_attn_varlen() -> Any:
 
 def _torch_varlen() -> Any:
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # lazy: only in newer torch releases, probed when chosen
     except ImportError:
         return None
     return varlen_attn

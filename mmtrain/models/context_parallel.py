@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from mmdata.energon_loaders.batch import host_to_device
@@ -141,8 +142,6 @@ def cp_layout(cu_seqlens: torch.Tensor, cp: int, rank: int, multiple: int,
 def current_layout(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -> CPLayout:
     """`cp_layout` for this process's CP rank (sizes from megatron's parallel_state). Pass the
     host copy (`PackedBatch.host_cu_seqlens()`): a device tensor costs a device-to-host read."""
-    from megatron.core import parallel_state
-
     if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() <= 1:
         return cp_layout(cu_seqlens, 1, 0, 1, max_seqlen)
     cp = parallel_state.get_context_parallel_world_size()

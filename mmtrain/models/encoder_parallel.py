@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mmtrain.models.layout_rules import check_encoder_tp
 
@@ -83,8 +85,6 @@ class EncoderShare:
     @classmethod
     def create(cls, encoder_tp: int, device: torch.device) -> "EncoderShare":
         """From megatron's parallel_state (collective over the TP x CP group: the share order)."""
-        from megatron.core import parallel_state as ps
-
         lm_tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
         problem = check_encoder_tp(encoder_tp, lm_tp)
         if problem:
@@ -105,8 +105,6 @@ class EncoderShare:
     def tower_process_groups(self) -> Any:
         """megatron's ProcessGroupCollection for the encoder's blocks: the runtime's, with the
         encoder's own TP group."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
         pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp"])
         pgs.tp = self.encoder_tp_group
         return pgs
@@ -129,8 +127,6 @@ def prepare_groups(encoder_tp: Optional[int]) -> None:
     default group has a `bound_device_id`, passed on as `backend_options.split_from`; ranks outside
     the group join through `perform_nocolor_split`), and ncclCommSplit is collective over the
     parent communicator: a group made by the encoder's ranks alone waits forever for the rest."""
-    from megatron.core import parallel_state as ps
-
     if encoder_tp == 1 and ps.get_tensor_model_parallel_world_size() > 1:
         _own_rank_group(create=True)
 
@@ -242,8 +238,6 @@ def broadcast_over_tp(module: torch.nn.Module, device: torch.device) -> None:
     position embedding, norms) are still on the host until the trainer moves the model, and NCCL
     takes CUDA tensors only (a CPU tensor on an NCCL group: "No backend type associated with
     device type cpu")."""
-    from megatron.core import parallel_state as ps
-
     src, group = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_group()
     with torch.no_grad():
         for param in module.parameters():
@@ -258,8 +252,6 @@ def replicated_sharded_state_dict(sharded: dict[str, Any], prefix: str) -> dict[
     group of one) given the replica ids of megatron's TP-replicated tensors, (0, tp rank, dp x cp
     rank): TP rank 0 of DP rank 0 writes them, every rank reads them. Without it every TP rank
     would claim to be the main replica of the same whole tensor."""
-    from megatron.core import parallel_state as ps
-
     replica = (0, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True))
     for key, item in sharded.items():
         if key.startswith(prefix) and hasattr(item, "replica_id"):

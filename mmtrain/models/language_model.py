@@ -22,6 +22,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -216,10 +222,6 @@ def restore_tp_attributes(module: torch.nn.Module) -> None:
     """megatron tags TP-sharded weights (`tensor_model_parallel`, `partition_dim`) only while
     initialising them on CPU; with `perform_initialization=False` tag them here, so grad clipping,
     DDP and our converters see the same metadata either way."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
-    )
-
     for m in module.modules():
         dim = {ColumnParallelLinear: 0, RowParallelLinear: 1, VocabParallelEmbedding: 0}.get(type(m))
         w = getattr(m, "weight", None)

@@ -149,7 +149,7 @@ FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _cce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from cut_cross_entropy import linear_cross_entropy as cce
+    from cut_cross_entropy import linear_cross_entropy as cce  # lazy: optional GPU kernel, used only when chosen
 
     # filter_eps=None: CCE's default ("auto") skips gradient blocks below eps, an approximation
     # of the weight/embedding gradient we do not want (review B3)
@@ -157,7 +157,7 @@ def _cce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> to
 
 
 def _liger(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # lazy: optional GPU kernel
 
     out = liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=-100, reduction="none")
     return out[0] if isinstance(out, tuple) else out

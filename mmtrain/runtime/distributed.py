@@ -20,12 +20,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import random
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
+from mmtrain.models.te_support import te_status
 from mmtrain.runtime import cpu_compat, cuda_settings
 
 if TYPE_CHECKING:
@@ -165,8 +170,6 @@ def check_context_parallel_backend(cp: int, on_cuda: bool) -> None:
     te_support: megatron's TE import succeeds with a MagicMock when TE is missing (review A2)."""
     if cp <= 1 or not on_cuda:
         return
-    from mmtrain.models.te_support import te_status
-
     st = te_status()
     if not st.available:
         raise UnsupportedLayout(
@@ -181,8 +184,6 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
     Works the same for a single process (a world of one, so megatron's groups exist and every
     code path is the distributed one) and for torchrun/SLURM workers.
     """
-    from megatron.core import parallel_state
-
     env = env_rank_world()
     if env is None:
         rank, world_size, local_rank = 0, 1, 0
@@ -276,8 +277,6 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 
         else:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set")
     if _bring_up_megatron(tp, pp, cp):
-        from megatron.core import parallel_state
-
         seed_model_parallel(seed, parallel_state.get_pipeline_model_parallel_rank())
 
 
@@ -290,8 +289,6 @@ def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int]
     `timeout_mins` bounds every collective on megatron's groups (the gradient all-reduce runs on
     its DP group, not the default one): without it they keep megatron's own 30 minutes whatever
     `parallel.collective_timeout_mins` says, and a frozen rank stalls the job that long."""
-    from megatron.core import parallel_state
-
     cpu_compat.apply()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -323,11 +320,6 @@ def seed_model_parallel(seed: int, pp_rank: int) -> None:
     On GPU this is `model_parallel_cuda_manual_seed`; on CPU `cpu_compat` has replaced the
     CUDA RNG tracker with a CPU one, and the same function seeds it.
     """
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
     stage_seed = seed + 100 * pp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed)
@@ -343,8 +335,6 @@ def barrier() -> None:
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -353,8 +343,6 @@ def destroy_distributed() -> None:
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for single-process rendezvous)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

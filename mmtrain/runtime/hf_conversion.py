@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,9 +38,24 @@ if os.environ.get(QUIET_ENV) == "1":
     quiet_third_party()
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 
+from mmtrain.config.typed import from_plain  # noqa: E402
+from mmtrain.models.hf_io import DTYPE_NAMES, copy_assets, source_dtype  # noqa: E402
 from mmtrain.models.megatron_config import ParallelOptions  # noqa: E402
+from mmtrain.models.model_io import iter_canonical, load_canonical  # noqa: E402
 from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers  # noqa: E402
+from mmtrain.models.state_dict_adapter import ConversionError  # noqa: E402
+from mmtrain.runtime.checkpoint.layout import LATEST, find_latest_iteration, iter_dir, unwrap  # noqa: E402
+from mmtrain.runtime.checkpoint.weights import (  # noqa: E402
+    MODEL_CONFIG,
+    load_model_config_dict,
+    load_model_weights,
+    save_model_weights,
+)
+from mmtrain.runtime.distributed import ensure_model_parallel, free_port  # noqa: E402
 
 #: inside a converted checkpoint: the source's tokenizer/processor files and its config.json
 #: (`source_config.json`), so an export writes them back
@@ -76,10 +92,6 @@ def import_to_mcore(job: ImportJob) -> None:
     if world == 1:
         _import_rank(job)
         return
-    import torch.multiprocessing as mp
-
-    from mmtrain.runtime.distributed import free_port
-
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_entry, args=(job, r, world, port)) for r in range(world)]
@@ -94,10 +106,6 @@ def import_to_mcore(job: ImportJob) -> None:
 
 def _import_rank(job: ImportJob) -> None:
     """On every rank: build this stage, fill it from the source, save collectively."""
-    from mmtrain.models.model_io import load_canonical
-    from mmtrain.runtime.checkpoint.weights import save_model_weights
-    from mmtrain.runtime.distributed import ensure_model_parallel
-
     torch.set_num_threads(max(1, job.threads))
     ensure_model_parallel(job.tp, job.pp, seed=job.seed)
     say = _rank0_progress(job.tp * job.pp)
@@ -125,8 +133,6 @@ def import_split(num_layers: int, pp: int) -> Optional[PipelineSplit]:
 def _rank0_progress(world: int) -> Callable[[str], None]:
     """Progress lines of an import on stderr, from rank 0 only (the ranks are spawned processes
     without the CLI's logging)."""
-    import sys
-
     rank = int(os.environ.get("RANK", "0"))
 
     def say(what: str) -> None:
@@ -139,8 +145,6 @@ def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _import_rank(job)
-    import torch.distributed as dist
-
     dist.barrier()
     dist.destroy_process_group()
 
@@ -148,8 +152,6 @@ def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
 def build_pipeline_stage(build: Callable[..., torch.nn.Module], cfg: Any,
                          options: Optional[ParallelOptions] = None) -> torch.nn.Module:
     """`build(cfg, pre_process=, post_process=, options=)` for this rank's pipeline stage."""
-    from megatron.core import parallel_state
-
     return build(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
                  post_process=parallel_state.is_pipeline_last_stage(), options=options)
 
@@ -159,9 +161,6 @@ def load_unsharded(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: B
     """(model config, model) of a megatron checkpoint at TP=1/PP=1, in this process, weights
     loaded (no random init); `params_dtype` overrides the dtype the model is built in (and the
     config's)."""
-    from mmtrain.runtime.checkpoint.weights import load_model_weights
-    from mmtrain.runtime.distributed import ensure_model_parallel
-
     ensure_model_parallel(1, 1)
     cfg = saved_model_config(ckpt_dir, config_cls, iteration)
     if params_dtype is not None:
@@ -173,16 +172,11 @@ def load_unsharded(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: B
 
 def saved_model_config(ckpt_dir: str | os.PathLike, config_cls: type, iteration: Optional[int] = None) -> Any:
     """The model config stored next to a checkpoint's weights, validated like a recipe section."""
-    from mmtrain.config.typed import from_plain
-    from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
-
     return from_plain(config_cls, load_model_config_dict(ckpt_dir, iteration), f"{ckpt_dir} {MODEL_CONFIG}")
 
 
 def import_dtype(requested: str, hf_dir: str | os.PathLike) -> str:
     """The dtype an import stores the megatron weights in: `requested`, or (auto) the HF source's."""
-    from mmtrain.models.hf_io import source_dtype
-
     return source_dtype(hf_dir) if requested == "auto" else requested
 
 
@@ -190,11 +184,6 @@ def stored_dtype(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -
     """The floating dtype holding most of a megatron checkpoint's weights (from its metadata, no
     data): an import's source dtype, a training's precision (bf16 training stores bf16 weights,
     its fp32 master copies live in the optimizer state)."""
-    from megatron.core import dist_checkpointing
-
-    from mmtrain.models.hf_io import DTYPE_NAMES
-    from mmtrain.runtime.checkpoint.layout import find_latest_iteration, iter_dir
-
     it = find_latest_iteration(ckpt_dir) if iteration is None else iteration
     if it is None:
         raise FileNotFoundError(f"{ckpt_dir}: no checkpoint (no 'latest' file and no iter_*/model)")
@@ -217,9 +206,6 @@ def export_dtype(requested: str, ckpt_dir: str | os.PathLike) -> tuple[str, str]
 def canonical_tensors(model: torch.nn.Module, true_vocab: int, adapter: Any) -> dict[str, torch.Tensor]:
     """The canonical tensors of an unsharded model (vocab cut to `true_vocab`), checked to hold
     every tensor the family's adapter will ask for."""
-    from mmtrain.models.model_io import iter_canonical
-    from mmtrain.models.state_dict_adapter import ConversionError
-
     canon = dict(iter_canonical(model, true_vocab=true_vocab))
     missing = sorted(set(adapter.mcore_names()) - set(canon))
     if missing:
@@ -230,8 +216,6 @@ def canonical_tensors(model: torch.nn.Module, true_vocab: int, adapter: Any) -> 
 def record_source(dst: str | os.PathLike, hf_dirs: list[str | os.PathLike], hf_config: Optional[dict]) -> Path:
     """Keep the sources' assets (tokenizer, processor...) and HF config next to the converted
     weights; returns the assets dir."""
-    from mmtrain.models.hf_io import copy_assets
-
     assets = Path(dst) / ASSETS_DIR
     for d in hf_dirs:
         copy_assets(d, assets)
@@ -265,8 +249,6 @@ HFSource = Callable[[str | os.PathLike], tuple[Any, Callable[[str], Optional[tor
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
     """An HF model dir (config.json) rather than a megatron checkpoint dir (`latest`)."""
-    from mmtrain.runtime.checkpoint.layout import LATEST
-
     p = Path(path)
     return (p / "config.json").is_file() and not (p / LATEST).exists()
 
@@ -277,9 +259,6 @@ def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stag
     (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init).
     Built in float32 from either (a converted bf16 checkpoint records bfloat16): the CPU parity
     checks compare in fp32, and generation casts to its own `--dtype`."""
-    from mmtrain.models.model_io import load_canonical
-    from mmtrain.runtime.distributed import ensure_model_parallel
-
     if not is_hf_dir(ckpt_dir):
         return load_unsharded(ckpt_dir, config_cls, build_stage, iteration, params_dtype="float32")
     ensure_model_parallel(1, 1)
@@ -296,10 +275,6 @@ def load_hf_into_chunks(model_chunks: list[torch.nn.Module], hf_dir: str | os.Pa
     `checkpoint.load`), after checking its config against the recipe's model config on the
     family's architecture keys (naming the key that differs). `tied_output_source(cfg)`: see
     `model_io.load_canonical`."""
-    from mmtrain.models.model_io import load_canonical
-    from mmtrain.models.state_dict_adapter import ConversionError
-    from mmtrain.runtime.checkpoint.layout import unwrap
-
     cfg, get = hf_source(hf_dir)
     for key in architecture_keys if expect is not None else ():
         if getattr(expect, key) != getattr(cfg, key):

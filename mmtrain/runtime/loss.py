@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from mmdata.energon_loaders.batch import IGNORE_INDEX, host_to_device
+from mmtrain.models.context_parallel import current_layout
+from mmtrain.runtime import distributed
+
 if TYPE_CHECKING:
     from mmdata.energon_loaders.batch import PackedBatch
 
@@ -32,14 +36,9 @@ def loss_mask(batch: PackedBatch) -> torch.Tensor:
     """[B, S] bool: the positions whose label takes a loss on this rank: label != IGNORE_INDEX
     and, under context parallelism, held by this CP rank. Every family's loss function masks
     with it."""
-    from mmdata.energon_loaders.batch import IGNORE_INDEX
-    from mmtrain.models.context_parallel import current_layout
-
     mask = batch.labels != IGNORE_INDEX
     layout = current_layout(_host_cu_seqlens(batch))
     if layout.cp > 1:
-        from mmdata.energon_loaders.batch import host_to_device
-
         mask = mask & host_to_device(layout.held().view(mask.shape), mask.device)
     return mask
 
@@ -108,10 +107,8 @@ def packed_forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Mo
     model stage is called on its batch and returns the per-token loss `[B, S]` on the last stage:
     the loss is summed over the real (label != IGNORE_INDEX) tokens this rank holds (`loss_mask`:
     under context parallelism, its share of the positions) with their count (`masked_loss_sum`)."""
-    from mmtrain.runtime.distributed import compute_device
-
     # async from pinned memory; later pipeline stages leave the media inputs on the host
-    batch = next(data_iterator).to(compute_device(), first_stage=_is_first_stage(model))
+    batch = next(data_iterator).to(distributed.compute_device(), first_stage=_is_first_stage(model))
     output = model(batch)
     return output, functools.partial(masked_loss_sum, loss_mask=loss_mask(batch))
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.tensor_parallel import random as mrandom
+
+from mmtrain.runtime.distributed import compute_device
 
 
 def get_rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel import random as mrandom
-
     py_version, py_internal, py_gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state: dict[str, Any] = {
@@ -44,14 +45,10 @@ def get_rng_state() -> dict[str, Any]:
 
 def _on_cuda() -> bool:
     """The run's device (a CPU run on a GPU host has no CUDA stream to save; review A7)."""
-    from mmtrain.runtime.distributed import compute_device
-
     return compute_device().type == "cuda"
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss"]))
     npst = state["numpy"]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 from mmdata.energon_loaders.batch import PackedBatch
 
 if TYPE_CHECKING:
-    import torch
+    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
 # media_kind values
 MEDIA_ANYRES = 0  # single image: base tile + anyres grid
@@ -83,7 +83,7 @@ class LlavaOVBatch(PackedBatch):
 
     @classmethod
     def join_items(cls, rows: Sequence[LlavaOVBatch]) -> dict[str, Any]:
-        import torch
+        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
         items = [r.row_items() for r in rows]  # checks each row's media
         return {**{name: torch.cat([getattr(r, name) for r in rows]) for name in cls.MEDIA_FIELDS + ("pixel_values",)},
@@ -96,9 +96,9 @@ class LlavaOVBatch(PackedBatch):
     def normalised_pixels(self) -> torch.Tensor:
         """float32 SigLIP-normalised tiles on `pixel_values`' device (bit-equal to the loader's
         former fp32 normalisation: `anyres.normalise_pixels`)."""
-        import torch
+        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
-        from mmdata.energon_loaders.llava_ov.anyres import normalise_pixels
+        from mmdata.energon_loaders.llava_ov.anyres import normalise_pixels  # lazy: imports torch; the CLI imports this
 
         if self.pixel_values.dtype != torch.uint8:
             return self.pixel_values

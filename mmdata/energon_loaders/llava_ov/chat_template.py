@@ -64,7 +64,7 @@ def add_media_tokens(tokenizer: Any) -> list[str]:
     loads the same tokenizer gets the same ids. Returns the tokens added."""
     added = [t for t in (IMAGE_TOKEN, VIDEO_TOKEN) if token_id(tokenizer, t) is None]
     if added:
-        from transformers import AddedToken  # only here: a Ray worker counting lengths never imports torch
+        from transformers import AddedToken  # lazy: a Ray worker counting lengths never imports torch
 
         tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
     return added
