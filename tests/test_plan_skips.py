@@ -6,6 +6,7 @@ skipped is counted per step and summed at the end of the run."""
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 import shutil
 from collections import Counter
@@ -186,3 +187,39 @@ def test_skips_are_counted_per_step_and_summed_at_the_end():
     assert skip_summary({"plan_overflow": 344}, 513, pp.PLAN_SKIP_HINTS) == (
         "344 of 857 samples skipped: plan_overflow 344; preprocess with --tokenizer (exact lengths) and rerun pack-plan")
     assert skip_summary({}, 513, pp.PLAN_SKIP_HINTS) is None
+
+
+def test_a_run_that_skipped_samples_ends_with_one_line(caplog):
+    """The trainer's closing line sums its steps' skips (of the samples drawn: trained + skipped)."""
+    from mmtrain.runtime.trainer import Trainer
+
+    results = [_result(step=1, samples=200, skipped={"plan_overflow": 100}),
+               _result(step=2, samples=313, skipped={"plan_overflow": 244}), _result(step=3, samples=0)]
+    logging_rank = SimpleNamespace(ctx=SimpleNamespace(is_logging_rank=True))
+    with caplog.at_level("WARNING", logger="mmtrain.runtime.trainer"):
+        Trainer._say_skips(logging_rank, results)
+        Trainer._say_skips(logging_rank, [_result()])
+    assert [r.getMessage() for r in caplog.records] == [
+        "344 of 857 samples skipped: plan_overflow 344; preprocess with --tokenizer (exact lengths) and rerun pack-plan"]
+
+
+def test_training_counts_skips_in_its_step_lines_and_metrics(estimated, tmp_path, monkeypatch, caplog):
+    """A short opted-in run on the estimated plan with no room to carry (as main behaved): every
+    skip is in the step line and in metrics.jsonl, and the run ends with the summary line."""
+    out, tok, _ = estimated
+    monkeypatch.setattr(pp, "PLAN_CARRY_LIMIT", 0)  # the loader workers fork from here: they see it too
+    run_dir = tmp_path / "run"
+    with caplog.at_level("INFO", logger="mmtrain.runtime.trainer"):
+        assert mmtrain_main(["llava-ov", str(RECIPE), f"data.paths=[{out}]", f"tokenizer.path={tok}",
+                             "data.packing=plan", "data.plan_allow_estimated_lengths=true", f"train.seq_length={SEQ}",
+                             f"run_dir={run_dir}", "train.iters=2", "checkpoint.save=false",
+                             "logging.tensorboard=false"]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = sum(r["num_skipped"] for r in records)
+    assert skipped > 0 and all(sum(r["skipped"].values()) == r["num_skipped"] for r in records)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"| skipped {r['num_skipped']} (plan_overflow {r['num_skipped']})" in line
+               for r in records if r["num_skipped"] for line in lines)
+    trained = sum(r["num_samples"] for r in records)
+    assert f"{skipped} of {trained + skipped} samples skipped: plan_overflow {skipped}; preprocess with --tokenizer" \
+        in lines[-1]
