@@ -21,11 +21,17 @@ yields every rank's micro-batches of a step, rank after rank. The loader's micro
 size must be the plan's.
 
 Samples are read by global index with energon's random access (its tar index), encoded with the
-family's task encoder (skips counted as online) and packed with its hooks. A worker's whole
-state is the number of batches it has produced, saved and restored by energon's savable loader,
-so a resumed run continues exactly. A sample whose encoded length makes its sequence overflow
-(a plan made from estimated text lengths, or another tokenizer) is skipped and counted as
-`plan_overflow`; plan with the training tokenizer (`mmdata preprocess --tokenizer`) to avoid it.
+family's task encoder (skips counted as online) and packed with its hooks. A sample whose
+encoded length does not fit what its row has left (a plan made from estimated text lengths, or
+another tokenizer: training refuses such a plan unless `data.plan_allow_estimated_lengths`) is
+carried: it goes first into this worker's next row, in order, and trains there. The carry holds
+at most PLAN_CARRY_LIMIT samples; one more is skipped and counted as `plan_overflow` (an
+estimated plan, whose rows overflow by far more than a few tokens, reaches it: plan from exact
+lengths, `mmdata preprocess --tokenizer`). A sample longer than the sequence on its own (the
+encoder truncates text, so only a family that does not) is skipped as `plan_too_long`. A
+worker's whole state is the number of batches it has produced and its carried samples (their
+global index, key and variant), saved and restored by energon's savable loader, so a resumed run
+continues exactly.
 A plan whose family drew per-sample choices that change lengths (Emu3's task and caption drop:
 its `variant` column) hands each sample its choice as the subflavor PLAN_VARIANT; one whose keys
 are not the global indices (token shards, which keep their input's keys) lists them (`key`).
@@ -52,7 +58,14 @@ from mmdata.packing.plan_file import PlanError, plan_path, read_plan_info
 from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
 
-PLAN_OVERFLOW = "plan_overflow"
+PLAN_OVERFLOW = "plan_overflow"  # the carry was full: the sample did not fit its row nor a later one
+PLAN_TOO_LONG = "plan_too_long"  # longer than the sequence on its own: no row can hold it
+PLAN_CARRIED = "plan_carried"  # counter: samples carried into a later row (they train there)
+#: samples a worker carries into later rows at most (its loader state holds them)
+PLAN_CARRY_LIMIT = 256
+#: what to do about a skip reason of plan packing (the run's closing summary)
+PLAN_SKIP_HINTS = {PLAN_OVERFLOW: "preprocess with --tokenizer (exact lengths) and rerun pack-plan",
+                   PLAN_TOO_LONG: "rerun pack-plan at a longer --seq-length"}
 #: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
 #: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)
 PLAN_VARIANT = "plan_variant"
@@ -125,6 +138,22 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     return shards, path, info
 
 
+def lengths_estimated(info: dict) -> bool:
+    """Whether a plan was made from estimated text lengths (shards preprocessed without
+    --tokenizer): its rows overflow when the samples are encoded."""
+    return bool(info.get("lengths_estimated", info.get("text_tokens") == "estimate"))
+
+
+def estimated_lengths_problem(info: dict, path: Path | str) -> str | None:
+    """Why training should not follow a plan of estimated lengths (None for exact ones): its
+    samples do not fit the rows they were planned into."""
+    if not lengths_estimated(info):
+        return None
+    return (f"packing plan {path} was made from estimated text lengths (shards preprocessed without --tokenizer): "
+            "its rows overflow and samples are carried or skipped; preprocess with `--tokenizer DIR` (the training "
+            "tokenizer) and rerun pack-plan, or set data.plan_allow_estimated_lengths: true to train with it")
+
+
 def _check_geometry(path: Path, info: dict, geometry: PlanGeometry | Emu3PlanGeometry, remedy: str) -> None:
     """Refuse a plan counted with another geometry than the recipe's: the image token geometry
     (LLaVA-OV), or what an Emu3 plan's lengths and variants depend on."""
@@ -190,7 +219,7 @@ def _encode(task_encoder: TaskEncoder, sample: Any) -> Any:
 class PlanPackedDataset(SavableDataset):
     """This worker's micro-batches of plan sequences (see the module docstring)."""
 
-    _savable_fields = ("_batches",)
+    _savable_fields = ("_batches", "_carry")
 
     def __init__(self, shards: Path, plan: PlanSequences, task_encoder: PackingTaskEncoder, *,
                  micro_batch_size: int, seed: int, worker_config: WorkerConfig):
@@ -214,6 +243,13 @@ class PlanPackedDataset(SavableDataset):
 
     def reset_state_own(self) -> None:
         self._batches = 0  # micro-batches this worker has produced
+        #: samples that did not fit their row, for this worker's next rows: [global index, key, variant]
+        self._carry: list[list[Any]] = []
+
+    def restore_state(self, state: Any) -> None:
+        if state is not None and "_carry" not in state:  # a loader state saved before carrying
+            state["_carry"] = []
+        super().restore_state(state)
 
     def worker_has_samples(self) -> bool:
         return True
@@ -287,9 +323,13 @@ class PlanPackedDataset(SavableDataset):
         return sample
 
     def _row(self, sequence: int) -> list[Any]:
-        """The encoded samples of one plan sequence (skips and overflow counted)."""
+        """The encoded samples of one plan row: the carried samples first (those that fit, in
+        order), then the plan sequence's; one that does not fit what is left is carried to the
+        next row (skips counted: the encoder's, `plan_too_long`, `plan_overflow` when the carry is full)."""
         te, row, used = self.task_encoder, [], 0
-        for index, key, variant in self.plan.members(sequence):
+        carried, self._carry = self._carry, []
+        for member in [*carried, *self.plan.members(sequence)]:
+            index, key, variant = member
             sample = self._read(index, key)
             if variant is not None:
                 sample.__subflavors__ = {**(sample.__subflavors__ or {}), PLAN_VARIANT: variant}
@@ -297,13 +337,19 @@ class PlanPackedDataset(SavableDataset):
                 encoded = _encode(te, sample)
             except SkipSample:  # counted by the encoder
                 continue
-            if used + len(encoded.input_ids) > te.seq_length:
-                te._skip(PLAN_OVERFLOW, str(getattr(encoded, "id", index)),
-                         f"{len(encoded.input_ids)} tokens do not fit the {te.seq_length - used} left in plan "
-                         f"sequence {sequence}")
-                continue
-            used += len(encoded.input_ids)
-            row.append(encoded)
+            n = len(encoded.input_ids)
+            sid = str(getattr(encoded, "id", index))
+            if n > te.seq_length:
+                te._skip(PLAN_TOO_LONG, sid, f"{n} tokens > seq_length {te.seq_length}")
+            elif used + n <= te.seq_length:
+                used += n
+                row.append(encoded)
+            elif len(self._carry) < PLAN_CARRY_LIMIT:
+                self._carry.append([index, key, variant])
+                te._count(PLAN_CARRIED)
+            else:
+                te._skip(PLAN_OVERFLOW, sid, f"{n} tokens do not fit the {te.seq_length - used} left in plan "
+                         f"sequence {sequence}, and {PLAN_CARRY_LIMIT} samples are carried already")
         return row
 
     def __iter__(self) -> Iterator[Any]:

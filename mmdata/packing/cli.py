@@ -8,6 +8,8 @@ header sizes, the text tokens kept. Training refuses a plan whose geometry diffe
 recipe's (`plan_packing.plan_for_data`). Emu3 token shards (`mmdata tokenize-images --tokenizer`)
 are planned with Emu3's default task settings here (emu3.py); `mmtrain pack-plan RECIPE.yaml`
 plans with a recipe's settings, geometry, sequence length and step shape, through `make_plan`.
+The output line and the metadata (`lengths_estimated`) say whether the text lengths are exact
+(`mmdata preprocess --tokenizer`) or estimates, which training refuses unless the recipe opts in.
 The metadata's `packing_report` (also printed) holds the plan's bin fill and executed-token
 efficiency at `--cp`/`--tp`, CP padding counted as the runtime pads (energon_loaders/packing_report.py).
 """
@@ -39,6 +41,9 @@ from mmdata.shard_format import MANIFEST_NAME
 from mmdata.vision_tokens.lengths import index_meta
 
 RECIPE_COMMAND = "mmtrain pack-plan RECIPE.yaml [DIR] [--set KEY=VALUE ...]"
+#: the output line's note on a plan of estimated text lengths (its metadata: `lengths_estimated`)
+ESTIMATED_NOTE = ("text lengths are ESTIMATES (shards preprocessed without --tokenizer): rows will overflow; "
+                  "training refuses this plan unless data.plan_allow_estimated_lengths: true")
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,9 @@ def make_plan(req: PlanRequest) -> Path:
             inputs = image_plan_inputs(req.root, table, req.geometry, on_shard=progress.step("recount shards"))
         plan = plan_packing(inputs.lengths, req.seq_length, req.seed, req.jobs or os.cpu_count() or 1,
                             on_chunk=progress.step("pack chunks"))
+    estimated = inputs.meta.get("text_tokens") == "estimate"  # shards preprocessed without --tokenizer
     meta = {"lengths_sha256": sha256_file(req.root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
-            **inputs.meta, "geometry": inputs.geometry.as_dict()}
+            **inputs.meta, "lengths_estimated": estimated, "geometry": inputs.geometry.as_dict()}
     balance_line = None
     if req.balance is not None:
         shape, tile_tokens = req.balance
@@ -94,7 +100,8 @@ def make_plan(req: PlanRequest) -> Path:
     out = write_plan(req.root, plan, inputs.index, req.seed, meta,
                      {"tiles": inputs.tiles.astype(np.int32), **(inputs.columns or {})})
     print(f"{out}: {len(plan.bins):,} sequences of {req.seq_length:,} tokens for {len(inputs.lengths):,} samples, "
-          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}")
+          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}; "
+          f"{ESTIMATED_NOTE if estimated else 'exact text lengths'}")
     print(f"packing report: {report.line()}")
     if balance_line is not None:
         print(balance_line)

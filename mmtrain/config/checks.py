@@ -60,6 +60,9 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
     if r.data.packing_plan is not None and r.data.packing != "plan":
         errors.add(("data", "packing_plan"), f"is only read with data.packing: plan (got packing: {r.data.packing}); "
                    "set data.packing=plan or drop data.packing_plan", [("data", "packing")])
+    if r.data.plan_allow_estimated_lengths and r.data.packing != "plan":
+        errors.add(("data", "plan_allow_estimated_lengths"), f"is only read with data.packing: plan (got packing: "
+                   f"{r.data.packing}); set data.packing=plan or drop it", [("data", "packing")])
     window = r.data.balance_window
     if window != "auto" and window < 1:
         errors.add(("data", "balance_window"), f"must be >= 1 steps or auto, got {window}")

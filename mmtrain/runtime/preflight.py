@@ -34,7 +34,7 @@ import yaml
 from mmdata import shard_format as sf
 from mmdata.energon_configs import config_sample_type
 from mmdata.energon_loaders.balance import StepShape
-from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data, plan_step_shape
+from mmdata.energon_loaders.plan_packing import PlanError, estimated_lengths_problem, plan_for_data, plan_step_shape
 from mmdata.errors import UserError
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmtrain.recipe_plan import recipe_geometry
@@ -108,6 +108,8 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
                                 f"RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
                                 f"--micro-batch-size {shape.micro_batch_size} --global-batch-size "
                                 f"{shape.global_batch_size}")
+            if not recipe.data.plan_allow_estimated_lengths and (why := estimated_lengths_problem(info, path)):
+                problems.append(f"data.packing: plan: {why}")
         except (PlanError, FileNotFoundError) as err:  # (FileNotFoundError: a tokenizer.path to fingerprint)
             problems.append(f"data.packing: plan: {err}")
     return train_samples

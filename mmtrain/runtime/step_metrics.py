@@ -57,6 +57,8 @@ class StepResult:
     executed_token_efficiency: Optional[float] = None
     #: max / mean over the DP ranks of the tiles their vision towers encoded this step (None: no tiles)
     vision_balance: Optional[float] = None
+    #: samples the loaders skipped making the global batch, per reason (summed over DP)
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class StepTotals:
     loss: Optional[float] = None
     sample_ids: list[str] = field(default_factory=list)
     sample_losses: list[Optional[float]] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 class StepMetrics:
@@ -122,7 +125,8 @@ class StepMetrics:
                                    if self.spec.encoder_inputs is not None else 0)
         counts = torch.tensor(
             [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self.model_flops(batches),
-             packing.capacity, packing.computed_tokens, self.hardware_flops(batches), *tiles],
+             packing.capacity, packing.computed_tokens, self.hardware_flops(batches),
+             float(sum(step_data.skipped.values())), *tiles],
             dtype=torch.float64,
             device=ctx.device,
         )
@@ -137,11 +141,25 @@ class StepMetrics:
             hardware_flops=float(counts[6]),
             bin_fill=float(counts[0] / counts[4]) if counts[4] > 0 else None,
             executed_token_efficiency=float(counts[0] / counts[5]) if counts[5] > 0 else None,
-            vision_balance=vision_balance(counts[7:].tolist()),
+            vision_balance=vision_balance(counts[8:].tolist()),
+            skipped=self._gather_skips(step_data.skipped, int(counts[7])),
         )
         if ctx.is_last_stage:
             self._gather_losses(step_data, reports, totals)
         return totals
+
+    def _gather_skips(self, mine: dict[str, int], total: int) -> dict[str, int]:
+        """The global batch's skips per reason: gathered only in a step whose DP sum (`total`, the
+        same on every rank) says there are any."""
+        if total == 0 or self.ctx.dp == 1:
+            return dict(mine)
+        gathered: list[Any] = [None] * self.ctx.dp
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
+        summed: dict[str, int] = {}
+        for rank_skips in gathered:
+            for reason, n in rank_skips.items():
+                summed[reason] = summed.get(reason, 0) + n
+        return dict(sorted(summed.items()))
 
     def _gather_losses(self, step_data: StepData, reports: list[dict[str, Any]], totals: StepTotals) -> None:
         """The loss over the global batch's label tokens and every sample's loss, in DP-rank order."""
@@ -187,6 +205,8 @@ def step_record(r: StepResult, world_size: int, peak_flops: Optional[float], mem
         "num_samples": r.samples,
         "num_loss_tokens": r.loss_tokens,
         "skipped_update": not r.updated,
+        "skipped": r.skipped,  # samples the loaders skipped making this step's batch, per reason
+        "num_skipped": sum(r.skipped.values()),
         "bin_fill": r.bin_fill,
         "executed_token_efficiency": r.executed_token_efficiency,
         "vision_balance": r.vision_balance,
@@ -208,8 +228,27 @@ def step_line(r: StepResult, record: dict[str, Any], iters: int, eta: str) -> st
     hfu_text = f" (hfu {record['hfu']:.1%})" if record["hfu"] is not None else ""
     return (f"step {r.step}/{iters} | loss {loss:.4f} | lr {r.lr:.3e} | grad_norm {r.grad_norm:.3f}"
             f" | {record['tokens_per_s']:.0f} tok/s | {record['samples_per_s']:.2f} samples/s"
-            f" | fill {_percent(r.bin_fill)} | exec {_percent(r.executed_token_efficiency)}"
+            f" | fill {_percent(r.bin_fill)} | exec {_percent(r.executed_token_efficiency)}{_skip_part(r.skipped)}"
             f" | mfu {mfu_text}{hfu_text} | mem {mem:.2f} GiB | eta {eta}{_eval_log_part(r.evaluation)}")
+
+
+def _skip_part(skipped: dict[str, int]) -> str:
+    """` | skipped 12 (plan_overflow 12)` for a step whose loaders skipped samples, else ``."""
+    if not skipped:
+        return ""
+    return f" | skipped {sum(skipped.values())} ({', '.join(f'{k} {v}' for k, v in skipped.items())})"
+
+
+def skip_summary(skipped: dict[str, int], trained: int, hints: dict[str, str]) -> str | None:
+    """The run's closing line when its loaders skipped samples (`344 of 857 samples skipped:
+    plan_overflow 344; preprocess with --tokenizer ...`): skipped of drawn (trained + skipped),
+    per reason, and what to do about the reasons `hints` knows; None when nothing was skipped."""
+    n = sum(skipped.values())
+    if n == 0:
+        return None
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+    todo = [hints[k] for k in skipped if k in hints]
+    return f"{n} of {trained + n} samples skipped: {reasons}" + (f"; {'; '.join(todo)}" if todo else "")
 
 
 def _percent(x: Optional[float]) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -57,6 +58,14 @@ class StepData:
     num_samples: int = 0  # original (unpacked) samples in this rank's micro-batches
     num_tokens: int = 0  # real (non-padding) token positions processed
     num_loss_tokens: int = 0
+    #: samples the loader skipped making this step's micro-batches, per reason (this rank's share:
+    #: with `sharding: replicated` rank 0 counts every rank's, the others none, so DP sums are right)
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+def batch_skips(batch: PackedBatch) -> dict[str, int]:
+    """The skips a batch's workers counted since their previous batch, per reason."""
+    return {k.split("/", 1)[1]: int(v) for k, v in batch.stats.items() if k.startswith("skipped/") and v}
 
 
 def batch_sample_ids(batch: PackedBatch) -> list[str]:
@@ -96,6 +105,8 @@ class TrainData:
         self._window_start: str | None = None  # the loader's state before it (None: a fresh loader)
         self._restored: str | None = None  # the loader state restored into the fresh loader
         self._resume: tuple[int, int] | None = None  # (steps, trained) of a restored window
+        self._skipped: Counter = Counter()  # skips of the batches drawn since the previous step
+        self._counts_skips = self.sharding != "replicated" or ctx.dp_rank == 0
 
     def _make_balancer(self) -> RowBalancer:
         return RowBalancer(tile_token_cost(self._spec.model_shapes(self._recipe.model)), self._spec.encoder_inputs)
@@ -140,6 +151,8 @@ class TrainData:
         if not isinstance(batch, self.batch_type):
             raise TypeError(f"the {self.family} loader yielded {type(batch).__name__}, "
                             f"not the family's batch type {self.batch_type.__name__}")
+        if self._counts_skips:
+            self._skipped.update(batch_skips(batch))
         return batch
 
     def close(self) -> None:
@@ -154,7 +167,8 @@ class TrainData:
         if not self._placed:
             self._draw_window()
         mine = self._placed.pop(0)
-        data = StepData(micro_batches=mine)
+        data = StepData(micro_batches=mine, skipped=dict(sorted(self._skipped.items())))
+        self._skipped.clear()
         for batch in mine:
             ids = batch_sample_ids(batch)
             data.sample_ids.extend(ids)

@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from mmdata.energon_loaders.batch import PackedBatch
+from mmdata.energon_loaders.plan_packing import PLAN_SKIP_HINTS
 from mmdata.units import format_duration, plural
 from mmtrain.config.schema import Recipe
 from mmtrain.models.lm_loss import resolve_loss_impl
@@ -79,7 +80,7 @@ from mmtrain.runtime.throughput import (
 from mmtrain.models.te_support import te_status
 from mmtrain.runtime.cuda_settings import cp_comm_type_problem
 from mmtrain.runtime.metrics import MetricsWriter
-from mmtrain.runtime.step_metrics import StepMetrics, StepResult, step_line, step_record
+from mmtrain.runtime.step_metrics import StepMetrics, StepResult, skip_summary, step_line, step_record
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
 
@@ -402,6 +403,7 @@ class Trainer:
                 self.stopped_by = None
             if self._last_saved_step != self.state.step and recipe.checkpoint.save:
                 self.save()
+        self._say_skips(results)
         if self.stopped_by is not None and ctx.rank == 0:
             saved = (f"checkpoint saved in {self.checkpoints.root}. Run the same command again to resume"
                      if recipe.checkpoint.save else "no checkpoint (checkpoint.save: false)")
@@ -409,6 +411,19 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         return results
+
+    def _say_skips(self, results: list[StepResult]) -> None:
+        """One closing line when this run's loaders skipped samples: how many of those drawn, why,
+        and what to do (every step's own count is in its line and in metrics.jsonl)."""
+        if not self.ctx.is_logging_rank:
+            return
+        skipped: dict[str, int] = {}
+        for r in results:
+            for reason, n in r.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        line = skip_summary(skipped, sum(r.samples for r in results), PLAN_SKIP_HINTS)
+        if line is not None:
+            log.warning("%s", line)
 
     @contextlib.contextmanager
     def _saying_where_to_resume_on_ctrl_c(self) -> Iterator[None]:
