@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from mmtrain.emu3.config import Emu3ModelConfig
+from mmtrain.emu3.image_area import record_trained_image_area
 from mmtrain.emu3.state_dict_adapter import (
     VQ_PREFIX,
     Emu3StateDictAdapter,
@@ -174,4 +175,5 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
     for extra in (tokenizer, vq_dir):
         if extra is not None:
             copy_assets(extra, dst)
+    record_trained_image_area(src, dst / PROCESSOR_FILE)  # the token shards' area, not the VQ's default
     return dst
