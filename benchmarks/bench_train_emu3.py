@@ -176,10 +176,12 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
         result["times"] = run_baseline(recipe, steps, threads)
     else:
         os.environ["MMTRAIN_CPU_THREADS"] = str(threads)
-        from mmtrain.runtime.launch import setup_logging, train
+        from mmtrain.registry import get_family
+        from mmtrain.runtime.logs import setup_logging
+        from mmtrain.runtime.training import train
 
         setup_logging()
-        train(recipe)
+        train(recipe, get_family(recipe.family))
         records = [json.loads(x) for x in (Path(recipe.run_dir) / "metrics.jsonl").read_text().splitlines()]
         # compute only, like the baseline (its batches were drawn and converted before timing)
         result["times"] = [r["step_time_s"] - r.get("data_wait_s", 0.0) for r in records]

@@ -198,10 +198,11 @@ def main() -> int:
 
     print("ours: mmtrain llava-ov (megatron-core) in this process", flush=True)
     os.environ["MMTRAIN_CPU_THREADS"] = str(args.threads)
-    from mmtrain.runtime.launch import setup_logging, train
+    from mmtrain.runtime.logs import setup_logging
+    from mmtrain.runtime.training import train
 
     setup_logging()
-    train(recipe)
+    train(recipe, spec)
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     try:
         check_logged_steps_match(records, steps)

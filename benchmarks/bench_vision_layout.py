@@ -138,7 +138,7 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
     from mmtrain.config.schema import ParallelConfig
     from mmtrain.runtime.distributed import destroy_distributed, init_distributed
-    from mmtrain.runtime.launch import quiet_third_party
+    from mmtrain.runtime.logs import quiet_third_party
 
     quiet_third_party()
     ctx = init_distributed(ParallelConfig(tp=TP, nproc_per_node=TP, distributed_optimizer=False), seed=1234)

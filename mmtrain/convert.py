@@ -180,7 +180,7 @@ def _quiet_third_party() -> None:
     """Hide the third-party warnings training hides (optional Transformer Engine / Apex absent,
     megatron deprecations), here and in the ranks a conversion spawns (they read the variable
     when they import mmtrain/runtime/hf_conversion.py, before megatron)."""
-    from mmtrain.runtime.launch import quiet_third_party
+    from mmtrain.runtime.logs import quiet_third_party
 
     quiet_third_party()  # first: importing hf_conversion imports megatron
     from mmtrain.runtime.hf_conversion import QUIET_ENV

@@ -1,7 +1,11 @@
-"""The model families mmtrain can build: the one place the CLI (`mmtrain <family>`,
-`mmtrain convert --model`), recipe validation (`family:`), checkpoint loading and planning learn
-which families exist. A new family adds its `FamilySpec` here (see mmtrain/spec.py and
-docs/architecture.md)."""
+"""The model families mmtrain can build: the one place the CLI (`mmtrain train`'s `family:`, the
+`mmtrain <family>` aliases, `mmtrain convert --model`, `mmtrain generate <family>`), recipe
+validation, checkpoint loading and planning learn which families exist. A new family adds its
+`FamilySpec` here (see mmtrain/spec.py and docs/architecture.md).
+
+One of the named lazy-import boundaries: a spec names its heavy callables (model, loader,
+conversion, generation) as `Ref("module:function")`, imported on first call and cached
+(`mmtrain.spec.resolve`), so importing the registry imports no torch."""
 
 from __future__ import annotations
 

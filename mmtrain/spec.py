@@ -6,12 +6,16 @@ in `mmtrain/` whose `spec.py` builds its FamilySpec, one task-encoder package in
 `mmdata/energon_loaders/`, and one entry in `mmtrain/registry.py`.
 
 Spec modules are imported by the CLI and the recipe validator, so they import only light
-modules (dataclasses) at the top and reach the model/loader code inside the functions they
-hand over.
+modules (dataclasses, configs, shapes). What lives in heavy modules (models, loaders, conversion,
+generation) is named as a `Ref("module:function")`: imported on its first call and cached, the
+registry's lazy-import boundary. No trampoline functions, and no import of the model code from
+the registry.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -22,6 +26,36 @@ if TYPE_CHECKING:
     from mmtrain.config.errors import RecipeErrors
     from mmtrain.config.schema import Recipe
     from mmtrain.models.shapes import ModelShapes
+
+
+@functools.cache
+def resolve(target: str) -> Callable[..., Any]:
+    """The callable a "module:function" (or "module:Class.attr") names, imported once."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"expected 'module:function', got {target!r}")
+    obj: Any = importlib.import_module(module)
+    for name in attr.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A family callable in a heavy module, named "module:function": the spec (and so the CLI
+    and the recipe validator) stays light, and the module is imported on the first call."""
+
+    target: str
+
+    def __post_init__(self) -> None:
+        if self.target.count(":") != 1:
+            raise ValueError(f"Ref: expected 'module:function', got {self.target!r}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.target)(*args, **kwargs)
+
+    def resolve(self) -> Callable[..., Any]:
+        return resolve(self.target)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ step "4/7 look inside the dataset"
 mmdata inspect "$OUT/shards" --tokenizer "$OUT/tokenizer"
 
 step "5/7 train the tiny LLaVA-OneVision recipe on CPU (megatron-core, gloo)"
-mmtrain llava-ov recipes/llava-ov-tiny.yaml run_dir="$OUT/run" "data.paths=[$OUT/shards]" tokenizer.path="$OUT/tokenizer"
+mmtrain train recipes/llava-ov-tiny.yaml run_dir="$OUT/run" "data.paths=[$OUT/shards]" tokenizer.path="$OUT/tokenizer"
 mmtrain worst-samples "$OUT/run" --top 3
 
 step "6/7 Emu3: a tiny random VQ image tokenizer and Emu3-layout tokenizer; the shards' images -> VQ token shards"
@@ -27,7 +27,7 @@ mmdata tiny-tokenizer --family emu3 --output "$OUT/emu3_tokenizer"
 mmdata tokenize-images "$OUT/shards" --vision-tokenizer "$OUT/vq" --output "$OUT/tokens" --image-area 4096 --num-cpus 2 --no-progress
 
 step "7/7 train the tiny Emu3 recipe on CPU (image understanding + caption-to-image generation)"
-mmtrain emu3 recipes/emu3-tiny.yaml run_dir="$OUT/emu3_run" "data.paths=[$OUT/tokens]" tokenizer.path="$OUT/emu3_tokenizer"
+mmtrain train recipes/emu3-tiny.yaml run_dir="$OUT/emu3_run" "data.paths=[$OUT/tokens]" tokenizer.path="$OUT/emu3_tokenizer"
 
 printf '\nDone. Shards: %s/shards  metrics: %s/run/metrics.jsonl  checkpoints: %s/run/checkpoints\n' "$OUT" "$OUT" "$OUT"
 printf 'Emu3: token shards %s/tokens  metrics %s/emu3_run/metrics.jsonl  checkpoints %s/emu3_run/checkpoints\n' "$OUT" "$OUT" "$OUT"

@@ -134,7 +134,7 @@ def test_mmtrain_lists_only_families_that_work(tmp_path, capsys):
     from mmtrain import registry
 
     listed = [path[0] for path, _ in _subcommands(mmtrain_parser()) if len(path) == 1]
-    families = [name for name in listed if name not in ("convert", "generate", "worst-samples", "pack-plan")]
+    families = [name for name in listed if name not in ("train", "convert", "generate", "worst-samples", "pack-plan")]
     assert families == registry.family_names()
     for name in families:
         recipes = [p for p in sorted((REPO / "recipes").glob("*.yaml"))
@@ -145,6 +145,42 @@ def test_mmtrain_lists_only_families_that_work(tmp_path, capsys):
         assert rc == 0 and yaml.safe_load(out)["family"] == name, err
         rc, out, err = cli(mmtrain_main, capsys, name, recipe, f"run_dir={tmp_path / name}", "action=dry_run")
         assert rc == 0 and "memory per rank" in out, err
+
+
+@pytest.mark.unit
+def test_train_reads_the_family_from_the_recipe_and_aliases_check_it(tmp_path, capsys):
+    """`mmtrain train RECIPE` takes the family from `family:`; `mmtrain FAMILY RECIPE` is the
+    same command and refuses a recipe of another family, naming the key."""
+    emu3 = REPO / "recipes" / "emu3-tiny.yaml"
+    for recipe, family in ((TINY, "llava-ov"), (emu3, "emu3")):
+        rc, out, err = cli(mmtrain_main, capsys, "train", recipe, f"run_dir={tmp_path}", "--print-config")
+        assert rc == 0 and yaml.safe_load(out)["family"] == family, err
+        rc, alias_out, err = cli(mmtrain_main, capsys, family, recipe, f"run_dir={tmp_path}", "--print-config")
+        assert rc == 0 and alias_out == out, err
+    rc, _, err = cli(mmtrain_main, capsys, "emu3", TINY, "--print-config")
+    assert rc == 2 and "Traceback" not in err, err
+    assert "  - family: recipe is for 'llava-ov' but was run as `mmtrain emu3`" in err.splitlines(), err
+
+
+@pytest.mark.unit
+def test_every_family_callable_named_by_a_ref_resolves():
+    """The specs name their heavy callables "module:function" (mmtrain/spec.py `Ref`): each one
+    imports and is callable, so a typo fails here rather than in a run."""
+    import dataclasses
+
+    from mmtrain import registry
+    from mmtrain.spec import Ref
+
+    refs = []
+    for spec in registry.FAMILIES.values():
+        for part in (spec, spec.hf, spec.generation):
+            if part is not None:
+                refs += [v for f in dataclasses.fields(part) if isinstance(v := getattr(part, f.name), Ref)]
+    assert len(refs) >= 15
+    for ref in refs:
+        assert callable(ref.resolve()), ref.target
+    with pytest.raises(ValueError, match="module:function"):
+        Ref("mmtrain.emu3.model.Emu3Model")
 
 
 @pytest.mark.unit
@@ -285,7 +321,7 @@ def _fake_checkpoint(run_dir: Path, model_config) -> None:
     it = run_dir / "checkpoints" / "iter_0000002"
     it.mkdir(parents=True)
     (run_dir / "checkpoints" / "latest").write_text("2")
-    (it / "trainer_state.json").write_text('{"step": 2}')
+    (it / "trainer_state.json").write_text('{"format": 2, "step": 2}')
     (it / "model_config.yaml").write_text(yaml.safe_dump(to_plain(model_config)))
 
 

@@ -405,7 +405,7 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
 
     from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
-    from mmtrain.llava_ov.spec import check_tokenizer
+    from mmtrain.llava_ov.tokenizer_check import check_tokenizer
 
     n, recipes = fmt["n"], Path(__file__).resolve().parents[1] / "recipes"
 

@@ -218,17 +218,17 @@ def test_freeze_and_lr_mult_name_the_familys_parts():
     assert err.endswith("optimizer.lr_mult.llm: must be >= 0, got -1.0")
 
 
-def test_old_keys_are_refused_with_their_new_spelling():
+def test_pre_release_keys_are_plain_errors_with_their_path():
+    """No migrations before a release: a key spelled as in a pre-release recipe is refused like
+    any other wrong key, naming its path."""
     raw = copy.deepcopy(BASE)
     raw["freeze"] = {"vision_tower": True, "projector": False, "llm": True}
     raw["optimizer"] = {"lr": 1.0e-5, "vision_tower_lr": 2.0e-6}
     errs = errors_of(raw)
-    assert "freeze: the mapping form was replaced by the list of parts to freeze: write freeze: [vision_tower, llm]" in errs
-    assert ("optimizer.vision_tower_lr: was replaced by per-part multipliers of optimizer.lr: write "
-            "optimizer.lr_mult: {vision_tower: 0.2} (= 2e-06 / optimizer.lr 1e-05)") in errs
+    assert "optimizer.vision_tower_lr: unknown key" in errs
+    assert any(e.startswith("freeze: expected list of str") for e in errs), errs
     (err,) = errors_of(overrides=["optimizer.vision_tower_lr="])
-    assert err == ("override 'optimizer.vision_tower_lr=': optimizer.vision_tower_lr: was replaced by per-part "
-                   "multipliers of optimizer.lr: delete it (the vision_tower part then uses optimizer.lr)")
+    assert err == "override 'optimizer.vision_tower_lr=': optimizer.vision_tower_lr: unknown key"
 
 
 def test_unknown_family_is_named_with_the_known_ones():

@@ -38,7 +38,7 @@ def _recipe(*overrides: str):
 
 
 def test_one_task_per_node_sets_the_launcher(monkeypatch):
-    from mmtrain.runtime.launch import use_slurm_allocation
+    from mmtrain.runtime.launcher import use_slurm_allocation
 
     for k, v in _srun_env().items():
         monkeypatch.setenv(k, v)
@@ -56,7 +56,7 @@ def test_one_task_per_node_sets_the_launcher(monkeypatch):
 
 def test_one_task_per_process_sets_the_worker_env(monkeypatch):
     from mmtrain.runtime.distributed import env_rank_world
-    from mmtrain.runtime.launch import use_slurm_allocation
+    from mmtrain.runtime.launcher import use_slurm_allocation
 
     env = _srun_env(SLURM_NTASKS="32", SLURM_PROCID="21", SLURM_LOCALID="5", MASTER_PORT="29999")
     for k, v in env.items():

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
-from mmtrain.runtime.launch import child_pids
+from mmtrain.runtime.launcher import child_pids
 from tests.test_train_runtime import MMTRAIN, REPO, free_port, metrics, ref_run, tokenizer_dir, train  # noqa: F401
 
 RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
@@ -118,13 +118,13 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_pa
     """SIGKILL while checkpoint 4 is saved, first with only its model part staged, then with
     everything staged but not yet renamed into place: each time `latest` stays 2 and checkpoint
     2 stays whole, and the rerun resumes from it with the uninterrupted run's losses."""
-    from mmtrain.runtime.checkpoint.manager import KILL_IN_SAVE_ENV
+    from tests.workers import kill_in_save
 
     run = tmp_path / "run"
     staged = run / "checkpoints" / ".staging" / "iter_0000004"
     for point in ("model", "publish"):
-        rc, err = _run_killed(_args(run, shards_dir, tokenizer_dir, *RUN), tmp_path / f"{point}.log",
-                              **{KILL_IN_SAVE_ENV: f"4:{point}"})
+        rc, err = _run_killed(kill_in_save.command(f"4:{point}", _args(run, shards_dir, tokenizer_dir, *RUN)),
+                              tmp_path / f"{point}.log")
         assert rc == -signal.SIGKILL, f"{point}: not killed ({rc})\n{err[-3000:]}"
         assert _latest(run) == 2 and not (run / "checkpoints" / "iter_0000004").exists(), point
         assert any((staged / "model").iterdir()), point  # the save was under way
@@ -244,7 +244,7 @@ def _fake_ckpt(run_dir: Path) -> Path:
     (ckpt / "model" / "__0_0.distcp").write_bytes(os.urandom(4096))
     (ckpt / "optimizer").mkdir()
     (ckpt / "optimizer" / "common.pt").write_bytes(os.urandom(1261))
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 6}))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"format": 2, "step": 6}))
     (ckpt / "config.yaml").write_text("action: run\nfamily: llava-ov\n")
     write_file_list(ckpt)
     write_latest(ckpt.parent, 6)

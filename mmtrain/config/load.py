@@ -1,4 +1,4 @@
-"""Loading a recipe: YAML -> overrides and stage -> migrations -> typed sections -> cross-checks,
+"""Loading a recipe: YAML -> overrides and stage -> typed sections -> cross-checks,
 all problems reported at once (RecipeError); and saving the resolved recipe.
 
 Recipes are data (DESIGN.md): the shared sections are typed by `schema.py`, the `model:` and
@@ -20,7 +20,7 @@ import yaml
 from mmtrain.config.checks import cross_checks
 from mmtrain.config.errors import RecipeError, RecipeErrors, show, suggest
 from mmtrain.config.overrides import apply_overrides_and_stage
-from mmtrain.config.schema import OptimizerConfig, Recipe
+from mmtrain.config.schema import Recipe
 from mmtrain.config.typed import convert_section, to_plain
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: Fam
         except KeyError:
             names = registry.family_names()
             errors.add(("family",), f"unknown model family {fam!r}{suggest(fam, names)} (known: {', '.join(names)})")
-    _migrations(tree, spec, errors)
 
     sections = {name: tree.pop(name) for name in FAMILY_SECTIONS if name in tree}
     tree["model"] = {}  # typed below by the family's classes
@@ -111,33 +110,6 @@ def absolute_paths(obj: Any) -> None:
 
 def _absolute(path: Any) -> Any:
     return os.path.abspath(os.path.expanduser(path)) if isinstance(path, str) and path else path
-
-
-def _migrations(tree: dict, spec: FamilySpec | None, errors: RecipeErrors) -> None:
-    """Keys whose spelling changed: refused with the new spelling, computed from the old value.
-    `freeze: {part: true, ...}` became a list of parts; `optimizer.<part>_lr` a multiplier of
-    `optimizer.lr` in `optimizer.lr_mult`."""
-    freeze = tree.get("freeze")
-    if isinstance(freeze, dict):
-        frozen = [str(k) for k, v in freeze.items() if v is True]
-        errors.add(("freeze",), f"the mapping form was replaced by the list of parts to freeze: write "
-                   f"freeze: [{', '.join(frozen)}]")
-        tree.pop("freeze")
-    optimizer = tree.get("optimizer")
-    if not isinstance(optimizer, dict) or spec is None:
-        return
-    for part in spec.parts:
-        key = f"{part}_lr"
-        if key not in optimizer:
-            continue
-        old, lr = optimizer.pop(key), optimizer.get("lr", OptimizerConfig.lr)
-        if old is None:
-            hint = f"delete it (the {part} part then uses optimizer.lr)"
-        elif isinstance(old, (int, float)) and isinstance(lr, (int, float)) and lr > 0:
-            hint = f"write optimizer.lr_mult: {{{part}: {old / lr:g}}} (= {old:g} / optimizer.lr {lr:g})"
-        else:
-            hint = f"write optimizer.lr_mult: {{{part}: <{key} / lr>}}"
-        errors.add(("optimizer", key), f"was replaced by per-part multipliers of optimizer.lr: {hint}")
 
 
 # ----------------------------------------------------------------------------- saving

@@ -26,9 +26,12 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from transformers import AutoTokenizer
 
+from mmdata.vision_tokens.vq import VQError, check_vq_dir
 from mmtrain.emu3.config import Emu3ModelConfig
 from mmtrain.emu3.image_area import record_trained_image_area
+from mmtrain.emu3.model import Emu3Model
 from mmtrain.emu3.state_dict_adapter import (
     VQ_PREFIX,
     Emu3StateDictAdapter,
@@ -67,9 +70,7 @@ PROCESSOR_FILE = "preprocessor_config.json"
 
 def build_stage(cfg: Emu3ModelConfig, options: Optional[ParallelOptions] = None):
     """The Emu3Model of this rank's pipeline stage."""
-    from mmtrain.emu3.spec import build_model
-
-    return build_pipeline_stage(build_model, cfg, options)
+    return build_pipeline_stage(Emu3Model, cfg, options)
 
 
 def emu3_source(hf_dir: str | os.PathLike) -> tuple[Emu3ModelConfig, Callable[[str], torch.Tensor]]:
@@ -91,8 +92,6 @@ def _import_source(args: dict):
 
 def _vq_tensors(vq_dir: str | os.PathLike) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
     """(raw VQ config, (Emu3VQVAE name, tensor) stream) of a VQ-only dir or a whole HF Emu3 dir."""
-    from mmdata.vision_tokens.vq import VQError, check_vq_dir
-
     try:
         layout, vq_config = check_vq_dir(vq_dir)
     except VQError as exc:
@@ -150,8 +149,6 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
                               "an HF Emu3 dir); give --vq VQ_DIR (an Emu3VQVAE dir or an HF Emu3 dir) "
                               "and --tokenizer TOKENIZER_DIR")
     if tokenizer is not None:
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(tokenizer)
         template["vocabulary_map"] = tok.get_vocab()
         template["text_config"] = {**template.get("text_config", {}), "pad_token_id": tok.pad_token_id,

@@ -21,8 +21,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
 from mmdata.energon_loaders.emu3.serialize import Emu3Vocab, generation_prompt, hf_text_encoder
+from mmdata.vision_tokens.vq import VQError, build_vq_model, load_image_processor, read_vq_checkpoint, spatial_factor
+from mmtrain.emu3.load import load_emu3
 from mmtrain.generation.checkpoint import CheckpointRef, GenerationError, Placement
 from mmtrain.generation.engine import GenerationModel, GenerationRequest, GenerationResult, Progress, generate
 from mmtrain.generation.sampling import SamplingParams
@@ -127,8 +130,6 @@ class VQDecoder:
     `Emu3ImageProcessor.postprocess`, from a VQ-only dir or a whole HF Emu3 dir."""
 
     def __init__(self, vq_dir: str | Path, device: torch.device) -> None:
-        from mmdata.vision_tokens.vq import VQError, build_vq_model, load_image_processor, read_vq_checkpoint, spatial_factor
-
         try:
             ckpt = read_vq_checkpoint(vq_dir)
             self.processor = load_image_processor(vq_dir, None)
@@ -152,10 +153,6 @@ class Emu3ImageGenerator:
 
     def __init__(self, ref: CheckpointRef, placement: Placement, *, tokenizer_dir: Path, vq_dir: Path,
                  decode_images: bool = True) -> None:
-        from transformers import AutoTokenizer
-
-        from mmtrain.emu3.load import load_emu3
-
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
             self.vocab = Emu3Vocab.from_tokenizer(self.tokenizer)

@@ -16,6 +16,12 @@ from typing import Optional
 import torch
 
 from mmdata.errors import UserError
+from mmtrain import registry
+from mmtrain.config.errors import RecipeError
+from mmtrain.config.typed import from_plain
+from mmtrain.runtime.checkpoint.layout import LATEST, checkpoints_root
+from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
+from mmtrain.runtime.hf_conversion import ASSETS_DIR, is_hf_dir
 
 
 class GenerationError(UserError):
@@ -60,9 +66,6 @@ class Placement:
 
 def resolve_checkpoint(path: str | os.PathLike, family: str, iteration: Optional[int] = None) -> CheckpointRef:
     """Check `path` holds a `family` model; GenerationError naming what it holds otherwise."""
-    from mmtrain.runtime.checkpoint.layout import LATEST, checkpoints_root
-    from mmtrain.runtime.hf_conversion import ASSETS_DIR, is_hf_dir
-
     p = Path(path)
     if not p.is_dir():
         raise GenerationError(f"--checkpoint {p}: no such directory")
@@ -80,8 +83,6 @@ def resolve_checkpoint(path: str | os.PathLike, family: str, iteration: Optional
 
 
 def _families_with_generation() -> dict:
-    from mmtrain import registry
-
     return {name: spec for name, spec in registry.FAMILIES.items() if spec.generation is not None}
 
 
@@ -101,10 +102,6 @@ def _check_hf_family(p: Path, family: str) -> None:
 
 
 def _check_mcore_family(p: Path, family: str, iteration: Optional[int]) -> None:
-    from mmtrain.config.errors import RecipeError
-    from mmtrain.config.typed import from_plain
-    from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
-
     try:
         saved = load_model_config_dict(p, iteration)
     except FileNotFoundError as exc:

@@ -1,16 +1,17 @@
-"""`mmtrain generate FAMILY --checkpoint CKPT ...`: generate with a trained or converted model.
-The parser is built from the registry (families with a `generation` entry); the engine is
-mmtrain/generation/engine.py. See docs/generation.md."""
+"""`mmtrain generate FAMILY --checkpoint CKPT ...`: the command's parser and help, built from the
+registry (families with a `generation` entry). What it runs: mmtrain/generation/command.py, imported
+at dispatch; the engine is mmtrain/generation/engine.py. See docs/generation.md."""
 
 from __future__ import annotations
 
 import argparse
-import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
 from mmtrain import registry
+
+#: what `mmtrain generate FAMILY` runs, imported at dispatch (it imports torch and the engine)
+GENERATE_ACTION = "mmtrain.generation.command:run"
 
 #: shared by every `mmtrain generate` help page
 CHECKPOINTS_AND_EXIT = """CKPT is a megatron checkpoint dir written by mmtrain (converted, or a training run's
@@ -23,16 +24,13 @@ missing VQ model or tokenizer, a bad option), said in one line before anything i
 interrupted; 1 an unexpected error (its traceback in a log file, or on stderr with --verbose).
 """
 
-GENERATE_HELP = """Generate with a trained or converted model: Emu3 images (classifier-free guidance with the
-conditional and unconditional rows in one batch), LLaVA-OV answers about images.
-
-  mmtrain generate emu3 --checkpoint CKPT --prompt TEXT [--negative-prompt TEXT] --cfg-scale 3.0
-                        --height 512 --width 512 --seed S --output out.png
-  mmtrain generate emu3 --checkpoint CKPT --prompts prompts.txt --output DIR
-  mmtrain generate llava-ov --checkpoint CKPT --image IMG --prompt TEXT [--max-new-tokens N]
-
-`mmtrain generate FAMILY --help` lists each family's own options.
-""" + "\n" + CHECKPOINTS_AND_EXIT
+def generate_help() -> str:
+    """`mmtrain generate --help`: each family's usage lines, from the registry."""
+    gens = [spec for spec in registry.FAMILIES.values() if spec.generation is not None]
+    lines = "\n".join(f"  {spec.name}: {spec.generation.help}" for spec in gens)
+    usage = "\n".join(spec.generation.usage.strip("\n").split("\n\n")[0] for spec in gens)
+    return (f"Generate with a trained or converted model:\n{lines}\n\n{usage}\n\n"
+            "`mmtrain generate FAMILY --help` lists each family's own options.\n\n" + CHECKPOINTS_AND_EXIT)
 
 
 def add_arguments(parser: argparse.ArgumentParser,
@@ -49,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser,
         _shared_arguments(p, gen.sampling_defaults)
         gen.add_arguments(p)
         add_common(p)
-        p.set_defaults(run=functools.partial(run, family=spec.name))
+        p.set_defaults(run=GENERATE_ACTION)
 
 
 def _shared_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
@@ -76,58 +74,3 @@ def _shared_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> N
     s.add_argument("--batch-size", type=int, default=8,
                    help="prompts per forward batch (default %(default)s)")
     s.add_argument("--no-progress", action="store_true", help="no live progress display")
-
-
-def run(args: argparse.Namespace, family: str) -> int:
-    from mmtrain.runtime.launch import quiet_third_party
-
-    if not getattr(args, "verbose", False):  # megatron's and torch's warnings about optional packages
-        quiet_third_party()
-    from mmtrain.generation.checkpoint import GenerationError, Placement, resolve_checkpoint
-    from mmtrain.generation.engine import generate
-    from mmtrain.generation.sampling import SamplingParams
-
-    spec = registry.get_family(family).generation
-    try:
-        sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_k, args.top_p)
-    except ValueError as exc:
-        raise GenerationError(str(exc)) from None
-    if args.batch_size < 1:
-        raise GenerationError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, args.threads))
-    placement = Placement.resolve(args.device, args.dtype)
-    ref = resolve_checkpoint(args.checkpoint, family, args.iteration)
-    job = spec.prepare(args, ref, placement)
-    with GenerationProgress(not args.no_progress, len(job.requests), job.unit) as progress:
-        results = generate(job.model, job.requests, sampling, batch_size=args.batch_size, progress=progress)
-    job.finish(results)
-    return 0
-
-
-class GenerationProgress:
-    """Generated tokens against the upper bound, tokens/s, on stderr (rich)."""
-
-    def __init__(self, enabled: bool, requests: int, unit: str) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn(f"[bold]generating {requests} {unit}{'s' if requests != 1 else ''}"),
-                                 BarColumn(), MofNCompleteColumn(), TextColumn("tokens {task.fields[rate]}"),
-                                 TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled)
-        self.task = self.progress.add_task("generate", total=None, rate="")
-        self.t0 = time.perf_counter()
-
-    def __enter__(self) -> "GenerationProgress":
-        self.progress.__enter__()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
-
-    def __call__(self, done: int, total: int) -> None:
-        rate = done / max(1e-9, time.perf_counter() - self.t0)
-        self.progress.update(self.task, completed=done, total=total, rate=f"({rate:,.0f}/s)")

@@ -36,6 +36,9 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 
 
 @dataclass
@@ -276,10 +279,6 @@ def direct_decode_supported(gpt: torch.nn.Module) -> bool:
     """True when every layer is the pre-norm self-attention + MLP layer of
     `mmtrain.models.layer_specs` at TP=1, in eval mode, so `_direct_layer` computes exactly what
     megatron's modules compute."""
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP
-
     c = gpt.config
     if (c.tensor_model_parallel_size != 1 or c.apply_residual_connection_post_layernorm or c.fp32_residual_connection
             or c.hidden_dropout or gpt.decoder.final_layernorm is None or c.attention_output_gate):

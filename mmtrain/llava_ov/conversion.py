@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from transformers import (
+    AutoTokenizer,
+    LlavaOnevisionImageProcessorPil,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
+)
 
+from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
 from mmtrain.llava_ov.config import LlavaOVModelConfig
 from mmtrain.llava_ov.llava_next import (
     LLAVA_NEXT,
@@ -35,6 +42,7 @@ from mmtrain.llava_ov.media_tokens import (
     resolve_media_tokens,
     vocab_rows_for,
 )
+from mmtrain.llava_ov.model import LlavaOVModel
 from mmtrain.llava_ov.state_dict_adapter import (
     LlavaOVStateDictAdapter,
     SiglipStateDictAdapter,
@@ -83,14 +91,25 @@ TORCHVISION_HINT = ("the torchvision paired with the installed torch, from the i
                     "Makefile's CPU torch 2.13.0, pip install torchvision==0.28.0 --index-url "
                     "https://download.pytorch.org/whl/cpu; docs/conversion.md")
 
+PROCESSOR_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def processor_chat_template(d: Path) -> Optional[str]:
+    """The processor's chat template saved in `d`, if any."""
+    jinja, js = d / PROCESSOR_TEMPLATE_FILES[0], d / PROCESSOR_TEMPLATE_FILES[1]
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    if js.is_file():
+        return json.loads(js.read_text(encoding="utf-8")).get("chat_template")
+    return None
+
+
 # ----------------------------------------------------------------------------- building
 
 
 def build_stage(cfg: LlavaOVModelConfig, options: Optional[ParallelOptions] = None):
     """The LlavaOVModel of this rank's pipeline stage."""
-    from mmtrain.llava_ov.spec import build_model
-
-    return build_pipeline_stage(build_model, cfg, options)
+    return build_pipeline_stage(LlavaOVModel, cfg, options)
 
 
 def saved_model_config(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVModelConfig:
@@ -246,6 +265,12 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
 # ----------------------------------------------------------------------------- mcore -> hf
 
 
+def assemble(dirs: dict[str, str], dst: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+             dtype: str = "auto") -> LlavaOVModelConfig:
+    """`HFConversion.assemble`: `--llm DIR --vision DIR` given to `mmtrain convert` -> `assemble_stage1`."""
+    return assemble_stage1(dirs["llm"], dirs["vision"], dst, tp=tp, pp=pp, dtype=dtype)
+
+
 def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3,
                 format: str = TRANSFORMERS, dtype: str = "auto") -> Path:
     """Single process: load at TP=1/PP=1 (dist-checkpoint reshards), stream out HF safetensors in
@@ -280,8 +305,6 @@ def image_processor(cfg: LlavaOVModelConfig, hf_cfg: dict):
     """transformers' LLaVA-OneVision image processor for this model: its tower's image size,
     the anyres grid pinpoints of its config, SigLIP's mean/std (the PIL implementation: it saves
     as `LlavaOnevisionImageProcessor`, which loads as the fast one where torchvision is)."""
-    from transformers import LlavaOnevisionImageProcessorPil
-
     size = cfg.vision.image_size
     return LlavaOnevisionImageProcessorPil(image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD),
                                            size={"height": size, "width": size},
@@ -300,10 +323,6 @@ def processor_settings(cfg: LlavaOVModelConfig, hf_cfg: dict) -> dict:
 def _export_tokenizer(cfg: LlavaOVModelConfig, dst: Path):
     """The export's tokenizer (the recorded one, copied into `dst`) with `<image>`/`<video>` at
     the model's ids and a chat template; None (logged) when `dst` has no loadable tokenizer."""
-    from transformers import AutoTokenizer
-
-    from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
-
     try:
         tok = AutoTokenizer.from_pretrained(str(dst))
     except (OSError, ValueError, TypeError) as exc:
@@ -336,10 +355,6 @@ def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
     tokens, chat_template.jinja (the recorded template, else CHAT_TEMPLATE). Built from the real
     transformers objects; where torchvision is missing (no video processor can be built) the
     processor_config.json holds the processor's own arguments."""
-    from transformers import LlavaOnevisionProcessor
-
-    from mmtrain.llava_ov.generation import processor_chat_template
-
     images = image_processor(cfg, hf_cfg)
     settings = processor_settings(cfg, hf_cfg)
     tok = _export_tokenizer(cfg, dst)
@@ -351,8 +366,6 @@ def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
         template = CHAT_TEMPLATE
     if tok is not None:
         try:
-            from transformers import LlavaOnevisionVideoProcessor
-
             video = LlavaOnevisionVideoProcessor()
         except ImportError:  # torchvision absent: the part files are saved one by one below
             log.info("torchvision is not installed: the export is complete, but transformers' AutoProcessor needs "

@@ -21,12 +21,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from transformers import AutoTokenizer
 
+from mmdata.energon_loaders.llava_ov import anyres
+from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
 from mmtrain.generation.checkpoint import CheckpointRef, GenerationError, Placement
 from mmtrain.generation.engine import GenerationModel, GenerationRequest, GenerationResult, Progress, generate
 from mmtrain.generation.sampling import SamplingParams
-
-PROCESSOR_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+from mmtrain.llava_ov.conversion import processor_chat_template
+from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
+from mmtrain.llava_ov.load import load_llava_ov
 
 
 @dataclass
@@ -36,16 +40,6 @@ class LlavaPrompt:
     input_ids: torch.Tensor  # [T]
     pixel_values: Optional[torch.Tensor] = None  # [tiles, 3, S, S]
     image_size: Optional[tuple[int, int]] = None  # original (height, width)
-
-
-def processor_chat_template(d: Path) -> Optional[str]:
-    """The processor's chat template saved in `d`, if any."""
-    jinja, js = d / PROCESSOR_TEMPLATE_FILES[0], d / PROCESSOR_TEMPLATE_FILES[1]
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    if js.is_file():
-        return json.loads(js.read_text(encoding="utf-8")).get("chat_template")
-    return None
 
 
 def _image_stats(d: Path) -> dict:
@@ -61,10 +55,6 @@ class LlavaOVChat:
     """A loaded LLaVA-OV checkpoint with its tokenizer: (question, image) -> answer."""
 
     def __init__(self, ref: CheckpointRef, placement: Placement, *, tokenizer_dir: Path) -> None:
-        from transformers import AutoTokenizer
-
-        from mmtrain.llava_ov.load import load_llava_ov
-
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except (OSError, ValueError) as exc:
@@ -99,8 +89,6 @@ class LlavaOVChat:
         assistant's turn header."""
         head = [{"role": "system", "content": system}] if system is not None else []
         if self.template is None:
-            from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
-
             turns = ([{"from": "system", "value": system}] if system is not None else []) + [
                 {"from": "human", "value": (f"{self.image_token}\n" if has_image else "") + question}]
             return ChatTokenizer(self.tokenizer).render(turns) + "<|im_start|>assistant\n"
@@ -120,8 +108,6 @@ class LlavaOVChat:
 
     def prompt(self, question: str, image: Any = None, system: Optional[str] = None) -> LlavaPrompt:
         """Render, tokenize and expand the image placeholder (`image`: a PIL image or None)."""
-        from mmdata.energon_loaders.llava_ov import anyres
-
         ids = torch.tensor(self.tokenizer(self.render(question, image is not None, system),
                                           add_special_tokens=False)["input_ids"], dtype=torch.long)
         where = (ids == self.cfg.image_token_id).nonzero().flatten()
@@ -140,8 +126,6 @@ class LlavaOVChat:
 
     def embed(self, prompt: LlavaPrompt) -> torch.Tensor:
         """Decoder input [T, h]: token embeddings with the image features at the placeholders."""
-        from mmtrain.llava_ov.hf_inputs import hf_inputs_to_batch
-
         dev = self.placement.device
         ids = prompt.input_ids.to(dev)
         emb = self.llava.language_model.embedding(input_ids=ids[None], position_ids=None)[:, 0]

@@ -1,8 +1,14 @@
 """The shared training runtime: one for every model family (it names none).
 
-  launch.py        `mmtrain FAMILY RECIPE`: action dispatch, torchrun workers, train()
+  launcher.py      `mmtrain train RECIPE` (action: run): preflight, SLURM, run_dir lock, torchrun
+                   workers, SIGTERM to them (the CLI actions: mmtrain/actions.py)
   torchrun.py      the torchrun command line (the launcher's and auto-tune's trials')
   worker.py        the torchrun worker entry (python -m mmtrain.runtime.worker)
+  training.py      train() in this process: one worker, or the whole job
+  torchrun.py      the torchrun command line (the launcher's and auto-tune's trials)
+  run_dir.py       who holds a run_dir; is its run finished
+  logs.py          log set-up, third-party warnings hidden unless --verbose
+  preflight.py     what a run will touch, checked before anything is built or written
   distributed.py   process groups, megatron parallel state, ParallelContext, seeding
   cpu_compat.py    every CPU adaptation of megatron (no-op with CUDA)
   trainer.py       the train loop (megatron schedules, DDP, logging, evaluation, checkpoints)

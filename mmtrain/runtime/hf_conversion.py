@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 #: from here on, before megatron is imported (spawned processes inherit no warning filters)
 QUIET_ENV = "MMTRAIN_CONVERT_QUIET"
 if os.environ.get(QUIET_ENV) == "1":
-    from mmtrain.runtime.launch import quiet_third_party
+    from mmtrain.runtime.logs import quiet_third_party
 
     quiet_third_party()
 

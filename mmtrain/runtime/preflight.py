@@ -24,11 +24,28 @@ It also warns when `data.shuffle_buffer_size` exceeds what one loader worker rea
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
+from mmdata import shard_format as sf
+from mmdata.energon_configs import config_sample_type
+from mmdata.energon_loaders.balance import StepShape
+from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data, plan_step_shape
 from mmdata.errors import UserError
+from mmdata.local_tokenizer import load_local_tokenizer
+from mmtrain.recipe_plan import recipe_geometry
+from mmdata.readiness import DatasetNotReady, data_source_samples
+from mmtrain.registry import FAMILIES
+from mmtrain.runtime.checkpoint.data_identity import resume_data_problems
+from mmtrain.runtime.checkpoint.integrity import check_checkpoint
+from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint, resolve_checkpoint
+from mmtrain.runtime.checkpoint.manager import check_layer_spec
+from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError, check_architecture
+from mmtrain.runtime.metrics import tensorboard_available
 
 if TYPE_CHECKING:
     from mmtrain.config.schema import Recipe
@@ -54,12 +71,8 @@ def preflight(recipe: "Recipe", spec: "FamilySpec") -> None:
     _check_tokenizer(recipe, spec, problems)
     _check_starting_point(recipe, spec, problems)
     if not problems:  # a damaged or foreign checkpoint is named already; its data is not checked then
-        from mmtrain.runtime.checkpoint.data_identity import resume_data_problems
-
         problems += resume_data_problems(recipe)
     if recipe.logging.tensorboard:
-        from mmtrain.runtime.metrics import tensorboard_available
-
         if not tensorboard_available():
             problems.append("logging.tensorboard: true, but the `tensorboard` package is not installed "
                             "(pip install tensorboard, or set logging.tensorboard=false)")
@@ -70,8 +83,6 @@ def preflight(recipe: "Recipe", spec: "FamilySpec") -> None:
 
 def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> list[int]:
     """Samples of every training dataset (for the warnings); problems appended."""
-    from mmdata.readiness import DatasetNotReady, data_source_samples
-
     train_samples: list[int] = []
     wrong_kind = False
     for key, paths in (("data.paths", recipe.data.paths), ("data.val_paths", recipe.data.val_paths)):
@@ -87,10 +98,6 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
             if key == "data.paths":
                 train_samples += found
     if recipe.data.packing == "plan" and train_samples and not wrong_kind:
-        from mmdata.energon_loaders.balance import StepShape
-        from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data, plan_step_shape
-        from mmtrain.recipe_plan import recipe_geometry
-
         t = recipe.train
         shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
         try:
@@ -111,7 +118,6 @@ def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]
     loader would fail on every sample only after the model was built and run_dir written."""
     if spec.sample_type is None:
         return []
-    from mmtrain.registry import FAMILIES
 
     want, what = spec.sample_type
     problems = []
@@ -137,11 +143,6 @@ def dataset_sample_type(folder: Path) -> str | None:
     """"module.Class" of a shard folder's energon sample type, from the dataset config our
     loaders read (`.nv-meta/mmdata.yaml`, else `dataset.yaml`: mmdata/energon_configs.py), else
     our manifest's `energon.sample_type`; None when neither names one (nothing to check)."""
-    import json
-
-    from mmdata import shard_format as sf
-    from mmdata.energon_configs import config_sample_type
-
     if (found := config_sample_type(folder)) is not None:
         return found
     try:
@@ -155,8 +156,6 @@ def dataset_sample_type(folder: Path) -> str | None:
 def _leaf_datasets(path: Path, depth: int = 0) -> list[Path]:
     """The shard folders a data path reads: itself, or every `path:` of a metadataset YAML
     (relative to the YAML's folder; nested metadatasets followed)."""
-    import yaml
-
     if not (path.is_file() and path.suffix in (".yaml", ".yml")):
         return [path]
     try:
@@ -183,8 +182,6 @@ def _yaml_paths(node: object) -> list[str]:
 
 
 def _check_tokenizer(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> None:
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     if not recipe.tokenizer.path:
         return  # the recipe validation requires it for action: run
     try:
@@ -198,11 +195,6 @@ def _check_tokenizer(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) 
 
 def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> None:
     """The run dir's own latest checkpoint (what a rerun resumes), else `checkpoint.load`."""
-    from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint, resolve_checkpoint
-    from mmtrain.runtime.checkpoint.integrity import check_checkpoint
-    from mmtrain.runtime.checkpoint.manager import check_layer_spec
-    from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError, check_architecture
-
     run_dir = Path(recipe.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         problems.append(f"run_dir: {run_dir} is a file; give a folder for checkpoints, logs and metrics")

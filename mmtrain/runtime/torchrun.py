@@ -1,12 +1,12 @@
-"""The torchrun command line that starts a node's workers: the launcher and auto-tune's trials
-both run it, so it lives apart from the launcher (planning imports it without importing launch)."""
+"""The torchrun command line that starts a node's workers: the launcher's, and auto-tune's trials
+(mmtrain/planning/trials.py) without importing the launcher."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from mmtrain.config import Recipe
+from mmtrain.config.schema import Recipe
 
 
 def torchrun_command(recipe: Recipe, resolved_recipe: Path) -> list[str]:

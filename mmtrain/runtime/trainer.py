@@ -279,7 +279,7 @@ class Trainer:
             return
         line = explain(data_decision, start.path, self.recipe)
         if line is not None:
-            (log.warning if data_decision == "unchecked" else log.info)(line)
+            log.info(line)
         for change in recipe_changes(start.path, self._resolved_yaml):
             log.info("resume: %s", change)
 

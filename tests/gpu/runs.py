@@ -73,12 +73,14 @@ def train(family: str, run_dir: Path, data: Path, tokenizer: Path, *overrides: s
 
 
 def train_killed(family: str, run_dir: Path, data: Path, tokenizer: Path, *overrides: str, log: Path,
-                 env: dict[str, str] | None = None) -> tuple[int, str]:
-    """A training that dies by SIGKILL (its own fault injection, e.g. MMTRAIN_TEST_KILL_IN_SAVE),
+                 kill_at: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """A training SIGKILLed at `kill_at` ("STEP:PHASE" of a checkpoint save: tests/workers/kill_in_save.py),
     its process group with it: tests/test_train_reliability.py's `_run_killed`. (exit status, stderr)."""
     from tests.test_train_reliability import _run_killed
+    from tests.workers import kill_in_save
 
-    return _run_killed(train_args(family, run_dir, data, tokenizer, *overrides), log, **(env or {}))
+    return _run_killed(kill_in_save.command(kill_at, train_args(family, run_dir, data, tokenizer, *overrides)), log,
+                       **(env or {}))
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

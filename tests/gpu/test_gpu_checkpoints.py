@@ -60,12 +60,10 @@ def test_killed_run_resumes_with_the_distributed_optimizer(llava_gpu_run, tmp_pa
     optimizer state and the loader position restored and trains steps 3-4 on the same samples,
     with the losses and grad norms of the killed run's own steps 3-4 and of the uninterrupted
     reference within RESUME_REL."""
-    from mmtrain.runtime.checkpoint.manager import KILL_IN_SAVE_ENV
-
     run = tmp_path / "run"
     overrides = (*runs.llava_4_steps("[]"), *runs.GPU)
     rc, err = runs.train_killed("llava-ov", run, llava_shards, qwen_tok, *overrides, log=tmp_path / "killed.log",
-                                env={KILL_IN_SAVE_ENV: "4:model"})
+                                kill_at="4:model")
     assert rc == -signal.SIGKILL, f"not killed ({rc})\n{err[-3000:]}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     killed = runs.metrics(run)  # steps 1-4: the kill came after step 4 was logged

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from mmtrain.config.load import recipe_to_dict
 from mmtrain.runtime.checkpoint.layout import TRAINER_STATE, latest_checkpoint, resolve_checkpoint
 from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
 
@@ -77,8 +78,6 @@ class DataChangedError(CheckpointMismatchError):
 def data_identity(recipe: Recipe) -> dict[str, Any]:
     """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
     fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
-    from mmtrain.config.load import recipe_to_dict
-
     data = recipe_to_dict(recipe)["data"]
     ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in NOT_IN_LOADER_STATE}
     ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]
@@ -164,14 +163,12 @@ def saved_record(ckpt: Path) -> dict[str, Any]:
 
 def resume_decision(ckpt: Path, recipe: Recipe) -> str:
     """How the loader state of the training checkpoint `ckpt` is treated on resume:
-    'restore' (the data is the same), 'reset' (checkpoint.reset_data applies), 'unchecked'
-    (a checkpoint without the record: restored as before). Raises DataChangedError when the data
-    differs and the switch is off."""
+    'restore' (the data is the same) or 'reset' (checkpoint.reset_data applies). Raises
+    DataChangedError when the data differs and the switch is off (every checkpoint of this format
+    records it: `layout.CHECKPOINT_FORMAT`)."""
     record = saved_record(ckpt)
     saved = record.get("data") or {}
     reset = recipe.checkpoint.reset_data
-    if not saved:
-        return "reset" if reset else "unchecked"
     changes = identity_changes(saved, data_identity(recipe))
     if not changes:
         # a rerun of a reset run continues its data; a checkpoint written without the switch resets
@@ -186,9 +183,6 @@ def explain(decision: str, ckpt: Path, recipe: Recipe) -> str | None:
     if decision == "reset":
         return (f"checkpoint.reset_data: the loader starts fresh from its seed (data.paths "
                 f"{recipe.data.paths}); weights, optimizer and step come from {ckpt}")
-    if decision == "unchecked":
-        return (f"{ckpt} records no data identity (written by an older version): its loader state is restored "
-                "without checking that data.paths, the blend, train.seq_length and data.packing are unchanged")
     if recipe.checkpoint.reset_data:
         return ("checkpoint.reset_data: the data is unchanged since this run's reset, so its data position "
                 "resumes")

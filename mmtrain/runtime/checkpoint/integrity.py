@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from mmtrain.runtime.checkpoint.layout import TRAINER_STATE
+from mmtrain.runtime.checkpoint.layout import CHECKPOINT_FORMAT, TRAINER_STATE
 from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError
 
 FILE_LIST = "files.json"
@@ -57,11 +57,17 @@ def check_checkpoint(ckpt: Path, family: str) -> None:
     state = ckpt / TRAINER_STATE
     if state.exists():
         try:
-            step = json.loads(state.read_text())["step"]
+            record = json.loads(state.read_text())
+            step = record["step"]
             if not isinstance(step, int):
                 raise TypeError(f"step is {step!r}")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointDamagedError(f"{state}: unreadable ({type(e).__name__}: {e}); {_advice(ckpt)}") from None
+        written = record.get("format", 1)
+        if written != CHECKPOINT_FORMAT:
+            raise CheckpointDamagedError(
+                f"{state}: checkpoint format {written}, this mmtrain reads format {CHECKPOINT_FORMAT} (a checkpoint "
+                f"of another mmtrain version); {_advice(ckpt)}")
     recipe = ckpt / RECIPE
     if recipe.is_file():
         try:

@@ -21,6 +21,10 @@ import torch
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+#: the training checkpoint format, recorded in trainer_state.json (`format`); a checkpoint of
+#: another format is refused (integrity.check_checkpoint). 2: the data identity, the optimizer
+#: layout and the context-parallel size are always recorded (1: before the field existed)
+CHECKPOINT_FORMAT = 2
 ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 

@@ -16,8 +16,8 @@ Layout of `<run_dir>/checkpoints/iter_0000010/` (directory names: layout.py):
 Atomicity: everything is written into `.staging/iter_0000010/`; only when every rank is done
 does rank 0 rename it into place and then rewrite `latest` (write + os.replace). A crash
 mid-save leaves at most a staging directory that the next save overwrites; `latest` never
-points at a partial checkpoint. Tests prove it by killing a save at a chosen point
-(`KILL_IN_SAVE_ENV`, below).
+points at a partial checkpoint. Tests prove it by killing a save at a chosen point (an observer
+in `SAVE_PHASE_OBSERVERS`, below, installed by tests/workers/kill_in_save.py).
 
 Where a run starts (`CheckpointManager.starting_point`): its own latest checkpoint (a rerun of
 a killed job continues it), else `checkpoint.load` (a training checkpoint, weights only, or an
@@ -37,10 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
+from megatron.core import dist_checkpointing
 
 from mmtrain.runtime import rng
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint, write_file_list
 from mmtrain.runtime.checkpoint.layout import (
+    CHECKPOINT_FORMAT,
     TRAINER_STATE,
     checkpoints_root,
     iter_dir,
@@ -61,10 +63,10 @@ from mmtrain.runtime.child_processes import install_writer_results_queue
 from mmtrain.runtime.distributed import ParallelContext, barrier, seed_model_parallel
 from mmtrain.runtime.optimizer import torch_adam_load
 
-# Fault injection for the crash-consistency tests only (tests/test_train_reliability.py):
-# "STEP:POINT" SIGKILLs rank 0 while saving checkpoint STEP, after the part named POINT is staged
-# (e.g. "model": a partial staging folder) or at "publish" (staged completely, not yet renamed).
-KILL_IN_SAVE_ENV = "MMTRAIN_TEST_KILL_IN_SAVE"
+#: called as (rank, step, phase) at each phase of a save: after the part named `phase` is staged
+#: on this rank (e.g. "model": a partial staging folder), and on rank 0 at "publish" (staged
+#: completely, not yet renamed into place). The crash-consistency tests kill a save here.
+SAVE_PHASE_OBSERVERS: list[Callable[[int, int, str], None]] = []
 
 if TYPE_CHECKING:
     from mmtrain.runtime.train_data import TrainData
@@ -74,6 +76,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainerState:
+    #: layout.CHECKPOINT_FORMAT (integrity.check_checkpoint refuses another)
+    format: int = CHECKPOINT_FORMAT
     step: int = 0
     consumed_samples: int = 0  # original samples (packed rows count each sample they hold)
     consumed_rows: int = 0  # micro-batch rows = global_batch_size per step
@@ -81,22 +85,19 @@ class TrainerState:
     data_sharding: str = "dp"
     lr_schedule: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
-    # the optimizer's checkpoint layout (runtime.optimizer.optimizer_kind): {} in older checkpoints
+    # the optimizer's checkpoint layout (runtime.optimizer.optimizer_kind)
     optimizer: dict[str, Any] = field(default_factory=dict)
     # the decoder's layer spec (parallel.transformer_impl): its parameter names differ between
     # "local" and "transformer_engine", so a checkpoint loads only into the spec that wrote it
     transformer_impl: str = "local"
-    # what the loader state was made for (data_identity.data_identity): {} in older checkpoints
+    # what the loader state was made for (data_identity.data_identity)
     data: dict[str, Any] = field(default_factory=dict)
     # written by a run with checkpoint.reset_data on: a rerun of it continues its data position
     data_reset: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainerState":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        if known.get("layout"):  # checkpoints from before context parallelism ran cp = 1
-            known["layout"] = {"cp": 1, **known["layout"]}
-        return cls(**known)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
@@ -155,15 +156,11 @@ class OptimizerState:
         return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self.metadata)
 
     def save(self, ckpt: Path, ctx: ParallelContext) -> None:
-        from megatron.core import dist_checkpointing
-
         sharded = self._sharded(is_loading=False)
         install_writer_results_queue()
         dist_checkpointing.save(sharded, str(ckpt / self.name))
 
     def load(self, ckpt: Path, ctx: ParallelContext, saved: TrainerState) -> bool:
-        from megatron.core import dist_checkpointing
-
         if not (ckpt / self.name / "metadata.json").exists():
             log.warning("%s has no optimizer state; starting the optimizer fresh", ckpt)
             return False
@@ -369,13 +366,13 @@ class CheckpointManager:
         barrier()
         for part in self.parts:
             part.save(tmp, ctx)
-            _fault_point(ctx, state.step, part.name)
+            _save_phase(ctx.rank, state.step, part.name)
         barrier()
         if ctx.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
             (tmp / "config.yaml").write_text(self.resolved_yaml)
             write_file_list(tmp)
-            _fault_point(ctx, state.step, "publish")
+            _save_phase(ctx.rank, state.step, "publish")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -388,9 +385,6 @@ class CheckpointManager:
         return final
 
 
-def _fault_point(ctx: ParallelContext, step: int, point: str) -> None:
-    """SIGKILL rank 0 here when KILL_IN_SAVE_ENV names this step and point (tests only)."""
-    if ctx.rank == 0 and os.environ.get(KILL_IN_SAVE_ENV) == f"{step}:{point}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
+def _save_phase(rank: int, step: int, phase: str) -> None:
+    for observer in SAVE_PHASE_OBSERVERS:
+        observer(rank, step, phase)

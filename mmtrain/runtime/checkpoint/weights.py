@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import yaml
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from mmtrain.config.typed import to_plain
 from mmtrain.runtime.checkpoint.layout import find_latest_iteration, iter_dir, unwrap, write_latest
@@ -69,8 +71,6 @@ def save_model_weights(
     update_latest: bool = True,
 ) -> Path:
     """Collective: every rank passes its own chunks. Returns the iteration directory."""
-    from megatron.core import dist_checkpointing
-
     out = iter_dir(ckpt_dir, iteration)
     model_dir = out / "model"
     if _rank0():
@@ -95,9 +95,6 @@ def load_model_weights(
     strict: bool = True,
 ) -> int:
     """Collective. Loads into the chunks in place (any TP/PP layout); returns the iteration."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
     if iteration is None:
         iteration = find_latest_iteration(ckpt_dir)
         if iteration is None:

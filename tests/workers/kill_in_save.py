@@ -1,0 +1,39 @@
+"""Test-only entry: `mmtrain` in this process, with rank 0 SIGKILLed at one phase of one
+checkpoint save (the crash-consistency tests: test_train_reliability.py, tests/gpu).
+
+    python -m tests.workers.kill_in_save STEP:PHASE mmtrain-ARGS...
+
+PHASE is a part staged ("model", "optimizer", ...) or "publish" (staged completely, not yet
+renamed into place): `mmtrain.runtime.checkpoint.manager.SAVE_PHASE_OBSERVERS`. For runs that
+train in the launching process (a world of one)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from mmtrain.cli import main
+from mmtrain.runtime.checkpoint.manager import SAVE_PHASE_OBSERVERS
+
+
+def command(kill_at: str, mmtrain_command: list[str]) -> list[str]:
+    """`[python, -m, mmtrain.cli, ARGS...]` -> the same run through this entry, killed at `kill_at`."""
+    python, flag, module, *args = mmtrain_command
+    assert (flag, module) == ("-m", "mmtrain.cli"), mmtrain_command
+    return [python, "-m", "tests.workers.kill_in_save", kill_at, *args]
+
+
+def install(kill_at: str) -> None:
+    step, phase = kill_at.split(":")
+
+    def kill(rank: int, at_step: int, at_phase: str) -> None:
+        if rank == 0 and (at_step, at_phase) == (int(step), phase):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    SAVE_PHASE_OBSERVERS.append(kill)
+
+
+if __name__ == "__main__":
+    install(sys.argv[1])
+    sys.exit(main(sys.argv[2:]))
