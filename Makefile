@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build).
 	$(PY) -m pip install -q "torch==2.13.0"
+	# No torchvision: PyPI's Linux wheels of it are CUDA builds that do not import beside this CPU
+	# torch. Only transformers' AutoProcessor on a LLaVA-OV export needs one (docs/conversion.md).
 	$(PY) -m pip install -q -e ".[test]"
 	# Byte-compile our own packages once: an editable install leaves that to the first import, and
 	# with PYTHONDONTWRITEBYTECODE set every process (each Ray worker, each test subprocess) would

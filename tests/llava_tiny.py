@@ -65,3 +65,37 @@ def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7, i
         post = torch.randint(0, 990, (text_len,), generator=g)
         rows.append(torch.cat([pre, torch.full((p.num_tokens,), image_token), post]))
     return rows, pv, torch.tensor([list(p.image_size) for p in procs])
+
+
+def has_torchvision() -> bool:
+    """transformers' LlavaOnevisionVideoProcessor (and so AutoProcessor on a LLaVA-OV dir) needs it."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def export_processor(d):
+    """transformers' AutoProcessor of the HF export `d` where torchvision is installed; without it
+    (no video processor can be built: tests/test_llava_export_processor.py checks AutoProcessor
+    says so) the same LlavaOnevisionProcessor from the saved parts, its video check relaxed."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaOnevisionProcessor
+
+    if has_torchvision():
+        return AutoProcessor.from_pretrained(d)
+
+    class Images(LlavaOnevisionProcessor):
+        def check_argument_for_proper_class(self, name, argument):
+            return None if name == "video_processor" and argument is None else \
+                super().check_argument_for_proper_class(name, argument)
+
+    d = Path(d)
+    settings = json.loads((d / "processor_config.json").read_text())
+    assert settings.pop("processor_class") == "LlavaOnevisionProcessor"
+    settings = {k: v for k, v in settings.items() if not isinstance(v, dict)}
+    return Images(image_processor=AutoImageProcessor.from_pretrained(d), tokenizer=AutoTokenizer.from_pretrained(d),
+                  video_processor=None, chat_template=(d / "chat_template.jinja").read_text(), **settings)

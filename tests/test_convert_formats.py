@@ -17,7 +17,7 @@ import yaml
 
 torch.set_num_threads(1)
 
-from tests.llava_tiny import IMAGE_SIZE, PATCH, hf_llava, images  # noqa: E402
+from tests.llava_tiny import IMAGE_SIZE, PATCH, export_processor, has_torchvision, hf_llava, images  # noqa: E402
 from tests.test_convert import _cli  # noqa: E402
 
 IMAGE_ID, VIDEO_ID = 783, 784  # the tiny Qwen2 tokenizer's <image>/<video>
@@ -59,27 +59,6 @@ def exported(hf_tok_dir, tmp_path_factory):
     return ckpt, out, proc.stderr
 
 
-def _processor(d: Path):
-    """transformers' AutoProcessor of `d`; without torchvision (no video processor can be
-    built) the same LlavaOnevisionProcessor from the saved parts, its video check relaxed."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaOnevisionProcessor
-
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        class Images(LlavaOnevisionProcessor):
-            def check_argument_for_proper_class(self, name, argument):
-                return None if name == "video_processor" and argument is None else \
-                    super().check_argument_for_proper_class(name, argument)
-
-        settings = json.loads((d / "processor_config.json").read_text())
-        assert settings.pop("processor_class") == "LlavaOnevisionProcessor"
-        settings = {k: v for k, v in settings.items() if not isinstance(v, dict)}
-        return Images(image_processor=AutoImageProcessor.from_pretrained(d), tokenizer=AutoTokenizer.from_pretrained(d),
-                      video_processor=None, chat_template=(d / "chat_template.jinja").read_text(), **settings)
-    return AutoProcessor.from_pretrained(d)
-
-
 @pytest.mark.unit
 def test_export_has_the_processor_and_tiles_as_our_loader(exported):
     from mmdata.energon_loaders.llava_ov import anyres
@@ -87,6 +66,8 @@ def test_export_has_the_processor_and_tiles_as_our_loader(exported):
     _, out, stderr = exported
     _no_noise(stderr)
     assert "wrote shard 1 (" in stderr  # progress of the export, in the CLI's own log
+    if not has_torchvision():  # the export says what transformers' AutoProcessor needs to load it
+        assert "AutoProcessor needs torchvision" in stderr and "torchvision==0.28.0" in stderr
     for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja", "tokenizer.json"):
         assert (out / name).is_file(), name
     settings = json.loads((out / "processor_config.json").read_text())
@@ -95,7 +76,7 @@ def test_export_has_the_processor_and_tiles_as_our_loader(exported):
     assert pre["image_processor_type"] == "LlavaOnevisionImageProcessor"
     assert pre["image_mean"] == pre["image_std"] == [0.5, 0.5, 0.5]
     assert pre["size"] == {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    proc = _processor(out)
+    proc = export_processor(out)
     assert proc.tokenizer.convert_tokens_to_ids(["<image>", "<video>"]) == [IMAGE_ID, VIDEO_ID]
     prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
                                       add_generation_prompt=True)

@@ -158,3 +158,54 @@ def test_bf16_round_trip_keeps_bf16(hf_dir, emu3_tok_dir, tiny_vq_dir, tmp_path)
     c = load_file(out32 / "model.safetensors")
     assert all(c[k].dtype == torch.float32 and torch.equal(a[k].float(), c[k]) for k in a if a[k].is_floating_point())
     assert json.loads((out32 / "config.json").read_text())["dtype"] == "float32"
+
+
+def _trained_copy(converted: Path, dst: Path, data_paths: list[Path]) -> Path:
+    """`converted` as a trained checkpoint: its iteration's trainer state names `data_paths`, as
+    the trainer writes it (TrainerState.data = the loader's identity)."""
+    from dataclasses import asdict
+
+    from mmtrain.runtime.checkpoint.layout import TRAINER_STATE, iter_dir, read_latest
+    from mmtrain.runtime.checkpoint.manager import TrainerState
+
+    shutil.copytree(converted, dst)
+    state = TrainerState(step=3, data={"data.paths": [str(p) for p in data_paths]})
+    (iter_dir(dst, read_latest(dst)) / TRAINER_STATE).write_text(json.dumps(asdict(state)))
+    return dst
+
+
+@pytest.mark.unit
+def test_export_records_the_token_shards_image_area(converted, tiny_vq_dir, tmp_path, caplog):
+    """The exported preprocessor_config.json resizes images to the area the token shards were made
+    with (their manifest's image_area), not the VQ dir's default: transformers' image processor of
+    the export gives the pixels `mmdata tokenize-images --image-area` gave; unreadable manifests warn."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from mmdata.vision_tokens.vq import load_image_processor
+    from tests.emu3_tiny import TEST_IMAGE_AREA
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    (tokens / "manifest.json").write_text(json.dumps({"tool": "mmdata tokenize-images", "image_area": TEST_IMAGE_AREA}))
+    ckpt = _trained_copy(converted, tmp_path / "ckpt", [tokens])
+    out = tmp_path / "hf"
+    with caplog.at_level("INFO"):
+        assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out)) == 0
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    assert pre["min_pixels"] == pre["max_pixels"] == TEST_IMAGE_AREA
+    assert f"image area {TEST_IMAGE_AREA} px" in caplog.text
+    image = Image.new("RGB", (64, 64), (120, 30, 200))
+    exported = AutoImageProcessor.from_pretrained(out)(image, return_tensors="pt")["pixel_values"]
+    tokenized = load_image_processor(tiny_vq_dir, TEST_IMAGE_AREA)(image, return_tensors="pt")["pixel_values"]
+    default = load_image_processor(tiny_vq_dir, None)(image, return_tensors="pt")["pixel_values"]
+    assert exported.shape == tokenized.shape != default.shape
+    assert torch.equal(exported, tokenized)
+    # data without a readable manifest: the VQ's bounds stay, with a warning saying so
+    caplog.clear()
+    ckpt2 = _trained_copy(converted, tmp_path / "ckpt2", [tmp_path / "gone"])
+    with caplog.at_level("INFO"):
+        assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt2), "--dst", str(tmp_path / "hf2")) == 0
+    assert "its --image-area is unknown" in caplog.text and "tokenize-images --image-area" in caplog.text
+    kept = json.loads((tiny_vq_dir / "preprocessor_config.json").read_text())
+    assert json.loads((tmp_path / "hf2" / "preprocessor_config.json").read_text())["max_pixels"] == kept["max_pixels"]

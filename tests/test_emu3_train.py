@@ -70,6 +70,7 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     from mmtrain.cli import main
     from mmtrain.emu3.generation import Emu3ImageGenerator, ImagePrompt
     from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
+    from tests.emu3_tiny import TEST_IMAGE_AREA
     from tests.test_generate import _hf_emu3_generate
 
     prompts = tmp_path / "prompts.jsonl"
@@ -82,6 +83,9 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     assert main(["convert", "mcore-to-hf", "--model", "emu3", "--src", str(ref_run / "checkpoints"), "--dst",
                  str(export), *assets]) == 0
     model = Emu3ForConditionalGeneration.from_pretrained(export).eval()
+    # its image processor resizes to the area the run's token shards were made at (issue 45)
+    pre = json.loads((export / "preprocessor_config.json").read_text())
+    assert pre["min_pixels"] == pre["max_pixels"] == TEST_IMAGE_AREA
     ref = resolve_checkpoint(ref_run, "emu3")
     req = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=emu3_tok_dir, vq_dir=tiny_vq_dir,
                              decode_images=False).request(ImagePrompt("a red bus", 16, 24, negative="lowres"))

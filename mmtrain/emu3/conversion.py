@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 
 from mmdata.vision_tokens.vq import VQError, check_vq_dir
 from mmtrain.emu3.config import Emu3ModelConfig
+from mmtrain.emu3.image_area import record_trained_image_area
 from mmtrain.emu3.model import Emu3Model
 from mmtrain.emu3.state_dict_adapter import (
     VQ_PREFIX,
@@ -171,4 +172,5 @@ def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes:
     for extra in (tokenizer, vq_dir):
         if extra is not None:
             copy_assets(extra, dst)
+    record_trained_image_area(src, dst / PROCESSOR_FILE)  # the token shards' area, not the VQ's default
     return dst

@@ -84,6 +84,13 @@ CHAT_TEMPLATE = (
     "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+#: what transformers' AutoProcessor needs beyond the project's CPU venv: its LlavaOnevisionVideoProcessor
+#: imports torchvision, which must be the build of the installed torch (PyPI's Linux wheels are CUDA
+#: builds that do not import beside a CPU torch: "operator torchvision::nms does not exist")
+TORCHVISION_HINT = ("the torchvision paired with the installed torch, from the index torch came from: for the "
+                    "Makefile's CPU torch 2.13.0, pip install torchvision==0.28.0 --index-url "
+                    "https://download.pytorch.org/whl/cpu; docs/conversion.md")
+
 PROCESSOR_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
@@ -330,6 +337,18 @@ def _export_tokenizer(cfg: LlavaOVModelConfig, dst: Path):
     return tok
 
 
+def renders_media_parts(tok, template: str) -> bool:
+    """Whether `template` takes a processor's message form (content a list of typed parts) and
+    writes its image and video parts as `<image>` / `<video>`, as LLaVA-OneVision's does."""
+    parts = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "?"}]
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": parts}], chat_template=template, tokenize=False,
+                                       add_generation_prompt=True)
+    except Exception:  # a string-content template fails in Jinja (str + list)
+        return False
+    return "<image>" in text and "<video>" in text
+
+
 def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
     """What `LlavaOnevisionProcessor.save_pretrained` writes, so `AutoProcessor.from_pretrained(dst)`
     works: preprocessor_config.json, processor_config.json, the tokenizer files with the media
@@ -339,11 +358,18 @@ def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
     images = image_processor(cfg, hf_cfg)
     settings = processor_settings(cfg, hf_cfg)
     tok = _export_tokenizer(cfg, dst)
-    template = processor_chat_template(dst) or CHAT_TEMPLATE  # (a tokenizer's own renders text-only turns)
+    template = processor_chat_template(dst)
+    if template is None or (tok is not None and not renders_media_parts(tok, template)):
+        if template is not None:  # e.g. a run's hf_assets/: its tokenizer's (Qwen2) template, string content only
+            log.info("chat_template.jinja: the recorded template takes string content only; the export's renders "
+                     "typed parts ({\"type\": \"image\"|\"video\"|\"text\"}) and strings")
+        template = CHAT_TEMPLATE
     if tok is not None:
         try:
             video = LlavaOnevisionVideoProcessor()
         except ImportError:  # torchvision absent: the part files are saved one by one below
+            log.info("torchvision is not installed: the export is complete, but transformers' AutoProcessor needs "
+                     "torchvision to load it (%s)", TORCHVISION_HINT)
             video = None
         if video is not None:
             LlavaOnevisionProcessor(images, tok, video, chat_template=template, **settings).save_pretrained(str(dst))
