@@ -72,10 +72,10 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     from transformers import (AutoTokenizer, Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE,
                               LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration)
 
-    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.energon_loaders.llava_ov import anyres
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
-    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_vq import build_tiny_vq
     from mmtrain.cli import main as mmtrain
 
     torch.manual_seed(0)

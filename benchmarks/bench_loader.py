@@ -31,17 +31,17 @@ from pathlib import Path
 
 import torch
 
-from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.dev.shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
 
 def make_shards(out: Path, num_samples: int, seed: int) -> Path:
     """The synthetic Infinity-MM mix (mmdata synth's generator) written as loader shards."""
-    from mmdata.preprocess.synth import generate_records
+    from mmdata.dev.synth import generate_records
 
     samples = []
     for rec in generate_records(num_samples, seed=seed, synthetic=True):

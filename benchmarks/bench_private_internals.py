@@ -6,7 +6,7 @@
    photo-like pictures (a real photo when matplotlib's sample data is installed, else textured
    noise) with what the public names alone give: libwebp's default decoder options decoding the
    whole frame to YUV(A), and Pillow's `Image.open(...).load()`.
-2. Shard writes (`mmdata/preprocess/direct_io.SequentialFile`): O_DIRECT from one reused aligned
+2. Shard writes (`mmdata/shard_job/direct_io.SequentialFile`): O_DIRECT from one reused aligned
    buffer against buffered writes with `posix_fadvise(DONTNEED)` after each shard's fsync, and
    plain buffered writes. Each variant writes the same shards (incompressible bytes, like media)
    into fresh files, in alternating order per round; per variant: wall time, the writing
@@ -41,7 +41,7 @@ import webp
 from PIL import Image
 
 from mmdata.preprocess import decode_check
-from mmdata.preprocess.direct_io import ALIGN, SequentialFile, mount_fstype
+from mmdata.shard_job.direct_io import ALIGN, SequentialFile, mount_fstype
 
 VARIANTS = ("direct", "fadvise", "buffered")  # SequentialFile(direct=..., drop_cache=...)
 

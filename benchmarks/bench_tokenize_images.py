@@ -82,7 +82,7 @@ def make_input(root: Path, n: int, seed: int) -> Path:
     """n single-image records of varied sizes (multiples of 8 or not), aspects and modes."""
     from PIL import Image
 
-    from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+    from mmdata.dev.shards import DevSample, write_dev_shards
 
     rng = np.random.default_rng(seed)
     sizes = [(640, 480), (480, 640), (512, 512), (333, 222), (1024, 256), (201, 399), (800, 600), (96, 96)]
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         vq = args.vision_tokenizer
         if vq is None:
-            from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+            from mmdata.dev.tiny_vq import build_tiny_vq
 
             vq = build_tiny_vq(root / "vq", seed=args.seed)
         shards = make_input(root, args.num_samples, args.seed)

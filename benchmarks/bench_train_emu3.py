@@ -57,8 +57,8 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
     """Token shards of synthetic Infinity-MM samples (synth -> preprocess -> tiny VQ ->
     tokenize-images) and the tiny Emu3 tokenizer. `preprocess_job=False` (`--quick`): the
     generator's records written straight as shards (bench_loader.make_shards, no Ray job for them)."""
-    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
-    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.dev.tiny_vq import build_tiny_vq
 
     raw, shards, tokens = work / "raw", work / "shards", work / "tokens"
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
@@ -112,7 +112,7 @@ def hf_emu3(recipe, vocabulary_map: dict):
     from transformers import Emu3Config, Emu3ForConditionalGeneration
 
     from mmtrain.emu3.state_dict_adapter import hf_config_from_emu3
-    from mmdata.vision_tokens.tiny_vq import TINY_VQ_CONFIG
+    from mmdata.dev.tiny_vq import TINY_VQ_CONFIG
 
     cfg = hf_config_from_emu3(recipe.model)
     text = {k: v for k, v in cfg["text_config"].items() if k not in ("attention_bias", "mlp_bias", "model_type")}

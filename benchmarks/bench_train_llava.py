@@ -49,7 +49,7 @@ def build_data(work: Path, num_samples: int = 200, ray_job: bool = True) -> tupl
     """Synthetic Infinity-MM shards made by `mmdata synth` + `mmdata preprocess`, and the tiny
     tokenizer. `ray_job=False` (`--quick`): the same generator's records written straight as shards
     (bench_loader.make_shards: the shard format preprocess writes, without starting Ray)."""
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     if not ray_job:
         from bench_loader import make_shards

@@ -65,7 +65,7 @@ def main() -> int:
         root = Path(tmp)
         vq = args.vision_tokenizer
         if vq is None:
-            from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+            from mmdata.dev.tiny_vq import build_tiny_vq
 
             vq = build_tiny_vq(root / "vq")
         shards = make_input(root, args.num_samples, seed=0)

@@ -1,5 +1,5 @@
 """Which `.nv-meta/` dataset config of a shard folder our readers use, and the sample type it
-names. Every shard set we write carries two (mmdata/preprocess/energon_meta.py):
+names. Every shard set we write carries two (mmdata/shard_job/energon_meta.py):
 
     dataset.yaml   energon's standard `InterleavedSample`, built by a self-contained
                    `sample_loader.py`: what plain energon (`energon info/lint/preview`,

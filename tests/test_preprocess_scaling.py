@@ -13,7 +13,7 @@ import json
 import pytest
 
 from mmdata.preprocess.scaling import run_job, write_nested_inputs
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from mmdata.dev.synth import generate_records, write_infinity_mm
 
 N = 2000
 

@@ -3,7 +3,7 @@ output). Those shards hold code grids, not pictures: the image statistics of `in
 anyres tiles) would all read zero. Their own summary is about the grids: how many per sample,
 their shapes, the visual tokens they add, and how much of the VQ codebook the sample uses (a
 codebook used in a few codes means a broken VQ or a wrong image area). The on-disk contract is
-mmdata/vision_tokens/token_format.py.
+mmdata/energon_loaders/emu3/token_format.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from mmdata import shard_format as sf
 from mmdata.inspect.dataset import Dataset, ShardSample
-from mmdata.vision_tokens import token_format as tf
+from mmdata.energon_loaders.emu3 import token_format
 
 #: `--json` schema of a token shard summary (docs/inspect.md)
 TOKEN_SCHEMA = "mmdata.inspect.vq_tokens/1"
@@ -31,7 +31,7 @@ def is_token_dataset(root: str | Path) -> bool:
 
     root = Path(root)
     if (found := config_sample_type(root)) is not None:
-        return found == ".".join(tf.SAMPLE_TYPE)
+        return found == ".".join(token_format.SAMPLE_TYPE)
     manifest = root / sf.MANIFEST_NAME
     if manifest.is_file():
         try:
@@ -59,10 +59,10 @@ class GridStats:
 
 def sample_grids(sample: ShardSample) -> list[GridStats]:
     """The grids of one token-shard sample (read and checked against their `vq.json` entry)."""
-    grids = tf.decode_vq_json(sample.members[tf.VQ_JSON_MEMBER].read())
+    grids = token_format.decode_vq_json(sample.members[token_format.VQ_JSON_MEMBER].read())
     out = []
     for g in grids:
-        grid = tf.decode_grid(sample.members[g.member].read())
+        grid = token_format.decode_grid(sample.members[g.member].read())
         if grid.shape != (g.height, g.width):
             raise ValueError(f"sample {sample.key}: {g.member} is {grid.shape[0]}x{grid.shape[1]}, "
                              f"its vq.json says {g.height}x{g.width}")

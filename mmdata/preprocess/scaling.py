@@ -74,7 +74,7 @@ def _part_dir(parts: Path, start: int, part_records: int) -> Path:
 def _write_part(final: Path, seed: int, part_records: int, synthetic: bool) -> None:
     """Generate one part into a temporary folder and rename it into place (a part folder is
     always complete)."""
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     start = int(final.name.removeprefix("part")) * part_records
     tmp = final.with_name(final.name + ".tmp")

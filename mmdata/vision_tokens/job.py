@@ -37,16 +37,16 @@ from mmdata.actor_pool import run_on_actors
 from mmdata.errors import UserError
 from mmdata.energon_loaders.emu3.plan_lengths import KIND as LENGTH_INDEX_KIND
 from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
-from mmdata.preprocess.energon_meta import ShardLayout, write_energon_index
-from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint
-from mmdata.preprocess.manifest import Counts, fingerprint
-from mmdata.preprocess.quarantine import concat_parts
-from mmdata.preprocess.stages import shard_work_file
+from mmdata.shard_job.energon_meta import ShardLayout, write_energon_index
+from mmdata.shard_job.lengths import LENGTHS_NAME, tokenizer_fingerprint
+from mmdata.shard_job.manifest import Counts, fingerprint
+from mmdata.shard_job.quarantine import concat_parts
+from mmdata.shard_job.shard_writer import shard_work_file
 from mmdata.ray_job import shard_outputs
 from mmdata.readiness import unfinished_job
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, run_job
 from mmdata.units import plural
-from mmdata.vision_tokens import token_format as tf
+from mmdata.energon_loaders.emu3 import token_format
 from mmdata.vision_tokens.lengths import write_token_length_index
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
                                          finished_chunk, write_token_shard)
@@ -160,7 +160,7 @@ def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], wri
         lengths_sha = write_token_length_index(out, [shard_work_file(work, n, "lengths.json") for n in written],
                                                length_index["tokenizer"], length_index["system_prompt"])
     layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
-    write_energon_index(out, written, layouts, sample_type=tf.SAMPLE_TYPE)
+    write_energon_index(out, written, layouts, sample_type=token_format.SAMPLE_TYPE)
     return lengths_sha
 
 
@@ -280,7 +280,7 @@ class TokenizeJob(ResumableJob):
         self.vq = vq = vq_future.result()
         self.device = _resolve_device(self.cfg, ray.resources())
         self.batch_size = self.cfg.batch_size or (8 if self.device == "cuda" else 1)
-        self.job = {"format_version": tf.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
+        self.job = {"format_version": token_format.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
                     "processor": vq["processor"], "device": self.device, "batch_size": self.batch_size,
                     "transformers": transformers.__version__, "torch": torch.__version__,
                     **({"length_index": self.length_index} if self.length_index else {})}
@@ -335,7 +335,7 @@ class TokenizeJob(ResumableJob):
         return {
             "tool": TOOL,
             "version": mmdata.__version__,
-            "format_version": tf.TOKEN_FORMAT_VERSION,
+            "format_version": token_format.TOKEN_FORMAT_VERSION,
             "fingerprint": fingerprint(self.job),
             "job": self.job,
             "input": {"path": str(self.inp_dir), "fingerprint": self.inp.fingerprint,
@@ -352,7 +352,7 @@ class TokenizeJob(ResumableJob):
             "length_index": None if self.lengths_sha is None else {
                 "file": LENGTHS_NAME, "sha256": self.lengths_sha, "kind": LENGTH_INDEX_KIND,
                 "tokenizer_sha256": self.length_index["tokenizer"], "system_prompt": self.length_index["system_prompt"]},
-            "energon": {"sample_type": ".".join(tf.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
+            "energon": {"sample_type": ".".join(token_format.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
             "wall_time_s": run.wall_time_s(),
             "run": {"output": str(run.out), "chunk_samples": cfg.chunk_samples, "chunks": len(self.chunks),
                     "resumed": run.resumed,

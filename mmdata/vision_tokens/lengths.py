@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from mmdata.energon_loaders.emu3.plan_lengths import KIND, LENGTH_COLUMNS
-from mmdata.preprocess.lengths import LENGTHS_NAME
-from mmdata.preprocess.shard_writer import sha256_file
+from mmdata.shard_job.lengths import LENGTHS_NAME
+from mmdata.shard_job.shard_writer import sha256_file
 
 INDEX_META = b"mmdata.length_index"
 

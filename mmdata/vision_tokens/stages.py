@@ -25,13 +25,13 @@ import numpy as np
 
 from mmdata import shard_format as sf
 from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
-from mmdata.preprocess.energon_meta import write_tar_index
-from mmdata.preprocess.manifest import Counts
-from mmdata.preprocess.quarantine import quarantine_line
-from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
-from mmdata.preprocess.stages import shard_work_file
-from mmdata.preprocess.tar_scan import list_tar
-from mmdata.vision_tokens import token_format as tf
+from mmdata.shard_job.energon_meta import write_tar_index
+from mmdata.shard_job.manifest import Counts
+from mmdata.shard_job.quarantine import quarantine_line
+from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, write_shard
+from mmdata.shard_job.shard_writer import shard_work_file
+from mmdata.shard_job.tar_scan import list_tar
+from mmdata.energon_loaders.emu3 import token_format
 from mmdata.vision_tokens.lengths import shard_part
 
 
@@ -282,11 +282,11 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> di
         members = [(sf.JSON_MEMBER, rec.record_json)]
         infos = []
         for src, pixels, grid in zip(rec.sources, rec.pixels, rec.grids):
-            name = tf.grid_member_name(src)
-            members.append((name, tf.encode_grid(grid, vt.config["codebook_size"])))
-            infos.append(tf.GridInfo(name, src, int(grid.shape[0]), int(grid.shape[1]), pixels))
+            name = token_format.grid_member_name(src)
+            members.append((name, token_format.encode_grid(grid, vt.config["codebook_size"])))
+            infos.append(token_format.GridInfo(name, src, int(grid.shape[0]), int(grid.shape[1]), pixels))
             stats["visual_tokens"] += grid.size
-        members.append((tf.VQ_JSON_MEMBER, tf.encode_vq_json(infos)))
+        members.append((token_format.VQ_JSON_MEMBER, token_format.encode_vq_json(infos)))
         stats["images"] += len(infos)
         stats["text_only"] += not infos
         entry = []

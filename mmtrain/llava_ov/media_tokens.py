@@ -17,8 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
-from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
+from mmdata.energon_loaders.llava_ov.chat_template import IMAGE_TOKEN, VIDEO_TOKEN, add_media_tokens, token_id
 from mmtrain.models.state_dict_adapter import ConversionError
 
 log = logging.getLogger(__name__)

@@ -87,8 +87,7 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     rank starts); the LLM's vocabulary rows must hold them."""
     import logging
 
-    from mmdata.energon_loaders.llava_ov.chat_template import token_id
-    from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
+    from mmdata.energon_loaders.llava_ov.chat_template import IMAGE_TOKEN, VIDEO_TOKEN, token_id
     from mmtrain.models.state_dict_adapter import ConversionError
 
     m: LlavaOVModelConfig = recipe.model

@@ -51,7 +51,7 @@ from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, tiny_vq_dir  # noqa: E
 
 @pytest.fixture(scope="session")
 def qwen_tok(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("gpu_tok") / "tokenizer")
 

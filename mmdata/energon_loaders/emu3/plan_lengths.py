@@ -96,7 +96,7 @@ class Emu3PlanGeometry:
     @classmethod
     def from_recipe(cls, recipe) -> Emu3PlanGeometry:
         """The geometry of an Emu3 recipe's loader (its `data:` task keys, `tokenizer.path`)."""
-        from mmdata.preprocess.lengths import tokenizer_fingerprint
+        from mmdata.shard_job.lengths import tokenizer_fingerprint
 
         d, path = recipe.data, recipe.tokenizer.path
         if path is None:
