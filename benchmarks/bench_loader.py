@@ -12,7 +12,7 @@ workers: the "per core" figure, robust on a shared machine), the packing efficie
 4K/8K/16K (selection as the loader does it, over the same shards) and ends with one line:
 BENCH loader baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>   (per core)
 
-  python benchmarks/bench_loader.py [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
+  python -m benchmarks.bench_loader [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
 
 `--quick` (a smoke run): 16 synthetic samples, so 32 timed per side.
 """

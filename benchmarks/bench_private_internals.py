@@ -13,7 +13,7 @@
    thread's CPU time (user + system), and how much of the shards is still in the page cache
    afterwards (mincore): pages that evict the inputs the job is reading.
 
-    .venv/bin/python benchmarks/bench_private_internals.py [--quick] [--shards 8]
+    .venv/bin/python -m benchmarks.bench_private_internals [--quick] [--shards 8]
         [--shard-mib 256] [--repeats 3] [--workdir DIR]
 
 Prints per-variant figures and peak RSS, then `BENCH webp_check baseline=<public µs> ours=<gated
