@@ -27,7 +27,7 @@ def resolve_dataset(default: str) -> Path:
 def show_sample(sample: ShardSample, chat: Any, *, max_side: int = 384) -> SampleStats:
     """A sample as the model sees it: counts, images with the anyres grid (or one tile each in
     multi-image samples), the chat with the loss spans highlighted."""
-    from IPython.display import HTML, display
+    from IPython.display import HTML, display  # (IPython: there in a notebook kernel, not a dependency)
 
     stats = measure_sample(sample, chat)
     display(HTML(f"<div style='font-family:monospace'>{sample_caption(stats)}</div>"))

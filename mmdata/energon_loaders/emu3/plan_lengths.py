@@ -29,9 +29,12 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
 from mmdata.energon_loaders.emu3.tasks import (DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING, Emu3Tasks,
                                                generation_caption)
 from mmdata.energon_loaders.sequence import ConversationError
+from mmdata.local_tokenizer import load_local_tokenizer
+from mmdata.shard_job.lengths import tokenizer_fingerprint
 
 UNENCODABLE = -1  # the task encoder skips the sample in that task
 #: a plan's per-sample choice (its `variant` column), handed to the encoder as the subflavor
@@ -66,9 +69,6 @@ def uncond_prompt_tokens(tokenizer_path: str | Path, prompt: str) -> int:
     default: Emu3Tasks.generation renders [bos] + prompt + block + [eos])."""
     if not prompt:
         return 0
-    from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     return len(hf_text_encoder(load_local_tokenizer(tokenizer_path, "tokenizer"))(prompt))
 
 
@@ -96,8 +96,6 @@ class Emu3PlanGeometry:
     @classmethod
     def from_recipe(cls, recipe) -> Emu3PlanGeometry:
         """The geometry of an Emu3 recipe's loader (its `data:` task keys, `tokenizer.path`)."""
-        from mmdata.shard_job.lengths import tokenizer_fingerprint
-
         d, path = recipe.data, recipe.tokenizer.path
         if path is None:
             raise FileNotFoundError("tokenizer.path is not set: an Emu3 plan is checked against its tokenizer")
