@@ -6,11 +6,11 @@ Side by side: (a) baseline = an exhaustive grid search would run every layout of
 the recipe's own layout is what the user trains without tuning; (b) ours = `mmtrain FAMILY RECIPE
 action=auto_tune` (memory-model pruning, trials of the real job, history pruning).
 
-  python benchmarks/bench_auto_tune.py                       # tiny recipe, 2 CPU processes
+  python -m benchmarks.bench_auto_tune                       # tiny recipe, 2 CPU processes
          [--nproc 2] [--max-trials 6] [--shards DIR --tokenizer DIR] [--calibration FILE]
          [KEY=VALUE ...]                                     # more recipe overrides
-  python benchmarks/bench_auto_tune.py --aquila [--max-trials 3]   # GPU: the Aquila-VL-2B shape
-  python benchmarks/bench_auto_tune.py --quick                # smoke run: 2 trials of 3 steps, 40 samples
+  python -m benchmarks.bench_auto_tune --aquila [--max-trials 3]   # GPU: the Aquila-VL-2B shape
+  python -m benchmarks.bench_auto_tune --quick                # smoke run: 2 trials of 3 steps, 40 samples
 
 `--aquila` (prepared for a GPU machine; needs CUDA): recipes/aquila-vl-2b.yaml stage 2a from a
 random init on every visible GPU, synthetic shards and the tiny tokenizer (the media token ids
@@ -34,8 +34,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.bench_train_llava import build_data
+from benchmarks.common import REPO
+
 
 TINY = ["llava-ov", str(REPO / "recipes" / "llava-ov-tiny.yaml"), "train.seq_length=512", "train.global_batch_size=8",
         "data.num_workers=1", "auto_tune.trial_steps=5", "auto_tune.warmup_steps=2", "auto_tune.trial_timeout_s=300",
@@ -100,8 +101,6 @@ def main() -> int:
     if args.shards and args.tokenizer:
         shards, tok = args.shards, args.tokenizer
     else:
-        from bench_train_llava import build_data
-
         shards, tok = build_data(work / "data", QUICK_SAMPLES if args.quick else 200)
     if args.aquila:
         import torch

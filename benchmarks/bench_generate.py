@@ -18,9 +18,9 @@ it computed, whatever else the machine runs; `--clock wall` for wall time; both 
 round). The generated tokens of both sides are compared (they must be equal: greedy on the
 same weights).
 
-  python benchmarks/bench_generate.py [--prompts 4] [--size 128] [--batch-size 1] [--repeats 2]
+  python -m benchmarks.bench_generate [--prompts 4] [--size 128] [--batch-size 1] [--repeats 2]
          [--threads 1] [--layers 4 --hidden 256] [--llava-new-tokens 48]
-  python benchmarks/bench_generate.py --quick     # smoke run: 1 prompt, 64 px, 1 round, 2 x 128 Emu3, 16 new tokens,
+  python -m benchmarks.bench_generate --quick     # smoke run: 1 prompt, 64 px, 1 round, 2 x 128 Emu3, 16 new tokens,
                                                   # the four sides in one process
 
 `--batch-size B` generates B prompts per call on both sides (transformers left-pads them).
@@ -72,10 +72,10 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     from transformers import (AutoTokenizer, Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE,
                               LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration)
 
-    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.energon_loaders.llava_ov import anyres
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
-    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_vq import build_tiny_vq
     from mmtrain.cli import main as mmtrain
 
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ workers: the "per core" figure, robust on a shared machine), the packing efficie
 4K/8K/16K (selection as the loader does it, over the same shards) and ends with one line:
 BENCH loader baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>   (per core)
 
-  python benchmarks/bench_loader.py [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
+  python -m benchmarks.bench_loader [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
 
 `--quick` (a smoke run): 16 synthetic samples, so 32 timed per side.
 """
@@ -31,18 +31,18 @@ from pathlib import Path
 
 import torch
 
-from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.dev.shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, packing_efficiency
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.packing.knapsack import largest_first_knapsack
 
 
 def make_shards(out: Path, num_samples: int, seed: int) -> Path:
     """The synthetic Infinity-MM mix (mmdata synth's generator) written as loader shards."""
-    from mmdata.preprocess.synth import generate_records
+    from mmdata.dev.synth import generate_records
 
     samples = []
     for rec in generate_records(num_samples, seed=seed, synthetic=True):

@@ -18,7 +18,7 @@ double until an implementation no longer fits; a length whose projected peak (li
 length) is far over the budget is not run, and an address-space limit of budget + 4 GiB
 guards the machine.
 
-  python benchmarks/bench_long_context.py [--quick] [--budget-gib 8] [--lengths 4096,8192,...]
+  python -m benchmarks.bench_long_context [--quick] [--budget-gib 8] [--lengths 4096,8192,...]
 
 Ends with (ratio > 1: ours reaches longer sequences):
   BENCH long_context_cp2 baseline=<ours CP=1 max> ours=<ours CP=2 max> unit=tokens ratio=...

@@ -6,7 +6,7 @@ Input: `mmdata synth` Infinity-MM tars (realistic layout) whose images are photo
 real photos at synth's mix of sizes, formats and modes (`--synthetic`: the gradient images the
 tests use, which compress to almost nothing and decode 4-6 times faster). Sizes N and 4N (default
 N = 12,000, so 48,000 at the largest; `--quick`: 250 and 1,000, one run each), generated once
-in parts, the N input a prefix of the 4N one (mmdata/preprocess/scaling.py); with `--workdir`
+in parts, the N input a prefix of the 4N one (benchmarks/scaling.py); with `--workdir`
 the parts are kept and reused by later runs with the same seed and image kind.
 
 Sides, each its own subprocess on the same tars:
@@ -47,7 +47,7 @@ Figures:
   N and 4N), with the MB/s the write phase reaches at the margin (it writes and fsyncs every
   shard byte, so a slow disk shows there) and the scan phase's own rate per core against the
   floor; and a CPU account that a loaded machine leaves standing: the CPU time of every process
-  of ours' job (psutil, polled; mmdata/preprocess/scaling.py) fitted through N and 4N, per
+  of ours' job (psutil, polled; benchmarks/scaling.py) fitted through N and 4N, per
   record, against the floor's CPU time per record, also split by process (Ray's workers, where
   the tasks run; the driver; Ray's own processes, which cost per second and per node, so a node
   with many cores approaches the floor over the workers' CPU alone), and the Ray tasks' own CPU
@@ -63,7 +63,7 @@ printed for both sizes: ours must stay flat (within 20 %) because rows and media
 through its driver (tests/test_preprocess_scaling.py asserts it). At 4N ours also runs with
 `--dedup phash` and with `--no-length-index`, giving their cost as a share of the job.
 
-    .venv/bin/python benchmarks/bench_preprocess.py [--num-samples 12000] [--num-cpus 2]
+    .venv/bin/python -m benchmarks.bench_preprocess [--num-samples 12000] [--num-cpus 2]
         [--repeats 1] [--quick] [--synthetic] [--warm] [--scale-copies K] [--workdir DIR]
 """
 
@@ -82,7 +82,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmdata.preprocess.scaling import PROCESS_KINDS, NestedInputs, run_job, run_python, write_nested_inputs
+from benchmarks.scaling import PROCESS_KINDS, NestedInputs, run_job, run_python, write_nested_inputs
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 PART_RECORDS = 1000  # records per generated part (tars of 250, one per subset); N is a multiple of it
@@ -115,7 +115,7 @@ with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, verbose=0)
                 sink.write(sample)
                 n += 1
 print(f"SAMPLES={n}\nT={time.perf_counter() - t0:.3f}")
-from mmdata.preprocess.scaling import peak_rss_kb
+from benchmarks.common import peak_rss_kb
 print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
 """
 
@@ -172,7 +172,7 @@ for p in Path(out).glob("*.tar"):
     with tarfile.open(p) as tar:
         n += sum(1 for m in tar if m.name.endswith(".json"))
 print(f"SAMPLES={n}\nT={t:.3f}")
-from mmdata.preprocess.scaling import peak_rss_kb
+from benchmarks.common import peak_rss_kb
 print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
 """
 

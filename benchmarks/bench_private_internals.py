@@ -6,14 +6,14 @@
    photo-like pictures (a real photo when matplotlib's sample data is installed, else textured
    noise) with what the public names alone give: libwebp's default decoder options decoding the
    whole frame to YUV(A), and Pillow's `Image.open(...).load()`.
-2. Shard writes (`mmdata/preprocess/direct_io.SequentialFile`): O_DIRECT from one reused aligned
+2. Shard writes (`mmdata/shard_job/direct_io.SequentialFile`): O_DIRECT from one reused aligned
    buffer against buffered writes with `posix_fadvise(DONTNEED)` after each shard's fsync, and
    plain buffered writes. Each variant writes the same shards (incompressible bytes, like media)
    into fresh files, in alternating order per round; per variant: wall time, the writing
    thread's CPU time (user + system), and how much of the shards is still in the page cache
    afterwards (mincore): pages that evict the inputs the job is reading.
 
-    .venv/bin/python benchmarks/bench_private_internals.py [--quick] [--shards 8]
+    .venv/bin/python -m benchmarks.bench_private_internals [--quick] [--shards 8]
         [--shard-mib 256] [--repeats 3] [--workdir DIR]
 
 Prints per-variant figures and peak RSS, then `BENCH webp_check baseline=<public µs> ours=<gated
@@ -41,7 +41,7 @@ import webp
 from PIL import Image
 
 from mmdata.preprocess import decode_check
-from mmdata.preprocess.direct_io import ALIGN, SequentialFile, mount_fstype
+from mmdata.shard_job.direct_io import ALIGN, SequentialFile, mount_fstype
 
 VARIANTS = ("direct", "fadvise", "buffered")  # SequentialFile(direct=..., drop_cache=...)
 

@@ -14,7 +14,7 @@ Images/s/core = images / seconds / num_cpus. Peak memory: the baseline process's
 ours, the peak of the summed RSS of the driver and every process it starts (Ray's GCS, raylet,
 workers), sampled every 100 ms. The token grids of both are compared (they must be equal).
 
-    .venv/bin/python benchmarks/bench_tokenize_images.py [--quick] [--num-samples 48]
+    .venv/bin/python -m benchmarks.bench_tokenize_images [--quick] [--num-samples 48]
         [--num-cpus 2] [--image-area 65536] [--vision-tokenizer VQ_DIR]
 
 Ends with `BENCH tokenize_images baseline=<x> ours=<y> unit=images/s/core ratio=<ours/baseline>`
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import ray_job_env
 
 BASELINE = r"""
 import io, json, resource, sys, tarfile, time
@@ -72,17 +73,11 @@ print("RESULT=" + json.dumps({"images": len(codes), "wall_s": wall,
 """
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
 def make_input(root: Path, n: int, seed: int) -> Path:
     """n single-image records of varied sizes (multiples of 8 or not), aspects and modes."""
     from PIL import Image
 
-    from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+    from mmdata.dev.shards import DevSample, write_dev_shards
 
     rng = np.random.default_rng(seed)
     sizes = [(640, 480), (480, 640), (512, 512), (333, 222), (1024, 256), (201, 399), (800, 600), (96, 96)]
@@ -135,7 +130,7 @@ def run_baseline(shards: Path, vq: Path, area: int, num_cpus: int, codes_out: Pa
     """The plain transformers loop in a subprocess; its grids go to `codes_out` (JSON)."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", BASELINE, str(shards), str(vq), str(area), str(num_cpus),
-                           str(codes_out), device], capture_output=True, text=True, env=_env())
+                           str(codes_out), device], capture_output=True, text=True, env=ray_job_env())
     if proc.returncode:
         raise RuntimeError(f"baseline failed:\n{proc.stderr[-3000:]}")
     res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT="))[7:])
@@ -146,7 +141,7 @@ def run_ours(shards: Path, vq: Path, area: int, num_cpus: int, out: Path) -> dic
     cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", str(shards), "--vision-tokenizer", str(vq), "--output",
            str(out), "--image-area", str(area), "--num-cpus", str(num_cpus), "--no-progress", "--overwrite"]
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_job_env())
     rss = _TreeRss(p.pid)
     rss.start()
     stdout, stderr = p.communicate()
@@ -200,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         vq = args.vision_tokenizer
         if vq is None:
-            from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+            from mmdata.dev.tiny_vq import build_tiny_vq
 
             vq = build_tiny_vq(root / "vq", seed=args.seed)
         shards = make_input(root, args.num_samples, args.seed)

@@ -17,10 +17,10 @@ Throughput: real (non-padding) tokens per second, the median of the per-step rat
 warm-up; with `--repeats N` the sides run alternately N times each and each side's best median
 counts (robust to other work on a shared machine; every round is printed).
 
-  python benchmarks/bench_train_emu3.py [--steps 12] [--warmup 2] [--repeats 2] [--threads 1] [--seq-length 1024]
+  python -m benchmarks.bench_train_emu3 [--steps 12] [--warmup 2] [--repeats 2] [--threads 1] [--seq-length 1024]
          [--tokens DIR --tokenizer DIR]   (default: built here: synth -> preprocess -> tiny VQ ->
                                            tokenize-images, tiny Emu3 tokenizer)
-  python benchmarks/bench_train_emu3.py --quick    # smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples
+  python -m benchmarks.bench_train_emu3 --quick    # smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples
                                                    # (written as shards without the preprocess job)
 
 The sample check compares metrics' sample keys (`DATASET#SHARD_KEY`, what the trainer logs) with
@@ -46,10 +46,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_loader import make_shards
+from benchmarks.common import REPO, ray_job_env
+from benchmarks.sample_parity import SampleParityError, check_rounds_match
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmtrain.runtime.sample_parity import SampleParityError, check_rounds_match
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
 
 
@@ -57,12 +58,11 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
     """Token shards of synthetic Infinity-MM samples (synth -> preprocess -> tiny VQ ->
     tokenize-images) and the tiny Emu3 tokenizer. `preprocess_job=False` (`--quick`): the
     generator's records written straight as shards (bench_loader.make_shards, no Ray job for them)."""
-    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
-    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.dev.tiny_vq import build_tiny_vq
 
     raw, shards, tokens = work / "raw", work / "shards", work / "tokens"
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)
+    env = ray_job_env()
     run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True, env=env, capture_output=True)  # noqa: E731
     if preprocess_job:
         run("mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw), "--num-samples", str(num_samples),
@@ -70,8 +70,6 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
         run("mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm", "--input", str(raw), "--output",
             str(shards), "--seed", "0", "--samples-per-shard", str(max(1, num_samples // 4)), "--num-cpus", "2")
     else:
-        from bench_loader import make_shards
-
         make_shards(shards, num_samples, seed=0)
     vq = build_tiny_vq(work / "vq", seed=0)
     run("mmdata.vision_tokens.cli", "--no-progress", str(shards), "--vision-tokenizer", str(vq), "--output", str(tokens),
@@ -112,7 +110,7 @@ def hf_emu3(recipe, vocabulary_map: dict):
     from transformers import Emu3Config, Emu3ForConditionalGeneration
 
     from mmtrain.emu3.state_dict_adapter import hf_config_from_emu3
-    from mmdata.vision_tokens.tiny_vq import TINY_VQ_CONFIG
+    from mmdata.dev.tiny_vq import TINY_VQ_CONFIG
 
     cfg = hf_config_from_emu3(recipe.model)
     text = {k: v for k, v in cfg["text_config"].items() if k not in ("attention_bias", "mlp_bias", "model_type")}

@@ -13,7 +13,7 @@ logs its data wait per step and it is subtracted).
 Throughput: real (non-padding) tokens per second, the median of the per-step rates after the
 warm-up (robust to a stalled step on a shared machine; the totals are printed too).
 
-  python benchmarks/bench_train_llava.py [--quick] [--steps 12] [--warmup 2] [--threads 1]
+  python -m benchmarks.bench_train_llava [--quick] [--steps 12] [--warmup 2] [--threads 1]
          [--shards DIR --tokenizer DIR]    (default: built here from `mmdata synth`)
 
 `--quick` (a smoke run, seconds of training): 3 steps, 1 warm-up, seq 512, 40 synthetic samples
@@ -38,10 +38,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_loader import make_shards
+from benchmarks.common import REPO, ray_job_env
+from benchmarks.sample_parity import SampleParityError, check_logged_steps_match
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmtrain.runtime.sample_parity import SampleParityError, check_logged_steps_match
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 
 
@@ -49,15 +50,12 @@ def build_data(work: Path, num_samples: int = 200, ray_job: bool = True) -> tupl
     """Synthetic Infinity-MM shards made by `mmdata synth` + `mmdata preprocess`, and the tiny
     tokenizer. `ray_job=False` (`--quick`): the same generator's records written straight as shards
     (bench_loader.make_shards: the shard format preprocess writes, without starting Ray)."""
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     if not ray_job:
-        from bench_loader import make_shards
-
         return make_shards(work / "shards", num_samples, seed=0), build_tiny_qwen2_tokenizer(work / "tokenizer")
     raw, shards = work / "raw", work / "shards"
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)
+    env = ray_job_env()
     subprocess.run([sys.executable, "-m", "mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw),
                     "--num-samples", str(num_samples), "--seed", "0"], check=True, env=env, capture_output=True)
     subprocess.run([sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm",

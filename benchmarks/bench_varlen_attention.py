@@ -11,7 +11,7 @@ one long sequence, equal rows; head shapes of the tiny test model and of Qwen2-1
 time of this process (`time.process_time`, single-threaded by default, so other load on a
 shared machine does not count), the median of interleaved repetitions.
 
-  python benchmarks/bench_varlen_attention.py [--quick] [--threads 1] [--reps 3]
+  python -m benchmarks.bench_varlen_attention [--quick] [--threads 1] [--reps 3]
 
 Ends with: BENCH varlen_attention baseline=<loop ms> ours=<grouped ms> unit=ms ratio=<loop/grouped>
 (summed over all cases).

@@ -18,7 +18,7 @@ Throughput: tokens per second of the decoder's packed stream, the median of the 
 after the warm-up; also tokens per CPU-second of the two processes (on a machine shared with
 other jobs, wall time mostly measures their load).
 
-  python benchmarks/bench_vision_layout.py [--quick] [--steps 8] [--warmup 2] [--micro-batches 2]
+  python -m benchmarks.bench_vision_layout [--quick] [--steps 8] [--warmup 2] [--micro-batches 2]
 
 `--quick` (a smoke run): a smaller tower, 2 steps of one micro-batch with 2 images and a 2-frame
 video, 1 warm-up.
@@ -132,7 +132,6 @@ class Replica:
 def run_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(TP),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MMTRAIN_CPU_THREADS=str(args.threads))
-    sys.path.insert(0, str(REPO))
     import torch
     import torch.distributed as dist
 

@@ -10,7 +10,7 @@
    and another chunking give byte-identical shards.
 4. Throughput: images/s of the cuda job vs the CPU job on the same images (real-size area).
 
-    python benchmarks/gpu_check_tokenize_images.py [--num-samples 64] [--image-area 262144]
+    python -m benchmarks.gpu_check_tokenize_images [--num-samples 64] [--image-area 262144]
         [--vision-tokenizer VQ_DIR]
 
 Prints `GPU_CHECK ok` at the end when every check passed (exit 0), else exit 1. Without CUDA it
@@ -28,14 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_tokenize_images import _env, make_input, read_grids, run_baseline  # noqa: E402
+from benchmarks.bench_tokenize_images import make_input, read_grids, run_baseline
+from benchmarks.common import ray_job_env
 
 
 def run_job(*args: str) -> None:
     cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ray_job_env())
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
 
@@ -65,7 +64,7 @@ def main() -> int:
         root = Path(tmp)
         vq = args.vision_tokenizer
         if vq is None:
-            from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+            from mmdata.dev.tiny_vq import build_tiny_vq
 
             vq = build_tiny_vq(root / "vq")
         shards = make_input(root, args.num_samples, seed=0)

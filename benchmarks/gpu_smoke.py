@@ -197,14 +197,14 @@ def emit(result: dict[str, Any]) -> None:
 def build_smoke_data(root: Path) -> tuple[Path, Path]:
     """Dev shards (images alternating with text-only samples, so that with packing off and 2
     micro-batches per step the last one is text-only) and the tiny Qwen2 tokenizer, as the tests
-    build them (mmdata.energon_loaders.dev_shards, tiny_tokenizer); (shards, tokenizer)."""
+    build them (mmdata.dev.shards, tiny_tokenizer); (shards, tokenizer)."""
     import io
 
     import numpy as np
     from PIL import Image
 
-    from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.shards import DevSample, write_dev_shards
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     def png(h: int, w: int, seed: int) -> bytes:
         buf = io.BytesIO()

@@ -30,17 +30,17 @@ import mmdata
 from mmdata.errors import HintingParser, add_common_options, run_main
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "synth": ("mmdata.preprocess.synth", "write a small synthetic dataset in a real on-disk layout"),
+    "synth": ("mmdata.dev.synth", "write a small synthetic dataset in a real on-disk layout"),
     "preprocess": ("mmdata.preprocess.cli", "Ray job: validate, globally shuffle and write energon-ready shards"),
     "pack-plan": ("mmdata.packing.cli", "a deterministic global packing plan from a shards directory's length index"),
     "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
     "preview": ("mmdata.inspect.preview", "show one sample as the model sees it: images, tiles, chat, tokens, loss"),
     "tiny-tokenizer": (
-        "mmdata.energon_loaders.tiny_tokenizer",
+        "mmdata.dev.tiny_tokenizer",
         "train the tiny offline Qwen2-style (or --family emu3) tokenizer used by the demo and the tests",
     ),
     "tokenize-images": ("mmdata.vision_tokens.cli", "Ray job: turn shard images into Emu3 VQ token grids"),
-    "tiny-vq": ("mmdata.vision_tokens.tiny_vq", "write a tiny random Emu3 VQ model for the demo and the tests"),
+    "tiny-vq": ("mmdata.dev.tiny_vq", "write a tiny random Emu3 VQ model for the demo and the tests"),
 }
 
 

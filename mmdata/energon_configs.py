@@ -1,5 +1,5 @@
 """Which `.nv-meta/` dataset config of a shard folder our readers use, and the sample type it
-names. Every shard set we write carries two (mmdata/preprocess/energon_meta.py):
+names. Every shard set we write carries two (mmdata/shard_job/energon_meta.py):
 
     dataset.yaml   energon's standard `InterleavedSample`, built by a self-contained
                    `sample_loader.py`: what plain energon (`energon info/lint/preview`,
@@ -7,12 +7,14 @@ names. Every shard set we write carries two (mmdata/preprocess/energon_meta.py):
     mmdata.yaml    our own sample types (ConversationSample, VQTokenSample), built by
                    `mmdata_sample_loader.py` from the installed package: what our loaders read.
 
-A folder written before the split has only `dataset.yaml`, naming our type: it is read as before.
+A folder without `mmdata.yaml` (one `energon prepare` made, say) is read with its `dataset.yaml`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import yaml
 
 from mmdata import shard_format as sf
 
@@ -24,7 +26,7 @@ MMDATA_DATASET_CONFIG = "mmdata.yaml"
 
 def dataset_config(folder: str | Path) -> str:
     """The config file name our readers pass to energon for `folder`: `mmdata.yaml` when the
-    folder has one, else `dataset.yaml` (shard sets written before both existed)."""
+    folder has one, else energon's default `dataset.yaml`."""
     meta = Path(folder) / sf.ENERGON_META
     return MMDATA_DATASET_CONFIG if (meta / MMDATA_DATASET_CONFIG).is_file() else ENERGON_DATASET_CONFIG
 
@@ -36,8 +38,6 @@ def has_mmdata_config(folder: str | Path) -> bool:
 def config_sample_type(folder: str | Path) -> str | None:
     """"module.Class" of the sample type in the config our readers use (`dataset_config`), or
     None when the folder has no readable one."""
-    import yaml
-
     path = Path(folder) / sf.ENERGON_META / dataset_config(folder)
     try:
         doc = yaml.safe_load(path.read_text()) if path.is_file() else None

@@ -60,7 +60,7 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     as Ray decides: part of Ray's fixed start and stop (docs/preprocess.md, "Benchmark"), paid
     once per job whatever its size. A new `ray.init` cluster reports no usage statistics
     (Ray turns them off for it unless the wheel is a nightly)."""
-    import ray
+    import ray  # (2 s to import; `mmdata --help` imports this module through its commands)
 
     if ray.is_initialized():
         return False
@@ -116,7 +116,7 @@ def shutdown_ray(owned: bool) -> None:
     """Stop the instance this process started, or leave the cluster it joined (Ctrl-C held back
     until it is down)."""
     if owned:
-        import ray
+        import ray  # (see init_ray)
 
         with deferred_interrupt():
             ray.shutdown()
@@ -134,7 +134,7 @@ _END = object()
 def run_bounded(submit: Callable[[Any], Any], items: Iterable[Any], max_in_flight: int,
                 on_done: Callable[[Any, Any], None]) -> None:
     """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
-    import ray
+    import ray  # (see init_ray)
 
     pending: dict = {}
 
@@ -218,10 +218,8 @@ def shard_outputs(out: Path) -> list[Path]:
 
 def changes_text(old: dict | None, new: dict, old_fp: Any, new_fp: str) -> str:
     """"samples_per_shard 50 → 100, seed 0 → 1" (at most 3, then "and N more"); the two
-    fingerprints when the old job's description is unknown (written by an older version)."""
-    if not isinstance(old, dict):
-        return f"fingerprint {str(old_fp)[:12]} → {new_fp[:12]}"
-    diffs = describe_changes(old, new)
+    fingerprints when no option differs (or the folder's record names none)."""
+    diffs = describe_changes(old, new) if isinstance(old, dict) else []
     if not diffs:
         return f"fingerprint {str(old_fp)[:12]} → {new_fp[:12]}"
     more = f", and {len(diffs) - 3} more" if len(diffs) > 3 else ""

@@ -35,12 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
+from rich.console import Console
+
 from mmdata import shard_format as sf
 from mmdata.errors import Interrupted, UserError, deferred_interrupt
 from mmdata.folder_lock import FolderLock
-from mmdata.preprocess.manifest import fingerprint, write_json_atomic
 from mmdata.ray_job import (INTERRUPTED, check_output_dir, discard, init_ray, remove, run_bounded, shard_outputs,
                              shutdown_ray)
+from mmdata.shard_job.manifest import fingerprint, write_json_atomic
+from mmdata.shard_job.progress import JobProgress
 
 NODE_KEY = "_ray_node"  # in a task's result: the node that ran it (counted in `run.task_nodes`)
 CPU_KEY = "_task_cpu_s"  # ... and the CPU seconds its worker process spent on it (`run.task_cpu_s`)
@@ -137,7 +140,7 @@ class RayCluster:
             self.init_s = round(time.perf_counter() - t0, 3)
 
     def resources(self) -> dict:
-        import ray
+        import ray  # (2 s to import: only a job with work to run pays it, see `start`)
 
         self.start()
         return ray.cluster_resources()
@@ -217,7 +220,7 @@ class JobRun:
         worker spent on it (`run.task_nodes`, `run.task_cpu_s`). SPREAD: tasks go round the nodes
         (each reads and writes the shared file system) rather than filling the driver's node
         first; on one node it changes nothing."""
-        import ray
+        import ray  # (see RayCluster.resources)
 
         return ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_reporting(fn))
 
@@ -290,7 +293,7 @@ class JobRun:
 def _reporting(task: Callable[..., dict]) -> Callable[..., dict]:
     @functools.wraps(task)
     def run(*args, **kwargs) -> dict:
-        import ray
+        import ray  # a Ray task body (runs in the worker)
 
         c0 = time.process_time()  # the worker process's: threads a task starts count too
         result = task(*args, **kwargs)
@@ -326,8 +329,6 @@ def _run(job: ResumableJob) -> dict:
 
 
 def _run_locked(job: ResumableJob, out: Path, t_start: float) -> dict:
-    from mmdata.preprocess.progress import JobProgress
-
     opts = job.options
     ray = RayCluster(opts.address, opts.num_cpus)
     background = ThreadPoolExecutor(1, thread_name_prefix="mmdata-finish")  # the job's driver-side writes, in order
@@ -361,8 +362,6 @@ def _run_locked(job: ResumableJob, out: Path, t_start: float) -> dict:
         if not opts.keep_work_dir:
             shutil.rmtree(work, ignore_errors=True)
     if opts.progress and (table := job.summary(manifest, out)) is not None:
-        from rich.console import Console
-
         Console(stderr=True).print(table)
     return manifest
 

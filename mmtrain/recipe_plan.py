@@ -13,7 +13,7 @@ from typing import Any
 from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.packing.geometry import PlanGeometry
-from mmdata.preprocess.lengths import tokenizer_fingerprint
+from mmdata.shard_job.lengths import tokenizer_fingerprint
 
 
 def recipe_geometry(recipe: Any) -> PlanGeometry | Emu3PlanGeometry | None:

@@ -70,7 +70,7 @@ def megatron_cpu():
 
 @pytest.fixture(scope="session")
 def synth_raw_dir(tmp_path_factory) -> Path:
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     out = tmp_path_factory.mktemp("synth") / "raw"
     write_infinity_mm(generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED, synthetic=True), out, samples_per_tar=20)

@@ -57,7 +57,7 @@ def encode_image(rng: np.random.Generator, w: int, h: int, mode: str = "RGB", fm
 
 
 def dev_samples(n: int = 16, seed: int = 0) -> list:
-    from mmdata.energon_loaders.dev_shards import DevSample
+    from mmdata.dev.shards import DevSample
 
     rng = np.random.default_rng(seed)
 
@@ -108,21 +108,21 @@ def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
 
 @session_fixture
 def emu3_tok_dir(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
 
     return build_tiny_emu3_tokenizer(tmp_path_factory.mktemp("emu3_tok") / "tok")
 
 
 @session_fixture
 def tiny_vq_dir(tmp_path_factory) -> Path:
-    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq import build_tiny_vq
 
     return build_tiny_vq(tmp_path_factory.mktemp("tiny_vq") / "vq", seed=0)
 
 
 @session_fixture
 def emu3_dev_shards(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.dev.shards import write_dev_shards
 
     return write_dev_shards(tmp_path_factory.mktemp("emu3_dev") / "shards", dev_samples(),
                             samples_per_shard=DEV_SAMPLES_PER_SHARD)

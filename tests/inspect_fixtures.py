@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmdata.preprocess.synth import SynthRecord, generate_records, write_infinity_mm
+from mmdata.dev.synth import SynthRecord, generate_records, write_infinity_mm
 from tests.conftest import run_preprocess_cli
 
 BROKEN_NUM_SAMPLES = 50

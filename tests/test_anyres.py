@@ -62,7 +62,7 @@ def hf_processor(tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_dir(tmp_path_factory):
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok"))
 

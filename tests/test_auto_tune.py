@@ -368,7 +368,7 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
     import subprocess
     import sys
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     tok = build_tiny_qwen2_tokenizer(tmp_path / "tokenizer")
     run = tmp_path / "run"

@@ -1,7 +1,7 @@
 """Every benchmark in benchmarks/ runs to its end in its `--quick` mode (issue 30: benchmarks
 that cannot rot). A benchmark no test runs breaks silently when the code under it changes (the
 train_llava sample check did, when metrics' sample ids became `DATASET#SHARD_KEY` keys), so each
-`bench_*.py` runs here as a user runs it, in a subprocess, and must exit 0 and print its
+`bench_*.py` runs here as a user runs it (`python -m benchmarks.NAME`), in a subprocess, and must exit 0 and print its
 `BENCH <name> ... ratio=` line. The ratio's value is not checked: quick sizes measure nothing.
 
 Benchmarks whose quick run still needs Ray jobs or many training processes are `slow`
@@ -76,7 +76,7 @@ def test_bench_line_pattern() -> None:
 
 @pytest.mark.parametrize("script,name", _params())
 def test_quick_run_ends_with_its_bench_line(script: str, name: str) -> None:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], cwd=REPO, env=_env(),
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", "--quick"], cwd=REPO, env=_env(),
                           capture_output=True, text=True)
     tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}\n{tail}"

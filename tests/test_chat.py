@@ -7,7 +7,7 @@ import pytest
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer, ConversationError, apply_length_policy
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
 pytestmark = pytest.mark.unit
 

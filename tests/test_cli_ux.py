@@ -78,7 +78,7 @@ def no_network(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
 
@@ -223,7 +223,7 @@ def test_usage_errors_are_one_line_and_write_nothing(tmp_path, capsys, synth_raw
 
 def test_a_job_that_would_write_no_sample_stops_and_writes_nothing(tmp_path):
     """Every record filtered out: exit 2 with the reasons, no output folder left behind."""
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(12, seed=3, broken_fraction=0.25, synthetic=True), raw, samples_per_tar=12)
@@ -499,7 +499,7 @@ def test_documented_recipe_defaults_are_the_schemas():
 
 @pytest.mark.unit
 def test_one_unit_system_and_plurals():
-    from mmdata.preprocess.progress import shards_line
+    from mmdata.preprocess.summary import shards_line
     from mmdata.units import format_bytes, format_duration, plural
 
     assert format_bytes(3.89e9) == "3.62 GiB" and format_bytes(1536) == "1.5 KiB" and format_bytes(12) == "12 B"
@@ -515,7 +515,7 @@ def test_byte_figures_agree_across_commands(shards_dir, capsys):
     """The preprocess summary and inspect print the same bytes the same way; dry_run in GiB."""
     from rich.console import Console
 
-    from mmdata.preprocess.progress import summary_table
+    from mmdata.preprocess.summary import summary_table
     from mmdata.units import format_bytes
 
     manifest = json.loads((shards_dir / "manifest.json").read_text())
@@ -533,7 +533,7 @@ def test_byte_figures_agree_across_commands(shards_dir, capsys):
 def test_progress_rates_count_this_runs_records_since_the_work_began(capsys):
     import time
 
-    from mmdata.preprocess.progress import JobProgress
+    from mmdata.shard_job.progress import JobProgress
 
     prog = JobProgress(enabled=True)
     prog.stage("scan", 10, started=time.perf_counter() - 10.0, base_records=1000)  # 1000 found done
@@ -589,7 +589,7 @@ def test_a_private_ray_start_does_not_print_rays_token_auth_notice(tmp_path):
     when RAY_AUTH_MODE is unset (the other tests set it): mmdata's private instance keeps the
     default without printing the notice, and the job runs (HOME is the test's: Ray writes its token
     under ~/.ray)."""
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
     from mmdata.ray_job import RAY_AUTH_ENABLED_NOTICE
 
     raw = tmp_path / "raw"

@@ -205,7 +205,7 @@ def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     from mmtrain.runtime.checkpoint.weights import load_model_weights
     from mmtrain.runtime.distributed import ensure_model_parallel
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     torch.manual_seed(4)
     Qwen2ForCausalLM(Qwen2Config(**text_config())).save_pretrained(tmp_path / "llm")

@@ -39,7 +39,7 @@ def _no_noise(stderr: str) -> None:
 @pytest.fixture(scope="module")
 def hf_tok_dir(tmp_path_factory):
     """A tiny LLaVA-OV HF dir with a real tokenizer whose media ids are the config's."""
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     d = tmp_path_factory.mktemp("hf_tok")
     model = hf_llava(seed=3, image_token=IMAGE_ID, video_token=VIDEO_ID)

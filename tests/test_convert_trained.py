@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_trained_checkpoint_exports_to_transformers(tmp_path, shards_dir):
     from transformers import LlavaOnevisionForConditionalGeneration
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.cli import main as cli
     from mmtrain.llava_ov import load_llava_ov
     from tests.test_train_runtime import train

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from mmdata.preprocess.curation.phash import _dct_rows, phash, phash_bytes
-from mmdata.preprocess.synth import generate_records
+from mmdata.dev.synth import generate_records
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mmdata.preprocess import direct_io
-from mmdata.preprocess.direct_io import ALIGN, BUFFER_BYTES, SequentialFile, direct_io_wanted, mount_fstype
+from mmdata.shard_job import direct_io
+from mmdata.shard_job.direct_io import ALIGN, BUFFER_BYTES, SequentialFile, direct_io_wanted, mount_fstype
 
 pytestmark = pytest.mark.unit
 

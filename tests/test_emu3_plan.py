@@ -44,7 +44,7 @@ def test_the_length_index_lists_every_written_sample_with_its_key(token_dir, emu
     index = pq.read_table(token_dir / "lengths.parquet")
     li = manifest["length_index"]
     assert li["kind"] == "emu3" and li["sha256"] and li["system_prompt"] == "You are a helpful assistant."
-    from mmdata.preprocess.lengths import tokenizer_fingerprint
+    from mmdata.shard_job.lengths import tokenizer_fingerprint
 
     assert li["tokenizer_sha256"] == tokenizer_fingerprint(emu3_tok_dir)
     keys = []  # in energon's global order: shard by shard

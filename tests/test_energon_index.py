@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
-from mmdata.preprocess.energon_meta import (ENERGON_FORMAT_VERSION, NV_META, ShardLayout, write_energon_index,
+from mmdata.shard_job.energon_meta import (ENERGON_FORMAT_VERSION, NV_META, ShardLayout, write_energon_index,
                                             write_tar_index)
-from mmdata.preprocess.shard_writer import SampleMembers, write_shard
+from mmdata.shard_job.shard_writer import SampleMembers, write_shard
 
 pytestmark = pytest.mark.unit
 

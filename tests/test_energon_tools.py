@@ -15,9 +15,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.dev.shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.sample import ConversationSample
-from mmdata.preprocess.energon_meta import NV_META
+from mmdata.shard_job.energon_meta import NV_META
 
 N_SAMPLES = 7
 

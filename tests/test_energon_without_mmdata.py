@@ -30,8 +30,8 @@ from PIL import Image
 
 from mmdata import shard_format as sf
 from mmdata.energon_configs import config_sample_type, dataset_config
-from mmdata.preprocess import energon_sample_loader as portable
-from mmdata.preprocess.energon_meta import NV_META
+from mmdata.shard_job import energon_sample_loader as portable
+from mmdata.shard_job.energon_meta import NV_META
 from tests.emu3_tiny import demo_token_dir, tiny_vq_dir  # noqa: F401 - session fixtures
 from tests.energon_reading import energon_samples
 
@@ -200,7 +200,7 @@ def test_token_shards_read_by_plain_energon(bare, demo_token_dir):  # noqa: F811
             assert item["dtype"] == "torch.int64" and item["sum"] == float(grid.astype(np.int64).sum())
         grids_seen += len(grids)
     assert grids_seen > 0
-    assert config_sample_type(demo_token_dir) == "mmdata.energon_loaders.vq_token_sample.VQTokenSample"
+    assert config_sample_type(demo_token_dir) == "mmdata.energon_loaders.emu3.vq_token_sample.VQTokenSample"
 
 
 @pytest.mark.unit
@@ -236,7 +236,7 @@ def _identity_ids(path: Path, config: str, take: int | None = None) -> list[str]
 
 def test_folder_without_mmdata_yaml_reads_dataset_yaml_as_before(shards_dir, tmp_path):
     """A shard set written before `mmdata.yaml`: dataset.yaml names our type, and our readers use it."""
-    from mmdata.preprocess.energon_meta import mmdata_sample_loader_py
+    from mmdata.shard_job.energon_meta import mmdata_sample_loader_py
 
     old = tmp_path / "old"
     (old / NV_META).mkdir(parents=True)
@@ -279,7 +279,7 @@ def test_our_task_encoder_names_a_plain_dataset_yaml_read(shards_dir, tmp_path):
     from megatron.energon.errors import FatalSampleError
 
     from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     encoder = LlavaOVTaskEncoder(str(build_tiny_qwen2_tokenizer(tmp_path / "tok")), LlavaOVEncoderConfig(seq_length=4096))
     ds = get_train_dataset(str(shards_dir), split_part="train", batch_size=1, shuffle_buffer_size=None,

@@ -59,7 +59,7 @@ def llava_hf(tmp_path_factory):
     HF dir with the tokenizer files; text weights scaled up so greedy answers vary."""
     from transformers import AutoTokenizer
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     root = tmp_path_factory.mktemp("gen_llava")
     tok_dir = build_tiny_qwen2_tokenizer(root / "tok")

@@ -15,11 +15,11 @@ import pytest
 from PIL import Image
 
 from mmdata.energon_loaders.llava_ov import anyres
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.inspect import find_sample, load_quarantine, open_dataset, random_samples
 from mmdata.inspect.packing import estimate_packing
 from mmdata.inspect.stats import detect_language, load_chat_tokenizer, measure_sample, summarize
-from mmdata.preprocess.synth import (
+from mmdata.dev.synth import (
     BROKEN_KINDS, EN_ANSWERS, EN_PROMPTS, TEXT_ONLY, ZH_ANSWERS, ZH_PROMPTS, generate_records,
 )
 from tests.conftest import SYNTH_NUM_SAMPLES, SYNTH_SEED

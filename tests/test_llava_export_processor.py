@@ -33,7 +33,7 @@ def exported(tmp_path_factory):
     """(megatron checkpoint, its HF export, the HF source model, the tokenizer)."""
     from transformers import AutoTokenizer
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     root = tmp_path_factory.mktemp("llava_export")
     tok_dir = build_tiny_qwen2_tokenizer(root / "tok")

@@ -36,7 +36,7 @@ def _tokenizer(dst: Path) -> int:
     """A Qwen2-style tokenizer without media tokens in `dst`; returns its length."""
     from transformers import AutoTokenizer
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     build_tiny_qwen2_tokenizer(dst, media_tokens=False)
     tok = AutoTokenizer.from_pretrained(str(dst))
@@ -403,7 +403,7 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
 
     from transformers import AutoTokenizer
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.tokenizer_check import check_tokenizer
 

@@ -17,11 +17,11 @@ import torch
 from PIL import Image
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.dev.shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.loader import write_blend_yaml
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
 torch.set_num_threads(1)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.dev.shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
 WORKERS = 4
 N = 2000

@@ -61,7 +61,7 @@ def setup(tmp_path_factory):
     """The tiny tokenizer's task encoder, a tiny random HF LLaVA-OV converted into ours, and 4
     encoded samples of each kind."""
     from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.llava_ov.model import LlavaOVModel
     from mmtrain.llava_ov.state_dict_adapter import LlavaOVStateDictAdapter, llava_config_from_hf, normalize_llava_hf_key
     from mmtrain.models.model_io import load_canonical

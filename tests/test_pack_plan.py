@@ -14,13 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.inspect.packing import estimate_packing
 from mmdata.inspect.stats import summarize
 from mmdata.cli import main as mmdata_main
 from mmdata.packing import algorithm
 from mmdata.packing.plan_file import plan_path, read_plan_info
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from mmdata.dev.synth import generate_records, write_infinity_mm
 from tests.conftest import run_preprocess_cli
 
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mmdata.packing.plan_file import plan_path, read_plan_info
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from mmdata.dev.synth import generate_records, write_infinity_mm
 from tests.conftest import run_preprocess_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path]:
     """120 synthetic records through the job with the tiny tokenizer (exact text tokens)."""
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     root = tmp_path_factory.mktemp("plangeo")
     tok = build_tiny_qwen2_tokenizer(root / "tok")

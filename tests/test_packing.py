@@ -75,8 +75,8 @@ def _synthetic_mix_lengths(num_samples: int = 600) -> list[int]:
     from transformers import AutoTokenizer
 
     from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
-    from mmdata.preprocess.synth import generate_records
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.synth import generate_records
 
     import tempfile
 

@@ -18,7 +18,7 @@ import pytest
 from megatron.energon import TaskEncoder, WorkerConfig
 
 from mmdata.energon_loaders import plan_packing as pp
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.errors import UserError
 from mmdata.packing.plan_file import plan_path, read_plan_info
 from mmtrain import registry

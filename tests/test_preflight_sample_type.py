@@ -18,14 +18,14 @@ from tests.emu3_tiny import DEV_SAMPLES_PER_SHARD, dev_samples
 REPO = Path(__file__).resolve().parents[1]
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 EMU3_RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
-VQ_TYPE = "mmdata.energon_loaders.vq_token_sample.VQTokenSample"
+VQ_TYPE = "mmdata.energon_loaders.emu3.vq_token_sample.VQTokenSample"
 CONV_TYPE = "mmdata.energon_loaders.sample.ConversationSample"
 
 
 @pytest.fixture(scope="module")
 def llava_shards(tmp_path_factory) -> Path:
     """LLaVA image/text shards (ConversationSample), written without the Ray job."""
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.dev.shards import write_dev_shards
 
     return write_dev_shards(tmp_path_factory.mktemp("kind") / "llava", dev_samples(8),
                             samples_per_shard=DEV_SAMPLES_PER_SHARD)
@@ -39,7 +39,7 @@ def token_shards(demo_token_dir) -> Path:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def llava_tok(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("kind") / "tok")
 

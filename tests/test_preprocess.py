@@ -22,8 +22,8 @@ import pytest
 from PIL import Image
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.manifest import stable_view
-from mmdata.preprocess.synth import BROKEN_KINDS, generate_records, write_infinity_mm, write_llava_json
+from mmdata.shard_job.manifest import stable_view
+from mmdata.dev.synth import BROKEN_KINDS, generate_records, write_infinity_mm, write_llava_json
 from tests.conftest import SYNTH_NUM_SAMPLES, run_preprocess_cli
 from tests.energon_reading import energon_samples
 

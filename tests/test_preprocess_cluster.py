@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.manifest import stable_view
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from mmdata.shard_job.manifest import stable_view
+from mmdata.dev.synth import generate_records, write_infinity_mm
 from tests.conftest import run_preprocess_cli
 from tests.test_preprocess import VENV_BIN, _free_port
 
@@ -31,7 +31,8 @@ from tests.test_preprocess import VENV_BIN, _free_port
 _KILL_WORKERS_ONCE = """
 import os, signal, sys
 from pathlib import Path
-from mmdata.preprocess import shard_writer, stages
+from mmdata.preprocess import stages
+from mmdata.shard_job import shard_writer
 
 def _first(what):
     try:

@@ -16,8 +16,8 @@ from PIL import Image, ImageEnhance
 
 from mmdata import shard_format as sf
 from mmdata.preprocess.curation.phash import hamming, phash_bytes
-from mmdata.preprocess.manifest import stable_view
-from mmdata.preprocess.synth import SynthImage, SynthRecord, generate_records, write_infinity_mm
+from mmdata.shard_job.manifest import stable_view
+from mmdata.dev.synth import SynthImage, SynthRecord, generate_records, write_infinity_mm
 from tests.conftest import run_preprocess_cli
 from tests.test_preprocess import read_shards
 

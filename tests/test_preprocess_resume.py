@@ -14,8 +14,8 @@ import time
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.manifest import stable_view
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from mmdata.shard_job.manifest import stable_view
+from mmdata.dev.synth import generate_records, write_infinity_mm
 from tests.conftest import run_preprocess_cli
 
 

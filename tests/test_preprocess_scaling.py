@@ -1,7 +1,7 @@
 """The job's driver memory does not grow with the data: peak RSS of `mmdata preprocess`'s
 process at N and 4N records stays within 20 % (rows, hashes and media never pass through the
 driver; it holds per-bucket, per-group and per-shard counts only). Measured as
-benchmarks/bench_preprocess.py measures it (mmdata/preprocess/scaling.py: the driver process's
+benchmarks/bench_preprocess.py measures it (benchmarks/scaling.py: the driver process's
 own VmHWM, N a prefix of 4N; gradient images here, photo-like there), with near-duplicate removal
 and the length index on, so their stages are covered too. And an input several times the Ray
 object store goes through with the driver's memory bounded (`MMDATA_OBJECT_STORE_MB`)."""
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from mmdata.preprocess.scaling import run_job, write_nested_inputs
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
+from benchmarks.scaling import run_job, write_nested_inputs
+from mmdata.dev.synth import generate_records, write_infinity_mm
 
 N = 2000
 
@@ -119,7 +119,7 @@ def test_measured_process_counts_its_descendants_cpu():
     """run_python's CPU_S covers the whole process tree (a Ray job's work runs in grandchildren):
     here a grandchild burns 0.6 CPU-seconds while its parent only waits, then idles a few polls so
     its last CPU time is read before it ends; KEY=value lines come back."""
-    from mmdata.preprocess.scaling import POLL_S, run_python
+    from benchmarks.scaling import POLL_S, run_python
 
     burn = f"import time\nwhile time.process_time() < 0.6: pass\ntime.sleep({4 * POLL_S})"
     values, wall = run_python(["-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}]); "

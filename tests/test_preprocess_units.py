@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from mmdata.preprocess.adapters.base import MediaRef, MediaResolver, RawRecord
-from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
+from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, write_shard
 from mmdata.preprocess.shuffle_plan import bucket_of, plan_shards, shuffle_key
 from mmdata.preprocess.validation import Invalid, Valid, ValidationConfig, validate
 
@@ -106,7 +106,7 @@ def test_system_turns_are_kept_and_not_counted_for_alternation(tmp_path):
 
 def test_quarantine_details_are_the_same_in_every_run(tmp_path):
     """Pillow names an unreadable in-memory file by its object's address, which differs per run."""
-    from mmdata.preprocess.quarantine import quarantine_line
+    from mmdata.shard_job.quarantine import quarantine_line
 
     obj = {"id": "a", "conversations": CONV, "image": "x.png"}
     res = validate(_record(tmp_path, obj, {"x.png": b"not an image at all"}), ValidationConfig())
@@ -120,7 +120,7 @@ def test_quarantine_details_are_the_same_in_every_run(tmp_path):
 def test_video_records(tmp_path):
     import numpy as np
 
-    from mmdata.preprocess.synth import _encode_video
+    from mmdata.dev.synth import _encode_video
 
     clip = _encode_video(np.random.default_rng(0))
     obj = {"id": "v", "conversations": [dict(t) for t in CONV], "video": "c.mp4"}
@@ -192,7 +192,7 @@ def test_truncated_input_tar_keeps_the_good_records(tmp_path):
     """A tar cut short: records before the damage go through, the rest is quarantined."""
     from mmdata.preprocess.adapters import list_units
     from mmdata.preprocess.stages import JobSpec, scan_unit
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(40, seed=0, synthetic=True), raw, samples_per_tar=10)
@@ -279,7 +279,7 @@ def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):
     """The verdict covers the first files (input order) holding >= K records, whatever order
     they finish in; it names the reason, the count and 3 examples from those files."""
     from mmdata.preprocess.loss_check import LossCheck, SystematicLoss
-    from mmdata.preprocess.quarantine import quarantine_line
+    from mmdata.shard_job.quarantine import quarantine_line
 
     def part(i: int) -> Path:
         return tmp_path / f"u{i}.jsonl"
@@ -328,7 +328,7 @@ def test_scan_in_batches_gives_what_one_record_at_a_time_gives(tmp_path, monkeyp
     from mmdata.preprocess import stages
     from mmdata.preprocess.adapters import list_units
     from mmdata.preprocess.curation.filters import parse_filters
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(160, seed=3, broken_fraction=0.4, video_fraction=0.1, synthetic=True), raw,
@@ -354,7 +354,7 @@ def test_scan_keeps_the_records_before_a_file_fails_half_way(tmp_path, monkeypat
     read before it are validated and kept, whichever batch they were in, and the rest of the
     file is one input_unreadable line."""
     from mmdata.preprocess import adapters, stages
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(80, seed=1, synthetic=True), raw, samples_per_tar=20)  # 4 files of 20

@@ -325,7 +325,7 @@ def test_tiny_recipe_matches_the_demo_tokenizer(tmp_path):
     # (default corpus): the model's placeholder ids and vocabulary must agree with it.
     import transformers
 
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     tok = transformers.AutoTokenizer.from_pretrained(build_tiny_qwen2_tokenizer(tmp_path / "tok"))
     m = load_recipe(RECIPES / "llava-ov-tiny.yaml", family="llava-ov").model

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
+from mmdata.dev.shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.loader import write_blend_yaml
-from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.shard_format import SAMPLE_KEY_SEP as KEY_SEP
 
 pytestmark = pytest.mark.unit

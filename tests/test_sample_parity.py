@@ -1,4 +1,4 @@
-"""`mmtrain.runtime.sample_parity`: the training benchmarks' same-samples checks (bench_train_llava,
+"""`benchmarks.sample_parity`: the training benchmarks' same-samples checks (bench_train_llava,
 bench_train_emu3) compare keys with keys and fail on other samples, another order or a missing
 step."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mmtrain.runtime.sample_parity import SampleParityError, check_logged_steps_match, check_rounds_match
+from benchmarks.sample_parity import SampleParityError, check_logged_steps_match, check_rounds_match
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.energon_meta import ShardLayout
-from mmdata.preprocess.shard_writer import FileRange, SampleMembers, ShardResult, sha256_file, tar_header, write_shard
+from mmdata.shard_job.energon_meta import ShardLayout
+from mmdata.shard_job.shard_writer import FileRange, SampleMembers, ShardResult, sha256_file, tar_header, write_shard
 from mmdata.preprocess.rows import decode_row, encode_row, rekey_row, row_head
 
 pytestmark = pytest.mark.unit
@@ -258,7 +258,7 @@ def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) ->
     from mmdata.preprocess import adapters
     from mmdata.preprocess.shuffle_plan import plan_shards
     from mmdata.preprocess.stages import JobSpec, scan_unit, sort_bucket, write_shard_task
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    from mmdata.dev.synth import generate_records, write_infinity_mm
     from mmdata.preprocess.validation import ValidationConfig
 
     raw = tmp_path / "raw input é"  # paths with spaces and non-ASCII travel through the rows

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmdata.preprocess.synth import (
+from mmdata.dev.synth import (
     BROKEN_KINDS, PRODUCER_ROOT, generate_records, write_infinity_mm, write_llava_json,
 )
 
@@ -153,7 +153,7 @@ def test_videos_are_opt_in(tmp_path):
 
 def test_cli(tmp_path):
     out = tmp_path / "raw"
-    proc = subprocess.run([sys.executable, "-m", "mmdata.preprocess.synth", "--dataset", "infinity-mm",
+    proc = subprocess.run([sys.executable, "-m", "mmdata.dev.synth", "--dataset", "infinity-mm",
                            "--output", str(out), "--num-samples", "12", "--seed", "0", "--broken-fraction", "0.5"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -191,7 +191,7 @@ def test_photo_like_images_have_real_entropy_and_are_deterministic():
 
 def test_photos_come_from_the_installed_wheel():
     """Every source photo is read from scikit-image's bundled files (no download) and decodes."""
-    from mmdata.preprocess.photo_source import PHOTOS, source_photo
+    from mmdata.dev.photo_source import PHOTOS, source_photo
 
     for name in PHOTOS:
         img = source_photo(name)

@@ -1,4 +1,4 @@
-"""`mmdata.preprocess.tar_scan.list_tar` lists exactly what `tarfile` lists (members, data
+"""`mmdata.shard_job.tar_scan.list_tar` lists exactly what `tarfile` lists (members, data
 offsets, damage), and the Infinity-MM adapter built on it yields the same records as before."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from mmdata.preprocess import tar_scan
+from mmdata.shard_job import tar_scan
 from mmdata.preprocess.adapters import infinity_mm
 from mmdata.preprocess.adapters.base import InputUnit, MediaRef
 from mmdata.preprocess.adapters.media_resolution import member_order
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
-from mmdata.preprocess.tar_scan import list_tar
+from mmdata.dev.synth import generate_records, write_infinity_mm
+from mmdata.shard_job.tar_scan import list_tar
 
 pytestmark = pytest.mark.unit
 

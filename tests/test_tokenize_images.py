@@ -20,8 +20,8 @@ import pytest
 from PIL import Image
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.manifest import stable_view
-from mmdata.vision_tokens import token_format as tf
+from mmdata.shard_job.manifest import stable_view
+from mmdata.energon_loaders.emu3 import token_format as tf
 from tests.emu3_tiny import (EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, emu3_dev_shards,  # noqa: F401
                              emu3_tok_dir, encode_image, hf_codes, hf_reference, run_tokenize_cli, tiny_vq_dir,
                              token_dir, tokenize_args)
@@ -43,7 +43,7 @@ def _samples(tar_path: Path) -> list[tuple[str, dict[str, bytes]]]:
 def test_tiny_vq_is_deterministic_and_loads_in_transformers(tmp_path, tiny_vq_dir):
     from transformers import Emu3VQVAE
 
-    from mmdata.vision_tokens.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq import build_tiny_vq
 
     again = build_tiny_vq(tmp_path / "again", seed=0)
     other = build_tiny_vq(tmp_path / "other", seed=1)
@@ -125,7 +125,7 @@ def test_energon_reads_token_shards(token_dir):
     from click.testing import CliRunner
     from megatron.energon.cli.main import main as energon_main
 
-    from mmdata.energon_loaders.vq_token_sample import VQTokenSample
+    from mmdata.energon_loaders.emu3.vq_token_sample import VQTokenSample
 
     manifest = json.loads((token_dir / sf.MANIFEST_NAME).read_text())
     written = manifest["counts"]["written"]
@@ -247,7 +247,7 @@ def _assert_same_output(out: Path, ref: Path) -> None:
 @pytest.fixture(scope="module")
 def kill_case(tmp_path_factory, tiny_vq_dir):
     """64 samples in 2-sample chunks (enough to kill the job midway) and an uninterrupted run's output."""
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.dev.shards import write_dev_shards
 
     root = tmp_path_factory.mktemp("tokenize_kill")
     shards = write_dev_shards(root / "in", dev_samples(64, seed=5), samples_per_shard=16)

@@ -98,7 +98,7 @@ def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
 
 @session_fixture  # imported by the other training test modules
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
 

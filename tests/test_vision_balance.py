@@ -202,8 +202,8 @@ def test_train_data_balances_replicated_steps(tmp_path):
     import torch
 
     from mmdata.energon_loaders.balance import vision_balance
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.shards import write_dev_shards
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
     from mmtrain.models.flops import tile_token_cost
@@ -256,8 +256,8 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
     import torch
 
     from mmdata.energon_loaders.balance import vision_balance
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.shards import write_dev_shards
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
     from mmtrain.runtime.distributed import ParallelContext

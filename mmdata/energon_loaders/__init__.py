@@ -12,15 +12,13 @@ Common modules (one job each):
   sequence.py        one sample's token sequence (ids, unshifted targets, media spans), length policy
   task_encoding.py   PackingTaskEncoder (counted skips, packing + batch hooks), PackedBatch fields
   video.py           decord probing / uniform frame sampling
-  tiny_tokenizer.py  offline Qwen2-style tokenizer for tests/demos
-  vq_token_sample.py energon sample type of VQ token shards (mmdata tokenize-images) + sample_loader
-  dev_shards.py      write small energon-ready shard sets from in-memory samples
 
 Per family:
   llava_ov/          anyres tiling, Qwen2 chat template + loss mask, LlavaOVTaskEncoder,
                      LlavaOVBatch, build_llava_ov_loader()
   emu3/              Emu3 serialisation, understanding / generation tasks + loss masks,
-                     Emu3TaskEncoder, Emu3Batch, build_emu3_loader(), tiny Emu3 tokenizer
+                     Emu3TaskEncoder, Emu3Batch, build_emu3_loader(), the token shards' format
+                     (token_format.py) and sample type (vq_token_sample.py)
 
 
 A new family adds one package here with its task encoder (a `PackingTaskEncoder`), its

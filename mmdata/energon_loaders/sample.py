@@ -1,7 +1,7 @@
 """The energon sample type of our shards and the `sample_loader` that builds it from raw tar
 parts. `.nv-meta/mmdata.yaml` names `ConversationSample` and `.nv-meta/mmdata_sample_loader.py`
 re-exports `sample_loader`/`part_filter` from here: what our loaders read (`dataset.yaml`, energon's
-InterleavedSample, is for readers without mmdata: preprocess/energon_sample_loader.py).
+InterleavedSample, is for readers without mmdata: shard_job/energon_sample_loader.py).
 
 Media stay encoded (bytes) in the sample: decoding happens in the task encoder, where a bad
 image can be skipped with a counted reason instead of killing a worker.

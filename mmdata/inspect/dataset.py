@@ -390,7 +390,7 @@ def load_quarantine(root: str | Path) -> list[QuarantineRecord]:
         for line in f:
             if not line.strip():
                 continue
-            row = json.loads(line)  # as written by mmdata.preprocess.quarantine.quarantine_line
+            row = json.loads(line)  # as written by mmdata.shard_job.quarantine.quarantine_line
             out.append(
                 QuarantineRecord(
                     id=str(row["id"]),

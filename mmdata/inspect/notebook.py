@@ -4,7 +4,6 @@ notebook stays a thin sequence of calls. Needs IPython (present wherever a kerne
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,15 +12,6 @@ import matplotlib.pyplot as plt
 from mmdata.inspect.dataset import QuarantineRecord, ShardSample
 from mmdata.inspect.render import chat_html, draw_anyres_grid, loss_spans, sample_caption, table_html
 from mmdata.inspect.stats import SampleStats, load_chat_tokenizer, measure_sample
-
-
-def resolve_tokenizer(path: str | None) -> Path:
-    """`path` if given, else the project's tiny Qwen2 tokenizer built into a temp dir."""
-    if path:
-        return Path(path)
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
-
-    return build_tiny_qwen2_tokenizer(Path(tempfile.mkdtemp(prefix="mmdata-tok-")))
 
 
 def resolve_dataset(default: str) -> Path:
@@ -71,4 +61,4 @@ def quarantine_html(records: Sequence[QuarantineRecord], limit: int = 200) -> st
     return table_html(title, headers, rows or [["(none)"] + [""] * (len(headers) - 1)])
 
 
-__all__ = ["resolve_tokenizer", "resolve_dataset", "show_sample", "quarantine_html", "load_chat_tokenizer"]
+__all__ = ["resolve_dataset", "show_sample", "quarantine_html", "load_chat_tokenizer"]

@@ -34,7 +34,7 @@ from mmdata.energon_loaders.row_mix import pack_buffer
 from mmdata.packing.algorithm import plan_packing
 from mmdata.packing.inputs import require_vision_tiles
 from mmdata.packing.plan_file import plan_path, read_plan_info
-from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES
+from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
 
 #: the loader's default packing buffer
 PACKING_BUFFER = DEFAULT_PACKING_BUFFER

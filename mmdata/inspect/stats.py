@@ -296,7 +296,7 @@ class DatasetSummary:
         }
 
 
-#: manifest `counts` keys shown by inspect (preprocess/manifest.py `Counts`), when present
+#: manifest `counts` keys shown by inspect (shard_job/manifest.py `Counts`), when present
 PREPROCESS_COUNT_KEYS = ("media_resolution", "filtered", "by_filter", "duplicates", "mixed_out", "repeated")
 
 
@@ -312,7 +312,7 @@ def _manifest_preprocess(manifest: dict[str, Any] | None) -> dict[str, Any] | No
 
 
 def _manifest_sources(manifest: dict[str, Any] | None) -> dict[str, int] | None:
-    """Written samples per source from the manifest's counts (preprocess/manifest.py `Counts`)."""
+    """Written samples per source from the manifest's counts (shard_job/manifest.py `Counts`)."""
     by_source = (manifest or {}).get("counts", {}).get("by_source")
     if not by_source:
         return None

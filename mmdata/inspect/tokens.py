@@ -3,7 +3,7 @@ output). Those shards hold code grids, not pictures: the image statistics of `in
 anyres tiles) would all read zero. Their own summary is about the grids: how many per sample,
 their shapes, the visual tokens they add, and how much of the VQ codebook the sample uses (a
 codebook used in a few codes means a broken VQ or a wrong image area). The on-disk contract is
-mmdata/vision_tokens/token_format.py.
+mmdata/energon_loaders/emu3/token_format.py.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.table import Table
 
 from mmdata import shard_format as sf
-from mmdata.inspect.dataset import Dataset, ShardSample
-from mmdata.vision_tokens import token_format as tf
+from mmdata.energon_configs import config_sample_type
+from mmdata.energon_loaders.emu3 import token_format
+from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine
+from mmdata.inspect.stats import _counts, _shares, distribution
 
 #: `--json` schema of a token shard summary (docs/inspect.md)
 TOKEN_SCHEMA = "mmdata.inspect.vq_tokens/1"
@@ -27,11 +30,9 @@ def is_token_dataset(root: str | Path) -> bool:
     """Whether the energon config our loaders read (`.nv-meta/mmdata.yaml`, else `dataset.yaml`)
     names the VQ token sample type (or, without one, its manifest says it was written by
     tokenize-images)."""
-    from mmdata.energon_configs import config_sample_type
-
     root = Path(root)
     if (found := config_sample_type(root)) is not None:
-        return found == ".".join(tf.SAMPLE_TYPE)
+        return found == ".".join(token_format.SAMPLE_TYPE)
     manifest = root / sf.MANIFEST_NAME
     if manifest.is_file():
         try:
@@ -59,10 +60,10 @@ class GridStats:
 
 def sample_grids(sample: ShardSample) -> list[GridStats]:
     """The grids of one token-shard sample (read and checked against their `vq.json` entry)."""
-    grids = tf.decode_vq_json(sample.members[tf.VQ_JSON_MEMBER].read())
+    grids = token_format.decode_vq_json(sample.members[token_format.VQ_JSON_MEMBER].read())
     out = []
     for g in grids:
-        grid = tf.decode_grid(sample.members[g.member].read())
+        grid = token_format.decode_grid(sample.members[g.member].read())
         if grid.shape != (g.height, g.width):
             raise ValueError(f"sample {sample.key}: {g.member} is {grid.shape[0]}x{grid.shape[1]}, "
                              f"its vq.json says {g.height}x{g.width}")
@@ -79,9 +80,6 @@ def codebook_size(manifest: dict[str, Any] | None) -> int | None:
 
 def summarize_tokens(ds: Dataset, samples: list[ShardSample], *, seed: int, sampled_all: bool) -> dict[str, Any]:
     """The `--json` summary of a token shard folder from its manifest and `samples`."""
-    from mmdata.inspect.dataset import load_quarantine
-    from mmdata.inspect.stats import _counts, _shares, distribution
-
     per_sample = [sample_grids(s) for s in samples]
     grids = [g for gs in per_sample for g in gs]
     seen = np.unique(np.concatenate([g.codes for g in grids])) if grids else np.empty(0, dtype=np.int64)
@@ -127,8 +125,6 @@ def summarize_tokens(ds: Dataset, samples: list[ShardSample], *, seed: int, samp
 
 def token_summary_tables(summary: dict[str, Any]) -> list:
     """The summary as rich tables (what `mmdata inspect DIR` prints for token shards)."""
-    from rich.table import Table
-
     def dist(d: dict[str, Any]) -> str:
         if not d or d.get("count", 0) == 0:
             return "—"

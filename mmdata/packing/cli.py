@@ -33,9 +33,9 @@ from mmdata.packing.emu3 import token_plan_inputs
 from mmdata.packing.geometry import DEFAULT_GEOMETRY, GEOMETRY_FIELDS, PlanGeometry
 from mmdata.packing.inputs import image_plan_inputs, read_lengths
 from mmdata.packing.plan_file import write_plan
-from mmdata.preprocess.lengths import LENGTHS_NAME
-from mmdata.preprocess.progress import JobProgress
-from mmdata.preprocess.shard_writer import sha256_file
+from mmdata.shard_job.lengths import LENGTHS_NAME
+from mmdata.shard_job.progress import JobProgress
+from mmdata.shard_job.shard_writer import sha256_file
 from mmdata.readiness import unfinished_job
 from mmdata.shard_format import MANIFEST_NAME
 from mmdata.vision_tokens.lengths import index_meta

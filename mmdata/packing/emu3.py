@@ -15,7 +15,7 @@ from mmdata.energon_loaders.emu3 import plan_lengths as e3
 from mmdata.errors import UserError
 from mmdata.packing.geometry import PlanGeometry
 from mmdata.packing.inputs import PlanInputs
-from mmdata.preprocess.lengths import LENGTHS_NAME
+from mmdata.shard_job.lengths import LENGTHS_NAME
 from mmdata.vision_tokens.lengths import index_meta
 
 

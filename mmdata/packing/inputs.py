@@ -19,7 +19,7 @@ from mmdata import shard_format as sf
 from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.errors import UserError
 from mmdata.packing.geometry import DEFAULT_GEOMETRY, PlanGeometry
-from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES
+from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""Offline preprocessing: dataset adapters, validation, seeded global shuffle, shard writing."""
+"""`mmdata preprocess`: dataset adapters, validation, curation, seeded global shuffle and its shard
+writing stages, length counting; what it shares with `mmdata tokenize-images` is in mmdata/shard_job/."""

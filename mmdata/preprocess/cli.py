@@ -9,8 +9,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmdata.cli import main as mmdata_main
+from mmdata.errors import UserError
+from mmdata.preprocess.job import PreprocessConfig, run_preprocess
 from mmdata.preprocess.loss_check import DEFAULT_FIRST_RECORDS, DEFAULT_MAX_FRACTION
 from mmdata.preprocess.validation import ValidationConfig
+from mmdata.shard_job.direct_io import direct_io_override
+from mmdata.units import plural
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,11 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.errors import UserError
-    from mmdata.preprocess.direct_io import direct_io_override
-    from mmdata.preprocess.job import PreprocessConfig, run_preprocess
-    from mmdata.units import plural
-
     if args.image_root is not None and args.dataset != "llava-json":
         raise UserError("--image-root applies to --dataset llava-json only")
     if args.tokenizer is not None and args.no_length_index:
@@ -97,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.preprocess.cli ...`: the subcommand alone (used by tests and scripts)."""
-    from mmdata.cli import main as mmdata_main
-
     return mmdata_main(["preprocess", *(sys.argv[1:] if argv is None else argv)])
 
 

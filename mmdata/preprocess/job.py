@@ -39,23 +39,26 @@ import numpy as np
 import mmdata
 from mmdata import shard_format as sf
 from mmdata.errors import UserError
+from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.preprocess import adapters
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.llava_json import check_image_root
-from mmdata.preprocess.curation import dedup as dd
+from mmdata.preprocess.curation import dedup
 from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_filters
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.curation.terms import unmatched
-from mmdata.preprocess.energon_meta import EnergonIndexWriter, ShardLayout
-from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint, write_counting_tokenizer, write_length_index
+from mmdata.shard_job.energon_meta import EnergonIndexWriter, ShardLayout
+from mmdata.preprocess.lengths import write_counting_tokenizer, write_length_index
+from mmdata.shard_job.lengths import LENGTHS_NAME, tokenizer_fingerprint
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck
-from mmdata.preprocess.manifest import Counts, fingerprint
-from mmdata.preprocess.quarantine import concat_parts
+from mmdata.shard_job.manifest import Counts, fingerprint
+from mmdata.shard_job.quarantine import concat_parts
 from mmdata.preprocess.rows import ROW_FORMAT
-from mmdata.preprocess.shard_writer import ShardResult
+from mmdata.shard_job.shard_writer import ShardResult, shard_work_file
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, shard_work_file,
-                                      sort_bucket, subset_of, write_shard_task)
+from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, sort_bucket, subset_of,
+                                      write_shard_task)
+from mmdata.preprocess.summary import summary_table
 from mmdata.preprocess.validation import ValidationConfig
 from mmdata.ray_job import remove, shard_outputs
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, json_marker, run_job
@@ -116,7 +119,7 @@ class Curation:
         return {"filters": [r.expr for r in self.filters],
                 "dedup": None if self.dedup_distance is None else {
                     "method": "phash", "distance": self.dedup_distance, "scope": self.dedup_scope,
-                    "bands": len(dd.band_masks(self.dedup_distance))},
+                    "bands": len(dedup.band_masks(self.dedup_distance))},
                 "mix": self.mix.to_json() if self.mix else None}
 
 
@@ -124,16 +127,14 @@ def parse_curation(cfg: PreprocessConfig) -> Curation:
     """All curation flags checked up front: a malformed one is exit 2 before any work."""
     try:
         rules = tuple(parse_filters(list(cfg.filters)))
-        distance = dd.parse_dedup(cfg.dedup) if cfg.dedup else None
-        if cfg.dedup_scope not in dd.SCOPES:
-            raise ValueError(f"--dedup-scope must be one of {dd.SCOPES}")
+        distance = dedup.parse_dedup(cfg.dedup) if cfg.dedup else None
+        if cfg.dedup_scope not in dedup.SCOPES:
+            raise ValueError(f"--dedup-scope must be one of {dedup.SCOPES}")
         mix = parse_mix(cfg.mix) if cfg.mix else None
         tok = tokenizer_fingerprint(cfg.tokenizer) if cfg.tokenizer else None
     except (FilterError, MixError, ValueError, FileNotFoundError) as e:
         raise PreprocessError(str(e)) from None
     if cfg.tokenizer:  # loadable here, not only in the scan tasks
-        from mmdata.local_tokenizer import load_local_tokenizer
-
         load_local_tokenizer(cfg.tokenizer, "--tokenizer")
     return Curation(rules, distance, cfg.dedup_scope, mix, tok)
 
@@ -304,7 +305,7 @@ class PreprocessJob(ResumableJob):
             cfg.length_index)
         self.loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
         scan, find, resolve, sort, merge, write = (
-            run.remote(f) for f in (scan_unit, dd.dedup_partition, dd.resolve_bucket, sort_bucket, merge_bucket,
+            run.remote(f) for f in (scan_unit, dedup.dedup_partition, dedup.resolve_bucket, sort_bucket, merge_bucket,
                                     write_shard_task))
         buckets = list(range(nb))
         # 1. scan + validate
@@ -319,10 +320,10 @@ class PreprocessJob(ResumableJob):
         if spec.dedup:
             yield Stage("dedup: find", "dedup_find", "dedup_s", buckets,
                         submit=lambda p: find.remote(p, len(units), nb, spec.dedup_distance, str(work)),
-                        recorded=json_marker(lambda p: dd.partition_marker(work, p)))
+                        recorded=json_marker(lambda p: dedup.partition_marker(work, p)))
             yield Stage("dedup: resolve", "dedup_resolve", "dedup_s", buckets,
                         submit=lambda b: resolve.remote(b, nb, str(work)),
-                        recorded=json_marker(lambda b: dd.resolve_marker(work, b)),
+                        recorded=json_marker(lambda b: dedup.resolve_marker(work, b)),
                         on_result=lambda b, r: self.dropped_by_group.update(r["by_group"]))
         # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
         mix_factors, spill = self._mix_factors()
@@ -366,8 +367,8 @@ class PreprocessJob(ResumableJob):
         if self.cur.mix is None:
             return None, False
         groups, dropped = self.groups, self.dropped_by_group
-        by_key = {f"{dd.key64(g):016x}": g for g in groups}
-        available = {g: n - dropped.get(f"{dd.key64(g):016x}", 0) for g, n in groups.items()}
+        by_key = {f"{dedup.key64(g):016x}": g for g in groups}
+        available = {g: n - dropped.get(f"{dedup.key64(g):016x}", 0) for g, n in groups.items()}
         if set(dropped) - set(by_key):
             raise RuntimeError("internal: duplicates counted for a mix group no scan saw")
         targets, mix_factors = _mix_plan(self.cur.mix, available)
@@ -435,6 +436,4 @@ class PreprocessJob(ResumableJob):
         }
 
     def summary(self, manifest: dict, out: Path):
-        from mmdata.preprocess.progress import summary_table
-
         return summary_table(manifest, out)

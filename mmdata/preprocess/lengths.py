@@ -15,13 +15,12 @@ be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
 
 `DIR/lengths.parquet` has one row per written sample in output order: `index` (the global
 sample index; the shard key is `f"{index:010d}"`), `shard` (its shard's number), `text_tokens`,
-`image_tokens`, `total_tokens`, `vision_tiles` (int32; indexes written before it lack the
-column). Its metadata names how text was counted (`mmdata.text_tokens`: `tokenizer` or `estimate`).
+`image_tokens`, `total_tokens`, `vision_tiles` (int32). Its metadata names how text was counted
+(`mmdata.text_tokens`: `tokenizer` or `estimate`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -29,14 +28,17 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from mmdata.energon_loaders.llava_ov import anyres_math as anyres
+from mmdata.energon_loaders.llava_ov.chat_template import (IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN, ChatTokenizer,
+                                                           ConversationError)
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-from mmdata.preprocess.shard_writer import sha256_file
+from mmdata.local_tokenizer import load_local_tokenizer
+from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
+from mmdata.shard_job.shard_writer import sha256_file
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
-LENGTHS_NAME = "lengths.parquet"
-VISION_TILES = "vision_tiles"  # the index's column of tiles + frames per sample (indexes before it lack it)
 CJK_CHARS_PER_TOKEN = 1.5
 OTHER_CHARS_PER_TOKEN = 4.0
 TURN_OVERHEAD = 5  # <|im_start|> role "\n" ... <|im_end|> "\n"
@@ -99,10 +101,6 @@ def write_counting_tokenizer(folder: str | Path, work: str | Path) -> str:
     `encode_with_offsets` encodes with) and the ids `ChatTokenizer` reads into one JSON file that
     the workers load with `tokenizers` alone. A tokenizer without a fast backend is counted from
     its folder (with transformers)."""
-    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
-    from mmdata.energon_loaders.tiny_tokenizer import IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     hf = load_local_tokenizer(folder, "--tokenizer")
     if getattr(hf, "backend_tokenizer", None) is None:
         return str(Path(folder).resolve())
@@ -119,8 +117,6 @@ class _SavedTokenizer:
     """A `write_counting_tokenizer` file with the attributes `ChatTokenizer` reads."""
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
         doc = json.loads(Path(path).read_text())
         self.backend_tokenizer = Tokenizer.from_str(doc["backend"])
         self.unk_token_id, self.pad_token_id = doc["unk_token_id"], doc["pad_token_id"]
@@ -137,12 +133,8 @@ class _SavedTokenizer:
 def _chat_tokenizer(path: str):
     """The counting `ChatTokenizer` of a `write_counting_tokenizer` result (a file, torch-free) or
     of a tokenizer folder (transformers)."""
-    from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
-
     if Path(path).is_file():
         return ChatTokenizer(_SavedTokenizer(path))
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     return ChatTokenizer(load_local_tokenizer(path, "--tokenizer"))
 
 
@@ -157,25 +149,11 @@ class LengthCounter:
         media, tiles = sum(images) + sum(videos), media_tiles(record)
         if self.tokenizer is None:
             return estimate_text_tokens(record["conversations"]), media, tiles
-        from mmdata.energon_loaders.llava_ov.chat_template import ConversationError
-
         try:
             toks = _chat_tokenizer(self.tokenizer).tokenize(record["conversations"], images, videos)
         except ConversationError:  # the loader skips such a record; count what the text would be
             return estimate_text_tokens(record["conversations"]), media, tiles
         return len(toks) - sum(n for _, _, n in toks.media_spans), media, tiles
-
-
-def tokenizer_fingerprint(path: str | Path) -> str:
-    """sha256 over the tokenizer folder's files (names and bytes): the index depends on them."""
-    h = hashlib.sha256()
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"--tokenizer {path}: not a folder")
-    for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        h.update(str(p.relative_to(root)).encode() + b"\0")
-        h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- the index file
@@ -194,7 +172,7 @@ def _arrow_column(pa, values: np.ndarray, type_):
 def write_length_index(out: Path, parts: list[tuple[int, Path]], text_tokens: str) -> str:
     """`lengths.parquet` from the shards' parts [(first global index, part file)], one row
     group per shard, streamed (memory: one shard). Returns its sha256."""
-    import pyarrow as pa
+    import pyarrow as pa  # (the scan tasks import this module; only the driver's finish writes parquet)
     import pyarrow.parquet as pq
 
     schema = pa.schema([("index", pa.int64()), ("shard", pa.int32()), ("text_tokens", pa.int32()),

@@ -32,15 +32,15 @@ from mmdata.preprocess.curation.dedup import EntryBuilder, key64, load_drops
 from mmdata.preprocess.curation.features import conversation_key, filter_fields, image_hashes
 from mmdata.preprocess.curation.filters import FilterRule, first_failed
 from mmdata.preprocess.curation.mix import copies
-from mmdata.preprocess.energon_meta import TAR_INDEX_SUFFIX, write_tar_index
+from mmdata.shard_job.energon_meta import TAR_INDEX_SUFFIX, write_tar_index
 from mmdata.preprocess.lengths import LENGTHS_COLUMNS, LENGTHS_DTYPE, LengthCounter
-from mmdata.preprocess.manifest import Counts
-from mmdata.preprocess.quarantine import quarantine_line
+from mmdata.shard_job.manifest import Counts
+from mmdata.shard_job.quarantine import quarantine_line
 from mmdata.preprocess.rows import (
     concat_rows, decode_row, encode_row, load_row_group, read_all_rows, read_rows, rekey_row, row_head,
     save_offsets, save_row_groups, write_bytes_atomic,
 )
-from mmdata.preprocess.shard_writer import FileRange, SampleMembers, sha256_file, write_shard
+from mmdata.shard_job.shard_writer import FileRange, SampleMembers, sha256_file, shard_work_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
 from mmdata.preprocess.validation import Valid, ValidationConfig, quiet_pillow_bomb_warning, validate_many
 
@@ -89,11 +89,6 @@ def bucket_rows(work: str | Path, bucket: int, merged: bool) -> tuple[Path, Path
     """(rows, row offsets) of a finished bucket: the merged ones when the mix repeats records."""
     pre = "merged." if merged else ""
     return bucket_file(work, bucket, f"{pre}rows"), bucket_file(work, bucket, f"{pre}rowoffs.i64")
-
-
-def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
-    """One of a written shard's work files: json (its done-marker), layout.json, lengths."""
-    return Path(work) / "shards" / f"{shard_name}.{suffix}"
 
 
 def subset_of(unit: InputUnit) -> str:

@@ -159,7 +159,7 @@ def check_video(data: bytes, name: str, cfg: ValidationConfig) -> tuple[int, int
         raise _Reject("video_empty", f"{name}: 0 bytes")
     if len(data) > cfg.max_video_bytes:
         raise _Reject("video_too_large", f"{name}: {len(data)} bytes > {cfg.max_video_bytes}")
-    import av
+    import av  # (a heavy import, needed only for a record with a video)
 
     try:
         with av.open(io.BytesIO(data)) as container:

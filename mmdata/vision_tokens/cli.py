@@ -11,8 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmdata.cli import main as mmdata_main
 from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
-from mmdata.vision_tokens.job import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA
+from mmdata.errors import UserError
+from mmdata.units import plural
+from mmdata.vision_tokens.job import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA, TokenizeConfig, run_tokenize
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.errors import UserError
-    from mmdata.units import plural
-    from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize
-
     if args.image_area < 0:
         raise UserError(f"--image-area must be positive (or 0 for the VQ dir's own bounds), got {args.image_area}")
     if args.gpus_per_worker <= 0:
@@ -82,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.vision_tokens.cli ...`: the subcommand alone (used by tests and scripts)."""
-    from mmdata.cli import main as mmdata_main
-
     return mmdata_main(["tokenize-images", *(sys.argv[1:] if argv is None else argv)])
 
 

@@ -31,22 +31,25 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from rich.table import Table
+
 import mmdata
 from mmdata import shard_format as sf
 from mmdata.actor_pool import run_on_actors
-from mmdata.errors import UserError
+from mmdata.energon_loaders.emu3 import token_format
 from mmdata.energon_loaders.emu3.plan_lengths import KIND as LENGTH_INDEX_KIND
-from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
-from mmdata.preprocess.energon_meta import ShardLayout, write_energon_index
-from mmdata.preprocess.lengths import LENGTHS_NAME, tokenizer_fingerprint
-from mmdata.preprocess.manifest import Counts, fingerprint
-from mmdata.preprocess.quarantine import concat_parts
-from mmdata.preprocess.stages import shard_work_file
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT, Emu3Tasks
+from mmdata.errors import UserError
+from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.ray_job import shard_outputs
 from mmdata.readiness import unfinished_job
+from mmdata.shard_job.energon_meta import ShardLayout, write_energon_index
+from mmdata.shard_job.lengths import LENGTHS_NAME, tokenizer_fingerprint
+from mmdata.shard_job.manifest import Counts, fingerprint
+from mmdata.shard_job.quarantine import concat_parts
+from mmdata.shard_job.shard_writer import shard_work_file
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, run_job
 from mmdata.units import plural
-from mmdata.vision_tokens import token_format as tf
 from mmdata.vision_tokens.lengths import write_token_length_index
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
                                          finished_chunk, write_token_shard)
@@ -160,7 +163,7 @@ def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], wri
         lengths_sha = write_token_length_index(out, [shard_work_file(work, n, "lengths.json") for n in written],
                                                length_index["tokenizer"], length_index["system_prompt"])
     layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
-    write_energon_index(out, written, layouts, sample_type=tf.SAMPLE_TYPE)
+    write_energon_index(out, written, layouts, sample_type=token_format.SAMPLE_TYPE)
     return lengths_sha
 
 
@@ -169,9 +172,6 @@ def _length_index_settings(cfg: TokenizeConfig) -> dict | None:
     here: None without --tokenizer."""
     if cfg.tokenizer is None:
         return None
-    from mmdata.energon_loaders.emu3.tasks import Emu3Tasks
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     try:
         Emu3Tasks(load_local_tokenizer(cfg.tokenizer, "--tokenizer"), cfg.system_prompt)
         sha = tokenizer_fingerprint(cfg.tokenizer)
@@ -200,7 +200,7 @@ def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_worke
     them, so that their CPUs and GPUs are free for the write stage. Returns per-worker stats:
     chunks done, VQ loads (over all its processes) and restarts (processes after the first that
     loaded the VQ: a process killed while still loading leaves no record)."""
-    import ray
+    import ray  # (2 s to import, and `mmdata --help` imports this module)
 
     actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS,
                            max_task_retries=WORKER_MAX_RESTARTS)(TokenizeWorker)
@@ -270,9 +270,6 @@ class TokenizeJob(ResumableJob):
     def identity(self, ray: RayCluster) -> Identity:
         """The VQ checkpoint is read and fingerprinted while Ray starts (both take seconds); the
         device (part of the identity: codes can differ at near-ties) depends on the cluster."""
-        import torch
-        import transformers
-
         pool = ThreadPoolExecutor(1, thread_name_prefix="mmdata-vq")
         vq_future = pool.submit(_read_vq, self.cfg)
         pool.shutdown(wait=False)
@@ -280,9 +277,9 @@ class TokenizeJob(ResumableJob):
         self.vq = vq = vq_future.result()
         self.device = _resolve_device(self.cfg, ray.resources())
         self.batch_size = self.cfg.batch_size or (8 if self.device == "cuda" else 1)
-        self.job = {"format_version": tf.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
+        self.job = {"format_version": token_format.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
                     "processor": vq["processor"], "device": self.device, "batch_size": self.batch_size,
-                    "transformers": transformers.__version__, "torch": torch.__version__,
+                    "transformers": version("transformers"), "torch": version("torch"),
                     **({"length_index": self.length_index} if self.length_index else {})}
         return Identity(self.job, {"chunk_samples": self.cfg.chunk_samples})
 
@@ -328,14 +325,11 @@ class TokenizeJob(ResumableJob):
                                            self.length_index)
 
     def manifest(self, run: JobRun) -> dict:
-        import torch
-        import transformers
-
         cfg, vq, workers = self.cfg, self.vq, self.workers
         return {
             "tool": TOOL,
             "version": mmdata.__version__,
-            "format_version": tf.TOKEN_FORMAT_VERSION,
+            "format_version": token_format.TOKEN_FORMAT_VERSION,
             "fingerprint": fingerprint(self.job),
             "job": self.job,
             "input": {"path": str(self.inp_dir), "fingerprint": self.inp.fingerprint,
@@ -345,14 +339,14 @@ class TokenizeJob(ResumableJob):
             "image_processor": vq["processor"],
             "device": self.device,
             "batch_size": self.batch_size,
-            "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+            "versions": {"transformers": version("transformers"), "torch": version("torch"),
                          "megatron-energon": version("megatron-energon")},
             "counts": {**self.counts.to_json(), "tokens": self.stats},
             "shards": self.shards,
             "length_index": None if self.lengths_sha is None else {
                 "file": LENGTHS_NAME, "sha256": self.lengths_sha, "kind": LENGTH_INDEX_KIND,
                 "tokenizer_sha256": self.length_index["tokenizer"], "system_prompt": self.length_index["system_prompt"]},
-            "energon": {"sample_type": ".".join(tf.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
+            "energon": {"sample_type": ".".join(token_format.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
             "wall_time_s": run.wall_time_s(),
             "run": {"output": str(run.out), "chunk_samples": cfg.chunk_samples, "chunks": len(self.chunks),
                     "resumed": run.resumed,
@@ -369,8 +363,6 @@ class TokenizeJob(ResumableJob):
 
 
 def summary_table(manifest: dict, out: Path | None = None):
-    from rich.table import Table
-
     c, tok = manifest["counts"], manifest["counts"]["tokens"]
     t = Table(title=f"mmdata tokenize-images: {out or manifest['run']['output']}")
     t.add_column("what")

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from mmdata.energon_loaders.emu3.plan_lengths import KIND, LENGTH_COLUMNS
-from mmdata.preprocess.lengths import LENGTHS_NAME
-from mmdata.preprocess.shard_writer import sha256_file
+from mmdata.shard_job.lengths import LENGTHS_NAME
+from mmdata.shard_job.shard_writer import sha256_file
 
 INDEX_META = b"mmdata.length_index"
 
@@ -31,7 +31,7 @@ def shard_part(keys: list[str], lengths: list[list[int]]) -> bytes:
 
 def write_token_length_index(out: Path, parts: list[Path], tokenizer_sha256: str, system_prompt: str) -> str:
     """`lengths.parquet` from the written shards' parts, in shard order; returns its sha256."""
-    import pyarrow as pa
+    import pyarrow as pa  # (the tokenize tasks import this module; only the driver's finish writes parquet)
     import pyarrow.parquet as pq
 
     meta = {"kind": KIND, "tokenizer_sha256": tokenizer_sha256, "system_prompt": system_prompt}

@@ -18,21 +18,25 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from mmdata import shard_format as sf
-from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
-from mmdata.preprocess.energon_meta import write_tar_index
-from mmdata.preprocess.manifest import Counts
-from mmdata.preprocess.quarantine import quarantine_line
-from mmdata.preprocess.shard_writer import SampleMembers, sha256_file, write_shard
-from mmdata.preprocess.stages import shard_work_file
-from mmdata.preprocess.tar_scan import list_tar
-from mmdata.vision_tokens import token_format as tf
+from mmdata.energon_loaders.emu3 import token_format
+from mmdata.energon_loaders.emu3.plan_lengths import UNENCODABLE, sample_lengths
+from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT, Emu3Tasks
+from mmdata.local_tokenizer import load_local_tokenizer
+from mmdata.shard_job.energon_meta import write_tar_index
+from mmdata.shard_job.manifest import Counts
+from mmdata.shard_job.quarantine import quarantine_line
+from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, shard_work_file, write_shard
+from mmdata.shard_job.tar_scan import list_tar
 from mmdata.vision_tokens.lengths import shard_part
+from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
 
 
 @dataclass(frozen=True)
@@ -102,8 +106,6 @@ def load_vision_tokenizer(opts: TokenizeOptions):
     """Load the VQ model (seconds for a real one), refusing weights that changed after the
     driver fingerprinted them."""
     global _VQ_LOADS
-    from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
-
     set_deterministic_torch(opts.device, opts.threads)
     vt = VisionTokenizer(opts.vq_dir, opts.image_area, opts.device)
     _VQ_LOADS += 1
@@ -132,8 +134,6 @@ class TokenizeWorker:
     new process when the worker is restarted after a crash."""
 
     def __init__(self, opts: TokenizeOptions, index: int):
-        import socket
-
         self.opts, self.index = opts, index
         self.vt = load_vision_tokenizer(opts)
         self.tasks = load_text_tasks(opts)
@@ -153,16 +153,11 @@ def load_text_tasks(opts: TokenizeOptions):
     sample's lengths; None without --tokenizer."""
     if opts.text_tokenizer is None:
         return None
-    from mmdata.energon_loaders.emu3.tasks import Emu3Tasks
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     return Emu3Tasks(load_local_tokenizer(opts.text_tokenizer, "--tokenizer"), opts.system_prompt)
 
 
 def record_lengths(tasks, record: dict | None, grids: list[np.ndarray]) -> list[int]:
     """A written record's lengths per task, as the loader will encode it (plan_lengths.py)."""
-    from mmdata.energon_loaders.emu3.plan_lengths import UNENCODABLE, sample_lengths
-
     conversations = (record or {}).get("conversations")
     if not isinstance(conversations, list) or not all(isinstance(t, dict) for t in conversations):
         return [UNENCODABLE, UNENCODABLE, 0]  # the loader cannot read it as a conversation
@@ -179,8 +174,6 @@ class _Rejected(Exception):
 
 
 def _decode_image(data: bytes, name: str):
-    from PIL import Image
-
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
@@ -282,11 +275,11 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> di
         members = [(sf.JSON_MEMBER, rec.record_json)]
         infos = []
         for src, pixels, grid in zip(rec.sources, rec.pixels, rec.grids):
-            name = tf.grid_member_name(src)
-            members.append((name, tf.encode_grid(grid, vt.config["codebook_size"])))
-            infos.append(tf.GridInfo(name, src, int(grid.shape[0]), int(grid.shape[1]), pixels))
+            name = token_format.grid_member_name(src)
+            members.append((name, token_format.encode_grid(grid, vt.config["codebook_size"])))
+            infos.append(token_format.GridInfo(name, src, int(grid.shape[0]), int(grid.shape[1]), pixels))
             stats["visual_tokens"] += grid.size
-        members.append((tf.VQ_JSON_MEMBER, tf.encode_vq_json(infos)))
+        members.append((token_format.VQ_JSON_MEMBER, token_format.encode_vq_json(infos)))
         stats["images"] += len(infos)
         stats["text_only"] += not infos
         entry = []

@@ -11,6 +11,9 @@ which only the `vqmodel.` tensors are read. Weights load from safetensors only (
 time and runs the whole 2-D encoder on every copy before the temporal layers, i.e. 4x the
 work for identical frames. The copies are made after the 2-D part instead; the token ids are
 identical (tests/test_tokenize_images.py compares them with `encode`).
+
+torch, transformers and safetensors are imported in the functions that use them: `mmdata --help`
+imports this module (through `mmdata tokenize-images`) and must not load torch.
 """
 
 from __future__ import annotations

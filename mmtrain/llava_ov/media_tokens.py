@@ -19,8 +19,7 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens, token_id
-from mmdata.energon_loaders.tiny_tokenizer import IMAGE_TOKEN, VIDEO_TOKEN
+from mmdata.energon_loaders.llava_ov.chat_template import IMAGE_TOKEN, VIDEO_TOKEN, add_media_tokens, token_id
 from mmtrain.models.state_dict_adapter import ConversionError
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ def emu3_token_shards(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_tok(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("gpu_tok") / "tokenizer")
 

@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.energon_meta import write_energon_index, write_tar_index
-from mmdata.preprocess.shard_writer import SampleMembers, write_shard
+from mmdata.shard_job.energon_meta import write_energon_index, write_tar_index
+from mmdata.shard_job.shard_writer import SampleMembers, write_shard
 from mmdata.vision_tokens import token_format as tf
 from tests.test_train_runtime import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
 
@@ -112,7 +112,7 @@ def llava_mixed_samples(n: int = 32, seed: int = 0) -> list:
     of one unpacked sample per step end every step on a text-only micro-batch."""
     import numpy as np
 
-    from mmdata.energon_loaders.dev_shards import DevSample
+    from mmdata.dev.shards import DevSample
     from tests.emu3_tiny import encode_image
 
     rng = np.random.default_rng(seed)
@@ -142,7 +142,7 @@ def llava_4_steps(freeze: str) -> tuple[str, ...]:
 
 
 def write_llava_mixed_shards(out: Path) -> Path:
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.dev.shards import write_dev_shards
 
     samples = llava_mixed_samples()
     return write_dev_shards(out, samples, samples_per_shard=len(samples))
@@ -152,7 +152,7 @@ def write_llava_halves_shards(out: Path) -> Path:
     """`llava_mixed_samples` reordered: the 16 image samples first, then the 16 text-only ones. Read
     in key order by 2 DP ranks (`data.sharding=dp`: energon gives each rank one half), one rank
     draws only images and the other only text: what vision-aware balancing exchanges rows for."""
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.dev.shards import write_dev_shards
 
     samples = llava_mixed_samples()
     ordered = [s for s in samples if s.images] + [s for s in samples if not s.images]

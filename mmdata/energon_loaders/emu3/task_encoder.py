@@ -41,7 +41,7 @@ from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.plan_packing import PLAN_VARIANT
 from mmdata.energon_loaders.sequence import ConversationError, apply_length_policy
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
-from mmdata.energon_loaders.vq_token_sample import VQTokenSample
+from mmdata.energon_loaders.emu3.vq_token_sample import VQTokenSample
 
 
 @dataclass

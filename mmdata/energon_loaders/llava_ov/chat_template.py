@@ -31,7 +31,13 @@ import numpy as np
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, encode_with_offsets
 from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
-from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
+from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+IMAGE_TOKEN = IMAGE_PLACEHOLDER  # the shards' placeholders are single special tokens
+VIDEO_TOKEN = VIDEO_PLACEHOLDER
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 #: the token sequence of one LLaVA-OV sample (ids, unshifted labels, media spans)
 ChatTokens = TokenSequence

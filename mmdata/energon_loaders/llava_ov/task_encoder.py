@@ -27,6 +27,7 @@ from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmdata.energon_loaders.llava_ov.chat_template import (
+    DEFAULT_SYSTEM_PROMPT,
     ChatTokenizer,
     ConversationError,
     apply_length_policy,
@@ -35,7 +36,6 @@ from mmdata.energon_loaders.llava_ov.chat_template import (
 from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
-from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmdata.preprocess.adapters.base import InputUnit, MediaRef, MediaResolver, RawRecord, walk_files
 from mmdata.preprocess.adapters.media_resolution import basename, member_order
-from mmdata.preprocess.tar_scan import TarMember, list_tar
+from mmdata.shard_job.tar_scan import TarMember, list_tar
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 VIDEO_EXTS = (".mp4", ".mkv", ".webm", ".mov", ".avi")

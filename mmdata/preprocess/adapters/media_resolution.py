@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mmdata.preprocess.adapters.base import MediaRef
-
-RULES = ("by_name", "by_basename", "by_stem")  # from strongest to weakest evidence
+from mmdata.shard_job.manifest import MEDIA_RULES as RULES  # the manifest counts each; strongest first
 
 
 class Locator(Protocol):

@@ -1,6 +1,6 @@
 """Did two training runs train on the same samples, step by step? The check the training
-benchmarks make before comparing speed (a faster run on other data measures nothing); kept
-here, not in benchmarks/, so that tests check the very code the benchmarks run.
+benchmarks make before comparing speed (a faster run on other data measures nothing); a module
+of its own so that tests (tests/test_sample_parity.py) check the very code the benchmarks run.
 
 Samples are named as the trainer names them (`train_data.batch_sample_ids`: the unique sample
 keys `DATASET#SHARD_KEY`), so like is compared with like.
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mmtrain.runtime.train_data import batch_sample_ids
+
 
 class SampleParityError(ValueError):
     """The runs trained on other samples, in another order, or for another number of steps."""
@@ -20,8 +22,6 @@ def check_logged_steps_match(records: Sequence[dict], steps: Sequence[Sequence[A
     """Raise SampleParityError unless every step of a run's metrics.jsonl (`records`, each with
     its `sample_ids`) trained on the samples of the matching step of `steps` (each a list of
     packed micro-batches), in order; a missing step counts as a mismatch."""
-    from mmtrain.runtime.train_data import batch_sample_ids
-
     if len(records) != len(steps):
         raise SampleParityError(f"ours logged {len(records)} steps, the baseline trained {len(steps)}")
     for rec, step in zip(records, steps):

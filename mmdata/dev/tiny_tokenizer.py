@@ -1,4 +1,4 @@
-"""A tiny, deterministic Qwen2-style tokenizer built offline with `tokenizers`.
+"""A tiny, deterministic Qwen2-style tokenizer built offline with `tokenizers` (`mmdata tiny-tokenizer`).
 
 Tests, `make demo` and the tiny training recipes must not download anything, yet they need an
 HF tokenizer directory that behaves like Qwen2's: byte-level BPE with Qwen's pre-tokenizer
@@ -9,26 +9,18 @@ template. This builds one in well under a second from a built-in English+Chinese
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from mmdata.dev import tiny_emu3_tokenizer
+from mmdata.dev.bpe import BUILTIN_TEXTS, train_bpe_tokenizer
+from mmdata.energon_loaders.llava_ov.chat_template import (DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN,
+                                                           VIDEO_TOKEN)
+from mmdata.errors import UserError
 
 ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-IMAGE_TOKEN = IMAGE_PLACEHOLDER  # the shards' placeholders are single special tokens
-VIDEO_TOKEN = VIDEO_PLACEHOLDER
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN]
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-
-# Qwen2's pre-tokenizer split pattern (digits one at a time, contractions, words, punctuation).
-QWEN2_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 # Qwen2-Instruct's ChatML template (default system prompt as LLaVA-OneVision uses it).
 # String contents only: our loader renders turns itself and this template is the reference
@@ -43,48 +35,6 @@ QWEN2_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_BUILTIN_TEXTS = [
-    "You are a helpful assistant.",
-    "Describe the image in detail. What is shown in this picture?",
-    "The image shows a red bus parked next to a tall building on a sunny day.",
-    "A cat is sleeping on a wooden table near the window, and a cup of coffee stands beside it.",
-    "Question: How many people are in the photo? Answer: There are three people in the photo.",
-    "Please read the text in the chart and summarise the main trend from 2019 to 2024.",
-    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = % $ # @ ! ? , . ; :",
-    "What color is the car? The car is blue. Where is the dog? The dog is in the garden.",
-    "Write a short poem about the sea, the wind and the stars at night.",
-    "请详细描述这张图片。图片中有什么？",
-    "这张图片展示了一只在草地上奔跑的小狗，背景是蓝色的天空和白色的云。",
-    "问题：图中有几个人？回答：图中有三个人，他们正在公园里散步。",
-    "请阅读图表中的文字，并总结二零一九年到二零二四年的主要趋势。",
-    "你好，我是一个乐于助人的助手。今天天气很好，我们去公园吧。",
-    "视频中的人在做什么？他正在厨房里做饭。",
-]
-
-
-def _train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    # Specials go after the BPE vocabulary, as in Qwen2 (<|endoftext|> first).
-    tok.add_special_tokens(special_tokens)
-    return tok
-
-
 def build_tiny_qwen2_tokenizer(
     out_dir: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 1024, media_tokens: bool = True
 ) -> Path:
@@ -97,10 +47,10 @@ def build_tiny_qwen2_tokenizer(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = list(_BUILTIN_TEXTS) * 4 + [t for t in (texts or []) if t]
+    corpus = list(BUILTIN_TEXTS) * 4 + [t for t in (texts or []) if t]
     specials = SPECIAL_TOKENS if media_tokens else [t for t in SPECIAL_TOKENS if t not in (IMAGE_TOKEN, VIDEO_TOKEN)]
     extra = [t for t in specials if t != ENDOFTEXT]
-    tok = _train_tokenizer(corpus, vocab_size, specials)
+    tok = train_bpe_tokenizer(corpus, vocab_size, specials)
     tok.save(str(out / "tokenizer.json"))
     added = {
         str(tok.token_to_id(t)): {
@@ -146,13 +96,16 @@ def add_arguments(parser) -> None:  # `mmdata tiny-tokenizer`
 
 def run(args) -> int:
     if args.family == "emu3":
-        from mmdata.energon_loaders.emu3 import tiny_tokenizer
-
-        return tiny_tokenizer.run(args)
+        return tiny_emu3_tokenizer.run(args)
     if args.codebook_size is not None:
-        from mmdata.errors import UserError
-
         raise UserError("--codebook-size applies to --family emu3 only")
     out = build_tiny_qwen2_tokenizer(args.output, vocab_size=args.vocab_size)
     print(f"wrote a tiny Qwen2-style tokenizer to {out}")
     return 0
+
+
+def resolve_tokenizer(path: str | None) -> Path:
+    """`path` if given, else this tiny tokenizer built into a temp dir (notebooks/inspect_dataset.ipynb)."""
+    if path:
+        return Path(path)
+    return build_tiny_qwen2_tokenizer(Path(tempfile.mkdtemp(prefix="mmdata-tok-")))

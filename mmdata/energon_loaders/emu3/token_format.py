@@ -1,5 +1,6 @@
 """The on-disk contract of Emu3 token shards, between `mmdata tokenize-images` (writer) and the
-loaders (mmdata/energon_loaders/vq_token_sample.py). Change them together.
+loaders (vq_token_sample.py beside it). Change them together, and bump `TOKEN_FORMAT_VERSION`.
+It lives on the loader side so the job imports the loaders, never the other way round.
 
 A token shard set mirrors the preprocessed shard set it was made from: the same shard names,
 the same sample keys in the same order (a record the VQ could not take is absent and listed in
@@ -29,10 +30,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-TOKEN_FORMAT_VERSION = 1
+TOKEN_FORMAT_VERSION = 2  # 2: the sample type moved to mmdata.energon_loaders.emu3.vq_token_sample
 VQ_JSON_MEMBER = "vq.json"
 GRID_EXT = "npy"
-SAMPLE_TYPE = ("mmdata.energon_loaders.vq_token_sample", "VQTokenSample")
+SAMPLE_TYPE = ("mmdata.energon_loaders.emu3.vq_token_sample", "VQTokenSample")
 
 
 def grid_member_name(image_member: str) -> str:

@@ -2,7 +2,7 @@
 `sample_loader`. `.nv-meta/mmdata.yaml` of a token shard set names `VQTokenSample`, and its
 `.nv-meta/mmdata_sample_loader.py` re-exports `sample_loader`/`part_filter` from here, so our
 loaders (and `energon info --dataset-config mmdata.yaml`) read token shards as VQTokenSample. The on-disk contract is
-mmdata/vision_tokens/token_format.py.
+mmdata/energon_loaders/emu3/token_format.py.
 
 Grids arrive as (height, width) unsigned integer arrays of VQ codes; turning them into the
 model's token stream (Emu3: emu3/serialize.py) is the task encoder's job.
@@ -16,7 +16,7 @@ from typing import Any
 from megatron.energon import Sample, edataclass
 
 from mmdata.shard_format import JSON_MEMBER
-from mmdata.vision_tokens.token_format import GRID_EXT, VQ_JSON_MEMBER, decode_grid, decode_vq_json
+from mmdata.energon_loaders.emu3.token_format import GRID_EXT, VQ_JSON_MEMBER, decode_grid, decode_vq_json
 
 
 @edataclass

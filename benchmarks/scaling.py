@@ -2,10 +2,9 @@
 a prefix of the 4N one, so the slope between them is the job's marginal rate) and the job run as
 a user runs it, in its own process, reporting that process's own peak RSS.
 
-benchmarks/bench_preprocess.py and tests/test_preprocess_scaling.py both measure this way; tests
-import nothing from benchmarks/, so the shared part lives here.
+benchmarks/bench_preprocess.py and tests/test_preprocess_scaling.py both measure this way.
 
-    python -m mmdata.preprocess.scaling PREPROCESS-ARGS...   # `mmdata preprocess`, then PEAK_RSS_KB=...
+    python -m benchmarks.scaling PREPROCESS-ARGS...   # `mmdata preprocess`, then PEAK_RSS_KB=...
 """
 
 from __future__ import annotations
@@ -21,6 +20,9 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import psutil
+
+from benchmarks.common import peak_rss_kb, ray_job_env
+from mmdata.preprocess.cli import main as preprocess
 
 POLL_S = 0.25  # how often run_python reads the CPU time of the measured process tree
 
@@ -74,7 +76,9 @@ def _part_dir(parts: Path, start: int, part_records: int) -> Path:
 def _write_part(final: Path, seed: int, part_records: int, synthetic: bool) -> None:
     """Generate one part into a temporary folder and rename it into place (a part folder is
     always complete)."""
-    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+    # (here, not at the top: the measured job runs this module's `main`, and its peak RSS should
+    # be `mmdata preprocess`'s own, without the generator's imports)
+    from mmdata.dev.synth import generate_records, write_infinity_mm
 
     start = int(final.name.removeprefix("part")) * part_records
     tmp = final.with_name(final.name + ".tmp")
@@ -84,30 +88,8 @@ def _write_part(final: Path, seed: int, part_records: int, synthetic: bool) -> N
     tmp.rename(final)
 
 
-def peak_rss_kb() -> int:
-    """This process's own peak RSS in KiB: VmHWM. Not getrusage's ru_maxrss: Linux carries the
-    RSS of the process that forked it across exec, so a job started from a big pytest process
-    would report the test session's memory."""
-    try:
-        with open("/proc/self/status") as f:
-            return int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
-    except (OSError, StopIteration):  # not Linux
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def ray_env() -> dict[str, str]:
-    """The environment of a measured process: no RAY_ADDRESS from the caller's shell (a cold run
-    starts its own Ray, never joins another; a warm one passes --address), and Ray's token
-    authentication off unless RAY_AUTH_MODE says otherwise."""
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
 def run_python(args: list[str]) -> tuple[dict[str, float], float]:
-    """`python ARGS` in a new process (ray_env()): its `KEY=value` stdout lines (upper-case keys,
+    """`python ARGS` in a new process (`common.ray_job_env()`): its `KEY=value` stdout lines (upper-case keys,
     numeric values) plus `CPU_S`, and its wall time in seconds. RuntimeError with its output if it
     fails. `CPU_S` is the CPU time of the process and all its descendants (a Ray job's workers,
     raylet, GCS, agents), read every POLL_S seconds: a descendant that ends between two reads
@@ -115,7 +97,7 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     `CPU_WORKERS_S` and `CPU_RAY_S`."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ray_env())
+                            env=ray_job_env())
     root, cpu, kinds = psutil.Process(proc.pid), {}, {}
     while True:
         try:
@@ -181,8 +163,6 @@ def run_job(preprocess_args: list[str]) -> tuple[dict[str, float], float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmdata.preprocess.cli import main as preprocess
-
     rc = preprocess(sys.argv[1:] if argv is None else argv)
     print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
     return rc

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 from mmdata import shard_format as sf
+from mmdata.shard_job.energon_meta import write_energon_index, write_tar_index
+from mmdata.shard_job.shard_writer import SampleMembers, write_shard
 
 
 @dataclass
@@ -27,9 +29,6 @@ class DevSample:
 
 def write_dev_shards(out_dir: str | Path, samples: Sequence[DevSample], samples_per_shard: int = 16, key_offset: int = 0) -> Path:
     """Write `samples` as shards under `out_dir` and prepare `.nv-meta/`; returns out_dir."""
-    from mmdata.preprocess.energon_meta import write_energon_index, write_tar_index
-    from mmdata.preprocess.shard_writer import SampleMembers, write_shard
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names, layouts = [], []

@@ -18,6 +18,8 @@ import io
 import numpy as np
 from PIL import Image
 
+from mmdata.errors import UserError
+
 # People, an animal, a still life, a launch, astronomy, a retina, microscopy, grass, printed text
 # and a greyscale photo: all in scikit-image's wheel (no download), each stated public domain, CC0
 # or free of known copyright restrictions in skimage.data's docstrings.
@@ -31,13 +33,11 @@ MIN_CROP_SHARE = 0.5  # a crop's side is 50-100 % of the largest crop of the tar
 @functools.cache
 def source_photo(name: str) -> Image.Image:
     """One of PHOTOS, decoded to RGB (cached: a process decodes each photo once)."""
-    from mmdata.errors import UserError
-
     try:
         data = (importlib.resources.files("skimage") / "data" / name).read_bytes()
     except (ModuleNotFoundError, FileNotFoundError) as e:
         raise UserError(f"photo-like images read {name} from scikit-image's bundled data ({e}); install "
-                        "scikit-image (a dependency of this package) or pass --synthetic for gradients") from None
+                        "scikit-image (the `dev` extra: pip install mmdata[dev]) or pass --synthetic for gradients") from None
     with Image.open(io.BytesIO(data)) as img:
         return img.convert("RGB")
 

@@ -21,19 +21,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmdata.energon_loaders.emu3 import serialize as v
-from mmdata.energon_loaders.tiny_tokenizer import _BUILTIN_TEXTS, IM_END, IM_START, _train_tokenizer
-from mmdata.vision_tokens.tiny_vq import DEFAULT_CODEBOOK_SIZE  # the tiny VQ's codebook
+from mmdata.dev.bpe import BUILTIN_TEXTS, train_bpe_tokenizer
+from mmdata.dev.tiny_vq import DEFAULT_CODEBOOK_SIZE  # the tiny VQ's codebook
+from mmdata.energon_loaders.emu3 import serialize
+from mmdata.energon_loaders.llava_ov.chat_template import IM_END, IM_START
 
-EXTRA_SPECIAL_TOKENS = {"image_token": v.IMAGE_PLACEHOLDER, "boi_token": v.BOI, "eoi_token": v.EOI,
-                        "image_wrapper_token": v.IMG, "eof_token": v.EOF}
+EXTRA_SPECIAL_TOKENS = {"image_token": serialize.IMAGE_PLACEHOLDER, "boi_token": serialize.BOI, "eoi_token": serialize.EOI,
+                        "image_wrapper_token": serialize.IMG, "eof_token": serialize.EOF}
 
 
 def emu3_special_tokens(codebook_size: int) -> list[str]:
     """Every token after the BPE merges, in id order."""
-    extras = [v.IMAGE_PLACEHOLDER] + [f"<|extra_{i}|>" for i in range(1, v.NUM_EXTRA_TOKENS)]
-    visual = [v.visual_token(i) for i in range(codebook_size)]
-    return [v.ENDOFTEXT, IM_START, IM_END, *extras, v.IMG, v.BOI, v.EOI, *visual]
+    extras = [serialize.IMAGE_PLACEHOLDER] + [f"<|extra_{i}|>" for i in range(1, serialize.NUM_EXTRA_TOKENS)]
+    visual = [serialize.visual_token(i) for i in range(codebook_size)]
+    return [serialize.ENDOFTEXT, IM_START, IM_END, *extras, serialize.IMG, serialize.BOI, serialize.EOI, *visual]
 
 
 def build_tiny_emu3_tokenizer(out_dir: str | Path, codebook_size: int = DEFAULT_CODEBOOK_SIZE,
@@ -44,12 +45,12 @@ def build_tiny_emu3_tokenizer(out_dir: str | Path, codebook_size: int = DEFAULT_
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     specials = emu3_special_tokens(codebook_size)
-    tok = _train_tokenizer(list(_BUILTIN_TEXTS) * 4, vocab_size, special_tokens=specials)
+    tok = train_bpe_tokenizer(list(BUILTIN_TEXTS) * 4, vocab_size, special_tokens=specials)
     tok.save(str(out / "tokenizer.json"))
-    first = tok.token_to_id(v.ENDOFTEXT)
+    first = tok.token_to_id(serialize.ENDOFTEXT)
     added = {str(first + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                               "single_word": False, "special": True} for i, t in enumerate(specials)}
-    named = {"bos_token": v.BOS, "eos_token": v.EOS, "pad_token": v.ENDOFTEXT, "unk_token": None}
+    named = {"bos_token": serialize.BOS, "eos_token": serialize.EOS, "pad_token": serialize.ENDOFTEXT, "unk_token": None}
     config = {
         "tokenizer_class": "Qwen2Tokenizer",  # Emu3's text vocabulary is Qwen's byte-level BPE
         "added_tokens_decoder": added,

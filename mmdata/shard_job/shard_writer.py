@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.direct_io import SequentialFile, direct_io_wanted
-from mmdata.preprocess.energon_meta import ShardLayout
+from mmdata.shard_job.direct_io import SequentialFile, direct_io_wanted
+from mmdata.shard_job.energon_meta import ShardLayout
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tarfile pads the archive to a multiple of this (like `tar -b20`)
@@ -132,6 +132,11 @@ def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool,
         f.put(bytes(2 * BLOCK + -(layout.end + 2 * BLOCK) % RECORD))
         f.finish()
         return n, f.offset, f.sha.hexdigest(), layout
+
+
+def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
+    """One of a written shard's work files: json (its done-marker), layout.json, lengths."""
+    return Path(work) / "shards" / f"{shard_name}.{suffix}"
 
 
 def sha256_file(path: Path) -> str:

@@ -3,7 +3,7 @@ LLaVA-style JSONL + image folder), varied like the real data and optionally with
 of deliberately broken records, so demos and tests exercise every path of the preprocessor.
 
 Pictures are photo-like by default: crops of real photos resized to each record's size
-(`mmdata/preprocess/photo_source.py`), so encoded sizes and decode costs are those of real data.
+(`mmdata/dev/photo_source.py`), so encoded sizes and decode costs are those of real data.
 `--synthetic` (`synthetic=True`) draws colour gradients with a few rectangles instead: several
 times cheaper to make and to check, for tests that need tidy fixtures, not realistic pixels.
 
@@ -32,8 +32,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from mmdata.cli import main as mmdata_main
+from mmdata.dev.photo_source import photo_crop
+from mmdata.errors import UserError
 from mmdata.preprocess.curation.phash import phash
-from mmdata.preprocess.photo_source import photo_crop
+from mmdata.ray_job import remove
+from mmdata.units import plural
 
 # Broken kinds, and the quarantine reason `mmdata preprocess` must give each one.
 BROKEN_KINDS: dict[str, str] = {
@@ -97,7 +101,7 @@ class SynthImage:
 
 def _encode_video(rng: np.random.Generator) -> bytes:
     """A tiny MPEG-4 clip (PyAV): a few frames of a moving bar."""
-    import av
+    import av  # (a heavy dependency, needed only with --video-fraction)
 
     w, h, n = int(rng.choice([64, 96])), 48, int(rng.integers(4, 12))
     buf = io.BytesIO()
@@ -162,9 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mmdata.preprocess.synth ...`: the subcommand alone."""
-    from mmdata.cli import main as mmdata_main
-
+    """`python -m mmdata.dev.synth ...`: the subcommand alone."""
     return mmdata_main(["synth", *(sys.argv[1:] if argv is None else argv)])
 
 
@@ -178,9 +180,6 @@ def own_entries(dataset: str) -> list[str]:
 def check_output(out: Path, dataset: str, overwrite: bool) -> None:
     """Refuse a file, or a non-empty folder without --overwrite (which removes synth's own
     entries first, so no stale file of a bigger earlier run stays behind)."""
-    from mmdata.errors import UserError
-    from mmdata.ray_job import remove
-
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} is a file; give a new or empty folder")
     if not out.is_dir() or not any(out.iterdir()):
@@ -192,9 +191,6 @@ def check_output(out: Path, dataset: str, overwrite: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.errors import UserError
-    from mmdata.units import plural
-
     if args.num_samples <= 0:
         raise UserError(f"--num-samples must be a positive number, got {args.num_samples}")
     if args.samples_per_tar <= 0:

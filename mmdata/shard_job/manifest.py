@@ -15,16 +15,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmdata.preprocess.adapters.media_resolution import RULES
-
 VOLATILE_KEYS = ("wall_time_s", "run")
 UNREFERENCED = "unreferenced_members"
 SOURCE_KEYS = ("read", "written", "quarantined", "filtered", "duplicates", "mixed_out", "repeated")
 CURATION = ("duplicates", "mixed_out", "repeated")
+#: how a record's media were found, from strongest to weakest evidence (preprocess/adapters/media_resolution.py)
+MEDIA_RULES = ("by_name", "by_basename", "by_stem")
 
 
 def _media_resolution_zero() -> dict[str, int]:
-    return dict.fromkeys((*RULES, UNREFERENCED), 0)
+    return dict.fromkeys((*MEDIA_RULES, UNREFERENCED), 0)
 
 
 @dataclass

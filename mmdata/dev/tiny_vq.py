@@ -11,7 +11,10 @@ it exactly like real weights. Deterministic: the same seed and sizes give the sa
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+from mmdata.errors import UserError
 
 DEFAULT_CODEBOOK_SIZE = 512  # the tiny Emu3 tokenizer's default number of visual tokens
 TINY_VQ_CONFIG = dict(embed_dim=4, latent_channels=4, double_latent=False, in_channels=3, out_channels=3,
@@ -24,7 +27,7 @@ EMU3_PROCESSOR = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], min
 
 def build_tiny_vq(out_dir: str | Path, seed: int = 0, codebook_size: int = DEFAULT_CODEBOOK_SIZE) -> Path:
     """Save a random tiny Emu3VQVAE and its image processor config to `out_dir`."""
-    import torch
+    import torch  # (torch and transformers: only when building; `mmdata --help` lists this command)
     from transformers import Emu3ImageProcessor, Emu3VQVAE, Emu3VQVAEConfig
 
     if codebook_size < 1:
@@ -41,8 +44,6 @@ def build_tiny_vq(out_dir: str | Path, seed: int = 0, codebook_size: int = DEFAU
 
 def _honour_umask(out: Path) -> None:
     """safetensors writes its files 0600; give them the mode `open()` would (0o666 & ~umask)."""
-    import os
-
     mask = os.umask(0)
     os.umask(mask)
     for f in out.glob("*.safetensors"):
@@ -58,8 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.codebook_size < 1:
-        from mmdata.errors import UserError
-
         raise UserError(f"--codebook-size must be positive, got {args.codebook_size}")
     out = build_tiny_vq(args.output, seed=args.seed, codebook_size=args.codebook_size)
     print(f"wrote a tiny random Emu3 VQ model ({args.codebook_size} codes, seed {args.seed}) to {out}")
