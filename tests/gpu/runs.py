@@ -21,7 +21,7 @@ import numpy as np
 from mmdata import shard_format as sf
 from mmdata.shard_job.energon_meta import write_energon_index, write_tar_index
 from mmdata.shard_job.shard_writer import SampleMembers, write_shard
-from mmdata.vision_tokens import token_format as tf
+from mmdata.energon_loaders.emu3 import token_format as tf
 from tests.test_train_runtime import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
 
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
