@@ -1,10 +1,16 @@
-"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads)."""
+"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads), the HF
+processor our anyres layout is checked against, and `llava_hf` (a tiny LLaVA-OV saved with the tiny
+Qwen2 tokenizer; a fixture, registered in tests/conftest.py)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
+import pytest
 import torch
 from PIL import Image
+from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
 
 from mmdata.energon_loaders.llava_ov import anyres
 
@@ -65,3 +71,51 @@ def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7, i
         post = torch.randint(0, 990, (text_len,), generator=g)
         rows.append(torch.cat([pre, torch.full((p.num_tokens,), image_token), post]))
     return rows, pv, torch.tensor([list(p.image_size) for p in procs])
+
+
+class ImagesOnlyProcessor(LlavaOnevisionProcessor):
+    """The real HF processor; only its class check for the (absent, torchvision-based) video
+    processor is relaxed, since we pass images only."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def hf_image_processor(image_size: int = 384, grid_max: int = 6) -> LlavaOnevisionImageProcessorPil:
+    return LlavaOnevisionImageProcessorPil(
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        size={"height": image_size, "width": image_size},
+        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(image_size, grid_max)],
+    )
+
+
+@pytest.fixture(scope="module")
+def llava_hf(tmp_path_factory):
+    """A tiny LLaVA-OV over the tiny Qwen2 tokenizer (its chat template, <image> id), saved as an
+    HF dir with the tokenizer files; text weights scaled up so greedy answers vary."""
+    from transformers import AutoTokenizer
+
+    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    root = tmp_path_factory.mktemp("gen_llava")
+    tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    model = hf_llava(seed=1, vocab_size=len(tok), image_token=tok.convert_tokens_to_ids("<image>"),
+                     video_token=tok.convert_tokens_to_ids("<video>"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" not in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    out = root / "hf"
+    model.save_pretrained(out)
+    for f in tok_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out, model, tok
+
+
+def hf_llava_processor(tok):
+    return ImagesOnlyProcessor(image_processor=hf_image_processor(IMAGE_SIZE, 6), tokenizer=tok, video_processor=None,
+                      num_image_tokens=(IMAGE_SIZE // PATCH) ** 2, vision_feature_select_strategy="full")

@@ -21,10 +21,9 @@ import pytest
 
 from mmdata.errors import UserError
 from mmdata.folder_lock import FolderLock, fresh_folder, lock_path
-from tests.conftest import run_preprocess_cli
-from tests.test_convert import _cli as convert_cli
-from tests.test_convert import converted, hf_dir  # noqa: F401 - fixtures
-from tests.test_train_runtime import tokenizer_dir, train  # noqa: F401 - fixture
+from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_convert import convert_cli
+from tests.fixtures_training import train
 
 HOST = socket.gethostname()
 
@@ -211,7 +210,7 @@ def test_a_second_preprocess_into_a_held_output_exits_2_and_writes_nothing(tmp_p
     assert not out.exists()
 
 
-def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):  # noqa: F811
+def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):
     dst = tmp_path / "hf"
     child = _holder(dst)
     try:
@@ -223,7 +222,7 @@ def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):  # noq
     assert not dst.exists()
 
 
-def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir, converted, tmp_path,  # noqa: F811
+def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir, converted, tmp_path,
                                                                           capsys):
     from safetensors.torch import load_file
 
@@ -245,7 +244,7 @@ def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or old folder, no lock file
 
 
-def test_import_into_a_non_empty_dst_needs_overwrite(hf_dir, converted, tmp_path, capsys):  # noqa: F811
+def test_import_into_a_non_empty_dst_needs_overwrite(hf_dir, converted, tmp_path, capsys):
     from mmtrain.runtime.checkpoint.layout import find_latest_iteration
 
     src, _ = hf_dir

@@ -19,7 +19,7 @@ from mmdata.inspect.packing import estimate_packing
 from mmdata.inspect.stats import summarize
 from mmdata.preprocess import pack_plan
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.preprocess.manifest import stable_view
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 
 

@@ -1,7 +1,7 @@
 """Training faults (docs/reliability.md): stopping early and resuming exactly (SIGTERM,
 train.exit_interval, train.exit_duration_mins), damaged or foreign checkpoints refused with a
 message naming the problem, and a dying rank ending the whole job with a non-zero status that
-names it. Real `mmtrain llava-ov` subprocesses on the tiny recipe (helpers: test_train_runtime)."""
+names it. Real `mmtrain llava-ov` subprocesses on the tiny recipe (helpers: tests/fixtures_training.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import yaml
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
 from mmtrain.runtime.launch import child_pids
-from tests.test_train_runtime import MMTRAIN, REPO, free_port, metrics, ref_run, tokenizer_dir, train  # noqa: F401
+from tests.fixtures_training import MMTRAIN, REPO, free_port, metrics, run_killed, train
 
 RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
 
@@ -35,21 +35,6 @@ def _args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: 
 def _start(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-
-
-def _run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
-    """Run a training that dies by SIGKILL; (its exit status, its stderr). Its process group
-    goes with it, as a scheduler takes a job's processes (what a bare `kill -9` of the process
-    alone leaves: test_a_sigkilled_run_leaves_no_process_behind)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra_env}
-    with log.open("w") as f:
-        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO, start_new_session=True)
-        rc = p.wait()
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:  # nothing left
-        pass
-    return rc, log.read_text()
 
 
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
@@ -123,7 +108,7 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_pa
     run = tmp_path / "run"
     staged = run / "checkpoints" / ".staging" / "iter_0000004"
     for point in ("model", "publish"):
-        rc, err = _run_killed(_args(run, shards_dir, tokenizer_dir, *RUN), tmp_path / f"{point}.log",
+        rc, err = run_killed(_args(run, shards_dir, tokenizer_dir, *RUN), tmp_path / f"{point}.log",
                               **{KILL_IN_SAVE_ENV: f"4:{point}"})
         assert rc == -signal.SIGKILL, f"{point}: not killed ({rc})\n{err[-3000:]}"
         assert _latest(run) == 2 and not (run / "checkpoints" / "iter_0000004").exists(), point

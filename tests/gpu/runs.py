@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tests.test_train_runtime import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
+from tests.fixtures_training import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
 
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 EMU3_RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
@@ -70,9 +70,9 @@ def train_killed(family: str, run_dir: Path, data: Path, tokenizer: Path, *overr
                  env: dict[str, str] | None = None) -> tuple[int, str]:
     """A training that dies by SIGKILL (its own fault injection, e.g. MMTRAIN_TEST_KILL_IN_SAVE),
     its process group with it: tests/test_train_reliability.py's `_run_killed`. (exit status, stderr)."""
-    from tests.test_train_reliability import _run_killed
+    from tests.fixtures_training import run_killed
 
-    return _run_killed(train_args(family, run_dir, data, tokenizer, *overrides), log, **(env or {}))
+    return run_killed(train_args(family, run_dir, data, tokenizer, *overrides), log, **(env or {}))
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
