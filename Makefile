@@ -1,6 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Both create/refresh .venv first.
-# Tiers: `make test-unit` (pure functions, in-process models: -m unit), `make test` (everything
-# but the slow tier: unit + integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host).
+# Tiers: `make test-unit` (-m unit: pure functions and in-process models, no slow test and no other
+# process; tests/tier_guard.py refuses both), `make test` (everything but the slow tier: unit +
+# integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host).
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python

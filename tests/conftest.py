@@ -25,14 +25,14 @@ if os.environ.get("MMTRAIN_GPU_TESTS") != "1":
 
 import pytest  # noqa: E402
 
-# The tier guard and the fixture modules, registered once for the whole session: a fixture imported
-# into several test modules instead is registered, and a session fixture built, once per module.
+# The tier guard and the fixture modules, registered once for the whole session (a fixture imported
+# into several test modules instead is registered, and a session fixture built, once per module).
+# They stay light at import (heavy imports inside the fixtures): every pytest run loads them.
 pytest_plugins = [
     "tests.tier_guard",
     "tests.fixtures_preprocess",
     "tests.fixtures_training",
     "tests.fixtures_convert",
-    "tests.llava_tiny",
     "tests.emu3_tiny",
     "tests.inspect_fixtures",
 ]

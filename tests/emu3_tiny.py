@@ -22,10 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
-
-from mmtrain.emu3.hf_reference import emu3_prefix_constraint
 
 from tests.session_fixtures import session_fixture
 
@@ -214,6 +211,10 @@ def emu3_hf(emu3_tok_dir, tiny_vq_dir, tmp_path_factory):
 
 def hf_emu3_generate(model, prompt_ids, negative_ids, rows, cols, scale):
     """transformers' Emu3 text-to-image generation as its docs (and the Emu3 reference) run it."""
+    import torch
+
+    from mmtrain.emu3.hf_reference import emu3_prefix_constraint
+
     vocab = model.model.vocabulary_mapping
     visual = vocab.image_tokens
     cfg = model.config.text_config

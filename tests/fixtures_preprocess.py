@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.preprocess.synth import generate_records, write_infinity_mm
 
 SYNTH_NUM_SAMPLES = 120
 SYNTH_SEED = 0
@@ -40,6 +39,8 @@ def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) 
 
 @pytest.fixture(scope="session")
 def synth_raw_dir(tmp_path_factory) -> Path:
+    from mmdata.preprocess.synth import generate_records, write_infinity_mm
+
     out = tmp_path_factory.mktemp("synth") / "raw"
     write_infinity_mm(generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED, synthetic=True), out, samples_per_tar=20)
     return out

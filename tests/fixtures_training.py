@@ -12,12 +12,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from tests.fixtures_preprocess import free_port
 from tests.session_fixtures import session_fixture
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -54,6 +57,7 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 
 def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a megatron torch_dist checkpoint dir, unsharded (torch DCP, no process group)."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

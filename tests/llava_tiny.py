@@ -1,13 +1,10 @@
-"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads), the HF
-processor our anyres layout is checked against, and `llava_hf` (a tiny LLaVA-OV saved with the tiny
-Qwen2 tokenizer; a fixture, registered in tests/conftest.py)."""
+"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads),
+and the HF processor our anyres layout is checked against."""
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
@@ -92,28 +89,6 @@ def hf_image_processor(image_size: int = 384, grid_max: int = 6) -> LlavaOnevisi
     )
 
 
-@pytest.fixture(scope="module")
-def llava_hf(tmp_path_factory):
-    """A tiny LLaVA-OV over the tiny Qwen2 tokenizer (its chat template, <image> id), saved as an
-    HF dir with the tokenizer files; text weights scaled up so greedy answers vary."""
-    from transformers import AutoTokenizer
-
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
-
-    root = tmp_path_factory.mktemp("gen_llava")
-    tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    model = hf_llava(seed=1, vocab_size=len(tok), image_token=tok.convert_tokens_to_ids("<image>"),
-                     video_token=tok.convert_tokens_to_ids("<video>"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model" in name and "norm" not in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    out = root / "hf"
-    model.save_pretrained(out)
-    for f in tok_dir.iterdir():
-        shutil.copy2(f, out / f.name)
-    return out, model, tok
 
 
 def hf_llava_processor(tok):

@@ -16,7 +16,6 @@ from tests.fixtures_convert import convert_cli, torchrun  # noqa: E402
 from tests.llava_tiny import hf_image_inputs, hf_llava, images, text_config, vision_config  # noqa: E402
 
 
-@pytest.mark.unit
 def test_checkpoint_layout(converted):
     from mmtrain.runtime.checkpoint.layout import find_latest_iteration
     from mmtrain.runtime.checkpoint.weights import load_model_config_dict
@@ -28,7 +27,6 @@ def test_checkpoint_layout(converted):
     assert cfg["llm"]["num_layers"] == 2 and cfg["vision"]["image_size"] == 30
 
 
-@pytest.mark.unit
 def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted, tmp_path):
     from transformers import LlavaOnevisionForConditionalGeneration
 
@@ -46,7 +44,6 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
-@pytest.mark.unit
 def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
     from mmtrain.llava_ov import load_llava_ov
 
@@ -63,7 +60,6 @@ def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
         assert (out - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_sharded_export_writes_an_index(converted, tmp_path):
     from mmtrain.llava_ov.conversion import mcore_to_hf
     from mmtrain.models.hf_io import SafetensorsReader
@@ -175,7 +171,6 @@ def test_siglip_alone_parity_drop_last_layer_and_round_trip():
     assert (out2 - ref.hidden_states[2]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
@@ -349,7 +344,6 @@ def test_hf_dir_as_initial_checkpoint_checks_the_recipe(hf_dir):
         load_hf_into_model([ours], src, bad)
 
 
-@pytest.mark.unit
 def test_weights_io_latest_fallback_and_config_mismatch(converted, tmp_path):
     import shutil
     from dataclasses import replace
@@ -394,7 +388,6 @@ def converted_bf16(hf_dir_bf16, tmp_path_factory):
     return dst
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("source,dtype", [("", torch.float32), ("_bf16", torch.bfloat16)], ids=["fp32", "bf16"])
 def test_round_trip_keeps_the_source_dtype(request, source, dtype, tmp_path):
     """hf-to-mcore stores (and records) the source's dtype, mcore-to-hf writes it back, bit for
@@ -418,7 +411,6 @@ def test_round_trip_keeps_the_source_dtype(request, source, dtype, tmp_path):
         assert size < 0.55 * fp32_size
 
 
-@pytest.mark.unit
 def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16, tmp_path):
     from transformers import LlavaOnevisionForConditionalGeneration
 
@@ -441,7 +433,6 @@ def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16,
         convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(tmp_path / "x"), "--dtype", "int8")
 
 
-@pytest.mark.unit
 def test_export_of_a_bf16_training_checkpoint_is_bf16(hf_dir_bf16, converted_bf16, tmp_path):
     """A bf16 training saves bf16 weights with the recipe's model config (params_dtype float32 by
     default, parallel.precision=bf16): the export follows the stored weights, not that key."""

@@ -80,7 +80,6 @@ def _processor(d: Path):
     return AutoProcessor.from_pretrained(d)
 
 
-@pytest.mark.unit
 def test_export_has_the_processor_and_tiles_as_our_loader(exported):
     from mmdata.energon_loaders.llava_ov import anyres
 
@@ -180,7 +179,6 @@ def _fake_megatron(d: Path, model_config: dict) -> Path:
     return d
 
 
-@pytest.mark.unit
 def test_wrong_kind_or_family_is_one_line_exit_2(hf_tok_dir, exported, tmp_path, capsys):
     from dataclasses import asdict
 

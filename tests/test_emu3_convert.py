@@ -42,7 +42,6 @@ def _inputs(vocab: int):
     return ids, mask
 
 
-@pytest.mark.unit
 def test_round_trip_is_bit_identical_and_keeps_the_vq(hf_dir, converted, tmp_path):
     from transformers import Emu3ForConditionalGeneration, Emu3VQVAE
 
@@ -64,7 +63,6 @@ def test_round_trip_is_bit_identical_and_keeps_the_vq(hf_dir, converted, tmp_pat
     assert set(vq) == set(ref) and all(torch.equal(vq[k], ref[k]) for k in ref)
 
 
-@pytest.mark.unit
 def test_load_emu3_matches_hf_logits(hf_dir, converted):
     from mmtrain.emu3 import load_emu3
 
@@ -80,7 +78,6 @@ def test_load_emu3_matches_hf_logits(hf_dir, converted):
         assert (out[1, :29] - ref[1, :29]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_export_of_a_checkpoint_without_kept_vq(hf_dir, converted, emu3_tok_dir, tiny_vq_dir, tmp_path, capsys):
     from transformers import Emu3ForConditionalGeneration
 
@@ -134,7 +131,6 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
     assert (load_emu3(dst)(ids) - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_bf16_round_trip_keeps_bf16(hf_dir, emu3_tok_dir, tiny_vq_dir, tmp_path):
     """A bf16 Emu3 dir comes back bf16 and bit-identical (the kept VQ too), config.json saying so;
     `--dtype float32` exports fp32."""

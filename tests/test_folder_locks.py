@@ -49,7 +49,6 @@ def _holder(folder: Path, mode: str = "wait") -> subprocess.Popen:
 # ----------------------------------------------------------------------------- the lock itself
 
 
-@pytest.mark.unit
 def test_second_holder_is_refused_naming_the_first(tmp_path):
     run_dir = tmp_path / "runs" / "a"
     child = _holder(run_dir)
@@ -71,7 +70,6 @@ def test_second_holder_is_refused_naming_the_first(tmp_path):
     assert not run_dir.exists()  # a lock creates nothing inside (or as) the folder
 
 
-@pytest.mark.unit
 def test_lock_of_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
     run_dir = tmp_path / "run"
     child = _holder(run_dir, "die")
@@ -100,7 +98,6 @@ FORKING_HOLDER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.unit
 def test_a_forked_child_does_not_keep_its_dead_parents_lock(tmp_path, capsys):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True)
@@ -127,7 +124,6 @@ def test_record_of_another_host_is_not_taken_over(tmp_path):
     assert lock_path(out).exists()
 
 
-@pytest.mark.unit
 def test_one_process_may_take_its_own_lock_again_and_a_refusal_leaves_no_folders(tmp_path):
     run_dir = tmp_path / "new" / "deep" / "run"
     with FolderLock(run_dir, "run_dir"):

@@ -303,7 +303,6 @@ def emu3_mcore(emu3_hf, tmp_path_factory):
     return dst
 
 
-@pytest.mark.unit
 def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, capsys):
     """From the converted megatron checkpoint (its kept tokenizer and VQ): one PNG per prompt and
     the token grids, equal to the library's output for the same seeds."""
@@ -328,7 +327,6 @@ def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, ca
     assert [line["seed"] for line in lines] == [5, 11] and lines[0]["cfg_scale"] == 3.0
 
 
-@pytest.mark.unit
 def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat, tmp_path, capsys, monkeypatch):
     import warnings
 
@@ -366,7 +364,6 @@ def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat
         [llava_chat.prompt("Say hi.")], SamplingParams(), max_new_tokens=8)[0].tokens
 
 
-@pytest.mark.unit
 def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path, capsys):
     def err(*argv: str) -> str:
         assert _cli(*argv, "--no-progress") == 2
@@ -453,7 +450,6 @@ def test_grouped_decode_attention_is_sdpa():
         assert torch.allclose(grouped_decode_attention(q, k, v, m, 0.3), ref, atol=1e-6)
 
 
-@pytest.mark.unit
 def test_checkpoint_resolution(emu3_hf, emu3_mcore, tmp_path):
     """A training run dir resolves to its checkpoints/; HF dirs keep their own assets; a converted
     checkpoint its hf_assets/; a bare one none."""

@@ -140,7 +140,6 @@ def test_format_detection(fmt, tmp_path):
         detect_format({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
 
 
-@pytest.mark.unit
 def test_both_formats_import_to_identical_logits_ids_from_the_tokenizer(fmt, converted_next, tmp_path):
     from transformers import AutoTokenizer
 
@@ -160,7 +159,6 @@ def test_both_formats_import_to_identical_logits_ids_from_the_tokenizer(fmt, con
         assert torch.equal(_logits(a, fmt, i), _logits(b, fmt, i))
 
 
-@pytest.mark.unit
 def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, converted_next, tmp_path):
     """LLaVA-NeXT -> mcore -> transformers: HF's logits equal ours on the LLaVA-NeXT weights;
     -> LLaVA-NeXT again: bit-identical tensors; the transformers dir exports to the same tensors."""
@@ -302,7 +300,6 @@ def test_recipe_checkpoint_load_of_a_llava_next_dir(fmt):
         load_hf_into_model([ours], fmt["next"], replace(cfg, image_token_id=5))
 
 
-@pytest.mark.unit
 def test_stage1_assembly_takes_the_media_ids_from_the_llm_tokenizer(fmt, tmp_path, caplog):
     """A Qwen2 LLM-only checkpoint whose tokenizer lacks the media tokens: they are added, the
     vocabulary grows to hold them (mean rows), and the resolved tokenizer is kept."""
@@ -403,7 +400,6 @@ def test_transformers_dir_ids_checked_against_its_own_tokenizer(fmt, tmp_path, c
     assert "cannot load its tokenizer" in caplog.text and f"({n} / {n + 1}) are not checked" in caplog.text
 
 
-@pytest.mark.unit
 def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, tmp_path):
     """Before a run starts: a pinned media id the tokenizer does not give, or an HF
     `checkpoint.load` whose ids differ from the tokenizer's, is named with both values; rows too
@@ -455,7 +451,6 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
     assert refused.startswith("checkpoint.load: ") and f"image_token_index=5 but its tokenizer maps <image> to {n}" in refused
 
 
-@pytest.mark.unit
 def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_path):
     """The published LLaVA-NeXT checkpoints are bf16: LLaVA-NeXT -> mcore -> LLaVA-NeXT is
     bit-identical in bf16 (half the fp32 size, config says bfloat16), and the transformers export

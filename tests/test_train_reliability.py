@@ -165,7 +165,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.unit
 def test_children_forked_from_the_main_thread_die_with_a_sigkilled_parent():
     """The at-fork hook of child_processes.py: a child forked from the main thread is SIGKILLed
     with its parent; one forked from another thread (whose end would kill it too early) is not."""
