@@ -85,7 +85,8 @@ def run(args: argparse.Namespace, family: str) -> int:
             result = run_auto_tune(recipe, spec)  # prints the summary and the best layout
             if result.exit_code or not getattr(args, "launch", False):
                 return result.exit_code
-            recipe = load_recipe(result.recipe_path, family=family)
+            # (type checker: exit code 0 means a recipe was written)
+            recipe = load_recipe(result.recipe_path, family=family)  # type: ignore[arg-type]
             log.info("--launch: training the best layout, %s", result.recipe_path)
         elif getattr(args, "launch", False):
             raise UserError("--launch goes with action=auto_tune (it trains the layout the search found best)")
@@ -303,7 +304,8 @@ def keep_tokenizer(recipe: Recipe) -> Path:
     from mmtrain.runtime.checkpoint.layout import checkpoints_root
     from mmtrain.runtime.hf_conversion import ASSETS_DIR
 
-    tokenizer = load_local_tokenizer(recipe.tokenizer.path, "tokenizer.path:")
+    # (type checker: load_local_tokenizer names a missing path itself)
+    tokenizer = load_local_tokenizer(recipe.tokenizer.path, "tokenizer.path:")  # type: ignore[arg-type]
     prepare = registry.get_family(recipe.family).prepare_tokenizer
     if prepare is not None:
         prepare(tokenizer)
@@ -342,7 +344,8 @@ def setup_logging(rank: int | None = None, verbose: bool = True, verbose_third_p
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         root.addHandler(handler)
-    for handler in root.handlers:
+    # (type checker: the loop rebinds the name to every root handler)
+    for handler in root.handlers:  # type: ignore[assignment]
         handler.setFormatter(fmt)
     root.setLevel(logging.WARNING)
     logging.getLogger("mmtrain").setLevel(level)

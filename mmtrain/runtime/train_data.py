@@ -141,7 +141,8 @@ class TrainData:
         if not isinstance(batch, self.batch_type):
             raise TypeError(f"the {self.family} loader yielded {type(batch).__name__}, "
                             f"not the family's batch type {self.batch_type.__name__}")
-        return batch
+        # (type checker: isinstance against the family's batch type just above)
+        return batch  # type: ignore[return-value]
 
     def close(self) -> None:
         """Stop the loader's worker processes now. energon keeps persistent workers behind a

@@ -386,7 +386,8 @@ class Trainer:
             )
             gathered = [local]
             if ctx.dp > 1:
-                gathered = [None] * ctx.dp
+                # (type checker: all_gather_object fills the placeholders)
+                gathered = [None] * ctx.dp  # type: ignore[list-item]
                 dist.all_gather_object(gathered, local, group=dp_group)
             for ids, losses in gathered:
                 sample_ids.extend(ids)
