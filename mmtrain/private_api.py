@@ -24,6 +24,9 @@ import functools
 from importlib import metadata
 from typing import Any
 
+import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
 TESTED_MEGATRON = "0.16"  # the minor version pyproject.toml pins and CI runs
 RESULTS_QUEUE = "_results_queue"  # filesystem_async's module-level queue (see the module docstring)
 
@@ -53,8 +56,6 @@ def require_tested_megatron(installed: str | None = None) -> None:
 
 def filesystem_async_module() -> Any:
     """megatron's filesystem_async module, once the version and the name are checked."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     require_tested_megatron()
     if not hasattr(filesystem_async, RESULTS_QUEUE):
         raise RuntimeError(f"megatron-core {metadata.version('megatron-core')}: filesystem_async has no "
@@ -75,8 +76,6 @@ def set_writer_results_queue(queue: Any) -> None:
 @functools.cache
 def cpu_flash_attention() -> tuple[Any, Any]:
     """(forward, backward): aten's CPU flash-attention ops, once their schemas are checked."""
-    import torch
-
     ops = []
     for name, schema in CPU_FLASH_ATTENTION_SCHEMAS.items():
         try:
