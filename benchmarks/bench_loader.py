@@ -35,8 +35,9 @@ from mmdata.energon_loaders.dev_shards import DevSample, write_dev_shards
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
-from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack, packing_efficiency
+from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, packing_efficiency
 from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.packing.knapsack import largest_first_knapsack
 
 
 def make_shards(out: Path, num_samples: int, seed: int) -> Path:

@@ -465,7 +465,8 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
 
     from mmtrain.models.lm_loss import resolve_loss_impl
     from mmtrain.models.megatron_config import ParallelOptions
-    from mmtrain.planning.cost_model import GB, Layout, estimate_memory, training_flops_per_token
+    from mmtrain.models.flops import training_flops_per_token
+    from mmtrain.planning.cost_model import GB, Layout, estimate_memory
     from mmtrain.runtime.optimizer import ModelParts, build_optimizer, ddp_config_kwargs
     from mmtrain.runtime.throughput import device_peak_flops
 
@@ -551,7 +552,7 @@ def corrected_step_flops(work: Workload, batch: Any) -> float:
     """Model FLOPs of one step on `batch` by the train loop's formula (cost_model.step_flops, review
     B1): causal attention from Σ len² of the packed samples, each part's backward from the freeze
     set (every part of `work.parts` trains here), the vision tower from the batch's tiles."""
-    from mmtrain.planning.cost_model import step_flops
+    from mmtrain.models.flops import step_flops
 
     tiles = work.encoder_inputs(batch) if work.encoder_inputs is not None else 0
     return step_flops(work.shapes, [batch.host_cu_seqlens()], tiles, list(work.parts)).total

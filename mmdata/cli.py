@@ -32,7 +32,7 @@ from mmdata.errors import HintingParser, add_common_options, run_main
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.preprocess.synth", "write a small synthetic dataset in a real on-disk layout"),
     "preprocess": ("mmdata.preprocess.cli", "Ray job: validate, globally shuffle and write energon-ready shards"),
-    "pack-plan": ("mmdata.preprocess.pack_plan", "a deterministic global packing plan from a shards directory's length index"),
+    "pack-plan": ("mmdata.packing.cli", "a deterministic global packing plan from a shards directory's length index"),
     "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
     "preview": ("mmdata.inspect.preview", "show one sample as the model sees it: images, tiles, chat, tokens, loss"),
     "tiny-tokenizer": (

@@ -7,6 +7,7 @@
   mmtrain generate FAMILY ...           generate from a checkpoint (Emu3 images with batched
                                         guidance, LLaVA-OV answers)
   mmtrain worst-samples RUN_DIR ...     the highest-loss samples of a training step
+  mmtrain pack-plan RECIPE [DIR] ...    the packing plan a recipe trains with (data.packing: plan)
 
 `mmtrain COMMAND --help` describes each command and its options; docs/ has the how-tos.
 Exit status: 0 done; 2 an expected problem (an invalid recipe, a missing path, a checkpoint of
@@ -23,7 +24,7 @@ import sys
 
 import mmtrain
 from mmdata.errors import HintingParser, add_common_options, run_main
-from mmtrain import convert, registry
+from mmtrain import convert, pack_plan_cli, registry
 from mmtrain.generation import cli as generation_cli
 from mmtrain.runtime import launch, metrics
 
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_arguments(p)
     add_common_options(p)
     p.set_defaults(run=metrics.run)
+    p = sub.add_parser("pack-plan", help=pack_plan_cli.HELP, description=pack_plan_cli.__doc__, formatter_class=RAW)
+    pack_plan_cli.add_arguments(p)
+    add_common_options(p)
+    p.set_defaults(run=pack_plan_cli.run)
     return parser
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from mmtrain.config.errors import RecipeErrors
     from mmtrain.config.schema import Recipe
-    from mmtrain.planning.cost_model import ModelShapes
+    from mmtrain.models.shapes import ModelShapes
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class FamilySpec:
     #: (model config) -> the cost model's shape description (dry_run, auto_tune, MFU)
     model_shapes: Callable[[Any], "ModelShapes"]
     #: (a micro-batch of `batch_type`) -> tiles/frames its encoder runs on, read from host fields
-    #: (no device read), for the train loop's MFU (`cost_model.step_flops`). None: the family
+    #: (no device read), for the train loop's MFU (`models.flops.step_flops`). None: the family
     #: encodes no media in training (e.g. pre-tokenized images)
     encoder_inputs: Optional[Callable[[Any], int]] = None
     #: the energon sample type of the shards the family trains on, as `.nv-meta/mmdata.yaml`

@@ -144,3 +144,10 @@ def run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
     except ProcessLookupError:  # nothing left
         pass
     return rc, log.read_text()
+
+
+def train_args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    """The `mmtrain llava-ov` command line of `train` (for a run the test starts, signals or kills itself)."""
+    return MMTRAIN + [f"run_dir={run_dir}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
+                      "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false",
+                      f"parallel.nproc_per_node={nproc}", f"parallel.master_port={free_port()}", *overrides]

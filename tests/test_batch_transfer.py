@@ -140,13 +140,13 @@ def _tiny_llava_inputs():
 
 
 @pytest.mark.usefixtures("megatron_cpu")
-def test_llava_forward_reads_nothing_back_from_the_device(monkeypatch):
+def test_llava_forward_reads_nothing_back_from_the_device():
     """The model and its batch on the `meta` device: any `.tolist()` / `int()` / `.cpu()` of a
     device tensor raises there ("Cannot copy out of meta tensor"), so the forward passes only
-    if every host read goes to host metadata. megatron's own unfused THD RoPE does such a read
-    (`rope_utils._apply_rotary_pos_emb_thd`, cu_seqlens.tolist(); TE's fused RoPE does not):
-    stubbed here, since this test is about our code."""
-    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    if every host read goes to host metadata. RoPE included: megatron's own unfused THD RoPE
+    reads cu_seqlens back (`rope_utils._apply_rotary_pos_emb_thd`, `.tolist()`); the layer spec's
+    `PackedRoPESelfAttention` (models/packed_rope.py, review N6) does not, so nothing is stubbed."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from mmtrain.llava_ov.model import LlavaOVModel
     from mmtrain.llava_ov.state_dict_adapter import llava_config_from_hf
@@ -158,8 +158,9 @@ def test_llava_forward_reads_nothing_back_from_the_device(monkeypatch):
     model = LlavaOVModel(cfg).eval()
     with torch.no_grad():
         ref = model(batch.to("cpu"))
-    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", lambda t, *a, **k: t)
-    model = model.to("meta")
+    model = LlavaOVModel(cfg).eval().to("meta")  # a fresh one: the CPU run filled megatron's RoPE caches
+    for rope in (m for m in model.modules() if isinstance(m, RotaryEmbedding)):
+        rope.inv_freq = rope.inv_freq.to("meta")  # a plain attribute: made on the run's device, not moved
     on_device = batch.to("meta")
     with torch.no_grad():
         out = model(on_device)

@@ -93,19 +93,65 @@ def test_meta_device_context_still_sees_wrapped_factories():
         assert torch.zeros(2).device.type == "meta"
 
 
-def test_run_settings_on_cpu_and_noop_with_cuda(monkeypatch):
-    """What remains substituted: precision and the distributed optimizer. megatron's DDP settings
-    and optimizer are its own on CPU (no DDP adaptation, no optimizer stand-in exists)."""
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert cpu_compat.run_precision("bf16", cpu) == "fp32"
-    assert cpu_compat.distributed_optimizer(True, cpu) is False
+def test_apply_does_nothing_with_cuda(monkeypatch):
+    """No run setting is changed on CPU any more (bf16 and the distributed optimizer run there as
+    on GPU); with CUDA present nothing is patched."""
+    assert not hasattr(cpu_compat, "run_precision") and not hasattr(cpu_compat, "distributed_optimizer")
     assert not hasattr(cpu_compat, "adapt_ddp_config") and not hasattr(cpu_compat, "MainGradAdamW")
-    n = len(cpu_compat.SUBSTITUTIONS)
-    assert cpu_compat.run_precision("bf16", cuda) == "bf16"
-    assert cpu_compat.distributed_optimizer(True, cuda) is True
-    assert len(cpu_compat.SUBSTITUTIONS) == n  # nothing substituted (or logged) with CUDA
     monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
     assert cpu_compat.apply() is False and not cpu_compat.active()
+
+
+def test_optimizer_type_checks_answer_cpu_parameters_only_while_open():
+    """megatron's optimizer constructors ask `param.type()`: inside the window a CPU fp32/bf16
+    Parameter says its CUDA type string; a plain tensor, another dtype, a conversion
+    (`type(dtype)`) and everything after the window keep torch's answer; a CUDA run opens no
+    window (nothing is patched, whatever the host has)."""
+    fp32, bf16 = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    fp16 = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    plain = torch.zeros(2)
+    with cpu_compat.optimizer_type_checks(torch.device("cpu")):
+        assert fp32.type() == "torch.cuda.FloatTensor" and bf16.type() == "torch.cuda.BFloat16Tensor"
+        assert fp16.type() == "torch.HalfTensor" and plain.type() == "torch.FloatTensor"
+        assert fp32.type(torch.float64).dtype == torch.float64  # a conversion is still a conversion
+        assert fp32.type("torch.DoubleTensor").dtype == torch.float64
+        assert any("type() -> its torch.cuda type string" in s for s in cpu_compat.SUBSTITUTIONS)
+    assert "type" not in torch.Tensor.__dict__
+    assert fp32.type() == "torch.FloatTensor" and bf16.type() == "torch.BFloat16Tensor"
+    with cpu_compat.optimizer_type_checks(torch.device("cuda", 0)):
+        assert "type" not in torch.Tensor.__dict__ and fp32.type() == "torch.FloatTensor"
+    with pytest.raises(RuntimeError, match="boom"), cpu_compat.optimizer_type_checks(torch.device("cpu")):
+        raise RuntimeError("boom")
+    assert "type" not in torch.Tensor.__dict__  # closed on an error too
+
+
+def test_optimizer_type_checks_are_version_gated(monkeypatch):
+    """Another megatron-core is refused loudly (its constructors must be re-read), not answered blind."""
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    with pytest.raises(RuntimeError, match="re-check optimizer.py and distrib_optimizer.py"):
+        with cpu_compat.optimizer_type_checks(torch.device("cpu")):
+            pass
+    assert "type" not in torch.Tensor.__dict__
+    with cpu_compat.optimizer_type_checks(torch.device("cuda", 0)):  # CUDA: no gate, nothing to answer
+        pass
+
+
+def test_the_answered_lines_are_megatrons():
+    """The lines the window answers are where the docstring says, in the installed megatron-core."""
+    import inspect
+
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    def line(module, n: int) -> str:
+        return inspect.getsource(module).splitlines()[n - 1]
+
+    assert "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(optimizer, 671)
+    assert "param.type() == 'torch.cuda.FloatTensor'" in line(optimizer, 690)
+    assert "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(distrib_optimizer, 582)
+    assert "model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(distrib_optimizer, 361)
+    assert "model_param.type() == 'torch.cuda.FloatTensor'" in line(distrib_optimizer, 420)
 
 
 @cpu_only

@@ -12,7 +12,8 @@ import pytest
 
 from mmtrain.config import load_recipe
 from mmtrain.llava_ov.spec import LLAVA_OV
-from mmtrain.planning.cost_model import GB, Layout, decoder_layer_params, estimate_memory, param_counts
+from mmtrain.models.shapes import decoder_layer_params, param_counts
+from mmtrain.planning.cost_model import GB, Layout, estimate_memory
 from mmtrain.planning.dry_run import build_report, run_dry_run
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

@@ -1,5 +1,5 @@
 """Packing plans for Emu3 token shards: `mmdata tokenize-images --tokenizer` writes a length index
-(each sample's length per Emu3 task, keys kept with their gaps), `mmdata pack-plan --recipe`
+(each sample's length per Emu3 task, keys kept with their gaps), `mmtrain pack-plan RECIPE`
 draws each sample's task and caption drop and records its geometry, the real loader follows the
 plan with exactly the planned lengths, and training refuses a plan whose geometry is not the
 recipe's. The token shards are the `token_dir` fixture (dev records: multi-image, text-only,
@@ -18,7 +18,7 @@ import pytest
 
 from mmdata import shard_format as sf
 from mmdata.energon_loaders.emu3.plan_lengths import GENERATE, GENERATE_UNCOND, UNDERSTAND, UNENCODABLE
-from mmdata.preprocess import pack_plan
+from mmdata.packing.plan_file import plan_path, read_plan_info
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "emu3-tiny.yaml"
 SEQ = 512
@@ -32,10 +32,10 @@ def _recipe_args(token_dir: Path, tok: Path, *extra: str) -> list[str]:
 
 
 def _pack_plan(token_dir: Path, tok: Path, *extra: str) -> int:
-    from mmdata.cli import main
+    from mmtrain.cli import main
 
     sets = [a for s in _recipe_args(token_dir, tok, *extra) for a in ("--set", s)]
-    return main(["pack-plan", "--recipe", str(RECIPE), *sets, "--jobs", "1", "--no-progress"])
+    return main(["pack-plan", str(RECIPE), *sets, "--jobs", "1", "--no-progress"])
 
 
 def test_the_length_index_lists_every_written_sample_with_its_key(token_dir, emu3_tok_dir):
@@ -61,14 +61,14 @@ def test_the_length_index_lists_every_written_sample_with_its_key(token_dir, emu
 
 
 def test_plan_lengths_are_what_the_loader_encodes(token_dir, emu3_tok_dir, capsys):
-    """`pack-plan --recipe` on token shards (refused before this feature): the loader in plan mode
+    """`mmtrain pack-plan RECIPE` on token shards (refused before this feature): the loader in plan mode
     gives every planned sample its planned task, caption drop and exact length, in plan order."""
     from mmdata.energon_loaders.emu3.loader import build_emu3_loader
 
     assert _pack_plan(token_dir, emu3_tok_dir) == 0
     assert "generation (" in capsys.readouterr().out
-    path = pack_plan.plan_path(token_dir, SEQ)
-    info = pack_plan.read_plan_info(path)
+    path = plan_path(token_dir, SEQ)
+    info = read_plan_info(path)
     assert info["geometry"] == {"kind": "emu3", "tokenizer_sha256": info["geometry"]["tokenizer_sha256"],
                                 "system_prompt": "You are a helpful assistant.", "uncond_prompt": "a picture",
                                 "tasks": {"generation": 2.0, "understanding": 1.0}, "p_uncond": 0.5}
@@ -105,7 +105,7 @@ def test_a_plan_of_other_settings_is_refused(token_dir, emu3_tok_dir, tmp_path, 
     assert line.startswith("data.packing: plan: ") and "other settings than the recipe's" in line, line
     assert "uncond_prompt 'a picture' (recipe: '')" in line and "p_uncond 0.5 (recipe: 0.1)" in line, line
     assert "system_prompt" not in line.split("RECIPE.yaml")[0] and "tasks" not in line.split("RECIPE.yaml")[0], line
-    assert f"mmdata pack-plan {token_dir} --recipe RECIPE.yaml --set train.seq_length={SEQ}" in line, line
+    assert f"mmtrain pack-plan RECIPE.yaml {token_dir} --set train.seq_length={SEQ}" in line, line
     # another tokenizer than the one the index counted with: pack-plan says how to recount; training refuses the plan
     other = tmp_path / "tok"
     shutil.copytree(emu3_tok_dir, other)

@@ -300,7 +300,6 @@ def test_the_whole_product_is_read(graph):
 # ----------------------------------------------------------------------------- the layers
 
 
-@UNTIL_MERGE
 def test_mmdata_imports_nothing_from_mmtrain(graph):
     modules, imports = graph
     edges = figures(modules, imports)["mmdata_to_mmtrain"]

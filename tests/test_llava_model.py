@@ -236,7 +236,7 @@ def test_flops_per_token_for_aquila_size():
     at 12288: the cost model's formula on the family's shapes, which the train loop's MFU uses."""
     from mmtrain.llava_ov.config import LlavaOVModelConfig
     from mmtrain.llava_ov.spec import LLAVA_OV
-    from mmtrain.planning.cost_model import training_flops_per_token
+    from mmtrain.models.flops import training_flops_per_token
 
     shapes = LLAVA_OV.model_shapes(LlavaOVModelConfig())  # the defaults: Aquila-VL-2B
     f = training_flops_per_token(shapes, 12288)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmtrain.planning.cost_model import Connector, DecoderShape, EncoderShape, ModelShapes
+from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelShapes
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +38,7 @@ PER_TOKEN = 2 * 2 * 36992 + 2 * 64 * 1000  # = 275968
 
 
 def test_hand_numbers_of_the_tiny_shape():
-    from mmtrain.planning.cost_model import decoder_layer_params, encoder_layer_params
+    from mmtrain.models.shapes import decoder_layer_params, encoder_layer_params
 
     assert decoder_layer_params(DEC) == 36992 and PER_TOKEN == 275968
     assert encoder_layer_params(ENC) == 8544 and ENC.patches == 4
@@ -47,7 +47,7 @@ def test_hand_numbers_of_the_tiny_shape():
 def test_one_4096_sample_vs_four_1024_samples_in_a_row():
     """THD attention runs per packed sample: four 1024-token samples cost a quarter of the
     attention of one 4096-token sample (sum len^2 = 4 x 1024^2 vs 4096^2); the matmuls are the same."""
-    from mmtrain.planning.cost_model import step_flops
+    from mmtrain.models.flops import step_flops
 
     one = step_flops(TEXT, [[0, 4096]], 0, ["llm"])
     four = step_flops(TEXT, [[0, 1024, 2048, 3072, 4096]], 0, ["llm"])
@@ -62,7 +62,7 @@ def test_one_4096_sample_vs_four_1024_samples_in_a_row():
 
 def test_the_old_whole_row_formula_is_the_one_sample_case():
     """`training_flops_per_token` (planning) is the one-sample-per-row, all-trained case."""
-    from mmtrain.planning.cost_model import step_flops, training_flops_per_token
+    from mmtrain.models.flops import step_flops, training_flops_per_token
 
     assert training_flops_per_token(TEXT, 4096) * 4096 == pytest.approx(step_flops(TEXT, [[0, 4096]], 0, ["llm"]).total)
 
@@ -70,7 +70,7 @@ def test_the_old_whole_row_formula_is_the_one_sample_case():
 def test_cp_padding_counted_as_executed():
     """Under CP every segment is padded to 2*cp*tp (here 8): a 1000-token sample stays 1000, a
     30-token padding run becomes 32; both run through the matmuls and attention."""
-    from mmtrain.planning.cost_model import executed_lengths, step_flops
+    from mmtrain.models.flops import executed_lengths, step_flops
 
     assert executed_lengths(torch.tensor([0, 1000, 1030], dtype=torch.int32), pad_to=8) == [1000, 32]
     f = step_flops(TEXT, [[0, 1000, 1030]], 0, ["llm"], pad_to=8)
@@ -81,7 +81,7 @@ def test_cp_padding_counted_as_executed():
 def test_frozen_llm_at_stage_1_counts_2x_and_the_frozen_tower_1x():
     """LLaVA-OV stage 1: tower and LLM frozen, projector trained. One row of two 1024-token
     samples, three tiles (12 patches)."""
-    from mmtrain.planning.cost_model import part_passes, step_flops
+    from mmtrain.models.flops import part_passes, step_flops
 
     p = part_passes(VLM, ["projector"])
     assert (p["vision_tower"].weights, p["vision_tower"].core, p["vision_tower"].inputs) == (1, 1, 1)
@@ -103,7 +103,7 @@ def test_frozen_llm_at_stage_1_counts_2x_and_the_frozen_tower_1x():
 
 
 def test_vision_tower_counted_when_everything_trains():
-    from mmtrain.planning.cost_model import step_flops
+    from mmtrain.models.flops import step_flops
 
     f = step_flops(VLM, [[0, 1024, 2048]], 3, ["vision_tower", "projector", "llm"])
     # tower trains, nothing before it: layers and attention 3x, the patch conv 2x (no pixel grads)
@@ -127,19 +127,15 @@ def _llava_batch(cu: list[int], tiles: list[int]):
 
 
 def test_trainer_step_flops_from_its_micro_batches():
-    """What `Trainer.train_step` adds to the step's counts: the batches' host cu_seqlens, the
-    family's tile count and the recipe's freeze set (stage 1)."""
+    """What `Trainer.train_step` adds to the step's counts (`StepMetrics`): the batches' host
+    cu_seqlens, the family's tile count and the recipe's freeze set (stage 1)."""
     from mmtrain.llava_ov.spec import LLAVA_OV
-    from mmtrain.runtime.train_data import StepData
-    from mmtrain.runtime.trainer import Trainer
+    from mmtrain.runtime.step_metrics import StepMetrics
 
-    t = Trainer.__new__(Trainer)
-    t.spec, t.flops_shapes = LLAVA_OV, VLM
-    t.recipe = SimpleNamespace(freeze=["vision_tower", "llm"])
-    t.ctx = SimpleNamespace(cp=1, tp=1)
+    t = StepMetrics(LLAVA_OV, VLM, freeze=["vision_tower", "llm"], ctx=SimpleNamespace(cp=1, tp=1))
     batches = [_llava_batch([0, 1024, 2048], [1, 2]), _llava_batch([0, 4096], [])]
     assert LLAVA_OV.encoder_inputs(batches[0]) == 3 and LLAVA_OV.encoder_inputs(batches[1]) == 0
-    flops = t._model_flops(StepData(micro_batches=batches))
+    flops = t.model_flops(batches)
     second = 2 * 4096 * 275968 + 3 * 256 * 4096**2  # the frozen LLM on one 4096-token sample
     assert flops == 2_740_977_664 + 873_984 + 393_216 + second
 
@@ -167,7 +163,8 @@ def test_logged_mfu_uses_the_step_flops():
 def test_planning_estimate_follows_the_freeze_set():
     """dry_run / auto_tune count a frozen LLM under a trained projector at 2x (matmuls) and the
     frozen tower at 1x, the same rule as the train loop."""
-    from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time, step_flops
+    from mmtrain.models.flops import step_flops
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time
 
     layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, seq_length=2048, recompute="none",
                     sequence_parallel=False, distributed_optimizer=False, precision="bf16")
@@ -175,3 +172,120 @@ def test_planning_estimate_follows_the_freeze_set():
     est = estimate_step_time(VLM, ["vision_tower", "llm"], layout, hw, media_token_fraction=0.0)
     assert est.model_flops == 4 * step_flops(VLM, [[0, 2048]], 0, ["projector"]).total
     assert est.model_flops == 4 * (2 * 2048 * 275968 + 3 * 256 * 2048**2)
+
+
+# ----------------------------------------------------------------------------- review N7: padding, HFU, peak
+
+
+def test_a_rows_padding_run_is_not_model_flops():
+    """Review N7: a row's padding run is one `cu_seqlens` segment, but no model work. With the
+    row's real samples given (`len(sample_ids[row])`), only their segments count, as
+    `per_sample_loss_sums` reads them; without, every segment counts (what the device executes)."""
+    from mmtrain.models.flops import sample_lengths, step_flops
+
+    one_sample = step_flops(TEXT, [[0, 70, 1024]], 0, ["llm"], samples=[[1]])
+    assert one_sample == step_flops(TEXT, [[0, 70]], 0, ["llm"])
+    assert one_sample.total == 3 * (70 * 275968 + 256 * 70**2) and one_sample.tokens == 70
+    executed = step_flops(TEXT, [[0, 70, 1024]], 0, ["llm"])
+    assert executed.total == 3 * (1024 * 275968 + 256 * (70**2 + 954**2))
+    # two rows of 64 in one micro-batch's stream: samples [10, 20] + padding, then [20] + padding
+    cu = torch.tensor([0, 10, 30, 64, 84, 128], dtype=torch.int32)
+    assert sample_lengths(cu, [2, 1]) == [10, 20, 20]
+    assert step_flops(TEXT, [cu], 0, ["llm"], samples=[[2, 1]]) == step_flops(TEXT, [[0, 10, 30, 50]], 0, ["llm"])
+    # a full row has no padding run: both counts agree
+    assert step_flops(TEXT, [[0, 30, 64]], 0, ["llm"], samples=[[2]]) == step_flops(TEXT, [[0, 30, 64]], 0, ["llm"])
+    with pytest.raises(ValueError, match="not 3 rows"):
+        sample_lengths([0, 10, 64], [1, 1, 1])
+
+
+def _text_batch(rows: list[list[int]], seq_length: int):
+    """A PackedBatch of rows holding samples of these lengths, each row padded to `seq_length`."""
+    from mmdata.energon_loaders.batch import PackedBatch
+
+    lens = [n for row in rows for n in row + ([seq_length - sum(row)] if sum(row) < seq_length else [])]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    z = torch.zeros(len(rows), seq_length, dtype=torch.int64)
+    return PackedBatch(input_ids=z, labels=z, position_ids=z, cu_seqlens=cu, max_seqlen=max(lens),
+                       sample_ids=[[f"s{r}_{k}" for k in range(len(row))] for r, row in enumerate(rows)],
+                       num_real_tokens=sum(map(sum, rows)))
+
+
+def test_step_metrics_count_model_flops_for_the_mfu_and_executed_flops_for_the_hfu():
+    """The trainer's counts (`StepMetrics`): the MFU's FLOPs are the real samples' (the tiny
+    recipe's unpacked row of one 70-token sample in 1024 was charged x23 before), the HFU's what
+    ran: the padding run, CP padding and recompute's extra forward."""
+    from mmtrain.models.flops import recomputed_layer_count
+    from mmtrain.runtime.step_metrics import StepMetrics
+
+    spec = SimpleNamespace(parts=["llm"], encoder_inputs=None)
+    batch = _text_batch([[70]], 1024)
+    plain = StepMetrics(spec, TEXT, freeze=[], ctx=SimpleNamespace(cp=1, tp=1))
+    real = 3 * (70 * 275968 + 256 * 70**2)
+    executed = 3 * (1024 * 275968 + 256 * (70**2 + 954**2))
+    assert plain.model_flops([batch]) == real
+    assert plain.hardware_flops([batch]) == executed
+    # full recompute of both layers: one more forward of the layers (not the LM head)
+    full = StepMetrics(spec, TEXT, freeze=[], ctx=SimpleNamespace(cp=1, tp=1), recompute="full",
+                       recomputed_layers=recomputed_layer_count([2], 0))
+    assert full.hardware_flops([batch]) == executed + 2 * 2 * 36992 * 1024 + 256 * (70**2 + 954**2)
+    assert full.model_flops([batch]) == real  # recompute is not model work
+    # selective: the core attention of every layer again
+    selective = StepMetrics(spec, TEXT, freeze=[], ctx=SimpleNamespace(cp=1, tp=1), recompute="selective")
+    assert selective.hardware_flops([batch]) == executed + 256 * (70**2 + 954**2)
+    # block recompute of 1 layer per chunk: over chunks [1, 1] both layers, over [2, 2] one of each
+    assert recomputed_layer_count([1, 1], 1) == 2 and recomputed_layer_count([2, 2], 1) == 2
+    # CP pads every segment to 2*cp*tp (8 here): 70 -> 72, 954 -> 960, executed only
+    cp = StepMetrics(spec, TEXT, freeze=[], ctx=SimpleNamespace(cp=4, tp=1))
+    assert cp.model_flops([batch]) == real
+    assert cp.hardware_flops([batch]) == 3 * (1032 * 275968 + 256 * (72**2 + 960**2))
+
+
+def test_a_frozen_model_recomputes_nothing():
+    from mmtrain.models.flops import recompute_flops, step_flops
+
+    f = step_flops(VLM, [[0, 1024]], 0, [])
+    assert recompute_flops(VLM, f, [], "full", 2) == 0 and recompute_flops(VLM, f, [], "selective") == 0
+    # the LLM frozen under a trained projector still back-propagates, so it recomputes
+    assert recompute_flops(VLM, f, ["projector"], "selective") == 256 * 1024**2
+
+
+def test_logged_hfu_next_to_the_mfu():
+    from mmtrain.runtime.trainer import StepResult, Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=2, device=torch.device("cpu"))
+    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=1), train=SimpleNamespace(iters=10))
+    t.peak_flops = 1e12
+    records = []
+    t.metrics = SimpleNamespace(write=records.append)
+    r = StepResult(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0,
+                   tokens=4096, samples=1, loss_tokens=10, sample_ids=[], sample_losses=[], flops=6e12,
+                   hardware_flops=8e12)
+    t._log(r)
+    assert records[0]["mfu"] == pytest.approx(1.5) and records[0]["hfu"] == pytest.approx(2.0)
+    t.peak_flops = None
+    t._log(r)
+    assert records[1]["mfu"] is None and records[1]["hfu"] is None
+
+
+@pytest.mark.parametrize("name, precision, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),  # SXM5
+    ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA H100 NVL", "bf16", 835.0),
+    ("NVIDIA H100 PCIe", "fp32", 378.0),  # TF32
+    ("NVIDIA H200", "bf16", 989.0),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA B200", "bf16", 2250.0),
+    ("NVIDIA H100 96GB something new", "bf16", None),  # not listed: no MFU rather than another part's peak
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+])
+def test_peak_from_the_exact_device_name(name, precision, tflops, monkeypatch):
+    """Review N7: "H100 PCIe" and "H100 NVL" got the SXM figure by name fragment."""
+    from mmtrain.models.hardware import peak_tflops
+    from mmtrain.runtime.throughput import device_peak_flops
+
+    assert peak_tflops(name, precision) == tflops
+    monkeypatch.delenv("MMTRAIN_PEAK_TFLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    expected = tflops * 1e12 if tflops is not None else None
+    assert device_peak_flops(torch.device("cuda", 0), precision) == expected

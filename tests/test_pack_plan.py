@@ -17,7 +17,9 @@ from mmdata import shard_format as sf
 from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.inspect.packing import estimate_packing
 from mmdata.inspect.stats import summarize
-from mmdata.preprocess import pack_plan
+from mmdata.cli import main as mmdata_main
+from mmdata.packing import algorithm
+from mmdata.packing.plan_file import plan_path, read_plan_info
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
 from tests.fixtures_preprocess import run_preprocess_cli
 
@@ -66,8 +68,8 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
         assert re.search(r"pack chunks .* 1/1", printed.err)  # its progress, on stderr
         assert re.search(r"packing report: bin fill \d+\.\d\d% \| executed-token efficiency \d+\.\d\d% \(CP4 TP2\)",
                          printed.out)
-        path = pack_plan.plan_path(out, seq)
-        info = pack_plan.read_plan_info(path)
+        path = plan_path(out, seq)
+        info = read_plan_info(path)
         plan = pq.read_table(path)
         bins, index, tokens = (plan.column(c).to_numpy() for c in ("bin", "index", "tokens"))
         assert sorted(index.tolist()) == list(range(len(lengths)))  # every sample exactly once
@@ -102,7 +104,7 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
         fill, executed = p["bin_fill"], p["executed_token_efficiency"]
         assert fill["online"] == p["online"] and fill["plan"] == p["plan"] and fill["online"] >= 0.95
         assert min(executed.values()) >= 0.97 and all(executed[k] <= fill[k] for k in fill)
-        made = pack_plan.read_plan_info(pack_plan.plan_path(out, int(seq)))["packing_report"]  # made at CP4 TP2
+        made = read_plan_info(plan_path(out, int(seq)))["packing_report"]  # made at CP4 TP2
         assert executed["plan_file"] == pytest.approx(made["executed_token_efficiency"], abs=1e-4)
     capsys.readouterr()
     assert main(["inspect", str(out), "--sample", "5", "--context-lengths", "8192"]) == 0
@@ -113,15 +115,15 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
 def test_plan_packing_covers_everything_whatever_chunks(monkeypatch):
     rng = np.random.default_rng(4)
     lengths = np.concatenate([rng.integers(1, 3000, 900), [0, 9000, 8192, 8191]])
-    one = pack_plan.plan_packing(lengths, 8192, seed=3)
+    one = algorithm.plan_packing(lengths, 8192, seed=3)
     got = np.sort(np.concatenate(one.bins))
     assert (got == np.arange(len(lengths))).all() and one.over_length == 1
     assert all(np.minimum(lengths, 8192)[b].sum() <= 8192 for b in one.bins)
-    assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3).bins] == [b.tolist() for b in one.bins]
-    assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=4).bins] != [b.tolist() for b in one.bins]
-    monkeypatch.setattr(pack_plan, "CHUNK", 300)  # chunks packed in parallel give the serial plan
-    serial = [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=1).bins]
-    assert [b.tolist() for b in pack_plan.plan_packing(lengths, 8192, seed=3, jobs=2).bins] == serial
+    assert [b.tolist() for b in algorithm.plan_packing(lengths, 8192, seed=3).bins] == [b.tolist() for b in one.bins]
+    assert [b.tolist() for b in algorithm.plan_packing(lengths, 8192, seed=4).bins] != [b.tolist() for b in one.bins]
+    monkeypatch.setattr(algorithm, "CHUNK", 300)  # chunks packed in parallel give the serial plan
+    serial = [b.tolist() for b in algorithm.plan_packing(lengths, 8192, seed=3, jobs=1).bins]
+    assert [b.tolist() for b in algorithm.plan_packing(lengths, 8192, seed=3, jobs=2).bins] == serial
 
 
 def test_shard_writers_count_lengths_without_torch(tok_shards, tmp_path):
@@ -173,8 +175,8 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
 
     out, tok = tok_shards
     seq = 8192
-    assert pack_plan.main([str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
-    path = pack_plan.plan_path(out, seq)
+    assert mmdata_main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
+    path = plan_path(out, seq)
     build = lambda: build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, num_workers=2,  # noqa: E731
                                           packing="plan", checkpoint_every_min_n_samples=1, checkpoint_every_sec=0)
     loader = build()
@@ -212,7 +214,7 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
     _check_data(recipe, registry.get_family("llava-ov"), problems)
     assert problems == [f"data.packing: plan: packing plan {out}/pack-plan-4096.parquet not found: run "
                         f"`mmdata pack-plan {out} --seq-length 4096 --image-size 30 --patch-size 14 --max-tiles 9 "
-                        "--grid-max 6 --video-frames 8` (or `mmdata pack-plan --recipe RECIPE.yaml`)"]
+                        "--grid-max 6 --video-frames 8` (or `mmtrain pack-plan RECIPE.yaml`)"]
     assert val_recipe(recipe).data.packing is True and val_recipe(recipe).data.packing_plan is None
 
 

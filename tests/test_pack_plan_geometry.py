@@ -1,4 +1,4 @@
-"""A pack plan records the image token geometry it counted with, `mmdata pack-plan --recipe`
+"""A pack plan records the image token geometry it counted with, `mmtrain pack-plan RECIPE`
 counts with the recipe's (the tiny recipe's 30-px tiles, not LLaVA-OV's 384-px ones), and
 training refuses (preflight, exit 2, before run_dir is written) a plan made with another
 geometry, or an old plan without a recorded one unless the recipe uses the default geometry."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from mmdata.preprocess import pack_plan
+from mmdata.packing.plan_file import plan_path, read_plan_info
 from mmdata.preprocess.synth import generate_records, write_infinity_mm
 from tests.fixtures_preprocess import run_preprocess_cli
 
@@ -46,10 +46,10 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     return out, tok
 
 
-def make_plan(shards: Path, *args: str) -> dict:
-    proc = cli("mmdata.cli", "pack-plan", *args, "--jobs", "1")
+def make_plan(shards: Path, *args: str, tool: str = "mmdata.cli") -> dict:
+    proc = cli(tool, "pack-plan", *args, "--jobs", "1")
     assert proc.returncode == 0, proc.stderr
-    return pack_plan.read_plan_info(pack_plan.plan_path(shards, SEQ))
+    return read_plan_info(plan_path(shards, SEQ))
 
 
 def train(run_dir: Path, shards: Path, tok: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def train(run_dir: Path, shards: Path, tok: Path, *extra: str) -> subprocess.Com
 
 
 def test_recipe_plan_counts_what_the_loader_counts(data):
-    """`--recipe` records the recipe's geometry and plans each sample at the length the loader's
+    """`mmtrain pack-plan RECIPE` records the recipe's geometry and plans each sample at the length the loader's
     own task encoder gives it with that geometry; the default plan counts 384-px tiles."""
     from megatron.energon import SkipSample
 
@@ -68,11 +68,11 @@ def test_recipe_plan_counts_what_the_loader_counts(data):
     from mmdata.inspect import random_samples
 
     shards, tok = data
-    info = make_plan(shards, str(shards), "--recipe", str(TINY_RECIPE), "--set", f"train.seq_length={SEQ}")
+    info = make_plan(shards, str(TINY_RECIPE), str(shards), "--set", f"train.seq_length={SEQ}", tool="mmtrain.cli")
     assert info["geometry"] == TINY and info["seq_length"] == SEQ
     assert (info["packing_report"]["cp"], info["packing_report"]["tp"]) == (1, 1)  # the recipe's parallel sizes
     assert info["packing_report"]["computed_tokens"] == info["bins"] * SEQ  # no CP: the rows, nothing more
-    plan = pq.read_table(pack_plan.plan_path(shards, SEQ))
+    plan = pq.read_table(plan_path(shards, SEQ))
     tokens = dict(zip(plan.column("index").to_pylist(), plan.column("tokens").to_pylist()))
     g = TINY
     encoder = LlavaOVTaskEncoder(str(tok), LlavaOVEncoderConfig(
@@ -92,8 +92,9 @@ def test_recipe_plan_counts_what_the_loader_counts(data):
     # the default plan counts LLaVA-OV's tiles: its lengths are the length index's, far longer
     default = make_plan(shards, str(shards), "--seq-length", str(SEQ))
     assert default["geometry"] == DEFAULT
-    cp = make_plan(shards, str(shards), "--recipe", str(TINY_RECIPE), "--set", f"train.seq_length={SEQ}",
-                   "--set", "parallel.cp=2", "--set", "parallel.nproc_per_node=2", "--tp", "2")["packing_report"]
+    cp = make_plan(shards, str(TINY_RECIPE), str(shards), "--set", f"train.seq_length={SEQ}",
+                   "--set", "parallel.cp=2", "--set", "parallel.nproc_per_node=2", "--tp", "2",
+                   tool="mmtrain.cli")["packing_report"]
     assert (cp["cp"], cp["tp"]) == (2, 2) and cp["real_tokens"] == info["packing_report"]["real_tokens"]
     assert cp["computed_tokens"] > info["packing_report"]["computed_tokens"]  # CP pads each segment to 8
     lengths = pq.read_table(shards / "lengths.parquet").column("total_tokens").to_numpy()
@@ -115,9 +116,9 @@ def test_training_refuses_a_plan_of_another_geometry(data, tmp_path):
     assert "Traceback" not in proc.stderr and not run_dir.exists()
 
 
-def test_rebuilt_plan_passes_preflight_and_old_plans_follow_the_default_rule(data):
+def test_rebuilt_plan_passes_preflight_and_old_format_plans_are_refused(data):
     from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data
-    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, PlanGeometry
+    from mmdata.packing.geometry import DEFAULT_GEOMETRY, PlanGeometry
     from mmtrain.config.load import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV
     from mmtrain.runtime.preflight import preflight
@@ -128,16 +129,17 @@ def test_rebuilt_plan_passes_preflight_and_old_plans_follow_the_default_rule(dat
     recipe = load_recipe(TINY_RECIPE, [f"data.paths=[{shards}]", f"tokenizer.path={tok}", f"train.seq_length={SEQ}",
                                        "data.packing=plan", "logging.tensorboard=false", "run_dir=/nonexistent/run"])
     preflight(recipe, LLAVA_OV)
-    # a plan from before plans recorded their geometry: default geometry only
+    # a plan of the format before plans recorded their geometry: refused, whatever the geometry, naming the command
     make_plan(shards, str(shards), "--seq-length", str(SEQ))
-    path = pack_plan.plan_path(shards, SEQ)
+    path = plan_path(shards, SEQ)
     table = pq.read_table(path)
     info = json.loads(table.schema.metadata[b"mmdata.pack_plan"])
+    info["format"] = 1
     del info["geometry"]
     pq.write_table(table.replace_schema_metadata({"mmdata.pack_plan": json.dumps(info)}), path)
-    plan_for_data([shards], None, SEQ, geometry=DEFAULT_GEOMETRY)
-    with pytest.raises(PlanError, match=r"records no image geometry.*image_size 384 \(recipe: 30\).*--image-size 30"):
-        plan_for_data([shards], None, SEQ, geometry=PlanGeometry(**TINY))
+    for geometry in (DEFAULT_GEOMETRY, PlanGeometry(**TINY)):
+        with pytest.raises(PlanError, match=r"has format 1, this mmdata reads format 2: rerun `mmdata pack-plan`"):
+            plan_for_data([shards], None, SEQ, geometry=geometry)
 
 
 def test_pack_plan_refuses_overrides_without_a_recipe(data):

@@ -11,11 +11,11 @@ import torch
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.packing import (
-    largest_first_knapsack,
     pack_rows,
     packing_efficiency,
     shift_labels,
 )
+from mmdata.packing.knapsack import largest_first_knapsack
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from mmdata.energon_loaders.packing_report import (
     report_from_rows,
 )
 from mmtrain.models import context_parallel as runtime_cp
-from mmtrain.planning.cost_model import executed_lengths
+from mmtrain.models.flops import executed_lengths
 
 
 def _batch(rows: list[list[int]], seq_length: int):

@@ -36,7 +36,7 @@ PINNED: dict[str, dict[str, str]] = {
               "version check and tests/test_cpu_compat.py; to move into mmtrain/private_api.py after the merge"
         for name in ("torch.utils._device", "torch_device_ctx._device_constructors", "mrandom._CUDA_RNG_STATE_TRACKER",
                      "mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED", "mrandom._get_cuda_rng_state",
-                     "mrandom._set_cuda_rng_state")
+                     "mrandom._set_cuda_rng_state", "torch._C.TensorBase.type")
     },
 }
 ALLOW_MARKER = "# gated-private-api:"  # a line that names a private module as text, on purpose

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.lm_config import LLMConfig
 from mmtrain.models.megatron_config import TransformerImplUnavailable, decoder_fusions
@@ -22,8 +23,48 @@ def test_local_keeps_fusions_off():
 
 
 def test_te_on_cuda_with_te_turns_decoder_fusions_on():
-    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine")
+    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine", apex_wgrad=True)
     assert f.use_te_spec and f.apply_rope_fusion and f.bias_activation_fusion and f.gradient_accumulation_fusion
+    f = decoder_fusions(on_cuda=True, te_available=True, transformer_impl="transformer_engine", apex_wgrad=False)
+    assert f.use_te_spec and f.apply_rope_fusion and f.bias_activation_fusion and not f.gradient_accumulation_fusion
+
+
+def _te_switch_config(**fusions) -> TransformerConfig:
+    """The decoder config the TE switch builds, less `apply_rope_fusion` (its check needs TE's
+    kernel at config time; the review's reproduction drops it the same way)."""
+    kw = {**fusions, "apply_rope_fusion": False}
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                             gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                             **kw)
+
+
+def test_the_te_switch_builds_megatrons_output_layer_without_apex(megatron_cpu):
+    """N1: GPTModel's output layer is always megatron's local ColumnParallelLinear, which raises
+    at build when `gradient_accumulation_fusion` is on and apex's `fused_weight_gradient_mlp_cuda`
+    does not import (mcore 0.16.1 tensor_parallel/layers.py:924-933). The TE switch's config must
+    build it on an install without apex (this one: pip cannot install apex)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    config = _te_switch_config(**decoder_fusions(True, True, "transformer_engine").config_kwargs())
+    layer = ColumnParallelLinear(64, 1152, config=config, init_method=config.init_method, bias=False)
+    assert layer.weight.shape == (1152, 64) and not config.gradient_accumulation_fusion
+
+
+def test_the_te_switch_keeps_the_wgrad_fusion_where_apex_imports(tmp_path, monkeypatch):
+    """Where apex's extension imports (a real module on sys.path here), the decision keeps the
+    fusion on: megatron then builds its output layer with it, and TE's linears fuse as well."""
+    import sys
+
+    from mmtrain.models.te_support import APEX_WGRAD_MODULE, apex_wgrad_fusion_available
+
+    (tmp_path / f"{APEX_WGRAD_MODULE}.py").write_text("def wgrad_gemm_accum_fp32(*a):\n    raise NotImplementedError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, APEX_WGRAD_MODULE, raising=False)
+    try:
+        assert apex_wgrad_fusion_available()
+        assert decoder_fusions(True, True, "transformer_engine").gradient_accumulation_fusion
+    finally:
+        sys.modules.pop(APEX_WGRAD_MODULE, None)
 
 
 def test_te_refused_on_cpu_and_without_te():
@@ -84,3 +125,29 @@ def test_a_checkpoint_loads_only_into_the_spec_that_wrote_it(tmp_path):
         check_layer_spec(tmp_path, "local")
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # older checkpoints: local
     check_layer_spec(tmp_path, "local")
+
+
+@pytest.mark.parametrize("name", ["swiglu", "swiglu_back"])
+def test_the_fused_swiglu_compiles_at_most_twice_over_thd_lengths(name):
+    """N10: the TE switch's `bias_activation_fusion` runs megatron's SwiGLU under `jit_fuser`, i.e.
+    torch.compile (mcore 0.16.1 jit.py, fusions/fused_bias_swiglu.py). Rows are padded to
+    seq_length, so without CP every micro-batch has the same THD length (one compile); under CP a
+    rank's share changes with the sequences' padding. Over changing lengths dynamo compiles the
+    first length, then one shape-generic graph, and never again: kept on, no recompile storm.
+    (A counting backend: dynamo decides recompiles before any backend runs.)"""
+    import inspect
+
+    from megatron.core.fusions import fused_bias_swiglu
+
+    fn = inspect.unwrap(getattr(fused_bias_swiglu, name))
+    assert fn is not getattr(fused_bias_swiglu, name), "megatron's jit_fuser is no longer torch.compile"
+    graphs = []
+    torch.compiler.reset()
+    compiled = torch.compile(fn, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)
+    try:
+        for tokens in (1000, 1357, 811, 2048, 97, 4096, 2, 3000):
+            y = torch.randn(tokens, 1, 64)
+            compiled(y) if name == "swiglu" else compiled(torch.randn(tokens, 1, 32), y)
+    finally:
+        torch.compiler.reset()
+    assert len(graphs) == 2

@@ -21,15 +21,9 @@ import yaml
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
 from mmtrain.runtime.launch import child_pids
-from tests.fixtures_training import MMTRAIN, REPO, free_port, metrics, run_killed, train
+from tests.fixtures_training import REPO, free_port, metrics, run_killed, train, train_args
 
 RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
-
-
-def _args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
-    return MMTRAIN + [f"run_dir={run_dir}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
-                      "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false",
-                      f"parallel.nproc_per_node={nproc}", f"parallel.master_port={free_port()}", *overrides]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -64,7 +58,7 @@ def test_stops_early_then_resumes_exactly(ref_run, tmp_path, shards_dir, tokeniz
     assert "resumed from" in proc.stderr and "stopped after step 3/6 (train.exit_interval reached)" in proc.stderr
     assert _latest(run) == 3
 
-    p = _start(_args(run, shards_dir, tokenizer_dir, *RUN))
+    p = _start(train_args(run, shards_dir, tokenizer_dir, *RUN))
     _wait_for_step(run, p, 4)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate()
@@ -87,7 +81,7 @@ def test_sigterm_to_the_launcher_stops_its_workers_cleanly(tmp_path, shards_dir,
     scheduler sends) reaches the workers, not torchrun (which would kill them and fail): they
     finish the step, save, and the launcher exits 0."""
     run = tmp_path / "run"
-    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=30", "checkpoint.interval=0", nproc=2))
+    p = _start(train_args(run, shards_dir, tokenizer_dir, "train.iters=30", "checkpoint.interval=0", nproc=2))
     _wait_for_step(run, p, 2)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate()
@@ -108,7 +102,7 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_pa
     run = tmp_path / "run"
     staged = run / "checkpoints" / ".staging" / "iter_0000004"
     for point in ("model", "publish"):
-        rc, err = run_killed(_args(run, shards_dir, tokenizer_dir, *RUN), tmp_path / f"{point}.log",
+        rc, err = run_killed(train_args(run, shards_dir, tokenizer_dir, *RUN), tmp_path / f"{point}.log",
                               **{KILL_IN_SAVE_ENV: f"4:{point}"})
         assert rc == -signal.SIGKILL, f"{point}: not killed ({rc})\n{err[-3000:]}"
         assert _latest(run) == 2 and not (run / "checkpoints" / "iter_0000004").exists(), point
@@ -191,7 +185,7 @@ def test_a_sigkilled_run_leaves_no_process_behind(tmp_path, shards_dir, tokenize
     a save the kill interrupted (in about 1 run in 4)."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    p = subprocess.Popen(_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
+    p = subprocess.Popen(train_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO,
                          start_new_session=True)
     try:
@@ -304,7 +298,7 @@ def _signal_rank_1_after_step_1(run: Path, shards_dir: Path, tokenizer_dir: Path
                                 timeout_mins: float) -> tuple[str, int]:
     """DP=2 training (50 steps); once step 1 is logged, `sig` to rank 1's worker, then wait for the
     job to end (it must, and with a non-zero status). Returns (its stderr, rank 1's pid)."""
-    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
+    p = _start(train_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
                      f"parallel.collective_timeout_mins={timeout_mins}", nproc=2))
     _wait_for_step(run, p, 1)
     victim = _worker_pid(p.pid, 1)
@@ -360,7 +354,7 @@ def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, 
     shared run dir (and hand to their workers) is the same on both: node_rank 0."""
     run = tmp_path / "run"
     port = free_port()
-    nodes = [_start(_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
+    nodes = [_start(train_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
                           "parallel.nnodes=2",
                           f"parallel.node_rank={k}", "parallel.master_addr=127.0.0.1", f"parallel.master_port={port}"))
              for k in (0, 1)]

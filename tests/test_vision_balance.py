@@ -66,7 +66,7 @@ def test_balancing_meets_the_target_on_a_mixed_stream():
     online packer's rows (over 1.1 with the plain knapsack's rows) drops to at most 1.10 when the
     step is placed by assign_step; a balanced plan (tiers + per-step placement) gets closer to 1."""
     from mmdata.inspect.packing import online_rank_rows
-    from mmdata.preprocess.pack_plan import plan_packing
+    from mmdata.packing.algorithm import plan_packing
 
     tokens, tiles = _mix(2400, seed=1)
     shape = StepShape(dp=8, micro_batch_size=2, global_batch_size=32)
@@ -168,7 +168,7 @@ def test_assign_block_and_plan_balance_agree():
 def test_a_tile_costs_what_the_cost_model_says():
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV
-    from mmtrain.planning.cost_model import tile_token_cost
+    from mmtrain.models.flops import tile_token_cost
 
     aquila = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", ["action=dry_run"])
     assert tile_token_cost(LLAVA_OV.model_shapes(aquila.model)) == pytest.approx(DEFAULT_TILE_TOKENS, rel=0.01)
@@ -206,7 +206,7 @@ def test_train_data_balances_replicated_steps(tmp_path):
     from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
-    from mmtrain.planning.cost_model import tile_token_cost
+    from mmtrain.models.flops import tile_token_cost
     from mmtrain.runtime.distributed import ParallelContext
     from mmtrain.runtime.train_data import TrainData, batch_sample_ids
     from tests.fixtures_loader import BAD_IDS, llava_dev_samples
@@ -317,7 +317,8 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
 
 def _knapsack_rank_rows(tokens: np.ndarray, tiles: np.ndarray, context: int, dp: int) -> list[list[tuple[int, int]]]:
     """`online_rank_rows` as it was before rows were evened: the plain knapsack per buffer."""
-    from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, largest_first_knapsack
+    from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
+    from mmdata.packing.knapsack import largest_first_knapsack
 
     out = []
     for r in range(dp):
@@ -336,7 +337,7 @@ def test_row_mix_packer_evens_tiles_at_the_knapsacks_fill():
     (count, so fill) with every sample once and no row over capacity or empty, tiles per row far
     more even, and so a lower per-step imbalance at one row per rank; deterministic; a buffer
     without tiles (Emu3, text) packed exactly as the knapsack packs it."""
-    from mmdata.energon_loaders.packing import largest_first_knapsack
+    from mmdata.packing.knapsack import largest_first_knapsack
     from mmdata.energon_loaders.row_mix import pack_buffer
     from mmdata.inspect.packing import online_rank_rows
 

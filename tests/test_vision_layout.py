@@ -206,7 +206,8 @@ def test_recipe_takes_the_vision_layout_where_it_fits_and_emu3_has_none():
 @pytest.mark.unit
 def test_cost_model_dry_run_and_search_space_know_the_vision_layout(tmp_path):
     from mmtrain.llava_ov.spec import LLAVA_OV
-    from mmtrain.planning.cost_model import Hardware, Layout, encoder_params, estimate_memory, estimate_step_time
+    from mmtrain.models.shapes import encoder_params
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
     from mmtrain.planning.dry_run import build_report
     from mmtrain.planning.search_space import SpaceContext, candidate_layouts, tp_valid
 
@@ -238,6 +239,37 @@ def test_cost_model_dry_run_and_search_space_know_the_vision_layout(tmp_path):
     wide = dataclasses.replace(ctx.shapes, encoder=dataclasses.replace(ctx.shapes.encoder, heads=3))
     L = layouts[0].with_(tp=2, vision_tp=None)
     assert not tp_valid(L, dataclasses.replace(ctx, shapes=wide)) and tp_valid(L.with_(vision_tp=1), dataclasses.replace(ctx, shapes=wide))
+
+
+@pytest.mark.unit
+def test_cost_model_counts_the_tp_gradient_averages_flatten_and_copy_back():
+    """Review N9: with `vision.tp: 1` megatron's finalize_model_grads flattens the replicated
+    tower's fp32 gradients into one new buffer, all-reduces it over TP (AVG) and copies it back,
+    after the step's DP reduce. The step time counts the all-reduce and both copies (a read and a
+    write of every gradient each, at memory bandwidth); the memory the fp32 buffer, which lives
+    after the backward, in the activations' place."""
+    from mmtrain.llava_ov.spec import LLAVA_OV
+    from mmtrain.models.shapes import param_counts
+    from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
+
+    aquila = _load("stage=2a", "parallel.tp=2", "parallel.cp=1", "parallel.vision.tp=1",
+                   path=REPO / "recipes" / "aquila-vl-2b.yaml")
+    shapes, hw, L = LLAVA_OV.model_shapes(aquila.model), Hardware.from_auto_tune(aquila.auto_tune), Layout.from_recipe(aquila)
+    grads = param_counts(shapes, [], L.tp).trainable["vision_tower"] * 4  # fp32 main grads, the whole tower
+    trained = estimate_step_time(shapes, [], L, hw).encoder_comm_s
+    frozen = estimate_step_time(shapes, ["vision_tower"], L, hw).encoder_comm_s  # nothing to average
+    all_reduce = 2 * (L.tp - 1) / L.tp * grads / (hw.tp_bandwidth_gbps * 1e9)
+    copies = 2 * 2 * grads / (hw.memory_bandwidth_gbps * 1e9)
+    assert trained - frozen == pytest.approx(all_reduce + copies)
+
+    m = estimate_memory(shapes, [], L)
+    assert m.stage == 0 and m.grad_average_buffer == grads
+    assert estimate_memory(shapes, [], L.with_(vision_tp=None)).grad_average_buffer == 0
+    assert estimate_memory(shapes, ["vision_tower"], L).grad_average_buffer == 0
+    fixed = m.weights + m.grads + m.optimizer
+    assert m.total == pytest.approx(fixed + max(m.activations + m.logits + m.encoder_activations, grads))
+    huge = dataclasses.replace(m, grad_average_buffer=1e15)
+    assert huge.total == pytest.approx(fixed + 1e15)
 
 
 # ----------------------------------------------------------------------------- slow: 4 processes

@@ -5,7 +5,7 @@ A row's cost is `tokens + tile_tokens * tiles` in language-token equivalents: `t
 tiles and video frames the vision tower encodes for the row (1 + grid per anyres image, 1 per
 image of a multi-image sample, 1 per sampled frame), `tile_tokens` is the tower's FLOPs per tile
 over the decoder's FLOPs per token (mmtrain's cost model gives it for a recipe,
-`cost_model.tile_token_cost`; `DEFAULT_TILE_TOKENS` is SigLIP-so400m/384 under Qwen2.5-1.5B, the
+`mmtrain.models.flops.tile_token_cost`; `DEFAULT_TILE_TOKENS` is SigLIP-so400m/384 under Qwen2.5-1.5B, the
 Aquila-VL-2B pair). Rows are packed full, so their tokens hardly differ; what differs 10x between
 rows is their tiles, and the vision tower's share of a rank's step time with them.
 

@@ -24,6 +24,7 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 from mmdata.energon_configs import dataset_config, has_mmdata_config
 from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
+from mmdata.energon_loaders.plan_packing import PlanPackedDataset, load_plan, plan_for_data
 from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
 from mmdata.readiness import data_source_samples
 
@@ -188,8 +189,6 @@ def build_loader(
 def _plan_dataset(data: str | Path | Sequence[str | Path], plan: str | Path | None, task_encoder: Any,
                   micro_batch_size: int, seed: int, worker_config: WorkerConfig) -> Any:
     """The dataset of `packing="plan"` (mmdata.energon_loaders.plan_packing)."""
-    from mmdata.energon_loaders.plan_packing import PlanPackedDataset, load_plan, plan_for_data
-
     shards, path, info = plan_for_data(data, plan, task_encoder.seq_length)
     return PlanPackedDataset(shards, load_plan(path, info), task_encoder, micro_batch_size=micro_batch_size, seed=seed,
                              worker_config=worker_config)

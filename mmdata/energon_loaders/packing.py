@@ -1,10 +1,11 @@
-"""Sequence packing: bin selection and packed-row metadata (model-agnostic, reused by Emu3).
+"""Sequence packing: packed-row metadata (model-agnostic, reused by Emu3).
 
-`largest_first_knapsack` chooses which buffered samples share a row (energon's
-`select_samples_to_pack` hook, whose rows `row_mix.pack_buffer` then evens in vision tiles); `pack_rows` concatenates per-sample token arrays into fixed
-[B, S] rows and builds the attention metadata: position ids restarting per sample and
-`cu_seqlens` over the flattened B*S stream with one segment per sample and one per padding run,
-so varlen attention never crosses a sample boundary.
+Which buffered samples share a row is `mmdata.packing.knapsack.largest_first_knapsack`
+(energon's `select_samples_to_pack` hook, whose rows `row_mix.pack_buffer` then evens in vision
+tiles); `pack_rows` concatenates per-sample token arrays into fixed [B, S] rows and builds the
+attention metadata: position ids restarting per sample and `cu_seqlens` over the flattened B*S
+stream with one segment per sample and one per padding run, so varlen attention never crosses a
+sample boundary.
 """
 
 from __future__ import annotations
@@ -20,49 +21,6 @@ from mmdata.energon_loaders.batch import IGNORE_INDEX
 
 #: samples the loader buffers per packing decision (energon's `packing_buffer_size`)
 DEFAULT_PACKING_BUFFER = 256
-
-
-def _best_subset(lengths: Sequence[int], capacity: int) -> list[int]:
-    """Indices of a subset of `lengths` with the largest sum <= capacity (bitset subset-sum)."""
-    reach = np.zeros(capacity + 1, dtype=bool)
-    reach[0] = True
-    history: list[np.ndarray] = []
-    for n in lengths:
-        before = reach.copy()
-        history.append(before)
-        if 0 < n <= capacity:
-            reach[n:] |= before[: capacity + 1 - n]
-        if reach[capacity]:
-            break
-    s = int(np.flatnonzero(reach)[-1])
-    chosen: list[int] = []
-    for i in range(len(history) - 1, -1, -1):
-        if s == 0:
-            break
-        if not history[i][s]:  # s was unreachable without item i, so item i is in the subset
-            chosen.append(i)
-            s -= int(lengths[i])
-    return chosen
-
-
-def largest_first_knapsack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Group indices into bins: open each bin with the largest remaining item, then fill the
-    remaining room exactly as full as possible (subset-sum) from the rest.
-
-    Fuller rows than first-fit-decreasing would give on LLaVA-OV mixes (many 1.5K-3K image samples, few
-    short text ones): the waste concentrates in the last bin of each buffer. Deterministic.
-    """
-    remaining = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    bins: list[list[int]] = []
-    while remaining:
-        first = remaining.pop(0)
-        room = capacity - int(lengths[first])
-        candidates = [i for i in remaining if int(lengths[i]) <= room]
-        picked = [candidates[j] for j in _best_subset([int(lengths[i]) for i in candidates], room)] if room > 0 else []
-        taken = set(picked)
-        remaining = [i for i in remaining if i not in taken]
-        bins.append(sorted([first, *picked]))
-    return bins
 
 
 def packing_efficiency(bin_lengths: Sequence[Sequence[int]], capacity: int) -> float:

@@ -1,5 +1,6 @@
-"""Packing that follows an offline plan (`mmdata pack-plan`, `data.packing: plan`): every row holds
-exactly one of the plan's sequences, so packing is reproducible and independent of buffer sizes.
+"""Packing that follows an offline plan (`mmdata pack-plan` / `mmtrain pack-plan`, `data.packing:
+plan`): every row holds exactly one of the plan's sequences, so packing is reproducible and
+independent of buffer sizes.
 
 Contract (docs/preprocess.md, "Packing plan"): data-parallel rank `r` of `D` takes the plan's
 sequences `r, r + D, r + 2D, ...`; its micro-batch `j` is its sequences `[j*B, (j+1)*B)`, produced
@@ -35,32 +36,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
-from megatron.energon import SkipSample, TaskEncoder, WorkerConfig
+import pyarrow.parquet as pq
+from megatron.energon import SavableDataset, SkipSample, TaskEncoder, WorkerConfig
 from megatron.energon.dataset_config import get_dataset_from_config
-from megatron.energon.flavors.base_dataset import SavableDataset
 
 from mmdata.energon_configs import dataset_config
 from mmdata.energon_loaders.balance import StepShape, assign_block, row_costs, shuffle_tiers
+from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
-from mmdata.errors import UserError
+from mmdata.packing.geometry import PlanGeometry, plan_geometry
+from mmdata.packing.plan_file import PlanError, plan_path, read_plan_info
 from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
-
-if TYPE_CHECKING:
-    from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
-    from mmdata.preprocess.pack_plan import PlanGeometry
 
 PLAN_OVERFLOW = "plan_overflow"
 #: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
 #: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)
 PLAN_VARIANT = "plan_variant"
-
-
-class PlanError(UserError):
-    """A plan that this data or loader cannot follow (missing, stale, other sequence length)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,7 @@ class PlanSequences:
 
 
 def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None, seq_length: int,
-                  geometry: "PlanGeometry | Emu3PlanGeometry | None" = None,
+                  geometry: PlanGeometry | Emu3PlanGeometry | None = None,
                   step_shape: StepShape | None = None) -> tuple[Path, Path, dict]:
     """(shard dir, plan file, plan metadata) for `packing="plan"`, checked: one shard folder
     written by `mmdata preprocess` or `mmdata tokenize-images`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
@@ -103,8 +98,6 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     given (the recipe's), with that image token geometry: a plan counted with another one fills
     its sequences with the wrong number of image tokens, silently; and, when `step_shape` is given
     (the recipe's), a balanced plan made for that step shape."""
-    from mmdata.preprocess.pack_plan import plan_path, read_plan_info
-
     paths = [data] if isinstance(data, (str, Path)) else list(data)
     if len(paths) != 1 or not Path(paths[0]).is_dir():
         raise PlanError("packing 'plan' follows the plan of one shard folder (`mmdata preprocess` or "
@@ -114,7 +107,7 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     data_source_samples(shards)  # a finished dataset only
     path = Path(plan) if plan is not None else plan_path(shards, seq_length)
     remedy = geometry.remedy(shards, seq_length) if geometry is not None else \
-        f"run `mmdata pack-plan {shards} --seq-length {seq_length}` (or `mmdata pack-plan --recipe RECIPE.yaml`)"
+        f"run `mmdata pack-plan {shards} --seq-length {seq_length}` (or `mmtrain pack-plan RECIPE.yaml`)"
     if not path.is_file():
         raise PlanError(f"packing plan {path} not found: {remedy}")
     info = read_plan_info(path)
@@ -132,24 +125,14 @@ def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | No
     return shards, path, info
 
 
-def _check_geometry(path: Path, info: dict, geometry: "PlanGeometry | Emu3PlanGeometry", remedy: str) -> None:
+def _check_geometry(path: Path, info: dict, geometry: PlanGeometry | Emu3PlanGeometry, remedy: str) -> None:
     """Refuse a plan counted with another geometry than the recipe's: the image token geometry
-    (LLaVA-OV), or what an Emu3 plan's lengths and variants depend on. A plan made before plans
-    recorded their geometry counted with the default image geometry: accepted for a recipe using it."""
-    from mmdata.preprocess.pack_plan import DEFAULT_GEOMETRY, plan_geometry
-
+    (LLaVA-OV), or what an Emu3 plan's lengths and variants depend on."""
     have = plan_geometry(info)
-    if have is None:  # an old plan: the default image geometry
-        if geometry == DEFAULT_GEOMETRY:
-            return
-        have = DEFAULT_GEOMETRY
-        older = " (it records no image geometry: made by an older `mmdata pack-plan`, which counted with the default one)"
-    else:
-        older = ""
     if type(have) is not type(geometry):
-        raise PlanError(f"packing plan {path} counted {have.counts}{older}, the recipe needs {geometry.counts}: {remedy}")
+        raise PlanError(f"packing plan {path} counted {have.counts}, the recipe needs {geometry.counts}: {remedy}")
     if have != geometry:
-        raise PlanError(f"packing plan {path} counted {have.counts} with other settings than the recipe's{older}: "
+        raise PlanError(f"packing plan {path} counted {have.counts} with other settings than the recipe's: "
                         f"{', '.join(have.differences(geometry))}: {remedy}")
 
 
@@ -167,16 +150,14 @@ def step_shape_problem(info: dict, shape: StepShape, path: Path | str) -> str | 
         return None
     differ = ", ".join(f"{k} {v} (recipe: {getattr(shape, k)})" for k, v in have.as_dict().items()
                        if v != getattr(shape, k))
-    return (f"packing plan {path} is balanced for another step shape: {differ}: run `mmdata pack-plan --recipe "
-            f"RECIPE.yaml` (or with --dp {shape.dp} --micro-batch-size {shape.micro_batch_size} --global-batch-size "
-            f"{shape.global_batch_size})")
+    return (f"packing plan {path} is balanced for another step shape: {differ}: run `mmtrain pack-plan "
+            f"RECIPE.yaml` (or `mmdata pack-plan` with --dp {shape.dp} --micro-batch-size {shape.micro_batch_size} "
+            f"--global-batch-size {shape.global_batch_size})")
 
 
 def load_plan(path: Path, info: dict) -> PlanSequences:
     """The sequences of a checked plan file (indices as int32 while they fit: 45M samples take
     180 MB, shared by the loader's forked workers); a balanced plan's sequence costs with them."""
-    import pyarrow.parquet as pq
-
     balanced = plan_step_shape(info) is not None
     names = pq.read_schema(path).names
     wanted = ["bin", "index"] + (["tokens", "tiles"] if balanced else []) + [c for c in ("key", "variant") if c in names]

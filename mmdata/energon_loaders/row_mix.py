@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from mmdata.energon_loaders.packing import largest_first_knapsack
+from mmdata.packing.knapsack import largest_first_knapsack
 
 #: samples with tiles two rows may hold together to be re-split (2^n splits are tried)
 RESPLIT_MAX_TILED = 12

@@ -22,14 +22,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+import numpy as np
+import pyarrow.parquet as pq
+
+from mmdata.energon_loaders.balance import StepShape, auto_window, simulate
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, packing_efficiency
 from mmdata.energon_loaders.packing_report import PackingReport, report_from_bins, report_from_rows
 from mmdata.energon_loaders.row_mix import pack_buffer
-
-if TYPE_CHECKING:
-    from mmdata.energon_loaders.balance import StepShape
+from mmdata.packing.algorithm import plan_packing
+from mmdata.packing.inputs import require_vision_tiles
+from mmdata.packing.plan_file import plan_path, read_plan_info
+from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES
 
 #: the loader's default packing buffer
 PACKING_BUFFER = DEFAULT_PACKING_BUFFER
@@ -66,10 +71,6 @@ LENGTH_INDEX_SAMPLE = 8192
 def plan_file_report(path: Path, cp: int = 1, tp: int = 1) -> PackingReport:
     """The packing report of a `pack-plan-<N>.parquet` file at `cp`/`tp`, from its `bin` and
     `tokens` columns (whatever CP size the plan was made for)."""
-    import pyarrow.parquet as pq
-
-    from mmdata.preprocess.pack_plan import read_plan_info
-
     info = read_plan_info(path)
     table = pq.read_table(path, columns=["bin", "tokens"])
     return report_from_bins(table.column("bin").to_numpy(), table.column("tokens").to_numpy(), info["seq_length"],
@@ -84,24 +85,17 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     dataset). Beside each efficiency, `bin_fill` and `executed_token_efficiency` of the same
     three at `cp`/`tp`. None when the folder has no length index of `mmdata preprocess`. `plans`
     (a dict) receives the plan made per context length, for `length_index_balance`."""
-    from mmdata.preprocess.lengths import LENGTHS_NAME
-    from mmdata.preprocess.pack_plan import plan_packing, plan_path, read_plan_info
-
     path = Path(root) / LENGTHS_NAME
     if not path.is_file():
         return None
-    import pyarrow.parquet as pq
-
-    if "total_tokens" not in pq.read_schema(path).names:  # token shards' index: lengths per Emu3 task
+    names = pq.read_schema(path).names
+    if "total_tokens" not in names:  # token shards' index: lengths per Emu3 task
         return None
-
-    from mmdata.preprocess.lengths import VISION_TILES
-
-    has_tiles = VISION_TILES in pq.read_schema(path).names
-    table = pq.read_table(path, columns=["total_tokens", *([VISION_TILES] if has_tiles else [])])
+    require_vision_tiles(path, names)
+    table = pq.read_table(path, columns=["total_tokens", VISION_TILES])
     lengths = table.column("total_tokens").to_numpy()
     used = lengths[:LENGTH_INDEX_SAMPLE]
-    used_tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].tolist() if has_tiles else None
+    used_tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].tolist()
     out: dict = {"samples": int(len(lengths)), "compared": int(len(used)),
                  "text_tokens": (pq.read_schema(path).metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
                  "cp": cp, "tp": tp, "packing": {}}
@@ -146,31 +140,22 @@ def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int,
     return out
 
 
-def length_index_balance(root: Path, context_lengths: Sequence[int], shape: "StepShape",
+def length_index_balance(root: Path, context_lengths: Sequence[int], shape: StepShape,
                          tile_tokens: float, plans: dict | None = None) -> dict | None:
     """`vision_balance` (max / mean vision work per DP rank per step, mean over steps and the
     worst step) of the online packer and of the offline plan at `shape`, today and balanced
-    (energon_loaders/balance.py; online also over windows of `auto_window` steps, `windowed`), on the length index's first LENGTH_INDEX_SAMPLE samples (the
-    plans `length_index_packing` made of them, when given). None without a length index;
-    `{"note": ...}` for an index written before it counted vision tiles."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from mmdata.energon_loaders.balance import auto_window, simulate
-    from mmdata.preprocess.lengths import LENGTHS_NAME, VISION_TILES
-    from mmdata.preprocess.pack_plan import plan_packing
-
+    (energon_loaders/balance.py; online also over windows of `auto_window` steps, `windowed`), on
+    the length index's first LENGTH_INDEX_SAMPLE samples (the plans `length_index_packing` made of
+    them, when given). None without a length index."""
     path = Path(root) / LENGTHS_NAME
     if not path.is_file():
         return None
     names = pq.read_schema(path).names
     if "total_tokens" not in names:  # token shards' index: no vision tower encodes them
         return None
+    require_vision_tiles(path, names)
     window = auto_window(shape.rows_per_rank)
     head = {**shape.as_dict(), "tile_tokens": tile_tokens, "window": window}
-    if VISION_TILES not in names:
-        return {**head, "note": f"{LENGTHS_NAME} predates its {VISION_TILES} column: rerun `mmdata preprocess` "
-                                "(`mmdata pack-plan` counts them from the records)"}
     table = pq.read_table(path, columns=["total_tokens", VISION_TILES])
     lengths = table.column("total_tokens").to_numpy()[:LENGTH_INDEX_SAMPLE].astype(np.int64)
     tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].astype(np.int64)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mmtrain.config.errors import RecipeErrors, suggest
 from mmtrain.config.schema import Recipe
 from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem, split_layers
-from mmtrain.planning.cost_model import sequence_split_multiple
+from mmtrain.models.layout_rules import sequence_split_multiple, check_encoder_tp
 
 if TYPE_CHECKING:
     from mmtrain.spec import FamilySpec
@@ -164,8 +164,6 @@ def _recompute(r: Recipe, errors: RecipeErrors) -> None:
 
 def _vision_layout(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     """`parallel.vision.tp`: null, 1 or parallel.tp, for a family with a media encoder."""
-    from mmtrain.models.encoder_parallel import check_encoder_tp
-
     p, key = r.parallel, ("parallel", "vision", "tp")
     wanted = [("auto_tune", "vision_tp", v) for v in r.auto_tune.vision_tp if v is not None]
     if p.vision.tp is None and not wanted:

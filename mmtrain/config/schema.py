@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mmtrain.planning.cost_model import PEAK_TFLOPS
+from mmtrain.models.hardware import DEFAULT_DEVICE_TFLOPS
 
 Action = Literal["run", "dry_run", "auto_tune", "print_config"]
 Decay = Literal["cosine", "linear", "constant"]
@@ -50,7 +50,7 @@ class DataConfig:
     # vision-aware balancing: each step's packed rows are spread over the DP ranks and the
     # micro-batches by cost, tokens + the vision tower's tiles (rows move between DP ranks; what a
     # sample contributes is unchanged). With packing: plan, the plan must be balanced for the
-    # recipe's step shape (`mmdata pack-plan --recipe`). mmdata.energon_loaders.balance
+    # recipe's step shape (`mmtrain pack-plan RECIPE`). mmdata.energon_loaders.balance
     balance: bool = False
     # online balancing draws this many steps at once and spreads their rows over the steps as well
     # as the ranks (at one row per rank per step one step's rows cannot be evened; a window's can):
@@ -194,7 +194,7 @@ class AutoTuneConfig:
     device_memory_gb: float = 80.0
     memory_fraction: float = 0.9  # usable share of device memory (allocator, fragmentation)
     # peak dense TFLOP/s per device in the recipe's precision (default: H100 bf16)
-    device_tflops: float = PEAK_TFLOPS["H100"]["bf16"]
+    device_tflops: float = DEFAULT_DEVICE_TFLOPS
     matmul_efficiency: float = 0.6  # achievable share of the peak (time model only)
     tp_bandwidth_gbps: float = 450.0  # per-device bandwidth of the TP group (NVLink), GB/s
     dp_bandwidth_gbps: float = 25.0  # per-device bandwidth for DP gradient traffic, GB/s

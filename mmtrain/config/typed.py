@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal, TypeVar
 
-from mmtrain.config.errors import KeyPath, RecipeErrors, show, suggest
+from mmtrain.config.errors import KeyPath, RecipeError, RecipeErrors, show, suggest
 
 _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 _NONE = type(None)
@@ -151,8 +151,6 @@ def convert_section(value: Any, cls: type[_T], path: KeyPath, errors: RecipeErro
 def from_plain(cls: type[_T], value: Any, where: str) -> _T:
     """`convert_section` for a saved config (e.g. a checkpoint's `model_config.yaml`): raises
     RecipeError naming `where` and the key path of every problem."""
-    from mmtrain.config.errors import RecipeError
-
     errors = RecipeErrors()
     out = convert_section(value, cls, (), errors)
     if errors.items or out is None:

@@ -10,7 +10,7 @@ from typing import Any
 from mmdata.energon_loaders.emu3.batch import Emu3Batch
 from mmtrain.config.schema import Recipe
 from mmtrain.emu3.config import ARCHITECTURE_KEYS, Emu3DataConfig, Emu3ModelConfig, check_recipe
-from mmtrain.planning.cost_model import DecoderShape, ModelShapes
+from mmtrain.models.shapes import DecoderShape, ModelShapes
 from mmtrain.emu3 import generate_cli
 from mmtrain.spec import FamilySpec, GenerationSpec, HFConversion
 

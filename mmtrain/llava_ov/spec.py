@@ -10,7 +10,7 @@ from typing import Any
 from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmtrain.config.schema import Recipe
 from mmtrain.llava_ov.config import ARCHITECTURE_KEYS, LlavaOVDataConfig, LlavaOVModelConfig, check_recipe
-from mmtrain.planning.cost_model import Connector, DecoderShape, EncoderShape, ModelShapes
+from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelShapes
 from mmtrain.llava_ov import generate_cli
 from mmtrain.spec import FamilySpec, GenerationSpec, HFConversion
 

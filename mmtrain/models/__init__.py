@@ -1,6 +1,10 @@
 """Shared megatron-core building blocks every model family composes (no family named here).
 
   lm_config.py           LLMConfig: decoder sizes in HF terms (a recipe section); vocab padding
+  shapes.py              ModelShapes: a family's building blocks and their parameter counts
+  flops.py               model FLOPs per token and per step (real samples: MFU; executed: HFU)
+  hardware.py            dense peak TFLOP/s by exact device name (a leaf)
+  layout_rules.py        the CP sequence multiple, the vision tower's TP choices (a leaf)
   megatron_config.py     ParallelOptions, TransformerConfig kwargs, the decoder's TransformerConfig
   language_model.py      the decoder as a megatron GPTModel, THD packed-sequence params, LM loss
                          over the true vocabulary, TP tags for no-init builds

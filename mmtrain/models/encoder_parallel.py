@@ -38,6 +38,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from mmtrain.models.layout_rules import check_encoder_tp
+
 
 def share_sizes(num_tiles: int, num_shares: int) -> list[int]:
     """Tiles of each share: contiguous, in tile order, sizes differing by at most one (the first
@@ -45,15 +47,6 @@ def share_sizes(num_tiles: int, num_shares: int) -> list[int]:
     metadata, so no sizes are exchanged."""
     q, r = divmod(num_tiles, num_shares)
     return [q + (i < r) for i in range(num_shares)]
-
-
-def check_encoder_tp(encoder_tp: Optional[int], tp: int) -> Optional[str]:
-    """Why `parallel.vision.tp` cannot run with the language model's `tp` (None: it can)."""
-    if encoder_tp is None or encoder_tp in (1, tp):
-        return None
-    return (f"{encoder_tp} with parallel.tp={tp}: the vision tower's own layout is TP 1 (a whole tower per rank, "
-            f"each encoding a share of the tiles) or parallel.tp ({tp}: sharded like the language model, the tiles "
-            "split over the CP group); null (the default) inherits the language model's layout")
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,17 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from mmtrain.models import te_support
 from mmtrain.models.attention import SDPACoreAttention
 from mmtrain.models.cp_attention import KVAllGatherCoreAttention
 from mmtrain.models.norm import TorchNorm
+from mmtrain.models.packed_rope import PackedRoPESelfAttention
 
 
 def _run_on_cuda() -> bool:
     """The run's device, as the runtime set it up (the process group's backend), not whether a
     GPU happens to be visible."""
+    # runtime sits above models: a top-level import would make models import the runtime package
     from mmtrain.runtime.distributed import compute_device
 
     return compute_device().type == "cuda"
@@ -41,13 +44,11 @@ def te_attention(on_cuda: bool | None = None) -> type | None:
     global _logged_te_fallback
     if not (_run_on_cuda() if on_cuda is None else on_cuda):
         return None
-    from mmtrain.models.te_support import te_dot_product_attention, te_status
-
-    te = te_dot_product_attention()
+    te = te_support.te_dot_product_attention()
     if te is None and not _logged_te_fallback:
         _logged_te_fallback = True
         logging.getLogger(__name__).warning("Transformer Engine unusable (%s): SDPA / varlen-flash attention, "
-                                            "no context parallelism", te_status().reason)
+                                            "no context parallelism", te_support.te_status().reason)
     return te
 
 
@@ -64,10 +65,8 @@ def core_attention_module(context_parallel: bool = False, on_cuda: bool | None =
         return te
     if context_parallel:
         if on_cuda:
-            from mmtrain.models.te_support import te_status
-
             raise RuntimeError(f"parallel.cp > 1 on GPU needs Transformer Engine (megatron's context-parallel "
-                               f"attention; {te_status().reason}): pip install transformer-engine[pytorch], "
+                               f"attention; {te_support.te_status().reason}): pip install transformer-engine[pytorch], "
                                "or set parallel.cp=1")
         return KVAllGatherCoreAttention
     return SDPACoreAttention
@@ -82,7 +81,7 @@ def transformer_layer_spec(causal: bool, context_parallel: bool = False) -> Modu
         submodules=TransformerLayerSubmodules(
             input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=PackedRoPESelfAttention,  # THD RoPE without host syncs (review N6)
                 params={"attn_mask_type": mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
@@ -104,11 +103,10 @@ def transformer_layer_spec(causal: bool, context_parallel: bool = False) -> Modu
 def te_layer_classes() -> tuple[type, type, type]:
     """megatron's (TELayerNormColumnParallelLinear, TERowParallelLinear, TEDotProductAttention),
     refusing when TE is not really usable (megatron binds MagicMocks then, see te_support)."""
-    from mmtrain.models import te_support
-
     st = te_support.te_status()
     if not st.available:
         raise RuntimeError(f"the Transformer Engine decoder spec needs Transformer Engine: {st.reason}")
+    # optional dependency: megatron's TE extension imports TE (or binds mocks and warns) - only here
     from megatron.core.extensions import transformer_engine as mte
 
     return mte.TELayerNormColumnParallelLinear, mte.TERowParallelLinear, mte.TEDotProductAttention

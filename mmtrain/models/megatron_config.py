@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.lm_config import LLMConfig
 from mmtrain.models.pipeline_split import PipelineSplit
+from mmtrain.models.te_support import apex_wgrad_fusion_available, te_status
 
 #: the model configs' `params_dtype` spellings
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,18 +75,32 @@ class DecoderFusions:
 
     use_te_spec: bool = False
     apply_rope_fusion: bool = False  # TE's fused THD RoPE (review C1: megatron's unfused path syncs ~112x/forward)
-    bias_activation_fusion: bool = False  # SwiGLU only: the towers' tanh/erf GELU must stay unfused (C2)
-    gradient_accumulation_fusion: bool = False  # TE accumulates wgrad into main_grad (no apex needed)
+    # SwiGLU only: the towers' tanh/erf GELU must stay unfused (C2). megatron's `jit_fuser` is
+    # torch.compile (review N10): rows are padded to seq_length, so without CP the THD length
+    # never changes (one compile); under CP a rank's share does, and dynamo compiles the first
+    # length, then one shape-generic graph, and never again. Kept on (test_te_spec.py)
+    bias_activation_fusion: bool = False
+    # wgrad accumulated straight into main_grad. TE's linears do it with TE's own kernels, but
+    # megatron's output layer is always the local ColumnParallelLinear, which needs apex's
+    # extension for it and raises at build without it (review N1): on only where apex imports
+    gradient_accumulation_fusion: bool = False
 
     def config_kwargs(self) -> dict:
         return dict(apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
                     gradient_accumulation_fusion=self.gradient_accumulation_fusion)
 
 
-def decoder_fusions(on_cuda: bool, te_available: bool, transformer_impl: str, te_reason: str = "") -> DecoderFusions:
-    """The decoder's fusions from (the run is on CUDA?, TE usable?, the recipe's switch).
+def decoder_fusions(on_cuda: bool, te_available: bool, transformer_impl: str, te_reason: str = "",
+                    apex_wgrad: Optional[bool] = None) -> DecoderFusions:
+    """The decoder's fusions from (the run is on CUDA?, TE usable?, the recipe's switch, apex's
+    wgrad extension importable? - None: ask `te_support.apex_wgrad_fusion_available`).
     "local" keeps everything off (today's behaviour, the default until the gpu tier has passed
-    with the switch on); "transformer_engine" refuses loudly where it cannot run."""
+    with the switch on); "transformer_engine" refuses loudly where it cannot run.
+
+    `gradient_accumulation_fusion` is one field of the one config that GPTModel hands to its
+    layers and to its local output layer alike, so it goes on only where that output layer can
+    build (apex present). Without apex TE's linears write wgrad to `.grad` and megatron's DDP
+    hook adds it to `main_grad`: megatron's unfused path, one extra add per weight."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"parallel.transformer_impl={transformer_impl!r}: expected one of {list(TRANSFORMER_IMPLS)}")
     if transformer_impl == "local":
@@ -96,16 +111,15 @@ def decoder_fusions(on_cuda: bool, te_available: bool, transformer_impl: str, te
     if not te_available:
         raise TransformerImplUnavailable("parallel.transformer_impl=transformer_engine needs Transformer Engine: "
                                          f"{te_reason or 'not available'}; set parallel.transformer_impl=local")
+    wgrad = apex_wgrad_fusion_available() if apex_wgrad is None else apex_wgrad
     return DecoderFusions(use_te_spec=True, apply_rope_fusion=True, bias_activation_fusion=True,
-                          gradient_accumulation_fusion=True)
+                          gradient_accumulation_fusion=wgrad)
 
 
 def resolve_decoder_fusions(opts: "ParallelOptions") -> DecoderFusions:
     """`decoder_fusions` for these options, asking te_support only when the switch is on."""
     if opts.transformer_impl == "local":
         return decoder_fusions(opts.on_cuda, False, "local")
-    from mmtrain.models.te_support import te_status
-
     st = te_status()
     return decoder_fusions(opts.on_cuda, st.available, opts.transformer_impl, st.reason)
 

@@ -59,10 +59,28 @@ def have_te() -> bool:
     return te_status().available
 
 
+#: apex's C++/CUDA extension behind megatron's local `gradient_accumulation_fusion`
+APEX_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"
+
+
+def apex_wgrad_fusion_available() -> bool:
+    """Does apex's `fused_weight_gradient_mlp_cuda` import? megatron's *local*
+    `ColumnParallelLinear` (GPTModel's output layer, whatever the layer spec) raises at build
+    with `gradient_accumulation_fusion` on unless it does (mcore 0.16.1
+    tensor_parallel/layers.py:44-48 import, :924-933 raise); pip cannot install apex. Asked the
+    way megatron asks (import, ImportError means no), not cached: called once per model build."""
+    try:
+        importlib.import_module(APEX_WGRAD_MODULE)
+    except ImportError:
+        return False
+    return True
+
+
 def te_dot_product_attention() -> Optional[type]:
     """megatron's `TEDotProductAttention` class, or None without a real TE."""
     if not have_te():
         return None
+    # optional dependency, asked for only once te_status() found a real TE
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     return TEDotProductAttention

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from mmdata.errors import UserError
 from mmdata.units import plural
-from mmtrain.config import Recipe, save_resolved
+from mmtrain.config import Recipe, load_recipe_dict, save_resolved
 from mmtrain.config.load import recipe_to_dict
 from mmtrain.planning.calibration import Calibration, calibrated_errors, fit, rel_errors
 from mmtrain.planning.cost_model import (
@@ -63,6 +64,8 @@ from mmtrain.planning.search_space import (
     needs_more_memory,
 )
 from mmtrain.planning.trials import TrialResult, run_trial
+from mmtrain.runtime.distributed import resolve_backend
+from mmtrain.runtime.preflight import preflight
 from mmtrain.spec import FamilySpec
 
 OUT_DIR = "auto_tune"
@@ -121,8 +124,6 @@ class AutoTuneResult:
 def trials_on_cuda(recipe: Recipe) -> bool:
     """Whether trials run on GPUs: the backend their workers will resolve (nccl: CUDA), the one
     run-device decision (runtime.distributed.resolve_backend; gloo with GPUs visible is refused)."""
-    from mmtrain.runtime.distributed import resolve_backend
-
     return resolve_backend(recipe.parallel.backend) == "nccl"
 
 
@@ -429,11 +430,6 @@ def table(cands: list[Candidate], top: int) -> str:
 def check_trials_can_start(recipe: Recipe, spec: FamilySpec) -> None:
     """The checks of `action: run` (required keys, data, tokenizer, starting checkpoint), once
     before the first trial: a missing shard folder is one message (exit 2), not N crashed trials."""
-    from mmtrain.config import load_recipe_dict
-    from mmtrain.runtime.preflight import preflight
-
-    from mmdata.errors import UserError
-
     if recipe.parallel.nnodes > 1:
         raise UserError(f"auto_tune trials run on this node only, but parallel.nnodes={recipe.parallel.nnodes}: "
                         "tune on one node (parallel.nnodes=1) or rank with the model alone (auto_tune.max_trials=0)")

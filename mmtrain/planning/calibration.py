@@ -23,6 +23,8 @@ from typing import Sequence
 
 import yaml
 
+from mmdata.errors import UserError
+
 GIB = 1024**3
 
 
@@ -57,8 +59,6 @@ class Calibration:
     def load(cls, path: str | Path | None) -> "Calibration":
         if not path:
             return cls()
-        from mmdata.errors import UserError
-
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
             return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})

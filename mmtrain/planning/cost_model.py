@@ -1,14 +1,8 @@
-"""Analytical cost model: parameter counts, per-rank memory and step time from a recipe, without
-building the model. `dry_run` prints it for the recipe's layout; `auto_tune` searches layouts
-with it; the train loop's MFU uses `step_flops` on each step's packed layout (sum of len^2 per
-sample), freeze set and media. Everything here is arithmetic on a `ModelShapes` description, so
-the 2B recipe is estimated in milliseconds on a laptop.
-
-A family describes its model (`FamilySpec.model_shapes`) as shared building blocks, each
-assigned to one of the family's trainable parts: a decoder (Qwen2/Llama-style: GQA, optional qkv
-bias, RMSNorm, SwiGLU, no other biases, optionally tied head), optionally a ViT-style encoder
-run on media tiles on the first pipeline stage (LayerNorm, biases, conv patch embedding, learned
-positions, ln_post), and small connectors between them (e.g. a projector, a newline vector).
+"""Analytical cost model: per-rank memory and step time from a recipe, without building the
+model. `dry_run` prints it for the recipe's layout; `auto_tune` searches layouts with it. Everything
+here is arithmetic on a family's `ModelShapes` (models/shapes.py: the building blocks and their
+parameter counts) and its FLOPs (models/flops.py, which the train loop's MFU uses too), so the 2B
+recipe is estimated in milliseconds on a laptop.
 
 Memory follows Megatron's accounting (Korthikanti et al. 2022; megatron's
 theoretical_memory_usage): bf16 = 2 B weights + 4 B fp32 grads + 12 B fp32 main params and Adam
@@ -42,181 +36,25 @@ over CP), and a whole encoder's weight gradients averaged over TP once per step
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
 
-from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
+from mmdata.units import format_bytes
+from mmtrain.models.flops import forward_flops_per_token, part_passes, step_flops
 from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers
+from mmtrain.models.shapes import (
+    DecoderShape,
+    EncoderShape,
+    ModelShapes,
+    decoder_layer_params,
+    encoder_params,
+    param_counts,
+)
 
 GB = 1024**3  # a GiB: `auto_tune.device_memory_gb` and every memory figure are in GiB
 
-#: dense peak TFLOP/s per device, by (name fragment, precision): the runtime's MFU denominator
-#: and the default `auto_tune.device_tflops` (H100 bf16)
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H800": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 62.5},
-}
-
-
-# ----------------------------------------------------------------------------- shapes
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_groups: int
-    kv_channels: int
-    vocab: int
-    make_vocab_divisible_by: int
-    tied: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_llm(cls, llm: LLMConfig, make_vocab_divisible_by: int) -> "DecoderShape":
-        return cls(llm.num_layers, llm.hidden_size, llm.ffn_hidden_size, llm.num_attention_heads,
-                   llm.num_query_groups, llm.kv_channels, llm.vocab_size, make_vocab_divisible_by,
-                   llm.tie_word_embeddings, llm.qkv_bias)
-
-    def padded_vocab(self, tp: int) -> int:
-        return padded_vocab_size(self.vocab, self.make_vocab_divisible_by, tp)
-
-
-@dataclass(frozen=True)
-class EncoderShape:
-    """A ViT run on every media tile (on the first pipeline stage)."""
-
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    image_size: int
-    patch_size: int
-    channels: int
-    #: parameters kept (loaded and exported) but never trained, e.g. a final norm the features skip
-    frozen_params: int = 0
-
-    @property
-    def patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-
-@dataclass(frozen=True)
-class Connector:
-    """A small module between the encoder and the decoder (first stage)."""
-
-    part: str
-    params: int
-    matmul_params: int = 0  # weights applied to every media token (2 FLOPs each)
-    #: the share of `matmul_params` in the matmul that reads the encoder's output (its input
-    #: gradient is computed only when the encoder trains: `part_passes`)
-    input_matmul_params: int = 0
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    decoder: DecoderShape
-    decoder_part: str  # the family part owning the decoder (embedding, layers, head)
-    encoder: EncoderShape | None = None
-    encoder_part: str = ""
-    connectors: tuple[Connector, ...] = ()
-
-    @property
-    def flow_order(self) -> list[str]:
-        """The parts in data-flow order: encoder, connectors, decoder (gradients flow backwards)."""
-        return list(dict.fromkeys(([self.encoder_part] if self.encoder else [])
-                                  + [c.part for c in self.connectors] + [self.decoder_part]))
-
-    @property
-    def upstream_parts(self) -> list[str]:
-        """Parts whose output feeds the decoder (gradients flow back into them through it)."""
-        return list(dict.fromkeys(([self.encoder_part] if self.encoder else [])
-                                  + [c.part for c in self.connectors if c.part != self.decoder_part]))
-
-
-# ----------------------------------------------------------------------------- parameters
-
-
-def decoder_layer_params(d: DecoderShape) -> int:
-    q, kv = d.heads * d.kv_channels, d.kv_groups * d.kv_channels
-    qkv_out = q + 2 * kv
-    attn = d.hidden * qkv_out + (qkv_out if d.qkv_bias else 0) + q * d.hidden
-    mlp = d.hidden * 2 * d.ffn + d.ffn * d.hidden  # SwiGLU: gate+up, down; no biases
-    return attn + mlp + 2 * d.hidden  # input + pre-MLP RMSNorm weights
-
-
-def encoder_layer_params(v: EncoderShape) -> int:
-    h, f = v.hidden, v.ffn
-    attn = 3 * h * h + 3 * h + h * h + h
-    mlp = h * f + f + f * h + h
-    return attn + mlp + 2 * 2 * h  # two LayerNorms (weight + bias)
-
-
-def encoder_params(v: EncoderShape) -> int:
-    """Patch conv (+ bias), position table, layers, ln_post."""
-    return (v.channels * v.patch_size**2 * v.hidden + v.hidden + v.patches * v.hidden
-            + v.layers * encoder_layer_params(v) + 2 * v.hidden)
-
-
-@dataclass
-class ParamCounts:
-    """Unique parameters per part (TP=1, padded vocabulary), and what `freeze:` leaves
-    trainable. The decoder part includes the embedding and connectors assigned to it."""
-
-    parts: dict[str, int]
-    decoder_embedding: int
-    decoder_layers: int
-    trainable: dict[str, int] = field(default_factory=dict)
-    #: parameters in the rows megatron adds to pad the vocabulary (embedding and untied head)
-    vocab_padding: int = 0
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    @property
-    def unpadded_total(self) -> int:
-        """The count of the model with its true vocabulary: what the HF checkpoint holds (numel)."""
-        return self.total - self.vocab_padding
-
-    @property
-    def total_trainable(self) -> int:
-        return sum(self.trainable.values())
-
-
-def param_counts(shapes: ModelShapes, freeze: list[str] = (), tp: int = 1) -> ParamCounts:
-    d, v = shapes.decoder, shapes.encoder
-    parts: dict[str, int] = {}
-    if v is not None:
-        parts[shapes.encoder_part] = encoder_params(v)
-    for c in shapes.connectors:
-        parts[c.part] = parts.get(c.part, 0) + c.params
-    emb = d.padded_vocab(tp) * d.hidden
-    layers = d.layers * decoder_layer_params(d)
-    parts[shapes.decoder_part] = parts.get(shapes.decoder_part, 0) + emb + layers + d.hidden + (0 if d.tied else emb)
-    trainable = {k: (0 if k in freeze else n) for k, n in parts.items()}
-    if v is not None and shapes.encoder_part not in freeze:
-        trainable[shapes.encoder_part] -= v.frozen_params
-    padding = (d.padded_vocab(tp) - d.vocab) * d.hidden * (1 if d.tied else 2)
-    return ParamCounts(parts, emb, layers, trainable, padding)
-
 
 # ----------------------------------------------------------------------------- layout
-
-
-def sequence_split_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """What `train.seq_length` must be a multiple of for megatron to split it over CP (2*cp
-    chunks) and, with sequence parallelism, each CP share over TP."""
-    if cp <= 1:
-        return 1
-    return 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -312,10 +150,14 @@ class MemoryEstimate:
     encoder_activations: float
     params_on_rank: int
     decoder_layers: int = 0  # decoder layers this stage holds (over its virtual stages)
+    #: the fp32 buffer megatron flattens a replicated encoder's gradients into for their TP average
+    #: (`tp_grad_average_bytes`): it lives after the backward, when the activations are freed
+    grad_average_buffer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.encoder_activations
+        transient = max(self.activations + self.logits + self.encoder_activations, self.grad_average_buffer)
+        return self.weights + self.grads + self.optimizer + transient
 
 
 def _act_bytes(precision: str) -> int:
@@ -428,8 +270,19 @@ def estimate_stage_memory(shapes: ModelShapes, freeze: list[str], layout: Layout
             enc = (v.layers * elayer * flights[0]) if trains_encoder else elayer
             if L.vision_tp is not None:  # + every share's output, gathered (kept for the projector)
                 enc += batch_media * v.hidden * ab * (flights[0] if trains_encoder else 1)
-        out.append(MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params), n_layers))
+        buffer = tp_grad_average_bytes(L, counts.trainable.get(shapes.encoder_part, 0)) if first and v is not None else 0.0
+        out.append(MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params), n_layers, buffer))
     return out
+
+
+def tp_grad_average_bytes(L: Layout, encoder_trainable: int) -> float:
+    """The fp32 gradients a whole (`vision_tp` 1) trained encoder averages over TP after the step's
+    DP reduce: megatron's `finalize_model_grads` tags them `average_gradients_across_tp_domain`,
+    flattens every one of them into one new buffer (`_flatten_dense_tensors`), all-reduces it
+    (AVG, off the overlap) and copies it back (review N9). 0 when nothing is averaged."""
+    if L.vision_tp != 1 or L.tp <= 1 or encoder_trainable <= 0:
+        return 0.0
+    return encoder_trainable * 4.0
 
 
 def lm_loss_bytes(d: DecoderShape, L: Layout, tokens: int) -> float:
@@ -456,6 +309,9 @@ class Hardware:
     matmul_efficiency: float  # achievable share of peak for large bf16 GEMMs
     tp_bandwidth_gbps: float
     dp_bandwidth_gbps: float
+    #: device memory bandwidth (GB/s) for the copies the step makes besides compute: an H100
+    #: SXM's HBM3 (3.35 TB/s) unless told; used for the TP gradient average's flatten and copy-back
+    memory_bandwidth_gbps: float = 3350.0
 
     @classmethod
     def from_auto_tune(cls, at: Any) -> "Hardware":
@@ -483,172 +339,6 @@ class StepTime:
     def mfu(self, world: int, device_tflops: float) -> float:
         """Model FLOPs utilisation of `world` devices of `device_tflops` peak each."""
         return self.model_flops / world / self.total_s / (device_tflops * 1e12)
-
-
-def forward_flops_per_token(shapes: ModelShapes, seq_length: int) -> tuple[float, float, float]:
-    """(decoder matmuls + causal attention, LM head, encoder + connectors per media token) for one
-    sample filling a `seq_length` row: the dry run's and auto-tune's per-token view (an upper bound
-    on attention for packed rows; `step_flops` counts each batch's real layout)."""
-    d = shapes.decoder
-    decoder = d.layers * (2 * decoder_layer_params(d) + 2 * d.heads * d.kv_channels * seq_length)
-    head = 2 * d.hidden * d.padded_vocab(1)
-    media = 0.0
-    if shapes.encoder is not None:
-        media = sum(f.total for f in _media_forward(shapes, 1).values()) / shapes.encoder.patches
-    return decoder, head, media
-
-
-def tile_token_cost(shapes: ModelShapes) -> float:
-    """What one media tile costs in decoder tokens: forward FLOPs of a tile through the encoder and
-    the connectors over those of one token through the decoder's matmuls and LM head (attention
-    left out: it depends on the packing). Vision-aware balancing weighs a row's tiles with it
-    (mmdata.energon_loaders.balance); 0 for a family without an encoder."""
-    if shapes.encoder is None:
-        return 0.0
-    tile = sum(f.total for f in _media_forward(shapes, 1).values())
-    return tile / _decoder_forward(shapes.decoder, 1, 0).total
-
-
-def training_flops_per_token(shapes: ModelShapes, seq_length: int) -> float:
-    """Decoder + LM-head training FLOPs per token when every part trains and one sample fills each
-    `seq_length` row (3 x the forward). An estimate for planning only: the train loop's MFU comes
-    from `step_flops` on each step's packed layout, freeze set and media."""
-    decoder, head, _ = forward_flops_per_token(shapes, seq_length)
-    return 3.0 * (decoder + head)
-
-
-# ----------------------------------------------------------------------------- FLOPs of a step
-
-
-@dataclass(frozen=True)
-class PartFlops:
-    """Forward FLOPs of one part, by how their backward is counted (see `part_passes`)."""
-
-    weights: float = 0.0  # matmuls with the part's weights, reading the part's own activations
-    core: float = 0.0  # weightless matmuls: attention's Q K^T and P V
-    inputs: float = 0.0  # matmuls with the part's weights reading the part's input (patch conv, ...)
-
-    def __add__(self, o: "PartFlops") -> "PartFlops":
-        return PartFlops(self.weights + o.weights, self.core + o.core, self.inputs + o.inputs)
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.core + self.inputs
-
-
-@dataclass(frozen=True)
-class Passes:
-    """Forward-equivalents one training step spends on each kind of a part's matmuls."""
-
-    weights: int
-    core: int
-    inputs: int
-
-    def apply(self, f: PartFlops) -> float:
-        return self.weights * f.weights + self.core * f.core + self.inputs * f.inputs
-
-
-def part_passes(shapes: ModelShapes, trainable_parts: Iterable[str]) -> dict[str, Passes]:
-    """How many times each part's forward FLOPs are spent in a training step, from which parts train.
-
-    The rule, per matmul `Y = X W` of forward cost F: backward computes `dX = dY W^T` (F) when
-    anything before it needs a gradient, and `dW = X^T dY` (F) when W trains. Attention's `Q K^T`
-    and `P V` have no weights: whenever a gradient passes through them their backward computes
-    both operands' gradients (2F). Parts run in data-flow order (encoder -> connectors -> decoder
-    with its LM head, `ModelShapes.flow_order`); a gradient passes through a part when it trains
-    or an earlier part does. So:
-
-    - the part trains: weight matmuls 3x, attention 3x; a matmul reading the part's input (the
-      patch conv on pixels, the projector's first linear on the tower's output) 3x only when an
-      earlier part trains, else 2x (autograd computes no gradient for an input that needs none);
-    - frozen, an earlier part trains (e.g. the LLM at LLaVA-OV stage 1, under the trained
-      projector): weight matmuls 2x (forward + input gradient), attention 3x, input matmuls 2x;
-    - frozen and no earlier part trains (e.g. the vision tower at stage 1): 1x, forward only.
-
-    Not counted (they are not model FLOPs): recompute's extra forward, flash attention's
-    recomputation of the scores in backward, norms, softmax and other elementwise work."""
-    trains = set(trainable_parts)
-    out: dict[str, Passes] = {}
-    upstream = False  # an earlier part trains
-    for part in shapes.flow_order:
-        t = part in trains
-        flow = t or upstream
-        out[part] = Passes(weights=1 + flow + t, core=1 + 2 * flow, inputs=1 + upstream + t)
-        upstream = upstream or t
-    return out
-
-
-def executed_lengths(cu_seqlens: Any, pad_to: int = 1) -> list[int]:
-    """Segment lengths of one `cu_seqlens` (a micro-batch's flattened stream or one row) as the
-    device runs them: every non-empty segment (a packed sample or a padding run; THD attention
-    runs over each) padded up to `pad_to` (context parallelism pads each to 2*cp*tp:
-    models/context_parallel.py). Takes a host tensor or a list; never reads a device."""
-    cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
-    return [-(-n // pad_to) * pad_to for n in lens] if pad_to > 1 else lens
-
-
-def _decoder_forward(d: DecoderShape, tokens: int, sum_sq: int) -> PartFlops:
-    """Layers (2 FLOPs per weight per token; causal attention 2*q*len^2 per sample: half of the
-    4*q*len^2 of Q K^T + P V over a full len x len matrix) + the LM head on every position."""
-    q = d.heads * d.kv_channels
-    return PartFlops(weights=tokens * (d.layers * 2 * decoder_layer_params(d) + 2 * d.hidden * d.padded_vocab(1)),
-                     core=d.layers * 2 * q * sum_sq)
-
-
-def _media_forward(shapes: ModelShapes, tiles: int) -> dict[str, PartFlops]:
-    """Encoder + connectors on `tiles` tiles/frames: each tile is `patches` tokens through the
-    patch conv, every layer (full attention over the tile: 4*h*patches^2) and the connectors."""
-    v = shapes.encoder
-    if v is None or tiles <= 0:
-        return {}
-    n = tiles * v.patches
-    out = {shapes.encoder_part: PartFlops(
-        weights=n * v.layers * 2 * encoder_layer_params(v),
-        core=tiles * v.layers * 4 * v.hidden * v.patches**2,
-        inputs=n * 2 * v.channels * v.patch_size**2 * v.hidden,
-    )}
-    for c in shapes.connectors:
-        f = PartFlops(weights=2.0 * n * (c.matmul_params - c.input_matmul_params), inputs=2.0 * n * c.input_matmul_params)
-        out[c.part] = out.get(c.part, PartFlops()) + f
-    return out
-
-
-@dataclass(frozen=True)
-class StepFlops:
-    """Model FLOPs of one step's micro-batches (one model replica's share of the global batch)."""
-
-    by_part: dict[str, float]  # training FLOPs per part (passes applied)
-    forward: float  # forward FLOPs of all parts
-    tokens: int  # decoder positions executed (CP padding included)
-    sum_len_sq: int  # sum of len^2 over the executed segments
-    tiles: int  # tiles/frames through the encoder
-
-    @property
-    def total(self) -> float:
-        return sum(self.by_part.values())
-
-
-def step_flops(shapes: ModelShapes, cu_seqlens: Iterable[Any], tiles: int, trainable_parts: Iterable[str],
-               *, pad_to: int = 1) -> StepFlops:
-    """Training FLOPs of one step from its real packed layout: `cu_seqlens` holds one host
-    `cu_seqlens` per micro-batch (or per row: segments never cross rows), `tiles` the tiles/frames
-    the encoder runs on, `trainable_parts` the parts not frozen, `pad_to` the CP padding multiple
-    (`models.context_parallel.padding_multiple(cp, tp)`; 1 without CP). Decoder matmuls and the LM
-    head scale with the executed positions, causal attention with sum(len_i^2) of the samples
-    (THD attention runs per packed sample), the encoder with `tiles`; each part's backward
-    follows `part_passes`. The train loop's MFU (runtime/throughput.py) and benchmarks call it."""
-    tokens = sum_sq = 0
-    for cu in cu_seqlens:
-        lens = executed_lengths(cu, pad_to)
-        tokens += sum(lens)
-        sum_sq += sum(n * n for n in lens)
-    fwd = {shapes.decoder_part: _decoder_forward(shapes.decoder, tokens, sum_sq)}
-    for part, f in _media_forward(shapes, tiles).items():
-        fwd[part] = fwd.get(part, PartFlops()) + f
-    passes = part_passes(shapes, trainable_parts)
-    by_part = {part: passes[part].apply(f) for part, f in fwd.items()}
-    return StepFlops(by_part, sum(f.total for f in fwd.values()), tokens, sum_sq, int(tiles))
 
 
 def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, hw: Hardware,
@@ -709,7 +399,9 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
     frozen). Inherited with TP: 2 all-reduces per layer forward (+2 backward when it trains) on its
     share's activations. Its own layout: the all-gather of every share's output, its gradient's
     all-reduce over CP, the TP all-reduces of a sharded encoder on its share; with `vision_tp` 1
-    the average of its weight gradients over TP, once per step."""
+    the average of its weight gradients over TP, once per step: the all-reduce, plus megatron's
+    flatten into one fp32 buffer and copy back (each a read and a write of every gradient:
+    `tp_grad_average_bytes`, review N9)."""
     v = shapes.encoder
     if v is None:
         return 0.0
@@ -726,8 +418,10 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
         if trains and L.cp > 1:
             t += 2 * (L.cp - 1) / L.cp * out_bytes * L.vision_tp / L.tp / bw
     t *= L.grad_accum
-    if trains and L.vision_tp == 1 and L.tp > 1:
-        t += 2 * (L.tp - 1) / L.tp * trainable_params * 4 / bw
+    grads = tp_grad_average_bytes(L, trainable_params)
+    if grads > 0:
+        t += 2 * (L.tp - 1) / L.tp * grads / bw  # the all-reduce
+        t += 2 * 2 * grads / (hw.memory_bandwidth_gbps * 1e9)  # flatten + copy back: read and write each
     return t
 
 
@@ -766,6 +460,4 @@ def fmt_count(n: float) -> str:
 
 def fmt_gb(b: float) -> str:
     """Bytes in binary units with their right names ("3.62 GiB"), as every command prints them."""
-    from mmdata.units import format_bytes
-
     return format_bytes(b)

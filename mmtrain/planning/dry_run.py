@@ -15,23 +15,21 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from mmdata.units import plural
+from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
+from mmtrain.models.shapes import ModelShapes, ParamCounts, param_counts
 from mmtrain.planning.calibration import Calibration
 from mmtrain.planning.cost_model import (
     GB,
     Hardware,
     Layout,
     MemoryEstimate,
-    ModelShapes,
-    ParamCounts,
     StepTime,
     estimate_memory,
     estimate_stage_memory,
     estimate_step_time,
     fmt_count,
     fmt_gb,
-    param_counts,
 )
-from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
 from mmtrain.spec import FamilySpec
 
 
@@ -114,6 +112,8 @@ def format_report(recipe: Recipe, r: DryRunReport, shapes: ModelShapes) -> str:
             (f"activations (recompute {L.recompute})", m.activations),
             ("encoder activations", m.encoder_activations),
             (f"logits + loss ({'full logits' if L.lm_loss == 'plain' else 'chunked'})", m.logits)]
+    if m.grad_average_buffer > 0:  # after the backward, in the activations' place (the larger counts)
+        rows.append(("vision grads' TP average buffer (fp32)", m.grad_average_buffer))
     for name, b in rows:
         lines.append(f"  {name:<38}{fmt_gb(b):>12}")
     lines.append(f"  {'total':<38}{fmt_gb(m.total):>12}   "

@@ -14,6 +14,7 @@ vision tower's own layout `vision_tp` are.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, fields
@@ -21,7 +22,9 @@ from typing import Any, Callable
 
 from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
 from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem
-from mmtrain.planning.cost_model import Layout, ModelShapes, sequence_split_multiple
+from mmtrain.models.layout_rules import sequence_split_multiple
+from mmtrain.models.shapes import ModelShapes
+from mmtrain.planning.cost_model import Layout
 
 MAX_AUTO_MICRO_BATCH = 64
 MAX_AUTO_VPP = 4  # auto: 1, 2, 4 virtual stages where the layers split (megatron-LM runs use a few)
@@ -208,8 +211,6 @@ def apply_layout(recipe: Recipe, layout: Layout, dims: tuple[Dimension, ...] = D
 
 def set_key(obj: Any, dotted: str, value: Any) -> Any:
     """A copy of the dataclass tree `obj` with `dotted` (e.g. "parallel.tp") set to `value`."""
-    import dataclasses
-
     head, _, rest = dotted.partition(".")
     if head not in {f.name for f in fields(obj)}:
         raise KeyError(f"{type(obj).__name__} has no field {head!r} (from {dotted!r})")

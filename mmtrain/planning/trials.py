@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmtrain.config import Recipe, save_resolved
-from mmtrain.runtime.launch import torchrun_command
+from mmtrain.runtime.torchrun import torchrun_command
 from mmtrain.runtime.metrics import read_metrics
 from mmtrain.runtime.throughput import RANK_MEMORY_DIR
 
@@ -73,8 +74,6 @@ def trial_recipe(recipe: Recipe, run_dir: Path) -> Recipe:
 
 def run_trial(recipe: Recipe, run_dir: Path, time_limit_s: float) -> TrialResult:
     """Run `recipe` (already the layout to try) as a trial in `run_dir` (emptied first)."""
-    import shutil
-
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)

@@ -16,19 +16,23 @@ edited; every substitution is logged once and listed in `SUBSTITUTIONS`.
      tensor_parallel/random.py:66               default_generator = torch.cuda.default_generators[idx]
      dist_checkpointing/strategies/filesystem_async.py:230   torch.cuda.synchronize()
    The attention backend is not patched: the layer specs pick `SDPACoreAttention`.
-2. Run settings, chosen by the runtime through the functions below:
-   - precision: bf16/fp16 requests run in fp32 (`run_precision`);
-   - distributed optimizer: off on CPU (`distributed_optimizer`), because megatron's
-     `DistributedOptimizer` refuses CPU parameters (see the function for the line).
+2. While megatron's optimizer is built (`optimizer_type_checks`, used by `runtime.optimizer`), a
+   CPU fp32/bf16 parameter answers `param.type()` with its CUDA type string: megatron's
+   `Float16OptimizerWithFloat16Params` and `DistributedOptimizer` sort parameters by that string
+   and refuse any other (the function lists the lines). That is all the CPU needs for
+   `parallel.precision: bf16` (bf16 params, fp32 main params) and `parallel.distributed_optimizer`
+   (sharded main params, reduce-scatter and the overlapped, aligned param all-gather on gloo):
+   the run's recipe is honoured as on GPU, no setting is changed on CPU.
 
 What is NOT substituted (megatron's own, on CPU as on GPU): megatron DDP with its own settings,
-overlapped bucketed grad reduction included (async `allreduce_coalesced` works on gloo; the only
-CUDA streams in DDP are for `num_distributed_optimizer_instances > 1`), and megatron's optimizer
-(`get_megatron_optimizer` -> FP32Optimizer around torch AdamW when neither TE nor apex is there,
-its grad-norm, clipping and dist-checkpoint `sharded_state_dict`). One megatron function is
-replaced for that: `clip_grad_by_total_norm_fp32` asserts a CUDA tensor type (see
-`_patch_grad_clipping`). gloo in torch 2.13 has reduce-scatter (coalesced too), so the
-distributed optimizer's stand-in is forced by megatron's type check alone.
+overlapped bucketed grad reduction and, with the distributed optimizer, the overlapped param
+all-gather included (async `allreduce_coalesced`, `reduce_scatter_tensor` and
+`all_gather_into_tensor` work on gloo in torch 2.13; the only CUDA streams in DDP are for
+`num_distributed_optimizer_instances > 1`), and megatron's optimizer (`get_megatron_optimizer`:
+FP32Optimizer, Float16OptimizerWithFloat16Params or DistributedOptimizer around torch AdamW when
+neither TE nor apex is there, its grad-norm, clipping, `reload_model_params` and dist-checkpoint
+`sharded_state_dict`). One megatron function is replaced for that: `clip_grad_by_total_norm_fp32`
+asserts a CUDA tensor type (see `_patch_grad_clipping`).
 """
 
 from __future__ import annotations
@@ -212,6 +216,63 @@ def _patch_grad_clipping() -> None:
     _patch(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu)
 
 
+#: the megatron-core minor versions whose optimizer constructors `optimizer_type_checks` answers
+_TYPE_CHECK_VERSIONS = ("0.16.",)
+#: what `param.type()` says for a CUDA parameter of each dtype the CPU trains in (fp32, bf16)
+_CUDA_TYPE_STRINGS = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+def _check_type_check_version() -> None:
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    if not version.startswith(_TYPE_CHECK_VERSIONS):
+        raise RuntimeError(f"cpu_compat answers megatron-core's optimizer type checks for {_TYPE_CHECK_VERSIONS}, "
+                           f"found {version}: re-check optimizer.py and distrib_optimizer.py and this answer")
+
+
+@contextlib.contextmanager
+def optimizer_type_checks(device: torch.device):
+    """While megatron's mixed-precision and distributed optimizers are built on a CPU run, a CPU
+    fp32 or bf16 *parameter* answers `param.type()` with its CUDA type string; nothing else
+    changes (no argument, no other tensor, no other dtype, no other time, not on CUDA).
+
+    Those constructors sort the parameters by type string and raise on anything else
+    (megatron-core 0.16):
+        optimizer/optimizer.py:671          if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:
+        optimizer/optimizer.py:690          elif param.type() == 'torch.cuda.FloatTensor':
+        optimizer/optimizer.py:695          raise TypeError('Wrapped parameters must be one of torch.cuda.FloatTensor, ...')
+        optimizer/distrib_optimizer.py:582  if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:
+        optimizer/distrib_optimizer.py:361  if model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:
+        optimizer/distrib_optimizer.py:420  elif model_param.type() == 'torch.cuda.FloatTensor':
+        optimizer/distrib_optimizer.py:431  raise TypeError('Wrapped parameters must be one of torch.cuda.FloatTensor, ...')
+    `Float16OptimizerWithFloat16Params` (bf16 params, fp32 main copies) and `DistributedOptimizer`
+    (sharded fp32 main params) then run their own code on CPU tensors; gloo has the
+    reduce-scatter and all-gather they need. The step's one other check, the grad clipping's
+    type assertion, is `_patch_grad_clipping`'s."""
+    if device.type != "cpu":
+        yield
+        return
+    _check_type_check_version()
+    cpu_type = torch._C.TensorBase.type
+    assert "type" not in torch.Tensor.__dict__, "torch.Tensor.type is already replaced"
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs and isinstance(self, torch.nn.Parameter) and self.device.type == "cpu":
+            answer = _CUDA_TYPE_STRINGS.get(self.dtype)
+            if answer is not None:
+                return answer
+        return cpu_type(self, dtype, non_blocking, **kwargs) if dtype is not None else cpu_type(self, **kwargs)
+
+    note("megatron optimizer construction: a CPU fp32/bf16 parameter's type() -> its torch.cuda type string "
+         "(Float16OptimizerWithFloat16Params and DistributedOptimizer sort parameters by that string)")
+    torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        del torch.Tensor.type
+
+
 def apply() -> bool:
     """Apply the process-wide patches if (and only if) CUDA is absent. Idempotent; returns True
     when the patches are active. Called by `runtime.distributed` when it brings megatron up."""
@@ -255,30 +316,3 @@ def revert() -> None:
 
 def active() -> bool:
     return bool(_PATCHES)
-
-
-# ----------------------------------------------------------------------------- 2. run settings
-
-
-def run_precision(requested: str, device: torch.device) -> str:
-    """The precision a run uses: as requested on GPU, fp32 on CPU."""
-    if device.type == "cpu" and requested != "fp32":
-        note(f"precision {requested} requested on CPU -> training runs in fp32", logging.WARNING)
-        return "fp32"
-    return requested
-
-
-def distributed_optimizer(requested: bool, device: torch.device) -> bool:
-    """megatron's distributed optimizer refuses CPU parameters; off on CPU.
-
-    megatron-core 0.16 `optimizer/distrib_optimizer.py:420`, building the shard groups:
-        elif model_param.type() == 'torch.cuda.FloatTensor':
-        ...
-        else:
-            raise TypeError('Wrapped parameters must be one of torch.cuda.FloatTensor, ...')
-    (gloo itself would do: torch 2.13's gloo has `reduce_scatter_tensor`, coalesced too.)"""
-    if device.type == "cpu" and requested:
-        note("distributed optimizer -> off (megatron's DistributedOptimizer accepts only torch.cuda "
-             "parameter types); optimizer states are replicated over DP")
-        return False
-    return requested

@@ -248,8 +248,8 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
         vpp=parallel_cfg.vpp,
         sequence_parallel=parallel_cfg.sequence_parallel and tp > 1,
         recompute=parallel_cfg.recompute,
-        precision=cpu_compat.run_precision(parallel_cfg.precision, device),
-        distributed_optimizer=cpu_compat.distributed_optimizer(parallel_cfg.distributed_optimizer, device),
+        precision=parallel_cfg.precision,  # bf16 too on CPU (megatron's own optimizers, cpu_compat)
+        distributed_optimizer=parallel_cfg.distributed_optimizer,
     )
     seed_model_parallel(seed, ctx.pp_rank)
     log.info(

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from mmdata.units import plural
 from mmtrain.config import Recipe
+from mmtrain.runtime.torchrun import torchrun_command
 
 log = logging.getLogger(__name__)
 
@@ -178,20 +179,6 @@ def use_slurm_allocation(recipe: Recipe) -> None:
         recipe.parallel = slurm.launcher_settings(recipe.parallel)
         how = f"node {slurm.node_rank} of {slurm.nnodes} starts {recipe.parallel.nproc_per_node} workers"
     log.info("SLURM job %d: %s (rendezvous %s:%d)", slurm.job_id, how, slurm.nodes[0], slurm.master_port)
-
-
-def torchrun_command(recipe: Recipe, resolved_recipe: Path) -> list[str]:
-    """The torchrun command line that starts this node's workers (also auto-tune's trials)."""
-    p = recipe.parallel
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={p.nproc_per_node}",
-        f"--nnodes={p.nnodes}",
-        f"--node_rank={p.node_rank}",
-        f"--master_addr={p.master_addr}",
-        f"--master_port={p.master_port}",
-        "-m", "mmtrain.runtime.worker", str(resolved_recipe),
-    ]  # fmt: skip
 
 
 def spawn_workers(recipe: Recipe, resolved_recipe: Path) -> int:

@@ -52,6 +52,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from mmdata.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -235,8 +237,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmdata.errors import UserError
-
     path = Path(args.run_dir)
     if not path.exists() or (path.is_dir() and not (path / METRICS_FILE).is_file()):
         raise UserError(f"{path}: no {METRICS_FILE} there (give a run_dir of `mmtrain FAMILY RECIPE`)")

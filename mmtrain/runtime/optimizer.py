@@ -9,10 +9,11 @@
   peak and floor LR = `optimizer.lr` / `min_lr` times `optimizer.lr_mult[part]` (default 1);
   no weight decay on biases and 1-D parameters (norm scales). Every rank builds the same group
   list (possibly with empty groups) so checkpoints line up across pipeline stages.
-- The optimizer, on CPU and GPU alike: megatron's `get_megatron_optimizer` (distributed optimizer
-  when configured, bf16 main params, its own grad clipping), with the per-part LRs as config
-  overrides. On CPU it is megatron's FP32Optimizer around torch AdamW (runtime/cpu_compat.py says
-  what that needs).
+- The optimizer, on CPU and GPU alike: megatron's `get_megatron_optimizer` (FP32Optimizer,
+  Float16OptimizerWithFloat16Params for bf16, DistributedOptimizer when configured; its own grad
+  clipping), with the per-part LRs as config overrides. Without TE or apex it wraps torch's AdamW
+  (runtime/cpu_compat.py says what the CPU needs to build it; `torch_adam_load` what megatron's
+  distributed optimizer needs to load a checkpoint around torch's AdamW, on any device).
 - DDP settings (`ddp_config_kwargs`): megatron's overlapped grad reduction everywhere; with the
   distributed optimizer also the overlapped, aligned param all-gather (review C5).
 - `optimizer_kind`: what a checkpoint records so that a resume with another optimizer layout
@@ -21,6 +22,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,7 +150,88 @@ def build_optimizer(
     if ctx.device.type == "cpu" and not cpu_compat.active():
         raise RuntimeError("megatron's optimizer on CPU needs cpu_compat.apply() (runtime.distributed does it)")
     config, overrides = megatron_optimizer_config(parts, optimizer_cfg, ctx)
-    return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+    with cpu_compat.optimizer_type_checks(ctx.device):
+        return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+
+
+#: the megatron-core minor versions whose DistributedOptimizer load `torch_adam_load` was checked with
+_TORCH_ADAM_LOAD_VERSIONS = ("0.16.",)
+
+
+def _torch_adam_distributed_optimizers(optimizer: Any) -> list[Any]:
+    """The DistributedOptimizers in `optimizer` that wrap torch's Adam (neither TE nor apex there)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(opt, distrib_optimizer.DistributedOptimizer)]
+
+
+@contextlib.contextmanager
+def torch_adam_load(optimizer: Any):
+    """Around a checkpoint load into megatron's DistributedOptimizer wrapping torch's Adam (without
+    TE or apex: the CPU, or a GPU node without them), answer the three places where megatron-core
+    0.16's load assumes TE's/apex's FusedAdam, whose state has no per-parameter "step":
+
+    1. `sharded_state_dict(is_loading=True)` calls `state_dict()`, which reads the step from the
+       torch optimizer's per-parameter state (`optimizer/distrib_optimizer.py:641-642`):
+           steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))
+           assert len(steps) == 1
+       A fresh optimizer has no state, so every resume failed there. megatron's own answer, used
+       by its fsdp_dtensor load, is `_init_optimizer_states_with_dummy_values` (`:1137`, "dummy
+       states [that] will be replaced in-place during the loading of distributed checkpoints"):
+       one zero-gradient step of the inner optimizer, done first when the state is empty.
+    2. the parameter state loader skips "step" in the checkpoint's tensors ("Handle torch Adam
+       'step' state separately", `:2102`), but `_set_main_param_and_optimizer_states` copies
+       every key of the torch state (`:938-940`):
+           dst_tensors = {"param": main_param, **optim_state}
+           for key in dst_tensors:
+               dst_tensors[key].copy_(tensors[key])    # KeyError: 'step'
+       While the load runs, each such optimizer's `_set_main_param_and_optimizer_states` gets the
+       state's own, already restored "step" among the tensors (a copy onto itself).
+    3. `load_state_dict` restores torch's "step" from the saved param groups as ONE tensor shared
+       by every parameter's state (`:821-825`):
+           step = torch.tensor(steps[0], dtype=torch.float)
+           for s in state_dict_state.values():
+               s["step"] = step
+       torch's Adam increments each state's step in place, so after a resume the shared step
+       advanced once per parameter per step (Adam's bias correction wrong from then on). When
+       the load is done, every state gets its own copy.
+
+    Private names of megatron, so version-gated; nothing is done for any other optimizer."""
+    from megatron.core import package_info
+
+    targets = _torch_adam_distributed_optimizers(optimizer)
+    version = package_info.__version__
+    if targets and not version.startswith(_TORCH_ADAM_LOAD_VERSIONS):
+        raise RuntimeError(f"mmtrain answers megatron-core {_TORCH_ADAM_LOAD_VERSIONS}'s DistributedOptimizer load "
+                           f"around torch's Adam, found {version}: re-check distrib_optimizer.py's state_dict, "
+                           "load_state_dict and _set_main_param_and_optimizer_states, and this function")
+    for opt in targets:
+        if len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+        opt._set_main_param_and_optimizer_states = functools.partial(
+            _set_states_keeping_step, opt, type(opt)._set_main_param_and_optimizer_states)
+    try:
+        yield
+    finally:
+        for opt in targets:
+            opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+
+def _set_states_keeping_step(opt: Any, original: Any, model_param: torch.nn.Parameter,
+                             tensors: dict[str, torch.Tensor]) -> None:
+    if "step" not in tensors:
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+        step = opt.optimizer.state[main_param].get("step")
+        if step is not None:
+            tensors = {**tensors, "step": step}
+    original(opt, model_param, tensors)
 
 
 def megatron_optimizer_config(parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext) -> tuple[Any, dict]:

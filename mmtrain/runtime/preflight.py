@@ -89,7 +89,7 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
     if recipe.data.packing == "plan" and train_samples and not wrong_kind:
         from mmdata.energon_loaders.balance import StepShape
         from mmdata.energon_loaders.plan_packing import PlanError, plan_for_data, plan_step_shape
-        from mmdata.preprocess.pack_plan import recipe_geometry
+        from mmtrain.recipe_plan import recipe_geometry
 
         t = recipe.train
         shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
@@ -98,8 +98,8 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
             _, path, info = plan_for_data(recipe.data.paths, recipe.data.packing_plan, t.seq_length,  # type: ignore[assignment]
                                           geometry=recipe_geometry(recipe), step_shape=shape)
             if getattr(recipe.data, "balance", False) and plan_step_shape(info) is None:
-                problems.append(f"data.balance: true: packing plan {path} is not balanced: run `mmdata pack-plan "
-                                f"--recipe RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
+                problems.append(f"data.balance: true: packing plan {path} is not balanced: run `mmtrain pack-plan "
+                                f"RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
                                 f"--micro-batch-size {shape.micro_batch_size} --global-batch-size "
                                 f"{shape.global_batch_size}")
         except (PlanError, FileNotFoundError) as err:  # (FileNotFoundError: a tokenizer.path to fingerprint)

@@ -1,49 +1,64 @@
-"""Step timing, MFU and memory numbers for the step logs.
+"""Step timing, MFU/HFU and memory numbers for the step logs.
 
 MFU = achieved model FLOP/s / (peak FLOP/s of the devices in use). The model side is counted per
-step from the step's own micro-batches (`batch_flops`: the cost model's `step_flops` on their
+step from the step's own micro-batches (`batch_flops`: `models.flops.step_flops` on their
 packed layout, tiles and the freeze set), so packing (sum of len^2), frozen parts and the vision
-tower are all in it; the peak comes from the cost model's device table (dense bf16 tensor-core
-numbers; fp32 runs use the fp32 / tf32 figure). CPUs have no meaningful single peak, so MFU is
-reported as null there rather than as a made-up number. The packing report (`batch_packing`:
-bin fill and executed-token efficiency, CP padding included) is counted the same way.
+tower are all in it, and only the real samples' segments count: a row's padding run is not model
+work. HFU (hardware FLOPs utilisation) counts what the devices execute instead: every segment,
+padding runs and CP padding included, plus recompute's extra forward (`batch_flops(...,
+executed=True)` + `models.flops.recompute_flops`). The peak comes from the exact device name
+(`models.hardware.PEAK_TFLOPS`: dense bf16 tensor-core numbers; fp32 runs use the TF32 figure);
+a device not listed, like a CPU, has no meaningful single peak, so MFU and HFU are reported as
+null there rather than as a made-up number. The packing report (`batch_packing`: bin fill and
+executed-token efficiency, CP padding included) is counted the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 from typing import Any, Callable, Iterable, Optional
 
+import psutil
 import torch
 
 from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.packing_report import PackingReport, empty_report, report_from_cu_seqlens
-from mmtrain.planning.cost_model import PEAK_TFLOPS, ModelShapes, StepFlops, step_flops
+from mmtrain.models.flops import StepFlops, step_flops
+from mmtrain.models.hardware import peak_tflops
+from mmtrain.models.shapes import ModelShapes
 
 
 def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
-    """Peak FLOP/s of one device, or None when unknown (CPU, unlisted GPUs)."""
+    """Peak FLOP/s of one device, or None when unknown (CPU, GPUs not listed by their exact name);
+    `MMTRAIN_PEAK_TFLOPS` sets it for any device."""
     override = os.environ.get("MMTRAIN_PEAK_TFLOPS")
     if override:
         return float(override) * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, table in PEAK_TFLOPS.items():
-        if key in name:
-            return table.get(precision, table["bf16"]) * 1e12
-    return None
+    peak = peak_tflops(torch.cuda.get_device_name(device), precision)
+    return peak * 1e12 if peak is not None else None
 
 
 def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], trainable_parts: Iterable[str],
-                encoder_inputs: Optional[Callable[[Any], int]] = None, pad_to: int = 1) -> StepFlops:
-    """Model FLOPs of this rank's micro-batches of a step (one model replica's whole sequences,
+                encoder_inputs: Optional[Callable[[Any], int]] = None, pad_to: int = 1,
+                executed: bool = False) -> StepFlops:
+    """FLOPs of this rank's micro-batches of a step (one model replica's whole sequences,
     whatever its TP/PP/CP split): each batch's host `cu_seqlens` (no device read), the tiles
-    `encoder_inputs` counts (the family's `FamilySpec.encoder_inputs`; None: no encoder),
-    `pad_to` = the CP padding multiple (`models.context_parallel.padding_multiple`)."""
+    `encoder_inputs` counts (the family's `FamilySpec.encoder_inputs`; None: no encoder).
+    Model FLOPs (the MFU's): the real samples' segments of each row (`sample_ids`; a batch
+    without one list per row counts every segment). `executed`: every segment, padding runs included, each
+    padded to `pad_to` = the CP padding multiple (`models.context_parallel.padding_multiple`)."""
     batches = list(micro_batches)
     tiles = sum(encoder_inputs(b) for b in batches) if encoder_inputs is not None else 0
-    return step_flops(shapes, [b.host_cu_seqlens() for b in batches], tiles, trainable_parts, pad_to=pad_to)
+    cu = [b.host_cu_seqlens() for b in batches]
+    if executed:
+        return step_flops(shapes, cu, tiles, trainable_parts, pad_to=pad_to)
+    samples = [[len(ids) for ids in b.sample_ids] if len(b.sample_ids) == b.input_ids.shape[0] else None
+               for b in batches]
+    return step_flops(shapes, cu, tiles, trainable_parts, samples=samples)
 
 
 def batch_packing(micro_batches: Iterable[PackedBatch], cp: int, tp: int) -> PackingReport:
@@ -65,8 +80,9 @@ def model_tflops_per_s(flops: float, seconds: float, world_size: int) -> Optiona
 
 
 def mfu(flops: float, seconds: float, world_size: int, peak_flops: Optional[float]) -> Optional[float]:
-    """Model FLOPs utilisation: `flops` of a step (all ranks; `batch_flops` summed over DP) done in
-    `seconds` by `world_size` devices of `peak_flops` each; None without a known peak."""
+    """FLOPs utilisation: `flops` of a step (all ranks; `batch_flops` summed over DP) done in
+    `seconds` by `world_size` devices of `peak_flops` each; None without a known peak. Model
+    FLOPs give the MFU, executed FLOPs (padding and recompute in) the HFU."""
     if not peak_flops or flops <= 0 or seconds <= 0:
         return None
     return flops / seconds / (peak_flops * world_size)
@@ -82,8 +98,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
         }
         torch.cuda.reset_peak_memory_stats(device)
         return out
-    import psutil
-
     return {"mem_rss_gib": psutil.Process().memory_info().rss / gib}
 
 
@@ -110,20 +124,14 @@ class PeakMemory:
     def _current(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / float(1 << 30)
-        import psutil
-
         return psutil.Process().memory_info().rss / float(1 << 30)
 
     def _peak_now(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / float(1 << 30)
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / float(1 << 30)  # KiB on Linux
 
     def record(self, step: int) -> None:
-        import json
-
         self.peak = max(self.peak, self._peak_now())
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.tmp"

@@ -30,12 +30,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
+from megatron.core import parallel_state
+
+from mmdata.energon_loaders.balance import auto_window
 from mmdata.energon_loaders.batch import PackedBatch
+from mmtrain.models.flops import tile_token_cost
 from mmtrain.runtime.distributed import ParallelContext
+from mmtrain.runtime.row_exchange import RowBalancer
 
 if TYPE_CHECKING:
     from mmtrain.config.schema import Recipe
-    from mmtrain.runtime.row_exchange import RowBalancer
     from mmtrain.spec import FamilySpec
 
 log = logging.getLogger(__name__)
@@ -84,8 +88,6 @@ class TrainData:
         self.balancer: RowBalancer | None = None
         self.window = 1  # steps drawn and placed together
         if recipe.data.balance and recipe.data.packing != "plan":
-            from mmdata.energon_loaders.balance import auto_window
-
             self.balancer = self._make_balancer()
             w = recipe.data.balance_window
             self.window = auto_window(recipe.train.global_batch_size // ctx.dp) if w == "auto" else int(w)
@@ -96,9 +98,6 @@ class TrainData:
         self._resume: tuple[int, int] | None = None  # (steps, trained) of a restored window
 
     def _make_balancer(self) -> RowBalancer:
-        from mmtrain.planning.cost_model import tile_token_cost
-        from mmtrain.runtime.row_exchange import RowBalancer
-
         return RowBalancer(tile_token_cost(self._spec.model_shapes(self._recipe.model)), self._spec.encoder_inputs)
 
     # -- state -----------------------------------------------------------------------------
@@ -183,8 +182,6 @@ class TrainData:
             if balancer is not None and dp == 1:
                 placed = balancer.balance_window_local([placed], 0)
             elif balancer is not None:
-                from megatron.core import parallel_state
-
                 placed = balancer.balance_window_exchange(placed, parallel_state.get_data_parallel_group(),
                                                           self.ctx.device)
         if balancer is not None and self.ctx.device.type == "cuda":  # joined rows: pinned again for `to()`

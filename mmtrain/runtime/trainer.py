@@ -21,20 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
-from mmdata.energon_loaders.balance import vision_balance
 from mmdata.energon_loaders.batch import PackedBatch
-from mmdata.units import plural
+from mmdata.units import format_duration, plural
 from mmtrain.config.schema import Recipe
+from mmtrain.models.lm_loss import resolve_loss_impl
 from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
 from mmtrain.models.pipeline_split import (
     PipelineSplit,
@@ -70,41 +73,17 @@ from mmtrain.runtime.optimizer import (
 from mmtrain.runtime.stopping import StopRequests
 from mmtrain.runtime.throughput import (
     PeakMemory,
-    batch_flops,
-    batch_packing,
     device_peak_flops,
     memory_stats,
-    mfu,
-    model_tflops_per_s,
 )
+from mmtrain.models.te_support import te_status
+from mmtrain.runtime.cuda_settings import cp_comm_type_problem
+from mmtrain.runtime.metrics import MetricsWriter
+from mmtrain.runtime.step_metrics import StepMetrics, StepResult, step_line, step_record
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: Optional[float]  # None on ranks without the loss (not the last PP stage)
-    grad_norm: float
-    lr: float
-    updated: bool
-    step_time_s: float
-    data_wait_s: float  # part of step_time_s spent waiting for this rank's micro-batches
-    tokens: int  # positions processed by the whole global batch
-    samples: int
-    loss_tokens: int
-    sample_ids: list[str]
-    sample_losses: list[Optional[float]]
-    evaluation: Optional[EvalResult] = None  # set at train.eval_interval steps
-    #: model FLOPs of the global batch (every DP replica's micro-batches, `cost_model.step_flops`)
-    flops: float = 0.0
-    #: packing of the global batch: real tokens / row capacity, and real / tokens computed (CP padding in)
-    bin_fill: Optional[float] = None
-    executed_token_efficiency: Optional[float] = None
-    #: max / mean over the DP ranks of the tiles their vision towers encoded this step (None: no tiles)
-    vision_balance: Optional[float] = None
 
 
 class Trainer:
@@ -140,13 +119,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.utils import get_model_config
-
         recipe, ctx, spec = self.recipe, self.ctx, self.spec
         self.peak_memory = PeakMemory(ctx.device, Path(recipe.run_dir), ctx.rank)  # before the model exists
         # refuse a checkpoint of another architecture before building anything
@@ -202,7 +174,7 @@ class Trainer:
             self._announce_resume(start, data_decision)
             self._restore(start)
         self.peak_flops = device_peak_flops(ctx.device, ctx.precision)
-        self.flops_shapes = spec.model_shapes(recipe.model)  # MFU: FLOPs of each step's batches (`_model_flops`)
+        self.step_metrics = StepMetrics.for_run(spec, recipe, ctx, self.pipeline_split.counts)
         if ctx.is_logging_rank:
             self.metrics = _open_metrics(recipe, self.state.step)
             log.info(
@@ -215,9 +187,6 @@ class Trainer:
         """This rank's model chunks: one pipeline stage, or with virtual stages (`parallel.vpp`) one
         chunk per virtual stage, each knowing its `vp_stage` (megatron-LM's `get_model`). The chunk
         holding the model's first layers (pre_process) is where a family puts its encoders."""
-        from megatron.core import parallel_state
-        from megatron.core.enums import ModelType
-
         ctx, options = self.ctx, self._model_options()
         chunks = []
         for vp in range(ctx.vpp):
@@ -238,9 +207,6 @@ class Trainer:
 
     def _check_cp_comm_type(self) -> None:
         """TE's context-parallel attention on packed sequences, for this TE version (review A6)."""
-        from mmtrain.models.te_support import te_status
-        from mmtrain.runtime.cuda_settings import cp_comm_type_problem
-
         d = self.spec.model_shapes(self.recipe.model).decoder
         p = self.recipe.parallel
         problem = cp_comm_type_problem(p.cp_comm_type, p.cp, p.tp, d.kv_groups, d.heads, te_status().version_tuple())
@@ -250,8 +216,6 @@ class Trainer:
     def _model_options(self) -> ParallelOptions:
         """What the model builder needs to know about parallelism/memory (sizes come from
         megatron's parallel_state)."""
-        from mmtrain.models.lm_loss import resolve_loss_impl
-
         ctx, p = self.ctx, self.recipe.parallel
         some_layers = p.recompute_num_layers  # 0: every layer (uniform, one at a time)
         try:
@@ -329,9 +293,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepResult:
-        from megatron.core import parallel_state
-
-        ctx, t = self.ctx, self.recipe.train
+        t = self.recipe.train
         step = self.state.step + 1
         start = time.perf_counter()
         step_data = self.data.next_step()
@@ -346,85 +308,13 @@ class Trainer:
         updated, grad_norm, _ = self.optimizer.step()
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
 
-        # ---- global numbers for the logs (the loss lives on the last PP stage)
-        # collectives run on the backend's device (NCCL needs CUDA tensors)
-        packing = batch_packing(step_data.micro_batches, ctx.cp, ctx.tp)
-        tiles = [0.0] * ctx.dp  # this rank's tiles in its own slot: the sum gathers every DP rank's
-        tiles[ctx.dp_rank] = float(sum(self.spec.encoder_inputs(b) for b in step_data.micro_batches)
-                                   if self.spec.encoder_inputs is not None else 0)
-        counts = torch.tensor(
-            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self._model_flops(step_data),
-             packing.capacity, packing.computed_tokens, *tiles],
-            dtype=torch.float64,
-            device=ctx.device,
-        )
-        dp_group = parallel_state.get_data_parallel_group()  # CP ranks share a DP rank's batch
-        if ctx.dp > 1:
-            dist.all_reduce(counts, group=dp_group)
-        loss = None
-        sample_ids: list[str] = []
-        sample_losses: list[Optional[float]] = []
-        if ctx.is_last_stage:
-            loss_sum = lm_loss_sums(reports, ctx.device)
-            per_sample = [
-                report["sample_losses"].detach().double()
-                for report in reports
-                if "sample_losses" in report
-            ]
-            if ctx.dp * ctx.cp > 1:  # each CP rank summed its own positions
-                dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            loss_sum = loss_sum.cpu()
-            loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
-            mine = torch.cat(per_sample) if per_sample else torch.zeros(0, 2, dtype=torch.float64)
-            if ctx.cp > 1:
-                mine = mine.to(ctx.device)
-                dist.all_reduce(mine, group=parallel_state.get_context_parallel_group())
-            mine = mine.cpu()
-            local = (
-                step_data.sample_ids,
-                [float(s / c) if c > 0 else None for s, c in mine.tolist()],
-            )
-            gathered = [local]
-            if ctx.dp > 1:
-                # (type checker: all_gather_object fills the placeholders)
-                gathered = [None] * ctx.dp  # type: ignore[list-item]
-                dist.all_gather_object(gathered, local, group=dp_group)
-            for ids, losses in gathered:
-                sample_ids.extend(ids)
-                sample_losses.extend(losses if len(losses) == len(ids) else [None] * len(ids))
+        totals = self.step_metrics.gather(step_data, reports)  # collectives: the global batch's numbers
         elapsed = time.perf_counter() - start
         self.state.step = step
         self.state.consumed_rows += t.global_batch_size
-        counts = counts.cpu()
-        self.state.consumed_samples += int(counts[1])
-        return StepResult(
-            step=step,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            updated=bool(updated),
-            step_time_s=elapsed,
-            data_wait_s=data_wait,
-            tokens=int(counts[0]),
-            samples=int(counts[1]),
-            loss_tokens=int(counts[2]),
-            flops=float(counts[3]),
-            bin_fill=float(counts[0] / counts[4]) if counts[4] > 0 else None,
-            executed_token_efficiency=float(counts[0] / counts[5]) if counts[5] > 0 else None,
-            vision_balance=vision_balance(counts[6:].tolist()),
-            sample_ids=sample_ids,
-            sample_losses=sample_losses,
-        )
-
-    def _model_flops(self, step_data: Any) -> float:
-        """Model FLOPs of this rank's micro-batches: one replica's whole sequences (the same on its
-        TP/PP/CP ranks), from their host `cu_seqlens` and tiles and the recipe's freeze set; summed
-        over DP with the step's counts (no extra collective, no device read)."""
-        from mmtrain.models.context_parallel import padding_multiple
-
-        trainable = [part for part in self.spec.parts if part not in self.recipe.freeze]
-        return batch_flops(self.flops_shapes, step_data.micro_batches, trainable, self.spec.encoder_inputs,
-                           pad_to=padding_multiple(self.ctx.cp, self.ctx.tp)).total
+        self.state.consumed_samples += totals.samples
+        return StepResult(step=step, grad_norm=grad_norm, lr=lr, updated=bool(updated), step_time_s=elapsed,
+                          data_wait_s=data_wait, **vars(totals))
 
     def _forward_step(self, data_iterator: "RecordingIterator", model: Any) -> tuple[Any, Any]:
         """The family's forward step, with per-sample losses added to its loss report.
@@ -453,8 +343,6 @@ class Trainer:
     def evaluate(self) -> EvalResult:
         """`train.eval_iters` global batches of `data.val_paths`, forward only, with no effect
         on training (mmtrain/runtime/evaluation.py says how). Collective: every rank must call it."""
-        from megatron.core import parallel_state
-
         ctx = self.ctx
         start = time.perf_counter()
         sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
@@ -477,8 +365,6 @@ class Trainer:
     def _run_schedule(self, micro_batches: list[PackedBatch], forward_only: bool) -> list[dict[str, Any]]:
         """One global batch (this rank's micro-batches) through megatron's schedule; the loss
         reports of the last stage (empty elsewhere)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         t = self.recipe.train
         # every model chunk reads the micro-batch it runs (its own iterator with virtual stages)
         iterators = [RecordingIterator(micro_batches) for _ in self.model]
@@ -570,54 +456,14 @@ class Trainer:
     def _log(self, r: StepResult) -> None:
         if not self.ctx.is_logging_rank:
             return
-        tokens_per_s = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
-        record = {
-            "step": r.step,
-            "loss": r.loss,
-            "lr": r.lr,
-            "grad_norm": r.grad_norm if math.isfinite(r.grad_norm) else None,
-            "tokens_per_s": tokens_per_s,
-            "samples_per_s": r.samples / r.step_time_s if r.step_time_s > 0 else 0.0,
-            "mfu": mfu(r.flops, r.step_time_s, self.ctx.world_size, self.peak_flops),
-            "model_tflops_per_s": model_tflops_per_s(r.flops, r.step_time_s, self.ctx.world_size),
-            "step_time_s": r.step_time_s,
-            "data_wait_s": r.data_wait_s,
-            "tokens": r.tokens,
-            "num_samples": r.samples,
-            "num_loss_tokens": r.loss_tokens,
-            "skipped_update": not r.updated,
-            "bin_fill": r.bin_fill,
-            "executed_token_efficiency": r.executed_token_efficiency,
-            "vision_balance": r.vision_balance,
-            **memory_stats(self.ctx.device),
-            "sample_ids": r.sample_ids,
-            "sample_losses": r.sample_losses,
-        }
-        ev = r.evaluation
-        if ev is not None:
-            record.update(val_loss=ev.loss, val_tokens=ev.tokens, val_time_s=ev.time_s)
+        record = step_record(r, self.ctx.world_size, self.peak_flops, memory_stats(self.ctx.device))
         if self.metrics is not None:
             self.metrics.write(record)
-        if (
-            r.step % self.recipe.logging.interval == 0
-            or r.step == self.recipe.train.iters
-            or ev is not None
-        ):
-            mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
-            log.info(
-                "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s | %.2f samples/s"
-                " | fill %s | exec %s | mfu %s | mem %.2f GiB | eta %s%s",
-                r.step, self.recipe.train.iters, r.loss if r.loss is not None else float("nan"),
-                r.lr, r.grad_norm, tokens_per_s, record["samples_per_s"], _percent(r.bin_fill),
-                _percent(r.executed_token_efficiency),
-                f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)", mem,
-                self._eta(r.step), _eval_log_part(ev),
-            )  # fmt: skip
+        if r.step % self.recipe.logging.interval == 0 or r.step == self.recipe.train.iters or r.evaluation is not None:
+            log.info("%s", step_line(r, record, self.recipe.train.iters, self._eta(r.step)))
 
     def _eta(self, step: int) -> str:
         """Time left at the mean step time of this run so far (evaluations and saves included)."""
-        from mmdata.units import format_duration
-
         t0, step0 = getattr(self, "_fit_start", (None, 0))
         if t0 is None or step <= step0:
             return "?"
@@ -646,21 +492,7 @@ def _split_text(split: PipelineSplit) -> str:
     return f" (decoder layers per stage {split.describe()}{virtual})"
 
 
-def _percent(x: Optional[float]) -> str:
-    """`99.2%` for the step line, `-` when unknown."""
-    return "-" if x is None else f"{x:.1%}"
-
-
-def _eval_log_part(ev: Optional[EvalResult]) -> str:
-    """` | val_loss X (N tokens, T s)` for the step line of an evaluation step, else ``."""
-    if ev is None or ev.loss is None:
-        return ""
-    return f" | val_loss {ev.loss:.4f} ({ev.tokens} tokens, {ev.time_s:.1f} s)"
-
-
 def _open_metrics(recipe: Recipe, resume_step: int) -> Any:
     """The JSONL (+TensorBoard) writer; on resume, records past the checkpoint are dropped so
     the file shows one curve."""
-    from mmtrain.runtime.metrics import MetricsWriter
-
     return MetricsWriter(recipe.run_dir, tensorboard=recipe.logging.tensorboard, resume_step=resume_step)

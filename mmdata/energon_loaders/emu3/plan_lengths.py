@@ -1,5 +1,5 @@
 """Exact Emu3 sample lengths for packing plans: what the length index of token shards records,
-and how `mmdata pack-plan` turns it into one length per sample.
+and how pack-plan (mmdata/packing/emu3.py) turns it into one length per sample.
 
 An Emu3 sample's encoded length depends on its task (understanding, or caption -> image
 generation, whose caption classifier-free guidance may drop) and on the text tokenizer and
@@ -29,9 +29,11 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
 from mmdata.energon_loaders.emu3.tasks import (DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING, Emu3Tasks,
                                                generation_caption)
 from mmdata.energon_loaders.sequence import ConversationError
+from mmdata.local_tokenizer import load_local_tokenizer
 
 UNENCODABLE = -1  # the task encoder skips the sample in that task
 #: a plan's per-sample choice (its `variant` column), handed to the encoder as the subflavor
@@ -66,9 +68,6 @@ def uncond_prompt_tokens(tokenizer_path: str | Path, prompt: str) -> int:
     default: Emu3Tasks.generation renders [bos] + prompt + block + [eos])."""
     if not prompt:
         return 0
-    from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
-    from mmdata.local_tokenizer import load_local_tokenizer
-
     return len(hf_text_encoder(load_local_tokenizer(tokenizer_path, "tokenizer"))(prompt))
 
 
@@ -93,23 +92,13 @@ class Emu3PlanGeometry:
         return cls(d["tokenizer_sha256"], d["system_prompt"], d["uncond_prompt"], dict(d["tasks"]),
                    float(d["p_uncond"]))
 
-    @classmethod
-    def from_recipe(cls, recipe) -> Emu3PlanGeometry:
-        """The geometry of an Emu3 recipe's loader (its `data:` task keys, `tokenizer.path`)."""
-        from mmdata.preprocess.lengths import tokenizer_fingerprint
-
-        d, path = recipe.data, recipe.tokenizer.path
-        if path is None:
-            raise FileNotFoundError("tokenizer.path is not set: an Emu3 plan is checked against its tokenizer")
-        return cls(tokenizer_fingerprint(path), d.system_prompt, d.uncond_prompt, dict(d.tasks), float(d.p_uncond))
-
     def differences(self, want: Emu3PlanGeometry) -> list[str]:
         """`field plan X (recipe: Y)` for each setting that differs."""
         have_d, want_d = self.as_dict(), want.as_dict()
         return [f"{k} {_short(have_d[k])} (recipe: {_short(want_d[k])})" for k in have_d if have_d[k] != want_d[k]]
 
     def remedy(self, shards: Path, seq_length: int) -> str:
-        return f"run `mmdata pack-plan {shards} --recipe RECIPE.yaml --set train.seq_length={seq_length}` (the recipe's " \
+        return f"run `mmtrain pack-plan RECIPE.yaml {shards} --set train.seq_length={seq_length}` (the recipe's " \
                "tokenizer.path and data.tasks / p_uncond / uncond_prompt / system_prompt)"
 
 

@@ -59,6 +59,7 @@ from mmtrain.runtime.checkpoint.weights import (
 )
 from mmtrain.runtime.child_processes import install_writer_results_queue
 from mmtrain.runtime.distributed import ParallelContext, barrier, seed_model_parallel
+from mmtrain.runtime.optimizer import torch_adam_load
 
 # Fault injection for the crash-consistency tests only (tests/test_train_reliability.py):
 # "STEP:POINT" SIGKILLs rank 0 while saving checkpoint STEP, after the part named POINT is staged
@@ -174,8 +175,9 @@ class OptimizerState:
                     _describe(saved.optimizer), _describe(self.kind),
                 )  # fmt: skip
             return False
-        loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(ckpt / self.name))
-        self.optimizer.load_state_dict(loaded)
+        with torch_adam_load(self.optimizer):  # megatron's DistOpt without TE/apex (CPU, some GPU nodes)
+            loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(ckpt / self.name))
+            self.optimizer.load_state_dict(loaded)
         return True
 
 
