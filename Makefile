@@ -1,7 +1,8 @@
 # The README's two commands: `make demo` and `make test`. Both create/refresh .venv first.
-# Tiers: `make test-unit` (pure functions, in-process models: -m unit), `make test` (everything
-# but the slow tier: unit + integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host,
-# its own python3 and torch), `make wheelhouse` (the GPU node's offline install, docs/gpu.md).
+# Tiers: `make test-unit` (-m unit: pure functions and in-process models, no slow test and no other
+# process; tests/tier_guard.py refuses both), `make test` (everything but the slow tier: unit +
+# integration), `make test-slow`, `make test-all`, `make test-gpu` (GPU host, its own python3 and
+# torch), `make wheelhouse` (the GPU node's offline install, docs/gpu.md).
 PYTHON ?= python3.11
 NODE_PYTHON ?= python3
 VENV   := .venv
@@ -31,9 +32,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh $(DEMO)
 
-# pyflakes, error-prone pycodestyle rules and bugbear; the rule set is in pyproject.toml.
+# pyflakes, error-prone pycodestyle rules and bugbear (the rule set is in pyproject.toml), then mypy
+# on the training runtime and the Ray jobs' stage runner ([tool.mypy]; each `type: ignore` says why).
 lint: $(STAMP)
 	$(PY) -m ruff check mmdata mmtrain tests benchmarks scripts
+	$(PY) -m mypy mmtrain/runtime mmdata/stage_runner.py
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -60,4 +63,4 @@ wheelhouse: $(STAMP)
 	$(PY) scripts/wheelhouse.py --out wheelhouse
 
 clean:
-	rm -rf $(DEMO) .pytest_cache
+	rm -rf $(DEMO) .pytest_cache .mypy_cache

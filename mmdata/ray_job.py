@@ -96,7 +96,7 @@ RAY_AUTH_ENABLED_NOTICE = "Token authentication is enabled for this Ray cluster"
 #: the logger of that notice (Ray's module logger). Only a name handed to the standard `logging`
 #: module, which matches it as text: nothing of Ray's is imported or called through it, and when
 #: Ray moves the module the filter simply no longer applies (the notice shows; nothing breaks).
-#: tests/test_no_private_ray.py counts imports and attribute uses of Ray's private modules, not
+#: tests/test_private_names.py counts imports and attribute uses of libraries' private names, not
 #: this string.
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # gated-private-api: a logger name only
 

@@ -1,26 +1,21 @@
-"""Shared fixtures.
-
-`synth_raw_dir`: 120 synthetic Infinity-MM records (seed 0, no broken ones) in the real
-on-disk layout (stageN/<subset>/*.tar). `shards_dir`: that dataset through `mmdata preprocess`
-(seed 0, 32 samples per shard, local Ray with 2 CPUs) -> energon-ready shards + manifest.
-Both are session-scoped and read-only for tests: copy before modifying.
+"""Shared fixtures: the fixture modules (`pytest_plugins` below; e.g. `synth_raw_dir` and
+`shards_dir` in tests/fixtures_preprocess.py) and the CPU adaptations' clean-up.
 
 `megatron_cpu`: megatron's model-parallel state (TP=1, PP=1) and the CPU adaptations
 (`mmtrain.runtime.cpu_compat`) for one test. The adaptations patch torch and megatron process
 wide, so they are undone after every test (`_no_leaked_patches`): a test that needs them asks for
 this fixture (or calls `ensure_model_parallel`, which applies them).
 
-Tiers: `-m unit` (pure functions and in-process models, no other processes: `make test-unit`),
-the rest is integration (Ray jobs, torchrun workers, training subprocesses); `-m slow` marks the
-heaviest of them (`make test-slow`).
+Tiers: `-m unit` (pure functions and in-process models, no slow test and no other process,
+enforced by tests/tier_guard.py: `make test-unit`), the rest is integration (Ray jobs, torchrun
+workers, training subprocesses); `-m slow` marks the heaviest of them (`make test-slow`).
+Test modules do not import each other: what several share lives in a fixture module.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 # The CPU tiers hide CUDA before anything imports torch, so a GPU host runs them unchanged (every
 # device decision keys on the run's device, and the run's device is then the CPU). The GPU tier
@@ -30,19 +25,17 @@ if os.environ.get("MMTRAIN_GPU_TESTS") != "1":
 
 import pytest  # noqa: E402
 
-SYNTH_NUM_SAMPLES = 120
-SYNTH_SEED = 0
-SHARDS_SAMPLES_PER_SHARD = 32
-
-
-def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `mmdata preprocess` in a subprocess (its own Ray instance, nothing left in pytest)."""
-    cmd = [sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", *args]
-    full_env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+# The tier guard and the fixture modules, registered once for the whole session (a fixture imported
+# into several test modules instead is registered, and a session fixture built, once per module).
+# They stay light at import (heavy imports inside the fixtures): every pytest run loads them.
+pytest_plugins = [
+    "tests.tier_guard",
+    "tests.fixtures_preprocess",
+    "tests.fixtures_training",
+    "tests.fixtures_convert",
+    "tests.emu3_tiny",
+    "tests.inspect_fixtures",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -68,19 +61,3 @@ def megatron_cpu():
     ensure_model_parallel(1, 1)
 
 
-@pytest.fixture(scope="session")
-def synth_raw_dir(tmp_path_factory) -> Path:
-    from mmdata.dev.synth import generate_records, write_infinity_mm
-
-    out = tmp_path_factory.mktemp("synth") / "raw"
-    write_infinity_mm(generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED, synthetic=True), out, samples_per_tar=20)
-    return out
-
-
-@pytest.fixture(scope="session")
-def shards_dir(tmp_path_factory, synth_raw_dir) -> Path:
-    out = tmp_path_factory.mktemp("shards") / "shards"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
-                       "--seed", str(SYNTH_SEED), "--samples-per-shard", str(SHARDS_SAMPLES_PER_SHARD),
-                       "--num-cpus", "2")
-    return out

@@ -1,4 +1,4 @@
-"""Tiny offline Emu3 assets shared by the Emu3 tests (import the fixtures into a test module).
+"""Tiny offline Emu3 assets shared by the Emu3 tests (fixtures registered in tests/conftest.py).
 
 `emu3_tok_dir`: the tiny Emu3-layout tokenizer; `tiny_vq_dir`: the tiny random VQ (seed 0);
 `emu3_dev_shards`: 16 records in our shard format covering every path of the tokenizing job
@@ -7,7 +7,8 @@ bytes, an aspect ratio the processor refuses, a video); `token_dir`: those shard
 `mmdata tokenize-images` (2 CPUs, 3 samples per chunk, the length index counted with
 `emu3_tok_dir`); `demo_token_dir`: the conftest's
 synthetic Infinity-MM shards tokenized the same way (what Emu3 trains on in the tests and the
-demo). Session-scoped (built once per session however many modules import them), read-only.
+demo). Session-scoped (built once per session), read-only. `emu3_hf` (module-scoped): a tiny HF
+Emu3 saved with its tokenizer and VQ; `hf_emu3_generate`: transformers' text-to-image generation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.session_fixtures import session_fixture
@@ -196,3 +198,34 @@ def demo_token_dir(tmp_path_factory, shards_dir, tiny_vq_dir) -> Path:
     out = tmp_path_factory.mktemp("emu3_demo_tokens") / "tokens"
     run_tokenize_cli(*tokenize_args(shards_dir, tiny_vq_dir, out, "--num-cpus", "2"))
     return out
+
+
+@pytest.fixture(scope="module")
+def emu3_hf(emu3_tok_dir, tiny_vq_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
+    model = tiny_hf_emu3(tok, tiny_vq_dir, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, noise=0.05)
+    return save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, tmp_path_factory.mktemp("gen_emu3") / "hf"), model
+
+
+def hf_emu3_generate(model, prompt_ids, negative_ids, rows, cols, scale):
+    """transformers' Emu3 text-to-image generation as its docs (and the Emu3 reference) run it."""
+    import torch
+
+    from mmtrain.emu3.hf_reference import emu3_prefix_constraint
+
+    vocab = model.model.vocabulary_mapping
+    visual = vocab.image_tokens
+    cfg = model.config.text_config
+    eol, eof, eoi = vocab.vocab_map["<|extra_200|>"], vocab.vocab_map["<|extra_201|>"], vocab.vocab_map["<|image end|>"]
+    img = vocab.vocab_map["<|image token|>"]
+
+    allowed = emu3_prefix_constraint(rows, cols, img, eol, eof, eoi, cfg.eos_token_id, cfg.pad_token_id, visual)
+
+    ids = torch.as_tensor(prompt_ids)[None]
+    kw = dict(guidance_scale=scale, negative_prompt_ids=torch.as_tensor(negative_ids)[None]) if scale != 1 else {}
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False,
+                             prefix_allowed_tokens_fn=allowed, **kw)
+    return out[0, ids.shape[1]:]

@@ -1,13 +1,13 @@
-"""Session fixtures of the inspect tests (imported by tests/test_inspect*.py and
-tests/test_notebook*.py). A fixture imported into two modules is registered twice by pytest,
-so the preprocess run is cached here to happen once per session."""
+"""Session fixtures of the inspect tests (tests/test_inspect*.py and tests/test_notebook*.py;
+registered in tests/conftest.py). The preprocess run is also cached here by session, so a module
+that imports the fixture still builds it once."""
 
 from __future__ import annotations
 
 import pytest
 
 from mmdata.dev.synth import SynthRecord, generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 BROKEN_NUM_SAMPLES = 50
 BROKEN_SEED = 3

@@ -1,10 +1,13 @@
-"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads)."""
+"""Tiny random HF LLaVA-OV / Qwen2 / SigLIP models and inputs for the parity tests (no downloads),
+and the HF processor our anyres layout is checked against."""
 
 from __future__ import annotations
+
 
 import numpy as np
 import torch
 from PIL import Image
+from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
 
 from mmdata.energon_loaders.llava_ov import anyres
 
@@ -99,3 +102,27 @@ def export_processor(d):
     settings = {k: v for k, v in settings.items() if not isinstance(v, dict)}
     return Images(image_processor=AutoImageProcessor.from_pretrained(d), tokenizer=AutoTokenizer.from_pretrained(d),
                   video_processor=None, chat_template=(d / "chat_template.jinja").read_text(), **settings)
+class ImagesOnlyProcessor(LlavaOnevisionProcessor):
+    """The real HF processor; only its class check for the (absent, torchvision-based) video
+    processor is relaxed, since we pass images only."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def hf_image_processor(image_size: int = 384, grid_max: int = 6) -> LlavaOnevisionImageProcessorPil:
+    return LlavaOnevisionImageProcessorPil(
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        size={"height": image_size, "width": image_size},
+        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(image_size, grid_max)],
+    )
+
+
+
+
+def hf_llava_processor(tok):
+    return ImagesOnlyProcessor(image_processor=hf_image_processor(IMAGE_SIZE, 6), tokenizer=tok, video_processor=None,
+                      num_image_tokens=(IMAGE_SIZE // PATCH) ** 2, vision_feature_select_strategy="full")

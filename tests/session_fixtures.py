@@ -3,7 +3,9 @@
 pytest registers a fixture imported into several test modules once per module, and builds a
 session-scoped one again for each (the Emu3 token shards: a Ray job each time; a base training
 run: a training process each time). The value is kept here by session (its base temp dir) and
-fixture name, as tests/inspect_fixtures.py keeps its dataset.
+fixture name, as tests/inspect_fixtures.py keeps its dataset. The fixture modules are registered
+once in tests/conftest.py (`pytest_plugins`), which alone builds each once; the cache keeps a module
+that still imports a fixture (tests/gpu/) from building it again.
 """
 
 from __future__ import annotations

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
+from transformers import LlavaOnevisionImageProcessorPil
 from transformers.models.llava_onevision.modeling_llava_onevision import unpad_image
 
 from mmdata.energon_loaders.llava_ov import anyres
+from tests.llava_tiny import ImagesOnlyProcessor, hf_image_processor
 
-pytestmark = pytest.mark.unit
+# `unit` test by test: the HF sweep is slow and the warnings check starts a subprocess
 
 torch.set_num_threads(1)
 
@@ -27,32 +28,13 @@ FAST_SIZES = [(1, 1), (20, 20), (32, 2000), (2000, 32), (384, 384), (385, 383), 
 SLOW_SIZES = FAST_SIZES + [(10, 3000), (3000, 10), (383, 385), (767, 769), (1152, 1153), (2304, 2304), (4000, 300), (123, 4567), (999, 1001), (2305, 1)]
 
 
-class _Processor(LlavaOnevisionProcessor):
-    """The real HF processor; only its class check for the (absent, torchvision-based) video
-    processor is relaxed, since we pass images only."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def _hf_image_processor(image_size: int = 384, grid_max: int = 6) -> LlavaOnevisionImageProcessorPil:
-    return LlavaOnevisionImageProcessorPil(
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-        size={"height": image_size, "width": image_size},
-        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(image_size, grid_max)],
-    )
-
-
 @pytest.fixture(scope="module")
 def hf_processor(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    return _Processor(
-        image_processor=_hf_image_processor(),
+    return ImagesOnlyProcessor(
+        image_processor=hf_image_processor(),
         tokenizer=tok,
         video_processor=None,
         num_image_tokens=729,
@@ -77,10 +59,12 @@ def _count_expanded(processor, images, text: str) -> int:
     return int((out["input_ids"] == processor.image_token_id).sum())
 
 
+@pytest.mark.unit
 def test_grid_pinpoints_match_hf_default():
     assert [list(p) for p in anyres.grid_pinpoints()] == LlavaOnevisionImageProcessorPil.image_grid_pinpoints
 
 
+@pytest.mark.unit
 def test_known_token_counts():
     # worked values from the reference notes
     assert anyres.num_image_tokens(384, 384) == 1485
@@ -91,6 +75,7 @@ def test_known_token_counts():
     assert anyres.num_video_tokens(8) == 8 * 196 + 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("size", FAST_SIZES)
 def test_pixels_and_tokens_match_hf(size, hf_processor):
     h, w = size
@@ -117,6 +102,7 @@ def test_pixels_match_hf_sweep(size, hf_processor):
     assert ours.num_tokens == _count_expanded(hf_processor, [image], "<image> describe")
 
 
+@pytest.mark.unit
 def test_token_count_sweep_matches_hf_counter(hf_processor):
     """Wide sweep of sizes through HF's own counting routine (the one `__call__` uses)."""
     rng = np.random.default_rng(0)
@@ -126,6 +112,7 @@ def test_token_count_sweep_matches_hf_counter(hf_processor):
     assert [anyres.num_image_tokens(h, w) for h, w in sizes] == hf
 
 
+@pytest.mark.unit
 def test_multi_image_and_rgba_match_hf(hf_processor):
     images = [_random_image(300, 500), _random_image(90, 40), _random_image(64, 64)]
     rgba = Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 4), dtype=np.uint8), "RGBA")
@@ -142,6 +129,7 @@ def test_multi_image_and_rgba_match_hf(hf_processor):
     assert (anyres.process_image(rgba).pixel_values - single).abs().max().item() <= 1e-5
 
 
+@pytest.mark.unit
 def test_video_token_count_matches_hf(hf_processor):
     for frames in (1, 4, 8, 32):
         hf = hf_processor._get_num_multimodal_tokens(video_sizes=[(frames, 100, 100)])["num_video_tokens"][0]
@@ -154,14 +142,15 @@ def test_video_token_count_matches_hf(hf_processor):
     assert (out.pixel_values[1] - ref).abs().max().item() <= 1e-5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("image_size,patch_size", [(28, 14), (56, 14), (32, 8)])
 def test_tiny_vision_configs_match_hf(image_size, patch_size, tiny_tokenizer_dir):
     """Tiny SigLIP configs used by the model tests: same rules, scaled."""
     from transformers import AutoTokenizer
 
     pps = image_size // patch_size
-    proc = _Processor(
-        image_processor=_hf_image_processor(image_size),
+    proc = ImagesOnlyProcessor(
+        image_processor=hf_image_processor(image_size),
         tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir),
         video_processor=None,
         num_image_tokens=pps * pps,
@@ -178,6 +167,7 @@ def test_tiny_vision_configs_match_hf(image_size, patch_size, tiny_tokenizer_dir
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("size", [(20, 20), (32, 2000), (480, 640), (1080, 1920), (2600, 2400), (700, 100)])
 def test_feature_shape_matches_hf_model_unpad(size):
     """The model-side shape arithmetic equals HF's unpad_image + anyres_max interpolate."""
@@ -192,6 +182,7 @@ def test_feature_shape_matches_hf_model_unpad(size):
     assert anyres.unpadded_feature_shape(h, w, rows, cols, 27, 9) == tuple(unpadded.shape[1:])
 
 
+@pytest.mark.unit
 def test_grid_shape_matches_hf_best_resolution_on_every_side_class():
     """anyres_grid_shape's direct covering-grid answer equals HF's `select_best_resolution` loop:
     every side length around each tile boundary (k*S - 1, k*S, k*S + 1) crossed with every other,
@@ -209,6 +200,7 @@ def test_grid_shape_matches_hf_best_resolution_on_every_side_class():
             assert anyres.anyres_grid_shape(h, w, image_size, grid_max) == (best_h // image_size, best_w // image_size), (h, w)
 
 
+@pytest.mark.unit
 def test_max_tiles_changes_only_the_shrink():
     image = _random_image(1080, 1920)
     a, b = anyres.process_image(image, max_tiles=9), anyres.process_image(image, max_tiles=4)

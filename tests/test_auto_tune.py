@@ -26,7 +26,7 @@ from mmtrain.planning.search_space import (
 )
 from mmtrain.planning.trials import TrialResult, measure
 
-pytestmark = pytest.mark.unit
+# `unit` test by test: the real search is slow (two training processes per trial)
 
 REPO = Path(__file__).resolve().parents[1]
 AQUILA = REPO / "recipes" / "aquila-vl-2b.yaml"
@@ -63,6 +63,7 @@ class Simulated:
 # ----------------------------------------------------------------------------- search space
 
 
+@pytest.mark.unit
 def test_space_holds_only_layouts_megatron_accepts(tmp_path):
     r = _recipe(tmp_path)  # world 8, 12 heads / 2 KV groups, 28 layers, gbs 512
     layouts = candidate_layouts(SpaceContext(r, LLAVA_OV.model_shapes(r.model), on_cuda=True))
@@ -83,6 +84,7 @@ def test_space_holds_only_layouts_megatron_accepts(tmp_path):
     assert {L.distributed_optimizer for L in cpu} == {r.parallel.distributed_optimizer}
 
 
+@pytest.mark.unit
 def test_user_lists_restrict_the_space(tmp_path):
     r = _recipe(tmp_path, "auto_tune.tp=[2]", "auto_tune.pp=[1, 3]", "auto_tune.micro_batch_size=[1, 2]",
                 "auto_tune.recompute=[full]", "auto_tune.sequence_parallel=[true]")
@@ -94,6 +96,7 @@ def test_user_lists_restrict_the_space(tmp_path):
     assert at.fingerprint(apply_layout(r, layouts[0].with_(vision_tp=1, micro_batch_size=2))) == at.fingerprint(r)
 
 
+@pytest.mark.unit
 def test_needs_more_memory_orders_only_memory_dimensions(tmp_path):
     base = candidate_layouts(SpaceContext(_tiny(tmp_path), LLAVA_OV.model_shapes(_tiny(tmp_path).model), False))[0]
     small = base.with_(micro_batch_size=1, recompute="full")
@@ -107,6 +110,7 @@ def test_needs_more_memory_orders_only_memory_dimensions(tmp_path):
     assert not needs_more_memory(small, small.with_(recompute_num_layers=1))
 
 
+@pytest.mark.unit
 def test_virtual_stages_join_the_search_space(tmp_path):
     """vpp is a dimension: 2 and 4 where the decoder splits into pp*vpp chunks and the
     micro-batches per DP rank come in groups of pp. The recipe's uneven split goes with the
@@ -133,6 +137,7 @@ def test_virtual_stages_join_the_search_space(tmp_path):
         load_recipe_dict(recipe_to_dict(chosen), family=r.family, source="best.yaml")  # a valid recipe
 
 
+@pytest.mark.unit
 def test_recomputing_some_layers_sits_between_none_and_full(tmp_path):
     from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
 
@@ -155,6 +160,7 @@ def test_recomputing_some_layers_sits_between_none_and_full(tmp_path):
 # ----------------------------------------------------------------------------- memory pruning and order
 
 
+@pytest.mark.unit
 def test_memory_model_prunes_and_orders(tmp_path):
     r = _recipe(tmp_path, "auto_tune.min_memory_fraction=0.3")  # band 24..72 GiB of 80
     cands = at.evaluate(r, LLAVA_OV, on_cuda=True)
@@ -178,6 +184,7 @@ def test_memory_model_prunes_and_orders(tmp_path):
     assert base.est_mem_gib < 68 and not base.status
 
 
+@pytest.mark.unit
 def test_context_parallelism_divides_the_activations(tmp_path):
     r = _recipe(tmp_path)
     by_cp = {c.layout.cp: c for c in at.evaluate(r, LLAVA_OV, on_cuda=True)
@@ -188,6 +195,7 @@ def test_context_parallelism_divides_the_activations(tmp_path):
     assert by_cp[2].layout.dp == by_cp[1].layout.dp // 2
 
 
+@pytest.mark.unit
 def test_calibration_file_moves_the_estimates(tmp_path):
     cal = Calibration(memory_offset_gib=2.0, memory_scale=1.5, time_scale=3.0)
     path = cal.save(tmp_path / "cal.yaml")
@@ -203,6 +211,7 @@ def test_calibration_file_moves_the_estimates(tmp_path):
                                             LLAVA_OV).text
 
 
+@pytest.mark.unit
 def test_calibration_fit_and_leave_one_out_error():
     est = [1.0, 2.0, 3.0, 4.0]
     meas = [0.5 + 2 * e for e in est]  # an offset and a scale
@@ -216,6 +225,7 @@ def test_calibration_fit_and_leave_one_out_error():
 # ----------------------------------------------------------------------------- trials and history
 
 
+@pytest.mark.unit
 def test_oom_prunes_the_layouts_it_dominates(tmp_path):
     r = _tiny(tmp_path, "auto_tune.max_trials=40", "auto_tune.slow_margin=100")
     sim = Simulated(oom_mbs=2)
@@ -233,6 +243,7 @@ def test_oom_prunes_the_layouts_it_dominates(tmp_path):
     assert res.exit_code == 0
 
 
+@pytest.mark.unit
 def test_slow_results_prune_what_cannot_beat_the_best(tmp_path):
     r = _tiny(tmp_path, "auto_tune.max_trials=40", "auto_tune.slow_margin=0")
     sim = Simulated()
@@ -242,6 +253,7 @@ def test_slow_results_prune_what_cannot_beat_the_best(tmp_path):
     assert len(sim.ran) + len(slow) + sum(c.status == at.PRUNED_MEMORY for c in res.candidates) == len(res.candidates)
 
 
+@pytest.mark.unit
 def test_budget_stops_the_search_and_best_yaml_is_the_best_measured(tmp_path):
     r = _tiny(tmp_path, "auto_tune.max_trials=3", "auto_tune.slow_margin=100")
     sim = Simulated()
@@ -267,6 +279,7 @@ def test_budget_stops_the_search_and_best_yaml_is_the_best_measured(tmp_path):
     assert (res.csv_path.parent / "calibration.yaml").exists()
 
 
+@pytest.mark.unit
 def test_minutes_budget_stops_the_search(tmp_path, monkeypatch):
     """A clock that advances 4 minutes per reading: auto_tune.max_minutes=10 allows 2 trials."""
     clock = iter(range(0, 10**6, 240))
@@ -278,6 +291,7 @@ def test_minutes_budget_stops_the_search(tmp_path, monkeypatch):
     assert all("max_minutes=10 spent" in c.reason for c in res.candidates if c.status == at.NOT_RUN)
 
 
+@pytest.mark.unit
 def test_rerun_reuses_finished_trials(tmp_path):
     r = _tiny(tmp_path, "auto_tune.max_trials=3", "auto_tune.slow_margin=100")
     first = Simulated()
@@ -294,6 +308,7 @@ def test_rerun_reuses_finished_trials(tmp_path):
     assert other.ran[:1] == first.ran[:1]
 
 
+@pytest.mark.unit
 def test_failures_are_classified_from_the_trial_log(tmp_path):
     r = _tiny(tmp_path)
     (tmp_path / "trial.log").write_text("step 1\nTraceback...\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n")
@@ -317,6 +332,7 @@ def test_failures_are_classified_from_the_trial_log(tmp_path):
     assert ok.peak_mem_gib == [0.25, 0.5] and ok.max_peak_gib == 0.5
 
 
+@pytest.mark.unit
 def test_nothing_fits_exits_non_zero(tmp_path, capsys):
     res = at.run_auto_tune(_recipe(tmp_path, "auto_tune.device_memory_gb=1"), LLAVA_OV, out=io.StringIO(),
                            trial_fn=Simulated())
@@ -334,6 +350,7 @@ def test_nothing_fits_exits_non_zero(tmp_path, capsys):
     assert load_recipe(tmp_path / "cli" / "auto_tune" / "best.yaml", family="llava-ov").action == "run"
 
 
+@pytest.mark.unit
 def test_trials_refuse_what_cannot_start(tmp_path):
     """Checked once before the first trial: a multi-node recipe, and the checks of action: run."""
     from mmdata.errors import UserError
@@ -344,6 +361,7 @@ def test_trials_refuse_what_cannot_start(tmp_path):
         at.check_trials_can_start(_tiny(tmp_path, f"data.paths=[{tmp_path / 'missing'}]"), LLAVA_OV)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["auto_tune.memory_fraction=1.5", "auto_tune.tp=[0]", "auto_tune.device_tflops=0",
                                  "auto_tune.min_memory_fraction=0.95", "auto_tune.trial_steps=2",
                                  "auto_tune.max_minutes=0", "parallel.recompute_num_layers=-1"])

@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_train_reliability import _args, _run_killed
-from tests.test_train_runtime import metrics, read_dist_ckpt, tokenizer_dir, train  # noqa: F401 - a fixture
+from tests.fixtures_training import metrics, read_dist_ckpt, run_killed, train, train_args
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 
@@ -197,7 +196,7 @@ COMMON = ("data.sharding=replicated", "train.iters=4", "logging.interval=1")
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory, shards_dir, tokenizer_dir):  # noqa: F811
+def killed_and_resumed(tmp_path_factory, shards_dir, tokenizer_dir):
     """The bf16 distributed-optimizer run at DP 2 with checkpoints every 2 steps, SIGKILLed while
     saving step 4 (its steps 1-4 ran uninterrupted); resumed from step 2 at DP 1 up to step 3 (a
     checkpoint at 3); resumed from there at DP 2 to step 4. Returns the run dir and the metrics of
@@ -206,8 +205,8 @@ def killed_and_resumed(tmp_path_factory, shards_dir, tokenizer_dir):  # noqa: F8
 
     tmp = tmp_path_factory.mktemp("bf16_distopt")
     run = tmp / "run"
-    args = _args(run, shards_dir, tokenizer_dir, *COMMON, *BF16_DISTOPT, "checkpoint.interval=2", nproc=2)
-    rc, err = _run_killed(args, tmp / "killed.log", **{KILL_IN_SAVE_ENV: "4:model"})
+    args = train_args(run, shards_dir, tokenizer_dir, *COMMON, *BF16_DISTOPT, "checkpoint.interval=2", nproc=2)
+    rc, err = run_killed(args, tmp / "killed.log", **{KILL_IN_SAVE_ENV: "4:model"})
     assert rc != 0 and "Signal 9 (SIGKILL)" in err, f"not killed ({rc})\n{err[-3000:]}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     killed = metrics(run)
@@ -253,7 +252,7 @@ def test_bf16_distributed_optimizer_resumes_at_dp1_and_back_at_dp2(killed_and_re
 
 @cpu_only
 @pytest.mark.slow
-def test_bf16_losses_stay_within_tolerance_of_fp32(killed_and_resumed, tmp_path, shards_dir, tokenizer_dir):  # noqa: F811
+def test_bf16_losses_stay_within_tolerance_of_fp32(killed_and_resumed, tmp_path, shards_dir, tokenizer_dir):
     """The same 4 steps in fp32 (same seed, init, samples; the distributed optimizer too): every
     bf16 loss within BF16_REL of the fp32 one."""
     _, killed, _, _ = killed_and_resumed
@@ -269,7 +268,7 @@ def test_bf16_losses_stay_within_tolerance_of_fp32(killed_and_resumed, tmp_path,
 
 @cpu_only
 @pytest.mark.slow
-def test_an_lr0_step_keeps_the_loaded_bf16_weights(killed_and_resumed, tmp_path, shards_dir, tokenizer_dir):  # noqa: F811
+def test_an_lr0_step_keeps_the_loaded_bf16_weights(killed_and_resumed, tmp_path, shards_dir, tokenizer_dir):
     """B2 on the real optimizer: the distributed optimizer's fp32 main params are made at
     construction, from the random init; a start from weights only (no optimizer state) must
     reload them from the loaded weights (`reload_model_params`), or the first step writes the

@@ -94,7 +94,6 @@ def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
                 yield from _subcommands(sub, path + (name,))
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("which", ["mmdata", "mmtrain"])
 def test_help_of_every_command_renders_and_describes_every_option(which, capsys):
     build, main = {"mmdata": (mmdata_parser, mmdata_main), "mmtrain": (mmtrain_parser, mmtrain_main)}[which]

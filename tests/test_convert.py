@@ -12,33 +12,10 @@ from safetensors.torch import load_file, save_file
 
 torch.set_num_threads(1)
 
+from tests.fixtures_convert import convert_cli, torchrun  # noqa: E402
 from tests.llava_tiny import hf_image_inputs, hf_llava, images, text_config, vision_config  # noqa: E402
 
 
-def _cli(*argv: str) -> int:
-    from mmtrain.cli import main
-
-    return main(["convert", *argv])
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf")
-    model = hf_llava(seed=1)
-    model.save_pretrained(d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
-    return d, model
-
-
-@pytest.fixture(scope="module")
-def converted(hf_dir, tmp_path_factory):
-    src, _ = hf_dir
-    dst = tmp_path_factory.mktemp("ckpt")
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst)) == 0
-    return dst
-
-
-@pytest.mark.unit
 def test_checkpoint_layout(converted):
     from mmtrain.runtime.checkpoint.layout import find_latest_iteration
     from mmtrain.runtime.checkpoint.weights import load_model_config_dict
@@ -50,13 +27,12 @@ def test_checkpoint_layout(converted):
     assert cfg["llm"]["num_layers"] == 2 and cfg["vision"]["image_size"] == 30
 
 
-@pytest.mark.unit
 def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted, tmp_path):
     from transformers import LlavaOnevisionForConditionalGeneration
 
     src, model = hf_dir
     out = tmp_path / "hf_out"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted), "--dst", str(out)) == 0
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted), "--dst", str(out)) == 0
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(a) == set(b)
     for k in a:
@@ -68,7 +44,6 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
-@pytest.mark.unit
 def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
     from mmtrain.llava_ov import load_llava_ov
 
@@ -85,7 +60,6 @@ def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
         assert (out - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_sharded_export_writes_an_index(converted, tmp_path):
     from mmtrain.llava_ov.conversion import mcore_to_hf
     from mmtrain.models.hf_io import SafetensorsReader
@@ -197,7 +171,6 @@ def test_siglip_alone_parity_drop_last_layer_and_round_trip():
     assert (out2 - ref.hidden_states[2]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
@@ -212,7 +185,7 @@ def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     build_tiny_qwen2_tokenizer(tmp_path / "llm")  # the media ids are read from the LLM's tokenizer
     vis = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"}))
     vis.save_pretrained(tmp_path / "vis")
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
+    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
                 "--dst", str(tmp_path / "ck")) == 0
     cfg = saved_model_config(tmp_path / "ck")
     assert cfg.vision.num_layers == 2 and cfg.llm.num_layers == 2
@@ -292,19 +265,19 @@ def test_bad_inputs_name_the_tensor_or_key(hf_dir, tmp_path):
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
     """The registry's families are the --model choices; a half-given assembly and a missing source
     are one line, exit 2, before anything is written."""
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path), "--dst", str(tmp_path / "o")) == 2
+    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path), "--dst", str(tmp_path / "o")) == 2
     assert "give either --src HF_DIR, or all of --llm DIR --vision DIR" in capsys.readouterr().err
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "o")) == 2
+    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "o")) == 2
     assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'missing'} does not exist")
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "none"), "--dst", str(tmp_path / "o")) == 2
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "none"), "--dst", str(tmp_path / "o")) == 2
     assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'none'} does not exist")
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path), "--dst", str(tmp_path / "o"),
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path), "--dst", str(tmp_path / "o"),
                 "--vq", str(tmp_path)) == 2  # an export source of another family
     assert "mcore-to-hf --model llava-ov takes no --vq" in capsys.readouterr().err
     for bad in (["mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")],  # --src is required
                 ["hf-to-mcore", "--model", "chameleon", "--src", str(tmp_path), "--dst", str(tmp_path / "o")]):
         with pytest.raises(SystemExit) as exit_:
-            _cli(*bad)
+            convert_cli(*bad)
         assert exit_.value.code == 2
     assert not (tmp_path / "o").exists()
 
@@ -312,26 +285,12 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys):
 # ----------------------------------------------------------------------------- TP=2 (2 processes)
 
 
-def _torchrun(script: Path, *args: str, nproc: int = 2) -> None:
-    import os
-    import subprocess
-    import sys
-
-    from mmtrain.runtime.distributed import free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-
 def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
     from mmtrain.llava_ov import load_llava_ov
 
     src, model = hf_dir
     result = tmp_path / "res.json"
-    _torchrun(Path(__file__).parent / "workers" / "llava_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"), str(result))
+    torchrun(Path(__file__).parent / "workers" / "llava_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"), str(result))
     res = json.loads(result.read_text())
     assert res["local_qkv_rows"] == (4 + 2 * 2) * 16 // 2  # half the (heads + 2 groups) * head_dim rows
     for key in ("from_hf", "from_tp1_ckpt", "sequence_parallel"):
@@ -359,7 +318,7 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
         ref = model(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]).logits
     for tp, pp in ((2, 1), (1, 2)):
         dst = tmp_path / f"tp{tp}pp{pp}"
-        assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst), "--tp", str(tp), "--pp", str(pp)) == 0
+        assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst), "--tp", str(tp), "--pp", str(pp)) == 0
         ours = load_llava_ov(dst)
         assert (ours(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]) - ref).abs().max().item() <= 1e-4
 
@@ -385,7 +344,6 @@ def test_hf_dir_as_initial_checkpoint_checks_the_recipe(hf_dir):
         load_hf_into_model([ours], src, bad)
 
 
-@pytest.mark.unit
 def test_weights_io_latest_fallback_and_config_mismatch(converted, tmp_path):
     import shutil
     from dataclasses import replace
@@ -426,11 +384,10 @@ def hf_dir_bf16(tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted_bf16(hf_dir_bf16, tmp_path_factory):
     dst = tmp_path_factory.mktemp("ckpt_bf16")
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(hf_dir_bf16[0]), "--dst", str(dst)) == 0
+    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(hf_dir_bf16[0]), "--dst", str(dst)) == 0
     return dst
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("source,dtype", [("", torch.float32), ("_bf16", torch.bfloat16)], ids=["fp32", "bf16"])
 def test_round_trip_keeps_the_source_dtype(request, source, dtype, tmp_path):
     """hf-to-mcore stores (and records) the source's dtype, mcore-to-hf writes it back, bit for
@@ -443,7 +400,7 @@ def test_round_trip_keeps_the_source_dtype(request, source, dtype, tmp_path):
     name = str(dtype).removeprefix("torch.")
     assert saved_model_config(ckpt).params_dtype == name == stored_dtype(ckpt)
     out = tmp_path / "out"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out)) == 0
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out)) == 0
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(a) == set(b) and all(b[k].dtype == a[k].dtype == dtype and torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "config.json").read_text())["dtype"] == name
@@ -454,7 +411,6 @@ def test_round_trip_keeps_the_source_dtype(request, source, dtype, tmp_path):
         assert size < 0.55 * fp32_size
 
 
-@pytest.mark.unit
 def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16, tmp_path):
     from transformers import LlavaOnevisionForConditionalGeneration
 
@@ -463,7 +419,7 @@ def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16,
 
     src, _ = hf_dir_bf16
     out = tmp_path / "fp32"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_bf16), "--dst", str(out),
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_bf16), "--dst", str(out),
                 "--dtype", "float32") == 0
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(b[k].dtype == torch.float32 and torch.equal(a[k].float(), b[k]) for k in a)  # bf16 -> fp32 is exact
@@ -471,13 +427,12 @@ def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16,
     assert LlavaOnevisionForConditionalGeneration.from_pretrained(out).dtype == torch.float32
 
     ckpt = tmp_path / "ck32"
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt), "--dtype", "float32") == 0
+    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt), "--dtype", "float32") == 0
     assert saved_model_config(ckpt).params_dtype == "float32" == stored_dtype(ckpt)
     with pytest.raises(SystemExit):
-        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(tmp_path / "x"), "--dtype", "int8")
+        convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(tmp_path / "x"), "--dtype", "int8")
 
 
-@pytest.mark.unit
 def test_export_of_a_bf16_training_checkpoint_is_bf16(hf_dir_bf16, converted_bf16, tmp_path):
     """A bf16 training saves bf16 weights with the recipe's model config (params_dtype float32 by
     default, parallel.precision=bf16): the export follows the stored weights, not that key."""
@@ -492,7 +447,7 @@ def test_export_of_a_bf16_training_checkpoint_is_bf16(hf_dir_bf16, converted_bf1
     run = tmp_path / "checkpoints"
     save_model_weights([model], run, iteration=5, model_config=replace(cfg, params_dtype="float32"))
     out = tmp_path / "hf"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(run), "--dst", str(out)) == 0
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(run), "--dst", str(out)) == 0
     a, b = load_file(hf_dir_bf16[0] / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

@@ -18,7 +18,7 @@ import yaml
 torch.set_num_threads(1)
 
 from tests.llava_tiny import IMAGE_SIZE, PATCH, export_processor, has_torchvision, hf_llava, images  # noqa: E402
-from tests.test_convert import _cli  # noqa: E402
+from tests.fixtures_convert import convert_cli  # noqa: E402
 
 IMAGE_ID, VIDEO_ID = 783, 784  # the tiny Qwen2 tokenizer's <image>/<video>
 #: what `mmtrain convert` printed before: optional accelerators absent, megatron deprecations
@@ -53,13 +53,12 @@ def exported(hf_tok_dir, tmp_path_factory):
     """hf-to-mcore then mcore-to-hf (a subprocess: its stderr is checked for warnings)."""
     src, _ = hf_tok_dir
     ckpt, out = tmp_path_factory.mktemp("ckpt_tok"), tmp_path_factory.mktemp("out") / "hf"
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt)) == 0
+    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt)) == 0
     proc = _mmtrain("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out))
     assert proc.returncode == 0, proc.stderr
     return ckpt, out, proc.stderr
 
 
-@pytest.mark.unit
 def test_export_has_the_processor_and_tiles_as_our_loader(exported):
     from mmdata.energon_loaders.llava_ov import anyres
 
@@ -129,7 +128,6 @@ def test_bin_checkpoints_read_like_safetensors(hf_tok_dir, tmp_path, shards):
     assert got.dtype() == ref.dtype() == source_dtype(b) == "float32"
 
 
-@pytest.mark.unit
 def test_sharded_bin_converts_at_tp2_quietly(hf_tok_dir, tmp_path):
     """The CLI on a sharded .bin dir, 2 spawned ranks: no internal error, no warnings."""
     from mmtrain.models.hf_io import SafetensorsReader
@@ -144,7 +142,7 @@ def test_sharded_bin_converts_at_tp2_quietly(hf_tok_dir, tmp_path):
         "hf-to-mcore: building the model", "hf-to-mcore: filling it from the source",
         "hf-to-mcore: saving the megatron checkpoint"], progress
     out = tmp_path / "hf"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "ck"), "--dst", str(out)) == 0
+    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "ck"), "--dst", str(out)) == 0
     a, c = SafetensorsReader(src), SafetensorsReader(out)
     assert a.keys() == c.keys() and all(torch.equal(a.get(k), c.get(k)) for k in a.keys())
 
@@ -162,7 +160,6 @@ def _fake_megatron(d: Path, model_config: dict) -> Path:
     return d
 
 
-@pytest.mark.unit
 def test_wrong_kind_or_family_is_one_line_exit_2(hf_tok_dir, exported, tmp_path, capsys):
     from dataclasses import asdict
 
@@ -186,7 +183,7 @@ def test_wrong_kind_or_family_is_one_line_exit_2(hf_tok_dir, exported, tmp_path,
         (["mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path)], "is not a megatron checkpoint"),
     ]
     for argv, said in cases:
-        assert _cli(*argv, "--dst", dst) == 2, argv
+        assert convert_cli(*argv, "--dst", dst) == 2, argv
         err = capsys.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, (argv, err)
     assert not (tmp_path / "o").exists()

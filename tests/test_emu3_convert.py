@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 torch.set_num_threads(1)
 
-from tests.emu3_tiny import emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: E402,F401
-from tests.test_convert import _cli, _torchrun  # noqa: E402
+from tests.emu3_tiny import save_hf_emu3, tiny_hf_emu3  # noqa: E402
+from tests.fixtures_convert import convert_cli, torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def hf_dir(emu3_tok_dir, tiny_vq_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(hf_dir, tmp_path_factory):
     dst = tmp_path_factory.mktemp("emu3_ckpt") / "ckpt"
-    assert _cli("hf-to-mcore", "--model", "emu3", "--src", str(hf_dir[0]), "--dst", str(dst)) == 0
+    assert convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(hf_dir[0]), "--dst", str(dst)) == 0
     return dst
 
 
@@ -42,13 +42,12 @@ def _inputs(vocab: int):
     return ids, mask
 
 
-@pytest.mark.unit
 def test_round_trip_is_bit_identical_and_keeps_the_vq(hf_dir, converted, tmp_path):
     from transformers import Emu3ForConditionalGeneration, Emu3VQVAE
 
     src, model = hf_dir
     out = tmp_path / "hf_out"
-    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(converted), "--dst", str(out)) == 0
+    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(converted), "--dst", str(out)) == 0
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(a) == set(b) and any(k.startswith("vqmodel.") for k in a)
     for k in a:
@@ -64,7 +63,6 @@ def test_round_trip_is_bit_identical_and_keeps_the_vq(hf_dir, converted, tmp_pat
     assert set(vq) == set(ref) and all(torch.equal(vq[k], ref[k]) for k in ref)
 
 
-@pytest.mark.unit
 def test_load_emu3_matches_hf_logits(hf_dir, converted):
     from mmtrain.emu3 import load_emu3
 
@@ -80,20 +78,19 @@ def test_load_emu3_matches_hf_logits(hf_dir, converted):
         assert (out[1, :29] - ref[1, :29]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_export_of_a_checkpoint_without_kept_vq(hf_dir, converted, emu3_tok_dir, tiny_vq_dir, tmp_path, capsys):
     from transformers import Emu3ForConditionalGeneration
 
     src, model = hf_dir
     bare = tmp_path / "bare"  # what training writes: weights and model config, no HF assets
     shutil.copytree(converted, bare, ignore=shutil.ignore_patterns("hf_assets"))
-    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(bare), "--dst", str(tmp_path / "x")) == 2
+    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(bare), "--dst", str(tmp_path / "x")) == 2
     assert "--vq VQ_DIR" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:  # --vq belongs to export only: argparse refuses it, exit 2
-        _cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(tmp_path / "y"), "--vq", str(src))
+        convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(tmp_path / "y"), "--vq", str(src))
     assert usage.value.code == 2 and "unrecognized arguments: --vq" in capsys.readouterr().err
     out = tmp_path / "out"
-    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(bare), "--dst", str(out), "--vq", str(tiny_vq_dir),
+    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(bare), "--dst", str(out), "--vq", str(tiny_vq_dir),
                 "--tokenizer", str(emu3_tok_dir)) == 0
     reloaded = Emu3ForConditionalGeneration.from_pretrained(out)
     s1, s2 = model.state_dict(), reloaded.state_dict()
@@ -106,7 +103,7 @@ def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
 
     src, model = hf_dir
     result = tmp_path / "res.json"
-    _torchrun(Path(__file__).parent / "workers" / "emu3_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"),
+    torchrun(Path(__file__).parent / "workers" / "emu3_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"),
               str(result))
     res = json.loads(result.read_text())
     assert res["local_vocab_rows"] == 1536 // 2  # 1503 padded to a multiple of 128 x TP, then split
@@ -127,14 +124,13 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
 
     src, model = hf_dir
     dst = tmp_path / "tp2pp2"
-    assert _cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(dst), "--tp", "2", "--pp", "2") == 0
+    assert convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(dst), "--tp", "2", "--pp", "2") == 0
     ids, _ = _inputs(1503)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     assert (load_emu3(dst)(ids) - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.unit
 def test_bf16_round_trip_keeps_bf16(hf_dir, emu3_tok_dir, tiny_vq_dir, tmp_path):
     """A bf16 Emu3 dir comes back bf16 and bit-identical (the kept VQ too), config.json saying so;
     `--dtype float32` exports fp32."""
@@ -145,16 +141,16 @@ def test_bf16_round_trip_keeps_bf16(hf_dir, emu3_tok_dir, tiny_vq_dir, tmp_path)
 
     src = save_hf_emu3(copy.deepcopy(hf_dir[1]).to(torch.bfloat16), emu3_tok_dir, tiny_vq_dir, tmp_path / "hf_bf16")
     ckpt, out, out32 = tmp_path / "ck", tmp_path / "out", tmp_path / "out32"
-    assert _cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(ckpt)) == 0
+    assert convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(ckpt)) == 0
     assert saved_model_config(ckpt, Emu3ModelConfig).params_dtype == "bfloat16"  # recorded
-    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out)) == 0
+    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out)) == 0
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(a) == set(b)
     for k in a:
         assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k]), k
     assert {t.dtype for t in b.values() if t.is_floating_point()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out32), "--dtype", "float32") == 0
+    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out32), "--dtype", "float32") == 0
     c = load_file(out32 / "model.safetensors")
     assert all(c[k].dtype == torch.float32 and torch.equal(a[k].float(), c[k]) for k in a if a[k].is_floating_point())
     assert json.loads((out32 / "config.json").read_text())["dtype"] == "float32"
@@ -191,7 +187,7 @@ def test_export_records_the_token_shards_image_area(converted, tiny_vq_dir, tmp_
     ckpt = _trained_copy(converted, tmp_path / "ckpt", [tokens])
     out = tmp_path / "hf"
     with caplog.at_level("INFO"):
-        assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out)) == 0
+        assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out)) == 0
     pre = json.loads((out / "preprocessor_config.json").read_text())
     assert pre["min_pixels"] == pre["max_pixels"] == TEST_IMAGE_AREA
     assert f"image area {TEST_IMAGE_AREA} px" in caplog.text
@@ -205,7 +201,7 @@ def test_export_records_the_token_shards_image_area(converted, tiny_vq_dir, tmp_
     caplog.clear()
     ckpt2 = _trained_copy(converted, tmp_path / "ckpt2", [tmp_path / "gone"])
     with caplog.at_level("INFO"):
-        assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt2), "--dst", str(tmp_path / "hf2")) == 0
+        assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt2), "--dst", str(tmp_path / "hf2")) == 0
     assert "its --image-area is unknown" in caplog.text and "tokenize-images --image-area" in caplog.text
     kept = json.loads((tiny_vq_dir / "preprocessor_config.json").read_text())
     assert json.loads((tmp_path / "hf2" / "preprocessor_config.json").read_text())["max_pixels"] == kept["max_pixels"]

@@ -15,12 +15,7 @@ from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.emu3 import serialize as es
 from mmdata.energon_loaders.emu3.loader import build_emu3_loader
 from mmdata.energon_loaders.emu3.tasks import GENERATION, UNDERSTANDING, Emu3Tasks, generation_caption, pick_task
-from tests.emu3_tiny import (  # noqa: F401
-    HF_EMU3_CHAT_TEMPLATE,
-    demo_token_dir,
-    emu3_tok_dir,
-    tiny_vq_dir,
-)
+from tests.emu3_tiny import HF_EMU3_CHAT_TEMPLATE
 
 SEQ = 512
 

@@ -19,7 +19,6 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.energon_loaders.emu3.plan_lengths import GENERATE, GENERATE_UNCOND, UNDERSTAND, UNENCODABLE
 from mmdata.packing.plan_file import plan_path, read_plan_info
-from tests.emu3_tiny import emu3_dev_shards, emu3_tok_dir, tiny_vq_dir, token_dir  # noqa: F401
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "emu3-tiny.yaml"
 SEQ = 512

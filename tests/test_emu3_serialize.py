@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from mmdata.energon_loaders.emu3 import serialize as es
-from tests.emu3_tiny import TEST_IMAGE_AREA, emu3_tok_dir, encode_image, tiny_hf_emu3, tiny_vq_dir  # noqa: F401
+from tests.emu3_tiny import TEST_IMAGE_AREA, encode_image, tiny_hf_emu3
 
 
 @pytest.fixture(scope="module")

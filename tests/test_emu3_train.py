@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: F401
-from tests.test_train_runtime import REPO, assert_same_steps, interrupted_copy, metrics, train
+from tests.emu3_tiny import save_hf_emu3, tiny_hf_emu3
+from tests.fixtures_training import REPO, assert_same_steps, interrupted_copy, metrics, train
 
 EMU3 = [sys.executable, "-m", "mmtrain.cli", "emu3", str(REPO / "recipes" / "emu3-tiny.yaml")]
 
@@ -70,8 +70,7 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     from mmtrain.cli import main
     from mmtrain.emu3.generation import Emu3ImageGenerator, ImagePrompt
     from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
-    from tests.emu3_tiny import TEST_IMAGE_AREA
-    from tests.test_generate import _hf_emu3_generate
+    from tests.emu3_tiny import TEST_IMAGE_AREA, hf_emu3_generate
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a red bus", "negative_prompt": "lowres"}) + "\n")
@@ -90,7 +89,7 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     req = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=emu3_tok_dir, vq_dir=tiny_vq_dir,
                              decode_images=False).request(ImagePrompt("a red bus", 16, 24, negative="lowres"))
     # 2 rows of 3 codes (not 2 codes wide: there the docs' constraint asks for eol where eos goes)
-    tokens = _hf_emu3_generate(model, req.prompt, req.negative_prompt, 2, 3, 3.0)
+    tokens = hf_emu3_generate(model, req.prompt, req.negative_prompt, 2, 3, 3.0)
     rows = tokens[: 2 * 4].reshape(2, 4)  # each row: 3 codes and an end-of-line
     assert np.array_equal(np.asarray(line["grid"]), model.model.vocabulary_mapping.convert_bpe2img(rows).numpy())
     with torch.no_grad():

@@ -32,7 +32,6 @@ from mmdata import shard_format as sf
 from mmdata.energon_configs import config_sample_type, dataset_config
 from mmdata.shard_job import energon_sample_loader as portable
 from mmdata.shard_job.energon_meta import NV_META
-from tests.emu3_tiny import demo_token_dir, tiny_vq_dir  # noqa: F401 - session fixtures
 from tests.energon_reading import energon_samples
 
 NO_MMDATA = '''\
@@ -185,7 +184,7 @@ def test_preprocess_shards_read_by_plain_energon(bare, shards_dir):
     assert with_images > 0
 
 
-def test_token_shards_read_by_plain_energon(bare, demo_token_dir):  # noqa: F811
+def test_token_shards_read_by_plain_energon(bare, demo_token_dir):
     records, seen = _read_by_plain_energon(bare, demo_token_dir)
     grids_seen = 0
     for key, items in seen.items():

@@ -21,10 +21,9 @@ import pytest
 
 from mmdata.errors import UserError
 from mmdata.folder_lock import FolderLock, fresh_folder, lock_path
-from tests.conftest import run_preprocess_cli
-from tests.test_convert import _cli as convert_cli
-from tests.test_convert import converted, hf_dir  # noqa: F401 - fixtures
-from tests.test_train_runtime import tokenizer_dir, train  # noqa: F401 - fixture
+from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_convert import convert_cli
+from tests.fixtures_training import train
 
 HOST = socket.gethostname()
 
@@ -50,7 +49,6 @@ def _holder(folder: Path, mode: str = "wait") -> subprocess.Popen:
 # ----------------------------------------------------------------------------- the lock itself
 
 
-@pytest.mark.unit
 def test_second_holder_is_refused_naming_the_first(tmp_path):
     run_dir = tmp_path / "runs" / "a"
     child = _holder(run_dir)
@@ -72,7 +70,6 @@ def test_second_holder_is_refused_naming_the_first(tmp_path):
     assert not run_dir.exists()  # a lock creates nothing inside (or as) the folder
 
 
-@pytest.mark.unit
 def test_lock_of_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
     run_dir = tmp_path / "run"
     child = _holder(run_dir, "die")
@@ -101,7 +98,6 @@ FORKING_HOLDER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.unit
 def test_a_forked_child_does_not_keep_its_dead_parents_lock(tmp_path, capsys):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True)
@@ -128,7 +124,6 @@ def test_record_of_another_host_is_not_taken_over(tmp_path):
     assert lock_path(out).exists()
 
 
-@pytest.mark.unit
 def test_one_process_may_take_its_own_lock_again_and_a_refusal_leaves_no_folders(tmp_path):
     run_dir = tmp_path / "new" / "deep" / "run"
     with FolderLock(run_dir, "run_dir"):
@@ -211,7 +206,7 @@ def test_a_second_preprocess_into_a_held_output_exits_2_and_writes_nothing(tmp_p
     assert not out.exists()
 
 
-def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):  # noqa: F811
+def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):
     dst = tmp_path / "hf"
     child = _holder(dst)
     try:
@@ -223,7 +218,7 @@ def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):  # noq
     assert not dst.exists()
 
 
-def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir, converted, tmp_path,  # noqa: F811
+def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir, converted, tmp_path,
                                                                           capsys):
     from safetensors.torch import load_file
 
@@ -245,7 +240,7 @@ def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or old folder, no lock file
 
 
-def test_import_into_a_non_empty_dst_needs_overwrite(hf_dir, converted, tmp_path, capsys):  # noqa: F811
+def test_import_into_a_non_empty_dst_needs_overwrite(hf_dir, converted, tmp_path, capsys):
     from mmtrain.runtime.checkpoint.layout import find_latest_iteration
 
     src, _ = hf_dir

@@ -21,9 +21,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from mmtrain.emu3.hf_reference import emu3_prefix_constraint  # noqa: E402
-from tests.emu3_tiny import emu3_tok_dir, save_hf_emu3, tiny_hf_emu3, tiny_vq_dir  # noqa: E402,F401
-from tests.llava_tiny import IMAGE_SIZE, PATCH, hf_llava, images  # noqa: E402
+from tests.emu3_tiny import hf_emu3_generate  # noqa: E402
+from tests.llava_tiny import hf_llava_processor, images  # noqa: E402
 
 
 def _cli(*argv: str) -> int:
@@ -36,15 +35,6 @@ def _cli(*argv: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def emu3_hf(emu3_tok_dir, tiny_vq_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
-    model = tiny_hf_emu3(tok, tiny_vq_dir, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, noise=0.05)
-    return save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, tmp_path_factory.mktemp("gen_emu3") / "hf"), model
-
-
-@pytest.fixture(scope="module")
 def emu3_gen(emu3_hf):
     from mmtrain.emu3.generation import Emu3ImageGenerator
     from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
@@ -54,54 +44,12 @@ def emu3_gen(emu3_hf):
 
 
 @pytest.fixture(scope="module")
-def llava_hf(tmp_path_factory):
-    """A tiny LLaVA-OV over the tiny Qwen2 tokenizer (its chat template, <image> id), saved as an
-    HF dir with the tokenizer files; text weights scaled up so greedy answers vary."""
-    from transformers import AutoTokenizer
-
-    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-
-    root = tmp_path_factory.mktemp("gen_llava")
-    tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    model = hf_llava(seed=1, vocab_size=len(tok), image_token=tok.convert_tokens_to_ids("<image>"),
-                     video_token=tok.convert_tokens_to_ids("<video>"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model" in name and "norm" not in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    out = root / "hf"
-    model.save_pretrained(out)
-    for f in tok_dir.iterdir():
-        shutil.copy2(f, out / f.name)
-    return out, model, tok
-
-
-@pytest.fixture(scope="module")
 def llava_chat(llava_hf):
     from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
     from mmtrain.llava_ov.generation import LlavaOVChat
 
     ref = resolve_checkpoint(llava_hf[0], "llava-ov")
     return LlavaOVChat(ref, Placement.resolve("cpu"), tokenizer_dir=ref.assets)
-
-
-def _hf_emu3_generate(model, prompt_ids, negative_ids, rows, cols, scale):
-    """transformers' Emu3 text-to-image generation as its docs (and the Emu3 reference) run it."""
-    vocab = model.model.vocabulary_mapping
-    visual = vocab.image_tokens
-    cfg = model.config.text_config
-    eol, eof, eoi = vocab.vocab_map["<|extra_200|>"], vocab.vocab_map["<|extra_201|>"], vocab.vocab_map["<|image end|>"]
-    img = vocab.vocab_map["<|image token|>"]
-
-    allowed = emu3_prefix_constraint(rows, cols, img, eol, eof, eoi, cfg.eos_token_id, cfg.pad_token_id, visual)
-
-    ids = torch.as_tensor(prompt_ids)[None]
-    kw = dict(guidance_scale=scale, negative_prompt_ids=torch.as_tensor(negative_ids)[None]) if scale != 1 else {}
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False,
-                             prefix_allowed_tokens_fn=allowed, **kw)
-    return out[0, ids.shape[1]:]
 
 
 # ----------------------------------------------------------------------------- emu3 parity
@@ -124,7 +72,7 @@ def test_emu3_cfg_greedy_matches_transformers_and_its_vq_decode(emu3_hf, emu3_ge
     for p, got in zip(prompts, ours):
         req = emu3_gen.request(p)
         rows, cols = p.height // 8, p.width // 8
-        ref = _hf_emu3_generate(model, req.prompt, req.negative_prompt, rows, cols, p.cfg_scale)
+        ref = hf_emu3_generate(model, req.prompt, req.negative_prompt, rows, cols, p.cfg_scale)
         assert got.tokens == ref.tolist()
         assert got.grid.shape == (rows, cols) and len(set(got.grid.ravel().tolist())) > 1
         with torch.no_grad():
@@ -252,13 +200,6 @@ def test_emu3_batched_equals_one_by_one_and_seeds_are_deterministic(emu3_gen):
 # ----------------------------------------------------------------------------- llava-ov
 
 
-def _hf_llava_processor(tok):
-    from tests.test_anyres import _hf_image_processor, _Processor
-
-    return _Processor(image_processor=_hf_image_processor(IMAGE_SIZE, 6), tokenizer=tok, video_processor=None,
-                      num_image_tokens=(IMAGE_SIZE // PATCH) ** 2, vision_feature_select_strategy="full")
-
-
 @pytest.mark.unit
 def test_llava_greedy_matches_transformers(llava_hf, llava_chat):
     """The checkpoint's chat template + anyres layout give the HF processor's ids; batched greedy
@@ -266,7 +207,7 @@ def test_llava_greedy_matches_transformers(llava_hf, llava_chat):
     from mmtrain.generation.sampling import SamplingParams
 
     _, model, tok = llava_hf
-    processor = _hf_llava_processor(tok)
+    processor = hf_llava_processor(tok)
     questions = [("What is shown in this picture?", images()[0]), ("Say hi.", None), ("Describe it.", images()[1])]
     prompts = [llava_chat.prompt(q, im) for q, im in questions]
     ours = llava_chat.generate(prompts, SamplingParams(), max_new_tokens=12, batch_size=3)
@@ -361,14 +302,13 @@ def test_engine_names_no_family():
 
 @pytest.fixture(scope="module")
 def emu3_mcore(emu3_hf, tmp_path_factory):
-    from tests.test_convert import _cli as convert
+    from tests.fixtures_convert import convert_cli as convert
 
     dst = tmp_path_factory.mktemp("gen_emu3_ckpt") / "ckpt"
     assert convert("hf-to-mcore", "--model", "emu3", "--src", str(emu3_hf[0]), "--dst", str(dst)) == 0
     return dst
 
 
-@pytest.mark.unit
 def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, capsys):
     """From the converted megatron checkpoint (its kept tokenizer and VQ): one PNG per prompt and
     the token grids, equal to the library's output for the same seeds."""
@@ -393,7 +333,6 @@ def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, ca
     assert [line["seed"] for line in lines] == [5, 11] and lines[0]["cfg_scale"] == 3.0
 
 
-@pytest.mark.unit
 def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat, tmp_path, capsys, monkeypatch):
     import warnings
 
@@ -416,7 +355,7 @@ def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat
     assert printed == llava_chat.answer(expected) + "\n"
     # its megatron conversion (tokenizer kept in hf_assets/), --prompts: an image relative to the
     # file, a text-only line with its own seed; JSONL answers
-    from tests.test_convert import _cli as convert
+    from tests.fixtures_convert import convert_cli as convert
 
     assert convert("hf-to-mcore", "--model", "llava-ov", "--src", str(llava_hf[0]), "--dst", str(tmp_path / "ckpt")) == 0
     questions = tmp_path / "q.jsonl"
@@ -431,7 +370,6 @@ def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat
         [llava_chat.prompt("Say hi.")], SamplingParams(), max_new_tokens=8)[0].tokens
 
 
-@pytest.mark.unit
 def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path, capsys):
     def err(*argv: str) -> str:
         assert _cli(*argv, "--no-progress") == 2
@@ -488,7 +426,7 @@ def test_tp2_pp2_checkpoint_generates_the_tokens_of_its_tp1_conversion(emu3_hf, 
     from mmtrain.emu3.generation import Emu3ImageGenerator, ImagePrompt
     from mmtrain.generation.checkpoint import Placement, resolve_checkpoint
     from mmtrain.generation.sampling import SamplingParams
-    from tests.test_convert import _cli as convert
+    from tests.fixtures_convert import convert_cli as convert
 
     tp2 = tmp_path / "tp2pp2"
     assert convert("hf-to-mcore", "--model", "emu3", "--src", str(emu3_hf[0]), "--dst", str(tp2), "--tp", "2",
@@ -518,7 +456,6 @@ def test_grouped_decode_attention_is_sdpa():
         assert torch.allclose(grouped_decode_attention(q, k, v, m, 0.3), ref, atol=1e-6)
 
 
-@pytest.mark.unit
 def test_checkpoint_resolution(emu3_hf, emu3_mcore, tmp_path):
     """A training run dir resolves to its checkpoints/; HF dirs keep their own assets; a converted
     checkpoint its hf_assets/; a bare one none."""

@@ -20,7 +20,7 @@ from mmdata import shard_format as sf
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.preprocess.validation import REASONS, ValidationConfig, check_image
 from tests import hostile_inputs as hi
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 
 def _tree(root: Path, skip: Path) -> dict[str, int]:
@@ -92,7 +92,7 @@ def test_odd_images_are_kept_and_decode_as_the_reference_processor(name):
     """CMYK, 16-bit, palette + transparency, animated (first frame) and EXIF-rotated images: the
     validator keeps them, and the loader's pixels equal LlavaOnevisionImageProcessor's on the
     same decoded file (which, like ours, does not apply the EXIF orientation)."""
-    from tests.test_anyres import _hf_image_processor
+    from tests.llava_tiny import hf_image_processor
 
     data = hi.ODD_VALID_IMAGES[name]()
     _, w, h, _ = check_image(data, name, ValidationConfig())
@@ -100,7 +100,7 @@ def test_odd_images_are_kept_and_decode_as_the_reference_processor(name):
         im.load()
         ours = anyres.process_image(im)
     with Image.open(io.BytesIO(data)) as im:
-        ref = _hf_image_processor()(im, return_tensors="pt")["pixel_values"][0]
+        ref = hf_image_processor()(im, return_tensors="pt")["pixel_values"][0]
     assert ours.image_size == (h, w)
     assert ours.pixel_values.shape == ref.shape
     assert (ours.pixel_values - ref).abs().max().item() <= 1e-5

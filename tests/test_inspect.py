@@ -22,8 +22,7 @@ from mmdata.inspect.stats import detect_language, load_chat_tokenizer, measure_s
 from mmdata.dev.synth import (
     BROKEN_KINDS, EN_ANSWERS, EN_PROMPTS, TEXT_ONLY, ZH_ANSWERS, ZH_PROMPTS, generate_records,
 )
-from tests.conftest import SYNTH_NUM_SAMPLES, SYNTH_SEED
-from tests.inspect_fixtures import broken_dataset  # noqa: F401 - session fixture
+from tests.fixtures_preprocess import SYNTH_NUM_SAMPLES, SYNTH_SEED
 
 JSON_KEYS = {
     "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine", "preprocess", "length_index",

@@ -14,7 +14,6 @@ import pytest
 from mmdata.inspect.dataset import iter_samples, open_dataset
 from mmdata.inspect.tokens import TOKEN_SCHEMA, is_token_dataset
 from mmdata.energon_loaders.emu3 import token_format as tf
-from tests.emu3_tiny import demo_token_dir, tiny_vq_dir  # noqa: F401
 
 
 def _mmdata(*args: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 from tests.llava_tiny import hf_image_inputs, hf_llava, images, text_config, vision_config  # noqa: E402
 
-pytestmark = pytest.mark.unit
+# `unit` test by test: the stage-1 training run is slow (a training subprocess)
 
 
 def _cli(*argv: str) -> int:
@@ -127,6 +127,7 @@ def _logits(model, fmt, i: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- tests
 
 
+@pytest.mark.unit
 def test_format_detection(fmt, tmp_path):
     from mmtrain.llava_ov.llava_next import detect_format
     from mmtrain.models.state_dict_adapter import ConversionError
@@ -193,6 +194,7 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
     assert set(src) == set(got) and all(torch.equal(src[k], got[k]) for k in src)
 
 
+@pytest.mark.unit
 def test_stored_last_vision_layer_is_not_imported_and_named(fmt, tmp_path, caplog):
     from mmtrain.llava_ov.conversion import llava_source
 
@@ -206,6 +208,7 @@ def test_stored_last_vision_layer_is_not_imported_and_named(fmt, tmp_path, caplo
     assert torch.equal(get(name), ref(name))
 
 
+@pytest.mark.unit
 def test_pinpoints_string_form_and_tokenizer_row_growth(fmt, tmp_path, caplog):
     """`(1x1),...,(6x6)` is LLaVA-NeXT's pinpoint shorthand; embedding rows that cannot hold the
     added media ids grow, the new rows the mean of the old ones, and it is logged."""
@@ -236,6 +239,7 @@ def test_pinpoints_string_form_and_tokenizer_row_growth(fmt, tmp_path, caplog):
     assert (cfg.llm.vocab_size, cfg.grid_max) == (1000, ref_cfg.grid_max)
 
 
+@pytest.mark.unit
 def test_refusals_name_the_tensor_or_key(fmt, tmp_path, capsys, caplog):
     from mmtrain.llava_ov.conversion import llava_source
     from mmtrain.models.state_dict_adapter import ConversionError
@@ -277,6 +281,7 @@ def test_refusals_name_the_tensor_or_key(fmt, tmp_path, capsys, caplog):
     assert "writes no --format llava-next" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_recipe_checkpoint_load_of_a_llava_next_dir(fmt):
     """`checkpoint.load: LLAVA_NEXT_DIR` fills the model; a recipe whose ids differ is named."""
     from dataclasses import replace
@@ -361,6 +366,7 @@ def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, 
     assert kept.convert_tokens_to_ids(["<image>", "<video>"]) == [n, n + 1]
 
 
+@pytest.mark.unit
 def test_transformers_dir_ids_checked_against_its_own_tokenizer(fmt, tmp_path, capsys, caplog):
     """A transformers-format dir pins `image_token_index`/`video_token_index` in its config: they
     must be the ids its own tokenizer gives (media tokens added as the loader adds them); a

@@ -4,17 +4,14 @@ exact resume across processes (DP=2, several workers) and blending."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.dev.shards import DevSample, write_dev_shards
@@ -22,80 +19,18 @@ from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY,
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.loader import write_blend_yaml
 from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from tests.fixtures_loader import BAD_IDS, llava_dev_samples, png_bytes, qa
 
 torch.set_num_threads(1)
 
 # Tiny vision config (as the model tests use): 28 px tiles of 2x2 patches.
 VISION = dict(image_size=28, patch_size=14, max_video_frames=4)
 SEQ = 512
-BAD_IDS = {"bad-empty-image", "bad-truncated-png", "bad-video", "bad-role", "bad-placeholders"}
-
-
-def _png(h: int, w: int, seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def _jpeg(h: int, w: int, seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
-def _mp4(frames: int = 10, seed: int = 0) -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    rng = np.random.default_rng(seed)
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=8)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        for _ in range(frames):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
-
-
-def _qa(q: str, a: str) -> list[dict]:
-    return [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
-
-
-def _dev_samples() -> list[DevSample]:
-    sizes = [(20, 30), (90, 40), (28, 28), (12, 200), (150, 60), (33, 47)]
-    out: list[DevSample] = []
-    for i in range(36):
-        kind = i % 6
-        if kind in (0, 1, 2):
-            h, w = sizes[i % len(sizes)]
-            data = ("png", _png(h, w, i)) if i % 2 else ("jpg", _jpeg(h, w, i))
-            out.append(DevSample(f"img-{i}", _qa("<image>\nWhat is shown?", f"Answer number {i}."), [data]))
-        elif kind == 3:
-            out.append(DevSample(f"txt-{i}", _qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * 2))
-        elif kind == 4:
-            out.append(
-                DevSample(f"multi-{i}", _qa("<image><image> Compare them.", f"They differ {i}."), [("png", _png(20, 40, i)), ("png", _png(50, 10, i + 1))])
-            )
-        else:
-            out.append(DevSample(f"vid-{i}", _qa("What happens in the clip?", f"Noise {i}."), video=("mp4", _mp4(10, i))))
-    good_png = _png(30, 30, 99)
-    out += [
-        DevSample("bad-empty-image", _qa("<image> x", "y"), [("jpg", b"")]),
-        DevSample("bad-truncated-png", _qa("<image> x", "y"), [("png", good_png[: len(good_png) // 2])]),
-        DevSample("bad-video", _qa("<video> x", "y"), video=("mp4", b"not a video at all" * 10)),
-        DevSample("bad-role", [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]),
-        DevSample("bad-placeholders", _qa("<image><image> x", "y"), [("png", good_png)]),
-    ]
-    order = np.random.default_rng(0).permutation(len(out))
-    return [out[i] for i in order]
 
 
 @pytest.fixture(scope="module")
 def dev_dir(tmp_path_factory) -> Path:
-    return write_dev_shards(tmp_path_factory.mktemp("dev") / "shards", _dev_samples(), samples_per_shard=8)
+    return write_dev_shards(tmp_path_factory.mktemp("dev") / "shards", llava_dev_samples(), samples_per_shard=8)
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +89,9 @@ def test_batches_follow_the_contract(dev_dir, tok_dir):
         _check_batch(batch, SEQ, tok)
         seen.update(x for row in batch.sample_ids for x in row)
         kinds.update(batch.media_kind.tolist())
-        if step >= 60 or (seen >= {s.id for s in _dev_samples() if s.id not in BAD_IDS} and step >= 3):
+        if step >= 60 or (seen >= {s.id for s in llava_dev_samples() if s.id not in BAD_IDS} and step >= 3):
             break
-    good = {s.id for s in _dev_samples() if s.id not in BAD_IDS}
+    good = {s.id for s in llava_dev_samples() if s.id not in BAD_IDS}
     assert seen == good  # every good sample arrives (text-only, multi-image, video), no bad one
     assert kinds == {MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO}
     skipped = loader.stats.skipped
@@ -168,7 +103,7 @@ def test_loss_tokens_decode_to_assistant_answers(dev_dir, tok_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    answers = {s.id: [t["value"] for t in s.conversations if t["from"] == "gpt"] for s in _dev_samples()}
+    answers = {s.id: [t["value"] for t in s.conversations if t["from"] == "gpt"] for s in llava_dev_samples()}
     loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=16, **VISION)
     batch = next(iter(loader))
     flat_lab, cu = batch.labels.flatten(), batch.cu_seqlens.tolist()
@@ -262,8 +197,8 @@ def test_ranks_read_disjoint_shards(dev_dir, tok_dir):
 
 
 def test_blend_weights_are_respected(tmp_path, tok_dir):
-    a = write_dev_shards(tmp_path / "a", [DevSample(f"A{i}", _qa("hi", f"a{i}")) for i in range(40)], samples_per_shard=10)
-    b = write_dev_shards(tmp_path / "b", [DevSample(f"B{i}", _qa("hi", f"b{i}")) for i in range(40)], samples_per_shard=10, key_offset=1000)
+    a = write_dev_shards(tmp_path / "a", [DevSample(f"A{i}", qa("hi", f"a{i}")) for i in range(40)], samples_per_shard=10)
+    b = write_dev_shards(tmp_path / "b", [DevSample(f"B{i}", qa("hi", f"b{i}")) for i in range(40)], samples_per_shard=10, key_offset=1000)
     blend = write_blend_yaml(tmp_path / "blend.yaml", [(a, 3.0), (b, 1.0)])
     loader = build_llava_ov_loader(blend, tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, seed=3, **VISION)
     ids = []
@@ -282,9 +217,9 @@ def test_blend_weights_are_respected(tmp_path, tok_dir):
 def test_over_length_samples_are_truncated_or_dropped_and_counted(tmp_path, tok_dir):
     long_text = "word " * 300
     samples = [
-        DevSample("long-text", _qa("Q?", long_text)),
-        DevSample("huge-image", _qa("<image> Q?", "A."), [("png", _png(28 * 6, 28 * 6, 1))]),
-        DevSample("ok", _qa("Q?", "A.")),
+        DevSample("long-text", qa("Q?", long_text)),
+        DevSample("huge-image", qa("<image> Q?", "A."), [("png", png_bytes(28 * 6, 28 * 6, 1))]),
+        DevSample("ok", qa("Q?", "A.")),
     ]
     d = write_dev_shards(tmp_path / "d", samples)
     # 6x6 grid at 28px, shrunk to 6x6 features: 4 + 6*7 = 46 media tokens, ending past 40

@@ -226,10 +226,10 @@ def test_vocab_parallel_loss_and_cpu_context_parallel_attention(tmp_path):
     """2 processes (gloo): the blocked loss at TP=2 (vocab-parallel, padded table) equals the
     full-logits loss; the K/V all-gather CP attention at CP=2 equals whole-sequence attention,
     outputs and gradients, for packed sequences of uneven lengths."""
-    from tests.test_convert import _torchrun
+    from tests.fixtures_convert import torchrun
 
     result = tmp_path / "result.json"
-    _torchrun(WORKERS / "long_context_worker.py", str(result))
+    torchrun(WORKERS / "long_context_worker.py", str(result))
     res = json.loads(result.read_text())
     for key in ("tp_loss", "tp_grad_hidden", "tp_grad_weight", "cp_out", "cp_grad_q", "cp_grad_k", "cp_grad_v"):
         assert res[key] <= 1e-5, (key, res[key])

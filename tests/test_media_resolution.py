@@ -16,7 +16,7 @@ from mmdata.preprocess.adapters import infinity_mm, llava_json
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.media_resolution import member_order
 from mmdata.preprocess.validation import Invalid, Valid, ValidationConfig, validate
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 CONV = [{"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "A square."}]
 FOREIGN = "/mnt/hpfs/producer/llava_ov/images"

@@ -19,7 +19,7 @@ import torch
 
 from mmtrain.runtime import cpu_compat
 
-pytestmark = pytest.mark.unit
+# `unit` test by test: megatron's dist-checkpoint save starts writer processes
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 
 
@@ -89,6 +89,7 @@ def _train_step(ddp, optimizer, seed: int) -> tuple[bool, float]:
 # ----------------------------------------------------------------------------- C5 + item 2: configs
 
 
+@pytest.mark.unit
 def test_ddp_settings_are_megatrons_on_every_device():
     """Overlapped grad reduction on CPU as on GPU; the distributed optimizer (GPU) adds the
     overlapped, aligned param all-gather on the DDP config and megatron's OptimizerConfig."""
@@ -109,6 +110,7 @@ def test_ddp_settings_are_megatrons_on_every_device():
     assert not config.use_distributed_optimizer and not config.overlap_param_gather
 
 
+@pytest.mark.unit
 def test_optimizer_kind_names_the_checkpoint_layout():
     from mmtrain.runtime.optimizer import optimizer_kind, optimizer_sharded_metadata
 
@@ -128,6 +130,7 @@ def test_optimizer_kind_names_the_checkpoint_layout():
 # ----------------------------------------------------------------------------- item 2: on CPU
 
 
+@pytest.mark.unit
 @cpu_only
 def test_megatrons_optimizer_steps_and_clips_on_cpu_with_overlapped_reduce():
     """No stand-in optimizer: megatron's own, with its grad norm and clipping (clip_grad is small,
@@ -225,6 +228,7 @@ def _restore(tmp_path: Path, trainer_state: dict, with_optimizer_state: bool, ki
     return result, optimizer
 
 
+@pytest.mark.unit
 def test_checkpoint_of_another_optimizer_kind_resumes_with_a_fresh_optimizer(tmp_path, caplog):
     """A CPU-made checkpoint (FP32Optimizer) resumed with the distributed optimizer on GPU: a
     warning and a fresh optimizer (whose fp32 copies are refreshed from the loaded weights), not
@@ -240,6 +244,7 @@ def test_checkpoint_of_another_optimizer_kind_resumes_with_a_fresh_optimizer(tmp
     assert "holds the state of another optimizer" in caplog.text and "FP32Optimizer" in caplog.text
 
 
+@pytest.mark.unit
 def test_missing_optimizer_state_refreshes_the_weight_copies(tmp_path):
     """B2: an mmtrain resume without optimizer state calls reload_model_params (megatron's
     mixed-precision optimizers would otherwise write their construction-time fp32 copies back)."""
@@ -248,6 +253,7 @@ def test_missing_optimizer_state_refreshes_the_weight_copies(tmp_path):
     assert optimizer.calls == ["reload_model_params"]
 
 
+@pytest.mark.unit
 def test_trainer_state_records_the_optimizer_kind():
     from dataclasses import asdict
 

@@ -23,14 +23,14 @@ torch.set_num_threads(1)
 
 from mmdata.energon_loaders.batch import IGNORE_INDEX  # noqa: E402
 from tests.llava_tiny import IMAGE_SIZE, PATCH, hf_llava  # noqa: E402
-from tests.test_loader import _mp4, _qa  # noqa: E402
+from tests.fixtures_loader import mp4_bytes, qa  # noqa: E402
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("megatron_cpu")]
 SEQ = 384
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _png(h: int, w: int, seed: int) -> bytes:
+def png_bytes(h: int, w: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
@@ -46,13 +46,13 @@ def _sample(i: int, conversations: list[dict], images: tuple[bytes, ...] = (), v
 
 
 KINDS = {
-    "single-image": lambda i: _sample(i, _qa("<image>\nWhat is it?", f"A picture, number {i}."),
-                                      (_png(20 + 9 * i, 95 - 7 * i, i),)),
-    "multi-image": lambda i: _sample(i, _qa("<image><image> Compare." if i % 2 else "<image><image><image> Which?",
+    "single-image": lambda i: _sample(i, qa("<image>\nWhat is it?", f"A picture, number {i}."),
+                                      (png_bytes(20 + 9 * i, 95 - 7 * i, i),)),
+    "multi-image": lambda i: _sample(i, qa("<image><image> Compare." if i % 2 else "<image><image><image> Which?",
                                             f"They differ {i}."),
-                                     tuple(_png(20 + i, 40 - i, i + k) for k in range(2 if i % 2 else 3))),
-    "video": lambda i: _sample(i, _qa("<video>\nWhat happens?", f"Things move {i}."), (), _mp4(6 + i % 5, seed=i)),
-    "text-only": lambda i: _sample(i, _qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * (1 + i % 2)),
+                                     tuple(png_bytes(20 + i, 40 - i, i + k) for k in range(2 if i % 2 else 3))),
+    "video": lambda i: _sample(i, qa("<video>\nWhat happens?", f"Things move {i}."), (), mp4_bytes(6 + i % 5, seed=i)),
+    "text-only": lambda i: _sample(i, qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * (1 + i % 2)),
 }
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import nbformat
 
-from tests.inspect_fixtures import broken_dataset  # noqa: F401 - session fixture
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_dataset.ipynb"
 

@@ -21,7 +21,7 @@ from mmdata.cli import main as mmdata_main
 from mmdata.packing import algorithm
 from mmdata.packing.plan_file import plan_path, read_plan_info
 from mmdata.dev.synth import generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from mmdata.packing.plan_file import plan_path, read_plan_info
 from mmdata.dev.synth import generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"

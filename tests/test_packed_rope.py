@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.packed_rope import apply_thd_rope, thd_rope_positions
 
-pytestmark = pytest.mark.unit
+# `unit` test by test: the context-parallel check runs on two torchrun ranks
 
 HEADS, DIM = 3, 16
 
@@ -55,6 +55,7 @@ def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("lens", LAYOUTS)
 def test_equals_megatrons_thd_rope(lens, interleaved):
@@ -69,6 +70,7 @@ def test_equals_megatrons_thd_rope(lens, interleaved):
         assert torch.equal(got, ref), (lens, freqs_len)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("lens", [[8], [8, 16, 24], [16, 0, 8, 40]])
 def test_equals_megatrons_thd_rope_on_every_cp_rank(lens, cp):
@@ -86,6 +88,7 @@ def test_equals_megatrons_thd_rope_on_every_cp_rank(lens, cp):
             assert torch.equal(apply_thd_rope(t, freqs, pos, cfg, _Group(cp, rank)), ref), (lens, cp, rank)
 
 
+@pytest.mark.unit
 def test_positions_follow_the_projects_cp_layout():
     """Under CP a real token's position is its offset inside its sequence in the project's own
     layout (`cp_layout`: what the model's token split and the attention use)."""
@@ -113,6 +116,7 @@ class _NoHostRead(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.unit
 def test_probe_sees_megatrons_host_reads():
     cu = _cu([3, 5])
     with _NoHostRead() as probe:
@@ -120,6 +124,7 @@ def test_probe_sees_megatrons_host_reads():
     assert "tolist" in probe.bad
 
 
+@pytest.mark.unit
 def test_no_host_read_in_positions_and_rope():
     cu = _cu([4, 0, 6, 2, 20])
     t, freqs = torch.randn(32, HEADS, DIM), _freqs(20)
@@ -134,6 +139,7 @@ def test_no_host_read_in_positions_and_rope():
 # a tiny decoder end to end (tests/tiny_decoder.py)
 
 
+@pytest.mark.unit
 @pytest.mark.usefixtures("megatron_cpu")
 def test_tiny_decoder_logits_equal_megatrons_path():
     from mmtrain.models.context_parallel import current_layout
@@ -160,10 +166,10 @@ def test_tiny_decoder_under_context_parallelism_equals_megatrons_path(tmp_path):
     and its RoPE made no host read (megatron's: 2 per layer for q and k)."""
     import json
 
-    from tests.test_convert import _torchrun
+    from tests.fixtures_convert import torchrun
 
     out = tmp_path / "result"
-    _torchrun(Path(__file__).parent / "workers" / "packed_rope_cp_worker.py", str(out))
+    torchrun(Path(__file__).parent / "workers" / "packed_rope_cp_worker.py", str(out))
     for rank in range(2):
         res = json.loads(Path(f"{out}.{rank}").read_text())
         for lens, r in res.items():

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, tiny_vq_dir  # noqa: F401 - session fixtures
 from tests.emu3_tiny import DEV_SAMPLES_PER_SHARD, dev_samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +31,7 @@ def llava_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def token_shards(demo_token_dir) -> Path:  # noqa: F811
+def token_shards(demo_token_dir) -> Path:
     """Emu3 VQ token shards (VQTokenSample): the session's, from `mmdata tokenize-images`."""
     return demo_token_dir
 
@@ -78,7 +77,7 @@ def test_llava_ov_refuses_emu3_token_shards(token_shards, llava_tok, tmp_path):
     assert not run_dir.exists()
 
 
-def test_emu3_refuses_llava_shards(llava_shards, emu3_tok_dir, tmp_path):  # noqa: F811
+def test_emu3_refuses_llava_shards(llava_shards, emu3_tok_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run("emu3", EMU3_RECIPE, run_dir, llava_shards, emu3_tok_dir)
     line = the_one_refusal(proc)

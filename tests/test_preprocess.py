@@ -11,12 +11,10 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -24,10 +22,9 @@ from PIL import Image
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import BROKEN_KINDS, generate_records, write_infinity_mm, write_llava_json
-from tests.conftest import SYNTH_NUM_SAMPLES, run_preprocess_cli
+from tests.fixtures_preprocess import SYNTH_NUM_SAMPLES, VENV_BIN, free_port, read_shards, run_preprocess_cli
 from tests.energon_reading import energon_samples
 
-VENV_BIN = Path(sys.executable).parent
 
 N = 200
 SEED = 7
@@ -45,23 +42,6 @@ def expected_media_rule(src) -> str | None:
     if [e.rsplit("/", 1)[-1] for e in entries] == src.member_names:
         return "by_basename"
     return "by_stem"
-
-
-def read_shards(out: Path) -> list[tuple[str, dict, dict[str, bytes], list[tarfile.TarInfo]]]:
-    """[(key, record, {suffix: bytes}, tarinfos)] in output order, asserting contiguous sorted members."""
-    samples: list = []
-    for shard in sorted(out.glob("shard-*.tar")):
-        with tarfile.open(shard) as tar:
-            for info in tar.getmembers():
-                key, _, suffix = info.name.partition(".")
-                if not samples or samples[-1][0] != key:
-                    assert all(s[0] != key for s in samples), f"members of {key} not contiguous"
-                    samples.append((key, None, {}, []))
-                members = samples[-1][2]
-                assert not members or suffix > max(members), f"{info.name}: members not sorted"
-                members[suffix] = tar.extractfile(info).read()
-                samples[-1][3].append(info)
-    return [(k, json.loads(m[sf.JSON_MEMBER]), m, infos) for k, _, m, infos in samples]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +106,11 @@ def test_manifest_describes_shards(run_a, broken_raw):
     for s in m["shards"]:
         data = (out / s["name"]).read_bytes()
         assert s["bytes"] == len(data) and s["sha256"] == hashlib.sha256(data).hexdigest()
-    assert m["wall_time_s"] > 0
+    # the job's wall time covers Ray's start, every stage and the finish step, each timed on its own
+    # and one after the other (each figure rounded to the millisecond)
+    phases = m["run"]["phases"]
+    assert {"scan_s", "sort_s", "write_s", "finish_s"} <= set(phases) and phases["scan_s"] > 0, phases
+    assert sum(phases.values()) <= m["wall_time_s"] + 0.001 * (len(phases) + 1), (phases, m["wall_time_s"])
     # the Ray tasks' own CPU per phase, measured in their workers; the scan (it decodes every image) the most
     cpu = m["run"]["task_cpu_s"]
     assert set(cpu) == {"scan_s", "sort_s", "write_s"} and min(cpu.values()) > 0, cpu
@@ -290,16 +274,10 @@ def test_help_and_bad_input(tmp_path):
     assert proc.returncode == 2 and "nope" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_head():
     """A one-CPU Ray head on 127.0.0.1, in its own process group (stopped by group id)."""
-    port = _free_port()
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="/tmp/mmray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen(

@@ -20,8 +20,8 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
-from tests.test_preprocess import VENV_BIN, _free_port
+from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import VENV_BIN, free_port
 
 
 # Loaded by every Python process of the local run (PYTHONPATH): the first scan task, the first
@@ -98,7 +98,7 @@ def _ray_start(*args: str, env_extra: dict[str, str] | None = None) -> subproces
 @pytest.fixture
 def ray_cluster():
     """A head and one worker node (distinct processes and resources) on 127.0.0.1."""
-    port = _free_port()
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="/tmp/mmray")
     hook = Path(temp_dir) / "hook"
     hook.mkdir()

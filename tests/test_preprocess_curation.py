@@ -18,8 +18,8 @@ from mmdata import shard_format as sf
 from mmdata.preprocess.curation.phash import hamming, phash_bytes
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import SynthImage, SynthRecord, generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
-from tests.test_preprocess import read_shards
+from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import read_shards
 
 
 def _copy(rec: SynthRecord, n: int, *, answer: str | None = None, image: SynthImage | None = None) -> SynthRecord:

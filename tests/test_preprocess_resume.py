@@ -16,7 +16,7 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import generate_records, write_infinity_mm
-from tests.conftest import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess_cli
 
 
 

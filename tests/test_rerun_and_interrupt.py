@@ -9,12 +9,11 @@ import signal
 import subprocess
 import time
 
-from tests.test_resume_checks import base_run, copy_run  # noqa: F401 - a fixture
-from tests.test_train_runtime import MMTRAIN, REPO, free_port, tokenizer_dir, train  # noqa: F401 - a fixture
+from tests.fixtures_training import MMTRAIN, REPO, copy_run, free_port, train
 
 
 def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, tmp_path, shards_dir,
-                                                                      tokenizer_dir):  # noqa: F811
+                                                                      tokenizer_dir):
     assert not (base_run / "checkpoints" / ".staging").exists()  # each save cleaned up after itself
     run = copy_run(base_run, tmp_path)
     before = (run / "metrics.jsonl").read_text()
@@ -24,7 +23,7 @@ def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, 
     assert (run / "metrics.jsonl").read_text() == before
 
 
-def test_ctrl_c_names_the_last_checkpoint_and_how_to_resume(tmp_path, shards_dir, tokenizer_dir):  # noqa: F811
+def test_ctrl_c_names_the_last_checkpoint_and_how_to_resume(tmp_path, shards_dir, tokenizer_dir):
     run = tmp_path / "run"
     args = [*MMTRAIN, f"run_dir={run}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
             "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false", "parallel.nproc_per_node=1",

@@ -3,7 +3,7 @@ state is fed into it, `checkpoint.reset_data` allows it with the data started fr
 changes are announced, and a loader worker that raises fails the job.
 
 Every run is the real `mmtrain llava-ov recipes/llava-ov-tiny.yaml ...` in a subprocess
-(tests/test_train_runtime.py's `train`), two steps with a checkpoint each, on CPU.
+(tests/fixtures_training.py's `train`), two steps with a checkpoint each, on CPU.
 """
 
 from __future__ import annotations
@@ -11,28 +11,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import yaml
 
-from tests.session_fixtures import session_fixture
-from tests.test_train_runtime import REPO, metrics, tokenizer_dir, train  # noqa: F401 - a fixture
-
-TINY = ("train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0")
-
-
-@session_fixture  # also imported by test_rerun_and_interrupt.py
-def base_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:  # noqa: F811
-    """Two steps at seq_length 1024, a checkpoint after each; tests work on copies."""
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    train(run_dir, shards_dir, tokenizer_dir, *TINY)
-    return run_dir
-
-
-def copy_run(base: Path, tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(base, run)
-    return run
+from tests.fixtures_training import BASE_RUN as TINY
+from tests.fixtures_training import REPO, copy_run, metrics, train
 
 
 def refusal_line(stderr: str) -> str:
@@ -43,7 +26,7 @@ def refusal_line(stderr: str) -> str:
 
 
 def test_a_resume_with_other_data_is_refused_naming_each_key(base_run, tmp_path, shards_dir,
-                                                             tokenizer_dir):  # noqa: F811
+                                                             tokenizer_dir):
     run = copy_run(base_run, tmp_path)
     other = tmp_path / "other_shards"
     shutil.copytree(shards_dir, other)
@@ -62,7 +45,7 @@ def test_a_resume_with_other_data_is_refused_naming_each_key(base_run, tmp_path,
 
 
 def test_a_refused_resume_leaves_config_yaml_describing_the_checkpoints(base_run, tmp_path, shards_dir,
-                                                                        tokenizer_dir):  # noqa: F811
+                                                                        tokenizer_dir):
     """Needs the check in the launcher's preflight (data_identity.resume_data_problems), which runs
     before `config.yaml` is rewritten."""
     run = copy_run(base_run, tmp_path)
@@ -71,7 +54,7 @@ def test_a_refused_resume_leaves_config_yaml_describing_the_checkpoints(base_run
 
 
 def test_reset_data_keeps_the_step_and_starts_the_data_fresh(base_run, tmp_path, shards_dir,
-                                                             tokenizer_dir):  # noqa: F811
+                                                             tokenizer_dir):
     run = copy_run(base_run, tmp_path)
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=3", "checkpoint.interval=1", "train.seq_length=512",
                  "checkpoint.reset_data=true")
@@ -108,7 +91,7 @@ def test_a_checkpoint_of_another_format_is_refused(base_run, tmp_path, shards_di
     assert sorted(metrics(run)) == [1, 2]
 
 
-def test_a_loader_worker_that_raises_fails_the_job(tmp_path, shards_dir, tokenizer_dir):  # noqa: F811
+def test_a_loader_worker_that_raises_fails_the_job(tmp_path, shards_dir, tokenizer_dir):
     """Every shard unreadable: the loader worker's exception reaches the trainer, and the job ends
     with exit status 1 naming it (not at exit 0 with a log full of skipped samples)."""
     broken = tmp_path / "broken_shards"
@@ -121,7 +104,7 @@ def test_a_loader_worker_that_raises_fails_the_job(tmp_path, shards_dir, tokeniz
     assert not (tmp_path / "run" / "metrics.jsonl").is_file() or not metrics(tmp_path / "run")
 
 
-def test_rewritten_shards_at_the_same_path_are_a_change(tmp_path, shards_dir, tokenizer_dir):  # noqa: F811
+def test_rewritten_shards_at_the_same_path_are_a_change(tmp_path, shards_dir, tokenizer_dir):
     """The same data.paths, preprocessed again (energon's sample counts rewritten): named as a
     change of that path's contents; the resolved recipe keys are compared as the loader sees them."""
     from mmtrain.config import load_recipe

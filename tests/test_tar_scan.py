@@ -22,7 +22,7 @@ from mmdata.preprocess.adapters.media_resolution import member_order
 from mmdata.dev.synth import generate_records, write_infinity_mm
 from mmdata.shard_job.tar_scan import list_tar
 
-pytestmark = pytest.mark.unit
+# `unit` test by test: the comparison with the system tar runs it
 
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "ustar": tarfile.USTAR_FORMAT, "pax": tarfile.PAX_FORMAT}
 
@@ -113,6 +113,7 @@ def _write_varied(path: Path, fmt: int, samples: int = 60, **open_kw) -> None:
         _add(tar, "last.json", b"[]")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lists_like_tarfile(tmp_path: Path, fmt: str):
     path = tmp_path / f"{fmt}.tar"
@@ -124,6 +125,7 @@ def test_lists_like_tarfile(tmp_path: Path, fmt: str):
     assert [tuple(m) for m in listing.members] == expected and listing.tail_error == ""
 
 
+@pytest.mark.unit
 def test_pax_global_headers(tmp_path: Path):
     harmless, renaming = tmp_path / "g1.tar", tmp_path / "g2.tar"
     _write_varied(harmless, tarfile.PAX_FORMAT, pax_headers={"comment": "made by a test"})
@@ -134,6 +136,7 @@ def test_pax_global_headers(tmp_path: Path):
     assert _listed(renaming) == _reference(renaming)
 
 
+@pytest.mark.unit
 def test_base256_size(tmp_path: Path):
     path = tmp_path / "b256.tar"
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
@@ -172,6 +175,7 @@ def _cut_offsets(size: int) -> list[int]:
     return sorted({max(0, min(size, b + d)) for b in range(0, size + 512, 512) for d in (-1, 0, 1, 150, 300)})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_truncated_copies_match_tarfile(tmp_path: Path, fmt: str):
     src = tmp_path / "src.tar"
@@ -187,6 +191,7 @@ def test_truncated_copies_match_tarfile(tmp_path: Path, fmt: str):
     assert damaged_seen > 50
 
 
+@pytest.mark.unit
 def test_damaged_and_foreign_files(tmp_path: Path):
     src = tmp_path / "src.tar"
     _write_varied(src, tarfile.GNU_FORMAT)
@@ -316,6 +321,7 @@ def _assert_same_records(unit: InputUnit, cut: bool = False) -> int:
     return len(new)
 
 
+@pytest.mark.unit
 def test_iter_records_unchanged(tmp_path: Path):
     files = write_infinity_mm(generate_records(60, seed=0, broken_fraction=0.2, synthetic=True), tmp_path / "raw", samples_per_tar=20)
     units = infinity_mm.list_units([tmp_path / "raw"])

@@ -22,9 +22,7 @@ from PIL import Image
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.energon_loaders.emu3 import token_format as tf
-from tests.emu3_tiny import (EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, emu3_dev_shards,  # noqa: F401
-                             emu3_tok_dir, encode_image, hf_codes, hf_reference, run_tokenize_cli, tiny_vq_dir,
-                             token_dir, tokenize_args)
+from tests.emu3_tiny import EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, encode_image, hf_codes, hf_reference, run_tokenize_cli, tokenize_args
 from tests.energon_reading import energon_samples
 
 

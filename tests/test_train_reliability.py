@@ -1,7 +1,7 @@
 """Training faults (docs/reliability.md): stopping early and resuming exactly (SIGTERM,
 train.exit_interval, train.exit_duration_mins), damaged or foreign checkpoints refused with a
 message naming the problem, and a dying rank ending the whole job with a non-zero status that
-names it. Real `mmtrain llava-ov` subprocesses on the tiny recipe (helpers: test_train_runtime)."""
+names it. Real `mmtrain llava-ov` subprocesses on the tiny recipe (helpers: tests/fixtures_training.py)."""
 
 from __future__ import annotations
 
@@ -21,35 +21,14 @@ import yaml
 
 from mmtrain.runtime.checkpoint.integrity import CheckpointDamagedError, check_checkpoint
 from mmtrain.runtime.launcher import child_pids
-from tests.test_train_runtime import MMTRAIN, REPO, free_port, metrics, ref_run, tokenizer_dir, train  # noqa: F401
+from tests.fixtures_training import REPO, free_port, metrics, run_killed, train, train_args
 
 RUN = ("train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
-
-
-def _args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
-    return MMTRAIN + [f"run_dir={run_dir}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
-                      "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false",
-                      f"parallel.nproc_per_node={nproc}", f"parallel.master_port={free_port()}", *overrides]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-
-
-def _run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
-    """Run a training that dies by SIGKILL; (its exit status, its stderr). Its process group
-    goes with it, as a scheduler takes a job's processes (what a bare `kill -9` of the process
-    alone leaves: test_a_sigkilled_run_leaves_no_process_behind)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra_env}
-    with log.open("w") as f:
-        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO, start_new_session=True)
-        rc = p.wait()
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:  # nothing left
-        pass
-    return rc, log.read_text()
 
 
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
@@ -79,7 +58,7 @@ def test_stops_early_then_resumes_exactly(ref_run, tmp_path, shards_dir, tokeniz
     assert "resumed from" in proc.stderr and "stopped after step 3/6 (train.exit_interval reached)" in proc.stderr
     assert _latest(run) == 3
 
-    p = _start(_args(run, shards_dir, tokenizer_dir, *RUN))
+    p = _start(train_args(run, shards_dir, tokenizer_dir, *RUN))
     _wait_for_step(run, p, 4)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate()
@@ -102,7 +81,7 @@ def test_sigterm_to_the_launcher_stops_its_workers_cleanly(tmp_path, shards_dir,
     scheduler sends) reaches the workers, not torchrun (which would kill them and fail): they
     finish the step, save, and the launcher exits 0."""
     run = tmp_path / "run"
-    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=30", "checkpoint.interval=0", nproc=2))
+    p = _start(train_args(run, shards_dir, tokenizer_dir, "train.iters=30", "checkpoint.interval=0", nproc=2))
     _wait_for_step(run, p, 2)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate()
@@ -123,8 +102,8 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_pa
     run = tmp_path / "run"
     staged = run / "checkpoints" / ".staging" / "iter_0000004"
     for point in ("model", "publish"):
-        rc, err = _run_killed(kill_in_save.command(f"4:{point}", _args(run, shards_dir, tokenizer_dir, *RUN)),
-                              tmp_path / f"{point}.log")
+        rc, err = run_killed(kill_in_save.command(f"4:{point}", train_args(run, shards_dir, tokenizer_dir, *RUN)),
+                             tmp_path / f"{point}.log")
         assert rc == -signal.SIGKILL, f"{point}: not killed ({rc})\n{err[-3000:]}"
         assert _latest(run) == 2 and not (run / "checkpoints" / "iter_0000004").exists(), point
         assert any((staged / "model").iterdir()), point  # the save was under way
@@ -180,7 +159,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.unit
 def test_children_forked_from_the_main_thread_die_with_a_sigkilled_parent():
     """The at-fork hook of child_processes.py: a child forked from the main thread is SIGKILLed
     with its parent; one forked from another thread (whose end would kill it too early) is not."""
@@ -207,7 +185,7 @@ def test_a_sigkilled_run_leaves_no_process_behind(tmp_path, shards_dir, tokenize
     a save the kill interrupted (in about 1 run in 4)."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    p = subprocess.Popen(_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
+    p = subprocess.Popen(train_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO,
                          start_new_session=True)
     try:
@@ -320,7 +298,7 @@ def _signal_rank_1_after_step_1(run: Path, shards_dir: Path, tokenizer_dir: Path
                                 timeout_mins: float) -> tuple[str, int]:
     """DP=2 training (50 steps); once step 1 is logged, `sig` to rank 1's worker, then wait for the
     job to end (it must, and with a non-zero status). Returns (its stderr, rank 1's pid)."""
-    p = _start(_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
+    p = _start(train_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
                      f"parallel.collective_timeout_mins={timeout_mins}", nproc=2))
     _wait_for_step(run, p, 1)
     victim = _worker_pid(p.pid, 1)
@@ -376,7 +354,7 @@ def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, 
     shared run dir (and hand to their workers) is the same on both: node_rank 0."""
     run = tmp_path / "run"
     port = free_port()
-    nodes = [_start(_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
+    nodes = [_start(train_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
                           "parallel.nnodes=2",
                           f"parallel.node_rank={k}", "parallel.master_addr=127.0.0.1", f"parallel.master_port={port}"))
              for k in (0, 1)]

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,91 +34,10 @@ import pytest
 import torch
 
 from mmdata.folder_lock import lock_path
-from tests.session_fixtures import session_fixture
-
-REPO = Path(__file__).resolve().parents[1]
-TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
-MMTRAIN = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY_RECIPE)]
+from tests.fixtures_training import (MMTRAIN, REPO, TINY_RECIPE, assert_same_steps, free_port, interrupted_copy,
+                                     metrics, read_dist_ckpt, train)
 
 REQUIRED_METRICS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s")
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1,
-          expect_rc: int = 0, command: list[str] = MMTRAIN) -> subprocess.CompletedProcess:
-    args = [
-        f"run_dir={run_dir}",
-        f"data.paths=[{shards}]",
-        f"tokenizer.path={tokenizer}",
-        "data.num_workers=1",
-        "train.seq_length=1024",
-        "logging.tensorboard=false",
-        f"parallel.nproc_per_node={nproc}",
-        f"parallel.master_port={free_port()}",
-        *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != expect_rc:
-        raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in rows}
-
-
-def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a megatron torch_dist checkpoint dir, unsharded (torch DCP, no process group)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata()
-    sd = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
-
-
-@session_fixture  # imported by the other training test modules
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-
-    return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
-
-
-@pytest.fixture(scope="module")
-def ref_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
-    """One process, 6 steps, checkpoints every 2 (keep the last 2)."""
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    proc = train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
-    (run_dir.parent / "stderr.txt").write_text(proc.stderr)  # its step lines
-    return run_dir
-
-
-def interrupted_copy(ref: Path, dst: Path, at_step: int) -> Path:
-    """The state a job killed right after step `at_step`'s checkpoint leaves behind."""
-    shutil.copytree(ref, dst)
-    ckpts = dst / "checkpoints"
-    for d in ckpts.glob("iter_*"):
-        if int(d.name[5:]) > at_step:
-            shutil.rmtree(d)
-    (ckpts / "latest").write_text(f"{at_step}\n")
-    return dst
 
 
 # ----------------------------------------------------------------------------- fast: training
@@ -361,24 +278,6 @@ def test_evaluations_on_the_same_weights_agree(tmp_path, shards_dir, tokenizer_d
 
 
 # ----------------------------------------------------------------------------- context parallelism
-
-
-def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps, any_order: bool = False) -> None:
-    """Losses, grad norms and per-sample losses of `steps` agree (fp32 reduction-order noise);
-    `any_order`: the same samples, in any order (rows that balancing moved between micro-batches)."""
-    def by_id(record: dict) -> list:  # (id, loss) sorted: a sample drawn twice in a step appears twice
-        return sorted(zip(record["sample_ids"], record["sample_losses"]))
-
-    for step in steps:
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
-        if any_order:
-            mine, theirs = by_id(got[step]), by_id(ref[step])
-            assert [i for i, _ in mine] == [i for i, _ in theirs], step
-            assert [x for _, x in mine] == pytest.approx([x for _, x in theirs], rel=1e-5, abs=1e-6), step
-            continue
-        assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
-        assert got[step]["sample_losses"] == pytest.approx(ref[step]["sample_losses"], rel=1e-5, abs=1e-6), step
 
 
 def test_context_parallel_continues_one_process_and_resumes_at_cp1(ref_run, tmp_path, shards_dir, tokenizer_dir):

@@ -209,9 +209,9 @@ def test_train_data_balances_replicated_steps(tmp_path):
     from mmtrain.models.flops import tile_token_cost
     from mmtrain.runtime.distributed import ParallelContext
     from mmtrain.runtime.train_data import TrainData, batch_sample_ids
-    from tests.test_loader import BAD_IDS, _dev_samples
+    from tests.fixtures_loader import BAD_IDS, llava_dev_samples
 
-    shards = write_dev_shards(tmp_path / "shards", [s for s in _dev_samples() if s.id not in BAD_IDS])
+    shards = write_dev_shards(tmp_path / "shards", [s for s in llava_dev_samples() if s.id not in BAD_IDS])
     recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [
         f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
         "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -262,9 +262,9 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
     from mmtrain.runtime.distributed import ParallelContext
     from mmtrain.runtime.train_data import WINDOW_STATE_KEY, TrainData, batch_sample_ids
-    from tests.test_loader import BAD_IDS, _dev_samples
+    from tests.fixtures_loader import BAD_IDS, llava_dev_samples
 
-    shards = write_dev_shards(tmp_path / "shards", [s for s in _dev_samples() if s.id not in BAD_IDS])
+    shards = write_dev_shards(tmp_path / "shards", [s for s in llava_dev_samples() if s.id not in BAD_IDS])
     common = [f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
               "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=1", "train.global_batch_size=2",
               "data.sharding=replicated", "data.video_frames=4"]

@@ -95,7 +95,6 @@ def _gather_rank(rank: int, port: int, world: int) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.unit
 def test_gather_returns_every_share_and_routes_each_gradient_home():
     """4 gloo processes as TP=4, TP=2 x CP=2, CP=4 (tower whole on each rank) and TP=2 x CP=2, TP=4
     (tower sharded like the LLM): each rank's group of one (the TP group of a whole tower) exists
@@ -278,10 +277,10 @@ def test_cost_model_counts_the_tp_gradient_averages_flatten_and_copy_back():
 
 @pytest.mark.slow
 def test_separate_layout_equals_inherited_at_tp4_and_tp2_with_a_quarter_of_the_vision_flops(tmp_path):
-    from tests.test_convert import _torchrun
+    from tests.fixtures_convert import torchrun
 
     result = tmp_path / "res.json"
-    _torchrun(REPO / "tests" / "workers" / "vision_layout_worker.py", str(tmp_path / "ckpt"), str(result), nproc=4)
+    torchrun(REPO / "tests" / "workers" / "vision_layout_worker.py", str(tmp_path / "ckpt"), str(result), nproc=4)
     res = json.loads(result.read_text())
     for name, tp, cp in (("tp4-cp1", 4, 1), ("tp2-cp2", 2, 2), ("tp2-cp1", 2, 1)):
         r = res[name]

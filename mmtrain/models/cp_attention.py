@@ -18,7 +18,7 @@ Backward: the K/V gradients of all ranks' queries are summed and each rank keeps
 The attention of a local chunk at offset o of its sequence is exact and mask-free: full
 attention over the o keys before it plus causal attention over its own c keys, merged by their
 log-sum-exp, with PyTorch's CPU flash-attention kernels (`aten::_scaled_dot_product_flash_
-attention_for_cpu` and its backward, which need only the merged output and log-sum-exp: the
+attention_for_cpu` and its backward, private: gated in mmtrain/private_api.py; which need only the merged output and log-sum-exp: the
 standard blockwise/ring-attention identity). Chunks of equal (length, offset) - all of them for
 unpacked rows of equal length - run as one batched call.
 """
@@ -36,9 +36,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.attention import SDPACoreAttention
+from mmtrain.private_api import cpu_flash_attention
 
-_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @dataclass(frozen=True)
@@ -136,6 +135,7 @@ class _PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kd: torch.Tensor,
                 vd: torch.Tensor, scale: float) -> torch.Tensor:
+        _flash_fwd, _ = cpu_flash_attention()
         out, lse = _flash_fwd(q, kd, vd, 0.0, True, scale=scale)
         if kp.size(2) > 0:
             out_p, lse_p = _flash_fwd(q, kp, vp, 0.0, False, scale=scale)
@@ -151,6 +151,7 @@ class _PrefixCausalAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, kp, vp, kd, vd, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
+        _, _flash_bwd = cpu_flash_attention()
         dq, dkd, dvd = _flash_bwd(grad, q, kd, vd, out, lse, 0.0, True, scale=ctx.scale)
         dkp = dvp = None
         if kp.size(2) > 0:

@@ -24,5 +24,4 @@
   throughput.py    MFU/HFU, packing and memory numbers for the step logs
   checkpoint/      directory layout, model weights, the checkpoint manager
   child_processes.py  nothing the training process starts outlives it (even after kill -9)
-  megatron_internals.py  the one private megatron name used, behind a version gate
 """

@@ -10,7 +10,7 @@ Two kinds of helper processes stayed behind for good after a bare SIGKILL:
 Linux can SIGKILL a child when its parent dies (PR_SET_PDEATHSIG, `mmdata/parent_death.py`). Forked children ask for it
 in an at-fork hook; the manager is started here, the way megatron starts it, with the request
 in its initializer, and megatron is handed its queue before its first save (through the one
-private megatron name mmtrain uses, gated by version in `megatron_internals.py`).
+private megatron name mmtrain uses, gated by version in `mmtrain/private_api.py`).
 
 PR_SET_PDEATHSIG fires when the *thread* that started the child ends, so only children started
 from the main thread ask for it; elsewhere, and off Linux, nothing changes.
@@ -24,7 +24,7 @@ import threading
 from multiprocessing.managers import SyncManager
 
 from mmdata.parent_death import LINUX, die_with_parent, prctl
-from mmtrain.runtime import megatron_internals
+from mmtrain import private_api
 
 _manager: SyncManager | None = None  # kept alive with its queue
 _fork_hook_installed = False
@@ -57,10 +57,10 @@ def install_writer_results_queue() -> bool:
     if _manager is not None:
         return True
     if (not LINUX or threading.current_thread() is not threading.main_thread()
-            or megatron_internals.writer_results_queue() is not None):
+            or private_api.writer_results_queue() is not None):
         return False  # elsewhere, or megatron already has its queue
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    megatron_internals.set_writer_results_queue(manager.Queue())
+    private_api.set_writer_results_queue(manager.Queue())
     _manager = manager
     return True

@@ -266,7 +266,7 @@ def optimizer_type_checks(device: torch.device):
 
     note("megatron optimizer construction: a CPU fp32/bf16 parameter's type() -> its torch.cuda type string "
          "(Float16OptimizerWithFloat16Params and DistributedOptimizer sort parameters by that string)")
-    torch.Tensor.type = type_  # type: ignore[method-assign]
+    torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -226,7 +226,8 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=parallel_cfg.collective_timeout_mins),
-            **({"device_id": device} if backend == "nccl" else {}),
+            # (type checker: device_id, passed by name for nccl only)
+            **({"device_id": device} if backend == "nccl" else {}),  # type: ignore[arg-type]
         )
     _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None, parallel_cfg.collective_timeout_mins,
                        vpp=parallel_cfg.vpp)

@@ -190,7 +190,8 @@ def stored_dtype(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -
     names = {v: k for k, v in DTYPE_NAMES.items()}
     elements: dict[str, int] = {}
     for t in dist_checkpointing.load_tensors_metadata(str(iter_dir(ckpt_dir, it) / "model")).values():
-        name = names.get(getattr(t, "dtype", None))
+        # (type checker: tensors without a dtype give None, looked up as absent)
+        name = names.get(getattr(t, "dtype", None))  # type: ignore[arg-type]
         if name is not None:
             elements[name] = elements.get(name, 0) + int(torch.Size(t.global_shape).numel())
     return max(elements, key=elements.__getitem__) if elements else "float32"

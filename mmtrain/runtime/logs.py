@@ -25,7 +25,8 @@ def setup_logging(rank: int | None = None, verbose: bool = True, verbose_third_p
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         root.addHandler(handler)
-    for handler in root.handlers:
+    # (type checker: the loop rebinds the name to every root handler)
+    for handler in root.handlers:  # type: ignore[assignment]
         handler.setFormatter(fmt)
     root.setLevel(logging.WARNING)
     logging.getLogger("mmtrain").setLevel(level)

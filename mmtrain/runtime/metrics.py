@@ -187,7 +187,8 @@ def worst_samples(records: Iterable[dict], step: int | None = None, top: int = 1
         scored = [(v, r) for v, r in scored if v is not None and not math.isnan(v)]
         if not scored:
             raise LookupError("no record has a numeric loss")
-        record = max(scored, key=lambda vr: vr[0])[1]
+        # (type checker: None losses are filtered out one line up)
+        record = max(scored, key=lambda vr: vr[0])[1]  # type: ignore[arg-type,return-value]
     else:
         found = [r for r in records if int(r["step"]) == step]
         if not found:

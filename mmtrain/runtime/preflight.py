@@ -101,7 +101,8 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
         t = recipe.train
         shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
         try:
-            _, path, info = plan_for_data(recipe.data.paths, recipe.data.packing_plan, t.seq_length,
+            # (type checker: the plan's path replaces the recipe's string)
+            _, path, info = plan_for_data(recipe.data.paths, recipe.data.packing_plan, t.seq_length,  # type: ignore[assignment]
                                           geometry=recipe_geometry(recipe), step_shape=shape)
             if getattr(recipe.data, "balance", False) and plan_step_shape(info) is None:
                 problems.append(f"data.balance: true: packing plan {path} is not balanced: run `mmtrain pack-plan "
@@ -129,7 +130,8 @@ def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]
             continue
         where = str(path) if leaf == path else f"{path} (its dataset {leaf})"
         other = next((f for f in FAMILIES.values() if f.sample_type and f.sample_type[0] == found), None)
-        held = (f"{_short(found)} samples, {other.sample_type[1]}" if other is not None
+        # (type checker: `other` has a sample_type by the filter above)
+        held = (f"{_short(found)} samples, {other.sample_type[1]}" if other is not None  # type: ignore[index]
                 else f"samples of energon type {found}, which no mmtrain family trains on")
         fix = f"use `mmtrain {other.name}` for these shards, or " if other is not None else ""
         problems.append(f"{key}: {where} holds {held}; mmtrain {spec.name} trains on {_short(want)} samples, "

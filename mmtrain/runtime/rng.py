@@ -28,7 +28,8 @@ def get_rng_state() -> dict[str, Any]:
         },
         "numpy": {
             "name": np_name,
-            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            # (type checker: np.random.get_state() is the legacy tuple form)
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),  # type: ignore[attr-defined]
             "pos": int(np_pos),
             "has_gauss": int(np_has_gauss),
             "cached_gaussian": float(np_cached),

@@ -53,7 +53,8 @@ class RowBalancer:
         rows = [[row for mbs in steps for mb in mbs for row in mb.split_rows()] for steps in ranks]
         costs = [row_costs(*self._row_cost_inputs(r), self.tile_tokens) for r in rows]
         shapes = [[[_rows(mb) for mb in ranks[r][s]] for r in range(len(ranks))] for s in range(len(ranks[0]))]
-        placed = assign_window(costs, shapes)
+        # (type checker: numpy rows of floats are sequences of floats)
+        placed = assign_window(costs, shapes)  # type: ignore[arg-type]
         return [[type(rows[me][0]).join_rows([rows[r][k] for r, k in micro]) for micro in step[me]] for step in placed]
 
     def balance_exchange(self, micro_batches: Sequence[PackedBatch], group: Any, device: torch.device
@@ -76,7 +77,8 @@ class RowBalancer:
             head, n = g[1:1 + g[0]], (len(g) - 1 - g[0]) // 2
             all_shapes.append(_step_shapes(head))
             costs.append(row_costs(g[1 + g[0]:1 + g[0] + n], g[1 + g[0] + n:], self.tile_tokens))
-        placed = assign_window(costs, [[all_shapes[r][s] for r in range(world)] for s in range(len(steps))])
+        # (type checker: numpy rows of floats are sequences of floats)
+        placed = assign_window(costs, [[all_shapes[r][s] for r in range(world)] for s in range(len(steps))])  # type: ignore[arg-type]
         mine = [ref for step in placed for micro in step[me] for ref in micro]
         # what leaves this rank and what arrives, in one order every rank agrees on
         sends = sorted((d, k) for step in placed for d in range(world) for mb in step[d] for r, k in mb

@@ -178,7 +178,8 @@ class StepMetrics:
         local = (step_data.sample_ids, [float(s / c) if c > 0 else None for s, c in mine.tolist()])
         gathered = [local]
         if ctx.dp > 1:
-            gathered = [None] * ctx.dp
+            # (type checker: all_gather_object fills the placeholders)
+            gathered = [None] * ctx.dp  # type: ignore[list-item]
             dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
         for ids, losses in gathered:
             totals.sample_ids.extend(ids)

@@ -151,9 +151,11 @@ class TrainData:
         if not isinstance(batch, self.batch_type):
             raise TypeError(f"the {self.family} loader yielded {type(batch).__name__}, "
                             f"not the family's batch type {self.batch_type.__name__}")
+        # (type checker: isinstance against the family's batch type just above)
+        packed: PackedBatch = batch  # type: ignore[assignment]
         if self._counts_skips:
-            self._skipped.update(batch_skips(batch))
-        return batch
+            self._skipped.update(batch_skips(packed))
+        return packed
 
     def close(self) -> None:
         """Stop the loader's worker processes now. energon keeps persistent workers behind a

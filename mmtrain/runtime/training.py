@@ -64,7 +64,8 @@ def keep_tokenizer(recipe: Recipe, spec: FamilySpec) -> Path:
     """The run's tokenizer, as its loader resolves it (the family's added tokens included), next
     to its checkpoints (`checkpoints/hf_assets/`): `mmtrain convert mcore-to-hf` exports it with the
     weights, so transformers and `mmtrain generate` load the vocabulary the model was trained on."""
-    tokenizer = load_local_tokenizer(recipe.tokenizer.path, "tokenizer.path:")
+    # (type checker: load_local_tokenizer names a missing path itself)
+    tokenizer = load_local_tokenizer(recipe.tokenizer.path, "tokenizer.path:")  # type: ignore[arg-type]
     prepare = spec.prepare_tokenizer
     if prepare is not None:
         prepare(tokenizer)

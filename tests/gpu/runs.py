@@ -22,7 +22,7 @@ from mmdata import shard_format as sf
 from mmdata.shard_job.energon_meta import write_energon_index, write_tar_index
 from mmdata.shard_job.shard_writer import SampleMembers, write_shard
 from mmdata.energon_loaders.emu3 import token_format as tf
-from tests.test_train_runtime import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
+from tests.fixtures_training import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
 
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 EMU3_RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
@@ -76,11 +76,11 @@ def train_killed(family: str, run_dir: Path, data: Path, tokenizer: Path, *overr
                  kill_at: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """A training SIGKILLed at `kill_at` ("STEP:PHASE" of a checkpoint save: tests/workers/kill_in_save.py),
     its process group with it: tests/test_train_reliability.py's `_run_killed`. (exit status, stderr)."""
-    from tests.test_train_reliability import _run_killed
+    from tests.fixtures_training import run_killed
     from tests.workers import kill_in_save
 
-    return _run_killed(kill_in_save.command(kill_at, train_args(family, run_dir, data, tokenizer, *overrides)), log,
-                       **(env or {}))
+    return run_killed(kill_in_save.command(kill_at, train_args(family, run_dir, data, tokenizer, *overrides)), log,
+                      **(env or {}))
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ import pytest
 from tests.emu3_tiny import emu3_tok_dir, tiny_vq_dir  # noqa: F401
 from tests.gpu import runs
 from tests.llava_tiny import images
-from tests.test_generate import _hf_llava_processor, emu3_hf, llava_hf  # noqa: F401
+from tests.llava_tiny import hf_llava_processor
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,7 @@ def test_llava_ov_greedy_on_cuda_equals_transformers(llava_hf, tmp_path):
     assert len(lines) == len(questions)
 
     oracle = copy.deepcopy(model).to(DEVICE).eval()
-    processor = _hf_llava_processor(tok)
+    processor = hf_llava_processor(tok)
     for line, (q, i) in zip(lines, questions):
         text = tok.apply_chat_template([{"role": "user", "content": ("<image>\n" if i is not None else "") + q}],
                                        tokenize=False, add_generation_prompt=True)

@@ -37,6 +37,7 @@ from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
+from mmdata.private_api import new_shared_storage
 
 
 @dataclass
@@ -219,7 +220,7 @@ def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
         numel *= d
     if torch.utils.data.get_worker_info() is None or numel == 0:
         return torch.empty(shape, dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(numel)
+    storage = new_shared_storage(numel)
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape)
 
 

@@ -45,10 +45,12 @@ def _barrier() -> None:
 def _sharded(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
     chunks = [unwrap(m) for m in model_chunks]
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
+        # (type checker: megatron modules define sharded_state_dict())
+        return {"model": chunks[0].sharded_state_dict()}  # type: ignore[operator]
     # a chunk without weights (a virtual stage of 0 layers) is left out: megatron checks that the
     # ranks' non-sharded parts agree, and its empty dict would be one on this rank only
-    sharded = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}
+    # (type checker: megatron modules define sharded_state_dict())
+    sharded = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}  # type: ignore[operator]
     return {k: sd for k, sd in sharded.items() if sd}
 
 
@@ -57,7 +59,8 @@ def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict[st
     through it, so its moments re-shard exactly like the weights)."""
     merged: dict[str, Any] = {}
     for i, chunk in enumerate(model_chunks):
-        sd = unwrap(chunk).sharded_state_dict()
+        # (type checker: megatron modules define sharded_state_dict())
+        sd = unwrap(chunk).sharded_state_dict()  # type: ignore[operator]
         merged.update(sd if len(model_chunks) == 1 else {f"chunk{i}.{k}": v for k, v in sd.items()})
     return merged
 

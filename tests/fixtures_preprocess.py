@@ -1,0 +1,80 @@
+"""The preprocessing job's helpers and session fixtures (registered in tests/conftest.py).
+
+`synth_raw_dir`: 120 synthetic Infinity-MM records (seed 0, no broken ones) in the real on-disk
+layout (stageN/<subset>/*.tar). `shards_dir`: that dataset through `mmdata preprocess` (seed 0,
+32 samples per shard, local Ray with 2 CPUs) -> energon-ready shards + manifest. Both are
+session-scoped and read-only for tests: copy before modifying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from mmdata import shard_format as sf
+
+SYNTH_NUM_SAMPLES = 120
+SYNTH_SEED = 0
+SHARDS_SAMPLES_PER_SHARD = 32
+#: the console scripts of this interpreter's environment (`ray start` for the cluster tests)
+VENV_BIN = Path(sys.executable).parent
+
+
+def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `mmdata preprocess` in a subprocess (its own Ray instance, nothing left in pytest)."""
+    cmd = [sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", *args]
+    full_env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def synth_raw_dir(tmp_path_factory) -> Path:
+    from mmdata.dev.synth import generate_records, write_infinity_mm
+
+    out = tmp_path_factory.mktemp("synth") / "raw"
+    write_infinity_mm(generate_records(SYNTH_NUM_SAMPLES, seed=SYNTH_SEED, synthetic=True), out, samples_per_tar=20)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shards_dir(tmp_path_factory, synth_raw_dir) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
+                       "--seed", str(SYNTH_SEED), "--samples-per-shard", str(SHARDS_SAMPLES_PER_SHARD),
+                       "--num-cpus", "2")
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a Ray head, a torchrun rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_shards(out: Path) -> list[tuple[str, dict, dict[str, bytes], list[tarfile.TarInfo]]]:
+    """[(key, record, {suffix: bytes}, tarinfos)] in output order, asserting contiguous sorted members."""
+    samples: list = []
+    for shard in sorted(out.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            for info in tar.getmembers():
+                key, _, suffix = info.name.partition(".")
+                if not samples or samples[-1][0] != key:
+                    assert all(s[0] != key for s in samples), f"members of {key} not contiguous"
+                    samples.append((key, None, {}, []))
+                members = samples[-1][2]
+                assert not members or suffix > max(members), f"{info.name}: members not sorted"
+                members[suffix] = tar.extractfile(info).read()
+                samples[-1][3].append(info)
+    return [(k, json.loads(m[sf.JSON_MEMBER]), m, infos) for k, _, m, infos in samples]
+

@@ -1,0 +1,153 @@
+"""Training-run helpers and fixtures shared by the training test modules (registered for the whole
+session in tests/conftest.py, so each session fixture is built once): the `mmtrain llava-ov` CLI
+on the tiny recipe in a subprocess, its metrics and checkpoints, the tiny tokenizer, a reference
+run and a two-step base run that tests copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.fixtures_preprocess import free_port
+from tests.session_fixtures import session_fixture
+
+if TYPE_CHECKING:
+    import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
+MMTRAIN = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY_RECIPE)]
+#: the base run's overrides: two steps, a checkpoint after each
+BASE_RUN = ("train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0")
+
+
+def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1,
+          expect_rc: int = 0, command: list[str] = MMTRAIN) -> subprocess.CompletedProcess:
+    args = [
+        f"run_dir={run_dir}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tokenizer}",
+        "data.num_workers=1",
+        "train.seq_length=1024",
+        "logging.tensorboard=false",
+        f"parallel.nproc_per_node={nproc}",
+        f"parallel.master_port={free_port()}",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != expect_rc:
+        raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows}
+
+
+def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a megatron torch_dist checkpoint dir, unsharded (torch DCP, no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    md = reader.read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+@session_fixture
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def ref_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
+    """One process, 6 steps, checkpoints every 2 (keep the last 2)."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    proc = train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    (run_dir.parent / "stderr.txt").write_text(proc.stderr)  # its step lines
+    return run_dir
+
+
+def interrupted_copy(ref: Path, dst: Path, at_step: int) -> Path:
+    """The state a job killed right after step `at_step`'s checkpoint leaves behind."""
+    shutil.copytree(ref, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("iter_*"):
+        if int(d.name[5:]) > at_step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"{at_step}\n")
+    return dst
+
+
+def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps, any_order: bool = False) -> None:
+    """Losses, grad norms and per-sample losses of `steps` agree (fp32 reduction-order noise);
+    `any_order`: the same samples, in any order (rows that balancing moved between micro-batches)."""
+    def by_id(record: dict) -> list:  # (id, loss) sorted: a sample drawn twice in a step appears twice
+        return sorted(zip(record["sample_ids"], record["sample_losses"]))
+
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
+        if any_order:
+            mine, theirs = by_id(got[step]), by_id(ref[step])
+            assert [i for i, _ in mine] == [i for i, _ in theirs], step
+            assert [x for _, x in mine] == pytest.approx([x for _, x in theirs], rel=1e-5, abs=1e-6), step
+            continue
+        assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
+        assert got[step]["sample_losses"] == pytest.approx(ref[step]["sample_losses"], rel=1e-5, abs=1e-6), step
+
+
+@session_fixture
+def base_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
+    """Two steps at seq_length 1024, a checkpoint after each; tests work on copies."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    train(run_dir, shards_dir, tokenizer_dir, *BASE_RUN)
+    return run_dir
+
+
+def copy_run(base: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    return run
+
+
+def run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
+    """Run a training that dies by SIGKILL; (its exit status, its stderr). Its process group
+    goes with it, as a scheduler takes a job's processes (what a bare `kill -9` of the process
+    alone leaves: test_a_sigkilled_run_leaves_no_process_behind)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra_env}
+    with log.open("w") as f:
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO, start_new_session=True)
+        rc = p.wait()
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left
+        pass
+    return rc, log.read_text()
+
+
+def train_args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    """The `mmtrain llava-ov` command line of `train` (for a run the test starts, signals or kills itself)."""
+    return MMTRAIN + [f"run_dir={run_dir}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
+                      "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false",
+                      f"parallel.nproc_per_node={nproc}", f"parallel.master_port={free_port()}", *overrides]
