@@ -321,7 +321,6 @@ def test_function_level_imports_only_at_the_named_boundaries(graph):
                      + "\n  ".join(f"{i.source}:{i.line} ({i.function}) imports {i.target}" for i in bad[:60]))
 
 
-@UNTIL_MERGE
 def test_fewer_than_120_function_level_imports(graph):
     numbers = figures(*graph)
     print(f"function-level imports: {numbers['function_level']} ({numbers['function_level_internal']} of the "
