@@ -170,7 +170,6 @@ def _trained_copy(converted: Path, dst: Path, data_paths: list[Path]) -> Path:
     return dst
 
 
-@pytest.mark.unit
 def test_export_records_the_token_shards_image_area(converted, tiny_vq_dir, tmp_path, caplog):
     """The exported preprocessor_config.json resizes images to the area the token shards were made
     with (their manifest's image_area), not the VQ dir's default: transformers' image processor of

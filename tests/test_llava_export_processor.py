@@ -56,7 +56,6 @@ def exported(tmp_path_factory):
     return ckpt, out, model, tok
 
 
-@pytest.mark.unit
 def test_exported_template_takes_typed_parts_and_strings(exported):
     """The run's recorded template fails on list content; the export's renders image / video parts
     as LLaVA-OneVision's processor template does (media placeholders, then the text) and strings
@@ -83,7 +82,6 @@ def test_exported_template_takes_typed_parts_and_strings(exported):
         "<|im_start|>user\n<video>\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.unit
 def test_auto_processor_loads_the_export_or_names_torchvision(exported):
     """transformers' own AutoProcessor: where torchvision is installed it loads the export with its
     video processor; where not (this project's CPU venv: docs/conversion.md) it fails naming
@@ -101,7 +99,6 @@ def test_auto_processor_loads_the_export_or_names_torchvision(exported):
     assert "torchvision" in str(err.value).lower()
 
 
-@pytest.mark.unit
 def test_processor_and_generate_match_mmtrain_generate(exported, tmp_path):
     """apply_chat_template (typed parts) + processor(images, text) + transformers' generate on the
     export give the tokens `mmtrain generate llava-ov` gives on the megatron checkpoint."""
