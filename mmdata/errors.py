@@ -157,3 +157,39 @@ def deferred_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if received:
         raise KeyboardInterrupt
+
+
+class InterruptsAfterCompletion:
+    """A command whose output is complete must not turn into exit 130 because Ctrl-C arrived while
+    it was being put in place (a rename, removing the replaced folder, releasing a lock) or while
+    the command was saying so. Around the command's writing block (`with guard:`), `guard.hold()`
+    at the moment the output is complete turns later SIGINTs into a note, printed when the block
+    ends: `PROG: interrupt received after WHAT was complete; nothing was lost`. A Ctrl-C before
+    `hold()` stops the command as usual. Main thread only (signals go there); elsewhere, or when
+    SIGINT is ignored, it does nothing."""
+
+    def __init__(self, prog: str, what: str) -> None:
+        self.prog, self.what = prog, what
+        self.received = 0
+        self._previous: object = None
+        self._holding = False
+
+    def __enter__(self) -> "InterruptsAfterCompletion":
+        return self
+
+    def hold(self) -> None:
+        """From now on a SIGINT is counted, not raised."""
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return
+        self._previous = signal.signal(signal.SIGINT, self._count)
+        self._holding = True
+
+    def _count(self, signum: int, frame: object) -> None:
+        self.received += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self._holding:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            self._holding = False
+        if self.received and exc[0] is None:
+            print(f"{self.prog}: interrupt received after {self.what} was complete; nothing was lost", file=sys.stderr)

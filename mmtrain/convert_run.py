@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from mmdata.errors import UserError
+from mmdata.errors import InterruptsAfterCompletion, UserError
 from mmdata.folder_lock import FolderLock, fresh_folder
 from mmtrain import registry
 from mmtrain.config.errors import RecipeError
@@ -48,12 +48,14 @@ def _convert(args: argparse.Namespace) -> int:
         _check_sources({"--src": args.src} if args.src else {f"--{k}": v for k, v in parts.items()}, args.dst)
         if args.src:
             _check_hf_source(args.model, args.src)
-        with _writing(args, [args.src] if args.src else list(parts.values())) as dst:
-            if parts:
-                hf.assemble(parts, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
-            else:
-                hf.to_mcore(args.src, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
-        print(f"wrote megatron checkpoint {args.dst}")
+        with _finished(args) as done:
+            with _writing(args, [args.src] if args.src else list(parts.values())) as dst:
+                if parts:
+                    hf.assemble(parts, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
+                else:
+                    hf.to_mcore(args.src, str(dst), tp=args.tp, pp=args.pp, dtype=args.dtype)
+                done.hold()  # complete: what follows only puts it in place
+            print(f"wrote megatron checkpoint {args.dst}")
     else:
         extras = {flag: getattr(args, flag) for flag in family_flags("export_from")
                   if getattr(args, flag, None) is not None}
@@ -71,10 +73,12 @@ def _convert(args: argparse.Namespace) -> int:
         if fmt is not None:
             extras["format"] = fmt
         sources = [args.src, *(v for k, v in extras.items() if k != "format")]
-        with _writing(args, sources) as dst:
-            hf.to_hf(args.src, str(dst), max_shard_bytes=int(args.max_shard_gib * 1024**3), dtype=args.dtype,
-                     **extras)
-        print(f"wrote HF checkpoint {Path(args.dst).resolve()}")
+        with _finished(args) as done:
+            with _writing(args, sources) as dst:
+                hf.to_hf(args.src, str(dst), max_shard_bytes=int(args.max_shard_gib * 1024**3), dtype=args.dtype,
+                         **extras)
+                done.hold()  # complete: what follows only puts it in place
+            print(f"wrote HF checkpoint {Path(args.dst).resolve()}")
     return 0
 
 
@@ -161,6 +165,13 @@ def _check_megatron_source(family: str, src: str) -> None:
     if owners and family not in owners:
         raise UserError(f"--src {src} is a megatron {' or '.join(owners)} checkpoint (its model_config.yaml), "
                         f"not {family}; give --model {owners[0]}")
+
+
+def _finished(args: argparse.Namespace) -> InterruptsAfterCompletion:
+    """Once the conversion has written everything, a Ctrl-C while --dst is put in place (the old
+    folder removed, with --overwrite) or the lock released no longer makes it exit 130: the
+    checkpoint is complete, and the command says so and exits 0 (mmdata/errors.py)."""
+    return InterruptsAfterCompletion(f"mmtrain convert {args.direction}", f"--dst {args.dst}")
 
 
 @contextlib.contextmanager

@@ -416,6 +416,43 @@ def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path,
     assert "bad.jsonl:1: unknown keys ['colour']" in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompts", str(bad))
 
 
+@pytest.mark.unit
+def test_output_of_the_users_files_is_refused_unless_overwrite(emu3_hf, llava_hf, tmp_path, capsys):
+    """issue 45: an existing --output file or a non-empty --output folder is refused (exit 2, one
+    line, before the model loads, nothing written) unless --overwrite, which replaces it whole."""
+    def err(*argv: str) -> str:
+        assert _cli(*argv, "--no-progress") == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "000000.png").write_bytes(b"the user's picture")
+    one = tmp_path / "one.txt"
+    one.write_text("a cat\n")
+    png, answers = tmp_path / "cat.png", tmp_path / "answers.jsonl"
+    png.write_bytes(b"the user's cat")
+    answers.write_text("the user's answers\n")
+    emu3 = ("emu3", "--checkpoint", str(emu3_hf[0]), "--height", "16", "--width", "16", "--top-k", "8")
+    assert (f"--output {mine} is not empty (1 entry, e.g. '000000.png'); choose an empty or new folder, "
+            "or pass --overwrite") in err(*emu3, "--prompts", str(one), "--output", str(mine))
+    assert f"--output {png} exists; choose a new file name, or pass --overwrite" in err(
+        *emu3, "--prompt", "a cat", "--output", str(png))
+    assert f"--output {answers} exists" in err("llava-ov", "--checkpoint", str(llava_hf[0]), "--prompts", str(one),
+                                               "--output", str(answers))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl", "cat.png", "mine", "one.txt"]
+    assert (mine / "000000.png").read_bytes() == b"the user's picture" and png.read_bytes() == b"the user's cat"
+    assert answers.read_text() == "the user's answers\n"
+    # --overwrite: the file replaced, the folder replaced whole (no user file left next to new ones)
+    assert _cli(*emu3, "--prompt", "a cat", "--output", str(png), "--overwrite", "--no-progress") == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert _cli(*emu3, "--prompts", str(one), "--output", str(mine), "--overwrite", "--no-progress") == 0
+    assert sorted(p.name for p in mine.iterdir()) == ["000000.png", "images.jsonl"]
+    assert (mine / "000000.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl", "cat.png", "mine", "one.txt"]
+
+
 # ----------------------------------------------------------------------------- any TP/PP
 
 

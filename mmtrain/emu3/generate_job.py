@@ -10,12 +10,13 @@ from typing import Any
 
 from PIL import Image
 
+from mmdata.folder_lock import FolderLock, fresh_folder
 from mmdata.vision_tokens.vq import VQError, check_vq_dir, spatial_factor
 from mmtrain.emu3.generate_cli import PROMPT_KEYS
 from mmtrain.emu3.generation import KEPT_VQ, Emu3ImageGenerator, ImagePrompt, grid_shape
 from mmtrain.generation.checkpoint import GenerationError, asset_dir
 from mmtrain.generation.engine import GenerationJob
-from mmtrain.generation.prompts import check_output, read_prompt_file
+from mmtrain.generation.prompts import check_output, read_prompt_file, staged_file
 
 
 def read_prompts(args: argparse.Namespace) -> list[Any]:
@@ -69,7 +70,7 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> GenerationJob
     batch = args.prompts is not None
     out = Path(args.output or ("emu3_images" if batch else "emu3.png"))
     writable = [ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE]
-    check_output(out, directory=batch, suffixes=writable)
+    check_output(out, directory=batch, overwrite=args.overwrite, suffixes=writable)
     vq = vq_dir(args, ref)
     check_sizes(prompts, vq)
     tokenizer = asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer")
@@ -79,17 +80,17 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> GenerationJob
     def finish(results: list) -> None:
         images = generator.finish(prompts, results)
         if not batch:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            images[0].image.save(out)
+            with staged_file(out) as tmp:
+                images[0].image.save(tmp)
             rows, cols = images[0].grid.shape
             print(f"wrote {out} ({images[0].image.width}x{images[0].image.height} px, {rows}x{cols} codes, "
                   f"{len(images[0].tokens)} tokens)")
             return
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "images.jsonl", "w", encoding="utf-8") as f:
+        with FolderLock(out, "--output"), fresh_folder(out, args.overwrite, "--output") as tmp, \
+                open(tmp / "images.jsonl", "w", encoding="utf-8") as f:
             for i, (p, im) in enumerate(zip(prompts, images)):
                 name = f"{i:06d}.png"
-                im.image.save(out / name)
+                im.image.save(tmp / name)
                 f.write(json.dumps({"index": i, "prompt": p.text, "negative_prompt": p.negative, "seed": p.seed,
                                     "cfg_scale": p.cfg_scale, "height": p.height, "width": p.width, "png": name,
                                     "grid": im.grid.tolist()}) + "\n")

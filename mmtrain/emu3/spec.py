@@ -29,6 +29,7 @@ EMU3 = FamilySpec(
     data_config_cls=Emu3DataConfig,
     parts=PARTS,
     check_recipe=check_recipe,
+    check_tokenizer=Ref("mmtrain.emu3.tokenizer_check:check_tokenizer"),
     architecture_keys=ARCHITECTURE_KEYS,
     build_model=build_model,
     batch_type=Emu3Batch,

@@ -19,9 +19,12 @@ CHECKPOINTS_AND_EXIT = """CKPT is a megatron checkpoint dir written by mmtrain (
 process), or an HF model dir. Greedy decoding or seeded sampling: the same command and seed give
 the same output.
 
+An existing --output file, or a non-empty --output folder, is refused unless --overwrite (as
+every writing command does); outputs are put in place only when complete.
+
 Exit status: 0 done; 2 an expected problem (a missing path, a checkpoint of another family, a
-missing VQ model or tokenizer, a bad option), said in one line before anything is written; 130
-interrupted; 1 an unexpected error (its traceback in a log file, or on stderr with --verbose).
+missing VQ model or tokenizer, a bad option, an existing --output), said in one line before
+anything is written; 130 interrupted; 1 an unexpected error (its traceback in a log file, or on stderr with --verbose).
 """
 
 def generate_help() -> str:
@@ -74,3 +77,6 @@ def _shared_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> N
     s.add_argument("--batch-size", type=int, default=8,
                    help="prompts per forward batch (default %(default)s)")
     s.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output file, or a non-empty --output folder (refused without it): "
+                        "the new output is written next to it and put in place at the end, the folder replaced whole")

@@ -13,7 +13,7 @@ from PIL import Image, UnidentifiedImageError
 
 from mmtrain.generation.checkpoint import GenerationError, asset_dir
 from mmtrain.generation.engine import GenerationJob
-from mmtrain.generation.prompts import check_output, read_prompt_file
+from mmtrain.generation.prompts import check_output, read_prompt_file, staged_file
 from mmtrain.llava_ov.generate_cli import PROMPT_KEYS
 from mmtrain.llava_ov.generation import LlavaOVChat
 
@@ -56,7 +56,7 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> GenerationJob
     if args.output is not None:
         if args.prompts is None:
             raise GenerationError("--output goes with --prompts (--prompt prints its answer)")
-        check_output(Path(args.output), directory=False)
+        check_output(Path(args.output), directory=False, overwrite=args.overwrite)
     chat = LlavaOVChat(ref, placement, tokenizer_dir=asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer"))
     requests = [chat.request(chat.prompt(it["prompt"], it["image"], it["system"]), args.max_new_tokens, it["seed"])
                 for it in items]
@@ -65,14 +65,13 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> GenerationJob
         if args.prompts is None:
             print(chat.answer(results[0]))
             return
-        f = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-        try:
-            for i, (it, r) in enumerate(zip(items, results)):
-                f.write(json.dumps({"index": i, "prompt": it["prompt"], "image": it["image_path"], "seed": it["seed"],
-                                    "answer": chat.answer(r), "tokens": r.tokens,
-                                    "finish_reason": r.finish_reason}, ensure_ascii=False) + "\n")
-        finally:
-            if f is not sys.stdout:
-                f.close()
+        lines = [json.dumps({"index": i, "prompt": it["prompt"], "image": it["image_path"], "seed": it["seed"],
+                             "answer": chat.answer(r), "tokens": r.tokens, "finish_reason": r.finish_reason},
+                            ensure_ascii=False) + "\n" for i, (it, r) in enumerate(zip(items, results))]
+        if args.output is None:
+            sys.stdout.writelines(lines)
+            return
+        with staged_file(Path(args.output)) as tmp:
+            tmp.write_text("".join(lines), encoding="utf-8")
 
     return GenerationJob(chat.model, requests, finish, unit="answer")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from mmdata.energon_loaders.emu3.serialize import has_visual_tokens
 from mmdata.energon_loaders.llava_ov.chat_template import IMAGE_TOKEN, VIDEO_TOKEN, token_id
 from mmtrain.config.schema import Recipe
 from mmtrain.llava_ov.config import LlavaOVModelConfig
@@ -20,11 +21,15 @@ log = logging.getLogger(__name__)
 
 
 def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
-    """Before training (FamilySpec.check_tokenizer): the tokenizer's `<image>`/`<video>` ids, added
-    as the loader adds them when the tokenizer lacks them, fill the recipe's null ids (logged) and
-    must equal pinned ones, and an HF `checkpoint.load`'s ids (it is validated here, before any
+    """Before training (FamilySpec.check_tokenizer): an Emu3 tokenizer is named as such; the
+    tokenizer's `<image>`/`<video>` ids, added as the loader adds them when the tokenizer lacks
+    them, fill the recipe's null ids (logged) and must equal pinned ones, and an HF `checkpoint.load`'s ids (it is validated here, before any
     rank starts); the LLM's vocabulary rows must hold them."""
     m: LlavaOVModelConfig = recipe.model
+    if has_visual_tokens(tokenizer):  # its missing <image>/<video> would otherwise read as an id mismatch
+        return [f"tokenizer.path: the tokenizer at {recipe.tokenizer.path} is an Emu3 tokenizer (it holds Emu3's visual "
+                "tokens); mmtrain llava-ov needs the tokenizer of its LLM (e.g. the Qwen2 tokenizer of checkpoint.load); "
+                "Emu3 token shards are trained with `mmtrain emu3`"]
     added = prepare_tokenizer(tokenizer)
     image_id, video_id = token_id(tokenizer, IMAGE_TOKEN), token_id(tokenizer, VIDEO_TOKEN)
     problems = media_token_problems(m, image_id, video_id, recipe.tokenizer.path)

@@ -124,7 +124,7 @@ def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]
 
     want, what = spec.sample_type
     problems = []
-    for leaf in _leaf_datasets(path):
+    for leaf in leaf_datasets(path):
         found = dataset_sample_type(leaf)
         if found is None or found == want:
             continue
@@ -157,7 +157,7 @@ def dataset_sample_type(folder: Path) -> str | None:
     return found if isinstance(found, str) and found else None
 
 
-def _leaf_datasets(path: Path, depth: int = 0) -> list[Path]:
+def leaf_datasets(path: Path, depth: int = 0) -> list[Path]:
     """The shard folders a data path reads: itself, or every `path:` of a metadataset YAML
     (relative to the YAML's folder; nested metadatasets followed)."""
     if not (path.is_file() and path.suffix in (".yaml", ".yml")):
@@ -172,7 +172,7 @@ def _leaf_datasets(path: Path, depth: int = 0) -> list[Path]:
         if not target.is_file():
             leaves.append(target)
         elif depth < 8:
-            leaves += _leaf_datasets(target, depth + 1)
+            leaves += leaf_datasets(target, depth + 1)
     return list(dict.fromkeys(leaves))
 
 

@@ -19,10 +19,8 @@ parallelism each CP rank's sums cover the positions it holds: runtime/loss.py.)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,7 +46,6 @@ from mmtrain.models.pipeline_split import (
 )
 from mmtrain.runtime import cpu_compat
 from mmtrain.runtime.checkpoint.data_identity import data_identity, explain, recipe_changes, resume_decision
-from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint
 from mmtrain.runtime.checkpoint.manager import (
     CheckpointManager,
     LoaderState,
@@ -115,6 +112,7 @@ class Trainer:
                                              resolved_yaml=resolved_yaml)
         self.metrics = None
         self._last_saved_step = -1
+        self._saving: int | None = None  # the step whose checkpoint is being saved
         self.stopped_by: Optional[str] = None  # why fit() stopped before train.iters (None: it did not)
         self._stops = StopRequests(t.exit_interval, t.exit_duration_mins)
 
@@ -386,7 +384,7 @@ class Trainer:
         results = []
         interval = recipe.checkpoint.interval
         self._fit_start = (time.perf_counter(), self.state.step)  # for the ETA
-        with self._stops.catching_sigterm(), self._saying_where_to_resume_on_ctrl_c():
+        with self._stops.catching_sigterm():
             while self.state.step < recipe.train.iters:
                 result = self.train_step()
                 if eval_due(result.step, recipe.train.eval_interval):
@@ -425,28 +423,19 @@ class Trainer:
         if line is not None:
             log.warning("%s", line)
 
-    @contextlib.contextmanager
-    def _saying_where_to_resume_on_ctrl_c(self) -> Iterator[None]:
-        """Ctrl-C stops at once (no save: a step may be half done); rank 0 says which step the last
-        checkpoint holds and that the same command resumes from it."""
-        try:
-            yield
-        except KeyboardInterrupt:
-            if self.ctx.rank == 0:
-                latest = latest_checkpoint(self.recipe.run_dir)  # what is on disk (a save may have just ended)
-                if latest is not None:
-                    log.warning("interrupted in step %d/%d: the last checkpoint holds step %d (%s); run the same "
-                                "command again to resume from it", self.state.step + 1, self.recipe.train.iters,
-                                iteration_of(latest), latest)
-                else:
-                    log.warning("interrupted in step %d/%d before any checkpoint of this run was saved; the same "
-                                "command starts again from its starting point", self.state.step + 1,
-                                self.recipe.train.iters)
-            raise
+    def where(self) -> str:
+        """Where the run is, for the interrupt line (mmtrain/runtime/interrupts.py)."""
+        iters = self.recipe.train.iters
+        if self._saving is not None:
+            return f"while saving the checkpoint of step {self._saving}/{iters} (its unfinished copy in " \
+                   f"checkpoints/.staging is removed at the next start)"
+        return f"in step {self.state.step + 1}/{iters}"
 
     def save(self) -> None:
+        self._saving = self.state.step
         self._finish_param_gather()
         self.checkpoints.save(self.state)
+        self._saving = None
         self._last_saved_step = self.state.step
 
     def _overlapped_param_gather(self) -> list[Any]:

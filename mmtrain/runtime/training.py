@@ -18,6 +18,7 @@ from mmtrain.runtime.child_processes import forked_children_die_with_this_proces
 from mmtrain.runtime.cuda_settings import apply_process_env, apply_torch_flags, torch_flags
 from mmtrain.runtime.distributed import UnsupportedLayout, destroy_distributed, init_distributed
 from mmtrain.runtime.hf_conversion import ASSETS_DIR
+from mmtrain.runtime.interrupts import saying_where_to_resume
 from mmtrain.runtime.logs import setup_logging
 from mmtrain.runtime.metrics import METRICS_FILE
 from mmtrain.runtime.run_dir import run_dir_lock
@@ -45,14 +46,17 @@ def _train(recipe: Recipe, spec: FamilySpec) -> int:
         raise UserError(str(err)) from None
     apply_torch_flags(torch_flags(ctx.on_cuda, ctx.precision, recipe.train.deterministic))
     setup_logging(ctx.rank, verbose=ctx.rank == 0 or ctx.is_logging_rank)
+    trainer: Trainer | None = None
+    where = lambda: trainer.where() if trainer is not None else "while the run starts"  # noqa: E731
     try:
-        if ctx.rank == 0:
-            config = save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
-            keep_tokenizer(recipe, spec)
-            announce(recipe, config)
-        trainer = Trainer(recipe, spec, ctx, dump_recipe(recipe))
-        trainer.setup()
-        trainer.fit()
+        with saying_where_to_resume(recipe.run_dir, where, say=ctx.rank == 0):  # every Ctrl-C, saves included
+            if ctx.rank == 0:
+                config = save_resolved(recipe, Path(recipe.run_dir) / "config.yaml")
+                keep_tokenizer(recipe, spec)
+                announce(recipe, config)
+            trainer = Trainer(recipe, spec, ctx, dump_recipe(recipe))
+            trainer.setup()
+            trainer.fit()
     except (CheckpointMismatchError, ConversionError) as err:
         raise UserError(str(err)) from None
     finally:

@@ -1,11 +1,12 @@
 """Test-only entry: `mmtrain` in this process, with rank 0 SIGKILLed at one phase of one
 checkpoint save (the crash-consistency tests: test_train_reliability.py, tests/gpu).
 
-    python -m tests.workers.kill_in_save STEP:PHASE mmtrain-ARGS...
+    python -m tests.workers.kill_in_save STEP:PHASE[:int] mmtrain-ARGS...
 
 PHASE is a part staged ("model", "optimizer", ...) or "publish" (staged completely, not yet
-renamed into place): `mmtrain.runtime.checkpoint.manager.SAVE_PHASE_OBSERVERS`. For runs that
-train in the launching process (a world of one)."""
+renamed into place): `mmtrain.runtime.checkpoint.manager.SAVE_PHASE_OBSERVERS`. With ":int" the
+process group gets SIGINT instead (what Ctrl-C in a terminal sends). For runs that train in the
+launching process (a world of one)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ def command(kill_at: str, mmtrain_command: list[str]) -> list[str]:
 
 
 def install(kill_at: str) -> None:
-    step, phase = kill_at.split(":")
+    step, phase, *how = kill_at.split(":")
 
     def kill(rank: int, at_step: int, at_phase: str) -> None:
         if rank == 0 and (at_step, at_phase) == (int(step), phase):
-            os.kill(os.getpid(), signal.SIGKILL)
+            if how == ["int"]:
+                os.killpg(os.getpgid(0), signal.SIGINT)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     SAVE_PHASE_OBSERVERS.append(kill)
 

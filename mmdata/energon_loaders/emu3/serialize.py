@@ -51,6 +51,12 @@ def visual_token(code: int) -> str:
     return VISUAL_TOKEN_TEMPLATE.format(code)
 
 
+def has_visual_tokens(tokenizer) -> bool:
+    """Whether a tokenizer holds Emu3's visual tokens (an Emu3 tokenizer: what another family's
+    preflight names, rather than finding its own tokens missing)."""
+    return visual_token(0) in tokenizer.get_vocab()
+
+
 @dataclass(frozen=True)
 class Emu3Vocab:
     """The ids Emu3's serialisation needs, resolved once from a tokenizer."""

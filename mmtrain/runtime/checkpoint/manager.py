@@ -14,10 +14,11 @@ Layout of `<run_dir>/checkpoints/iter_0000010/` (directory names: layout.py):
 `<run_dir>/checkpoints/latest` holds the newest complete iteration number.
 
 Atomicity: everything is written into `.staging/iter_0000010/`; only when every rank is done
-does rank 0 rename it into place and then rewrite `latest` (write + os.replace). A crash
-mid-save leaves at most a staging directory that the next save overwrites; `latest` never
-points at a partial checkpoint. Tests prove it by killing a save at a chosen point (an observer
-in `SAVE_PHASE_OBSERVERS`, below, installed by tests/workers/kill_in_save.py).
+does rank 0 rename it into place and then rewrite `latest` (write + os.replace). A crash or
+Ctrl-C mid-save leaves at most a staging directory, removed when the next run starts (one line
+logged: `clear_stale_staging`); `latest` never points at a partial checkpoint. Tests prove it by
+killing or interrupting a save at a chosen point (an observer in `SAVE_PHASE_OBSERVERS`, below,
+installed by tests/workers/kill_in_save.py).
 
 Where a run starts (`CheckpointManager.starting_point`): its own latest checkpoint (a rerun of
 a killed job continues it), else `checkpoint.load` (a training checkpoint, weights only, or an
@@ -72,6 +73,9 @@ if TYPE_CHECKING:
     from mmtrain.runtime.train_data import TrainData
 
 log = logging.getLogger(__name__)
+
+#: where a save is written before it is renamed into place (under `<run_dir>/checkpoints`)
+STAGING = ".staging"
 
 
 @dataclass
@@ -294,6 +298,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.resolved_yaml = resolved_yaml
         self.parts: list[Stateful] = []
+        if ctx.rank == 0:  # (before any save: each starts with a barrier the other ranks wait at)
+            clear_stale_staging(self.root)
 
     def track(self, *parts: Stateful) -> None:
         self.parts = list(parts)
@@ -356,7 +362,7 @@ class CheckpointManager:
     def save(self, state: TrainerState) -> Path:
         """Collective: every rank saves its share of every part, then rank 0 publishes."""
         ctx = self.ctx
-        staging_root = self.root / ".staging"
+        staging_root = self.root / STAGING
         final, tmp = iter_dir(self.root, state.step), iter_dir(staging_root, state.step)
         if ctx.rank == 0:
             if tmp.exists():
@@ -383,6 +389,17 @@ class CheckpointManager:
             log.info("saved checkpoint %s", final)
         barrier()
         return final
+
+
+def clear_stale_staging(root: Path) -> None:
+    """Remove what an interrupted save left in `root/.staging` (a Ctrl-C or kill mid-save):
+    nothing reads it, and a run that starts holds the run dir, so no save of another job is under way."""
+    staging = root / STAGING
+    if not staging.is_dir():
+        return
+    left = sorted(p.name for p in staging.iterdir())
+    shutil.rmtree(staging, ignore_errors=True)
+    log.info("removed %s: an interrupted checkpoint save's unfinished %s", staging, ", ".join(left) or "folder")
 
 
 def _save_phase(rank: int, step: int, phase: str) -> None:
