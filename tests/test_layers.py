@@ -57,12 +57,25 @@ RAY_TASK_BODIES: dict[str, dict[str, str]] = {
 }
 
 #: Third-party modules a function may import lazily anywhere: optional or heavy dependencies that
-#: only some paths need (the top-level name, with the reason).
+#: only some paths need (a module name, matching it and its submodules, with the reason). A dotted
+#: name allows that part of a library only (`megatron.core.extensions`, not all of megatron).
 OPTIONAL_HEAVY: dict[str, str] = {
     "decord": "video decoding only for video samples; a native library with its own thread pool",
     "av": "video decoding/encoding only for video samples (PyAV, FFmpeg bindings)",
     "transformer_engine": "optional on GPU hosts, absent on CPU (mmtrain/models/te_support.py decides)",
+    "megatron.core.extensions": "megatron's Transformer Engine layers: import TE, optional on GPU hosts, absent on CPU",
+    "flash_attn": "optional GPU attention kernel (models/attention.py falls back to torch's)",
+    "torch.nn.attention.varlen": "torch's variable-length attention, in newer torch builds only",
+    "cut_cross_entropy": "optional memory-lean LM-loss kernel (models/lm_loss.py: model.loss_impl)",
+    "liger_kernel": "optional fused LM-loss kernel (models/lm_loss.py: model.loss_impl)",
+    "tensorboard": "optional metrics writer (metrics.tensorboard); not installed by default",
+    "torch.utils.tensorboard": "torch's writer over the optional tensorboard package",
 }
+
+
+def optional_heavy(target: str) -> bool:
+    """Whether `target` is (inside) one of `OPTIONAL_HEAVY`'s modules."""
+    return any(target == name or target.startswith(name + ".") for name in OPTIONAL_HEAVY)
 
 
 @dataclass(frozen=True)
@@ -228,7 +241,7 @@ def misplaced_lazy_imports(modules: dict[str, Path], imports: list[Import]) -> l
     """Function-level imports outside the boundaries that are not an optional heavy dependency."""
     top_level = top_level_names(modules)
     return [imp for imp in imports if imp.function is not None and not at_boundary(imp, top_level)
-            and (imp.internal or imp.target.split(".")[0] not in OPTIONAL_HEAVY)]
+            and (imp.internal or not optional_heavy(imp.target))]
 
 
 def figures(modules: dict[str, Path], imports: list[Import]) -> dict:
