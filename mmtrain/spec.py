@@ -52,7 +52,8 @@ class Ref:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return resolve(self.target)(*args, **kwargs)
 
-    def resolve(self) -> Callable[..., Any]:
+    def resolve(self) -> Any:
+        """What the target names: a callable, or a class (`batch_type`) or a table."""
         return resolve(self.target)
 
 

@@ -334,6 +334,16 @@ def test_function_level_imports_only_at_the_named_boundaries(graph):
                      + "\n  ".join(f"{i.source}:{i.line} ({i.function}) imports {i.target}" for i in bad[:60]))
 
 
+def test_mmtrain_holds_its_layers(graph):
+    """mmtrain's share of the two checks above, held already: no cycle among its packages, and its
+    function-level imports only at the named boundaries (mmdata's share lands with its renovation)."""
+    modules, imports = graph
+    cycles = [c for c in strongly_connected(package_graph(modules, imports)) if any(p.startswith("mmtrain") for p in c)]
+    bad = [i for i in misplaced_lazy_imports(modules, imports) if i.source.startswith("mmtrain")]
+    assert not cycles, "mmtrain packages that import each other:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+    assert not bad, "\n  ".join(f"{i.source}:{i.line} ({i.function}) imports {i.target}" for i in bad)
+
+
 def test_fewer_than_120_function_level_imports(graph):
     numbers = figures(*graph)
     print(f"function-level imports: {numbers['function_level']} ({numbers['function_level_internal']} of the "

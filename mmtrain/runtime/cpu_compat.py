@@ -51,7 +51,7 @@ from megatron.core.tensor_parallel import random as mrandom
 try:  # torch's private helper behind `with torch.device(...)`; older/newer torch may lack it
     from torch.utils import _device as torch_device_ctx
 except ImportError:
-    torch_device_ctx = None
+    torch_device_ctx = None  # type: ignore[assignment]  # (a torch without it: nothing to fill)
 
 log = logging.getLogger(__name__)
 

@@ -133,7 +133,8 @@ def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]
         if found is None or found == want:
             continue
         where = str(path) if leaf == path else f"{path} (its dataset {leaf})"
-        other = next((f for f in ALL_FAMILIES.resolve().values() if f.sample_type and f.sample_type[0] == found), None)
+        families: dict[str, FamilySpec] = ALL_FAMILIES.resolve()
+        other = next((f for f in families.values() if f.sample_type and f.sample_type[0] == found), None)
         # (type checker: `other` has a sample_type by the filter above)
         held = (f"{_short(found)} samples, {other.sample_type[1]}" if other is not None  # type: ignore[index]
                 else f"samples of energon type {found}, which no mmtrain family trains on")

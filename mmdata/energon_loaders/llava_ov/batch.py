@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from mmdata.energon_loaders.batch import PackedBatch
-from mmdata.energon_loaders.llava_ov.anyres import normalise_pixels
+from mmdata.energon_loaders.llava_ov.anyres import SIGLIP_MEAN, SIGLIP_STD, normalise_pixels
 
 # media_kind values
 MEDIA_ANYRES = 0  # single image: base tile + anyres grid
@@ -41,8 +41,8 @@ class LlavaOVBatch(PackedBatch):
     grid_shapes: torch.Tensor  # [num_media, 2] int64 anyres grid (rows, cols); (0, 0) if none
     num_media_tokens: torch.Tensor  # [num_media] int64 LLM positions each media expands to
     #: the normalisation `normalised_pixels()` applies to uint8 `pixel_values`
-    pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_MEAN (kept import-light)
-    pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_STD
+    pixel_mean: tuple[float, float, float] = SIGLIP_MEAN
+    pixel_std: tuple[float, float, float] = SIGLIP_STD
     #: host copy of `input_ids` (where the media placeholders are); filled by `to()`
     input_ids_host: torch.Tensor | None = field(default=None, repr=False, compare=False)
     #: how many of the media each row holds (media never cross rows); the loader fills it, a batch
