@@ -24,7 +24,7 @@ import sys
 import mmtrain
 from mmdata.errors import HintingParser, add_common_options, run_main
 from mmtrain import convert, pack_plan_cli, registry
-from mmtrain.generation import cli as generation_cli
+from mmtrain import generate_cli as generation_cli
 from mmtrain.runtime import metrics
 from mmtrain.runtime.logs import quiet_third_party
 from mmtrain.spec import resolve

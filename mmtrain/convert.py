@@ -59,15 +59,6 @@ def _formats() -> list[str]:
     return list(dict.fromkeys(f for n in registry.convertible_families() for f in registry.get_family(n).hf.export_formats))
 
 
-def family_flags(kind: str) -> dict[str, str]:
-    """`--flag` -> help, over every family's `assemble_from` or `export_from`."""
-    flags: dict[str, str] = {}
-    for name in registry.convertible_families():
-        for flag, help_text in getattr(registry.get_family(name).hf, kind).items():
-            flags[flag] = f"{flags[flag]}; {help_text} [{name}]" if flag in flags else f"{help_text} [{name}]"
-    return flags
-
-
 def add_arguments(parser: argparse.ArgumentParser,
                   add_common: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> None:
     """One sub-command per direction, each with its own options and help."""
@@ -80,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser,
     to_mcore.add_argument("--model", required=True, choices=families, help="model family")
     to_mcore.add_argument("--src", metavar="HF_DIR", help="HF checkpoint dir (config.json + *.safetensors)")
     to_mcore.add_argument("--dst", required=True, metavar="CKPT_DIR", help="megatron checkpoint dir to write")
-    for flag, help_text in family_flags("assemble_from").items():
+    for flag, help_text in registry.hf_flags("assemble_from").items():
         to_mcore.add_argument(f"--{flag}", metavar="DIR",
                               help=f"instead of --src, assemble from separate checkpoints: {help_text}")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel layout to write (default 1)")
@@ -96,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser,
     to_hf.add_argument("--src", required=True, metavar="CKPT_DIR",
                        help="megatron checkpoint: a run's checkpoints/ dir, an iter_* dir, or hf-to-mcore's output")
     to_hf.add_argument("--dst", required=True, metavar="HF_DIR", help="HF checkpoint dir to write")
-    for flag, help_text in family_flags("export_from").items():
+    for flag, help_text in registry.hf_flags("export_from").items():
         to_hf.add_argument(f"--{flag}", metavar="DIR", help=help_text)
     if _formats():
         to_hf.add_argument("--format", choices=_formats(), default=None,

@@ -19,7 +19,6 @@ from mmdata.folder_lock import FolderLock, fresh_folder
 from mmtrain import registry
 from mmtrain.config.errors import RecipeError
 from mmtrain.config.typed import from_plain
-from mmtrain.convert import family_flags
 from mmtrain.models.state_dict_adapter import ConversionError
 from mmtrain.runtime.checkpoint.layout import find_latest_iteration
 from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
@@ -39,7 +38,7 @@ def convert(args: argparse.Namespace, quiet: bool) -> int:
 def _convert(args: argparse.Namespace) -> int:
     hf = registry.get_family(args.model).hf
     if args.direction == "hf-to-mcore":
-        parts = {flag: getattr(args, flag) for flag in family_flags("assemble_from")
+        parts = {flag: getattr(args, flag) for flag in registry.hf_flags("assemble_from")
                  if getattr(args, flag, None) is not None}
         if bool(parts) == bool(args.src) or (parts and set(parts) != set(hf.assemble_from)):
             both = " ".join(f"--{f} DIR" for f in hf.assemble_from)
@@ -57,7 +56,7 @@ def _convert(args: argparse.Namespace) -> int:
                 done.hold()  # complete: what follows only puts it in place
             print(f"wrote megatron checkpoint {args.dst}")
     else:
-        extras = {flag: getattr(args, flag) for flag in family_flags("export_from")
+        extras = {flag: getattr(args, flag) for flag in registry.hf_flags("export_from")
                   if getattr(args, flag, None) is not None}
         unknown = sorted(set(extras) - set(hf.export_from))
         if unknown:

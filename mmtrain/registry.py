@@ -33,3 +33,13 @@ def get_family(name: str) -> FamilySpec:
 def convertible_families() -> list[str]:
     """Families with an HF counterpart (`mmtrain convert --model`)."""
     return [name for name, spec in FAMILIES.items() if spec.hf is not None]
+
+
+def hf_flags(kind: str) -> dict[str, str]:
+    """`--flag` -> help, over every family's `assemble_from` or `export_from` (`mmtrain convert`'s
+    parser and what it runs)."""
+    flags: dict[str, str] = {}
+    for name in convertible_families():
+        for flag, help_text in getattr(get_family(name).hf, kind).items():
+            flags[flag] = f"{flags[flag]}; {help_text} [{name}]" if flag in flags else f"{help_text} [{name}]"
+    return flags

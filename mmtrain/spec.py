@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
     import torch
 
-    from mmtrain.config.errors import RecipeErrors
-    from mmtrain.config.schema import Recipe
     from mmtrain.models.shapes import ModelShapes
 
 
@@ -54,7 +52,8 @@ class Ref:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return resolve(self.target)(*args, **kwargs)
 
-    def resolve(self) -> Callable[..., Any]:
+    def resolve(self) -> Any:
+        """What the target names: a callable, or a class (`batch_type`) or a table."""
         return resolve(self.target)
 
 
@@ -90,7 +89,7 @@ class HFConversion:
 @dataclass(frozen=True)
 class GenerationSpec:
     """What `mmtrain generate <family>` needs from a family; the shared command
-    (mmtrain/generation/cli.py) parses the common options (checkpoint, sampling, batch size,
+    (mmtrain/generate_cli.py) parses the common options (checkpoint, sampling, batch size,
     device, dtype), checks the checkpoint is this family's, runs the engine and shows progress."""
 
     #: one line for `mmtrain generate --help`
@@ -125,7 +124,9 @@ class FamilySpec:
     #: parameter belongs to exactly one part. `freeze:` and `optimizer.lr_mult:` name these.
     parts: dict[str, tuple[str, ...]]
     #: cross-checks over the family's keys, (recipe, errors) -> None, after the shared checks
-    check_recipe: Callable[["Recipe", "RecipeErrors"], None]
+    #: (a `config.schema.Recipe` and a `config.errors.RecipeErrors`: config sits above this leaf,
+    #: which types its sections with the family's classes, so they are named here, not imported)
+    check_recipe: Callable[[Any, Any], None]
     #: `model:` keys that fix the weights' shapes: resuming or starting from a checkpoint whose
     #: saved model config differs in one of them is refused
     architecture_keys: tuple[str, ...]
@@ -134,8 +135,9 @@ class FamilySpec:
     #: (model config, *, pre_process, post_process, options: ParallelOptions, vp_stage) -> one PP
     #: stage, or one model chunk of it with virtual stages (`vp_stage`: its index; None without)
     build_model: Callable[..., "torch.nn.Module"]
-    #: what `build_loader` yields and `forward_step` consumes (an energon_loaders PackedBatch)
-    batch_type: type
+    #: what `build_loader` yields and `forward_step` consumes (an energon_loaders PackedBatch
+    #: subclass), named as a Ref to the class: the batch module imports torch
+    batch_type: Ref
     #: (recipe, *, dp_rank, dp_size) -> savable loader of `batch_type`
     #: (mmdata.energon_loaders.loader.SavableLoader)
     build_loader: Callable[..., Any]
@@ -159,7 +161,7 @@ class FamilySpec:
     #: (recipe, the loaded HF tokenizer of `tokenizer.path`) -> problems, each naming its key;
     #: run before training starts (mmtrain/runtime/preflight.py), e.g. media token ids the
     #: model and the tokenizer must agree on. None: nothing family-specific to check
-    check_tokenizer: Optional[Callable[["Recipe", Any], list[str]]] = None
+    check_tokenizer: Optional[Callable[[Any, Any], list[str]]] = None
     #: (the loaded HF tokenizer) -> tokens added: what the family's loader adds to a tokenizer
     #: that lacks them (llava-ov: `<image>`/`<video>`), applied to the copy a run keeps with its
     #: checkpoints. None: the tokenizer is kept as it is

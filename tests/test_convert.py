@@ -45,7 +45,7 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted
 
 
 def test_load_llava_ov_matches_hf_logits(hf_dir, converted):
-    from mmtrain.llava_ov import load_llava_ov
+    from mmtrain.llava_ov.load import load_llava_ov
 
     _, model = hf_dir
     ours = load_llava_ov(converted)
@@ -286,7 +286,7 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys):
 
 
 def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
-    from mmtrain.llava_ov import load_llava_ov
+    from mmtrain.llava_ov.load import load_llava_ov
 
     src, model = hf_dir
     result = tmp_path / "res.json"
@@ -309,7 +309,7 @@ def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
 @pytest.mark.slow
 def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
     """`--tp 2` and `--pp 2` spawn one process per rank; the result loads at TP=1/PP=1."""
-    from mmtrain.llava_ov import load_llava_ov
+    from mmtrain.llava_ov.load import load_llava_ov
 
     src, model = hf_dir
     rows, pv, sizes = hf_image_inputs(images())

@@ -17,7 +17,7 @@ def test_trained_checkpoint_exports_to_transformers(tmp_path, shards_dir):
 
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.cli import main as cli
-    from mmtrain.llava_ov import load_llava_ov
+    from mmtrain.llava_ov.load import load_llava_ov
     from tests.fixtures_training import train
     from tests.llava_tiny import images
 

@@ -15,7 +15,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behavi
 
 @cpu_only
 def test_apply_is_idempotent_redirects_and_reverts():
-    from mmtrain.runtime.distributed import compute_device
+    from mmtrain.models.device import compute_device
 
     originals = (torch.zeros, torch.cuda.current_device, torch.Tensor.cuda)
     assert cpu_compat.apply() is True

@@ -64,7 +64,7 @@ def test_round_trip_is_bit_identical_and_keeps_the_vq(hf_dir, converted, tmp_pat
 
 
 def test_load_emu3_matches_hf_logits(hf_dir, converted):
-    from mmtrain.emu3 import load_emu3
+    from mmtrain.emu3.load import load_emu3
 
     src, model = hf_dir
     ids, mask = _inputs(model.config.text_config.vocab_size)
@@ -99,7 +99,7 @@ def test_export_of_a_checkpoint_without_kept_vq(hf_dir, converted, emu3_tok_dir,
 
 
 def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
-    from mmtrain.emu3 import load_emu3
+    from mmtrain.emu3.load import load_emu3
 
     src, model = hf_dir
     result = tmp_path / "res.json"
@@ -120,7 +120,7 @@ def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
 @pytest.mark.slow
 def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
     """`--tp 2 --pp 2` streams into 4 ranks' shards; the result loads at TP=1/PP=1."""
-    from mmtrain.emu3 import load_emu3
+    from mmtrain.emu3.load import load_emu3
 
     src, model = hf_dir
     dst = tmp_path / "tp2pp2"

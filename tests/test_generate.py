@@ -288,7 +288,8 @@ def test_engine_names_no_family():
     families plug in through the registry (FamilySpec.generation), help texts included."""
     mmtrain_dir = Path(__file__).resolve().parents[1] / "mmtrain"
     files = sorted((mmtrain_dir / "generation").glob("*.py"))
-    files += [mmtrain_dir / "cli.py", mmtrain_dir / "actions.py"]
+    files += [mmtrain_dir / "cli.py", mmtrain_dir / "actions.py", mmtrain_dir / "generate_cli.py",
+              mmtrain_dir / "generate_command.py"]
     files += [mmtrain_dir / "runtime" / f for f in ("launcher.py", "worker.py", "training.py", "torchrun.py",
                                                      "run_dir.py", "logs.py")]
     assert len(files) > 11

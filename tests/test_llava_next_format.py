@@ -143,7 +143,7 @@ def test_format_detection(fmt, tmp_path):
 def test_both_formats_import_to_identical_logits_ids_from_the_tokenizer(fmt, converted_next, tmp_path):
     from transformers import AutoTokenizer
 
-    from mmtrain.llava_ov import load_llava_ov
+    from mmtrain.llava_ov.load import load_llava_ov
     from mmtrain.llava_ov.conversion import saved_model_config
 
     ck_hf = tmp_path / "ck_hf"
@@ -164,7 +164,7 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
     -> LLaVA-NeXT again: bit-identical tensors; the transformers dir exports to the same tensors."""
     from transformers import AutoTokenizer, LlavaOnevisionForConditionalGeneration
 
-    from mmtrain.llava_ov import load_llava_ov
+    from mmtrain.llava_ov.load import load_llava_ov
 
     out = tmp_path / "as_hf"
     assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_next), "--dst", str(out),

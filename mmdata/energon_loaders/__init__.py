@@ -5,7 +5,8 @@ task-encoder package per family.
 Common modules (one job each):
   sample.py          energon sample type of our shards (ConversationSample) + sample_loader
                      (named by `.nv-meta/mmdata.yaml`; mmdata/energon_configs.py)
-  batch.py           PackedBatch (what the training runtime reads from any batch), IGNORE_INDEX
+  labels.py          IGNORE_INDEX, the label that takes no loss (a torch-free leaf)
+  batch.py           PackedBatch (what the training runtime reads from any batch)
   packing.py         pack selection (energon hook) and packed-row attention metadata
   loader.py          build_loader(data, task_encoder, ...) -> SavableLoader, LoaderStats, blend YAML
   state_codec.py     loader state <-> JSON (no pickles in checkpoints)

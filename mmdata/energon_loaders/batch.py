@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence, TypeVar
+from typing import Any, ClassVar, Sequence, TypeVar
 
-if TYPE_CHECKING:  # torch is imported where tensors are made; this module stays import-light
-    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
-#: label value that takes no loss (transformers' and megatron's convention)
-IGNORE_INDEX = -100
+from mmdata.energon_loaders.labels import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the batch's label convention
 
 _B = TypeVar("_B", bound="PackedBatch")
 
@@ -73,16 +73,12 @@ class PackedBatch:
         """A copy with every tensor in page-locked memory. torch's DataLoader pin thread calls
         this (`torch/utils/data/_utils/pin_memory.py` pins objects with a `pin_memory()`
         method); without it a dataclass batch stays pageable and every H2D copy blocks."""
-        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
         return self._map(lambda name, v: v.pin_memory() if isinstance(v, torch.Tensor) else v)
 
     def to(self: _B, device: Any, first_stage: bool = True) -> _B:
         """A copy with the model's inputs on `device` (asynchronous from pinned memory); the
         host metadata (`HOST_FIELDS`, and `cu_seqlens_host`) stays on the CPU, and with
         `first_stage=False` so do the inputs only the first pipeline stage reads."""
-        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
         device = torch.device(device)
         stay = set(self.HOST_FIELDS) | (set() if first_stage else set(self.FIRST_STAGE_FIELDS))
 
@@ -131,8 +127,6 @@ class PackedBatch:
     @classmethod
     def join_rows(cls: type[_B], rows: Sequence[_B]) -> _B:
         """The batch of these one-or-more-row batches, rows in order (the inverse of `split_rows`)."""
-        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
         if not rows:
             raise ValueError("join_rows needs at least one row")
         first = rows[0]
@@ -172,8 +166,6 @@ class PackedBatch:
     def to_bytes(self) -> bytes:
         """The batch as safetensors bytes: its tensors, and its other fields as JSON in the
         metadata (no pickle: `from_bytes` on the receiving side runs no code)."""
-        from safetensors.torch import save  # lazy: torch; mmtrain's CLI imports this module
-
         tensors, other, tuples = {}, {}, []
         for name in self._field_names():
             v = getattr(self, name)
@@ -187,26 +179,22 @@ class PackedBatch:
                     tuples.append(name)
         # one metadata key: safetensors writes several in no fixed order, and the same batch should
         # give the same bytes in every process
-        return save(tensors, metadata={"mmdata.batch": json.dumps({"fields": other, "tuples": tuples})})
+        return save_tensors(tensors, metadata={"mmdata.batch": json.dumps({"fields": other, "tuples": tuples})})
 
     @classmethod
     def from_bytes(cls: type[_B], data: bytes) -> _B:
         """The batch `to_bytes` wrote."""
-        from safetensors.torch import load  # lazy: torch; mmtrain's CLI imports this module
-
         # safetensors' layout: an 8-byte little-endian header size, then the JSON header
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
         meta = json.loads(header["__metadata__"]["mmdata.batch"])
         other = meta["fields"]
         for name in meta["tuples"]:
             other[name] = tuple(other[name])
-        return cls(**load(data), **other)
+        return cls(**load_tensors(data), **other)
 
 
 def _cumsum(lengths: Sequence[int]) -> "torch.Tensor":
     """`cu_seqlens` (int32) of segment lengths."""
-    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
     out = [0]
     for n in lengths:
         out.append(out[-1] + int(n))
@@ -217,8 +205,6 @@ def host_to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
     """A small host tensor (an index the model computed on the CPU) on `device`, without a
     stream sync: a copy from pageable memory to a CUDA device waits for the stream, one from
     pinned memory with `non_blocking=True` does not. Keyed on the target device."""
-    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
     device = torch.device(device)
     if device.type == "cpu" or t.device == device:
         return t.to(device)

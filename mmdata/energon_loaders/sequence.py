@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.labels import IGNORE_INDEX
 
 
 class ConversationError(ValueError):

@@ -22,12 +22,18 @@ from mmtrain.config.errors import RecipeError, RecipeErrors, show, suggest
 from mmtrain.config.overrides import apply_overrides_and_stage
 from mmtrain.config.schema import Recipe
 from mmtrain.config.typed import convert_section, to_plain
+from mmtrain.spec import Ref
 
 if TYPE_CHECKING:
     from mmtrain.spec import FamilySpec
 
 #: sections typed by the family's own classes rather than by `Recipe`
 FAMILY_SECTIONS = ("model", "data")
+#: the registry sits above config (its family specs type the sections with classes built on
+#: `schema`), so a recipe's `family:` is looked up through the registry's "module:function"
+#: boundary, imported on the first recipe loaded without a `spec`
+GET_FAMILY = Ref("mmtrain.registry:get_family")
+FAMILY_NAMES = Ref("mmtrain.registry:family_names")
 
 
 def load_recipe(
@@ -70,12 +76,10 @@ def _load(raw: Any, override_texts: Sequence[str], family: str | None, spec: Fam
     if family is not None and isinstance(fam, str) and fam != family:
         errors.add(("family",), f"recipe is for {fam!r} but was run as `mmtrain {family}`")
     if spec is None and isinstance(fam, str):
-        from mmtrain import registry
-
         try:
-            spec = registry.get_family(fam)
+            spec = GET_FAMILY(fam)
         except KeyError:
-            names = registry.family_names()
+            names = FAMILY_NAMES()
             errors.add(("family",), f"unknown model family {fam!r}{suggest(fam, names)} (known: {', '.join(names)})")
 
     sections = {name: tree.pop(name) for name in FAMILY_SECTIONS if name in tree}

@@ -8,15 +8,3 @@ building block come from `mmtrain.models`; the token stream from mmdata.energon_
   conversion.py          `mmtrain convert` for emu3 (the VQ model kept alongside as HF weights)
   load.py                load_emu3 (inference), load_hf_into_model (checkpoint.load of HF)
 """
-
-from __future__ import annotations
-
-
-def load_emu3(ckpt_dir, iteration=None):
-    """See `mmtrain.emu3.load.load_emu3` (imported lazily: megatron is heavy)."""
-    from mmtrain.emu3.load import load_emu3 as _load
-
-    return _load(ckpt_dir, iteration)
-
-
-__all__ = ["load_emu3"]

@@ -4,7 +4,6 @@ named by `Ref("module:function")`, imported on first use."""
 
 from __future__ import annotations
 
-from mmdata.energon_loaders.emu3.batch import Emu3Batch
 from mmtrain.emu3 import generate_cli
 from mmtrain.emu3.config import ARCHITECTURE_KEYS, Emu3DataConfig, Emu3ModelConfig, check_recipe
 from mmtrain.models.shapes import DecoderShape, ModelShapes
@@ -32,7 +31,7 @@ EMU3 = FamilySpec(
     check_tokenizer=Ref("mmtrain.emu3.tokenizer_check:check_tokenizer"),
     architecture_keys=ARCHITECTURE_KEYS,
     build_model=build_model,
-    batch_type=Emu3Batch,
+    batch_type=Ref("mmdata.energon_loaders.emu3.batch:Emu3Batch"),
     build_loader=Ref("mmtrain.emu3.loader:build_loader"),
     forward_step=Ref("mmtrain.runtime.loss:packed_forward_step"),
     model_shapes=model_shapes,

@@ -7,8 +7,10 @@
   sampling.py    guidance mixing on log-probs, greedy / temperature / top-k / top-p
   checkpoint.py  which checkpoint was given (megatron at any TP/PP, run dir, HF), family check,
                  device / dtype, user errors
-  cli.py         the shared command's parser and help, built from the registry
-  command.py     what the command runs: checks, the family's job, the engine, progress
+
+The shared command sits above the registry, outside this package (the families build on the
+engine, and the registry on the families): mmtrain/generate_cli.py (parser and help, built from
+the registry) and mmtrain/generate_command.py (checks, the family's job, the engine, progress).
 
 A family plugs in through `FamilySpec.generation` (mmtrain/spec.py: `GenerationSpec`): its
 options, and `prepare` returning a `GenerationJob` (its model as a `GenerationModel`, its

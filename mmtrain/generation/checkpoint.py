@@ -16,12 +16,16 @@ from typing import Optional
 import torch
 
 from mmdata.errors import UserError
-from mmtrain import registry
 from mmtrain.config.errors import RecipeError
 from mmtrain.config.typed import from_plain
 from mmtrain.runtime.checkpoint.layout import LATEST, checkpoints_root
 from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
 from mmtrain.runtime.hf_conversion import ASSETS_DIR, is_hf_dir
+from mmtrain.spec import Ref
+
+#: every family, to name the one a checkpoint holds: the registry sits above the engine (its
+#: families build on it), so it is reached through its "module:function" boundary
+ALL_FAMILIES = Ref("mmtrain.registry:FAMILIES")
 
 
 class GenerationError(UserError):
@@ -83,7 +87,7 @@ def resolve_checkpoint(path: str | os.PathLike, family: str, iteration: Optional
 
 
 def _families_with_generation() -> dict:
-    return {name: spec for name, spec in registry.FAMILIES.items() if spec.generation is not None}
+    return {name: spec for name, spec in ALL_FAMILIES.resolve().items() if spec.generation is not None}
 
 
 def _check_hf_family(p: Path, family: str) -> None:

@@ -13,15 +13,3 @@ other megatron building block come from `mmtrain.models`).
   conversion.py          `mmtrain convert` for llava-ov (whole checkpoints, stage-1 assembly)
   load.py                load_llava_ov (inference), load_hf_into_model (checkpoint.load of HF)
 """
-
-from __future__ import annotations
-
-
-def load_llava_ov(ckpt_dir, iteration=None):
-    """See `mmtrain.llava_ov.load.load_llava_ov` (imported lazily: megatron is heavy)."""
-    from mmtrain.llava_ov.load import load_llava_ov as _load  # lazy: the CLI imports this package; megatron is heavy
-
-    return _load(ckpt_dir, iteration)
-
-
-__all__ = ["load_llava_ov"]

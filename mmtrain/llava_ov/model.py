@@ -46,7 +46,7 @@ from mmtrain.models.encoder_parallel import (
 from mmtrain.models.language_model import embed_tokens, packed_decoder_forward
 from mmtrain.models.megatron_config import ParallelOptions, base_config_kwargs
 from mmtrain.models.stage_model import DecoderStageModel
-from mmtrain.runtime.distributed import compute_device
+from mmtrain.models.device import compute_device
 
 
 class LlavaOVModel(DecoderStageModel):

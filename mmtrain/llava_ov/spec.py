@@ -5,15 +5,17 @@ generation code is named by `Ref("module:function")`, imported on first use."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 from mmdata.energon_loaders.llava_ov.chat_template import add_media_tokens
 from mmtrain.config.schema import Recipe
 from mmtrain.llava_ov import generate_cli
 from mmtrain.llava_ov.config import ARCHITECTURE_KEYS, LlavaOVDataConfig, LlavaOVModelConfig, check_recipe
 from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelShapes
 from mmtrain.spec import FamilySpec, GenerationSpec, HFConversion, Ref
+
+if TYPE_CHECKING:  # the batch module imports torch; the spec is imported at CLI start-up
+    from mmdata.energon_loaders.llava_ov.batch import LlavaOVBatch
 
 #: trainable parts -> the LlavaOVModel attributes they own (image_newline trains with the LLM)
 PARTS = {
@@ -114,7 +116,7 @@ LLAVA_OV = FamilySpec(
     check_recipe=check_recipe,
     architecture_keys=ARCHITECTURE_KEYS,
     build_model=build_model,
-    batch_type=LlavaOVBatch,
+    batch_type=Ref("mmdata.energon_loaders.llava_ov.batch:LlavaOVBatch"),
     build_loader=Ref("mmtrain.llava_ov.loader:build_loader"),
     forward_step=Ref("mmtrain.llava_ov.forward_step:forward_step"),
     model_shapes=model_shapes,

@@ -5,6 +5,7 @@
   flops.py               model FLOPs per token and per step (real samples: MFU; executed: HFU)
   hardware.py            dense peak TFLOP/s by exact device name (a leaf)
   layout_rules.py        the CP sequence multiple, the vision tower's TP choices (a leaf)
+  device.py              compute_device: the run's device, read off the process group (a leaf)
   megatron_config.py     ParallelOptions, TransformerConfig kwargs, the decoder's TransformerConfig
   language_model.py      the decoder as a megatron GPTModel, THD packed-sequence params, LM loss
                          over the true vocabulary, TP tags for no-init builds

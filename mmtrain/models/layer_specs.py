@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mmtrain.models import te_support
 from mmtrain.models.attention import SDPACoreAttention
 from mmtrain.models.cp_attention import KVAllGatherCoreAttention
+from mmtrain.models.device import compute_device
 from mmtrain.models.norm import TorchNorm
 from mmtrain.models.packed_rope import PackedRoPESelfAttention
 
@@ -28,9 +29,6 @@ from mmtrain.models.packed_rope import PackedRoPESelfAttention
 def _run_on_cuda() -> bool:
     """The run's device, as the runtime set it up (the process group's backend), not whether a
     GPU happens to be visible."""
-    # runtime sits above models: a top-level import would make models import the runtime package
-    from mmtrain.runtime.distributed import compute_device
-
     return compute_device().type == "cuda"
 
 

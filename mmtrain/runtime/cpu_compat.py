@@ -43,6 +43,15 @@ import logging
 from typing import Any, Callable
 
 import torch
+from megatron.core import package_info
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import optimizer as moptimizer
+from megatron.core.tensor_parallel import random as mrandom
+
+try:  # torch's private helper behind `with torch.device(...)`; older/newer torch may lack it
+    from torch.utils import _device as torch_device_ctx
+except ImportError:
+    torch_device_ctx = None  # type: ignore[assignment]  # (a torch without it: nothing to fill)
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +166,6 @@ class CpuRNGStatesTracker:
 
 def _patch_rng_tracker() -> None:
     global _TRACKER
-    from megatron.core.tensor_parallel import random as mrandom
-
     if _TRACKER is None:
         _TRACKER = CpuRNGStatesTracker()
 
@@ -186,8 +193,6 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters: Any, max_norm: float, total_no
                                       use_decoupled_grad: bool = False) -> None:
     """megatron's `clip_grad_by_total_norm_fp32` less its CUDA type assertion: the same grads, the
     same coefficient, scaled with megatron's own multi-tensor scale (its local fallback on CPU)."""
-    from megatron.core.optimizer import clip_grads
-
     grads = []
     for param in parameters:
         grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
@@ -206,9 +211,6 @@ def _patch_grad_clipping() -> None:
         assert param.grad.type() == 'torch.cuda.FloatTensor'
     Both callers (`MegatronOptimizer.clip_grad_norm`, `ChainedOptimizer.step`) use the name bound in
     `megatron.core.optimizer.optimizer`; that binding is replaced, version-gated."""
-    from megatron.core import package_info
-    from megatron.core.optimizer import optimizer as moptimizer
-
     version = package_info.__version__
     if not version.startswith(_CLIP_PATCH_VERSIONS):
         raise RuntimeError(f"cpu_compat replaces megatron-core's clip_grad_by_total_norm_fp32 for "
@@ -223,8 +225,6 @@ _CUDA_TYPE_STRINGS = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "
 
 
 def _check_type_check_version() -> None:
-    from megatron.core import package_info
-
     version = package_info.__version__
     if not version.startswith(_TYPE_CHECK_VERSIONS):
         raise RuntimeError(f"cpu_compat answers megatron-core's optimizer type checks for {_TYPE_CHECK_VERSIONS}, "
@@ -287,12 +287,8 @@ def apply() -> bool:
     note("Tensor.cuda()/Module.cuda() -> no-op (tensors stay on cpu)")
     # torch's `with torch.device(...)` mode (used by transformers' meta-device init) recognises
     # factories by identity from a cached set: fill that cache with the ORIGINAL functions first
-    try:
-        from torch.utils import _device as torch_device_ctx
-
+    if torch_device_ctx is not None and hasattr(torch_device_ctx, "_device_constructors"):
         torch_device_ctx._device_constructors()
-    except (ImportError, AttributeError):  # older/newer torch without this private helper
-        pass
     for name in _FACTORIES:
         _patch(torch, name, _redirect_device(getattr(torch, name)))
     note(f"torch.{{{','.join(_FACTORIES)}}}(device='cuda') -> device='cpu'")

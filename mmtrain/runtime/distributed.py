@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from mmtrain.models.device import compute_device as compute_device  # re-exported: the loss reads it here
 from mmtrain.models.te_support import te_status
 from mmtrain.runtime import cpu_compat, cuda_settings
 
@@ -304,15 +305,6 @@ def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int]
     if have != (tp, pp, cp):
         raise RuntimeError(f"model parallel already initialised with (tp, pp, cp)={have}, asked for {(tp, pp, cp)}")
     return False
-
-
-def compute_device() -> torch.device:
-    """Where this process's model tensors live: the run's device, read off the process group
-    (nccl: the current CUDA device, set by `set_cuda_device`; gloo or none: the CPU), never
-    `torch.cuda.is_available()` (review A7)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def seed_model_parallel(seed: int, pp_rank: int) -> None:

@@ -27,6 +27,10 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import package_info
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import distrib_optimizer, get_megatron_optimizer, get_standard_config_overrides
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from mmtrain.runtime import cpu_compat
 from mmtrain.runtime.checkpoint.layout import unwrap
@@ -145,8 +149,6 @@ def build_optimizer(
     model_chunks: list[torch.nn.Module], parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
 ) -> Any:
     """megatron's optimizer, on every device (CPU: cpu_compat's grad-clipping patch is active)."""
-    from megatron.core.optimizer import get_megatron_optimizer
-
     if ctx.device.type == "cpu" and not cpu_compat.active():
         raise RuntimeError("megatron's optimizer on CPU needs cpu_compat.apply() (runtime.distributed does it)")
     config, overrides = megatron_optimizer_config(parts, optimizer_cfg, ctx)
@@ -160,8 +162,6 @@ _TORCH_ADAM_LOAD_VERSIONS = ("0.16.",)
 
 def _torch_adam_distributed_optimizers(optimizer: Any) -> list[Any]:
     """The DistributedOptimizers in `optimizer` that wrap torch's Adam (neither TE nor apex there)."""
-    from megatron.core.optimizer import distrib_optimizer
-
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return []
     return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
@@ -200,8 +200,6 @@ def torch_adam_load(optimizer: Any):
        the load is done, every state gets its own copy.
 
     Private names of megatron, so version-gated; nothing is done for any other optimizer."""
-    from megatron.core import package_info
-
     targets = _torch_adam_distributed_optimizers(optimizer)
     version = package_info.__version__
     if targets and not version.startswith(_TORCH_ADAM_LOAD_VERSIONS):
@@ -238,10 +236,6 @@ def megatron_optimizer_config(parts: ModelParts, optimizer_cfg: OptimizerConfig,
     """megatron's OptimizerConfig and its param-group overrides: no weight decay on biases and
     1-D params (megatron's standard overrides), and each part's LRs (`part_lrs`) where they
     differ from the base LR (parameters matched by identity through `parts`)."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-    from megatron.core.optimizer import get_standard_config_overrides
-    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
-
     config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=optimizer_cfg.lr,

@@ -39,17 +39,21 @@ from mmdata.errors import UserError
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmtrain.recipe_plan import recipe_geometry
 from mmdata.readiness import DatasetNotReady, data_source_samples
-from mmtrain.registry import FAMILIES
 from mmtrain.runtime.checkpoint.data_identity import resume_data_problems
 from mmtrain.runtime.checkpoint.integrity import check_checkpoint
 from mmtrain.runtime.checkpoint.layout import iteration_of, latest_checkpoint, resolve_checkpoint
 from mmtrain.runtime.checkpoint.manager import check_layer_spec
 from mmtrain.runtime.checkpoint.weights import CheckpointMismatchError, check_architecture
 from mmtrain.runtime.metrics import tensorboard_available
+from mmtrain.spec import Ref
 
 if TYPE_CHECKING:
     from mmtrain.config.schema import Recipe
     from mmtrain.spec import FamilySpec
+
+#: every family, to name the one a data path's samples are for: the registry sits above the
+#: runtime (its families build on it), so it is reached through its "module:function" boundary
+ALL_FAMILIES = Ref("mmtrain.registry:FAMILIES")
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,8 @@ def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]
         if found is None or found == want:
             continue
         where = str(path) if leaf == path else f"{path} (its dataset {leaf})"
-        other = next((f for f in FAMILIES.values() if f.sample_type and f.sample_type[0] == found), None)
+        families: dict[str, FamilySpec] = ALL_FAMILIES.resolve()
+        other = next((f for f in families.values() if f.sample_type and f.sample_type[0] == found), None)
         # (type checker: `other` has a sample_type by the filter above)
         held = (f"{_short(found)} samples, {other.sample_type[1]}" if other is not None  # type: ignore[index]
                 else f"samples of energon type {found}, which no mmtrain family trains on")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from megatron.core.tensor_parallel import random as mrandom
 
-from mmtrain.runtime.distributed import compute_device
+from mmtrain.models.device import compute_device
 
 
 def get_rng_state() -> dict[str, Any]:

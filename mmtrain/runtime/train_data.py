@@ -80,7 +80,7 @@ class TrainData:
     def __init__(self, spec: FamilySpec, recipe: Recipe, ctx: ParallelContext) -> None:
         self.ctx = ctx
         self.family = spec.name
-        self.batch_type = spec.batch_type
+        self.batch_type: type = spec.batch_type.resolve()
         self.sharding = recipe.data.sharding
         self.micro_per_rank = recipe.train.global_batch_size // (
             recipe.train.micro_batch_size * ctx.dp

@@ -13,13 +13,14 @@ from __future__ import annotations
 import sys
 
 from mmdata.errors import UserError
-from mmtrain import registry
 from mmtrain.config import load_recipe
 from mmtrain.runtime.logs import setup_logging
 from mmtrain.spec import resolve
 
 #: what a worker runs, imported once logging is set up
 TRAIN = "mmtrain.runtime.training:train"
+#: the recipe's family, from the registry (which sits above the runtime: its families build on it)
+GET_FAMILY = "mmtrain.registry:get_family"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:  # the launcher checked the recipe and what it points at; a problem found here is still one line
         recipe = load_recipe(argv[0], argv[1:])
-        return resolve(TRAIN)(recipe, registry.get_family(recipe.family))
+        return resolve(TRAIN)(recipe, resolve(GET_FAMILY)(recipe.family))
     except UserError as err:
         print(f"mmtrain worker: error: {err}", file=sys.stderr)
         return err.exit_code

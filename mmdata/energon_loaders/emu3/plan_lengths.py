@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.serialize import hf_text_encoder
 from mmdata.energon_loaders.emu3.tasks import (DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING, Emu3Tasks,
                                                generation_caption)

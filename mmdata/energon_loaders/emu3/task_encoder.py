@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from megatron.energon import Sample, edataclass, stateless
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.batch import Emu3Batch
 from mmdata.energon_loaders.emu3.plan_lengths import variant_task
 from mmdata.energon_loaders.emu3.tasks import (

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.serialize import IMAGE_PLACEHOLDER, Emu3Vocab, hf_text_encoder, image_ids
 from mmdata.energon_loaders.sequence import (
     ConversationError,

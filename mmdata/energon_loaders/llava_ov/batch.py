@@ -17,12 +17,12 @@ On top of `PackedBatch` (token stream, shifted labels, packing metadata):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
+
+import torch
 
 from mmdata.energon_loaders.batch import PackedBatch
-
-if TYPE_CHECKING:
-    import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
+from mmdata.energon_loaders.llava_ov.anyres import SIGLIP_MEAN, SIGLIP_STD, normalise_pixels
 
 # media_kind values
 MEDIA_ANYRES = 0  # single image: base tile + anyres grid
@@ -41,8 +41,8 @@ class LlavaOVBatch(PackedBatch):
     grid_shapes: torch.Tensor  # [num_media, 2] int64 anyres grid (rows, cols); (0, 0) if none
     num_media_tokens: torch.Tensor  # [num_media] int64 LLM positions each media expands to
     #: the normalisation `normalised_pixels()` applies to uint8 `pixel_values`
-    pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_MEAN (kept import-light)
-    pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # anyres.SIGLIP_STD
+    pixel_mean: tuple[float, float, float] = SIGLIP_MEAN
+    pixel_std: tuple[float, float, float] = SIGLIP_STD
     #: host copy of `input_ids` (where the media placeholders are); filled by `to()`
     input_ids_host: torch.Tensor | None = field(default=None, repr=False, compare=False)
     #: how many of the media each row holds (media never cross rows); the loader fills it, a batch
@@ -83,8 +83,6 @@ class LlavaOVBatch(PackedBatch):
 
     @classmethod
     def join_items(cls, rows: Sequence[LlavaOVBatch]) -> dict[str, Any]:
-        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
         items = [r.row_items() for r in rows]  # checks each row's media
         return {**{name: torch.cat([getattr(r, name) for r in rows]) for name in cls.MEDIA_FIELDS + ("pixel_values",)},
                 "media_per_row": [n for per_row in items for it in per_row for n in it["media_per_row"]]}
@@ -96,10 +94,6 @@ class LlavaOVBatch(PackedBatch):
     def normalised_pixels(self) -> torch.Tensor:
         """float32 SigLIP-normalised tiles on `pixel_values`' device (bit-equal to the loader's
         former fp32 normalisation: `anyres.normalise_pixels`)."""
-        import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
-
-        from mmdata.energon_loaders.llava_ov.anyres import normalise_pixels  # lazy: imports torch; the CLI imports this
-
         if self.pixel_values.dtype != torch.uint8:
             return self.pixel_values
         return normalise_pixels(self.pixel_values, self.pixel_mean, self.pixel_std)

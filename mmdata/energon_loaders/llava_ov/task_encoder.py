@@ -23,7 +23,7 @@ import torch
 from megatron.energon import Sample, edataclass, stateless
 from PIL import Image
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmdata.energon_loaders.llava_ov.chat_template import (

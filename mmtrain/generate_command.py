@@ -1,4 +1,4 @@
-"""What `mmtrain generate FAMILY` runs once its options are parsed (mmtrain/generation/cli.py):
+"""What `mmtrain generate FAMILY` runs once its options are parsed (mmtrain/generate_cli.py):
 sampling options checked, the checkpoint resolved and checked to be the family's, the family's job
 prepared (`GenerationSpec.prepare`), the engine run with a progress display, outputs written."""
 

@@ -1,5 +1,5 @@
 """`mmtrain generate FAMILY --checkpoint CKPT ...`: the command's parser and help, built from the
-registry (families with a `generation` entry). What it runs: mmtrain/generation/command.py, imported
+registry (families with a `generation` entry). What it runs: mmtrain/generate_command.py, imported
 at dispatch; the engine is mmtrain/generation/engine.py. See docs/generation.md."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from mmtrain import registry
 
 #: what `mmtrain generate FAMILY` runs, imported at dispatch (it imports torch and the engine)
-GENERATE_ACTION = "mmtrain.generation.command:run"
+GENERATE_ACTION = "mmtrain.generate_command:run"
 
 #: shared by every `mmtrain generate` help page
 CHECKPOINTS_AND_EXIT = """CKPT is a megatron checkpoint dir written by mmtrain (converted, or a training run's
