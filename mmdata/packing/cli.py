@@ -39,6 +39,7 @@ from mmdata.preprocess.shard_writer import sha256_file
 from mmdata.readiness import unfinished_job
 from mmdata.shard_format import MANIFEST_NAME
 from mmdata.vision_tokens.lengths import index_meta
+from mmdata.units import plural
 
 RECIPE_COMMAND = "mmtrain pack-plan RECIPE.yaml [DIR] [--set KEY=VALUE ...]"
 #: the output line's note on a plan of estimated text lengths (its metadata: `lengths_estimated`)
@@ -99,7 +100,7 @@ def make_plan(req: PlanRequest) -> Path:
     meta["packing_report"] = report.as_dict()
     out = write_plan(req.root, plan, inputs.index, req.seed, meta,
                      {"tiles": inputs.tiles.astype(np.int32), **(inputs.columns or {})})
-    print(f"{out}: {len(plan.bins):,} sequences of {req.seq_length:,} tokens for {len(inputs.lengths):,} samples, "
+    print(f"{out}: {plural(len(plan.bins), 'sequence')} of {req.seq_length:,} tokens for {plural(len(inputs.lengths), 'sample')}, "
           f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}; "
           f"{ESTIMATED_NOTE if estimated else 'exact text lengths'}")
     print(f"packing report: {report.line()}")

@@ -32,6 +32,7 @@ from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, encode_with_offsets
 from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.energon_loaders.tiny_tokenizer import DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN
+from mmdata.units import plural
 
 #: the token sequence of one LLaVA-OV sample (ids, unshifted labels, media spans)
 ChatTokens = TokenSequence
@@ -146,6 +147,6 @@ class ChatTokenizer:
             raise ConversationError(
                 "media_mismatch",
                 f"placeholders ({image_i} <image>, {video_i} <video>) do not match media "
-                f"({len(image_token_counts)} images, {len(video_token_counts)} videos)",
+                f"({plural(len(image_token_counts), 'image')}, {plural(len(video_token_counts), 'video')})",
             )
         return ChatTokens(np.concatenate(ids_out), np.concatenate(labels_out), media_spans)
