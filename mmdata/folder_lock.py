@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from mmdata.errors import UserError
+from mmdata.units import plural
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ def fresh_folder(dst: str | os.PathLike, overwrite: bool, what: str = "--dst") -
         raise UserError(f"{what} {dst} is a file; give a folder")
     if is_non_empty(dst) and not overwrite:
         entries = sorted(p.name for p in dst.iterdir())
-        raise UserError(f"{what} {dst} is not empty ({len(entries)} entries, e.g. {entries[0]!r}); choose an empty "
+        raise UserError(f"{what} {dst} is not empty ({plural(len(entries), 'entry', 'entries')}, e.g. {entries[0]!r}); choose an empty "
                         f"or new folder, or pass --overwrite to replace it")
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():

@@ -235,7 +235,7 @@ def describe_changes(old: Any, new: Any, path: str = "") -> list[str]:
         return out
     if isinstance(old, list) and isinstance(new, list):
         if len(old) != len(new):
-            return [f"{path}: {len(old)} → {len(new)} entries"]
+            return [f"{path}: {len(old)} → {plural(len(new), 'entry', 'entries')}"]
         out = []
         for i, (a, b) in enumerate(zip(old, new)):
             label = b.get("rel") or b.get("path") if isinstance(b, dict) else None

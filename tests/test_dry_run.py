@@ -251,3 +251,26 @@ def test_emu3_8b_long_stage_fits_131072_tokens_with_context_parallelism():
     assert report.fits and report.memory.total < 0.9 * 80 * GB
     assert report.memory.logits < 2.5 * GB
     assert _mem(recipe, EMU3, lm_loss="plain").logits > 8 * report.memory.logits
+
+
+@pytest.mark.unit
+def test_dry_run_footnotes_the_frozen_post_layernorm():
+    """Issue 45: stage 2a trains the vision tower but shows `frozen 2.304K` for it; a footnote says
+    what those are (the unused post-layernorm, mmtrain/llava_ov/vision.py)."""
+    text = build_report(load_recipe(AQUILA, ["stage=2a"]), LLAVA_OV).text
+    (row,) = [line for line in text.splitlines() if line.startswith("vision_tower")]
+    assert row.split()[-1] == "2.304K"
+    assert "(vision_tower's 2.304K frozen: the unused post-layernorm" in text
+    stage1 = build_report(load_recipe(AQUILA, ["stage=1"]), LLAVA_OV).text
+    assert "post-layernorm" not in stage1  # all of the tower frozen: nothing to explain
+
+
+@pytest.mark.unit
+def test_dry_run_imports_neither_torch_nor_megatron():
+    """Issue 45: a dry run of aquila-vl-2b printed nothing for up to 40 s on a busy machine: all of
+    it was importing torch and megatron-core, which an analytical report does not need."""
+    code = ("import sys; from mmtrain.cli import main; "
+            f"rc = main(['train', {str(AQUILA)!r}, 'action=dry_run']); "
+            "print('heavy:', sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "memory per rank" in out and out.splitlines()[-1] == "heavy: []", out[-500:]

@@ -144,7 +144,7 @@ def test_fresh_folder_refuses_non_empty_and_replaces_whole(tmp_path):
     dst = tmp_path / "export"
     dst.mkdir()
     (dst / "model-00007-of-00009.safetensors").write_text("stale")
-    with pytest.raises(UserError, match=r"--dst .*export is not empty \(1 entries, e.g. 'model-00007-of-00009.sa"
+    with pytest.raises(UserError, match=r"--dst .*export is not empty \(1 entry, e.g. 'model-00007-of-00009.sa"
                                         r"fetensors'\).*pass --overwrite"):
         with fresh_folder(dst, overwrite=False):
             pytest.fail("a non-empty --dst accepted")

@@ -28,6 +28,7 @@ JSON_KEYS = {
     "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine", "preprocess", "length_index",
     "sampled", "modality", "languages", "turns_per_sample", "images", "image_tokens_per_sample", "tokenizer",
     "text_tokens_per_sample", "loss_tokens_per_sample", "total_tokens_per_sample", "loader_skips", "packing", "vision_balance",
+    "plan_files",
 }
 DIST_KEYS = {"count", "mean", "min", "p50", "p90", "p99", "max"}
 
@@ -211,7 +212,7 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     out, recs = broken_dataset
     d = json.loads(_inspect_cli(str(out), "--json", "--all", "--tokenizer", str(tokenizer_dir),
                                 "--cp", "2", "--tp", "2").stdout)
-    assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/4"
+    assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/5"
     for v in d["packing"].values():  # the packing report: CP2 x TP2 pads every segment to 8 tokens
         assert v["bin_fill"] == pytest.approx(v["efficiency"], abs=1e-4)
         assert 0.5 < v["executed_token_efficiency"] <= v["bin_fill"]

@@ -62,7 +62,7 @@ def test_every_interrupt_says_where_the_run_resumes(tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def qwen2_tok(tmp_path_factory):
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "qwen2")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.inspect.packing import estimate_packing
+from mmdata.inspect.render import summary_table_data
 from mmdata.inspect.stats import summarize
 from mmdata.cli import main as mmdata_main
 from mmdata.packing import algorithm
@@ -319,3 +321,33 @@ def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
     problems: list[str] = []
     _check_data(recipe, registry.get_family("llava-ov"), problems)
     assert len(problems) == 1 and "balanced for another step shape: dp 2 (recipe: 1)" in problems[0], problems
+
+
+def test_inspect_keeps_one_geometry_per_row_and_lists_every_plan_file(tok_shards, tmp_path, capsys):
+    """Issue 45: a plan counted with a recipe's 30-px tiles sat in the column of lengths counted
+    at 384 px (`98.0% / 99.5% / 92.9%`), a plan at 2,048 was not shown without --context-lengths,
+    and a second pack-plan with other settings replaced the first without a word."""
+    out = tmp_path / "shards"
+    shutil.copytree(tok_shards[0], out, ignore=shutil.ignore_patterns("pack-plan-*"))  # other tests' plans
+    tiny = ["--image-size", "30", "--patch-size", "14"]
+    for argv in (["--seq-length", "8192"], ["--seq-length", "2048"], ["--seq-length", "8192", *tiny]):
+        capsys.readouterr()
+        assert mmdata_main(["pack-plan", str(out), "--no-progress", "--jobs", "1", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert "replaced pack-plan-8192.parquet, a plan made with other settings: geometry.image_size 384 → 30" in printed
+    assert mmdata_main(["pack-plan", str(out), "--no-progress", "--jobs", "1", "--seq-length", "2048"]) == 0
+    assert "replaced" not in capsys.readouterr().out  # the same settings again: nothing to say
+
+    summary = summarize(out, sample=5, context_lengths=(8192,))
+    d = summary.to_dict()
+    assert d["length_index"]["packing"]["8192"]["plan_file"] is None  # other lengths: not in the index's row
+    files = {f["file"]: f for f in d["plan_files"]}
+    assert list(files) == ["pack-plan-2048.parquet", "pack-plan-8192.parquet"]
+    assert files["pack-plan-2048.parquet"]["index_geometry"] and not files["pack-plan-8192.parquet"]["index_geometry"]
+    assert files["pack-plan-8192.parquet"]["geometry"]["image_size"] == 30
+    (rows,) = [rows for title, _, rows in summary_table_data(summary) if title.startswith("Pack-plan files")]
+    assert [r[:3] for r in rows] == [["2,048", "the index's (384-px tiles)", "exact"], ["8,192", "image size 30", "exact"]]
+    (index_rows,) = [rows for title, _, rows in summary_table_data(summary) if "the index's geometry (384-px" in title]
+    assert index_rows[0][0] == "8,192" and index_rows[0][-1] == "—"
+    assert mmdata_main(["inspect", str(out), "--sample", "5", "--context-lengths", "8192"]) == 0
+    assert "Pack-plan files" in capsys.readouterr().out

@@ -39,7 +39,7 @@ def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def qwen2_tok(tmp_path_factory) -> Path:
-    from mmdata.energon_loaders.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "qwen2")
 

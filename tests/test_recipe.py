@@ -12,7 +12,9 @@ import pytest
 import yaml
 
 from mmtrain.config import Recipe, RecipeError, load_recipe, load_recipe_dict, parse_override, save_resolved
+from mmtrain.config.errors import RecipeErrors
 from mmtrain.config.schema import DataConfig
+from mmtrain.config.typed import convert
 from mmtrain.spec import FamilySpec
 
 pytestmark = pytest.mark.unit
@@ -331,3 +333,23 @@ def test_tiny_recipe_matches_the_demo_tokenizer(tmp_path):
     m = load_recipe(RECIPES / "llava-ov-tiny.yaml", family="llava-ov").model
     assert tok.convert_tokens_to_ids(["<image>", "<video>"]) == [m.image_token_id, m.video_token_id]
     assert len(tok) <= m.llm.vocab_size
+
+
+def test_a_check_over_two_overridden_keys_names_both_in_one_prefix():
+    """Issue 45: `override 'parallel.vpp=2': override 'parallel.pp=2': ...` read as two errors."""
+    with pytest.raises(RecipeError) as info:
+        load_recipe(RECIPES / "llava-ov-tiny.yaml", ["parallel.vpp=2", "parallel.pp=2"])
+    errs = info.value.errors
+    (err,) = [e for e in errs if "parallel.vpp:" in e]
+    assert err.startswith("overrides 'parallel.vpp=2', 'parallel.pp=2': parallel.vpp: ")
+    assert all(e.count("override") == 1 for e in errs), errs
+    errors = RecipeErrors({("a",): "override 'a=1'", ("b",): "stage 'x'", ("c",): "override 'c=2'"})
+    errors.add(("a",), "bad", [("b",), ("c",)])
+    assert errors.items == ["overrides 'a=1', 'c=2', stage 'x': a: bad"]
+
+
+def test_counts_in_messages_agree_with_their_noun():
+    """Issue 45: "1 entries"; a count that can be 1 goes through mmdata.units.plural."""
+    errors = RecipeErrors()
+    convert([1], tuple[int, int], ("parallel", "pp_layers"), errors)
+    assert errors.items == ["parallel.pp_layers: expected list of 2 (int, int), got 1 item"], errors.items

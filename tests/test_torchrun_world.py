@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmtrain.runtime.launcher import launcher_world
+from mmtrain.runtime.torchrun import launcher_world
 
 
 @pytest.mark.unit

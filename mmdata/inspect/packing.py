@@ -12,6 +12,12 @@ truncates their text, or drops them when an image would be cut).
 Each estimate carries the packing report (`mmdata.energon_loaders.packing_report`): bin fill and
 executed-token efficiency, CP padding counted for the `cp`/`tp` asked for (`--cp`/`--tp`).
 
+The length index counts image tokens with LLaVA-OV's own geometry (384-px tiles). A plan file
+made for another geometry (a recipe's smaller tiles) counts other lengths: `length_index_packing`
+compares a plan file beside the online packer and the offline plan only when it was counted with
+the index's geometry; `plan_files` lists every `pack-plan-<N>.parquet` present, each labelled
+with its own geometry.
+
 `length_index_balance` simulates `--dp` data-parallel ranks training on the length index's
 samples (online: each rank packing its own part of the stream; the plan: the global order) and
 reports the vision balance per step, as the ranks draw their rows today and balanced
@@ -33,7 +39,8 @@ from mmdata.energon_loaders.packing_report import PackingReport, report_from_bin
 from mmdata.energon_loaders.row_mix import pack_buffer
 from mmdata.packing.algorithm import plan_packing
 from mmdata.packing.inputs import require_vision_tiles
-from mmdata.packing.plan_file import plan_path, read_plan_info
+from mmdata.packing.geometry import DEFAULT_GEOMETRY
+from mmdata.packing.plan_file import PlanError, plan_path, read_plan_info
 from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
 
 #: the loader's default packing buffer
@@ -101,20 +108,53 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
                  "cp": cp, "tp": tp, "packing": {}}
     for c in context_lengths:
         plan_file = plan_path(Path(root), c)
+        # a plan counted with another geometry has other lengths: listed in plan_files, not compared here
+        same = plan_file.is_file() and _index_geometry(plan_file)
         online = estimate_packing(used.tolist(), c, cp=cp, tp=tp, tiles=used_tiles) if len(used) else None
         plan = plan_packing(used, c) if len(used) else None
         if plans is not None:
             plans[c] = plan
         reports = {"online": None if online is None else online.report,
                    "plan": plan.report(cp, tp) if plan is not None else None,
-                   "plan_file": plan_file_report(plan_file, cp, tp) if plan_file.is_file() else None}
+                   "plan_file": plan_file_report(plan_file, cp, tp) if same else None}
         out["packing"][str(c)] = {
             "online": None if online is None else round(online.efficiency, 4),
             "plan": None if reports["plan"] is None else round(reports["plan"].bin_fill, 4),
-            "plan_file": read_plan_info(plan_file)["efficiency"] if plan_file.is_file() else None,
+            "plan_file": read_plan_info(plan_file)["efficiency"] if same else None,
             **{key: {side: None if r is None else round(getattr(r, key), 4) for side, r in reports.items()}
                for key in ("bin_fill", "executed_token_efficiency")},
         }
+    return out
+
+
+def _index_geometry(path: Path) -> bool:
+    """Whether a plan file counted its samples with the length index's geometry."""
+    try:
+        return read_plan_info(path).get("geometry") == DEFAULT_GEOMETRY.as_dict()
+    except PlanError:
+        return False
+
+
+def plan_files(root: Path, cp: int = 1, tp: int = 1) -> list[dict]:
+    """Every `pack-plan-<N>.parquet` in `root`, by sequence length: its geometry (and whether it
+    is the length index's), whether its text lengths are estimates, samples, sequences, and its
+    bin fill and executed-token efficiency at `cp`/`tp`; a plan of another format has `error`."""
+    out: list[dict] = []
+    found = [(p, p.stem.removeprefix("pack-plan-")) for p in Path(root).glob("pack-plan-*.parquet")]
+    for path, _ in sorted(found, key=lambda x: (not x[1].isdigit(), int(x[1]) if x[1].isdigit() else 0, x[1])):
+        try:
+            info = read_plan_info(path)
+        except PlanError as err:
+            out.append({"file": path.name, "error": str(err)})
+            continue
+        report = plan_file_report(path, cp, tp)
+        geometry = info.get("geometry") or {}
+        out.append({"file": path.name, "seq_length": info["seq_length"], "geometry": geometry,
+                    "index_geometry": geometry == DEFAULT_GEOMETRY.as_dict(),
+                    "lengths_estimated": bool(info.get("lengths_estimated")), "samples": info.get("samples"),
+                    "sequences": info["bins"], "seed": info.get("seed"), "balanced": "balance" in info,
+                    "bin_fill": round(report.bin_fill, 4),
+                    "executed_token_efficiency": round(report.executed_token_efficiency, 4)})
     return out
 
 

@@ -15,6 +15,7 @@ from rich.table import Table as RichTable
 
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.inspect.stats import DatasetSummary, SampleStats
+from mmdata.packing.geometry import DEFAULT_GEOMETRY
 from mmdata.units import format_bytes
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)
@@ -32,6 +33,28 @@ def _fmt(x: Any) -> str:
 
 def _share_rows(d: dict[str, dict[str, Any]]) -> list[list[str]]:
     return [[k, _fmt(v["count"]), f"{100 * v['share']:.1f}%"] for k, v in d.items()]
+
+
+#: the geometry the length index (and inspect's own estimates) count image tokens with
+INDEX_GEOMETRY_LABEL = f"{DEFAULT_GEOMETRY.image_size}-px tiles"
+
+
+def geometry_label(geometry: dict[str, Any]) -> str:
+    """A plan's geometry in a few words: the index's, or how it differs from it."""
+    base = DEFAULT_GEOMETRY.as_dict()
+    if geometry == base:
+        return f"the index's ({INDEX_GEOMETRY_LABEL})"
+    if set(geometry) <= set(base):  # LLaVA-OV geometry: name what differs
+        return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in geometry.items() if base.get(k) != v)
+    return ", ".join(f"{k} {str(v)[:12]}" for k, v in geometry.items())
+
+
+def _plan_file_row(f: dict[str, Any]) -> list[str]:
+    if "error" in f:
+        return [f["file"], f["error"], "—", "—", "—", "—"]
+    return [_fmt(f["seq_length"]), geometry_label(f["geometry"]),
+            "estimated" if f["lengths_estimated"] else "exact", _fmt(f["samples"]), _fmt(f["sequences"]),
+            _fill_exec(f["bin_fill"], f["executed_token_efficiency"])]
 
 
 def summary_table_data(summary: DatasetSummary) -> list[Table]:
@@ -81,10 +104,16 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
     if li is not None:
         sides = ("online", "plan", "plan_file")
         tables.append((f"Packing from the length index ({li['compared']:,} of {li['samples']:,} samples; text tokens: "
-                       f"{li['text_tokens']}); bin fill / executed-token efficiency at CP{li['cp']} TP{li['tp']}",
+                       f"{li['text_tokens']}); bin fill / executed-token efficiency at CP{li['cp']} TP{li['tp']}; "
+                       f"image tokens at the index's geometry ({INDEX_GEOMETRY_LABEL})",
                        ["context", "online packer", "offline plan", "pack-plan file"],
                        [[_fmt(int(k)), *(_fill_exec(v["bin_fill"][x], v["executed_token_efficiency"][x])
                                          for x in sides)] for k, v in li["packing"].items()]))
+    if d.get("plan_files"):
+        tables.append((f"Pack-plan files (pack-plan-<context>.parquet, each over the whole dataset, image tokens "
+                       f"at its own geometry); bin fill / executed-token efficiency at CP{summary.cp} TP{summary.tp}",
+                       ["context", "geometry", "text lengths", "samples", "sequences", "bin fill / executed"],
+                       [_plan_file_row(f) for f in d["plan_files"]]))
     vb = d.get("vision_balance")
     if vb is not None and "packing" in vb:
         tables.append((f"Vision balance: max/mean vision work per rank per step, mean (worst) over steps; "

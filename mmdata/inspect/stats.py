@@ -23,10 +23,11 @@ from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer, Convers
 from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, probe_video
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
 from mmdata.local_tokenizer import load_local_tokenizer
-from mmdata.inspect.packing import PackingEstimate, estimate_packing, length_index_balance, length_index_packing
+from mmdata.inspect.packing import (PackingEstimate, estimate_packing, length_index_balance, length_index_packing,
+                                    plan_files)
 from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
-SCHEMA = "mmdata.inspect/4"
+SCHEMA = "mmdata.inspect/5"
 LANGUAGES = ("zh", "en", "other")
 DEFAULT_CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
 #: the step shape the vision balance simulates by default: 8 DP ranks, 2 micro-batches of 2 rows each
@@ -235,6 +236,7 @@ class DatasetSummary:
     cp: int = 1  # the parallel sizes the packing report counts CP padding for
     tp: int = 1
     vision_balance: dict[str, Any] | None = None  # length_index_balance: DP ranks simulated, None without an index
+    plan_files: list[dict[str, Any]] = field(default_factory=list)  # every pack-plan-<N>.parquet, own geometry
 
     # -- derived views (the notebook plots these) -------------------------------------------
 
@@ -268,6 +270,7 @@ class DatasetSummary:
             "preprocess": self.preprocess,
             "length_index": self.length_index,
             "vision_balance": self.vision_balance,
+            "plan_files": self.plan_files,
             "sampled": {"count": len(s), "all": self.sampled_all, "seed": self.sample_seed},
             "modality": _shares(_counts([x.modality for x in s], MODALITIES)),
             "languages": _shares(_counts([x.language for x in s], LANGUAGES)),
@@ -368,5 +371,6 @@ def summarize(
         cp=cp,
         tp=tp,
         vision_balance=length_index_balance(ds.root, context_lengths, step_shape, tile_tokens, plans=plans),
+        plan_files=plan_files(ds.root, cp, tp),
     )
 

@@ -32,13 +32,14 @@ from mmdata.packing.algorithm import plan_packing
 from mmdata.packing.emu3 import token_plan_inputs
 from mmdata.packing.geometry import DEFAULT_GEOMETRY, GEOMETRY_FIELDS, PlanGeometry
 from mmdata.packing.inputs import image_plan_inputs, read_lengths
-from mmdata.packing.plan_file import write_plan
+from mmdata.packing.plan_file import plan_path, replaced_settings, write_plan
 from mmdata.shard_job.lengths import LENGTHS_NAME
 from mmdata.shard_job.progress import JobProgress
 from mmdata.shard_job.shard_writer import sha256_file
 from mmdata.readiness import unfinished_job
 from mmdata.shard_format import MANIFEST_NAME
 from mmdata.vision_tokens.lengths import index_meta
+from mmdata.units import plural
 
 RECIPE_COMMAND = "mmtrain pack-plan RECIPE.yaml [DIR] [--set KEY=VALUE ...]"
 #: the output line's note on a plan of estimated text lengths (its metadata: `lengths_estimated`)
@@ -97,12 +98,15 @@ def make_plan(req: PlanRequest) -> Path:
                         f"today {today.line()} -> balanced {after.line()}")
     report = plan.report(req.cp, req.tp)
     meta["packing_report"] = report.as_dict()
+    replaced = replaced_settings(plan_path(req.root, req.seq_length), {**meta, "seed": req.seed})
     out = write_plan(req.root, plan, inputs.index, req.seed, meta,
                      {"tiles": inputs.tiles.astype(np.int32), **(inputs.columns or {})})
-    print(f"{out}: {len(plan.bins):,} sequences of {req.seq_length:,} tokens for {len(inputs.lengths):,} samples, "
+    print(f"{out}: {plural(len(plan.bins), 'sequence')} of {req.seq_length:,} tokens for {plural(len(inputs.lengths), 'sample')}, "
           f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}; "
           f"{ESTIMATED_NOTE if estimated else 'exact text lengths'}")
     print(f"packing report: {report.line()}")
+    if replaced:  # one plan per sequence length: the loader reads pack-plan-<seq_length>.parquet
+        print(f"replaced {out.name}, a plan made with other settings: {'; '.join(replaced)}")
     if balance_line is not None:
         print(balance_line)
     return out

@@ -20,6 +20,7 @@ from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.errors import UserError
 from mmdata.packing.geometry import DEFAULT_GEOMETRY, PlanGeometry
 from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
+from mmdata.units import plural
 
 
 @dataclass
@@ -73,7 +74,7 @@ def recount_media(root: Path, table: pa.Table, geometry: PlanGeometry,
             on_shard(len(shards))
     missing = index[media[index, 0] < 0]
     if len(missing):
-        raise FileNotFoundError(f"{root}: the shards lack the records of {len(missing)} samples of the length index "
+        raise FileNotFoundError(f"{root}: the shards lack the records of {plural(len(missing), 'sample')} of the length index "
                                 f"(e.g. key {int(missing[0]):010d}): rerun `mmdata preprocess`")
     return table.column("text_tokens").to_numpy().astype(np.int64) + media[index, 0], media[index, 1]
 

@@ -5,6 +5,10 @@ columns of the plan's inputs (`tiles`; an Emu3 plan's `key` and `variant`). The 
 `mmdata.pack_plan` holds the settings and the checks a loader needs (`format`, `seq_length`,
 `seed`, `bins`, `lengths_sha256`, `geometry`, `packing_report`, a balanced plan's `balance`, ...).
 A plan of another `format` is refused: rerun pack-plan.
+
+One plan per sequence length: the name holds only that, so a loader finds its plan from the
+recipe's `train.seq_length` alone. A second pack-plan at the same length replaces the first and
+says which settings differed (`replaced_settings`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,44 @@ class PlanError(UserError):
 
 def plan_path(root: Path, seq_length: int) -> Path:
     return root / f"pack-plan-{seq_length}.parquet"
+
+
+#: the plan settings a user chooses, compared when a new plan replaces an old one
+SETTINGS = ("geometry", "seed", "balance", "lengths_estimated", "lengths_sha256")
+
+
+def replaced_settings(path: Path, new: dict) -> list[str] | None:
+    """What differs between the plan at `path` and a new one with metadata `new` (the settings
+    in SETTINGS, as "key old → new"); None when there is no plan there. An unreadable old plan
+    (another format) reads as one difference."""
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(pq.read_schema(path).metadata[META_KEY])
+    except (KeyError, TypeError, ValueError, OSError, pa.ArrowException):
+        return ["an unreadable plan"]
+    if old.get("format") != PLAN_FORMAT:
+        return [f"format {old.get('format')} → {PLAN_FORMAT}"]
+    out: list[str] = []
+    for key in SETTINGS:
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if key == "lengths_sha256":
+            out.append("the length index (rerun preprocess)")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{k} {a.get(k)} → {b.get(k)}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+        else:
+            out.append(f"{key} {_short(a)} → {_short(b)}")
+    return out
+
+
+def _short(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, dict):
+        return "(" + ", ".join(f"{k} {v}" for k, v in value.items()) + ")"
+    return str(value)
 
 
 def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict,

@@ -33,7 +33,7 @@ class RecipeErrors:
         """`involved`: other keys a cross-field check read, so an override that set one is named."""
         where = ".".join(path) or "<top level>"
         found = [o for o in dict.fromkeys(self._origin(q) for q in (path, *involved)) if o]
-        origin = "".join(f"{o}: " for o in found)
+        origin = f"{_join_origins(found)}: " if found else ""
         self.items.append(f"{origin}{where}: {msg}")
 
     def _origin(self, path: KeyPath) -> str:
@@ -46,6 +46,16 @@ class RecipeErrors:
     def raise_if_any(self) -> None:
         if self.items:
             raise RecipeError(self.items)
+
+
+def _join_origins(found: Sequence[str]) -> str:
+    """["override 'a=1'", "override 'b=2'", "stage 'x'"] -> "overrides 'a=1', 'b=2', stage 'x'": one
+    prefix per message, however many overrides set the keys a check read."""
+    kinds: dict[str, list[str]] = {}
+    for origin in found:
+        kind, _, what = origin.partition(" ")
+        kinds.setdefault(kind, []).append(what)
+    return ", ".join(f"{kind}{'s' if len(whats) > 1 else ''} {', '.join(whats)}" for kind, whats in kinds.items())
 
 
 def suggest(word: str, options: Sequence[str]) -> str:

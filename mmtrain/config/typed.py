@@ -15,6 +15,7 @@ import typing
 from typing import Any, Literal, TypeVar
 
 from mmtrain.config.errors import KeyPath, RecipeError, RecipeErrors, show, suggest
+from mmdata.units import plural
 
 _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 _NONE = type(None)
@@ -84,7 +85,7 @@ def convert(value: Any, tp: Any, path: KeyPath, errors: RecipeErrors) -> Any:
         else:
             item_types = list(args)
             if len(value) != len(args):
-                errors.add(path, f"expected {type_name(tp)}, got {len(value)} items")
+                errors.add(path, f"expected {type_name(tp)}, got {plural(len(value), 'item')}")
                 return tuple(value)
         return tuple(convert(v, t, path[:-1] + (f"{path[-1]}[{i}]",), errors)
                      for i, (v, t) in enumerate(zip(value, item_types)))

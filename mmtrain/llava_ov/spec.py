@@ -90,7 +90,9 @@ def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
         decoder_part="llm",
         encoder=EncoderShape(v.num_layers, v.hidden_size, v.ffn_hidden_size, v.num_attention_heads,
                              v.image_size, v.patch_size, v.num_channels,
-                             frozen_params=2 * v.hidden_size),  # ln_post: the features skip it (vision.py)
+                             frozen_params=2 * v.hidden_size,  # ln_post: the features skip it (vision.py)
+                             frozen_what="the unused post-layernorm (the features are the last kept layer's, "
+                                         "un-normed); kept for HF round trips"),
         encoder_part="vision_tower",
         connectors=(
             # its first linear reads the tower's output: input gradients only when the tower trains

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from mmdata.units import plural
+
 
 class PipelineSplitError(ValueError):
     """A pipeline split megatron cannot build (the message names the recipe keys)."""
@@ -88,7 +90,7 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: Sequence[int
     if not layers:
         if num_layers % (pp * vpp):
             raise PipelineSplitError(
-                f"the decoder's {num_layers} layers do not split evenly into pp*vpp = {pp}*{vpp} = {pp * vpp} "
+                f"the decoder's {plural(num_layers, 'layer')} do not split evenly into pp*vpp = {pp}*{vpp} = {pp * vpp} "
                 "chunks; list the layers per stage in parallel.pp_layers (or change parallel.pp / parallel.vpp)")
         n = num_layers // (pp * vpp)
         return PipelineSplit(tuple((n,) * vpp for _ in range(pp)))
@@ -98,7 +100,7 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: Sequence[int
         raise PipelineSplitError(f"parallel.pp_layers={layers}: layer counts must be >= 0")
     if sum(layers) != num_layers:
         raise PipelineSplitError(f"parallel.pp_layers={layers} sums to {sum(layers)}, but the decoder has "
-                                 f"{num_layers} layers")
+                                 f"{plural(num_layers, 'layer')}")
     if len(layers) == pp * vpp and vpp > 1:  # per chunk, in megatron's chunk order
         return PipelineSplit(tuple(tuple(layers[v * pp + r] for v in range(vpp)) for r in range(pp)), explicit=True)
     if len(layers) != pp:

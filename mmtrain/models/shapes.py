@@ -53,6 +53,8 @@ class EncoderShape:
     channels: int
     #: parameters kept (loaded and exported) but never trained, e.g. a final norm the features skip
     frozen_params: int = 0
+    #: what those are, for the dry run's footnote under its parameter table
+    frozen_what: str = ""
 
     @property
     def patches(self) -> int:

@@ -83,6 +83,10 @@ def format_report(recipe: Recipe, r: DryRunReport, shapes: ModelShapes) -> str:
             lines.append(f"{name:<16}{fmt_count(n):>14}{fmt_count(t):>14}{fmt_count(n - t):>14}")
     lines.append(f"{'total':<16}{fmt_count(p.total):>14}{fmt_count(p.total_trainable):>14}"
                  f"{fmt_count(p.total - p.total_trainable):>14}")
+    enc = shapes.encoder
+    if enc is not None and enc.frozen_params and p.trainable.get(shapes.encoder_part):
+        lines.append(f"  ({shapes.encoder_part}'s {fmt_count(enc.frozen_params)} frozen: "
+                     f"{enc.frozen_what or 'kept but never trained'})")
     lines.append(f"  ({p.total:,} parameters; decoder embedding {fmt_count(p.decoder_embedding)}, "
                  f"decoder layers {fmt_count(p.decoder_layers)})")
     if p.vocab_padding:

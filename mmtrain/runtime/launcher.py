@@ -53,21 +53,6 @@ def launch(recipe: Recipe, spec: FamilySpec, locks: contextlib.ExitStack, verbos
     return spawn_workers(recipe, resolved)
 
 
-def launcher_world(environ: dict[str, str] | None = None) -> list[str]:
-    """Inside a launcher that is not ours (`torchrun --nproc_per_node 2 mmtrain ...`), its world
-    decides: the overrides `parallel.nproc_per_node` and `parallel.nnodes` from torchrun's
-    WORLD_SIZE and LOCAL_WORLD_SIZE (applied last, so the recipe need not repeat what the launcher
-    was told). Empty when this process was started by hand or by srun."""
-    env = os.environ if environ is None else environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return []
-    world = int(env["WORLD_SIZE"])
-    per_node = int(env.get("LOCAL_WORLD_SIZE", world))
-    if per_node <= 0 or world % per_node:
-        return []
-    return [f"parallel.nproc_per_node={per_node}", f"parallel.nnodes={world // per_node}"]
-
-
 def use_slurm_allocation(recipe: Recipe) -> None:
     """Inside `srun` (and not already a torchrun worker): take the rendezvous from the
     allocation (mmtrain/runtime/slurm.py), as worker env vars or as this node's launcher settings."""

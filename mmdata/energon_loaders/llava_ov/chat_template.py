@@ -32,6 +32,7 @@ from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, encode_with_offsets
 from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from mmdata.units import plural
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -152,6 +153,6 @@ class ChatTokenizer:
             raise ConversationError(
                 "media_mismatch",
                 f"placeholders ({image_i} <image>, {video_i} <video>) do not match media "
-                f"({len(image_token_counts)} images, {len(video_token_counts)} videos)",
+                f"({plural(len(image_token_counts), 'image')}, {plural(len(video_token_counts), 'video')})",
             )
         return ChatTokens(np.concatenate(ids_out), np.concatenate(labels_out), media_spans)
