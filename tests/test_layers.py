@@ -62,6 +62,11 @@ OPTIONAL_HEAVY: dict[str, str] = {
     "decord": "video decoding only for video samples; a native library with its own thread pool",
     "av": "video decoding/encoding only for video samples (PyAV, FFmpeg bindings)",
     "transformer_engine": "optional on GPU hosts, absent on CPU (mmtrain/models/te_support.py decides)",
+    "ray": "the Ray jobs' runtime, the optional extra `data` (pyproject.toml): imported where a job starts or uses "
+           "Ray, so the training side runs without it and no `--help` imports it",
+    "transformers": "imports torch (seconds): the length-scan Ray workers count with `tokenizers` alone and load an "
+                    "HF tokenizer (mmdata/local_tokenizer.py, chat_template.add_media_tokens) only when one is needed",
+    "IPython": "only inside a notebook (mmdata/inspect/notebook.py shows a sample there)",
 }
 
 

@@ -5,11 +5,12 @@ task-encoder package per family.
 Common modules (one job each):
   sample.py          energon sample type of our shards (ConversationSample) + sample_loader
                      (named by `.nv-meta/mmdata.yaml`; mmdata/energon_configs.py)
-  batch.py           PackedBatch (what the training runtime reads from any batch), IGNORE_INDEX
+  batch.py           PackedBatch (what the training runtime reads from any batch)
   packing.py         pack selection (energon hook) and packed-row attention metadata
   loader.py          build_loader(data, task_encoder, ...) -> SavableLoader, LoaderStats, blend YAML
   state_codec.py     loader state <-> JSON (no pickles in checkpoints)
-  sequence.py        one sample's token sequence (ids, unshifted targets, media spans), length policy
+  sequence.py        one sample's token sequence (ids, unshifted targets, media spans), IGNORE_INDEX,
+                     length policy
   task_encoding.py   PackingTaskEncoder (counted skips, packing + batch hooks), PackedBatch fields
   video.py           decord probing / uniform frame sampling
 
@@ -23,4 +24,7 @@ Per family:
 
 A new family adds one package here with its task encoder (a `PackingTaskEncoder`), its
 `PackedBatch` subclass and a `build_<family>_loader` that hands the encoder to `loader.build_loader`.
+
+Below this package (imported by it, never importing it): mmdata/packing/ (pack plans, vision-aware
+balancing, the packing report) and mmdata/media_layout/ (the anyres and media arithmetic).
 """

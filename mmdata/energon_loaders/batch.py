@@ -25,11 +25,11 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence, TypeVar
 
+from mmdata.energon_loaders.sequence import IGNORE_INDEX  # (defined with the light token sequence)
+
 if TYPE_CHECKING:  # torch is imported where tensors are made; this module stays import-light
     import torch  # lazy: mmtrain's CLI imports this module; no torch at start-up
 
-#: label value that takes no loss (transformers' and megatron's convention)
-IGNORE_INDEX = -100
 
 _B = TypeVar("_B", bound="PackedBatch")
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from megatron.energon.errors import FatalSampleError
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.sequence import IGNORE_INDEX
 
 #: samples the loader buffers per packing decision (energon's `packing_buffer_size`)
 DEFAULT_PACKING_BUFFER = 256

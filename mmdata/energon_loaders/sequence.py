@@ -9,7 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+#: label value that takes no loss (transformers' and megatron's convention)
+IGNORE_INDEX = -100
 
 
 class ConversationError(ValueError):

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.sequence import IGNORE_INDEX
 from mmdata.energon_loaders.packing import pack_rows
 from mmdata.energon_loaders.row_mix import pack_buffer
 from mmdata.local_tokenizer import load_local_tokenizer

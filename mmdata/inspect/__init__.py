@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mmdata.energon_loaders.balance import StepShape
+from mmdata.packing.balance import StepShape
 from mmdata.errors import UserError
 from mmdata.inspect import preview
 from mmdata.inspect.render import summary_tables

@@ -36,22 +36,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.serialize import IMAGE_PLACEHOLDER, Emu3Vocab, hf_text_encoder, image_ids
 from mmdata.energon_loaders.sequence import (
+    IGNORE_INDEX,
     ConversationError,
     TokenSequence,
     conversation_turns,
     encode_with_offsets,
     turn_role,
 )
+from mmdata.packing.emu3_geometry import DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING  # (the Emu3 reference's prompt)
 
-#: the Emu3 reference's system prompt
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 _PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER) + r"\n?")
 
-UNDERSTANDING = "understanding"
-GENERATION = "generation"
 TASKS = (UNDERSTANDING, GENERATION)
 
 

@@ -28,8 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
-from mmdata.energon_loaders.sequence import ConversationError, TokenSequence, conversation_turns, encode_with_offsets
+from mmdata.energon_loaders.sequence import IGNORE_INDEX, ConversationError, TokenSequence, conversation_turns, encode_with_offsets
 from mmdata.energon_loaders.sequence import apply_length_policy as apply_length_policy  # re-export
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 

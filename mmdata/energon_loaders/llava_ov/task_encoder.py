@@ -23,7 +23,7 @@ import torch
 from megatron.energon import Sample, edataclass, stateless
 from PIL import Image
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
+from mmdata.energon_loaders.sequence import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmdata.energon_loaders.llava_ov.chat_template import (
@@ -36,7 +36,8 @@ from mmdata.energon_loaders.llava_ov.chat_template import (
 from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
+from mmdata.energon_loaders.video import decode_frames, probe_video
 from mmdata.private_api import new_shared_storage
 
 
