@@ -75,7 +75,7 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.energon_loaders.llava_ov import anyres
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-    from mmdata.dev.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq_model import build_tiny_vq
     from mmtrain.cli import main as mmtrain
 
     torch.manual_seed(0)

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         vq = args.vision_tokenizer
         if vq is None:
-            from mmdata.dev.tiny_vq import build_tiny_vq
+            from mmdata.dev.tiny_vq_model import build_tiny_vq
 
             vq = build_tiny_vq(root / "vq", seed=args.seed)
         shards = make_input(root, args.num_samples, args.seed)

@@ -59,7 +59,7 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
     tokenize-images) and the tiny Emu3 tokenizer. `preprocess_job=False` (`--quick`): the
     generator's records written straight as shards (bench_loader.make_shards, no Ray job for them)."""
     from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
-    from mmdata.dev.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq_model import build_tiny_vq
 
     raw, shards, tokens = work / "raw", work / "shards", work / "tokens"
     env = ray_job_env()

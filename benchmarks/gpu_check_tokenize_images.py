@@ -64,7 +64,7 @@ def main() -> int:
         root = Path(tmp)
         vq = args.vision_tokenizer
         if vq is None:
-            from mmdata.dev.tiny_vq import build_tiny_vq
+            from mmdata.dev.tiny_vq_model import build_tiny_vq
 
             vq = build_tiny_vq(root / "vq")
         shards = make_input(root, args.num_samples, seed=0)

@@ -33,8 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.dev.synth", "write a small synthetic dataset in a real on-disk layout"),
     "preprocess": ("mmdata.preprocess.cli", "Ray job: validate, globally shuffle and write energon-ready shards"),
     "pack-plan": ("mmdata.packing.cli", "a deterministic global packing plan from a shards directory's length index"),
-    "inspect": ("mmdata.inspect", "summarise a shards directory (manifest + a bounded sample)"),
-    "preview": ("mmdata.inspect.preview", "show one sample as the model sees it: images, tiles, chat, tokens, loss"),
+    "inspect": ("mmdata.commands.inspect", "summarise a shards directory (manifest + a bounded sample)"),
+    "preview": ("mmdata.commands.preview", "show one sample as the model sees it: images, tiles, chat, tokens, loss"),
     "tiny-tokenizer": (
         "mmdata.dev.tiny_tokenizer",
         "train the tiny offline Qwen2-style (or --family emu3) tokenizer used by the demo and the tests",

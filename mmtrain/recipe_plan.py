@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
 from mmdata.packing.geometry import PlanGeometry
 from mmdata.shard_job.lengths import tokenizer_fingerprint
 

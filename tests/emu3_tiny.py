@@ -117,7 +117,7 @@ def emu3_tok_dir(tmp_path_factory) -> Path:
 
 @session_fixture
 def tiny_vq_dir(tmp_path_factory) -> Path:
-    from mmdata.dev.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq_model import build_tiny_vq
 
     return build_tiny_vq(tmp_path_factory.mktemp("tiny_vq") / "vq", seed=0)
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.energon_loaders.emu3.plan_lengths import GENERATE, GENERATE_UNCOND, UNDERSTAND, UNENCODABLE
+from mmdata.packing.emu3_geometry import GENERATE, GENERATE_UNCOND, UNDERSTAND, UNENCODABLE
 from mmdata.packing.plan_file import plan_path, read_plan_info
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "emu3-tiny.yaml"

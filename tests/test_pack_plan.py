@@ -250,7 +250,7 @@ def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
     from megatron.energon import WorkerConfig
 
     from mmdata.cli import main
-    from mmdata.energon_loaders.balance import StepShape, assign_block
+    from mmdata.packing.balance import StepShape, assign_block
     from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
     from mmdata.energon_loaders.plan_packing import PlanError, PlanPackedDataset, load_plan, plan_for_data
 

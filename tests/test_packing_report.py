@@ -1,4 +1,4 @@
-"""The packing report (mmdata/energon_loaders/packing_report.py): bin fill and executed-token
+"""The packing report (mmdata/packing/report.py): bin fill and executed-token
 efficiency on hand-computed rows, and tokens computed counted exactly as the runtime's CP layout
 pads a packed micro-batch (mmtrain/models/context_parallel.py)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmdata.energon_loaders.packing import pack_rows
-from mmdata.energon_loaders.packing_report import (
+from mmdata.packing.report import (
     PackingReport,
     padding_multiple,
     report_from_bins,

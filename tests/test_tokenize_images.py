@@ -41,7 +41,7 @@ def _samples(tar_path: Path) -> list[tuple[str, dict[str, bytes]]]:
 def test_tiny_vq_is_deterministic_and_loads_in_transformers(tmp_path, tiny_vq_dir):
     from transformers import Emu3VQVAE
 
-    from mmdata.dev.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq_model import build_tiny_vq
 
     again = build_tiny_vq(tmp_path / "again", seed=0)
     other = build_tiny_vq(tmp_path / "other", seed=1)

@@ -53,7 +53,7 @@ def test_exported_shards_and_index_are_0644(umask_022, tmp_path, max_shard_bytes
 
 @pytest.mark.unit
 def test_tiny_vq_weights_are_0644(umask_022, tmp_path):
-    from mmdata.dev.tiny_vq import build_tiny_vq
+    from mmdata.dev.tiny_vq_model import build_tiny_vq
 
     out = build_tiny_vq(tmp_path / "vq", codebook_size=8)
     files = sorted(out.iterdir())

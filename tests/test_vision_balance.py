@@ -1,4 +1,4 @@
-"""Vision-aware balancing (mmdata/energon_loaders/balance.py): the placement of a step's rows over
+"""Vision-aware balancing (mmdata/packing/balance.py): the placement of a step's rows over
 DP ranks and micro-batches, the tiered order of balanced plans, the figure they are judged by, the
 cost of a tile, and the per-sample vision tiles of the length index."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmdata.energon_loaders.balance import (
+from mmdata.packing.balance import (
     DEFAULT_TILE_TOKENS,
     StepShape,
     assign_block,
@@ -178,11 +178,11 @@ def test_a_tile_costs_what_the_cost_model_says():
 
 
 def test_media_tiles_are_what_the_tower_encodes():
-    """lengths.media_tiles from header sizes = the tiles the LLaVA-OV loader cuts."""
+    """media_layout.media.media_tiles from header sizes = the tiles the LLaVA-OV loader cuts."""
     from PIL import Image
 
     from mmdata.energon_loaders.llava_ov import anyres
-    from mmdata.preprocess.lengths import media_tiles
+    from mmdata.media_layout.media import media_tiles
 
     for h, w in ((47, 95), (120, 61), (30, 30), (900, 200)):
         record = {"meta": {"image_sizes": [[w, h, "jpg"]]}}
@@ -201,7 +201,7 @@ def test_train_data_balances_replicated_steps(tmp_path):
     each, and their costs (tokens + the tiny tower's tile cost x tiles) are more even than drawn."""
     import torch
 
-    from mmdata.energon_loaders.balance import vision_balance
+    from mmdata.packing.balance import vision_balance
     from mmdata.dev.shards import write_dev_shards
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
@@ -255,7 +255,7 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
 
     import torch
 
-    from mmdata.energon_loaders.balance import vision_balance
+    from mmdata.packing.balance import vision_balance
     from mmdata.dev.shards import write_dev_shards
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe

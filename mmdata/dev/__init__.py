@@ -8,5 +8,5 @@ its own dependencies (scikit-image for the photos) come with the `dev` extra.
   bpe.py                  the byte-level BPE both tiny tokenizers are trained with
   tiny_tokenizer.py       `mmdata tiny-tokenizer`: the tiny offline Qwen2-style tokenizer
   tiny_emu3_tokenizer.py  `mmdata tiny-tokenizer --family emu3`: the same with Emu3's vocabulary layout
-  tiny_vq.py              `mmdata tiny-vq`: a tiny random Emu3 VQ model
+  tiny_vq.py              `mmdata tiny-vq`: a tiny random Emu3 VQ model (built by tiny_vq_model.py)
 """

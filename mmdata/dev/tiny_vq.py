@@ -6,12 +6,12 @@ width, random weights from a seed. Written as `Emu3VQVAE.save_pretrained` does (
 model.safetensors) plus the `Emu3ImageProcessor` settings of the real one (mean/std 0.5,
 spatial factor 8, 512²..1024² pixels), so `mmdata tokenize-images --vision-tokenizer DIR` treats
 it exactly like real weights. Deterministic: the same seed and sizes give the same files.
+The builder is tiny_vq_model.py (torch, transformers); this module is the subcommand, light for `--help`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from mmdata.errors import UserError
@@ -25,31 +25,6 @@ EMU3_PROCESSOR = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], min
                       max_pixels=1024 * 1024, spatial_factor=8)
 
 
-def build_tiny_vq(out_dir: str | Path, seed: int = 0, codebook_size: int = DEFAULT_CODEBOOK_SIZE) -> Path:
-    """Save a random tiny Emu3VQVAE and its image processor config to `out_dir`."""
-    import torch  # (torch and transformers: only when building; `mmdata --help` lists this command)
-    from transformers import Emu3ImageProcessor, Emu3VQVAE, Emu3VQVAEConfig
-
-    if codebook_size < 1:
-        raise ValueError(f"codebook size must be positive, got {codebook_size}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = Emu3VQVAE(Emu3VQVAEConfig(codebook_size=codebook_size, **TINY_VQ_CONFIG)).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    Emu3ImageProcessor(**EMU3_PROCESSOR).save_pretrained(out)
-    _honour_umask(out)
-    return out
-
-
-def _honour_umask(out: Path) -> None:
-    """safetensors writes its files 0600; give them the mode `open()` would (0o666 & ~umask)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in out.glob("*.safetensors"):
-        os.chmod(f, 0o666 & ~mask)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory to write the VQ model into")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -58,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.dev.tiny_vq_model import build_tiny_vq  # CLI dispatch: the builder imports torch and transformers
+
     if args.codebook_size < 1:
         raise UserError(f"--codebook-size must be positive, got {args.codebook_size}")
     out = build_tiny_vq(args.output, seed=args.seed, codebook_size=args.codebook_size)

@@ -10,7 +10,8 @@ Common modules (one job each):
   packing.py         pack selection (energon hook) and packed-row attention metadata
   loader.py          build_loader(data, task_encoder, ...) -> SavableLoader, LoaderStats, blend YAML
   state_codec.py     loader state <-> JSON (no pickles in checkpoints)
-  sequence.py        one sample's token sequence (ids, unshifted targets, media spans), length policy
+  sequence.py        one sample's token sequence (ids, unshifted targets, media spans), IGNORE_INDEX,
+                     length policy
   task_encoding.py   PackingTaskEncoder (counted skips, packing + batch hooks), PackedBatch fields
   video.py           decord probing / uniform frame sampling
 
@@ -24,4 +25,7 @@ Per family:
 
 A new family adds one package here with its task encoder (a `PackingTaskEncoder`), its
 `PackedBatch` subclass and a `build_<family>_loader` that hands the encoder to `loader.build_loader`.
+
+Below this package (imported by it, never importing it): mmdata/packing/ (pack plans, vision-aware
+balancing, the packing report) and mmdata/media_layout/ (the anyres and media arithmetic).
 """

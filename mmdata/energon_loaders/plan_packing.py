@@ -50,9 +50,9 @@ from megatron.energon import SavableDataset, SkipSample, TaskEncoder, WorkerConf
 from megatron.energon.dataset_config import get_dataset_from_config
 
 from mmdata.energon_configs import dataset_config
-from mmdata.energon_loaders.balance import StepShape, assign_block, row_costs, shuffle_tiers
-from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
+from mmdata.packing.balance import StepShape, assign_block, row_costs, shuffle_tiers
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry
 from mmdata.packing.geometry import PlanGeometry, plan_geometry
 from mmdata.packing.plan_file import PlanError, plan_path, read_plan_info
 from mmdata.readiness import data_source_samples

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_MAX_FRAMES = 32  # LLaVA-OV frames_upbound
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
 
 
 @dataclass

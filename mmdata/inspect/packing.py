@@ -9,7 +9,7 @@ includes the partly filled last sequence of every buffer, as training sees it.
 Samples longer than the context are counted as `over_length` and clipped to it (the loader
 truncates their text, or drops them when an image would be cut).
 
-Each estimate carries the packing report (`mmdata.energon_loaders.packing_report`): bin fill and
+Each estimate carries the packing report (`mmdata.packing.report`): bin fill and
 executed-token efficiency, CP padding counted for the `cp`/`tp` asked for (`--cp`/`--tp`).
 
 The length index counts image tokens with LLaVA-OV's own geometry (384-px tiles). A plan file
@@ -21,7 +21,7 @@ with its own geometry.
 `length_index_balance` simulates `--dp` data-parallel ranks training on the length index's
 samples (online: each rank packing its own part of the stream; the plan: the global order) and
 reports the vision balance per step, as the ranks draw their rows today and balanced
-(`mmdata.energon_loaders.balance`).
+(`mmdata.packing.balance`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
-from mmdata.energon_loaders.balance import StepShape, auto_window, simulate
+from mmdata.packing.balance import StepShape, auto_window, simulate
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, packing_efficiency
-from mmdata.energon_loaders.packing_report import PackingReport, report_from_bins, report_from_rows
+from mmdata.packing.report import PackingReport, report_from_bins, report_from_rows
 from mmdata.energon_loaders.row_mix import pack_buffer
 from mmdata.packing.algorithm import plan_packing
 from mmdata.packing.inputs import require_vision_tiles
@@ -184,7 +184,7 @@ def length_index_balance(root: Path, context_lengths: Sequence[int], shape: Step
                          tile_tokens: float, plans: dict | None = None) -> dict | None:
     """`vision_balance` (max / mean vision work per DP rank per step, mean over steps and the
     worst step) of the online packer and of the offline plan at `shape`, today and balanced
-    (energon_loaders/balance.py; online also over windows of `auto_window` steps, `windowed`), on
+    (packing/balance.py; online also over windows of `auto_window` steps, `windowed`), on
     the length index's first LENGTH_INDEX_SAMPLE samples (the plans `length_index_packing` made of
     them, when given). None without a length index."""
     path = Path(root) / LENGTHS_NAME

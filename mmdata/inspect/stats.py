@@ -17,10 +17,11 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from mmdata.energon_loaders.balance import DEFAULT_TILE_TOKENS, StepShape
+from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer, ConversationError, with_video_placeholder
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, probe_video
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
+from mmdata.energon_loaders.video import probe_video
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.inspect.packing import (PackingEstimate, estimate_packing, length_index_balance, length_index_packing,

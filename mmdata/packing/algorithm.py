@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmdata.energon_loaders.balance import BalanceReport, StepShape, plan_balance, row_costs, tiered_order
-from mmdata.energon_loaders.packing_report import PackingReport, report_from_bins
+from mmdata.packing.balance import BalanceReport, StepShape, plan_balance, row_costs, tiered_order
+from mmdata.packing.report import PackingReport, report_from_bins
 from mmdata.packing.knapsack import largest_first_knapsack
 
 WINDOW = 256  # the loader's packing buffer (energon_loaders.packing.DEFAULT_PACKING_BUFFER)
@@ -74,7 +74,7 @@ class PackPlan:
 
     def report(self, cp: int = 1, tp: int = 1) -> PackingReport:
         """Bin fill and executed-token efficiency of the plan's sequences as rows trained at
-        context parallelism `cp` and tensor parallelism `tp` (energon_loaders/packing_report.py)."""
+        context parallelism `cp` and tensor parallelism `tp` (packing/report.py)."""
         if not self.bins:
             return report_from_bins(np.zeros(0, np.int64), np.zeros(0, np.int64), self.seq_length, cp=cp, tp=tp)
         pos = np.concatenate(self.bins)

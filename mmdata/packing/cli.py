@@ -11,7 +11,7 @@ plans with a recipe's settings, geometry, sequence length and step shape, throug
 The output line and the metadata (`lengths_estimated`) say whether the text lengths are exact
 (`mmdata preprocess --tokenizer`) or estimates, which training refuses unless the recipe opts in.
 The metadata's `packing_report` (also printed) holds the plan's bin fill and executed-token
-efficiency at `--cp`/`--tp`, CP padding counted as the runtime pads (energon_loaders/packing_report.py).
+efficiency at `--cp`/`--tp`, CP padding counted as the runtime pads (packing/report.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mmdata.energon_loaders.balance import DEFAULT_TILE_TOKENS, StepShape
-from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.errors import UserError
 from mmdata.packing.algorithm import plan_packing
+from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape
 from mmdata.packing.emu3 import token_plan_inputs
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry, index_meta
 from mmdata.packing.geometry import DEFAULT_GEOMETRY, GEOMETRY_FIELDS, PlanGeometry
 from mmdata.packing.inputs import image_plan_inputs, read_lengths
 from mmdata.packing.plan_file import plan_path, replaced_settings, write_plan
@@ -38,7 +38,6 @@ from mmdata.shard_job.progress import JobProgress
 from mmdata.shard_job.shard_writer import sha256_file
 from mmdata.readiness import unfinished_job
 from mmdata.shard_format import MANIFEST_NAME
-from mmdata.vision_tokens.lengths import index_meta
 from mmdata.units import plural
 
 RECIPE_COMMAND = "mmtrain pack-plan RECIPE.yaml [DIR] [--set KEY=VALUE ...]"

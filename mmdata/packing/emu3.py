@@ -2,7 +2,7 @@
 holds each sample's length per Emu3 task): each sample's task and caption drop are drawn here and
 written to the plan (`variant`, with the samples' `key`s), the loader encodes each sample as its
 variant says, and the geometry records the tokenizer, prompts, task weights and CFG rate
-(energon_loaders/emu3/plan_lengths.py)."""
+(emu3_geometry.py; counted by energon_loaders/emu3/plan_lengths.py)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,20 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from mmdata.energon_loaders.emu3 import plan_lengths as e3
 from mmdata.errors import UserError
+from mmdata.packing import emu3_geometry as e3
 from mmdata.packing.geometry import PlanGeometry
 from mmdata.packing.inputs import PlanInputs
 from mmdata.shard_job.lengths import LENGTHS_NAME
-from mmdata.vision_tokens.lengths import index_meta
 
 
 def token_plan_inputs(root: Path, table: pa.Table, geometry: PlanGeometry | e3.Emu3PlanGeometry | None,
                       tokenizer: str | Path | None, seed: int) -> PlanInputs:
-    """Emu3 token shards: each sample's variant drawn and its length for it (plan_lengths.py);
+    """Emu3 token shards: each sample's variant drawn and its length for it (emu3_geometry.py);
     samples the encoder would skip in their variant are left out (`skipped`). No vision tower
     encodes their images (they are tokens already): no tiles. `tokenizer` (the recipe's) counts
     the unconditional prompt; None: the geometry has none to count (no recipe, default settings)."""
-    have = index_meta(table)
+    have = e3.index_meta(table)
     if have.get("kind") != e3.KIND:
         raise UserError(f"{root}/{LENGTHS_NAME}: a length index of unknown kind {have.get('kind')!r}")
     if geometry is None:  # no recipe: the default task settings, with the index's tokenizer and prompt

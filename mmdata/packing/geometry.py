@@ -3,7 +3,7 @@ the plan (`geometry`) so that training refuses a plan counted for another model.
 
 The length index counts image tokens with LLaVA-OV's own geometry (729 tokens per 384-px tile);
 a plan for another vision tower recounts them with its `PlanGeometry` (inputs.py). Emu3 token
-shards record `Emu3PlanGeometry` instead (energon_loaders/emu3/plan_lengths.py: tokenizer,
+shards record `Emu3PlanGeometry` instead (emu3_geometry.py: tokenizer,
 prompts, task weights and CFG rate).
 """
 
@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from mmdata.energon_loaders.emu3.plan_lengths import KIND as EMU3_KIND
-from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
-from mmdata.energon_loaders.llava_ov import anyres_math as anyres
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
-from mmdata.preprocess.lengths import media_tiles
+from mmdata.media_layout import anyres_math as anyres
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES, media_tiles
+from mmdata.packing.emu3_geometry import KIND as EMU3_KIND
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry
 
 GEOMETRY_FIELDS = ("image_size", "patch_size", "max_tiles", "grid_max", "video_frames")
 
@@ -52,7 +51,7 @@ class PlanGeometry:
 
     def media_tokens(self, record: dict) -> int:
         """LLM positions of a record's media, as the LLaVA-OV loader lays them out with this
-        geometry (lengths.media_tokens at the default one), from the validator's header sizes."""
+        geometry (media_layout.media.media_tokens at the default one), from the validator's header sizes."""
         meta = record.get("meta") or {}
         sizes = meta.get("image_sizes") or []
         total = sum(anyres.image_layout(h, w, len(sizes) == 1, image_size=self.image_size, patch_size=self.patch_size,
@@ -63,7 +62,7 @@ class PlanGeometry:
         return total
 
     def media_tiles(self, record: dict) -> int:
-        """Tiles and frames the vision tower encodes for a record with this geometry (lengths.media_tiles)."""
+        """Tiles and frames the vision tower encodes for a record with this geometry (media_layout.media.media_tiles)."""
         return media_tiles(record, image_size=self.image_size, grid_max=self.grid_max, video_frames=self.video_frames)
 
 

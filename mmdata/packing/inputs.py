@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmdata import shard_format as sf
-from mmdata.energon_loaders.emu3.plan_lengths import Emu3PlanGeometry
 from mmdata.errors import UserError
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry
 from mmdata.packing.geometry import DEFAULT_GEOMETRY, PlanGeometry
 from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
 from mmdata.units import plural

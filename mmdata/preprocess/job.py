@@ -48,7 +48,8 @@ from mmdata.preprocess.curation.filters import FilterError, FilterRule, parse_fi
 from mmdata.preprocess.curation.mix import MixError, MixSpec, factors, group_targets, parse_mix
 from mmdata.preprocess.curation.terms import unmatched
 from mmdata.shard_job.energon_meta import EnergonIndexWriter, ShardLayout
-from mmdata.preprocess.lengths import write_counting_tokenizer, write_length_index
+from mmdata.preprocess.length_index import write_length_index
+from mmdata.preprocess.lengths import write_counting_tokenizer
 from mmdata.shard_job.lengths import LENGTHS_NAME, tokenizer_fingerprint
 from mmdata.preprocess.loss_check import DEFAULT_MAX_FRACTION, LossCheck
 from mmdata.shard_job.manifest import Counts, fingerprint

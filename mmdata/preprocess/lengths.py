@@ -1,8 +1,8 @@
 """The per-sample length index: how many LLM positions each written sample takes, so packing can
 be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
 
-- image tokens: the LLaVA-OneVision loader's own arithmetic (`energon_loaders.llava_ov.anyres_math`,
-  torch-free, so the scan tasks never import torch) on the image sizes the validator read
+- image tokens: the LLaVA-OneVision loader's own arithmetic (`mmdata.media_layout`: anyres_math.py,
+  media.py; torch-free, so the scan tasks never import torch) on the image sizes the validator read
   from the headers: a single image is anyres (base tile + grid, anyres_max_9), each image of a
   multi-image sample one base tile, a video its sampled frames (at most 32) pooled to 14 x 14
   plus one newline;
@@ -11,12 +11,12 @@ be planned offline (`mmdata pack-plan`) instead of guessed by an online buffer.
   counted); without one, an estimate (`estimate_text_tokens`);
 - vision tiles: what the vision tower encodes for the sample (1 + grid tiles of an anyres image,
   one tile per image of a multi-image sample, one per sampled video frame): its share of the
-  vision work, which vision-aware balancing spreads (energon_loaders/balance.py).
+  vision work, which vision-aware balancing spreads (packing/balance.py).
 
 `DIR/lengths.parquet` has one row per written sample in output order: `index` (the global
 sample index; the shard key is `f"{index:010d}"`), `shard` (its shard's number), `text_tokens`,
 `image_tokens`, `total_tokens`, `vision_tiles` (int32). Its metadata names how text was counted
-(`mmdata.text_tokens`: `tokenizer` or `estimate`).
+(`mmdata.text_tokens`: `tokenizer` or `estimate`). The driver writes it (length_index.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from mmdata.energon_loaders.llava_ov import anyres_math as anyres
 from mmdata.energon_loaders.llava_ov.chat_template import (IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN, ChatTokenizer,
                                                            ConversationError)
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
 from mmdata.local_tokenizer import load_local_tokenizer
-from mmdata.shard_job.lengths import LENGTHS_NAME, VISION_TILES
-from mmdata.shard_job.shard_writer import sha256_file
+from mmdata.media_layout.media import media_tiles, media_tokens
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
 CJK_CHARS_PER_TOKEN = 1.5
@@ -62,33 +59,6 @@ def estimate_text_tokens(conversations: list[dict]) -> int:
         cjk = 0 if text.isascii() else len(_CJK.findall(text))
         total += TURN_OVERHEAD + math.ceil(cjk / CJK_CHARS_PER_TOKEN + (len(text) - cjk) / OTHER_CHARS_PER_TOKEN)
     return total
-
-
-def media_tokens(record: dict) -> tuple[list[int], list[int]]:
-    """(tokens per image, tokens per video) as the LLaVA-OV loader lays the media out."""
-    meta = record.get("meta") or {}
-    sizes = meta.get("image_sizes") or []
-    images = [anyres.image_layout(h, w, len(sizes) == 1)[1] for w, h, _ in sizes]
-    video = meta.get("video_size_frames")
-    videos = [anyres.num_video_tokens(min(int(video[2]), DEFAULT_MAX_FRAMES))] if video else []
-    return images, videos
-
-
-def media_tiles(record: dict, *, image_size: int = anyres.DEFAULT_IMAGE_SIZE, grid_max: int = anyres.DEFAULT_GRID_MAX,
-                video_frames: int = DEFAULT_MAX_FRAMES) -> int:
-    """Tiles and frames the vision tower encodes for a record, as the LLaVA-OV loader lays its
-    media out (from the validator's header sizes): a single image is its base tile plus its
-    anyres grid, each image of several one tile, a video its sampled frames. (`max_tiles` only
-    shrinks the features the grid becomes, not the tiles encoded.)"""
-    meta = record.get("meta") or {}
-    sizes = meta.get("image_sizes") or []
-    if len(sizes) == 1:
-        rows, cols = anyres.anyres_grid_shape(sizes[0][1], sizes[0][0], image_size, grid_max)
-        tiles = 1 + rows * cols
-    else:
-        tiles = len(sizes)
-    video = meta.get("video_size_frames")
-    return tiles + (min(int(video[2]), video_frames) if video else 0)
 
 
 COUNTING_TOKENIZER_NAME = "counting-tokenizer.json"
@@ -160,32 +130,3 @@ class LengthCounter:
 
 LENGTHS_DTYPE = np.dtype("<i4")  # per shard work file: rows of (text_tokens, image_tokens, vision_tiles)
 LENGTHS_COLUMNS = 3
-
-
-def _arrow_column(pa, values: np.ndarray, type_):
-    """A numpy integer column as an Arrow array without `pa.array`, which imports pandas (0.25 s
-    of the job's finish) to check whether it was handed a pandas object."""
-    data = np.ascontiguousarray(values, dtype=type_.to_pandas_dtype())
-    return pa.Array.from_buffers(type_, len(data), [None, pa.py_buffer(data)])
-
-
-def write_length_index(out: Path, parts: list[tuple[int, Path]], text_tokens: str) -> str:
-    """`lengths.parquet` from the shards' parts [(first global index, part file)], one row
-    group per shard, streamed (memory: one shard). Returns its sha256."""
-    import pyarrow as pa  # (the scan tasks import this module; only the driver's finish writes parquet)
-    import pyarrow.parquet as pq
-
-    schema = pa.schema([("index", pa.int64()), ("shard", pa.int32()), ("text_tokens", pa.int32()),
-                        ("image_tokens", pa.int32()), ("total_tokens", pa.int32()), (VISION_TILES, pa.int32())],
-                       metadata={"mmdata.text_tokens": text_tokens})
-    tmp = out / f".{LENGTHS_NAME}.tmp"
-    with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-        for shard, (first, part) in enumerate(parts):
-            a = np.fromfile(part, dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS)
-            n = len(a)
-            columns = [np.arange(first, first + n, dtype=np.int64), np.full(n, shard, dtype=np.int32),
-                       a[:, 0], a[:, 1], a[:, 0] + a[:, 1], a[:, 2]]
-            writer.write_table(pa.Table.from_arrays(
-                [_arrow_column(pa, c, f.type) for c, f in zip(columns, schema)], schema=schema))
-    tmp.replace(out / LENGTHS_NAME)
-    return sha256_file(out / LENGTHS_NAME)

@@ -6,5 +6,6 @@ Modules (one job each; the token shard contract is mmdata/energon_loaders/emu3/t
   job.py           the job's stages for the stage runner (mmdata/stage_runner.py): plan chunks,
                    energon index, manifest, quarantine
   lengths.py       the length index of token shards (--tokenizer), for Emu3 packing plans
+  defaults.py      the job's defaults, which `--help` shows without importing the job
   cli.py           `mmdata tokenize-images`
 """

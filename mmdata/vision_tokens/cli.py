@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from mmdata.cli import main as mmdata_main
-from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT
 from mmdata.errors import UserError
+from mmdata.packing.emu3_geometry import DEFAULT_SYSTEM_PROMPT
 from mmdata.units import plural
-from mmdata.vision_tokens.job import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA, TokenizeConfig, run_tokenize
+from mmdata.vision_tokens.defaults import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize  # CLI dispatch: the job (torch, ray)
+
     if args.image_area < 0:
         raise UserError(f"--image-area must be positive (or 0 for the VQ dir's own bounds), got {args.image_area}")
     if args.gpus_per_worker <= 0:

@@ -37,10 +37,10 @@ import mmdata
 from mmdata import shard_format as sf
 from mmdata.actor_pool import run_on_actors
 from mmdata.energon_loaders.emu3 import token_format
-from mmdata.energon_loaders.emu3.plan_lengths import KIND as LENGTH_INDEX_KIND
 from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT, Emu3Tasks
 from mmdata.errors import UserError
 from mmdata.local_tokenizer import load_local_tokenizer
+from mmdata.packing.emu3_geometry import KIND as LENGTH_INDEX_KIND
 from mmdata.ray_job import shard_outputs
 from mmdata.readiness import unfinished_job
 from mmdata.shard_job.energon_meta import ShardLayout, write_energon_index
@@ -50,14 +50,13 @@ from mmdata.shard_job.quarantine import concat_parts
 from mmdata.shard_job.shard_writer import shard_work_file
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, run_job
 from mmdata.units import plural
+from mmdata.vision_tokens.defaults import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA
 from mmdata.vision_tokens.lengths import write_token_length_index
 from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
                                          finished_chunk, write_token_shard)
 from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
                                      read_vq_checkpoint, spatial_factor)
 
-DEFAULT_IMAGE_AREA = 512 * 512  # Emu3-Chat's image_area
-DEFAULT_CHUNK_SAMPLES = 64
 TOKEN_STATS = ("images", "visual_tokens", "text_only")
 QUEUED_CHUNKS_PER_WORKER = 2  # one running, the next already shipped: a worker never waits on the driver
 WORKER_MAX_RESTARTS = 2  # Ray restarts a dead worker this often; its chunks are sent again

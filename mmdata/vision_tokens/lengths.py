@@ -16,12 +16,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from mmdata.energon_loaders.emu3.plan_lengths import KIND, LENGTH_COLUMNS
+from mmdata.packing.emu3_geometry import INDEX_META, KIND, LENGTH_COLUMNS
 from mmdata.shard_job.lengths import LENGTHS_NAME
 from mmdata.shard_job.shard_writer import sha256_file
-
-INDEX_META = b"mmdata.length_index"
 
 
 def shard_part(keys: list[str], lengths: list[list[int]]) -> bytes:
@@ -31,9 +31,6 @@ def shard_part(keys: list[str], lengths: list[list[int]]) -> bytes:
 
 def write_token_length_index(out: Path, parts: list[Path], tokenizer_sha256: str, system_prompt: str) -> str:
     """`lengths.parquet` from the written shards' parts, in shard order; returns its sha256."""
-    import pyarrow as pa  # (the tokenize tasks import this module; only the driver's finish writes parquet)
-    import pyarrow.parquet as pq
-
     meta = {"kind": KIND, "tokenizer_sha256": tokenizer_sha256, "system_prompt": system_prompt}
     schema = pa.schema([("index", pa.int64()), ("key", pa.string()), ("shard", pa.int32())]
                        + [(c, pa.int32()) for c in LENGTH_COLUMNS], metadata={INDEX_META: json.dumps(meta)})
@@ -52,8 +49,3 @@ def write_token_length_index(out: Path, parts: list[Path], tokenizer_sha256: str
     tmp.replace(out / LENGTHS_NAME)
     return sha256_file(out / LENGTHS_NAME)
 
-
-def index_meta(table) -> dict:
-    """The `mmdata.length_index` metadata of a length index ({} for `mmdata preprocess`'s)."""
-    raw = (table.schema.metadata or {}).get(INDEX_META)
-    return json.loads(raw) if raw else {}

@@ -27,9 +27,10 @@ from PIL import Image
 
 from mmdata import shard_format as sf
 from mmdata.energon_loaders.emu3 import token_format
-from mmdata.energon_loaders.emu3.plan_lengths import UNENCODABLE, sample_lengths
+from mmdata.energon_loaders.emu3.plan_lengths import sample_lengths
 from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT, Emu3Tasks
 from mmdata.local_tokenizer import load_local_tokenizer
+from mmdata.packing.emu3_geometry import UNENCODABLE
 from mmdata.shard_job.energon_meta import write_tar_index
 from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line

@@ -12,8 +12,8 @@ time and runs the whole 2-D encoder on every copy before the temporal layers, i.
 work for identical frames. The copies are made after the 2-D part instead; the token ids are
 identical (tests/test_tokenize_images.py compares them with `encode`).
 
-torch, transformers and safetensors are imported in the functions that use them: `mmdata --help`
-imports this module (through `mmdata tokenize-images`) and must not load torch.
+This module imports torch and transformers: the tokenize job and its workers use them, and
+`mmdata tokenize-images --help` does not import the job (its `run` does).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import Emu3ImageProcessor, Emu3VQVAE, Emu3VQVAEConfig
 
 # The architecture fields of Emu3VQVAEConfig: what the fingerprint and the rebuilt model use.
 VQ_CONFIG_KEYS = ("codebook_size", "embed_dim", "latent_channels", "double_latent", "in_channels", "out_channels",
@@ -51,8 +54,6 @@ class VQCheckpoint:
     def fingerprint(self) -> str:
         """sha256 of the architecture config and every tensor (name, dtype, shape, bytes):
         the same weights give the same fingerprint whichever layout they were read from."""
-        import torch
-
         h = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode())
         for name in sorted(self.state_dict):
             t = self.state_dict[name].detach().contiguous().cpu()
@@ -98,9 +99,6 @@ def check_vq_dir(path: str | Path) -> tuple[str, dict]:
 
 def read_vq_checkpoint(path: str | Path) -> VQCheckpoint:
     """Read the VQ config and tensors of a VQ-only dir or a whole Emu3 checkpoint."""
-    from safetensors import safe_open
-    from transformers import Emu3VQVAEConfig
-
     p = Path(path)
     layout, vq_raw = check_vq_dir(p)
     prefixes = ("",) if layout == "emu3_vqgan" else FULL_MODEL_VQ_PREFIXES
@@ -124,8 +122,6 @@ def load_image_processor(path: str | Path, image_area: int | None):
     """The VQ dir's Emu3ImageProcessor; `image_area` (pixels) sets its min and max pixels, so
     every image is resized to about that area (Emu3's area target) in multiples of the
     spatial factor. None keeps the directory's own bounds."""
-    from transformers import Emu3ImageProcessor
-
     f = Path(path) / PROCESSOR_FILE
     if not f.is_file():
         raise VQError(f"{path}: no {PROCESSOR_FILE} (the Emu3ImageProcessor settings: mean/std, spatial factor)")
@@ -149,9 +145,6 @@ def processor_settings(processor) -> dict[str, Any]:
 
 def build_vq_model(ckpt: VQCheckpoint, device: str = "cpu"):
     """An Emu3VQVAE in eval mode with `ckpt`'s weights (float32), on `device`."""
-    import torch
-    from transformers import Emu3VQVAE, Emu3VQVAEConfig
-
     with torch.device("meta"):
         model = Emu3VQVAE(Emu3VQVAEConfig(**ckpt.config))
     missing = sorted(set(model.state_dict()) - set(ckpt.state_dict))
@@ -169,8 +162,6 @@ def spatial_factor(config: dict[str, Any]) -> int:
 def encode_pixels(model, pixel_values):
     """VQ codes (B, H/f, W/f) of a batch of same-size images (B, 3, H, W): `Emu3VQVAE.encode`'s
     result for each image, with the 2-D encoder run once per image (see the module docstring)."""
-    import torch
-
     enc = model.encoder
     with torch.no_grad():
         x = enc.conv_in(pixel_values.to(model.dtype))
@@ -190,8 +181,6 @@ def encode_pixels(model, pixel_values):
 
 def set_deterministic_torch(device: str, threads: int) -> None:
     """Same numbers on every run: fixed thread count, no TF32, deterministic cuDNN kernels."""
-    import torch
-
     torch.set_num_threads(max(1, threads))
     if device.startswith("cuda"):
         torch.backends.cudnn.deterministic = True
@@ -223,8 +212,6 @@ class VisionTokenizer:
 
     def encode(self, pixels: list[np.ndarray]) -> list[np.ndarray]:
         """Code grids (H/f, W/f) of same-size preprocessed images, encoded as one batch."""
-        import torch
-
         batch = torch.from_numpy(np.stack(pixels)).to(self.device)
         codes = encode_pixels(self.model, batch).cpu().numpy()
         return list(codes)

@@ -53,12 +53,12 @@ class DataConfig:
     # vision-aware balancing: each step's packed rows are spread over the DP ranks and the
     # micro-batches by cost, tokens + the vision tower's tiles (rows move between DP ranks; what a
     # sample contributes is unchanged). With packing: plan, the plan must be balanced for the
-    # recipe's step shape (`mmtrain pack-plan RECIPE`). mmdata.energon_loaders.balance
+    # recipe's step shape (`mmtrain pack-plan RECIPE`). mmdata.packing.balance
     balance: bool = False
     # online balancing draws this many steps at once and spreads their rows over the steps as well
     # as the ranks (at one row per rank per step one step's rows cannot be evened; a window's can):
     # "auto" = 8 rows per rank (8 steps at one row per rank, 1 from 8). Rows train up to this many
-    # steps from where they were drawn; exact resume holds. mmdata.energon_loaders.balance.assign_window
+    # steps from where they were drawn; exact resume holds. mmdata.packing.balance.assign_window
     balance_window: int | Literal["auto"] = "auto"
     # held-out shard dirs (or one metadataset YAML) for `train.eval_interval`; read with the
     # same loader settings, the recipe's seed and no state carried between evaluations

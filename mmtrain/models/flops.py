@@ -221,7 +221,7 @@ def tile_token_cost(shapes: ModelShapes) -> float:
     """What one media tile costs in decoder tokens: forward FLOPs of a tile through the encoder and
     the connectors over those of one token through the decoder's matmuls and LM head (attention
     left out: it depends on the packing). Vision-aware balancing weighs a row's tiles with it
-    (mmdata.energon_loaders.balance); 0 for a family without an encoder."""
+    (mmdata.packing.balance); 0 for a family without an encoder."""
     if shapes.encoder is None:
         return 0.0
     tile = sum(f.total for f in _media_forward(shapes, 1).values())

@@ -14,10 +14,10 @@ reader and the next writer drop). Fields:
   bin_fill       float  real tokens / row capacity (rows x seq_length) of the step, whole job
   executed_token_efficiency
                  float  real tokens / tokens computed: rows plus the CP padding of every
-                        segment (mmdata/energon_loaders/packing_report.py), whole job
+                        segment (mmdata/packing/report.py), whole job
   vision_balance float  max / mean over the DP ranks of the tiles and frames their vision towers
                         encoded this step (1.0 = even; null without media); `data.balance`
-                        spreads them (mmdata/energon_loaders/balance.py)
+                        spreads them (mmdata/packing/balance.py)
   (optional)     mfu, mem_*, tokens, num_samples, step_time_s, data_wait_s, ... any scalar
   val_loss       float  only at `train.eval_interval` steps: mean loss over the real tokens of
                         `train.eval_iters` global batches of `data.val_paths`

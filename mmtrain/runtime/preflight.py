@@ -33,7 +33,7 @@ import yaml
 
 from mmdata import shard_format as sf
 from mmdata.energon_configs import config_sample_type
-from mmdata.energon_loaders.balance import StepShape
+from mmdata.packing.balance import StepShape
 from mmdata.energon_loaders.plan_packing import PlanError, estimated_lengths_problem, plan_for_data, plan_step_shape
 from mmdata.errors import UserError
 from mmdata.local_tokenizer import load_local_tokenizer

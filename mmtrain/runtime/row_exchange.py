@@ -3,7 +3,7 @@
 Each DP rank's loader sees only its own stream, so the ranks balance a step together: every rank
 draws its micro-batches as usual, the ranks gather each row's cost (its real tokens and the tiles
 its vision tower encodes: a few integers per row) over the data-parallel group, all compute the
-same placement (`mmdata.energon_loaders.balance.assign_step`: longest first, each rank and
+same placement (`mmdata.packing.balance.assign_step`: longest first, each rank and
 micro-batch keeping its row count), and the rows that change rank travel whole, as bytes
 (`PackedBatch.to_bytes`, no pickle), by point-to-point sends within the group; each rank joins the
 rows it now holds into its micro-batches. With `data.sharding: replicated` every rank holds the
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmdata.energon_loaders.balance import RowRef, assign_window, row_costs
+from mmdata.packing.balance import RowRef, assign_window, row_costs
 from mmdata.energon_loaders.batch import PackedBatch
 
 

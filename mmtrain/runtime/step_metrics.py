@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from mmdata.energon_loaders.balance import vision_balance
+from mmdata.packing.balance import vision_balance
 from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.models.context_parallel import padding_multiple
 from mmtrain.models.flops import recompute_flops, recomputed_layer_count

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from mmdata.energon_loaders.batch import PackedBatch
-from mmdata.energon_loaders.packing_report import PackingReport, empty_report, report_from_cu_seqlens
+from mmdata.packing.report import PackingReport, empty_report, report_from_cu_seqlens
 from mmtrain.models.flops import StepFlops, step_flops
 from mmtrain.models.hardware import peak_tflops
 from mmtrain.models.shapes import ModelShapes
@@ -64,7 +64,7 @@ def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], train
 def batch_packing(micro_batches: Iterable[PackedBatch], cp: int, tp: int) -> PackingReport:
     """Bin fill and executed-token efficiency of this rank's micro-batches of a step: their rows,
     real positions and host `cu_seqlens` (no device read), every segment padded to the CP
-    multiple as `models.context_parallel.cp_layout` pads it (mmdata's packing_report.py)."""
+    multiple as `models.context_parallel.cp_layout` pads it (mmdata/packing/report.py)."""
     report = empty_report(cp, tp)
     for b in micro_batches:
         rows, seq_length = (int(n) for n in b.input_ids.shape)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from megatron.core import parallel_state
 
-from mmdata.energon_loaders.balance import auto_window
+from mmdata.packing.balance import auto_window
 from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.models.flops import tile_token_cost
 from mmtrain.runtime.distributed import ParallelContext

@@ -27,7 +27,6 @@ from megatron.energon import Sample, edataclass, stateless
 
 from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.batch import Emu3Batch
-from mmdata.energon_loaders.emu3.plan_lengths import variant_task
 from mmdata.energon_loaders.emu3.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     GENERATION,
@@ -42,6 +41,7 @@ from mmdata.energon_loaders.plan_packing import PLAN_VARIANT
 from mmdata.energon_loaders.sequence import ConversationError, apply_length_policy
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
 from mmdata.energon_loaders.emu3.vq_token_sample import VQTokenSample
+from mmdata.packing.emu3_geometry import variant_task
 
 
 @dataclass

@@ -45,13 +45,10 @@ from mmdata.energon_loaders.sequence import (
     encode_with_offsets,
     turn_role,
 )
+from mmdata.packing.emu3_geometry import DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING  # (the Emu3 reference's prompt)
 
-#: the Emu3 reference's system prompt
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 _PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER) + r"\n?")
 
-UNDERSTANDING = "understanding"
-GENERATION = "generation"
 TASKS = (UNDERSTANDING, GENERATION)
 
 

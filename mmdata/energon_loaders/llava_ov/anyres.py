@@ -4,7 +4,7 @@ Two halves, shared by the loader and the model:
 - pixel side (`process_image`, `process_base_only`, `process_frames`): PIL decode/resize with
   the same resampling as `transformers.LlavaOnevisionImageProcessor` (bicubic), pad, cut into
   square tiles, SigLIP-normalise, all in one pass over uint8 memory (no float64 copies).
-- arithmetic side (`anyres_math`, torch-free, re-exported here): grid pinpoints, best-resolution
+- arithmetic side (`mmdata.media_layout.anyres_math`, torch-free, re-exported here): grid pinpoints, best-resolution
   selection, the unpad + anyres_max shrink shape and the LLM token counts. The model imports
   these to lay out features exactly as the loader counted them, so the two can never disagree.
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmdata.energon_loaders.llava_ov.anyres_math import (  # noqa: F401  (re-exported: the loader's and model's API)
+from mmdata.media_layout.anyres_math import (  # noqa: F401  (re-exported: the loader's and model's API)
     DEFAULT_GRID_MAX,
     DEFAULT_IMAGE_SIZE,
     DEFAULT_MAX_TILES,

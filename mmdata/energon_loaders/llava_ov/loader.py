@@ -8,7 +8,7 @@ from typing import Sequence
 from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
 from mmdata.energon_loaders.loader import SavableLoader, build_loader
 from mmdata.energon_loaders.llava_ov.chat_template import DEFAULT_SYSTEM_PROMPT
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
 
 
 def build_llava_ov_loader(

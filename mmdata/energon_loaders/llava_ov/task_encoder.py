@@ -36,7 +36,8 @@ from mmdata.energon_loaders.llava_ov.chat_template import (
 from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
-from mmdata.energon_loaders.video import DEFAULT_MAX_FRAMES, decode_frames, probe_video
+from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
+from mmdata.energon_loaders.video import decode_frames, probe_video
 from mmdata.private_api import new_shared_storage
 
 
