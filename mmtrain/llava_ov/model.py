@@ -181,7 +181,7 @@ class LlavaOVModel(DecoderStageModel):
 
         Why: a text-only micro-batch, or a CP rank holding no media position, would leave those
         parameters without a gradient, and megatron DDP's overlapped grad reduce asserts on a
-        parameter that got none (review A1). Added to the embeddings it changes no value (x + 0
+        parameter that got none. Added to the embeddings it changes no value (x + 0
         is x) and gives them zero gradients; the tower sees one patch (`one_patch_output`), so
         the extra compute is negligible."""
         assert self.vision_model is not None and self.vision_projection is not None

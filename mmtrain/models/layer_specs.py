@@ -37,7 +37,7 @@ _logged_te_fallback = False
 
 def te_attention(on_cuda: bool | None = None) -> type | None:
     """Transformer Engine's attention on a CUDA run with a real TE (te_support: megatron's own
-    import binds a MagicMock without TE, review A2), else None. `on_cuda`: the run's device
+    import binds a MagicMock without TE), else None. `on_cuda`: the run's device
     (default: read off the runtime's process group)."""
     global _logged_te_fallback
     if not (_run_on_cuda() if on_cuda is None else on_cuda):
@@ -79,7 +79,7 @@ def transformer_layer_spec(causal: bool, context_parallel: bool = False) -> Modu
         submodules=TransformerLayerSubmodules(
             input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
-                module=PackedRoPESelfAttention,  # THD RoPE without host syncs (review N6)
+                module=PackedRoPESelfAttention,  # THD RoPE without host syncs (packed_rope.py)
                 params={"attn_mask_type": mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,

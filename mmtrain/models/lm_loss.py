@@ -67,7 +67,7 @@ def _tp_all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
 class _LinearCrossEntropy(torch.autograd.Function):
     """Fixed-shape blocked loss: every row is computed and masked (`torch.where`, `gather`,
     `scatter_add_`) rather than gathered by `nonzero`, so nothing waits on the host: on GPU a
-    `nonzero` is a device->host sync per call (review C3: ~77-360 per micro-batch)."""
+    `nonzero` is a device->host sync per call (~77-360 per micro-batch)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
@@ -152,7 +152,7 @@ def _cce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> to
     from cut_cross_entropy import linear_cross_entropy as cce  # lazy: optional GPU kernel, used only when chosen
 
     # filter_eps=None: CCE's default ("auto") skips gradient blocks below eps, an approximation
-    # of the weight/embedding gradient we do not want (review B3)
+    # of the weight/embedding gradient we do not want
     return cce(hidden, weight, labels, ignore_index=-100, reduction="none", filter_eps=None)
 
 

@@ -5,7 +5,7 @@ megatron-core 0.16.1's unfused THD RoPE (`models/common/embeddings/rope_utils.py
 `_apply_rotary_pos_emb_thd`, the path of `transformer_impl: local`) reads `cu_seqlens` on the host
 (`.tolist()`, `:204`), compares `freqs.size(0)` with a device value (`:211`) and slices the
 frequencies in a Python loop over the packed sequences (`:214-221`), for q and for k in every
-layer: 2 x layers device-to-host syncs per forward (review C1 / N6). TE's fused kernel avoids
+layer: 2 x layers device-to-host syncs per forward. TE's fused kernel avoids
 that, but only behind `transformer_impl: transformer_engine`.
 
 Here the position of every local token inside its sequence is computed once per micro-batch from

@@ -279,7 +279,7 @@ def tp_grad_average_bytes(L: Layout, encoder_trainable: int) -> float:
     """The fp32 gradients a whole (`vision_tp` 1) trained encoder averages over TP after the step's
     DP reduce: megatron's `finalize_model_grads` tags them `average_gradients_across_tp_domain`,
     flattens every one of them into one new buffer (`_flatten_dense_tensors`), all-reduces it
-    (AVG, off the overlap) and copies it back (review N9). 0 when nothing is averaged."""
+    (AVG, off the overlap) and copies it back. 0 when nothing is averaged."""
     if L.vision_tp != 1 or L.tp <= 1 or encoder_trainable <= 0:
         return 0.0
     return encoder_trainable * 4.0
@@ -401,7 +401,7 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
     all-reduce over CP, the TP all-reduces of a sharded encoder on its share; with `vision_tp` 1
     the average of its weight gradients over TP, once per step: the all-reduce, plus megatron's
     flatten into one fp32 buffer and copy back (each a read and a write of every gradient:
-    `tp_grad_average_bytes`, review N9)."""
+    `tp_grad_average_bytes`)."""
     v = shapes.encoder
     if v is None:
         return 0.0

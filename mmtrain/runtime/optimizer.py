@@ -15,9 +15,9 @@
   (runtime/cpu_compat.py says what the CPU needs to build it; `torch_adam_load` what megatron's
   distributed optimizer needs to load a checkpoint around torch's AdamW, on any device).
 - DDP settings (`ddp_config_kwargs`): megatron's overlapped grad reduction everywhere; with the
-  distributed optimizer also the overlapped, aligned param all-gather (review C5).
+  distributed optimizer also the overlapped, aligned param all-gather.
 - `optimizer_kind`: what a checkpoint records so that a resume with another optimizer layout
-  starts that optimizer fresh instead of failing (checkpoint/manager.py, review A9).
+  starts that optimizer fresh instead of failing (checkpoint/manager.py).
 """
 
 from __future__ import annotations

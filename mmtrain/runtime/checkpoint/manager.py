@@ -143,7 +143,7 @@ class OptimizerState:
     kind (FP32/Float16Optimizer: per-parameter moments sharded like the weights; the distributed
     optimizer: its own sharding type), recorded in trainer_state.json: a checkpoint of another kind
     (a CPU-made run resumed with the distributed optimizer on GPU, or the reverse) starts the
-    optimizer fresh, with a warning, instead of failing as a damaged checkpoint (review A9)."""
+    optimizer fresh, with a warning, instead of failing as a damaged checkpoint."""
 
     name = "optimizer"
 
@@ -204,7 +204,7 @@ def _describe(kind: dict[str, Any]) -> str:
 def reload_model_params(optimizer: Any) -> None:
     """megatron's mixed-precision and distributed optimizers keep fp32 copies of the weights made at
     construction (before any weights were loaded): refresh them from the model whenever the
-    optimizer state was not restored, else the first step writes the stale copies back (review B2)."""
+    optimizer state was not restored, else the first step writes the stale copies back."""
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
 
