@@ -1,5 +1,6 @@
-"""megatron-core layer specs on local modules (no TE/apex): the pre-norm transformer layer
-every tower uses (causal decoders, bidirectional encoders) and the plain MLP.
+"""megatron-core layer specs: the pre-norm transformer layer on local modules that every tower uses
+(causal decoders, bidirectional encoders), the plain MLP, and the decoder's Transformer Engine spec
+(`parallel.transformer_impl: transformer_engine`, docs/gpu.md "The decoder layer spec switch").
 
 The parameter names these produce (`linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`,
 `input_layernorm`, `pre_mlp_layernorm`) are the ones the state-dict adapters map.
