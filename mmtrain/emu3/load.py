@@ -1,7 +1,7 @@
 """Loading Emu3 weights outside training: `load_emu3(ckpt_dir)`, a converted (or trained)
 checkpoint as an eval-mode model called like the HF text model (`input_ids` -> logits); and
 `load_hf_into_model`, which lets a recipe start from an HF Emu3 directory (converted on the fly).
-Inference entry points (generation, next issue) start from `load_emu3`."""
+Generation (`emu3/generation.py`) starts from `load_emu3`."""
 
 from __future__ import annotations
 

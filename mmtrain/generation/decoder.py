@@ -1,32 +1,6 @@
-"""A megatron-core decoder (`GPTModel`, as `mmtrain.models.language_model` builds it) run for
-generation: a prefill of the prompts (one pass per distinct prompt length), then one token per
-row per step, with a KV cache.
-
-The decoder's own modules do the work (embedding, `TransformerBlock` with its layers' QKV /
-projection / MLP / norms, output layer); only each layer's core attention is swapped for
-`CachedSDPA`, which applies RoPE and keeps the keys and values in a static cache
-([rows, groups, capacity, head_dim] per layer, allocated at prefill).
-
-Why not megatron's `StaticInferenceContext`: its static-batching path shares one position
-counter among all rows and keeps keys *before* RoPE, re-rotating the whole cache in every layer
-at every step. Prompts of different lengths would then run at shifted positions, and the
-per-step cost would grow with an extra pass over the cache. Here keys are cached rotated, and
-each row has its own positions - a prompt gets exactly the positions it has alone, as in
-transformers' `generate` - while the cache slots stay shared: prompts are right-aligned (row r's
-prompt fills slots [L - len_r, L)), so every decode step writes all rows at the same slot, and a
-fixed mask keeps each row away from the empty slots before its prompt. Prompts of equal length
-are prefilled together with plain causal attention, so no [L, L] mask is ever built.
-
-Decode steps feed one token per row, where megatron's module plumbing (autograd functions
-around every linear layer, the layer's branches for training features) costs more than the
-arithmetic of a small model. When the layers are the plain pre-norm kind our layer specs build
-(`direct_decode_supported`), a decode step therefore runs the same arithmetic directly on the
-layers' own weights and norm modules (`_direct_layer`); the prefill, and any other layer kind,
-go through megatron's modules. Tests compare the two paths' logits step by step.
-
-Rows of finished requests are dropped from the cache (`keep_rows`), so a long answer does not
-carry short ones along.
-"""
+"""A megatron-core decoder (`GPTModel`) run for generation: a prefill of the prompts, then one token per row
+per step, with a KV cache.
+Design notes: docs/generation.md, "The decoder run for generation"."""
 
 from __future__ import annotations
 

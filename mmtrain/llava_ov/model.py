@@ -1,24 +1,5 @@
-"""`LlavaOVModel`: SigLIP (megatron TransformerBlock) + mlp2x_gelu projector + the LLaVA-OV
-feature layout + the shared Qwen2 decoder (`mmtrain.models.language_model`: a megatron-core
-`GPTModel` on the local spec: RMSNorm, SwiGLU, GQA with qkv bias, RoPE theta 1e6, tied
-embeddings).
-
-Why not megatron's `LLaVAModel`: it assumes every tile yields the same number of LLM positions,
-while LLaVA-OV unpads, shrinks and inserts newline features per image. We compose megatron's
-pieces instead and put the layout (`layout.py`) between the projector and the decoder.
-
-Packed sequences run in megatron's THD layout. Under context parallelism the *embedded* sequence
-(after the media features are spliced in) is split over the CP ranks (`models.context_parallel`),
-labels with it; the vision tower encodes only the media a rank holds positions of.
-
-The vision tower's own layout (`parallel.vision.tp`, `ParallelOptions.encoder_tp`): the ranks of
-the TP x CP group split the micro-batch's tiles, each encodes its share, and the tower outputs are
-all-gathered before the projector (`models.encoder_parallel`; the projector stays with the
-language model's TP and, under CP, runs on the media this rank holds).
-
-Pipeline parallelism: the vision tower, projector, layout and embedding live on the first stage
-(`pre_process`), the output layer / loss on the last (`post_process`).
-"""
+"""`LlavaOVModel`: SigLIP + the mlp2x_gelu projector + the LLaVA-OV feature layout + the shared Qwen2 decoder.
+Design notes: docs/architecture.md, "LlavaOVModel"."""
 
 from __future__ import annotations
 
@@ -181,7 +162,7 @@ class LlavaOVModel(DecoderStageModel):
 
         Why: a text-only micro-batch, or a CP rank holding no media position, would leave those
         parameters without a gradient, and megatron DDP's overlapped grad reduce asserts on a
-        parameter that got none (review A1). Added to the embeddings it changes no value (x + 0
+        parameter that got none. Added to the embeddings it changes no value (x + 0
         is x) and gives them zero gradients; the tower sees one patch (`one_patch_output`), so
         the extra compute is negligible."""
         assert self.vision_model is not None and self.vision_projection is not None

@@ -59,7 +59,7 @@ class SiglipVisionModel(MegatronModule):
         # kept for SigLIP-alone use and lossless HF round trips (transformers' LlavaOnevision
         # checkpoints hold `vision_tower.vision_model.post_layernorm.*`), but LLaVA-OV features
         # skip it: frozen, so it is loaded and exported unchanged and never sits in megatron's
-        # grad buffer, where a parameter without a gradient fails the overlapped reduce (review A1).
+        # grad buffer, where a parameter without a gradient fails the overlapped reduce.
         # `apply_freeze` only ever freezes, so no stage turns it back on.
         self.ln_post = TorchNorm(config, cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.ln_post.requires_grad_(False)
@@ -88,7 +88,7 @@ class SiglipVisionModel(MegatronModule):
         """[1, 1, hidden]: one zero patch through the conv, the first position and every layer.
 
         Why: a micro-batch (or a CP rank) without media still has to give each trainable tower
-        parameter a gradient, or megatron DDP's overlapped grad reduce asserts (review A1); the
+        parameter a gradient, or megatron DDP's overlapped grad reduce asserts; the
         model adds `0 * sum` of this (through the projector) to its embeddings. A sequence of
         one patch keeps that extra compute negligible."""
         p = self.cfg.patch_size

@@ -1,24 +1,5 @@
 """Core attention for the local (non-Transformer-Engine) layer specs: PyTorch SDPA.
-
-Why our own module: megatron's local `DotProductAttention` refuses packed sequences
-(`packed_seq_params`) and forks the CUDA RNG; TE is GPU-only. This module keeps megatron's
-core-attention contract (same constructor and call signature, [s, b, np, hn] in, [s, b, np*hn]
-out; THD [t, np, hn] in, [t, np*hn] out when `packed_seq_params.qkv_format == "thd"`).
-
-Packed (THD) sequences never attend across their `cu_seqlens` boundaries, and no [t, t] mask is
-ever materialised:
-- GPU: varlen flash attention - `flash_attn_varlen_func` when flash-attn is installed, else
-  PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch >= 2.9), in fp16/bf16;
-- elsewhere (CPU, fp32): `grouped_varlen_sdpa`. Sequences of (nearly) equal length are stacked
-  into one batch and run through ONE causal SDPA call per group (fused flash kernel on CPU),
-  right-padded to the group's longest. Right padding is exact under causal attention: pad keys
-  come after every real query (bidirectional attention masks them). One gather in, one gather
-  out, however many sequences: this replaced a per-sequence Python loop whose slicing made the
-  backward pass allocate a full-size gradient per sequence. Measured with
-  benchmarks/bench_varlen_attention.py: 2-4x faster than that loop on many short packed
-  samples, the same within noise elsewhere. FlexAttention with a document mask was the other
-  candidate; torch 2.13 has no FlexAttention backward on CPU.
-"""
+Design notes: docs/training.md, "Core attention on the local spec: SDPA"."""
 
 from __future__ import annotations
 

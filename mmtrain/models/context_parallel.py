@@ -1,24 +1,5 @@
 """Context parallelism (CP): which tokens of a packed stream each CP rank holds.
-
-megatron's load-balanced layout. Every sequence of the flattened `[B*S]` stream (one
-`cu_seqlens` segment: a packed sample or a padding run) is padded at its end to a multiple of
-`2*cp` (times `tp`, so that sequence parallelism can split each rank's share), cut into `2*cp`
-equal chunks, and CP rank r keeps chunks `r` and `2*cp-1-r`: early (cheap) and late (expensive)
-causal positions pair up, so every rank does the same attention work. This is Transformer
-Engine's `thd_get_partitioned_indices` layout, the one megatron's `get_thd_batch_on_this_cp_rank`
-and TE's CP attention use; for one unpadded sequence per row it is exactly
-`megatron.core.utils.get_batch_on_this_cp_rank`.
-
-The padding slots sit after the last token of their sequence, so under causal attention no real
-token ever attends them; they carry IGNORE labels and no loss. A model therefore splits its
-*embedded* sequence (after any media splicing) with `CPLayout.split`, runs the decoder on its
-share with `CPLayout.packed_seq_params()` (RoPE positions and attention boundaries follow the
-padded `cu_seqlens`), and scatters its per-token loss back to the stream with
-`CPLayout.scatter`: every CP rank then reports the loss of the positions it holds, and
-megatron's per-token loss reduction over the data-parallel x CP group adds them up.
-
-With `cp == 1` the layout is the identity and nothing is padded or copied.
-"""
+Design notes: docs/training.md, "Context parallelism: which tokens each CP rank holds"."""
 
 from __future__ import annotations
 

@@ -1,27 +1,5 @@
 """Context-parallel core attention without Transformer Engine: K/V all-gather over the CP group.
-
-On GPU megatron's CP path runs through TE's attention (`parallel.cp_comm_type` p2p / a2a /
-all_gather / a2a+p2p). This module is the CPU counterpart with the same core-attention contract
-as `SDPACoreAttention` (THD [t, np, hn] in, [t, np*hn] out) and the same token layout
-(`context_parallel.py`: every sequence padded to a multiple of 2*cp, rank r holds chunks r and
-2*cp-1-r).
-
-Why all-gather and not a ring: the decoders here use grouped-query attention, so K/V are small
-(2 * kv_groups * head_dim per token: 512 numbers for Qwen2-1.5B against 1536 for the hidden
-state), and over gloo nothing overlaps communication with compute anyway. One all-gather per
-layer costs the same bytes as the cp-1 ring steps, in one collective instead of cp-1
-send/receive rounds. Memory: the gathered K/V of one layer live for that layer's attention (and
-its backward), cp times the local K/V - still less than one layer's local activations.
-Backward: the K/V gradients of all ranks' queries are summed and each rank keeps its own
-(all-reduce + slice; gloo has no reduce-scatter).
-
-The attention of a local chunk at offset o of its sequence is exact and mask-free: full
-attention over the o keys before it plus causal attention over its own c keys, merged by their
-log-sum-exp, with PyTorch's CPU flash-attention kernels (`aten::_scaled_dot_product_flash_
-attention_for_cpu` and its backward, private: gated in mmtrain/private_api.py; which need only the merged output and log-sum-exp: the
-standard blockwise/ring-attention identity). Chunks of equal (length, offset) - all of them for
-unpacked rows of equal length - run as one batched call.
-"""
+Design notes: docs/training.md, "Context-parallel attention without Transformer Engine"."""
 
 from __future__ import annotations
 

@@ -1,34 +1,5 @@
-"""A media encoder with its own parallel layout (`parallel.vision.tp`), independent of the
-language model's TP.
-
-Inherited layout (`parallel.vision.tp: null`, the default): the encoder is TP-sharded like the
-language model (an all-reduce per layer on small tensors) and every TP rank encodes the whole
-micro-batch's media; under context parallelism each CP rank encodes the media its chunk holds.
-
-Separate layout (`parallel.vision.tp: 1` or `parallel.tp`), LoongForge's "full separation" inside
-one micro-batch: the ranks that hold the same micro-batch (the language model's TP x CP group)
-split its tiles into balanced contiguous shares (`share_sizes`: by tile count, every tile costs
-the same), each share is encoded by one encoder replica (a whole encoder on one rank with
-`vision.tp: 1`; a TP-sharded one on a TP group with `vision.tp: tp`, which then splits over CP
-only), and the encoder outputs are all-gathered (`gather_shares`) before the language model.
-
-Gradients, so that they EQUAL the inherited layout's:
-- the gathered features' gradient on a rank is the gradient of its own positions' loss; TP peers
-  hold the same one (the decoder's TP regions all-reduce it), CP peers their own chunk's. A
-  share's gradient is therefore the sum over the CP group of one TP rank's copy: the backward of
-  `gather_shares` all-reduces over the CP group the gradient of the shares of its TP row (no
-  communication without CP) and keeps its own share;
-- the encoder's weight gradients are partial sums over the shares: megatron DDP sums them over
-  DP x CP; with `vision.tp: 1` the encoder is replicated over the TP group, its parameters carry
-  megatron's `average_gradients_across_tp_domain`, so `finalize_model_grads` averages them over
-  TP, and the encoder output's gradient is multiplied by the TP size first (`scale_gradient`):
-  the average of TP-times-scaled partial sums is their sum (exact for power-of-two TP);
-- the replicated parameters are tagged `tensor_model_parallel=False`, so megatron's grad norm
-  counts them once (on TP rank 0), and checkpoints store them like megatron's other
-  TP-replicated parameters (norms): the whole tensor, written by TP rank 0 (`replica ids`), the
-  same global tensor the inherited layout writes in shards, so checkpoints move between the
-  layouts (and HF conversion) unchanged.
-"""
+"""A media encoder with its own parallel layout (`parallel.vision.tp`), independent of the language model's TP.
+Design notes: docs/training.md, "A media encoder with its own parallel layout"."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""megatron-core layer specs on local modules (no TE/apex): the pre-norm transformer layer
-every tower uses (causal decoders, bidirectional encoders) and the plain MLP.
+"""megatron-core layer specs: the pre-norm transformer layer on local modules that every tower uses
+(causal decoders, bidirectional encoders), the plain MLP, and the decoder's Transformer Engine spec
+(`parallel.transformer_impl: transformer_engine`, docs/gpu.md "The decoder layer spec switch").
 
 The parameter names these produce (`linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`,
 `input_layernorm`, `pre_mlp_layernorm`) are the ones the state-dict adapters map.
@@ -37,7 +38,7 @@ _logged_te_fallback = False
 
 def te_attention(on_cuda: bool | None = None) -> type | None:
     """Transformer Engine's attention on a CUDA run with a real TE (te_support: megatron's own
-    import binds a MagicMock without TE, review A2), else None. `on_cuda`: the run's device
+    import binds a MagicMock without TE), else None. `on_cuda`: the run's device
     (default: read off the runtime's process group)."""
     global _logged_te_fallback
     if not (_run_on_cuda() if on_cuda is None else on_cuda):
@@ -79,7 +80,7 @@ def transformer_layer_spec(causal: bool, context_parallel: bool = False) -> Modu
         submodules=TransformerLayerSubmodules(
             input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
-                module=PackedRoPESelfAttention,  # THD RoPE without host syncs (review N6)
+                module=PackedRoPESelfAttention,  # THD RoPE without host syncs (packed_rope.py)
                 params={"attn_mask_type": mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,

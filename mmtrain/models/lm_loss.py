@@ -1,37 +1,5 @@
 """The LM loss without the full-vocabulary logits: output projection + cross-entropy in blocks.
-
-A plain LM head materialises `[tokens, vocab]` logits and, in backward, their gradient; at
-12,288 tokens x 2 x 151,936 that is ~20 GB in fp32. `linear_cross_entropy` computes the same
-per-token losses and gradients block by block over the vocabulary:
-
-- forward: for each vocabulary block, `hidden @ W_block^T`, folded into a running max and sum of
-  exponentials per token (online log-sum-exp) and the target logit; only `[tokens]` numbers
-  survive the block;
-- backward (a custom autograd Function): the block's logits are recomputed, turned into
-  `softmax - onehot`, and multiplied straight into `grad_hidden` (fp32 accumulator, [tokens,
-  hidden]) and the block's rows of `grad_weight` (one GEMM over all tokens per row block, so the
-  weight gradient is rounded once, as a plain linear layer's is).
-
-Peak extra memory: one `[tokens, block]` logit block (sized by `block_mb`) plus `[tokens,
-hidden]` in fp32, instead of `[tokens, vocab]` twice.
-
-Tensor parallelism: the output weight is vocab-parallel (megatron `ColumnParallelLinear`); each
-TP rank reduces its slice, and three all-reduces over the TP group (max, sum of exponentials,
-target logit) complete the softmax, as `vocab_parallel_cross_entropy` does. The caller feeds
-`hidden` through megatron's TP mapping (copy / sequence-parallel gather), whose backward sums
-the partial `grad_hidden` over TP.
-
-Padded vocabulary rows (megatron pads the table to a multiple of 64 x tp) are excluded from the
-softmax; labels < 0 (IGNORE_INDEX) get loss 0 and no gradient. Their rows are computed and
-masked, not gathered away: every shape is fixed, so the loss never waits on the host (GPU).
-
-On GPU, a fused kernel is used when one is installed and TP = 1 (`fused_kernel`):
-cut-cross-entropy (Apple, `cut_cross_entropy.linear_cross_entropy`) or Liger-Kernel's fused
-linear cross-entropy; each is checked once per process against this implementation on a small
-problem (losses, hidden AND weight gradients, per-token upstream gradient) before it is trusted.
-`parallel.lm_loss=plain` uses TE's fused vocab-parallel cross entropy on CUDA with TE
-(`plain_loss_fusion`).
-"""
+Design notes: docs/training.md, "The LM loss in blocks"."""
 
 from __future__ import annotations
 
@@ -67,7 +35,7 @@ def _tp_all_reduce(x: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
 class _LinearCrossEntropy(torch.autograd.Function):
     """Fixed-shape blocked loss: every row is computed and masked (`torch.where`, `gather`,
     `scatter_add_`) rather than gathered by `nonzero`, so nothing waits on the host: on GPU a
-    `nonzero` is a device->host sync per call (review C3: ~77-360 per micro-batch)."""
+    `nonzero` is a device->host sync per call (~77-360 per micro-batch)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
@@ -152,7 +120,7 @@ def _cce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> to
     from cut_cross_entropy import linear_cross_entropy as cce  # lazy: optional GPU kernel, used only when chosen
 
     # filter_eps=None: CCE's default ("auto") skips gradient blocks below eps, an approximation
-    # of the weight/embedding gradient we do not want (review B3)
+    # of the weight/embedding gradient we do not want
     return cce(hidden, weight, labels, ignore_index=-100, reduction="none", filter_eps=None)
 
 

@@ -74,15 +74,15 @@ class DecoderFusions:
     """Which megatron fusions the decoder's TransformerConfig turns on (one decision, CPU-testable)."""
 
     use_te_spec: bool = False
-    apply_rope_fusion: bool = False  # TE's fused THD RoPE (review C1: megatron's unfused path syncs ~112x/forward)
-    # SwiGLU only: the towers' tanh/erf GELU must stay unfused (C2). megatron's `jit_fuser` is
-    # torch.compile (review N10): rows are padded to seq_length, so without CP the THD length
+    apply_rope_fusion: bool = False  # TE's fused THD RoPE (megatron's unfused path syncs ~112x/forward)
+    # SwiGLU only: the towers' tanh/erf GELU must stay unfused. megatron's `jit_fuser` is
+    # torch.compile: rows are padded to seq_length, so without CP the THD length
     # never changes (one compile); under CP a rank's share does, and dynamo compiles the first
     # length, then one shape-generic graph, and never again. Kept on (test_te_spec.py)
     bias_activation_fusion: bool = False
     # wgrad accumulated straight into main_grad. TE's linears do it with TE's own kernels, but
     # megatron's output layer is always the local ColumnParallelLinear, which needs apex's
-    # extension for it and raises at build without it (review N1): on only where apex imports
+    # extension for it and raises at build without it: on only where apex imports
     gradient_accumulation_fusion: bool = False
 
     def config_kwargs(self) -> dict:
@@ -138,7 +138,7 @@ def base_config_kwargs(params_dtype: str, opts: ParallelOptions, *, sequence_par
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not opts.on_cuda,  # the run's device (review A7), not torch.cuda.is_available()
+        use_cpu_initialization=not opts.on_cuda,  # the run's device, not torch.cuda.is_available()
         deterministic_mode=opts.deterministic,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

@@ -1,28 +1,5 @@
-"""RoPE on packed (THD) sequences without host reads: megatron's result, one position table per
-micro-batch.
-
-megatron-core 0.16.1's unfused THD RoPE (`models/common/embeddings/rope_utils.py`,
-`_apply_rotary_pos_emb_thd`, the path of `transformer_impl: local`) reads `cu_seqlens` on the host
-(`.tolist()`, `:204`), compares `freqs.size(0)` with a device value (`:211`) and slices the
-frequencies in a Python loop over the packed sequences (`:214-221`), for q and for k in every
-layer: 2 x layers device-to-host syncs per forward (review C1 / N6). TE's fused kernel avoids
-that, but only behind `transformer_impl: transformer_engine`.
-
-Here the position of every local token inside its sequence is computed once per micro-batch from
-`cu_seqlens` with device ops only (`searchsorted`; no sync, the same code on CPU and GPU) and
-kept on megatron's packed-sequence object, which megatron hands to every layer
-(`PackedSequence.plan`). Each layer gathers `freqs[positions]` and applies megatron's own public
-`apply_rotary_pos_emb` in its `bshd` form, which is what the THD path does after its loop
-(`_apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs_packed)`): the result is megatron's, bit for
-bit, including its context-parallel slicing (`_get_thd_freqs_on_this_cp_rank`: rank r of cp holds
-chunks r and 2*cp-1-r of each sequence) and its "exact mapping" case (freqs as long as the whole
-stream: positions offset by each sequence's start).
-
-The hook is megatron's public extension point: a `SelfAttention` subclass in the layer spec. It
-rotates q and k right after `get_query_key_value_tensors` (after any q/k norm, where megatron
-rotates) and hands megatron no `rotary_pos_emb`; every case it does not cover (no THD, TE's fused
-RoPE, inference contexts, per-layer `no_rope_freq`, YaRN's mscale, mRoPE) runs megatron's path.
-"""
+"""RoPE on packed (THD) sequences without host reads: megatron's result, one position table per micro-batch.
+Design notes: docs/gpu.md, "packed_rope: THD RoPE without host reads"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""Which decoder layers each pipeline stage holds: megatron's even split, an uneven split
-(`parallel.pp_layers`) and virtual stages (`parallel.vpp`, megatron's interleaved 1F1B).
-
-Why uneven: a VLM's first stage also runs the vision tower (and the embedding), its last stage the
-LM head and loss, so equal decoder shares leave those stages slower than the others and the
-whole pipeline waits for them. `pp_layers` lists the decoder layers of every stage (FlagScale and
-MindSpeed-MM let users do the same); it becomes megatron-core's `pipeline_model_parallel_layout`,
-so layer numbers stay global (`get_transformer_layer_offset`) and a checkpoint made at one split
-loads at any other.
-
-Why virtual stages: with `vpp` model chunks per rank, rank r holds chunks r, r+pp, r+2pp, ... of
-the decoder cut into pp*vpp chunks, and the pipeline bubble shrinks from (pp-1)/m to
-(pp-1)/(vpp*m) of a step (m micro-batches), for more point-to-point traffic and activation memory.
-
-Chunk order is megatron's: chunk c = vp_stage * pp + pp_rank (all stages' first chunks, then
-all their second chunks). `pp_layers` holds pp numbers (layers per stage; with vpp > 1 each is
-split evenly over the stage's chunks) or pp*vpp numbers (layers per chunk, in that order).
-
-Plain arithmetic, no megatron import: the recipe checks and the cost model use it before any
-model exists; `megatron_config.py` hands `megatron_layout()` to megatron.
-"""
+"""Which decoder layers each pipeline stage holds: megatron's even split, an uneven split (`parallel.pp_layers`)
+and virtual stages (`parallel.vpp`).
+Design notes: docs/training.md, "Pipeline stages: even, uneven and virtual splits"."""
 
 from __future__ import annotations
 

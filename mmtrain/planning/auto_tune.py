@@ -1,33 +1,5 @@
 """`action: auto_tune`: find the layout that is really fastest, by measuring it.
-
-1. Search space (mmtrain/planning/search_space.py): every layout megatron accepts over the
-   dimensions tp, pp, vpp (virtual pipeline stages: interleaved 1F1B), cp, micro_batch_size,
-   recompute, sequence_parallel, distributed_optimizer, vision_tp (dp derived), each from its
-   `auto_tune.<dim>` list or, when empty, derived from the world size and the model's shapes. A
-   layout keeps the recipe's uneven decoder split (`parallel.pp_layers`) where it fits its pp and
-   vpp, else splits evenly.
-2. Prune before running: the analytical model (mmtrain/planning/cost_model.py, optionally
-   calibrated for this machine: `auto_tune.calibration`) removes layouts over
-   `device_memory_gb * memory_fraction` or under `device_memory_gb * min_memory_fraction`
-   (`pruned_memory`) and orders the rest by modelled step time. The recipe's own layout runs first
-   (the speedup's reference), then the most promising.
-3. Trials (mmtrain/planning/trials.py): `auto_tune.trial_steps` steps of the real job through the
-   same launcher, one after another, each with a time limit; tokens/s after
-   `auto_tune.warmup_steps`, every rank's peak memory; OOM, timeout and crash are recorded
-   (`failed`) and the search goes on.
-4. Prune by history while searching (`pruned_history`): after an OOM, every layout that needs at
-   least as much memory by construction (same layout, larger micro-batch, less recompute, ...);
-   after each result, every layout that even its best case (the model scaled by the smallest
-   measured/modelled ratio so far) puts `slow_margin` slower than the best measured one. The search stops at `auto_tune.max_trials` trials or
-   `auto_tune.max_minutes` (the rest: `not_run`).
-5. Results in `<run_dir>/auto_tune/`: `history.csv` (one row per candidate: layout, status,
-   reason, estimated and measured memory, step time and tokens/s), `best.yaml` (the recipe with
-   the best measured layout, `action: run`; `--launch` trains it), `calibration.yaml` (the
-   model fitted to the trials), `trials/<layout>/` (each trial's run_dir and log). A rerun with
-   the same recipe reuses the finished trials of history.csv instead of repeating them.
-
-`auto_tune.max_trials: 0` ranks with the model alone (no trial; best.yaml is the model's pick).
-"""
+Design notes: docs/training.md, "auto_tune: search, prune, measure"."""
 
 from __future__ import annotations
 

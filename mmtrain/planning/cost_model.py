@@ -1,38 +1,6 @@
-"""Analytical cost model: per-rank memory and step time from a recipe, without building the
-model. `dry_run` prints it for the recipe's layout; `auto_tune` searches layouts with it. Everything
-here is arithmetic on a family's `ModelShapes` (models/shapes.py: the building blocks and their
-parameter counts) and its FLOPs (models/flops.py, which the train loop's MFU uses too), so the 2B
-recipe is estimated in milliseconds on a laptop.
-
-Memory follows Megatron's accounting (Korthikanti et al. 2022; megatron's
-theoretical_memory_usage): bf16 = 2 B weights + 4 B fp32 grads + 12 B fp32 main params and Adam
-moments per trainable parameter, the 12 B sharded over DP with the distributed optimizer; fp32 =
-4 + 4 + 8. Activations assume flash/SDPA attention (no s x s score matrix is stored), so
-`selective` recompute saves little memory here; `full` keeps one layer input per layer plus one
-layer's working set. Pipeline 1F1B keeps up to `pp` micro-batches in flight on the first stage;
-with virtual stages (`vpp`) each model chunk is charged for the forwards megatron's interleaved
-warm-up keeps in flight on it.
-
-Pipeline stages: the decoder is split as megatron splits it (`parallel.pp_layers` or evenly:
-models/pipeline_split.py); the first stage also holds the encoder, connectors and embedding, the
-last the LM head. A step runs at the pace of the slowest stage, plus a bubble of (pp-1)/(vpp*m)
-of it (m micro-batches per DP rank).
-
-Context parallelism (`cp`) gives each rank 1/cp of every sequence: activations, the encoder's
-share of media and the loss scale with it; its K/V exchange (TE's p2p ring) is modelled as
-hidden behind the attention compute where that is long enough. The LM loss follows
-`parallel.lm_loss`: `plain` holds the full-vocabulary logits and their fp32 softmax; the
-chunked loss (models/lm_loss.py; also the upper bound for a fused kernel) holds one vocabulary
-block of logits, an fp32 hidden-state gradient and the output layer's weight gradient.
-
-The encoder's layout (`parallel.vision.tp`, `Layout.vision_tp`): inherited (None), it is
-TP-sharded like the decoder, with two all-reduces per layer forward and two backward on its
-activations, and each CP rank encodes its chunk's media; with its own TP (1 or tp) its weights
-are sharded over that TP only (whole with 1), the micro-batch's tiles are split over the
-(tp / vision_tp) x cp ranks that share it, the outputs all-gathered (their gradients all-reduced
-over CP), and a whole encoder's weight gradients averaged over TP once per step
-(models/encoder_parallel.py).
-"""
+"""Analytical cost model: per-rank memory and step time from a recipe, without building the model
+(`dry_run` prints it, `auto_tune` searches layouts with it).
+Design notes: docs/training.md, "The cost model: memory and step time from a recipe"."""
 
 from __future__ import annotations
 
@@ -279,7 +247,7 @@ def tp_grad_average_bytes(L: Layout, encoder_trainable: int) -> float:
     """The fp32 gradients a whole (`vision_tp` 1) trained encoder averages over TP after the step's
     DP reduce: megatron's `finalize_model_grads` tags them `average_gradients_across_tp_domain`,
     flattens every one of them into one new buffer (`_flatten_dense_tensors`), all-reduces it
-    (AVG, off the overlap) and copies it back (review N9). 0 when nothing is averaged."""
+    (AVG, off the overlap) and copies it back. 0 when nothing is averaged."""
     if L.vision_tp != 1 or L.tp <= 1 or encoder_trainable <= 0:
         return 0.0
     return encoder_trainable * 4.0
@@ -401,7 +369,7 @@ def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_
     all-reduce over CP, the TP all-reduces of a sharded encoder on its share; with `vision_tp` 1
     the average of its weight gradients over TP, once per step: the all-reduce, plus megatron's
     flatten into one fp32 buffer and copy back (each a read and a write of every gradient:
-    `tp_grad_average_bytes`, review N9)."""
+    `tp_grad_average_bytes`)."""
     v = shapes.encoder
     if v is None:
         return 0.0

@@ -51,55 +51,84 @@ class SpaceContext:
         return self.recipe.train.seq_length
 
 
-def tp_valid(L: Layout, c: SpaceContext) -> bool:
+def tp_valid(layout: Layout, ctx: SpaceContext) -> bool:
     """TP splits heads, KV groups and FFN of every tower it shards (the encoder's with its
     layout inherited), and stays inside a node."""
-    d, v = c.shapes.decoder, c.shapes.encoder
-    ok = d.heads % L.tp == 0 and d.kv_groups % L.tp == 0 and d.ffn % L.tp == 0
-    ok = ok and (v is None or L.vision_tp is not None or (v.heads % L.tp == 0 and v.ffn % L.tp == 0))
-    return ok and c.recipe.parallel.nproc_per_node % L.tp == 0
+    d, v = ctx.shapes.decoder, ctx.shapes.encoder
+    ok = d.heads % layout.tp == 0 and d.kv_groups % layout.tp == 0 and d.ffn % layout.tp == 0
+    ok = ok and (v is None or layout.vision_tp is not None or (v.heads % layout.tp == 0 and v.ffn % layout.tp == 0))
+    return ok and ctx.recipe.parallel.nproc_per_node % layout.tp == 0
 
 
-def pipeline_split_valid(L: Layout, c: SpaceContext) -> bool:
+def pipeline_split_valid(layout: Layout, ctx: SpaceContext) -> bool:
     """megatron can cut the decoder into the layout's stages and virtual stages (the recipe's
     `parallel.pp_layers` where they fit it, else an even split: `fit_recipe_split`)."""
     try:
-        L.split(c.shapes.decoder.layers)
+        layout.split(ctx.shapes.decoder.layers)
     except PipelineSplitError:
         return False
     return True
 
 
-def vpp_valid(L: Layout, c: SpaceContext) -> bool:
+def vpp_valid(layout: Layout, ctx: SpaceContext) -> bool:
     """Virtual stages need pipelining and micro-batches per DP rank in groups of pp (megatron's
     interleaved schedule)."""
-    return L.vpp == 1 or (L.pp > 1 and interleaved_schedule_problem(L.grad_accum, L.pp, L.vpp) is None)
+    return layout.vpp == 1 or (
+        layout.pp > 1 and interleaved_schedule_problem(layout.grad_accum, layout.pp, layout.vpp) is None)
 
 
-def fit_recipe_split(L: Layout, c: SpaceContext) -> Layout:
+def fit_recipe_split(layout: Layout, ctx: SpaceContext) -> Layout:
     """The recipe's `parallel.pp_layers` for a layout it fits (its pp and vpp), else the even split."""
-    if not L.pp_layers or pipeline_split_valid(L, c):
-        return L
-    return L.with_(pp_layers=())
+    if not layout.pp_layers or pipeline_split_valid(layout, ctx):
+        return layout
+    return layout.with_(pp_layers=())
 
 
-def vision_tp_valid(L: Layout, c: SpaceContext) -> bool:
+def vision_tp_valid(layout: Layout, ctx: SpaceContext) -> bool:
     """The encoder's own TP is 1 or the decoder's (models/encoder_parallel.py), and only where
     some ranks share a micro-batch (else it is the inherited layout under another name)."""
-    if L.vision_tp is None:
+    if layout.vision_tp is None:
         return True
-    v = c.shapes.encoder
-    return (v is not None and L.vision_tp in (1, L.tp) and L.tp * L.cp > 1
-            and (L.vision_tp == 1 or (v.heads % L.tp == 0 and v.ffn % L.tp == 0)))
+    v = ctx.shapes.encoder
+    return (v is not None and layout.vision_tp in (1, layout.tp) and layout.tp * layout.cp > 1
+            and (layout.vision_tp == 1 or (v.heads % layout.tp == 0 and v.ffn % layout.tp == 0)))
 
 
-def recompute_memory_rank(L: Layout) -> float:
+def recompute_memory_rank(layout: Layout) -> float:
     """Recompute modes by the activations they keep: none 2, selective 1 (all but the attention
     internals), full below that: 1 / (1 + N) when only N layers of a stage are, 0 when all are
     (fewer recomputed layers keep more activations)."""
-    if L.recompute != "full":
-        return {"none": 2.0, "selective": 1.0}[L.recompute]
-    return 1.0 / (1 + L.recompute_num_layers) if L.recompute_num_layers else 0.0
+    if layout.recompute != "full":
+        return {"none": 2.0, "selective": 1.0}[layout.recompute]
+    return 1.0 / (1 + layout.recompute_num_layers) if layout.recompute_num_layers else 0.0
+
+
+def cp_valid(layout: Layout, ctx: SpaceContext) -> bool:
+    """CP cuts every sequence into 2*cp chunks (2*cp*tp with sequence parallelism)."""
+    return ctx.seq_length % sequence_split_multiple(layout.cp, layout.tp, layout.sequence_parallel) == 0
+
+
+def recompute_layers_valid(layout: Layout, ctx: SpaceContext) -> bool:
+    """A count of recomputed layers only with full recompute, below a model chunk's layers (megatron
+    counts them per model chunk)."""
+    return layout.recompute_num_layers == 0 or (
+        layout.recompute == "full"
+        and layout.recompute_num_layers < ctx.shapes.decoder.layers // (layout.pp * layout.vpp))
+
+
+def sequence_parallel_valid(layout: Layout, ctx: SpaceContext) -> bool:
+    """SP only splits over TP."""
+    return layout.tp > 1 or not layout.sequence_parallel
+
+
+def distributed_optimizer_valid(layout: Layout, ctx: SpaceContext) -> bool:
+    """The distributed optimizer shards over DP: with one DP rank only the recipe's own choice is kept."""
+    return layout.dp > 1 or layout.distributed_optimizer == ctx.recipe.parallel.distributed_optimizer
+
+
+def always_valid(layout: Layout, ctx: SpaceContext) -> bool:
+    """The default: every value of the dimension goes with every layout."""
+    return True
 
 
 @dataclass(frozen=True)
@@ -108,42 +137,43 @@ class Dimension:
     recipe_key: str  # dotted recipe key the value goes to in best.yaml and the trial recipes
     auto: Callable[[SpaceContext], list[Any]]
     splits_world: bool = False
-    valid: Callable[[Layout, SpaceContext], bool] = lambda L, c: True
+    valid: Callable[[Layout, SpaceContext], bool] = always_valid
     # for pruning by history: a number that grows with the memory the layout needs through this
     # dimension (None: not ordered, so an OOM says nothing about other values of it)
     memory_order: Callable[[Layout], float] | None = None
 
 
 DIMENSIONS: tuple[Dimension, ...] = (
-    Dimension("tp", "parallel.tp", splits_world=True, auto=lambda c: divisors(c.recipe.parallel.nproc_per_node),
+    Dimension("tp", "parallel.tp", splits_world=True, auto=lambda ctx: divisors(ctx.recipe.parallel.nproc_per_node),
               valid=tp_valid),
-    Dimension("pp", "parallel.pp", splits_world=True, auto=lambda c: divisors(c.shapes.decoder.layers),
+    Dimension("pp", "parallel.pp", splits_world=True, auto=lambda ctx: divisors(ctx.shapes.decoder.layers),
               valid=pipeline_split_valid),
     # interleaved 1F1B: a smaller bubble, more in-flight activations (not monotone in vpp: unordered)
-    Dimension("vpp", "parallel.vpp", auto=lambda c: [v for v in divisors(c.shapes.decoder.layers) if v <= MAX_AUTO_VPP],
+    Dimension("vpp", "parallel.vpp",
+              auto=lambda ctx: [v for v in divisors(ctx.shapes.decoder.layers) if v <= MAX_AUTO_VPP],
               valid=vpp_valid),
     # CP cuts every sequence into 2*cp chunks (2*cp*tp with sequence parallelism)
-    Dimension("cp", "parallel.cp", splits_world=True, auto=lambda c: divisors(c.world),
-              valid=lambda L, c: c.seq_length % sequence_split_multiple(L.cp, L.tp, L.sequence_parallel) == 0),
+    Dimension("cp", "parallel.cp", splits_world=True, auto=lambda ctx: divisors(ctx.world),
+              valid=cp_valid),
     Dimension("micro_batch_size", "train.micro_batch_size",
-              auto=lambda c: [m for m in divisors(c.recipe.train.global_batch_size) if m <= MAX_AUTO_MICRO_BATCH],
-              memory_order=lambda L: L.micro_batch_size),
-    Dimension("recompute", "parallel.recompute", auto=lambda c: list(RECOMPUTE_MODES),
-              memory_order=lambda L: recompute_memory_rank(L)),
+              auto=lambda ctx: [m for m in divisors(ctx.recipe.train.global_batch_size) if m <= MAX_AUTO_MICRO_BATCH],
+              memory_order=lambda layout: layout.micro_batch_size),
+    Dimension("recompute", "parallel.recompute", auto=lambda ctx: list(RECOMPUTE_MODES),
+              memory_order=recompute_memory_rank),
     Dimension("recompute_num_layers", "parallel.recompute_num_layers",
-              auto=lambda c: sorted({0, c.shapes.decoder.layers // 4, c.shapes.decoder.layers // 2}),
-              valid=lambda L, c: L.recompute_num_layers == 0 or (  # megatron counts them per model chunk
-                  L.recompute == "full" and L.recompute_num_layers < c.shapes.decoder.layers // (L.pp * L.vpp)),
-              memory_order=lambda L: 0.0),  # ordered together with recompute (recompute_memory_rank)
-    Dimension("sequence_parallel", "parallel.sequence_parallel", auto=lambda c: [False, True],
-              valid=lambda L, c: L.tp > 1 or not L.sequence_parallel,  # SP only splits over TP
-              memory_order=lambda L: not L.sequence_parallel),
+              auto=lambda ctx: sorted({0, ctx.shapes.decoder.layers // 4, ctx.shapes.decoder.layers // 2}),
+              valid=recompute_layers_valid,
+              memory_order=lambda layout: 0.0),  # ordered together with recompute (recompute_memory_rank)
+    Dimension("sequence_parallel", "parallel.sequence_parallel", auto=lambda ctx: [False, True],
+              valid=sequence_parallel_valid,
+              memory_order=lambda layout: not layout.sequence_parallel),
     Dimension("distributed_optimizer", "parallel.distributed_optimizer",
-              auto=lambda c: [True, False] if c.on_cuda else [c.recipe.parallel.distributed_optimizer],
-              valid=lambda L, c: L.dp > 1 or L.distributed_optimizer == c.recipe.parallel.distributed_optimizer,
-              memory_order=lambda L: not L.distributed_optimizer),
+              auto=lambda ctx: [True, False] if ctx.on_cuda else [ctx.recipe.parallel.distributed_optimizer],
+              valid=distributed_optimizer_valid,
+              memory_order=lambda layout: not layout.distributed_optimizer),
     # the vision tower's own layout: None (the decoder's) or 1 (whole per rank, tiles split over TP x CP)
-    Dimension("vision_tp", "parallel.vision.tp", auto=lambda c: [None, 1] if c.shapes.encoder is not None else [None],
+    Dimension("vision_tp", "parallel.vision.tp",
+              auto=lambda ctx: [None, 1] if ctx.shapes.encoder is not None else [None],
               valid=vision_tp_valid),
 )
 

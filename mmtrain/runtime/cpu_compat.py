@@ -1,39 +1,5 @@
-"""Every CPU adaptation of megatron-core in one module: the ONLY place where mmtrain bends megatron
-to run without CUDA. With CUDA present each function here does nothing, so the same model and
-runtime code runs on a laptop (gloo) and on GPUs (NCCL). Megatron source is never forked or
-edited; every substitution is logged once and listed in `SUBSTITUTIONS`.
-
-1. Process-wide patches (`apply`, undone by `revert`), applied by the runtime's process set-up
-   (`runtime.distributed`) and nowhere else. megatron-core hard-codes CUDA in a few places on our
-   model's path: `torch.cuda.current_device()` as a factory device, `.cuda()` in constructors,
-   `device="cuda"` factory calls (schedules' token counts, p2p shape buffers, DDP grad buffers),
-   a CUDA-RNG-based state tracker forked inside attention/embedding dropout and snapshotted by
-   activation recompute, `torch.cuda.synchronize()` in the dist-checkpoint writer and the
-   pipeline's shape exchange. `apply()` redirects exactly those to the CPU. The lines that force
-   them (megatron-core 0.16):
-     distributed/param_and_grad_buffer.py:783   torch.zeros(..., device=torch.cuda.current_device(), ...)
-     pipeline_parallel/schedules.py:596         total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")
-     tensor_parallel/random.py:66               default_generator = torch.cuda.default_generators[idx]
-     dist_checkpointing/strategies/filesystem_async.py:230   torch.cuda.synchronize()
-   The attention backend is not patched: the layer specs pick `SDPACoreAttention`.
-2. While megatron's optimizer is built (`optimizer_type_checks`, used by `runtime.optimizer`), a
-   CPU fp32/bf16 parameter answers `param.type()` with its CUDA type string: megatron's
-   `Float16OptimizerWithFloat16Params` and `DistributedOptimizer` sort parameters by that string
-   and refuse any other (the function lists the lines). That is all the CPU needs for
-   `parallel.precision: bf16` (bf16 params, fp32 main params) and `parallel.distributed_optimizer`
-   (sharded main params, reduce-scatter and the overlapped, aligned param all-gather on gloo):
-   the run's recipe is honoured as on GPU, no setting is changed on CPU.
-
-What is NOT substituted (megatron's own, on CPU as on GPU): megatron DDP with its own settings,
-overlapped bucketed grad reduction and, with the distributed optimizer, the overlapped param
-all-gather included (async `allreduce_coalesced`, `reduce_scatter_tensor` and
-`all_gather_into_tensor` work on gloo in torch 2.13; the only CUDA streams in DDP are for
-`num_distributed_optimizer_instances > 1`), and megatron's optimizer (`get_megatron_optimizer`:
-FP32Optimizer, Float16OptimizerWithFloat16Params or DistributedOptimizer around torch AdamW when
-neither TE nor apex is there, its grad-norm, clipping, `reload_model_params` and dist-checkpoint
-`sharded_state_dict`). One megatron function is replaced for that: `clip_grad_by_total_norm_fp32`
-asserts a CUDA tensor type (see `_patch_grad_clipping`).
-"""
+"""Every CPU adaptation of megatron-core in one module; with CUDA present each function does nothing.
+Design notes: docs/gpu.md, "cpu_compat: megatron-core without CUDA"."""
 
 from __future__ import annotations
 

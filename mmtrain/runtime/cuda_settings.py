@@ -4,15 +4,15 @@ decision) and applied in one place (`apply_process_env` before the process touch
 
 - `CUDA_DEVICE_MAX_CONNECTIONS=1` when tp > 1: megatron's TP/SP communication overlap orders its
   all-gathers and GEMMs on one hardware queue (megatron-core 0.16 `tensor_parallel/layers.py`
-  warns without it; review C5).
-- determinism (`train.deterministic`, review B4): TE's deterministic attention kernels
+  warns without it).
+- determinism (`train.deterministic`): TE's deterministic attention kernels
   (`NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`, which megatron's `deterministic_mode` requires:
   `extensions/transformer_engine.py:1254`), cuBLAS's fixed workspace, torch's deterministic
   algorithms (index_add_ backward in media splicing and the CP split).
-- fp32 on CUDA (review A8): TF32 matmuls on (the GPU peak the MFU uses is TF32's); refused under
+- fp32 on CUDA: TF32 matmuls on (the GPU peak the MFU uses is TF32's); refused under
   context parallelism, where TE has no fp32 attention (flash/fused attention take bf16/fp16 only
   and the unfused backend is disabled with CP).
-- `cp_comm_type` against what TE can do with THD (every decoder call is packed; review A6).
+- `cp_comm_type` against what TE can do with THD (every decoder call is packed).
 """
 
 from __future__ import annotations

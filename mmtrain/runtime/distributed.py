@@ -106,7 +106,7 @@ def resolve_backend(requested: str, cuda_visible: bool | None = None) -> str:
     """The process-group backend, which is THE run-device decision (nccl: CUDA, gloo: CPU).
 
     `cuda_visible` is asked here, once (default: `torch.cuda.is_available()`); everything after
-    keys on the resulting device. gloo while CUDA is visible is refused (review A7): megatron,
+    keys on the resulting device. gloo while CUDA is visible is refused: megatron,
     cpu_compat and TE would still see the GPU, giving a half-CPU half-GPU model; hide the GPUs
     instead (CUDA_VISIBLE_DEVICES="")."""
     if cuda_visible is None:
@@ -124,7 +124,7 @@ def resolve_backend(requested: str, cuda_visible: bool | None = None) -> str:
 
 
 def cuda_device_index(local_rank: int, device_count: int, local_world_size: int | None = None) -> int:
-    """The CUDA device of this process: LOCAL_RANK modulo the visible devices (review A5: under
+    """The CUDA device of this process: LOCAL_RANK modulo the visible devices (under
     `srun --gpus-per-task=1` each task sees one device while LOCAL_RANK runs 0..7).
 
     `local_world_size` (torchrun's LOCAL_WORLD_SIZE: processes of this node sharing one device
@@ -168,7 +168,7 @@ def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
 def check_context_parallel_backend(cp: int, on_cuda: bool) -> None:
     """megatron's context-parallel attention on GPU is Transformer Engine's; refuse early and
     clearly without it (on CPU, mmtrain's K/V all-gather attention serves). Asked through
-    te_support: megatron's TE import succeeds with a MagicMock when TE is missing (review A2)."""
+    te_support: megatron's TE import succeeds with a MagicMock when TE is missing."""
     if cp <= 1 or not on_cuda:
         return
     st = te_status()
@@ -267,7 +267,7 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 
     if not dist.is_initialized():
         backend = resolve_backend("auto")
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if backend == "nccl":  # review A4: without it every rank of a conversion sits on cuda:0
+        if backend == "nccl":  # without it every rank of a conversion sits on cuda:0
             set_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # a launcher set it up
             dist.init_process_group(backend=backend, rank=rank, world_size=world)

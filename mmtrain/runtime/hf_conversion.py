@@ -1,23 +1,6 @@
-"""How every family's HF <-> megatron conversion runs (the families supply the model, the tensor
-getters and the name adapters; see e.g. mmtrain/llava_ov/conversion.py).
-
-Import (HF -> megatron): `import_to_mcore` builds the model stage of every rank of the requested
-TP/PP layout (one spawned process per rank when TP*PP > 1, gloo on CPU), streams each canonical
-tensor from the family's source getter into its shard, and writes a torch_dist checkpoint
-(reshardable to any layout at load time). Host memory: about one model copy plus one tensor.
-
-Export (megatron -> HF): `load_unsharded` loads a checkpoint at TP=1/PP=1 (dist-checkpoint
-reshards), `canonical_tensors` reads it back as canonical tensors for the family's adapter to
-stream into size-bounded safetensors shards.
-
-Dtype: an import builds the model in the source's dtype (`import_dtype`: its tensors', e.g.
-bf16 for the published LLaVA checkpoints), so the megatron weights are stored in it and the
-saved model config's `params_dtype` records it; an export writes the dtype the megatron weights
-are stored in (`export_dtype`: a converted checkpoint's source dtype, a trained one's
-`parallel.precision`). `--dtype` chooses another either way.
-
-Sources and model builders are module-level functions (they cross the spawn boundary).
-"""
+"""How every family's HF <-> megatron conversion runs (the families supply the model, the tensor getters and
+the name adapters).
+Design notes: docs/conversion.md, "How a family's conversion runs"."""
 
 from __future__ import annotations
 

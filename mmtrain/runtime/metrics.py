@@ -1,47 +1,5 @@
-"""Per-step training metrics and `mmtrain worst-samples`.
-
-`<run_dir>/metrics.jsonl` holds one JSON object per optimizer step, written by rank 0 right after
-the step (one `write` per line, so a crash leaves at most one partial trailing line, which the
-reader and the next writer drop). Fields:
-
-  step           int    optimizer step just finished (1-based)              required
-  loss           float  mean loss over real (unmasked) tokens, all micro-batches and ranks
-  lr             float  the step's base learning rate (`optimizer.lr`'s schedule; parts with an
-                        `optimizer.lr_mult` train at that multiple of it)
-  grad_norm      float  global gradient norm before clipping
-  tokens_per_s   float  real tokens / step wall time, whole job
-  samples_per_s  float  samples / step wall time, whole job
-  bin_fill       float  real tokens / row capacity (rows x seq_length) of the step, whole job
-  executed_token_efficiency
-                 float  real tokens / tokens computed: rows plus the CP padding of every
-                        segment (mmdata/packing/report.py), whole job
-  vision_balance float  max / mean over the DP ranks of the tiles and frames their vision towers
-                        encoded this step (1.0 = even; null without media); `data.balance`
-                        spreads them (mmdata/packing/balance.py)
-  (optional)     mfu, mem_*, tokens, num_samples, step_time_s, data_wait_s, ... any scalar
-  val_loss       float  only at `train.eval_interval` steps: mean loss over the real tokens of
-                        `train.eval_iters` global batches of `data.val_paths`
-                        (mmtrain/runtime/evaluation.py)
-  val_tokens     int    those real (label) tokens, whole job; with val_loss
-  val_time_s     float  wall time of that evaluation; with val_loss
-  sample_ids     list[str]          every sample of this step, gathered over DP ranks, by its
-                                    sample key `DATASET#SHARD_KEY` (unique across blended
-                                    datasets; `mmdata preview DATASET --key SHARD_KEY` shows it)
-  sample_losses  {str: float}       per-sample mean loss over that sample's real tokens, keyed by
-                 or list[float|None] the same ids, or a list aligned with `sample_ids` (null where
-                                    unknown). This is what `worst-samples` ranks by.
-
-Non-finite floats are written as the strings "nan", "inf", "-inf" (strict JSON). With
-`logging.tensorboard: true` (which needs the `tensorboard` package), every numeric field is also
-logged as the scalar `train/<field>`.
-
-On resume from step k, `MetricsWriter(run_dir, resume_step=k)` drops the records after k, so the
-file again reads as one run.
-
-  mmtrain worst-samples RUN_DIR [--step N] [--top K]
-
-prints the samples of step N (default: the step with the highest loss) ranked by their loss.
-"""
+"""Per-step training metrics (`<run_dir>/metrics.jsonl`, written by rank 0) and `mmtrain worst-samples`.
+Design notes: docs/training.md, "metrics.jsonl, field by field"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
 """Parts, freezing, param groups and the optimizer (megatron's on GPU, its CPU substitute on CPU).
-
-- Parts: the family declares its trainable parts (`FamilySpec.parts`: part -> module paths);
-  `ModelParts` assigns every parameter of a model stage to exactly one of them, by identity, so
-  the assignment survives wrapping (DDP) and renaming.
-- Freezing (`freeze: [part, ...]`) happens before DDP wrapping, so frozen parameters get no
-  grad buffer and never reach the optimizer (LLaVA-OV stage 1 trains only the projector).
-- Param groups: one per (part, decay / no decay), in the family's part order, with the part's
-  peak and floor LR = `optimizer.lr` / `min_lr` times `optimizer.lr_mult[part]` (default 1);
-  no weight decay on biases and 1-D parameters (norm scales). Every rank builds the same group
-  list (possibly with empty groups) so checkpoints line up across pipeline stages.
-- The optimizer, on CPU and GPU alike: megatron's `get_megatron_optimizer` (FP32Optimizer,
-  Float16OptimizerWithFloat16Params for bf16, DistributedOptimizer when configured; its own grad
-  clipping), with the per-part LRs as config overrides. Without TE or apex it wraps torch's AdamW
-  (runtime/cpu_compat.py says what the CPU needs to build it; `torch_adam_load` what megatron's
-  distributed optimizer needs to load a checkpoint around torch's AdamW, on any device).
-- DDP settings (`ddp_config_kwargs`): megatron's overlapped grad reduction everywhere; with the
-  distributed optimizer also the overlapped, aligned param all-gather (review C5).
-- `optimizer_kind`: what a checkpoint records so that a resume with another optimizer layout
-  starts that optimizer fresh instead of failing (checkpoint/manager.py, review A9).
-"""
+Design notes: docs/training.md, "Parts, freezing, param groups and the optimizer"."""
 
 from __future__ import annotations
 
@@ -170,36 +151,9 @@ def _torch_adam_distributed_optimizers(optimizer: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def torch_adam_load(optimizer: Any):
-    """Around a checkpoint load into megatron's DistributedOptimizer wrapping torch's Adam (without
-    TE or apex: the CPU, or a GPU node without them), answer the three places where megatron-core
-    0.16's load assumes TE's/apex's FusedAdam, whose state has no per-parameter "step":
-
-    1. `sharded_state_dict(is_loading=True)` calls `state_dict()`, which reads the step from the
-       torch optimizer's per-parameter state (`optimizer/distrib_optimizer.py:641-642`):
-           steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))
-           assert len(steps) == 1
-       A fresh optimizer has no state, so every resume failed there. megatron's own answer, used
-       by its fsdp_dtensor load, is `_init_optimizer_states_with_dummy_values` (`:1137`, "dummy
-       states [that] will be replaced in-place during the loading of distributed checkpoints"):
-       one zero-gradient step of the inner optimizer, done first when the state is empty.
-    2. the parameter state loader skips "step" in the checkpoint's tensors ("Handle torch Adam
-       'step' state separately", `:2102`), but `_set_main_param_and_optimizer_states` copies
-       every key of the torch state (`:938-940`):
-           dst_tensors = {"param": main_param, **optim_state}
-           for key in dst_tensors:
-               dst_tensors[key].copy_(tensors[key])    # KeyError: 'step'
-       While the load runs, each such optimizer's `_set_main_param_and_optimizer_states` gets the
-       state's own, already restored "step" among the tensors (a copy onto itself).
-    3. `load_state_dict` restores torch's "step" from the saved param groups as ONE tensor shared
-       by every parameter's state (`:821-825`):
-           step = torch.tensor(steps[0], dtype=torch.float)
-           for s in state_dict_state.values():
-               s["step"] = step
-       torch's Adam increments each state's step in place, so after a resume the shared step
-       advanced once per parameter per step (Adam's bias correction wrong from then on). When
-       the load is done, every state gets its own copy.
-
-    Private names of megatron, so version-gated; nothing is done for any other optimizer."""
+    """Around a checkpoint load into megatron's DistributedOptimizer wrapping torch's Adam (no TE or apex), answer
+    where megatron-core 0.16's load assumes FusedAdam's state.
+    Design notes: docs/gpu.md, "Loading a DistributedOptimizer checkpoint around torch's Adam"."""
     targets = _torch_adam_distributed_optimizers(optimizer)
     version = package_info.__version__
     if targets and not version.startswith(_TORCH_ADAM_LOAD_VERSIONS):

@@ -1,26 +1,6 @@
-"""Checks of what a training run will touch, before anything heavy: run by `mmtrain FAMILY
-RECIPE` (action: run) after the recipe validated and before the model is built, workers are
-spawned or anything is written into `run_dir`. A bad data path, tokenizer or run_dir costs one
-message listing every problem (exit 2) instead of a `[rank0]` traceback minutes later, and the
-run dir's `config.yaml` keeps describing its checkpoints.
-
-- `data.paths` / `data.val_paths`: each a finished energon shard folder with samples, or a
-  metadataset YAML whose datasets all are (mmdata/readiness.py: an unfinished preprocess job's
-  folder is refused), each dataset (every leaf of a metadataset blend) of the family's
-  energon sample type (`FamilySpec.sample_type`, read from `.nv-meta/mmdata.yaml`): Emu3 token
-  shards given to llava-ov, or LLaVA shards to emu3, are refused naming both kinds;
-- `data.packing: plan`: the plan was made for this data, `train.seq_length` and the recipe's
-  geometry: LLaVA-OV's image token geometry, Emu3's tokenizer, prompts and task settings
-  (mmdata/energon_loaders/plan_packing.py); a balanced plan for the recipe's DP size,
-  micro-batch and global batch, and with `data.balance: true` the plan must be balanced;
-- `tokenizer.path`: a local HF tokenizer folder (never sent to the hub) whose ids fit the
-  recipe (the family's `check_tokenizer`, e.g. llava-ov's media token ids);
-- the starting checkpoint (the run dir's own latest, else `checkpoint.load`): it exists and was
-  made for the recipe's architecture (the family's `architecture_keys`);
-- `logging.tensorboard: true` needs the `tensorboard` package.
-
-It also warns when `data.shuffle_buffer_size` exceeds what one loader worker reads per pass.
-"""
+"""Checks of what a training run will touch, before anything heavy (after the recipe validated, before the
+model is built or anything is written into `run_dir`).
+Design notes: docs/training.md, "preflight, module by module"."""
 
 from __future__ import annotations
 

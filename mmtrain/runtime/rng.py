@@ -45,7 +45,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def _on_cuda() -> bool:
-    """The run's device (a CPU run on a GPU host has no CUDA stream to save; review A7)."""
+    """The run's device (a CPU run on a GPU host has no CUDA stream to save)."""
     return compute_device().type == "cuda"
 
 

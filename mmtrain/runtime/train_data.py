@@ -1,26 +1,5 @@
 """Feeds each training step its micro-batches and owns the loader's resumable state.
-
-Every rank of a TP/PP group builds the loader with the same DP rank, so all stages of one
-model replica see the same micro-batches (the first stage needs the pixels and token ids, the
-last the labels) without broadcasting variable-size media between ranks.
-
-Two ways to split the stream over DP ranks (`data.sharding`):
-- "dp": energon's `WorkerConfig(rank=dp_rank, world_size=dp)` sharding - each DP rank decodes
-  only its own data. The loader state is per DP rank and energon refuses it at another DP size.
-- "replicated": every rank reads the single-process stream (`dp_rank=0, dp_size=1`) and keeps
-  micro-batches `[dp_rank*M, (dp_rank+1)*M)` of each step's `dp*M`. Any layout then trains on
-  exactly the same global batches, and the (identical) loader state resumes at any DP size.
-
-`data.balance: true` with online packing spreads each step's rows over the DP ranks and each
-rank's micro-batches by cost, tokens plus vision tiles (runtime/row_exchange.py; replicated data
-needs no exchange). A balanced packing plan is placed by its loader already.
-
-`data.balance_window` steps are drawn and placed together (`balance.assign_window`): rows move
-between the window's steps as well as between ranks. A checkpoint inside a window saves the
-loader's state from before the window and how many of its steps were trained; the resumed run
-draws the same window again, places it the same and carries on after those steps (exact resume,
-with no rows in the checkpoint).
-"""
+Design notes: docs/training.md, "Feeding the steps: train_data"."""
 
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ class Trainer:
         return chunks
 
     def _check_cp_comm_type(self) -> None:
-        """TE's context-parallel attention on packed sequences, for this TE version (review A6)."""
+        """TE's context-parallel attention on packed sequences, for this TE version (every decoder call is packed)."""
         d = self.spec.model_shapes(self.recipe.model).decoder
         p = self.recipe.parallel
         problem = cp_comm_type_problem(p.cp_comm_type, p.cp, p.tp, d.kv_groups, d.heads, te_status().version_tuple())

@@ -1,5 +1,5 @@
 """The gpu tier (`make test-gpu`): the real CLIs on one CUDA device, in bf16 with the distributed
-optimizer, checking the GPU review's findings (/work/shared/reference/gpu-path-review.md).
+optimizer, checking the GPU path's findings item by item (docs/gpu.md, "The review, item by item").
 
 Every test here carries the `gpu` marker. Without a usable GPU each one is skipped with one reason
 and costs nothing: the CPU tiers (`make test`, `-m slow`) collect this folder too, and the skip is

@@ -1,28 +1,5 @@
 """What a checkpoint's loader state was made for, and what a resume changes.
-
-energon restores a loader state only into a loader built the same way: other shards, blend
-weights, `train.seq_length`, packing, buffer sizes, worker count, micro-batch size or seed make
-the restored buffers wrong (e.g. packs longer than the new `seq_length`: thousands of skipped
-samples) or fail energon's asserts. So every checkpoint records its data identity in
-`trainer_state.json` (`TrainerState.data`), and a resume whose recipe differs is refused with one
-line naming each key `old -> new` and the switch that allows it, `checkpoint.reset_data: true`
-(weights, optimizer and step resume; the loader starts fresh from its seed).
-
-Not part of the identity: `data.val_paths` (evaluation builds its own loader each time),
-`data.sharding` / the DP size (the loader state is then not restored at all: `LoaderState`) and
-`data.balance` and `data.balance_window` (rows are placed after the loaders drew them; a window
-cut by a checkpoint is finished as it began: `TrainData.restore_state`).
-
-`checkpoint.reset_data` resets at most once per change: a checkpoint written by a run with the
-switch on records it (`TrainerState.data_reset`), and a rerun of that run (a crash, a time limit)
-resumes its data position as long as the data stays the same.
-
-Other recipe changes that take effect on resume (`train.iters`, the LR schedule, the global
-batch...) are not refused: `recipe_changes` says each in one log line.
-
-`resume_data_problems(recipe)` runs the refusal check from the recipe alone, for the launcher's
-preflight (before `config.yaml` is rewritten and workers are spawned).
-"""
+Design notes: docs/training.md, "The loader state's data identity"."""
 
 from __future__ import annotations
 

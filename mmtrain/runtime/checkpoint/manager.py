@@ -1,30 +1,6 @@
-"""Training checkpoints: the full training state as a set of stateful parts, written atomically,
-resumable exactly or re-sharded onto another layout.
-
-Layout of `<run_dir>/checkpoints/iter_0000010/` (directory names: layout.py):
-  model/ + model_config.yaml  ModelState: megatron dist-checkpoint of the weights (weights.py)
-  optimizer/                  OptimizerState: dist-checkpoint of the optimizer moments, sharded
-                              like the weights (so TP/PP changes re-shard them like the model)
-  rng/rank_00003.pt           RngState: per-rank RNG streams (python, numpy, torch, CUDA, tracker)
-  loader/<key>.json           LoaderState: energon `save_state_rank()` per DP rank (or one, when
-                              replicated), as JSON (mmdata.energon_loaders.state_codec), no pickles
-  trainer_state.json          TrainerState: step, consumed samples, layout, LR schedule, seed, and
-                              the data the loader state was made for (data_identity.py)
-  config.yaml                 the resolved recipe
-`<run_dir>/checkpoints/latest` holds the newest complete iteration number.
-
-Atomicity: everything is written into `.staging/iter_0000010/`; only when every rank is done
-does rank 0 rename it into place and then rewrite `latest` (write + os.replace). A crash or
-Ctrl-C mid-save leaves at most a staging directory, removed when the next run starts (one line
-logged: `clear_stale_staging`); `latest` never points at a partial checkpoint. Tests prove it by
-killing or interrupting a save at a chosen point (an observer in `SAVE_PHASE_OBSERVERS`, below,
-installed by tests/workers/kill_in_save.py).
-
-Where a run starts (`CheckpointManager.starting_point`): its own latest checkpoint (a rerun of
-a killed job continues it), else `checkpoint.load` (a training checkpoint, weights only, or an
-HF directory converted on the fly by the family). A starting point made for another model
-(the family's architecture keys differ) is refused before anything is built.
-"""
+"""Training checkpoints: the full training state as a set of stateful parts, written atomically, resumable
+exactly or re-sharded onto another layout.
+Design notes: docs/training.md, "The checkpoint manager"."""
 
 from __future__ import annotations
 
@@ -143,7 +119,7 @@ class OptimizerState:
     kind (FP32/Float16Optimizer: per-parameter moments sharded like the weights; the distributed
     optimizer: its own sharding type), recorded in trainer_state.json: a checkpoint of another kind
     (a CPU-made run resumed with the distributed optimizer on GPU, or the reverse) starts the
-    optimizer fresh, with a warning, instead of failing as a damaged checkpoint (review A9)."""
+    optimizer fresh, with a warning, instead of failing as a damaged checkpoint."""
 
     name = "optimizer"
 
@@ -204,7 +180,7 @@ def _describe(kind: dict[str, Any]) -> str:
 def reload_model_params(optimizer: Any) -> None:
     """megatron's mixed-precision and distributed optimizers keep fp32 copies of the weights made at
     construction (before any weights were loaded): refresh them from the model whenever the
-    optimizer state was not restored, else the first step writes the stale copies back (review B2)."""
+    optimizer state was not restored, else the first step writes the stale copies back."""
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
 
