@@ -32,10 +32,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh $(DEMO)
 
-# pyflakes, error-prone pycodestyle rules and bugbear (the rule set is in pyproject.toml), then mypy
+# pyflakes, error-prone pycodestyle rules, 120 columns and bugbear (the rule set is in pyproject.toml),
+# `ruff format`'s layout, then mypy
 # on the training runtime and the Ray jobs' stage runner ([tool.mypy]; each `type: ignore` says why).
 lint: $(STAMP)
 	$(PY) -m ruff check mmdata mmtrain tests benchmarks scripts
+	$(PY) -m ruff format --check mmdata mmtrain tests benchmarks scripts
 	$(PY) -m mypy mmtrain/runtime mmdata/stage_runner.py
 
 test: $(STAMP)

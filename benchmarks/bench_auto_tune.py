@@ -38,10 +38,20 @@ from benchmarks.bench_train_llava import build_data
 from benchmarks.common import REPO
 
 
-TINY = ["llava-ov", str(REPO / "recipes" / "llava-ov-tiny.yaml"), "train.seq_length=512", "train.global_batch_size=8",
-        "data.num_workers=1", "auto_tune.trial_steps=5", "auto_tune.warmup_steps=2", "auto_tune.trial_timeout_s=300",
-        # a per-rank grant around the recipe's own layout (CPU processes have no device memory)
-        "auto_tune.device_memory_gb=0.02", "auto_tune.min_memory_fraction=0.6", "auto_tune.memory_fraction=0.7"]
+TINY = [
+    "llava-ov",
+    str(REPO / "recipes" / "llava-ov-tiny.yaml"),
+    "train.seq_length=512",
+    "train.global_batch_size=8",
+    "data.num_workers=1",
+    "auto_tune.trial_steps=5",
+    "auto_tune.warmup_steps=2",
+    "auto_tune.trial_timeout_s=300",
+    # a per-rank grant around the recipe's own layout (CPU processes have no device memory)
+    "auto_tune.device_memory_gb=0.02",
+    "auto_tune.min_memory_fraction=0.6",
+    "auto_tune.memory_fraction=0.7",
+]
 
 # --quick: the same search, shorter trials (a smoke run of the whole path, not a measurement)
 QUICK = ["auto_tune.trial_steps=3", "auto_tune.warmup_steps=1"]
@@ -52,11 +62,22 @@ def aquila_args(gpus: int) -> list[str]:
     import torch
 
     mem_gib = torch.cuda.get_device_properties(0).total_memory / 1024**3
-    return ["llava-ov", str(REPO / "recipes" / "aquila-vl-2b.yaml"), "stage=2a", "checkpoint.load=null",
-            "model.image_token_id=783", "model.video_token_id=784", "data.num_workers=2",
-            f"train.global_batch_size={8 * gpus}", "auto_tune.trial_steps=4", "auto_tune.warmup_steps=2",
-            "auto_tune.trial_timeout_s=240", f"auto_tune.device_memory_gb={mem_gib:.0f}",
-            "auto_tune.memory_fraction=0.8", "auto_tune.min_memory_fraction=0.1"]
+    return [
+        "llava-ov",
+        str(REPO / "recipes" / "aquila-vl-2b.yaml"),
+        "stage=2a",
+        "checkpoint.load=null",
+        "model.image_token_id=783",
+        "model.video_token_id=784",
+        "data.num_workers=2",
+        f"train.global_batch_size={8 * gpus}",
+        "auto_tune.trial_steps=4",
+        "auto_tune.warmup_steps=2",
+        "auto_tune.trial_timeout_s=240",
+        f"auto_tune.device_memory_gb={mem_gib:.0f}",
+        "auto_tune.memory_fraction=0.8",
+        "auto_tune.min_memory_fraction=0.1",
+    ]
 
 
 def figures(history: Path) -> dict:
@@ -66,10 +87,18 @@ def figures(history: Path) -> dict:
     errs = [abs(float(r["model_mem_gib"]) - float(r["meas_mem_gib"])) / float(r["meas_mem_gib"]) for r in ran]
     base = next((r for r in ran if r["baseline"] == "True"), None)
     best = max(ran, key=lambda r: float(r["meas_tokens_per_s"]), default=None)
-    return dict(n=len(rows), pruned=status.count("pruned_memory") + status.count("pruned_history"),
-                pruned_memory=status.count("pruned_memory"), pruned_history=status.count("pruned_history"),
-                trials=len(ran) + status.count("failed"), failed=status.count("failed"), ran=ran,
-                mem_err=(statistics.median(errs), max(errs)) if errs else None, base=base, best=best)
+    return dict(
+        n=len(rows),
+        pruned=status.count("pruned_memory") + status.count("pruned_history"),
+        pruned_memory=status.count("pruned_memory"),
+        pruned_history=status.count("pruned_history"),
+        trials=len(ran) + status.count("failed"),
+        failed=status.count("failed"),
+        ran=ran,
+        mem_err=(statistics.median(errs), max(errs)) if errs else None,
+        base=base,
+        best=best,
+    )
 
 
 def calibrated_error(ran: list[dict]) -> tuple[float, float, bool] | None:
@@ -115,10 +144,20 @@ def main() -> int:
         if args.quick:
             base = [*TINY, *QUICK]
     run = work / "run"
-    cmd = [sys.executable, "-m", "mmtrain.cli", *base, "action=auto_tune", f"run_dir={run}",
-           f"data.paths=[{shards}]", f"tokenizer.path={tok}", f"parallel.nproc_per_node={nproc}",
-           f"auto_tune.max_trials={trials}", *([f"auto_tune.calibration={args.calibration}"] if args.calibration else []),
-           *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmtrain.cli",
+        *base,
+        "action=auto_tune",
+        f"run_dir={run}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tok}",
+        f"parallel.nproc_per_node={nproc}",
+        f"auto_tune.max_trials={trials}",
+        *([f"auto_tune.calibration={args.calibration}"] if args.calibration else []),
+        *args.overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
@@ -128,17 +167,25 @@ def main() -> int:
         return proc.returncode
     f = figures(run / "auto_tune" / "history.csv")
     after = calibrated_error(f["ran"])
-    print(f"space {f['n']} layouts; pruned without running {f['pruned']} ({f['pruned'] / f['n']:.0%}: memory model "
-          f"{f['pruned_memory']}, history {f['pruned_history']}); trials {f['trials']} ({f['failed']} failed)")
+    print(
+        f"space {f['n']} layouts; pruned without running {f['pruned']} ({f['pruned'] / f['n']:.0%}: memory model "
+        f"{f['pruned_memory']}, history {f['pruned_history']}); trials {f['trials']} ({f['failed']} failed)"
+    )
     if f["mem_err"]:
-        print(f"memory model error vs measured peak: median {f['mem_err'][0]:.0%}, worst {f['mem_err'][1]:.0%}; "
-              f"calibrated ({'leave-one-out' if after[2] else 'in-sample'} from {len(f['ran'])} trials): "
-              f"median {after[0]:.0%}, worst {after[1]:.0%}")
-    print(f"BENCH auto_tune_trials baseline={f['n']} ours={f['trials']} unit=trials "
-          f"ratio={f['n'] / max(f['trials'], 1):.2f}")
+        print(
+            f"memory model error vs measured peak: median {f['mem_err'][0]:.0%}, worst {f['mem_err'][1]:.0%}; "
+            f"calibrated ({'leave-one-out' if after[2] else 'in-sample'} from {len(f['ran'])} trials): "
+            f"median {after[0]:.0%}, worst {after[1]:.0%}"
+        )
+    print(
+        f"BENCH auto_tune_trials baseline={f['n']} ours={f['trials']} unit=trials "
+        f"ratio={f['n'] / max(f['trials'], 1):.2f}"
+    )
     if f["mem_err"]:
-        print(f"BENCH auto_tune_memory_error baseline={f['mem_err'][0]:.4f} ours={after[0]:.4f} unit=rel_error "
-              f"ratio={f['mem_err'][0] / max(after[0], 1e-9):.2f}")
+        print(
+            f"BENCH auto_tune_memory_error baseline={f['mem_err'][0]:.4f} ours={after[0]:.4f} unit=rel_error "
+            f"ratio={f['mem_err'][0] / max(after[0], 1e-9):.2f}"
+        )
     if f["base"] and f["best"]:
         b, o = float(f["base"]["meas_tokens_per_s"]), float(f["best"]["meas_tokens_per_s"])
         print(f"BENCH auto_tune_speedup baseline={b:.1f} ours={o:.1f} unit=tokens/s ratio={o / b:.3f}")

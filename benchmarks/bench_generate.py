@@ -12,7 +12,8 @@ megatron checkpoints for our side), same prompts, greedy:
 
 Each side runs in its own process (so its peak RSS is its own), alternating, `--repeats` rounds;
 each side's best round counts (`--quick` runs the four sides in one process: it checks that the
-benchmark runs and the tokens agree, its peak RSS figures are not the sides' own). One warm-up generation per side is not timed. Rates divide by
+benchmark runs and the tokens agree, its peak RSS figures are not the sides' own). One warm-up generation per side is
+not timed. Rates divide by
 the side's CPU time by default (`--clock cpu`: with one torch thread per side that is the time
 it computed, whatever else the machine runs; `--clock wall` for wall time; both are printed per
 round). The generated tokens of both sides are compared (they must be equal: greedy on the
@@ -45,13 +46,25 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CAPTIONS = ["a red bus parked next to a tall building on a sunny day", "a cat sleeping on a wooden table",
-            "a dog running on the grass under a blue sky", "a cup of coffee near the window",
-            "three people walking in a park", "a chart of the main trend from 2019 to 2024",
-            "a small boat on the sea at night", "a bowl of fruit on a kitchen counter"]
+CAPTIONS = [
+    "a red bus parked next to a tall building on a sunny day",
+    "a cat sleeping on a wooden table",
+    "a dog running on the grass under a blue sky",
+    "a cup of coffee near the window",
+    "three people walking in a park",
+    "a chart of the main trend from 2019 to 2024",
+    "a small boat on the sea at night",
+    "a bowl of fruit on a kitchen counter",
+]
 NEGATIVE = "lowres, bad anatomy, blurry, worst quality"
-QUESTIONS = ["What is shown in this picture?", "Describe the image in detail.", "What color is the car?",
-             "How many people are in the photo?", "Where is the dog?", "Please read the text in the chart."]
+QUESTIONS = [
+    "What is shown in this picture?",
+    "Describe the image in detail.",
+    "What color is the car?",
+    "How many people are in the photo?",
+    "Where is the dog?",
+    "Please read the text in the chart.",
+]
 
 
 def peak_rss_gib() -> float:
@@ -69,8 +82,15 @@ def peak_rss_gib() -> float:
 def build_assets(work: Path, layers: int, hidden: int) -> dict:
     """Tiny random HF Emu3 and LLaVA-OV dirs (with tokenizers) and their megatron conversions."""
     import torch
-    from transformers import (AutoTokenizer, Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE,
-                              LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration)
+    from transformers import (
+        AutoTokenizer,
+        Emu3Config,
+        Emu3ForConditionalGeneration,
+        Emu3TextConfig,
+        Emu3VQVAE,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+    )
 
     from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.energon_loaders.llava_ov import anyres
@@ -84,12 +104,22 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     vq = Emu3VQVAE.from_pretrained(vq_dir)
     heads = max(2, hidden // 64)
-    text = Emu3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=8192,
-                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          attention_dropout=0.0)
-    emu3 = Emu3ForConditionalGeneration(Emu3Config(text_config=text, vq_config=vq.config.to_dict(),
-                                                   vocabulary_map=tok.get_vocab())).eval()
+    text = Emu3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=8192,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        attention_dropout=0.0,
+    )
+    emu3 = Emu3ForConditionalGeneration(
+        Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
+    ).eval()
     emu3.model.vqmodel.load_state_dict(vq.state_dict())
     _perturb(emu3, "vqmodel", 0.05)
     emu3_hf = _save(emu3, work / "emu3_hf", [tok_dir.iterdir(), [vq_dir / "preprocessor_config.json"]])
@@ -97,13 +127,34 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     qtok_dir = build_tiny_qwen2_tokenizer(work / "qwen2_tok")
     qtok = AutoTokenizer.from_pretrained(qtok_dir)
     cfg = LlavaOnevisionConfig(
-        text_config=dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(qtok), max_position_embeddings=4096,
-                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=30, patch_size=14, vision_use_head=False),
-        image_token_index=qtok.convert_tokens_to_ids("<image>"), video_token_index=qtok.convert_tokens_to_ids("<video>"),
-        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(30, 6)], tie_word_embeddings=True)
+        text_config=dict(
+            model_type="qwen2",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=len(qtok),
+            max_position_embeddings=4096,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=30,
+            patch_size=14,
+            vision_use_head=False,
+        ),
+        image_token_index=qtok.convert_tokens_to_ids("<image>"),
+        video_token_index=qtok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(30, 6)],
+        tie_word_embeddings=True,
+    )
     llava = LlavaOnevisionForConditionalGeneration(cfg).eval()
     _perturb(llava, "vision", 0.3)
     llava_hf = _save(llava, work / "llava_hf", [qtok_dir.iterdir()])
@@ -155,12 +206,18 @@ def run_side(side: str, assets: dict, args) -> dict:
     run(warmup=True)
     t, cpu = time.perf_counter(), time.process_time()
     tokens = run(warmup=False)
-    return {"wall": time.perf_counter() - t, "cpu": time.process_time() - cpu, "outputs": n_outputs, "tokens": tokens,
-            "n_tokens": sum(len(x) for x in tokens), "peak_rss_gib": peak_rss_gib()}
+    return {
+        "wall": time.perf_counter() - t,
+        "cpu": time.process_time() - cpu,
+        "outputs": n_outputs,
+        "tokens": tokens,
+        "n_tokens": sum(len(x) for x in tokens),
+        "peak_rss_gib": peak_rss_gib(),
+    }
 
 
 def _batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def hf_emu3(assets: dict, args):
@@ -181,7 +238,9 @@ def hf_emu3(assets: dict, args):
         prompts = CAPTIONS[: 1 if warmup else args.prompts]
         out = []
         for chunk in _batches(prompts, args.batch_size):
-            kw = dict(return_for_image_generation=True, image_area=args.size * args.size, padding=True, return_tensors="pt")
+            kw = dict(
+                return_for_image_generation=True, image_area=args.size * args.size, padding=True, return_tensors="pt"
+            )
             inputs = proc(text=chunk, **kw)
             neg = proc(text=[NEGATIVE] * len(chunk), **kw)
             rows, cols = (int(x) for x in inputs.pop("image_sizes")[0])
@@ -189,10 +248,17 @@ def hf_emu3(assets: dict, args):
             allowed = emu3_prefix_constraint(rows, cols, img, eol, eof, eoi, eos, pad, visual)
 
             with torch.no_grad():
-                seq = model.generate(**inputs, max_new_tokens=(cols + 1) * rows + 3, do_sample=False, guidance_scale=3.0,
-                                     negative_prompt_ids=neg.input_ids, negative_prompt_attention_mask=neg.attention_mask,
-                                     prefix_allowed_tokens_fn=allowed, pad_token_id=pad)
-            out += [row.tolist() for row in seq[:, inputs.input_ids.shape[1]:]]
+                seq = model.generate(
+                    **inputs,
+                    max_new_tokens=(cols + 1) * rows + 3,
+                    do_sample=False,
+                    guidance_scale=3.0,
+                    negative_prompt_ids=neg.input_ids,
+                    negative_prompt_attention_mask=neg.attention_mask,
+                    prefix_allowed_tokens_fn=allowed,
+                    pad_token_id=pad,
+                )
+            out += [row.tolist() for row in seq[:, inputs.input_ids.shape[1] :]]
         return out
 
     return run, args.prompts
@@ -205,11 +271,14 @@ def ours_emu3(assets: dict, args):
     from mmtrain.generation.sampling import SamplingParams
 
     ref = resolve_checkpoint(assets["emu3_mcore"], "emu3")
-    gen = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=ref.assets, vq_dir=ref.assets / "vq",
-                             decode_images=False)
+    gen = Emu3ImageGenerator(
+        ref, Placement.resolve("cpu"), tokenizer_dir=ref.assets, vq_dir=ref.assets / "vq", decode_images=False
+    )
 
     def run(warmup: bool):
-        prompts = [ImagePrompt(c, args.size, args.size, negative=NEGATIVE) for c in CAPTIONS[: 1 if warmup else args.prompts]]
+        prompts = [
+            ImagePrompt(c, args.size, args.size, negative=NEGATIVE) for c in CAPTIONS[: 1 if warmup else args.prompts]
+        ]
         results = generate(gen.model, [gen.request(p) for p in prompts], SamplingParams(), batch_size=args.batch_size)
         return [r.tokens for r in results]
 
@@ -225,26 +294,47 @@ def hf_llava(assets: dict, args):
 
     class Processor(LlavaOnevisionProcessor):  # images only: no (torchvision) video processor
         def check_argument_for_proper_class(self, name, argument):
-            return None if name == "video_processor" and argument is None else super().check_argument_for_proper_class(name, argument)
+            return (
+                None
+                if name == "video_processor" and argument is None
+                else super().check_argument_for_proper_class(name, argument)
+            )
 
     model = LlavaOnevisionForConditionalGeneration.from_pretrained(assets["llava_hf"]).eval()
     tok = AutoTokenizer.from_pretrained(assets["llava_hf"], padding_side="left")
-    image_proc = LlavaOnevisionImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3, size={"height": 30, "width": 30},
-                                                 image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(30, 6)])
-    proc = Processor(image_processor=image_proc, tokenizer=tok, video_processor=None, num_image_tokens=4,
-                     vision_feature_select_strategy="full")
+    image_proc = LlavaOnevisionImageProcessorPil(
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        size={"height": 30, "width": 30},
+        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(30, 6)],
+    )
+    proc = Processor(
+        image_processor=image_proc,
+        tokenizer=tok,
+        video_processor=None,
+        num_image_tokens=4,
+        vision_feature_select_strategy="full",
+    )
 
     def run(warmup: bool):
         out = []
         n = 1 if warmup else args.prompts
         for i in range(n):
-            text = tok.apply_chat_template([{"role": "user", "content": "<image>\n" + QUESTIONS[i % len(QUESTIONS)]}],
-                                           tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": "<image>\n" + QUESTIONS[i % len(QUESTIONS)]}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             inputs = proc(images=[test_image(i)], text=[text], return_tensors="pt")
             with torch.no_grad():
-                seq = model.generate(**inputs, max_new_tokens=args.llava_new_tokens, do_sample=False,
-                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            out.append(seq[0, inputs.input_ids.shape[1]:].tolist())
+                seq = model.generate(
+                    **inputs,
+                    max_new_tokens=args.llava_new_tokens,
+                    do_sample=False,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            out.append(seq[0, inputs.input_ids.shape[1] :].tolist())
         return out
 
     return run, args.prompts
@@ -281,12 +371,19 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4, help="tiny Emu3 decoder layers")
     ap.add_argument("--hidden", type=int, default=256, help="tiny Emu3 hidden size (heads of 64)")
     ap.add_argument("--llava-new-tokens", type=int, default=48, help="LLaVA-OV max new tokens per answer")
-    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
-                    help="what the rates divide by: the side's CPU seconds (default: single-threaded sides on a "
-                         "shared machine are timed by the CPU time they got) or wall seconds")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 1 prompt, 64x64 images, 1 round, a 2-layer x 128 Emu3, 16 LLaVA-OV new tokens, "
-                         "the four sides in one process (peak RSS not per side)")
+    ap.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="what the rates divide by: the side's CPU seconds (default: single-threaded sides on a "
+        "shared machine are timed by the CPU time they got) or wall seconds",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 prompt, 64x64 images, 1 round, a 2-layer x 128 Emu3, 16 LLaVA-OV new tokens, "
+        "the four sides in one process (peak RSS not per side)",
+    )
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--assets", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -310,13 +407,18 @@ def main() -> int:
             for group in groups:
                 out = work / "result.json"
                 cmd = [sys.executable, __file__, "--side", group, "--assets", json.dumps(assets), "--result", str(out)]
-                cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                        if k not in ("side", "assets", "result", "quick") and v is not None]
+                cmd += [
+                    f"--{k.replace('_', '-')}={v}"
+                    for k, v in vars(args).items()
+                    if k not in ("side", "assets", "result", "quick") and v is not None
+                ]
                 subprocess.run(cmd, check=True, cwd=REPO)
                 for side, res in json.loads(out.read_text()).items():
-                    print(f"round {r + 1} {side:>10}: {res['wall']:.2f} s wall, {res['cpu']:.2f} s CPU, "
-                          f"{res['outputs']} outputs, {res['n_tokens']} tokens, peak RSS {res['peak_rss_gib']:.2f} GiB",
-                          flush=True)
+                    print(
+                        f"round {r + 1} {side:>10}: {res['wall']:.2f} s wall, {res['cpu']:.2f} s CPU, "
+                        f"{res['outputs']} outputs, {res['n_tokens']} tokens, peak RSS {res['peak_rss_gib']:.2f} GiB",
+                        flush=True,
+                    )
                     if side not in best or res[args.clock] < best[side][args.clock]:
                         best[side] = res
     return report(best, args.clock)
@@ -325,11 +427,13 @@ def main() -> int:
 def report(best: dict, clock: str) -> int:
     equal = {fam: best[f"hf_{fam}"]["tokens"] == best[f"ours_{fam}"]["tokens"] for fam in ("emu3", "llava")}
     rate = lambda side, key: best[side][key] / best[side][clock]  # noqa: E731
-    rows = [("emu3 CFG images/s", rate("hf_emu3", "outputs"), rate("ours_emu3", "outputs")),
-            ("emu3 CFG tokens/s", rate("hf_emu3", "n_tokens"), rate("ours_emu3", "n_tokens")),
-            ("emu3 peak RSS GiB", best["hf_emu3"]["peak_rss_gib"], best["ours_emu3"]["peak_rss_gib"]),
-            ("llava-ov tokens/s", rate("hf_llava", "n_tokens"), rate("ours_llava", "n_tokens")),
-            ("llava-ov peak RSS GiB", best["hf_llava"]["peak_rss_gib"], best["ours_llava"]["peak_rss_gib"])]
+    rows = [
+        ("emu3 CFG images/s", rate("hf_emu3", "outputs"), rate("ours_emu3", "outputs")),
+        ("emu3 CFG tokens/s", rate("hf_emu3", "n_tokens"), rate("ours_emu3", "n_tokens")),
+        ("emu3 peak RSS GiB", best["hf_emu3"]["peak_rss_gib"], best["ours_emu3"]["peak_rss_gib"]),
+        ("llava-ov tokens/s", rate("hf_llava", "n_tokens"), rate("ours_llava", "n_tokens")),
+        ("llava-ov peak RSS GiB", best["hf_llava"]["peak_rss_gib"], best["ours_llava"]["peak_rss_gib"]),
+    ]
     print(f"\n{'metric (' + clock + ' time)':<24}{'transformers':>14}{'ours':>12}")
     for name, b, o in rows:
         print(f"{name:<24}{b:>14.3f}{o:>12.3f}")

@@ -50,7 +50,9 @@ def make_shards(out: Path, num_samples: int, seed: int) -> Path:
         missing = len(rec.images) - sum(t["value"].count("<image>") for t in conv)
         if missing > 0:  # what preprocess does when the source has no literal placeholder
             conv[0]["value"] = "<image>\n" * missing + conv[0]["value"]
-        samples.append(DevSample(rec.record["id"], conv, [(im.name_ext, im.data) for im in rec.images], source=rec.subset))
+        samples.append(
+            DevSample(rec.record["id"], conv, [(im.name_ext, im.data) for im in rec.images], source=rec.subset)
+        )
     return write_dev_shards(out, samples, samples_per_shard=32)
 
 
@@ -96,7 +98,9 @@ def _baseline_dataset(shard_dir: Path, tok_dir: Path):
         return {"tiles": tiles, "input_ids": out["input_ids"], "pixel_values": out.get("pixel_values")}
 
     urls = sorted(str(p) for p in shard_dir.glob("*.tar"))
-    dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker, empty_check=False)
+    dataset = wds.WebDataset(
+        urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker, empty_check=False
+    )
     return dataset.repeat().map(process)  # epochs repeat, as a training loader's do
 
 
@@ -141,7 +145,9 @@ def _measure(make_iter, count) -> Run:
 
 def run_baseline(shard_dir: Path, tok_dir: Path, workers: int, max_samples: int) -> Run:
     def make(extra):
-        loader = torch.utils.data.DataLoader(_baseline_dataset(shard_dir, tok_dir), batch_size=None, num_workers=workers)
+        loader = torch.utils.data.DataLoader(
+            _baseline_dataset(shard_dir, tok_dir), batch_size=None, num_workers=workers
+        )
         extra["loader"] = loader
         return ((1, item["tiles"]) for item in loader)
 
@@ -171,7 +177,9 @@ def check_identical_tiles(shard_dir: Path, tok_dir: Path, count: int = 6) -> flo
 
     hf = _HFProcessor(tok_dir)
     worst, seen = 0.0, 0
-    for sample in wds.WebDataset(sorted(str(p) for p in shard_dir.glob("*.tar")), shardshuffle=False, empty_check=False):
+    for sample in wds.WebDataset(
+        sorted(str(p) for p in shard_dir.glob("*.tar")), shardshuffle=False, empty_check=False
+    ):
         record = json.loads(sample["json"])
         if len(record["images"]) != 1:
             continue
@@ -193,13 +201,17 @@ def packing_report(shard_dir: Path, tok_dir: Path, lengths_for: tuple[int, ...])
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(tok_dir))
     lengths = []
-    for sample in wds.WebDataset(sorted(str(p) for p in shard_dir.glob("*.tar")), shardshuffle=False, empty_check=False):
+    for sample in wds.WebDataset(
+        sorted(str(p) for p in shard_dir.glob("*.tar")), shardshuffle=False, empty_check=False
+    ):
         record = json.loads(sample["json"])
         sizes = []
         for name in record["images"]:
             with Image.open(io.BytesIO(sample[name])) as im:
                 sizes.append((im.height, im.width))
-        counts = [anyres.num_image_tokens(*sizes[0])] if len(sizes) == 1 else [anyres.num_base_only_tokens()] * len(sizes)
+        counts = (
+            [anyres.num_image_tokens(*sizes[0])] if len(sizes) == 1 else [anyres.num_base_only_tokens()] * len(sizes)
+        )
         lengths.append(len(chat.tokenize(record["conversations"], counts)))
     out = {}
     for seq in lengths_for:
@@ -242,14 +254,19 @@ def main() -> None:
         effs = packing_report(shard_dir, tok_dir, (4096, 8192, 16384))
 
     print(f"workers per side: {args.workers} (torch threads 1)")
-    head = f"{'':10s} {'samples':>8s} {'wall s':>8s} {'cpu s':>8s} {'samples/s':>10s} {'tiles/s':>9s} {'samples/cpu-s':>14s}"
+    head = (
+        f"{'':10s} {'samples':>8s} {'wall s':>8s} {'cpu s':>8s} "
+        f"{'samples/s':>10s} {'tiles/s':>9s} {'samples/cpu-s':>14s}"
+    )
     print(head)
     for name, r in (("baseline", base), ("ours", ours)):
         print(
             f"{name:10s} {r.samples:8d} {r.wall_s:8.1f} {r.cpu_s:8.1f} {r.samples / r.wall_s:10.2f} "
             f"{r.tiles / r.wall_s:9.2f} {r.per_core:14.2f}"
         )
-    print(f"wall-clock ratio (ours/baseline samples/s): {(ours.samples / ours.wall_s) / (base.samples / base.wall_s):.3f}")
+    print(
+        f"wall-clock ratio (ours/baseline samples/s): {(ours.samples / ours.wall_s) / (base.samples / base.wall_s):.3f}"
+    )
     print(f"packing efficiency measured by the loader at 8K: {ours.packing_efficiency:.4f}")
     for seq, eff in effs.items():
         print(f"packing efficiency (selection, buffer {DEFAULT_PACKING_BUFFER}) at {seq // 1024}K: {eff:.4f}")

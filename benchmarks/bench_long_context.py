@@ -65,9 +65,16 @@ def hf_step(length: int) -> tuple[float, float]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["ffn"], num_hidden_layers=SHAPE["layers"],
-                      num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_groups"],
-                      vocab_size=SHAPE["vocab"], max_position_embeddings=max(length, 4096), tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        hidden_size=SHAPE["hidden"],
+        intermediate_size=SHAPE["ffn"],
+        num_hidden_layers=SHAPE["layers"],
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["kv_groups"],
+        vocab_size=SHAPE["vocab"],
+        max_position_embeddings=max(length, 4096),
+        tie_word_embeddings=True,
+    )
     cfg._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -96,17 +103,31 @@ def ours_step(length: int) -> tuple[float, float]:
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     ensure_model_parallel(1, 1, cp=cp)
-    llm = LLMConfig(num_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"], ffn_hidden_size=SHAPE["ffn"],
-                    num_attention_heads=SHAPE["heads"], num_query_groups=SHAPE["kv_groups"], vocab_size=SHAPE["vocab"],
-                    max_position_embeddings=max(length, 4096), tie_word_embeddings=True)
+    llm = LLMConfig(
+        num_layers=SHAPE["layers"],
+        hidden_size=SHAPE["hidden"],
+        ffn_hidden_size=SHAPE["ffn"],
+        num_attention_heads=SHAPE["heads"],
+        num_query_groups=SHAPE["kv_groups"],
+        vocab_size=SHAPE["vocab"],
+        max_position_embeddings=max(length, 4096),
+        tie_word_embeddings=True,
+    )
     config = language_transformer_config(llm, "float32", ParallelOptions())
     config.calculate_per_token_loss = True
     model = build_language_model(llm, config, vocab_size=padded_vocab_size(llm.vocab_size, 64), loss_impl="chunked")
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=True), module=model)
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True),
+        module=model,
+    )
     ddp.broadcast_params()
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, adam_beta1=0.9, adam_beta2=0.95,
-                                                 adam_eps=1e-8, weight_decay=0.0, clip_grad=1.0), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-4, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.0, clip_grad=1.0
+        ),
+        [ddp],
+    )
     ids = _tokens(length)[0]
     labels = torch.cat([ids[1:], torch.full((1,), -100)])  # shifted, like the loaders' batches
     if cp > 1:
@@ -114,8 +135,13 @@ def ours_step(length: int) -> tuple[float, float]:
     start = time.perf_counter()
     layout = current_layout(torch.tensor([0, length], dtype=torch.int32))
     local_ids, local_labels = layout.split(ids), layout.split(labels, fill=-100)
-    loss = ddp(input_ids=local_ids[None], position_ids=None, attention_mask=None, labels=local_labels[None],
-               packed_seq_params=layout.packed_seq_params())
+    loss = ddp(
+        input_ids=local_ids[None],
+        position_ids=None,
+        attention_mask=None,
+        labels=local_labels[None],
+        packed_seq_params=layout.packed_seq_params(),
+    )
     loss_sum = loss.sum()
     loss_sum.backward()
     count = torch.tensor((local_labels >= 0).sum().item())
@@ -139,8 +165,12 @@ def child(args: argparse.Namespace) -> None:
     except (MemoryError, RuntimeError) as err:  # the address-space guard tripped
         loss, seconds, error = None, 0.0, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     rank = int(os.environ.get("RANK", "0"))
-    out = {"loss": loss, "seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "error": error}
+    out = {
+        "loss": loss,
+        "seconds": seconds,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "error": error,
+    }
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(out))
 
 
@@ -150,15 +180,36 @@ def child(args: argparse.Namespace) -> None:
 def run_one(impl: str, length: int, budget_gib: float, threads: int, work: Path) -> dict:
     out = work / f"{impl}_{length}.json"
     procs = 2 if impl == "ours_cp2" else 1
-    script = [str(Path(__file__).resolve()), "--child", "hf" if impl == "hf" else "ours", "--length", str(length),
-              "--budget-gib", str(budget_gib), "--threads", str(max(1, threads // procs)), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // procs)), "PYTHONPATH": str(REPO),
-           "MALLOC_MMAP_THRESHOLD_": "131072"}  # RSS follows live memory (no heap fragmentation)
+    script = [
+        str(Path(__file__).resolve()),
+        "--child",
+        "hf" if impl == "hf" else "ours",
+        "--length",
+        str(length),
+        "--budget-gib",
+        str(budget_gib),
+        "--threads",
+        str(max(1, threads // procs)),
+        "--out",
+        str(out),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, threads // procs)),
+        "PYTHONPATH": str(REPO),
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+    }  # RSS follows live memory (no heap fragmentation)
     if procs > 1:
         from mmtrain.runtime.distributed import free_port
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
-               f"--master_port={free_port()}", *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={procs}",
+            f"--master_port={free_port()}",
+            *script,
+        ]
     else:
         cmd = [sys.executable, *script]
     start = time.perf_counter()
@@ -170,11 +221,21 @@ def run_one(impl: str, length: int, budget_gib: float, threads: int, work: Path)
         ranks.append(json.loads(f.read_text()) if f.exists() else None)
     if proc.returncode != 0 or any(r is None or r["error"] for r in ranks):
         why = next((r["error"] for r in ranks if r and r["error"]), None) or proc.stderr.strip().splitlines()[-1:]
-        return {"ok": False, "peak_rss": max((r["peak_rss"] for r in ranks if r), default=0), "why": str(why),
-                "wall": wall}
+        return {
+            "ok": False,
+            "peak_rss": max((r["peak_rss"] for r in ranks if r), default=0),
+            "why": str(why),
+            "wall": wall,
+        }
     seconds = max(r["seconds"] for r in ranks)
-    return {"ok": True, "peak_rss": max(r["peak_rss"] for r in ranks), "seconds": seconds,
-            "tokens_per_s": length / seconds, "loss": ranks[0]["loss"], "wall": wall}
+    return {
+        "ok": True,
+        "peak_rss": max(r["peak_rss"] for r in ranks),
+        "seconds": seconds,
+        "tokens_per_s": length / seconds,
+        "loss": ranks[0]["loss"],
+        "wall": wall,
+    }
 
 
 def sweep(impl: str, lengths: list[int], budget: float, threads: int, work: Path) -> list[tuple[int, dict]]:
@@ -184,14 +245,22 @@ def sweep(impl: str, lengths: list[int], budget: float, threads: int, work: Path
             (l1, p1), (l2, p2) = seen[-2:]
             projected = p2 + (p2 - p1) / (l2 - l1) * (length - l2)
             if projected > 1.25 * budget * GIB:
-                rows.append((length, {"ok": False, "peak_rss": projected, "why": "not run: projected peak",
-                                      "projected": True}))
+                rows.append(
+                    (length, {"ok": False, "peak_rss": projected, "why": "not run: projected peak", "projected": True})
+                )
                 break
         res = run_one(impl, length, budget, threads, work)
         rows.append((length, res))
-        print(f"  {LABELS[impl]:<24} {length:>8} tokens: " + (
-            f"peak {res['peak_rss'] / GIB:6.2f} GiB/process, {res['tokens_per_s']:8.0f} tokens/s, loss {res['loss']:.3f}"
-            if res["ok"] else f"failed ({res['why']})"), flush=True)
+        print(
+            f"  {LABELS[impl]:<24} {length:>8} tokens: "
+            + (
+                f"peak {res['peak_rss'] / GIB:6.2f} GiB/process, {res['tokens_per_s']:8.0f} tokens/s, loss "
+                f"{res['loss']:.3f}"
+                if res["ok"]
+                else f"failed ({res['why']})"
+            ),
+            flush=True,
+        )
         if not res["ok"] or res["peak_rss"] > budget * GIB:
             break
         seen.append((length, res["peak_rss"]))
@@ -205,13 +274,23 @@ def longest_fitting(rows: list[tuple[int, dict]], budget: float) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="lengths 512 and 1024 and a 1.8 GiB budget (a smoke run: HF fits 512 only, ours both)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="lengths 512 and 1024 and a 1.8 GiB budget (a smoke run: HF fits 512 only, ours both)",
+    )
     ap.add_argument("--budget-gib", type=float, default=8.0, help="peak RSS allowed per process (default 8)")
-    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072,262144",
-                    help="comma-separated sequence lengths, doubling")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="CPU threads per implementation (CP=2 splits them over its 2 processes)")
+    ap.add_argument(
+        "--lengths",
+        default="4096,8192,16384,32768,65536,131072,262144",
+        help="comma-separated sequence lengths, doubling",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="CPU threads per implementation (CP=2 splits them over its 2 processes)",
+    )
     ap.add_argument("--child", choices=("hf", "ours"), help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -221,8 +300,10 @@ def main() -> None:
     if args.quick:
         args.budget_gib, args.lengths = min(args.budget_gib, 1.8), "512,1024"
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"long-context training step on CPU: decoder {SHAPE}, budget {args.budget_gib:g} GiB per process, "
-          f"{args.threads} thread(s) per implementation")
+    print(
+        f"long-context training step on CPU: decoder {SHAPE}, budget {args.budget_gib:g} GiB per process, "
+        f"{args.threads} thread(s) per implementation"
+    )
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for impl in IMPLS:
@@ -248,8 +329,10 @@ def main() -> None:
     print()
     for impl in IMPLS:
         capped = best[impl] == lengths[-1]
-        print(f"longest length within {args.budget_gib:g} GiB/process: {LABELS[impl]:<24} {best[impl]:>8}"
-              + (" (the longest length tried)" if capped else ""))
+        print(
+            f"longest length within {args.budget_gib:g} GiB/process: {LABELS[impl]:<24} {best[impl]:>8}"
+            + (" (the longest length tried)" if capped else "")
+        )
     hf, cp1, cp2 = best["hf"], best["ours_cp1"], best["ours_cp2"]
     print(f"BENCH long_context_cp2 baseline={cp1} ours={cp2} unit=tokens ratio={cp2 / max(cp1, 1):.2f}")
     print(f"BENCH long_context baseline={hf} ours={cp1} unit=tokens ratio={cp1 / max(hf, 1):.2f}")

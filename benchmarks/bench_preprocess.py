@@ -230,8 +230,13 @@ def ray_fixed(num_cpus: int, idle_s: float) -> dict:
     """Ray alone: start as the job starts it, one empty task per CPU, stop (seconds each), and
     the CPU its processes use while idle for `idle_s` seconds (in cores)."""
     v, _ = _run(RAY_FIXED, str(num_cpus), "", str(idle_s))
-    return {"start": v["START_S"], "tasks": v["TASKS_S"], "stop": v["STOP_S"], "idle_cpu": v["IDLE_CPU"],
-            "e2e": v["START_S"] + v["TASKS_S"] + v["STOP_S"]}
+    return {
+        "start": v["START_S"],
+        "tasks": v["TASKS_S"],
+        "stop": v["STOP_S"],
+        "idle_cpu": v["IDLE_CPU"],
+        "e2e": v["START_S"] + v["TASKS_S"] + v["STOP_S"],
+    }
 
 
 def decode_floor(inputs: NestedInputs, first: int, last: int) -> dict:
@@ -288,8 +293,13 @@ def stage_account(inputs: NestedInputs, first: int, last: int, work_root: Path) 
     shutil.rmtree(work)
     shutil.rmtree(out)
     us = 1e6 / records
-    return {"records": records, "scan": (c1 - c0) * us, "floor": floor["cpu"] * us, "sort": (c2 - c1) * us,
-            "write": (c3 - c2) * us}
+    return {
+        "records": records,
+        "scan": (c1 - c0) * us,
+        "floor": floor["cpu"] * us,
+        "sort": (c2 - c1) * us,
+        "write": (c3 - c2) * us,
+    }
 
 
 def _sha256_cpu_us_per_mb() -> float:
@@ -351,20 +361,32 @@ def _phases(m: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-samples", type=int, default=12000,
-                   help=f"N, a multiple of {PART_RECORDS} (the second size is 4N)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: N = {QUICK_PART_RECORDS} (in one part), one repeat, no warm runs")
+    p.add_argument(
+        "--num-samples", type=int, default=12000, help=f"N, a multiple of {PART_RECORDS} (the second size is 4N)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: N = {QUICK_PART_RECORDS} (in one part), one repeat, no warm runs",
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs per measurement; the median is reported")
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic", action="store_true", help="gradient images (the tests' kind) instead of photo-like")
     p.add_argument("--warm", action="store_true", help="also run ours joining an already running Ray (--address)")
-    p.add_argument("--scale-copies", type=int, default=0,
-                   help="also run ours and ShardWriter on K copies of the 4N input (K*4N records)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="where to put data, the generated input kept for later runs (default: a temp dir, removed)")
+    p.add_argument(
+        "--scale-copies",
+        type=int,
+        default=0,
+        help="also run ours and ShardWriter on K copies of the 4N input (K*4N records)",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where to put data, the generated input kept for later runs (default: a temp dir, removed)",
+    )
     args = p.parse_args(argv)
     n, part_records = (QUICK_PART_RECORDS, QUICK_PART_RECORDS) if args.quick else (args.num_samples, PART_RECORDS)
     reps = 1 if args.quick else args.repeats
@@ -388,26 +410,56 @@ def main(argv: list[str] | None = None) -> int:
 
     def ours(raw: Path, size: int, *extra: str) -> dict:
         try:
-            v, wall = run_job(["--dataset", "infinity-mm", "--input", str(raw), "--output", str(root / "ours"),
-                               "--seed", "0", "--samples-per-shard", spp, "--num-cpus", str(args.num_cpus),
-                               "--no-progress", *extra])
+            v, wall = run_job(
+                [
+                    "--dataset",
+                    "infinity-mm",
+                    "--input",
+                    str(raw),
+                    "--output",
+                    str(root / "ours"),
+                    "--seed",
+                    "0",
+                    "--samples-per-shard",
+                    spp,
+                    "--num-cpus",
+                    str(args.num_cpus),
+                    "--no-progress",
+                    *extra,
+                ]
+            )
         except RuntimeError as e:
             raise SystemExit(str(e)) from None
         m = json.loads((root / "ours" / "manifest.json").read_text())
         shutil.rmtree(root / "ours")
         assert m["counts"]["read"] == size, m["counts"]
-        return {"e2e": wall, "t": m["wall_time_s"], "rss_mb": v["PEAK_RSS_KB"] / 1024, "cpu": v["CPU_S"], "m": m,
-                **{f"cpu_{k}": v[f"CPU_{k.upper()}_S"] for k in PROCESS_KINDS}}
+        return {
+            "e2e": wall,
+            "t": m["wall_time_s"],
+            "rss_mb": v["PEAK_RSS_KB"] / 1024,
+            "cpu": v["CPU_S"],
+            "m": m,
+            **{f"cpu_{k}": v[f"CPU_{k.upper()}_S"] for k in PROCESS_KINDS},
+        }
 
     sides = {"base": ("ShardWriter", base), "rd": ("Ray Data", ray_data), "ours": ("ours", ours)}
     rows: list[dict] = []
     try:
         t0 = time.perf_counter()
-        inputs = write_nested_inputs(root, [n, 4 * n], seed=args.seed, synthetic=args.synthetic,
-                                     part_records=part_records, processes=args.num_cpus)
+        inputs = write_nested_inputs(
+            root,
+            [n, 4 * n],
+            seed=args.seed,
+            synthetic=args.synthetic,
+            part_records=part_records,
+            processes=args.num_cpus,
+        )
         raws = inputs.by_size
-        print(f"input: {4 * n:,} records generated or reused in {time.perf_counter() - t0:.0f}s "
-              f"({'gradient' if args.synthetic else 'photo-like'} images)", flush=True)
+        print(
+            f"input: {4 * n:,} records generated or reused in {time.perf_counter() - t0:.0f}s "
+            f"({'gradient' if args.synthetic else 'photo-like'} images)",
+            flush=True,
+        )
         idle_s = QUICK_RAY_IDLE_S if args.quick else RAY_IDLE_S
         fixed = _median_run(lambda: ray_fixed(args.num_cpus, idle_s), reps)
         for size, raw in raws.items():
@@ -426,14 +478,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.scale_copies:
             scaled = _scaled_input(root, raws[4 * n], args.scale_copies)
             size = 4 * n * args.scale_copies
-            rows.append({"n": size, "mb": sum(f.stat().st_size for f in scaled.rglob("*.tar")) / 1e6,
-                         "base": _median_run(lambda: base(scaled, size), reps),
-                         "ours": _median_run(lambda: ours(scaled, size), reps)})
+            rows.append(
+                {
+                    "n": size,
+                    "mb": sum(f.stat().st_size for f in scaled.rglob("*.tar")) / 1e6,
+                    "base": _median_run(lambda: base(scaled, size), reps),
+                    "ours": _median_run(lambda: ours(scaled, size), reps),
+                }
+            )
         if args.warm and not args.quick:
             import ray
 
-            ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
-                     configure_logging=True, logging_level="warning")
+            ray.init(
+                address="local",
+                num_cpus=args.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=True,
+                logging_level="warning",
+            )
             address = ray.get_runtime_context().gcs_address
             try:
                 big["warm"] = _median_run(lambda: ours(raws[4 * n], 4 * n, "--address", address), reps)
@@ -446,8 +509,11 @@ def main(argv: list[str] | None = None) -> int:
             for d in [root / f"raw_{k}" for k in (n, 4 * n)] + [root / f"raw_x{args.scale_copies}"]:
                 shutil.rmtree(d, ignore_errors=True)
 
-    print(f"{'N':>7} {'input MB':>9} " + "".join(f"{label + ' e2e/s':>18} " for label, _ in sides.values())
-          + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MiB ours':>12} {'RSS MiB RD':>10} {'RSS MiB SW':>10}")
+    print(
+        f"{'N':>7} {'input MB':>9} "
+        + "".join(f"{label + ' e2e/s':>18} " for label, _ in sides.values())
+        + f"{'ours job/s':>11} {'ours/SW':>8} {'ours/RD':>8} {'RSS MiB ours':>12} {'RSS MiB RD':>10} {'RSS MiB SW':>10}"
+    )
     for r in rows:
         line = f"{r['n']:>7} {r['mb']:>9.1f} "
         for key in sides:
@@ -456,92 +522,137 @@ def main(argv: list[str] | None = None) -> int:
         line += f"{r['rd']['e2e'] / r['ours']['e2e']:>8.2f} " if "rd" in r else f"{'—':>8} "
         line += f"{r['ours']['rss_mb']:>12.0f} " + (f"{r['rd']['rss_mb']:>10.0f} " if "rd" in r else f"{'—':>10} ")
         print(line + f"{r['base']['rss_mb']:>10.0f}")
-    print("e2e/s = records / wall time of the whole subprocess (interpreter start-up, imports, Ray start and "
-          "stop included); ours job/s = records / the job's own wall_time_s (imports excluded)")
+    print(
+        "e2e/s = records / wall time of the whole subprocess (interpreter start-up, imports, Ray start and "
+        "stop included); ours job/s = records / the job's own wall_time_s (imports excluded)"
+    )
     for r in rows:
         print(f"ours phases at N={r['n']}: {_phases(r['ours']['m'])}")
     for r in rows:
         if "paired" in r:
-            print(f"ours/SW per round at N={r['n']} (both sides under the same load): "
-                  + ", ".join(f"{x:.2f}" for x in r["paired"]) + f"; median {statistics.median(r['paired']):.2f}")
+            print(
+                f"ours/SW per round at N={r['n']} (both sides under the same load): "
+                + ", ".join(f"{x:.2f}" for x in r["paired"])
+                + f"; median {statistics.median(r['paired']):.2f}"
+            )
     small, large = rows[0], rows[1]
     growth = large["ours"]["rss_mb"] / small["ours"]["rss_mb"] - 1
     rd_growth = large["rd"]["rss_mb"] / small["rd"]["rss_mb"] - 1
-    print(f"driver peak RSS growth N -> 4N: ours {growth * 100:+.1f}% "
-          f"({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, limit 20%), Ray Data {rd_growth * 100:+.1f}%")
+    print(
+        f"driver peak RSS growth N -> 4N: ours {growth * 100:+.1f}% "
+        f"({'flat' if abs(growth) <= 0.2 else 'NOT flat'}, limit 20%), Ray Data {rd_growth * 100:+.1f}%"
+    )
     fits = {k: _fit(n, small[k]["e2e"], 4 * n, large[k]["e2e"]) for k in sides}
     for key, (label, _) in sides.items():
         rate, fixed_s = fits[key]
         print(f"{label}: marginal {rate:,.0f} samples/s, fixed {fixed_s:.1f}s (end to end, fit through N and 4N)")
     dedup_share = 1 - large["ours"]["t"] / large["dedup"]["t"]
     len_share = 1 - large["nolen"]["t"] / large["ours"]["t"]
-    print(f"cost at N={4 * n} (job wall time): --dedup phash {large['dedup']['t']:.1f}s vs {large['ours']['t']:.1f}s "
-          f"without ({dedup_share:+.1%} of the dedup job; hashes from the records' phash field: "
-          f"{large['dedup']['m']['curation']['dedup']['phash_images']}); length index: "
-          f"{large['ours']['t']:.1f}s vs {large['nolen']['t']:.1f}s without ({len_share:+.1%} of the job)")
+    print(
+        f"cost at N={4 * n} (job wall time): --dedup phash {large['dedup']['t']:.1f}s vs {large['ours']['t']:.1f}s "
+        f"without ({dedup_share:+.1%} of the dedup job; hashes from the records' phash field: "
+        f"{large['dedup']['m']['curation']['dedup']['phash_images']}); length index: "
+        f"{large['ours']['t']:.1f}s vs {large['nolen']['t']:.1f}s without ({len_share:+.1%} of the job)"
+    )
     if "warm" in large:
-        print(f"ours joining a running Ray (--address) at N={4 * n}: {4 * n / large['warm']['e2e']:,.0f} samples/s "
-              f"end to end, job {4 * n / large['warm']['t']:,.0f}/s")
+        print(
+            f"ours joining a running Ray (--address) at N={4 * n}: {4 * n / large['warm']['e2e']:,.0f} samples/s "
+            f"end to end, job {4 * n / large['warm']['t']:,.0f}/s"
+        )
     floor = large["floor"]
     floor_rate = floor["records"] / floor["e2e"]
     per_core = fits["ours"][0] / args.num_cpus
-    print(f"decode floor: {floor['images']:,} images of the {floor['records']:,} records between N and 4N checked "
-          f"in {floor['e2e']:.1f}s on one core ({floor['cpu']:.1f} CPU-s; {floor['e2e'] / floor['images'] * 1e6:,.0f} us "
-          f"per image): "
-          f"{floor_rate:,.0f} records/s; ours {fits['ours'][0]:,.0f}/s marginal on {args.num_cpus} CPUs = "
-          f"{per_core:,.0f}/s per core (load average {os.getloadavg()[0]:.1f})")
-    phases = {k: (large["ours"]["m"]["run"]["phases"][k] - small["ours"]["m"]["run"]["phases"][k]) / (3 * n) * 1e3
-              for k in small["ours"]["m"]["run"]["phases"]}
+    print(
+        f"decode floor: {floor['images']:,} images of the {floor['records']:,} records between N and 4N checked "
+        f"in {floor['e2e']:.1f}s on one core ({floor['cpu']:.1f} CPU-s; {floor['e2e'] / floor['images'] * 1e6:,.0f} us "
+        f"per image): "
+        f"{floor_rate:,.0f} records/s; ours {fits['ours'][0]:,.0f}/s marginal on {args.num_cpus} CPUs = "
+        f"{per_core:,.0f}/s per core (load average {os.getloadavg()[0]:.1f})"
+    )
+    phases = {
+        k: (large["ours"]["m"]["run"]["phases"][k] - small["ours"]["m"]["run"]["phases"][k]) / (3 * n) * 1e3
+        for k in small["ours"]["m"]["run"]["phases"]
+    }
     shard_mb = sum(s["bytes"] for s in large["ours"]["m"]["shards"]) / 1e6
     scan_per_core = 1e3 / max(phases["scan_s"], 1e-9) / args.num_cpus
-    print("ours' marginal wall time per 1,000 records by phase: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in phases.items())
-          + f" (the write phase writes {shard_mb / (4 * n) * 1e3:,.0f} MB of shards per 1,000 records and fsyncs them: "
-          f"{shard_mb / (4 * n) / max(phases['write_s'], 1e-9) * 1e3:,.0f} MB/s at the margin); the scan phase alone, per "
-          f"core: {scan_per_core:,.0f} records/s ({scan_per_core / floor_rate:.2f} "
-          f"of the floor)")
+    print(
+        "ours' marginal wall time per 1,000 records by phase: "
+        + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in phases.items())
+        + f" (the write phase writes {shard_mb / (4 * n) * 1e3:,.0f} MB of shards per 1,000 records and fsyncs them: "
+        f"{shard_mb / (4 * n) / max(phases['write_s'], 1e-9) * 1e3:,.0f} MB/s at the margin); the scan phase alone, "
+        f"per "
+        f"core: {scan_per_core:,.0f} records/s ({scan_per_core / floor_rate:.2f} "
+        f"of the floor)"
+    )
     cpu_rate = _fit(n, small["ours"]["cpu"], 4 * n, large["ours"]["cpu"])[0]
     floor_cpu_us, ours_cpu_us = floor["cpu"] / floor["records"] * 1e6, 1e6 / cpu_rate
     idle_us = fixed["idle_cpu"] * 1e6 / fits["ours"][0]  # Ray's idle cores x ours' marginal seconds per record
-    print(f"CPU account: ours' marginal {ours_cpu_us:,.0f} CPU-us per record (all of the job's processes, through "
-          f"N and 4N) against the floor's {floor_cpu_us:,.0f}: the decode checks are "
-          f"{floor_cpu_us / ours_cpu_us:.0%} of ours' marginal CPU (ours took "
-          f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all); of the rest, about {idle_us:,.0f} "
-          f"is Ray's processes idling ({fixed['idle_cpu'] * 100:.1f}% of a core while Ray waits, paid per second: "
-          f"{1e6 / fits['ours'][0]:,.0f} us of ours' marginal wall time per record here)")
+    print(
+        f"CPU account: ours' marginal {ours_cpu_us:,.0f} CPU-us per record (all of the job's processes, through "
+        f"N and 4N) against the floor's {floor_cpu_us:,.0f}: the decode checks are "
+        f"{floor_cpu_us / ours_cpu_us:.0%} of ours' marginal CPU (ours took "
+        f"{small['ours']['cpu']:.1f} and {large['ours']['cpu']:.1f} CPU-s in all); of the rest, about {idle_us:,.0f} "
+        f"is Ray's processes idling ({fixed['idle_cpu'] * 100:.1f}% of a core while Ray waits, paid per second: "
+        f"{1e6 / fits['ours'][0]:,.0f} us of ours' marginal wall time per record here)"
+    )
     by_kind = {k: 1e6 / _fit(n, small["ours"][f"cpu_{k}"], 4 * n, large["ours"][f"cpu_{k}"])[0] for k in PROCESS_KINDS}
-    print(f"ours' marginal CPU-us per record by process: Ray's workers (the tasks) {by_kind['workers']:,.0f}, the "
-          f"driver {by_kind['driver']:,.0f}, Ray's own processes {by_kind['ray']:,.0f}; the floor over the workers' alone: "
-          f"{floor_cpu_us / by_kind['workers']:.3f} (what a node with many cores approaches: the driver and Ray's "
-          "processes cost per second, spread over all of its cores)")
+    print(
+        f"ours' marginal CPU-us per record by process: Ray's workers (the tasks) {by_kind['workers']:,.0f}, the "
+        f"driver {by_kind['driver']:,.0f}, Ray's own processes {by_kind['ray']:,.0f}; the floor over the workers' "
+        f"alone: "
+        f"{floor_cpu_us / by_kind['workers']:.3f} (what a node with many cores approaches: the driver and Ray's "
+        "processes cost per second, spread over all of its cores)"
+    )
     cpu_n, cpu_4n = (r["ours"]["m"]["run"]["task_cpu_s"] for r in (small, large))
     task_cpu = {k: (cpu_4n[k] - cpu_n[k]) / (3 * n) * 1e6 for k in cpu_4n}
     tasks_us = sum(task_cpu.values())
     tasks_ratio = floor_cpu_us / tasks_us if tasks_us > 0 else float("nan")
-    print("Ray tasks' own CPU at the margin (the manifests' run.task_cpu_s through N and 4N), CPU-us per record: "
-          + ", ".join(f"{k[:-2]} {v:,.0f}" for k, v in task_cpu.items()) + f" = {tasks_us:,.0f}; the floor over "
-          f"the tasks' CPU: {tasks_ratio:.3f} (the decode checks' share of the work itself: Ray's start, its "
-          "processes and the driver apart, and steadier than the whole job's account, whose fixed costs vary)")
-    print(f"in-process stage account ({st['records']:,} records of the margin, CPU-us per record, no Ray): scan "
-          f"{st['scan']:,.0f} = decode checks {st['floor']:,.0f} + the rest {st['scan'] - st['floor']:,.0f}; sort "
-          f"{st['sort']:,.0f}; write {st['write']:,.0f} (of which the shard's sha256 about "
-          f"{shard_mb / (4 * n) * sha_us_per_mb:,.0f}); beyond decoding {st['scan'] - st['floor'] + st['sort'] + st['write']:,.0f}")
-    print(f"Ray's fixed cost: start {fixed['start']:.1f}s + one empty task per CPU {fixed['tasks']:.1f}s + stop "
-          f"{fixed['stop']:.1f}s = {fixed['e2e']:.1f}s per job, whatever its size")
+    print(
+        "Ray tasks' own CPU at the margin (the manifests' run.task_cpu_s through N and 4N), CPU-us per record: "
+        + ", ".join(f"{k[:-2]} {v:,.0f}" for k, v in task_cpu.items())
+        + f" = {tasks_us:,.0f}; the floor over "
+        f"the tasks' CPU: {tasks_ratio:.3f} (the decode checks' share of the work itself: Ray's start, its "
+        "processes and the driver apart, and steadier than the whole job's account, whose fixed costs vary)"
+    )
+    print(
+        f"in-process stage account ({st['records']:,} records of the margin, CPU-us per record, no Ray): scan "
+        f"{st['scan']:,.0f} = decode checks {st['floor']:,.0f} + the rest {st['scan'] - st['floor']:,.0f}; sort "
+        f"{st['sort']:,.0f}; write {st['write']:,.0f} (of which the shard's sha256 about "
+        f"{shard_mb / (4 * n) * sha_us_per_mb:,.0f}); beyond decoding "
+        f"{st['scan'] - st['floor'] + st['sort'] + st['write']:,.0f}"
+    )
+    print(
+        f"Ray's fixed cost: start {fixed['start']:.1f}s + one empty task per CPU {fixed['tasks']:.1f}s + stop "
+        f"{fixed['stop']:.1f}s = {fixed['e2e']:.1f}s per job, whatever its size"
+    )
     last = rows[-1]
-    print(f"BENCH preprocess_vs_decode_floor baseline={floor_rate:.1f} ours={per_core:.1f} unit=samples/s/core "
-          f"ratio={per_core / floor_rate:.3f}")
-    print(f"BENCH preprocess_vs_decode_floor_cpu baseline={floor_cpu_us:.1f} ours={ours_cpu_us:.1f} unit=cpu_us/record "
-          f"ratio={floor_cpu_us / ours_cpu_us:.3f}")
-    print(f"BENCH preprocess_vs_ray_data baseline={large['n'] / large['rd']['e2e']:.1f} "
-          f"ours={large['n'] / large['ours']['e2e']:.1f} unit=samples/s ratio={large['rd']['e2e'] / large['ours']['e2e']:.3f}")
-    print(f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "
-          f"unit=samples/s ratio={last['base']['e2e'] / last['ours']['e2e']:.3f}")
-    print(f"BENCH preprocess_throughput baseline={fits['base'][0]:.1f} ours={fits['ours'][0]:.1f} unit=samples/s "
-          f"ratio={fits['ours'][0] / fits['base'][0]:.3f}")
+    print(
+        f"BENCH preprocess_vs_decode_floor baseline={floor_rate:.1f} ours={per_core:.1f} unit=samples/s/core "
+        f"ratio={per_core / floor_rate:.3f}"
+    )
+    print(
+        f"BENCH preprocess_vs_decode_floor_cpu baseline={floor_cpu_us:.1f} ours={ours_cpu_us:.1f} unit=cpu_us/record "
+        f"ratio={floor_cpu_us / ours_cpu_us:.3f}"
+    )
+    print(
+        f"BENCH preprocess_vs_ray_data baseline={large['n'] / large['rd']['e2e']:.1f} "
+        f"ours={large['n'] / large['ours']['e2e']:.1f} unit=samples/s "
+        f"ratio={large['rd']['e2e'] / large['ours']['e2e']:.3f}"
+    )
+    print(
+        f"BENCH preprocess baseline={last['n'] / last['base']['e2e']:.1f} ours={last['n'] / last['ours']['e2e']:.1f} "
+        f"unit=samples/s ratio={last['base']['e2e'] / last['ours']['e2e']:.3f}"
+    )
+    print(
+        f"BENCH preprocess_throughput baseline={fits['base'][0]:.1f} ours={fits['ours'][0]:.1f} unit=samples/s "
+        f"ratio={fits['ours'][0] / fits['base'][0]:.3f}"
+    )
     if "warm" in large:
-        print(f"BENCH preprocess_warm baseline={large['n'] / large['base']['e2e']:.1f} "
-              f"ours={large['n'] / large['warm']['e2e']:.1f} unit=samples/s "
-              f"ratio={large['base']['e2e'] / large['warm']['e2e']:.3f}")
+        print(
+            f"BENCH preprocess_warm baseline={large['n'] / large['base']['e2e']:.1f} "
+            f"ours={large['n'] / large['warm']['e2e']:.1f} unit=samples/s "
+            f"ratio={large['base']['e2e'] / large['warm']['e2e']:.3f}"
+        )
     return 0
 
 

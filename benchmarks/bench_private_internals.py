@@ -115,9 +115,11 @@ def bench_webp(quick: bool) -> dict[str, float]:
         gated = per_call_us(lambda d, w=w, h=h, a=has_alpha: decode_check.check_webp(d, w, h, a), data, calls, repeats)
         public = per_call_us(lambda d, a=has_alpha: webp_public_default(d, a), data, calls, repeats)
         pillow = per_call_us(lambda d: Image.open(io.BytesIO(d)).load(), data, calls, repeats)
-        print(f"webp {mode} {size[0]}x{size[1]} ({len(data) / 1024:.0f} KiB): gated check {gated:.0f} CPU-µs, "
-              f"public default options {public:.0f} µs ({public / gated:.2f}x), "
-              f"Pillow load {pillow:.0f} µs ({pillow / gated:.2f}x)")
+        print(
+            f"webp {mode} {size[0]}x{size[1]} ({len(data) / 1024:.0f} KiB): gated check {gated:.0f} CPU-µs, "
+            f"public default options {public:.0f} µs ({public / gated:.2f}x), "
+            f"Pillow load {pillow:.0f} µs ({pillow / gated:.2f}x)"
+        )
         out[f"{mode}_gated"], out[f"{mode}_public"], out[f"{mode}_pillow"] = gated, public, pillow
     return out
 
@@ -128,8 +130,14 @@ class _Mincore:
     def __init__(self) -> None:
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.mmap.restype = ctypes.c_void_p
-        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_long]
+        self.libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
@@ -160,7 +168,7 @@ def write_shards(folder: Path, variant: str, payload: bytes, shards: int) -> tup
     for path in paths:
         with SequentialFile(path, direct=variant == "direct", drop_cache=variant == "fadvise") as f:
             for i in range(0, len(payload), 4 << 20):
-                f.put(view[i:i + (4 << 20)])
+                f.put(view[i : i + (4 << 20)])
                 f.flush()
             f.finish()
     return time.perf_counter() - t0, time.thread_time() - c0, paths
@@ -182,10 +190,18 @@ def bench_writes(folder: Path, shards: int, shard_mib: int, repeats: int) -> dic
     out = {}
     for variant, rows in runs.items():
         wall, cpu, cached = (statistics.median(col) for col in zip(*rows))
-        out[variant] = {"wall": wall, "cpu": cpu, "cached": cached, "mb_s": mib / wall, "mb_cpu_s": mib / max(cpu, 1e-9)}
-        print(f"write {variant:8s}: {shards} x {shard_mib} MiB in {wall:.2f} s ({mib / wall:.0f} MiB/s), "
-              f"writer CPU {cpu:.2f} s ({mib / max(cpu, 1e-9):.0f} MiB per CPU-s), "
-              f"{cached * 100:.0f} % of the shards left in the page cache")
+        out[variant] = {
+            "wall": wall,
+            "cpu": cpu,
+            "cached": cached,
+            "mb_s": mib / wall,
+            "mb_cpu_s": mib / max(cpu, 1e-9),
+        }
+        print(
+            f"write {variant:8s}: {shards} x {shard_mib} MiB in {wall:.2f} s ({mib / wall:.0f} MiB/s), "
+            f"writer CPU {cpu:.2f} s ({mib / max(cpu, 1e-9):.0f} MiB per CPU-s), "
+            f"{cached * 100:.0f} % of the shards left in the page cache"
+        )
     return out
 
 
@@ -201,13 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         args.shards, args.shard_mib, args.repeats = 3, 4, 1
     folder = Path(tempfile.mkdtemp(prefix="bench-private-", dir=args.workdir))
     try:
-        print(f"shards on {mount_fstype(folder)} ({folder}); python {sys.version.split()[0]}, webp {metadata.version('webp')}")
+        print(
+            f"shards on {mount_fstype(folder)} ({folder}); python {sys.version.split()[0]}, webp "
+            f"{metadata.version('webp')}"
+        )
         wp = bench_webp(args.quick)
         writes = bench_writes(folder, args.shards, args.shard_mib, args.repeats)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"peak RSS {peak_rss_mib():.0f} MiB")
-    public, gated = statistics.fmean((wp["RGB_public"], wp["RGBA_public"])), statistics.fmean((wp["RGB_gated"], wp["RGBA_gated"]))
+    public, gated = (
+        statistics.fmean((wp["RGB_public"], wp["RGBA_public"])),
+        statistics.fmean((wp["RGB_gated"], wp["RGBA_gated"])),
+    )
     print(f"BENCH webp_check baseline={public:.1f} ours={gated:.1f} unit=us ratio={public / gated:.2f}")
     base, ours = writes["fadvise"]["mb_cpu_s"], writes["direct"]["mb_cpu_s"]
     print(f"BENCH direct_io baseline={base:.1f} ours={ours:.1f} unit=MB/s ratio={ours / base:.2f}")

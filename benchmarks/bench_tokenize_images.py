@@ -129,8 +129,12 @@ class _TreeRss(threading.Thread):
 def run_baseline(shards: Path, vq: Path, area: int, num_cpus: int, codes_out: Path, device: str = "cpu") -> dict:
     """The plain transformers loop in a subprocess; its grids go to `codes_out` (JSON)."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", BASELINE, str(shards), str(vq), str(area), str(num_cpus),
-                           str(codes_out), device], capture_output=True, text=True, env=ray_job_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", BASELINE, str(shards), str(vq), str(area), str(num_cpus), str(codes_out), device],
+        capture_output=True,
+        text=True,
+        env=ray_job_env(),
+    )
     if proc.returncode:
         raise RuntimeError(f"baseline failed:\n{proc.stderr[-3000:]}")
     res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT="))[7:])
@@ -138,8 +142,22 @@ def run_baseline(shards: Path, vq: Path, area: int, num_cpus: int, codes_out: Pa
 
 
 def run_ours(shards: Path, vq: Path, area: int, num_cpus: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", str(shards), "--vision-tokenizer", str(vq), "--output",
-           str(out), "--image-area", str(area), "--num-cpus", str(num_cpus), "--no-progress", "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmdata.vision_tokens.cli",
+        str(shards),
+        "--vision-tokenizer",
+        str(vq),
+        "--output",
+        str(out),
+        "--image-area",
+        str(area),
+        "--num-cpus",
+        str(num_cpus),
+        "--no-progress",
+        "--overwrite",
+    ]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_job_env())
     rss = _TreeRss(p.pid)
@@ -150,8 +168,13 @@ def run_ours(shards: Path, vq: Path, area: int, num_cpus: int, out: Path) -> dic
     if p.returncode:
         raise RuntimeError(f"mmdata tokenize-images failed:\n{stdout}\n{stderr[-3000:]}")
     m = json.loads((out / "manifest.json").read_text())
-    return {"images": m["counts"]["tokens"]["images"], "wall_s": m["wall_time_s"], "e2e_s": e2e,
-            "peak_rss_mb": peak / 2**20, "phases": m["run"]["phases"]}
+    return {
+        "images": m["counts"]["tokens"]["images"],
+        "wall_s": m["wall_time_s"],
+        "e2e_s": e2e,
+        "peak_rss_mb": peak / 2**20,
+        "phases": m["run"]["phases"],
+    }
 
 
 def tar_members(tar_path: Path) -> dict[str, bytes]:
@@ -168,8 +191,9 @@ def read_grids(out: Path) -> dict[str, np.ndarray]:
             key, _, suffix = name.partition(".")
             if suffix == "vq.json":
                 for g in json.loads(data)["grids"]:
-                    found[f"{key}.{g['source']}"] = np.load(io.BytesIO(members[f"{key}.{g['member']}"]),
-                                                            allow_pickle=False)
+                    found[f"{key}.{g['source']}"] = np.load(
+                        io.BytesIO(members[f"{key}.{g['member']}"]), allow_pickle=False
+                    )
     return found
 
 
@@ -208,10 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         differ = compare_codes(root / "baseline_codes.json", root / "tokens")
         per_core = lambda s: n / s / args.num_cpus  # noqa: E731
         print(f"{'':<28}{'baseline':>12}{'ours':>12}")
-        rows = [("wall (s)", base["wall_s"], ours["wall_s"]), ("end to end (s)", base["e2e_s"], ours["e2e_s"]),
-                ("images/s/core (wall)", per_core(base["wall_s"]), per_core(ours["wall_s"])),
-                ("images/s/core (e2e)", per_core(base["e2e_s"]), per_core(ours["e2e_s"])),
-                ("peak RSS (MB)", base["peak_rss_mb"], ours["peak_rss_mb"])]
+        rows = [
+            ("wall (s)", base["wall_s"], ours["wall_s"]),
+            ("end to end (s)", base["e2e_s"], ours["e2e_s"]),
+            ("images/s/core (wall)", per_core(base["wall_s"]), per_core(ours["wall_s"])),
+            ("images/s/core (e2e)", per_core(base["e2e_s"]), per_core(ours["e2e_s"])),
+            ("peak RSS (MB)", base["peak_rss_mb"], ours["peak_rss_mb"]),
+        ]
         for label, b, o in rows:
             print(f"{label:<28}{b:>12.2f}{o:>12.2f}")
         print(f"ours phases: {ours['phases']}; grids differing from the baseline: {differ} of {n}")

@@ -65,15 +65,50 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
     env = ray_job_env()
     run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True, env=env, capture_output=True)  # noqa: E731
     if preprocess_job:
-        run("mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw), "--num-samples", str(num_samples),
-            "--seed", "0")
-        run("mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm", "--input", str(raw), "--output",
-            str(shards), "--seed", "0", "--samples-per-shard", str(max(1, num_samples // 4)), "--num-cpus", "2")
+        run(
+            "mmdata.cli",
+            "synth",
+            "--dataset",
+            "infinity-mm",
+            "--output",
+            str(raw),
+            "--num-samples",
+            str(num_samples),
+            "--seed",
+            "0",
+        )
+        run(
+            "mmdata.preprocess.cli",
+            "--no-progress",
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(raw),
+            "--output",
+            str(shards),
+            "--seed",
+            "0",
+            "--samples-per-shard",
+            str(max(1, num_samples // 4)),
+            "--num-cpus",
+            "2",
+        )
     else:
         make_shards(shards, num_samples, seed=0)
     vq = build_tiny_vq(work / "vq", seed=0)
-    run("mmdata.vision_tokens.cli", "--no-progress", str(shards), "--vision-tokenizer", str(vq), "--output", str(tokens),
-        "--image-area", "4096", "--num-cpus", "2")
+    run(
+        "mmdata.vision_tokens.cli",
+        "--no-progress",
+        str(shards),
+        "--vision-tokenizer",
+        str(vq),
+        "--output",
+        str(tokens),
+        "--image-area",
+        "4096",
+        "--num-cpus",
+        "2",
+    )
     return tokens, build_tiny_emu3_tokenizer(work / "tokenizer")
 
 
@@ -95,12 +130,18 @@ def unpack_to_hf(batch) -> dict:
             by_row.setdefault(start // s, []).append((start, end))
     segments = [seg for r, row in enumerate(batch.sample_ids) for seg in by_row.get(r, [])[: len(row)]]
     longest = max(end - start for start, end in segments)
-    out = {"input_ids": torch.zeros(len(segments), longest, dtype=torch.long),
-           "attention_mask": torch.zeros(len(segments), longest, dtype=torch.long),
-           "labels": torch.full((len(segments), longest), IGNORE_INDEX, dtype=torch.long)}
+    out = {
+        "input_ids": torch.zeros(len(segments), longest, dtype=torch.long),
+        "attention_mask": torch.zeros(len(segments), longest, dtype=torch.long),
+        "labels": torch.full((len(segments), longest), IGNORE_INDEX, dtype=torch.long),
+    }
     for i, (start, end) in enumerate(segments):
         n = end - start
-        out["input_ids"][i, :n], out["labels"][i, :n], out["attention_mask"][i, :n] = ids[start:end], labels[start:end], 1
+        out["input_ids"][i, :n], out["labels"][i, :n], out["attention_mask"][i, :n] = (
+            ids[start:end],
+            labels[start:end],
+            1,
+        )
     return out
 
 
@@ -115,9 +156,11 @@ def hf_emu3(recipe, vocabulary_map: dict):
     cfg = hf_config_from_emu3(recipe.model)
     text = {k: v for k, v in cfg["text_config"].items() if k not in ("attention_bias", "mlp_bias", "model_type")}
     torch.manual_seed(recipe.seed)
-    config = Emu3Config(text_config={**text, "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
-                                     "eos_token_id": 2},
-                        vq_config={**TINY_VQ_CONFIG, "codebook_size": 512}, vocabulary_map=vocabulary_map)
+    config = Emu3Config(
+        text_config={**text, "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        vq_config={**TINY_VQ_CONFIG, "codebook_size": 512},
+        vocabulary_map=vocabulary_map,
+    )
     return Emu3ForConditionalGeneration(config).train()
 
 
@@ -128,8 +171,9 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
     model = hf_emu3(recipe, AutoTokenizer.from_pretrained(recipe.tokenizer.path).get_vocab())
     params = [p for n, p in model.named_parameters() if "vqmodel" not in n]  # the reference trains the LM
     opt = recipe.optimizer
-    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                  weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, weight_decay=opt.weight_decay
+    )
     prepared = [[unpack_to_hf(mb) for mb in step] for step in steps]
     vocab = recipe.model.llm.vocab_size
     times = []
@@ -140,8 +184,15 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
         for mb in micro_batches:
             logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
             # labels are already shifted (Megatron convention): position t predicts labels[t]
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), mb["labels"].reshape(-1),
-                                                     ignore_index=IGNORE_INDEX, reduction="sum") / total
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, vocab),
+                    mb["labels"].reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                / total
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, opt.clip_grad)
         optimizer.step()
@@ -200,8 +251,11 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="the Emu3 tokenizer of those shards")
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the data is built here")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples written without the preprocess job")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 3 steps, 1 warm-up, 1 round, seq 512, 40 samples written without the preprocess job",
+    )
     ap.add_argument("--side", choices=["baseline", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -213,9 +267,17 @@ def main() -> int:
     if args.side is None and not (args.tokens and args.tokenizer):
         print("building synthetic shards -> tiny VQ token shards + tiny Emu3 tokenizer ...", flush=True)
         args.tokens, args.tokenizer = map(str, build_data(work, args.num_samples, preprocess_job=not args.quick))
-    overrides = [f"run_dir={work / (args.side or 'run')}", f"data.paths=[{args.tokens}]", f"tokenizer.path={args.tokenizer}",
-                 f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
-                 "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]
+    overrides = [
+        f"run_dir={work / (args.side or 'run')}",
+        f"data.paths=[{args.tokens}]",
+        f"tokenizer.path={args.tokenizer}",
+        f"train.iters={args.steps}",
+        f"train.seq_length={args.seq_length}",
+        "checkpoint.interval=0",
+        "checkpoint.keep_last=1",
+        "logging.tensorboard=false",
+        "data.num_workers=1",
+    ]
     if args.side is not None:
         side(args.side, overrides, args.steps, args.threads, Path(args.out))
         return 0
@@ -226,11 +288,33 @@ def main() -> int:
         for name in ("baseline", "ours") if rnd % 2 == 0 else ("ours", "baseline"):
             print(f"round {rnd + 1}: {name}: {what[name]}, {args.steps} steps", flush=True)
             out, run_work = work / f"{name}.json", work / f"round{rnd}"  # a fresh run dir: no resume
-            cmd = [sys.executable, __file__, "--side", name, "--out", str(out), "--work", str(run_work),
-                   "--steps", str(args.steps), "--threads", str(args.threads), "--seq-length", str(args.seq_length),
-                   "--tokens", args.tokens, "--tokenizer", args.tokenizer]
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--side",
+                name,
+                "--out",
+                str(out),
+                "--work",
+                str(run_work),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                "--seq-length",
+                str(args.seq_length),
+                "--tokens",
+                args.tokens,
+                "--tokenizer",
+                args.tokenizer,
+            ]
+            subprocess.run(
+                cmd,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             runs[name].append(json.loads(out.read_text()))
     real_tokens = runs["baseline"][0]["real_tokens"]
     try:
@@ -252,16 +336,23 @@ def main() -> int:
         print(f"{i:>4} {n:>11} {a:>10.3f} {b:>8.3f}{'  (warm-up)' if i <= w else ''}")
     for name in runs:
         print(f"{name} median tokens/s per round: " + ", ".join(f"{rate(r['times']):.1f}" for r in runs[name]))
-    print(f"\nCPU, {args.threads} thread(s), seq {args.seq_length}; samples: {tasks.count('understanding')} understanding, "
-          f"{tasks.count('generation')} generation; median tokens/s over steps {w + 1}..{args.steps} "
-          f"(totals: baseline {tokens / sum(base['times'][w:]):.1f}, ours {tokens / sum(ours['times'][w:]):.1f}); "
-          f"ours' data wait left out (mean {statistics.mean(ours['waits'][w:]):.3f} s/step)")
-    print(f"peak RSS: baseline {base['peak_rss_gib']:.2f} GiB, ours {ours['peak_rss_gib']:.2f} GiB "
-          "(whole process: Python, torch, the model, its optimizer, activations)")
+    print(
+        f"\nCPU, {args.threads} thread(s), seq {args.seq_length}; samples: {tasks.count('understanding')} "
+        f"understanding, "
+        f"{tasks.count('generation')} generation; median tokens/s over steps {w + 1}..{args.steps} "
+        f"(totals: baseline {tokens / sum(base['times'][w:]):.1f}, ours {tokens / sum(ours['times'][w:]):.1f}); "
+        f"ours' data wait left out (mean {statistics.mean(ours['waits'][w:]):.3f} s/step)"
+    )
+    print(
+        f"peak RSS: baseline {base['peak_rss_gib']:.2f} GiB, ours {ours['peak_rss_gib']:.2f} GiB "
+        "(whole process: Python, torch, the model, its optimizer, activations)"
+    )
     print(f"loss ours: {ours['loss'][0]:.3f} -> {ours['loss'][1]:.3f}")
     print(f"BENCH train_emu3 baseline={b_rate:.1f} ours={o_rate:.1f} unit=tokens/s ratio={o_rate / b_rate:.2f}")
-    print(f"BENCH train_emu3_peak_rss baseline={base['peak_rss_gib']:.2f} ours={ours['peak_rss_gib']:.2f} unit=GiB "
-          f"ratio={base['peak_rss_gib'] / ours['peak_rss_gib']:.2f}")
+    print(
+        f"BENCH train_emu3_peak_rss baseline={base['peak_rss_gib']:.2f} ours={ours['peak_rss_gib']:.2f} unit=GiB "
+        f"ratio={base['peak_rss_gib'] / ours['peak_rss_gib']:.2f}"
+    )
     return 0
 
 

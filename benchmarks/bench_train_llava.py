@@ -56,11 +56,48 @@ def build_data(work: Path, num_samples: int = 200, ray_job: bool = True) -> tupl
         return make_shards(work / "shards", num_samples, seed=0), build_tiny_qwen2_tokenizer(work / "tokenizer")
     raw, shards = work / "raw", work / "shards"
     env = ray_job_env()
-    subprocess.run([sys.executable, "-m", "mmdata.cli", "synth", "--dataset", "infinity-mm", "--output", str(raw),
-                    "--num-samples", str(num_samples), "--seed", "0"], check=True, env=env, capture_output=True)
-    subprocess.run([sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm",
-                    "--input", str(raw), "--output", str(shards), "--seed", "0", "--samples-per-shard",
-                    str(max(1, num_samples // 4)), "--num-cpus", "2"], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmdata.cli",
+            "synth",
+            "--dataset",
+            "infinity-mm",
+            "--output",
+            str(raw),
+            "--num-samples",
+            str(num_samples),
+            "--seed",
+            "0",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmdata.preprocess.cli",
+            "--no-progress",
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(raw),
+            "--output",
+            str(shards),
+            "--seed",
+            "0",
+            "--samples-per-shard",
+            str(max(1, num_samples // 4)),
+            "--num-cpus",
+            "2",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     return shards, build_tiny_qwen2_tokenizer(work / "tokenizer")
 
 
@@ -130,8 +167,13 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
     torch.manual_seed(recipe.seed)
     model = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(**cfg)).train()
     opt = recipe.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
-                                  eps=opt.adam_eps, weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt.lr,
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        eps=opt.adam_eps,
+        weight_decay=opt.weight_decay,
+    )
     prepared = [[unpack_to_hf(mb, recipe.model) for mb in step] for step in steps]
     times = []
     for micro_batches in prepared:
@@ -142,9 +184,15 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
             kwargs = {k: v for k, v in mb.items() if k not in ("labels", "real_tokens")}
             logits = model(**kwargs).logits
             # labels are already shifted (Megatron convention): position t predicts labels[t]
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), ignore_index=IGNORE_INDEX,
-                reduction="sum") / total
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]),
+                    mb["labels"].reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                / total
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
         optimizer.step()
@@ -161,8 +209,11 @@ def main() -> int:
     ap.add_argument("--tokenizer")
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the shards are built here")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 3 steps, 1 warm-up, seq 512, 40 samples written without the preprocess job")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 3 steps, 1 warm-up, seq 512, 40 samples written without the preprocess job",
+    )
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup, args.seq_length, args.num_samples = 3, 1, 512, 40
@@ -176,9 +227,17 @@ def main() -> int:
     else:
         print("building synthetic shards + tiny tokenizer ...", flush=True)
         shards, tokenizer = build_data(work, args.num_samples, ray_job=not args.quick)
-    overrides = [f"run_dir={work / 'run'}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
-                 f"train.iters={args.steps}", f"train.seq_length={args.seq_length}", "checkpoint.interval=0",
-                 "checkpoint.keep_last=1", "logging.tensorboard=false", "data.num_workers=1"]
+    overrides = [
+        f"run_dir={work / 'run'}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tokenizer}",
+        f"train.iters={args.steps}",
+        f"train.seq_length={args.seq_length}",
+        "checkpoint.interval=0",
+        "checkpoint.keep_last=1",
+        "logging.tensorboard=false",
+        "data.num_workers=1",
+    ]
     recipe = load_recipe(RECIPE, overrides, family="llava-ov")
     spec = registry.get_family("llava-ov")
     t = recipe.train
@@ -191,7 +250,10 @@ def main() -> int:
     del it, loader
     real_tokens = [sum(int(mb.num_real_tokens) for mb in step) for step in steps]
 
-    print(f"baseline: HF LlavaOnevisionForConditionalGeneration, {args.steps} steps x {per_step} micro-batches", flush=True)
+    print(
+        f"baseline: HF LlavaOnevisionForConditionalGeneration, {args.steps} steps x {per_step} micro-batches",
+        flush=True,
+    )
     base_times = run_baseline(recipe, steps, args.threads)
 
     print("ours: mmtrain llava-ov (megatron-core) in this process", flush=True)
@@ -219,9 +281,11 @@ def main() -> int:
     print(f"{'step':>4} {'real tokens':>11} {'baseline s':>10} {'ours s':>8}")
     for i, (n, a, b) in enumerate(zip(real_tokens, base_times, our_times), 1):
         print(f"{i:>4} {n:>11} {a:>10.3f} {b:>8.3f}{'  (warm-up)' if i <= w else ''}")
-    print(f"\nCPU, {args.threads} thread(s); median tokens/s over steps {w + 1}..{args.steps} "
-          f"(totals: baseline {tokens / sum(base_times[w:]):.1f}, ours {tokens / sum(our_times[w:]):.1f}); "
-          f"ours' data wait left out (mean {statistics.mean(our_waits[w:]):.3f} s/step)")
+    print(
+        f"\nCPU, {args.threads} thread(s); median tokens/s over steps {w + 1}..{args.steps} "
+        f"(totals: baseline {tokens / sum(base_times[w:]):.1f}, ours {tokens / sum(our_times[w:]):.1f}); "
+        f"ours' data wait left out (mean {statistics.mean(our_waits[w:]):.3f} s/step)"
+    )
     print(f"loss ours: {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
     print(f"BENCH train_llava baseline={baseline:.1f} ours={ours:.1f} unit=tokens/s ratio={ours / baseline:.2f}")
     return 0

@@ -38,8 +38,9 @@ def per_sequence_loop(q, k, v, cu: torch.Tensor, scale: float) -> torch.Tensor:
         if end <= start:
             continue
         qq, kk, vv = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
-                                                   enable_gqa=True)[0].transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        )
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -80,8 +81,10 @@ def main() -> None:
         "4 equal rows": [total // 4] * 4,
     }
     heads = [("tiny 4/2x16", 4, 2, 16)] + ([] if args.quick else [("Qwen2-1.5B 12/2x128", 12, 2, 128)])
-    print(f"packed causal attention, forward + backward, {total} tokens, {args.threads} thread(s), "
-          f"CPU ms, median of {args.reps} interleaved runs")
+    print(
+        f"packed causal attention, forward + backward, {total} tokens, {args.threads} thread(s), "
+        f"CPU ms, median of {args.reps} interleaved runs"
+    )
     print(f"{'heads':<22}{'packing':<22}{'segments':>9}{'calls':>7}{'loop ms':>10}{'grouped ms':>12}{'speedup':>9}")
     sums = [0.0, 0.0]
     for hname, h, g, d in heads:
@@ -105,8 +108,11 @@ def main() -> None:
             sums[0] += loop_ms
             sums[1] += grp_ms
             calls = len(VarlenPlan.build(cu.tolist()).groups)
-            print(f"{hname:<22}{cname:<22}{len(lens):>9}{calls:>7}{loop_ms:>10.1f}{grp_ms:>12.1f}{loop_ms / grp_ms:>8.2f}x",
-                  flush=True)
+            print(
+                f"{hname:<22}{cname:<22}{len(lens):>9}{calls:>7}"
+                f"{loop_ms:>10.1f}{grp_ms:>12.1f}{loop_ms / grp_ms:>8.2f}x",
+                flush=True,
+            )
     print(f"BENCH varlen_attention baseline={sums[0]:.1f} ours={sums[1]:.1f} unit=ms ratio={sums[0] / sums[1]:.2f}")
 
 

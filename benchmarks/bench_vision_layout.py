@@ -46,13 +46,29 @@ def model_config(quick: bool):
     from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
     from mmtrain.models.lm_config import LLMConfig
 
-    vision = (VisionConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, image_size=56)
-              if quick else
-              VisionConfig(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, image_size=112))
-    llm = LLMConfig(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, num_query_groups=2,
-                    vocab_size=4096, max_position_embeddings=65536)
-    return LlavaOVModelConfig(llm=llm, vision=vision, image_token_id=4000, video_token_id=4001, max_tiles=9,
-                              grid_max=3, make_vocab_size_divisible_by=64)
+    vision = (
+        VisionConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, image_size=56)
+        if quick
+        else VisionConfig(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, image_size=112)
+    )
+    llm = LLMConfig(
+        num_layers=2,
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=4096,
+        max_position_embeddings=65536,
+    )
+    return LlavaOVModelConfig(
+        llm=llm,
+        vision=vision,
+        image_token_id=4000,
+        video_token_id=4001,
+        max_tiles=9,
+        grid_max=3,
+        make_vocab_size_divisible_by=64,
+    )
 
 
 def micro_batch(cfg, seed: int, images: int = 4, frames: int = 8):
@@ -71,11 +87,15 @@ def micro_batch(cfg, seed: int, images: int = 4, frames: int = 8):
     text = lambda: torch.randint(1, 3900, (int(torch.randint(32, 96, (1,), generator=g)),), generator=g)  # noqa: E731
     parts = []
     for h, w in sizes:
-        n = anyres.num_image_tokens(h, w, image_size=v.image_size, patch_size=v.patch_size, max_tiles=cfg.max_tiles,
-                                    grid_max=cfg.grid_max)
+        n = anyres.num_image_tokens(
+            h, w, image_size=v.image_size, patch_size=v.patch_size, max_tiles=cfg.max_tiles, grid_max=cfg.grid_max
+        )
         parts += [text(), torch.full((n,), cfg.image_token_id), text()]
-    parts += [text(), torch.full((anyres.num_video_tokens(frames, v.image_size, v.patch_size),), cfg.video_token_id),
-              text()]
+    parts += [
+        text(),
+        torch.full((anyres.num_video_tokens(frames, v.image_size, v.patch_size),), cfg.video_token_id),
+        text(),
+    ]
     ids = torch.cat(parts)[None]
     tiles = [1 + r * c for r, c in (anyres.anyres_grid_shape(h, w, v.image_size, cfg.grid_max) for h, w in sizes)]
     pixels = torch.randn(images, max(tiles), 3, v.image_size, v.image_size, generator=g)
@@ -92,7 +112,11 @@ class Replica:
 
     def __init__(self, cfg, vision_tp, ctx) -> None:
         import torch
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.enums import ModelType
         from megatron.core.utils import get_model_config
 
@@ -108,7 +132,9 @@ class Replica:
         config.calculate_per_token_loss = True
         self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_config_kwargs(ctx)), module)
         config.no_sync_func, config.finalize_model_grads_func = self.ddp.no_sync, finalize_model_grads
-        self.optimizer = build_optimizer([self.ddp], ModelParts([module], LLAVA_OV.parts), OptimizerConfig(lr=1e-4), ctx)
+        self.optimizer = build_optimizer(
+            [self.ddp], ModelParts([module], LLAVA_OV.parts), OptimizerConfig(lr=1e-4), ctx
+        )
 
     def step(self, micro_batches) -> tuple[float, float]:
         """One optimizer step over the micro-batches: (loss over their label tokens, grad norm)."""
@@ -121,17 +147,29 @@ class Replica:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-            num_microbatches=len(micro_batches), seq_length=max(b.input_ids.numel() for b in micro_batches),
-            micro_batch_size=1, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.ddp],
+            num_microbatches=len(micro_batches),
+            seq_length=max(b.input_ids.numel() for b in micro_batches),
+            micro_batch_size=1,
+            forward_only=False,
+        )
         _, grad_norm, _ = self.optimizer.step()
         sums = lm_loss_sums(reports, torch.device("cpu"))
         return float(sums[0] / sums[1]), float(grad_norm)
 
 
 def run_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(TP),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MMTRAIN_CPU_THREADS=str(args.threads))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(TP),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(TP),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MMTRAIN_CPU_THREADS=str(args.threads),
+    )
     import torch
     import torch.distributed as dist
 
@@ -160,8 +198,11 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             row[name] = {"s": time.perf_counter() - start, "cpu_s": float(cpu), "loss": loss, "grad_norm": grad_norm}
         rows.append(row)
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}: " + ", ".join(f"{n} {row[n]['s']:.2f} s" for n in LAYOUTS),
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {step + 1}/{args.steps}: " + ", ".join(f"{n} {row[n]['s']:.2f} s" for n in LAYOUTS),
+                file=sys.stderr,
+                flush=True,
+            )
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     destroy_distributed()
@@ -187,25 +228,33 @@ def main() -> None:
         out = str(Path(tmp) / "rows.json")
         mp.start_processes(run_rank, args=(free_port(), args, out), nprocs=TP, start_method="spawn")
         rows = json.loads(Path(out).read_text())
-    print(f"{'step':>4} {'tokens':>7} {'tiles':>5}  "
-          + "  ".join(f"{n + ' s/step':>18} {'loss':>8} {'grad norm':>9}" for n in LAYOUTS))
+    print(
+        f"{'step':>4} {'tokens':>7} {'tiles':>5}  "
+        + "  ".join(f"{n + ' s/step':>18} {'loss':>8} {'grad norm':>9}" for n in LAYOUTS)
+    )
     for r in rows:
-        print(f"{r['step']:>4} {r['tokens']:>7} {r['tiles']:>5}  "
-              + "  ".join(f"{r[n]['s']:>18.3f} {r[n]['loss']:>8.4f} {r[n]['grad_norm']:>9.4f}" for n in LAYOUTS))
+        print(
+            f"{r['step']:>4} {r['tokens']:>7} {r['tiles']:>5}  "
+            + "  ".join(f"{r[n]['s']:>18.3f} {r[n]['loss']:>8.4f} {r[n]['grad_norm']:>9.4f}" for n in LAYOUTS)
+        )
     for r in rows:  # the same model, the same batches: the same numbers (each step follows a clipped update)
         for key in ("loss", "grad_norm"):
             a, b = (r[n][key] for n in LAYOUTS)
             if abs(a - b) > 1e-4 * abs(a):
                 sys.exit(f"step {r['step']}: the layouts' {key} differ ({a} vs {b})")
-    timed = rows[args.warmup:]
+    timed = rows[args.warmup :]
     rate = {n: statistics.median(r["tokens"] / r[n]["s"] for r in timed) for n in LAYOUTS}
     per_cpu = {n: sum(r["tokens"] for r in timed) / sum(r[n]["cpu_s"] for r in timed) for n in LAYOUTS}
     base, ours = rate["inherited"], rate["separate"]
-    print(f"median tokens/s after {args.warmup} warm-up steps: inherited {base:,.0f}, separate {ours:,.0f} "
-          f"({TP} processes, TP={TP}, {args.threads} thread(s) each)")
-    print(f"tokens per CPU-second (both processes' CPU time, less sensitive to other jobs): inherited "
-          f"{per_cpu['inherited']:,.0f}, separate {per_cpu['separate']:,.0f} "
-          f"(ratio {per_cpu['separate'] / per_cpu['inherited']:.3f})")
+    print(
+        f"median tokens/s after {args.warmup} warm-up steps: inherited {base:,.0f}, separate {ours:,.0f} "
+        f"({TP} processes, TP={TP}, {args.threads} thread(s) each)"
+    )
+    print(
+        f"tokens per CPU-second (both processes' CPU time, less sensitive to other jobs): inherited "
+        f"{per_cpu['inherited']:,.0f}, separate {per_cpu['separate']:,.0f} "
+        f"(ratio {per_cpu['separate'] / per_cpu['inherited']:.3f})"
+    )
     print(f"BENCH vision_layout baseline={base:.1f} ours={ours:.1f} unit=tokens/s ratio={ours / base:.3f}")
 
 

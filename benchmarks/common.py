@@ -16,8 +16,11 @@ def ray_job_env() -> dict[str, str]:
     `python -m benchmarks.…`), no RAY_ADDRESS from the caller's shell (a cold run starts its own
     Ray, never joins another; a warm one passes --address), and Ray's token authentication off
     unless RAY_AUTH_MODE says otherwise."""
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
     env.pop("RAY_ADDRESS", None)
     return env
 

@@ -117,8 +117,13 @@ def _per_sample(q, k, v, lens) -> torch.Tensor:
     outs, start = [], 0
     for n in lens:
         sl = slice(start, start + n)
-        outs.append(F.scaled_dot_product_attention(*(x[sl].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
-                                                   enable_gqa=True)[0].transpose(0, 1).reshape(n, -1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                *(x[sl].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
+            )[0]
+            .transpose(0, 1)
+            .reshape(n, -1)
+        )
         start += n
     return torch.cat(outs)
 
@@ -137,8 +142,15 @@ def check_varlen(device: torch.device, tiny: bool) -> None:
     heads, groups, dim = (4, 2, 16) if tiny else (12, 2, 128)
     lens = [37, 512, 5, 1300, 64, 64, 900] if not tiny else [37, 100, 5, 64]
     total = sum(lens)
-    cfg = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, num_query_groups=groups,
-                            attention_dropout=0.0, params_dtype=torch.bfloat16, bf16=True)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
     params = cp_layout(_cu(lens, device), 1, 0, 1).packed_seq_params(device)
     g = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(total, h, dim, device=device, generator=g) for h in (heads, groups, groups)]
@@ -162,10 +174,18 @@ def check_varlen(device: torch.device, tiny: bool) -> None:
             out.backward(grad.to(dtype))
             errs = [rel(out.detach(), ref.detach())] + [rel(a.grad, b.grad) for a, b in zip(x, ref_in)]
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-            used = name if name == "TE" else (gpu_varlen_backend(dtype) or "grouped SDPA") if device.type == "cuda" \
+            used = (
+                name
+                if name == "TE"
+                else (gpu_varlen_backend(dtype) or "grouped SDPA")
+                if device.type == "cuda"
                 else "grouped SDPA"
-            check(f"varlen attention {name} ({used}, {str(dtype)[6:]})", max(errs) <= tol,
-                  f"max rel error out/dq/dk/dv {max(errs):.1e} (tolerance {tol:g}), {len(lens)} packed sequences")
+            )
+            check(
+                f"varlen attention {name} ({used}, {str(dtype)[6:]})",
+                max(errs) <= tol,
+                f"max rel error out/dq/dk/dv {max(errs):.1e} (tolerance {tol:g}), {len(lens)} packed sequences",
+            )
 
 
 def check_loss(device: torch.device, tiny: bool) -> None:
@@ -179,15 +199,20 @@ def check_loss(device: torch.device, tiny: bool) -> None:
     labels[::6] = -100
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         ref_h, ref_w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-        logits = (ref_h @ ref_w.t()).float().masked_fill(torch.arange(vocab, device=device) >= true_vocab, float("-inf"))
+        logits = (
+            (ref_h @ ref_w.t()).float().masked_fill(torch.arange(vocab, device=device) >= true_vocab, float("-inf"))
+        )
         ref = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
         ref.sum().backward()
         x_h, x_w = (t.detach().to(dtype).clone().requires_grad_() for t in (hidden, weight))
         out = linear_cross_entropy(x_h, x_w, labels, true_vocab=true_vocab)
         out.sum().backward()
         errs = [rel(out.detach(), ref.detach()), rel(x_h.grad, ref_h.grad), rel(x_w.grad, ref_w.grad)]
-        check(f"chunked loss ({str(dtype)[6:]})", max(errs) <= tol,
-              f"max rel error loss/d_hidden/d_weight {max(errs):.1e} vs full logits (tolerance {tol:g})")
+        check(
+            f"chunked loss ({str(dtype)[6:]})",
+            max(errs) <= tol,
+            f"max rel error loss/d_hidden/d_weight {max(errs):.1e} vs full logits (tolerance {tol:g})",
+        )
     fused = fused_kernel(torch.bfloat16) if device.type == "cuda" else None
     say(f"  fused loss kernel: {fused[0] if fused else 'none installed / none passed its self-check -> chunked'}")
 
@@ -199,8 +224,15 @@ def check_decoder(device: torch.device, tiny: bool) -> None:
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
 
     vocab = 8192 if tiny else 151936
-    llm = LLMConfig(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, num_query_groups=2,
-                    vocab_size=vocab, max_position_embeddings=16384)
+    llm = LLMConfig(
+        num_layers=2,
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=vocab,
+        max_position_embeddings=16384,
+    )
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg = language_transformer_config(llm, dtype, ParallelOptions(on_cuda=device.type == "cuda"))
     lens = [3000, 1000, 4192] if not tiny else [300, 100, 112]
@@ -216,18 +248,27 @@ def check_decoder(device: torch.device, tiny: bool) -> None:
         before = _allocated(device)
         loss = model(input_ids=ids, position_ids=None, attention_mask=None, labels=labels, packed_seq_params=params)
         loss.sum().backward()
-        results[impl] = (loss.detach().float(), _peak(device) - before,
-                         model.embedding.word_embeddings.weight.grad.float())
+        results[impl] = (
+            loss.detach().float(),
+            _peak(device) - before,
+            model.embedding.word_embeddings.weight.grad.float(),
+        )
         del model, loss
         gc.collect()
     (ref, ref_mem, ref_g), (out, mem, g) = results["plain"], results["chunked"]
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     errs = [rel(out, ref), rel(g, ref_g)]
-    check("decoder chunked loss vs megatron output layer", max(errs) <= tol,
-          f"max rel error losses/embedding grad {max(errs):.1e} ({dtype}, tolerance {tol:g})")
+    check(
+        "decoder chunked loss vs megatron output layer",
+        max(errs) <= tol,
+        f"max rel error losses/embedding grad {max(errs):.1e} ({dtype}, tolerance {tol:g})",
+    )
     if device.type == "cuda":
-        check("decoder chunked loss memory", mem < ref_mem,
-              f"peak {mem / 2**30:.2f} GiB vs {ref_mem / 2**30:.2f} GiB with full logits ({total} tokens, vocab {vocab})")
+        check(
+            "decoder chunked loss memory",
+            mem < ref_mem,
+            f"peak {mem / 2**30:.2f} GiB vs {ref_mem / 2**30:.2f} GiB with full logits ({total} tokens, vocab {vocab})",
+        )
 
 
 def check_cp_layout() -> None:
@@ -239,6 +280,7 @@ def check_cp_layout() -> None:
         say(f"  (cp layout vs TE: Transformer Engine unusable, skipped: {te_status().reason})")
         return
     import transformer_engine_torch as tex
+
     lens = [45, 8, 130, 3, 60, 1000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     worst = 0
@@ -271,8 +313,9 @@ def check_te_context_parallel(device: torch.device) -> None:
     if te is None or cp < 2:
         return
     llm = LLMConfig(num_layers=1, hidden_size=1536, num_attention_heads=12, num_query_groups=2)
-    cfg = language_transformer_config(llm, "bfloat16", ParallelOptions(cp_comm_type=os.environ.get("CP_COMM", "p2p"),
-                                                                         on_cuda=True))
+    cfg = language_transformer_config(
+        llm, "bfloat16", ParallelOptions(cp_comm_type=os.environ.get("CP_COMM", "p2p"), on_cuda=True)
+    )
     lens = [4000, 777, 2300, 64]
     total = sum(lens)
     g = torch.Generator(device=device).manual_seed(4)
@@ -291,8 +334,11 @@ def check_te_context_parallel(device: torch.device) -> None:
     for t in full:
         dist.all_reduce(t, group=parallel_state.get_context_parallel_group())
     errs = [rel(full[0], ref.detach())] + [rel(a, b.grad.reshape(total, -1)) for a, b in zip(full[1:], ref_in)]
-    check(f"TE context-parallel attention (cp={cp}, {cfg.cp_comm_type})", max(errs) <= 2e-2,
-          f"max rel error out/dq/dk/dv {max(errs):.1e} vs whole-sequence attention")
+    check(
+        f"TE context-parallel attention (cp={cp}, {cfg.cp_comm_type})",
+        max(errs) <= 2e-2,
+        f"max rel error out/dq/dk/dv {max(errs):.1e} vs whole-sequence attention",
+    )
 
 
 # ----------------------------------------------------------------------------- throughput
@@ -317,8 +363,13 @@ class Workload:
     encoder_inputs: Callable[[Any], int] | None = None  # tiles of a batch (FamilySpec.encoder_inputs; MFU)
 
 
-TINY_LLM = ["model.llm.num_layers=2", "model.llm.hidden_size=128", "model.llm.ffn_hidden_size=256",
-            "model.llm.num_attention_heads=4", "model.llm.num_query_groups=2"]
+TINY_LLM = [
+    "model.llm.num_layers=2",
+    "model.llm.hidden_size=128",
+    "model.llm.ffn_hidden_size=256",
+    "model.llm.num_attention_heads=4",
+    "model.llm.num_query_groups=2",
+]
 
 
 # The recipe leaves the media ids null for the run preflight to read off the tokenizer
@@ -334,11 +385,19 @@ def aquila_workload(args: argparse.Namespace, with_vision: bool) -> Workload:
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, PARTS
 
-    overrides = ["stage=2a", f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}",
-                 *AQUILA_MEDIA_IDS]
+    overrides = [
+        "stage=2a",
+        f"train.seq_length={args.seq_length}",
+        f"train.micro_batch_size={args.micro_batch}",
+        *AQUILA_MEDIA_IDS,
+    ]
     if args.tiny:
-        overrides += TINY_LLM + ["model.vision.num_layers=2", "model.vision.hidden_size=64",
-                                 "model.vision.ffn_hidden_size=128", "model.vision.num_attention_heads=2"]
+        overrides += TINY_LLM + [
+            "model.vision.num_layers=2",
+            "model.vision.hidden_size=64",
+            "model.vision.ffn_hidden_size=128",
+            "model.vision.num_attention_heads=2",
+        ]
     recipe = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", overrides)
     shapes = LLAVA_OV.model_shapes(recipe.model)
     if not with_vision:
@@ -355,8 +414,11 @@ def aquila_workload(args: argparse.Namespace, with_vision: bool) -> Workload:
         return _DecoderOnly(build_language_model(m.llm, cfg, vocab_size=m.padded_vocab_size(1), loss_impl=opts.lm_loss))
 
     return Workload(
-        title="Aquila-VL-2B" + ("" if with_vision else " decoder only (no vision tower)"), recipe=recipe,
-        shapes=shapes, parts=PARTS if with_vision else {"llm": ("language_model",)}, build=build,
+        title="Aquila-VL-2B" + ("" if with_vision else " decoder only (no vision tower)"),
+        recipe=recipe,
+        shapes=shapes,
+        parts=PARTS if with_vision else {"llm": ("language_model",)},
+        build=build,
         batch=lambda rows, seq, device: synthetic_batch(recipe.model, rows, seq, device),
         media_fraction=_media_fraction(recipe.model, args) if with_vision else 0.0,
         media_tokens=lambda b: int(b.pixel_values.shape[0]) * recipe.model.vision.num_patches if with_vision else 0,
@@ -372,18 +434,24 @@ def emu3_workload(args: argparse.Namespace) -> Workload:
     from mmtrain.config import load_recipe
     from mmtrain.emu3.spec import EMU3, PARTS
 
-    overrides = [f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch}",
-                 f"model.llm.num_layers={args.emu3_layers}"]
+    overrides = [
+        f"train.seq_length={args.seq_length}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"model.llm.num_layers={args.emu3_layers}",
+    ]
     if args.tiny:
         overrides += TINY_LLM
     recipe = load_recipe(REPO / "recipes" / "emu3-8b.yaml", overrides)
     layers = recipe.model.llm.num_layers
     return Workload(
-        title=f"Emu3-8B shapes, {layers} of 32 layers, vocab {recipe.model.llm.vocab_size:,}", recipe=recipe,
-        shapes=EMU3.model_shapes(recipe.model), parts=PARTS,
+        title=f"Emu3-8B shapes, {layers} of 32 layers, vocab {recipe.model.llm.vocab_size:,}",
+        recipe=recipe,
+        shapes=EMU3.model_shapes(recipe.model),
+        parts=PARTS,
         build=lambda opts: EMU3.build_model(recipe.model, options=opts),
         batch=lambda rows, seq, device: emu3_batch(recipe.model.llm.vocab_size, rows, seq, device),
-        media_fraction=0.0, media_tokens=lambda b: 0,
+        media_fraction=0.0,
+        media_tokens=lambda b: 0,
     )
 
 
@@ -396,8 +464,14 @@ def synthetic_batch(model_cfg: Any, rows: int, seq: int, device: torch.device) -
     v = model_cfg.vision
     h, w = 384, 768
     grid = anyres.anyres_grid_shape(h, w, v.image_size, model_cfg.grid_max)
-    n_img = anyres.num_image_tokens(h, w, image_size=v.image_size, patch_size=v.patch_size,
-                                    max_tiles=model_cfg.max_tiles, grid_max=model_cfg.grid_max)
+    n_img = anyres.num_image_tokens(
+        h,
+        w,
+        image_size=v.image_size,
+        patch_size=v.patch_size,
+        max_tiles=model_cfg.max_tiles,
+        grid_max=model_cfg.grid_max,
+    )
     sample_len = min(SAMPLE_LEN, seq)
     if n_img + 32 > sample_len:
         raise ValueError(f"--seq-length {seq} is too short for a {n_img}-token image sample")
@@ -418,13 +492,19 @@ def synthetic_batch(model_cfg: Any, rows: int, seq: int, device: torch.device) -
     n_media = rows * per_row
     tiles = 1 + grid[0] * grid[1]
     return LlavaOVBatch(
-        input_ids=ids, labels=labels, position_ids=torch.zeros_like(ids),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), max_seqlen=sample_len,
+        input_ids=ids,
+        labels=labels,
+        position_ids=torch.zeros_like(ids),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        max_seqlen=sample_len,
         sample_ids=[[f"s{r}_{i}" for i in range(per_row)] for r in range(rows)],
-        num_loss_tokens=int((labels != IGNORE_INDEX).sum()), num_real_tokens=rows * seq,
+        num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
+        num_real_tokens=rows * seq,
         pixel_values=torch.randn(n_media * tiles, 3, v.image_size, v.image_size, generator=gen),
-        tiles_per_media=torch.full((n_media,), tiles), media_kind=torch.full((n_media,), MEDIA_ANYRES),
-        image_sizes=torch.tensor([[h, w]] * n_media), grid_shapes=torch.tensor([list(grid)] * n_media),
+        tiles_per_media=torch.full((n_media,), tiles),
+        media_kind=torch.full((n_media,), MEDIA_ANYRES),
+        image_sizes=torch.tensor([[h, w]] * n_media),
+        grid_shapes=torch.tensor([list(grid)] * n_media),
         num_media_tokens=torch.full((n_media,), n_img),
     ).to(device)
 
@@ -452,9 +532,14 @@ def emu3_batch(vocab: int, rows: int, seq: int, device: torch.device) -> Any:
             bounds.append(r * seq + end)
         sample_ids.append([f"s{r}_{i}" for i in range(len(starts))])
     return Emu3Batch(
-        input_ids=ids, labels=labels, position_ids=torch.zeros_like(ids),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), max_seqlen=sample_len, sample_ids=sample_ids,
-        num_loss_tokens=int((labels != IGNORE_INDEX).sum()), num_real_tokens=rows * seq,
+        input_ids=ids,
+        labels=labels,
+        position_ids=torch.zeros_like(ids),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        max_seqlen=sample_len,
+        sample_ids=sample_ids,
+        num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
+        num_real_tokens=rows * seq,
         tasks=[["generation"] * len(s) for s in sample_ids],
     ).to(device)
 
@@ -474,25 +559,40 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
     lm_loss = resolve_loss_impl("auto", tp=1, dtype=ctx.params_dtype, on_cuda=ctx.on_cuda)
     peak_flops = device_peak_flops(ctx.device, ctx.precision)
     for recompute in args.recompute.split(","):
-        layout = Layout.from_recipe(recipe).with_(cp=ctx.cp, dp=1, tp=1, pp=1, recompute=recompute,
-                                                 sequence_parallel=False, distributed_optimizer=ctx.distributed_optimizer,
-                                                 global_batch_size=args.micro_batch, lm_loss=lm_loss)
+        layout = Layout.from_recipe(recipe).with_(
+            cp=ctx.cp,
+            dp=1,
+            tp=1,
+            pp=1,
+            recompute=recompute,
+            sequence_parallel=False,
+            distributed_optimizer=ctx.distributed_optimizer,
+            global_batch_size=args.micro_batch,
+            lm_loss=lm_loss,
+        )
         est = estimate_memory(shapes, [], layout, media_token_fraction=work.media_fraction)
         capacity = torch.cuda.get_device_properties(ctx.device).total_memory if ctx.on_cuda else float("inf")
-        say(f"\nthroughput: {work.title}, seq {args.seq_length} x micro-batch {args.micro_batch}, cp {ctx.cp}, "
-            f"recompute {recompute}, {ctx.precision}, LM loss {lm_loss}; dry-run estimate {est.total / GB:.1f} GiB/rank")
+        say(
+            f"\nthroughput: {work.title}, seq {args.seq_length} x micro-batch {args.micro_batch}, cp {ctx.cp}, "
+            f"recompute {recompute}, {ctx.precision}, LM loss {lm_loss}; dry-run estimate {est.total / GB:.1f} GiB/rank"
+        )
         if est.total > 0.92 * capacity:
             say(f"  skipped: estimate above 92% of the {capacity / GB:.0f} GiB device")
             continue
-        opts = ParallelOptions(recompute_granularity=None if recompute == "none" else recompute,
-                               params_dtype=ctx.params_dtype_name, lm_loss=lm_loss, on_cuda=ctx.on_cuda)
+        opts = ParallelOptions(
+            recompute_granularity=None if recompute == "none" else recompute,
+            params_dtype=ctx.params_dtype_name,
+            lm_loss=lm_loss,
+            on_cuda=ctx.on_cuda,
+        )
         module = work.build(opts).to(ctx.device)
         config = get_model_config(module)
         config.calculate_per_token_loss = True
         # the trainer's DDP settings: overlapped grad reduce; with the distributed optimizer the
         # overlapped, aligned param all-gather too (runtime/optimizer.ddp_config_kwargs)
-        ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs(ctx)),
-                                      module=module)
+        ddp = DistributedDataParallel(
+            config=config, ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs(ctx)), module=module
+        )
         optimizer = build_optimizer([ddp], ModelParts([module], work.parts), recipe.optimizer, ctx)
         batch = work.batch(args.micro_batch, args.seq_length, ctx.device)
         step = _step_fn(ddp, optimizer, batch, finalize_model_grads)
@@ -513,17 +613,29 @@ def throughput(args: argparse.Namespace, ctx: Any, work: Workload) -> None:
         flops = corrected_step_flops(work, batch)  # Σ len² per packed sample, frozen 2x, vision tower
         mfu = (flops / seconds / ctx.cp / peak_flops) if peak_flops else None
         peak = _peak(ctx.device)
-        say(f"  {seconds:.3f} s/step, {tps:,.0f} tokens/s/GPU, MFU "
-            + ("n/a" if mfu is None else f"{mfu:.1%} (step_flops: Σ len², frozen parts 2x, vision tower) "
-               f"[old per-token formula {mfu_old:.1%}]")
-            + f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        say(
+            f"  {seconds:.3f} s/step, {tps:,.0f} tokens/s/GPU, MFU "
+            + (
+                "n/a"
+                if mfu is None
+                else f"{mfu:.1%} (step_flops: Σ len², frozen parts 2x, vision tower) "
+                f"[old per-token formula {mfu_old:.1%}]"
+            )
+            + f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        )
         if ctx.on_cuda:
-            say(f"  peak memory {peak / GB:.1f} GiB (torch max allocated) vs dry-run estimate {est.total / GB:.1f} GiB "
-                f"({(peak - est.total) / est.total:+.0%})")
-        FIGURES.append(Figure(work.title, args.seq_length, args.micro_batch, recompute, seconds, tps, mfu, peak,
-                              est.total))
-        check(f"{work.title.split(',')[0]} throughput step (recompute {recompute})", all(x == x for x in losses),
-              f"{len(losses)} finite steps")
+            say(
+                f"  peak memory {peak / GB:.1f} GiB (torch max allocated) vs dry-run estimate {est.total / GB:.1f} GiB "
+                f"({(peak - est.total) / est.total:+.0%})"
+            )
+        FIGURES.append(
+            Figure(work.title, args.seq_length, args.micro_batch, recompute, seconds, tps, mfu, peak, est.total)
+        )
+        check(
+            f"{work.title.split(',')[0]} throughput step (recompute {recompute})",
+            all(x == x for x in losses),
+            f"{len(losses)} finite steps",
+        )
         del ddp, optimizer, module, batch, step
         gc.collect()
         if ctx.on_cuda:
@@ -562,8 +674,14 @@ def _media_fraction(model_cfg: Any, args: argparse.Namespace) -> float:
     from mmdata.energon_loaders.llava_ov import anyres
 
     v = model_cfg.vision
-    n_img = anyres.num_image_tokens(384, 768, image_size=v.image_size, patch_size=v.patch_size,
-                                    max_tiles=model_cfg.max_tiles, grid_max=model_cfg.grid_max)
+    n_img = anyres.num_image_tokens(
+        384,
+        768,
+        image_size=v.image_size,
+        patch_size=v.patch_size,
+        max_tiles=model_cfg.max_tiles,
+        grid_max=model_cfg.grid_max,
+    )
     return n_img / min(SAMPLE_LEN, args.seq_length)
 
 
@@ -632,8 +750,9 @@ def main() -> int:
     ap.add_argument("--decoder-only", action="store_true", help="time the decoder without the vision tower")
     ap.add_argument("--families", default="aquila-vl-2b,emu3-8b", help="throughput workloads, comma-separated")
     ap.add_argument("--emu3-layers", type=int, default=4, help="Emu3-8B layers to build (of 32; one GPU)")
-    ap.add_argument("--emu3-seq-length", type=int, default=32768,
-                    help="Emu3's sequence length (micro-batch 1; 0: --seq-length)")
+    ap.add_argument(
+        "--emu3-seq-length", type=int, default=32768, help="Emu3's sequence length (micro-batch 1; 0: --seq-length)"
+    )
     ap.add_argument("--allow-cpu", action="store_true", help="run on a CPU (to exercise the script)")
     ap.add_argument("--tiny", action="store_true", help="small shapes (with --allow-cpu)")
     args = ap.parse_args()
@@ -648,8 +767,9 @@ def main() -> int:
     from mmtrain.runtime.distributed import destroy_distributed, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_distributed(ParallelConfig(cp=world, nproc_per_node=world, precision="bf16", distributed_optimizer=True),
-                           seed=1234)
+    ctx = init_distributed(
+        ParallelConfig(cp=world, nproc_per_node=world, precision="bf16", distributed_optimizer=True), seed=1234
+    )
     device = ctx.device
     environment(device)
     say("\ncorrectness:")
@@ -661,12 +781,13 @@ def main() -> int:
             if ctx.on_cuda:
                 check_cp_layout()
         check_te_context_parallel(device)
-        for family in ([] if args.skip_throughput else args.families.split(",")):
+        for family in [] if args.skip_throughput else args.families.split(","):
             if family == "aquila-vl-2b":
                 throughput(args, ctx, aquila_workload(args, with_vision=installed("PIL") and not args.decoder_only))
             elif family == "emu3-8b":
-                emu3_args = argparse.Namespace(**{**vars(args), "seq_length": args.emu3_seq_length or args.seq_length,
-                                                  "micro_batch": 1})
+                emu3_args = argparse.Namespace(
+                    **{**vars(args), "seq_length": args.emu3_seq_length or args.seq_length, "micro_batch": 1}
+                )
                 throughput(emu3_args, ctx, emu3_workload(emu3_args))
             else:
                 raise SystemExit(f"gpu_check: --families: unknown {family!r} (aquila-vl-2b, emu3-8b)")

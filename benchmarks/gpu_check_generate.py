@@ -46,7 +46,17 @@ import torch
 from mmtrain.emu3.hf_reference import emu3_prefix_constraint
 
 # Emu3's vocabulary layout (ids of the released tokenizer; only their roles matter with random weights)
-PAD, EOL, EOF, BOS, EOS, IMG, BOI, EOI, FIRST_VISUAL = 151643, 151846, 151847, 151849, 151850, 151851, 151852, 151853, 151854
+PAD, EOL, EOF, BOS, EOS, IMG, BOI, EOI, FIRST_VISUAL = (
+    151643,
+    151846,
+    151847,
+    151849,
+    151850,
+    151851,
+    151852,
+    151853,
+    151854,
+)
 
 
 def build_hf(args, device):
@@ -56,13 +66,34 @@ def build_hf(args, device):
     if args.layers:
         text.num_hidden_layers = args.layers
     if args.hidden:  # shrunk shapes: a CPU smoke test of this script
-        text.hidden_size, text.intermediate_size, text.num_attention_heads = args.hidden, 2 * args.hidden, max(2, args.hidden // 128)
+        text.hidden_size, text.intermediate_size, text.num_attention_heads = (
+            args.hidden,
+            2 * args.hidden,
+            max(2, args.hidden // 128),
+        )
         text.num_key_value_heads = max(1, text.num_attention_heads // 4)
     visual = {f"<|visual token {i:06d}|>": FIRST_VISUAL + i for i in range(text.vocab_size - FIRST_VISUAL)}
-    specials = {"<|endoftext|>": PAD, "<|extra_200|>": EOL, "<|extra_201|>": EOF, "<|extra_203|>": BOS,
-                "<|extra_204|>": EOS, "<|image token|>": IMG, "<|image start|>": BOI, "<|image end|>": EOI}
-    vq = dict(codebook_size=text.vocab_size - FIRST_VISUAL, base_channels=32, channel_multiplier=[1, 2, 2, 4],
-              embed_dim=4, latent_channels=4, num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1)
+    specials = {
+        "<|endoftext|>": PAD,
+        "<|extra_200|>": EOL,
+        "<|extra_201|>": EOF,
+        "<|extra_203|>": BOS,
+        "<|extra_204|>": EOS,
+        "<|image token|>": IMG,
+        "<|image start|>": BOI,
+        "<|image end|>": EOI,
+    }
+    vq = dict(
+        codebook_size=text.vocab_size - FIRST_VISUAL,
+        base_channels=32,
+        channel_multiplier=[1, 2, 2, 4],
+        embed_dim=4,
+        latent_channels=4,
+        num_res_blocks=1,
+        attn_resolutions=[],
+        hidden_size=32,
+        num_attention_heads=1,
+    )
     config = Emu3Config(text_config=text.to_dict(), vq_config=vq, vocabulary_map={**visual, **specials})
     torch.manual_seed(0)
     with torch.device(device):
@@ -106,9 +137,17 @@ def hf_side(hf, cond, uncond, rows, cols, device):
 
     def run(n: int) -> list[int]:
         with torch.no_grad():
-            out = hf.generate(ids, max_new_tokens=n, do_sample=False, guidance_scale=3.0, negative_prompt_ids=neg,
-                              prefix_allowed_tokens_fn=allowed, pad_token_id=PAD, eos_token_id=EOS)
-        return out[0, ids.shape[1]:].tolist()
+            out = hf.generate(
+                ids,
+                max_new_tokens=n,
+                do_sample=False,
+                guidance_scale=3.0,
+                negative_prompt_ids=neg,
+                prefix_allowed_tokens_fn=allowed,
+                pad_token_id=PAD,
+                eos_token_id=EOS,
+            )
+        return out[0, ids.shape[1] :].tolist()
 
     return run
 
@@ -119,15 +158,31 @@ def our_side(model, cfg, cond, uncond, rows, cols, device):
     from mmtrain.generation.engine import GenerationModel, GenerationRequest, generate
     from mmtrain.generation.sampling import SamplingParams
 
-    vocab = Emu3Vocab(bos=BOS, eos=EOS, pad=PAD, img=IMG, boi=BOI, eoi=EOI, eol=EOL, eof=EOF, placeholder=151646,
-                      visual=np.arange(FIRST_VISUAL, cfg.llm.vocab_size))
+    vocab = Emu3Vocab(
+        bos=BOS,
+        eos=EOS,
+        pad=PAD,
+        img=IMG,
+        boi=BOI,
+        eoi=EOI,
+        eol=EOL,
+        eof=EOF,
+        placeholder=151646,
+        visual=np.arange(FIRST_VISUAL, cfg.llm.vocab_size),
+    )
     mask = torch.zeros(cfg.llm.vocab_size, dtype=torch.bool, device=device)
     mask[FIRST_VISUAL:] = True
     gm = GenerationModel(decoder=model.language_model, vocab_size=cfg.llm.vocab_size)
 
     def run(n: int) -> list[int]:
-        req = GenerationRequest(prompt=cond, negative_prompt=uncond, guidance_scale=3.0, max_new_tokens=n,
-                                stop_token_ids=(EOS,), logits_processor=ImageStructure(rows, cols, vocab, mask))
+        req = GenerationRequest(
+            prompt=cond,
+            negative_prompt=uncond,
+            guidance_scale=3.0,
+            max_new_tokens=n,
+            stop_token_ids=(EOS,),
+            logits_processor=ImageStructure(rows, cols, vocab, mask),
+        )
         return generate(gm, [req], SamplingParams())[0].tokens
 
     return run
@@ -163,20 +218,27 @@ def main() -> int:
     steps = min(args.steps, per_image - 16)
     if not args.full and steps < 1:
         raise SystemExit(f"--size {args.size} gives {per_image} tokens per image: too few to time; use --full")
-    print(f"built both models ({cfg.llm.num_layers} layers, hidden {cfg.llm.hidden_size}, vocab {cfg.llm.vocab_size}, "
-          f"{args.dtype}) in {time.perf_counter() - t0:.0f} s; {args.size}x{args.size} = {per_image} tokens per image",
-          flush=True)
+    print(
+        f"built both models ({cfg.llm.num_layers} layers, hidden {cfg.llm.hidden_size}, vocab {cfg.llm.vocab_size}, "
+        f"{args.dtype}) in {time.perf_counter() - t0:.0f} s; {args.size}x{args.size} = {per_image} tokens per image",
+        flush=True,
+    )
     with torch.no_grad():  # the first step's logits, conditional prompt
         ref = hf(input_ids=torch.tensor([cond], device=device)).logits[0, -1].float()
         from mmtrain.generation.decoder import CachedDecoder
 
         dec = CachedDecoder(ours.language_model, cfg.llm.vocab_size)
         got = dec.prefill([dec.embed(torch.tensor(cond))], 1)[0]
-    print(f"prefill logits: max |ours - transformers| = {(got - ref).abs().max().item():.4f} "
-          f"(logits scale {ref.abs().max().item():.2f})", flush=True)
+    print(
+        f"prefill logits: max |ours - transformers| = {(got - ref).abs().max().item():.4f} "
+        f"(logits scale {ref.abs().max().item():.2f})",
+        flush=True,
+    )
     results = {}
-    for name, run in (("transformers", hf_side(hf, cond, uncond, rows, cols, device)),
-                      ("ours", our_side(ours, cfg, cond, uncond, rows, cols, device))):
+    for name, run in (
+        ("transformers", hf_side(hf, cond, uncond, rows, cols, device)),
+        ("ours", our_side(ours, cfg, cond, uncond, rows, cols, device)),
+    ):
         run(4)  # warm-up
         if args.full:
             seconds, tokens = timed(run, per_image, sync)
@@ -187,22 +249,33 @@ def main() -> int:
         long, tokens = timed(run, 16 + steps, sync)
         per_token = (long - short) / steps
         if per_token <= 0:  # a noisy clock (a shared CPU in a smoke run): the extrapolation means nothing
-            raise SystemExit(f"{name}: {steps} more tokens took no longer than 16 ({long:.2f} s vs {short:.2f} s); "
-                             "rerun with a larger --steps, or --full")
+            raise SystemExit(
+                f"{name}: {steps} more tokens took no longer than 16 ({long:.2f} s vs {short:.2f} s); "
+                "rerun with a larger --steps, or --full"
+            )
         prefill = max(0.0, short - 16 * per_token)
         results[name] = dict(per_image=prefill + per_image * per_token, tokens=tokens, ms_per_token=1e3 * per_token)
-        print(f"{name:>12}: {1e3 * per_token:.2f} ms/token, prefill+setup {1e3 * prefill:.0f} ms -> "
-              f"{results[name]['per_image']:.1f} s per image (extrapolated)", flush=True)
+        print(
+            f"{name:>12}: {1e3 * per_token:.2f} ms/token, prefill+setup {1e3 * prefill:.0f} ms -> "
+            f"{results[name]['per_image']:.1f} s per image (extrapolated)",
+            flush=True,
+        )
     a, b = results["transformers"]["tokens"], results["ours"]["tokens"]
     first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    print(f"tokens: {len(a)} vs {len(b)}, identical for the first "
-          f"{first_diff if first_diff is not None else min(len(a), len(b))}")
+    print(
+        f"tokens: {len(a)} vs {len(b)}, identical for the first "
+        f"{first_diff if first_diff is not None else min(len(a), len(b))}"
+    )
     if device.type == "cuda":
         print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     base, mine = results["transformers"]["per_image"], results["ours"]["per_image"]
-    print(json.dumps({k: {"s_per_image": v["per_image"], "ms_per_token": v["ms_per_token"]} for k, v in results.items()}))
+    print(
+        json.dumps({k: {"s_per_image": v["per_image"], "ms_per_token": v["ms_per_token"]} for k, v in results.items()})
+    )
     kind = "measured" if args.full else "extrapolated"
-    print(f"BENCH generate_emu3_cfg_gpu baseline={base:.2f} ours={mine:.2f} unit=s/image({kind}) ratio={base / mine:.2f}")
+    print(
+        f"BENCH generate_emu3_cfg_gpu baseline={base:.2f} ours={mine:.2f} unit=s/image({kind}) ratio={base / mine:.2f}"
+    )
     return 0
 
 

@@ -2,7 +2,8 @@
 
 1. The job with the VQ on cuda (`--device cuda`, Ray GPU resources, TokenizeWorker actors)
    finishes and records device "cuda"; its grids are compared with transformers' own
-   processor + `Emu3VQVAE.encode` run on the same GPU, and with the CPU job's grids (float kernels differ between devices,
+   processor + `Emu3VQVAE.encode` run on the same GPU, and with the CPU job's grids (float kernels differ between
+   devices,
    so a near-tie can pick another code: the agreement is reported, and must be >= 99%).
 2. The actor path: every worker loaded the VQ once (manifest `run.vq_loads` all 1) although
    each tokenized several chunks (on a GPU, Ray tasks would reload it for every chunk).
@@ -46,13 +47,19 @@ def agreement(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] + " Checks that each TokenizeWorker actor "
-                                "loads the VQ once however many chunks it tokenizes; exits 0 with a skip line "
-                                "without CUDA.")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] + " Checks that each TokenizeWorker actor "
+        "loads the VQ once however many chunks it tokenizes; exits 0 with a skip line "
+        "without CUDA."
+    )
     p.add_argument("--num-samples", type=int, default=64, help="input samples (default 64)")
     p.add_argument("--image-area", type=int, default=512 * 512, help="target pixels per image (default 512x512)")
-    p.add_argument("--vision-tokenizer", type=Path, default=None,
-                   help="an Emu3 VQ dir (default: a tiny random one built by mmdata tiny-vq)")
+    p.add_argument(
+        "--vision-tokenizer",
+        type=Path,
+        default=None,
+        help="an Emu3 VQ dir (default: a tiny random one built by mmdata tiny-vq)",
+    )
     args = p.parse_args()
     import torch
 
@@ -70,26 +77,33 @@ def main() -> int:
         shards = make_input(root, args.num_samples, seed=0)
         common = [str(shards), "--vision-tokenizer", str(vq), "--image-area", str(args.image_area)]
         runs = {}
-        for name, extra in (("cuda", ["--device", "cuda", "--chunk-samples", "8"]),
-                            ("cuda_shared", ["--device", "cuda", "--gpus-per-worker", "0.25", "--chunk-samples", "5"]),
-                            ("cpu", ["--device", "cpu"])):
+        for name, extra in (
+            ("cuda", ["--device", "cuda", "--chunk-samples", "8"]),
+            ("cuda_shared", ["--device", "cuda", "--gpus-per-worker", "0.25", "--chunk-samples", "5"]),
+            ("cpu", ["--device", "cpu"]),
+        ):
             out = root / name
             run_job(*common, "--output", str(out), *extra)
             runs[name] = json.loads((out / "manifest.json").read_text())
             m = runs[name]
             r = m["run"]
-            print(f"{name:<12} device={m['device']} images={m['counts']['tokens']['images']} "
-                  f"wall={m['wall_time_s']:.1f}s workers={r['workers']} chunks={r['worker_chunks']} "
-                  f"vq_loads={r['vq_loads']} phases={r['phases']}")
-            if name.startswith("cuda") and not (r["workers"] >= 1 and r["vq_loads"] == [1] * r["workers"]
-                                                and r["chunks"] > r["workers"]):
+            print(
+                f"{name:<12} device={m['device']} images={m['counts']['tokens']['images']} "
+                f"wall={m['wall_time_s']:.1f}s workers={r['workers']} chunks={r['worker_chunks']} "
+                f"vq_loads={r['vq_loads']} phases={r['phases']}"
+            )
+            if name.startswith("cuda") and not (
+                r["workers"] >= 1 and r["vq_loads"] == [1] * r["workers"] and r["chunks"] > r["workers"]
+            ):
                 print(f"FAIL: {name}: expected one VQ load per worker over more chunks than workers")
                 ok = False
         if runs["cuda"]["device"] != "cuda":
             print("FAIL: the cuda run did not run on cuda")
             ok = False
-        same_bytes = all((root / "cuda" / s["name"]).read_bytes() == (root / "cuda_shared" / s["name"]).read_bytes()
-                         for s in runs["cuda"]["shards"])
+        same_bytes = all(
+            (root / "cuda" / s["name"]).read_bytes() == (root / "cuda_shared" / s["name"]).read_bytes()
+            for s in runs["cuda"]["shards"]
+        )
         print(f"determinism on GPU (1 GPU/worker vs 0.25, other chunks): {'identical' if same_bytes else 'DIFFERENT'}")
         ok &= same_bytes
         g_cuda, g_cpu = read_grids(root / "cuda"), read_grids(root / "cpu")

@@ -118,15 +118,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_bounded(cmd: list[str], log: Path, timeout: float,
-                env: dict[str, str] | None = None) -> tuple[int | None, str]:
+def run_bounded(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run `cmd` in its own session with output to `log`; (exit status or None on timeout, output).
     On timeout the whole process group is killed (a trainer's workers go with it)."""
     full_env = {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True)
         try:
             rc: int | None = proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
@@ -156,8 +154,9 @@ def last_error(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def run_child(smoke: Smoke, child: str, timeout: float, env: dict[str, str] | None = None,
-              log_name: str | None = None) -> dict[str, Any]:
+def run_child(
+    smoke: Smoke, child: str, timeout: float, env: dict[str, str] | None = None, log_name: str | None = None
+) -> dict[str, Any]:
     """This script's `--child CHILD` in a subprocess; its result dict (status, detail, ...)."""
     cmd = [sys.executable, str(HERE), "--child", child, "--work-dir", str(smoke.work)]
     cmd += ["--quick"] if smoke.args.quick else []
@@ -168,7 +167,7 @@ def run_child(smoke: Smoke, child: str, timeout: float, env: dict[str, str] | No
         return {"status": "FAIL", "detail": f"timed out after {timeout:.0f} s (log {log})"}
     for line in reversed(out.splitlines()):
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
+            return json.loads(line[len(RESULT_MARK) :])
     return {"status": "FAIL", "detail": f"exit {rc}: {last_error(out)} (log {log})"}
 
 
@@ -218,8 +217,13 @@ def build_smoke_data(root: Path) -> tuple[Path, Path]:
     samples = []
     for i in range(48):
         if i % 2 == 0:
-            samples.append(DevSample(f"img-{i}", qa("<image>\nWhat is shown?", f"Answer number {i}: a picture."),
-                                     [("png", png(*sizes[i // 2 % len(sizes)], i))]))
+            samples.append(
+                DevSample(
+                    f"img-{i}",
+                    qa("<image>\nWhat is shown?", f"Answer number {i}: a picture."),
+                    [("png", png(*sizes[i // 2 % len(sizes)], i))],
+                )
+            )
         else:
             samples.append(DevSample(f"txt-{i}", qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * 2))
     shards = write_dev_shards(root / "shards", samples, samples_per_shard=48)
@@ -237,21 +241,41 @@ def ensure_data(smoke: Smoke) -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------- training runs
 
 
-def train_cli(smoke: Smoke, run_dir: Path, timeout: float, *overrides: str,
-              fresh: bool = True) -> tuple[int | None, str]:
+def train_cli(
+    smoke: Smoke, run_dir: Path, timeout: float, *overrides: str, fresh: bool = True
+) -> tuple[int | None, str]:
     """`mmtrain llava-ov recipes/llava-ov-tiny.yaml` on the smoke data: the GPU configuration (bf16,
     distributed optimizer) on CUDA, gloo/fp32 on a CPU. `fresh`: remove what an earlier smoke run
     left in `run_dir` (a run dir with checkpoints would be resumed)."""
     shards, tok = ensure_data(smoke)
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
-    device = (["parallel.precision=bf16", "parallel.distributed_optimizer=true"] if smoke.cuda
-              else ["parallel.backend=gloo", "parallel.precision=fp32"])
-    cmd = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY_LLAVA), f"run_dir={run_dir}",
-           f"data.paths=[{shards}]", f"tokenizer.path={tok}", "data.num_workers=1", "data.packing=false",
-           "data.shuffle_buffer_size=1", "train.seq_length=1024", "train.micro_batch_size=1",
-           "train.global_batch_size=2", "logging.tensorboard=false", "parallel.nproc_per_node=1",
-           f"parallel.master_port={free_port()}", *device, *overrides]
+    device = (
+        ["parallel.precision=bf16", "parallel.distributed_optimizer=true"]
+        if smoke.cuda
+        else ["parallel.backend=gloo", "parallel.precision=fp32"]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmtrain.cli",
+        "llava-ov",
+        str(TINY_LLAVA),
+        f"run_dir={run_dir}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tok}",
+        "data.num_workers=1",
+        "data.packing=false",
+        "data.shuffle_buffer_size=1",
+        "train.seq_length=1024",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "logging.tensorboard=false",
+        "parallel.nproc_per_node=1",
+        f"parallel.master_port={free_port()}",
+        *device,
+        *overrides,
+    ]
     env = {"OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     return run_bounded(cmd, run_dir.parent / f"{run_dir.name}.log", timeout, env)
 
@@ -273,8 +297,7 @@ def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def train_and_read(smoke: Smoke, run_dir: Path, timeout: float, *overrides: str,
-                   fresh: bool = True) -> dict[int, dict]:
+def train_and_read(smoke: Smoke, run_dir: Path, timeout: float, *overrides: str, fresh: bool = True) -> dict[int, dict]:
     """One training run; its metrics, or RuntimeError naming why it failed."""
     rc, out = train_cli(smoke, run_dir, timeout, *overrides, fresh=fresh)
     if rc is None:
@@ -294,8 +317,11 @@ def read_dist_ckpt(path: Path) -> dict[str, Any]:
 
     reader = dcp.FileSystemReader(str(path))
     md = reader.read_metadata()
-    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-          if isinstance(v, TensorStorageMetadata)}
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": intended, one process
         warnings.simplefilter("ignore")
         dcp.load(sd, storage_reader=reader, no_dist=True)
@@ -320,13 +346,25 @@ def check_device(smoke: Smoke, budget: float) -> Outcome:
         r = run_child(smoke, "device-logic", budget)
         return Outcome(r["status"], r["detail"])
     start = time.monotonic()
-    env = {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "1", "RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "LOCAL_RANK": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     a5 = run_child(smoke, "a5", budget / 2, env=env)
     problems = [] if a5["status"] == "PASS" else [f"A5: {a5['detail']}"]
     run_dir = smoke.work / "device" / "gloo"
-    rc, out = train_cli(smoke, run_dir, max(5.0, budget - (time.monotonic() - start)), "parallel.backend=gloo",
-                        "train.iters=1", "parallel.precision=fp32")
+    rc, out = train_cli(
+        smoke,
+        run_dir,
+        max(5.0, budget - (time.monotonic() - start)),
+        "parallel.backend=gloo",
+        "train.iters=1",
+        "parallel.precision=fp32",
+    )
     refused = rc is not None and rc != 0 and "CUDA_VISIBLE_DEVICES" in out and "parallel.backend=gloo" in out
     if not refused:
         problems.append(f"A7: gloo with CUDA visible not refused clearly (exit {rc}: {last_error(out)})")
@@ -357,8 +395,15 @@ def check_trainer(smoke: Smoke, budget: float) -> Outcome:
         run_dir = smoke.work / "trainer" / name
         left = max(5.0, budget - (time.monotonic() - start)) if name == "frozen" else budget * 0.55
         try:
-            m = train_and_read(smoke, run_dir, left, freeze, f"train.iters={smoke.steps}",
-                               f"checkpoint.interval={smoke.half}", "checkpoint.keep_last=0")
+            m = train_and_read(
+                smoke,
+                run_dir,
+                left,
+                freeze,
+                f"train.iters={smoke.steps}",
+                f"checkpoint.interval={smoke.half}",
+                "checkpoint.keep_last=0",
+            )
         except RuntimeError as e:
             parts.append(f"{freeze}: {e}")
             failed = True
@@ -373,9 +418,11 @@ def check_trainer(smoke: Smoke, budget: float) -> Outcome:
         if name == "trainable" and ok:
             smoke.reference_run = run_dir
         failed |= not ok
-        parts.append(f"{freeze}: {len(m)} steps, loss {' '.join(f'{x:.3f}' for x in losses)}"
-                     f" ({'down' if down else 'not down'}), grad_norm finite {all(map(finite, norms))}, "
-                     f"last micro-batch text-only in {text_last}/{len(m)} steps")
+        parts.append(
+            f"{freeze}: {len(m)} steps, loss {' '.join(f'{x:.3f}' for x in losses)}"
+            f" ({'down' if down else 'not down'}), grad_norm finite {all(map(finite, norms))}, "
+            f"last micro-batch text-only in {text_last}/{len(m)} steps"
+        )
     return Outcome("FAIL" if failed else "PASS", "; ".join(parts))
 
 
@@ -386,8 +433,14 @@ def check_checkpoint(smoke: Smoke, budget: float) -> Outcome:
     ref = smoke.reference_run
     if ref is None:  # `--only checkpoint`, or the trainer check failed: its own reference
         ref = smoke.work / "checkpoint" / "reference"
-        train_and_read(smoke, ref, budget * 0.4, f"train.iters={smoke.steps}", f"checkpoint.interval={smoke.half}",
-                       "checkpoint.keep_last=0")
+        train_and_read(
+            smoke,
+            ref,
+            budget * 0.4,
+            f"train.iters={smoke.steps}",
+            f"checkpoint.interval={smoke.half}",
+            "checkpoint.keep_last=0",
+        )
     full = metrics(ref)
     half, steps = smoke.half, smoke.steps
     resumed_dir = smoke.work / "checkpoint" / "resumed"
@@ -398,30 +451,52 @@ def check_checkpoint(smoke: Smoke, budget: float) -> Outcome:
             shutil.rmtree(d)
     (resumed_dir / "checkpoints" / "latest").write_text(f"{half}\n")
     lines = (resumed_dir / "metrics.jsonl").read_text().splitlines()
-    (resumed_dir / "metrics.jsonl").write_text("".join(x + "\n" for x in lines if x.strip()
-                                                       and json.loads(x)["step"] <= half))
+    (resumed_dir / "metrics.jsonl").write_text(
+        "".join(x + "\n" for x in lines if x.strip() and json.loads(x)["step"] <= half)
+    )
     left = budget - (time.monotonic() - start)
-    got = train_and_read(smoke, resumed_dir, left * 0.5, f"train.iters={steps}", f"checkpoint.interval={half}",
-                         "checkpoint.keep_last=0", fresh=False)
+    got = train_and_read(
+        smoke,
+        resumed_dir,
+        left * 0.5,
+        f"train.iters={steps}",
+        f"checkpoint.interval={half}",
+        "checkpoint.keep_last=0",
+        fresh=False,
+    )
     tol = 2e-2 if smoke.cuda else 1e-5
-    diffs = {s: abs(got[s]["loss"] - full[s]["loss"]) / max(abs(full[s]["loss"]), 1e-12)
-             for s in range(half + 1, steps + 1) if s in got and s in full}
+    diffs = {
+        s: abs(got[s]["loss"] - full[s]["loss"]) / max(abs(full[s]["loss"]), 1e-12)
+        for s in range(half + 1, steps + 1)
+        if s in got and s in full
+    }
     problems = []
     if sorted(diffs) != list(range(half + 1, steps + 1)):
         problems.append(f"resumed steps {sorted(got)}, expected up to {steps}")
     elif max(diffs.values()) > tol:
         problems.append(f"resumed losses differ: max rel {max(diffs.values()):.2e} > {tol:g}")
     lr0 = smoke.work / "checkpoint" / "lr0"
-    train_and_read(smoke, lr0, budget - (time.monotonic() - start), f"checkpoint.load={ckpt_dir(ref, half)}",
-                   "checkpoint.weights_only=true", "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.iters=1",
-                   "checkpoint.interval=1", "checkpoint.keep_last=0")
+    train_and_read(
+        smoke,
+        lr0,
+        budget - (time.monotonic() - start),
+        f"checkpoint.load={ckpt_dir(ref, half)}",
+        "checkpoint.weights_only=true",
+        "optimizer.lr=0.0",
+        "optimizer.min_lr=0.0",
+        "train.iters=1",
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=0",
+    )
     before, after = read_dist_ckpt(ckpt_dir(ref, half) / "model"), read_dist_ckpt(ckpt_dir(lr0, 1) / "model")
     changed = [k for k in before if k not in after or not bool((before[k] == after[k]).all())]
     if changed or not before:
         problems.append(f"lr=0 start changed {len(changed)}/{len(before)} tensors (e.g. {changed[:2]})")
-    detail = (f"resume {half}->{steps}: max rel loss diff {max(diffs.values(), default=float('nan')):.1e} "
-              f"(tolerance {tol:g}); lr=0 weights-only start: {len(before) - len(changed)}/{len(before)} tensors "
-              "unchanged")
+    detail = (
+        f"resume {half}->{steps}: max rel loss diff {max(diffs.values(), default=float('nan')):.1e} "
+        f"(tolerance {tol:g}); lr=0 weights-only start: {len(before) - len(changed)}/{len(before)} tensors "
+        "unchanged"
+    )
     return Outcome("FAIL" if problems else "PASS", "; ".join(problems) + (" | " if problems else "") + detail)
 
 
@@ -437,8 +512,21 @@ def check_tier(smoke: Smoke, budget: float) -> Outcome:
 
     junit = smoke.work / "tier.xml"
     junit.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit),
-           "--basetemp", str(smoke.work / "tier"), *TIER_CORE]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(junit),
+        "--basetemp",
+        str(smoke.work / "tier"),
+        *TIER_CORE,
+    ]
     log = smoke.work / "logs" / "tier.log"
     rc, out = run_bounded(cmd, log, budget, {"MMTRAIN_GPU_TESTS": "1"})
     if not junit.exists():
@@ -446,11 +534,16 @@ def check_tier(smoke: Smoke, budget: float) -> Outcome:
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    bad = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
+    bad = [
+        c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None or c.find("error") is not None
+    ]
     passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
-    detail = (f"{passed} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped of {n['tests']}"
-              + (f"; failed: {', '.join(bad[:6])}" if bad else "") + (" (timed out)" if rc is None else "")
-              + f" (log {log})")
+    detail = (
+        f"{passed} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped of {n['tests']}"
+        + (f"; failed: {', '.join(bad[:6])}" if bad else "")
+        + (" (timed out)" if rc is None else "")
+        + f" (log {log})"
+    )
     return Outcome("FAIL" if bad or rc is None or passed == 0 else "PASS", detail)
 
 
@@ -497,9 +590,12 @@ def check_generation(smoke: Smoke, budget: float) -> Outcome:
     parsed = parse_generation(out)
     smoke.figures["generation"] = parsed
     nan = float("nan")
-    return Outcome("PASS", f"{layers} layers, {steps} steps: ours {parsed.get('ms_ours', nan):.2f} ms/token, "
-                           f"transformers {parsed.get('ms_hf', nan):.2f} ms/token; {parsed.get('prefill', '?')}; "
-                           f"{parsed.get('tokens', '?')}")
+    return Outcome(
+        "PASS",
+        f"{layers} layers, {steps} steps: ours {parsed.get('ms_ours', nan):.2f} ms/token, "
+        f"transformers {parsed.get('ms_hf', nan):.2f} ms/token; {parsed.get('prefill', '?')}; "
+        f"{parsed.get('tokens', '?')}",
+    )
 
 
 def parse_generation(out: str) -> dict[str, Any]:
@@ -563,9 +659,13 @@ def child_env(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     cuda = torch.cuda.is_available()
-    parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}", f"CUDA {torch.version.cuda}",
-             f"devices {torch.cuda.device_count() if cuda else 0}"
-             + (f" ({torch.cuda.get_device_name(0)})" if cuda else " (no CUDA)")]
+    parts = [
+        f"python {sys.version.split()[0]}",
+        f"torch {torch.__version__}",
+        f"CUDA {torch.version.cuda}",
+        f"devices {torch.cuda.device_count() if cuda else 0}"
+        + (f" ({torch.cuda.get_device_name(0)})" if cuda else " (no CUDA)"),
+    ]
     missing = {m: p for m in ("megatron.core", "megatron.energon") if (p := _import_problem(m))}
     if missing:
         parts += [f"{m} does not import: {p}" for m, p in missing.items()]
@@ -580,12 +680,18 @@ def child_env(args: argparse.Namespace) -> dict[str, Any]:
     st = te_status()
     installed = importlib.util.find_spec("transformer_engine") is not None
     te_problem = _import_problem("megatron.core.extensions.transformer_engine")
-    have_te: Any = (getattr(sys.modules["megatron.core.extensions.transformer_engine"], "HAVE_TE", None)
-                    if te_problem is None else f"import failed: {te_problem}")
+    have_te: Any = (
+        getattr(sys.modules["megatron.core.extensions.transformer_engine"], "HAVE_TE", None)
+        if te_problem is None
+        else f"import failed: {te_problem}"
+    )
     have = {m: importlib.util.find_spec(m) is not None for m in ("flash_attn", "cut_cross_entropy", "liger_kernel")}
-    parts += [f"transformer_engine {'installed' if installed else 'not installed'}",
-              f"TE usable={st.available} version={st.version} reason={st.reason or '-'}", f"megatron HAVE_TE={have_te}",
-              ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in have.items())]
+    parts += [
+        f"transformer_engine {'installed' if installed else 'not installed'}",
+        f"TE usable={st.available} version={st.version} reason={st.reason or '-'}",
+        f"megatron HAVE_TE={have_te}",
+        ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in have.items()),
+    ]
     status = "PASS"
     if st.available:
         from mmtrain.models.layer_specs import te_attention
@@ -611,9 +717,11 @@ def child_device_logic(args: argparse.Namespace) -> dict[str, Any]:
     except UnsupportedLayout as e:
         a7 = str(e)
     ok = index == 0 and a7 is not None and "CUDA_VISIBLE_DEVICES" in a7
-    return {"status": "PASS" if ok else "FAIL",
-            "detail": f"(CPU: decision logic only) A5: LOCAL_RANK=1 with 1 visible device -> cuda:{index}; "
-                      f"A7: gloo with CUDA visible -> {a7[:90] + '...' if a7 else 'NOT refused'}"}
+    return {
+        "status": "PASS" if ok else "FAIL",
+        "detail": f"(CPU: decision logic only) A5: LOCAL_RANK=1 with 1 visible device -> cuda:{index}; "
+        f"A7: gloo with CUDA visible -> {a7[:90] + '...' if a7 else 'NOT refused'}",
+    }
 
 
 def child_a5(args: argparse.Namespace) -> dict[str, Any]:
@@ -626,8 +734,10 @@ def child_a5(args: argparse.Namespace) -> dict[str, Any]:
     try:
         x = torch.ones(4, device=ctx.device).sum().item()
         ok = ctx.device == torch.device("cuda", 0) and torch.cuda.current_device() == 0 and x == 4
-        return {"status": "PASS" if ok else "FAIL",
-                "detail": f"LOCAL_RANK=1 with CUDA_VISIBLE_DEVICES=0 -> {ctx.device} (backend {ctx.backend})"}
+        return {
+            "status": "PASS" if ok else "FAIL",
+            "detail": f"LOCAL_RANK=1 with CUDA_VISIBLE_DEVICES=0 -> {ctx.device} (backend {ctx.backend})",
+        }
     finally:
         destroy_distributed()
 
@@ -670,14 +780,18 @@ def child_build(args: argparse.Namespace, te_mode: str) -> dict[str, Any]:
     if te_mode == "hidden" and st.available:
         return {"status": "FAIL", "detail": "TE still usable with transformer_engine hidden"}
     seqs = (4096, 2048) if device.type == "cuda" else (1024, 512)  # a CPU builds the same models, smaller batches
-    for family, spec, recipe_path, seq in (("llava-ov", LLAVA_OV, TINY_LLAVA, seqs[0]), ("emu3", EMU3, TINY_EMU3, seqs[1])):
+    for family, spec, recipe_path, seq in (
+        ("llava-ov", LLAVA_OV, TINY_LLAVA, seqs[0]),
+        ("emu3", EMU3, TINY_EMU3, seqs[1]),
+    ):
         recipe = load_recipe(recipe_path, [])
         torch.manual_seed(0)
         opts = ParallelOptions(params_dtype=dtype, on_cuda=device.type == "cuda")
         model = spec.build_model(recipe.model, options=opts).to(device)
         if family == "llava-ov":
-            batch = _in_vocab(gpu_check.synthetic_batch(recipe.model, 1, seq, torch.device("cpu")),
-                              recipe.model).to(device)
+            batch = _in_vocab(gpu_check.synthetic_batch(recipe.model, 1, seq, torch.device("cpu")), recipe.model).to(
+                device
+            )
         else:
             batch = gpu_check.emu3_batch(recipe.model.llm.vocab_size, 1, seq, device)
         loss_sum, count, _ = masked_loss_sum(model(batch), loss_mask(batch))
@@ -686,11 +800,15 @@ def child_build(args: argparse.Namespace, te_mode: str) -> dict[str, Any]:
         grads = [p.grad if p.grad is not None else getattr(p, "main_grad", None) for p in model.parameters()]
         attn = _core_attention_classes(model)
         expect_te = device.type == "cuda" and st.available
-        good = (math.isfinite(float(loss)) and any(g is not None for g in grads)
-                and (any("TE" in a for a in attn) == expect_te))
+        good = (
+            math.isfinite(float(loss))
+            and any(g is not None for g in grads)
+            and (any("TE" in a for a in attn) == expect_te)
+        )
         ok &= good
-        parts.append(f"{family} {dtype} loss {float(loss):.3f} attention {','.join(sorted(attn))}"
-                     + ("" if good else " (WRONG)"))
+        parts.append(
+            f"{family} {dtype} loss {float(loss):.3f} attention {','.join(sorted(attn))}" + ("" if good else " (WRONG)")
+        )
         del model, batch
     return {"status": "PASS" if ok else "FAIL", "detail": "; ".join(parts)}
 
@@ -730,14 +848,21 @@ def child_correctness(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one failing function, the others still run
             errors.append(f"{name} raised {type(e).__name__}: {str(e)[:150]}")
     print(printed.getvalue(), flush=True)
-    notes = [x.strip().rstrip(")").lstrip("(") for x in printed.getvalue().splitlines()
-             if "fused loss kernel" in x or "skipped" in x]
+    notes = [
+        x.strip().rstrip(")").lstrip("(")
+        for x in printed.getvalue().splitlines()
+        if "fused loss kernel" in x or "skipped" in x
+    ]
     results = gpu_check.RESULTS
     failed = [f"{n}: {d}" for n, ok, d in results if not ok] + errors
-    detail = (f"{sum(ok for _, ok, _ in results)}/{len(results)} sub-checks passed "
-              f"({'tiny' if tiny else 'full'} sizes, {ctx.device.type}); " + "; ".join(notes))
-    return {"status": "FAIL" if failed or not results else "PASS",
-            "detail": detail + ("; failed: " + " | ".join(failed) if failed else "")}
+    detail = (
+        f"{sum(ok for _, ok, _ in results)}/{len(results)} sub-checks passed "
+        f"({'tiny' if tiny else 'full'} sizes, {ctx.device.type}); " + "; ".join(notes)
+    )
+    return {
+        "status": "FAIL" if failed or not results else "PASS",
+        "detail": detail + ("; failed: " + " | ".join(failed) if failed else ""),
+    }
 
 
 def child_sync(args: argparse.Namespace) -> dict[str, Any]:
@@ -763,8 +888,13 @@ def child_sync(args: argparse.Namespace) -> dict[str, Any]:
     module = work.build(opts).to(ctx.device)
     config = get_model_config(module)
     config.calculate_per_token_loss = True
-    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=module)
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+        module=module,
+    )
     batch = work.batch(1, seq, ctx.device)
 
     def micro_batch() -> Any:
@@ -788,9 +918,11 @@ def child_sync(args: argparse.Namespace) -> dict[str, Any]:
     sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     top = ", ".join(f"{s} x{n}" for s, n in sites.most_common(3)) or "-"
     layers = work.recipe.model.llm.num_layers
-    return {"status": "PASS",
-            "detail": f"{len(syncs)} syncs per micro-batch (forward {counts['forward']}, backward {counts['backward']}; "
-                      f"decoder {layers} layers, seq {seq}, LM loss {lm_loss}); top sites: {top}"}
+    return {
+        "status": "PASS",
+        "detail": f"{len(syncs)} syncs per micro-batch (forward {counts['forward']}, backward {counts['backward']}; "
+        f"decoder {layers} layers, seq {seq}, LM loss {lm_loss}); top sites: {top}",
+    }
 
 
 def child_throughput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -801,9 +933,16 @@ def child_throughput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     rows: dict[str, dict] = {}
     errors = []
     for key, family, seq, mb, recompute, quick_seq in THROUGHPUT_RUNS:
-        ns = argparse.Namespace(seq_length=quick_seq if args.quick else seq, micro_batch=mb, recompute=recompute,
-                                warmup=1 if args.quick else 2, steps=2 if args.quick else 3, tiny=False,
-                                emu3_layers=2 if args.quick else 4, decoder_only=False)
+        ns = argparse.Namespace(
+            seq_length=quick_seq if args.quick else seq,
+            micro_batch=mb,
+            recompute=recompute,
+            warmup=1 if args.quick else 2,
+            steps=2 if args.quick else 3,
+            tiny=False,
+            emu3_layers=2 if args.quick else 4,
+            decoder_only=False,
+        )
         before, n_errors = len(gpu_check.FIGURES), len(errors)
         try:
             if family == "aquila-vl-2b":
@@ -864,9 +1003,11 @@ def _layout(fig: dict) -> str:
     import re
 
     layers = re.search(r"(\d+ of \d+ layers)", fig.get("title", ""))
-    return ", ".join([f"seq {fig['seq_length']} x {fig['micro_batch']}", f"recompute {fig.get('recompute', '?')}"]
-                     + (["decoder only"] if "decoder only" in fig.get("title", "") else [])
-                     + ([layers.group(1)] if layers else []))
+    return ", ".join(
+        [f"seq {fig['seq_length']} x {fig['micro_batch']}", f"recompute {fig.get('recompute', '?')}"]
+        + (["decoder only"] if "decoder only" in fig.get("title", "") else [])
+        + ([layers.group(1)] if layers else [])
+    )
 
 
 def table(figures: dict[str, dict]) -> list[str]:
@@ -874,24 +1015,45 @@ def table(figures: dict[str, dict]) -> list[str]:
     gib = 2**30
     header = ("workload", "tokens/s/GPU", "MFU %", "peak GiB", "dry-run GiB", "ratio")
     rows = []
-    for key, label in (("aquila-8k", "Aquila-VL-2B 8K"), ("aquila-12k", "Aquila-VL-2B 12K"),
-                       ("emu3-32k", "Emu3 8B-shaped 4 layers 32K")):
+    for key, label in (
+        ("aquila-8k", "Aquila-VL-2B 8K"),
+        ("aquila-12k", "Aquila-VL-2B 12K"),
+        ("emu3-32k", "Emu3 8B-shaped 4 layers 32K"),
+    ):
         f = figures.get(key)
         if f is None:
             rows.append((label, "not run", "-", "-", "-", "-"))
             continue
         peak, est = f["peak_bytes"] / gib, f["estimate_bytes"] / gib
-        rows.append((f"{label} ({_layout(f)})", f"{f['tokens_per_s_per_gpu']:,.0f}", _pct(f["mfu"]),
-                     f"{peak:.1f}", f"{est:.1f}", f"{peak / est:.2f}" if est else "-"))
+        rows.append(
+            (
+                f"{label} ({_layout(f)})",
+                f"{f['tokens_per_s_per_gpu']:,.0f}",
+                _pct(f["mfu"]),
+                f"{peak:.1f}",
+                f"{est:.1f}",
+                f"{peak / est:.2f}" if est else "-",
+            )
+        )
     g = figures.get("generation")
     if g and "ms_ours" in g:
-        rows.append(("generation (ours, 1 image)", f"{1e3 / g['ms_ours']:,.1f}", "-",
-                     f"{g['peak_gib']:.1f}" if "peak_gib" in g else "-", "-", "-"))
+        rows.append(
+            (
+                "generation (ours, 1 image)",
+                f"{1e3 / g['ms_ours']:,.1f}",
+                "-",
+                f"{g['peak_gib']:.1f}" if "peak_gib" in g else "-",
+                "-",
+                "-",
+            )
+        )
     else:
         rows.append(("generation", "not run", "-", "-", "-", "-"))
     widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in (header, *rows)]
+    lines = [
+        "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in (header, *rows)
+    ]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("(ratio = peak / dry-run estimate; MFU by the corrected formula, models/flops.py step_flops)")
     lines.append(targets_line(figures))
@@ -903,8 +1065,11 @@ def targets_line(figures: dict[str, dict]) -> str:
     if a8 is None or a8.get("mfu") is None:
         mfu = "not run"
     else:
-        mfu = ("met" if a8["mfu"] >= MFU_TARGET else "not met") + f" ({_pct(a8['mfu'])}%" + (
-            ", aim reached)" if a8["mfu"] >= MFU_AIM else ")")
+        mfu = (
+            ("met" if a8["mfu"] >= MFU_TARGET else "not met")
+            + f" ({_pct(a8['mfu'])}%"
+            + (", aim reached)" if a8["mfu"] >= MFU_AIM else ")")
+        )
     timed = [f for k, f in figures.items() if k != "generation" and f.get("estimate_bytes") and f.get("peak_bytes")]
     if not timed:
         peak = "not run"
@@ -917,28 +1082,50 @@ def targets_line(figures: dict[str, dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = ",".join(c.name for c in CHECKS)
-    ap.add_argument("--quick", action="store_true",
-                    help="smaller sizes: tiny correctness shapes, a tiny 2-layer decoder for the sync probe at 4,096, "
-                         "throughput at 4,096/8,192 and 2 Emu3 layers at 8,448, generation with 2 layers and 32 steps")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes: tiny correctness shapes, a tiny 2-layer decoder for the sync probe at 4,096, "
+        "throughput at 4,096/8,192 and 2 Emu3 layers at 8,448, generation with 2 layers and 32 steps",
+    )
     ap.add_argument("--only", default=None, help=f"comma-separated subset of the checks to run ({names})")
-    ap.add_argument("--allow-cpu", action="store_true",
-                    help="without CUDA, run what a CPU can at tiny sizes (env, device's decision logic, build, "
-                         "trainer and checkpoint with 2 steps on gloo/fp32, correctness tiny) instead of skipping")
-    ap.add_argument("--work-dir", default=None,
-                    help="where data, runs and each check's log go (default: a new temporary dir, kept)")
-    ap.add_argument("--budget", "--total-budget", dest="total_budget", type=float, default=None,
-                    help="seconds for the whole run (default 600 on CUDA; under --allow-cpu on a CPU 4x that, and "
-                         "4x each check's budget: a CPU is not what is timed); a check gets min(its budget, what is "
-                         "left); a check whose budget is more than twice what is left is not started (SKIP, "
-                         "saying so)")
-    ap.add_argument("--report", default=None, metavar="DIR",
-                    help="write DIR/report.md and DIR/report.json (every check's status, detail and seconds, "
-                         "the table); the work dir defaults to DIR/work")
-    ap.add_argument("--show", default=None, metavar="WORK_DIR",
-                    help="run nothing: print the table and targets of an earlier run from WORK_DIR/figures.json "
-                         "(every run writes it), the generation figures re-read from WORK_DIR/logs/generation.log")
-    ap.add_argument("--child", default=None,
-                    help="internal: run one check's in-process part (the subprocess the parent starts)")
+    ap.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="without CUDA, run what a CPU can at tiny sizes (env, device's decision logic, build, "
+        "trainer and checkpoint with 2 steps on gloo/fp32, correctness tiny) instead of skipping",
+    )
+    ap.add_argument(
+        "--work-dir", default=None, help="where data, runs and each check's log go (default: a new temporary dir, kept)"
+    )
+    ap.add_argument(
+        "--budget",
+        "--total-budget",
+        dest="total_budget",
+        type=float,
+        default=None,
+        help="seconds for the whole run (default 600 on CUDA; under --allow-cpu on a CPU 4x that, and "
+        "4x each check's budget: a CPU is not what is timed); a check gets min(its budget, what is "
+        "left); a check whose budget is more than twice what is left is not started (SKIP, "
+        "saying so)",
+    )
+    ap.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="write DIR/report.md and DIR/report.json (every check's status, detail and seconds, "
+        "the table); the work dir defaults to DIR/work",
+    )
+    ap.add_argument(
+        "--show",
+        default=None,
+        metavar="WORK_DIR",
+        help="run nothing: print the table and targets of an earlier run from WORK_DIR/figures.json "
+        "(every run writes it), the generation figures re-read from WORK_DIR/logs/generation.log",
+    )
+    ap.add_argument(
+        "--child", default=None, help="internal: run one check's in-process part (the subprocess the parent starts)"
+    )
     return ap
 
 
@@ -967,8 +1154,11 @@ def main(argv: list[str] | None = None) -> int:
     selected = [c for c in CHECKS if args.only is None or c.name in args.only.split(",")]
     unknown = set(args.only.split(",")) - {c.name for c in CHECKS} if args.only else set()
     if unknown:
-        print(f"gpu_smoke: --only: unknown check(s) {', '.join(sorted(unknown))} "
-              f"(known: {', '.join(c.name for c in CHECKS)})", file=sys.stderr)
+        print(
+            f"gpu_smoke: --only: unknown check(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(c.name for c in CHECKS)})",
+            file=sys.stderr,
+        )
         return 2
     import torch
 
@@ -990,11 +1180,16 @@ def main(argv: list[str] | None = None) -> int:
     for spec in selected:
         start = time.monotonic()
         if not cuda and not (args.allow_cpu and spec.cpu) and spec.name != "env":
-            outcome = Outcome("SKIP", "no CUDA device" + ("" if spec.cpu else " (a GPU-only check)")
-                              if args.allow_cpu else "no CUDA device")
+            outcome = Outcome(
+                "SKIP",
+                "no CUDA device" + ("" if spec.cpu else " (a GPU-only check)") if args.allow_cpu else "no CUDA device",
+            )
         elif smoke.remaining() < max(5.0, MIN_SHARE * spec.budget_s * scale):
-            outcome = Outcome("SKIP", f"not started: {max(0.0, smoke.remaining()):.0f} s left of the "
-                                      f"{args.total_budget:.0f} s budget, it needs about {spec.budget_s * scale:.0f} s")
+            outcome = Outcome(
+                "SKIP",
+                f"not started: {max(0.0, smoke.remaining()):.0f} s left of the "
+                f"{args.total_budget:.0f} s budget, it needs about {spec.budget_s * scale:.0f} s",
+            )
         else:
             try:
                 outcome = spec.run(smoke, min(spec.budget_s * scale, smoke.remaining()))
@@ -1017,8 +1212,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if counts["FAIL"] else 0
 
 
-def write_report(out: Path, smoke: Smoke, results: list[tuple[str, Outcome]], table_lines: list[str],
-                 summary: str, seconds: float) -> None:
+def write_report(
+    out: Path, smoke: Smoke, results: list[tuple[str, Outcome]], table_lines: list[str], summary: str, seconds: float
+) -> None:
     """DIR/report.json (machine-readable) and DIR/report.md (for docs/gpu.md and a note)."""
     import platform
 
@@ -1026,15 +1222,29 @@ def write_report(out: Path, smoke: Smoke, results: list[tuple[str, Outcome]], ta
 
     device = torch.cuda.get_device_name(0) if smoke.cuda else f"CPU ({platform.processor() or platform.machine()})"
     out.mkdir(parents=True, exist_ok=True)
-    data = {"device": device, "torch": torch.__version__, "python": sys.version.split()[0],
-            "budget_s": smoke.args.total_budget, "seconds": round(seconds, 1), "work_dir": str(smoke.work),
-            "checks": [{"name": n, "status": o.status, "detail": o.detail, "seconds": round(o.seconds, 1)}
-                       for n, o in results],
-            "figures": smoke.figures, "summary": summary}
+    data = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "budget_s": smoke.args.total_budget,
+        "seconds": round(seconds, 1),
+        "work_dir": str(smoke.work),
+        "checks": [
+            {"name": n, "status": o.status, "detail": o.detail, "seconds": round(o.seconds, 1)} for n, o in results
+        ],
+        "figures": smoke.figures,
+        "summary": summary,
+    }
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
-    md = [f"# gpu_smoke report: {device}", "",
-          f"torch {torch.__version__}, Python {data['python']}; {seconds:.0f} s of the {smoke.args.total_budget:.0f} s "
-          f"budget; logs in `{smoke.work}`.", "", "| check | status | seconds | detail |", "|---|---|---|---|"]
+    md = [
+        f"# gpu_smoke report: {device}",
+        "",
+        f"torch {torch.__version__}, Python {data['python']}; {seconds:.0f} s of the {smoke.args.total_budget:.0f} s "
+        f"budget; logs in `{smoke.work}`.",
+        "",
+        "| check | status | seconds | detail |",
+        "|---|---|---|---|",
+    ]
     md += [f"| {n} | {o.status} | {o.seconds:.1f} | {o.detail.replace('|', '/')} |" for n, o in results]
     md += ["", "```", *table_lines, "```", "", summary, ""]
     (out / "report.md").write_text("\n".join(md))

@@ -27,8 +27,10 @@ def check_logged_steps_match(records: Sequence[dict], steps: Sequence[Sequence[A
     for rec, step in zip(records, steps):
         ids = [sid for mb in step for sid in batch_sample_ids(mb)]
         if not ids or rec["sample_ids"] != ids:
-            raise SampleParityError(f"step {rec['step']}: ours trained on other samples than the baseline "
-                                    f"(ours {rec['sample_ids'][:3]}..., baseline {ids[:3]}...)")
+            raise SampleParityError(
+                f"step {rec['step']}: ours trained on other samples than the baseline "
+                f"(ours {rec['sample_ids'][:3]}..., baseline {ids[:3]}...)"
+            )
 
 
 def check_rounds_match(runs: dict[str, Sequence[dict]]) -> None:
@@ -41,7 +43,10 @@ def check_rounds_match(runs: dict[str, Sequence[dict]]) -> None:
     for name, rounds in runs.items():
         for i, r in enumerate(rounds, 1):
             if r["sample_ids"] != ref:
-                step = next((k for k, (a, b) in enumerate(zip(r["sample_ids"], ref), 1) if a != b),
-                            min(len(r["sample_ids"]), len(ref)) + 1)
-                raise SampleParityError(f"{name} round {i}, step {step}: ours trained on other samples than "
-                                        "the baseline")
+                step = next(
+                    (k for k, (a, b) in enumerate(zip(r["sample_ids"], ref), 1) if a != b),
+                    min(len(r["sample_ids"]), len(ref)) + 1,
+                )
+                raise SampleParityError(
+                    f"{name} round {i}, step {step}: ours trained on other samples than the baseline"
+                )

@@ -38,8 +38,15 @@ class NestedInputs:
         return [_part_dir(self.parts, start, self.part_records) for start in range(first, last, self.part_records)]
 
 
-def write_nested_inputs(root: Path, sizes: list[int], *, seed: int = 0, synthetic: bool = False,
-                        part_records: int = 1000, processes: int = 1) -> NestedInputs:
+def write_nested_inputs(
+    root: Path,
+    sizes: list[int],
+    *,
+    seed: int = 0,
+    synthetic: bool = False,
+    part_records: int = 1000,
+    processes: int = 1,
+) -> NestedInputs:
     """`mmdata synth` Infinity-MM inputs of each size under `root/raw_<n>`, each a prefix of the
     larger ones: parts of `part_records` records (the part starting at record `start` seeded
     `seed + start`; one tar per subset, so tars of a quarter part) are generated once, for the
@@ -50,8 +57,9 @@ def write_nested_inputs(root: Path, sizes: list[int], *, seed: int = 0, syntheti
     if bad:
         raise ValueError(f"input sizes must be positive multiples of {part_records} records, got {bad}")
     kind = "synthetic" if synthetic else "photo"
-    inputs = NestedInputs(root / f"parts-{kind}-seed{seed}-{part_records}", part_records,
-                          {n: root / f"raw_{n}" for n in sizes})
+    inputs = NestedInputs(
+        root / f"parts-{kind}-seed{seed}-{part_records}", part_records, {n: root / f"raw_{n}" for n in sizes}
+    )
     todo = [d for d in inputs.part_dirs(0, max(sizes)) if not d.is_dir()]
     jobs = (todo, [seed] * len(todo), [part_records] * len(todo), [synthetic] * len(todo))
     if processes > 1 and len(todo) > 1:
@@ -83,8 +91,11 @@ def _write_part(final: Path, seed: int, part_records: int, synthetic: bool) -> N
     start = int(final.name.removeprefix("part")) * part_records
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_infinity_mm(generate_records(part_records, seed=seed + start, synthetic=synthetic), tmp,
-                      samples_per_tar=-(-part_records // 4))
+    write_infinity_mm(
+        generate_records(part_records, seed=seed + start, synthetic=synthetic),
+        tmp,
+        samples_per_tar=-(-part_records // 4),
+    )
     tmp.rename(final)
 
 
@@ -96,8 +107,9 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     loses at most that much. It is also split by who spent it (`process_kind`): `CPU_DRIVER_S`,
     `CPU_WORKERS_S` and `CPU_RAY_S`."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ray_job_env())
+    proc = subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_job_env()
+    )
     root, cpu, kinds = psutil.Process(proc.pid), {}, {}
     while True:
         try:

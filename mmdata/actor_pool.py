@@ -29,9 +29,15 @@ class ActorPoolError(RuntimeError):
     """Every actor is gone, or one item was lost with more actors than allowed."""
 
 
-def run_on_actors(actors: Sequence[Any], items: Iterable[Any], call: Callable[[Any, Any], Any],
-                  on_done: Callable[[Any, Any], None], *, queue_per_actor: int = 2,
-                  max_actors_per_item: int = 2) -> list[int]:
+def run_on_actors(
+    actors: Sequence[Any],
+    items: Iterable[Any],
+    call: Callable[[Any, Any], Any],
+    on_done: Callable[[Any, Any], None],
+    *,
+    queue_per_actor: int = 2,
+    max_actors_per_item: int = 2,
+) -> list[int]:
     """Run `call(actor, item)` (which returns an ObjectRef, e.g. `actor.f.remote(item)`) for
     every item, `on_done(item, result)` as results arrive, in completion order. An item whose
     actor is lost (beyond Ray's restarts) is sent to another live actor, at most
@@ -77,8 +83,9 @@ def run_on_actors(actors: Sequence[Any], items: Iterable[Any], call: Callable[[A
                 lost[i] = True
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 if tries + 1 >= max_actors_per_item:
-                    raise ActorPoolError(f"{item!r}: lost with {tries + 1} actors, each beyond its restarts "
-                                         f"(last: {first})") from e
+                    raise ActorPoolError(
+                        f"{item!r}: lost with {tries + 1} actors, each beyond its restarts (last: {first})"
+                    ) from e
                 if all(lost):
                     raise ActorPoolError(f"all {n} actors were lost beyond their restarts (last: {first})") from e
                 retry.append((item, tries + 1))

@@ -36,7 +36,7 @@ def has_mmdata_config(folder: str | Path) -> bool:
 
 
 def config_sample_type(folder: str | Path) -> str | None:
-    """"module.Class" of the sample type in the config our readers use (`dataset_config`), or
+    """ "module.Class" of the sample type in the config our readers use (`dataset_config`), or
     None when the folder has no readable one."""
     path = Path(folder) / sf.ENERGON_META / dataset_config(folder)
     try:

@@ -75,7 +75,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
-    """" (did you mean --overwrite?)" for the first unrecognised `--flag` close to a known one."""
+    """ " (did you mean --overwrite?)" for the first unrecognised `--flag` close to a known one."""
     known = sorted(_option_strings(parser))
     for word in message.split(":", 1)[1].split():
         flag = word.split("=", 1)[0]
@@ -90,19 +90,27 @@ def add_common_options(parser: argparse.ArgumentParser, version: str | None = No
     """`--verbose` (tracebacks on stderr) on every parser; `--version` on the top-level one.
     The sub-parsers' default is SUPPRESS so `mmdata --verbose preprocess ...` is not undone."""
     top = version is not None
-    parser.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
-                        help="print the traceback of an unexpected error (default: written to a log file)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="print the traceback of an unexpected error (default: written to a log file)",
+    )
     if top:
-        parser.add_argument("--version", action=_VersionAction, version=version,
-                            help="print the version, the git revision and the versions of torch, megatron-core, "
-                                 "energon, ray and transformers, and exit")
+        parser.add_argument(
+            "--version",
+            action=_VersionAction,
+            version=version,
+            help="print the version, the git revision and the versions of torch, megatron-core, "
+            "energon, ray and transformers, and exit",
+        )
 
 
 class _VersionAction(argparse.Action):
     """`--version`: mmdata/versions.py's report (built only when asked: it reads package metadata)."""
 
-    def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                 help=None):  # noqa: A002 - argparse's keyword
+    def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002 - argparse's keyword
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
         self.version = version
 
@@ -135,8 +143,11 @@ def _report_crash(prog: str, err: BaseException, verbose: bool) -> int:
     with os.fdopen(fd, "w") as f:
         f.write(f"{' '.join(sys.argv)}\n\n{trace}")
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    print(f"{prog}: internal error: {type(err).__name__}{': ' + first if first else ''} "
-          f"(traceback in {path}; rerun with --verbose to print it)", file=sys.stderr)
+    print(
+        f"{prog}: internal error: {type(err).__name__}{': ' + first if first else ''} "
+        f"(traceback in {path}; rerun with --verbose to print it)",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -179,7 +190,10 @@ class InterruptsAfterCompletion:
 
     def hold(self) -> None:
         """From now on a SIGINT is counted, not raised."""
-        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        ):
             return
         self._previous = signal.signal(signal.SIGINT, self._count)
         self._holding = True

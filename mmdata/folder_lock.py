@@ -96,7 +96,7 @@ def _read_record(path: Path) -> dict[str, Any] | None:
 
 
 def describe_holder(record: dict[str, Any] | None) -> str:
-    """"pid 123 on node7 since 2026-12-03 07:50:01 UTC (mmtrain llava-ov r.yaml)"."""
+    """ "pid 123 on node7 since 2026-12-03 07:50:01 UTC (mmtrain llava-ov r.yaml)"."""
     if record is None:
         return "another process (which has not written its record yet)"
     command = f" ({record['command']})" if record.get("command") else ""
@@ -147,8 +147,10 @@ class FolderLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except PermissionError:
-                raise UserError(f"{self.what} {self.folder}: cannot create its lock file {self.path} "
-                                f"(no write permission in {self.path.parent})") from None
+                raise UserError(
+                    f"{self.what} {self.folder}: cannot create its lock file {self.path} "
+                    f"(no write permission in {self.path.parent})"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -160,8 +162,11 @@ class FolderLock:
                     os.close(fd)
                     raise
                 # a file system without flock (e.g. Lustre mounted without `flock`): run, unguarded
-                print(f"{self.what} {self.folder}: warning: this file system cannot lock {self.path} "
-                      f"({os.strerror(e.errno)}); a second job writing there would not be stopped", file=sys.stderr)
+                print(
+                    f"{self.what} {self.folder}: warning: this file system cannot lock {self.path} "
+                    f"({os.strerror(e.errno)}); a second job writing there would not be stopped",
+                    file=sys.stderr,
+                )
             except BaseException:
                 os.close(fd)
                 raise
@@ -182,11 +187,17 @@ class FolderLock:
 
     def _busy_message(self, record: dict[str, Any] | None) -> str:
         gone = ""
-        if record is not None and record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) \
-                and not _pid_alive(record["pid"]):
+        if (
+            record is not None
+            and record.get("host") == socket.gethostname()
+            and isinstance(record.get("pid"), int)
+            and not _pid_alive(record["pid"])
+        ):
             gone = " (that process has ended, but a process it started still holds the lock: stop it first)"
-        return (f"{self.what} {self.folder} is in use by another job: {describe_holder(record)}{gone}; "
-                f"wait for it to finish, or choose another {self.what}")
+        return (
+            f"{self.what} {self.folder} is in use by another job: {describe_holder(record)}{gone}; "
+            f"wait for it to finish, or choose another {self.what}"
+        )
 
     def _take_over(self, record: dict[str, Any] | None) -> None:
         """A record left by a holder that no longer holds the lock: said, or refused when that
@@ -195,16 +206,26 @@ class FolderLock:
             return
         host, pid = record.get("host"), record.get("pid")
         if host != socket.gethostname():
-            raise UserError(f"{self.what} {self.folder} was locked by {describe_holder(record)}, on another host, "
-                            f"which this host cannot check; if that job has ended, delete {self.path} and rerun")
-        why = "no longer running" if not (isinstance(pid, int) and _pid_alive(pid)) else \
-            "it no longer holds the lock; that pid is now another process"
+            raise UserError(
+                f"{self.what} {self.folder} was locked by {describe_holder(record)}, on another host, "
+                f"which this host cannot check; if that job has ended, delete {self.path} and rerun"
+            )
+        why = (
+            "no longer running"
+            if not (isinstance(pid, int) and _pid_alive(pid))
+            else "it no longer holds the lock; that pid is now another process"
+        )
         print(f"{self.what} {self.folder}: taking over the lock of pid {pid} on {host} ({why})", file=sys.stderr)
 
     def _write_record(self, fd: int) -> None:
-        record = {"pid": self.pid, "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  "command": _command_line(), "what": self.what, "folder": str(self.folder)}
+        record = {
+            "pid": self.pid,
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "command": _command_line(),
+            "what": self.what,
+            "folder": str(self.folder),
+        }
         data = (json.dumps(record) + "\n").encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -265,8 +286,11 @@ def fresh_folder(dst: str | os.PathLike, overwrite: bool, what: str = "--dst") -
         raise UserError(f"{what} {dst} is a file; give a folder")
     if is_non_empty(dst) and not overwrite:
         entries = sorted(p.name for p in dst.iterdir())
-        raise UserError(f"{what} {dst} is not empty ({plural(len(entries), 'entry', 'entries')}, e.g. {entries[0]!r}); choose an empty "
-                        f"or new folder, or pass --overwrite to replace it")
+        raise UserError(
+            f"{what} {dst} is not empty ({plural(len(entries), 'entry', 'entries')}, e.g. {entries[0]!r}); choose an "
+            f"empty "
+            f"or new folder, or pass --overwrite to replace it"
+        )
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

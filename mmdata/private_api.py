@@ -27,8 +27,10 @@ def _new_shared() -> Callable[..., Any]:
     method = getattr(torch.UntypedStorage, "_new_shared", None)
     found = tuple(inspect.signature(method).parameters) if method is not None else "missing"
     if found != NEW_SHARED_PARAMETERS:
-        raise RuntimeError(f"torch {torch.__version__}: UntypedStorage._new_shared is {found}, not "
-                           f"{NEW_SHARED_PARAMETERS} (mmdata/private_api.py needs updating)")
+        raise RuntimeError(
+            f"torch {torch.__version__}: UntypedStorage._new_shared is {found}, not "
+            f"{NEW_SHARED_PARAMETERS} (mmdata/private_api.py needs updating)"
+        )
     return method
 
 

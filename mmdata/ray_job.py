@@ -44,8 +44,9 @@ def object_store_bytes() -> int:
     if not raw:
         return DEFAULT_OBJECT_STORE_MB << 20
     if not raw.isdigit() or int(raw) < MIN_OBJECT_STORE_MB:
-        raise UserError(f"{OBJECT_STORE_ENV}={raw!r}: give a whole number of MiB, at least {MIN_OBJECT_STORE_MB} "
-                        "(Ray's minimum)")
+        raise UserError(
+            f"{OBJECT_STORE_ENV}={raw!r}: give a whole number of MiB, at least {MIN_OBJECT_STORE_MB} (Ray's minimum)"
+        )
     return int(raw) << 20
 
 
@@ -73,8 +74,9 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
                 ray.init(address=address, **kwargs)
             else:
                 with _quiet_default_token_auth():
-                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                             object_store_memory=store, **kwargs)
+                    ray.init(
+                        address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=store, **kwargs
+                    )
     except KeyboardInterrupt:  # held back until Ray was up: take it down again
         shutdown_ray(True)
         raise
@@ -131,8 +133,9 @@ def discard(out: Path, work: Path, created: bool) -> None:
 _END = object()
 
 
-def run_bounded(submit: Callable[[Any], Any], items: Iterable[Any], max_in_flight: int,
-                on_done: Callable[[Any, Any], None]) -> None:
+def run_bounded(
+    submit: Callable[[Any], Any], items: Iterable[Any], max_in_flight: int, on_done: Callable[[Any, Any], None]
+) -> None:
     """Submit tasks with at most `max_in_flight` pending; results handled as they complete."""
     import ray  # (see init_ray)
 
@@ -165,8 +168,15 @@ def remove(paths: Iterable[Path]) -> None:
             p.unlink(missing_ok=True)
 
 
-def check_output_dir(out: Path, fp: str, job: dict, overwrite: bool, own_outputs: Callable[[Path], list[Path]],
-                     error: type[UserError], saved_job: Callable[[dict], dict | None] = lambda m: m.get("job")) -> dict | None:
+def check_output_dir(
+    out: Path,
+    fp: str,
+    job: dict,
+    overwrite: bool,
+    own_outputs: Callable[[Path], list[Path]],
+    error: type[UserError],
+    saved_job: Callable[[dict], dict | None] = lambda m: m.get("job"),
+) -> dict | None:
     """Before anything is written: refuse an output that is a file, or a folder holding another
     job's result or files this tool did not write; return the manifest when this very job is
     already complete there. `--overwrite` removes this tool's outputs (other files are kept).
@@ -184,21 +194,27 @@ def check_output_dir(out: Path, fp: str, job: dict, overwrite: bool, own_outputs
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("fingerprint") == fp:
             return manifest
-        raise error(f"{out} already holds shards made with other inputs or options "
-                    f"({changes_text(saved_job(manifest), job, manifest.get('fingerprint'), fp)}); {hint}")
+        raise error(
+            f"{out} already holds shards made with other inputs or options "
+            f"({changes_text(saved_job(manifest), job, manifest.get('fingerprint'), fp)}); {hint}"
+        )
     if work_json.exists():
         state = json.loads(work_json.read_text())
         if state.get("fingerprint") != fp:
-            raise error(f"{out} holds an unfinished job on other inputs or options "
-                        f"({changes_text(state.get('job'), job, state.get('fingerprint'), fp)}); {hint}")
+            raise error(
+                f"{out} holds an unfinished job on other inputs or options "
+                f"({changes_text(state.get('job'), job, state.get('fingerprint'), fp)}); {hint}"
+            )
         return None
     own = set(own_outputs(out))
     if any(p.name.startswith("shard-") for p in own) or (out / sf.ENERGON_META).exists():
         raise error(f"{out} holds shards not written by a resumable mmdata job; {hint}")
     foreign = sorted(p.name for p in out.iterdir() if p not in own)
     if foreign:
-        raise error(f"--output {out} is not empty ({plural(len(foreign), 'entry', 'entries')} this tool did not write, e.g. "
-                    f"{foreign[0]!r}); choose an empty or new folder, or pass --overwrite to write there anyway")
+        raise error(
+            f"--output {out} is not empty ({plural(len(foreign), 'entry', 'entries')} this tool did not write, e.g. "
+            f"{foreign[0]!r}); choose an empty or new folder, or pass --overwrite to write there anyway"
+        )
     return None
 
 
@@ -207,8 +223,13 @@ def shard_outputs(out: Path) -> list[Path]:
     metadata, the work folder, the shards with their indexes, and their temporary files."""
     names = [sf.MANIFEST_NAME, sf.QUARANTINE_NAME, sf.ENERGON_META, sf.WORK_DIR_NAME]
     paths = [out / n for n in names if (out / n).exists()]
-    for pattern in ("shard-*.tar", "shard-*.tar.idx", ".shard-*.tar.tmp-*", "shard-*.tar.idx.tmp",
-                    f"{sf.ENERGON_META}.tmp-*"):
+    for pattern in (
+        "shard-*.tar",
+        "shard-*.tar.idx",
+        ".shard-*.tar.tmp-*",
+        "shard-*.tar.idx.tmp",
+        f"{sf.ENERGON_META}.tmp-*",
+    ):
         paths += sorted(out.glob(pattern))
     return paths
 
@@ -217,7 +238,7 @@ def shard_outputs(out: Path) -> list[Path]:
 
 
 def changes_text(old: dict | None, new: dict, old_fp: Any, new_fp: str) -> str:
-    """"samples_per_shard 50 → 100, seed 0 → 1" (at most 3, then "and N more"); the two
+    """ "samples_per_shard 50 → 100, seed 0 → 1" (at most 3, then "and N more"); the two
     fingerprints when no option differs (or the folder's record names none)."""
     diffs = describe_changes(old, new) if isinstance(old, dict) else []
     if not diffs:

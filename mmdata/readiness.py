@@ -37,8 +37,10 @@ def unfinished_job(folder: Path) -> str | None:
         tool = json.loads((work / "work.json").read_text()).get("tool") or tool
     except (OSError, ValueError):
         pass
-    return (f"{folder} holds an unfinished `{tool}` job ({sf.WORK_DIR_NAME}/ without {sf.MANIFEST_NAME}): "
-            "rerun the same command to finish it")
+    return (
+        f"{folder} holds an unfinished `{tool}` job ({sf.WORK_DIR_NAME}/ without {sf.MANIFEST_NAME}): "
+        "rerun the same command to finish it"
+    )
 
 
 def dataset_samples(folder: Path) -> int:
@@ -51,8 +53,10 @@ def dataset_samples(folder: Path) -> int:
         raise DatasetNotReady(why)
     info = folder / sf.ENERGON_META / INFO_JSON
     if not info.is_file():
-        raise DatasetNotReady(f"{folder} is not an energon dataset (no {sf.ENERGON_META}/{INFO_JSON}); write it with "
-                              "`mmdata preprocess`, or `energon prepare` for shards made elsewhere")
+        raise DatasetNotReady(
+            f"{folder} is not an energon dataset (no {sf.ENERGON_META}/{INFO_JSON}); write it with "
+            "`mmdata preprocess`, or `energon prepare` for shards made elsewhere"
+        )
     try:
         counts = json.loads(info.read_text()).get("shard_counts") or {}
         samples = sum(int(v) for v in counts.values())
@@ -102,9 +106,11 @@ def _check_dataset_config(ref: dict, folder: Path) -> None:
     `dataset_config`, energon reads `dataset.yaml`, whose InterleavedSample (for loaders without
     mmdata) no mmdata task encoder takes."""
     if has_mmdata_config(folder) and ref.get("dataset_config") != MMDATA_DATASET_CONFIG:
-        raise DatasetNotReady(f"the entry of {ref['path']} reads `{ref.get('dataset_config') or 'dataset.yaml'}` "
-                              f"(energon's InterleavedSample): add `dataset_config: {MMDATA_DATASET_CONFIG}` to it "
-                              "so the mmdata loaders get their sample type")
+        raise DatasetNotReady(
+            f"the entry of {ref['path']} reads `{ref.get('dataset_config') or 'dataset.yaml'}` "
+            f"(energon's InterleavedSample): add `dataset_config: {MMDATA_DATASET_CONFIG}` to it "
+            "so the mmdata loaders get their sample type"
+        )
 
 
 def _refs_in(node: Any):

@@ -40,8 +40,16 @@ from rich.console import Console
 from mmdata import shard_format as sf
 from mmdata.errors import Interrupted, UserError, deferred_interrupt
 from mmdata.folder_lock import FolderLock
-from mmdata.ray_job import (INTERRUPTED, check_output_dir, discard, init_ray, remove, run_bounded, shard_outputs,
-                             shutdown_ray)
+from mmdata.ray_job import (
+    INTERRUPTED,
+    check_output_dir,
+    discard,
+    init_ray,
+    remove,
+    run_bounded,
+    shard_outputs,
+    shutdown_ray,
+)
 from mmdata.shard_job.manifest import fingerprint, write_json_atomic
 from mmdata.shard_job.progress import JobProgress
 
@@ -204,8 +212,17 @@ class ResumableJob:
 class JobRun:
     """One run of a job in its output folder: what the stages share, and the stage loop."""
 
-    def __init__(self, job: ResumableJob, out: Path, work: Path, created: bool, ray: RayCluster, progress,
-                 background: ThreadPoolExecutor, t_start: float):
+    def __init__(
+        self,
+        job: ResumableJob,
+        out: Path,
+        work: Path,
+        created: bool,
+        ray: RayCluster,
+        progress,
+        background: ThreadPoolExecutor,
+        t_start: float,
+    ):
         self.job, self.out, self.work, self.created, self.ray = job, out, work, created, ray
         self.progress, self.background, self.t_start = progress, background, t_start
         self.resumed: dict[str, int] = {}  # units found done, per stage key
@@ -336,8 +353,9 @@ def _run_locked(job: ResumableJob, out: Path, t_start: float) -> dict:
     finished: Future | None = None
     try:
         ident = job.identity(ray)
-        done = check_output_dir(out, ident.fingerprint, ident.description, opts.overwrite, job.own_outputs,
-                                job.error, job.saved_job)
+        done = check_output_dir(
+            out, ident.fingerprint, ident.description, opts.overwrite, job.own_outputs, job.error, job.saved_job
+        )
         if done is not None:
             print(f"{out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
             if not opts.keep_work_dir:  # killed between writing the manifest and cleaning up

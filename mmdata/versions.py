@@ -16,14 +16,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def git_revision(repo: Path = REPO) -> str:
-    """"<short sha>" (", modified" when tracked files differ), or why there is none."""
+    """ "<short sha>" (", modified" when tracked files differ), or why there is none."""
     if not (repo / ".git").exists():
         return "not a git checkout"
     try:
-        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+        sha = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"unknown ({type(err).__name__})"
     if sha.returncode != 0:
@@ -43,7 +48,6 @@ def library_versions() -> dict[str, str]:
 
 def version_report(prog: str, version: str) -> str:
     """First line `PROG VERSION`, then the revision, Python and the libraries, one per line."""
-    lines = [f"{prog} {version}", f"  git revision: {git_revision()}",
-             f"  python: {sys.version.split()[0]}"]
+    lines = [f"{prog} {version}", f"  git revision: {git_revision()}", f"  python: {sys.version.split()[0]}"]
     lines += [f"  {name}: {v}" for name, v in library_versions().items()]
     return "\n".join(lines)

@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(verbose_third_party=verbose)
     recipe_path = Path(args.recipe)
     if not recipe_path.is_file():
-        raise UserError(f"recipe {args.recipe} {'is a folder' if recipe_path.exists() else 'does not exist'}; "
-                        "give a YAML recipe file (see recipes/)")
+        raise UserError(
+            f"recipe {args.recipe} {'is a folder' if recipe_path.exists() else 'does not exist'}; "
+            "give a YAML recipe file (see recipes/)"
+        )
     overrides = [*args.overrides, *(["action=print_config"] if args.print_config else []), *launcher_world()]
     recipe = load_recipe(recipe_path, overrides, family=alias)
     spec = registry.get_family(recipe.family)
@@ -52,8 +54,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if sys.stderr.isatty() and "RANK" not in os.environ:  # a person waits; once, not per torchrun worker
         what = "auto-tune" if recipe.action == "auto_tune" else "training"
-        print(f"mmtrain: loading torch and megatron-core for {what} (takes a while on a busy machine)...",
-              file=sys.stderr, flush=True)
+        print(
+            f"mmtrain: loading torch and megatron-core for {what} (takes a while on a busy machine)...",
+            file=sys.stderr,
+            flush=True,
+        )
     run_dir_lock, launch = resolve(RUN_DIR_LOCK), resolve(LAUNCH)
     with contextlib.ExitStack() as locks:
         if recipe.action == "auto_tune":

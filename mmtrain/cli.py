@@ -66,20 +66,33 @@ TRAIN_ACTION = "mmtrain.actions:run"
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", metavar="RECIPE", help="YAML recipe (see recipes/ and docs/recipes.md)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="recipe overrides, e.g. train.iters=10 (no leading dashes); a value is YAML")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved recipe (stage, overrides and defaults applied) and exit; "
-                             "the same as action=print_config")
-    parser.add_argument("--launch", action="store_true",
-                        help="with action=auto_tune: train the best layout (run_dir/auto_tune/best.yaml) right "
-                             "after the search")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="recipe overrides, e.g. train.iters=10 (no leading dashes); a value is YAML",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved recipe (stage, overrides and defaults applied) and exit; "
+        "the same as action=print_config",
+    )
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="with action=auto_tune: train the best layout (run_dir/auto_tune/best.yaml) right after the search",
+    )
 
 
 def _train_parser(sub: argparse._SubParsersAction, command: str, help: str, alias: str | None) -> None:
     families = ", ".join(registry.family_names())
-    p = sub.add_parser(command, help=help, formatter_class=RAW,
-                       description=TRAIN_HELP.format(families=families).replace("COMMAND", command).strip())
+    p = sub.add_parser(
+        command,
+        help=help,
+        formatter_class=RAW,
+        description=TRAIN_HELP.format(families=families).replace("COMMAND", command).strip(),
+    )
     add_train_arguments(p)
     add_common_options(p)
     p.set_defaults(run=TRAIN_ACTION, alias=alias)
@@ -94,14 +107,26 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub, "train", "train a model from a YAML recipe (its family: picks the model)", None)
     for spec in registry.FAMILIES.values():
         _train_parser(sub, spec.name, f"train {spec.help} from a YAML recipe", spec.name)
-    p = sub.add_parser("convert", help="convert checkpoints between HF and megatron formats",
-                       description=(convert.__doc__ or "").strip(), formatter_class=RAW)
+    p = sub.add_parser(
+        "convert",
+        help="convert checkpoints between HF and megatron formats",
+        description=(convert.__doc__ or "").strip(),
+        formatter_class=RAW,
+    )
     convert.add_arguments(p, add_common_options)
-    p = sub.add_parser("generate", help=f"generate from a checkpoint ({generators})",
-                       description=generation_cli.generate_help(), formatter_class=RAW)
+    p = sub.add_parser(
+        "generate",
+        help=f"generate from a checkpoint ({generators})",
+        description=generation_cli.generate_help(),
+        formatter_class=RAW,
+    )
     generation_cli.add_arguments(p, add_common_options)
-    p = sub.add_parser("worst-samples", help="print the samples of a training step ranked by their loss",
-                       description=metrics.WORST_SAMPLES_HELP, formatter_class=RAW)
+    p = sub.add_parser(
+        "worst-samples",
+        help="print the samples of a training step ranked by their loss",
+        description=metrics.WORST_SAMPLES_HELP,
+        formatter_class=RAW,
+    )
     metrics.add_arguments(p)
     add_common_options(p)
     p.set_defaults(run=metrics.run)
@@ -121,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = [x for x in extra if x not in args.overrides]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    prog = " ".join(["mmtrain", args.command] + [getattr(args, sub) for sub in ("direction", "family")
-                                                  if getattr(args, sub, None)])
+    prog = " ".join(
+        ["mmtrain", args.command] + [getattr(args, sub) for sub in ("direction", "family") if getattr(args, sub, None)]
+    )
     return run_main(prog, args, dispatch)
 
 

@@ -38,12 +38,16 @@ def convert(args: argparse.Namespace, quiet: bool) -> int:
 def _convert(args: argparse.Namespace) -> int:
     hf = registry.get_family(args.model).hf
     if args.direction == "hf-to-mcore":
-        parts = {flag: getattr(args, flag) for flag in registry.hf_flags("assemble_from")
-                 if getattr(args, flag, None) is not None}
+        parts = {
+            flag: getattr(args, flag)
+            for flag in registry.hf_flags("assemble_from")
+            if getattr(args, flag, None) is not None
+        }
         if bool(parts) == bool(args.src) or (parts and set(parts) != set(hf.assemble_from)):
             both = " ".join(f"--{f} DIR" for f in hf.assemble_from)
-            raise UserError(f"hf-to-mcore --model {args.model}: give either --src HF_DIR"
-                            + (f", or all of {both}" if both else ""))
+            raise UserError(
+                f"hf-to-mcore --model {args.model}: give either --src HF_DIR" + (f", or all of {both}" if both else "")
+            )
         _check_sources({"--src": args.src} if args.src else {f"--{k}": v for k, v in parts.items()}, args.dst)
         if args.src:
             _check_hf_source(args.model, args.src)
@@ -56,8 +60,11 @@ def _convert(args: argparse.Namespace) -> int:
                 done.hold()  # complete: what follows only puts it in place
             print(f"wrote megatron checkpoint {args.dst}")
     else:
-        extras = {flag: getattr(args, flag) for flag in registry.hf_flags("export_from")
-                  if getattr(args, flag, None) is not None}
+        extras = {
+            flag: getattr(args, flag)
+            for flag in registry.hf_flags("export_from")
+            if getattr(args, flag, None) is not None
+        }
         unknown = sorted(set(extras) - set(hf.export_from))
         if unknown:
             raise UserError(f"mcore-to-hf --model {args.model} takes no {' '.join('--' + f for f in unknown)}")
@@ -65,8 +72,10 @@ def _convert(args: argparse.Namespace) -> int:
             raise UserError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
         fmt = getattr(args, "format", None)
         if fmt is not None and fmt not in hf.export_formats:  # the options first, then the folders
-            raise UserError(f"mcore-to-hf --model {args.model} writes no --format {fmt}"
-                            + (f" (it writes {', '.join(hf.export_formats)})" if hf.export_formats else ""))
+            raise UserError(
+                f"mcore-to-hf --model {args.model} writes no --format {fmt}"
+                + (f" (it writes {', '.join(hf.export_formats)})" if hf.export_formats else "")
+            )
         _check_sources({"--src": args.src, **{f"--{k}": v for k, v in extras.items()}}, args.dst)
         _check_megatron_source(args.model, args.src)
         if fmt is not None:
@@ -74,8 +83,9 @@ def _convert(args: argparse.Namespace) -> int:
         sources = [args.src, *(v for k, v in extras.items() if k != "format")]
         with _finished(args) as done:
             with _writing(args, sources) as dst:
-                hf.to_hf(args.src, str(dst), max_shard_bytes=int(args.max_shard_gib * 1024**3), dtype=args.dtype,
-                         **extras)
+                hf.to_hf(
+                    args.src, str(dst), max_shard_bytes=int(args.max_shard_gib * 1024**3), dtype=args.dtype, **extras
+                )
                 done.hold()  # complete: what follows only puts it in place
             print(f"wrote HF checkpoint {Path(args.dst).resolve()}")
     return 0
@@ -109,8 +119,10 @@ def _check_hf_source(family: str, src: str) -> None:
     """hf-to-mcore --src is an HF checkpoint (not a megatron one) of `family`: refused in one line."""
     path = Path(src)
     if _is_megatron_dir(path):
-        raise UserError(f"--src {src} is a megatron checkpoint, not an HF one; hf-to-mcore reads an HF dir "
-                        f"(to export this one: mmtrain convert mcore-to-hf --model {family} --src {src} --dst HF_DIR)")
+        raise UserError(
+            f"--src {src} is a megatron checkpoint, not an HF one; hf-to-mcore reads an HF dir "
+            f"(to export this one: mmtrain convert mcore-to-hf --model {family} --src {src} --dst HF_DIR)"
+        )
     if not (path / "config.json").is_file():
         raise UserError(f"--src {src} is not an HF checkpoint: it has no config.json")
     try:
@@ -119,8 +131,10 @@ def _check_hf_source(family: str, src: str) -> None:
         raise UserError(f"--src {src}/config.json is not valid JSON ({exc})") from None
     owner = _hf_owner(config)
     if owner is not None and owner != family:
-        raise UserError(f"--src {src} is an HF {owner} checkpoint (model_type {config.get('model_type')!r}), "
-                        f"not {family}; give --model {owner}")
+        raise UserError(
+            f"--src {src} is an HF {owner} checkpoint (model_type {config.get('model_type')!r}), "
+            f"not {family}; give --model {owner}"
+        )
 
 
 def _megatron_config(path: Path) -> dict | None:
@@ -154,16 +168,20 @@ def _check_megatron_source(family: str, src: str) -> None:
     """mcore-to-hf --src is a megatron checkpoint (not an HF one) of `family`: refused in one line."""
     path = Path(src)
     if is_hf_dir(path):
-        raise UserError(f"--src {src} is an HF checkpoint (config.json), not a megatron one; mcore-to-hf reads a "
-                        f"megatron checkpoint (to import this one: mmtrain convert hf-to-mcore --model {family} "
-                        f"--src {src} --dst CKPT_DIR)")
+        raise UserError(
+            f"--src {src} is an HF checkpoint (config.json), not a megatron one; mcore-to-hf reads a "
+            f"megatron checkpoint (to import this one: mmtrain convert hf-to-mcore --model {family} "
+            f"--src {src} --dst CKPT_DIR)"
+        )
     if not _is_megatron_dir(path):
         raise UserError(f"--src {src} is not a megatron checkpoint: no 'latest' file, no iter_*/model folder")
     config = _megatron_config(path)
     owners = _megatron_owners(config) if isinstance(config, dict) else []
     if owners and family not in owners:
-        raise UserError(f"--src {src} is a megatron {' or '.join(owners)} checkpoint (its model_config.yaml), "
-                        f"not {family}; give --model {owners[0]}")
+        raise UserError(
+            f"--src {src} is a megatron {' or '.join(owners)} checkpoint (its model_config.yaml), "
+            f"not {family}; give --model {owners[0]}"
+        )
 
 
 def _finished(args: argparse.Namespace) -> InterruptsAfterCompletion:

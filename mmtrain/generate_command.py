@@ -45,9 +45,15 @@ class GenerationProgress:
     """Generated tokens against the upper bound, tokens/s, on stderr (rich)."""
 
     def __init__(self, enabled: bool, requests: int, unit: str) -> None:
-        self.progress = Progress(TextColumn(f"[bold]generating {requests} {unit}{'s' if requests != 1 else ''}"),
-                                 BarColumn(), MofNCompleteColumn(), TextColumn("tokens {task.fields[rate]}"),
-                                 TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled)
+        self.progress = Progress(
+            TextColumn(f"[bold]generating {requests} {unit}{'s' if requests != 1 else ''}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens {task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            disable=not enabled,
+        )
         self.task = self.progress.add_task("generate", total=None, rate="")
         self.t0 = time.perf_counter()
 

@@ -23,8 +23,15 @@ import argparse
 from pathlib import Path
 
 from mmdata.errors import UserError
-from mmdata.packing.cli import (PlanRequest, add_plan_options, check_positive, geometry_flags, make_plan,
-                                step_balance, step_shape_flags)
+from mmdata.packing.cli import (
+    PlanRequest,
+    add_plan_options,
+    check_positive,
+    geometry_flags,
+    make_plan,
+    step_balance,
+    step_shape_flags,
+)
 from mmdata.packing.geometry import PlanGeometry
 from mmtrain import registry
 from mmtrain.config.load import load_recipe
@@ -36,10 +43,22 @@ HELP = "the packing plan a recipe trains with (data.packing: plan), from its sha
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=Path, metavar="RECIPE", help="an mmtrain recipe (YAML)")
-    parser.add_argument("dir", type=Path, metavar="DIR", nargs="?", default=None,
-                        help="shards folder (has lengths.parquet; default: the recipe's data.paths[0])")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="a recipe override (repeatable; also as a bare KEY=VALUE), e.g. --set train.seq_length=4096")
+    parser.add_argument(
+        "dir",
+        type=Path,
+        metavar="DIR",
+        nargs="?",
+        default=None,
+        help="shards folder (has lengths.parquet; default: the recipe's data.paths[0])",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="a recipe override (repeatable; also as a bare KEY=VALUE), e.g. --set train.seq_length=4096",
+    )
     add_plan_options(parser, recipe=True)
 
 
@@ -52,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:  # its tokenizer.path
         raise UserError(f"{args.recipe}: {e}") from None
     if base is None:
-        raise UserError(f"{args.recipe}: family {recipe.family} has nothing to plan with "
-                        "(pack-plan plans LLaVA-OV image shards and Emu3 token shards)")
+        raise UserError(
+            f"{args.recipe}: family {recipe.family} has nothing to plan with "
+            "(pack-plan plans LLaVA-OV image shards and Emu3 token shards)"
+        )
     root = args.dir if args.dir is not None else (Path(recipe.data.paths[0]) if recipe.data.paths else None)
     if root is None:
         raise UserError("give the shards folder DIR (or a recipe with data.paths)")
@@ -62,17 +83,34 @@ def run(args: argparse.Namespace) -> int:
     tp = args.tp if args.tp is not None else recipe.parallel.tp
     shape, tile_tokens = step_shape_flags(args), args.tile_tokens
     if getattr(recipe.data, "balance", False) or shape["dp"] is not None:
-        mine = {"dp": recipe.parallel.dp, "micro_batch_size": recipe.train.micro_batch_size,
-                "global_batch_size": recipe.train.global_batch_size}
+        mine = {
+            "dp": recipe.parallel.dp,
+            "micro_batch_size": recipe.train.micro_batch_size,
+            "global_batch_size": recipe.train.global_batch_size,
+        }
         shape = {k: v if v is not None else mine[k] for k, v in shape.items()}
         if tile_tokens is None:  # (0 for a family without a vision tower: it balances on tokens alone)
             tile_tokens = tile_token_cost(registry.get_family(recipe.family).model_shapes(recipe.model))
     given = geometry_flags(args)
     check_positive({**given, "cp": cp, "tp": tp, **shape, "tile_tokens": args.tile_tokens})
     if given and not isinstance(base, PlanGeometry):
-        raise UserError(f"--{next(iter(given)).replace('_', '-')}: image geometry options do not apply to the "
-                        f"recipe's family ({recipe.family})")
+        raise UserError(
+            f"--{next(iter(given)).replace('_', '-')}: image geometry options do not apply to the "
+            f"recipe's family ({recipe.family})"
+        )
     geometry = PlanGeometry(**{**base.as_dict(), **given}) if given else base
-    make_plan(PlanRequest(root, seq_length, geometry, recipe.tokenizer.path, cp or 1, tp or 1,
-                          step_balance(shape, tile_tokens), args.seed, args.jobs, not args.no_progress))
+    make_plan(
+        PlanRequest(
+            root,
+            seq_length,
+            geometry,
+            recipe.tokenizer.path,
+            cp or 1,
+            tp or 1,
+            step_balance(shape, tile_tokens),
+            args.seed,
+            args.jobs,
+            not args.no_progress,
+        )
+    )
     return 0

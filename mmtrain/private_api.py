@@ -35,11 +35,13 @@ CPU_FLASH_ATTENTION_SCHEMAS = {
     "_scaled_dot_product_flash_attention_for_cpu": (
         "aten::_scaled_dot_product_flash_attention_for_cpu(Tensor query, Tensor key, Tensor value, "
         "float dropout_p=0., bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) "
-        "-> (Tensor output, Tensor logsumexp)"),
+        "-> (Tensor output, Tensor logsumexp)"
+    ),
     "_scaled_dot_product_flash_attention_for_cpu_backward": (
         "aten::_scaled_dot_product_flash_attention_for_cpu_backward(Tensor grad_out, Tensor query, Tensor key, "
         "Tensor value, Tensor out, Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, "
-        "float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)"),
+        "float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)"
+    ),
 }
 
 
@@ -49,17 +51,21 @@ def require_tested_megatron(installed: str | None = None) -> None:
     version = installed if installed is not None else metadata.version("megatron-core")
     if version.split(".")[:2] != TESTED_MEGATRON.split("."):
         major, minor = TESTED_MEGATRON.split(".")
-        raise RuntimeError(f"megatron-core {version} is installed, but mmtrain sets megatron's private "
-                           f"filesystem_async.{RESULTS_QUEUE} as megatron-core {TESTED_MEGATRON}.x keeps it: "
-                           f"install 'megatron-core>={TESTED_MEGATRON},<{major}.{int(minor) + 1}'")
+        raise RuntimeError(
+            f"megatron-core {version} is installed, but mmtrain sets megatron's private "
+            f"filesystem_async.{RESULTS_QUEUE} as megatron-core {TESTED_MEGATRON}.x keeps it: "
+            f"install 'megatron-core>={TESTED_MEGATRON},<{major}.{int(minor) + 1}'"
+        )
 
 
 def filesystem_async_module() -> Any:
     """megatron's filesystem_async module, once the version and the name are checked."""
     require_tested_megatron()
     if not hasattr(filesystem_async, RESULTS_QUEUE):
-        raise RuntimeError(f"megatron-core {metadata.version('megatron-core')}: filesystem_async has no "
-                           f"{RESULTS_QUEUE} (mmtrain/private_api.py needs updating)")
+        raise RuntimeError(
+            f"megatron-core {metadata.version('megatron-core')}: filesystem_async has no "
+            f"{RESULTS_QUEUE} (mmtrain/private_api.py needs updating)"
+        )
     return filesystem_async
 
 
@@ -84,7 +90,9 @@ def cpu_flash_attention() -> tuple[Any, Any]:
         except AttributeError:
             op, found = None, "missing"
         if found != schema:
-            raise RuntimeError(f"torch {torch.__version__}: aten::{name} is {found}, but context parallelism on "
-                               f"CPU calls it as {schema} (mmtrain/private_api.py needs updating)")
+            raise RuntimeError(
+                f"torch {torch.__version__}: aten::{name} is {found}, but context parallelism on "
+                f"CPU calls it as {schema} (mmtrain/private_api.py needs updating)"
+            )
         ops.append(op)
     return ops[0], ops[1]

@@ -24,11 +24,13 @@ def recipe_geometry(recipe: Any) -> PlanGeometry | Emu3PlanGeometry | None:
         path = recipe.tokenizer.path
         if path is None:
             raise FileNotFoundError("tokenizer.path is not set: an Emu3 plan is checked against its tokenizer")
-        return Emu3PlanGeometry(tokenizer_fingerprint(path), d.system_prompt, d.uncond_prompt, dict(d.tasks),
-                                float(d.p_uncond))
+        return Emu3PlanGeometry(
+            tokenizer_fingerprint(path), d.system_prompt, d.uncond_prompt, dict(d.tasks), float(d.p_uncond)
+        )
     vision = getattr(m, "vision", None)
     if vision is None or not hasattr(m, "max_tiles"):
         return None
     grid_max = getattr(m, "grid_max", PlanGeometry.grid_max)
-    return PlanGeometry(vision.image_size, vision.patch_size, m.max_tiles, grid_max,
-                        getattr(d, "video_frames", DEFAULT_MAX_FRAMES))
+    return PlanGeometry(
+        vision.image_size, vision.patch_size, m.max_tiles, grid_max, getattr(d, "video_frames", DEFAULT_MAX_FRAMES)
+    )

@@ -26,8 +26,9 @@ def get_family(name: str) -> FamilySpec:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise KeyError(f"unknown model family {name!r}{suggest(name, family_names())} "
-                       f"(known: {', '.join(family_names())})") from None
+        raise KeyError(
+            f"unknown model family {name!r}{suggest(name, family_names())} (known: {', '.join(family_names())})"
+        ) from None
 
 
 def convertible_families() -> list[str]:

@@ -173,4 +173,3 @@ class FamilySpec:
     #: `mmtrain generate <family>`: prompts, logits processors, outputs around the shared
     #: engine (mmtrain/generation/); None: the family cannot generate
     generation: Optional["GenerationSpec"] = None
-

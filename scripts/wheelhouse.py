@@ -39,9 +39,17 @@ REPO = Path(__file__).resolve().parents[1]
 #: what a GPU node brings (and what must not be swapped): these and their whole closure stay out
 NODE_HAS = ("torch", "transformers", "pytest", "pip")
 #: manylinux tags a node with glibc >= 2.28 takes (older tags are compatible with newer glibc)
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux_2_5_x86_64",
-             "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_12_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux_2_5_x86_64",
+    "manylinux1_x86_64",
+]
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,16 @@ def project_requirements(with_data: bool) -> list[Requirement]:
 def _applies(req: Requirement, extras: set[str], python: str) -> bool:
     if req.marker is None:
         return True
-    env = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-           "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+    env = {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+    }
     return any(Marker(str(req.marker)).evaluate({**env, "extra": e}) for e in (extras or {""}))
 
 
@@ -89,8 +104,10 @@ def closure(roots: list[Requirement], python: str, skip: frozenset[str] = frozen
         try:
             dist = distribution(req.name)
         except PackageNotFoundError:
-            raise SystemExit(f"wheelhouse: {req.name} is required but not installed in {sys.prefix}; "
-                             "run this in the project's venv (make wheelhouse)") from None
+            raise SystemExit(
+                f"wheelhouse: {req.name} is required but not installed in {sys.prefix}; "
+                "run this in the project's venv (make wheelhouse)"
+            ) from None
         first = name not in out
         out[name] = Pin(name, dist.version)
         for sub in map(Requirement, dist.requires or []):
@@ -125,8 +142,20 @@ def _installed(name: str) -> bool:
 def download(pins: list[Pin], python: str, out: Path) -> None:
     """The pinned wheels as they are (--no-deps: the closure is already in `pins`); the build
     requirements with their dependencies (pip's build environment starts empty)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-           "--python-version", python, "--implementation", "cp", "-d", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        "-d",
+        str(out),
+    ]
     for p in PLATFORMS:
         cmd += ["--platform", p]
     subprocess.run(cmd + ["--no-deps"] + [p.requirement() for p in pins if p.version], check=True)
@@ -150,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "wheelhouse"), help="the folder (default: wheelhouse/)")
     ap.add_argument("--python", default="3.11,3.12", help="target CPython versions, comma-separated")
-    ap.add_argument("--with-data", action="store_true",
-                    help="also the `data` extra (Ray, av, decord, scikit-image): the preprocessing job")
+    ap.add_argument(
+        "--with-data",
+        action="store_true",
+        help="also the `data` extra (Ray, av, decord, scikit-image): the preprocessing job",
+    )
     ap.add_argument("--list", action="store_true", help="print the pins and download nothing")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -163,16 +195,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cp{python.replace('.', '')}: " + " ".join(p.requirement() for p in pins))
             continue
         download(pins, python, out)
-        build_deps = [Pin(canonicalize_name(w.name.split("-")[0]), "") for w in out.glob("*.whl")
-                      if canonicalize_name(w.name.split("-")[0]) not in {p.name for p in pins}]
+        build_deps = [
+            Pin(canonicalize_name(w.name.split("-")[0]), "")
+            for w in out.glob("*.whl")
+            if canonicalize_name(w.name.split("-")[0]) not in {p.name for p in pins}
+        ]
         files = [w for w in out.glob("*.whl") if any(wheel_matches(w, p, python) for p in pins + build_deps)]
         total.update(files)
         size = sum(f.stat().st_size for f in files)
-        print(f"cp{python.replace('.', '')}: {len(files)} wheels, {mb(size)}: "
-              + " ".join(sorted(f.name.split("-")[0] for f in files)))
+        print(
+            f"cp{python.replace('.', '')}: {len(files)} wheels, {mb(size)}: "
+            + " ".join(sorted(f.name.split("-")[0] for f in files))
+        )
     if not args.list:
-        print(f"wheelhouse {out}: {len(total)} files, {mb(sum(f.stat().st_size for f in total))} "
-              f"(without torch{'' if args.with_data else ', Ray, av, decord and scikit-image'})")
+        print(
+            f"wheelhouse {out}: {len(total)} files, {mb(sum(f.stat().st_size for f in total))} "
+            f"(without torch{'' if args.with_data else ', Ray, av, decord and scikit-image'})"
+        )
     return 0
 
 

@@ -59,5 +59,3 @@ def megatron_cpu():
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
-
-

@@ -31,7 +31,8 @@ HF_EMU3_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
     "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
     "{{ '<image>' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% "
+    "endfor %}"
     "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
     "{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
@@ -39,7 +40,11 @@ HF_EMU3_CHAT_TEMPLATE = (
 TEST_IMAGE_AREA = 4096  # 64x64 pixels: ~8x8 grids keep the VQ cheap on CPU
 DEV_SAMPLES_PER_SHARD = 8
 KINDS = ("rgb_jpeg", "rgba_l_pair", "palette", "text_only", "broken", "too_wide", "video", "same_size_pair")
-EXPECTED_REASONS = {"broken": "image_decode_error", "too_wide": "image_unsupported_size", "video": "video_not_supported"}
+EXPECTED_REASONS = {
+    "broken": "image_decode_error",
+    "too_wide": "image_unsupported_size",
+    "video": "video_not_supported",
+}
 
 
 def encode_image(rng: np.random.Generator, w: int, h: int, mode: str = "RGB", fmt: str = "PNG") -> bytes:
@@ -64,8 +69,10 @@ def dev_samples(n: int = 16, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
 
     def conv(k: int) -> list[dict]:
-        return [{"from": "human", "value": "<image>\n" * k + "What is in the picture?"},
-                {"from": "gpt", "value": "Some coloured noise."}]
+        return [
+            {"from": "human", "value": "<image>\n" * k + "What is in the picture?"},
+            {"from": "gpt", "value": "Some coloured noise."},
+        ]
 
     out = []
     for i in range(n):
@@ -73,8 +80,11 @@ def dev_samples(n: int = 16, seed: int = 0) -> list:
         if kind == "rgb_jpeg":
             out.append(DevSample(sid, conv(1), [("jpg", encode_image(rng, 101 + i, 61, fmt="JPEG"))]))
         elif kind == "rgba_l_pair":
-            out.append(DevSample(sid, conv(2), [("png", encode_image(rng, 37, 53, "RGBA")),
-                                                 ("png", encode_image(rng, 64, 64, "L"))]))
+            out.append(
+                DevSample(
+                    sid, conv(2), [("png", encode_image(rng, 37, 53, "RGBA")), ("png", encode_image(rng, 64, 64, "L"))]
+                )
+            )
         elif kind == "palette":
             out.append(DevSample(sid, conv(1), [("png", encode_image(rng, 90, 45, "P"))]))
         elif kind == "text_only":
@@ -84,11 +94,19 @@ def dev_samples(n: int = 16, seed: int = 0) -> list:
         elif kind == "too_wide":
             out.append(DevSample(sid, conv(1), [("png", encode_image(rng, 402, 2))]))
         elif kind == "video":
-            out.append(DevSample(sid, [{"from": "human", "value": "<video>\nWhat happens?"},
-                                       {"from": "gpt", "value": "Nothing."}], video=("mp4", b"\0\0\0\x18ftypmp42")))
+            out.append(
+                DevSample(
+                    sid,
+                    [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "Nothing."}],
+                    video=("mp4", b"\0\0\0\x18ftypmp42"),
+                )
+            )
         else:
-            out.append(DevSample(sid, conv(2), [("png", encode_image(rng, 80, 80)),
-                                                 ("jpg", encode_image(rng, 80, 80, fmt="JPEG"))]))
+            out.append(
+                DevSample(
+                    sid, conv(2), [("png", encode_image(rng, 80, 80)), ("jpg", encode_image(rng, 80, 80, fmt="JPEG"))]
+                )
+            )
     return out
 
 
@@ -104,8 +122,16 @@ def run_tokenize_cli(*args: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
-    return [str(shards), "--vision-tokenizer", str(vq), "--output", str(out), "--image-area", str(TEST_IMAGE_AREA),
-            *extra]
+    return [
+        str(shards),
+        "--vision-tokenizer",
+        str(vq),
+        "--output",
+        str(out),
+        "--image-area",
+        str(TEST_IMAGE_AREA),
+        *extra,
+    ]
 
 
 @session_fixture
@@ -126,16 +152,28 @@ def tiny_vq_dir(tmp_path_factory) -> Path:
 def emu3_dev_shards(tmp_path_factory) -> Path:
     from mmdata.dev.shards import write_dev_shards
 
-    return write_dev_shards(tmp_path_factory.mktemp("emu3_dev") / "shards", dev_samples(),
-                            samples_per_shard=DEV_SAMPLES_PER_SHARD)
+    return write_dev_shards(
+        tmp_path_factory.mktemp("emu3_dev") / "shards", dev_samples(), samples_per_shard=DEV_SAMPLES_PER_SHARD
+    )
 
 
 @session_fixture
 def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir) -> Path:
     """With the length index (`--tokenizer`): the runs compared with it pass the same option."""
     out = tmp_path_factory.mktemp("emu3_tokens") / "tokens"
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3",
-                                    "--tokenizer", str(emu3_tok_dir)))
+    run_tokenize_cli(
+        *tokenize_args(
+            emu3_dev_shards,
+            tiny_vq_dir,
+            out,
+            "--num-cpus",
+            "2",
+            "--chunk-samples",
+            "3",
+            "--tokenizer",
+            str(emu3_tok_dir),
+        )
+    )
     return out
 
 
@@ -157,8 +195,18 @@ def hf_codes(proc, vq, image: Image.Image) -> np.ndarray:
         return vq.encode(inputs["pixel_values"], inputs["image_sizes"]).image_tokens[0].numpy()
 
 
-def tiny_hf_emu3(tok, vq_dir, *, layers: int = 1, hidden: int = 32, heads: int = 2, kv_heads: int = 1,
-                 seed: int = 0, noise: float = 0.0, max_positions: int = 2048):
+def tiny_hf_emu3(
+    tok,
+    vq_dir,
+    *,
+    layers: int = 1,
+    hidden: int = 32,
+    heads: int = 2,
+    kv_heads: int = 1,
+    seed: int = 0,
+    noise: float = 0.0,
+    max_positions: int = 2048,
+):
     """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights;
     `noise` perturbs every text-model tensor (norms and all) so conversions cannot pass by luck."""
     import torch
@@ -166,10 +214,19 @@ def tiny_hf_emu3(tok, vq_dir, *, layers: int = 1, hidden: int = 32, heads: int =
 
     torch.manual_seed(seed)
     vq = Emu3VQVAE.from_pretrained(vq_dir)
-    text = Emu3TextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                          max_position_embeddings=max_positions, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, attention_dropout=0.0)
+    text = Emu3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        attention_dropout=0.0,
+    )
     config = Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
     model = Emu3ForConditionalGeneration(config).eval()
     model.model.vqmodel.load_state_dict(vq.state_dict())
@@ -226,6 +283,7 @@ def hf_emu3_generate(model, prompt_ids, negative_ids, rows, cols, scale):
     ids = torch.as_tensor(prompt_ids)[None]
     kw = dict(guidance_scale=scale, negative_prompt_ids=torch.as_tensor(negative_ids)[None]) if scale != 1 else {}
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False,
-                             prefix_allowed_tokens_fn=allowed, **kw)
-    return out[0, ids.shape[1]:]
+        out = model.generate(
+            ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False, prefix_allowed_tokens_fn=allowed, **kw
+        )
+    return out[0, ids.shape[1] :]

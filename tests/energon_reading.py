@@ -23,8 +23,16 @@ def energon_samples(path: Path, dataset_config: str | None = None, take: int | N
             return samples
 
     kwargs = {"dataset_config": dataset_config} if dataset_config else {}
-    ds = get_train_dataset(str(path), split_part="train", batch_size=1, shuffle_buffer_size=None,
-                           max_samples_per_sequence=None, repeat=take is not None, task_encoder=Identity(),
-                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), **kwargs)
+    ds = get_train_dataset(
+        str(path),
+        split_part="train",
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=take is not None,
+        task_encoder=Identity(),
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        **kwargs,
+    )
     samples = (s for batch in get_loader(ds) for s in batch)
     return list(samples) if take is None else [s for _, s in zip(range(take), samples)]

@@ -47,8 +47,15 @@ def converted(hf_dir, tmp_path_factory):
 def torchrun(script: Path, *args: str, nproc: int = 2) -> None:
     """`script` on `nproc` torchrun ranks (gloo, CPU); fails the test with their output if one fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        str(script),
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -66,8 +73,12 @@ def llava_hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen_llava")
     tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    model = hf_llava(seed=1, vocab_size=len(tok), image_token=tok.convert_tokens_to_ids("<image>"),
-                     video_token=tok.convert_tokens_to_ids("<video>"))
+    model = hf_llava(
+        seed=1,
+        vocab_size=len(tok),
+        image_token=tok.convert_tokens_to_ids("<image>"),
+        video_token=tok.convert_tokens_to_ids("<video>"),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "language_model" in name and "norm" not in name:

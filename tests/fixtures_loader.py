@@ -59,10 +59,16 @@ def llava_dev_samples() -> list[DevSample]:
             out.append(DevSample(f"txt-{i}", qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * 2))
         elif kind == 4:
             out.append(
-                DevSample(f"multi-{i}", qa("<image><image> Compare them.", f"They differ {i}."), [("png", png_bytes(20, 40, i)), ("png", png_bytes(50, 10, i + 1))])
+                DevSample(
+                    f"multi-{i}",
+                    qa("<image><image> Compare them.", f"They differ {i}."),
+                    [("png", png_bytes(20, 40, i)), ("png", png_bytes(50, 10, i + 1))],
+                )
             )
         else:
-            out.append(DevSample(f"vid-{i}", qa("What happens in the clip?", f"Noise {i}."), video=("mp4", mp4_bytes(10, i))))
+            out.append(
+                DevSample(f"vid-{i}", qa("What happens in the clip?", f"Noise {i}."), video=("mp4", mp4_bytes(10, i)))
+            )
     good_png = png_bytes(30, 30, 99)
     out += [
         DevSample("bad-empty-image", qa("<image> x", "y"), [("jpg", b"")]),

@@ -49,9 +49,20 @@ def synth_raw_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shards_dir(tmp_path_factory, synth_raw_dir) -> Path:
     out = tmp_path_factory.mktemp("shards") / "shards"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
-                       "--seed", str(SYNTH_SEED), "--samples-per-shard", str(SHARDS_SAMPLES_PER_SHARD),
-                       "--num-cpus", "2")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(synth_raw_dir),
+        "--output",
+        str(out),
+        "--seed",
+        str(SYNTH_SEED),
+        "--samples-per-shard",
+        str(SHARDS_SAMPLES_PER_SHARD),
+        "--num-cpus",
+        "2",
+    )
     return out
 
 
@@ -77,4 +88,3 @@ def read_shards(out: Path) -> list[tuple[str, dict, dict[str, bytes], list[tarfi
                 members[suffix] = tar.extractfile(info).read()
                 samples[-1][3].append(info)
     return [(k, json.loads(m[sf.JSON_MEMBER]), m, infos) for k, _, m, infos in samples]
-

@@ -29,8 +29,15 @@ MMTRAIN = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY_RECIPE)]
 BASE_RUN = ("train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0")
 
 
-def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1,
-          expect_rc: int = 0, command: list[str] = MMTRAIN) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path,
+    shards: Path,
+    tokenizer: Path,
+    *overrides: str,
+    nproc: int = 1,
+    expect_rc: int = 0,
+    command: list[str] = MMTRAIN,
+) -> subprocess.CompletedProcess:
     args = [
         f"run_dir={run_dir}",
         f"data.paths=[{shards}]",
@@ -45,8 +52,9 @@ def train(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != expect_rc:
-        raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"training exited {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -102,6 +110,7 @@ def interrupted_copy(ref: Path, dst: Path, at_step: int) -> Path:
 def assert_same_steps(got: dict[int, dict], ref: dict[int, dict], steps, any_order: bool = False) -> None:
     """Losses, grad norms and per-sample losses of `steps` agree (fp32 reduction-order noise);
     `any_order`: the same samples, in any order (rows that balancing moved between micro-batches)."""
+
     def by_id(record: dict) -> list:  # (id, loss) sorted: a sample drawn twice in a step appears twice
         return sorted(zip(record["sample_ids"], record["sample_losses"]))
 
@@ -148,6 +157,14 @@ def run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
 
 def train_args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
     """The `mmtrain llava-ov` command line of `train` (for a run the test starts, signals or kills itself)."""
-    return MMTRAIN + [f"run_dir={run_dir}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer}",
-                      "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false",
-                      f"parallel.nproc_per_node={nproc}", f"parallel.master_port={free_port()}", *overrides]
+    return MMTRAIN + [
+        f"run_dir={run_dir}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tokenizer}",
+        "data.num_workers=1",
+        "train.seq_length=1024",
+        "logging.tensorboard=false",
+        f"parallel.nproc_per_node={nproc}",
+        f"parallel.master_port={free_port()}",
+        *overrides,
+    ]

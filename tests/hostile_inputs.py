@@ -65,7 +65,7 @@ def huge_declared_jpeg() -> bytes:
     """A small JPEG whose frame header is rewritten to 65000 x 65000."""
     data = bytearray(_encode(_rgb(16, 16), "JPEG"))
     sof = data.find(b"\xff\xc0")
-    data[sof + 5:sof + 9] = struct.pack(">HH", 65000, 65000)
+    data[sof + 5 : sof + 9] = struct.pack(">HH", 65000, 65000)
     return bytes(data)
 
 
@@ -129,7 +129,11 @@ def _turns(*values: str) -> list[dict]:
 
 
 def default_record(kind: str, n_images: int = 1) -> dict:
-    return {"id": kind, "source": "hostile", "conversations": _turns("<image>" * n_images + "\nWhat is this?", "A test.")}
+    return {
+        "id": kind,
+        "source": "hostile",
+        "conversations": _turns("<image>" * n_images + "\nWhat is this?", "A test."),
+    }
 
 
 def cases() -> list[Case]:
@@ -145,45 +149,115 @@ def cases() -> list[Case]:
         Case("decompression_bomb_png", "image_too_large", images=[("png", decompression_bomb())]),
         Case("huge_declared_png", "image_too_large", images=[("png", huge_declared_png())]),
         Case("huge_declared_jpeg", "image_too_large", images=[("jpg", huge_declared_jpeg())]),
-        *(Case(name, None, images=[(ext, make())]) for name, make, ext in
-          ((n, f, {"cmyk_jpeg": "jpg", "16bit_png": "png", "palette_transparency_png": "png", "animated_gif": "gif",
-                   "animated_png": "png", "animated_webp": "webp", "exif_rotated_jpeg": "jpg"}[n])
-           for n, f in ODD_VALID_IMAGES.items())),
-        Case("video_garbage", "video_undecodable", record={
-            "id": "video_garbage", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
-            video=("mp4", b"\x00\x00\x00\x18ftypmp42" + bytes(200))),
-        Case("video_zero_byte", "video_empty", record={
-            "id": "video_zero_byte", "conversations": _turns("<video>\nWhat happens?", "Nothing.")}, video=("mp4", b"")),
-        Case("bad_utf8", "json_malformed",
-             record=b'{"id": "bad_utf8", "conversations": [{"from": "human", "value": "\xff\xfe hi"}, '
-                    b'{"from": "gpt", "value": "x"}]}'),
-        Case("lone_surrogate", "json_malformed",
-             record=b'{"id": "lone_surrogate", "conversations": [{"from": "human", "value": "\\ud800"}, '
-                    b'{"from": "gpt", "value": "x"}]}'),
+        *(
+            Case(name, None, images=[(ext, make())])
+            for name, make, ext in (
+                (
+                    n,
+                    f,
+                    {
+                        "cmyk_jpeg": "jpg",
+                        "16bit_png": "png",
+                        "palette_transparency_png": "png",
+                        "animated_gif": "gif",
+                        "animated_png": "png",
+                        "animated_webp": "webp",
+                        "exif_rotated_jpeg": "jpg",
+                    }[n],
+                )
+                for n, f in ODD_VALID_IMAGES.items()
+            )
+        ),
+        Case(
+            "video_garbage",
+            "video_undecodable",
+            record={"id": "video_garbage", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
+            video=("mp4", b"\x00\x00\x00\x18ftypmp42" + bytes(200)),
+        ),
+        Case(
+            "video_zero_byte",
+            "video_empty",
+            record={"id": "video_zero_byte", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
+            video=("mp4", b""),
+        ),
+        Case(
+            "bad_utf8",
+            "json_malformed",
+            record=b'{"id": "bad_utf8", "conversations": [{"from": "human", "value": "\xff\xfe hi"}, '
+            b'{"from": "gpt", "value": "x"}]}',
+        ),
+        Case(
+            "lone_surrogate",
+            "json_malformed",
+            record=b'{"id": "lone_surrogate", "conversations": [{"from": "human", "value": "\\ud800"}, '
+            b'{"from": "gpt", "value": "x"}]}',
+        ),
         Case("json_syntax", "json_malformed", record=b'{"id": "json_syntax", "conversations": [}'),
         Case("not_an_object", "schema_invalid", record=b'["a", "list"]'),
         Case("id_ill_typed", "schema_invalid", record={"id": ["x"], "conversations": _turns("hi", "yo")}),
-        Case("image_ill_typed", "schema_invalid", record={"id": "image_ill_typed", "image": 7,
-                                                          "conversations": _turns("hi", "yo")}),
+        Case(
+            "image_ill_typed",
+            "schema_invalid",
+            record={"id": "image_ill_typed", "image": 7, "conversations": _turns("hi", "yo")},
+        ),
         Case("no_conversations", "conversation_malformed", record={"id": "no_conversations"}),
-        Case("value_ill_typed", "conversation_malformed", record={
-            "id": "value_ill_typed", "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}),
-        Case("unknown_role", "conversation_malformed", record={
-            "id": "unknown_role", "conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "x"}]}),
-        Case("not_alternating", "conversation_malformed", record={
-            "id": "not_alternating", "conversations": _turns("hi", "yo") + _turns("hi again")[:1] * 2}),
-        Case("gpt_first", "conversation_malformed", record={
-            "id": "gpt_first", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}]}),
-        Case("too_many_turns", "conversation_too_long", record={
-            "id": "too_many_turns", "conversations": _turns(*(["q", "a"] * 501))}),
-        Case("too_many_chars", "conversation_too_long", record={
-            "id": "too_many_chars", "conversations": _turns("q", "a" * 4_000_001)}),
-        Case("more_tags_than_images", "placeholder_mismatch", record=default_record("more_tags_than_images", 2),
-             images=[("jpg", good(3))]),
-        Case("fewer_tags_than_images", "placeholder_mismatch", record=default_record("fewer_tags_than_images", 1),
-             images=[("jpg", good(4)), ("jpg", good(5))]),
-        Case("tag_in_gpt_turn", "placeholder_mismatch", record={
-            "id": "tag_in_gpt_turn", "conversations": _turns("Look.", "<image> here")}, images=[("jpg", good(6))]),
+        Case(
+            "value_ill_typed",
+            "conversation_malformed",
+            record={
+                "id": "value_ill_typed",
+                "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}],
+            },
+        ),
+        Case(
+            "unknown_role",
+            "conversation_malformed",
+            record={
+                "id": "unknown_role",
+                "conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "x"}],
+            },
+        ),
+        Case(
+            "not_alternating",
+            "conversation_malformed",
+            record={"id": "not_alternating", "conversations": _turns("hi", "yo") + _turns("hi again")[:1] * 2},
+        ),
+        Case(
+            "gpt_first",
+            "conversation_malformed",
+            record={
+                "id": "gpt_first",
+                "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}],
+            },
+        ),
+        Case(
+            "too_many_turns",
+            "conversation_too_long",
+            record={"id": "too_many_turns", "conversations": _turns(*(["q", "a"] * 501))},
+        ),
+        Case(
+            "too_many_chars",
+            "conversation_too_long",
+            record={"id": "too_many_chars", "conversations": _turns("q", "a" * 4_000_001)},
+        ),
+        Case(
+            "more_tags_than_images",
+            "placeholder_mismatch",
+            record=default_record("more_tags_than_images", 2),
+            images=[("jpg", good(3))],
+        ),
+        Case(
+            "fewer_tags_than_images",
+            "placeholder_mismatch",
+            record=default_record("fewer_tags_than_images", 1),
+            images=[("jpg", good(4)), ("jpg", good(5))],
+        ),
+        Case(
+            "tag_in_gpt_turn",
+            "placeholder_mismatch",
+            record={"id": "tag_in_gpt_turn", "conversations": _turns("Look.", "<image> here")},
+            images=[("jpg", good(6))],
+        ),
     ]
     return out
 
@@ -275,8 +349,11 @@ def write_llava_json(root: Path, outside: Path) -> tuple[dict[str, str | None], 
             (root / "videos" / f"{i:04d}.{case.video[0]}").write_bytes(case.video[1])
             obj = {**obj, "video": f"videos/{i:04d}.{case.video[0]}"}
         lines.append((case.kind, case.expect, _json_bytes(obj)))
-    for kind, ref in (("dotdot_image", f"../{outside.name}/secret.jpg"), ("absolute_image", str(outside / "secret.jpg")),
-                      ("symlink_image", "images/link.jpg")):
+    for kind, ref in (
+        ("dotdot_image", f"../{outside.name}/secret.jpg"),
+        ("absolute_image", str(outside / "secret.jpg")),
+        ("symlink_image", "images/link.jpg"),
+    ):
         lines.append((kind, "media_outside_input", _json_bytes({**default_record(kind), "image": ref})))
     lines.append(("same_id_a", None, _json_bytes({**default_record("same_id"), "image": "images/0000_0.jpg"})))
     with open(root / "data.jsonl", "wb") as f:

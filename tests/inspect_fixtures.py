@@ -20,10 +20,24 @@ def broken_dataset(tmp_path_factory) -> tuple:
     key = str(tmp_path_factory.getbasetemp())
     if key not in _built:
         raw = tmp_path_factory.mktemp("inspect_broken") / "raw"
-        recs: list[SynthRecord] = generate_records(BROKEN_NUM_SAMPLES, seed=BROKEN_SEED, broken_fraction=0.2, synthetic=True)
+        recs: list[SynthRecord] = generate_records(
+            BROKEN_NUM_SAMPLES, seed=BROKEN_SEED, broken_fraction=0.2, synthetic=True
+        )
         write_infinity_mm(recs, raw, samples_per_tar=25)
         out = raw.parent / "shards"
-        run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
-                           "--seed", str(BROKEN_SEED), "--samples-per-shard", "16", "--num-cpus", "2")
+        run_preprocess_cli(
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(raw),
+            "--output",
+            str(out),
+            "--seed",
+            str(BROKEN_SEED),
+            "--samples-per-shard",
+            "16",
+            "--num-cpus",
+            "2",
+        )
         _built[key] = (out, recs)
     return _built[key]

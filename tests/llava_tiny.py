@@ -16,22 +16,47 @@ IMAGE_TOKEN, VIDEO_TOKEN = 998, 999
 
 
 def text_config(**kw) -> dict:
-    d = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096,
-             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    d = dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
     d.update(kw)
     return d
 
 
 def vision_config(**kw) -> dict:
-    d = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False)
+    d = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        vision_use_head=False,
+    )
     d.update(kw)
     return d
 
 
-def hf_llava(seed: int = 0, tie: bool = True, vocab_size: int = 1000, image_token: int = IMAGE_TOKEN,
-             video_token: int = VIDEO_TOKEN, text: dict | None = None, vision: dict | None = None):
+def hf_llava(
+    seed: int = 0,
+    tie: bool = True,
+    vocab_size: int = 1000,
+    image_token: int = IMAGE_TOKEN,
+    video_token: int = VIDEO_TOKEN,
+    text: dict | None = None,
+    vision: dict | None = None,
+):
     """`text` / `vision`: overrides of `text_config()` / `vision_config()` (e.g. heads for TP=4)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 
@@ -39,8 +64,10 @@ def hf_llava(seed: int = 0, tie: bool = True, vocab_size: int = 1000, image_toke
     cfg = LlavaOnevisionConfig(
         text_config=text_config(tie_word_embeddings=tie, vocab_size=vocab_size, **(text or {})),
         vision_config=vision_config(**(vision or {})),
-        image_token_index=image_token, video_token_index=video_token,
-        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(IMAGE_SIZE, 6)], tie_word_embeddings=tie,
+        image_token_index=image_token,
+        video_token_index=video_token,
+        image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(IMAGE_SIZE, 6)],
+        tie_word_embeddings=tie,
     )
     model = LlavaOnevisionForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # make every tensor non-trivial (norms and biases default to 1/0)
@@ -93,15 +120,25 @@ def export_processor(d):
 
     class Images(LlavaOnevisionProcessor):
         def check_argument_for_proper_class(self, name, argument):
-            return None if name == "video_processor" and argument is None else \
-                super().check_argument_for_proper_class(name, argument)
+            return (
+                None
+                if name == "video_processor" and argument is None
+                else super().check_argument_for_proper_class(name, argument)
+            )
 
     d = Path(d)
     settings = json.loads((d / "processor_config.json").read_text())
     assert settings.pop("processor_class") == "LlavaOnevisionProcessor"
     settings = {k: v for k, v in settings.items() if not isinstance(v, dict)}
-    return Images(image_processor=AutoImageProcessor.from_pretrained(d), tokenizer=AutoTokenizer.from_pretrained(d),
-                  video_processor=None, chat_template=(d / "chat_template.jinja").read_text(), **settings)
+    return Images(
+        image_processor=AutoImageProcessor.from_pretrained(d),
+        tokenizer=AutoTokenizer.from_pretrained(d),
+        video_processor=None,
+        chat_template=(d / "chat_template.jinja").read_text(),
+        **settings,
+    )
+
+
 class ImagesOnlyProcessor(LlavaOnevisionProcessor):
     """The real HF processor; only its class check for the (absent, torchvision-based) video
     processor is relaxed, since we pass images only."""
@@ -121,8 +158,11 @@ def hf_image_processor(image_size: int = 384, grid_max: int = 6) -> LlavaOnevisi
     )
 
 
-
-
 def hf_llava_processor(tok):
-    return ImagesOnlyProcessor(image_processor=hf_image_processor(IMAGE_SIZE, 6), tokenizer=tok, video_processor=None,
-                      num_image_tokens=(IMAGE_SIZE // PATCH) ** 2, vision_feature_select_strategy="full")
+    return ImagesOnlyProcessor(
+        image_processor=hf_image_processor(IMAGE_SIZE, 6),
+        tokenizer=tok,
+        video_processor=None,
+        num_image_tokens=(IMAGE_SIZE // PATCH) ** 2,
+        vision_feature_select_strategy="full",
+    )

@@ -82,7 +82,7 @@ def test_pool_bounds_queues_moves_lost_work_and_raises_init_errors():
     proc = subprocess.run([sys.executable, "-c", PROBE], check=False, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line[len("REPORT "):])
+    report = json.loads(line[len("REPORT ") :])
     plain = report["plain"]
     assert plain["ok"] and sum(plain["finished"]) == 20 and min(plain["finished"]) >= 1, plain
     assert plain["peak"] == [2, 2, 2]  # every actor had 2 queued at some point, never more

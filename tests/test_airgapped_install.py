@@ -31,7 +31,9 @@ pytestmark = pytest.mark.slow
 
 def sh(*cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> str:
     proc = subprocess.run(list(cmd), capture_output=True, text=True, cwd=cwd, env=env)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     return proc.stdout
 
 
@@ -61,13 +63,19 @@ def test_install_from_the_wheelhouse_collects_the_gpu_tier_and_passes_the_smoke_
 
     t = time.monotonic()
     pins = sh(sys.executable, "scripts/wheelhouse.py", "--list", "--python", PY) + "build deps v2"
-    wheels = cached(CACHE / "wheelhouse", pins, lambda d: sh(sys.executable, "scripts/wheelhouse.py", "--out", str(d),
-                                                                   "--python", PY))
+    wheels = cached(
+        CACHE / "wheelhouse",
+        pins,
+        lambda d: sh(sys.executable, "scripts/wheelhouse.py", "--out", str(d), "--python", PY),
+    )
     phase("wheelhouse (download, cached)", t)
 
     t = time.monotonic()
-    node_wheels = cached(CACHE / f"node-cp{PY.replace('.', '')}", " ".join(NODE),
-                         lambda d: sh(sys.executable, "-m", "pip", "download", "--quiet", "-d", str(d), *NODE))
+    node_wheels = cached(
+        CACHE / f"node-cp{PY.replace('.', '')}",
+        " ".join(NODE),
+        lambda d: sh(sys.executable, "-m", "pip", "download", "--quiet", "-d", str(d), *NODE),
+    )
     phase("node packages (download, cached)", t)
 
     t = time.monotonic()
@@ -75,8 +83,18 @@ def test_install_from_the_wheelhouse_collects_the_gpu_tier_and_passes_the_smoke_
 
     def node_image(folder: Path) -> None:
         sh(python, "-m", "venv", "--clear", str(folder))
-        sh(str(folder / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index", "--find-links",
-           str(node_wheels), *NODE, env=node_env(folder))
+        sh(
+            str(folder / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--find-links",
+            str(node_wheels),
+            *NODE,
+            env=node_env(folder),
+        )
 
     image = cached(CACHE / f"node-image-cp{PY.replace('.', '')}", " ".join(NODE), node_image)
     phase("node image: torch, transformers, pytest installed offline (cached)", t)
@@ -108,8 +126,13 @@ def test_install_from_the_wheelhouse_collects_the_gpu_tier_and_passes_the_smoke_
 
     t = time.monotonic()
     work = tmp_path / "smoke"
-    proc = subprocess.run([py, "benchmarks/gpu_smoke.py", "--allow-cpu", "--quick", "--only", "env,build,trainer",
-                           "--report", str(work)], capture_output=True, text=True, cwd=REPO, env=env)
+    proc = subprocess.run(
+        [py, "benchmarks/gpu_smoke.py", "--allow-cpu", "--quick", "--only", "env,build,trainer", "--report", str(work)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     phase("gpu_smoke.py --allow-cpu env,build,trainer", t)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((work / "report.json").read_text())

@@ -24,8 +24,30 @@ from tests.llava_tiny import ImagesOnlyProcessor, hf_image_processor
 torch.set_num_threads(1)
 
 # (height, width): tiny, square, extreme aspect ratios, odd sizes, > 2304 px
-FAST_SIZES = [(1, 1), (20, 20), (32, 2000), (2000, 32), (384, 384), (385, 383), (480, 640), (700, 100), (1080, 1920), (2600, 2400)]
-SLOW_SIZES = FAST_SIZES + [(10, 3000), (3000, 10), (383, 385), (767, 769), (1152, 1153), (2304, 2304), (4000, 300), (123, 4567), (999, 1001), (2305, 1)]
+FAST_SIZES = [
+    (1, 1),
+    (20, 20),
+    (32, 2000),
+    (2000, 32),
+    (384, 384),
+    (385, 383),
+    (480, 640),
+    (700, 100),
+    (1080, 1920),
+    (2600, 2400),
+]
+SLOW_SIZES = FAST_SIZES + [
+    (10, 3000),
+    (3000, 10),
+    (383, 385),
+    (767, 769),
+    (1152, 1153),
+    (2304, 2304),
+    (4000, 300),
+    (123, 4567),
+    (999, 1001),
+    (2305, 1),
+]
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +184,9 @@ def test_tiny_vision_configs_match_hf(image_size, patch_size, tiny_tokenizer_dir
         ref = proc.image_processor(image, return_tensors="pt")["pixel_values"][0]
         assert (ours.pixel_values - ref).abs().max().item() <= 1e-5
         assert ours.num_tokens == _count_expanded(proc, [image], "<image> hi")
-    assert anyres.num_video_tokens(2, image_size, patch_size) == (
-        proc._get_num_multimodal_tokens(video_sizes=[(2, 10, 10)])["num_video_tokens"][0]
+    assert (
+        anyres.num_video_tokens(2, image_size, patch_size)
+        == (proc._get_num_multimodal_tokens(video_sizes=[(2, 10, 10)])["num_video_tokens"][0])
     )
 
 
@@ -178,7 +201,9 @@ def test_feature_shape_matches_hf_model_unpad(size):
     ch, cw = unpadded.shape[1:]
     ratio = math.sqrt(ch * cw / (9 * 27**2))
     if ratio > 1.1:
-        unpadded = torch.nn.functional.interpolate(unpadded[None], [int(ch // ratio), int(cw // ratio)], mode="bilinear")[0]
+        unpadded = torch.nn.functional.interpolate(
+            unpadded[None], [int(ch // ratio), int(cw // ratio)], mode="bilinear"
+        )[0]
     assert anyres.unpadded_feature_shape(h, w, rows, cols, 27, 9) == tuple(unpadded.shape[1:])
 
 
@@ -197,7 +222,10 @@ def test_grid_shape_matches_hf_best_resolution_on_every_side_class():
         sizes += [tuple(int(x) for x in rng.integers(1, (grid_max + 1) * image_size, 2)) for _ in range(300)]
         for h, w in sizes:
             best_h, best_w = hf_best((h, w), pinpoints)
-            assert anyres.anyres_grid_shape(h, w, image_size, grid_max) == (best_h // image_size, best_w // image_size), (h, w)
+            assert anyres.anyres_grid_shape(h, w, image_size, grid_max) == (
+                best_h // image_size,
+                best_w // image_size,
+            ), (h, w)
 
 
 @pytest.mark.unit

@@ -56,7 +56,12 @@ class Simulated:
         self.ran.append(run_dir.name)
         if mbs >= self.oom_mbs and p.recompute == "none":
             return TrialResult("oom", "CUDA out of memory. Tried to allocate 2.00 GiB", peak_mem_gib=[70.0, 71.0])
-        step = 1.0 / mbs ** 0.5 + 0.1 * (p.tp - 1) + 0.2 * (p.pp - 1) + {"none": 0, "selective": 0.05, "full": 0.3}[p.recompute]
+        step = (
+            1.0 / mbs**0.5
+            + 0.1 * (p.tp - 1)
+            + 0.2 * (p.pp - 1)
+            + {"none": 0, "selective": 0.05, "full": 0.3}[p.recompute]
+        )
         return TrialResult("ran", "", 1000.0 / step, step, [10.0 * mbs, 10.0 * mbs + 1], 1.0)
 
 
@@ -86,11 +91,18 @@ def test_space_holds_only_layouts_megatron_accepts(tmp_path):
 
 @pytest.mark.unit
 def test_user_lists_restrict_the_space(tmp_path):
-    r = _recipe(tmp_path, "auto_tune.tp=[2]", "auto_tune.pp=[1, 3]", "auto_tune.micro_batch_size=[1, 2]",
-                "auto_tune.recompute=[full]", "auto_tune.sequence_parallel=[true]")
+    r = _recipe(
+        tmp_path,
+        "auto_tune.tp=[2]",
+        "auto_tune.pp=[1, 3]",
+        "auto_tune.micro_batch_size=[1, 2]",
+        "auto_tune.recompute=[full]",
+        "auto_tune.sequence_parallel=[true]",
+    )
     layouts = candidate_layouts(SpaceContext(r, LLAVA_OV.model_shapes(r.model), on_cuda=False))
     assert {(L.tp, L.pp, L.dp * L.cp, L.micro_batch_size, L.recompute, L.sequence_parallel) for L in layouts} == {
-        (2, 1, 4, m, "full", True) for m in (1, 2)}  # pp 3 divides neither 28 layers nor 8 ranks
+        (2, 1, 4, m, "full", True) for m in (1, 2)
+    }  # pp 3 divides neither 28 layers nor 8 ranks
     assert [d.name for d in DIMENSIONS][:2] == ["tp", "pp"]
     # the tuned keys, nested ones too (parallel.vision.tp), are not part of what makes trials comparable
     assert at.fingerprint(apply_layout(r, layouts[0].with_(vision_tp=1, micro_batch_size=2))) == at.fingerprint(r)
@@ -119,13 +131,24 @@ def test_virtual_stages_join_the_search_space(tmp_path):
     from mmtrain.config import load_recipe_dict
     from mmtrain.config.load import recipe_to_dict
 
-    fixed = ["auto_tune.tp=[1]", "auto_tune.cp=[1]", "auto_tune.micro_batch_size=[2]", "auto_tune.recompute=[full]",
-             "auto_tune.recompute_num_layers=[0]", "auto_tune.distributed_optimizer=[true]"]
+    fixed = [
+        "auto_tune.tp=[1]",
+        "auto_tune.cp=[1]",
+        "auto_tune.micro_batch_size=[2]",
+        "auto_tune.recompute=[full]",
+        "auto_tune.recompute_num_layers=[0]",
+        "auto_tune.distributed_optimizer=[true]",
+    ]
     r = _recipe(tmp_path, *fixed, "parallel.cp=1", "parallel.pp=2", "parallel.pp_layers=[12,16]")
     shapes = LLAVA_OV.model_shapes(r.model)
     layouts = candidate_layouts(SpaceContext(r, shapes, on_cuda=True))
     assert {(L.pp, L.vpp, L.pp_layers) for L in layouts} == {
-        (1, 1, ()), (2, 1, (12, 16)), (2, 2, (12, 16)), (2, 4, (12, 16)), (4, 1, ())}  # 28 layers: no 4*2 chunks
+        (1, 1, ()),
+        (2, 1, (12, 16)),
+        (2, 2, (12, 16)),
+        (2, 4, (12, 16)),
+        (4, 1, ()),
+    }  # 28 layers: no 4*2 chunks
     few = _recipe(tmp_path, *fixed, "train.global_batch_size=8")  # 1 micro-batch per DP rank at pp 2
     assert {L.vpp for L in candidate_layouts(SpaceContext(few, shapes, on_cuda=True))} == {1}
     by_vpp = {c.layout.vpp: c for c in at.evaluate(r, LLAVA_OV, on_cuda=True) if c.layout.pp == 2}
@@ -145,8 +168,10 @@ def test_recomputing_some_layers_sits_between_none_and_full(tmp_path):
     shapes, hw = LLAVA_OV.model_shapes(r.model), Hardware.from_auto_tune(r.auto_tune)
     L = Layout.from_recipe(r).with_(pp=1, dp=8)
     mem = {n: estimate_memory(shapes, [], L.with_(recompute="full", recompute_num_layers=n)).total for n in (0, 7, 14)}
-    step = {n: estimate_step_time(shapes, [], L.with_(recompute="full", recompute_num_layers=n), hw).total_s
-            for n in (0, 7, 14)}
+    step = {
+        n: estimate_step_time(shapes, [], L.with_(recompute="full", recompute_num_layers=n), hw).total_s
+        for n in (0, 7, 14)
+    }
     none = L.with_(recompute="none")
     assert mem[0] < mem[14] < mem[7] < estimate_memory(shapes, [], none).total
     assert step[0] > step[14] > step[7] > estimate_step_time(shapes, [], none, hw).total_s
@@ -187,9 +212,12 @@ def test_memory_model_prunes_and_orders(tmp_path):
 @pytest.mark.unit
 def test_context_parallelism_divides_the_activations(tmp_path):
     r = _recipe(tmp_path)
-    by_cp = {c.layout.cp: c for c in at.evaluate(r, LLAVA_OV, on_cuda=True)
-             if (c.layout.tp, c.layout.pp, c.layout.micro_batch_size, c.layout.recompute,
-                 c.layout.distributed_optimizer) == (1, 1, 1, "none", False)}
+    by_cp = {
+        c.layout.cp: c
+        for c in at.evaluate(r, LLAVA_OV, on_cuda=True)
+        if (c.layout.tp, c.layout.pp, c.layout.micro_batch_size, c.layout.recompute, c.layout.distributed_optimizer)
+        == (1, 1, 1, "none", False)
+    }
     assert {1, 2, 4} <= set(by_cp)  # (cp 8 leaves dp 1: the recipe's optimizer setting only)
     assert by_cp[2].memory.activations == pytest.approx(by_cp[1].memory.activations / 2)
     assert by_cp[2].layout.dp == by_cp[1].layout.dp // 2
@@ -207,8 +235,10 @@ def test_calibration_file_moves_the_estimates(tmp_path):
         assert c.est_step_s == pytest.approx(3.0 * raw[c.key].est_step_s)
     from mmtrain.planning.dry_run import build_report
 
-    assert "calibrated for" in build_report(load_recipe(AQUILA, ["stage=2a", f"auto_tune.calibration={path}"]),
-                                            LLAVA_OV).text
+    assert (
+        "calibrated for"
+        in build_report(load_recipe(AQUILA, ["stage=2a", f"auto_tune.calibration={path}"]), LLAVA_OV).text
+    )
 
 
 @pytest.mark.unit
@@ -267,8 +297,13 @@ def test_budget_stops_the_search_and_best_yaml_is_the_best_measured(tmp_path):
     best = load_recipe(res.recipe_path, family="llava-ov")
     assert best.action == "run" and best == res.best_recipe
     L = res.best.layout
-    assert (best.parallel.tp, best.parallel.pp, best.parallel.cp, best.train.micro_batch_size,
-            best.parallel.recompute) == (L.tp, L.pp, L.cp, L.micro_batch_size, L.recompute)
+    assert (
+        best.parallel.tp,
+        best.parallel.pp,
+        best.parallel.cp,
+        best.train.micro_batch_size,
+        best.parallel.recompute,
+    ) == (L.tp, L.pp, L.cp, L.micro_batch_size, L.recompute)
     text = buf.getvalue()
     assert "speedup over the recipe's own layout" in text and "pruned without running" in text
     rows = list(csv.DictReader(res.csv_path.open()))
@@ -285,8 +320,13 @@ def test_minutes_budget_stops_the_search(tmp_path, monkeypatch):
     clock = iter(range(0, 10**6, 240))
     monkeypatch.setattr(at, "_now", lambda: float(next(clock)))
     sim = Simulated()
-    res = at.run_auto_tune(_tiny(tmp_path, "auto_tune.max_minutes=10", "auto_tune.slow_margin=100"), LLAVA_OV,
-                           out=io.StringIO(), trial_fn=sim, on_cuda=False)
+    res = at.run_auto_tune(
+        _tiny(tmp_path, "auto_tune.max_minutes=10", "auto_tune.slow_margin=100"),
+        LLAVA_OV,
+        out=io.StringIO(),
+        trial_fn=sim,
+        on_cuda=False,
+    )
     assert len(sim.ran) == 2
     assert all("max_minutes=10 spent" in c.reason for c in res.candidates if c.status == at.NOT_RUN)
 
@@ -303,8 +343,13 @@ def test_rerun_reuses_finished_trials(tmp_path):
     assert sorted(c.key for c in reused) == sorted(first.ran)
     # another recipe (here: a longer sequence) does not reuse them
     other = Simulated()
-    at.run_auto_tune(_tiny(tmp_path, "auto_tune.max_trials=3", "train.seq_length=1024"), LLAVA_OV,
-                     out=io.StringIO(), trial_fn=other, on_cuda=False)
+    at.run_auto_tune(
+        _tiny(tmp_path, "auto_tune.max_trials=3", "train.seq_length=1024"),
+        LLAVA_OV,
+        out=io.StringIO(),
+        trial_fn=other,
+        on_cuda=False,
+    )
     assert other.ran[:1] == first.ran[:1]
 
 
@@ -322,27 +367,42 @@ def test_failures_are_classified_from_the_trial_log(tmp_path):
     import json
 
     steps = [(1, 9.0), (2, 9.0), (3, 1.0), (4, 30.0), (5, 1.2), (6, 0.8)]  # r.auto_tune.warmup_steps == 2
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens": 4096, "step_time_s": t}) + "\n"
-                                                    for s, t in steps[: r.auto_tune.trial_steps]))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "tokens": 4096, "step_time_s": t}) + "\n"
+            for s, t in steps[: r.auto_tune.trial_steps]
+        )
+    )
     (tmp_path / "memory").mkdir()
     for rank, grown in ((0, 0.25), (1, 0.5)):
         (tmp_path / "memory" / f"rank{rank:05d}.json").write_text(json.dumps({"grown_gib": grown}))
     ok = measure(tmp_path, r, 0, False, 20.0, 60)
-    assert ok.status == "ran" and ok.step_time_s == pytest.approx(1.1) and ok.tokens_per_s == pytest.approx((4096 / 1.2 + 4096 / 1.0) / 2)
+    assert (
+        ok.status == "ran"
+        and ok.step_time_s == pytest.approx(1.1)
+        and ok.tokens_per_s == pytest.approx((4096 / 1.2 + 4096 / 1.0) / 2)
+    )
     assert ok.peak_mem_gib == [0.25, 0.5] and ok.max_peak_gib == 0.5
 
 
 @pytest.mark.unit
 def test_nothing_fits_exits_non_zero(tmp_path, capsys):
-    res = at.run_auto_tune(_recipe(tmp_path, "auto_tune.device_memory_gb=1"), LLAVA_OV, out=io.StringIO(),
-                           trial_fn=Simulated())
+    res = at.run_auto_tune(
+        _recipe(tmp_path, "auto_tune.device_memory_gb=1"), LLAVA_OV, out=io.StringIO(), trial_fn=Simulated()
+    )
     assert res.best is None and res.recipe_path is None and "no layout fits" in res.text
     assert not (tmp_path / "run" / "auto_tune" / "best.yaml").exists()
     assert all(c.status == at.PRUNED_MEMORY for c in res.candidates)
     from mmtrain.cli import main
 
-    args = ["llava-ov", str(AQUILA), "stage=2a", "action=auto_tune", f"run_dir={tmp_path / 'cli'}",
-            "auto_tune.max_trials=0"]
+    args = [
+        "llava-ov",
+        str(AQUILA),
+        "stage=2a",
+        "action=auto_tune",
+        f"run_dir={tmp_path / 'cli'}",
+        "auto_tune.max_trials=0",
+    ]
     assert main([*args, "auto_tune.device_memory_gb=1"]) == 1
     assert main(args) == 0  # model-only: the model's pick, nothing launched
     out = capsys.readouterr().out
@@ -362,9 +422,18 @@ def test_trials_refuse_what_cannot_start(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("bad", ["auto_tune.memory_fraction=1.5", "auto_tune.tp=[0]", "auto_tune.device_tflops=0",
-                                 "auto_tune.min_memory_fraction=0.95", "auto_tune.trial_steps=2",
-                                 "auto_tune.max_minutes=0", "parallel.recompute_num_layers=-1"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "auto_tune.memory_fraction=1.5",
+        "auto_tune.tp=[0]",
+        "auto_tune.device_tflops=0",
+        "auto_tune.min_memory_fraction=0.95",
+        "auto_tune.trial_steps=2",
+        "auto_tune.max_minutes=0",
+        "parallel.recompute_num_layers=-1",
+    ],
+)
 def test_auto_tune_keys_validated(tmp_path, bad):
     from mmtrain.config import RecipeError
 
@@ -390,13 +459,31 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
 
     tok = build_tiny_qwen2_tokenizer(tmp_path / "tokenizer")
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY), "action=auto_tune", f"run_dir={run}",
-            f"data.paths=[{shards_dir}]", f"tokenizer.path={tok}", "data.num_workers=1", "train.seq_length=512",
-            "train.iters=2", "parallel.nproc_per_node=2", "train.global_batch_size=8",
-            # a band around the recipe's own layout: the memory model keeps 15 of the 120
-            "auto_tune.device_memory_gb=0.02", "auto_tune.min_memory_fraction=0.6", "auto_tune.memory_fraction=0.7",
-            "auto_tune.max_trials=2", "auto_tune.trial_steps=3", "auto_tune.warmup_steps=1",
-            "auto_tune.trial_timeout_s=300", "--launch"]
+    args = [
+        sys.executable,
+        "-m",
+        "mmtrain.cli",
+        "llava-ov",
+        str(TINY),
+        "action=auto_tune",
+        f"run_dir={run}",
+        f"data.paths=[{shards_dir}]",
+        f"tokenizer.path={tok}",
+        "data.num_workers=1",
+        "train.seq_length=512",
+        "train.iters=2",
+        "parallel.nproc_per_node=2",
+        "train.global_batch_size=8",
+        # a band around the recipe's own layout: the memory model keeps 15 of the 120
+        "auto_tune.device_memory_gb=0.02",
+        "auto_tune.min_memory_fraction=0.6",
+        "auto_tune.memory_fraction=0.7",
+        "auto_tune.max_trials=2",
+        "auto_tune.trial_steps=3",
+        "auto_tune.warmup_steps=1",
+        "auto_tune.trial_timeout_s=300",
+        "--launch",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]

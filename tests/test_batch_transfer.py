@@ -21,11 +21,18 @@ def _llava_batch(pixels: torch.Tensor | None = None):
 
     ids = torch.arange(12)[None]
     return LlavaOVBatch(
-        input_ids=ids, labels=ids.clone(), position_ids=ids.clone(),
-        cu_seqlens=torch.tensor([0, 7, 12], dtype=torch.int32), max_seqlen=7, sample_ids=[["a", "b"]],
+        input_ids=ids,
+        labels=ids.clone(),
+        position_ids=ids.clone(),
+        cu_seqlens=torch.tensor([0, 7, 12], dtype=torch.int32),
+        max_seqlen=7,
+        sample_ids=[["a", "b"]],
         pixel_values=torch.zeros(2, 3, 4, 4, dtype=torch.uint8) if pixels is None else pixels,
-        tiles_per_media=torch.tensor([2]), media_kind=torch.tensor([MEDIA_ANYRES]),
-        image_sizes=torch.tensor([[4, 8]]), grid_shapes=torch.tensor([[1, 1]]), num_media_tokens=torch.tensor([3]),
+        tiles_per_media=torch.tensor([2]),
+        media_kind=torch.tensor([MEDIA_ANYRES]),
+        image_sizes=torch.tensor([[4, 8]]),
+        grid_shapes=torch.tensor([[1, 1]]),
+        num_media_tokens=torch.tensor([3]),
     )
 
 
@@ -33,8 +40,14 @@ def _emu3_batch():
     from mmdata.energon_loaders.emu3.batch import Emu3Batch
 
     ids = torch.arange(6)[None]
-    return Emu3Batch(input_ids=ids, labels=ids.clone(), position_ids=ids.clone(),
-                     cu_seqlens=torch.tensor([0, 6], dtype=torch.int32), max_seqlen=6, tasks=[["generation"]])
+    return Emu3Batch(
+        input_ids=ids,
+        labels=ids.clone(),
+        position_ids=ids.clone(),
+        cu_seqlens=torch.tensor([0, 6], dtype=torch.int32),
+        max_seqlen=6,
+        tasks=[["generation"]],
+    )
 
 
 @pytest.mark.parametrize("make", [_llava_batch, _emu3_batch])
@@ -128,14 +141,18 @@ def _tiny_llava_inputs():
         lens.append(len(rows[-1]))
     ids = torch.cat(rows)[None]
     return LlavaOVBatch(
-        input_ids=ids, labels=torch.where(ids == IMAGE_TOKEN, IGNORE_INDEX, ids),
+        input_ids=ids,
+        labels=torch.where(ids == IMAGE_TOKEN, IGNORE_INDEX, ids),
         position_ids=torch.cat([torch.arange(n) for n in lens])[None],
-        cu_seqlens=torch.tensor([0] + lens).cumsum(0).to(torch.int32), max_seqlen=max(lens),
+        cu_seqlens=torch.tensor([0] + lens).cumsum(0).to(torch.int32),
+        max_seqlen=max(lens),
         pixel_values=anyres.tiles_to_uint8(preps, IMAGE_SIZE),
-        tiles_per_media=torch.tensor([p.num_tiles for p in preps]), media_kind=torch.tensor([MEDIA_ANYRES] * 2),
+        tiles_per_media=torch.tensor([p.num_tiles for p in preps]),
+        media_kind=torch.tensor([MEDIA_ANYRES] * 2),
         image_sizes=torch.tensor([list(p.image_size) for p in preps]),
         grid_shapes=torch.tensor([list(p.grid_shape) for p in preps]),
-        num_media_tokens=torch.tensor([p.num_tokens for p in preps]), sample_ids=[["a", "b"]],
+        num_media_tokens=torch.tensor([p.num_tokens for p in preps]),
+        sample_ids=[["a", "b"]],
     )
 
 
@@ -178,7 +195,8 @@ def _old_fp32_pixels(media, image_size, mean, std) -> torch.Tensor:
             size = c.pixels.shape[0] // c.rows
             n = c.rows * c.cols
             out[i : i + n].view(c.rows, c.cols, 3, size, size).copy_(
-                c.pixels.view(c.rows, size, c.cols, size, 3).permute(0, 2, 4, 1, 3))
+                c.pixels.view(c.rows, size, c.cols, size, 3).permute(0, 2, 4, 1, 3)
+            )
             i += n
     if len(set(mean)) == 1 and len(set(std)) == 1:
         return out.mul_(1.0 / (255.0 * std[0])).add_(-mean[0] / std[0])
@@ -198,9 +216,12 @@ def test_uint8_tiles_normalised_bit_equal_to_the_old_fp32_path(mean, std):
     rng = np.random.default_rng(3)
     ims = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(47, 95), (120, 61), (64, 64)]]
     geo = dict(image_size=28, patch_size=14)
-    media = [anyres.prepare_image(ims[0], 9, **geo), anyres.prepare_base_only(ims[1], mean=mean, **geo),
-             anyres.prepare_image(ims[2], 4, **geo),
-             anyres.prepare_frames(rng.integers(0, 256, (3, 20, 33, 3), dtype=np.uint8), **geo)]
+    media = [
+        anyres.prepare_image(ims[0], 9, **geo),
+        anyres.prepare_base_only(ims[1], mean=mean, **geo),
+        anyres.prepare_image(ims[2], 4, **geo),
+        anyres.prepare_frames(rng.integers(0, 256, (3, 20, 33, 3), dtype=np.uint8), **geo),
+    ]
     shape = (sum(m.num_tiles for m in media), 3, 28, 28)
     assert _batch_tensor(shape).dtype == torch.uint8 and LlavaOVEncoderConfig is not None
     shipped = anyres.tiles_to_uint8(media, 28)
@@ -210,4 +231,6 @@ def test_uint8_tiles_normalised_bit_equal_to_the_old_fp32_path(mean, std):
     new = anyres.normalise_pixels(shipped, mean, std)
     assert torch.equal(new, _old_fp32_pixels(media, 28, mean, std))
     # and the single-image API (compared with HF's image processor in test_anyres) is this same path
-    assert torch.equal(anyres.process_image(ims[0], 9, mean=mean, std=std, **geo).pixel_values, new[: media[0].num_tiles])
+    assert torch.equal(
+        anyres.process_image(ims[0], 9, mean=mean, std=std, **geo).pixel_values, new[: media[0].num_tiles]
+    )

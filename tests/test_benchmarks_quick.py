@@ -38,15 +38,19 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
 
 
 def _params() -> list:
-    return [pytest.param(script, name, id=script.removesuffix(".py"),
-                         marks=[pytest.mark.slow] if why else [])
-            for script, (name, why) in QUICK_RUNS.items()]
+    return [
+        pytest.param(script, name, id=script.removesuffix(".py"), marks=[pytest.mark.slow] if why else [])
+        for script, (name, why) in QUICK_RUNS.items()
+    ]
 
 
 def _env() -> dict[str, str]:
     """A user's shell: the repo importable, Ray jobs starting their own private instance."""
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -61,8 +65,9 @@ def bench_line(stdout: str, name: str) -> str | None:
 def test_every_benchmark_has_a_quick_run() -> None:
     """A new bench_*.py must get a --quick mode and a row here; GPU checks (gpu_*.py) are not benchmarks."""
     scripts = {p.name for p in BENCHMARKS.glob("bench_*.py")}
-    assert scripts == set(QUICK_RUNS), f"not covered: {sorted(scripts - set(QUICK_RUNS))}, " \
-                                       f"gone: {sorted(set(QUICK_RUNS) - scripts)}"
+    assert scripts == set(QUICK_RUNS), (
+        f"not covered: {sorted(scripts - set(QUICK_RUNS))}, gone: {sorted(set(QUICK_RUNS) - scripts)}"
+    )
     for script in scripts:
         assert '"--quick"' in (BENCHMARKS / script).read_text(), f"{script} has no --quick option"
 
@@ -76,8 +81,13 @@ def test_bench_line_pattern() -> None:
 
 @pytest.mark.parametrize("script,name", _params())
 def test_quick_run_ends_with_its_bench_line(script: str, name: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", "--quick"], cwd=REPO, env=_env(),
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", "--quick"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}\n{tail}"
     assert bench_line(proc.stdout, name), f"{script} --quick printed no 'BENCH {name} ... ratio=' line\n{tail}"

@@ -24,9 +24,21 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behavi
 def _ctx(precision: str, distributed_optimizer: bool):
     from mmtrain.runtime.distributed import ParallelContext
 
-    return ParallelContext(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                           backend="gloo", device=torch.device("cpu"), precision=precision,
-                           distributed_optimizer=distributed_optimizer)
+    return ParallelContext(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        tp=1,
+        pp=1,
+        dp=1,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        backend="gloo",
+        device=torch.device("cpu"),
+        precision=precision,
+        distributed_optimizer=distributed_optimizer,
+    )
 
 
 def _build(ctx):
@@ -42,9 +54,16 @@ def _build(ctx):
 
     class Tiny(MegatronModule):
         def __init__(self) -> None:
-            super().__init__(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                               use_cpu_initialization=True, bf16=ctx.precision == "bf16",
-                                               params_dtype=ctx.params_dtype))
+            super().__init__(
+                TransformerConfig(
+                    num_layers=1,
+                    hidden_size=8,
+                    num_attention_heads=1,
+                    use_cpu_initialization=True,
+                    bf16=ctx.precision == "bf16",
+                    params_dtype=ctx.params_dtype,
+                )
+            )
             self.body = torch.nn.Linear(8, 8)
             self.head = torch.nn.Linear(8, 1)
 
@@ -112,8 +131,11 @@ def _step(ddp, optimizer, seed: int, distributed: bool) -> float:
 
 
 @cpu_only
-@pytest.mark.parametrize(("precision", "distributed"), [("bf16", False), ("bf16", True), ("fp32", True)],
-                         ids=["float16-optimizer", "distributed-optimizer", "fp32-distributed-optimizer"])
+@pytest.mark.parametrize(
+    ("precision", "distributed"),
+    [("bf16", False), ("bf16", True), ("fp32", True)],
+    ids=["float16-optimizer", "distributed-optimizer", "fp32-distributed-optimizer"],
+)
 def test_a_fresh_optimizer_loads_its_checkpoint(tmp_path, precision, distributed):
     """A resume builds a fresh optimizer and loads the saved state into it. For the
     DistributedOptimizer around torch's Adam (no TE or apex: the CPU, or a GPU node without them)
@@ -210,8 +232,16 @@ def killed_and_resumed(tmp_path_factory, shards_dir, tokenizer_dir):
     assert rc != 0 and "Signal 9 (SIGKILL)" in err, f"not killed ({rc})\n{err[-3000:]}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     killed = metrics(run)
-    dp1 = train(run, shards_dir, tokenizer_dir, *COMMON, *BF16_DISTOPT, "checkpoint.interval=2",
-                "train.exit_interval=3", nproc=1)
+    dp1 = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        *COMMON,
+        *BF16_DISTOPT,
+        "checkpoint.interval=2",
+        "train.exit_interval=3",
+        nproc=1,
+    )
     assert "resumed from" in dp1.stderr and "iter_0000002" in dp1.stderr
     assert "same layout: False, loader restored: True" in dp1.stderr
     at_dp1 = metrics(run)
@@ -257,8 +287,16 @@ def test_bf16_losses_stay_within_tolerance_of_fp32(killed_and_resumed, tmp_path,
     bf16 loss within BF16_REL of the fp32 one."""
     _, killed, _, _ = killed_and_resumed
     fp32 = tmp_path / "fp32"
-    train(fp32, shards_dir, tokenizer_dir, *COMMON, "parallel.precision=fp32", "parallel.distributed_optimizer=true",
-          "checkpoint.save=false", nproc=2)
+    train(
+        fp32,
+        shards_dir,
+        tokenizer_dir,
+        *COMMON,
+        "parallel.precision=fp32",
+        "parallel.distributed_optimizer=true",
+        "checkpoint.save=false",
+        nproc=2,
+    )
     ref = metrics(fp32)
     assert sorted(ref) == [1, 2, 3, 4]
     for step in ref:
@@ -276,12 +314,23 @@ def test_an_lr0_step_keeps_the_loaded_bf16_weights(killed_and_resumed, tmp_path,
     run, _, _, _ = killed_and_resumed
     src = run / "checkpoints" / "iter_0000004"
     lr0 = tmp_path / "lr0"
-    train(lr0, shards_dir, tokenizer_dir, *COMMON, *BF16_DISTOPT, "train.iters=1", "checkpoint.interval=1",
-          f"checkpoint.load={src}", "checkpoint.weights_only=true", "optimizer.lr=0", "optimizer.min_lr=0", nproc=2)
+    train(
+        lr0,
+        shards_dir,
+        tokenizer_dir,
+        *COMMON,
+        *BF16_DISTOPT,
+        "train.iters=1",
+        "checkpoint.interval=1",
+        f"checkpoint.load={src}",
+        "checkpoint.weights_only=true",
+        "optimizer.lr=0",
+        "optimizer.min_lr=0",
+        nproc=2,
+    )
     assert sorted(metrics(lr0)) == [1]
     loaded = read_dist_ckpt(src / "model")
     after = read_dist_ckpt(lr0 / "checkpoints" / "iter_0000001" / "model")
     assert loaded.keys() == after.keys() and len(after) > 20
     for key, value in after.items():
         assert value.equal(loaded[key]), f"{key} changed in an lr=0 step from loaded weights"
-

@@ -103,8 +103,9 @@ def test_help_of_every_command_renders_and_describes_every_option(which, capsys)
         rc, out, _ = cli(main, capsys, *path, "--help")
         assert rc == 0 and out.startswith("usage:") and out == parser.format_help(), path
         assert parser.description, f"{which} {' '.join(path)} has no description"
-        undescribed = [a.dest for a in parser._actions if a.help in (None, "") and not isinstance(
-            a, argparse._SubParsersAction)]
+        undescribed = [
+            a.dest for a in parser._actions if a.help in (None, "") and not isinstance(a, argparse._SubParsersAction)
+        ]
         assert not undescribed, f"{which} {' '.join(path)}: options without help: {undescribed}"
         if path:  # the command's own text, laid out as written (not a module docstring squashed)
             assert parser.formatter_class is argparse.RawDescriptionHelpFormatter, path
@@ -119,8 +120,9 @@ def test_help_of_every_command_renders_and_describes_every_option(which, capsys)
     named = dict(line.strip().split(": ", 1) for line in rest)
     for lib in ("torch", "megatron-core", "megatron-energon", "ray", "transformers"):
         assert re.match(r"\d+\.\d+", named[lib]), (lib, named)
-    head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                          text=True)
+    head = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True
+    )
     if head.returncode == 0:  # a git checkout (CI's clone): its revision
         assert re.fullmatch(rf"{head.stdout.strip()}(, modified)?", named["git revision"]), named
     else:
@@ -136,8 +138,11 @@ def test_mmtrain_lists_only_families_that_work(tmp_path, capsys):
     families = [name for name in listed if name not in ("train", "convert", "generate", "worst-samples", "pack-plan")]
     assert families == registry.family_names()
     for name in families:
-        recipes = [p for p in sorted((REPO / "recipes").glob("*.yaml"))
-                   if (yaml.safe_load(p.read_text()) or {}).get("family") == name]
+        recipes = [
+            p
+            for p in sorted((REPO / "recipes").glob("*.yaml"))
+            if (yaml.safe_load(p.read_text()) or {}).get("family") == name
+        ]
         assert recipes, f"family {name} has no recipe in recipes/"
         recipe = min(recipes, key=lambda p: ("tiny" not in p.name, p.name))
         rc, out, err = cli(mmtrain_main, capsys, name, recipe, f"run_dir={tmp_path / name}", "--print-config")
@@ -201,19 +206,53 @@ def test_usage_errors_are_one_line_and_write_nothing(tmp_path, capsys, synth_raw
     pre = ["preprocess", "--no-progress", "--dataset", "infinity-mm", "--input", synth_raw_dir]
     before = listing(tmp_path)
     assert_user_error(*cli(mmdata_main, capsys, *pre, "--output", afile)[::2], f"--output {afile} is a file")
-    assert_user_error(*cli(mmdata_main, capsys, *pre, "--output", tmp_path / "o", "--num-cpus", "0")[::2],
-                      "--num-cpus must be a positive number")
-    assert_user_error(*cli(mmdata_main, capsys, *pre, "--output", foreign)[::2], str(foreign), "notes.txt",
-                      "--overwrite")
-    assert_user_error(*cli(mmdata_main, capsys, "synth", "--output", afile, "--num-samples", "4")[::2],
-                      f"--output {afile} is a file")
-    assert_user_error(*cli(mmdata_main, capsys, "synth", "--output", foreign, "--num-samples", "4")[::2],
-                      f"--output {foreign} is not empty", "--overwrite")
+    assert_user_error(
+        *cli(mmdata_main, capsys, *pre, "--output", tmp_path / "o", "--num-cpus", "0")[::2],
+        "--num-cpus must be a positive number",
+    )
+    assert_user_error(
+        *cli(mmdata_main, capsys, *pre, "--output", foreign)[::2], str(foreign), "notes.txt", "--overwrite"
+    )
+    assert_user_error(
+        *cli(mmdata_main, capsys, "synth", "--output", afile, "--num-samples", "4")[::2], f"--output {afile} is a file"
+    )
+    assert_user_error(
+        *cli(mmdata_main, capsys, "synth", "--output", foreign, "--num-samples", "4")[::2],
+        f"--output {foreign} is not empty",
+        "--overwrite",
+    )
     assert_user_error(*cli(mmdata_main, capsys, "inspect", foreign)[::2], f"{foreign} is not a shards directory")
-    assert_user_error(*cli(mmdata_main, capsys, "tokenize-images", tmp_path, "--vision-tokenizer", tmp_path,
-                           "--output", tmp_path / "t", "--num-cpus", "0")[::2], "--num-cpus")
-    assert_user_error(*cli(mmtrain_main, capsys, "convert", "hf-to-mcore", "--model", "llava-ov", "--src",
-                           tmp_path / "missing", "--dst", tmp_path / "ckpt")[::2], "--src", "does not exist")
+    assert_user_error(
+        *cli(
+            mmdata_main,
+            capsys,
+            "tokenize-images",
+            tmp_path,
+            "--vision-tokenizer",
+            tmp_path,
+            "--output",
+            tmp_path / "t",
+            "--num-cpus",
+            "0",
+        )[::2],
+        "--num-cpus",
+    )
+    assert_user_error(
+        *cli(
+            mmtrain_main,
+            capsys,
+            "convert",
+            "hf-to-mcore",
+            "--model",
+            "llava-ov",
+            "--src",
+            tmp_path / "missing",
+            "--dst",
+            tmp_path / "ckpt",
+        )[::2],
+        "--src",
+        "does not exist",
+    )
     assert listing(tmp_path) == before and afile.read_text() == "mine"
     # --overwrite: synth replaces only what it writes
     rc, _, err = cli(mmdata_main, capsys, "synth", "--output", foreign, "--num-samples", "4", "--overwrite")
@@ -228,12 +267,33 @@ def test_a_job_that_would_write_no_sample_stops_and_writes_nothing(tmp_path):
     write_infinity_mm(generate_records(12, seed=3, broken_fraction=0.25, synthetic=True), raw, samples_per_tar=12)
     out = tmp_path / "out"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "mmdata.cli", "preprocess", "--no-progress", "--dataset",
-                           "infinity-mm", "--input", str(raw), "--output", str(out), "--num-cpus", "1",
-                           "--filter", "turns>100", "--max-quarantine-fraction", "1.0"],
-                          capture_output=True, text=True, env=env)
-    line = assert_user_error(proc.returncode, proc.stderr, "no sample to write", "of 12 records read",
-                             "quarantined", "9 filtered")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmdata.cli",
+            "preprocess",
+            "--no-progress",
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(raw),
+            "--output",
+            str(out),
+            "--num-cpus",
+            "1",
+            "--filter",
+            "turns>100",
+            "--max-quarantine-fraction",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    line = assert_user_error(
+        proc.returncode, proc.stderr, "no sample to write", "of 12 records read", "quarantined", "9 filtered"
+    )
     assert "nothing was written" in line and not out.exists()
 
 
@@ -282,15 +342,28 @@ def test_no_hub_access_for_local_looking_paths(no_network, tmp_path, capsys, sha
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    for path, words in (("missing", "does not exist"), (str(tmp_path / "nope"), "does not exist"),
-                        ("./missing", "does not exist"), ("org/name", "does not exist"),
-                        (str(empty), "holds no loadable HF tokenizer")):
+    for path, words in (
+        ("missing", "does not exist"),
+        (str(tmp_path / "nope"), "does not exist"),
+        ("./missing", "does not exist"),
+        ("org/name", "does not exist"),
+        (str(empty), "holds no loadable HF tokenizer"),
+    ):
         with pytest.raises(UserError, match=words):
             load_local_tokenizer(path, "--tokenizer")
-    assert_user_error(*cli(mmdata_main, capsys, "inspect", shards_dir, "--tokenizer", "missing")[::2],
-                      "--tokenizer missing does not exist")
-    rc, _, err = cli(mmtrain_main, capsys, "llava-ov", TINY, f"run_dir={tmp_path / 'run'}",
-                     f"data.paths=[{shards_dir}]", "tokenizer.path=missing")
+    assert_user_error(
+        *cli(mmdata_main, capsys, "inspect", shards_dir, "--tokenizer", "missing")[::2],
+        "--tokenizer missing does not exist",
+    )
+    rc, _, err = cli(
+        mmtrain_main,
+        capsys,
+        "llava-ov",
+        TINY,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.paths=[{shards_dir}]",
+        "tokenizer.path=missing",
+    )
     assert rc == 2 and f"tokenizer.path: {os.path.abspath('missing')} does not exist" in err and "Traceback" not in err
     assert no_network == []
 
@@ -302,8 +375,10 @@ def test_both_task_encoders_load_their_tokenizer_locally_with_one_error(no_netwo
     from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
     from mmdata.errors import UserError
 
-    for encoder, config in ((LlavaOVTaskEncoder, LlavaOVEncoderConfig(seq_length=64)),
-                            (Emu3TaskEncoder, Emu3EncoderConfig(seq_length=64))):
+    for encoder, config in (
+        (LlavaOVTaskEncoder, LlavaOVEncoderConfig(seq_length=64)),
+        (Emu3TaskEncoder, Emu3EncoderConfig(seq_length=64)),
+    ):
         for path in ("org/name", str(tmp_path / "nope")):
             with pytest.raises(UserError, match=f"tokenizer {path} does not exist"):
                 encoder(path, config)
@@ -324,8 +399,9 @@ def _fake_checkpoint(run_dir: Path, model_config) -> None:
     (it / "model_config.yaml").write_text(yaml.safe_dump(to_plain(model_config)))
 
 
-def test_training_checks_what_it_touches_before_anything_is_written(tmp_path, capsys, shards_dir, tokenizer_dir,
-                                                                    monkeypatch):
+def test_training_checks_what_it_touches_before_anything_is_written(
+    tmp_path, capsys, shards_dir, tokenizer_dir, monkeypatch
+):
     from mmtrain.config import load_recipe
 
     run_dir = tmp_path / "run"
@@ -338,16 +414,28 @@ def test_training_checks_what_it_touches_before_anything_is_written(tmp_path, ca
     no_meta.mkdir()
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed
     before = listing(tmp_path)
-    rc, out, err = cli(mmtrain_main, capsys, "llava-ov", TINY, f"run_dir={run_dir}", "logging.tensorboard=true",
-                       f"data.paths=[{shards_dir}, {unfinished}, {no_meta}, {tmp_path / 'missing'}]",
-                       f"tokenizer.path={tokenizer_dir}", "model.llm.hidden_size=128", "model.video_token_id=5")
+    rc, out, err = cli(
+        mmtrain_main,
+        capsys,
+        "llava-ov",
+        TINY,
+        f"run_dir={run_dir}",
+        "logging.tensorboard=true",
+        f"data.paths=[{shards_dir}, {unfinished}, {no_meta}, {tmp_path / 'missing'}]",
+        f"tokenizer.path={tokenizer_dir}",
+        "model.llm.hidden_size=128",
+        "model.video_token_id=5",
+    )
     assert rc == 2 and "Traceback" not in err, err
     problems = [line for line in err.splitlines() if line.startswith("  - ")]
-    expected = [f"data.paths[1]: {unfinished} holds an unfinished `mmdata preprocess` job",
-                f"data.paths[2]: {no_meta} is not an energon dataset",
-                f"data.paths[3]: {tmp_path / 'missing'} does not exist",
-                "model.video_token_id: 5, but the tokenizer",
-                "run_dir: ", "logging.tensorboard: true, but the `tensorboard` package is not installed"]
+    expected = [
+        f"data.paths[1]: {unfinished} holds an unfinished `mmdata preprocess` job",
+        f"data.paths[2]: {no_meta} is not an energon dataset",
+        f"data.paths[3]: {tmp_path / 'missing'} does not exist",
+        "model.video_token_id: 5, but the tokenizer",
+        "run_dir: ",
+        "logging.tensorboard: true, but the `tensorboard` package is not installed",
+    ]
     assert len(problems) == len(expected)
     for want, got in zip(expected, problems):
         assert got.startswith(f"  - {want}"), (want, got)
@@ -360,8 +448,12 @@ def test_shuffle_buffer_larger_than_a_workers_share_warns(shards_dir, tokenizer_
     from mmtrain.config import load_recipe
     from mmtrain.runtime.preflight import preflight
 
-    common = [f"run_dir={tmp_path}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
-              "data.num_workers=2"]
+    common = [
+        f"run_dir={tmp_path}",
+        f"data.paths=[{shards_dir}]",
+        f"tokenizer.path={tokenizer_dir}",
+        "data.num_workers=2",
+    ]
     warnings = {}
     for size in (100, 60):
         caplog.clear()
@@ -455,10 +547,17 @@ def test_documented_recipe_defaults_are_the_schemas():
     from mmtrain import registry
     from mmtrain.config import schema
 
-    sections = {"top level": schema.Recipe, "`tokenizer`": schema.TokenizerConfig, "`train`": schema.TrainConfig,
-                "`optimizer`": schema.OptimizerConfig, "`parallel`": schema.ParallelConfig,
-                "`checkpoint`": schema.CheckpointConfig, "`logging`": schema.LoggingConfig,
-                "`auto_tune`": schema.AutoTuneConfig, "`data`": schema.DataConfig}
+    sections = {
+        "top level": schema.Recipe,
+        "`tokenizer`": schema.TokenizerConfig,
+        "`train`": schema.TrainConfig,
+        "`optimizer`": schema.OptimizerConfig,
+        "`parallel`": schema.ParallelConfig,
+        "`checkpoint`": schema.CheckpointConfig,
+        "`logging`": schema.LoggingConfig,
+        "`auto_tune`": schema.AutoTuneConfig,
+        "`data`": schema.DataConfig,
+    }
     checked = 0
     for heading, key_cell, default_cell in _doc_tables((REPO / "docs" / "recipes.md").read_text()):
         family = next((f for f in registry.family_names() if f"({f}" in heading or f"({f})" in key_cell), None)
@@ -477,15 +576,19 @@ def test_documented_recipe_defaults_are_the_schemas():
             continue
         prefix = keys[0].rsplit(".", 1)[0] + "." if "." in keys[0] else ""
         keys = [keys[0]] + [k if "." in k or not prefix else prefix + k for k in keys[1:]]
-        values = [_doc_value(v) for v in default_cell.split(" / ")] if " / " in default_cell else \
-            [_doc_value(default_cell)] * len(keys)
+        values = (
+            [_doc_value(v) for v in default_cell.split(" / ")]
+            if " / " in default_cell
+            else [_doc_value(default_cell)] * len(keys)
+        )
         for key, doc in zip(keys, values):
             if doc in ("required", "none"):
                 continue
             assert key in defaults, f"docs/recipes.md {heading}: `{key}` is not a key of {cls.__name__}"
             want = defaults[key]
-            assert doc == want or (isinstance(want, float) and doc == pytest.approx(want)), \
+            assert doc == want or (isinstance(want, float) and doc == pytest.approx(want)), (
                 f"docs/recipes.md {heading}: `{key}` default {default_cell!r}, but {cls.__name__} says {want!r}"
+            )
             checked += 1
     assert checked > 60
     from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
@@ -565,12 +668,15 @@ def test_preview_shows_a_sample_as_the_model_sees_it(shards_dir, tokenizer_dir, 
     g, sample = single
     stats = measure_sample(sample, load_chat_tokenizer(tokenizer_dir))
     png = tmp_path / "tiles.png"
-    rc, out, err = cli(mmdata_main, capsys, "preview", shards_dir, "--index", g, "--tokenizer", tokenizer_dir,
-                       "--tiles-png", png)
+    rc, out, err = cli(
+        mmdata_main, capsys, "preview", shards_dir, "--index", g, "--tokenizer", tokenizer_dir, "--tiles-png", png
+    )
     assert rc == 0, err
     assert f"sample {sample.key} · id {sample.id}" in out and f"global index {g}" in out
-    assert (f"tokens: text {stats.text_tokens:,} + image {stats.image_tokens:,} = {stats.total_tokens:,} "
-            f"(loss on {stats.loss_tokens:,})") in out
+    assert (
+        f"tokens: text {stats.text_tokens:,} + image {stats.image_tokens:,} = {stats.total_tokens:,} "
+        f"(loss on {stats.loss_tokens:,})"
+    ) in out
     im = stats.images[0]
     assert f"{im.width}x{im.height}" in out and f"{im.tiles} tiles, {im.tokens:,} tokens" in out
     answers = [t["value"] for t in sample.conversations if t["from"] == "gpt"]
@@ -579,8 +685,10 @@ def test_preview_shows_a_sample_as_the_model_sees_it(shards_dir, tokenizer_dir, 
     assert Image.open(png).size == draw_anyres_grid(sample.open_image(0)).size
     rc, out2, _ = cli(mmdata_main, capsys, "preview", shards_dir, "--key", sample.id)  # by original id
     assert rc == 0 and f"sample {sample.key}" in out2 and "pass --tokenizer" in out2
-    assert_user_error(*cli(mmdata_main, capsys, "preview", shards_dir, "--index", ds.total_samples)[::2],
-                      f"--index {ds.total_samples} is out of range")
+    assert_user_error(
+        *cli(mmdata_main, capsys, "preview", shards_dir, "--index", ds.total_samples)[::2],
+        f"--index {ds.total_samples} is out of range",
+    )
 
 
 def test_a_private_ray_start_does_not_print_rays_token_auth_notice(tmp_path):
@@ -595,19 +703,42 @@ def test_a_private_ray_start_does_not_print_rays_token_auth_notice(tmp_path):
     write_infinity_mm(generate_records(8, seed=5, synthetic=True), raw, samples_per_tar=8)
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     env["HOME"] = str(tmp_path / "home")
-    proc = subprocess.run([sys.executable, "-m", "mmdata.cli", "preprocess", "--no-progress", "--dataset",
-                           "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "out"), "--num-cpus", "1"],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmdata.cli",
+            "preprocess",
+            "--no-progress",
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(raw),
+            "--output",
+            str(tmp_path / "out"),
+            "--num-cpus",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert RAY_AUTH_ENABLED_NOTICE not in proc.stderr and "Token authentication" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("which,argv,meant", [
-    ("mmdata", ["inspect", "DIR", "--jsn"], "--json"),
-    ("mmtrain", ["convert", "mcore-to-hf", "--model", "llava-ov", "--src", "a", "--dst", "b", "--overwite"],
-     "--overwrite"),
-])
+@pytest.mark.parametrize(
+    "which,argv,meant",
+    [
+        ("mmdata", ["inspect", "DIR", "--jsn"], "--json"),
+        (
+            "mmtrain",
+            ["convert", "mcore-to-hf", "--model", "llava-ov", "--src", "a", "--dst", "b", "--overwite"],
+            "--overwrite",
+        ),
+    ],
+)
 def test_a_flag_typo_gets_a_did_you_mean(which, argv, meant, capsys):
     main = mmdata_main if which == "mmdata" else mmtrain_main
     rc, _, err = cli(main, capsys, *argv)

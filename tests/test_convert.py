@@ -112,8 +112,11 @@ def test_decoder_alone_parity_and_round_trip(arch, tie):
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     adapter = adapter_cls(llm)
     adapter.check_hf_keys(set(sd))
-    gpt = build_language_model(llm, language_transformer_config(llm, "float32", ParallelOptions()),
-                               vocab_size=padded_vocab_size(llm.vocab_size, 8)).eval()
+    gpt = build_language_model(
+        llm,
+        language_transformer_config(llm, "float32", ParallelOptions()),
+        vocab_size=padded_vocab_size(llm.vocab_size, 8),
+    ).eval()
     load_canonical(gpt, lambda n: adapter.mcore_tensor(n, sd.__getitem__))
     ids = torch.randint(0, 997, (2, 19), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(19).expand(2, -1)
@@ -138,7 +141,11 @@ def test_siglip_alone_parity_drop_last_layer_and_round_trip():
 
     ensure_model_parallel(1, 1)
     torch.manual_seed(3)
-    hf = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3, vision_use_head=True).items() if k != "model_type"})).eval()
+    hf = SiglipVisionModel(
+        SiglipVisionConfig(
+            **{k: v for k, v in vision_config(num_hidden_layers=3, vision_use_head=True).items() if k != "model_type"}
+        )
+    ).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -183,17 +190,33 @@ def test_stage1_assembly_from_separate_llm_and_vision(tmp_path):
     torch.manual_seed(4)
     Qwen2ForCausalLM(Qwen2Config(**text_config())).save_pretrained(tmp_path / "llm")
     build_tiny_qwen2_tokenizer(tmp_path / "llm")  # the media ids are read from the LLM's tokenizer
-    vis = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"}))
+    vis = SiglipVisionModel(
+        SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"})
+    )
     vis.save_pretrained(tmp_path / "vis")
-    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
-                "--dst", str(tmp_path / "ck")) == 0
+    assert (
+        convert_cli(
+            "hf-to-mcore",
+            "--model",
+            "llava-ov",
+            "--llm",
+            str(tmp_path / "llm"),
+            "--vision",
+            str(tmp_path / "vis"),
+            "--dst",
+            str(tmp_path / "ck"),
+        )
+        == 0
+    )
     cfg = saved_model_config(tmp_path / "ck")
     assert cfg.vision.num_layers == 2 and cfg.llm.num_layers == 2
     ensure_model_parallel(1, 1)
     model = build_stage(cfg)
     load_model_weights([model], tmp_path / "ck")
     llm = load_file(tmp_path / "llm" / "model.safetensors")
-    assert torch.equal(model.language_model.decoder.layers[1].mlp.linear_fc2.weight, llm["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(
+        model.language_model.decoder.layers[1].mlp.linear_fc2.weight, llm["model.layers.1.mlp.down_proj.weight"]
+    )
     vsd = load_file(tmp_path / "vis" / "model.safetensors")
     key = [k for k in vsd if k.endswith("encoder.layers.1.mlp.fc1.weight")][0]
     assert torch.equal(model.vision_model.decoder.layers[1].mlp.linear_fc1.weight, vsd[key])
@@ -267,15 +290,37 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys):
     are one line, exit 2, before anything is written."""
     assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path), "--dst", str(tmp_path / "o")) == 2
     assert "give either --src HF_DIR, or all of --llm DIR --vision DIR" in capsys.readouterr().err
-    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "o")) == 2
+    assert (
+        convert_cli(
+            "hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "o")
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'missing'} does not exist")
-    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "none"), "--dst", str(tmp_path / "o")) == 2
+    assert (
+        convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "none"), "--dst", str(tmp_path / "o"))
+        == 2
+    )
     assert capsys.readouterr().err.strip().endswith(f"--src {tmp_path / 'none'} does not exist")
-    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path), "--dst", str(tmp_path / "o"),
-                "--vq", str(tmp_path)) == 2  # an export source of another family
+    assert (
+        convert_cli(
+            "mcore-to-hf",
+            "--model",
+            "llava-ov",
+            "--src",
+            str(tmp_path),
+            "--dst",
+            str(tmp_path / "o"),
+            "--vq",
+            str(tmp_path),
+        )
+        == 2
+    )  # an export source of another family
     assert "mcore-to-hf --model llava-ov takes no --vq" in capsys.readouterr().err
-    for bad in (["mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")],  # --src is required
-                ["hf-to-mcore", "--model", "chameleon", "--src", str(tmp_path), "--dst", str(tmp_path / "o")]):
+    for bad in (
+        ["mcore-to-hf", "--model", "llava-ov", "--dst", str(tmp_path / "o")],  # --src is required
+        ["hf-to-mcore", "--model", "chameleon", "--src", str(tmp_path), "--dst", str(tmp_path / "o")],
+    ):
         with pytest.raises(SystemExit) as exit_:
             convert_cli(*bad)
         assert exit_.value.code == 2
@@ -290,7 +335,13 @@ def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
 
     src, model = hf_dir
     result = tmp_path / "res.json"
-    torchrun(Path(__file__).parent / "workers" / "llava_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"), str(result))
+    torchrun(
+        Path(__file__).parent / "workers" / "llava_tp_worker.py",
+        str(src),
+        str(converted),
+        str(tmp_path / "tp2"),
+        str(result),
+    )
     res = json.loads(result.read_text())
     assert res["local_qkv_rows"] == (4 + 2 * 2) * 16 // 2  # half the (heads + 2 groups) * head_dim rows
     for key in ("from_hf", "from_tp1_ckpt", "sequence_parallel"):
@@ -318,7 +369,22 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
         ref = model(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]).logits
     for tp, pp in ((2, 1), (1, 2)):
         dst = tmp_path / f"tp{tp}pp{pp}"
-        assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst), "--tp", str(tp), "--pp", str(pp)) == 0
+        assert (
+            convert_cli(
+                "hf-to-mcore",
+                "--model",
+                "llava-ov",
+                "--src",
+                str(src),
+                "--dst",
+                str(dst),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+            )
+            == 0
+        )
         ours = load_llava_ov(dst)
         assert (ours(input_ids=ids, pixel_values=pv[:1], image_sizes=sizes[:1]) - ref).abs().max().item() <= 1e-4
 
@@ -419,18 +485,27 @@ def test_dtype_flag_chooses_another_dtype_both_ways(hf_dir_bf16, converted_bf16,
 
     src, _ = hf_dir_bf16
     out = tmp_path / "fp32"
-    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_bf16), "--dst", str(out),
-                "--dtype", "float32") == 0
+    assert (
+        convert_cli(
+            "mcore-to-hf", "--model", "llava-ov", "--src", str(converted_bf16), "--dst", str(out), "--dtype", "float32"
+        )
+        == 0
+    )
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(b[k].dtype == torch.float32 and torch.equal(a[k].float(), b[k]) for k in a)  # bf16 -> fp32 is exact
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert LlavaOnevisionForConditionalGeneration.from_pretrained(out).dtype == torch.float32
 
     ckpt = tmp_path / "ck32"
-    assert convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt), "--dtype", "float32") == 0
+    assert (
+        convert_cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt), "--dtype", "float32")
+        == 0
+    )
     assert saved_model_config(ckpt).params_dtype == "float32" == stored_dtype(ckpt)
     with pytest.raises(SystemExit):
-        convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(tmp_path / "x"), "--dtype", "int8")
+        convert_cli(
+            "mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(tmp_path / "x"), "--dtype", "int8"
+        )
 
 
 def test_export_of_a_bf16_training_checkpoint_is_bf16(hf_dir_bf16, converted_bf16, tmp_path):

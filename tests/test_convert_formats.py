@@ -27,8 +27,13 @@ NOISE = ("Transformer Engine", "Apex", "Megatron-FSDP", "ShardedTensor", "warnin
 
 def _mmtrain(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MMTRAIN_VERBOSE"}
-    return subprocess.run([sys.executable, "-m", "mmtrain.cli", "convert", *argv], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run(
+        [sys.executable, "-m", "mmtrain.cli", "convert", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 def _no_noise(stderr: str) -> None:
@@ -77,8 +82,9 @@ def test_export_has_the_processor_and_tiles_as_our_loader(exported):
     assert pre["size"] == {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     proc = export_processor(out)
     assert proc.tokenizer.convert_tokens_to_ids(["<image>", "<video>"]) == [IMAGE_ID, VIDEO_ID]
-    prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
-                                      add_generation_prompt=True)
+    prompt = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], add_generation_prompt=True
+    )
     assert prompt.count("<image>") == 1 and prompt.endswith("<|im_start|>assistant\n")
     for im in images()[:2]:  # wide, tall
         ours = anyres.process_image(im, 9, image_size=IMAGE_SIZE, patch_size=PATCH)
@@ -139,8 +145,10 @@ def test_sharded_bin_converts_at_tp2_quietly(hf_tok_dir, tmp_path):
     _no_noise(proc.stderr)
     progress = [x for x in proc.stderr.splitlines() if x.startswith("hf-to-mcore: ")]  # rank 0's lines only
     assert [x.split(" (")[0].split(" [")[0] for x in progress] == [
-        "hf-to-mcore: building the model", "hf-to-mcore: filling it from the source",
-        "hf-to-mcore: saving the megatron checkpoint"], progress
+        "hf-to-mcore: building the model",
+        "hf-to-mcore: filling it from the source",
+        "hf-to-mcore: saving the megatron checkpoint",
+    ], progress
     out = tmp_path / "hf"
     assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path / "ck"), "--dst", str(out)) == 0
     a, c = SafetensorsReader(src), SafetensorsReader(out)
@@ -169,17 +177,25 @@ def test_wrong_kind_or_family_is_one_line_exit_2(hf_tok_dir, exported, tmp_path,
     ckpt, _, _ = exported
     emu3_hf = tmp_path / "emu3_hf"
     emu3_hf.mkdir()
-    (emu3_hf / "config.json").write_text(json.dumps({"model_type": "emu3", "architectures": ["Emu3ForConditionalGeneration"]}))
+    (emu3_hf / "config.json").write_text(
+        json.dumps({"model_type": "emu3", "architectures": ["Emu3ForConditionalGeneration"]})
+    )
     emu3_ckpt = _fake_megatron(tmp_path / "emu3_ckpt", asdict(Emu3ModelConfig()))
     dst = str(tmp_path / "o")
     cases = [
         (["hf-to-mcore", "--model", "llava-ov", "--src", str(ckpt)], "is a megatron checkpoint, not an HF one"),
-        (["mcore-to-hf", "--model", "llava-ov", "--src", str(src)], "is an HF checkpoint (config.json), not a megatron"),
+        (
+            ["mcore-to-hf", "--model", "llava-ov", "--src", str(src)],
+            "is an HF checkpoint (config.json), not a megatron",
+        ),
         (["hf-to-mcore", "--model", "emu3", "--src", str(src)], "is an HF llava-ov checkpoint"),
         (["hf-to-mcore", "--model", "llava-ov", "--src", str(emu3_hf)], "is an HF emu3 checkpoint"),
         (["mcore-to-hf", "--model", "emu3", "--src", str(ckpt)], "is a megatron llava-ov checkpoint"),
         (["mcore-to-hf", "--model", "llava-ov", "--src", str(emu3_ckpt)], "is a megatron emu3 checkpoint"),
-        (["hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path)], "is not an HF checkpoint: it has no config.json"),
+        (
+            ["hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path)],
+            "is not an HF checkpoint: it has no config.json",
+        ),
         (["mcore-to-hf", "--model", "llava-ov", "--src", str(tmp_path)], "is not a megatron checkpoint"),
     ]
     for argv, said in cases:

@@ -31,8 +31,9 @@ def test_interrupt_after_the_output_is_complete_exits_0_saying_so(tmp_path, monk
     dst = tmp_path / "ckpt"
     assert main(["convert", "hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(dst)]) == 0
     err = capsys.readouterr().err
-    assert (f"mmtrain convert hf-to-mcore: interrupt received after --dst {dst} was complete; nothing was lost"
-            in err), err
+    assert f"mmtrain convert hf-to-mcore: interrupt received after --dst {dst} was complete; nothing was lost" in err, (
+        err
+    )
     assert (dst / "latest").is_file() and not list(tmp_path.glob(".ckpt.*"))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 

@@ -32,9 +32,16 @@ def test_trained_checkpoint_exports_to_transformers(tmp_path, shards_dir):
     ours = load_llava_ov(ckpts)
     cfg = ours.cfg
     hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
-    im = anyres.process_image(images()[0], cfg.max_tiles, image_size=cfg.vision.image_size,
-                              patch_size=cfg.vision.patch_size, grid_max=cfg.grid_max)
-    ids = torch.cat([torch.tensor([1, 2, 3]), torch.full((im.num_tokens,), cfg.image_token_id), torch.tensor([4, 5])])[None]
+    im = anyres.process_image(
+        images()[0],
+        cfg.max_tiles,
+        image_size=cfg.vision.image_size,
+        patch_size=cfg.vision.patch_size,
+        grid_max=cfg.grid_max,
+    )
+    ids = torch.cat([torch.tensor([1, 2, 3]), torch.full((im.num_tokens,), cfg.image_token_id), torch.tensor([4, 5])])[
+        None
+    ]
     pv = im.pixel_values[None]
     sizes = torch.tensor([list(im.image_size)])
     with torch.no_grad():

@@ -150,7 +150,9 @@ def test_the_answered_lines_are_megatrons():
     assert "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(optimizer, 671)
     assert "param.type() == 'torch.cuda.FloatTensor'" in line(optimizer, 690)
     assert "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(distrib_optimizer, 582)
-    assert "model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(distrib_optimizer, 361)
+    assert "model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']" in line(
+        distrib_optimizer, 361
+    )
     assert "model_param.type() == 'torch.cuda.FloatTensor'" in line(distrib_optimizer, 420)
 
 

@@ -11,14 +11,17 @@ from mmtrain.runtime import cuda_settings as cs
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("comm,version,refused", [
-    ("p2p", (2, 12, 0), False),
-    ("a2a+p2p", (2, 12, 0), True),  # hierarchical CP has no THD in any release
-    ("a2a+p2p", (2, 18, 0), True),
-    ("all_gather", (2, 12, 0), True),  # THD with all_gather only from 2.18
-    ("all_gather", (2, 18, 1), False),
-    ("all_gather", (), True),  # unknown version: refused, not guessed
-])
+@pytest.mark.parametrize(
+    "comm,version,refused",
+    [
+        ("p2p", (2, 12, 0), False),
+        ("a2a+p2p", (2, 12, 0), True),  # hierarchical CP has no THD in any release
+        ("a2a+p2p", (2, 18, 0), True),
+        ("all_gather", (2, 12, 0), True),  # THD with all_gather only from 2.18
+        ("all_gather", (2, 18, 1), False),
+        ("all_gather", (), True),  # unknown version: refused, not guessed
+    ],
+)
 def test_cp_comm_type_refusals_follow_the_te_version(comm, version, refused):  # A6
     problem = cs.cp_comm_type_problem(comm, cp=2, tp=1, kv_groups=2, attention_heads=12, te_version=version)
     assert (problem is not None) == refused
@@ -73,7 +76,9 @@ def test_deterministic_switch_sets_every_knob(monkeypatch, megatron_cpu):  # B4
     import os
 
     assert all(os.environ[k] == v for k, v in env.items())
-    assert base_config_kwargs("float32", ParallelOptions(deterministic=True), sequence_parallel=False)["deterministic_mode"]
+    assert base_config_kwargs("float32", ParallelOptions(deterministic=True), sequence_parallel=False)[
+        "deterministic_mode"
+    ]
     assert not base_config_kwargs("float32", ParallelOptions(), sequence_parallel=False)["deterministic_mode"]
     was = torch.are_deterministic_algorithms_enabled()
     try:
@@ -92,12 +97,21 @@ def test_the_trainer_passes_the_switches_to_the_model(tmp_path):
     from mmtrain.config.load import load_recipe
     from mmtrain.runtime.trainer import Trainer
 
-    recipe = load_recipe("recipes/llava-ov-tiny.yaml", ["train.deterministic=true", f"run_dir={tmp_path}"],
-                         family="llava-ov")
+    recipe = load_recipe(
+        "recipes/llava-ov-tiny.yaml", ["train.deterministic=true", f"run_dir={tmp_path}"], family="llava-ov"
+    )
     trainer = Trainer.__new__(Trainer)
     trainer.recipe, trainer.spec = recipe, registry.get_family("llava-ov")
     trainer.pipeline_split = None  # one stage: megatron's own split
-    trainer.ctx = SimpleNamespace(tp=1, cp=1, rank=1, on_cuda=False, params_dtype=torch.float32, sequence_parallel=False,
-                                  recompute="none", params_dtype_name="float32")
+    trainer.ctx = SimpleNamespace(
+        tp=1,
+        cp=1,
+        rank=1,
+        on_cuda=False,
+        params_dtype=torch.float32,
+        sequence_parallel=False,
+        recompute="none",
+        params_dtype_name="float32",
+    )
     opts = trainer._model_options()
     assert opts.deterministic and opts.transformer_impl == "local" and opts.on_cuda is False

@@ -59,12 +59,16 @@ def test_phash_equals_imagehash():
 
 def _brute_force(recs: list[dict], distance: int) -> dict[int, int]:
     """{dropped record: its best near neighbour}, O(N^2): the definition dedup must meet."""
+
     def prio(r):
         return (-r["pixels"], r["idkey"], r["ridkey"], 0, r["ord"])
 
     def near(a, b):
-        return (len(a["h"]) == len(b["h"]) and a["text"] == b["text"]
-                and all(bin(x ^ y).count("1") <= distance for x, y in zip(a["h"], b["h"])))
+        return (
+            len(a["h"]) == len(b["h"])
+            and a["text"] == b["text"]
+            and all(bin(x ^ y).count("1") <= distance for x, y in zip(a["h"], b["h"]))
+        )
 
     out = {}
     for a in recs:
@@ -84,8 +88,16 @@ def _clustered_records(rng: np.random.Generator, n: int) -> list[dict]:
         for b in rng.choice(64, size=int(rng.integers(0, 7)), replace=False):
             h ^= 1 << int(b)
         hashes = [h] if rng.random() < 0.8 else [h, c ^ 1, 12345]
-        recs.append({"h": hashes, "text": int(rng.integers(0, 2)), "pixels": int(rng.choice([100, 200])),
-                     "idkey": int(rng.integers(0, 4)), "ridkey": int(rng.integers(0, 2**63)), "ord": i})
+        recs.append(
+            {
+                "h": hashes,
+                "text": int(rng.integers(0, 2)),
+                "pixels": int(rng.choice([100, 200])),
+                "idkey": int(rng.integers(0, 4)),
+                "ridkey": int(rng.integers(0, 2**63)),
+                "ord": i,
+            }
+        )
     return recs
 
 
@@ -105,8 +117,17 @@ def test_lsh_dedup_equals_brute_force(tmp_path):
             builders = [dd.EntryBuilder(distance, "record") for _ in range(files)]
             for r in recs:
                 unit = r["ord"] % files
-                builders[unit].add(r["h"], r["text"], r["pixels"], r["idkey"], r["ridkey"], unit, r["ord"],
-                                   key=int(rng.integers(0, 2**63)), group=0)
+                builders[unit].add(
+                    r["h"],
+                    r["text"],
+                    r["pixels"],
+                    r["idkey"],
+                    r["ridkey"],
+                    unit,
+                    r["ord"],
+                    key=int(rng.integers(0, 2**63)),
+                    group=0,
+                )
             for u, b in enumerate(builders):
                 b.save(work, u, partitions)
             for p in range(partitions):
@@ -137,19 +158,31 @@ def test_dedup_spec_and_bands():
 def test_filters_parse_and_apply():
     from mmdata.preprocess.curation.filters import FilterError, first_failed, parse_filters
 
-    rules = parse_filters(["qw2vl_loss<=2.5", "source in [a, 'b c']", "min_side >= 32", "turns<=20",
-                           "modality not in [video]"])
-    assert [r.expr for r in rules] == ["qw2vl_loss<=2.5", "source in [a, b c]", "min_side>=32", "turns<=20",
-                                       "modality not in [video]"]
+    rules = parse_filters(
+        ["qw2vl_loss<=2.5", "source in [a, 'b c']", "min_side >= 32", "turns<=20", "modality not in [video]"]
+    )
+    assert [r.expr for r in rules] == [
+        "qw2vl_loss<=2.5",
+        "source in [a, b c]",
+        "min_side>=32",
+        "turns<=20",
+        "modality not in [video]",
+    ]
     rec = {"qw2vl_loss": 1.0, "source": "a", "min_side": 64, "turns": 2, "modality": "single_image"}
     assert first_failed(rules, rec) is None
     assert first_failed(rules, {**rec, "qw2vl_loss": 3.0, "source": "z"}).expr == "qw2vl_loss<=2.5"  # first failing
     assert first_failed(rules, {**rec, "source": "b c"}) is None
     assert first_failed(rules, {**rec, "min_side": None, "qw2vl_loss": None}) is None  # absent field: not applied
     assert first_failed(rules, {**rec, "modality": "video"}).expr == "modality not in [video]"
-    for bad, why in [("qw2vl_loss<=abc", "is a number"), ("nope>1", "unknown field"), ("source<=a", "is text"),
-                     ("source in a", "takes a list"), ("turns", "FIELD OP VALUE"), ("source in []", "empty list"),
-                     ("source==", "missing value")]:
+    for bad, why in [
+        ("qw2vl_loss<=abc", "is a number"),
+        ("nope>1", "unknown field"),
+        ("source<=a", "is text"),
+        ("source in a", "takes a list"),
+        ("turns", "FIELD OP VALUE"),
+        ("source in []", "empty list"),
+        ("source==", "missing value"),
+    ]:
         with pytest.raises(FilterError, match=why):
             parse_filters([bad])
     with pytest.raises(FilterError, match="twice"):
@@ -170,8 +203,13 @@ def test_mix_spec_targets_and_copies(tmp_path):
     assert spec.by == "subset" and group_targets(spec, {"a": 10, "b": 40, "c": 20}) == {"a": 40, "b": 40, "c": 40}
     f.write_text("weights: {a: 1, b: 1}\ntotal: 101\n")
     assert group_targets(parse_mix(str(f)), {"a": 20, "b": 200}) == {"a": 20, "b": 50}  # capped without repeat
-    for text, why in [("weights: {a: -1}", ">= 0"), ("weights: []", "mapping"), ("by: colour\nweights: {a: 1}", "`by`"),
-                      ("weights: {a: 1}\ntotal: 1.5", "total"), ("weights: {a: 1}\nextra: 1", "unknown key")]:
+    for text, why in [
+        ("weights: {a: -1}", ">= 0"),
+        ("weights: []", "mapping"),
+        ("by: colour\nweights: {a: 1}", "`by`"),
+        ("weights: {a: 1}\ntotal: 1.5", "total"),
+        ("weights: {a: 1}\nextra: 1", "unknown key"),
+    ]:
         f.write_text(text)
         with pytest.raises(MixError, match=why):
             parse_mix(str(f))
@@ -179,5 +217,7 @@ def test_mix_spec_targets_and_copies(tmp_path):
         parse_mix("a:3")
     # per-record decisions: floor(f) or floor(f) + 1 copies, close to f on average, deterministic
     n = [copies(2.3, 7, f"r{i}") for i in range(4000)]
-    assert set(n) == {2, 3} and abs(sum(n) / len(n) - 2.3) < 0.03 and n == [copies(2.3, 7, f"r{i}") for i in range(4000)]
+    assert (
+        set(n) == {2, 3} and abs(sum(n) / len(n) - 2.3) < 0.03 and n == [copies(2.3, 7, f"r{i}") for i in range(4000)]
+    )
     assert copies(1.0, 7, "x") == 1 and copies(0.0, 7, "x") == 0

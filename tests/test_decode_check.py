@@ -64,7 +64,7 @@ def _agrees_with_pillow(case: bytes, fmt: str) -> bool:
 
 def _damaged(data: bytes, seed: int, flips: int = 60) -> list[bytes]:
     rng = random.Random(seed)
-    cases = [data[:int(len(data) * f)] for f in (0.05, 0.2, 0.5, 0.8, 0.95, 0.99)] + [data[:-2], data[:-20]]
+    cases = [data[: int(len(data) * f)] for f in (0.05, 0.2, 0.5, 0.8, 0.95, 0.99)] + [data[:-2], data[:-20]]
     for _ in range(flips):
         b = bytearray(data)
         for _ in range(rng.choice((1, 1, 3))):
@@ -75,11 +75,21 @@ def _damaged(data: bytes, seed: int, flips: int = 60) -> list[bytes]:
 
 
 CASES = [
-    ("JPEG", "RGB", {"quality": 85}), ("JPEG", "RGB", {"quality": 95, "subsampling": 0}),
-    ("JPEG", "RGB", {"progressive": True}), ("JPEG", "L", {}), ("JPEG", "CMYK", {}),
-    ("PNG", "RGB", {}), ("PNG", "L", {}), ("PNG", "P", {}), ("PNG", "RGBA", {}), ("PNG", "1", {}),
-    ("PNG", "I;16", {}), ("PNG", "RGB", {"interlace": 1}),
-    ("WEBP", "RGB", {"quality": 80}), ("WEBP", "RGBA", {"quality": 80}), ("WEBP", "RGBA", {"lossless": True}),
+    ("JPEG", "RGB", {"quality": 85}),
+    ("JPEG", "RGB", {"quality": 95, "subsampling": 0}),
+    ("JPEG", "RGB", {"progressive": True}),
+    ("JPEG", "L", {}),
+    ("JPEG", "CMYK", {}),
+    ("PNG", "RGB", {}),
+    ("PNG", "L", {}),
+    ("PNG", "P", {}),
+    ("PNG", "RGBA", {}),
+    ("PNG", "1", {}),
+    ("PNG", "I;16", {}),
+    ("PNG", "RGB", {"interlace": 1}),
+    ("WEBP", "RGB", {"quality": 80}),
+    ("WEBP", "RGBA", {"quality": 80}),
+    ("WEBP", "RGBA", {"lossless": True}),
     ("WEBP", "RGB", {"lossless": True}),
 ]
 
@@ -91,7 +101,9 @@ def test_verdict_format_size_and_mode_match_pillow(fmt, mode, kw):
     ref = Image.open(io.BytesIO(data))
     assert (w, h, got_mode) == (*ref.size, ref.mode)
     assert ext == {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}[fmt]
-    rejected = sum(not _agrees_with_pillow(case, fmt) for case in _damaged(data, seed=hash((fmt, mode, str(kw))) & 0xFFFF))
+    rejected = sum(
+        not _agrees_with_pillow(case, fmt) for case in _damaged(data, seed=hash((fmt, mode, str(kw))) & 0xFFFF)
+    )
     assert rejected > 0  # the damage really exercised the failure paths
 
 
@@ -100,7 +112,7 @@ def test_webp_alpha_plane_is_checked():
     alpha chunk must be caught (the YUVA decode decodes the alpha plane too)."""
     data = _encode(_picture("RGBA"), "WEBP", quality=80)
     pos = data.index(b"ALPH")
-    size = int.from_bytes(data[pos + 4:pos + 8], "little")
+    size = int.from_bytes(data[pos + 4 : pos + 8], "little")
     bad = bytearray(data)
     for i in range(pos + 9, pos + 8 + size, 7):
         bad[i] ^= 0xFF
@@ -112,8 +124,8 @@ def test_webp_alpha_plane_is_checked():
 def _riff_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
     chunks, pos = [], 12
     while pos + 8 <= len(data):
-        size = int.from_bytes(data[pos + 4:pos + 8], "little")
-        chunks.append((data[pos:pos + 4], data[pos + 8:pos + 8 + size]))
+        size = int.from_bytes(data[pos + 4 : pos + 8], "little")
+        chunks.append((data[pos : pos + 4], data[pos + 8 : pos + 8 + size]))
         pos += 8 + size + (size & 1)
     return chunks
 
@@ -129,11 +141,15 @@ def test_webp_alpha_rows_are_all_decoded_whatever_the_height(height, alpha):
     """The check decodes a crop at the bottom of the frame (see `check_webp`): the alpha plane's
     last rows must still be entropy-decoded, the colour frame's last macroblocks parsed. Cutting
     the compressed alpha stream's last bytes (the last row's codes; chunk sizes fixed, so only the
-    alpha stream is short) fails whenever Pillow fails. (Measured: a crop ending one row short accepts these cuts.) Paletted alpha
+    alpha stream is short) fails whenever Pillow fails. (Measured: a crop ending one row short accepts these cuts.)
+    Paletted alpha
     takes libwebp's 8-bit path, graded alpha the 32-bit one."""
     rng = np.random.default_rng(height)
-    plane = (rng.integers(0, 4, (height, 67)) * 80 if alpha == "paletted"
-             else np.linspace(0, 200, 67)[None, :] + rng.integers(0, 40, (height, 67)))
+    plane = (
+        rng.integers(0, 4, (height, 67)) * 80
+        if alpha == "paletted"
+        else np.linspace(0, 200, 67)[None, :] + rng.integers(0, 40, (height, 67))
+    )
     im = _picture("RGBA", (67, height))
     im.putalpha(Image.fromarray(plane.astype(np.uint8)))
     data = _encode(im, "WEBP", quality=80)
@@ -149,8 +165,14 @@ def test_webp_alpha_rows_are_all_decoded_whatever_the_height(height, alpha):
     assert rejected > 0  # the cuts did reach data the decoder needs
     # and the colour frame: its last macroblock row's tokens are parsed too
     vp8 = chunks[2][1]
-    assert sum(not _agrees_with_pillow(_riff([chunks[0], chunks[1], (b"VP8 ", vp8[:-cut])]), "WEBP")
-               for cut in (1, 3, 8, 21) if cut < len(vp8) // 2) > 0
+    assert (
+        sum(
+            not _agrees_with_pillow(_riff([chunks[0], chunks[1], (b"VP8 ", vp8[:-cut])]), "WEBP")
+            for cut in (1, 3, 8, 21)
+            if cut < len(vp8) // 2
+        )
+        > 0
+    )
 
 
 def test_truncated_jpeg_is_image_truncated():
@@ -185,11 +207,21 @@ def test_fast_jpeg_path_is_taken_for_plain_jpegs():
     assert not decode_check.jpeg_decodes_cleanly(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("fmt,mode,kw", [
-    ("PNG", "RGB", {}), ("PNG", "L", {}), ("PNG", "P", {}), ("PNG", "RGBA", {}), ("PNG", "1", {}),
-    ("PNG", "I;16", {}), ("PNG", "RGB", {"interlace": 1}), ("WEBP", "RGB", {"quality": 80}),
-    ("WEBP", "RGBA", {"lossless": True}), ("JPEG", "L", {}),
-])
+@pytest.mark.parametrize(
+    "fmt,mode,kw",
+    [
+        ("PNG", "RGB", {}),
+        ("PNG", "L", {}),
+        ("PNG", "P", {}),
+        ("PNG", "RGBA", {}),
+        ("PNG", "1", {}),
+        ("PNG", "I;16", {}),
+        ("PNG", "RGB", {"interlace": 1}),
+        ("WEBP", "RGB", {"quality": 80}),
+        ("WEBP", "RGBA", {"lossless": True}),
+        ("JPEG", "L", {}),
+    ],
+)
 def test_image_check_catches_whatever_a_full_pillow_decode_catches(fmt, mode, kw):
     """The fast per-format checks (PNG inflate + row filters, WebP frame decode, JPEG draft) must
     reject every truncated or corrupted image that a full Pillow `load()` rejects."""
@@ -200,7 +232,7 @@ def test_image_check_catches_whatever_a_full_pillow_decode_catches(fmt, mode, kw
     data = buf.getvalue()
     assert check_image(data, "x", ValidationConfig())[1:3] == (181, 97)
     rng = random.Random(0)
-    cases = [data[:int(len(data) * f)] for f in (0.2, 0.5, 0.8, 0.95)] + [data[:-20]]
+    cases = [data[: int(len(data) * f)] for f in (0.2, 0.5, 0.8, 0.95)] + [data[:-20]]
     for _ in range(30):
         b = bytearray(data)
         i = rng.randrange(len(data) // 4, len(data))
@@ -265,7 +297,9 @@ def _png_variants() -> list[tuple[str, bytes]]:
     info.add_text("comment", "a text chunk")
     out.append(("RGB tEXt", _encode(base, "PNG", pnginfo=info)))
     out.append(("RGB iCCP", _encode(base, "PNG", icc_profile=b"\0" * 200)))
-    out.append(("APNG", _encode(base, "PNG", save_all=True, append_images=[base.transpose(Image.Transpose.ROTATE_180)])))
+    out.append(
+        ("APNG", _encode(base, "PNG", save_all=True, append_images=[base.transpose(Image.Transpose.ROTATE_180)]))
+    )
     return out
 
 
@@ -299,7 +333,7 @@ def test_png_header_is_pillows_reading_or_leaves_it_to_pillow():
                     i = rng.randrange(8, idat + 4)
                     bad[i] ^= 1 << rng.randrange(8)
             else:
-                bad = bad[:rng.randrange(8, idat + 8)]
+                bad = bad[: rng.randrange(8, idat + 8)]
             mine = decode_check.png_header(bytes(bad))
             if mine is not None:
                 taken += 1
@@ -329,8 +363,13 @@ def _raw_png(depth: int, ctype: int, w: int = 5, h: int = 3) -> bytes:
     rows = b"".join(b"\0" + bytes((17 * (r + i)) % 256 for i in range(stride)) for r in range(h))
     ihdr = w.to_bytes(4, "big") + h.to_bytes(4, "big") + bytes((depth, ctype, 0, 0, 0))
     plte = _png_chunk(b"PLTE", bytes(i % 256 for i in range(3 * 256))) if ctype == 3 else b""
-    return (decode_check._PNG_SIGNATURE + _png_chunk(b"IHDR", ihdr) + plte
-            + _png_chunk(b"IDAT", zlib.compress(rows)) + _png_chunk(b"IEND", b""))
+    return (
+        decode_check._PNG_SIGNATURE
+        + _png_chunk(b"IHDR", ihdr)
+        + plte
+        + _png_chunk(b"IDAT", zlib.compress(rows))
+        + _png_chunk(b"IEND", b"")
+    )
 
 
 def test_png_mode_table_is_the_installed_pillows():
@@ -354,7 +393,7 @@ def test_png_chunks_pillow_handles_are_the_installed_pillows():
     plain PNG carrying one is still read by the fast header reader."""
     from PIL import PngImagePlugin
 
-    pillows = {name[len("chunk_"):].encode() for name in dir(PngImagePlugin.PngStream) if name.startswith("chunk_")}
+    pillows = {name[len("chunk_") :].encode() for name in dir(PngImagePlugin.PngStream) if name.startswith("chunk_")}
     assert pillows == decode_check.PNG_PILLOW_CHUNKS
     data = _raw_png(8, 2)
     idat = data.index(b"IDAT") - 4

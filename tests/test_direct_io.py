@@ -39,8 +39,19 @@ def _write(path: Path, pieces: list[bytes], direct: bool, flush_every: int = 3) 
         return f.sha.hexdigest(), opened_direct
 
 
-SIZES = [0, 1, 511, ALIGN - 1, ALIGN, ALIGN + 1, 3 * ALIGN + 7, BUFFER_BYTES - 1, BUFFER_BYTES, BUFFER_BYTES + 1,
-         2 * BUFFER_BYTES + 123]
+SIZES = [
+    0,
+    1,
+    511,
+    ALIGN - 1,
+    ALIGN,
+    ALIGN + 1,
+    3 * ALIGN + 7,
+    BUFFER_BYTES - 1,
+    BUFFER_BYTES,
+    BUFFER_BYTES + 1,
+    2 * BUFFER_BYTES + 123,
+]
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -88,7 +99,7 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes(tmp_path: Path, mo
     monkeypatch.setattr(os, "write", write)
     data = random.Random(2).randbytes(3 * BUFFER_BYTES + 5)
     path = tmp_path / "f.bin"
-    sha, _ = _write(path, [data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20)], direct=True)
+    sha, _ = _write(path, [data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)], direct=True)
     assert path.read_bytes() == data and sha == hashlib.sha256(data).hexdigest()
 
 
@@ -97,8 +108,8 @@ def test_two_files_open_at_once_in_one_thread(tmp_path: Path) -> None:
     a, b = random.Random(3).randbytes(3 * ALIGN + 1), random.Random(4).randbytes(2 * ALIGN + 3)
     with SequentialFile(tmp_path / "a", True) as fa, SequentialFile(tmp_path / "b", True) as fb:
         for i in range(0, max(len(a), len(b)), 1000):
-            fa.put(a[i:i + 1000])
-            fb.put(b[i:i + 1000])
+            fa.put(a[i : i + 1000])
+            fb.put(b[i : i + 1000])
             fa.flush()
         fa.finish()
         fb.finish()
@@ -114,10 +125,18 @@ MOUNTINFO = """\
 """
 
 
-@pytest.mark.parametrize("path, fstype", [
-    ("/", "ext4"), ("/home/user/out", "ext4"), ("/dev/shm/x", "tmpfs"), ("/data/shards", "nfs4"),
-    ("/data/local disk/shards", "xfs"), ("/data/local diskette", "nfs4"), ("/mnt/lus/a/b", "lustre"),
-])
+@pytest.mark.parametrize(
+    "path, fstype",
+    [
+        ("/", "ext4"),
+        ("/home/user/out", "ext4"),
+        ("/dev/shm/x", "tmpfs"),
+        ("/data/shards", "nfs4"),
+        ("/data/local disk/shards", "xfs"),
+        ("/data/local diskette", "nfs4"),
+        ("/mnt/lus/a/b", "lustre"),
+    ],
+)
 def test_mount_fstype_takes_the_deepest_mount(path: str, fstype: str) -> None:
     assert mount_fstype(path, MOUNTINFO) == fstype
 
@@ -144,8 +163,9 @@ def test_direct_io_wanted_follows_the_file_system_and_the_override(tmp_path: Pat
 
 
 @pytest.mark.parametrize("direct, drop_cache", [(False, True), (False, False), (True, True)])
-def test_shards_drop_their_cached_pages_after_fsync(tmp_path: Path, monkeypatch, direct: bool,
-                                                    drop_cache: bool) -> None:
+def test_shards_drop_their_cached_pages_after_fsync(
+    tmp_path: Path, monkeypatch, direct: bool, drop_cache: bool
+) -> None:
     """With `drop_cache` (the shard writer's default) a finished file is fsynced, then DONTNEED
     drops its now clean pages, the whole file: all of a buffered file, an O_DIRECT file's tail."""
     if direct and not (LINUX_DIRECT and mount_fstype(tmp_path) in direct_io.DIRECT_FILESYSTEMS):
@@ -176,8 +196,18 @@ def test_a_bad_switch_stops_the_job_before_it_starts(tmp_path: Path, monkeypatch
 
     monkeypatch.setenv(direct_io.DIRECT_IO_ENV, "fast")
     (tmp_path / "in").mkdir()
-    rc = main(["preprocess", "--dataset", "infinity-mm", "--input", str(tmp_path / "in"),
-               "--output", str(tmp_path / "out"), "--no-progress"])
+    rc = main(
+        [
+            "preprocess",
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(tmp_path / "in"),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "MMDATA_DIRECT_IO='fast': expected 0, 1 or auto" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

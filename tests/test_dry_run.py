@@ -46,19 +46,25 @@ print("COUNTS " + json.dumps(out))
 
 VARIANTS = [
     [],
-    ["model.llm.tie_word_embeddings=false", "model.llm.qkv_bias=false", "model.llm.num_query_groups=4",
-     "model.vision.image_size=56", "model.llm.vocab_size=1000"],
+    [
+        "model.llm.tie_word_embeddings=false",
+        "model.llm.qkv_bias=false",
+        "model.llm.num_query_groups=4",
+        "model.vision.image_size=56",
+        "model.llm.vocab_size=1000",
+    ],
     ["freeze=[vision_tower, llm]"],
 ]
 
 
 @pytest.fixture(scope="module")
 def real_counts():
-    proc = subprocess.run([sys.executable, "-c", _COUNT_SCRIPT, str(TINY), json.dumps(VARIANTS)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_SCRIPT, str(TINY), json.dumps(VARIANTS)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("COUNTS "))
-    return json.loads(line[len("COUNTS "):])
+    return json.loads(line[len("COUNTS ") :])
 
 
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
@@ -119,9 +125,21 @@ def test_dry_run_prints_counts_and_memory():
     buf = io.StringIO()
     report = run_dry_run(recipe, LLAVA_OV, out=buf)
     text = buf.getvalue()
-    for needle in ("vision_tower", "projector", "llm", "total", "memory per rank", "weights", "gradients",
-                   "optimizer states (sharded / dp x cp)", "activations (recompute none)", "logits + loss (chunked)",
-                   "tp 1 x pp 1 x cp 2 x dp 4", "without the distributed optimizer", "analytical model"):
+    for needle in (
+        "vision_tower",
+        "projector",
+        "llm",
+        "total",
+        "memory per rank",
+        "weights",
+        "gradients",
+        "optimizer states (sharded / dp x cp)",
+        "activations (recompute none)",
+        "logits + loss (chunked)",
+        "tp 1 x pp 1 x cp 2 x dp 4",
+        "without the distributed optimizer",
+        "analytical model",
+    ):
         assert needle in text, needle
     assert f"{report.params.total:,}" in text
     assert report.fits and 20 * GB < report.memory.total < 80 * GB
@@ -166,8 +184,10 @@ def test_dry_run_follows_the_pipeline_split_and_virtual_stages():
     assert "pipeline stages (1F1B; decoder layers [12, 16], parallel.pp_layers)" in moved.text
     assert "(interleaved 1F1B, 2 virtual stages per rank; decoder layers [[7, 7], [7, 7]], even split)" in virtual.text
     assert "stage 0: 14 decoder layers (7 + 7)" in virtual.text and "bubble (pp-1)/(vpp*m) = 1/(2*64)" in virtual.text
-    assert "tp 1 x pp 2 (x vpp 2) x cp 1 x dp 4" in virtual.text and "pipeline stages" not in build_report(
-        load_recipe(AQUILA, ["stage=2a", "action=dry_run"]), LLAVA_OV).text
+    assert (
+        "tp 1 x pp 2 (x vpp 2) x cp 1 x dp 4" in virtual.text
+        and "pipeline stages" not in build_report(load_recipe(AQUILA, ["stage=2a", "action=dry_run"]), LLAVA_OV).text
+    )
     # a pp that does not divide the 28 layers: megatron refuses to build it; estimated spread evenly
     odd = build_report(load_recipe(AQUILA, [*base[:3], "parallel.pp=3", "parallel.nproc_per_node=6"]), LLAVA_OV)
     assert [m.decoder_layers for m in odd.stage_memory] == [9, 9, 10] and "which megatron refuses" in odd.text
@@ -224,11 +244,25 @@ def test_emu3_8b_counts_equal_hf_and_the_layout_fits_80gb():
     recipe = load_recipe(EMU3_8B, ["action=dry_run"])
     llm = recipe.model.llm
     published = Emu3TextConfig()  # transformers' defaults are Emu3-8B's (Emu3-Chat-hf)
-    assert (llm.num_layers, llm.hidden_size, llm.ffn_hidden_size, llm.num_attention_heads, llm.num_query_groups,
-            llm.vocab_size, llm.rope_theta, llm.tie_word_embeddings) == (
-        published.num_hidden_layers, published.hidden_size, published.intermediate_size,
-        published.num_attention_heads, published.num_key_value_heads, published.vocab_size,
-        published.rope_parameters["rope_theta"], published.tie_word_embeddings)
+    assert (
+        llm.num_layers,
+        llm.hidden_size,
+        llm.ffn_hidden_size,
+        llm.num_attention_heads,
+        llm.num_query_groups,
+        llm.vocab_size,
+        llm.rope_theta,
+        llm.tie_word_embeddings,
+    ) == (
+        published.num_hidden_layers,
+        published.hidden_size,
+        published.intermediate_size,
+        published.num_attention_heads,
+        published.num_key_value_heads,
+        published.vocab_size,
+        published.rope_parameters["rope_theta"],
+        published.tie_word_embeddings,
+    )
     buf = io.StringIO()
     report = run_dry_run(recipe, EMU3, out=buf)
     assert report.params.unpadded_total == _hf_emu3_text_numel(llm) == 8_492_011_520
@@ -265,12 +299,13 @@ def test_dry_run_footnotes_the_frozen_post_layernorm():
     assert "post-layernorm" not in stage1  # all of the tower frozen: nothing to explain
 
 
-@pytest.mark.unit
 def test_dry_run_imports_neither_torch_nor_megatron():
     """Issue 45: a dry run of aquila-vl-2b printed nothing for up to 40 s on a busy machine: all of
     it was importing torch and megatron-core, which an analytical report does not need."""
-    code = ("import sys; from mmtrain.cli import main; "
-            f"rc = main(['train', {str(AQUILA)!r}, 'action=dry_run']); "
-            "print('heavy:', sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; from mmtrain.cli import main; "
+        f"rc = main(['train', {str(AQUILA)!r}, 'action=dry_run']); "
+        "print('heavy:', sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
     assert "memory per rank" in out and out.splitlines()[-1] == "heavy: []", out[-500:]

@@ -90,8 +90,22 @@ def test_export_of_a_checkpoint_without_kept_vq(hf_dir, converted, emu3_tok_dir,
         convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(tmp_path / "y"), "--vq", str(src))
     assert usage.value.code == 2 and "unrecognized arguments: --vq" in capsys.readouterr().err
     out = tmp_path / "out"
-    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(bare), "--dst", str(out), "--vq", str(tiny_vq_dir),
-                "--tokenizer", str(emu3_tok_dir)) == 0
+    assert (
+        convert_cli(
+            "mcore-to-hf",
+            "--model",
+            "emu3",
+            "--src",
+            str(bare),
+            "--dst",
+            str(out),
+            "--vq",
+            str(tiny_vq_dir),
+            "--tokenizer",
+            str(emu3_tok_dir),
+        )
+        == 0
+    )
     reloaded = Emu3ForConditionalGeneration.from_pretrained(out)
     s1, s2 = model.state_dict(), reloaded.state_dict()
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
@@ -103,8 +117,13 @@ def test_tp2_logits_and_loss_match_hf_and_reshard(hf_dir, converted, tmp_path):
 
     src, model = hf_dir
     result = tmp_path / "res.json"
-    torchrun(Path(__file__).parent / "workers" / "emu3_tp_worker.py", str(src), str(converted), str(tmp_path / "tp2"),
-              str(result))
+    torchrun(
+        Path(__file__).parent / "workers" / "emu3_tp_worker.py",
+        str(src),
+        str(converted),
+        str(tmp_path / "tp2"),
+        str(result),
+    )
     res = json.loads(result.read_text())
     assert res["local_vocab_rows"] == 1536 // 2  # 1503 padded to a multiple of 128 x TP, then split
     for key in ("from_hf", "from_tp1_ckpt", "sequence_parallel"):
@@ -124,7 +143,10 @@ def test_cli_converts_at_tp2_pp2(hf_dir, tmp_path):
 
     src, model = hf_dir
     dst = tmp_path / "tp2pp2"
-    assert convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(dst), "--tp", "2", "--pp", "2") == 0
+    assert (
+        convert_cli("hf-to-mcore", "--model", "emu3", "--src", str(src), "--dst", str(dst), "--tp", "2", "--pp", "2")
+        == 0
+    )
     ids, _ = _inputs(1503)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -150,7 +172,10 @@ def test_bf16_round_trip_keeps_bf16(hf_dir, emu3_tok_dir, tiny_vq_dir, tmp_path)
         assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k]), k
     assert {t.dtype for t in b.values() if t.is_floating_point()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    assert convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out32), "--dtype", "float32") == 0
+    assert (
+        convert_cli("mcore-to-hf", "--model", "emu3", "--src", str(ckpt), "--dst", str(out32), "--dtype", "float32")
+        == 0
+    )
     c = load_file(out32 / "model.safetensors")
     assert all(c[k].dtype == torch.float32 and torch.equal(a[k].float(), c[k]) for k in a if a[k].is_floating_point())
     assert json.loads((out32 / "config.json").read_text())["dtype"] == "float32"

@@ -39,21 +39,37 @@ def _hf_processor(tok):
 
 def _hf_messages(turns: list[tuple[str, str, int]]) -> list[dict]:
     """(role, text, images) -> transformers chat messages (images first, as the template renders)."""
-    return [{"role": role, "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]} for role, text, n in turns]
+    return [
+        {"role": role, "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]} for role, text, n in turns
+    ]
 
 
 @pytest.mark.unit
 def test_understanding_is_the_hf_chat_template_with_eos_and_loss_on_answers(tok):
     tasks = Emu3Tasks(tok)
-    conv = [{"from": "human", "value": "<image>\nWhat is shown?"}, {"from": "gpt", "value": "A cat."},
-            {"from": "human", "value": "And the colour?"}, {"from": "gpt", "value": "Grey."}]
+    conv = [
+        {"from": "human", "value": "<image>\nWhat is shown?"},
+        {"from": "gpt", "value": "A cat."},
+        {"from": "human", "value": "And the colour?"},
+        {"from": "gpt", "value": "Grey."},
+    ]
     grids = [_grid(3, 4, 0)]
     proc = _hf_processor(tok)
-    hf_full = proc.apply_chat_template(_hf_messages([
-        ("system", "You are a helpful assistant.", 0), ("user", "What is shown?", 1), ("assistant", "A cat.", 0),
-        ("user", "And the colour?", 0), ("assistant", "Grey.", 0)]))
-    hf_prompt = proc.apply_chat_template(_hf_messages([
-        ("system", "You are a helpful assistant.", 0), ("user", "What is shown?", 1)]), add_generation_prompt=True)
+    hf_full = proc.apply_chat_template(
+        _hf_messages(
+            [
+                ("system", "You are a helpful assistant.", 0),
+                ("user", "What is shown?", 1),
+                ("assistant", "A cat.", 0),
+                ("user", "And the colour?", 0),
+                ("assistant", "Grey.", 0),
+            ]
+        )
+    )
+    hf_prompt = proc.apply_chat_template(
+        _hf_messages([("system", "You are a helpful assistant.", 0), ("user", "What is shown?", 1)]),
+        add_generation_prompt=True,
+    )
     text, loss = tasks.render(conv)
     assert text.replace(tok.eos_token, "") == hf_full
     assert text[: loss[0][0]] == hf_prompt  # the first answer's prompt is the template's generation prompt
@@ -67,7 +83,7 @@ def test_understanding_is_the_hf_chat_template_with_eos_and_loss_on_answers(tok)
     assert tok.decode(targets) == f" A cat.{tok.eos_token} Grey.{tok.eos_token}"
     block = es.image_ids(grids[0], vocab, encode)
     assert seq.media_spans == [("image", int(np.flatnonzero(seq.input_ids == vocab.boi)[0]), len(block))]
-    assert (seq.labels[seq.media_spans[0][1]:][: seq.media_spans[0][2]] == IGNORE_INDEX).all()
+    assert (seq.labels[seq.media_spans[0][1] :][: seq.media_spans[0][2]] == IGNORE_INDEX).all()
 
 
 @pytest.mark.unit
@@ -77,19 +93,24 @@ def test_generation_prompt_is_hf_processors_and_loss_is_on_what_the_model_genera
     seq = tasks.generation("a grey cat on a red sofa", grid)
     vocab = tasks.vocab
     # transformers' text-to-image prompt: [bos] caption [boi] "H*W" [img] (ratio/area picked to give 4x5 codes)
-    hf = _hf_processor(tok)(text="a grey cat on a red sofa", return_for_image_generation=True, ratio="5:4",
-                            image_area=4 * 5 * 64)
+    hf = _hf_processor(tok)(
+        text="a grey cat on a red sofa", return_for_image_generation=True, ratio="5:4", image_area=4 * 5 * 64
+    )
     prompt = list(hf["input_ids"][0])
     assert list(hf["image_sizes"][0]) == [4, 5]
     assert seq.input_ids[: len(prompt)].tolist() == prompt
     # the rest is what the model generates under Emu3's prefix constraints: rows, eof, eoi, eos
-    rest = seq.input_ids[len(prompt):]
-    assert rest.tolist() == [*np.c_[vocab.visual[grid.astype(np.int64)], np.full(4, vocab.eol)].ravel(),
-                             vocab.eof, vocab.eoi, vocab.eos]
-    assert (seq.labels[: len(prompt)] == IGNORE_INDEX).all() and seq.labels[len(prompt):].tolist() == rest.tolist()
+    rest = seq.input_ids[len(prompt) :]
+    assert rest.tolist() == [
+        *np.c_[vocab.visual[grid.astype(np.int64)], np.full(4, vocab.eol)].ravel(),
+        vocab.eof,
+        vocab.eoi,
+        vocab.eos,
+    ]
+    assert (seq.labels[: len(prompt)] == IGNORE_INDEX).all() and seq.labels[len(prompt) :].tolist() == rest.tolist()
     uncond = tasks.generation("", grid)
     assert uncond.input_ids[:2].tolist() == [vocab.bos, vocab.boi]
-    assert uncond.input_ids[-len(rest):].tolist() == rest.tolist()
+    assert uncond.input_ids[-len(rest) :].tolist() == rest.tolist()
 
 
 @pytest.mark.unit
@@ -106,8 +127,14 @@ def test_task_choice():
 
 
 def _loader(data, tok_dir, seed=5, **kw):
-    args = dict(seq_length=SEQ, micro_batch_size=4, num_workers=0, seed=seed, packing=False,
-                encoder=dict(tasks={GENERATION: 1.0}, p_uncond=0.3))
+    args = dict(
+        seq_length=SEQ,
+        micro_batch_size=4,
+        num_workers=0,
+        seed=seed,
+        packing=False,
+        encoder=dict(tasks={GENERATION: 1.0}, p_uncond=0.3),
+    )
     args.update(kw)
     return build_emu3_loader(data, tok_dir, **args)
 
@@ -137,13 +164,24 @@ def test_p_uncond_rate_and_reproducibility(demo_token_dir, emu3_tok_dir, tok):
 
 
 def _digest(batch) -> dict:
-    return {"ids": batch.sample_ids, "tasks": batch.tasks, "sum": int(batch.input_ids.sum()),
-            "labels": int((batch.labels != IGNORE_INDEX).sum()), "cu": batch.cu_seqlens.tolist()}
+    return {
+        "ids": batch.sample_ids,
+        "tasks": batch.tasks,
+        "sum": int(batch.input_ids.sum()),
+        "labels": int((batch.labels != IGNORE_INDEX).sum()),
+        "cu": batch.cu_seqlens.tolist(),
+    }
 
 
 def test_mixed_packed_batches_exact_resume_and_task_blend(demo_token_dir, emu3_tok_dir, tmp_path):
-    kw = dict(packing=True, packing_buffer_size=16, micro_batch_size=2, num_workers=1,
-              checkpoint_every_min_n_samples=2, encoder=dict(tasks={UNDERSTANDING: 1.0, GENERATION: 1.0}, p_uncond=0.5))
+    kw = dict(
+        packing=True,
+        packing_buffer_size=16,
+        micro_batch_size=2,
+        num_workers=1,
+        checkpoint_every_min_n_samples=2,
+        encoder=dict(tasks={UNDERSTANDING: 1.0, GENERATION: 1.0}, p_uncond=0.5),
+    )
     loader = _loader(demo_token_dir, emu3_tok_dir, **kw)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
@@ -164,10 +202,20 @@ def test_mixed_packed_batches_exact_resume_and_task_blend(demo_token_dir, emu3_t
 
     # a metadataset entry's `task` subflavor forces the task of its samples
     blend = tmp_path / "blend.yaml"
-    entries = [{"weight": 1.0, "path": str(demo_token_dir.resolve()), "dataset_config": "mmdata.yaml",
-                "subflavors": {"task": task}} for task in (UNDERSTANDING, GENERATION)]
-    blend.write_text(json.dumps({"__module__": "megatron.energon", "__class__": "MetadatasetV2",
-                                 "splits": {"train": {"blend": entries}}}))
+    entries = [
+        {
+            "weight": 1.0,
+            "path": str(demo_token_dir.resolve()),
+            "dataset_config": "mmdata.yaml",
+            "subflavors": {"task": task},
+        }
+        for task in (UNDERSTANDING, GENERATION)
+    ]
+    blend.write_text(
+        json.dumps(
+            {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend": entries}}}
+        )
+    )
     loader = _loader(blend, emu3_tok_dir, encoder=dict(tasks={UNDERSTANDING: 1.0}))
     tasks = [t for _, b in zip(range(40), loader) for row in b.tasks for t in row]
     share = tasks.count(GENERATION) / len(tasks)

@@ -27,8 +27,16 @@ SETTINGS = ("data.p_uncond=0.5", "data.uncond_prompt=a picture", "data.tasks={un
 
 
 def _recipe_args(token_dir: Path, tok: Path, *extra: str) -> list[str]:
-    return [f"data.paths=[{token_dir}]", f"tokenizer.path={tok}", f"train.seq_length={SEQ}", "data.packing=plan",
-            "logging.tensorboard=false", "run_dir=/nonexistent/run", *SETTINGS, *extra]
+    return [
+        f"data.paths=[{token_dir}]",
+        f"tokenizer.path={tok}",
+        f"train.seq_length={SEQ}",
+        "data.packing=plan",
+        "logging.tensorboard=false",
+        "run_dir=/nonexistent/run",
+        *SETTINGS,
+        *extra,
+    ]
 
 
 def _pack_plan(token_dir: Path, tok: Path, *extra: str) -> int:
@@ -54,9 +62,12 @@ def test_the_length_index_lists_every_written_sample_with_its_key(token_dir, emu
     assert index.column("index").to_pylist() == list(range(len(keys)))
     assert keys != [f"{i:010d}" for i in range(len(keys))]  # quarantined records left gaps
     assert np.bincount(index.column("shard").to_numpy()).tolist() == [s["samples"] for s in manifest["shards"]]
-    und, gen, block = (index.column(c).to_numpy() for c in ("understanding_tokens", "generation_tokens",
-                                                            "image_block_tokens"))
-    assert (und > 0).all() and (gen == UNENCODABLE).any() and (gen > block).any()  # text-only, multi-image: no generation
+    und, gen, block = (
+        index.column(c).to_numpy() for c in ("understanding_tokens", "generation_tokens", "image_block_tokens")
+    )
+    assert (
+        (und > 0).all() and (gen == UNENCODABLE).any() and (gen > block).any()
+    )  # text-only, multi-image: no generation
     assert ((block == 0) == (gen == UNENCODABLE)).sum() >= 1
 
 
@@ -69,15 +80,26 @@ def test_plan_lengths_are_what_the_loader_encodes(token_dir, emu3_tok_dir, capsy
     assert "generation (" in capsys.readouterr().out
     path = plan_path(token_dir, SEQ)
     info = read_plan_info(path)
-    assert info["geometry"] == {"kind": "emu3", "tokenizer_sha256": info["geometry"]["tokenizer_sha256"],
-                                "system_prompt": "You are a helpful assistant.", "uncond_prompt": "a picture",
-                                "tasks": {"generation": 2.0, "understanding": 1.0}, "p_uncond": 0.5}
+    assert info["geometry"] == {
+        "kind": "emu3",
+        "tokenizer_sha256": info["geometry"]["tokenizer_sha256"],
+        "system_prompt": "You are a helpful assistant.",
+        "uncond_prompt": "a picture",
+        "tasks": {"generation": 2.0, "understanding": 1.0},
+        "p_uncond": 0.5,
+    }
     plan = pq.read_table(path)
     bins, keys, variants, tokens = (plan.column(c).to_pylist() for c in ("bin", "key", "variant", "tokens"))
     assert {UNDERSTAND, GENERATE, GENERATE_UNCOND} <= set(variants)
-    loader = build_emu3_loader(token_dir, emu3_tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=1,
-                               packing="plan", encoder={"p_uncond": 0.5, "uncond_prompt": "a picture",
-                                                        "tasks": {"understanding": 1.0, "generation": 2.0}})
+    loader = build_emu3_loader(
+        token_dir,
+        emu3_tok_dir,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        num_workers=1,
+        packing="plan",
+        encoder={"p_uncond": 0.5, "uncond_prompt": "a picture", "tasks": {"understanding": 1.0, "generation": 2.0}},
+    )
     it = iter(loader)
     task = {UNDERSTAND: "understanding", GENERATE: "generation", GENERATE_UNCOND: "generation"}
     for b in range(info["bins"]):
@@ -85,7 +107,7 @@ def test_plan_lengths_are_what_the_loader_encodes(token_dir, emu3_tok_dir, capsy
         rows = [j for j, x in enumerate(bins) if x == b]
         assert [k.rsplit("#", 1)[-1] for k in batch.sample_keys[0]] == [keys[j] for j in rows]
         assert batch.tasks[0] == [task[variants[j]] for j in rows]
-        assert np.diff(batch.cu_seqlens.tolist())[:len(rows)].tolist() == [tokens[j] for j in rows], b
+        assert np.diff(batch.cu_seqlens.tolist())[: len(rows)].tolist() == [tokens[j] for j in rows], b
     stats = loader.stats
     assert stats.skipped == {}
     assert stats.counters["task/generation_uncond"] == variants.count(GENERATE_UNCOND)
@@ -99,8 +121,10 @@ def test_a_plan_of_other_settings_is_refused(token_dir, emu3_tok_dir, tmp_path, 
     assert _pack_plan(token_dir, emu3_tok_dir) == 0
     preflight(load_recipe(RECIPE, _recipe_args(token_dir, emu3_tok_dir)), EMU3)  # the plan's own settings pass
     with pytest.raises(PreflightError) as e:
-        preflight(load_recipe(RECIPE, _recipe_args(token_dir, emu3_tok_dir, "data.p_uncond=0.1",
-                                                   "data.uncond_prompt=''")), EMU3)
+        preflight(
+            load_recipe(RECIPE, _recipe_args(token_dir, emu3_tok_dir, "data.p_uncond=0.1", "data.uncond_prompt=''")),
+            EMU3,
+        )
     (line,) = e.value.problems
     assert line.startswith("data.packing: plan: ") and "other settings than the recipe's" in line, line
     assert "uncond_prompt 'a picture' (recipe: '')" in line and "p_uncond 0.5 (recipe: 0.1)" in line, line

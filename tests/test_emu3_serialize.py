@@ -30,9 +30,12 @@ def test_tiny_emu3_tokenizer_has_emu3_layout_and_roles(tmp_path, tok, emu3_tok_d
     ids = tok.convert_tokens_to_ids
     first = ids(es.ENDOFTEXT)
     # the real vocabulary's order after the BPE merges (151643 + offset in Emu3's)
-    expected = ([es.ENDOFTEXT, "<|im_start|>", "<|im_end|>", es.IMAGE_PLACEHOLDER]
-                + [f"<|extra_{i}|>" for i in range(1, 205)] + [es.IMG, es.BOI, es.EOI]
-                + [es.visual_token(i) for i in range(512)])
+    expected = (
+        [es.ENDOFTEXT, "<|im_start|>", "<|im_end|>", es.IMAGE_PLACEHOLDER]
+        + [f"<|extra_{i}|>" for i in range(1, 205)]
+        + [es.IMG, es.BOI, es.EOI]
+        + [es.visual_token(i) for i in range(512)]
+    )
     assert [ids(t) for t in expected] == list(range(first, first + len(expected))) and len(tok) == first + len(expected)
     assert first == max(i for t, i in tok.get_vocab().items() if t not in set(expected)) + 1  # specials after BPE
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == (es.BOS, es.EOS, es.ENDOFTEXT)
@@ -40,7 +43,11 @@ def test_tiny_emu3_tokenizer_has_emu3_layout_and_roles(tmp_path, tok, emu3_tok_d
     assert (vocab.bos, vocab.eos, vocab.eol, vocab.eof) == (first + 206, first + 207, first + 203, first + 204)
     assert vocab.codebook_size == 512 and list(vocab.visual[:2]) == [first + 211, first + 212]
     proc = Emu3Processor(image_processor=Emu3ImageProcessor(), tokenizer=tok)  # reads the named tokens
-    assert (proc.image_token_id, proc.image_start_token, proc.fake_token_around_image) == (vocab.placeholder, es.BOI, es.IMG)
+    assert (proc.image_token_id, proc.image_start_token, proc.fake_token_around_image) == (
+        vocab.placeholder,
+        es.BOI,
+        es.IMG,
+    )
     assert tok.convert_ids_to_tokens(tok.encode("64*64", add_special_tokens=False)) == ["6", "4", "*", "6", "4"]
     # deterministic, and the CLI writes the same files
     assert main(["tiny-tokenizer", "--family", "emu3", "--output", str(tmp_path / "cli")]) == 0
@@ -56,8 +63,12 @@ def test_serialize_matches_hf_processor_and_model(tok, tiny_vq_dir):
     from mmdata.vision_tokens.vq import VisionTokenizer
 
     rng = np.random.default_rng(3)
-    proc = Emu3Processor(image_processor=Emu3ImageProcessor.from_pretrained(
-        tiny_vq_dir, min_pixels=TEST_IMAGE_AREA, max_pixels=TEST_IMAGE_AREA), tokenizer=tok)
+    proc = Emu3Processor(
+        image_processor=Emu3ImageProcessor.from_pretrained(
+            tiny_vq_dir, min_pixels=TEST_IMAGE_AREA, max_pixels=TEST_IMAGE_AREA
+        ),
+        tokenizer=tok,
+    )
     model = tiny_hf_emu3(tok, tiny_vq_dir)
     ours = VisionTokenizer(tiny_vq_dir, TEST_IMAGE_AREA)
     vocab, encode = es.Emu3Vocab.from_tokenizer(tok), es.hf_text_encoder(tok)
@@ -93,8 +104,8 @@ def test_serialize_layout_and_errors(tok):
     grid = np.arange(6, dtype=np.uint16).reshape(2, 3)
     ids = es.image_ids(grid, vocab, encode)
     size = encode("2*3")
-    body = ids[2 + len(size):-2]
-    assert ids[0] == vocab.boi and list(ids[1:1 + len(size)]) == list(size) and ids[1 + len(size)] == vocab.img
+    body = ids[2 + len(size) : -2]
+    assert ids[0] == vocab.boi and list(ids[1 : 1 + len(size)]) == list(size) and ids[1 + len(size)] == vocab.img
     assert body.reshape(2, 4)[:, 3].tolist() == [vocab.eol, vocab.eol]
     assert body.reshape(2, 4)[:, :3].tolist() == vocab.visual[grid.astype(np.int64)].tolist()
     assert ids[-2:].tolist() == [vocab.eof, vocab.eoi]

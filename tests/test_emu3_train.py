@@ -46,8 +46,15 @@ def test_emu3_exact_resume(ref_run, tmp_path, demo_token_dir, emu3_tok_dir):
     """Killed after step 4's checkpoint, rerun: steps 5-6 are the uninterrupted run's, exactly
     (model, optimizer, RNG and the loader state, including its task and CFG draws)."""
     run = interrupted_copy(ref_run, tmp_path / "run", at_step=4)
-    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2",
-                      "checkpoint.save=false")  # its metrics are compared, no checkpoint of it is read
+    proc = emu3_train(
+        run,
+        demo_token_dir,
+        emu3_tok_dir,
+        "train.iters=6",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=2",
+        "checkpoint.save=false",
+    )  # its metrics are compared, no checkpoint of it is read
     assert "resumed from" in proc.stderr
     ref, resumed = metrics(ref_run), metrics(run)
     for step in (5, 6):
@@ -55,8 +62,7 @@ def test_emu3_exact_resume(ref_run, tmp_path, demo_token_dir, emu3_tok_dir):
             assert resumed[step][key] == ref[step][key], (step, key)
 
 
-def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_run, tmp_path, emu3_tok_dir,
-                                                                           tiny_vq_dir):
+def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_run, tmp_path, emu3_tok_dir, tiny_vq_dir):
     """`mmtrain generate emu3 --checkpoint RUN_DIR` on what training wrote (no HF assets: the
     tokenizer and VQ given), guided and greedy: transformers' generate on the run's HF export
     gives the same tokens, and its VQ decode the same pixels."""
@@ -75,41 +81,87 @@ def test_generate_from_the_training_run_equals_transformers_on_its_export(ref_ru
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a red bus", "negative_prompt": "lowres"}) + "\n")
     assets = ["--tokenizer", str(emu3_tok_dir), "--vq", str(tiny_vq_dir)]
-    assert main(["generate", "emu3", "--checkpoint", str(ref_run), *assets, "--prompts", str(prompts), "--greedy",
-                 "--height", "16", "--width", "24", "--output", str(tmp_path / "imgs"), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "emu3",
+                "--checkpoint",
+                str(ref_run),
+                *assets,
+                "--prompts",
+                str(prompts),
+                "--greedy",
+                "--height",
+                "16",
+                "--width",
+                "24",
+                "--output",
+                str(tmp_path / "imgs"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     [line] = [json.loads(x) for x in (tmp_path / "imgs" / "images.jsonl").read_text().splitlines()]
     export = tmp_path / "hf"
-    assert main(["convert", "mcore-to-hf", "--model", "emu3", "--src", str(ref_run / "checkpoints"), "--dst",
-                 str(export), *assets]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "mcore-to-hf",
+                "--model",
+                "emu3",
+                "--src",
+                str(ref_run / "checkpoints"),
+                "--dst",
+                str(export),
+                *assets,
+            ]
+        )
+        == 0
+    )
     model = Emu3ForConditionalGeneration.from_pretrained(export).eval()
     # its image processor resizes to the area the run's token shards were made at (issue 45)
     pre = json.loads((export / "preprocessor_config.json").read_text())
     assert pre["min_pixels"] == pre["max_pixels"] == TEST_IMAGE_AREA
     ref = resolve_checkpoint(ref_run, "emu3")
-    req = Emu3ImageGenerator(ref, Placement.resolve("cpu"), tokenizer_dir=emu3_tok_dir, vq_dir=tiny_vq_dir,
-                             decode_images=False).request(ImagePrompt("a red bus", 16, 24, negative="lowres"))
+    req = Emu3ImageGenerator(
+        ref, Placement.resolve("cpu"), tokenizer_dir=emu3_tok_dir, vq_dir=tiny_vq_dir, decode_images=False
+    ).request(ImagePrompt("a red bus", 16, 24, negative="lowres"))
     # 2 rows of 3 codes (not 2 codes wide: there the docs' constraint asks for eol where eos goes)
     tokens = hf_emu3_generate(model, req.prompt, req.negative_prompt, 2, 3, 3.0)
     rows = tokens[: 2 * 4].reshape(2, 4)  # each row: 3 codes and an end-of-line
     assert np.array_equal(np.asarray(line["grid"]), model.model.vocabulary_mapping.convert_bpe2img(rows).numpy())
     with torch.no_grad():
         pixels = model.model.decode_image_tokens(image_tokens=tokens[None], height=2, width=3)
-    hf_image = Emu3ImageProcessor.from_pretrained(export).postprocess(list(pixels.float()),
-                                                                     return_tensors="PIL.Image.Image")
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "imgs" / line["png"])),
-                          np.asarray(hf_image["pixel_values"][0]))
+    hf_image = Emu3ImageProcessor.from_pretrained(export).postprocess(
+        list(pixels.float()), return_tensors="PIL.Image.Image"
+    )
+    assert np.array_equal(
+        np.asarray(Image.open(tmp_path / "imgs" / line["png"])), np.asarray(hf_image["pixel_values"][0])
+    )
 
 
-def test_emu3_context_parallel_resumes_a_cp1_checkpoint_and_equals_one_process(ref_run, tmp_path, demo_token_dir,
-                                                                                emu3_tok_dir):
+def test_emu3_context_parallel_resumes_a_cp1_checkpoint_and_equals_one_process(
+    ref_run, tmp_path, demo_token_dir, emu3_tok_dir
+):
     """The one-process run's step-4 checkpoint continued at CP=2 (2 processes) through the shared
     packed decoder forward: every packed sample split 2*cp ways, K/V exchanged over gloo, the
     lean (chunked) loss of each rank's positions reduced over the CP group. Steps 5-6 (losses,
     grad norms, per-sample losses, the samples themselves) equal the uninterrupted one-process
     run: model, optimizer and loader state carry across the CP change."""
     run = tmp_path / "cp2"
-    proc = emu3_train(run, demo_token_dir, emu3_tok_dir, "train.iters=6", "checkpoint.save=false", "parallel.cp=2",
-                      f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", nproc=2)
+    proc = emu3_train(
+        run,
+        demo_token_dir,
+        emu3_tok_dir,
+        "train.iters=6",
+        "checkpoint.save=false",
+        "parallel.cp=2",
+        f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}",
+        nproc=2,
+    )
     assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
     assert "LM loss: chunked" in proc.stderr
     assert "same layout: False, loader restored: True" in proc.stderr
@@ -126,8 +178,17 @@ def parity_reference(tmp_path_factory, demo_token_dir, emu3_tok_dir, tiny_vq_dir
     from transformers import AutoTokenizer
 
     base = tmp_path_factory.mktemp("emu3_parity")
-    model = tiny_hf_emu3(AutoTokenizer.from_pretrained(emu3_tok_dir), tiny_vq_dir, layers=2, hidden=64, heads=4,
-                         kv_heads=2, seed=3, noise=0.02, max_positions=4096)
+    model = tiny_hf_emu3(
+        AutoTokenizer.from_pretrained(emu3_tok_dir),
+        tiny_vq_dir,
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        seed=3,
+        noise=0.02,
+        max_positions=4096,
+    )
     hf = save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, base / "hf")
     common = ("train.iters=4", "checkpoint.save=false", "data.sharding=replicated", f"checkpoint.load={hf}")
     emu3_train(base / "ref", demo_token_dir, emu3_tok_dir, *common)
@@ -142,38 +203,63 @@ def _same_losses(got: dict, ref: dict, steps) -> None:
 
 
 @pytest.mark.slow
-def test_emu3_tp2_pp2_sequence_parallel_losses_equal_one_process(parity_reference, tmp_path, demo_token_dir,
-                                                                  emu3_tok_dir):
+def test_emu3_tp2_pp2_sequence_parallel_losses_equal_one_process(
+    parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
+):
     common, ref = parity_reference
     run = tmp_path / "tp2pp2"
-    emu3_train(run, demo_token_dir, emu3_tok_dir, *common, "parallel.tp=2", "parallel.pp=2",
-               "parallel.sequence_parallel=true", nproc=4)
+    emu3_train(
+        run,
+        demo_token_dir,
+        emu3_tok_dir,
+        *common,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.sequence_parallel=true",
+        nproc=4,
+    )
     _same_losses(metrics(run), ref, (1, 2, 3, 4))
 
 
 @pytest.mark.slow
-def test_emu3_cp2_tp2_sequence_parallel_losses_equal_one_process(parity_reference, tmp_path, demo_token_dir,
-                                                                  emu3_tok_dir):
+def test_emu3_cp2_tp2_sequence_parallel_losses_equal_one_process(
+    parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
+):
     """CP=2 x TP=2 with sequence parallelism (4 processes) from the first step: the lean loss
     vocab-parallel over TP on each CP rank's share, reduced over the CP group."""
     common, ref = parity_reference
     run = tmp_path / "cp2tp2"
-    emu3_train(run, demo_token_dir, emu3_tok_dir, *common, "parallel.cp=2", "parallel.tp=2",
-               "parallel.sequence_parallel=true", nproc=4)
+    emu3_train(
+        run,
+        demo_token_dir,
+        emu3_tok_dir,
+        *common,
+        "parallel.cp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        nproc=4,
+    )
     _same_losses(metrics(run), ref, (1, 2, 3, 4))
 
 
 @pytest.mark.slow
-def test_emu3_dp2_losses_equal_one_process_and_resume_on_tp2(parity_reference, tmp_path, demo_token_dir,
-                                                             emu3_tok_dir):
+def test_emu3_dp2_losses_equal_one_process_and_resume_on_tp2(parity_reference, tmp_path, demo_token_dir, emu3_tok_dir):
     common, ref = parity_reference
     dp2 = tmp_path / "dp2"
     emu3_train(dp2, demo_token_dir, emu3_tok_dir, *common, "checkpoint.save=true", "checkpoint.interval=2", nproc=2)
     _same_losses(metrics(dp2), ref, (1, 2, 3, 4))
     tp2 = tmp_path / "tp2"
-    proc = emu3_train(tp2, demo_token_dir, emu3_tok_dir, "train.iters=4", "checkpoint.save=false",
-                      "data.sharding=replicated", f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}",
-                      "parallel.tp=2", nproc=2)
+    proc = emu3_train(
+        tp2,
+        demo_token_dir,
+        emu3_tok_dir,
+        "train.iters=4",
+        "checkpoint.save=false",
+        "data.sharding=replicated",
+        f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}",
+        "parallel.tp=2",
+        nproc=2,
+    )
     assert "same layout: False, loader restored: True" in proc.stderr
     got = metrics(tp2)
     assert sorted(got) == [3, 4]

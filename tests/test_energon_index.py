@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 import yaml
 
-from mmdata.shard_job.energon_meta import (ENERGON_FORMAT_VERSION, NV_META, ShardLayout, write_energon_index,
-                                            write_tar_index)
+from mmdata.shard_job.energon_meta import (
+    ENERGON_FORMAT_VERSION,
+    NV_META,
+    ShardLayout,
+    write_energon_index,
+    write_tar_index,
+)
 from mmdata.shard_job.shard_writer import SampleMembers, write_shard
 
 # `unit` test by test: the comparison with energon's own prepare runs its worker processes
@@ -77,10 +82,10 @@ def test_index_from_layouts_equals_energon_prepare(tmp_path):
     assert mine.pop("energon_version") == ENERGON_FORMAT_VERSION
     theirs.pop("energon_version")
     assert mine == theirs
-    assert yaml.safe_load((ours / NV_META / "split.yaml").read_text()) == \
-        yaml.safe_load((ref / NV_META / "split.yaml").read_text())
+    assert yaml.safe_load((ours / NV_META / "split.yaml").read_text()) == yaml.safe_load(
+        (ref / NV_META / "split.yaml").read_text()
+    )
     assert len((ours / NV_META / "index.uuid").read_text()) == 36
-
 
 
 @pytest.mark.unit
@@ -92,4 +97,5 @@ def test_format_stamp_names_the_installed_energon_minor():
     installed = version("megatron-energon")
     assert installed.split(".")[:2] == ENERGON_FORMAT_VERSION.split(".")[:2], (
         f"energon {installed} installed, energon_meta.py writes {ENERGON_FORMAT_VERSION}'s formats: "
-        "check test_index_from_layouts_equals_energon_prepare and update ENERGON_FORMAT_VERSION")
+        "check test_index_from_layouts_equals_energon_prepare and update ENERGON_FORMAT_VERSION"
+    )

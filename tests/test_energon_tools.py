@@ -33,16 +33,22 @@ def _jpeg(rng: np.random.Generator) -> bytes:
 def dev_shards(tmp_path_factory) -> Path:
     """A fresh shard set (3 shards) written by the same energon index writer as `mmdata preprocess`."""
     rng = np.random.default_rng(0)
-    samples = [DevSample(id=f"s{i}", conversations=[{"from": "human", "value": "<image>\nWhat is it?"},
-                                                     {"from": "gpt", "value": f"noise {i}"}],
-                         images=[("jpg", _jpeg(rng))]) for i in range(N_SAMPLES)]
+    samples = [
+        DevSample(
+            id=f"s{i}",
+            conversations=[{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": f"noise {i}"}],
+            images=[("jpg", _jpeg(rng))],
+        )
+        for i in range(N_SAMPLES)
+    ]
     return write_dev_shards(tmp_path_factory.mktemp("energon_tools") / "shards", samples, samples_per_shard=3)
 
 
 def _energon(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     """The real energon CLI (as the `energon` script runs it), in its own process."""
-    return subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", *args], input=stdin,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron.energon.cli.main", *args], input=stdin, capture_output=True, text=True
+    )
 
 
 def _check(proc: subprocess.CompletedProcess) -> str:
@@ -78,9 +84,17 @@ def _train_ids(path: Path) -> list[str]:
             return samples
 
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    ds = get_train_dataset(str(path), split_part="train", worker_config=worker_config, batch_size=1,
-                           shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False,
-                           task_encoder=Identity(), dataset_config="mmdata.yaml")
+    ds = get_train_dataset(
+        str(path),
+        split_part="train",
+        worker_config=worker_config,
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=False,
+        task_encoder=Identity(),
+        dataset_config="mmdata.yaml",
+    )
     return [s.id for batch in get_loader(ds) for s in batch]
 
 

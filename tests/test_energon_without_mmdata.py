@@ -53,7 +53,7 @@ sys.meta_path.insert(0, _NoMmdata())
 # What a plain energon user runs, in one process (one energon import): the `energon` CLI's
 # `info`, `lint` and `preview` with their defaults (as the `energon` script calls them; preview's
 # "Continue?" gets end of input, i.e. no), then a DefaultTaskEncoder loop. Prints one JSON line.
-PLAIN_ENERGON = '''\
+PLAIN_ENERGON = """\
 import json, sys
 import torch
 from click.testing import CliRunner
@@ -82,7 +82,7 @@ for i, batch in enumerate(get_loader(ds)):
     if len(seen) == n or i > 3 * n:
         break
 print(json.dumps({"cli": cli, "samples": seen}))
-'''
+"""
 
 
 def _env(site: Path) -> dict[str, str]:
@@ -101,8 +101,9 @@ def bare(tmp_path_factory) -> Path:
 
 
 def _run(bare: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=bare, env=_env(bare), input=stdin, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=bare, env=_env(bare), input=stdin, capture_output=True, text=True
+    )
     return proc
 
 
@@ -145,15 +146,22 @@ def test_written_loader_is_the_self_contained_module(shards_dir):
     """`.nv-meta/sample_loader.py` is energon_sample_loader.py, which imports no mmdata."""
     source = Path(portable.__file__).read_text()
     assert (shards_dir / NV_META / "sample_loader.py").read_text() == source
-    imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-                for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in (n.names if isinstance(n, ast.Import) else [n])}
+    imported = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in (n.names if isinstance(n, ast.Import) else [n])
+    }
     assert imported <= {"__future__", "io", "json", "re", "numpy", "torch"}, imported
     meta = shards_dir / NV_META
-    assert yaml.safe_load((meta / "dataset.yaml").read_text())["sample_type"] == \
-        {"__module__": "megatron.energon", "__class__": "InterleavedSample"}
-    assert yaml.safe_load((meta / "mmdata.yaml").read_text())["sample_type"] == \
-        {"__module__": "mmdata.energon_loaders.sample", "__class__": "ConversationSample"}
+    assert yaml.safe_load((meta / "dataset.yaml").read_text())["sample_type"] == {
+        "__module__": "megatron.energon",
+        "__class__": "InterleavedSample",
+    }
+    assert yaml.safe_load((meta / "mmdata.yaml").read_text())["sample_type"] == {
+        "__module__": "mmdata.energon_loaders.sample",
+        "__class__": "ConversationSample",
+    }
     assert dataset_config(shards_dir) == "mmdata.yaml"
     assert config_sample_type(shards_dir) == "mmdata.energon_loaders.sample.ConversationSample"
 
@@ -205,23 +213,39 @@ def test_token_shards_read_by_plain_energon(bare, demo_token_dir):
 @pytest.mark.unit
 def test_loader_with_decoding_off_hands_over_bytes():
     """A task encoder with `decoder = None` gets the stored bytes at each placeholder."""
-    record = {"id": "a", "conversations": [{"from": "human", "value": "<video>\nand <image> then <image>"},
-                                           {"from": "gpt", "value": "ok <image>"}],
-              "images": ["img00.jpg", "img01.png"], "video": "video.mp4"}
+    record = {
+        "id": "a",
+        "conversations": [
+            {"from": "human", "value": "<video>\nand <image> then <image>"},
+            {"from": "gpt", "value": "ok <image>"},
+        ],
+        "images": ["img00.jpg", "img01.png"],
+        "video": "video.mp4",
+    }
     raw = {"json": json.dumps(record).encode(), "img00.jpg": b"J", "img01.png": b"P", "video.mp4": b"V"}
-    assert portable.sample_loader(raw)["sequence"] == \
-        ["human: ", b"V", "\nand ", b"J", " then ", b"P", "\ngpt: ok <image>"]
+    assert portable.sample_loader(raw)["sequence"] == [
+        "human: ",
+        b"V",
+        "\nand ",
+        b"J",
+        " then ",
+        b"P",
+        "\ngpt: ok <image>",
+    ]
     # decoded record (dict), no placeholder: media appended after the text
-    raw = {"json": {"id": "b", "conversations": [{"from": "human", "value": "hi"}], "images": ["img00.jpg"]},
-           "img00.jpg": b"J"}
+    raw = {
+        "json": {"id": "b", "conversations": [{"from": "human", "value": "hi"}], "images": ["img00.jpg"]},
+        "img00.jpg": b"J",
+    }
     assert portable.sample_loader(raw)["sequence"] == ["human: hi", b"J"]
     # token shards: the grids as int64 tensors, from raw .npy bytes or decoded arrays
     buf = io.BytesIO()
     np.save(buf, np.arange(6, dtype="<u2").reshape(2, 3), allow_pickle=False)
     vq = {"grids": [{"member": "img00.npy", "source": "img00.jpg", "height": 2, "width": 3, "pixels": [32, 48]}]}
     for grid in (buf.getvalue(), np.arange(6, dtype="<u2").reshape(2, 3)):
-        seq = portable.sample_loader({"json": json.dumps(record).encode(), "vq.json": json.dumps(vq).encode(),
-                                      "img00.npy": grid})["sequence"]
+        seq = portable.sample_loader(
+            {"json": json.dumps(record).encode(), "vq.json": json.dumps(vq).encode(), "img00.npy": grid}
+        )["sequence"]
         assert seq[0] == "human: <video>\nand " and seq[1].dtype.is_floating_point is False
         assert seq[1].tolist() == [[0, 1, 2], [3, 4, 5]] and str(seq[1].dtype) == "torch.int64"
     assert all(portable.part_filter(p) for p in ("json", "vq.json", "img00.jpg", "img03.npy", "video.webm"))
@@ -245,13 +269,15 @@ def test_folder_without_mmdata_yaml_reads_dataset_yaml_as_before(shards_dir, tmp
     for name in ("index.sqlite", "index.uuid", ".info.json", "split.yaml"):
         shutil.copy(shards_dir / NV_META / name, old / NV_META / name)
     # what energon_meta.py wrote before: our type in dataset.yaml, the re-exporting sample_loader.py
-    (old / NV_META / "dataset.yaml").write_text(textwrap.dedent("""\
+    (old / NV_META / "dataset.yaml").write_text(
+        textwrap.dedent("""\
         sample_type:
           __module__: mmdata.energon_loaders.sample
           __class__: ConversationSample
         sample_loader: sample_loader.py:sample_loader
         part_filter: sample_loader.py:part_filter
-        """))
+        """)
+    )
     (old / NV_META / "sample_loader.py").write_text(mmdata_sample_loader_py())
     assert dataset_config(old) == "dataset.yaml"
     assert config_sample_type(old) == "mmdata.energon_loaders.sample.ConversationSample"
@@ -280,10 +306,22 @@ def test_our_task_encoder_names_a_plain_dataset_yaml_read(shards_dir, tmp_path):
     from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
-    encoder = LlavaOVTaskEncoder(str(build_tiny_qwen2_tokenizer(tmp_path / "tok")), LlavaOVEncoderConfig(seq_length=4096))
-    ds = get_train_dataset(str(shards_dir), split_part="train", batch_size=1, shuffle_buffer_size=None,
-                           max_samples_per_sequence=None, repeat=False, task_encoder=encoder,
-                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
-    with pytest.raises(FatalSampleError, match=r"reads ConversationSample samples, got InterleavedSample.*"
-                                              r"dataset_config='mmdata.yaml'"):
+    encoder = LlavaOVTaskEncoder(
+        str(build_tiny_qwen2_tokenizer(tmp_path / "tok")), LlavaOVEncoderConfig(seq_length=4096)
+    )
+    ds = get_train_dataset(
+        str(shards_dir),
+        split_part="train",
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=False,
+        task_encoder=encoder,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+    )
+    with pytest.raises(
+        FatalSampleError,
+        match=r"reads ConversationSample samples, got InterleavedSample.*"
+        r"dataset_config='mmdata.yaml'",
+    ):
         next(iter(get_loader(ds)))

@@ -101,8 +101,11 @@ def _loss(model, batch) -> torch.Tensor:
 
 def missing_grads(model) -> list[str]:
     """Trainable parameters without a gradient (param.grad, or megatron DDP's main_grad)."""
-    return [n for n, p in model.named_parameters() if p.requires_grad
-            and p.grad is None and getattr(p, "main_grad", None) is None]
+    return [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None
+    ]
 
 
 # ----------------------------------------------------------------------------- LLaVA-OV
@@ -116,7 +119,9 @@ def test_llava_ln_post_is_frozen_but_kept_for_conversion(llava_cfg):
     model = _llava(llava_cfg, [])
     names = dict(model.named_parameters())
     assert {"vision_model.ln_post.weight", "vision_model.ln_post.bias"} <= set(names)
-    assert not names["vision_model.ln_post.weight"].requires_grad and not names["vision_model.ln_post.bias"].requires_grad
+    assert (
+        not names["vision_model.ln_post.weight"].requires_grad and not names["vision_model.ln_post.bias"].requires_grad
+    )
     # transformers' LlavaOnevision checkpoints hold the post-layernorm: the adapter still maps it
     # (the export round trips themselves: tests/test_convert.py, tests/test_llava_next_format.py)
     hf = {normalize_llava_hf_key(k) for k in hf_llava(seed=0).state_dict()}
@@ -131,8 +136,9 @@ def test_llava_every_trainable_param_gets_a_grad(llava_cfg, stage, kind):
     """For each stage's freeze set and each kind of micro-batch; the loss is the one computed
     without the zero-contribution terms (they only run when a backward follows)."""
     model = _llava(llava_cfg, LLAVA_FREEZES[stage])
-    make = {"images": image_batch, "text_only": text_batch,
-            "no_pixel_values": lambda c: text_batch(c, no_pixels=True)}[kind]
+    make = {"images": image_batch, "text_only": text_batch, "no_pixel_values": lambda c: text_batch(c, no_pixels=True)}[
+        kind
+    ]
     with torch.no_grad():
         reference = _loss(model, make(llava_cfg))
     loss = _loss(model, make(llava_cfg))
@@ -156,7 +162,7 @@ def _cp_rank_without_media(cfg):
     ids = torch.cat([head, tail])[None]
     batch = _with_labels(hf_inputs_to_batch(cfg, ids, pv, sizes))
     layout = cp_layout(batch.cu_seqlens, 2, 1, 4)
-    is_media = (ids.reshape(-1) == IMAGE_TOKEN)
+    is_media = ids.reshape(-1) == IMAGE_TOKEN
     held = torch.cat([is_media, torch.zeros(1, dtype=torch.bool)])[layout.index]
     assert is_media.any() and not held.any()  # the case under test
     return batch, layout
@@ -200,8 +206,14 @@ def _emu3_batch(vocab: int):
 
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(2))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE_INDEX)], dim=1)
-    return Emu3Batch(input_ids=ids, labels=labels, position_ids=torch.arange(24)[None],
-                     cu_seqlens=torch.tensor([0, 24], dtype=torch.int32), max_seqlen=24, num_loss_tokens=23)
+    return Emu3Batch(
+        input_ids=ids,
+        labels=labels,
+        position_ids=torch.arange(24)[None],
+        cu_seqlens=torch.tensor([0, 24], dtype=torch.int32),
+        max_seqlen=24,
+        num_loss_tokens=23,
+    )
 
 
 @pytest.mark.parametrize("stage", sorted(EMU3_FREEZES))
@@ -230,8 +242,9 @@ def test_llava_trains_under_megatron_ddp_with_overlapped_grad_reduce(llava_cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     model = _llava(llava_cfg, [])
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                               use_distributed_optimizer=False, check_for_nan_in_grad=False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=False, check_for_nan_in_grad=False
+    )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     assert ddp.ddp_config.overlap_grad_reduce
     for step in range(2):

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.unit
 AWKWARD = [
     b'{"a": 1, "a": 2}',
     b"[18446744073709551615, -9223372036854775808]",  # the ends of orjson's integer range
-    b"[18446744073709551616]", b"[-9223372036854775809]",  # beyond it orjson gives a float
-    b"[99999999999999999999]", b"[-12345678901234567890]", b"[123456789012345678901]",
+    b"[18446744073709551616]",
+    b"[-9223372036854775809]",  # beyond it orjson gives a float
+    b"[99999999999999999999]",
+    b"[-12345678901234567890]",
+    b"[123456789012345678901]",
     b"[9223372036854775808, 1234567890123456789, -1234567890123456789]",
     b'{"a": 1, "n": 18446744073709551616}',  # the long run at the very end
     b'{"id": 123456789012345678901234567890}',
@@ -26,12 +29,25 @@ AWKWARD = [
     b'{"t": "digits 12345678901234567890123 in text"}',
     b"[1e400, -1e400, 1.5e-99999999999999999999]",
     b'{"qw2vl_loss": NaN, "s": Infinity, "n": -Infinity}',
-    b'"\\ud800"', b'"\\udcff tail"', b'"\\ud83d\\ude42"',
+    b'"\\ud800"',
+    b'"\\udcff tail"',
+    b'"\\ud83d\\ude42"',
     b"\xef\xbb\xbf" + b'{"a": 1}',  # a BOM
-    '{"a": "é 中"}'.encode("utf-16"), '{"a": "é"}'.encode("utf-32"),
+    '{"a": "é 中"}'.encode("utf-16"),
+    '{"a": "é"}'.encode("utf-32"),
     b'{"a": "\xff"}',  # invalid UTF-8
-    b"", b"   ", b"{", b'{"a": 1} x', b"[1,]", b"nul", b"{'a': 1}",
-    b'{"\\u0000": "\\u0000\\u001f\\u2028"}', b"-0", b"-0.0", b"1E5", b"0.1",
+    b"",
+    b"   ",
+    b"{",
+    b'{"a": 1} x',
+    b"[1,]",
+    b"nul",
+    b"{'a': 1}",
+    b'{"\\u0000": "\\u0000\\u001f\\u2028"}',
+    b"-0",
+    b"-0.0",
+    b"1E5",
+    b"0.1",
     b"[1e-7, 5e-324, 1.7976931348623157e308, 2.2250738585072014e-308]",
 ]
 
@@ -100,15 +116,17 @@ def _random_value(rng: random.Random, depth: int = 0):
     if kind == 0:
         return rng.choice([None, True, False])
     if kind == 1:
-        return rng.choice([0, -1, 7, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-10**6, 10**6)])
+        return rng.choice([0, -1, 7, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-(10**6), 10**6)])
     if kind == 2:
         return rng.choice([0.5, -0.0, 1e-7, 1e16, 3.141592653589793, rng.uniform(-1e6, 1e6), 5e-324])
     if kind in (3, 4):
-        alphabet = "ab é中🙂\n\t\"\\/\x00\x1f\u2028<image>"
+        alphabet = 'ab é中🙂\n\t"\\/\x00\x1f\u2028<image>'
         return "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
     if kind in (5, 6):
-        return {rng.choice(["id", "é", "b", "a", "中", "z", ""]) + str(i): _random_value(rng, depth + 1)
-                for i in range(rng.randrange(4))}
+        return {
+            rng.choice(["id", "é", "b", "a", "中", "z", ""]) + str(i): _random_value(rng, depth + 1)
+            for i in range(rng.randrange(4))
+        }
     return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
 
 

@@ -40,8 +40,9 @@ HOLDER = textwrap.dedent("""
 
 def _holder(folder: Path, mode: str = "wait") -> subprocess.Popen:
     """A child process holding `folder`'s lock (until its stdin closes, or killed at once)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), mode], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -117,8 +118,11 @@ def test_record_of_another_host_is_not_taken_over(tmp_path):
     """Its holder may still run there (with client-local locks, its flock would not show here)."""
     out = tmp_path / "shards"
     lock_path(out).write_text(json.dumps({"pid": 1, "host": "node-elsewhere", "started": "then", "command": "x"}))
-    with pytest.raises(UserError, match=rf"locked by pid 1 on node-elsewhere since then \(x\), on another host.*"
-                                        rf"delete {lock_path(out)}"):
+    with pytest.raises(
+        UserError,
+        match=rf"locked by pid 1 on node-elsewhere since then \(x\), on another host.*"
+        rf"delete {lock_path(out)}",
+    ):
         with FolderLock(out, "--output"):
             pass
     assert lock_path(out).exists()
@@ -130,8 +134,9 @@ def test_one_process_may_take_its_own_lock_again_and_a_refusal_leaves_no_folders
         with FolderLock(run_dir, "run_dir"):  # e.g. auto-tune's --launch trains in the same process
             pass
         assert lock_path(run_dir).exists()  # still held after the inner block
-        child = subprocess.run([sys.executable, "-c", HOLDER, str(run_dir), "wait"], capture_output=True, text=True,
-                               input="")
+        child = subprocess.run(
+            [sys.executable, "-c", HOLDER, str(run_dir), "wait"], capture_output=True, text=True, input=""
+        )
         assert child.returncode == 1 and f"in use by another job: pid {os.getpid()}" in child.stderr
     assert not (tmp_path / "new").exists()  # the parents made for the lock file are removed again
 
@@ -144,8 +149,11 @@ def test_fresh_folder_refuses_non_empty_and_replaces_whole(tmp_path):
     dst = tmp_path / "export"
     dst.mkdir()
     (dst / "model-00007-of-00009.safetensors").write_text("stale")
-    with pytest.raises(UserError, match=r"--dst .*export is not empty \(1 entry, e.g. 'model-00007-of-00009.sa"
-                                        r"fetensors'\).*pass --overwrite"):
+    with pytest.raises(
+        UserError,
+        match=r"--dst .*export is not empty \(1 entry, e.g. 'model-00007-of-00009.sa"
+        r"fetensors'\).*pass --overwrite",
+    ):
         with fresh_folder(dst, overwrite=False):
             pytest.fail("a non-empty --dst accepted")
     with pytest.raises(RuntimeError):
@@ -182,8 +190,9 @@ def test_a_second_training_into_a_held_run_dir_exits_2_and_writes_nothing(tmp_pa
     with FolderLock(run_dir, "run_dir"):
         proc = train(run_dir, shards_dir, tokenizer_dir, "train.iters=2", expect_rc=2)
     err = proc.stderr.strip().splitlines()
-    assert err[-1].startswith(f"mmtrain llava-ov: error: run_dir {run_dir} is in use by another job: "
-                              f"pid {os.getpid()} on {HOST} since "), proc.stderr[-2000:]
+    assert err[-1].startswith(
+        f"mmtrain llava-ov: error: run_dir {run_dir} is in use by another job: pid {os.getpid()} on {HOST} since "
+    ), proc.stderr[-2000:]
     assert not run_dir.exists()  # no config.yaml, no metrics.jsonl, no checkpoints
 
 
@@ -195,14 +204,26 @@ def test_a_second_preprocess_into_a_held_output_exits_2_and_writes_nothing(tmp_p
     out = tmp_path / "shards"
     child = _holder(out)
     try:
-        proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
-                                  "--num-cpus", "1", check=False)
+        proc = run_preprocess_cli(
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(synth_raw_dir),
+            "--output",
+            str(out),
+            "--num-cpus",
+            "1",
+            check=False,
+        )
     finally:
         child.stdin.close()
         child.wait()
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"mmdata preprocess: error: --output {out} is in use by another job: pid {child.pid} on {HOST}")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"mmdata preprocess: error: --output {out} is in use by another job: pid {child.pid} on {HOST}")
+    )
     assert not out.exists()
 
 
@@ -218,8 +239,7 @@ def test_conversion_into_a_held_dst_exits_2(converted, tmp_path, capsys):
     assert not dst.exists()
 
 
-def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir, converted, tmp_path,
-                                                                          capsys):
+def test_export_into_a_non_empty_dst_needs_overwrite_and_then_replaces_it(hf_dir, converted, tmp_path, capsys):
     from safetensors.torch import load_file
 
     src, _ = hf_dir
@@ -253,6 +273,7 @@ def test_import_into_a_non_empty_dst_needs_overwrite(hf_dir, converted, tmp_path
     assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in converted.iterdir())
     assert find_latest_iteration(dst) == 0
     # a source inside the folder --overwrite would replace is refused
-    assert convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(dst), "--dst", str(tmp_path),
-                       "--overwrite") == 2
+    assert (
+        convert_cli("mcore-to-hf", "--model", "llava-ov", "--src", str(dst), "--dst", str(tmp_path), "--overwrite") == 2
+    )
     assert f"--dst {tmp_path} holds the source {dst}" in capsys.readouterr().err

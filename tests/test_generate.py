@@ -65,8 +65,10 @@ def test_emu3_cfg_greedy_matches_transformers_and_its_vq_decode(emu3_hf, emu3_ge
     from mmtrain.generation.sampling import SamplingParams
 
     hf_dir, model = emu3_hf
-    prompts = [ImagePrompt("a red bus parked next to a tall building", 32, 40, negative="lowres, bad anatomy", seed=1),
-               ImagePrompt("a cat", 24, 32, negative="blurry", cfg_scale=2.5, seed=2)]
+    prompts = [
+        ImagePrompt("a red bus parked next to a tall building", 32, 40, negative="lowres, bad anatomy", seed=1),
+        ImagePrompt("a cat", 24, 32, negative="blurry", cfg_scale=2.5, seed=2),
+    ]
     ours = emu3_gen.generate(prompts, SamplingParams(), batch_size=2)
     processor = Emu3ImageProcessor.from_pretrained(hf_dir)
     for p, got in zip(prompts, ours):
@@ -89,8 +91,9 @@ def test_emu3_prompt_is_transformers_processor_prompt(emu3_hf, emu3_gen):
     from mmtrain.emu3.generation import ImagePrompt
 
     hf_dir, _ = emu3_hf
-    proc = Emu3Processor(Emu3ImageProcessor.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir),
-                         chat_template=None)
+    proc = Emu3Processor(
+        Emu3ImageProcessor.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir), chat_template=None
+    )
     ref = proc(text=["a red bus"], return_for_image_generation=True, image_area=64 * 48, return_tensors="np")
     h, w = (int(x) for x in ref["image_sizes"][0])
     ours = emu3_gen.request(ImagePrompt("a red bus", h * 8, w * 8)).prompt
@@ -135,21 +138,30 @@ def test_guided_rows_share_one_forward_per_step_and_progress_counts_tokens(emu3_
 
     calls: list[tuple[str, int]] = []
     prefill, step = CachedDecoder.prefill, CachedDecoder.step
-    monkeypatch.setattr(CachedDecoder, "prefill", lambda self, prompts, n: calls.append(("prefill", len(prompts)))
-                        or prefill(self, prompts, n))
-    monkeypatch.setattr(CachedDecoder, "step", lambda self, tokens: calls.append(("step", len(tokens)))
-                        or step(self, tokens))
+    monkeypatch.setattr(
+        CachedDecoder,
+        "prefill",
+        lambda self, prompts, n: calls.append(("prefill", len(prompts))) or prefill(self, prompts, n),
+    )
+    monkeypatch.setattr(
+        CachedDecoder, "step", lambda self, tokens: calls.append(("step", len(tokens))) or step(self, tokens)
+    )
     ticks: list[tuple[int, int]] = []
-    prompts = [ImagePrompt("a red bus", 8, 16, negative="bad", seed=1), ImagePrompt("a cat", 16, 16, seed=2),
-               ImagePrompt("a dog", 8, 8, cfg_scale=1.0, seed=3)]
-    out = emu3_gen.generate(prompts, SamplingParams(temperature=1.0), batch_size=3,
-                            progress=lambda done, total: ticks.append((done, total)))
+    prompts = [
+        ImagePrompt("a red bus", 8, 16, negative="bad", seed=1),
+        ImagePrompt("a cat", 16, 16, seed=2),
+        ImagePrompt("a dog", 8, 8, cfg_scale=1.0, seed=3),
+    ]
+    out = emu3_gen.generate(
+        prompts, SamplingParams(temperature=1.0), batch_size=3, progress=lambda done, total: ticks.append((done, total))
+    )
     lengths = [len(o.tokens) for o in out]
     assert lengths == [(1 + 2) * 1 + 3, (2 + 1) * 2 + 3, (1 + 1) * 1 + 3]  # (cols + 1) * rows + 3
     assert calls[0] == ("prefill", 5) and [c[0] for c in calls[1:]] == ["step"] * (max(lengths) - 1)
     # rows per step: 3 conditional + 2 unconditional while all run, fewer as requests finish
-    expected = [sum((2 if p.cfg_scale != 1.0 else 1) for p, n in zip(prompts, lengths) if n > t)
-                for t in range(1, max(lengths))]
+    expected = [
+        sum((2 if p.cfg_scale != 1.0 else 1) for p, n in zip(prompts, lengths) if n > t) for t in range(1, max(lengths))
+    ]
     assert [c[1] for c in calls[1:]] == expected
     assert ticks[-1] == (sum(lengths), sum(lengths)) and [d for d, _ in ticks] == sorted(d for d, _ in ticks)
 
@@ -162,8 +174,16 @@ def test_structure_holds_for_random_weights_and_many_seeds(emu3_gen):
 
     vocab = emu3_gen.vocab
     sizes = [(8, 8), (8, 16), (16, 8), (24, 16), (8, 24), (16, 16)]
-    prompts = [ImagePrompt(f"picture {i}", *sizes[i % len(sizes)], negative="bad" if i % 2 else "",
-                           cfg_scale=(1.0, 3.0, 0.0, 7.5)[i % 4], seed=100 + i) for i in range(24)]
+    prompts = [
+        ImagePrompt(
+            f"picture {i}",
+            *sizes[i % len(sizes)],
+            negative="bad" if i % 2 else "",
+            cfg_scale=(1.0, 3.0, 0.0, 7.5)[i % 4],
+            seed=100 + i,
+        )
+        for i in range(24)
+    ]
     out = emu3_gen.generate(prompts, SamplingParams(temperature=3.0), batch_size=12)
     visual = set(vocab.visual.tolist())
     for p, img in zip(prompts, out):
@@ -187,9 +207,11 @@ def test_emu3_batched_equals_one_by_one_and_seeds_are_deterministic(emu3_gen):
     from mmtrain.generation.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=1.0, top_k=64, top_p=0.9)
-    prompts = [ImagePrompt("a", 16, 16, negative="bad, lowres, ugly", seed=3),
-               ImagePrompt("a long caption of a red bus parked next to a building on a sunny day", 32, 24, seed=4),
-               ImagePrompt("a cat on a table", 24, 32, negative="", cfg_scale=1.0, seed=5)]
+    prompts = [
+        ImagePrompt("a", 16, 16, negative="bad, lowres, ugly", seed=3),
+        ImagePrompt("a long caption of a red bus parked next to a building on a sunny day", 32, 24, seed=4),
+        ImagePrompt("a cat on a table", 24, 32, negative="", cfg_scale=1.0, seed=5),
+    ]
     batched = emu3_gen.generate(prompts, sampling, batch_size=3)
     for p, b in zip(prompts, batched):
         assert emu3_gen.generate([p], sampling)[0].tokens == b.tokens
@@ -212,14 +234,20 @@ def test_llava_greedy_matches_transformers(llava_hf, llava_chat):
     prompts = [llava_chat.prompt(q, im) for q, im in questions]
     ours = llava_chat.generate(prompts, SamplingParams(), max_new_tokens=12, batch_size=3)
     for (q, im), p, got in zip(questions, prompts, ours):
-        text = tok.apply_chat_template([{"role": "user", "content": ("<image>\n" if im else "") + q}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": ("<image>\n" if im else "") + q}], tokenize=False, add_generation_prompt=True
+        )
         inputs = processor(images=[im], text=[text], return_tensors="pt") if im else tok([text], return_tensors="pt")
         assert p.input_ids.tolist() == inputs["input_ids"][0].tolist()
         with torch.no_grad():
-            ref = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-        assert got.tokens == ref[0, inputs["input_ids"].shape[1]:].tolist()
+            ref = model.generate(
+                **inputs,
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        assert got.tokens == ref[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(set(ours[0].tokens)) > 3
 
 
@@ -229,9 +257,11 @@ def test_llava_processor_template_and_stop_tokens(llava_chat):
     generation stops at the tokenizer's end-of-turn token, which is not part of the answer."""
     from mmtrain.generation.engine import GenerationResult
 
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
-                "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
-                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     own = llava_chat.template
     try:
         llava_chat.template = template
@@ -288,10 +318,16 @@ def test_engine_names_no_family():
     families plug in through the registry (FamilySpec.generation), help texts included."""
     mmtrain_dir = Path(__file__).resolve().parents[1] / "mmtrain"
     files = sorted((mmtrain_dir / "generation").glob("*.py"))
-    files += [mmtrain_dir / "cli.py", mmtrain_dir / "actions.py", mmtrain_dir / "generate_cli.py",
-              mmtrain_dir / "generate_command.py"]
-    files += [mmtrain_dir / "runtime" / f for f in ("launcher.py", "worker.py", "training.py", "torchrun.py",
-                                                     "run_dir.py", "logs.py")]
+    files += [
+        mmtrain_dir / "cli.py",
+        mmtrain_dir / "actions.py",
+        mmtrain_dir / "generate_cli.py",
+        mmtrain_dir / "generate_command.py",
+    ]
+    files += [
+        mmtrain_dir / "runtime" / f
+        for f in ("launcher.py", "worker.py", "training.py", "torchrun.py", "run_dir.py", "logs.py")
+    ]
     assert len(files) > 11
     for f in files:
         text = f.read_text().lower()
@@ -319,15 +355,40 @@ def test_cli_emu3_batch_writes_pngs_and_grids(emu3_mcore, emu3_gen, tmp_path, ca
     from mmtrain.generation.sampling import SamplingParams
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "a red bus", "height": 16, "width": 24}) + "\n\n"
-                       + json.dumps({"prompt": "a cat", "negative_prompt": "ugly", "seed": 11}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "a red bus", "height": 16, "width": 24})
+        + "\n\n"
+        + json.dumps({"prompt": "a cat", "negative_prompt": "ugly", "seed": 11})
+        + "\n"
+    )
     out = tmp_path / "imgs"
-    assert _cli("emu3", "--checkpoint", str(emu3_mcore), "--prompts", str(prompts), "--output", str(out),
-                "--height", "24", "--width", "24", "--seed", "5", "--top-k", "50", "--no-progress") == 0
+    assert (
+        _cli(
+            "emu3",
+            "--checkpoint",
+            str(emu3_mcore),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--height",
+            "24",
+            "--width",
+            "24",
+            "--seed",
+            "5",
+            "--top-k",
+            "50",
+            "--no-progress",
+        )
+        == 0
+    )
     assert "wrote 2 images" in capsys.readouterr().out
     lines = [json.loads(x) for x in (out / "images.jsonl").read_text().splitlines()]
-    expected = emu3_gen.generate([ImagePrompt("a red bus", 16, 24, seed=5), ImagePrompt("a cat", 24, 24, "ugly", seed=11)],
-                                 SamplingParams(temperature=1.0, top_k=50))
+    expected = emu3_gen.generate(
+        [ImagePrompt("a red bus", 16, 24, seed=5), ImagePrompt("a cat", 24, 24, "ugly", seed=11)],
+        SamplingParams(temperature=1.0, top_k=50),
+    )
     for line, exp in zip(lines, expected):
         assert np.array_equal(np.asarray(line["grid"]), exp.grid)
         assert np.array_equal(np.asarray(Image.open(out / line["png"])), np.asarray(exp.image))
@@ -344,31 +405,69 @@ def test_cli_llava_answers_from_hf_and_megatron_checkpoints(llava_hf, llava_chat
 
     image = tmp_path / "img.png"
     images()[0].save(image)
-    assert _cli("llava-ov", "--checkpoint", str(llava_hf[0]), "--image", str(image), "--prompt", "What is this?",
-                "--max-new-tokens", "8", "--no-progress") == 0
+    assert (
+        _cli(
+            "llava-ov",
+            "--checkpoint",
+            str(llava_hf[0]),
+            "--image",
+            str(image),
+            "--prompt",
+            "What is this?",
+            "--max-new-tokens",
+            "8",
+            "--no-progress",
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    quieted = [f for f in warnings.filters if f[0] == "ignore" and f[3] is not None and f[3].pattern == THIRD_PARTY_WARNINGS]
+    quieted = [
+        f for f in warnings.filters if f[0] == "ignore" and f[3] is not None and f[3].pattern == THIRD_PARTY_WARNINGS
+    ]
     assert quieted, "without --verbose, generate hides third-party warnings"
     from PIL import Image
 
-    expected = llava_chat.generate([llava_chat.prompt("What is this?", Image.open(image))], SamplingParams(),
-                                   max_new_tokens=8)[0]
+    expected = llava_chat.generate(
+        [llava_chat.prompt("What is this?", Image.open(image))], SamplingParams(), max_new_tokens=8
+    )[0]
     assert printed == llava_chat.answer(expected) + "\n"
     # its megatron conversion (tokenizer kept in hf_assets/), --prompts: an image relative to the
     # file, a text-only line with its own seed; JSONL answers
     from tests.fixtures_convert import convert_cli as convert
 
-    assert convert("hf-to-mcore", "--model", "llava-ov", "--src", str(llava_hf[0]), "--dst", str(tmp_path / "ckpt")) == 0
+    assert (
+        convert("hf-to-mcore", "--model", "llava-ov", "--src", str(llava_hf[0]), "--dst", str(tmp_path / "ckpt")) == 0
+    )
     questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"prompt": "What is this?", "image": "img.png"}) + "\n"
-                         + json.dumps({"prompt": "Say hi.", "seed": 3}) + "\n")
+    questions.write_text(
+        json.dumps({"prompt": "What is this?", "image": "img.png"})
+        + "\n"
+        + json.dumps({"prompt": "Say hi.", "seed": 3})
+        + "\n"
+    )
     out = tmp_path / "answers.jsonl"
-    assert _cli("llava-ov", "--checkpoint", str(tmp_path / "ckpt"), "--prompts", str(questions), "--output", str(out),
-                "--max-new-tokens", "8", "--no-progress") == 0
+    assert (
+        _cli(
+            "llava-ov",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--prompts",
+            str(questions),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "8",
+            "--no-progress",
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[0]["answer"] == llava_chat.answer(expected) and lines[0]["image"] == "img.png"
-    assert lines[1]["seed"] == 3 and lines[1]["tokens"] == llava_chat.generate(
-        [llava_chat.prompt("Say hi.")], SamplingParams(), max_new_tokens=8)[0].tokens
+    assert (
+        lines[1]["seed"] == 3
+        and lines[1]["tokens"]
+        == llava_chat.generate([llava_chat.prompt("Say hi.")], SamplingParams(), max_new_tokens=8)[0].tokens
+    )
 
 
 def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path, capsys):
@@ -378,8 +477,9 @@ def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path,
         assert len(lines) == 1 and lines[0].startswith(f"mmtrain generate {argv[0]}: error: "), lines
         return lines[0]
 
-    assert "family 'llava-ov' (use `mmtrain generate llava-ov`)" in err("emu3", "--checkpoint", str(llava_hf[0]),
-                                                                          "--prompt", "x")
+    assert "family 'llava-ov' (use `mmtrain generate llava-ov`)" in err(
+        "emu3", "--checkpoint", str(llava_hf[0]), "--prompt", "x"
+    )
     assert "family 'emu3', not 'llava-ov'" in err("llava-ov", "--checkpoint", str(emu3_mcore), "--prompt", "x")
     no_vq = tmp_path / "no_vq"
     shutil.copytree(emu3_mcore, no_vq, ignore=shutil.ignore_patterns("vq"))
@@ -388,11 +488,16 @@ def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path,
     bare = tmp_path / "bare"
     shutil.copytree(emu3_mcore, bare, ignore=shutil.ignore_patterns("hf_assets"))
     assert "give --tokenizer DIR" in err("emu3", "--checkpoint", str(bare), "--prompt", "x", "--vq", str(emu3_hf[0]))
-    assert ("multiples of the VQ's spatial factor 8; the nearest sizes that fit: --height 16 --width 512 or "
-            "--height 24 --width 512") in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--height", "20")
+    assert (
+        "multiples of the VQ's spatial factor 8; the nearest sizes that fit: --height 16 --width 512 or "
+        "--height 24 --width 512"
+    ) in err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--height", "20")
     too_big = err("emu3", "--checkpoint", str(emu3_hf[0]), "--prompt", "x", "--height", "4096", "--width", "2048")
-    fit = re.search(r"needs \d+ positions, the model has (\d+); the largest size of this aspect ratio that fits: "
-                    r"--height (\d+) --width (\d+)$", too_big)
+    fit = re.search(
+        r"needs \d+ positions, the model has (\d+); the largest size of this aspect ratio that fits: "
+        r"--height (\d+) --width (\d+)$",
+        too_big,
+    )
     assert fit, too_big
     h, w = int(fit[2]), int(fit[3])
     assert h % 8 == 0 and w % 8 == 0 and abs(h / w - 2) < 0.2, too_big
@@ -421,6 +526,7 @@ def test_cli_errors_are_one_line_exit_2(emu3_hf, emu3_mcore, llava_hf, tmp_path,
 def test_output_of_the_users_files_is_refused_unless_overwrite(emu3_hf, llava_hf, tmp_path, capsys):
     """issue 45: an existing --output file or a non-empty --output folder is refused (exit 2, one
     line, before the model loads, nothing written) unless --overwrite, which replaces it whole."""
+
     def err(*argv: str) -> str:
         assert _cli(*argv, "--no-progress") == 2
         lines = capsys.readouterr().err.strip().splitlines()
@@ -436,12 +542,15 @@ def test_output_of_the_users_files_is_refused_unless_overwrite(emu3_hf, llava_hf
     png.write_bytes(b"the user's cat")
     answers.write_text("the user's answers\n")
     emu3 = ("emu3", "--checkpoint", str(emu3_hf[0]), "--height", "16", "--width", "16", "--top-k", "8")
-    assert (f"--output {mine} is not empty (1 entry, e.g. '000000.png'); choose an empty or new folder, "
-            "or pass --overwrite") in err(*emu3, "--prompts", str(one), "--output", str(mine))
+    assert (
+        f"--output {mine} is not empty (1 entry, e.g. '000000.png'); choose an empty or new folder, or pass --overwrite"
+    ) in err(*emu3, "--prompts", str(one), "--output", str(mine))
     assert f"--output {png} exists; choose a new file name, or pass --overwrite" in err(
-        *emu3, "--prompt", "a cat", "--output", str(png))
-    assert f"--output {answers} exists" in err("llava-ov", "--checkpoint", str(llava_hf[0]), "--prompts", str(one),
-                                               "--output", str(answers))
+        *emu3, "--prompt", "a cat", "--output", str(png)
+    )
+    assert f"--output {answers} exists" in err(
+        "llava-ov", "--checkpoint", str(llava_hf[0]), "--prompts", str(one), "--output", str(answers)
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl", "cat.png", "mine", "one.txt"]
     assert (mine / "000000.png").read_bytes() == b"the user's picture" and png.read_bytes() == b"the user's cat"
     assert answers.read_text() == "the user's answers\n"
@@ -467,8 +576,10 @@ def test_tp2_pp2_checkpoint_generates_the_tokens_of_its_tp1_conversion(emu3_hf, 
     from tests.fixtures_convert import convert_cli as convert
 
     tp2 = tmp_path / "tp2pp2"
-    assert convert("hf-to-mcore", "--model", "emu3", "--src", str(emu3_hf[0]), "--dst", str(tp2), "--tp", "2",
-                   "--pp", "2") == 0
+    assert (
+        convert("hf-to-mcore", "--model", "emu3", "--src", str(emu3_hf[0]), "--dst", str(tp2), "--tp", "2", "--pp", "2")
+        == 0
+    )
     prompts = [ImagePrompt("a red bus", 24, 24, negative="lowres", seed=9), ImagePrompt("a cat", 16, 32, seed=10)]
     outs = []
     for ckpt in (emu3_mcore, tp2):
@@ -487,7 +598,11 @@ def test_grouped_decode_attention_is_sdpa():
     from mmtrain.generation.decoder import grouped_decode_attention
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 8, 1, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g)
+    q, k, v = (
+        torch.randn(3, 8, 1, 16, generator=g),
+        torch.randn(3, 2, 11, 16, generator=g),
+        torch.randn(3, 2, 11, 16, generator=g),
+    )
     mask = torch.arange(11)[None] >= torch.tensor([0, 4, 7])[:, None]
     for m in (None, mask[:, None, None]):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)

@@ -23,8 +23,13 @@ LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-z]+): (.*) \[\d+\.\d s\]$")
 
 
 def smoke(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def check_lines(out: str) -> dict[str, tuple[str, str]]:
@@ -66,7 +71,7 @@ def test_the_report_and_a_spent_budget(tmp_path):
 def test_help_describes_every_option_and_check():
     proc = smoke("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage:")
-    options = proc.stdout[proc.stdout.index("options:"):]
+    options = proc.stdout[proc.stdout.index("options:") :]
     flags = re.findall(r"^  (-[-\w]+(?:, --[-\w]+)?)(?: [A-Z_]+)?(.*)$", options, re.M)
     assert len(flags) >= 7
     for flag, rest in flags:  # help text on the flag's line or the next one
@@ -85,8 +90,9 @@ def test_children_keep_the_callers_pythonpath_and_env_fails_without_megatron(tmp
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("megatron shadowed by the N2 test")\n')
     path = os.pathsep.join(p for p in (str(shadow.parent), os.environ.get("PYTHONPATH", "")) if p)
-    proc = smoke("--allow-cpu", "--quick", "--only", "env,build", "--work-dir", str(tmp_path / "work"),
-                 env={"PYTHONPATH": path})
+    proc = smoke(
+        "--allow-cpu", "--quick", "--only", "env,build", "--work-dir", str(tmp_path / "work"), env={"PYTHONPATH": path}
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = check_lines(proc.stdout)
     assert lines["env"][0] == "FAIL", lines
@@ -141,8 +147,14 @@ def _report(work: Path, figures: dict, generation_log: str | None = None) -> tup
 
 def test_table_and_targets_from_figures(tmp_path):
     gib = 2**30
-    fig = dict(seq_length=8192, micro_batch=2, tokens_per_s_per_gpu=30000.0, mfu=0.47, peak_bytes=50 * gib,
-               estimate_bytes=48 * gib)
+    fig = dict(
+        seq_length=8192,
+        micro_batch=2,
+        tokens_per_s_per_gpu=30000.0,
+        mfu=0.47,
+        peak_bytes=50 * gib,
+        estimate_bytes=48 * gib,
+    )
     _, lines = _report(tmp_path / "a", {"aquila-8k": fig, "generation": {"ms_ours": 20.0, "peak_gib": 17.0}})
     row = next(x for x in lines if x.startswith("Aquila-VL-2B 8K"))
     assert row.split()[-5:] == ["30,000", "47.0", "50.0", "48.0", "1.04"]
@@ -156,10 +168,12 @@ def test_table_and_targets_from_figures(tmp_path):
 
 
 def test_generation_output_is_parsed(tmp_path):
-    out = ("prefill logits: max |ours - transformers| = 0.0312 (logits scale 4.10)\n"
-           '{"transformers": {"s_per_image": 90.1, "ms_per_token": 21.5}, "ours": {"s_per_image": 40.2, '
-           '"ms_per_token": 9.6}}\n'
-           "tokens: 144 vs 144, identical for the first 37\npeak GPU memory 17.3 GiB\n")
+    out = (
+        "prefill logits: max |ours - transformers| = 0.0312 (logits scale 4.10)\n"
+        '{"transformers": {"s_per_image": 90.1, "ms_per_token": 21.5}, "ours": {"s_per_image": 40.2, '
+        '"ms_per_token": 9.6}}\n'
+        "tokens: 144 vs 144, identical for the first 37\npeak GPU memory 17.3 GiB\n"
+    )
     first, _ = _report(tmp_path, {}, generation_log=out)
     got = json.loads(first.removeprefix("generation: "))
     assert (got["ms_ours"], got["ms_hf"], got["peak_gib"]) == (9.6, 21.5, 17.3)

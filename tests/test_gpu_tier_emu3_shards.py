@@ -11,11 +11,14 @@ from tests.gpu import runs
 
 
 def test_token_shards_without_ray_train_emu3(tmp_path):
-    code = ("import sys; from pathlib import Path; from tests.gpu.runs import write_emu3_token_shards; "
-            f"write_emu3_token_shards(Path({str(tmp_path / 'tokens')!r})); "
-            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=runs.REPO,
-                          env=runs.run_env())
+    code = (
+        "import sys; from pathlib import Path; from tests.gpu.runs import write_emu3_token_shards; "
+        f"write_emu3_token_shards(Path({str(tmp_path / 'tokens')!r})); "
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=runs.REPO, env=runs.run_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"  # Ray never imported
     from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
@@ -24,6 +27,7 @@ def test_token_shards_without_ray_train_emu3(tmp_path):
     assert dataset_sample_type(tmp_path / "tokens").endswith("VQTokenSample")
     tok = build_tiny_emu3_tokenizer(tmp_path / "tok")
     run = tmp_path / "run"
-    runs.train("emu3", run, tmp_path / "tokens", tok, "train.iters=2", "checkpoint.interval=0", *runs.CPU,
-               env=runs.CPU_ENV)
+    runs.train(
+        "emu3", run, tmp_path / "tokens", tok, "train.iters=2", "checkpoint.interval=0", *runs.CPU, env=runs.CPU_ENV
+    )
     runs.assert_finite(runs.metrics(run), [1, 2])

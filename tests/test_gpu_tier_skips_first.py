@@ -16,12 +16,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MULTI_GPU = ("test_vision_tower_own_layout_at_tp2", "test_virtual_pipeline_stages_at_pp2",
-             "test_balance_exchanges_rows_over_nccl", "test_the_features_together_on_four_gpus",
-             "test_balance_window_exchanges_steps_of_rows_over_nccl")
+MULTI_GPU = (
+    "test_vision_tower_own_layout_at_tp2",
+    "test_virtual_pipeline_stages_at_pp2",
+    "test_balance_exchanges_rows_over_nccl",
+    "test_the_features_together_on_four_gpus",
+    "test_balance_window_exchanges_steps_of_rows_over_nccl",
+)
 ONE_GPU = "test_balance_on_one_gpu"
 
-PLUGIN = '''
+PLUGIN = """
 import json, os
 
 import torch
@@ -39,17 +43,34 @@ def pytest_configure(config):
         raise RuntimeError("a training was started (recorded by the test plugin)")
 
     runs.train = train
-'''
+"""
 
 
 def test_one_gpu_trains_nothing_for_the_multi_gpu_tests(tmp_path):
     (tmp_path / "one_gpu_plugin.py").write_text(PLUGIN)
     log = tmp_path / "trainings.jsonl"
-    env = {**os.environ, "MMTRAIN_GPU_TESTS": "1", "GPU_TIER_TRAININGS": str(log),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "pytest", "-p", "one_gpu_plugin", "-p", "no:cacheprovider", "-q", "-rs",
-           "tests/gpu/test_gpu_parallel_features.py", "-k", " or ".join((*MULTI_GPU, ONE_GPU)),
-           "--basetemp", str(tmp_path / "base")]
+    env = {
+        **os.environ,
+        "MMTRAIN_GPU_TESTS": "1",
+        "GPU_TIER_TRAININGS": str(log),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "one_gpu_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rs",
+        "tests/gpu/test_gpu_parallel_features.py",
+        "-k",
+        " or ".join((*MULTI_GPU, ONE_GPU)),
+        "--basetemp",
+        str(tmp_path / "base"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     out = proc.stdout + proc.stderr
     trainings = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []

@@ -43,8 +43,18 @@ def test_hostile_inputs_end_in_named_reasons(layout, tmp_path):
         expect, where, read = hi.write_llava_json(raw, tmp_path / "outside")
     before = _tree(root, out)
     # The inputs are mostly hostile by construction: the fail-fast check would stop the job.
-    proc = run_preprocess_cli("--dataset", layout, "--input", str(raw), "--output", str(out), "--num-cpus", "2",
-                              "--max-quarantine-fraction", "1")
+    proc = run_preprocess_cli(
+        "--dataset",
+        layout,
+        "--input",
+        str(raw),
+        "--output",
+        str(out),
+        "--num-cpus",
+        "2",
+        "--max-quarantine-fraction",
+        "1",
+    )
     assert proc.returncode == 0
     assert _tree(root, out) == before, "something was written outside --output"
 

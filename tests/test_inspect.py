@@ -20,14 +20,41 @@ from mmdata.inspect import find_sample, load_quarantine, open_dataset, random_sa
 from mmdata.inspect.packing import estimate_packing
 from mmdata.inspect.stats import detect_language, load_chat_tokenizer, measure_sample, summarize
 from mmdata.dev.synth import (
-    BROKEN_KINDS, EN_ANSWERS, EN_PROMPTS, TEXT_ONLY, ZH_ANSWERS, ZH_PROMPTS, generate_records,
+    BROKEN_KINDS,
+    EN_ANSWERS,
+    EN_PROMPTS,
+    TEXT_ONLY,
+    ZH_ANSWERS,
+    ZH_PROMPTS,
+    generate_records,
 )
 from tests.fixtures_preprocess import SYNTH_NUM_SAMPLES, SYNTH_SEED
 
 JSON_KEYS = {
-    "schema", "dataset", "manifest", "samples", "shards", "bytes", "sources", "sources_from", "quarantine", "preprocess", "length_index",
-    "sampled", "modality", "languages", "turns_per_sample", "images", "image_tokens_per_sample", "tokenizer",
-    "text_tokens_per_sample", "loss_tokens_per_sample", "total_tokens_per_sample", "loader_skips", "packing", "vision_balance",
+    "schema",
+    "dataset",
+    "manifest",
+    "samples",
+    "shards",
+    "bytes",
+    "sources",
+    "sources_from",
+    "quarantine",
+    "preprocess",
+    "length_index",
+    "sampled",
+    "modality",
+    "languages",
+    "turns_per_sample",
+    "images",
+    "image_tokens_per_sample",
+    "tokenizer",
+    "text_tokens_per_sample",
+    "loss_tokens_per_sample",
+    "total_tokens_per_sample",
+    "loader_skips",
+    "packing",
+    "vision_balance",
     "plan_files",
 }
 DIST_KEYS = {"count", "mean", "min", "p50", "p90", "p99", "max"}
@@ -127,8 +154,9 @@ def test_token_counts_equal_the_loaders_task_encoder(shards_dir, tokenizer_dir):
     chat = load_chat_tokenizer(tokenizer_dir)
     for sample in random_samples(shards_dir, 25, seed=11):
         stats = measure_sample(sample, chat)
-        cs = ConversationSample(__key__=sample.key, __restore_key__=(), __subflavors__=None, __sources__=(),
-                                **sample.to_energon_fields())
+        cs = ConversationSample(
+            __key__=sample.key, __restore_key__=(), __subflavors__=None, __sources__=(), **sample.to_energon_fields()
+        )
         try:
             enc = encoder.preencode_sample(cs)
         except SkipSample:
@@ -177,8 +205,9 @@ def test_reading_without_energon_offsets_gives_the_same_samples(shards_dir, tmp_
     with_idx = random_samples(shards_dir, 12, seed=4)
     without = random_samples(plain, 12, seed=4)
     assert [(s.key, s.record) for s in with_idx] == [(s.key, s.record) for s in without]
-    assert [s.media_bytes(n) for s in with_idx for n in s.image_names] == \
-        [s.media_bytes(n) for s in without for n in s.image_names]
+    assert [s.media_bytes(n) for s in with_idx for n in s.image_names] == [
+        s.media_bytes(n) for s in without for n in s.image_names
+    ]
 
 
 def test_find_sample_by_key_and_by_record_id(shards_dir, truth):
@@ -210,8 +239,9 @@ def test_quarantine_reasons_and_counts(broken_dataset):
 
 def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     out, recs = broken_dataset
-    d = json.loads(_inspect_cli(str(out), "--json", "--all", "--tokenizer", str(tokenizer_dir),
-                                "--cp", "2", "--tp", "2").stdout)
+    d = json.loads(
+        _inspect_cli(str(out), "--json", "--all", "--tokenizer", str(tokenizer_dir), "--cp", "2", "--tp", "2").stdout
+    )
     assert set(d) == JSON_KEYS and d["schema"] == "mmdata.inspect/5"
     for v in d["packing"].values():  # the packing report: CP2 x TP2 pads every segment to 8 tokens
         assert v["bin_fill"] == pytest.approx(v["efficiency"], abs=1e-4)
@@ -222,7 +252,9 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
         assert set(v["online"]) == {"today", "balanced", "windowed"}
     valid = [r for r in recs if not r.broken]
     assert d["samples"] == d["sampled"]["count"] == len(valid)
-    assert {k: v["count"] for k, v in d["modality"].items() if v["count"]} == dict(Counter(map(_expected_modality, valid)))
+    assert {k: v["count"] for k, v in d["modality"].items() if v["count"]} == dict(
+        Counter(map(_expected_modality, valid))
+    )
     for key in ("turns_per_sample", "image_tokens_per_sample", "text_tokens_per_sample", "total_tokens_per_sample"):
         assert set(d[key]) == DIST_KEYS
     assert d["text_tokens_per_sample"]["count"] == len(valid)
@@ -234,8 +266,17 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     capsys.readouterr()
     assert main(["inspect", str(out), "--sample", "8"]) == 0
     table = capsys.readouterr().out
-    for word in ("Dataset", "Sources", "Quarantine", "Media resolution", "by stem", "Modality", "single_image",
-                 "image_empty", "tiles / image"):
+    for word in (
+        "Dataset",
+        "Sources",
+        "Quarantine",
+        "Media resolution",
+        "by stem",
+        "Modality",
+        "single_image",
+        "image_empty",
+        "tiles / image",
+    ):
         assert word in table, word
     assert f"{len(valid)}" in table
     assert "bin fill / executed" in table and "online, window of 2 steps" in table

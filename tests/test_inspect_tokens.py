@@ -62,13 +62,17 @@ def test_inspect_json_summarises_the_grids(demo_token_dir):
 def test_inspect_tables_and_preview_show_the_grids(demo_token_dir):
     tables = _mmdata("inspect", str(demo_token_dir)).stdout
     assert "Emu3 VQ token shards" in tables and "distinct codes seen" in tables and "grid shapes" in tables
-    sample = next(s for s in iter_samples(open_dataset(demo_token_dir))
-                  if tf.decode_vq_json(s.members[tf.VQ_JSON_MEMBER].read()))
+    sample = next(
+        s for s in iter_samples(open_dataset(demo_token_dir)) if tf.decode_vq_json(s.members[tf.VQ_JSON_MEMBER].read())
+    )
     grid = tf.decode_vq_json(sample.members[tf.VQ_JSON_MEMBER].read())[0]
     out = _mmdata("preview", str(demo_token_dir), "--key", sample.key).stdout
     assert f"sample {sample.key}" in out and "VQ grid" in out
     assert f"grid {grid.member} (from {grid.source}" in out and f"{grid.height}x{grid.width} codes" in out
     assert sample.conversations[0]["value"].splitlines()[0] in out
-    refused = subprocess.run([sys.executable, "-m", "mmdata.cli", "preview", str(demo_token_dir), "--tiles-png",
-                              "/tmp/never.png"], capture_output=True, text=True)
+    refused = subprocess.run(
+        [sys.executable, "-m", "mmdata.cli", "preview", str(demo_token_dir), "--tiles-png", "/tmp/never.png"],
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode == 2 and "VQ token shards" in refused.stderr

@@ -22,11 +22,14 @@ def test_recipe_defaults_need_no_extra():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     runtime = _requirement_names(project["dependencies"])
     recipes = sorted((REPO / "recipes").glob("*.yaml"))
-    uses_tensorboard = [r.name for r in recipes
-                        if ((yaml.safe_load(r.read_text()) or {}).get("logging") or {}).get("tensorboard")]
+    uses_tensorboard = [
+        r.name for r in recipes if ((yaml.safe_load(r.read_text()) or {}).get("logging") or {}).get("tensorboard")
+    ]
     assert uses_tensorboard, "no shipped recipe sets logging.tensorboard: true (update this test)"
-    assert "tensorboard" in runtime, (f"{uses_tensorboard} set logging.tensorboard: true: tensorboard must be a "
-                                      "runtime dependency, not only in the test extra")
+    assert "tensorboard" in runtime, (
+        f"{uses_tensorboard} set logging.tensorboard: true: tensorboard must be a "
+        "runtime dependency, not only in the test extra"
+    )
 
 
 @pytest.mark.unit
@@ -39,8 +42,9 @@ def test_the_libraries_whose_internals_matter_are_pinned_to_what_runs_here():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     # Ray is in the `data` extra (the training side and a GPU node's wheelhouse go without it)
-    reqs = {Requirement(r).name: Requirement(r) for r in
-            project["dependencies"] + project["optional-dependencies"]["data"]}
+    reqs = {
+        Requirement(r).name: Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["data"]
+    }
     for name in ("ray", "megatron-core", "megatron-energon", "webp"):
         spec = reqs[name].specifier
         assert any(s.operator == "<" for s in spec), f"{name} has no upper bound: {spec}"

@@ -15,8 +15,19 @@ from mmtrain.runtime.interrupts import resume_hint, saying_where_to_resume
 
 
 def _ctx(rank: int) -> ParallelContext:
-    return ParallelContext(rank=rank, world_size=2, local_rank=rank, tp=1, pp=1, dp=2, tp_rank=0, pp_rank=0,
-                           dp_rank=rank, backend="gloo", device=torch.device("cpu"))
+    return ParallelContext(
+        rank=rank,
+        world_size=2,
+        local_rank=rank,
+        tp=1,
+        pp=1,
+        dp=2,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=rank,
+        backend="gloo",
+        device=torch.device("cpu"),
+    )
 
 
 @pytest.mark.unit
@@ -30,8 +41,9 @@ def test_a_start_removes_an_interrupted_saves_staging_with_one_line(tmp_path, ca
         CheckpointManager(tmp_path, _ctx(0), keep_last=0, resolved_yaml="")
     assert not (tmp_path / "checkpoints" / ".staging").exists()
     lines = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
-    assert lines == [f"removed {tmp_path / 'checkpoints' / '.staging'}: an interrupted checkpoint save's unfinished "
-                     "iter_0000004"], lines
+    assert lines == [
+        f"removed {tmp_path / 'checkpoints' / '.staging'}: an interrupted checkpoint save's unfinished iter_0000004"
+    ], lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mmtrain.runtime.checkpoint.manager"):
         CheckpointManager(tmp_path, _ctx(0), keep_last=0, resolved_yaml="")  # nothing left: nothing said
@@ -41,14 +53,17 @@ def test_a_start_removes_an_interrupted_saves_staging_with_one_line(tmp_path, ca
 @pytest.mark.unit
 def test_every_interrupt_says_where_the_run_resumes(tmp_path, caplog):
     where = "while saving the checkpoint of step 4/6"
-    assert resume_hint(tmp_path, where) == (f"interrupted {where} before any checkpoint of this run was saved; the "
-                                            "same command starts again from its starting point")
+    assert resume_hint(tmp_path, where) == (
+        f"interrupted {where} before any checkpoint of this run was saved; the "
+        "same command starts again from its starting point"
+    )
     saved = tmp_path / "checkpoints" / "iter_0000002"
     saved.mkdir(parents=True)
     (saved / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoints" / "latest").write_text("2\n")
-    expected = (f"interrupted {where}: the last checkpoint holds step 2 ({saved}); run the same command again to "
-                "resume from it")
+    expected = (
+        f"interrupted {where}: the last checkpoint holds step 2 ({saved}); run the same command again to resume from it"
+    )
     assert resume_hint(tmp_path, where) == expected
     with caplog.at_level(logging.WARNING, logger="mmtrain.runtime.interrupts"), pytest.raises(KeyboardInterrupt):
         with saying_where_to_resume(tmp_path, lambda: where, say=True):
@@ -86,19 +101,40 @@ def test_ctrl_c_during_a_save_says_where_to_resume_and_the_rerun_clears_staging(
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        return [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(repo / "recipes" / "llava-ov-tiny.yaml"),
-                f"run_dir={run}", f"data.paths=[{shards_dir}]", f"tokenizer.path={qwen2_tok}", "data.num_workers=1",
-                "train.seq_length=1024", "logging.tensorboard=false", "parallel.nproc_per_node=1",
-                f"parallel.master_port={port}", "train.iters=3", "checkpoint.interval=1"]
+        return [
+            sys.executable,
+            "-m",
+            "mmtrain.cli",
+            "llava-ov",
+            str(repo / "recipes" / "llava-ov-tiny.yaml"),
+            f"run_dir={run}",
+            f"data.paths=[{shards_dir}]",
+            f"tokenizer.path={qwen2_tok}",
+            "data.num_workers=1",
+            "train.seq_length=1024",
+            "logging.tensorboard=false",
+            "parallel.nproc_per_node=1",
+            f"parallel.master_port={port}",
+            "train.iters=3",
+            "checkpoint.interval=1",
+        ]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(kill_in_save.command("2:model:int", args()), capture_output=True, text=True, env=env,
-                          cwd=repo, start_new_session=True)
+    proc = subprocess.run(
+        kill_in_save.command("2:model:int", args()),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo,
+        start_new_session=True,
+    )
     assert proc.returncode == 130, proc.stderr[-3000:]
     line = next((x for x in proc.stderr.splitlines() if "interrupted while saving" in x), None)
     assert line is not None, proc.stderr[-3000:]
-    assert ("interrupted while saving the checkpoint of step 2/3 (its unfinished copy in checkpoints/.staging is "
-            "removed at the next start): the last checkpoint holds step 1 (") in line, line
+    assert (
+        "interrupted while saving the checkpoint of step 2/3 (its unfinished copy in checkpoints/.staging is "
+        "removed at the next start): the last checkpoint holds step 1 ("
+    ) in line, line
     assert "run the same command again to resume from it" in line, line
     staging = run / "checkpoints" / ".staging"
     assert (staging / "iter_0000002").is_dir()

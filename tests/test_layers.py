@@ -70,9 +70,9 @@ OPTIONAL_HEAVY: dict[str, str] = {
     "tensorboard": "optional metrics writer (metrics.tensorboard); not installed by default",
     "torch.utils.tensorboard": "torch's writer over the optional tensorboard package",
     "ray": "the Ray jobs' runtime, the optional extra `data` (pyproject.toml): imported where a job starts or uses "
-           "Ray, so the training side runs without it and no `--help` imports it",
+    "Ray, so the training side runs without it and no `--help` imports it",
     "transformers": "imports torch (seconds): the length-scan Ray workers count with `tokenizers` alone and load an "
-                    "HF tokenizer (mmdata/local_tokenizer.py, chat_template.add_media_tokens) only when one is needed",
+    "HF tokenizer (mmdata/local_tokenizer.py, chat_template.add_media_tokens) only when one is needed",
     "IPython": "only inside a notebook (mmdata/inspect/notebook.py shows a sample there)",
 }
 
@@ -225,9 +225,14 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def top_level_names(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Each module's top-level function and class names (the subcommand protocol looks for two)."""
-    return {name: {n.name for n in ast.parse(path.read_text()).body
-                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            for name, path in modules.items()}
+    return {
+        name: {
+            n.name
+            for n in ast.parse(path.read_text()).body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        }
+        for name, path in modules.items()
+    }
 
 
 def at_boundary(imp: Import, top_level: dict[str, set[str]]) -> bool:
@@ -244,8 +249,13 @@ def at_boundary(imp: Import, top_level: dict[str, set[str]]) -> bool:
 def misplaced_lazy_imports(modules: dict[str, Path], imports: list[Import]) -> list[Import]:
     """Function-level imports outside the boundaries that are not an optional heavy dependency."""
     top_level = top_level_names(modules)
-    return [imp for imp in imports if imp.function is not None and not at_boundary(imp, top_level)
-            and (imp.internal or not optional_heavy(imp.target))]
+    return [
+        imp
+        for imp in imports
+        if imp.function is not None
+        and not at_boundary(imp, top_level)
+        and (imp.internal or not optional_heavy(imp.target))
+    ]
 
 
 def figures(modules: dict[str, Path], imports: list[Import]) -> dict:
@@ -254,8 +264,13 @@ def figures(modules: dict[str, Path], imports: list[Import]) -> dict:
     statements = {(i.source, i.line) for i in lazy}  # `from a import b, c` is one statement, two edges
     return {
         "modules": len(modules),
-        "mmdata_to_mmtrain": sorted({f"{i.source}:{i.line} -> {i.target}" for i in imports
-                                     if i.source.startswith("mmdata") and i.target.split(".")[0] == "mmtrain"}),
+        "mmdata_to_mmtrain": sorted(
+            {
+                f"{i.source}:{i.line} -> {i.target}"
+                for i in imports
+                if i.source.startswith("mmdata") and i.target.split(".")[0] == "mmtrain"
+            }
+        ),
         "package_cycles": strongly_connected(package_graph(modules, imports)),
         "function_level": len(statements),
         "function_level_internal": len({(i.source, i.line) for i in lazy if i.internal}),
@@ -282,25 +297,32 @@ def test_reader_resolves_relative_function_level_and_dotted_imports(tmp_path):
     (pkg / "a.py").write_text(
         "import os\nfrom .sub import leaf\nfrom .sub.leaf import X\n"
         "class C:\n    def m(self):\n        import mmdata.sub.leaf\n        from ..mmdata import a\n"
-        "def f():\n    def g():\n        from mmtrain.x import y\n    return g\n")
+        "def f():\n    def g():\n        from mmtrain.x import y\n    return g\n"
+    )
     (pkg / "sub" / "b.py").write_text("from .. import a\nfrom ..sub import leaf as L\n")
     modules, imports = collect_imports(tmp_path, ("mmdata",))
     assert set(modules) == {"mmdata", "mmdata.a", "mmdata.sub", "mmdata.sub.leaf", "mmdata.sub.b"}
     got = {(i.source, i.target, i.function) for i in imports}
     assert got == {
         ("mmdata", "mmdata.sub", None),
-        ("mmdata.a", "os", None), ("mmdata.a", "mmdata.sub.leaf", None),
-        ("mmdata.a", "mmdata.sub.leaf", "C.m"), ("mmdata.a", "mmtrain.x", "f.g"),
+        ("mmdata.a", "os", None),
         ("mmdata.a", "mmdata.sub.leaf", None),
-        ("mmdata.sub.b", "mmdata.a", None), ("mmdata.sub.b", "mmdata.sub.leaf", None),
+        ("mmdata.a", "mmdata.sub.leaf", "C.m"),
+        ("mmdata.a", "mmtrain.x", "f.g"),
+        ("mmdata.a", "mmdata.sub.leaf", None),
+        ("mmdata.sub.b", "mmdata.a", None),
+        ("mmdata.sub.b", "mmdata.sub.leaf", None),
     } | {("mmdata.a", "mmdata.a", "C.m")}
     assert package_of("mmdata.sub") == package_of("mmdata.sub.b") == package_of("mmdata.sub.x.y") == "mmdata.sub"
     assert package_of("mmdata.a") == "mmdata.a" and package_of("mmdata") == "mmdata"
     # mmdata.a -> mmdata.sub (leaf) and mmdata.sub.b -> mmdata.a: a cycle of two packages
     assert strongly_connected(package_graph(modules, imports)) == [["mmdata.a", "mmdata.sub"]]
     lazy = misplaced_lazy_imports(modules, imports)
-    assert {(i.target, i.function) for i in lazy} == {("mmdata.sub.leaf", "C.m"), ("mmdata.a", "C.m"),
-                                                      ("mmtrain.x", "f.g")}
+    assert {(i.target, i.function) for i in lazy} == {
+        ("mmdata.sub.leaf", "C.m"),
+        ("mmdata.a", "C.m"),
+        ("mmtrain.x", "f.g"),
+    }
 
 
 def test_the_whole_product_is_read(graph):
@@ -326,14 +348,17 @@ def test_mmdata_imports_nothing_from_mmtrain(graph):
 def test_no_cycle_between_packages(graph):
     cycles = strongly_connected(package_graph(*graph))
     assert not cycles, "packages that import each other (directly or round a loop):\n  " + "\n  ".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_function_level_imports_only_at_the_named_boundaries(graph):
     bad = misplaced_lazy_imports(*graph)
-    assert not bad, (f"{len(bad)} function-level imports outside CLI dispatch, Ray task bodies and the optional "
-                     "heavy dependencies (move them to the top of the module; break the cycle that forced one):\n  "
-                     + "\n  ".join(f"{i.source}:{i.line} ({i.function}) imports {i.target}" for i in bad[:60]))
+    assert not bad, (
+        f"{len(bad)} function-level imports outside CLI dispatch, Ray task bodies and the optional "
+        "heavy dependencies (move them to the top of the module; break the cycle that forced one):\n  "
+        + "\n  ".join(f"{i.source}:{i.line} ({i.function}) imports {i.target}" for i in bad[:60])
+    )
 
 
 def test_mmtrain_holds_its_layers(graph):
@@ -348,8 +373,10 @@ def test_mmtrain_holds_its_layers(graph):
 
 def test_fewer_than_120_function_level_imports(graph):
     numbers = figures(*graph)
-    print(f"function-level imports: {numbers['function_level']} ({numbers['function_level_internal']} of the "
-          f"project's own modules); by package: {numbers['function_level_by_package']}")
+    print(
+        f"function-level imports: {numbers['function_level']} ({numbers['function_level_internal']} of the "
+        f"project's own modules); by package: {numbers['function_level_by_package']}"
+    )
     assert numbers["function_level"] < FUNCTION_LEVEL_TARGET, numbers["function_level_by_package"]
 
 

@@ -38,8 +38,12 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("llava_export")
     tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    model = hf_llava(seed=1, vocab_size=len(tok), image_token=tok.convert_tokens_to_ids("<image>"),
-                     video_token=tok.convert_tokens_to_ids("<video>"))
+    model = hf_llava(
+        seed=1,
+        vocab_size=len(tok),
+        image_token=tok.convert_tokens_to_ids("<image>"),
+        video_token=tok.convert_tokens_to_ids("<video>"),
+    )
     with torch.no_grad():  # text weights scaled up so greedy answers vary
         for name, p in model.named_parameters():
             if "language_model" in name and "norm" not in name:
@@ -72,14 +76,16 @@ def test_exported_template_takes_typed_parts_and_strings(exported):
     assert renders_media_parts(exported_tok, template)
 
     def render(content, t):
-        return exported_tok.apply_chat_template([{"role": "user", "content": content}], chat_template=t,
-                                                tokenize=False, add_generation_prompt=True)
+        return exported_tok.apply_chat_template(
+            [{"role": "user", "content": content}], chat_template=t, tokenize=False, add_generation_prompt=True
+        )
 
     typed = render([{"type": "image"}, {"type": "text", "text": QUESTION}], template)
     assert typed == f"{SYSTEM}<|im_start|>user\n<image>\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
     assert render(f"<image>\n{QUESTION}", template) == typed == render(f"<image>\n{QUESTION}", recorded)
     assert render([{"type": "video"}, {"type": "text", "text": "Hi"}], template).endswith(
-        "<|im_start|>user\n<video>\nHi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\n<video>\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_auto_processor_loads_the_export_or_names_torchvision(exported):
@@ -108,18 +114,35 @@ def test_processor_and_generate_match_mmtrain_generate(exported, tmp_path):
     processor = export_processor(out)
     image = images()[0]
     image.save(tmp_path / "img.png")
-    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                       {"type": "text", "text": QUESTION}]}],
-                                         add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+        add_generation_prompt=True,
+    )
     inputs = processor(images=[image], text=[text], return_tensors="pt")
     hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
     with torch.no_grad():
-        ref = hf.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)[0, inputs["input_ids"].shape[1]:].tolist()
+        ref = hf.generate(
+            **inputs, max_new_tokens=10, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )[0, inputs["input_ids"].shape[1] :].tolist()
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"prompt": QUESTION, "image": "img.png"}) + "\n")
     answers = tmp_path / "answers.jsonl"
-    assert _cli("generate", "llava-ov", "--checkpoint", str(ckpt), "--prompts", str(questions), "--output",
-                str(answers), "--greedy", "--max-new-tokens", "10", "--no-progress") == 0
+    assert (
+        _cli(
+            "generate",
+            "llava-ov",
+            "--checkpoint",
+            str(ckpt),
+            "--prompts",
+            str(questions),
+            "--output",
+            str(answers),
+            "--greedy",
+            "--max-new-tokens",
+            "10",
+            "--no-progress",
+        )
+        == 0
+    )
     ours = json.loads(answers.read_text().splitlines()[0])["tokens"]
     assert ours == ref and len(set(ref)) > 2

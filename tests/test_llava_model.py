@@ -18,7 +18,11 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def pair():
     from mmtrain.llava_ov.model import LlavaOVModel
-    from mmtrain.llava_ov.state_dict_adapter import LlavaOVStateDictAdapter, llava_config_from_hf, normalize_llava_hf_key
+    from mmtrain.llava_ov.state_dict_adapter import (
+        LlavaOVStateDictAdapter,
+        llava_config_from_hf,
+        normalize_llava_hf_key,
+    )
     from mmtrain.models.model_io import load_canonical
     from mmtrain.runtime.distributed import ensure_model_parallel
 
@@ -79,8 +83,15 @@ def test_multi_image_and_video_logits_match_hf(pair):
     imgs = images(1)[:2]
     tiles = [anyres.process_base_only(im, image_size=IMAGE_SIZE, patch_size=PATCH) for im in imgs]
     n_img = anyres.num_base_only_tokens(IMAGE_SIZE, PATCH)
-    ids = torch.cat([torch.tensor([5, 6]), torch.full((n_img,), IMAGE_TOKEN), torch.tensor([7]),
-                     torch.full((n_img,), IMAGE_TOKEN), torch.tensor([8, 9])])[None]
+    ids = torch.cat(
+        [
+            torch.tensor([5, 6]),
+            torch.full((n_img,), IMAGE_TOKEN),
+            torch.tensor([7]),
+            torch.full((n_img,), IMAGE_TOKEN),
+            torch.tensor([8, 9]),
+        ]
+    )[None]
     pv = torch.stack([t.pixel_values for t in tiles])  # [2, 1, 3, H, W]
     sizes = torch.tensor([list(t.image_size) for t in tiles])
     bni = torch.tensor([2])
@@ -110,8 +121,11 @@ def _packed_batch(cfg, samples):
     pos = torch.cat([torch.arange(n) for n in lens])[None]
     grids = [anyres.anyres_grid_shape(*s[2], IMAGE_SIZE, 6) for s in samples]
     return LlavaOVBatch(
-        input_ids=ids, labels=torch.full_like(ids, IGNORE_INDEX), position_ids=pos,
-        cu_seqlens=torch.tensor([0] + lens).cumsum(0).to(torch.int32), max_seqlen=max(lens),
+        input_ids=ids,
+        labels=torch.full_like(ids, IGNORE_INDEX),
+        position_ids=pos,
+        cu_seqlens=torch.tensor([0] + lens).cumsum(0).to(torch.int32),
+        max_seqlen=max(lens),
         pixel_values=torch.cat([s[1] for s in samples]),
         tiles_per_media=torch.tensor([s[1].shape[0] for s in samples]),
         media_kind=torch.tensor([MEDIA_ANYRES] * len(samples)),
@@ -220,9 +234,14 @@ def test_backward_reaches_every_part_and_freeze_stops_it(pair):
     out, loss_fn = forward_step(iter([batch]), m)
     loss_sum, n, _ = loss_fn(out)
     (loss_sum / n).backward()
-    for name in ("vision_model.conv1.weight", "vision_model.decoder.layers.0.self_attention.linear_qkv.weight",
-                 "vision_projection.encoder.linear_fc1.weight", "image_newline",
-                 "language_model.embedding.word_embeddings.weight", "language_model.decoder.layers.1.mlp.linear_fc1.weight"):
+    for name in (
+        "vision_model.conv1.weight",
+        "vision_model.decoder.layers.0.self_attention.linear_qkv.weight",
+        "vision_projection.encoder.linear_fc1.weight",
+        "image_newline",
+        "language_model.embedding.word_embeddings.weight",
+        "language_model.decoder.layers.1.mlp.linear_fc1.weight",
+    ):
         g = dict(m.named_parameters())[name].grad
         assert g is not None and g.abs().sum() > 0, name
     m2 = fresh()
@@ -283,8 +302,10 @@ def test_no_init_build_keeps_megatron_tp_metadata(pair):
     _, _, cfg = pair
 
     def tags(m):
-        return {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
-                for n, p in m.named_parameters()}
+        return {
+            n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+            for n, p in m.named_parameters()
+        }
 
     ref = tags(LlavaOVModel(cfg))
     assert sum(t for t, _ in ref.values()) > 10

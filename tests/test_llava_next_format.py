@@ -47,14 +47,17 @@ def _tokenizer(dst: Path) -> int:
 def _llava_next_names(sd: dict[str, torch.Tensor], tie: bool) -> dict[str, torch.Tensor]:
     """transformers' LlavaOnevisionForConditionalGeneration state dict -> LLaVA-NeXT names (the
     inverse of transformers' convert_llava_onevision_weights_to_hf.py key mapping)."""
-    rename = [("model.language_model.", "model."), ("model.vision_tower.", "model.vision_tower.vision_tower.vision_model."),
-              ("model.multi_modal_projector.linear_1.", "model.mm_projector.0."),
-              ("model.multi_modal_projector.linear_2.", "model.mm_projector.2.")]
+    rename = [
+        ("model.language_model.", "model."),
+        ("model.vision_tower.", "model.vision_tower.vision_tower.vision_model."),
+        ("model.multi_modal_projector.linear_1.", "model.mm_projector.0."),
+        ("model.multi_modal_projector.linear_2.", "model.mm_projector.2."),
+    ]
     out = {}
     for key, t in sd.items():
         for old, new in rename:
             if key.startswith(old):
-                key = new + key[len(old):]
+                key = new + key[len(old) :]
                 break
         if not (tie and key == "lm_head.weight"):
             out[key] = t.contiguous()
@@ -80,14 +83,25 @@ def write_llava_next(dst: Path, model, tok_dir: Path, *, extra_vision_layer: boo
         for k in [k for k in sd if k.startswith(f"{p}0.")]:
             sd[k.replace(f"{p}0.", f"{p}{layers}.")] = torch.randn(sd[k].shape, generator=g)
     cfg = text_config(tie_word_embeddings=tie, vocab_size=tc.vocab_size) | dict(
-        architectures=["LlavaQwenForCausalLM"], model_type="llava_qwen",
-        mm_vision_tower=str(tower), mm_hidden_size=model.config.vision_config.hidden_size,
-        mm_projector_type="mlp2x_gelu", mm_vision_select_layer=-2, mm_vision_select_feature="patch",
-        mm_patch_merge_type="spatial_unpad", image_aspect_ratio="anyres_max_9",
-        image_grid_pinpoints=model.config.image_grid_pinpoints, mm_newline_position="one_token",
-        mm_spatial_pool_mode="bilinear", mm_tunable_parts="mm_vision_tower,mm_mlp_adapter,mm_language_model",
-        mm_use_im_start_end=False, mm_use_im_patch_token=False, use_mm_proj=True, tokenizer_model_max_length=32768,
-        tokenizer_padding_side="right", torch_dtype="float32",
+        architectures=["LlavaQwenForCausalLM"],
+        model_type="llava_qwen",
+        mm_vision_tower=str(tower),
+        mm_hidden_size=model.config.vision_config.hidden_size,
+        mm_projector_type="mlp2x_gelu",
+        mm_vision_select_layer=-2,
+        mm_vision_select_feature="patch",
+        mm_patch_merge_type="spatial_unpad",
+        image_aspect_ratio="anyres_max_9",
+        image_grid_pinpoints=model.config.image_grid_pinpoints,
+        mm_newline_position="one_token",
+        mm_spatial_pool_mode="bilinear",
+        mm_tunable_parts="mm_vision_tower,mm_mlp_adapter,mm_language_model",
+        mm_use_im_start_end=False,
+        mm_use_im_patch_token=False,
+        use_mm_proj=True,
+        tokenizer_model_max_length=32768,
+        tokenizer_padding_side="right",
+        torch_dtype="float32",
     )
     if edit:
         sd, cfg = edit(sd, cfg)
@@ -167,8 +181,20 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
     from mmtrain.llava_ov.load import load_llava_ov
 
     out = tmp_path / "as_hf"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_next), "--dst", str(out),
-                "--format", "transformers") == 0
+    assert (
+        _cli(
+            "mcore-to-hf",
+            "--model",
+            "llava-ov",
+            "--src",
+            str(converted_next),
+            "--dst",
+            str(out),
+            "--format",
+            "transformers",
+        )
+        == 0
+    )
     hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
     assert hf.config.image_token_id == fmt["n"]
     assert AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<image>") == fmt["n"]
@@ -178,8 +204,20 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
             assert (_logits(hf, fmt, i) - _logits(ours, fmt, i)).abs().max().item() <= 1e-4
 
     back = tmp_path / "as_next"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(converted_next), "--dst", str(back),
-                "--format", "llava-next") == 0
+    assert (
+        _cli(
+            "mcore-to-hf",
+            "--model",
+            "llava-ov",
+            "--src",
+            str(converted_next),
+            "--dst",
+            str(back),
+            "--format",
+            "llava-next",
+        )
+        == 0
+    )
     src, got = load_file(fmt["next"] / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(src) == set(got) and all(torch.equal(src[k], got[k]) for k in src)
     cfg_src, cfg_back = (json.loads((d / "config.json").read_text()) for d in (fmt["next"], back))
@@ -189,7 +227,10 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
     ck_hf = tmp_path / "ck_hf"
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(fmt["hf"]), "--dst", str(ck_hf)) == 0
     cross = tmp_path / "hf_as_next"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ck_hf), "--dst", str(cross), "--format", "llava-next") == 0
+    assert (
+        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ck_hf), "--dst", str(cross), "--format", "llava-next")
+        == 0
+    )
     got = load_file(cross / "model.safetensors")
     assert set(src) == set(got) and all(torch.equal(src[k], got[k]) for k in src)
 
@@ -226,7 +267,11 @@ def test_pinpoints_string_form_and_tokenizer_row_growth(fmt, tmp_path, caplog):
         emb = get("language_model.embedding.word_embeddings.weight")
     ref_cfg, _ = llava_source(fmt["next"])
     assert (cfg.grid_max, cfg.max_tiles, cfg.image_token_id, cfg.video_token_id) == (
-        ref_cfg.grid_max, ref_cfg.max_tiles, n, n + 1)
+        ref_cfg.grid_max,
+        ref_cfg.max_tiles,
+        n,
+        n + 1,
+    )
     assert cfg.llm.vocab_size == n + 2
     assert emb.shape[0] == n + 2 and torch.equal(emb[n], emb[:n].mean(0)) and torch.equal(emb[n + 1], emb[n])
     assert "<image> / <video>" in caplog.text and "2 new row(s)" in caplog.text
@@ -260,8 +305,13 @@ def test_refusals_name_the_tensor_or_key(fmt, tmp_path, capsys, caplog):
 
     with pytest.raises(ConversionError, match=r"missing.*model\.image_newline"):
         llava_source(case("missing", missing))
-    for key, value in (("mm_projector_type", "linear"), ("image_aspect_ratio", "pad"), ("mm_vision_select_layer", -1),
-                       ("mm_patch_merge_type", "flat"), ("architectures", ["LlavaLlamaForCausalLM"])):
+    for key, value in (
+        ("mm_projector_type", "linear"),
+        ("image_aspect_ratio", "pad"),
+        ("mm_vision_select_layer", -1),
+        ("mm_patch_merge_type", "flat"),
+        ("architectures", ["LlavaLlamaForCausalLM"]),
+    ):
         d = case(f"cfg_{key}", lambda sd, cfg, key=key, value=value: (sd, cfg | {key: value}))
         with pytest.raises(ConversionError, match=key):
             llava_source(d)
@@ -272,12 +322,26 @@ def test_refusals_name_the_tensor_or_key(fmt, tmp_path, capsys, caplog):
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (tmp_path / "extra" / f).unlink(missing_ok=True)
     # through the CLI: one line, exit 2, nothing written
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "extra"), "--dst", str(tmp_path / "o")) == 2
+    assert (
+        _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(tmp_path / "extra"), "--dst", str(tmp_path / "o")) == 2
+    )
     err = capsys.readouterr().err.strip()  # (megatron's import warnings may come first when run alone)
     assert "Traceback" not in err and "no tokenizer" in err.splitlines()[-1] and "<image>" in err.splitlines()[-1]
     assert not (tmp_path / "o").exists()
-    assert _cli("mcore-to-hf", "--model", "emu3", "--src", str(tmp_path), "--dst", str(tmp_path / "o"),
-                "--format", "llava-next") == 2
+    assert (
+        _cli(
+            "mcore-to-hf",
+            "--model",
+            "emu3",
+            "--src",
+            str(tmp_path),
+            "--dst",
+            str(tmp_path / "o"),
+            "--format",
+            "llava-next",
+        )
+        == 2
+    )
     assert "writes no --format llava-next" in capsys.readouterr().err
 
 
@@ -314,11 +378,25 @@ def test_stage1_assembly_takes_the_media_ids_from_the_llm_tokenizer(fmt, tmp_pat
     Qwen2ForCausalLM(Qwen2Config(**text_config(vocab_size=n))).save_pretrained(tmp_path / "llm")  # rows = tokenizer
     for f in fmt["tok"].iterdir():
         shutil.copy2(f, tmp_path / "llm" / f.name)
-    vis = SiglipVisionModel(SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"}))
+    vis = SiglipVisionModel(
+        SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"})
+    )
     vis.save_pretrained(tmp_path / "vis")
     with caplog.at_level(logging.INFO):
-        assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
-                    "--dst", str(tmp_path / "ck")) == 0
+        assert (
+            _cli(
+                "hf-to-mcore",
+                "--model",
+                "llava-ov",
+                "--llm",
+                str(tmp_path / "llm"),
+                "--vision",
+                str(tmp_path / "vis"),
+                "--dst",
+                str(tmp_path / "ck"),
+            )
+            == 0
+        )
     cfg = saved_model_config(tmp_path / "ck")
     assert (cfg.image_token_id, cfg.video_token_id, cfg.llm.vocab_size) == (n, n + 1, n + 2)
     assert "2 new row(s)" in caplog.text
@@ -345,15 +423,41 @@ def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, 
         (tmp_path / "llm" / f.name).write_bytes(f.read_bytes())
     vis = SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"})
     SiglipVisionModel(vis).save_pretrained(tmp_path / "vis")
-    assert _cli("hf-to-mcore", "--model", "llava-ov", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "vis"),
-                "--dst", str(tmp_path / "ck")) == 0
+    assert (
+        _cli(
+            "hf-to-mcore",
+            "--model",
+            "llava-ov",
+            "--llm",
+            str(tmp_path / "llm"),
+            "--vision",
+            str(tmp_path / "vis"),
+            "--dst",
+            str(tmp_path / "ck"),
+        )
+        == 0
+    )
     repo = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(repo / "recipes" / "llava-ov-tiny.yaml"),
-           f"run_dir={run}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tmp_path / 'tok'}", "data.num_workers=1",
-           "train.seq_length=1024", "train.iters=2", "checkpoint.interval=0", "logging.tensorboard=false",
-           f"checkpoint.load={tmp_path / 'ck'}", f"model.llm.vocab_size={n + 2}", "model.image_token_id=null",
-           "model.video_token_id=null"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmtrain.cli",
+        "llava-ov",
+        str(repo / "recipes" / "llava-ov-tiny.yaml"),
+        f"run_dir={run}",
+        f"data.paths=[{shards_dir}]",
+        f"tokenizer.path={tmp_path / 'tok'}",
+        "data.num_workers=1",
+        "train.seq_length=1024",
+        "train.iters=2",
+        "checkpoint.interval=0",
+        "logging.tensorboard=false",
+        f"checkpoint.load={tmp_path / 'ck'}",
+        f"model.llm.vocab_size={n + 2}",
+        "model.image_token_id=null",
+        "model.video_token_id=null",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -416,9 +520,16 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
     n, recipes = fmt["n"], Path(__file__).resolve().parents[1] / "recipes"
 
     def problems(*overrides: str) -> list[str]:
-        recipe = load_recipe(recipes / "llava-ov-tiny.yaml", overrides=[
-            f"tokenizer.path={fmt['tok']}", "model.image_token_id=null", "model.video_token_id=null", *overrides],
-            family="llava-ov")
+        recipe = load_recipe(
+            recipes / "llava-ov-tiny.yaml",
+            overrides=[
+                f"tokenizer.path={fmt['tok']}",
+                "model.image_token_id=null",
+                "model.video_token_id=null",
+                *overrides,
+            ],
+            family="llava-ov",
+        )
         return check_tokenizer(recipe, AutoTokenizer.from_pretrained(recipe.tokenizer.path))
 
     assert problems() == []  # null ids: the tokenizer's (media tokens added), inside the rows
@@ -434,7 +545,8 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
     assert "mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR" in too_small()
     # a LLaVA-NeXT dir loads with its 1000 rows (media rows added on the fly when needed)
     assert "holds 1000 rows (media rows included): set model.llm.vocab_size=1000" in too_small(
-        f"checkpoint.load={fmt['next']}")
+        f"checkpoint.load={fmt['next']}"
+    )
     assert "holds 1000 rows" in too_small(f"checkpoint.load={converted_next}")  # its saved model config's
 
     with_media = build_tiny_qwen2_tokenizer(tmp_path / "tok", vocab_size=512)  # <image>/<video> below n / n+1
@@ -446,9 +558,14 @@ def test_recipe_ids_and_rows_checked_against_the_tokenizer(fmt, converted_next, 
     shutil.copytree(fmt["hf"], bad)
     for f in fmt["tok"].iterdir():
         shutil.copy2(f, bad / f.name)
-    (bad / "config.json").write_text(json.dumps(json.loads((bad / "config.json").read_text()) | {"image_token_index": 5}))
+    (bad / "config.json").write_text(
+        json.dumps(json.loads((bad / "config.json").read_text()) | {"image_token_index": 5})
+    )
     (refused,) = problems(f"checkpoint.load={bad}")
-    assert refused.startswith("checkpoint.load: ") and f"image_token_index=5 but its tokenizer maps <image> to {n}" in refused
+    assert (
+        refused.startswith("checkpoint.load: ")
+        and f"image_token_index=5 but its tokenizer maps <image> to {n}" in refused
+    )
 
 
 def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_path):
@@ -464,7 +581,10 @@ def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_p
     ckpt = tmp_path / "ck"
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt)) == 0
     back = tmp_path / "back"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(back), "--format", "llava-next") == 0
+    assert (
+        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(back), "--format", "llava-next")
+        == 0
+    )
     a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(a) == set(b) and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
     assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -472,7 +592,10 @@ def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_p
     assert (back / "model.safetensors").stat().st_size < 0.55 * fp32_size
 
     out = tmp_path / "as_hf"
-    assert _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out), "--format", "transformers") == 0
+    assert (
+        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out), "--format", "transformers")
+        == 0
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out)
     ref = fmt["model"].state_dict()

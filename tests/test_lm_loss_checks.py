@@ -13,7 +13,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmtrain.models.lm_loss import (
-    check_fused_kernel, fused_kernel, linear_cross_entropy, plain_loss_fusion, resolve_loss_impl, select_fused_kernel,
+    check_fused_kernel,
+    fused_kernel,
+    linear_cross_entropy,
+    plain_loss_fusion,
+    resolve_loss_impl,
+    select_fused_kernel,
 )
 from mmtrain.models.encoder_parallel import scale_gradient as _wrong_grad  # a kernel approximating one gradient
 
@@ -69,8 +74,15 @@ def test_self_check_accepts_the_chunked_loss_as_a_kernel():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("bad,why", [(_wgrad_scaled, "grad of weight"), (_wgrad_zero, "grad of weight"),
-                                     (_wgrad_dropped, "no grad of weight"), (_scalar_grad_output, "grad of")])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        (_wgrad_scaled, "grad of weight"),
+        (_wgrad_zero, "grad of weight"),
+        (_wgrad_dropped, "no grad of weight"),
+        (_scalar_grad_output, "grad of"),
+    ],
+)
 def test_self_check_refuses_a_wrong_weight_gradient_or_a_scalar_grad_output(bad, why):
     """B3: each of these passes a loss + h.grad check under `out.sum().backward()` (the check
     before the fix); the weight-gradient comparison and the per-token upstream refuse them."""
@@ -102,8 +114,11 @@ def test_select_fused_kernel_takes_the_first_that_passes():
     def broken(h, w, y):
         raise TypeError("unexpected keyword argument")
 
-    picked = select_fused_kernel({"missing": missing, "broken": broken, "approx": _wgrad_scaled,
-                                  "scalar": _scalar_grad_output, "good": _good}, BF16, "cpu")
+    picked = select_fused_kernel(
+        {"missing": missing, "broken": broken, "approx": _wgrad_scaled, "scalar": _scalar_grad_output, "good": _good},
+        BF16,
+        "cpu",
+    )
     assert picked is not None and picked[0] == "good"
     assert select_fused_kernel({"approx": _wgrad_scaled}, BF16, "cpu") is None
 
@@ -135,8 +150,19 @@ def test_plain_loss_uses_te_cross_entropy_fusion_only_on_cuda_with_te():
 # ----------------------------------------------------------------------------- C3: no host sync
 
 
-_SYNCING = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "repeat_interleave", "bincount", "masked_scatter"}
+_SYNCING = {
+    "nonzero",
+    "_local_scalar_dense",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "repeat_interleave",
+    "bincount",
+    "masked_scatter",
+}
 
 
 class _NoSync(TorchDispatchMode):
@@ -149,7 +175,8 @@ class _NoSync(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] or []) if t is not None)
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] or []) if t is not None
+        )
         if name in _SYNCING or bool_index:
             self.bad.append(str(func))
         return func(*args, **(kwargs or {}))

@@ -82,7 +82,9 @@ def test_batches_follow_the_contract(dev_dir, tok_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=2, num_workers=0, packing_buffer_size=32, **VISION)
+    loader = build_llava_ov_loader(
+        dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=2, num_workers=0, packing_buffer_size=32, **VISION
+    )
     seen: set[str] = set()
     kinds: set[int] = set()
     for step, batch in enumerate(loader):
@@ -104,7 +106,9 @@ def test_loss_tokens_decode_to_assistant_answers(dev_dir, tok_dir):
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     answers = {s.id: [t["value"] for t in s.conversations if t["from"] == "gpt"] for s in llava_dev_samples()}
-    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=16, **VISION)
+    loader = build_llava_ov_loader(
+        dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=16, **VISION
+    )
     batch = next(iter(loader))
     flat_lab, cu = batch.labels.flatten(), batch.cu_seqlens.tolist()
     ids_in_order = batch.sample_ids[0]
@@ -117,7 +121,9 @@ def test_loss_tokens_decode_to_assistant_answers(dev_dir, tok_dir):
 
 
 def test_video_batch_uses_frames(dev_dir, tok_dir):
-    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=4, num_workers=0, packing=False, **VISION)
+    loader = build_llava_ov_loader(
+        dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=4, num_workers=0, packing=False, **VISION
+    )
     for step, batch in enumerate(loader):
         kinds = batch.media_kind.tolist()
         if MEDIA_VIDEO in kinds:
@@ -132,7 +138,15 @@ def test_video_batch_uses_frames(dev_dir, tok_dir):
 
 def _digest(batch: LlavaOVBatch) -> dict:
     h = hashlib.sha256()
-    for t in (batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.pixel_values, batch.tiles_per_media, batch.num_media_tokens):
+    for t in (
+        batch.input_ids,
+        batch.labels,
+        batch.position_ids,
+        batch.cu_seqlens,
+        batch.pixel_values,
+        batch.tiles_per_media,
+        batch.num_media_tokens,
+    ):
         h.update(t.contiguous().numpy().tobytes())
     return {"sha": h.hexdigest(), "keys": batch.sample_keys}
 
@@ -162,8 +176,15 @@ def test_exact_resume_in_a_fresh_process(dev_dir, tok_dir, tmp_path, packing):
     k, n = 3, 3
     for rank in (0, 1):
         kw = dict(
-            seq_length=SEQ, micro_batch_size=2, dp_rank=rank, dp_size=2, num_workers=2, seed=7,
-            packing=packing, packing_buffer_size=16, checkpoint_every_min_n_samples=2,
+            seq_length=SEQ,
+            micro_batch_size=2,
+            dp_rank=rank,
+            dp_size=2,
+            num_workers=2,
+            seed=7,
+            packing=packing,
+            packing_buffer_size=16,
+            checkpoint_every_min_n_samples=2,
         )
         loader = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
         it = iter(loader)
@@ -173,7 +194,9 @@ def test_exact_resume_in_a_fresh_process(dev_dir, tok_dir, tmp_path, packing):
         expected = [_digest(next(it)) for _ in range(n)]
         del it, loader
         out = tmp_path / f"out{rank}.json"
-        args = json.dumps({"data": str(dev_dir), "tok": str(tok_dir), "kw": kw, "state": str(state), "n": n, "out": str(out)})
+        args = json.dumps(
+            {"data": str(dev_dir), "tok": str(tok_dir), "kw": kw, "state": str(state), "n": n, "out": str(out)}
+        )
         script = _RESUME_SCRIPT.format(tests_dir=str(Path(__file__).parent), args=args)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -188,7 +211,17 @@ def test_exact_resume_in_a_fresh_process(dev_dir, tok_dir, tmp_path, packing):
 def test_ranks_read_disjoint_shards(dev_dir, tok_dir):
     keys = []
     for rank in (0, 1):
-        loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=4, dp_rank=rank, dp_size=2, num_workers=0, packing=False, **VISION)
+        loader = build_llava_ov_loader(
+            dev_dir,
+            tok_dir,
+            seq_length=SEQ,
+            micro_batch_size=4,
+            dp_rank=rank,
+            dp_size=2,
+            num_workers=0,
+            packing=False,
+            **VISION,
+        )
         seen = set()
         for _, batch in zip(range(6), loader):
             seen.update(x for row in batch.sample_keys for x in row)
@@ -197,10 +230,19 @@ def test_ranks_read_disjoint_shards(dev_dir, tok_dir):
 
 
 def test_blend_weights_are_respected(tmp_path, tok_dir):
-    a = write_dev_shards(tmp_path / "a", [DevSample(f"A{i}", qa("hi", f"a{i}")) for i in range(40)], samples_per_shard=10)
-    b = write_dev_shards(tmp_path / "b", [DevSample(f"B{i}", qa("hi", f"b{i}")) for i in range(40)], samples_per_shard=10, key_offset=1000)
+    a = write_dev_shards(
+        tmp_path / "a", [DevSample(f"A{i}", qa("hi", f"a{i}")) for i in range(40)], samples_per_shard=10
+    )
+    b = write_dev_shards(
+        tmp_path / "b",
+        [DevSample(f"B{i}", qa("hi", f"b{i}")) for i in range(40)],
+        samples_per_shard=10,
+        key_offset=1000,
+    )
     blend = write_blend_yaml(tmp_path / "blend.yaml", [(a, 3.0), (b, 1.0)])
-    loader = build_llava_ov_loader(blend, tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, seed=3, **VISION)
+    loader = build_llava_ov_loader(
+        blend, tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, seed=3, **VISION
+    )
     ids = []
     for _, batch in zip(range(75), loader):
         ids += [x for row in batch.sample_ids for x in row]
@@ -208,7 +250,9 @@ def test_blend_weights_are_respected(tmp_path, tok_dir):
     sigma = (0.75 * 0.25 / len(ids)) ** 0.5
     assert abs(frac_a - 0.75) < 4 * sigma, (frac_a, len(ids))
     # several dirs without a YAML: equal weights
-    loader = build_llava_ov_loader([a, b], tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, **VISION)
+    loader = build_llava_ov_loader(
+        [a, b], tok_dir, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, **VISION
+    )
     ids = [x for _, batch in zip(range(50), loader) for row in batch.sample_ids for x in row]
     frac_a = sum(x.startswith("A") for x in ids) / len(ids)
     assert abs(frac_a - 0.5) < 4 * (0.25 / len(ids)) ** 0.5
@@ -223,7 +267,9 @@ def test_over_length_samples_are_truncated_or_dropped_and_counted(tmp_path, tok_
     ]
     d = write_dev_shards(tmp_path / "d", samples)
     # 6x6 grid at 28px, shrunk to 6x6 features: 4 + 6*7 = 46 media tokens, ending past 40
-    loader = build_llava_ov_loader(d, tok_dir, seq_length=40, micro_batch_size=1, num_workers=0, packing=False, **VISION)
+    loader = build_llava_ov_loader(
+        d, tok_dir, seq_length=40, micro_batch_size=1, num_workers=0, packing=False, **VISION
+    )
     seen = [x for _, batch in zip(range(6), loader) for row in batch.sample_ids for x in row]
     assert set(seen) == {"long-text", "ok"}
     assert loader.stats.counters["truncated"] >= 1
@@ -233,7 +279,9 @@ def test_over_length_samples_are_truncated_or_dropped_and_counted(tmp_path, tok_
 def test_loader_state_json_round_trip(dev_dir, tok_dir):
     from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
 
-    loader = build_llava_ov_loader(dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=8, **VISION)
+    loader = build_llava_ov_loader(
+        dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing_buffer_size=8, **VISION
+    )
     it = iter(loader)
     next(it)
     state = loader.save_state_rank()
@@ -273,7 +321,9 @@ def test_loader_reads_preprocess_output(shards_dir, tok_dir):
             for m in tf.getmembers():
                 if m.name.endswith(".json"):
                     manifest_ids.add(json.loads(tf.extractfile(m).read())["id"])
-    loader = build_llava_ov_loader(shards_dir, tok_dir, seq_length=2048, micro_batch_size=2, num_workers=0, packing_buffer_size=64, **VISION)
+    loader = build_llava_ov_loader(
+        shards_dir, tok_dir, seq_length=2048, micro_batch_size=2, num_workers=0, packing_buffer_size=64, **VISION
+    )
     seen: set[str] = set()
     for step, batch in enumerate(loader):
         _check_batch(batch, 2048, tok)
@@ -290,8 +340,15 @@ def test_exact_resume_slow_matrix(dev_dir, tok_dir, tmp_path, packing, workers, 
     n = 4
     for rank in (0, 1):
         kw = dict(
-            seq_length=SEQ, micro_batch_size=2, dp_rank=rank, dp_size=2, num_workers=workers, seed=11,
-            packing=packing, packing_buffer_size=12, checkpoint_every_min_n_samples=2,
+            seq_length=SEQ,
+            micro_batch_size=2,
+            dp_rank=rank,
+            dp_size=2,
+            num_workers=workers,
+            seed=11,
+            packing=packing,
+            packing_buffer_size=12,
+            checkpoint_every_min_n_samples=2,
         )
         loader = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
         it = iter(loader)

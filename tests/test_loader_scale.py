@@ -27,13 +27,23 @@ def test_every_sample_exactly_once_per_epoch(tmp_path, tok_dir, samples_per_shar
     """N text samples as N one-sample shards, or as 2 shards of N/2 (fewer shards than
     workers: energon splits them by sample range), read by 4 workers: the first N samples the
     loader yields are the N samples, each once (no shuffle buffer: it mixes the next epoch in)."""
-    samples = [DevSample(f"s{i}", [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}])
-               for i in range(N)]
+    samples = [
+        DevSample(f"s{i}", [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]) for i in range(N)
+    ]
     data = write_dev_shards(tmp_path / "shards", samples, samples_per_shard=samples_per_shard)
     assert len(list(data.glob("shard-*.tar"))) == N // samples_per_shard
-    loader = build_llava_ov_loader(data, tok_dir, seq_length=64, micro_batch_size=10, num_workers=WORKERS,
-                                   packing=False, shuffle_buffer_size=None, image_size=28, patch_size=14,
-                                   max_video_frames=4)
+    loader = build_llava_ov_loader(
+        data,
+        tok_dir,
+        seq_length=64,
+        micro_batch_size=10,
+        num_workers=WORKERS,
+        packing=False,
+        shuffle_buffer_size=None,
+        image_size=28,
+        patch_size=14,
+        max_video_frames=4,
+    )
     seen: Counter[str] = Counter()
     for batch in loader:
         seen.update(x for row in batch.sample_ids for x in row)

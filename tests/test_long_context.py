@@ -88,9 +88,15 @@ def _per_sample(q, k, v, lens, causal):
     outs, start = [], 0
     for n in lens:
         sl = slice(start, start + n)
-        outs.append(F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None],
-            is_causal=causal, enable_gqa=True)[0].transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1)[None],
+                k[sl].transpose(0, 1)[None],
+                v[sl].transpose(0, 1)[None],
+                is_causal=causal,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        )
         start += n
     return torch.cat(outs)
 
@@ -126,7 +132,9 @@ def test_core_attention_thd_uses_the_cached_plan(megatron_cpu):
 
     from mmtrain.models.attention import SDPACoreAttention
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0
+    )
     attn = SDPACoreAttention(cfg, 1, AttnMaskType.causal)
     lens = [10, 3, 19]
     params = cp_layout(_cu(lens), 1, 0, 1).packed_seq_params()
@@ -173,8 +181,16 @@ def test_decoder_lean_loss_equals_megatrons_output_layer(megatron_cpu, tied):
     from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
 
-    llm = LLMConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    vocab_size=250, max_position_embeddings=256, tie_word_embeddings=tied)
+    llm = LLMConfig(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=250,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
     cfg = language_transformer_config(llm, "float32", ParallelOptions())
     results = []
     for impl in ("plain", "chunked"):
@@ -205,9 +221,16 @@ def test_cost_model_knows_the_lean_loss_and_context_parallelism():
     from mmtrain.llava_ov.spec import LLAVA_OV
     from mmtrain.planning.cost_model import GB, Layout, estimate_memory
 
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "aquila-vl-2b.yaml",
-                         ["stage=2a", "parallel.cp=1", "parallel.sequence_parallel=false", "train.micro_batch_size=2",
-                          "train.global_batch_size=512"])
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "aquila-vl-2b.yaml",
+        [
+            "stage=2a",
+            "parallel.cp=1",
+            "parallel.sequence_parallel=false",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=512",
+        ],
+    )
     shapes, base = LLAVA_OV.model_shapes(recipe.model), Layout.from_recipe(recipe)
     assert base.seq_length == 12288 and base.micro_batch_size == 2
     plain = estimate_memory(shapes, recipe.freeze, base.with_(lm_loss="plain"))

@@ -53,32 +53,58 @@ def _validated(tmp_path: Path, members) -> dict[str, Valid | Invalid]:
 def test_rules_in_order(tmp_path):
     members = [
         # foreign absolute path, other basename and extension: the sample's own member (by stem)
-        ("a.json", _rec("a", image=f"{FOREIGN}/0001234_a.jpeg")), ("a.png", PNG),
+        ("a.json", _rec("a", image=f"{FOREIGN}/0001234_a.jpeg")),
+        ("a.png", PNG),
         # exact member name (an explicit locator, even of another sample's member)
-        ("b.json", _rec("b", image="a.png")), ("b.jpg", JPG),
+        ("b.json", _rec("b", image="a.png")),
+        ("b.jpg", JPG),
         # basename under a foreign folder
-        ("c.json", _rec("c", image=f"{FOREIGN}/c.webp")), ("c.webp", WEBP),
+        ("c.json", _rec("c", image=f"{FOREIGN}/c.webp")),
+        ("c.webp", WEBP),
         # multi-image: foreign entries map in order onto {stem}.jpg, {stem}.1.png, {stem}.2.webp,
         # even though the tar holds them in name order (d.1.png, d.2.webp, d.jpg)
-        ("d.json", _rec("d", image=[f"{FOREIGN}/x.jpg", f"{FOREIGN}/y.jpg", f"{FOREIGN}/z.jpg"],
-                        conversations=[{"from": "human", "value": "<image><image><image>?"},
-                                       {"from": "gpt", "value": "ok"}])),
-        ("d.1.png", PNG), ("d.2.webp", WEBP), ("d.JPG", JPG),
+        (
+            "d.json",
+            _rec(
+                "d",
+                image=[f"{FOREIGN}/x.jpg", f"{FOREIGN}/y.jpg", f"{FOREIGN}/z.jpg"],
+                conversations=[{"from": "human", "value": "<image><image><image>?"}, {"from": "gpt", "value": "ok"}],
+            ),
+        ),
+        ("d.1.png", PNG),
+        ("d.2.webp", WEBP),
+        ("d.JPG", JPG),
         # one entry by basename claims its member; the foreign one takes the member left over
-        ("e.json", _rec("e", image=[f"{FOREIGN}/q.jpg", f"{FOREIGN}/e.1.png"],
-                        conversations=[{"from": "human", "value": "<image> vs <image>"}, {"from": "gpt", "value": "ok"}])),
-        ("e.jpg", JPG), ("e.1.png", PNG),
+        (
+            "e.json",
+            _rec(
+                "e",
+                image=[f"{FOREIGN}/q.jpg", f"{FOREIGN}/e.1.png"],
+                conversations=[{"from": "human", "value": "<image> vs <image>"}, {"from": "gpt", "value": "ok"}],
+            ),
+        ),
+        ("e.jpg", JPG),
+        ("e.1.png", PNG),
         # a basename that is another sample's member never displaces the sample's own image
-        ("f.json", _rec("f", image=f"{FOREIGN}/a.png")), ("f.webp", WEBP),
+        ("f.json", _rec("f", image=f"{FOREIGN}/a.png")),
+        ("f.webp", WEBP),
         # no own member at all: a unique basename elsewhere in the tar is used
         ("g.json", _rec("g", image=f"{FOREIGN}/c.webp")),
         # no `image` field: the sample's own members are its images
-        ("h.json", _rec("h")), ("h.png", PNG),
+        ("h.json", _rec("h")),
+        ("h.png", PNG),
     ]
     res = _validated(tmp_path, members)
-    expect = {"a": ("by_stem", ["a.png"]), "b": ("by_name", ["a.png"]), "c": ("by_basename", ["c.webp"]),
-              "d": ("by_stem", ["d.JPG", "d.1.png", "d.2.webp"]), "e": ("by_stem", ["e.jpg", "e.1.png"]),
-              "f": ("by_stem", ["f.webp"]), "g": ("by_basename", ["c.webp"]), "h": ("by_stem", ["h.png"])}
+    expect = {
+        "a": ("by_stem", ["a.png"]),
+        "b": ("by_name", ["a.png"]),
+        "c": ("by_basename", ["c.webp"]),
+        "d": ("by_stem", ["d.JPG", "d.1.png", "d.2.webp"]),
+        "e": ("by_stem", ["e.jpg", "e.1.png"]),
+        "f": ("by_stem", ["f.webp"]),
+        "g": ("by_basename", ["c.webp"]),
+        "h": ("by_stem", ["h.png"]),
+    }
     for stem, (rule, names) in expect.items():
         v = res[f"{stem}.json"]
         assert isinstance(v, Valid), (stem, v)
@@ -93,16 +119,28 @@ def test_rules_in_order(tmp_path):
 def test_edge_cases(tmp_path):
     members = [
         # more entries than members: the third has no member -> image_missing, saying why
-        ("a.json", _rec("a", image=[f"{FOREIGN}/1.jpg", f"{FOREIGN}/2.jpg", f"{FOREIGN}/3.jpg"],
-                        conversations=[{"from": "human", "value": "<image><image><image>"}, {"from": "gpt", "value": "ok"}])),
-        ("a.jpg", JPG), ("a.1.png", PNG),
+        (
+            "a.json",
+            _rec(
+                "a",
+                image=[f"{FOREIGN}/1.jpg", f"{FOREIGN}/2.jpg", f"{FOREIGN}/3.jpg"],
+                conversations=[{"from": "human", "value": "<image><image><image>"}, {"from": "gpt", "value": "ok"}],
+            ),
+        ),
+        ("a.jpg", JPG),
+        ("a.1.png", PNG),
         # fewer entries than members: the extra member is counted as unreferenced
-        ("b.json", _rec("b", image=f"{FOREIGN}/b.jpg")), ("b.jpg", JPG), ("b.1.png", PNG),
+        ("b.json", _rec("b", image=f"{FOREIGN}/b.jpg")),
+        ("b.jpg", JPG),
+        ("b.1.png", PNG),
         # explicitly text-only with a stray image member: stays text-only
-        ("c.json", _rec("c", image="")), ("c.png", PNG),
-        ("d.json", _rec("d", image=None)), ("d.png", PNG),
+        ("c.json", _rec("c", image="")),
+        ("c.png", PNG),
+        ("d.json", _rec("d", image=None)),
+        ("d.png", PNG),
         # truly no usable member
-        ("e.json", _rec("e", image=f"{FOREIGN}/e.jpg")), ("e.txt", b"not an image"),
+        ("e.json", _rec("e", image=f"{FOREIGN}/e.jpg")),
+        ("e.txt", b"not an image"),
     ]
     res = _validated(tmp_path, members)
     a = res["a.json"]
@@ -135,7 +173,8 @@ def test_llava_json_image_root_hint(tmp_path):
     problem = llava_json.check_image_root(units)
     assert problem and "images/x.png" in problem and f"--image-root {data}" in problem
     assert llava_json.check_image_root(llava_json.list_units([ann], data)) is None
-    proc = run_preprocess_cli("--dataset", "llava-json", "--input", str(ann), "--output", str(tmp_path / "out"),
-                              check=False)
+    proc = run_preprocess_cli(
+        "--dataset", "llava-json", "--input", str(ann), "--output", str(tmp_path / "out"), check=False
+    )
     assert proc.returncode == 2 and f"--image-root {data}" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()

@@ -26,9 +26,21 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behavi
 def _ctx(device: str = "cpu", distributed_optimizer: bool = False, precision: str = "fp32"):
     from mmtrain.runtime.distributed import ParallelContext
 
-    return ParallelContext(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                           backend="gloo" if device == "cpu" else "nccl", device=torch.device(device),
-                           precision=precision, distributed_optimizer=distributed_optimizer)
+    return ParallelContext(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        tp=1,
+        pp=1,
+        dp=1,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        backend="gloo" if device == "cpu" else "nccl",
+        device=torch.device(device),
+        precision=precision,
+        distributed_optimizer=distributed_optimizer,
+    )
 
 
 def _optimizer_cfg(**overrides):
@@ -44,8 +56,9 @@ def _tiny():
 
     class Tiny(MegatronModule):
         def __init__(self) -> None:
-            super().__init__(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
-                                               use_cpu_initialization=True))
+            super().__init__(
+                TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+            )
             self.body = torch.nn.Linear(8, 8)
             self.head = torch.nn.Linear(8, 1)
 
@@ -95,7 +108,10 @@ def test_ddp_settings_are_megatrons_on_every_device():
     overlapped, aligned param all-gather on the DDP config and megatron's OptimizerConfig."""
     from mmtrain.runtime.optimizer import ModelParts, ddp_config_kwargs, megatron_optimizer_config
 
-    cpu, gpu = ddp_config_kwargs(_ctx("cpu")), ddp_config_kwargs(_ctx("cuda", distributed_optimizer=True, precision="bf16"))
+    cpu, gpu = (
+        ddp_config_kwargs(_ctx("cpu")),
+        ddp_config_kwargs(_ctx("cuda", distributed_optimizer=True, precision="bf16")),
+    )
     assert cpu["overlap_grad_reduce"] is True and gpu["overlap_grad_reduce"] is True
     assert cpu["use_distributed_optimizer"] is False
     assert not cpu["overlap_param_gather"] and not cpu["align_param_gather"]
@@ -104,7 +120,9 @@ def test_ddp_settings_are_megatrons_on_every_device():
 
     DistributedDataParallelConfig(**gpu)  # megatron accepts the combination
     parts = ModelParts([_tiny()], PARTS)
-    config, _ = megatron_optimizer_config(parts, _optimizer_cfg(), _ctx("cuda", distributed_optimizer=True, precision="bf16"))
+    config, _ = megatron_optimizer_config(
+        parts, _optimizer_cfg(), _ctx("cuda", distributed_optimizer=True, precision="bf16")
+    )
     assert config.use_distributed_optimizer and config.overlap_param_gather and config.bf16
     config, _ = megatron_optimizer_config(parts, _optimizer_cfg(), _ctx("cpu"))
     assert not config.use_distributed_optimizer and not config.overlap_param_gather
@@ -165,7 +183,11 @@ def test_megatron_optimizer_state_round_trips_through_dist_checkpointing(tmp_pat
     ddp, optimizer = _build(ctx, cfg)
     groups = optimizer.param_groups
     assert sorted((g["lr_mult"], g["wd_mult"], g["max_lr"]) for g in groups) == [
-        (0.5, 0.0, 5.0e-3), (0.5, 1.0, 5.0e-3), (1.0, 0.0, 1.0e-2), (1.0, 1.0, 1.0e-2)]
+        (0.5, 0.0, 5.0e-3),
+        (0.5, 1.0, 5.0e-3),
+        (1.0, 0.0, 1.0e-2),
+        (1.0, 1.0, 1.0e-2),
+    ]
     for step in range(2):
         _train_step(ddp, optimizer, seed=step)
     (tmp_path / "optimizer").mkdir()

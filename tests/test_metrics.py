@@ -14,8 +14,16 @@ pytestmark = pytest.mark.unit
 
 
 def _record(step: int, loss: float, losses: dict[str, float]) -> dict:
-    return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0,
-            "samples_per_s": 2.0, "sample_ids": list(losses), "sample_losses": losses}
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 100.0,
+        "samples_per_s": 2.0,
+        "sample_ids": list(losses),
+        "sample_losses": losses,
+    }
 
 
 def test_writer_appends_one_json_line_per_step(tmp_path):
@@ -54,9 +62,11 @@ def test_plain_reopen_keeps_history(tmp_path):
 
 
 def test_worst_samples_ranking():
-    recs = [_record(1, 1.0, {"a": 0.5, "b": 1.5}),
-            _record(2, 3.0, {"x": 2.0, "y": 9.0, "z": float("nan"), "w": 0.1}),
-            _record(3, 2.0, {"q": 1.0})]
+    recs = [
+        _record(1, 1.0, {"a": 0.5, "b": 1.5}),
+        _record(2, 3.0, {"x": 2.0, "y": 9.0, "z": float("nan"), "w": 0.1}),
+        _record(3, 2.0, {"q": 1.0}),
+    ]
     rec, ranked = worst_samples(recs)
     assert rec["step"] == 2
     assert [i for i, _ in ranked] == ["z", "y", "x", "w"]  # NaN first, then by loss
@@ -74,7 +84,11 @@ def test_worst_samples_cli(tmp_path, capsys):
     assert mmtrain_main(["worst-samples", str(tmp_path), "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("step 2: loss 5.0000")  # rounded
-    assert out.splitlines()[1].split() == ["rank", "sample_key", "loss"]  # DATASET#SHARD_KEY, as mmdata inspect --key takes
+    assert out.splitlines()[1].split() == [
+        "rank",
+        "sample_key",
+        "loss",
+    ]  # DATASET#SHARD_KEY, as mmdata inspect --key takes
     rows = [line.split() for line in out.splitlines()[2:]]
     assert rows == [["1", "s-3", "7.5000"], ["2", "s-5", "4.0000"]]
     assert mmtrain_main(["worst-samples", str(tmp_path / "metrics.jsonl"), "--step", "3"]) == 0

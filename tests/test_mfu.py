@@ -28,12 +28,27 @@ from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelSh
 
 pytestmark = pytest.mark.unit
 
-DEC = DecoderShape(layers=2, hidden=64, ffn=128, heads=4, kv_groups=2, kv_channels=16, vocab=1000,
-                   make_vocab_divisible_by=1, tied=True, qkv_bias=False)
+DEC = DecoderShape(
+    layers=2,
+    hidden=64,
+    ffn=128,
+    heads=4,
+    kv_groups=2,
+    kv_channels=16,
+    vocab=1000,
+    make_vocab_divisible_by=1,
+    tied=True,
+    qkv_bias=False,
+)
 ENC = EncoderShape(layers=2, hidden=32, ffn=64, heads=2, image_size=28, patch_size=14, channels=3)
 TEXT = ModelShapes(decoder=DEC, decoder_part="llm")  # an Emu3-like family: no encoder
-VLM = ModelShapes(decoder=DEC, decoder_part="llm", encoder=ENC, encoder_part="vision_tower",
-                  connectors=(Connector("projector", 6144 + 128, 6144, input_matmul_params=2048), Connector("llm", 64)))
+VLM = ModelShapes(
+    decoder=DEC,
+    decoder_part="llm",
+    encoder=ENC,
+    encoder_part="vision_tower",
+    connectors=(Connector("projector", 6144 + 128, 6144, input_matmul_params=2048), Connector("llm", 64)),
+)
 PER_TOKEN = 2 * 2 * 36992 + 2 * 64 * 1000  # = 275968
 
 
@@ -118,12 +133,19 @@ def _llava_batch(cu: list[int], tiles: list[int]):
 
     s, n = cu[-1], len(tiles)
     z = torch.zeros(1, s, dtype=torch.int64)
-    return LlavaOVBatch(input_ids=z, labels=z, position_ids=z, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-                        max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
-                        pixel_values=torch.zeros(sum(tiles), 3, 28, 28, dtype=torch.uint8),
-                        tiles_per_media=torch.tensor(tiles), media_kind=torch.zeros(n, dtype=torch.int64),
-                        image_sizes=torch.zeros(n, 2, dtype=torch.int64), grid_shapes=torch.zeros(n, 2, dtype=torch.int64),
-                        num_media_tokens=torch.zeros(n, dtype=torch.int64))
+    return LlavaOVBatch(
+        input_ids=z,
+        labels=z,
+        position_ids=z,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
+        pixel_values=torch.zeros(sum(tiles), 3, 28, 28, dtype=torch.uint8),
+        tiles_per_media=torch.tensor(tiles),
+        media_kind=torch.zeros(n, dtype=torch.int64),
+        image_sizes=torch.zeros(n, 2, dtype=torch.int64),
+        grid_shapes=torch.zeros(n, 2, dtype=torch.int64),
+        num_media_tokens=torch.zeros(n, dtype=torch.int64),
+    )
 
 
 def test_trainer_step_flops_from_its_micro_batches():
@@ -150,8 +172,21 @@ def test_logged_mfu_uses_the_step_flops():
     t.peak_flops = 1e12
     records = []
     t.metrics = SimpleNamespace(write=records.append)
-    r = StepResult(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0,
-                   tokens=4096, samples=1, loss_tokens=10, sample_ids=[], sample_losses=[], flops=6e12)
+    r = StepResult(
+        step=1,
+        loss=1.0,
+        grad_norm=1.0,
+        lr=1e-4,
+        updated=True,
+        step_time_s=2.0,
+        data_wait_s=0.0,
+        tokens=4096,
+        samples=1,
+        loss_tokens=10,
+        sample_ids=[],
+        sample_losses=[],
+        flops=6e12,
+    )
     t._log(r)
     assert records[0]["mfu"] == pytest.approx(6e12 / 2.0 / (2 * 1e12))  # 1.5 TFLOP/s per device / 1 TFLOP/s
     assert records[0]["model_tflops_per_s"] == pytest.approx(1.5)
@@ -166,8 +201,18 @@ def test_planning_estimate_follows_the_freeze_set():
     from mmtrain.models.flops import step_flops
     from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time
 
-    layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, seq_length=2048, recompute="none",
-                    sequence_parallel=False, distributed_optimizer=False, precision="bf16")
+    layout = Layout(
+        tp=1,
+        pp=1,
+        dp=1,
+        micro_batch_size=1,
+        global_batch_size=4,
+        seq_length=2048,
+        recompute="none",
+        sequence_parallel=False,
+        distributed_optimizer=False,
+        precision="bf16",
+    )
     hw = Hardware(100.0, 0.5, 100.0, 100.0)
     est = estimate_step_time(VLM, ["vision_tower", "llm"], layout, hw, media_token_fraction=0.0)
     assert est.model_flops == 4 * step_flops(VLM, [[0, 2048]], 0, ["projector"]).total
@@ -203,11 +248,17 @@ def _text_batch(rows: list[list[int]], seq_length: int):
     from mmdata.energon_loaders.batch import PackedBatch
 
     lens = [n for row in rows for n in row + ([seq_length - sum(row)] if sum(row) < seq_length else [])]
-    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     z = torch.zeros(len(rows), seq_length, dtype=torch.int64)
-    return PackedBatch(input_ids=z, labels=z, position_ids=z, cu_seqlens=cu, max_seqlen=max(lens),
-                       sample_ids=[[f"s{r}_{k}" for k in range(len(row))] for r, row in enumerate(rows)],
-                       num_real_tokens=sum(map(sum, rows)))
+    return PackedBatch(
+        input_ids=z,
+        labels=z,
+        position_ids=z,
+        cu_seqlens=cu,
+        max_seqlen=max(lens),
+        sample_ids=[[f"s{r}_{k}" for k in range(len(row))] for r, row in enumerate(rows)],
+        num_real_tokens=sum(map(sum, rows)),
+    )
 
 
 def test_step_metrics_count_model_flops_for_the_mfu_and_executed_flops_for_the_hfu():
@@ -225,8 +276,14 @@ def test_step_metrics_count_model_flops_for_the_mfu_and_executed_flops_for_the_h
     assert plain.model_flops([batch]) == real
     assert plain.hardware_flops([batch]) == executed
     # full recompute of both layers: one more forward of the layers (not the LM head)
-    full = StepMetrics(spec, TEXT, freeze=[], ctx=SimpleNamespace(cp=1, tp=1), recompute="full",
-                       recomputed_layers=recomputed_layer_count([2], 0))
+    full = StepMetrics(
+        spec,
+        TEXT,
+        freeze=[],
+        ctx=SimpleNamespace(cp=1, tp=1),
+        recompute="full",
+        recomputed_layers=recomputed_layer_count([2], 0),
+    )
     assert full.hardware_flops([batch]) == executed + 2 * 2 * 36992 * 1024 + 256 * (70**2 + 954**2)
     assert full.model_flops([batch]) == real  # recompute is not model work
     # selective: the core attention of every layer again
@@ -258,9 +315,22 @@ def test_logged_hfu_next_to_the_mfu():
     t.peak_flops = 1e12
     records = []
     t.metrics = SimpleNamespace(write=records.append)
-    r = StepResult(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0,
-                   tokens=4096, samples=1, loss_tokens=10, sample_ids=[], sample_losses=[], flops=6e12,
-                   hardware_flops=8e12)
+    r = StepResult(
+        step=1,
+        loss=1.0,
+        grad_norm=1.0,
+        lr=1e-4,
+        updated=True,
+        step_time_s=2.0,
+        data_wait_s=0.0,
+        tokens=4096,
+        samples=1,
+        loss_tokens=10,
+        sample_ids=[],
+        sample_losses=[],
+        flops=6e12,
+        hardware_flops=8e12,
+    )
     t._log(r)
     assert records[0]["mfu"] == pytest.approx(1.5) and records[0]["hfu"] == pytest.approx(2.0)
     t.peak_flops = None
@@ -268,17 +338,20 @@ def test_logged_hfu_next_to_the_mfu():
     assert records[1]["mfu"] is None and records[1]["hfu"] is None
 
 
-@pytest.mark.parametrize("name, precision, tflops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),  # SXM5
-    ("NVIDIA H100 PCIe", "bf16", 756.0),
-    ("NVIDIA H100 NVL", "bf16", 835.0),
-    ("NVIDIA H100 PCIe", "fp32", 378.0),  # TF32
-    ("NVIDIA H200", "bf16", 989.0),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA B200", "bf16", 2250.0),
-    ("NVIDIA H100 96GB something new", "bf16", None),  # not listed: no MFU rather than another part's peak
-    ("NVIDIA GeForce RTX 4090", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name, precision, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),  # SXM5
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 NVL", "bf16", 835.0),
+        ("NVIDIA H100 PCIe", "fp32", 378.0),  # TF32
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA H100 96GB something new", "bf16", None),  # not listed: no MFU rather than another part's peak
+        ("NVIDIA GeForce RTX 4090", "bf16", None),
+    ],
+)
 def test_peak_from_the_exact_device_name(name, precision, tflops, monkeypatch):
     """Review N7: "H100 PCIe" and "H100 NVL" got the SXM figure by name fragment."""
     from mmtrain.models.hardware import peak_tflops

@@ -39,18 +39,31 @@ def png_bytes(h: int, w: int, seed: int) -> bytes:
 def _sample(i: int, conversations: list[dict], images: tuple[bytes, ...] = (), video: bytes | None = None):
     from mmdata.energon_loaders.sample import ConversationSample
 
-    return ConversationSample(__key__=f"{i:010d}", __restore_key__=(), __subflavors__=None, __sources__=(),
-                              id=f"s{i}", conversations=conversations, images=list(images),
-                              image_names=[f"img{k:02d}.png" for k in range(len(images))], video=video, source="t",
-                              meta={}, provenance={})
+    return ConversationSample(
+        __key__=f"{i:010d}",
+        __restore_key__=(),
+        __subflavors__=None,
+        __sources__=(),
+        id=f"s{i}",
+        conversations=conversations,
+        images=list(images),
+        image_names=[f"img{k:02d}.png" for k in range(len(images))],
+        video=video,
+        source="t",
+        meta={},
+        provenance={},
+    )
 
 
 KINDS = {
-    "single-image": lambda i: _sample(i, qa("<image>\nWhat is it?", f"A picture, number {i}."),
-                                      (png_bytes(20 + 9 * i, 95 - 7 * i, i),)),
-    "multi-image": lambda i: _sample(i, qa("<image><image> Compare." if i % 2 else "<image><image><image> Which?",
-                                            f"They differ {i}."),
-                                     tuple(png_bytes(20 + i, 40 - i, i + k) for k in range(2 if i % 2 else 3))),
+    "single-image": lambda i: _sample(
+        i, qa("<image>\nWhat is it?", f"A picture, number {i}."), (png_bytes(20 + 9 * i, 95 - 7 * i, i),)
+    ),
+    "multi-image": lambda i: _sample(
+        i,
+        qa("<image><image> Compare." if i % 2 else "<image><image><image> Which?", f"They differ {i}."),
+        tuple(png_bytes(20 + i, 40 - i, i + k) for k in range(2 if i % 2 else 3)),
+    ),
     "video": lambda i: _sample(i, qa("<video>\nWhat happens?", f"Things move {i}."), (), mp4_bytes(6 + i % 5, seed=i)),
     "text-only": lambda i: _sample(i, qa("Tell me a fact.", f"Fact {i}: the sea is salty.") * (1 + i % 2)),
 }
@@ -63,22 +76,29 @@ def setup(tmp_path_factory):
     from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.llava_ov.model import LlavaOVModel
-    from mmtrain.llava_ov.state_dict_adapter import LlavaOVStateDictAdapter, llava_config_from_hf, normalize_llava_hf_key
+    from mmtrain.llava_ov.state_dict_adapter import (
+        LlavaOVStateDictAdapter,
+        llava_config_from_hf,
+        normalize_llava_hf_key,
+    )
     from mmtrain.models.model_io import load_canonical
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     ensure_model_parallel(1, 1)
     tok = build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
-    enc = LlavaOVTaskEncoder(str(tok), LlavaOVEncoderConfig(seq_length=SEQ, image_size=IMAGE_SIZE, patch_size=PATCH,
-                                                            max_video_frames=4))
+    enc = LlavaOVTaskEncoder(
+        str(tok), LlavaOVEncoderConfig(seq_length=SEQ, image_size=IMAGE_SIZE, patch_size=PATCH, max_video_frames=4)
+    )
     hf = hf_llava(seed=0, vocab_size=1152, image_token=enc.chat.image_token_id, video_token=enc.chat.video_token_id)
     cfg = llava_config_from_hf(hf.config.to_dict())
     sd = {normalize_llava_hf_key(k): v for k, v in hf.state_dict().items()}
     adapter = LlavaOVStateDictAdapter(cfg)
     model = LlavaOVModel(cfg).eval()
     load_canonical(model, lambda n: adapter.mcore_tensor(n, sd.__getitem__))
-    samples = {kind: [enc.postencode_sample(enc.preencode_sample(make(10 * j + i)))
-                      for i in range(4)] for j, (kind, make) in enumerate(KINDS.items())}
+    samples = {
+        kind: [enc.postencode_sample(enc.preencode_sample(make(10 * j + i))) for i in range(4)]
+        for j, (kind, make) in enumerate(KINDS.items())
+    }
     return enc, model, samples
 
 
@@ -121,7 +141,7 @@ MIXES = [*KINDS, "all mixed"]
 @pytest.mark.parametrize("mix", MIXES)
 def test_packed_at_micro_batch_2_equals_unpacked(setup, mix):
     enc, model, samples = setup
-    chosen = ([s for kind in KINDS for s in samples[kind][:2]] if mix == "all mixed" else samples[mix])
+    chosen = [s for kind in KINDS for s in samples[kind][:2]] if mix == "all mixed" else samples[mix]
     half = len(chosen) // 2
     rows = [chosen[:half], chosen[half:]] if mix != "all mixed" else [chosen[0::2], chosen[1::2]]
     packed = _collate(enc, rows)
@@ -170,8 +190,10 @@ def test_rows_moved_by_balancing_keep_every_sample_loss(setup):
     enc, model, samples = setup
     s = samples
     # rank 0 draws the rows with media, rank 1 two text-only rows
-    drawn = [[_collate(enc, [s["video"][:2], s["single-image"][:2] + s["multi-image"][:1]])],
-             [_collate(enc, [s["text-only"][:2], s["text-only"][2:]])]]
+    drawn = [
+        [_collate(enc, [s["video"][:2], s["single-image"][:2] + s["multi-image"][:1]])],
+        [_collate(enc, [s["text-only"][:2], s["text-only"][2:]])],
+    ]
     before = {k: v for mb in (drawn[0][0], drawn[1][0]) for k, v in _losses(model, mb).items()}
     balancer = RowBalancer(210.0, encoder_inputs)
     placed = [balancer.balance_local(drawn, me) for me in (0, 1)]

@@ -24,8 +24,13 @@ def test_committed_notebook_has_no_outputs():
 
 
 def _outputs(nb, mime: str) -> list[str]:
-    return [o["data"][mime] for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if o.get("output_type") in ("display_data", "execute_result") and mime in o.get("data", {})]
+    return [
+        o["data"][mime]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.get("output_type") in ("display_data", "execute_result") and mime in o.get("data", {})
+    ]
 
 
 def test_notebook_runs_headless_on_a_shards_dir(broken_dataset, monkeypatch, tmp_path):
@@ -44,15 +49,28 @@ def test_notebook_runs_headless_on_a_shards_dir(broken_dataset, monkeypatch, tmp
     assert not errors, errors
     html = "\n".join(_outputs(nb, "text/html"))
     valid = sum(1 for r in recs if not r.broken)
-    for needle in ("Dataset", "Sources", "Modality (sampled)", "Distributions (sampled)", "Packing",
-                   f"Quarantined records ({len(recs) - valid})", "image_empty", "loss applies"):
+    for needle in (
+        "Dataset",
+        "Sources",
+        "Modality (sampled)",
+        "Distributions (sampled)",
+        "Packing",
+        f"Quarantined records ({len(recs) - valid})",
+        "image_empty",
+        "loss applies",
+    ):
         assert needle in html, needle
     assert f"<td>samples</td><td>{valid}</td>" in html
     assert 'style="background:#b8f0b8"' in html  # highlighted loss spans in the gallery
     pngs = _outputs(nb, "image/png")
     # 5 plot figures + the gallery/lookup images + the quarantine-reason chart
     assert len(pngs) >= 7, len(pngs)
-    streams = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                      if o.get("output_type") == "stream")
+    streams = "".join(
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.get("output_type") == "stream"
+    )
     assert f"{valid} samples" in streams and "key " in streams  # the lookup found its sample
     json.dumps(nb)  # outputs are plain JSON (no pickles, nothing unserialisable)

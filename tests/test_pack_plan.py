@@ -33,8 +33,22 @@ def tok_shards(tmp_path_factory):
     tok = build_tiny_qwen2_tokenizer(root / "tok")
     write_infinity_mm(generate_records(600, seed=8, synthetic=True), root / "raw", samples_per_tar=100)
     out = root / "shards"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "1",
-                       "--samples-per-shard", "200", "--num-cpus", "2", "--tokenizer", str(tok))
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(root / "raw"),
+        "--output",
+        str(out),
+        "--seed",
+        "1",
+        "--samples-per-shard",
+        "200",
+        "--num-cpus",
+        "2",
+        "--tokenizer",
+        str(tok),
+    )
     return out, tok
 
 
@@ -68,8 +82,9 @@ def test_pack_plan_efficiency_determinism_and_inspect(tok_shards, capsys):
         assert main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1", "--cp", "4", "--tp", "2"]) == 0
         printed = capsys.readouterr()
         assert re.search(r"pack chunks .* 1/1", printed.err)  # its progress, on stderr
-        assert re.search(r"packing report: bin fill \d+\.\d\d% \| executed-token efficiency \d+\.\d\d% \(CP4 TP2\)",
-                         printed.out)
+        assert re.search(
+            r"packing report: bin fill \d+\.\d\d% \| executed-token efficiency \d+\.\d\d% \(CP4 TP2\)", printed.out
+        )
         path = plan_path(out, seq)
         info = read_plan_info(path)
         plan = pq.read_table(path)
@@ -139,8 +154,10 @@ def test_shard_writers_count_lengths_without_torch(tok_shards, tmp_path):
 
     _, tok = tok_shards
     saved = write_counting_tokenizer(tok, tmp_path)
-    record = {"conversations": [{"from": "human", "value": "<image>\nWhat is 这个?"}, {"from": "gpt", "value": "A cat."}],
-              "meta": {"image_sizes": [[640, 480, "jpeg"]]}}
+    record = {
+        "conversations": [{"from": "human", "value": "<image>\nWhat is 这个?"}, {"from": "gpt", "value": "A cat."}],
+        "meta": {"image_sizes": [[640, 480, "jpeg"]]},
+    }
     worker = (
         "import json, sys\n"
         "from mmdata.preprocess.curation.dedup import dedup_partition, resolve_bucket\n"
@@ -179,8 +196,19 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
     seq = 8192
     assert mmdata_main(["pack-plan", str(out), "--seq-length", str(seq), "--jobs", "1"]) == 0
     path = plan_path(out, seq)
-    build = lambda: build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, num_workers=2,  # noqa: E731
-                                          packing="plan", checkpoint_every_min_n_samples=1, checkpoint_every_sec=0)
+
+    def build():
+        return build_llava_ov_loader(
+            out,
+            tok,
+            seq_length=seq,
+            micro_batch_size=2,
+            num_workers=2,
+            packing="plan",
+            checkpoint_every_min_n_samples=1,
+            checkpoint_every_sec=0,
+        )
+
     loader = build()
     it = iter(loader)
     first = [next(it) for _ in range(2)]
@@ -208,15 +236,19 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
     from mmtrain.runtime.evaluation import val_recipe
     from mmtrain.runtime.preflight import _check_data
 
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml", [f"data.paths=[{out}]", "data.packing=plan",
-                                                                   "train.seq_length=4096", f"data.val_paths=[{out}]"])
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml",
+        [f"data.paths=[{out}]", "data.packing=plan", "train.seq_length=4096", f"data.val_paths=[{out}]"],
+    )
     from mmtrain import registry
 
     problems: list[str] = []
     _check_data(recipe, registry.get_family("llava-ov"), problems)
-    assert problems == [f"data.packing: plan: packing plan {out}/pack-plan-4096.parquet not found: run "
-                        f"`mmdata pack-plan {out} --seq-length 4096 --image-size 30 --patch-size 14 --max-tiles 9 "
-                        "--grid-max 6 --video-frames 8` (or `mmtrain pack-plan RECIPE.yaml`)"]
+    assert problems == [
+        f"data.packing: plan: packing plan {out}/pack-plan-4096.parquet not found: run "
+        f"`mmdata pack-plan {out} --seq-length 4096 --image-size 30 --patch-size 14 --max-tiles 9 "
+        "--grid-max 6 --video-frames 8` (or `mmtrain pack-plan RECIPE.yaml`)"
+    ]
     assert val_recipe(recipe).data.packing is True and val_recipe(recipe).data.packing_plan is None
 
 
@@ -232,8 +264,14 @@ def test_plan_positions_cover_every_sequence_once_per_epoch(tok_shards):
     for dp in (1, 3):
         epochs = {0: [], 1: []}
         for rank in range(dp):
-            ds = PlanPackedDataset(shards, plan, None, micro_batch_size=2, seed=5,
-                                   worker_config=WorkerConfig(rank=rank, world_size=dp, num_workers=2))
+            ds = PlanPackedDataset(
+                shards,
+                plan,
+                None,
+                micro_batch_size=2,
+                seed=5,
+                worker_config=WorkerConfig(rank=rank, world_size=dp, num_workers=2),
+            )
             n = ds.rank_sequences
             for e in epochs:
                 epochs[e] += [ds.sequence_at(e * n + k) for k in range(n)]
@@ -256,10 +294,31 @@ def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
 
     out, tok = tok_shards
     seq, shape = 6144, StepShape(dp=2, micro_batch_size=2, global_batch_size=8)
-    assert main(["pack-plan", str(out), "--seq-length", str(seq), "--dp", "2", "--micro-batch-size", "2",
-                 "--global-batch-size", "8", "--jobs", "1", "--no-progress"]) == 0
-    line = re.search(r"vision balance \(DP2, micro-batch 2, global batch 8; .*\): today (\d\.\d+) .* -> balanced "
-                     r"(\d\.\d+)", capsys.readouterr().out)
+    assert (
+        main(
+            [
+                "pack-plan",
+                str(out),
+                "--seq-length",
+                str(seq),
+                "--dp",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "8",
+                "--jobs",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    line = re.search(
+        r"vision balance \(DP2, micro-batch 2, global batch 8; .*\): today (\d\.\d+) .* -> balanced "
+        r"(\d\.\d+)",
+        capsys.readouterr().out,
+    )
     assert line and float(line[2]) < float(line[1])
     shards, path, info = plan_for_data(out, None, seq, step_shape=shape)
     assert info["balance"] == {**shape.as_dict(), "tile_tokens": 210.0}
@@ -273,26 +332,48 @@ def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
     n, g = plan.num_sequences, shape.global_batch_size
 
     def dataset(rank: int, world: int, micro: int = 2) -> PlanPackedDataset:
-        return PlanPackedDataset(shards, plan, None, micro_batch_size=micro, seed=5,
-                                 worker_config=WorkerConfig(rank=rank, world_size=world, num_workers=1))
+        return PlanPackedDataset(
+            shards,
+            plan,
+            None,
+            micro_batch_size=micro,
+            seed=5,
+            worker_config=WorkerConfig(rank=rank, world_size=world, num_workers=1),
+        )
 
     ranks, replicated = [dataset(0, 2), dataset(1, 2)], dataset(0, 1)
     stream = [ranks[0].stream_sequence(p) for p in range(2 * n)]  # two epochs
     steps = 2 * n // g
-    assert stream[:n] == list(range(n)) and sorted(stream[n:2 * n]) == list(range(n)) and stream[n:2 * n] != stream[:n]
+    assert (
+        stream[:n] == list(range(n)) and sorted(stream[n : 2 * n]) == list(range(n)) and stream[n : 2 * n] != stream[:n]
+    )
     for t in range(steps):
-        block = stream[t * g:(t + 1) * g]
+        block = stream[t * g : (t + 1) * g]
         placed = assign_block(plan.costs[block].tolist(), shape)
         for r, ds in enumerate(ranks):
             for m in range(shape.micro_batches):
                 got = ds.sequences_of_batch(t * shape.micro_batches + m)
                 assert got == [block[j] for j in placed[r][m]]
                 assert replicated.sequences_of_batch((t * 2 + r) * shape.micro_batches + m) == got
+
     # the loader reads them and resumes after its first micro-batch (30-px tiles to keep it cheap: the
     # rows hold the planned samples whatever their tokens, none over length at that size)
-    build = lambda: build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, dp_rank=1, dp_size=2,  # noqa: E731
-                                          num_workers=0, packing="plan", image_size=30, patch_size=14,
-                                          checkpoint_every_min_n_samples=1, checkpoint_every_sec=0)
+    def build():
+        return build_llava_ov_loader(
+            out,
+            tok,
+            seq_length=seq,
+            micro_batch_size=2,
+            dp_rank=1,
+            dp_size=2,
+            num_workers=0,
+            packing="plan",
+            image_size=30,
+            patch_size=14,
+            checkpoint_every_min_n_samples=1,
+            checkpoint_every_sec=0,
+        )
+
     loader = build()
     it = iter(loader)
     first = next(it)
@@ -314,10 +395,18 @@ def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
     from mmtrain.config import load_recipe
     from mmtrain.runtime.preflight import _check_data
 
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml",
-                         [f"data.paths=[{out}]", "data.packing=plan", f"train.seq_length={seq}",
-                          "train.micro_batch_size=2", "train.global_batch_size=8", "model.vision.image_size=384",
-                          "data.video_frames=32"])  # the plan's (default) geometry
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml",
+        [
+            f"data.paths=[{out}]",
+            "data.packing=plan",
+            f"train.seq_length={seq}",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "model.vision.image_size=384",
+            "data.video_frames=32",
+        ],
+    )  # the plan's (default) geometry
     problems: list[str] = []
     _check_data(recipe, registry.get_family("llava-ov"), problems)
     assert len(problems) == 1 and "balanced for another step shape: dp 2 (recipe: 1)" in problems[0], problems
@@ -346,7 +435,10 @@ def test_inspect_keeps_one_geometry_per_row_and_lists_every_plan_file(tok_shards
     assert files["pack-plan-2048.parquet"]["index_geometry"] and not files["pack-plan-8192.parquet"]["index_geometry"]
     assert files["pack-plan-8192.parquet"]["geometry"]["image_size"] == 30
     (rows,) = [rows for title, _, rows in summary_table_data(summary) if title.startswith("Pack-plan files")]
-    assert [r[:3] for r in rows] == [["2,048", "the index's (384-px tiles)", "exact"], ["8,192", "image size 30", "exact"]]
+    assert [r[:3] for r in rows] == [
+        ["2,048", "the index's (384-px tiles)", "exact"],
+        ["8,192", "image size 30", "exact"],
+    ]
     (index_rows,) = [rows for title, _, rows in summary_table_data(summary) if "the index's geometry (384-px" in title]
     assert index_rows[0][0] == "8,192" and index_rows[0][-1] == "—"
     assert mmdata_main(["inspect", str(out), "--sample", "5", "--context-lengths", "8192"]) == 0

@@ -41,8 +41,22 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     tok = build_tiny_qwen2_tokenizer(root / "tok")
     write_infinity_mm(generate_records(120, seed=3, synthetic=True), root / "raw", samples_per_tar=40)
     out = root / "shards"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "1",
-                       "--samples-per-shard", "40", "--num-cpus", "2", "--tokenizer", str(tok))
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(root / "raw"),
+        "--output",
+        str(out),
+        "--seed",
+        "1",
+        "--samples-per-shard",
+        "40",
+        "--num-cpus",
+        "2",
+        "--tokenizer",
+        str(tok),
+    )
     return out, tok
 
 
@@ -53,9 +67,20 @@ def make_plan(shards: Path, *args: str, tool: str = "mmdata.cli") -> dict:
 
 
 def train(run_dir: Path, shards: Path, tok: Path, *extra: str) -> subprocess.CompletedProcess:
-    return cli("mmtrain.cli", "llava-ov", str(TINY_RECIPE), f"run_dir={run_dir}", f"data.paths=[{shards}]",
-               f"tokenizer.path={tok}", "data.num_workers=1", f"train.seq_length={SEQ}", "train.iters=1",
-               "logging.tensorboard=false", "data.packing=plan", *extra)
+    return cli(
+        "mmtrain.cli",
+        "llava-ov",
+        str(TINY_RECIPE),
+        f"run_dir={run_dir}",
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={tok}",
+        "data.num_workers=1",
+        f"train.seq_length={SEQ}",
+        "train.iters=1",
+        "logging.tensorboard=false",
+        "data.packing=plan",
+        *extra,
+    )
 
 
 def test_recipe_plan_counts_what_the_loader_counts(data):
@@ -75,13 +100,22 @@ def test_recipe_plan_counts_what_the_loader_counts(data):
     plan = pq.read_table(plan_path(shards, SEQ))
     tokens = dict(zip(plan.column("index").to_pylist(), plan.column("tokens").to_pylist()))
     g = TINY
-    encoder = LlavaOVTaskEncoder(str(tok), LlavaOVEncoderConfig(
-        seq_length=1 << 20, image_size=g["image_size"], patch_size=g["patch_size"], max_tiles=g["max_tiles"],
-        grid_max=g["grid_max"], max_video_frames=g["video_frames"]))
+    encoder = LlavaOVTaskEncoder(
+        str(tok),
+        LlavaOVEncoderConfig(
+            seq_length=1 << 20,
+            image_size=g["image_size"],
+            patch_size=g["patch_size"],
+            max_tiles=g["max_tiles"],
+            grid_max=g["grid_max"],
+            max_video_frames=g["video_frames"],
+        ),
+    )
     checked = 0
     for sample in random_samples(shards, 40, seed=4):
-        cs = ConversationSample(__key__=sample.key, __restore_key__=(), __subflavors__=None, __sources__=(),
-                                **sample.to_energon_fields())
+        cs = ConversationSample(
+            __key__=sample.key, __restore_key__=(), __subflavors__=None, __sources__=(), **sample.to_energon_fields()
+        )
         try:
             enc = encoder.preencode_sample(cs)
         except SkipSample:
@@ -92,9 +126,20 @@ def test_recipe_plan_counts_what_the_loader_counts(data):
     # the default plan counts LLaVA-OV's tiles: its lengths are the length index's, far longer
     default = make_plan(shards, str(shards), "--seq-length", str(SEQ))
     assert default["geometry"] == DEFAULT
-    cp = make_plan(shards, str(TINY_RECIPE), str(shards), "--set", f"train.seq_length={SEQ}",
-                   "--set", "parallel.cp=2", "--set", "parallel.nproc_per_node=2", "--tp", "2",
-                   tool="mmtrain.cli")["packing_report"]
+    cp = make_plan(
+        shards,
+        str(TINY_RECIPE),
+        str(shards),
+        "--set",
+        f"train.seq_length={SEQ}",
+        "--set",
+        "parallel.cp=2",
+        "--set",
+        "parallel.nproc_per_node=2",
+        "--tp",
+        "2",
+        tool="mmtrain.cli",
+    )["packing_report"]
     assert (cp["cp"], cp["tp"]) == (2, 2) and cp["real_tokens"] == info["packing_report"]["real_tokens"]
     assert cp["computed_tokens"] > info["packing_report"]["computed_tokens"]  # CP pads each segment to 8
     lengths = pq.read_table(shards / "lengths.parquet").column("total_tokens").to_numpy()
@@ -126,8 +171,17 @@ def test_rebuilt_plan_passes_preflight_and_old_format_plans_are_refused(data):
     shards, tok = data
     # the command the refusal names makes a plan the run accepts
     make_plan(shards, str(shards), "--seq-length", str(SEQ), *TINY_FLAGS.split())
-    recipe = load_recipe(TINY_RECIPE, [f"data.paths=[{shards}]", f"tokenizer.path={tok}", f"train.seq_length={SEQ}",
-                                       "data.packing=plan", "logging.tensorboard=false", "run_dir=/nonexistent/run"])
+    recipe = load_recipe(
+        TINY_RECIPE,
+        [
+            f"data.paths=[{shards}]",
+            f"tokenizer.path={tok}",
+            f"train.seq_length={SEQ}",
+            "data.packing=plan",
+            "logging.tensorboard=false",
+            "run_dir=/nonexistent/run",
+        ],
+    )
     preflight(recipe, LLAVA_OV)
     # a plan of the format before plans recorded their geometry: refused, whatever the geometry, naming the command
     make_plan(shards, str(shards), "--seq-length", str(SEQ))

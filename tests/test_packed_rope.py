@@ -35,8 +35,13 @@ class _Group:
 
 
 def _config(interleaved: bool = False) -> TransformerConfig:
-    return TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                             rotary_interleaved=interleaved, apply_rope_fusion=False)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * DIM,
+        num_attention_heads=HEADS,
+        rotary_interleaved=interleaved,
+        apply_rope_fusion=False,
+    )
 
 
 def _freqs(n: int) -> torch.Tensor:
@@ -175,4 +180,8 @@ def test_tiny_decoder_under_context_parallelism_equals_megatrons_path(tmp_path):
         for lens, r in res.items():
             assert r["loss_equal"] and r["grads_equal"], (rank, lens, r)
             assert r["nonzero"] > 0, (rank, lens)  # this rank held labelled tokens
-            assert r["reads_megatron"] - r["reads_ours"] == 2 * 2 * 2, (rank, lens, r)  # tolist + bool, q and k, 2 layers
+            assert r["reads_megatron"] - r["reads_ours"] == 2 * 2 * 2, (
+                rank,
+                lens,
+                r,
+            )  # tolist + bool, q and k, 2 layers

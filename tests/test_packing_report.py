@@ -43,22 +43,29 @@ def test_padding_multiple_is_the_runtimes():
         padding_multiple(0, 1)
 
 
-@pytest.mark.parametrize("rows, seq, cp, tp, real, computed", [
-    # CP2 (multiple 4): row 0 = 5 -> 8, 6 -> 8, padding run 5 -> 8; row 1 is full (16)
-    ([[5, 6], [16]], 16, 2, 1, 27, 40),
-    # CP4 + TP2 (multiple 16): row 0 = 10 -> 16, 30 -> 32, padding run 24 -> 32; row 1 full (64)
-    ([[10, 30], [64]], 64, 4, 2, 104, 144),
-    # a full row of two text-only samples: 33 -> 48, 31 -> 32, no padding run
-    ([[33, 31]], 64, 4, 2, 64, 80),
-    # a last partial row (20 -> 32, padding run 44 -> 48) and an empty row (one 64-token padding run)
-    ([[64], [20], []], 64, 4, 2, 84, 64 + 80 + 64),
-    # no CP: nothing is padded beyond the rows, whatever TP is
-    ([[5, 6], [16]], 16, 1, 2, 27, 32),
-])
+@pytest.mark.parametrize(
+    "rows, seq, cp, tp, real, computed",
+    [
+        # CP2 (multiple 4): row 0 = 5 -> 8, 6 -> 8, padding run 5 -> 8; row 1 is full (16)
+        ([[5, 6], [16]], 16, 2, 1, 27, 40),
+        # CP4 + TP2 (multiple 16): row 0 = 10 -> 16, 30 -> 32, padding run 24 -> 32; row 1 full (64)
+        ([[10, 30], [64]], 64, 4, 2, 104, 144),
+        # a full row of two text-only samples: 33 -> 48, 31 -> 32, no padding run
+        ([[33, 31]], 64, 4, 2, 64, 80),
+        # a last partial row (20 -> 32, padding run 44 -> 48) and an empty row (one 64-token padding run)
+        ([[64], [20], []], 64, 4, 2, 84, 64 + 80 + 64),
+        # no CP: nothing is padded beyond the rows, whatever TP is
+        ([[5, 6], [16]], 16, 1, 2, 27, 32),
+    ],
+)
 def test_hand_computed_rows_match_the_runtime_layout(rows, seq, cp, tp, real, computed):
     report = report_from_rows(rows, seq, cp=cp, tp=tp)
     assert (report.rows, report.capacity, report.real_tokens, report.computed_tokens) == (
-        len(rows), len(rows) * seq, real, computed)
+        len(rows),
+        len(rows) * seq,
+        real,
+        computed,
+    )
     assert report.bin_fill == pytest.approx(real / (len(rows) * seq))
     assert report.executed_token_efficiency == pytest.approx(real / computed)
     batch = _batch(rows, seq)
@@ -121,8 +128,16 @@ def test_train_step_report_and_step_line(caplog):
     batches = []
     for rows in micro:
         p = _batch(rows, 64)
-        batches.append(PackedBatch(input_ids=p.input_ids, labels=p.labels, position_ids=p.position_ids,
-                                   cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen, num_real_tokens=p.num_real_tokens))
+        batches.append(
+            PackedBatch(
+                input_ids=p.input_ids,
+                labels=p.labels,
+                position_ids=p.position_ids,
+                cu_seqlens=p.cu_seqlens,
+                max_seqlen=p.max_seqlen,
+                num_real_tokens=p.num_real_tokens,
+            )
+        )
     report = batch_packing(batches, cp=4, tp=2)
     assert report == report_from_rows([r for rows in micro for r in rows], 64, cp=4, tp=2)
     assert (report.rows, report.real_tokens, report.computed_tokens) == (4, 124, 144 + 80 + 64)
@@ -133,9 +148,22 @@ def test_train_step_report_and_step_line(caplog):
     t.peak_flops = None
     records: list[dict] = []
     t.metrics = SimpleNamespace(write=records.append)
-    r = StepResult(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0,
-                   tokens=report.real_tokens, samples=4, loss_tokens=10, sample_ids=[], sample_losses=[],
-                   bin_fill=report.bin_fill, executed_token_efficiency=report.executed_token_efficiency)
+    r = StepResult(
+        step=1,
+        loss=1.0,
+        grad_norm=1.0,
+        lr=1e-4,
+        updated=True,
+        step_time_s=2.0,
+        data_wait_s=0.0,
+        tokens=report.real_tokens,
+        samples=4,
+        loss_tokens=10,
+        sample_ids=[],
+        sample_losses=[],
+        bin_fill=report.bin_fill,
+        executed_token_efficiency=report.executed_token_efficiency,
+    )
     with caplog.at_level(logging.INFO, logger="mmtrain.runtime.trainer"):
         t._log(r)
     assert records[0]["bin_fill"] == pytest.approx(124 / 256)

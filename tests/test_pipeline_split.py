@@ -35,25 +35,35 @@ def test_splits_per_stage_and_per_virtual_stage():
     assert per_chunk.megatron_layout() == [["embedding"], ["decoder"] * 2, ["decoder"], ["decoder", "loss"]]
 
 
-@pytest.mark.parametrize("args, needle", [
-    ((28, 2, 1, [12, 15]), "sums to 27, but the decoder has 28 layers"),
-    ((28, 2, 1, [10, 10, 8]), "has 3 entries; expected pp = 2"),
-    ((28, 2, 2, [10, 10, 8]), "expected pp = 2 (layers per stage) or pp*vpp = 4"),
-    ((28, 2, 2, [13, 15]), "13 is not a multiple of 2"),
-    ((28, 1, 1, [28]), "needs pipeline parallelism"),
-    ((28, 1, 2, []), "parallel.vpp=2 needs pipeline parallelism"),
-    ((28, 3, 1, []), "do not split evenly into pp*vpp = 3*1"),
-    ((28, 2, 1, [-1, 29]), "must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ((28, 2, 1, [12, 15]), "sums to 27, but the decoder has 28 layers"),
+        ((28, 2, 1, [10, 10, 8]), "has 3 entries; expected pp = 2"),
+        ((28, 2, 2, [10, 10, 8]), "expected pp = 2 (layers per stage) or pp*vpp = 4"),
+        ((28, 2, 2, [13, 15]), "13 is not a multiple of 2"),
+        ((28, 1, 1, [28]), "needs pipeline parallelism"),
+        ((28, 1, 2, []), "parallel.vpp=2 needs pipeline parallelism"),
+        ((28, 3, 1, []), "do not split evenly into pp*vpp = 3*1"),
+        ((28, 2, 1, [-1, 29]), "must be >= 0"),
+    ],
+)
 def test_splits_megatron_cannot_build_are_refused(args, needle):
     with pytest.raises(PipelineSplitError) as info:
         split_layers(*args)
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp, pp_layers", [
-    (28, 2, 1, [12, 16]), (28, 4, 1, [4, 8, 8, 8]), (28, 2, 2, [12, 16]), (8, 2, 2, [0, 3, 2, 3]), (24, 4, 3, []),
-])
+@pytest.mark.parametrize(
+    "num_layers, pp, vpp, pp_layers",
+    [
+        (28, 2, 1, [12, 16]),
+        (28, 4, 1, [4, 8, 8, 8]),
+        (28, 2, 2, [12, 16]),
+        (8, 2, 2, [0, 3, 2, 3]),
+        (24, 4, 3, []),
+    ],
+)
 def test_megatron_builds_the_split_we_describe(num_layers, pp, vpp, pp_layers):
     """megatron-core's own layout object, made from our fields, holds our counts per (stage,
     virtual stage), and its TransformerConfig accepts them (validating the layout); for one chunk
@@ -64,16 +74,23 @@ def test_megatron_builds_the_split_we_describe(num_layers, pp, vpp, pp_layers):
 
     split = split_layers(num_layers, pp, vpp, pp_layers)
     kw = pipeline_split_kwargs(split)
-    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
-                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, **kw)
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=8,
+        num_attention_heads=2,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        **kw,
+    )
     assert config.virtual_pipeline_model_parallel_size == (vpp if vpp > 1 else None)
     if not pp_layers:
         assert "pipeline_model_parallel_layout" not in kw  # megatron's own even split
         return
     layout = config.pipeline_model_parallel_layout
     assert isinstance(layout, PipelineParallelLayerLayout)
-    assert [[chunk.count(LayerType.decoder) for chunk in stage] for stage in layout.layout] == \
-        [list(c) for c in split.counts]
+    assert [[chunk.count(LayerType.decoder) for chunk in stage] for stage in layout.layout] == [
+        list(c) for c in split.counts
+    ]
     if vpp == 1:
         assert [layout.get_layer_offset(pp_rank=r) for r in range(pp)] == [split.first_layer(r) for r in range(pp)]
 
@@ -109,17 +126,29 @@ def test_recipe_checks_name_the_keys():
             load_recipe(TINY, ["action=dry_run", "parallel.nproc_per_node=2", *overrides])
         return "\n".join(info.value.errors)
 
-    ok = load_recipe(TINY, ["action=dry_run", "parallel.nproc_per_node=2", "parallel.pp=2", "model.llm.num_layers=4",
-                            "parallel.pp_layers=[1,3]", "parallel.vpp=1"])
+    ok = load_recipe(
+        TINY,
+        [
+            "action=dry_run",
+            "parallel.nproc_per_node=2",
+            "parallel.pp=2",
+            "model.llm.num_layers=4",
+            "parallel.pp_layers=[1,3]",
+            "parallel.vpp=1",
+        ],
+    )
     assert ok.parallel.pp_layers == [1, 3]
-    assert "parallel.pp_layers: parallel.pp_layers=[1, 2] sums to 3, but the decoder has 2 layers" in \
-        errors("parallel.pp=2", "parallel.pp_layers=[1,2]")
+    assert "parallel.pp_layers: parallel.pp_layers=[1, 2] sums to 3, but the decoder has 2 layers" in errors(
+        "parallel.pp=2", "parallel.pp_layers=[1,2]"
+    )
     assert "parallel.vpp: parallel.vpp=2 needs pipeline parallelism" in errors("parallel.vpp=2")
-    assert "parallel.vpp: the decoder's 2 layers do not split evenly into pp*vpp = 2*2" in \
-        errors("parallel.pp=2", "parallel.vpp=2")
+    assert "parallel.vpp: the decoder's 2 layers do not split evenly into pp*vpp = 2*2" in errors(
+        "parallel.pp=2", "parallel.vpp=2"
+    )
     # the tiny recipe's 2 sequences a step at dp 1 are fine for pp 2; 3 are not a multiple of it
-    assert "train.global_batch_size: parallel.vpp=2 runs megatron's interleaved schedule" in \
-        errors("parallel.pp=2", "parallel.vpp=2", "model.llm.num_layers=4", "train.global_batch_size=3")
+    assert "train.global_batch_size: parallel.vpp=2 runs megatron's interleaved schedule" in errors(
+        "parallel.pp=2", "parallel.vpp=2", "model.llm.num_layers=4", "train.global_batch_size=3"
+    )
     assert "parallel.vpp: must be > 0" in errors("parallel.vpp=0")
 
 
@@ -137,8 +166,18 @@ def test_forwards_in_flight_follow_megatrons_warm_up():
     ((pp - stage - 1)*2 + (vpp - 1)*pp, + 1) chunk passes, i.e. its memory penalty
     1 + (pp-1)/(pp*vpp) on the first stage for even chunks, and charges the first chunk (where
     the vision tower runs) for more micro-batches than 1F1B does."""
-    L = Layout(tp=1, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, seq_length=8, recompute="none",
-               sequence_parallel=False, distributed_optimizer=False, precision="bf16")
+    L = Layout(
+        tp=1,
+        pp=4,
+        dp=1,
+        micro_batch_size=1,
+        global_batch_size=16,
+        seq_length=8,
+        recompute="none",
+        sequence_parallel=False,
+        distributed_optimizer=False,
+        precision="bf16",
+    )
     assert [forwards_in_flight(L, s) for s in range(4)] == [[4], [3], [2], [1]]
     assert forwards_in_flight(L.with_(global_batch_size=2), 0) == [2]  # no more than the step's micro-batches
     v2 = L.with_(vpp=2)

@@ -42,14 +42,30 @@ def estimated(shards_dir, tmp_path_factory) -> tuple[Path, Path, str]:
     tok = build_tiny_qwen2_tokenizer(root / "tok")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert mmtrain_main(["pack-plan", str(RECIPE), str(out), "--set", f"train.seq_length={SEQ}",
-                             "--set", f"tokenizer.path={tok}", "--jobs", "1", "--no-progress"]) == 0
+        assert (
+            mmtrain_main(
+                [
+                    "pack-plan",
+                    str(RECIPE),
+                    str(out),
+                    "--set",
+                    f"train.seq_length={SEQ}",
+                    "--set",
+                    f"tokenizer.path={tok}",
+                    "--jobs",
+                    "1",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     return out, tok, printed.getvalue().splitlines()[0]
 
 
 def _recipe(out: Path, tok: Path, *extra: str):
-    return load_recipe(RECIPE, [f"data.paths=[{out}]", f"tokenizer.path={tok}", "data.packing=plan",
-                                f"train.seq_length={SEQ}", *extra])
+    return load_recipe(
+        RECIPE, [f"data.paths=[{out}]", f"tokenizer.path={tok}", "data.packing=plan", f"train.seq_length={SEQ}", *extra]
+    )
 
 
 def test_pack_plan_says_its_lengths_are_estimates(estimated):
@@ -74,8 +90,18 @@ def test_training_refuses_an_estimated_plan_unless_opted_in(estimated, tmp_path,
     # the command: rc 2 before anything is written
     run_dir = tmp_path / "run"
     capsys.readouterr()
-    rc = mmtrain_main(["llava-ov", str(RECIPE), f"data.paths=[{out}]", f"tokenizer.path={tok}", "data.packing=plan",
-                       f"train.seq_length={SEQ}", f"run_dir={run_dir}", "train.iters=1"])
+    rc = mmtrain_main(
+        [
+            "llava-ov",
+            str(RECIPE),
+            f"data.paths=[{out}]",
+            f"tokenizer.path={tok}",
+            "data.packing=plan",
+            f"train.seq_length={SEQ}",
+            f"run_dir={run_dir}",
+            "train.iters=1",
+        ]
+    )
     assert rc == 2 and not run_dir.exists()
     assert "plan_allow_estimated_lengths" in capsys.readouterr().err
     # the key is validated: only read with packing: plan
@@ -90,9 +116,21 @@ def test_loader_carries_overflowing_samples_and_resumes_exactly(estimated):
     from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 
     out, tok, _ = estimated
-    build = lambda: build_llava_ov_loader(out, tok, seq_length=SEQ, micro_batch_size=1, num_workers=1,  # noqa: E731
-                                          packing="plan", image_size=30, patch_size=14,
-                                          checkpoint_every_min_n_samples=1, checkpoint_every_sec=0)
+
+    def build():
+        return build_llava_ov_loader(
+            out,
+            tok,
+            seq_length=SEQ,
+            micro_batch_size=1,
+            num_workers=1,
+            packing="plan",
+            image_size=30,
+            patch_size=14,
+            checkpoint_every_min_n_samples=1,
+            checkpoint_every_sec=0,
+        )
+
     loader = build()
     it = iter(loader)
     first = [next(it) for _ in range(2)]
@@ -135,8 +173,14 @@ def _dataset(te: _LengthEncoder, sequences: list[list[int]]) -> _InMemoryPlan:
     indices = np.array([i for s in sequences for i in s], dtype=np.int32)
     starts = np.cumsum([0] + [len(s) for s in sequences]).astype(np.int64)
     plan = pp.PlanSequences(indices, starts, {"bins": len(sequences), "seq_length": te.seq_length})
-    return _InMemoryPlan(Path("unused"), plan, te, micro_batch_size=1, seed=0,
-                         worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    return _InMemoryPlan(
+        Path("unused"),
+        plan,
+        te,
+        micro_batch_size=1,
+        seed=0,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+    )
 
 
 def test_plan_rows_carry_in_order_and_count_what_cannot_fit(monkeypatch):
@@ -168,14 +212,28 @@ def test_plan_rows_carry_in_order_and_count_what_cannot_fit(monkeypatch):
 
 
 def _result(**kw) -> StepResult:
-    base = dict(step=2, loss=1.0, grad_norm=1.0, lr=1e-3, updated=True, step_time_s=1.0, data_wait_s=0.0,
-                tokens=100, samples=10, loss_tokens=50, sample_ids=[], sample_losses=[], bin_fill=0.9)
+    base = dict(
+        step=2,
+        loss=1.0,
+        grad_norm=1.0,
+        lr=1e-3,
+        updated=True,
+        step_time_s=1.0,
+        data_wait_s=0.0,
+        tokens=100,
+        samples=10,
+        loss_tokens=50,
+        sample_ids=[],
+        sample_losses=[],
+        bin_fill=0.9,
+    )
     return StepResult(**{**base, **kw})
 
 
 def test_skips_are_counted_per_step_and_summed_at_the_end():
-    batch = SimpleNamespace(stats={"skipped/plan_overflow": 3, "skipped/decode_error": 1, "truncated": 2,
-                                   pp.PLAN_CARRIED: 4})
+    batch = SimpleNamespace(
+        stats={"skipped/plan_overflow": 3, "skipped/decode_error": 1, "truncated": 2, pp.PLAN_CARRIED: 4}
+    )
     assert batch_skips(batch) == {"plan_overflow": 3, "decode_error": 1}
     r = _result(skipped={"plan_overflow": 3})
     record = step_record(r, 1, None, {})
@@ -185,7 +243,8 @@ def test_skips_are_counted_per_step_and_summed_at_the_end():
     assert step_record(clean, 1, None, {})["num_skipped"] == 0
     assert "skipped" not in step_line(clean, step_record(clean, 1, None, {}), 4, "0s")
     assert skip_summary({"plan_overflow": 344}, 513, pp.PLAN_SKIP_HINTS) == (
-        "344 of 857 samples skipped: plan_overflow 344; preprocess with --tokenizer (exact lengths) and rerun pack-plan")
+        "344 of 857 samples skipped: plan_overflow 344; preprocess with --tokenizer (exact lengths) and rerun pack-plan"
+    )
     assert skip_summary({}, 513, pp.PLAN_SKIP_HINTS) is None
 
 
@@ -193,14 +252,18 @@ def test_a_run_that_skipped_samples_ends_with_one_line(caplog):
     """The trainer's closing line sums its steps' skips (of the samples drawn: trained + skipped)."""
     from mmtrain.runtime.trainer import Trainer
 
-    results = [_result(step=1, samples=200, skipped={"plan_overflow": 100}),
-               _result(step=2, samples=313, skipped={"plan_overflow": 244}), _result(step=3, samples=0)]
+    results = [
+        _result(step=1, samples=200, skipped={"plan_overflow": 100}),
+        _result(step=2, samples=313, skipped={"plan_overflow": 244}),
+        _result(step=3, samples=0),
+    ]
     logging_rank = SimpleNamespace(ctx=SimpleNamespace(is_logging_rank=True))
     with caplog.at_level("WARNING", logger="mmtrain.runtime.trainer"):
         Trainer._say_skips(logging_rank, results)
         Trainer._say_skips(logging_rank, [_result()])
     assert [r.getMessage() for r in caplog.records] == [
-        "344 of 857 samples skipped: plan_overflow 344; preprocess with --tokenizer (exact lengths) and rerun pack-plan"]
+        "344 of 857 samples skipped: plan_overflow 344; preprocess with --tokenizer (exact lengths) and rerun pack-plan"
+    ]
 
 
 def test_training_counts_skips_in_its_step_lines_and_metrics(estimated, tmp_path, monkeypatch, caplog):
@@ -210,16 +273,36 @@ def test_training_counts_skips_in_its_step_lines_and_metrics(estimated, tmp_path
     monkeypatch.setattr(pp, "PLAN_CARRY_LIMIT", 0)  # the loader workers fork from here: they see it too
     run_dir = tmp_path / "run"
     with caplog.at_level("INFO", logger="mmtrain.runtime.trainer"):
-        assert mmtrain_main(["llava-ov", str(RECIPE), f"data.paths=[{out}]", f"tokenizer.path={tok}",
-                             "data.packing=plan", "data.plan_allow_estimated_lengths=true", f"train.seq_length={SEQ}",
-                             f"run_dir={run_dir}", "train.iters=2", "checkpoint.save=false",
-                             "logging.tensorboard=false"]) == 0
+        assert (
+            mmtrain_main(
+                [
+                    "llava-ov",
+                    str(RECIPE),
+                    f"data.paths=[{out}]",
+                    f"tokenizer.path={tok}",
+                    "data.packing=plan",
+                    "data.plan_allow_estimated_lengths=true",
+                    f"train.seq_length={SEQ}",
+                    f"run_dir={run_dir}",
+                    "train.iters=2",
+                    "checkpoint.save=false",
+                    "logging.tensorboard=false",
+                ]
+            )
+            == 0
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = sum(r["num_skipped"] for r in records)
     assert skipped > 0 and all(sum(r["skipped"].values()) == r["num_skipped"] for r in records)
     lines = [r.getMessage() for r in caplog.records]
-    assert any(f"| skipped {r['num_skipped']} (plan_overflow {r['num_skipped']})" in line
-               for r in records if r["num_skipped"] for line in lines)
+    assert any(
+        f"| skipped {r['num_skipped']} (plan_overflow {r['num_skipped']})" in line
+        for r in records
+        if r["num_skipped"]
+        for line in lines
+    )
     trained = sum(r["num_samples"] for r in records)
-    assert f"{skipped} of {trained + skipped} samples skipped: plan_overflow {skipped}; preprocess with --tokenizer" \
+    assert (
+        f"{skipped} of {trained + skipped} samples skipped: plan_overflow {skipped}; preprocess with --tokenizer"
         in lines[-1]
+    )

@@ -26,8 +26,9 @@ def llava_shards(tmp_path_factory) -> Path:
     """LLaVA image/text shards (ConversationSample), written without the Ray job."""
     from mmdata.dev.shards import write_dev_shards
 
-    return write_dev_shards(tmp_path_factory.mktemp("kind") / "llava", dev_samples(8),
-                            samples_per_shard=DEV_SAMPLES_PER_SHARD)
+    return write_dev_shards(
+        tmp_path_factory.mktemp("kind") / "llava", dev_samples(8), samples_per_shard=DEV_SAMPLES_PER_SHARD
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,22 @@ def llava_tok(tmp_path_factory) -> Path:
 
 def run(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    args = [f"run_dir={run_dir}", f"data.paths=[{data}]", f"tokenizer.path={tok}", "data.num_workers=1",
-            "train.seq_length=512", "train.iters=1", "logging.tensorboard=false"]
-    return subprocess.run([sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args], capture_output=True,
-                          text=True, env=env, cwd=REPO)
+    args = [
+        f"run_dir={run_dir}",
+        f"data.paths=[{data}]",
+        f"tokenizer.path={tok}",
+        "data.num_workers=1",
+        "train.seq_length=512",
+        "train.iters=1",
+        "logging.tensorboard=false",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
@@ -93,24 +106,56 @@ def test_each_leaf_of_a_metadataset_blend_is_checked(llava_shards, token_shards,
 
     blend = tmp_path / "blend.yaml"
     ours = {"dataset_config": "mmdata.yaml"}  # our sample types (energon's default: InterleavedSample)
-    blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
-        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards), **ours},
-                            {"weight": 1.0, "path": os.path.relpath(token_shards, tmp_path), **ours}]}}}))
-    overrides = [f"data.paths=[{blend}]", f"tokenizer.path={llava_tok}", "logging.tensorboard=false",
-                 f"run_dir={tmp_path / 'run'}"]
+    blend.write_text(
+        yaml.safe_dump(
+            {
+                "__module__": "megatron.energon",
+                "__class__": "MetadatasetV2",
+                "splits": {
+                    "train": {
+                        "blend": [
+                            {"weight": 1.0, "path": str(llava_shards), **ours},
+                            {"weight": 1.0, "path": os.path.relpath(token_shards, tmp_path), **ours},
+                        ]
+                    }
+                },
+            }
+        )
+    )
+    overrides = [
+        f"data.paths=[{blend}]",
+        f"tokenizer.path={llava_tok}",
+        "logging.tensorboard=false",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     with pytest.raises(PreflightError) as err:
         preflight(load_recipe(LLAVA_RECIPE, overrides), LLAVA_OV)
     assert len(err.value.problems) == 1
     leaf = tmp_path / os.path.relpath(token_shards, tmp_path)
-    assert err.value.problems[0].startswith(f"data.paths[0]: {blend} (its dataset {leaf}) holds VQTokenSample samples"), \
-        err.value.problems
+    assert err.value.problems[0].startswith(
+        f"data.paths[0]: {blend} (its dataset {leaf}) holds VQTokenSample samples"
+    ), err.value.problems
     # the same blend without the token shards passes
-    blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
-        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards), **ours}]}}}))
+    blend.write_text(
+        yaml.safe_dump(
+            {
+                "__module__": "megatron.energon",
+                "__class__": "MetadatasetV2",
+                "splits": {"train": {"blend": [{"weight": 1.0, "path": str(llava_shards), **ours}]}},
+            }
+        )
+    )
     preflight(load_recipe(LLAVA_RECIPE, overrides), LLAVA_OV)
     # ... but not without `dataset_config`: energon would hand the task encoder InterleavedSample
-    blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
-        "train": {"blend": [{"weight": 1.0, "path": str(llava_shards)}]}}}))
+    blend.write_text(
+        yaml.safe_dump(
+            {
+                "__module__": "megatron.energon",
+                "__class__": "MetadatasetV2",
+                "splits": {"train": {"blend": [{"weight": 1.0, "path": str(llava_shards)}]}},
+            }
+        )
+    )
     with pytest.raises(PreflightError) as err:
         preflight(load_recipe(LLAVA_RECIPE, overrides), LLAVA_OV)
     assert len(err.value.problems) == 1 and "\n" not in err.value.problems[0]

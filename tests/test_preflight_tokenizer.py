@@ -23,10 +23,22 @@ EMU3_RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
 
 def run(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    args = [f"run_dir={run_dir}", f"data.paths=[{data}]", f"tokenizer.path={tok}", "data.num_workers=1",
-            "train.seq_length=512", "train.iters=1", "logging.tensorboard=false"]
-    return subprocess.run([sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args], capture_output=True,
-                          text=True, env=env, cwd=REPO)
+    args = [
+        f"run_dir={run_dir}",
+        f"data.paths=[{data}]",
+        f"tokenizer.path={tok}",
+        "data.num_workers=1",
+        "train.seq_length=512",
+        "train.iters=1",
+        "logging.tensorboard=false",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
@@ -48,8 +60,9 @@ def test_emu3_refuses_a_qwen2_tokenizer_naming_the_shards_vq(demo_token_dir, qwe
     run_dir = tmp_path / "run"
     proc = run("emu3", EMU3_RECIPE, run_dir, demo_token_dir, qwen2_tok)
     line = the_one_refusal(proc)
-    assert line.startswith(f"  - tokenizer.path: the tokenizer at {qwen2_tok} is not an Emu3 tokenizer (it has no "
-                           "Emu3 bos token"), line
+    assert line.startswith(
+        f"  - tokenizer.path: the tokenizer at {qwen2_tok} is not an Emu3 tokenizer (it has no Emu3 bos token"
+    ), line
     assert f"the token shards at {demo_token_dir} were made with the VQ model at {tiny_vq_dir.resolve()}" in line, line
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
     assert not run_dir.exists()
@@ -61,14 +74,17 @@ def test_emu3_check_passes_its_own_tokenizer_and_names_a_short_codebook(demo_tok
     from mmtrain.config.load import load_recipe
     from mmtrain.emu3.tokenizer_check import check_tokenizer
 
-    recipe = load_recipe(EMU3_RECIPE, [f"data.paths=[{demo_token_dir}]", f"tokenizer.path={emu3_tok_dir}",
-                                       f"run_dir={tmp_path / 'run'}"])
+    recipe = load_recipe(
+        EMU3_RECIPE, [f"data.paths=[{demo_token_dir}]", f"tokenizer.path={emu3_tok_dir}", f"run_dir={tmp_path / 'run'}"]
+    )
     tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
     assert check_tokenizer(recipe, tok) == []
     recipe.model.llm.vocab_size = len(tok) - 1
-    assert check_tokenizer(recipe, tok) == [f"tokenizer.path: the tokenizer at {emu3_tok_dir} has {len(tok)} tokens but "
-                                            f"model.llm.vocab_size is {len(tok) - 1}; use the model's own tokenizer "
-                                            "(or a larger vocab_size)"]
+    assert check_tokenizer(recipe, tok) == [
+        f"tokenizer.path: the tokenizer at {emu3_tok_dir} has {len(tok)} tokens but "
+        f"model.llm.vocab_size is {len(tok) - 1}; use the model's own tokenizer "
+        "(or a larger vocab_size)"
+    ]
 
 
 @pytest.mark.unit
@@ -79,12 +95,20 @@ def test_llava_ov_names_an_emu3_tokenizer(emu3_tok_dir, tmp_path):  # noqa: F811
     from mmtrain.runtime.preflight import PreflightError, preflight
 
     shards = write_dev_shards(tmp_path / "llava", dev_samples(8), samples_per_shard=DEV_SAMPLES_PER_SHARD)
-    recipe = load_recipe(LLAVA_RECIPE, [f"data.paths=[{shards}]", f"tokenizer.path={emu3_tok_dir}",
-                                        "logging.tensorboard=false", f"run_dir={tmp_path / 'run'}"])
+    recipe = load_recipe(
+        LLAVA_RECIPE,
+        [
+            f"data.paths=[{shards}]",
+            f"tokenizer.path={emu3_tok_dir}",
+            "logging.tensorboard=false",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+    )
     with pytest.raises(PreflightError) as err:
         preflight(recipe, LLAVA_OV)
     assert err.value.problems == [
         f"tokenizer.path: the tokenizer at {emu3_tok_dir} is an Emu3 tokenizer (it holds Emu3's visual tokens); "
         "mmtrain llava-ov needs the tokenizer of its LLM (e.g. the Qwen2 tokenizer of checkpoint.load); Emu3 token "
-        "shards are trained with `mmtrain emu3`"], err.value.problems
+        "shards are trained with `mmtrain emu3`"
+    ], err.value.problems
     assert not (tmp_path / "run").exists()

@@ -56,8 +56,22 @@ def broken_raw(tmp_path_factory):
 def run_a(broken_raw, tmp_path_factory):
     raw, _ = broken_raw
     out = tmp_path_factory.mktemp("run_a") / "out"
-    proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "7",
-                              "--samples-per-shard", "40", "--num-cpus", "2", "--num-buckets", "3")
+    proc = run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--output",
+        str(out),
+        "--seed",
+        "7",
+        "--samples-per-shard",
+        "40",
+        "--num-cpus",
+        "2",
+        "--num-buckets",
+        "3",
+    )
     return out, proc
 
 
@@ -77,8 +91,12 @@ def test_counts_reconcile_and_quarantine_reasons(broken_raw, run_a):
     assert c["by_reason"] == {reason: 4 for reason in BROKEN_KINDS.values()}
     # foreign `image` paths resolve by stem, and the manifest counts each rule
     rules = Counter(expected_media_rule(r) for r in recs if not r.broken)
-    assert c["media_resolution"] == {"by_name": rules["by_name"], "by_basename": rules["by_basename"],
-                                     "by_stem": rules["by_stem"], "unreferenced_members": 0}
+    assert c["media_resolution"] == {
+        "by_name": rules["by_name"],
+        "by_basename": rules["by_basename"],
+        "by_stem": rules["by_stem"],
+        "unreferenced_members": 0,
+    }
     assert rules["by_stem"] > rules["by_name"] > 0 and rules["by_basename"] > 0
     assert any(len(r.member_names) > 1 and r.members_sorted for r in recs if not r.broken)  # name-ordered tars
     q = [json.loads(line) for line in (out / sf.QUARANTINE_NAME).read_text().splitlines()]
@@ -93,7 +111,9 @@ def test_counts_reconcile_and_quarantine_reasons(broken_raw, run_a):
             assert by_loc[r.stem]["reason"] == BROKEN_KINDS[r.broken], (r.id, by_loc[r.stem])
     samples = read_shards(out)
     assert sorted(s[1]["id"] for s in samples) == sorted(r.id for r in recs if not r.broken)
-    assert [len(s) for s in [samples[i:i + 40] for i in range(0, len(samples), 40)]] == [s["samples"] for s in m["shards"]]
+    assert [len(s) for s in [samples[i : i + 40] for i in range(0, len(samples), 40)]] == [
+        s["samples"] for s in m["shards"]
+    ]
 
 
 def test_manifest_describes_shards(run_a, broken_raw):
@@ -126,7 +146,13 @@ def test_shard_format(run_a, broken_raw):
         assert key == f"{rank:010d}"
         for info in infos:
             assert (info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode) == (
-                sf.TAR_MTIME, sf.TAR_UID, sf.TAR_GID, sf.TAR_UNAME, sf.TAR_GNAME, sf.TAR_MODE)
+                sf.TAR_MTIME,
+                sf.TAR_UID,
+                sf.TAR_GID,
+                sf.TAR_UNAME,
+                sf.TAR_GNAME,
+                sf.TAR_MODE,
+            )
         src = by_id[rec["id"]]
         assert rec["images"] == [n for n in members if n != sf.JSON_MEMBER]
         # original bytes, never re-encoded, in placeholder order
@@ -150,16 +176,42 @@ def test_same_seed_identical_whatever_cpus_and_buckets(broken_raw, run_a, tmp_pa
     raw, _ = broken_raw
     out_a, _ = run_a
     out_b = tmp_path / "b"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out_b), "--seed", "7",
-                       "--samples-per-shard", "40", "--num-cpus", "1", "--num-buckets", "1")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--output",
+        str(out_b),
+        "--seed",
+        "7",
+        "--samples-per-shard",
+        "40",
+        "--num-cpus",
+        "1",
+        "--num-buckets",
+        "1",
+    )
     ma, mb = (json.loads((o / sf.MANIFEST_NAME).read_text()) for o in (out_a, out_b))
     assert [s["sha256"] for s in ma["shards"]] == [s["sha256"] for s in mb["shards"]]
     assert stable_view(ma) == stable_view(mb)
     assert (out_a / sf.QUARANTINE_NAME).read_bytes() == (out_b / sf.QUARANTINE_NAME).read_bytes()
     # different seed: same records, different order
     out_c = tmp_path / "c"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out_c), "--seed", "8",
-                       "--samples-per-shard", "40", "--num-cpus", "2")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--output",
+        str(out_c),
+        "--seed",
+        "8",
+        "--samples-per-shard",
+        "40",
+        "--num-cpus",
+        "2",
+    )
     ids_a = [s[1]["id"] for s in read_shards(out_a)]
     ids_c = [s[1]["id"] for s in read_shards(out_c)]
     assert sorted(ids_a) == sorted(ids_c) and ids_a != ids_c
@@ -179,13 +231,35 @@ def test_refuses_other_job_dir_unless_overwrite(broken_raw, run_a, tmp_path):
     raw, _ = broken_raw
     out = tmp_path / "o"
     shutil.copytree(run_a[0], out)
-    proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "9",
-                              "--samples-per-shard", "40", check=False)
+    proc = run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--output",
+        str(out),
+        "--seed",
+        "9",
+        "--samples-per-shard",
+        "40",
+        check=False,
+    )
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
     assert "(changed: seed 7 → 9)" in proc.stderr  # the refusal names the option that changed
     # same inputs + seed: recognised as complete, nothing rewritten; the copy's own path is printed
-    proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "7",
-                              "--samples-per-shard", "40", check=False)
+    proc = run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--output",
+        str(out),
+        "--seed",
+        "7",
+        "--samples-per-shard",
+        "40",
+        check=False,
+    )
     assert proc.returncode == 0 and "already complete" in proc.stderr
     assert proc.stdout.startswith(f"{out.resolve()}: 180 samples in 5 shards") and str(run_a[0]) not in proc.stdout
 
@@ -208,8 +282,11 @@ def test_energon_yields_every_valid_sample_once(shards_dir, synth_raw_dir):
 def test_energon_info_cli(shards_dir):
     """energon's default config names its own InterleavedSample, `mmdata.yaml` our type."""
     for args, sample_type in (([], "InterleavedSample"), (["--dataset-config", "mmdata.yaml"], "ConversationSample")):
-        proc = subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", "info", *args, str(shards_dir)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron.energon.cli.main", "info", *args, str(shards_dir)],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr
         assert sample_type in proc.stdout and f"{SYNTH_NUM_SAMPLES} samples" in proc.stdout, proc.stdout
 
@@ -221,8 +298,18 @@ def test_llava_json_dataset_with_videos(tmp_path):
     assert videos
     write_llava_json(recs, raw)
     out = tmp_path / "out"
-    run_preprocess_cli("--dataset", "llava-json", "--input", str(raw / "annotations.jsonl"), "--output", str(out),
-                       "--samples-per-shard", "10", "--num-cpus", "1")
+    run_preprocess_cli(
+        "--dataset",
+        "llava-json",
+        "--input",
+        str(raw / "annotations.jsonl"),
+        "--output",
+        str(out),
+        "--samples-per-shard",
+        "10",
+        "--num-cpus",
+        "1",
+    )
     m = json.loads((out / sf.MANIFEST_NAME).read_text())
     assert m["counts"]["quarantined"] == 6 and m["counts"]["written"] == 24
     expected: dict[str, int] = {}
@@ -269,8 +356,9 @@ def test_fail_fast_on_systematic_loss_then_rerun_relaxed(tmp_path):
 
 
 def test_help_and_bad_input(tmp_path):
-    proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(tmp_path / "nope"), "--output",
-                              str(tmp_path / "o"), check=False)
+    proc = run_preprocess_cli(
+        "--dataset", "infinity-mm", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), check=False
+    )
     assert proc.returncode == 2 and "nope" in proc.stderr
 
 
@@ -281,9 +369,24 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="/tmp/mmray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}", "--block"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        [
+            str(VENV_BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            "--block",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -300,8 +403,20 @@ def ray_head():
 def test_address_runs_on_existing_cluster(ray_head, broken_raw, run_a, tmp_path):
     raw, _ = broken_raw
     out = tmp_path / "cluster"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(out), "--seed", "7",
-                       "--samples-per-shard", "40", "--address", ray_head)
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--output",
+        str(out),
+        "--seed",
+        "7",
+        "--samples-per-shard",
+        "40",
+        "--address",
+        ray_head,
+    )
     m_c, m_a = (json.loads((d / sf.MANIFEST_NAME).read_text()) for d in (out, run_a[0]))
     assert m_c["run"]["ray_address"] == ray_head
     assert stable_view(m_c) == stable_view(m_a)  # same bytes as the local 2-CPU, 3-bucket run

@@ -84,9 +84,22 @@ if "default_worker" in sys.argv[0]:
 def _ray_start(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     """`ray start ... --block` in its own process group, once it says it is up."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env_extra or {})}
-    proc = subprocess.Popen([str(VENV_BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-                             "--num-cpus=1", *args, "--block"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(VENV_BIN / "ray"),
+            "start",
+            "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats",
+            "--num-cpus=1",
+            *args,
+            "--block",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -104,8 +117,16 @@ def ray_cluster():
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_SLOW_SORT)
     env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-    procs = [_ray_start("--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp_dir}",
-                        '--resources={"head_node": 1}', env_extra=env)]
+    procs = [
+        _ray_start(
+            "--head",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            '--resources={"head_node": 1}',
+            env_extra=env,
+        )
+    ]
     try:
         procs.append(_ray_start(f"--address=127.0.0.1:{port}", '--resources={"worker_node": 1}', env_extra=env))
         yield f"127.0.0.1:{port}"
@@ -120,14 +141,29 @@ def ray_cluster():
 def test_two_node_cluster_equals_local_and_uses_both_nodes(ray_cluster, tmp_path):
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(80, seed=3, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=10)
-    common = ("--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
-              "--num-buckets", "4")
+    common = (
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--seed",
+        "3",
+        "--samples-per-shard",
+        "8",
+        "--num-buckets",
+        "4",
+    )
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_KILL_WORKERS_ONCE)
-    run_preprocess_cli(*common, "--output", str(tmp_path / "local"), "--num-cpus", "2",
-                       env={"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-                            "KILL_ONCE_DIR": str(hook)})
+    run_preprocess_cli(
+        *common,
+        "--output",
+        str(tmp_path / "local"),
+        "--num-cpus",
+        "2",
+        env={"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "KILL_ONCE_DIR": str(hook)},
+    )
     for stage in ("scan", "sort", "write"):  # three workers died mid-task
         assert (hook / f"killed-{stage}").exists(), stage
     assert not [p.name for p in (tmp_path / "local").iterdir() if p.name.startswith(".shard-")]

@@ -35,8 +35,9 @@ def _copy(rec: SynthRecord, n: int, *, answer: str | None = None, image: SynthIm
         del r["phash"]
     stem = f"c{n:07d}"
     names = [f"{stem}.{im.name_ext}" for im in images]
-    return SynthRecord(1000 + n, "stage9", "copies", stem, r, images, json_bytes=json.dumps(r).encode(),
-                       member_names=names)
+    return SynthRecord(
+        1000 + n, "stage9", "copies", stem, r, images, json_bytes=json.dumps(r).encode(), member_names=names
+    )
 
 
 def _edited(im: SynthImage) -> SynthImage:
@@ -86,8 +87,20 @@ def _written_ids(out: Path) -> Counter:
 def exact_run(dup_data, tmp_path_factory):
     root, _, _ = dup_data
     out = tmp_path_factory.mktemp("exact") / "out"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "3",
-                       "--num-cpus", "2", "--dedup", "phash")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(root / "raw"),
+        "--output",
+        str(out),
+        "--seed",
+        "3",
+        "--num-cpus",
+        "2",
+        "--dedup",
+        "phash",
+    )
     return out
 
 
@@ -103,7 +116,11 @@ def test_dedup_exact_at_d0(dup_data, exact_run):
     assert all(ids[c.id] == 1 for c in copies["other_text"] + copies["near"])
     assert c["read"] == c["written"] + c["quarantined"] + c["duplicates"] and c["written"] == sum(ids.values())
     dedup = m["curation"]["dedup"]
-    assert dedup["distance"] == 0 and dedup["scope"] == "record" and dedup["phash_images"]["computed"] == len(copies["near"])
+    assert (
+        dedup["distance"] == 0
+        and dedup["scope"] == "record"
+        and dedup["phash_images"]["computed"] == len(copies["near"])
+    )
     for line in (exact_run / "duplicates.jsonl").read_text().splitlines():
         d = json.loads(line)
         assert d["distance"] == 0 and ".tar:" in d["source_location"] and ".tar:" in d["duplicate_of_location"]
@@ -112,8 +129,22 @@ def test_dedup_exact_at_d0(dup_data, exact_run):
 def test_dedup_survivor_independent_of_input_order_and_workers(dup_data, exact_run, tmp_path):
     root, _, _ = dup_data
     out = tmp_path / "reordered"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "reordered"), "--output", str(out),
-                       "--seed", "3", "--num-cpus", "1", "--num-buckets", "3", "--dedup", "phash")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(root / "reordered"),
+        "--output",
+        str(out),
+        "--seed",
+        "3",
+        "--num-cpus",
+        "1",
+        "--num-buckets",
+        "3",
+        "--dedup",
+        "phash",
+    )
     assert _written_ids(out) == _written_ids(exact_run)
     assert _pairs(out) == _pairs(exact_run)
     dropped = {json.loads(x)["id"] for x in (out / "duplicates.jsonl").read_text().splitlines()}
@@ -123,13 +154,29 @@ def test_dedup_survivor_independent_of_input_order_and_workers(dup_data, exact_r
 def test_dedup_near_copies_at_d4_and_image_scope(dup_data, tmp_path):
     root, _, copies = dup_data
     out = tmp_path / "near"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(root / "raw"), "--output", str(out), "--seed", "3",
-                       "--num-cpus", "2", "--dedup", "phash:4", "--dedup-scope", "image")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(root / "raw"),
+        "--output",
+        str(out),
+        "--seed",
+        "3",
+        "--num-cpus",
+        "2",
+        "--dedup",
+        "phash:4",
+        "--dedup-scope",
+        "image",
+    )
     want = _expected_pairs(copies["exact"] + copies["other_text"] + copies["near"])
     assert _pairs(out) == want
     lines = [json.loads(x) for x in (out / "duplicates.jsonl").read_text().splitlines()]
     near_ids = {c.id for c in copies["near"]} | {c.id.rsplit("-copy", 1)[0] for c in copies["near"]}
-    assert all(1 <= d["distance"] <= 4 for d in lines if d["id"] in near_ids) and all(d["scope"] == "image" for d in lines)
+    assert all(1 <= d["distance"] <= 4 for d in lines if d["id"] in near_ids) and all(
+        d["scope"] == "image" for d in lines
+    )
     assert json.loads((out / sf.MANIFEST_NAME).read_text())["curation"]["dedup"]["bands"] == 15
 
 
@@ -153,8 +200,22 @@ def test_filters_and_mix_reconcile_and_reproduce(dup_data, tmp_path):
     mix = tmp_path / "mix.yaml"
     # laion_caption is repeated up to its share, the other sources are down-sampled
     mix.write_text("by: source\nweights: {laion_caption: 4, 2a: 1, '*': 0.5}\ntotal: 60\nrepeat: true\n")
-    args = ["--dataset", "infinity-mm", "--input", str(root / "raw"), "--seed", "5", "--dedup", "phash",
-            "--filter", "qw2vl_loss<=2.7", "--filter", "turns<=6", "--mix", str(mix)]
+    args = [
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(root / "raw"),
+        "--seed",
+        "5",
+        "--dedup",
+        "phash",
+        "--filter",
+        "qw2vl_loss<=2.7",
+        "--filter",
+        "turns<=6",
+        "--mix",
+        str(mix),
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     run_preprocess_cli(*args, "--output", str(a), "--num-cpus", "2")
     run_preprocess_cli(*args, "--output", str(b), "--num-cpus", "1", "--num-buckets", "5")
@@ -162,7 +223,10 @@ def test_filters_and_mix_reconcile_and_reproduce(dup_data, tmp_path):
     c = m["counts"]
     assert c["by_filter"] == _expected_filtered(recs + copies["exact"] + copies["other_text"] + copies["near"])
     for x in [c, *c["by_source"].values()]:
-        assert x["read"] == x["written"] + x["quarantined"] + x["filtered"] + x["duplicates"] + x["mixed_out"] - x["repeated"]
+        assert (
+            x["read"]
+            == x["written"] + x["quarantined"] + x["filtered"] + x["duplicates"] + x["mixed_out"] - x["repeated"]
+        )
     assert c["repeated"] > 0 and c["mixed_out"] > 0 and c["duplicates"] > 0
     samples = read_shards(a)
     assert len(samples) == c["written"]
@@ -172,18 +236,25 @@ def test_filters_and_mix_reconcile_and_reproduce(dup_data, tmp_path):
     assert mixed["target"] == {"2a": 10, "gpt4_synthetic": 5, "laion_caption": 40, "llava_onevision": 5}
     assert max(_written_ids(a).values()) > 1  # repeated records, each copy its own sample
     for name in [s["name"] for s in m["shards"]] + ["duplicates.jsonl", "quarantine.jsonl", "lengths.parquet"]:
-        assert hashlib.sha256((a / name).read_bytes()).digest() == hashlib.sha256((b / name).read_bytes()).digest(), name
+        assert hashlib.sha256((a / name).read_bytes()).digest() == hashlib.sha256((b / name).read_bytes()).digest(), (
+            name
+        )
     assert stable_view(m) == stable_view(json.loads((b / sf.MANIFEST_NAME).read_text()))
 
 
 def test_malformed_curation_flags_rejected_before_any_work(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
-    for flags, why in [(["--filter", "qw2vl_loss<=two"], "is a number"), (["--dedup", "phash:99"], "0..8"),
-                       (["--mix", str(tmp_path / "none.yaml")], "none.yaml"), (["--mix", "a:1"], "source=weight"),
-                       (["--filter", "sourse==a"], "did you mean 'source'")]:
-        proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "o"),
-                                  *flags, check=False)
+    for flags, why in [
+        (["--filter", "qw2vl_loss<=two"], "is a number"),
+        (["--dedup", "phash:99"], "0..8"),
+        (["--mix", str(tmp_path / "none.yaml")], "none.yaml"),
+        (["--mix", "a:1"], "source=weight"),
+        (["--filter", "sourse==a"], "did you mean 'source'"),
+    ]:
+        proc = run_preprocess_cli(
+            "--dataset", "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "o"), *flags, check=False
+        )
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (tmp_path / "o").exists()
 
@@ -199,11 +270,15 @@ def _error_line(stderr: str, term: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("flags, bad, known, close", [
-    (["--mix", "laion=1,2a=2"], "laion", SYNTH_SOURCES, "laion_caption"),
-    (["--filter", "source in [laion_caption, gpt4]"], "gpt4", SYNTH_SOURCES, "gpt4_synthetic"),
-    (["--mix", "subset.yaml"], "stage2/2b", SYNTH_SUBSETS, "stage2/2a"),
-], ids=["mix-source", "filter-source", "mix-subset"])
+@pytest.mark.parametrize(
+    "flags, bad, known, close",
+    [
+        (["--mix", "laion=1,2a=2"], "laion", SYNTH_SOURCES, "laion_caption"),
+        (["--filter", "source in [laion_caption, gpt4]"], "gpt4", SYNTH_SOURCES, "gpt4_synthetic"),
+        (["--mix", "subset.yaml"], "stage2/2b", SYNTH_SUBSETS, "stage2/2a"),
+    ],
+    ids=["mix-source", "filter-source", "mix-subset"],
+)
 def test_term_matching_no_source_is_exit_2_and_writes_nothing(synth_raw_dir, tmp_path, flags, bad, known, close):
     """A --mix or --filter term naming no source (or subset) of the input would silently mix or
     filter out records (`laion` for `laion_caption` dropped 428 of 600): exit 2, one line naming
@@ -211,8 +286,18 @@ def test_term_matching_no_source_is_exit_2_and_writes_nothing(synth_raw_dir, tmp
     (tmp_path / "subset.yaml").write_text("by: subset\nweights: {stage1/laion_caption: 1, stage2/2b: 1}\n")
     flags = [str(tmp_path / f) if f.endswith(".yaml") else f for f in flags]
     out = tmp_path / "out"
-    proc = run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
-                              "--num-cpus", "2", *flags, check=False)
+    proc = run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(synth_raw_dir),
+        "--output",
+        str(out),
+        "--num-cpus",
+        "2",
+        *flags,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     line = _error_line(proc.stderr, bad)
@@ -224,8 +309,18 @@ def test_term_matching_no_source_is_exit_2_and_writes_nothing(synth_raw_dir, tmp
 def test_valid_inline_mix_still_mixes_by_source(synth_raw_dir, tmp_path):
     """The check leaves a valid mix alone: only the named sources, in their 1:2 proportion."""
     out = tmp_path / "out"
-    run_preprocess_cli("--dataset", "infinity-mm", "--input", str(synth_raw_dir), "--output", str(out),
-                       "--num-cpus", "2", "--mix", "laion_caption=1,2a=2")
+    run_preprocess_cli(
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(synth_raw_dir),
+        "--output",
+        str(out),
+        "--num-cpus",
+        "2",
+        "--mix",
+        "laion_caption=1,2a=2",
+    )
     m = json.loads((out / sf.MANIFEST_NAME).read_text())
     by_source = Counter(rec["source"] for _, rec, _, _ in read_shards(out))
     assert set(by_source) == {"laion_caption", "2a"}

@@ -19,7 +19,6 @@ from mmdata.dev.synth import generate_records, write_infinity_mm
 from tests.fixtures_preprocess import run_preprocess_cli
 
 
-
 # A driver that SIGKILLs itself at a fixed point of a stage whose progress a test cannot poll in
 # time: "sort" (the first sort-bucket result handled, other buckets unsorted), "index" (energon's
 # index built in its temporary folder but not published; quarantine.jsonl and lengths.parquet
@@ -65,8 +64,22 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     write_infinity_mm(generate_records(400, seed=11, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=25)
     mix = tmp_path / "mix.yaml"
     mix.write_text("weights: {laion_caption: 2, '*': 1}\nrepeat: true\n")
-    common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "3", "--samples-per-shard", "8",
-              "--num-cpus", "1", "--dedup", "phash:2", "--mix", str(mix)]
+    common = [
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--seed",
+        "3",
+        "--samples-per-shard",
+        "8",
+        "--num-cpus",
+        "1",
+        "--dedup",
+        "phash:2",
+        "--mix",
+        str(mix),
+    ]
     ref = tmp_path / "ref"
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"
@@ -78,7 +91,9 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     assert not (out / sf.MANIFEST_NAME).exists()
     # kill 2: in the sort stage, once the first bucket is sorted
     _start_and_kill(args, point="sort")
-    assert 1 <= markers("sorted", "*.done.json") < 8 and not (out / sf.MANIFEST_NAME).exists()  # (8 buckets: small input)
+    assert (
+        1 <= markers("sorted", "*.done.json") < 8 and not (out / sf.MANIFEST_NAME).exists()
+    )  # (8 buckets: small input)
     # kill 3: while writing shards, once 3 shards have their done-marker <shard>.tar.json (written after
     # <shard>.tar.layout.json, so a bare *.json would count a layout whose marker is not there yet)
     _start_and_kill(args, ready=lambda: markers("shards", "*.tar.json") >= 3)
@@ -134,8 +149,15 @@ def _interrupted_run(args: list[str], point: str | None = None, ready=None) -> s
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-c", _SIGINT_AT, point or "-", "--no-progress", *args]
     # (a test run in the background inherits an ignored SIGINT: the job gets Python's default back)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     if ready is not None:
         while proc.poll() is None and not ready():
             time.sleep(0.02)
@@ -156,8 +178,18 @@ def test_sigint_at_three_points_then_rerun_gives_identical_output(tmp_path):
 
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(240, seed=5, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=20)
-    common = ["--dataset", "infinity-mm", "--input", str(raw), "--seed", "1", "--samples-per-shard", "6",
-              "--num-cpus", "1"]
+    common = [
+        "--dataset",
+        "infinity-mm",
+        "--input",
+        str(raw),
+        "--seed",
+        "1",
+        "--samples-per-shard",
+        "6",
+        "--num-cpus",
+        "1",
+    ]
     ref = tmp_path / "ref"
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"
@@ -170,8 +202,9 @@ def test_sigint_at_three_points_then_rerun_gives_identical_output(tmp_path):
         assert proc.stderr.strip().splitlines()[-1] == "interrupted: rerun the same command to resume", where
         assert "Traceback" not in proc.stderr and "Segmentation" not in proc.stderr, (where, proc.stderr[-3000:])
         assert not (out / sf.MANIFEST_NAME).exists() and (out / ".mmdata-work").is_dir(), where
-        inspect = subprocess.run([sys.executable, "-m", "mmdata.cli", "inspect", str(out)], capture_output=True,
-                                 text=True)
+        inspect = subprocess.run(
+            [sys.executable, "-m", "mmdata.cli", "inspect", str(out)], capture_output=True, text=True
+        )
         assert inspect.returncode == 2 and "unfinished `mmdata preprocess` job" in inspect.stderr, where
         with pytest.raises(DatasetNotReady, match="rerun the same command"):
             build_loader(out, task_encoder=None, micro_batch_size=1)

@@ -24,8 +24,23 @@ def test_driver_rss_flat_from_n_to_4n(tmp_path):
     rss = {}
     for n, raw in raws.items():
         out = tmp_path / f"out{n}"
-        values, _ = run_job(["--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
-                             "--samples-per-shard", "500", "--num-cpus", "2", "--no-progress", "--dedup", "phash"])
+        values, _ = run_job(
+            [
+                "--dataset",
+                "infinity-mm",
+                "--input",
+                str(raw),
+                "--output",
+                str(out),
+                "--samples-per-shard",
+                "500",
+                "--num-cpus",
+                "2",
+                "--no-progress",
+                "--dedup",
+                "phash",
+            ]
+        )
         assert json.loads((out / "manifest.json").read_text())["counts"]["read"] == n
         rss[n] = values["PEAK_RSS_KB"]
         # the benchmark's CPU split finds the job's Ray workers (it fails if Ray renames its worker script)
@@ -70,15 +85,31 @@ def test_input_several_times_the_object_store(tmp_path, monkeypatch):
     assert total >= 16 * store
     monkeypatch.setenv(OBJECT_STORE_ENV, str(MIN_OBJECT_STORE_MB))
     out = tmp_path / "out"
-    values, _ = run_job(["--dataset", "infinity-mm", "--input", str(raw), "--output", str(out),
-                         "--samples-per-shard", "50", "--num-cpus", "2", "--no-progress", "--no-length-index"])
+    values, _ = run_job(
+        [
+            "--dataset",
+            "infinity-mm",
+            "--input",
+            str(raw),
+            "--output",
+            str(out),
+            "--samples-per-shard",
+            "50",
+            "--num-cpus",
+            "2",
+            "--no-progress",
+            "--no-length-index",
+        ]
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["read"] == copies * len(records) and manifest["counts"]["quarantined"] == 0
     written = sum(s["bytes"] for s in manifest["shards"])
     assert written >= 16 * store
     rss = values["PEAK_RSS_KB"] * 1024
-    print(f"input {total / 2**20:.0f} MiB, object store {MIN_OBJECT_STORE_MB} MiB, "
-          f"shards {written / 2**20:.0f} MiB, driver peak RSS {rss / 2**20:.0f} MiB")
+    print(
+        f"input {total / 2**20:.0f} MiB, object store {MIN_OBJECT_STORE_MB} MiB, "
+        f"shards {written / 2**20:.0f} MiB, driver peak RSS {rss / 2**20:.0f} MiB"
+    )
     assert rss < total / 2, f"driver peak RSS {rss / 2**20:.0f} MiB for {total / 2**20:.0f} MiB of input"
 
 
@@ -107,8 +138,10 @@ def test_nested_inputs_are_prefixes_and_reuse_their_parts(tmp_path):
     inputs = write_nested_inputs(tmp_path, [8, 32], seed=3, synthetic=True, part_records=8)
     small, large = tars(inputs.by_size[8]), tars(inputs.by_size[32])
     assert small and small.items() <= large.items() and len(large) == 4 * len(small)
-    assert sum(name.endswith(".json") for t in inputs.by_size[32].rglob("*.tar")
-               for name in tarfile.open(t).getnames()) == 32
+    assert (
+        sum(name.endswith(".json") for t in inputs.by_size[32].rglob("*.tar") for name in tarfile.open(t).getnames())
+        == 32
+    )
     again = write_nested_inputs(tmp_path, [8, 32], seed=3, synthetic=True, part_records=8)
     assert tars(again.by_size[32]) == large
     with pytest.raises(ValueError, match="multiples of 8"):
@@ -122,8 +155,9 @@ def test_measured_process_counts_its_descendants_cpu():
     from benchmarks.scaling import POLL_S, run_python
 
     burn = f"import time\nwhile time.process_time() < 0.6: pass\ntime.sleep({4 * POLL_S})"
-    values, wall = run_python(["-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}]); "
-                                     "print('ANSWER=42')"])
+    values, wall = run_python(
+        ["-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}]); print('ANSWER=42')"]
+    )
     assert values["ANSWER"] == 42 and wall > 0
     assert values["CPU_S"] >= 0.6, values
     # split by who spent it: the grandchild (nearly all of it) is no Ray worker, so it counts under "ray"

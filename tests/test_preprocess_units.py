@@ -53,23 +53,44 @@ def _record(tmp: Path, obj, files: dict[str, bytes] | None = None) -> RawRecord:
 CONV = [{"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "A square."}]
 
 
-@pytest.mark.parametrize("obj,files,reason", [
-    (b'{"id": "a", "conversations": [', {}, "json_malformed"),
-    ([1, 2], {}, "schema_invalid"),
-    ({"id": "a", "conversations": [{"from": "gpt", "value": "hi"}]}, {}, "conversation_malformed"),
-    ({"id": "a", "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}, {}, "conversation_malformed"),
-    ({"id": "a", "conversations": CONV, "image": 5}, {}, "schema_invalid"),
-    ({"id": "a", "conversations": CONV, "image": "x.png"}, {}, "image_missing"),
-    ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": b""}, "image_empty"),
-    ({"id": "a", "conversations": CONV, "image": "x.jpg"}, {"x.jpg": _jpeg(200, 200)[:900]}, "image_truncated"),
-    ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": b"not an image at all"}, "image_undecodable"),
-    ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": _png(400, 400)}, "image_too_large"),
-    ({"id": "a", "conversations": [{"from": "human", "value": "<image><image>hi"}, {"from": "gpt", "value": "x"}],
-      "image": "x.png"}, {"x.png": _png(8, 8)}, "placeholder_mismatch"),
-    ({"id": "a", "conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "x"}]}, {}, "placeholder_mismatch"),
-    (b'{"id": "a", "conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}', {},
-     "json_malformed"),  # a lone surrogate: valid JSON, not encodable as UTF-8
-])
+@pytest.mark.parametrize(
+    "obj,files,reason",
+    [
+        (b'{"id": "a", "conversations": [', {}, "json_malformed"),
+        ([1, 2], {}, "schema_invalid"),
+        ({"id": "a", "conversations": [{"from": "gpt", "value": "hi"}]}, {}, "conversation_malformed"),
+        (
+            {"id": "a", "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]},
+            {},
+            "conversation_malformed",
+        ),
+        ({"id": "a", "conversations": CONV, "image": 5}, {}, "schema_invalid"),
+        ({"id": "a", "conversations": CONV, "image": "x.png"}, {}, "image_missing"),
+        ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": b""}, "image_empty"),
+        ({"id": "a", "conversations": CONV, "image": "x.jpg"}, {"x.jpg": _jpeg(200, 200)[:900]}, "image_truncated"),
+        ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": b"not an image at all"}, "image_undecodable"),
+        ({"id": "a", "conversations": CONV, "image": "x.png"}, {"x.png": _png(400, 400)}, "image_too_large"),
+        (
+            {
+                "id": "a",
+                "conversations": [{"from": "human", "value": "<image><image>hi"}, {"from": "gpt", "value": "x"}],
+                "image": "x.png",
+            },
+            {"x.png": _png(8, 8)},
+            "placeholder_mismatch",
+        ),
+        (
+            {"id": "a", "conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "x"}]},
+            {},
+            "placeholder_mismatch",
+        ),
+        (
+            b'{"id": "a", "conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}',
+            {},
+            "json_malformed",
+        ),  # a lone surrogate: valid JSON, not encodable as UTF-8
+    ],
+)
 def test_invalid_records_get_their_reason(tmp_path, obj, files, reason):
     res = validate(_record(tmp_path, obj, files), ValidationConfig(max_image_pixels=100_000))
     assert isinstance(res, Invalid) and res.reason == reason, res
@@ -78,23 +99,39 @@ def test_invalid_records_get_their_reason(tmp_path, obj, files, reason):
 SYS = {"from": "system", "value": "Be brief."}
 
 
-@pytest.mark.parametrize("conversations, detail", [
-    ([SYS, {"from": "gpt", "value": "x"}], "needs a human turn first and at least one gpt turn"),
-    ([{"from": "human", "value": "a"}, SYS], "needs a human turn first and at least one gpt turn"),
-    ([{"from": "human", "value": "a"}, SYS, {"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}],
-     "turns do not alternate: turns 0 and 1 (system turns not counted) are both from 'human'"),
-    ([{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}, {"from": "gpt", "value": "c"}],
-     "turns do not alternate: turns 1 and 2 (system turns not counted) are both from 'gpt'"),
-    ([{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}],
-     "turn 1 has role 'bot', expected one of ['gpt', 'human', 'system']"),
-    ([{"from": "human", "value": "a"}, ["gpt", "b"]], "turn 1 is not {from, value: str}"),
-    ([{"from": "human", "value": "a" * 12}, {"from": "gpt", "value": "b" * 10}], "22 characters > 20"),
-    ([{"from": "human", "value": "hi <video>"}, {"from": "gpt", "value": "b"}], "1 `<video>` placeholders for 0 videos"),
-    ([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>"}], "1 `<image>` placeholders for 0 images"),
-])
+@pytest.mark.parametrize(
+    "conversations, detail",
+    [
+        ([SYS, {"from": "gpt", "value": "x"}], "needs a human turn first and at least one gpt turn"),
+        ([{"from": "human", "value": "a"}, SYS], "needs a human turn first and at least one gpt turn"),
+        (
+            [{"from": "human", "value": "a"}, SYS, {"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}],
+            "turns do not alternate: turns 0 and 1 (system turns not counted) are both from 'human'",
+        ),
+        (
+            [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}, {"from": "gpt", "value": "c"}],
+            "turns do not alternate: turns 1 and 2 (system turns not counted) are both from 'gpt'",
+        ),
+        (
+            [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}],
+            "turn 1 has role 'bot', expected one of ['gpt', 'human', 'system']",
+        ),
+        ([{"from": "human", "value": "a"}, ["gpt", "b"]], "turn 1 is not {from, value: str}"),
+        ([{"from": "human", "value": "a" * 12}, {"from": "gpt", "value": "b" * 10}], "22 characters > 20"),
+        (
+            [{"from": "human", "value": "hi <video>"}, {"from": "gpt", "value": "b"}],
+            "1 `<video>` placeholders for 0 videos",
+        ),
+        (
+            [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>"}],
+            "1 `<image>` placeholders for 0 images",
+        ),
+    ],
+)
 def test_conversation_rejections_say_what_is_wrong(tmp_path, conversations, detail):
-    res = validate(_record(tmp_path, {"id": "a", "conversations": conversations}),
-                   ValidationConfig(max_conversation_chars=20))
+    res = validate(
+        _record(tmp_path, {"id": "a", "conversations": conversations}), ValidationConfig(max_conversation_chars=20)
+    )
     assert isinstance(res, Invalid) and res.detail == detail, res
 
 
@@ -113,8 +150,9 @@ def test_quarantine_details_are_the_same_in_every_run(tmp_path):
     assert isinstance(res, Invalid) and "cannot identify image file" in res.detail
     line = json.loads(quarantine_line(res.id, "f.tar:x.json", res.reason, res.detail))
     assert "0x" not in line["detail"] and line["detail"].startswith("x.png: cannot identify image file")
-    assert quarantine_line("i", "l", "r", "<Foo object at 0x7f3a2b> and <bar at 0xDEAD>") == \
-        quarantine_line("i", "l", "r", "<Foo object at 0x55aa> and <bar at 0x1>")
+    assert quarantine_line("i", "l", "r", "<Foo object at 0x7f3a2b> and <bar at 0xDEAD>") == quarantine_line(
+        "i", "l", "r", "<Foo object at 0x55aa> and <bar at 0x1>"
+    )
 
 
 def test_video_records(tmp_path):
@@ -126,15 +164,17 @@ def test_video_records(tmp_path):
     obj = {"id": "v", "conversations": [dict(t) for t in CONV], "video": "c.mp4"}
     rec = json.loads(validate(_record(tmp_path, obj, {"c.mp4": clip}), ValidationConfig()).record_json)
     assert rec["video"] == "video.mp4" and rec["conversations"][0]["value"].startswith("<video>\n")
-    for files, reason in [({}, "video_missing"), ({"c.mp4": b""}, "video_empty"),
-                          ({"c.mp4": clip[: len(clip) // 2]}, "video_undecodable")]:
+    for files, reason in [
+        ({}, "video_missing"),
+        ({"c.mp4": b""}, "video_empty"),
+        ({"c.mp4": clip[: len(clip) // 2]}, "video_undecodable"),
+    ]:
         res = validate(_record(tmp_path, obj, files), ValidationConfig())
         assert isinstance(res, Invalid) and res.reason == reason
 
 
 def test_placeholder_inserted_and_members_named_by_real_format(tmp_path):
-    obj = {"id": 7, "source": "s", "conversations": [dict(t) for t in CONV], "image": ["a.png", "b.png"],
-           "phash": "ff"}
+    obj = {"id": 7, "source": "s", "conversations": [dict(t) for t in CONV], "image": ["a.png", "b.png"], "phash": "ff"}
     obj["conversations"][0]["value"] = "<image> and <image>: compare"
     jpeg_named_png = _jpeg(64, 32)
     res = validate(_record(tmp_path, obj, {"a.png": _png(16, 16), "b.png": jpeg_named_png}), ValidationConfig())
@@ -171,8 +211,9 @@ def test_order_independent_of_bucket_count():
 
 
 def test_write_shard_is_deterministic_and_atomic(tmp_path):
-    samples = [SampleMembers(f"{i:010d}", [("json", b'{"i": %d}' % i), ("img00.jpg", bytes([i]) * 100)])
-               for i in range(5)]
+    samples = [
+        SampleMembers(f"{i:010d}", [("json", b'{"i": %d}' % i), ("img00.jpg", bytes([i]) * 100)]) for i in range(5)
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
@@ -285,8 +326,12 @@ def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):
         return tmp_path / f"u{i}.jsonl"
 
     def unit(i: int, read: int, missing: int) -> dict:
-        part(i).write_text("".join(quarantine_line(f"r{i}-{k}", f"f{i}.tar:{k}.json", "image_missing", f"detail {k}")
-                                   + "\n" for k in range(missing)))
+        part(i).write_text(
+            "".join(
+                quarantine_line(f"r{i}-{k}", f"f{i}.tar:{k}.json", "image_missing", f"detail {k}") + "\n"
+                for k in range(missing)
+            )
+        )
         return {"read": read, "by_reason": {"image_missing": missing} if missing else {}}
 
     clean_prefix = LossCheck(num_units=5, max_fraction=0.2, quarantine_part=part, first_records=100)
@@ -316,8 +361,11 @@ def test_loss_check_decides_on_the_first_files_in_input_order(tmp_path):
 def _scan_outputs(work: Path, unit_index: int) -> dict[str, bytes]:
     """A scan run's files (rows, offsets, groups, quarantine part, done marker) by suffix."""
     prefix = f"u{unit_index:07d}."
-    return {f"{p.parent.name}/{p.name}": p.read_bytes() for folder in ("scan", "dedup")
-            for p in sorted((work / folder).glob(prefix + "*"))}
+    return {
+        f"{p.parent.name}/{p.name}": p.read_bytes()
+        for folder in ("scan", "dedup")
+        for p in sorted((work / folder).glob(prefix + "*"))
+    }
 
 
 def test_scan_in_batches_gives_what_one_record_at_a_time_gives(tmp_path, monkeypatch):
@@ -331,8 +379,9 @@ def test_scan_in_batches_gives_what_one_record_at_a_time_gives(tmp_path, monkeyp
     from mmdata.dev.synth import generate_records, write_infinity_mm
 
     raw = tmp_path / "raw"
-    write_infinity_mm(generate_records(160, seed=3, broken_fraction=0.4, video_fraction=0.1, synthetic=True), raw,
-                      samples_per_tar=60)  # (four subsets: about 40 records in each file)
+    write_infinity_mm(
+        generate_records(160, seed=3, broken_fraction=0.4, video_fraction=0.1, synthetic=True), raw, samples_per_tar=60
+    )  # (four subsets: about 40 records in each file)
     (unit,) = [u for u in list_units("infinity-mm", [raw]) if u.index == 0]
     outputs = []
     for batch in (1, 7, stages.SCAN_BATCH_RECORDS):
@@ -340,8 +389,9 @@ def test_scan_in_batches_gives_what_one_record_at_a_time_gives(tmp_path, monkeyp
         work = tmp_path / f"work{batch}"
         for folder in ("scan", "dedup"):
             (work / folder).mkdir(parents=True)
-        spec = stages.JobSpec("infinity-mm", 0, 3, ValidationConfig(), str(work),
-                              tuple(parse_filters(["turns<=3"])), dedup_distance=2)
+        spec = stages.JobSpec(
+            "infinity-mm", 0, 3, ValidationConfig(), str(work), tuple(parse_filters(["turns<=3"])), dedup_distance=2
+        )
         counts = stages.scan_unit(unit, spec)
         outputs.append(_scan_outputs(work, unit.index))
     assert counts["quarantined"] >= 10 and counts["written"] >= 10 and counts.get("filtered", 0) >= 1, counts

@@ -30,8 +30,11 @@ def test_the_installed_megatron_is_the_tested_minor_version() -> None:
 
 @pytest.mark.parametrize("other", ["0.17.0", "0.15.3", "1.0.0rc1"])
 def test_another_megatron_is_refused_by_name(other: str) -> None:
-    with pytest.raises(RuntimeError, match=rf"megatron-core {re.escape(other)} is installed.*"
-                                           r"megatron-core>=0\.16,<0\.17"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"megatron-core {re.escape(other)} is installed.*"
+        r"megatron-core>=0\.16,<0\.17",
+    ):
         private_api.require_tested_megatron(other)
 
 
@@ -67,7 +70,7 @@ def test_cpu_flash_attention_computes_attention_its_lse_and_gradients() -> None:
     fwd, bwd = private_api.cpu_flash_attention()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g, requires_grad=True) for _ in range(3))
-    scale = 8 ** -0.5
+    scale = 8**-0.5
     for causal in (False, True):
         out, lse = fwd(q, k, v, 0.0, causal, scale=scale)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
@@ -107,8 +110,11 @@ def test_a_torch_without_new_shared_is_refused_by_name(monkeypatch) -> None:
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None)  # defined on a base class: shadow it
     mmdata_private_api._new_shared.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}: UntypedStorage._new_shared "
-                                               r"is missing"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"torch {re.escape(torch.__version__)}: UntypedStorage._new_shared "
+            r"is missing",
+        ):
             mmdata_private_api.new_shared_storage(10)
     finally:
         mmdata_private_api._new_shared.cache_clear()

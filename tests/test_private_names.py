@@ -33,10 +33,16 @@ PRIVATE_API_MODULES = ("mmdata/private_api.py", "mmtrain/private_api.py")
 PINNED: dict[str, dict[str, str]] = {
     "mmtrain/runtime/cpu_compat.py": {
         name: "the CPU adaptations (issue 43's bf16 work edits this file now); gated by apply()'s megatron "
-              "version check and tests/test_cpu_compat.py; to move into mmtrain/private_api.py after the merge"
-        for name in ("torch.utils._device", "torch_device_ctx._device_constructors", "mrandom._CUDA_RNG_STATE_TRACKER",
-                     "mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED", "mrandom._get_cuda_rng_state",
-                     "mrandom._set_cuda_rng_state", "torch._C.TensorBase.type")
+        "version check and tests/test_cpu_compat.py; to move into mmtrain/private_api.py after the merge"
+        for name in (
+            "torch.utils._device",
+            "torch_device_ctx._device_constructors",
+            "mrandom._CUDA_RNG_STATE_TRACKER",
+            "mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED",
+            "mrandom._get_cuda_rng_state",
+            "mrandom._set_cuda_rng_state",
+            "torch._C.TensorBase.type",
+        )
     },
 }
 ALLOW_MARKER = "# gated-private-api:"  # a line that names a private module as text, on purpose
@@ -44,7 +50,8 @@ ALLOW_MARKER = "# gated-private-api:"  # a line that names a private module as t
 
 def _private_part(dotted: str) -> bool:
     return any(part.startswith("_") and not part.startswith("__") for part in dotted.split(".")[1:]) or (
-        dotted.split(".")[0].startswith("_") and not dotted.startswith("__"))
+        dotted.split(".")[0].startswith("_") and not dotted.startswith("__")
+    )
 
 
 def _external(module: str) -> bool:
@@ -91,15 +98,24 @@ def private_uses(source: str) -> list[tuple[int, str]]:
             first = node.args[0] if node.args else None
             second = node.args[1] if len(node.args) > 1 else None
             if func in ("importlib.import_module", "import_module", "__import__"):
-                names = [a.value for a in [first] if isinstance(a, ast.Constant) and isinstance(a.value, str)
-                         and _external(a.value)]
-            elif (first is not None and (root := _dotted(first)) is not None and root.split(".")[0] in external
-                  and isinstance(second, ast.Constant) and isinstance(second.value, str)):
+                names = [
+                    a.value
+                    for a in [first]
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str) and _external(a.value)
+                ]
+            elif (
+                first is not None
+                and (root := _dotted(first)) is not None
+                and root.split(".")[0] in external
+                and isinstance(second, ast.Constant)
+                and isinstance(second.value, str)
+            ):
                 names = [f"{root}.{second.value}"]  # getattr/setattr/hasattr/delattr, a patch helper
         found += [(node.lineno, n) for n in names if _private_part(n)]
     # an attribute chain is reported once, at its longest (`a._b.c`, not also `a._b`)
-    longest = {(line, n) for line, n in found if not any(o != n and o.startswith(n + ".") and ol == line
-                                                        for ol, o in found)}
+    longest = {
+        (line, n) for line, n in found if not any(o != n and o.startswith(n + ".") and ol == line for ol, o in found)
+    }
     return sorted(longest)
 
 
@@ -114,8 +130,11 @@ def offences() -> list[str]:
         if rel in PRIVATE_API_MODULES:
             continue
         pinned = PINNED.get(rel, {})
-        out += [f"{rel}:{line}: {what}" for line, what in private_uses(path.read_text(encoding="utf-8"))
-                if what not in pinned]
+        out += [
+            f"{rel}:{line}: {what}"
+            for line, what in private_uses(path.read_text(encoding="utf-8"))
+            if what not in pinned
+        ]
     return out
 
 
@@ -125,8 +144,10 @@ def test_private_names_of_other_libraries_only_in_the_private_api_modules() -> N
     for module in PRIVATE_API_MODULES:
         assert (REPO / module).is_file(), module
     bad = offences()
-    assert bad == [], ("private names of other libraries outside mmdata/private_api.py and mmtrain/private_api.py "
-                       "(use the public API, or add a gated accessor there with a test):\n" + "\n".join(bad))
+    assert bad == [], (
+        "private names of other libraries outside mmdata/private_api.py and mmtrain/private_api.py "
+        "(use the public API, or add a gated accessor there with a test):\n" + "\n".join(bad)
+    )
 
 
 def test_each_pinned_use_is_still_there() -> None:
@@ -137,37 +158,43 @@ def test_each_pinned_use_is_still_there() -> None:
             assert name in uses, f"{rel}: {name} is no longer used"
 
 
-@pytest.mark.parametrize("code", [
-    "from ray._private import node",
-    "import ray._private.services as s",
-    "from ray._raylet import GcsClient",
-    "import ray\nray._private.worker._global_node.kill_monitor()",
-    "from ray import _raylet",
-    "import importlib\nimportlib.import_module('ray._private.state')",
-    "import torch\ntorch.UntypedStorage._new_shared(4)",
-    "import torch\nf = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
-    "from megatron.core.dist_checkpointing.strategies import filesystem_async\nfilesystem_async._results_queue = 1",
-    "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\ngetattr(fa, '_results_queue')",
-    "from megatron.energon.flavors.base_dataset import SavableDataset\nSavableDataset._foo",
-    "import webp\nwebp._webp.lib",
-    "from PIL import PngImagePlugin\nPngImagePlugin._MODES",
-    "from megatron.core.tensor_parallel import random as mrandom\n_patch(mrandom, '_get_cuda_rng_state', None)",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from ray._private import node",
+        "import ray._private.services as s",
+        "from ray._raylet import GcsClient",
+        "import ray\nray._private.worker._global_node.kill_monitor()",
+        "from ray import _raylet",
+        "import importlib\nimportlib.import_module('ray._private.state')",
+        "import torch\ntorch.UntypedStorage._new_shared(4)",
+        "import torch\nf = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async\nfilesystem_async._results_queue = 1",
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\ngetattr(fa, '_results_queue')",
+        "from megatron.energon.flavors.base_dataset import SavableDataset\nSavableDataset._foo",
+        "import webp\nwebp._webp.lib",
+        "from PIL import PngImagePlugin\nPngImagePlugin._MODES",
+        "from megatron.core.tensor_parallel import random as mrandom\n_patch(mrandom, '_get_cuda_rng_state', None)",
+    ],
+)
 def test_the_check_sees_each_kind_of_use(code: str) -> None:
     assert private_uses(code), code
 
 
-@pytest.mark.parametrize("code", [
-    "import ray\nray.init(include_dashboard=False)",
-    "import logging\nlogging.getLogger('ray._private.authentication.authentication_token_setup')",
-    '"""Ray\'s ray._private.node is not used here."""',
-    "# from ray._private import node",
-    "from mmdata.ray_job import init_ray",
-    "from mmdata import _internal\n_internal._x",  # our own privates are ours
-    "import os\nos._exit(0)",  # the standard library is not in scope
-    "import torch\ntorch.Tensor.__init__",  # dunders are public protocol
-    "x = object()\nx._private_of_ours",  # not rooted at a third-party import
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import ray\nray.init(include_dashboard=False)",
+        "import logging\nlogging.getLogger('ray._private.authentication.authentication_token_setup')",
+        '"""Ray\'s ray._private.node is not used here."""',
+        "# from ray._private import node",
+        "from mmdata.ray_job import init_ray",
+        "from mmdata import _internal\n_internal._x",  # our own privates are ours
+        "import os\nos._exit(0)",  # the standard library is not in scope
+        "import torch\ntorch.Tensor.__init__",  # dunders are public protocol
+        "x = object()\nx._private_of_ours",  # not rooted at a third-party import
+    ],
+)
 def test_the_check_ignores_text_our_own_names_and_public_api(code: str) -> None:
     assert private_uses(code) == [], code
 

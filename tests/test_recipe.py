@@ -44,10 +44,18 @@ def _unused(*args, **kwargs):
 
 
 TOY = FamilySpec(
-    name="toy", help="a toy family", model_config_cls=_ToyModel, data_config_cls=DataConfig,
+    name="toy",
+    help="a toy family",
+    model_config_cls=_ToyModel,
+    data_config_cls=DataConfig,
     parts={"vision_tower": ("vision",), "projector": ("proj",), "llm": ("lm",)},
-    check_recipe=lambda recipe, errors: None, architecture_keys=("inner",), build_model=_unused,
-    batch_type=object, build_loader=_unused, forward_step=_unused, model_shapes=_unused,
+    check_recipe=lambda recipe, errors: None,
+    architecture_keys=("inner",),
+    build_model=_unused,
+    batch_type=object,
+    build_loader=_unused,
+    forward_step=_unused,
+    model_shapes=_unused,
 )
 
 BASE = {
@@ -155,13 +163,25 @@ def test_divisibility_checks():
     assert load(overrides=["parallel.cp=2", "train.global_batch_size=2"]).parallel.dp == 1
     (err,) = errors_of(overrides=["parallel.cp=2", "train.global_batch_size=2", "train.seq_length=130"])
     assert "train.seq_length: 130 is not a multiple of 2*cp = 2*2 = 4" in err
-    (err,) = errors_of(overrides=["parallel.cp=2", "train.global_batch_size=2", "train.seq_length=132",
-                                  "parallel.sequence_parallel=true"])
+    (err,) = errors_of(
+        overrides=[
+            "parallel.cp=2",
+            "train.global_batch_size=2",
+            "train.seq_length=132",
+            "parallel.sequence_parallel=true",
+        ]
+    )
     assert "train.seq_length: 132 is not a multiple of 2*cp*tp = 2*2*2 = 8" in err
     (err,) = errors_of(overrides=["parallel.cp=2", "train.global_batch_size=2", "parallel.cp_comm_type=a2a+p2p"])
     assert "parallel.hierarchical_cp_sizes: must list the a2a and p2p group sizes whose product is parallel.cp=2" in err
-    assert load(overrides=["parallel.cp=2", "train.global_batch_size=2", "parallel.cp_comm_type=a2a+p2p",
-                           "parallel.hierarchical_cp_sizes=[1, 2]"]).parallel.hierarchical_cp_sizes == [1, 2]
+    assert load(
+        overrides=[
+            "parallel.cp=2",
+            "train.global_batch_size=2",
+            "parallel.cp_comm_type=a2a+p2p",
+            "parallel.hierarchical_cp_sizes=[1, 2]",
+        ]
+    ).parallel.hierarchical_cp_sizes == [1, 2]
     (err,) = errors_of(overrides=["parallel.cp_comm_type=ring"])
     assert "parallel.cp_comm_type" in err and "'all_gather'" in err
 
@@ -171,7 +191,9 @@ def test_other_cross_checks():
         "override 'train.seq_length=0': train.seq_length: must be > 0, got 0"
     ]
     errs = errors_of(overrides=["data.paths=[]", "tokenizer.path="])
-    assert any(e.endswith("data.paths: must list at least one shard dir or metadataset YAML for action: run") for e in errs)
+    assert any(
+        e.endswith("data.paths: must list at least one shard dir or metadataset YAML for action: run") for e in errs
+    )
     assert any("tokenizer.path: is required" in e for e in errs)
     # dry_run / auto_tune need no data
     assert load(overrides=["action=dry_run", "data.paths=[]"]).action == "dry_run"
@@ -180,17 +202,25 @@ def test_other_cross_checks():
     assert load(overrides=["data.packing=plan"]).data.packing == "plan"
     assert load(overrides=["data.packing=false"]).data.packing is False
     assert any("data.packing: expected bool or one of 'plan'" in e for e in errors_of(overrides=["data.packing=plans"]))
-    assert any("data.packing_plan: is only read with data.packing: plan" in e
-               for e in errors_of(overrides=["data.packing_plan=/x/pack-plan-8192.parquet"]))
+    assert any(
+        "data.packing_plan: is only read with data.packing: plan" in e
+        for e in errors_of(overrides=["data.packing_plan=/x/pack-plan-8192.parquet"])
+    )
     # data.balance_window: steps >= 1 or auto, and only for online balancing
     assert load(overrides=["data.balance=true", "data.balance_window=4"]).data.balance_window == 4
     assert load(overrides=["data.balance=true"]).data.balance_window == "auto"
-    assert any("data.balance_window: must be >= 1 steps or auto, got 0" in e
-               for e in errors_of(overrides=["data.balance=true", "data.balance_window=0"]))
-    assert any("data.balance_window: is only used by online balancing" in e
-               for e in errors_of(overrides=["data.balance_window=4"]))
-    assert any("data.balance_window: expected int or one of 'auto'" in e
-               for e in errors_of(overrides=["data.balance_window=auot"]))
+    assert any(
+        "data.balance_window: must be >= 1 steps or auto, got 0" in e
+        for e in errors_of(overrides=["data.balance=true", "data.balance_window=0"])
+    )
+    assert any(
+        "data.balance_window: is only used by online balancing" in e
+        for e in errors_of(overrides=["data.balance_window=4"])
+    )
+    assert any(
+        "data.balance_window: expected int or one of 'auto'" in e
+        for e in errors_of(overrides=["data.balance_window=auot"])
+    )
 
 
 def test_family_checks_run_on_its_sections():
@@ -237,7 +267,9 @@ def test_unknown_family_is_named_with_the_known_ones():
     raw = dict(copy.deepcopy(BASE), family="llava-0v")
     with pytest.raises(RecipeError) as info:
         load_recipe_dict(raw)
-    assert any(e.startswith("family: unknown model family 'llava-0v'; did you mean 'llava-ov'?") for e in info.value.errors)
+    assert any(
+        e.startswith("family: unknown model family 'llava-0v'; did you mean 'llava-ov'?") for e in info.value.errors
+    )
 
 
 def test_evaluation_needs_validation_data():
@@ -247,7 +279,9 @@ def test_evaluation_needs_validation_data():
     assert err.startswith("override 'train.eval_interval=100': data.val_paths: must list at least one shard dir")
     assert "train.eval_interval=100" in err
     r = load(overrides=["train.eval_interval=100", "data.val_paths=[held_out]", "train.eval_iters=2"])
-    assert r.train.eval_interval == 100 and r.train.eval_iters == 2 and r.data.val_paths == [os.path.abspath("held_out")]
+    assert (
+        r.train.eval_interval == 100 and r.train.eval_iters == 2 and r.data.val_paths == [os.path.abspath("held_out")]
+    )
     assert errors_of(overrides=["train.eval_iters=0"]) == [
         "override 'train.eval_iters=0': train.eval_iters: must be > 0, got 0"
     ]
@@ -311,7 +345,9 @@ def test_aquila_stage_settings():
     assert later.freeze == []
     assert later.optimizer.lr == 1e-5 and later.optimizer.lr_mult == {"vision_tower": 0.2}
     assert later.optimizer.lr * later.optimizer.lr_mult["vision_tower"] == pytest.approx(2e-6)
-    assert later.checkpoint.weights_only and later.checkpoint.load == os.path.abspath("runs/aquila-vl-2b/stage1/checkpoints")
+    assert later.checkpoint.weights_only and later.checkpoint.load == os.path.abspath(
+        "runs/aquila-vl-2b/stage1/checkpoints"
+    )
     assert not s1.checkpoint.weights_only and s1.run_dir != later.run_dir
     m, t, p = later.model, later.train, later.parallel
     assert (m.llm.num_layers, m.llm.hidden_size, m.llm.ffn_hidden_size) == (28, 1536, 8960)

@@ -12,8 +12,7 @@ import time
 from tests.fixtures_training import MMTRAIN, REPO, copy_run, free_port, train
 
 
-def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, tmp_path, shards_dir,
-                                                                      tokenizer_dir):
+def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, tmp_path, shards_dir, tokenizer_dir):
     assert not (base_run / "checkpoints" / ".staging").exists()  # each save cleaned up after itself
     run = copy_run(base_run, tmp_path)
     before = (run / "metrics.jsonl").read_text()
@@ -25,12 +24,23 @@ def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, 
 
 def test_ctrl_c_names_the_last_checkpoint_and_how_to_resume(tmp_path, shards_dir, tokenizer_dir):
     run = tmp_path / "run"
-    args = [*MMTRAIN, f"run_dir={run}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
-            "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false", "parallel.nproc_per_node=1",
-            f"parallel.master_port={free_port()}", "train.iters=200", "checkpoint.interval=1"]
+    args = [
+        *MMTRAIN,
+        f"run_dir={run}",
+        f"data.paths=[{shards_dir}]",
+        f"tokenizer.path={tokenizer_dir}",
+        "data.num_workers=1",
+        "train.seq_length=1024",
+        "logging.tensorboard=false",
+        "parallel.nproc_per_node=1",
+        f"parallel.master_port={free_port()}",
+        "train.iters=200",
+        "checkpoint.interval=1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+    )
     latest = run / "checkpoints" / "latest"
     while not latest.exists():  # a first checkpoint, however loaded the machine is
         assert proc.poll() is None, proc.communicate()
@@ -44,4 +54,8 @@ def test_ctrl_c_names_the_last_checkpoint_and_how_to_resume(tmp_path, shards_dir
     # (with a save every step the interrupt lands in a step or in a save: both name the last checkpoint)
     line = next((x for x in err.splitlines() if "interrupted in step" in x or "interrupted while saving" in x), None)
     assert line is not None, err[-4000:]
-    assert f"the last checkpoint holds step {saved} (" in line and f"iter_{saved:07d})" in line and "run the same command again to resume" in line
+    assert (
+        f"the last checkpoint holds step {saved} (" in line
+        and f"iter_{saved:07d})" in line
+        and "run the same command again to resume" in line
+    )

@@ -25,13 +25,20 @@ def refusal_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_a_resume_with_other_data_is_refused_naming_each_key(base_run, tmp_path, shards_dir,
-                                                             tokenizer_dir):
+def test_a_resume_with_other_data_is_refused_naming_each_key(base_run, tmp_path, shards_dir, tokenizer_dir):
     run = copy_run(base_run, tmp_path)
     other = tmp_path / "other_shards"
     shutil.copytree(shards_dir, other)
-    proc = train(run, other, tokenizer_dir, "train.iters=3", "checkpoint.interval=1", "train.seq_length=512",
-                 "data.packing_buffer_size=32", expect_rc=2)
+    proc = train(
+        run,
+        other,
+        tokenizer_dir,
+        "train.iters=3",
+        "checkpoint.interval=1",
+        "train.seq_length=512",
+        "data.packing_buffer_size=32",
+        expect_rc=2,
+    )
     line = refusal_line(proc.stderr)
     assert "train.seq_length 1024 -> 512" in line
     assert "data.packing_buffer_size 64 -> 32" in line
@@ -44,8 +51,7 @@ def test_a_resume_with_other_data_is_refused_naming_each_key(base_run, tmp_path,
     assert max(metrics(run)) == 2
 
 
-def test_a_refused_resume_leaves_config_yaml_describing_the_checkpoints(base_run, tmp_path, shards_dir,
-                                                                        tokenizer_dir):
+def test_a_refused_resume_leaves_config_yaml_describing_the_checkpoints(base_run, tmp_path, shards_dir, tokenizer_dir):
     """Needs the check in the launcher's preflight (data_identity.resume_data_problems), which runs
     before `config.yaml` is rewritten."""
     run = copy_run(base_run, tmp_path)
@@ -53,11 +59,17 @@ def test_a_refused_resume_leaves_config_yaml_describing_the_checkpoints(base_run
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["seq_length"] == 1024
 
 
-def test_reset_data_keeps_the_step_and_starts_the_data_fresh(base_run, tmp_path, shards_dir,
-                                                             tokenizer_dir):
+def test_reset_data_keeps_the_step_and_starts_the_data_fresh(base_run, tmp_path, shards_dir, tokenizer_dir):
     run = copy_run(base_run, tmp_path)
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=3", "checkpoint.interval=1", "train.seq_length=512",
-                 "checkpoint.reset_data=true")
+    proc = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=3",
+        "checkpoint.interval=1",
+        "train.seq_length=512",
+        "checkpoint.reset_data=true",
+    )
     err = proc.stderr
     assert "checkpoint.reset_data: the loader starts fresh" in err
     assert re.search(r"resumed from \S+iter_0000002 at step 2 .*loader restored: False", err), err[-4000:]
@@ -68,8 +80,15 @@ def test_reset_data_keeps_the_step_and_starts_the_data_fresh(base_run, tmp_path,
     assert state["step"] == 3 and state["data"]["train.seq_length"] == 512 and state["data_reset"] is True
 
     # a rerun with the switch still on (a crash, a time limit) continues the new data position
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.interval=1", "train.seq_length=512",
-                 "checkpoint.reset_data=true")
+    proc = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=4",
+        "checkpoint.interval=1",
+        "train.seq_length=512",
+        "checkpoint.reset_data=true",
+    )
     assert "the data is unchanged since this run's reset, so its data position resumes" in proc.stderr
     assert re.search(r"at step 3 .*loader restored: True", proc.stderr), proc.stderr[-4000:]
 
@@ -99,8 +118,9 @@ def test_a_loader_worker_that_raises_fails_the_job(tmp_path, shards_dir, tokeniz
     for tar in broken.rglob("*.tar"):  # same sizes (the index still matches), unreadable contents
         tar.write_bytes(b"\xff" * tar.stat().st_size)
     proc = train(tmp_path / "run", broken, tokenizer_dir, *TINY, "checkpoint.save=false", expect_rc=1)
-    assert re.search(r"internal error: \w+: Caught \w+ in DataLoader worker process 0", proc.stderr), \
-        proc.stderr[-4000:]
+    assert re.search(r"internal error: \w+: Caught \w+ in DataLoader worker process 0", proc.stderr), proc.stderr[
+        -4000:
+    ]
     assert not (tmp_path / "run" / "metrics.jsonl").is_file() or not metrics(tmp_path / "run")
 
 
@@ -112,8 +132,10 @@ def test_rewritten_shards_at_the_same_path_are_a_change(tmp_path, shards_dir, to
 
     shards = tmp_path / "shards"
     shutil.copytree(shards_dir, shards)
-    recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml",
-                         [f"run_dir={tmp_path / 'run'}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer_dir}"])
+    recipe = load_recipe(
+        REPO / "recipes" / "llava-ov-tiny.yaml",
+        [f"run_dir={tmp_path / 'run'}", f"data.paths=[{shards}]", f"tokenizer.path={tokenizer_dir}"],
+    )
     before = data_identity(recipe)
     assert identity_changes(before, data_identity(recipe)) == []
     info = shards / ".nv-meta" / ".info.json"

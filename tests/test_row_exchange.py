@@ -28,12 +28,21 @@ def _row(rank: int, k: int, step: int = 0) -> "object":
     ids = torch.zeros(1, SEQ, dtype=torch.long)
     ids[0, :n] = torch.randint(1, 50, (n,), generator=g)
     return LlavaOVBatch(
-        input_ids=ids, labels=ids.clone(), position_ids=ids.clone(),
-        cu_seqlens=torch.tensor([0, n, SEQ], dtype=torch.int32), max_seqlen=max(n, SEQ - n),
-        sample_ids=[[f"r{rank}k{k}s{step}"]], sample_keys=[[f"d#{step}{rank:03d}{k:03d}"]], num_real_tokens=n,
+        input_ids=ids,
+        labels=ids.clone(),
+        position_ids=ids.clone(),
+        cu_seqlens=torch.tensor([0, n, SEQ], dtype=torch.int32),
+        max_seqlen=max(n, SEQ - n),
+        sample_ids=[[f"r{rank}k{k}s{step}"]],
+        sample_keys=[[f"d#{step}{rank:03d}{k:03d}"]],
+        num_real_tokens=n,
         pixel_values=torch.randint(0, 255, (int(tiles.sum()), 3, 4, 4), dtype=torch.uint8, generator=g),
-        tiles_per_media=tiles, media_kind=torch.full((media,), MEDIA_ANYRES), image_sizes=torch.ones(media, 2).long(),
-        grid_shapes=torch.zeros(media, 2).long(), num_media_tokens=tiles * 3, media_per_row=[media],
+        tiles_per_media=tiles,
+        media_kind=torch.full((media,), MEDIA_ANYRES),
+        image_sizes=torch.ones(media, 2).long(),
+        grid_shapes=torch.zeros(media, 2).long(),
+        num_media_tokens=tiles * 3,
+        media_per_row=[media],
         stats={"truncated": k} if k == 0 else {},
     )
 
@@ -82,7 +91,9 @@ def test_exchange_over_gloo_equals_the_local_placement(tmp_path):
     balancer = _balancer()
     tiles_after = []
     for rank in range(WORLD):
-        got = [LlavaOVBatch.from_bytes(bytes.fromhex(h)) for h in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+        got = [
+            LlavaOVBatch.from_bytes(bytes.fromhex(h)) for h in json.loads((tmp_path / f"rank{rank}.json").read_text())
+        ]
         want = balancer.balance_local(everyone, rank)
         assert [mb.sample_ids for mb in got] == [mb.sample_ids for mb in want]
         assert [mb.to_bytes() for mb in got] == [mb.to_bytes() for mb in want]  # every field, every byte
@@ -92,15 +103,23 @@ def test_exchange_over_gloo_equals_the_local_placement(tmp_path):
     assert sum(tiles_after) == sum(tiles_before)
     assert max(tiles_after) / (sum(tiles_after) / WORLD) < max(tiles_before) / (sum(tiles_before) / WORLD)
     # rows that moved were sent: some of rank 1's heavy rows now train elsewhere
-    placed_ids = {sid for rank in range(WORLD) for mb in balancer.balance_local(everyone, rank)
-                  for row in mb.sample_ids for sid in row if rank != 1}
+    placed_ids = {
+        sid
+        for rank in range(WORLD)
+        for mb in balancer.balance_local(everyone, rank)
+        for row in mb.sample_ids
+        for sid in row
+        if rank != 1
+    }
     assert any(sid.startswith("r1") for sid in placed_ids)
     # a window of steps: the same as one process places it, every row trained once, one per rank per step
     windows = [drawn_window(r) for r in range(WORLD)]
     got_ids = []
     for rank in range(WORLD):
-        got = [[LlavaOVBatch.from_bytes(bytes.fromhex(h)) for h in s]
-               for s in json.loads((tmp_path / f"window{rank}.json").read_text())]
+        got = [
+            [LlavaOVBatch.from_bytes(bytes.fromhex(h)) for h in s]
+            for s in json.loads((tmp_path / f"window{rank}.json").read_text())
+        ]
         want = balancer.balance_window_local(windows, rank)
         assert [[mb.to_bytes() for mb in s] for s in got] == [[mb.to_bytes() for mb in s] for s in want]
         assert [[mb.input_ids.shape for mb in s] for s in got] == [[(1, SEQ)]] * WINDOW

@@ -74,15 +74,25 @@ def test_megatron_optimizer_groups_get_the_part_lrs(megatron_cpu):
 
     model = _Toy()
     parts = ModelParts([model], LLAVA_OV.parts)
-    cfg = SimpleNamespace(lr=1e-3, min_lr=1e-5, lr_mult={"vision_tower": 0.2}, weight_decay=0.1, adam_beta1=0.9,
-                          adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+    cfg = SimpleNamespace(
+        lr=1e-3,
+        min_lr=1e-5,
+        lr_mult={"vision_tower": 0.2},
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+    )
     ctx = SimpleNamespace(precision="fp32", params_dtype=torch.float32, distributed_optimizer=False)
     config, overrides = megatron_optimizer_config(parts, cfg, ctx)
     group_of = {id(p): g for g in _get_param_groups([model], config, overrides) for p in g["params"]}
     vt, proj = group_of[id(model.vision_model.weight)], group_of[id(model.vision_projection.weight)]
     assert (vt["max_lr"], vt["min_lr"]) == (pytest.approx(2e-4), pytest.approx(2e-6)) and vt["wd_mult"] == 1.0
     assert (proj["max_lr"], proj["min_lr"]) == (1e-3, 1e-5)
-    assert group_of[id(model.vision_model.bias)]["wd_mult"] == 0.0 and group_of[id(model.vision_model.bias)]["max_lr"] == pytest.approx(2e-4)
+    assert group_of[id(model.vision_model.bias)]["wd_mult"] == 0.0 and group_of[id(model.vision_model.bias)][
+        "max_lr"
+    ] == pytest.approx(2e-4)
     assert group_of[id(model.language_model[1].weight)]["wd_mult"] == 0.0
 
 
@@ -132,4 +142,8 @@ def test_per_sample_loss_sums_follow_cu_seqlens():
     mask = labels != IGNORE_INDEX
     loss_sum, n, _ = masked_loss_sum(token_loss, mask)
     assert float(loss_sum) == 0 + 1 + 3 + 4 + 6 and int(n) == 5
-    assert per_sample_loss_sums(token_loss, mask.to(token_loss.dtype), batch).tolist() == [[1.0, 2.0], [7.0, 2.0], [6.0, 1.0]]
+    assert per_sample_loss_sums(token_loss, mask.to(token_loss.dtype), batch).tolist() == [
+        [1.0, 2.0],
+        [7.0, 2.0],
+        [6.0, 1.0],
+    ]

@@ -21,13 +21,23 @@ def test_sample_keys_are_unique_across_a_blend_sharing_record_ids_and_find_the_s
     from mmtrain.runtime.train_data import batch_sample_ids
 
     tok = build_tiny_qwen2_tokenizer(tmp_path / "tok")
-    records = [DevSample(f"rec{i}", [{"from": "human", "value": "hi"}, {"from": "gpt", "value": f"answer {i}"}])
-               for i in range(8)]
+    records = [
+        DevSample(f"rec{i}", [{"from": "human", "value": "hi"}, {"from": "gpt", "value": f"answer {i}"}])
+        for i in range(8)
+    ]
     a = write_dev_shards(tmp_path / "a", records, samples_per_shard=4)  # the same record ids and
     b = write_dev_shards(tmp_path / "b", records, samples_per_shard=4)  # the same shard keys
-    loader = build_llava_ov_loader(write_blend_yaml(tmp_path / "blend.yaml", [(a, 1.0), (b, 1.0)]), tok,
-                                   seq_length=64, micro_batch_size=8, num_workers=0, packing=False, seed=3,
-                                   image_size=28, patch_size=14)
+    loader = build_llava_ov_loader(
+        write_blend_yaml(tmp_path / "blend.yaml", [(a, 1.0), (b, 1.0)]),
+        tok,
+        seq_length=64,
+        micro_batch_size=8,
+        num_workers=0,
+        packing=False,
+        seed=3,
+        image_size=28,
+        patch_size=14,
+    )
     id_of: dict[str, str] = {}
     for _, batch in zip(range(6), loader):
         for key, rid in zip(batch_sample_ids(batch), [i for row in batch.sample_ids for i in row]):

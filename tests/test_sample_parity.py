@@ -21,15 +21,19 @@ def _batch(keys: list[list[str]], ids: list[list[str]]) -> SimpleNamespace:
 def test_logged_steps_check_compares_keys_and_stays_strict() -> None:
     """Metrics name samples by key (`DATASET#SHARD_KEY`): the check compares keys with keys, and
     still fails on other samples, another order or a missing step."""
-    steps = [[_batch([["d#0001", "d#0002"]], [["r1", "r2"]]), _batch([["d#0003"]], [["r3"]])],
-             [_batch([["d#0004"]], [["r4"]]), _batch([["d#0005"]], [["r5"]])]]
+    steps = [
+        [_batch([["d#0001", "d#0002"]], [["r1", "r2"]]), _batch([["d#0003"]], [["r3"]])],
+        [_batch([["d#0004"]], [["r4"]]), _batch([["d#0005"]], [["r5"]])],
+    ]
     good = [{"step": 1, "sample_ids": ["d#0001", "d#0002", "d#0003"]}, {"step": 2, "sample_ids": ["d#0004", "d#0005"]}]
     check_logged_steps_match(good, steps)
-    for bad in ([{**good[0], "sample_ids": ["d#0002", "d#0001", "d#0003"]}, good[1]],  # another order
-                [good[0], {**good[1], "sample_ids": ["d#0004", "d#0009"]}],  # another sample
-                [good[0]],  # a step missing
-                # record ids instead of keys: what the benchmark compared before the fix
-                [{"step": 1, "sample_ids": ["r1", "r2", "r3"]}, {"step": 2, "sample_ids": ["r4", "r5"]}]):
+    for bad in (
+        [{**good[0], "sample_ids": ["d#0002", "d#0001", "d#0003"]}, good[1]],  # another order
+        [good[0], {**good[1], "sample_ids": ["d#0004", "d#0009"]}],  # another sample
+        [good[0]],  # a step missing
+        # record ids instead of keys: what the benchmark compared before the fix
+        [{"step": 1, "sample_ids": ["r1", "r2", "r3"]}, {"step": 2, "sample_ids": ["r4", "r5"]}],
+    ):
         with pytest.raises(SampleParityError, match="other samples|logged 1 steps"):
             check_logged_steps_match(bad, steps)
 

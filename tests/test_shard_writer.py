@@ -53,8 +53,9 @@ def _samples(rng: random.Random, n: int, first: int = 0) -> list[SampleMembers]:
     return samples
 
 
-def _write(tmp_path: Path, samples: list[SampleMembers], name: str = "shard-000000.tar",
-           direct: bool | None = None) -> tuple[Path, ShardResult]:
+def _write(
+    tmp_path: Path, samples: list[SampleMembers], name: str = "shard-000000.tar", direct: bool | None = None
+) -> tuple[Path, ShardResult]:
     path = tmp_path / name
     result, layout = write_shard(path, iter(samples), direct)
     _check_layout(path, layout)
@@ -69,7 +70,9 @@ def _check_layout(path: Path, layout: ShardLayout) -> None:
     first = [i for i in range(len(members)) if i == 0 or keys[i] != keys[i - 1]]
     assert layout.samples == [(keys[i], members[i].offset) for i in first]
     sample_of = {k: i for i, (k, _) in enumerate(layout.samples)}
-    assert layout.parts == [(sample_of[k], m.name.split(".", 1)[1], m.offset_data, m.size) for k, m in zip(keys, members)]
+    assert layout.parts == [
+        (sample_of[k], m.name.split(".", 1)[1], m.offset_data, m.size) for k, m in zip(keys, members)
+    ]
     end = members[-1].offset_data + -(-members[-1].size // 512) * 512 if members else 0
     assert layout.end == end
 
@@ -134,8 +137,10 @@ def test_file_ranges_write_the_same_bytes_as_bytes(tmp_path: Path, direct: bool)
     """Media copied from input files into the staging buffer (FileRange) give the very shard
     that the same media as bytes give: members around block boundaries and past the buffer."""
     samples = _samples(random.Random(3), 120)
-    samples += [SampleMembers(f"{i:010d}", [("bin", os.urandom(size)), ("json", b"{}")])
-                for i, size in enumerate([(8 << 20) + 1, 5 << 20, 513], start=500)]
+    samples += [
+        SampleMembers(f"{i:010d}", [("bin", os.urandom(size)), ("json", b"{}")])
+        for i, size in enumerate([(8 << 20) + 1, 5 << 20, 513], start=500)
+    ]
     out = tmp_path / "out"
     out.mkdir()
     files = _Files()
@@ -202,7 +207,13 @@ def test_readable_by_tarfile_and_webdataset(tmp_path: Path) -> None:
         got: dict[str, dict[str, bytes]] = {}
         for m in tar.getmembers():
             assert (m.mode, m.uid, m.gid, m.uname, m.gname, m.mtime) == (
-                sf.TAR_MODE, sf.TAR_UID, sf.TAR_GID, sf.TAR_UNAME, sf.TAR_GNAME, sf.TAR_MTIME)
+                sf.TAR_MODE,
+                sf.TAR_UID,
+                sf.TAR_GID,
+                sf.TAR_UNAME,
+                sf.TAR_GNAME,
+                sf.TAR_MTIME,
+            )
             assert m.isreg()
             key, suffix = m.name.split(".", 1)
             got.setdefault(key, {})[suffix] = tar.extractfile(m).read()
@@ -219,10 +230,12 @@ def test_readable_by_tarfile_and_webdataset(tmp_path: Path) -> None:
 
 def test_row_round_trip() -> None:
     rng = random.Random(3)
-    record = {"id": "x\n\"y\"\\", "conversations": [{"from": "human", "value": "<image>\nline\r\n\t\x00 é 中 🙂 \u2028"}]}
+    record = {"id": 'x\n"y"\\', "conversations": [{"from": "human", "value": "<image>\nline\r\n\t\x00 é 中 🙂 \u2028"}]}
     record_json = json.dumps(record, ensure_ascii=False, sort_keys=True)
-    media = [(f"/data/dir with space/ünï cøde 中/{i}.tar", rng.randrange(1 << 40), rng.randrange(1 << 31),
-              f"img{i:02d}.jpg") for i in range(40)]
+    media = [
+        (f"/data/dir with space/ünï cøde 中/{i}.tar", rng.randrange(1 << 40), rng.randrange(1 << 31), f"img{i:02d}.jpg")
+        for i in range(40)
+    ]
     media.append(("/data/undecodable-\udcff.tar", 0, 0, "video.mp4"))  # a non-UTF-8 file name (os.fsdecode)
     for m in (media, media[:1], []):
         rid = "stage1/a b/000.tar:0001.json"
@@ -233,7 +246,12 @@ def test_row_round_trip() -> None:
         assert got_media == m and got_tokens == tokens
         assert row_head(row) == (rid, (3, 17), "src é", "stage1/a b")
         copy = rekey_row(row, 5, rid + "#repeat1")  # a repeated copy: new key and identity, same record
-        assert copy[:8] == (5).to_bytes(8, "big") and row_head(copy) == (rid + "#repeat1", (3, 17), "src é", "stage1/a b")
+        assert copy[:8] == (5).to_bytes(8, "big") and row_head(copy) == (
+            rid + "#repeat1",
+            (3, 17),
+            "src é",
+            "stage1/a b",
+        )
         assert decode_row(copy) == decode_row(row)
 
 
@@ -245,10 +263,17 @@ def test_row_rejects_nul_in_rid() -> None:
 def test_sorted_rows_sort_by_key_then_rid() -> None:
     rng = random.Random(5)
     rids = ["a", "a0", "a/b", "ab", "a\x01", "é", "中", "z", "", "a b"]
-    items = [(rng.choice([0, 1, 255, 256, 2**63, 2**64 - 1, rng.randrange(2**64)]), rng.choice(rids) + rng.choice(["", "x", "é"]))
-             for _ in range(2000)]
-    rows = [encode_row(k, rid, (0, 0), "s", "", json.dumps({"k": k}), [("/p", 1, 2, "img00.jpg")] * rng.randrange(3))
-            for k, rid in items]
+    items = [
+        (
+            rng.choice([0, 1, 255, 256, 2**63, 2**64 - 1, rng.randrange(2**64)]),
+            rng.choice(rids) + rng.choice(["", "x", "é"]),
+        )
+        for _ in range(2000)
+    ]
+    rows = [
+        encode_row(k, rid, (0, 0), "s", "", json.dumps({"k": k}), [("/p", 1, 2, "img00.jpg")] * rng.randrange(3))
+        for k, rid in items
+    ]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     keys = [(items[i][0], items[i][1]) for i in order]
     assert keys == sorted(keys)
@@ -277,7 +302,9 @@ def test_stages_without_ray_same_shards_whatever_bucket_count(tmp_path: Path) ->
         results = [write_shard_task(p, spec, str(out)) for p in plan_shards(counts, 16)]
         assert sum(r["samples"] for r in results) == sum(counts) > 0
         for r in results:
-            _check_layout(out / r["name"], ShardLayout.from_json((work / "shards" / f"{r['name']}.layout.json").read_text()))
+            _check_layout(
+                out / r["name"], ShardLayout.from_json((work / "shards" / f"{r['name']}.layout.json").read_text())
+            )
             assert (out / r["name"].replace(".tar", ".tar.idx")).exists()
         digests.append([r["sha256"] for r in results])
         # A rerun keeps the shards (resume markers) with the same digests.
@@ -291,6 +318,7 @@ def test_layout_round_trips_through_its_json_undecodable_names_included() -> Non
     back equal, also with a member suffix holding a surrogate escape (an undecodable name),
     which orjson cannot write and `json` then does."""
     for suffix in ("img00.jpg", "video.m\udcffp4"):
-        layout = ShardLayout([("0000000001", 0), ("0000000002", 2048)],
-                             [(0, "json", 512, 10), (1, suffix, 2560, 5)], 3072)
+        layout = ShardLayout(
+            [("0000000001", 0), ("0000000002", 2048)], [(0, "json", 512, 10), (1, suffix, 2560, 5)], 3072
+        )
         assert ShardLayout.from_json(layout.to_json()) == layout

@@ -14,21 +14,32 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("hostlist, hosts", [
-    ("node1", ["node1"]),
-    ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
-    ("a[8-10]", ["a8", "a9", "a10"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("x-[009-011],y", ["x-009", "x-010", "x-011", "y"]),
-])
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("node1", ["node1"]),
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("a[8-10]", ["a8", "a9", "a10"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("x-[009-011],y", ["x-009", "x-010", "x-011", "y"]),
+    ],
+)
 def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
 
 def _srun_env(**extra: str) -> dict[str, str]:
     """What `srun -N 4 --ntasks-per-node=1` sets in the task on the third node."""
-    return {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_JOB_NUM_NODES": "4",
-            "SLURM_NODEID": "2", "SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0", **extra}
+    return {
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NODELIST": "gpu[07-10]",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+        **extra,
+    }
 
 
 def _recipe(*overrides: str):
@@ -47,7 +58,13 @@ def test_one_task_per_node_sets_the_launcher(monkeypatch):
     recipe = _recipe("parallel.nproc_per_node=8", "parallel.tp=8")
     use_slurm_allocation(recipe)
     p = recipe.parallel
-    assert (p.nnodes, p.node_rank, p.master_addr, p.master_port, p.nproc_per_node) == (4, 2, "gpu07", 20000 + 123456 % 20000, 8)
+    assert (p.nnodes, p.node_rank, p.master_addr, p.master_port, p.nproc_per_node) == (
+        4,
+        2,
+        "gpu07",
+        20000 + 123456 % 20000,
+        8,
+    )
     assert p.world_size == 32
     import os
 

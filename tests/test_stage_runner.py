@@ -19,6 +19,7 @@ from mmdata.errors import EXIT_INTERRUPTED, Interrupted, UserError
 from mmdata.readiness import unfinished_job
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, json_marker, run_job
 
+
 class ToyError(UserError):
     pass
 
@@ -76,9 +77,18 @@ class ToyJob(ResumableJob):
             for i in todo:
                 done(i, self._unit("square", i, square_marker(i), {"square": i * i}))
 
-        yield Stage("square", "squares", "square_s", range(self.options.numbers), execute=squares,
-                    recorded=json_marker(square_marker), on_result=lambda i, r: self.squares.__setitem__(i, r["square"]),
-                    noun="number", records=lambda: len(self.squares), record_noun="numbers")
+        yield Stage(
+            "square",
+            "squares",
+            "square_s",
+            range(self.options.numbers),
+            execute=squares,
+            recorded=json_marker(square_marker),
+            on_result=lambda i, r: self.squares.__setitem__(i, r["square"]),
+            noun="number",
+            records=lambda: len(self.squares),
+            record_noun="numbers",
+        )
         if self.options.nothing:
             run.refuse("nothing to write")
         g = self.options.group
@@ -89,16 +99,27 @@ class ToyJob(ResumableJob):
                 total = sum(self.squares[i] for i in range(k, min(k + g, self.options.numbers)))
                 done(k, self._unit("sum", k, sum_marker(k), {"sum": total}))
 
-        yield Stage("sum", "sums", "sum_s", groups, execute=sums, recorded=json_marker(sum_marker),
-                    on_result=lambda k, r: self.sums.__setitem__(k, r["sum"]))
+        yield Stage(
+            "sum",
+            "sums",
+            "sum_s",
+            groups,
+            execute=sums,
+            recorded=json_marker(sum_marker),
+            on_result=lambda k, r: self.sums.__setitem__(k, r["sum"]),
+        )
 
     def finish(self, run: JobRun) -> None:
         (run.out / "sum.txt").write_text(f"{sum(self.sums.values())}\n")
 
     def manifest(self, run: JobRun) -> dict:
-        return {"tool": self.tool, "fingerprint": Identity({"numbers": self.options.numbers}, {}).fingerprint,
-                "job": {"numbers": self.options.numbers}, "squares": [self.squares[i] for i in sorted(self.squares)],
-                "run": {"resumed": run.resumed, "phases": run.phases}}
+        return {
+            "tool": self.tool,
+            "fingerprint": Identity({"numbers": self.options.numbers}, {}).fingerprint,
+            "job": {"numbers": self.options.numbers},
+            "squares": [self.squares[i] for i in sorted(self.squares)],
+            "run": {"resumed": run.resumed, "phases": run.phases},
+        }
 
 
 def _run(out: Path, **kw) -> tuple[ToyJob, dict]:
@@ -205,9 +226,17 @@ def test_a_held_output_refuses_the_job_before_it_writes(tmp_path):
     """The runner takes the output's lock for every job (tokenize-images included): another
     process holding it stops the job with exit 2 naming the holder."""
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mmdata.folder_lock import FolderLock\n"
-                               f"with FolderLock({str(out)!r}, '--output'):\n print('held', flush=True); sys.stdin.read()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mmdata.folder_lock import FolderLock\n"
+            f"with FolderLock({str(out)!r}, '--output'):\n print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(UserError, match=f"--output {out} is in use by another job: pid {holder.pid}"):

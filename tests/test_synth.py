@@ -16,13 +16,20 @@ import pytest
 from PIL import Image
 
 from mmdata.dev.synth import (
-    BROKEN_KINDS, PRODUCER_ROOT, generate_records, write_infinity_mm, write_llava_json,
+    BROKEN_KINDS,
+    PRODUCER_ROOT,
+    generate_records,
+    write_infinity_mm,
+    write_llava_json,
 )
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +90,9 @@ def test_broken_fraction_covers_every_kind(varied):
     broken = [r.broken for r in recs if r.broken]
     assert len(broken) == 15
     assert set(broken) == set(BROKEN_KINDS)
-    assert generate_records(50, seed=0, broken_fraction=0.0, synthetic=True) and not any(r.broken for r in generate_records(50, seed=0, synthetic=True))
+    assert generate_records(50, seed=0, broken_fraction=0.0, synthetic=True) and not any(
+        r.broken for r in generate_records(50, seed=0, synthetic=True)
+    )
 
 
 def test_image_field_is_provenance_like_the_published_tars(varied):
@@ -108,8 +117,10 @@ def test_image_field_is_provenance_like_the_published_tars(varied):
     names = [n for r in recs for n in r.member_names]
     assert any(n.endswith((".jpeg", ".JPG")) for n in names) and any(".1." in n for n in names)
     member_only = generate_records(40, seed=1, image_field="member", synthetic=True)
-    assert all(r.record.get("image") in (None, r.member_names[0] if len(r.member_names) == 1 else r.member_names)
-               for r in member_only)
+    assert all(
+        r.record.get("image") in (None, r.member_names[0] if len(r.member_names) == 1 else r.member_names)
+        for r in member_only
+    )
 
 
 def test_byte_deterministic(tmp_path):
@@ -130,7 +141,7 @@ def test_llava_json_layout(tmp_path):
     ok = [json.loads(line) for r, line in zip(recs, lines) if r.broken != "malformed_json"]
     for rec in ok:
         refs = rec.get("image")
-        for ref in ([refs] if isinstance(refs, str) else refs or []):
+        for ref in [refs] if isinstance(refs, str) else refs or []:
             assert ref.startswith("images/")
 
 
@@ -153,9 +164,25 @@ def test_videos_are_opt_in(tmp_path):
 
 def test_cli(tmp_path):
     out = tmp_path / "raw"
-    proc = subprocess.run([sys.executable, "-m", "mmdata.dev.synth", "--dataset", "infinity-mm",
-                           "--output", str(out), "--num-samples", "12", "--seed", "0", "--broken-fraction", "0.5"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmdata.dev.synth",
+            "--dataset",
+            "infinity-mm",
+            "--output",
+            str(out),
+            "--num-samples",
+            "12",
+            "--seed",
+            "0",
+            "--broken-fraction",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "12 records (6 broken)" in proc.stdout
     assert sorted(p.parts[-3] for p in out.rglob("*.tar")) == ["stage1", "stage2", "stage3", "stage4"]
@@ -180,12 +207,14 @@ def test_photo_like_images_have_real_entropy_and_are_deterministic():
     ratios = {fmt: _bytes_per_pixel(photo, fmt) / _bytes_per_pixel(gradient, fmt) for fmt in ("jpg", "png", "webp")}
     assert ratios["jpg"] > 2.5 and ratios["png"] > 10 and ratios["webp"] > 4, ratios
     again = generate_records(20, seed=5)
-    assert [(r.json_bytes, [im.data for im in r.images]) for r in again] == \
-        [(r.json_bytes, [im.data for im in r.images]) for r in photo[:20]]
+    assert [(r.json_bytes, [im.data for im in r.images]) for r in again] == [
+        (r.json_bytes, [im.data for im in r.images]) for r in photo[:20]
+    ]
     for p, g in zip(photo, gradient):
         assert p.member_names == g.member_names and p.record["conversations"] == g.record["conversations"]
-        assert [Image.open(io.BytesIO(im.data)).size for im in p.images if im.data] == \
-            [Image.open(io.BytesIO(im.data)).size for im in g.images if im.data]
+        assert [Image.open(io.BytesIO(im.data)).size for im in p.images if im.data] == [
+            Image.open(io.BytesIO(im.data)).size for im in g.images if im.data
+        ]
     assert all(p.images[0].data != g.images[0].data for p, g in zip(photo, gradient) if p.images and not p.broken)
 
 

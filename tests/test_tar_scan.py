@@ -46,7 +46,7 @@ def _reference(path: Path) -> tuple[list[tuple[str, int, int]], bool] | str:
         return "ReadError"
     if not damaged and members and members[-1][1] + members[-1][2] > path.stat().st_size:
         damaged = True
-    if not damaged and path.read_bytes()[stop:stop + 512] != bytes(512):
+    if not damaged and path.read_bytes()[stop : stop + 512] != bytes(512):
         damaged = True
     return members, damaged
 
@@ -281,20 +281,41 @@ def _old_iter_records(unit: InputUnit) -> Iterator[_OldRecord]:
         images = [m.name for m in group if m.name.lower().endswith(IMAGE_EXTS)]
         prov = {"dataset": "infinity-mm", "file": unit.rel, "member": key, "index": index}
         if not jsons:
-            yield _OldRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
-                            error="json_missing", error_detail=f"members {[m.name for m in group]} have no .json",
-                            default_media=images)
+            yield _OldRecord(
+                f"{unit.rel}:{key}",
+                f"{unit.path}:{key}",
+                None,
+                prov,
+                resolver,
+                error="json_missing",
+                error_detail=f"members {[m.name for m in group]} have no .json",
+                default_media=images,
+            )
             continue
         jm = jsons[0]
         prov["member"] = jm.name
         data = json_bytes_of[jm.name]
-        yield _OldRecord(f"{unit.rel}:{jm.name}", f"{unit.path}:{jm.name}", data, prov, resolver,
-                        error=None if data is not None else "input_truncated",
-                        error_detail="" if data is not None else f"{jm.name}: data cut short", default_media=images)
+        yield _OldRecord(
+            f"{unit.rel}:{jm.name}",
+            f"{unit.path}:{jm.name}",
+            data,
+            prov,
+            resolver,
+            error=None if data is not None else "input_truncated",
+            error_detail="" if data is not None else f"{jm.name}: data cut short",
+            default_media=images,
+        )
     if tail_error:
         prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(order)}
-        yield _OldRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
-                        error="input_truncated", error_detail=tail_error)
+        yield _OldRecord(
+            f"{unit.rel}:<rest>",
+            f"{unit.path}:<after member {len(infos)}>",
+            None,
+            prov,
+            resolver,
+            error="input_truncated",
+            error_detail=tail_error,
+        )
 
 
 def _assert_same_records(unit: InputUnit, cut: bool = False) -> int:
@@ -323,13 +344,23 @@ def _assert_same_records(unit: InputUnit, cut: bool = False) -> int:
 
 @pytest.mark.unit
 def test_iter_records_unchanged(tmp_path: Path):
-    files = write_infinity_mm(generate_records(60, seed=0, broken_fraction=0.2, synthetic=True), tmp_path / "raw", samples_per_tar=20)
+    files = write_infinity_mm(
+        generate_records(60, seed=0, broken_fraction=0.2, synthetic=True), tmp_path / "raw", samples_per_tar=20
+    )
     units = infinity_mm.list_units([tmp_path / "raw"])
     assert len(units) == len(files) and sum(_assert_same_records(u) for u in units) >= 60
     # a hand-made tar with orphan images, duplicate names, upper-case and dotted suffixes
     odd = tmp_path / "odd.tar"
-    members = [("a.json", b"{}"), ("a.jpg", b"j"), ("b.png", b"p"), ("c.JSON", b"[1]"), ("c.x.json", b"2"),
-               ("a.jpg", b"j2"), ("d/e.1.webp", b"w"), ("d/e.json", b"{}")]
+    members = [
+        ("a.json", b"{}"),
+        ("a.jpg", b"j"),
+        ("b.png", b"p"),
+        ("c.JSON", b"[1]"),
+        ("c.x.json", b"2"),
+        ("a.jpg", b"j2"),
+        ("d/e.1.webp", b"w"),
+        ("d/e.json", b"{}"),
+    ]
     with tarfile.open(odd, "w", format=tarfile.GNU_FORMAT) as tar:
         for name, data in members:
             _add(tar, name, data)
@@ -340,8 +371,9 @@ def test_iter_records_unchanged(tmp_path: Path):
         for name, data in members + [("a.json", b'{"dup": 1}')]:
             _add(tar, name, data)
     records = list(infinity_mm.iter_records(InputUnit(0, str(odd), odd.name, 0, 0)))
-    assert [(r.location.rsplit(":", 1)[1], r.error) for r in records if r.provenance["member"] == "a.json"] == \
-        [("a.json", "duplicate_key")] * 2
+    assert [(r.location.rsplit(":", 1)[1], r.error) for r in records if r.provenance["member"] == "a.json"] == [
+        ("a.json", "duplicate_key")
+    ] * 2
     # truncated copies of one synthetic tar: inside headers, JSON data, image data, the end blocks
     raw = Path(units[0].path).read_bytes()
     cut = tmp_path / "cut.tar"

@@ -12,9 +12,19 @@ from mmtrain.models.state_dict_adapter import Qwen2StateDictAdapter, to_local_na
 
 pytestmark = pytest.mark.unit
 
-LLM = LLMConfig(num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2, num_query_groups=1,
-                vocab_size=32, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-                tie_word_embeddings=True, qkv_bias=True)
+LLM = LLMConfig(
+    num_layers=2,
+    hidden_size=8,
+    ffn_hidden_size=16,
+    num_attention_heads=2,
+    num_query_groups=1,
+    vocab_size=32,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qkv_bias=True,
+)
 
 
 def test_local_keeps_fusions_off():
@@ -33,9 +43,16 @@ def _te_switch_config(**fusions) -> TransformerConfig:
     """The decoder config the TE switch builds, less `apply_rope_fusion` (its check needs TE's
     kernel at config time; the review's reproduction drops it the same way)."""
     kw = {**fusions, "apply_rope_fusion": False}
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                             gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                             **kw)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        **kw,
+    )
 
 
 def test_the_te_switch_builds_megatrons_output_layer_without_apex(megatron_cpu):
@@ -80,8 +97,13 @@ def _hf(adapter):
     local = Qwen2StateDictAdapter(LLM)
     mc = {}
     for m, _hf_names, op in local._pairs:
-        shape = (16, 8) if op == "qkv" and m.endswith("weight") else (16,) if op == "qkv" else (
-            (32, 16) if op == "cat" else (32, 8) if "embeddings" in m else (8,) if "norm" in m else (8, 16))
+        shape = (
+            (16, 8)
+            if op == "qkv" and m.endswith("weight")
+            else (16,)
+            if op == "qkv"
+            else ((32, 16) if op == "cat" else (32, 8) if "embeddings" in m else (8,) if "norm" in m else (8, 16))
+        )
         mc[m] = torch.randn(shape, generator=g)
     return mc, dict(local.iter_hf(mc.__getitem__))
 
@@ -99,8 +121,10 @@ def test_hf_te_hf_round_trip_is_identity_and_names_map_both_ways():
     # a local-layout checkpoint's names map to the TE names and back
     assert sorted(to_te_name(n) for n in mc_local) == sorted(names)
     assert all(to_local_name(to_te_name(n)) == n for n in mc_local)
-    assert to_te_name("vision_model.decoder.layers.0.input_layernorm.weight", "language_model.") == \
-        "vision_model.decoder.layers.0.input_layernorm.weight"
+    assert (
+        to_te_name("vision_model.decoder.layers.0.input_layernorm.weight", "language_model.")
+        == "vision_model.decoder.layers.0.input_layernorm.weight"
+    )
 
 
 def test_the_te_spec_without_te_says_why(megatron_cpu):

@@ -22,7 +22,16 @@ from PIL import Image
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.energon_loaders.emu3 import token_format as tf
-from tests.emu3_tiny import EXPECTED_REASONS, TEST_IMAGE_AREA, dev_samples, encode_image, hf_codes, hf_reference, run_tokenize_cli, tokenize_args
+from tests.emu3_tiny import (
+    EXPECTED_REASONS,
+    TEST_IMAGE_AREA,
+    dev_samples,
+    encode_image,
+    hf_codes,
+    hf_reference,
+    run_tokenize_cli,
+    tokenize_args,
+)
 from tests.energon_reading import energon_samples
 
 
@@ -49,7 +58,9 @@ def test_tiny_vq_is_deterministic_and_loads_in_transformers(tmp_path, tiny_vq_di
         assert (again / name).read_bytes() == (tiny_vq_dir / name).read_bytes(), name
     assert (other / "model.safetensors").read_bytes() != (tiny_vq_dir / "model.safetensors").read_bytes()
     vq = Emu3VQVAE.from_pretrained(tiny_vq_dir)
-    assert vq.config.codebook_size == 512 and vq.vision_spatial_factor == 8 and vq.config.temporal_downsample_factor == 4
+    assert (
+        vq.config.codebook_size == 512 and vq.vision_spatial_factor == 8 and vq.config.temporal_downsample_factor == 4
+    )
 
 
 @pytest.mark.parametrize("area", [TEST_IMAGE_AREA, 96 * 96])
@@ -61,8 +72,14 @@ def test_vision_tokenizer_matches_hf_processor_and_encode(tiny_vq_dir, area):
     rng = np.random.default_rng(1)
     proc, vq = hf_reference(tiny_vq_dir, area)
     ours = VisionTokenizer(tiny_vq_dir, area)
-    cases = [(101, 61, "RGB", "JPEG"), (37, 53, "RGBA", "PNG"), (64, 64, "L", "PNG"), (90, 45, "P", "PNG"),
-             (333, 17, "RGB", "PNG"), (9, 250, "RGB", "PNG")]
+    cases = [
+        (101, 61, "RGB", "JPEG"),
+        (37, 53, "RGBA", "PNG"),
+        (64, 64, "L", "PNG"),
+        (90, 45, "P", "PNG"),
+        (333, 17, "RGB", "PNG"),
+        (9, 250, "RGB", "PNG"),
+    ]
     images = [Image.open(io.BytesIO(encode_image(rng, w, h, mode, fmt))) for w, h, mode, fmt in cases]
     for img in images:
         grid = ours.encode([ours.preprocess(img)])[0]
@@ -153,7 +170,9 @@ def test_gpu_check_script_helps_and_skips_without_cuda():
     clear skip line with exit 0 where no CUDA device is visible."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_tokenize_images.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    helped = subprocess.run([sys.executable, str(script), "--help"], check=False, capture_output=True, text=True, env=env)
+    helped = subprocess.run(
+        [sys.executable, str(script), "--help"], check=False, capture_output=True, text=True, env=env
+    )
     assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stderr
     assert "loads the VQ once" in helped.stdout and "--num-samples" in helped.stdout
     skipped = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, env=env)
@@ -170,24 +189,76 @@ def test_cli_help_and_user_errors(tmp_path, emu3_dev_shards, tiny_vq_dir):
         assert e.value.code == 0
     out = tmp_path / "out"
     # a missing VQ dir or input folder: one line, exit 2, before any Ray instance starts
-    assert main(["tokenize-images", str(emu3_dev_shards), "--vision-tokenizer", str(tmp_path / "nope"),
-                 "--output", str(out), "--no-progress"]) == 2
-    assert main(["tokenize-images", str(tmp_path / "nothing"), "--vision-tokenizer", str(tiny_vq_dir),
-                 "--output", str(out), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "tokenize-images",
+                str(emu3_dev_shards),
+                "--vision-tokenizer",
+                str(tmp_path / "nope"),
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "tokenize-images",
+                str(tmp_path / "nothing"),
+                "--vision-tokenizer",
+                str(tiny_vq_dir),
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert main(["tiny-vq", "--output", str(out), "--codebook-size", "0"]) == 2
     for flag, value in (("--workers", "0"), ("--gpus-per-worker", "0"), ("--gpus-per-task", "-1")):
-        assert main(["tokenize-images", str(emu3_dev_shards), "--vision-tokenizer", str(tiny_vq_dir),
-                     "--output", str(out), "--no-progress", flag, value]) == 2, flag
+        assert (
+            main(
+                [
+                    "tokenize-images",
+                    str(emu3_dev_shards),
+                    "--vision-tokenizer",
+                    str(tiny_vq_dir),
+                    "--output",
+                    str(out),
+                    "--no-progress",
+                    flag,
+                    value,
+                ]
+            )
+            == 2
+        ), flag
 
 
-def test_each_worker_loads_the_vq_once_across_many_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir,
-                                                          emu3_tok_dir):
+def test_each_worker_loads_the_vq_once_across_many_chunks(
+    tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir
+):
     """2 workers (actors) over 8 chunks: each loads the VQ once and both get chunks; the bytes
     (length index included) are the fixture run's (2 CPUs, 3 samples per chunk: other workers,
     other chunks)."""
     out = tmp_path / "two_workers"
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--workers", "2",
-                                    "--chunk-samples", "2", "--tokenizer", str(emu3_tok_dir)))
+    run_tokenize_cli(
+        *tokenize_args(
+            emu3_dev_shards,
+            tiny_vq_dir,
+            out,
+            "--num-cpus",
+            "2",
+            "--workers",
+            "2",
+            "--chunk-samples",
+            "2",
+            "--tokenizer",
+            str(emu3_tok_dir),
+        )
+    )
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
     assert run["chunks"] == 8 and run["workers"] == 2
     assert run["vq_loads"] == [1, 1] and run["worker_restarts"] == [0, 0]
@@ -200,20 +271,46 @@ def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_s
     """A job stopped after its tokenize stage: the rerun reads every finished chunk in the driver,
     starts no worker (loads no VQ) and writes the same bytes."""
     out = tmp_path / "resumed"
-    code = ("import sys; from pathlib import Path; from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize; "
-            "a = sys.argv[1:]; run_tokenize(TokenizeConfig(Path(a[0]), Path(a[1]), Path(a[2]), image_area=int(a[3]), "
-            "num_cpus=2, chunk_samples=3, progress=False, keep_work_dir=True, tokenizer=Path(a[4])))")
+    code = (
+        "import sys; from pathlib import Path; from mmdata.vision_tokens.job import TokenizeConfig, run_tokenize; "
+        "a = sys.argv[1:]; run_tokenize(TokenizeConfig(Path(a[0]), Path(a[1]), Path(a[2]), image_area=int(a[3]), "
+        "num_cpus=2, chunk_samples=3, progress=False, keep_work_dir=True, tokenizer=Path(a[4])))"
+    )
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(out), str(TEST_IMAGE_AREA),
-                    str(emu3_tok_dir)], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(emu3_dev_shards),
+            str(tiny_vq_dir),
+            str(out),
+            str(TEST_IMAGE_AREA),
+            str(emu3_tok_dir),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     (out / sf.MANIFEST_NAME).unlink()  # as if the driver died after the tokenize stage
     for p in out.glob("shard-*.tar*"):
         p.unlink()
     for p in (out / ".mmdata-work" / "shards").iterdir():
         p.unlink()
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "2", "--chunk-samples", "3",
-                                    "--tokenizer", str(emu3_tok_dir)))
+    run_tokenize_cli(
+        *tokenize_args(
+            emu3_dev_shards,
+            tiny_vq_dir,
+            out,
+            "--num-cpus",
+            "2",
+            "--chunk-samples",
+            "3",
+            "--tokenizer",
+            str(emu3_tok_dir),
+        )
+    )
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
     assert run["resumed"]["chunks"] == run["chunks"] > 0 and run["resumed"]["shards"] == 0
     assert run["workers"] == 0 and run["vq_loads"] == []
@@ -224,8 +321,19 @@ def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_s
 def test_deterministic_across_workers_and_chunks(tmp_path, token_dir, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir):
     """1 CPU and 5 samples per chunk gives the bytes of the 2-CPU, 3-per-chunk fixture run."""
     out = tmp_path / "one_cpu"
-    run_tokenize_cli(*tokenize_args(emu3_dev_shards, tiny_vq_dir, out, "--num-cpus", "1", "--chunk-samples", "5",
-                                    "--tokenizer", str(emu3_tok_dir)))
+    run_tokenize_cli(
+        *tokenize_args(
+            emu3_dev_shards,
+            tiny_vq_dir,
+            out,
+            "--num-cpus",
+            "1",
+            "--chunk-samples",
+            "5",
+            "--tokenizer",
+            str(emu3_tok_dir),
+        )
+    )
     _assert_same_output(out, token_dir)
 
 
@@ -258,9 +366,12 @@ def kill_case(tmp_path_factory, tiny_vq_dir):
 def _start_job(shards: Path, vq: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress",
-                             *tokenize_args(shards, vq, out, *extra)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress", *tokenize_args(shards, vq, out, *extra)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
 
 
 def _wait_for_chunks(proc: subprocess.Popen, out: Path, n: int) -> None:
@@ -364,8 +475,13 @@ print(json.dumps(ray.get([task.remote(s) for s in specs])))
     (work / "chunks").mkdir(parents=True)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(work)],
-                          capture_output=True, text=True, env=env, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(emu3_dev_shards), str(tiny_vq_dir), str(work)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert [loads for _, loads in results] == [1, 1, 1, 1]  # every task's process loaded the VQ itself
     assert len({pid for pid, _ in results}) == 4  # in 4 processes: 4 loads for 4 chunks

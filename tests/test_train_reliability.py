@@ -102,8 +102,10 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(ref_run, tmp_pa
     run = tmp_path / "run"
     staged = run / "checkpoints" / ".staging" / "iter_0000004"
     for point in ("model", "publish"):
-        rc, err = run_killed(kill_in_save.command(f"4:{point}", train_args(run, shards_dir, tokenizer_dir, *RUN)),
-                             tmp_path / f"{point}.log")
+        rc, err = run_killed(
+            kill_in_save.command(f"4:{point}", train_args(run, shards_dir, tokenizer_dir, *RUN)),
+            tmp_path / f"{point}.log",
+        )
         assert rc == -signal.SIGKILL, f"{point}: not killed ({rc})\n{err[-3000:]}"
         assert _latest(run) == 2 and not (run / "checkpoints" / "iter_0000004").exists(), point
         assert any((staged / "model").iterdir()), point  # the save was under way
@@ -185,9 +187,14 @@ def test_a_sigkilled_run_leaves_no_process_behind(tmp_path, shards_dir, tokenize
     a save the kill interrupted (in about 1 run in 4)."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    p = subprocess.Popen(train_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        train_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         _wait_for_step(run, p, 2)  # checkpoint 1 is saved: the writer's manager is running
         started = {pid: cmd for pid in _descendants(p.pid) if (cmd := _cmdline(pid)) is not None}
@@ -244,7 +251,7 @@ def test_damaged_or_foreign_checkpoints_are_named(tmp_path):
     with pytest.raises(CheckpointDamagedError, match="incomplete, model/__0_0.distcp is missing"):
         check_checkpoint(ckpt, "llava-ov")
     ckpt = _fake_ckpt(tmp_path / "b")
-    (ckpt / "trainer_state.json").write_text("{\"step\": ")
+    (ckpt / "trainer_state.json").write_text('{"step": ')
     (ckpt / "files.json").unlink()  # (an older checkpoint without a file list: still checked)
     with pytest.raises(CheckpointDamagedError, match="trainer_state.json: unreadable"):
         check_checkpoint(ckpt, "llava-ov")
@@ -294,12 +301,22 @@ def _worker_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def _signal_rank_1_after_step_1(run: Path, shards_dir: Path, tokenizer_dir: Path, sig: signal.Signals,
-                                timeout_mins: float) -> tuple[str, int]:
+def _signal_rank_1_after_step_1(
+    run: Path, shards_dir: Path, tokenizer_dir: Path, sig: signal.Signals, timeout_mins: float
+) -> tuple[str, int]:
     """DP=2 training (50 steps); once step 1 is logged, `sig` to rank 1's worker, then wait for the
     job to end (it must, and with a non-zero status). Returns (its stderr, rank 1's pid)."""
-    p = _start(train_args(run, shards_dir, tokenizer_dir, "train.iters=50", "checkpoint.interval=0",
-                     f"parallel.collective_timeout_mins={timeout_mins}", nproc=2))
+    p = _start(
+        train_args(
+            run,
+            shards_dir,
+            tokenizer_dir,
+            "train.iters=50",
+            "checkpoint.interval=0",
+            f"parallel.collective_timeout_mins={timeout_mins}",
+            nproc=2,
+        )
+    )
     _wait_for_step(run, p, 1)
     victim = _worker_pid(p.pid, 1)
     assert victim is not None
@@ -354,10 +371,23 @@ def test_two_nodes_by_torchrun_on_loopback_match_one_process(ref_run, tmp_path, 
     shared run dir (and hand to their workers) is the same on both: node_rank 0."""
     run = tmp_path / "run"
     port = free_port()
-    nodes = [_start(train_args(run, shards_dir, tokenizer_dir, *RUN, "train.exit_interval=3", "data.sharding=replicated",
-                          "parallel.nnodes=2",
-                          f"parallel.node_rank={k}", "parallel.master_addr=127.0.0.1", f"parallel.master_port={port}"))
-             for k in (0, 1)]
+    nodes = [
+        _start(
+            train_args(
+                run,
+                shards_dir,
+                tokenizer_dir,
+                *RUN,
+                "train.exit_interval=3",
+                "data.sharding=replicated",
+                "parallel.nnodes=2",
+                f"parallel.node_rank={k}",
+                "parallel.master_addr=127.0.0.1",
+                f"parallel.master_port={port}",
+            )
+        )
+        for k in (0, 1)
+    ]
     for k, p in enumerate(nodes):
         _, err = p.communicate()
         assert p.returncode == 0, f"node {k}:\n{err[-6000:]}"

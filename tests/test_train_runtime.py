@@ -16,7 +16,8 @@ HF weights; CP=2 with each of them on 4 processes; CP=2 on unpacked rows), TP=2 
 (the TP=2 run with the vision tower's own layout), DP=2 -> DP=1 resume, the new parallel features
 together (an uneven decoder split and virtual stages at TP=2 with the vision tower's own layout
 and vision-aware balancing: training and validation losses against one process, resumed from
-and saved as a one-process checkpoint), exact resume inside a balancing window (`data.balance_window`), and the dry-run memory estimate
+and saved as a one-process checkpoint), exact resume inside a balancing window (`data.balance_window`), and the
+dry-run memory estimate
 against a measured peak.
 The runtime's pure functions (LR schedule, parts and param groups, checkpoint resolution,
 per-sample losses) are in test_runtime_units.py.
@@ -34,8 +35,17 @@ import pytest
 import torch
 
 from mmdata.folder_lock import lock_path
-from tests.fixtures_training import (MMTRAIN, REPO, TINY_RECIPE, assert_same_steps, free_port, interrupted_copy,
-                                     metrics, read_dist_ckpt, train)
+from tests.fixtures_training import (
+    MMTRAIN,
+    REPO,
+    TINY_RECIPE,
+    assert_same_steps,
+    free_port,
+    interrupted_copy,
+    metrics,
+    read_dist_ckpt,
+    train,
+)
 
 REQUIRED_METRICS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s")
 
@@ -82,8 +92,12 @@ def test_reference_run_trains_logs_and_checkpoints(ref_run):
     assert {"python", "numpy", "torch", "tracker"} <= set(rng)
 
     # `mmtrain worst-samples` points at the data of a step
-    out = subprocess.run([sys.executable, "-m", "mmtrain.cli", "worst-samples", str(ref_run), "--step", "1", "--top", "3"],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "mmtrain.cli", "worst-samples", str(ref_run), "--step", "1", "--top", "3"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert any(sid in out.stdout for sid in m[1]["sample_ids"])
 
@@ -94,8 +108,10 @@ def test_exact_resume(ref_run, tmp_path, shards_dir, tokenizer_dir):
     proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2")
     assert "resumed from" in proc.stderr
     # what a user reads: where the outputs go, an ETA per step, no third-party noise
-    assert (f"run_dir {run}: metrics {run / 'metrics.jsonl'}, checkpoints {run / 'checkpoints'}/ (every 2 steps "
-            "and at the end, keeping the last 2)") in proc.stderr
+    assert (
+        f"run_dir {run}: metrics {run / 'metrics.jsonl'}, checkpoints {run / 'checkpoints'}/ (every 2 steps "
+        "and at the end, keeping the last 2)"
+    ) in proc.stderr
     step_lines = [line for line in proc.stderr.splitlines() if " | loss " in line]
     assert len(step_lines) == 2 and all(" | eta " in line for line in step_lines)
     assert "Warning" not in proc.stderr and "Filling reading buffer" not in proc.stderr
@@ -127,11 +143,13 @@ def test_balancing_window_moves_rows_between_steps_and_resumes_inside_one(tmp_pa
 
     first = range(1, 5)
     assert [i for i, _ in by_sample(got, first)] == [i for i, _ in by_sample(want, first)]
-    assert [x for _, x in by_sample(got, first)] == pytest.approx([x for _, x in by_sample(want, first)],
-                                                                  rel=1e-5, abs=1e-6)
+    assert [x for _, x in by_sample(got, first)] == pytest.approx(
+        [x for _, x in by_sample(want, first)], rel=1e-5, abs=1e-6
+    )
     assert any(got[s]["sample_ids"] != want[s]["sample_ids"] for s in first)  # rows moved between steps
-    loader = json.loads((windowed / "checkpoints" / "iter_0000003" / "loader" / "loader_dp00000_of00001.json")
-                        .read_text())
+    loader = json.loads(
+        (windowed / "checkpoints" / "iter_0000003" / "loader" / "loader_dp00000_of00001.json").read_text()
+    )
     assert loader["mmtrain.balance_window"] == {"steps": 4, "trained": 3}
     run = interrupted_copy(windowed, tmp_path / "run", at_step=3)
     proc = train(run, shards_dir, tokenizer_dir, *window)
@@ -152,9 +170,19 @@ def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, toke
     the validation loss to the single-process number. The launcher's workers train under the
     run_dir lock the launcher holds."""
     run = tmp_path / "pp2"
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0",
-                 f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}", "parallel.pp=2",
-                 "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=2)
+    proc = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=6",
+        "checkpoint.interval=0",
+        f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
+        "parallel.pp=2",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        f"data.val_paths=[{shards_dir}]",
+        nproc=2,
+    )
     assert "same layout: False, loader restored: True" in proc.stderr
     ref, pp2 = metrics(eval_run), metrics(run)
     assert sorted(pp2) == [5, 6]
@@ -176,8 +204,16 @@ def test_resume_refuses_a_checkpoint_of_another_architecture(ref_run, tmp_path, 
     the key (exit code 2), for a resume and for a weights-only start."""
     for extra in ((), ("checkpoint.weights_only=true",)):
         run_dir = tmp_path / f"run{len(extra)}"
-        proc = train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "model.llm.num_layers=3",
-                     f"checkpoint.load={ref_run / 'checkpoints'}", *extra, expect_rc=2)
+        proc = train(
+            run_dir,
+            shards_dir,
+            tokenizer_dir,
+            "train.iters=6",
+            "model.llm.num_layers=3",
+            f"checkpoint.load={ref_run / 'checkpoints'}",
+            *extra,
+            expect_rc=2,
+        )
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("  - checkpoint.load: ")]
         assert "model.llm.num_layers is 3 in the recipe but 2 in the checkpoint" in line
         assert "Traceback" not in proc.stderr and not run_dir.exists()
@@ -190,8 +226,15 @@ STAGE1 = ("train.iters=2", "optimizer.lr=1.0e-2")
 def stage1_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
     """LLaVA-OV stage 1: the vision tower and the LLM frozen, 2 steps, a checkpoint after each."""
     run = tmp_path_factory.mktemp("stage1") / "run"
-    train(run, shards_dir, tokenizer_dir, *STAGE1, "checkpoint.interval=1", "checkpoint.keep_last=0",
-          "freeze=[vision_tower, llm]")
+    train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        *STAGE1,
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=0",
+        "freeze=[vision_tower, llm]",
+    )
     return run
 
 
@@ -203,7 +246,11 @@ def test_frozen_parameters_do_not_change(stage1_run):
     assert a.keys() == b.keys()
     projector = [k for k in a if k.startswith("vision_projection.")]
     frozen = [k for k in a if not k.startswith("vision_projection.")]
-    assert projector and any(k.startswith("vision_model.") for k in frozen) and any(k.startswith("language_model.") for k in frozen)
+    assert (
+        projector
+        and any(k.startswith("vision_model.") for k in frozen)
+        and any(k.startswith("language_model.") for k in frozen)
+    )
     for k in frozen:
         assert torch.equal(a[k], b[k]), f"frozen {k} changed"
     assert all(not torch.equal(a[k], b[k]) for k in projector)
@@ -216,8 +263,15 @@ def test_next_stage_takes_weights_only(stage1_run, tmp_path, shards_dir, tokeniz
     with a fresh step counter, optimizer, LR schedule and data position, instead of resuming the
     previous run (which would restore its step and train nothing)."""
     stage2 = tmp_path / "stage2"
-    train(stage2, shards_dir, tokenizer_dir, *STAGE1, f"checkpoint.load={stage1_run / 'checkpoints'}",
-          "checkpoint.weights_only=true", "checkpoint.save=false")
+    train(
+        stage2,
+        shards_dir,
+        tokenizer_dir,
+        *STAGE1,
+        f"checkpoint.load={stage1_run / 'checkpoints'}",
+        "checkpoint.weights_only=true",
+        "checkpoint.save=false",
+    )
     first, second = metrics(stage1_run), metrics(stage2)
     assert sorted(second) == [1, 2]  # a fresh step counter: the stage really trains
     assert second[1]["lr"] == first[1]["lr"]  # a fresh LR schedule (warmup restarts)
@@ -234,8 +288,17 @@ def eval_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
     """`ref_run`'s recipe plus an evaluation every 2 steps (2 global batches; the validation data
     is the training shards, read by its own loader)."""
     run_dir = tmp_path_factory.mktemp("eval") / "run"
-    train(run_dir, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=2", "checkpoint.keep_last=2",
-          "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
+    train(
+        run_dir,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=6",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=2",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        f"data.val_paths=[{shards_dir}]",
+    )
     return run_dir
 
 
@@ -269,8 +332,18 @@ def test_evaluations_on_the_same_weights_agree(tmp_path, shards_dir, tokenizer_d
     """With LR 0 the weights never change, so every evaluation must give the same number: the
     validation stream restarts from its first batch each time."""
     run = tmp_path / "run"
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=2", "checkpoint.save=false", "optimizer.lr=0",
-                 "optimizer.min_lr=0", "train.eval_interval=1", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
+    proc = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=2",
+        "checkpoint.save=false",
+        "optimizer.lr=0",
+        "optimizer.min_lr=0",
+        "train.eval_interval=1",
+        "train.eval_iters=2",
+        f"data.val_paths=[{shards_dir}]",
+    )
     m = metrics(run)
     assert m[1]["val_loss"] == m[2]["val_loss"] and m[1]["val_tokens"] == m[2]["val_tokens"] > 0
     assert m[1]["loss"] != m[2]["loss"]  # while training moves on to other batches
@@ -286,8 +359,16 @@ def test_context_parallel_continues_one_process_and_resumes_at_cp1(ref_run, tmp_
     losses, the samples) equal the one-process run's. Its step-5 checkpoint resumes at CP=1 and
     continues the CP=2 run: model, optimizer and loader state do not depend on CP, either way."""
     run = tmp_path / "cp2"
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=1", "parallel.cp=2",
-                 f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}", nproc=2)
+    proc = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=6",
+        "checkpoint.interval=1",
+        "parallel.cp=2",
+        f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}",
+        nproc=2,
+    )
     assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
     assert "same layout: False, loader restored: True" in proc.stderr
     ref, cp2 = metrics(ref_run), metrics(run)
@@ -300,8 +381,14 @@ def test_context_parallel_continues_one_process_and_resumes_at_cp1(ref_run, tmp_
     state = json.loads((run / "checkpoints" / "iter_0000005" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
     cp1 = tmp_path / "cp1"
-    proc = train(cp1, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.save=false",
-                 f"checkpoint.load={run / 'checkpoints' / 'iter_0000005'}")
+    proc = train(
+        cp1,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=6",
+        "checkpoint.save=false",
+        f"checkpoint.load={run / 'checkpoints' / 'iter_0000005'}",
+    )
     assert "same layout: False, loader restored: True" in proc.stderr
     resumed = metrics(cp1)
     assert sorted(resumed) == [6]
@@ -340,12 +427,17 @@ def parity_reference(tmp_path_factory, shards_dir, tokenizer_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"),
-    ("parallel.pp=2", "parallel.recompute=full"),
-    ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.cp=2", "parallel.pp=2"),
-    ("parallel.cp=2",),
-], ids=["tp2-sp-recompute-selective", "pp2-recompute-full", "tp2-sp-cp2", "pp2-cp2", "dp2-cp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"),
+        ("parallel.pp=2", "parallel.recompute=full"),
+        ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        ("parallel.cp=2", "parallel.pp=2"),
+        ("parallel.cp=2",),
+    ],
+    ids=["tp2-sp-recompute-selective", "pp2-recompute-full", "tp2-sp-cp2", "pp2-cp2", "dp2-cp2"],
+)
 def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer_dir):
     """Same HF weights, same global batches (`data.sharding=replicated`): TP=2 and PP=2 (2
     processes each; DP=2: test_data_parallel_checkpoint_resumes_at_dp1), and each of them with
@@ -367,7 +459,8 @@ def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer
 
 @pytest.mark.slow
 def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_match_one_process(
-        eval_run, tmp_path, shards_dir, tokenizer_dir):
+    eval_run, tmp_path, shards_dir, tokenizer_dir
+):
     """The new parallel features together (4 processes): the evaluated one-process run's step-4
     checkpoint continued on TP=2 x PP=2 x VPP=2 (megatron's interleaved 1F1B) with the decoder
     split [0, 1, 0, 1] per virtual stage (stage 0 holds only the vision tower, projector and
@@ -382,11 +475,25 @@ def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_m
     any split and layout. (It is also the pipeline's validation-loss check: the last stage
     reduces it to the one-process number.)"""
     run = tmp_path / "tp2-pp2-vpp2"
-    proc = train(run, shards_dir, tokenizer_dir, "train.iters=6", "checkpoint.interval=0", "parallel.tp=2",
-                 "parallel.pp=2", "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]", "parallel.vision.tp=1",
-                 "data.balance=true", "data.balance_window=1",
-                 f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
-                 "train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]", nproc=4)
+    proc = train(
+        run,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=6",
+        "checkpoint.interval=0",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "parallel.pp_layers=[0,1,0,1]",
+        "parallel.vision.tp=1",
+        "data.balance=true",
+        "data.balance_window=1",
+        f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        f"data.val_paths=[{shards_dir}]",
+        nproc=4,
+    )
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     assert "same layout: False, loader restored: True" in proc.stderr
@@ -413,10 +520,26 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
     The TP=2 run is started by a launcher that is not ours (`torchrun --nproc_per_node 2 mmtrain
     ...`) without `parallel.nproc_per_node`: its world comes from torchrun's environment."""
     tp2 = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           *MMTRAIN[1:], f"run_dir={tp2}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
-           "data.num_workers=1", "train.seq_length=1024", "logging.tensorboard=false", "train.iters=4",
-           "checkpoint.interval=2", "parallel.tp=2", "parallel.vision.tp=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        *MMTRAIN[1:],
+        f"run_dir={tp2}",
+        f"data.paths=[{shards_dir}]",
+        f"tokenizer.path={tokenizer_dir}",
+        "data.num_workers=1",
+        "train.seq_length=1024",
+        "logging.tensorboard=false",
+        "train.iters=4",
+        "checkpoint.interval=2",
+        "parallel.tp=2",
+        "parallel.vision.tp=1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -424,8 +547,14 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
     state = json.loads((tp2 / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 2, "pp": 1, "cp": 1, "dp": 1, "world_size": 2}
     tp1 = tmp_path / "tp1"
-    proc = train(tp1, shards_dir, tokenizer_dir, "train.iters=4", "checkpoint.save=false",
-                 f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}")
+    proc = train(
+        tp1,
+        shards_dir,
+        tokenizer_dir,
+        "train.iters=4",
+        "checkpoint.save=false",
+        f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}",
+    )
     assert "same layout: False" in proc.stderr
     a, b = metrics(tp2), metrics(tp1)
     assert sorted(a) == [1, 2, 3, 4]
@@ -478,15 +607,36 @@ def test_dry_run_memory_matches_a_measured_peak(tmp_path, shards_dir, tokenizer_
     out = {}
     for loss in ("chunked", "plain"):
         result = tmp_path / f"{loss}.json"
-        overrides = [f"run_dir={tmp_path / loss}", f"data.paths=[{shards_dir}]", f"tokenizer.path={tokenizer_dir}",
-                     "data.num_workers=1", "logging.tensorboard=false", "train.seq_length=4096",
-                     "model.llm.vocab_size=32768", "model.llm.hidden_size=256", "model.llm.ffn_hidden_size=1024",
-                     "model.llm.num_layers=4", "train.global_batch_size=1", f"parallel.lm_loss={loss}",
-                     "auto_tune.media_token_fraction=0.5"]
+        overrides = [
+            f"run_dir={tmp_path / loss}",
+            f"data.paths=[{shards_dir}]",
+            f"tokenizer.path={tokenizer_dir}",
+            "data.num_workers=1",
+            "logging.tensorboard=false",
+            "train.seq_length=4096",
+            "model.llm.vocab_size=32768",
+            "model.llm.hidden_size=256",
+            "model.llm.ffn_hidden_size=1024",
+            "model.llm.num_layers=4",
+            "train.global_batch_size=1",
+            f"parallel.lm_loss={loss}",
+            "auto_tune.media_token_fraction=0.5",
+        ]
         # large blocks always from mmap, so RSS follows what is live (no heap fragmentation)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-        proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "memory_worker.py"), str(TINY_RECIPE),
-                               str(result), json.dumps(overrides)], capture_output=True, text=True, env=env, cwd=REPO)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "tests" / "workers" / "memory_worker.py"),
+                str(TINY_RECIPE),
+                str(result),
+                json.dumps(overrides),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
         assert proc.returncode == 0, proc.stderr[-5000:]
         out[loss] = json.loads(result.read_text())
     for loss, r in out.items():

@@ -32,8 +32,14 @@ def _mix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Sample (tokens, tiles) as the synthetic Infinity-MM mix has them (its length index: share,
     tiles, mean tokens): text-only samples are short, an image's tokens per tile fall from ~750 at
     2 tiles to ~300 at 25 (the anyres_max_9 shrink), so rows of equal tokens differ in tiles."""
-    kinds = [(0.16, 0, 83, 22), (0.38, 2, 1513, 93), (0.15, 3, 2082, 221), (0.23, 5, 2875, 279), (0.07, 7, 3521, 1392),
-             (0.01, 25, 7415, 41)]  # (share, tiles, tokens mean, std)
+    kinds = [
+        (0.16, 0, 83, 22),
+        (0.38, 2, 1513, 93),
+        (0.15, 3, 2082, 221),
+        (0.23, 5, 2875, 279),
+        (0.07, 7, 3521, 1392),
+        (0.01, 25, 7415, 41),
+    ]  # (share, tiles, tokens mean, std)
     rng = np.random.default_rng(seed)
     pick = rng.choice(len(kinds), size=n, p=[k[0] for k in kinds])
     tiles = np.array([kinds[i][1] for i in pick])
@@ -85,13 +91,15 @@ def test_balancing_meets_the_target_on_a_mixed_stream():
     # at one row per rank per step one step's rows cannot be evened: a window of steps (online) or
     # the plan's steps of equal-cost rows can
     one = StepShape(dp=8, micro_batch_size=1, global_batch_size=8)
-    online_one = simulate(online_rank_rows(tokens, tiles, 8192, one.dp), one, DEFAULT_TILE_TOKENS,
-                          window=auto_window(one.rows_per_rank))
+    online_one = simulate(
+        online_rank_rows(tokens, tiles, 8192, one.dp), one, DEFAULT_TILE_TOKENS, window=auto_window(one.rows_per_rank)
+    )
     assert online_one["balanced"].mean == pytest.approx(online_one["today"].mean)
     assert online_one["today"].mean > 1.1
     assert online_one["windowed"].mean <= 1.10 and online_one["windowed"].worst < online_one["today"].worst
-    plan_one = plan.balanced(tiles, one, DEFAULT_TILE_TOKENS, seed=0).vision_balance(tiles, one, DEFAULT_TILE_TOKENS,
-                                                                                     balanced=True)
+    plan_one = plan.balanced(tiles, one, DEFAULT_TILE_TOKENS, seed=0).vision_balance(
+        tiles, one, DEFAULT_TILE_TOKENS, balanced=True
+    )
     assert plan_one.mean <= 1.03
 
 
@@ -107,7 +115,8 @@ def test_assign_window_spreads_rows_over_steps_and_keeps_every_shape():
     placed = assign_window(costs, shapes)
     assert len(placed) == steps and all([[len(mb) for mb in rank] for rank in step] == [[1]] * dp for step in placed)
     assert sorted(ref for step in placed for rank in step for mb in rank for ref in mb) == [
-        (r, k) for r in range(dp) for k in range(steps)]
+        (r, k) for r in range(dp) for k in range(steps)
+    ]
     assert assign_window(costs, shapes) == placed  # pure: ranks and resumed runs agree
     drawn = [step_balance([[int(tiles[r][s])] for r in range(dp)]) for s in range(steps)]
     evened = [step_balance(tiles.tolist(), step) for step in placed]
@@ -118,12 +127,12 @@ def test_assign_window_spreads_rows_over_steps_and_keeps_every_shape():
     placed2 = assign_window(costs2, [[[2, 2]] * 4] * 3)
     assert all([[len(mb) for mb in rank] for rank in step] == [[2, 2]] * 4 for step in placed2)
     assert sorted(ref for step in placed2 for rank in step for mb in rank for ref in mb) == [
-        (r, k) for r in range(4) for k in range(12)]
+        (r, k) for r in range(4) for k in range(12)
+    ]
     # steps of different shapes (a short last batch): each balanced on its own rows
     odd = [[[2]] * 2, [[1]] * 2]
     costs3 = [[5.0, 1.0, 9.0], [4.0, 2.0, 3.0]]
-    assert assign_window(costs3, odd) == [assign_step([[5.0, 1.0], [4.0, 2.0]], [[2], [2]]),
-                                          [[[(0, 2)]], [[(1, 2)]]]]
+    assert assign_window(costs3, odd) == [assign_step([[5.0, 1.0], [4.0, 2.0]], [[2], [2]]), [[[(0, 2)]], [[(1, 2)]]]]
     with pytest.raises(ValueError, match="rank 1: 2 rows but the window"):
         assign_window([[1.0, 2.0], [1.0, 2.0]], [[[1], [1]], [[1], [2]]])
     with pytest.raises(ValueError, match="2 ranks of costs but step 1 has micro-batch sizes for 1"):
@@ -142,7 +151,7 @@ def test_tiered_order_makes_steps_of_whole_tiers_and_later_epochs_keep_them():
     assert order[44] == int(np.argmin(costs))  # the short tier (the cheapest) ends the order
     moved = shuffle_tiers(45, 4, np.random.default_rng(7))
     assert sorted(moved.tolist()) == list(range(45)) and moved[44] == 44
-    assert all(set(moved[4 * t:4 * t + 4] // 4) == {moved[4 * t] // 4} for t in range(11))  # whole tiers
+    assert all(set(moved[4 * t : 4 * t + 4] // 4) == {moved[4 * t] // 4} for t in range(11))  # whole tiers
     assert moved.tolist() != list(range(45))
 
 
@@ -212,16 +221,40 @@ def test_train_data_balances_replicated_steps(tmp_path):
     from tests.fixtures_loader import BAD_IDS, llava_dev_samples
 
     shards = write_dev_shards(tmp_path / "shards", [s for s in llava_dev_samples() if s.id not in BAD_IDS])
-    recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [
-        f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
-        "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=8",
-        "data.sharding=replicated", "data.video_frames=4", "data.balance=true", "data.balance_window=1"])
-    ctx = ParallelContext(rank=0, world_size=2, local_rank=0, tp=1, pp=1, dp=2, tp_rank=0, pp_rank=0, dp_rank=0,
-                          backend="gloo", device=torch.device("cpu"))
+    recipe = load_recipe(
+        REPO / "recipes" / "llava-ov-tiny.yaml",
+        [
+            f"data.paths=[{shards}]",
+            f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
+            "data.num_workers=0",
+            "train.seq_length=256",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "data.sharding=replicated",
+            "data.video_frames=4",
+            "data.balance=true",
+            "data.balance_window=1",
+        ],
+    )
+    ctx = ParallelContext(
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        tp=1,
+        pp=1,
+        dp=2,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        backend="gloo",
+        device=torch.device("cpu"),
+    )
     data = TrainData(LLAVA_OV, recipe, ctx)
     place, drawn = type(data.balancer)(data.balancer.tile_tokens, data.balancer.tiles_of).balance_local, []
-    data.balancer.balance_window_local = lambda ranks, me: (drawn.append([s[0] for s in ranks]),
-                                                            [place(drawn[-1], me)])[1]
+    data.balancer.balance_window_local = lambda ranks, me: (
+        drawn.append([s[0] for s in ranks]),
+        [place(drawn[-1], me)],
+    )[1]
     tile_tokens = tile_token_cost(LLAVA_OV.model_shapes(recipe.model))
 
     def cost(micro_batches) -> float:
@@ -265,15 +298,38 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
     from tests.fixtures_loader import BAD_IDS, llava_dev_samples
 
     shards = write_dev_shards(tmp_path / "shards", [s for s in llava_dev_samples() if s.id not in BAD_IDS])
-    common = [f"data.paths=[{shards}]", f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
-              "data.num_workers=0", "train.seq_length=256", "train.micro_batch_size=1", "train.global_batch_size=2",
-              "data.sharding=replicated", "data.video_frames=4"]
-    recipe = load_recipe(REPO / "recipes" / "llava-ov-tiny.yaml", [*common, "data.balance=true", "data.balance_window=4"])
+    common = [
+        f"data.paths=[{shards}]",
+        f"tokenizer.path={build_tiny_qwen2_tokenizer(tmp_path / 'tok')}",
+        "data.num_workers=0",
+        "train.seq_length=256",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "data.sharding=replicated",
+        "data.video_frames=4",
+    ]
+    recipe = load_recipe(
+        REPO / "recipes" / "llava-ov-tiny.yaml", [*common, "data.balance=true", "data.balance_window=4"]
+    )
 
     def feed(rank: int, r=recipe) -> TrainData:
-        return TrainData(LLAVA_OV, r, ParallelContext(rank=rank, world_size=2, local_rank=rank, tp=1, pp=1, dp=2,
-                                                      tp_rank=0, pp_rank=0, dp_rank=rank, backend="gloo",
-                                                      device=torch.device("cpu")))
+        return TrainData(
+            LLAVA_OV,
+            r,
+            ParallelContext(
+                rank=rank,
+                world_size=2,
+                local_rank=rank,
+                tp=1,
+                pp=1,
+                dp=2,
+                tp_rank=0,
+                pp_rank=0,
+                dp_rank=rank,
+                backend="gloo",
+                device=torch.device("cpu"),
+            ),
+        )
 
     def ids(steps) -> list[str]:
         return sorted(i for step in steps for mb in step.micro_batches for i in batch_sample_ids(mb))
@@ -297,13 +353,14 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
     assert WINDOW_STATE_KEY not in json.loads(after_window)
     before, after = [], []
     for w in (0, 1):
-        window_drawn = drawn[8 * w:8 * w + 8]
-        window_steps = [s for r in (0, 1) for s in steps[r][4 * w:4 * w + 4]]
+        window_drawn = drawn[8 * w : 8 * w + 8]
+        window_steps = [s for r in (0, 1) for s in steps[r][4 * w : 4 * w + 4]]
         assert all(len(s.micro_batches) == 1 and s.micro_batches[0].input_ids.shape == (1, 256) for s in window_steps)
         assert ids(window_steps) == sorted(i for mb in window_drawn for i in batch_sample_ids(mb))
         before += [vision_balance([encoder_inputs(window_drawn[2 * k + r]) for r in (0, 1)]) for k in range(4)]
-        after += [vision_balance([encoder_inputs(steps[r][4 * w + k].micro_batches[0]) for r in (0, 1)])
-                  for k in range(4)]
+        after += [
+            vision_balance([encoder_inputs(steps[r][4 * w + k].micro_batches[0]) for r in (0, 1)]) for k in range(4)
+        ]
     assert np.mean([b for b in after if b]) < np.mean([b for b in before if b]), (before, after)
     resumed = feed(0)
     try:
@@ -312,7 +369,8 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
     finally:
         resumed.close()
     assert [[mb.to_bytes() for mb in s.micro_batches] for s in rest] == [
-        [mb.to_bytes() for mb in s.micro_batches] for s in steps[0][2:]]
+        [mb.to_bytes() for mb in s.micro_batches] for s in steps[0][2:]
+    ]
 
 
 def _knapsack_rank_rows(tokens: np.ndarray, tiles: np.ndarray, context: int, dp: int) -> list[list[tuple[int, int]]]:
@@ -326,7 +384,7 @@ def _knapsack_rank_rows(tokens: np.ndarray, tiles: np.ndarray, context: int, dp:
         n, t = np.minimum(tokens[part], context), tiles[part]
         rows: list[tuple[int, int]] = []
         for s in range(0, len(n), DEFAULT_PACKING_BUFFER):
-            chunk, chunk_tiles = n[s:s + DEFAULT_PACKING_BUFFER], t[s:s + DEFAULT_PACKING_BUFFER]
+            chunk, chunk_tiles = n[s : s + DEFAULT_PACKING_BUFFER], t[s : s + DEFAULT_PACKING_BUFFER]
             rows += [(int(chunk[b].sum()), int(chunk_tiles[b].sum())) for b in largest_first_knapsack(chunk, context)]
         out.append(rows)
     return out
@@ -343,7 +401,7 @@ def test_row_mix_packer_evens_tiles_at_the_knapsacks_fill():
 
     tokens, tiles = _mix(1024, seed=2)
     for s in range(0, 1024, 256):
-        n, t = tokens[s:s + 256].tolist(), tiles[s:s + 256].tolist()
+        n, t = tokens[s : s + 256].tolist(), tiles[s : s + 256].tolist()
         plain, mixed = largest_first_knapsack(n, 8192), pack_buffer(n, t, 8192)
         assert sorted(i for b in mixed for i in b) == list(range(256))
         assert len(mixed) == len(plain) and all(b and sum(n[i] for i in b) <= 8192 for b in mixed)

@@ -69,8 +69,10 @@ def _gather_rank(rank: int, port: int, world: int) -> None:
     own = encoder_parallel._own_rank_group(create=True)
     assert dist.get_process_group_ranks(own) == [rank] and encoder_parallel._own_rank_group() is own
     for tp, cp, encoder_tp in ((4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 2, 2), (4, 1, 4)):
-        groups = {"all": dist.new_group(list(range(world))),
-                  "cp": [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]}
+        groups = {
+            "all": dist.new_group(list(range(world))),
+            "cp": [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)],
+        }
         share = _share(tp, cp, encoder_tp, groups)
         cp_rank = rank // tp
         for tiles in (7, 2, 1):  # uneven shares; empty ones
@@ -81,8 +83,9 @@ def _gather_rank(rank: int, port: int, world: int) -> None:
             out = gather_shares(local, share, sizes)
             assert torch.equal(out, x), (tp, cp, encoder_tp, tiles)
             # each CP rank's loss weighs the tiles its own way (its positions); TP peers alike
-            weights = [torch.randn(tiles, 3, 2, generator=torch.Generator().manual_seed(100 * tiles + c))
-                       for c in range(cp)]
+            weights = [
+                torch.randn(tiles, 3, 2, generator=torch.Generator().manual_seed(100 * tiles + c)) for c in range(cp)
+            ]
             (out * weights[cp_rank]).sum().backward()
             want = sum(weights)[first : first + sizes[share.index]]  # d(sum over CP ranks' losses)/d(my tiles)
             assert torch.allclose(local.grad, want, rtol=0, atol=1e-6), (tp, cp, encoder_tp, tiles, rank)
@@ -160,7 +163,9 @@ def test_one_share_equals_the_inherited_layout_and_a_frozen_tower_trains_the_res
         assert torch.allclose(g_i[k], g_s[k], rtol=1e-6, atol=1e-7), k
     _, loss_f, g_f = step(1, freeze=["vision_tower"])
     assert torch.equal(loss_f, loss_s) and not any(k.startswith("vision_model.") for k in g_f)
-    assert torch.allclose(g_f["vision_projection.encoder.linear_fc1.weight"], g_s["vision_projection.encoder.linear_fc1.weight"])
+    assert torch.allclose(
+        g_f["vision_projection.encoder.linear_fc1.weight"], g_s["vision_projection.encoder.linear_fc1.weight"]
+    )
     with pytest.raises(ValueError, match="parallel.vision.tp: 2 with parallel.tp=1"):
         LlavaOVModel(cfg, options=ParallelOptions(encoder_tp=2))
 
@@ -175,13 +180,18 @@ def _load(*overrides, path=TINY):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("overrides,message", [
-    (("parallel.nproc_per_node=4", "parallel.tp=4", "parallel.vision.tp=2"),
-     "parallel.vision.tp: 2 with parallel.tp=4: the vision tower's own layout is TP 1"),
-    (("parallel.vision.tp=0",), "parallel.vision.tp: must be >= 1 or null, got 0"),
-    (("parallel.vision.tp=one",), "parallel.vision.tp: expected int or null"),
-    (("auto_tune.vision_tp=[null, 0]",), "auto_tune.vision_tp: candidates must be >= 1 or null"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ("parallel.nproc_per_node=4", "parallel.tp=4", "parallel.vision.tp=2"),
+            "parallel.vision.tp: 2 with parallel.tp=4: the vision tower's own layout is TP 1",
+        ),
+        (("parallel.vision.tp=0",), "parallel.vision.tp: must be >= 1 or null, got 0"),
+        (("parallel.vision.tp=one",), "parallel.vision.tp: expected int or null"),
+        (("auto_tune.vision_tp=[null, 0]",), "auto_tune.vision_tp: candidates must be >= 1 or null"),
+    ],
+)
 def test_recipe_refuses_a_vision_layout_that_cannot_run(overrides, message):
     from mmtrain.config import RecipeError
 
@@ -195,7 +205,9 @@ def test_recipe_takes_the_vision_layout_where_it_fits_and_emu3_has_none():
 
     assert _load().parallel.vision.tp is None  # the default: the language model's layout
     for vtp in (1, 2):
-        assert _load("parallel.nproc_per_node=2", "parallel.tp=2", f"parallel.vision.tp={vtp}").parallel.vision.tp == vtp
+        assert (
+            _load("parallel.nproc_per_node=2", "parallel.tp=2", f"parallel.vision.tp={vtp}").parallel.vision.tp == vtp
+        )
     with pytest.raises(RecipeError, match="parallel.vision.tp: family emu3 has no vision tower"):
         _load("parallel.vision.tp=1", path=REPO / "recipes" / "emu3-tiny.yaml")
 
@@ -214,8 +226,12 @@ def test_cost_model_dry_run_and_search_space_know_the_vision_layout(tmp_path):
     aquila = _load("stage=2a", "parallel.tp=2", "parallel.cp=1", path=REPO / "recipes" / "aquila-vl-2b.yaml")
     shapes, hw = LLAVA_OV.model_shapes(aquila.model), Hardware.from_auto_tune(aquila.auto_tune)
     inherited = Layout.from_recipe(aquila)
-    separate = Layout.from_recipe(dataclasses.replace(
-        aquila, parallel=dataclasses.replace(aquila.parallel, vision=dataclasses.replace(aquila.parallel.vision, tp=1))))
+    separate = Layout.from_recipe(
+        dataclasses.replace(
+            aquila,
+            parallel=dataclasses.replace(aquila.parallel, vision=dataclasses.replace(aquila.parallel.vision, tp=1)),
+        )
+    )
     assert (inherited.vision_tp, separate.vision_tp, separate.encoder_shares) == (None, 1, 2)
     mi, ms = (estimate_memory(shapes, [], L) for L in (inherited, separate))
     # the whole tower on every rank (bf16 weights: 2 bytes), its activations over the 2 shares
@@ -225,8 +241,13 @@ def test_cost_model_dry_run_and_search_space_know_the_vision_layout(tmp_path):
     assert ts.encoder_comm_s < ti.encoder_comm_s and ti.tp_comm_s == ts.tp_comm_s and ts.compute_s == ti.compute_s
     # frozen, the tower's backward all-reduces go (and its gradient average too)
     assert estimate_step_time(shapes, ["vision_tower"], inherited, hw).encoder_comm_s < ti.encoder_comm_s
-    text = build_report(dataclasses.replace(aquila, parallel=dataclasses.replace(
-        aquila.parallel, vision=dataclasses.replace(aquila.parallel.vision, tp=1))), LLAVA_OV).text
+    text = build_report(
+        dataclasses.replace(
+            aquila,
+            parallel=dataclasses.replace(aquila.parallel, vision=dataclasses.replace(aquila.parallel.vision, tp=1)),
+        ),
+        LLAVA_OV,
+    ).text
     assert "vision tower: its own layout, tp 1; a micro-batch's tiles split over 2 ranks" in text
     assert "vision comm" in build_report(aquila, LLAVA_OV).text
 
@@ -238,7 +259,9 @@ def test_cost_model_dry_run_and_search_space_know_the_vision_layout(tmp_path):
     # with its own TP 1 the tower no longer has to split its heads over the LLM's TP
     wide = dataclasses.replace(ctx.shapes, encoder=dataclasses.replace(ctx.shapes.encoder, heads=3))
     L = layouts[0].with_(tp=2, vision_tp=None)
-    assert not tp_valid(L, dataclasses.replace(ctx, shapes=wide)) and tp_valid(L.with_(vision_tp=1), dataclasses.replace(ctx, shapes=wide))
+    assert not tp_valid(L, dataclasses.replace(ctx, shapes=wide)) and tp_valid(
+        L.with_(vision_tp=1), dataclasses.replace(ctx, shapes=wide)
+    )
 
 
 @pytest.mark.unit
@@ -252,9 +275,18 @@ def test_cost_model_counts_the_tp_gradient_averages_flatten_and_copy_back():
     from mmtrain.models.shapes import param_counts
     from mmtrain.planning.cost_model import Hardware, Layout, estimate_memory, estimate_step_time
 
-    aquila = _load("stage=2a", "parallel.tp=2", "parallel.cp=1", "parallel.vision.tp=1",
-                   path=REPO / "recipes" / "aquila-vl-2b.yaml")
-    shapes, hw, L = LLAVA_OV.model_shapes(aquila.model), Hardware.from_auto_tune(aquila.auto_tune), Layout.from_recipe(aquila)
+    aquila = _load(
+        "stage=2a",
+        "parallel.tp=2",
+        "parallel.cp=1",
+        "parallel.vision.tp=1",
+        path=REPO / "recipes" / "aquila-vl-2b.yaml",
+    )
+    shapes, hw, L = (
+        LLAVA_OV.model_shapes(aquila.model),
+        Hardware.from_auto_tune(aquila.auto_tune),
+        Layout.from_recipe(aquila),
+    )
     grads = param_counts(shapes, [], L.tp).trainable["vision_tower"] * 4  # fp32 main grads, the whole tower
     trained = estimate_step_time(shapes, [], L, hw).encoder_comm_s
     frozen = estimate_step_time(shapes, ["vision_tower"], L, hw).encoder_comm_s  # nothing to average

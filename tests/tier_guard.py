@@ -21,8 +21,9 @@ from typing import Any, Iterator
 import pytest
 
 # audit events that start another process (https://docs.python.org/3/library/audit_events.html)
-_PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
-                             "os.system", "os.exec", "os.startfile"})
+_PROCESS_EVENTS = frozenset(
+    {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec", "os.startfile"}
+)
 
 
 class _Watch:
@@ -34,8 +35,10 @@ class _Watch:
 
 def _refuse(what: str) -> None:
     _Watch.seen.append(what)
-    raise RuntimeError(f"unit test {_Watch.nodeid} started a process ({what}): a unit test runs in-process only; "
-                       "move it to the default tier (drop its `unit` mark)")
+    raise RuntimeError(
+        f"unit test {_Watch.nodeid} started a process ({what}): a unit test runs in-process only; "
+        "move it to the default tier (drop its `unit` mark)"
+    )
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
@@ -58,11 +61,16 @@ multiprocessing.process.BaseProcess.start = _guarded_start  # type: ignore[metho
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so the error does not depend on the tier run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    both = [item.nodeid for item in items
-            if item.get_closest_marker("unit") is not None and item.get_closest_marker("slow") is not None]
+    both = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("unit") is not None and item.get_closest_marker("slow") is not None
+    ]
     if both:
-        raise pytest.UsageError("marked both unit and slow (the unit tier has no slow test; mark the module's "
-                                "fast tests `unit` one by one):\n  " + "\n  ".join(both))
+        raise pytest.UsageError(
+            "marked both unit and slow (the unit tier has no slow test; mark the module's "
+            "fast tests `unit` one by one):\n  " + "\n  ".join(both)
+        )
 
 
 def _watched(item: pytest.Item) -> Iterator[None]:

@@ -26,9 +26,19 @@ def tiny_lm(megatrons_attention: bool):
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
     from mmtrain.models.packed_rope import PackedRoPESelfAttention
 
-    llm = LLMConfig(num_layers=2, hidden_size=HEADS * DIM, ffn_hidden_size=64, num_attention_heads=HEADS,
-                    num_query_groups=1, vocab_size=VOCAB, max_position_embeddings=256, rope_theta=10000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True)
+    llm = LLMConfig(
+        num_layers=2,
+        hidden_size=HEADS * DIM,
+        ffn_hidden_size=64,
+        num_attention_heads=HEADS,
+        num_query_groups=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    )
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     lm = build_language_model(llm, language_transformer_config(llm, "float32", ParallelOptions()), vocab_size=VOCAB)
@@ -38,8 +48,9 @@ def tiny_lm(megatrons_attention: bool):
         assert type(ours) is PackedRoPESelfAttention
         if megatrons_attention:
             spec = transformer_layer_spec(causal=True, context_parallel=cp).submodules.self_attention.submodules
-            theirs = SelfAttention(config=ours.config, layer_number=ours.layer_number, attn_mask_type=AttnMaskType.causal,
-                                   submodules=spec)
+            theirs = SelfAttention(
+                config=ours.config, layer_number=ours.layer_number, attn_mask_type=AttnMaskType.causal, submodules=spec
+            )
             theirs.load_state_dict(ours.state_dict())
             layer.self_attention = theirs
     return lm.eval()
@@ -50,5 +61,11 @@ def packed_batch(lens: list[int]):
     from mmdata.energon_loaders.batch import PackedBatch
 
     ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
-    return PackedBatch(input_ids=ids, labels=ids.clone(), position_ids=torch.cat([torch.arange(n) for n in lens])[None],
-                       cu_seqlens=cu_seqlens(lens), max_seqlen=max(lens), sample_ids=[[str(i) for i in lens[:-1]]])
+    return PackedBatch(
+        input_ids=ids,
+        labels=ids.clone(),
+        position_ids=torch.cat([torch.arange(n) for n in lens])[None],
+        cu_seqlens=cu_seqlens(lens),
+        max_seqlen=max(lens),
+        sample_ids=[[str(i) for i in lens[:-1]]],
+    )

@@ -24,8 +24,16 @@ from mmdata.errors import UserError
 # and a greyscale photo: all in scikit-image's wheel (no download), each stated public domain, CC0
 # or free of known copyright restrictions in skimage.data's docstrings.
 PHOTOS = (
-    "astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "hubble_deep_field.jpg",
-    "retina.jpg", "ihc.png", "grass.png", "text.png", "camera.png",
+    "astronaut.png",
+    "chelsea.png",
+    "coffee.png",
+    "rocket.jpg",
+    "hubble_deep_field.jpg",
+    "retina.jpg",
+    "ihc.png",
+    "grass.png",
+    "text.png",
+    "camera.png",
 )
 MIN_CROP_SHARE = 0.5  # a crop's side is 50-100 % of the largest crop of the target's aspect
 
@@ -36,8 +44,10 @@ def source_photo(name: str) -> Image.Image:
     try:
         data = (importlib.resources.files("skimage") / "data" / name).read_bytes()
     except (ModuleNotFoundError, FileNotFoundError) as e:
-        raise UserError(f"photo-like images read {name} from scikit-image's bundled data ({e}); install "
-                        "scikit-image (the `dev` extra: pip install mmdata[dev]) or pass --synthetic for gradients") from None
+        raise UserError(
+            f"photo-like images read {name} from scikit-image's bundled data ({e}); install "
+            "scikit-image (the `dev` extra: pip install mmdata[dev]) or pass --synthetic for gradients"
+        ) from None
     with Image.open(io.BytesIO(data)) as img:
         return img.convert("RGB")
 

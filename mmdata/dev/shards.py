@@ -27,7 +27,9 @@ class DevSample:
     source: str = "dev"
 
 
-def write_dev_shards(out_dir: str | Path, samples: Sequence[DevSample], samples_per_shard: int = 16, key_offset: int = 0) -> Path:
+def write_dev_shards(
+    out_dir: str | Path, samples: Sequence[DevSample], samples_per_shard: int = 16, key_offset: int = 0
+) -> Path:
     """Write `samples` as shards under `out_dir` and prepare `.nv-meta/`; returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,7 +40,9 @@ def write_dev_shards(out_dir: str | Path, samples: Sequence[DevSample], samples_
         for j, s in enumerate(samples[start : start + samples_per_shard]):
             image_names = [sf.image_member_name(k, ext) for k, (ext, _) in enumerate(s.images)]
             video_name = sf.video_member_name(s.video[0]) if s.video else None
-            record = sf.SampleRecord(id=s.id, source=s.source, conversations=s.conversations, images=image_names, video=video_name)
+            record = sf.SampleRecord(
+                id=s.id, source=s.source, conversations=s.conversations, images=image_names, video=video_name
+            )
             members = [(sf.JSON_MEMBER, json.dumps(record.__dict__, ensure_ascii=False).encode())]
             members += [(n, data) for n, (_, data) in zip(image_names, s.images)]
             if s.video:

@@ -58,15 +58,29 @@ SUBSETS: list[tuple[str, str]] = [
 
 # (width, height) choices: tiny, common, very wide, very tall, > 2000 px.
 IMAGE_SIZES: list[tuple[int, int]] = [
-    (32, 32), (48, 64), (224, 224), (336, 252), (640, 480), (480, 640), (512, 384),
-    (1024, 768), (1200, 160), (2048, 96), (96, 2048), (160, 1400), (2100, 1400),
+    (32, 32),
+    (48, 64),
+    (224, 224),
+    (336, 252),
+    (640, 480),
+    (480, 640),
+    (512, 384),
+    (1024, 768),
+    (1200, 160),
+    (2048, 96),
+    (96, 2048),
+    (160, 1400),
+    (2100, 1400),
 ]
 IMAGE_SIZE_WEIGHTS = np.array([6, 5, 10, 10, 10, 8, 8, 4, 3, 2, 2, 3, 1], dtype=float)
 
 EN_PROMPTS = [
-    "Describe this image in detail.", "What is shown in the picture?",
-    "How many objects can you count here?", "What color is the largest object?",
-    "Read the text in the image, if any.", "Is this photo taken indoors or outdoors?",
+    "Describe this image in detail.",
+    "What is shown in the picture?",
+    "How many objects can you count here?",
+    "What color is the largest object?",
+    "Read the text in the image, if any.",
+    "Is this photo taken indoors or outdoors?",
 ]
 ZH_PROMPTS = ["请详细描述这张图片。", "图片里有什么？", "这张图片的主要颜色是什么？", "图中的文字是什么？"]
 EN_ANSWERS = [
@@ -77,7 +91,10 @@ EN_ANSWERS = [
 ]
 ZH_ANSWERS = ["图片显示了一个渐变背景和几个彩色矩形。", "主要颜色是暖色调。", "图中没有可读的文字。"]
 TEXT_ONLY = [
-    ("Write a haiku about the sea.", "Waves fold into foam / the tide keeps its slow counsel / salt on the cold stones."),
+    (
+        "Write a haiku about the sea.",
+        "Waves fold into foam / the tide keeps its slow counsel / salt on the cold stones.",
+    ),
     ("What is 17 * 23?", "17 * 23 = 391."),
     ("用一句话解释什么是机器学习。", "机器学习是让计算机从数据中自动学习规律的方法。"),
 ]
@@ -111,7 +128,7 @@ def _encode_video(rng: np.random.Generator) -> bytes:
         color = rng.integers(0, 256, size=3)
         for i in range(n):
             frame = np.zeros((h, w, 3), np.uint8)
-            frame[:, (i * w // n):(i * w // n) + 8] = color
+            frame[:, (i * w // n) : (i * w // n) + 8] = color
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -139,30 +156,53 @@ class SynthRecord:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", choices=["infinity-mm", "llava-json"], default="infinity-mm",
-                        help="on-disk layout to write (default: infinity-mm)")
-    parser.add_argument("--output", required=True, type=Path, metavar="DIR",
-                        help="output directory (new or empty; see --overwrite)")
+    parser.add_argument(
+        "--dataset",
+        choices=["infinity-mm", "llava-json"],
+        default="infinity-mm",
+        help="on-disk layout to write (default: infinity-mm)",
+    )
+    parser.add_argument(
+        "--output", required=True, type=Path, metavar="DIR", help="output directory (new or empty; see --overwrite)"
+    )
     parser.add_argument("--num-samples", type=int, required=True, metavar="N", help="number of records")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--broken-fraction", type=float, default=0.0,
-                        help="fraction of deliberately broken records, cycling through "
-                             f"{', '.join(BROKEN_KINDS)} (default 0)")
-    parser.add_argument("--video-fraction", type=float, default=0.0,
-                        help="fraction of records that are short MP4 clips with a <video> turn (default 0)")
-    parser.add_argument("--samples-per-tar", type=int, default=100,
-                        help="records per tar file in the infinity-mm layout (default 100)")
-    parser.add_argument("--image-field", choices=["realistic", "member"], default="realistic",
-                        help="infinity-mm `image` field: realistic (mostly foreign absolute paths whose "
-                             "basename/extension differ from the member, as in the published tars) or "
-                             "member (exact member names) (default realistic)")
-    parser.add_argument("--synthetic", action="store_true",
-                        help="colour gradients with a few rectangles instead of photo-like crops of real photos: "
-                             "cheap tidy fixtures, but they compress to almost nothing and decode several times "
-                             "faster than real images (default: photo-like)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty --output: first delete what synth writes there (stageN/ "
-                             "folders, or annotations.jsonl, images/ and videos/); other files are kept")
+    parser.add_argument(
+        "--broken-fraction",
+        type=float,
+        default=0.0,
+        help=f"fraction of deliberately broken records, cycling through {', '.join(BROKEN_KINDS)} (default 0)",
+    )
+    parser.add_argument(
+        "--video-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of records that are short MP4 clips with a <video> turn (default 0)",
+    )
+    parser.add_argument(
+        "--samples-per-tar", type=int, default=100, help="records per tar file in the infinity-mm layout (default 100)"
+    )
+    parser.add_argument(
+        "--image-field",
+        choices=["realistic", "member"],
+        default="realistic",
+        help="infinity-mm `image` field: realistic (mostly foreign absolute paths whose "
+        "basename/extension differ from the member, as in the published tars) or "
+        "member (exact member names) (default realistic)",
+    )
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="colour gradients with a few rectangles instead of photo-like crops of real photos: "
+        "cheap tidy fixtures, but they compress to almost nothing and decode several times "
+        "faster than real images (default: photo-like)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --output: first delete what synth writes there (stageN/ "
+        "folders, or annotations.jsonl, images/ and videos/); other files are kept",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,8 +225,10 @@ def check_output(out: Path, dataset: str, overwrite: bool) -> None:
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not overwrite:
-        raise UserError(f"--output {out} is not empty; choose a new or empty folder, or pass --overwrite to replace "
-                        f"what synth writes there ({', '.join(own_entries(dataset))})")
+        raise UserError(
+            f"--output {out} is not empty; choose a new or empty folder, or pass --overwrite to replace "
+            f"what synth writes there ({', '.join(own_entries(dataset))})"
+        )
     remove([out / name for name in own_entries(dataset) if (out / name).exists()])
 
 
@@ -199,16 +241,23 @@ def run(args: argparse.Namespace) -> int:
         if not 0.0 <= value <= 1.0:
             raise UserError(f"{flag} must be between 0 and 1, got {value}")
     check_output(args.output, args.dataset, args.overwrite)
-    records = generate_records(args.num_samples, seed=args.seed, broken_fraction=args.broken_fraction,
-                               video_fraction=args.video_fraction, image_field=args.image_field,
-                               synthetic=args.synthetic)
+    records = generate_records(
+        args.num_samples,
+        seed=args.seed,
+        broken_fraction=args.broken_fraction,
+        video_fraction=args.video_fraction,
+        image_field=args.image_field,
+        synthetic=args.synthetic,
+    )
     if args.dataset == "infinity-mm":
         files = write_infinity_mm(records, args.output, samples_per_tar=args.samples_per_tar)
     else:
         files = write_llava_json(records, args.output)
     n_broken = sum(1 for r in records if r.broken)
-    print(f"wrote {plural(len(records), 'record')} ({n_broken:,} broken) in {plural(len(files), 'file')} "
-          f"under {args.output}")
+    print(
+        f"wrote {plural(len(records), 'record')} ({n_broken:,} broken) in {plural(len(files), 'file')} "
+        f"under {args.output}"
+    )
     return 0
 
 
@@ -274,8 +323,9 @@ def encode_image(img: Image.Image, fmt: str, quality: int = 85) -> bytes:
     return buf.getvalue()
 
 
-def _encode_image(rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str,
-                  photo_rng: np.random.Generator | None) -> SynthImage:
+def _encode_image(
+    rng: np.random.Generator, size: tuple[int, int], fmt: str, mode: str, photo_rng: np.random.Generator | None
+) -> SynthImage:
     """A gradient drawn from `rng`, or with `photo_rng` a photo crop drawn from that alone. The
     gradient is drawn either way, so `rng`'s stream, and with it every record's structure (kinds,
     sizes, formats, text), does not depend on the image kind: only the pixels do."""
@@ -325,9 +375,15 @@ def _turns(rng: np.random.Generator, n_images: int, literal_placeholder: bool, n
     return conv
 
 
-def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float = 0.0,
-                     video_fraction: float = 0.0, image_field: str = "realistic",
-                     synthetic: bool = False) -> list[SynthRecord]:
+def generate_records(
+    num_samples: int,
+    *,
+    seed: int = 0,
+    broken_fraction: float = 0.0,
+    video_fraction: float = 0.0,
+    image_field: str = "realistic",
+    synthetic: bool = False,
+) -> list[SynthRecord]:
     """Generate `num_samples` varied records; broken ones are spread evenly and cycle kinds.
 
     Video records (opt-in) and the member/field naming come from separate random streams, so
@@ -357,7 +413,9 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
         if broken == "placeholder_mismatch" and kind == "text_only":
             kind = "single"
         zh = rng.random() < 0.25
-        n_images = {"caption": 1, "single": 1, "multiturn": 1, "multi_image": int(rng.integers(2, 4)), "text_only": 0}[kind]
+        n_images = {"caption": 1, "single": 1, "multiturn": 1, "multi_image": int(rng.integers(2, 4)), "text_only": 0}[
+            kind
+        ]
         photo_rng = None if synthetic else np.random.default_rng([seed, 3, i])
         images = [_random_image(rng, photo_rng) for _ in range(n_images)]
         if broken == "truncated_jpeg":
@@ -400,13 +458,17 @@ def generate_records(num_samples: int, *, seed: int = 0, broken_fraction: float 
             record.pop("image", None)
             record.pop("phash", None)
             record["video"] = f"{stem}.mp4"
-            record["conversations"] = [{"from": "human", "value": "<video>\nWhat happens in this clip?"},
-                                       {"from": "gpt", "value": "A coloured bar moves from left to right."}]
+            record["conversations"] = [
+                {"from": "human", "value": "<video>\nWhat happens in this clip?"},
+                {"from": "gpt", "value": "A coloured bar moves from left to right."},
+            ]
             json_bytes = json.dumps(record, ensure_ascii=False).encode()
         members_sorted = bool(names_rng.random() < 0.5) and len(names) > 1  # (one draw per record)
         if video is not None:
             names, members_sorted = [], False
-        out.append(SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes, video, names, members_sorted))
+        out.append(
+            SynthRecord(i, stage, subset, stem, record, images, broken, json_bytes, video, names, members_sorted)
+        )
     return out
 
 
@@ -433,10 +495,13 @@ def write_infinity_mm(records: list[SynthRecord], output: Path, *, samples_per_t
         for t, start in enumerate(range(0, len(recs), samples_per_tar)):
             path = folder / f"{t:06d}.tar"
             with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
-                for rec in recs[start:start + samples_per_tar]:
+                for rec in recs[start : start + samples_per_tar]:
                     _add_member(tar, f"{rec.stem}.json", rec.json_bytes)
-                    members = [(name, img.data) for k, (name, img) in enumerate(zip(rec.member_names, rec.images))
-                               if not (rec.broken == "missing_image" and k == 0)]
+                    members = [
+                        (name, img.data)
+                        for k, (name, img) in enumerate(zip(rec.member_names, rec.images))
+                        if not (rec.broken == "missing_image" and k == 0)
+                    ]
                     for name, data in sorted(members) if rec.members_sorted else members:
                         _add_member(tar, name, data)
                     if rec.video is not None:

@@ -26,8 +26,13 @@ from mmdata.dev.tiny_vq import DEFAULT_CODEBOOK_SIZE  # the tiny VQ's codebook
 from mmdata.energon_loaders.emu3 import serialize
 from mmdata.energon_loaders.llava_ov.chat_template import IM_END, IM_START
 
-EXTRA_SPECIAL_TOKENS = {"image_token": serialize.IMAGE_PLACEHOLDER, "boi_token": serialize.BOI, "eoi_token": serialize.EOI,
-                        "image_wrapper_token": serialize.IMG, "eof_token": serialize.EOF}
+EXTRA_SPECIAL_TOKENS = {
+    "image_token": serialize.IMAGE_PLACEHOLDER,
+    "boi_token": serialize.BOI,
+    "eoi_token": serialize.EOI,
+    "image_wrapper_token": serialize.IMG,
+    "eof_token": serialize.EOF,
+}
 
 
 def emu3_special_tokens(codebook_size: int) -> list[str]:
@@ -37,8 +42,9 @@ def emu3_special_tokens(codebook_size: int) -> list[str]:
     return [serialize.ENDOFTEXT, IM_START, IM_END, *extras, serialize.IMG, serialize.BOI, serialize.EOI, *visual]
 
 
-def build_tiny_emu3_tokenizer(out_dir: str | Path, codebook_size: int = DEFAULT_CODEBOOK_SIZE,
-                              vocab_size: int = 1024) -> Path:
+def build_tiny_emu3_tokenizer(
+    out_dir: str | Path, codebook_size: int = DEFAULT_CODEBOOK_SIZE, vocab_size: int = 1024
+) -> Path:
     """Train and save the tiny Emu3-layout tokenizer; returns `out_dir`."""
     if not 1 <= codebook_size <= 1_000_000:
         raise ValueError(f"codebook size must be in 1..1000000, got {codebook_size}")
@@ -48,9 +54,23 @@ def build_tiny_emu3_tokenizer(out_dir: str | Path, codebook_size: int = DEFAULT_
     tok = train_bpe_tokenizer(list(BUILTIN_TEXTS) * 4, vocab_size, special_tokens=specials)
     tok.save(str(out / "tokenizer.json"))
     first = tok.token_to_id(serialize.ENDOFTEXT)
-    added = {str(first + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                              "single_word": False, "special": True} for i, t in enumerate(specials)}
-    named = {"bos_token": serialize.BOS, "eos_token": serialize.EOS, "pad_token": serialize.ENDOFTEXT, "unk_token": None}
+    added = {
+        str(first + i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(specials)
+    }
+    named = {
+        "bos_token": serialize.BOS,
+        "eos_token": serialize.EOS,
+        "pad_token": serialize.ENDOFTEXT,
+        "unk_token": None,
+    }
     config = {
         "tokenizer_class": "Qwen2Tokenizer",  # Emu3's text vocabulary is Qwen's byte-level BPE
         "added_tokens_decoder": added,
@@ -63,7 +83,8 @@ def build_tiny_emu3_tokenizer(out_dir: str | Path, codebook_size: int = DEFAULT_
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
     (out / "special_tokens_map.json").write_text(
-        json.dumps({k: t for k, t in named.items() if t is not None}, indent=2, sort_keys=True) + "\n")
+        json.dumps({k: t for k, t in named.items() if t is not None}, indent=2, sort_keys=True) + "\n"
+    )
     return out
 
 

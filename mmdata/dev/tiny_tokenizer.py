@@ -15,8 +15,13 @@ from typing import Iterable
 
 from mmdata.dev import tiny_emu3_tokenizer
 from mmdata.dev.bpe import BUILTIN_TEXTS, train_bpe_tokenizer
-from mmdata.energon_loaders.llava_ov.chat_template import (DEFAULT_SYSTEM_PROMPT, IM_END, IM_START, IMAGE_TOKEN,
-                                                           VIDEO_TOKEN)
+from mmdata.energon_loaders.llava_ov.chat_template import (
+    DEFAULT_SYSTEM_PROMPT,
+    IM_END,
+    IM_START,
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+)
 from mmdata.errors import UserError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -34,6 +39,7 @@ QWEN2_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
 
 def build_tiny_qwen2_tokenizer(
     out_dir: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 1024, media_tokens: bool = True
@@ -79,7 +85,9 @@ def build_tiny_qwen2_tokenizer(
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": extra}, indent=2, sort_keys=True)
+        json.dumps(
+            {"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": extra}, indent=2, sort_keys=True
+        )
         + "\n"
     )
     return out
@@ -88,10 +96,18 @@ def build_tiny_qwen2_tokenizer(
 def add_arguments(parser) -> None:  # `mmdata tiny-tokenizer`
     parser.add_argument("--output", required=True, help="directory to write the HF tokenizer files into")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size (default 1024)")
-    parser.add_argument("--family", choices=["qwen2", "emu3"], default="qwen2",
-                        help="qwen2 (default): LLaVA-OV's; emu3: Emu3's vocabulary layout (specials + visual tokens)")
-    parser.add_argument("--codebook-size", type=int, default=None,
-                        help="emu3: number of visual tokens, the VQ codebook size (default: the tiny VQ's)")
+    parser.add_argument(
+        "--family",
+        choices=["qwen2", "emu3"],
+        default="qwen2",
+        help="qwen2 (default): LLaVA-OV's; emu3: Emu3's vocabulary layout (specials + visual tokens)",
+    )
+    parser.add_argument(
+        "--codebook-size",
+        type=int,
+        default=None,
+        help="emu3: number of visual tokens, the VQ codebook size (default: the tiny VQ's)",
+    )
 
 
 def run(args) -> int:

@@ -112,15 +112,19 @@ class PackedBatch:
         for r in range(b):
             fields = {name: getattr(self, name) for name in self._field_names() if name not in self.DERIVED_FIELDS}
             for name in self.ROW_FIELDS:
-                fields[name] = fields[name][r:r + 1]  # a [1, ...] tensor, or a one-row list ([] when unset)
+                fields[name] = fields[name][r : r + 1]  # a [1, ...] tensor, or a one-row list ([] when unset)
             samples = len(self.sample_ids[r]) if self.sample_ids else None
             if samples is None and b > 1:
                 raise ValueError("split_rows needs the batch's sample_ids (its rows' samples among their segments)")
             lens = segments[r]
-            fields.update(items[r], cu_seqlens=_cumsum(lens), max_seqlen=max(lens, default=0),
-                          num_loss_tokens=int((self.labels[r] != IGNORE_INDEX).sum()),
-                          num_real_tokens=sum(lens[:samples]) if samples is not None else self.num_real_tokens,
-                          stats=dict(self.stats) if r == 0 else {})
+            fields.update(
+                items[r],
+                cu_seqlens=_cumsum(lens),
+                max_seqlen=max(lens, default=0),
+                num_loss_tokens=int((self.labels[r] != IGNORE_INDEX).sum()),
+                num_real_tokens=sum(lens[:samples]) if samples is not None else self.num_real_tokens,
+                stats=dict(self.stats) if r == 0 else {},
+            )
             rows.append(type(self)(**fields))
         return rows
 
@@ -142,9 +146,14 @@ class PackedBatch:
         for r in rows:
             for k, v in r.stats.items():
                 stats[k] = stats.get(k, 0) + v
-        fields.update(cls.join_items(rows), cu_seqlens=_cumsum(lens), max_seqlen=max(lens, default=0),
-                      num_loss_tokens=sum(r.num_loss_tokens for r in rows),
-                      num_real_tokens=sum(r.num_real_tokens for r in rows), stats=stats)
+        fields.update(
+            cls.join_items(rows),
+            cu_seqlens=_cumsum(lens),
+            max_seqlen=max(lens, default=0),
+            num_loss_tokens=sum(r.num_loss_tokens for r in rows),
+            num_real_tokens=sum(r.num_real_tokens for r in rows),
+            stats=stats,
+        )
         return cls(**fields)
 
     def row_items(self) -> list[dict[str, Any]]:
@@ -185,7 +194,7 @@ class PackedBatch:
     def from_bytes(cls: type[_B], data: bytes) -> _B:
         """The batch `to_bytes` wrote."""
         # safetensors' layout: an 8-byte little-endian header size, then the JSON header
-        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
         meta = json.loads(header["__metadata__"]["mmdata.batch"])
         other = meta["fields"]
         for name in meta["tuples"]:

@@ -101,8 +101,14 @@ def write_blend_yaml(path: str | Path, datasets: Sequence[tuple[str | Path, floa
     our `mmdata.yaml` is read through it (`dataset_config`), so the family's task encoder gets
     our sample type, not the portable InterleavedSample of `dataset.yaml`."""
     path = Path(path)
-    blend = [{"weight": float(w), "path": str(Path(p).resolve()),
-              **({"dataset_config": dataset_config(p)} if has_mmdata_config(p) else {})} for p, w in datasets]
+    blend = [
+        {
+            "weight": float(w),
+            "path": str(Path(p).resolve()),
+            **({"dataset_config": dataset_config(p)} if has_mmdata_config(p) else {}),
+        }
+        for p, w in datasets
+    ]
     doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend": blend}}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -185,10 +191,21 @@ def build_loader(
     return SavableLoader(loader, task_encoder)
 
 
-
-def _plan_dataset(data: str | Path | Sequence[str | Path], plan: str | Path | None, task_encoder: Any,
-                  micro_batch_size: int, seed: int, worker_config: WorkerConfig) -> Any:
+def _plan_dataset(
+    data: str | Path | Sequence[str | Path],
+    plan: str | Path | None,
+    task_encoder: Any,
+    micro_batch_size: int,
+    seed: int,
+    worker_config: WorkerConfig,
+) -> Any:
     """The dataset of `packing="plan"` (mmdata.energon_loaders.plan_packing)."""
     shards, path, info = plan_for_data(data, plan, task_encoder.seq_length)
-    return PlanPackedDataset(shards, load_plan(path, info), task_encoder, micro_batch_size=micro_batch_size, seed=seed,
-                             worker_config=worker_config)
+    return PlanPackedDataset(
+        shards,
+        load_plan(path, info),
+        task_encoder,
+        micro_batch_size=micro_batch_size,
+        seed=seed,
+        worker_config=worker_config,
+    )

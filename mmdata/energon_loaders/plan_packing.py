@@ -64,8 +64,10 @@ PLAN_CARRIED = "plan_carried"  # counter: samples carried into a later row (they
 #: samples a worker carries into later rows at most (its loader state holds them)
 PLAN_CARRY_LIMIT = 256
 #: what to do about a skip reason of plan packing (the run's closing summary)
-PLAN_SKIP_HINTS = {PLAN_OVERFLOW: "preprocess with --tokenizer (exact lengths) and rerun pack-plan",
-                   PLAN_TOO_LONG: "rerun pack-plan at a longer --seq-length"}
+PLAN_SKIP_HINTS = {
+    PLAN_OVERFLOW: "preprocess with --tokenizer (exact lengths) and rerun pack-plan",
+    PLAN_TOO_LONG: "rerun pack-plan at a longer --seq-length",
+}
 #: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
 #: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)
 PLAN_VARIANT = "plan_variant"
@@ -92,7 +94,7 @@ class PlanSequences:
         return plan_step_shape(self.info)
 
     def sequence(self, b: int) -> np.ndarray:
-        return self.indices[self.starts[b]:self.starts[b + 1]]
+        return self.indices[self.starts[b] : self.starts[b + 1]]
 
     def members(self, b: int) -> Iterator[tuple[int, str, int | None]]:
         """(global index, expected key, planned variant or None) of sequence `b`'s samples."""
@@ -102,35 +104,48 @@ class PlanSequences:
             yield index, key, None if self.variants is None else int(self.variants[pos])
 
 
-def plan_for_data(data: str | Path | Sequence[str | Path], plan: str | Path | None, seq_length: int,
-                  geometry: PlanGeometry | Emu3PlanGeometry | None = None,
-                  step_shape: StepShape | None = None) -> tuple[Path, Path, dict]:
+def plan_for_data(
+    data: str | Path | Sequence[str | Path],
+    plan: str | Path | None,
+    seq_length: int,
+    geometry: PlanGeometry | Emu3PlanGeometry | None = None,
+    step_shape: StepShape | None = None,
+) -> tuple[Path, Path, dict]:
     """(shard dir, plan file, plan metadata) for `packing="plan"`, checked: one shard folder
-    written by `mmdata preprocess` or `mmdata tokenize-images`, and `plan` (default `<dir>/pack-plan-<seq_length>.parquet`)
+    written by `mmdata preprocess` or `mmdata tokenize-images`, and `plan` (default
+    `<dir>/pack-plan-<seq_length>.parquet`)
     made from its length index for `seq_length` tokens per sequence and, when `geometry` is
     given (the recipe's), with that image token geometry: a plan counted with another one fills
     its sequences with the wrong number of image tokens, silently; and, when `step_shape` is given
     (the recipe's), a balanced plan made for that step shape."""
     paths = [data] if isinstance(data, (str, Path)) else list(data)
     if len(paths) != 1 or not Path(paths[0]).is_dir():
-        raise PlanError("packing 'plan' follows the plan of one shard folder (`mmdata preprocess` or "
-                        "`mmdata tokenize-images` output); got "
-                        f"{', '.join(str(p) for p in paths) or 'none'} (pack blends online: packing true)")
+        raise PlanError(
+            "packing 'plan' follows the plan of one shard folder (`mmdata preprocess` or "
+            "`mmdata tokenize-images` output); got "
+            f"{', '.join(str(p) for p in paths) or 'none'} (pack blends online: packing true)"
+        )
     shards = Path(paths[0])
     data_source_samples(shards)  # a finished dataset only
     path = Path(plan) if plan is not None else plan_path(shards, seq_length)
-    remedy = geometry.remedy(shards, seq_length) if geometry is not None else \
-        f"run `mmdata pack-plan {shards} --seq-length {seq_length}` (or `mmtrain pack-plan RECIPE.yaml`)"
+    remedy = (
+        geometry.remedy(shards, seq_length)
+        if geometry is not None
+        else f"run `mmdata pack-plan {shards} --seq-length {seq_length}` (or `mmtrain pack-plan RECIPE.yaml`)"
+    )
     if not path.is_file():
         raise PlanError(f"packing plan {path} not found: {remedy}")
     info = read_plan_info(path)
     if info.get("seq_length") != seq_length:
-        raise PlanError(f"packing plan {path} packs {info.get('seq_length')} tokens per sequence, the loader "
-                        f"{seq_length}: {remedy}")
+        raise PlanError(
+            f"packing plan {path} packs {info.get('seq_length')} tokens per sequence, the loader {seq_length}: {remedy}"
+        )
     manifest = json.loads((shards / MANIFEST_NAME).read_text())
     if info.get("lengths_sha256") != (manifest.get("length_index") or {}).get("sha256"):
-        raise PlanError(f"packing plan {path} was made from another length index than {shards}'s "
-                        f"(the shards were rewritten): {remedy}")
+        raise PlanError(
+            f"packing plan {path} was made from another length index than {shards}'s "
+            f"(the shards were rewritten): {remedy}"
+        )
     if geometry is not None:
         _check_geometry(path, info, geometry, remedy)
     if step_shape is not None and (problem := step_shape_problem(info, step_shape, path)) is not None:
@@ -149,9 +164,11 @@ def estimated_lengths_problem(info: dict, path: Path | str) -> str | None:
     samples do not fit the rows they were planned into."""
     if not lengths_estimated(info):
         return None
-    return (f"packing plan {path} was made from estimated text lengths (shards preprocessed without --tokenizer): "
-            "its rows overflow and samples are carried or skipped; preprocess with `--tokenizer DIR` (the training "
-            "tokenizer) and rerun pack-plan, or set data.plan_allow_estimated_lengths: true to train with it")
+    return (
+        f"packing plan {path} was made from estimated text lengths (shards preprocessed without --tokenizer): "
+        "its rows overflow and samples are carried or skipped; preprocess with `--tokenizer DIR` (the training "
+        "tokenizer) and rerun pack-plan, or set data.plan_allow_estimated_lengths: true to train with it"
+    )
 
 
 def _check_geometry(path: Path, info: dict, geometry: PlanGeometry | Emu3PlanGeometry, remedy: str) -> None:
@@ -161,8 +178,10 @@ def _check_geometry(path: Path, info: dict, geometry: PlanGeometry | Emu3PlanGeo
     if type(have) is not type(geometry):
         raise PlanError(f"packing plan {path} counted {have.counts}, the recipe needs {geometry.counts}: {remedy}")
     if have != geometry:
-        raise PlanError(f"packing plan {path} counted {have.counts} with other settings than the recipe's: "
-                        f"{', '.join(have.differences(geometry))}: {remedy}")
+        raise PlanError(
+            f"packing plan {path} counted {have.counts} with other settings than the recipe's: "
+            f"{', '.join(have.differences(geometry))}: {remedy}"
+        )
 
 
 def plan_step_shape(info: dict) -> StepShape | None:
@@ -177,11 +196,14 @@ def step_shape_problem(info: dict, shape: StepShape, path: Path | str) -> str | 
     have = plan_step_shape(info)
     if have is None or have == shape:
         return None
-    differ = ", ".join(f"{k} {v} (recipe: {getattr(shape, k)})" for k, v in have.as_dict().items()
-                       if v != getattr(shape, k))
-    return (f"packing plan {path} is balanced for another step shape: {differ}: run `mmtrain pack-plan "
-            f"RECIPE.yaml` (or `mmdata pack-plan` with --dp {shape.dp} --micro-batch-size {shape.micro_batch_size} "
-            f"--global-batch-size {shape.global_batch_size})")
+    differ = ", ".join(
+        f"{k} {v} (recipe: {getattr(shape, k)})" for k, v in have.as_dict().items() if v != getattr(shape, k)
+    )
+    return (
+        f"packing plan {path} is balanced for another step shape: {differ}: run `mmtrain pack-plan "
+        f"RECIPE.yaml` (or `mmdata pack-plan` with --dp {shape.dp} --micro-batch-size {shape.micro_batch_size} "
+        f"--global-batch-size {shape.global_batch_size})"
+    )
 
 
 def load_plan(path: Path, info: dict) -> PlanSequences:
@@ -189,7 +211,9 @@ def load_plan(path: Path, info: dict) -> PlanSequences:
     180 MB, shared by the loader's forked workers); a balanced plan's sequence costs with them."""
     balanced = plan_step_shape(info) is not None
     names = pq.read_schema(path).names
-    wanted = ["bin", "index"] + (["tokens", "tiles"] if balanced else []) + [c for c in ("key", "variant") if c in names]
+    wanted = (
+        ["bin", "index"] + (["tokens", "tiles"] if balanced else []) + [c for c in ("key", "variant") if c in names]
+    )
     table = pq.read_table(path, columns=wanted)
     indices = table.column("index").to_numpy()
     indices = indices.astype(np.int32 if len(indices) and indices.max() < 2**31 else np.int64)
@@ -200,8 +224,9 @@ def load_plan(path: Path, info: dict) -> PlanSequences:
     if balanced and info["bins"]:
         tokens = np.minimum(table.column("tokens").to_numpy().astype(np.int64), info["seq_length"])
         tiles = table.column("tiles").to_numpy().astype(np.int64)
-        costs = row_costs(np.add.reduceat(tokens, starts[:-1]), np.add.reduceat(tiles, starts[:-1]),
-                          info["balance"]["tile_tokens"])
+        costs = row_costs(
+            np.add.reduceat(tokens, starts[:-1]), np.add.reduceat(tiles, starts[:-1]), info["balance"]["tile_tokens"]
+        )
     return PlanSequences(indices, starts, info, keys, variants, costs)
 
 
@@ -221,21 +246,35 @@ class PlanPackedDataset(SavableDataset):
 
     _savable_fields = ("_batches", "_carry")
 
-    def __init__(self, shards: Path, plan: PlanSequences, task_encoder: PackingTaskEncoder, *,
-                 micro_batch_size: int, seed: int, worker_config: WorkerConfig):
+    def __init__(
+        self,
+        shards: Path,
+        plan: PlanSequences,
+        task_encoder: PackingTaskEncoder,
+        *,
+        micro_batch_size: int,
+        seed: int,
+        worker_config: WorkerConfig,
+    ):
         super().__init__(worker_config)
         if plan.num_sequences < worker_config.world_size:
-            raise PlanError(f"the plan has {plan.num_sequences} sequences, fewer than the {worker_config.world_size} "
-                            "data-parallel ranks")
+            raise PlanError(
+                f"the plan has {plan.num_sequences} sequences, fewer than the {worker_config.world_size} "
+                "data-parallel ranks"
+            )
         self.shards, self.plan, self.task_encoder = shards, plan, task_encoder
         self.micro_batch_size, self.seed = micro_batch_size, seed
         # sequences of this rank per epoch (rank r takes r, r + D, ...)
         self.rank_sequences = len(range(worker_config.rank, plan.num_sequences, worker_config.world_size))
         self.shape = plan.step_shape
         if self.shape is not None and (micro_batch_size, worker_config.world_size) not in (
-                (self.shape.micro_batch_size, self.shape.dp), (self.shape.micro_batch_size, 1)):
-            raise PlanError(f"the packing plan is balanced for {self.shape.describe()}; this loader has micro-batch "
-                            f"{micro_batch_size} and {worker_config.world_size} data-parallel ranks")
+            (self.shape.micro_batch_size, self.shape.dp),
+            (self.shape.micro_batch_size, 1),
+        ):
+            raise PlanError(
+                f"the packing plan is balanced for {self.shape.describe()}; this loader has micro-batch "
+                f"{micro_batch_size} and {worker_config.world_size} data-parallel ranks"
+            )
         self._reader: Any = None
         self._epoch_order: tuple[int, np.ndarray | None] = (0, None)
         self._step: tuple[int, Any] = (-1, None)
@@ -263,8 +302,13 @@ class PlanPackedDataset(SavableDataset):
         return -(-rows // (self.micro_batch_size * workers))
 
     def config(self) -> dict[str, Any]:
-        return {"type": type(self).__qualname__, "plan": self.plan.info, "micro_batch_size": self.micro_batch_size,
-                "seed": self.seed, "worker_config": self.worker_config.config()}
+        return {
+            "type": type(self).__qualname__,
+            "plan": self.plan.info,
+            "micro_batch_size": self.micro_batch_size,
+            "seed": self.seed,
+            "worker_config": self.worker_config.config(),
+        }
 
     # -- plan positions --------------------------------------------------------------------------
 
@@ -282,7 +326,9 @@ class PlanPackedDataset(SavableDataset):
     def sequences_of_batch(self, batch: int) -> list[int]:
         """The plan sequences of micro-batch `batch` of this loader's stream."""
         if self.shape is None:
-            return [self.sequence_at(p) for p in range(batch * self.micro_batch_size, (batch + 1) * self.micro_batch_size)]
+            return [
+                self.sequence_at(p) for p in range(batch * self.micro_batch_size, (batch + 1) * self.micro_batch_size)
+            ]
         per_rank = self.shape.micro_batches
         if self.worker_config.world_size == 1:  # every rank's micro-batches of a step, rank after rank
             step, rest = divmod(batch, self.shape.dp * per_rank)
@@ -311,15 +357,22 @@ class PlanPackedDataset(SavableDataset):
 
     def _read(self, index: int, key: str) -> Any:
         if self._reader is None:  # opened in the worker (file handles are not shared across forks)
-            factory = get_dataset_from_config(self.shards, dataset_config=dataset_config(self.shards),
-                                              split_config="split.yaml",
-                                              split_part="train", training=False, worker_config=self.worker_config,
-                                              decoder=self.task_encoder.decoder)
+            factory = get_dataset_from_config(
+                self.shards,
+                dataset_config=dataset_config(self.shards),
+                split_config="split.yaml",
+                split_part="train",
+                training=False,
+                worker_config=self.worker_config,
+                decoder=self.task_encoder.decoder,
+            )
             self._reader = factory.build()
         sample = self._reader.restore_sample(("MapDataset", index, "Webdataset", int(index)))
         if sample.__key__ != key:
-            raise PlanError(f"sample {index} of {self.shards} has key {sample.__key__!r}, the plan says {key!r}: the "
-                            "plan does not describe these shards")
+            raise PlanError(
+                f"sample {index} of {self.shards} has key {sample.__key__!r}, the plan says {key!r}: the "
+                "plan does not describe these shards"
+            )
         return sample
 
     def _row(self, sequence: int) -> list[Any]:
@@ -348,8 +401,12 @@ class PlanPackedDataset(SavableDataset):
                 self._carry.append([index, key, variant])
                 te._count(PLAN_CARRIED)
             else:
-                te._skip(PLAN_OVERFLOW, sid, f"{n} tokens do not fit the {te.seq_length - used} left in plan "
-                         f"sequence {sequence}, and {PLAN_CARRY_LIMIT} samples are carried already")
+                te._skip(
+                    PLAN_OVERFLOW,
+                    sid,
+                    f"{n} tokens do not fit the {te.seq_length - used} left in plan "
+                    f"sequence {sequence}, and {PLAN_CARRY_LIMIT} samples are carried already",
+                )
         return row
 
     def __iter__(self) -> Iterator[Any]:

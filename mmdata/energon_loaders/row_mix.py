@@ -44,8 +44,9 @@ def pack_buffer(lengths: Sequence[int], tiles: Sequence[int], capacity: int) -> 
     return even_vision_rows(largest_first_knapsack(lengths, capacity), lengths, tiles, capacity)
 
 
-def even_vision_rows(bins: Sequence[Sequence[int]], lengths: Sequence[int], tiles: Sequence[int], capacity: int
-                     ) -> list[list[int]]:
+def even_vision_rows(
+    bins: Sequence[Sequence[int]], lengths: Sequence[int], tiles: Sequence[int], capacity: int
+) -> list[list[int]]:
     """`bins` (each within `capacity` tokens) with samples exchanged between them until their tiles
     are as even as single moves, swaps and pair re-splits make them; same number of bins, none over
     `capacity`, none empty. Bins without any tiles are returned as they are."""
@@ -96,7 +97,14 @@ class _Rows:
     def swap_until_stuck(self, budget: int) -> int:
         """Apply the best single move or swap while one lowers the sum of squared row tiles;
         returns the number applied (at most `budget`)."""
-        ii, jj, moved, tokens_moved, c, size = self.ii, self.jj, self.moved, self.tokens_moved, self.capacity, len(self.n)
+        ii, jj, moved, tokens_moved, c, size = (
+            self.ii,
+            self.jj,
+            self.moved,
+            self.tokens_moved,
+            self.capacity,
+            len(self.n),
+        )
         is_move, slots = jj >= size, np.arange(self.count)
         done = 0
         while done < budget:
@@ -145,8 +153,9 @@ def _subsets(k: int) -> np.ndarray:
     return ((np.arange(1 << k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.int64)
 
 
-def _best_split(samples: list[int], n: np.ndarray, t: np.ndarray, capacity: int, gap: int
-                ) -> tuple[list[int], list[int]] | None:
+def _best_split(
+    samples: list[int], n: np.ndarray, t: np.ndarray, capacity: int, gap: int
+) -> tuple[list[int], list[int]] | None:
     """The two rows `samples` can make, each within `capacity` and not empty, whose tiles differ
     least and by less than `gap` (heavier row first); None if there is none."""
     tiled = [i for i in samples if t[i] > 0]

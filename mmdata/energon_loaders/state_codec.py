@@ -34,7 +34,11 @@ def _encode(obj: Any) -> Any:
         }
     if isinstance(obj, np.ndarray):
         a = np.ascontiguousarray(obj)
-        return {"__ndarray__": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
+        return {
+            "__ndarray__": a.dtype.str,
+            "shape": list(a.shape),
+            "data": base64.b64encode(a.tobytes()).decode("ascii"),
+        }
     if isinstance(obj, np.generic):
         return {"__npscalar__": obj.dtype.str, "value": obj.item()}
     if isinstance(obj, tuple):

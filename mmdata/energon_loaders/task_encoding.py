@@ -82,7 +82,8 @@ class PackingTaskEncoder(TaskEncoder):
                 f"{type(self).__name__} reads {self.sample_type.__name__} samples, got {type(sample).__name__} "
                 f"(sample {getattr(sample, '__key__', '?')!r}): the dataset was opened with its plain "
                 "`.nv-meta/dataset.yaml`; pass dataset_config='mmdata.yaml' to energon (or add "
-                "`dataset_config: mmdata.yaml` to the metadataset entry)")
+                "`dataset_config: mmdata.yaml` to the metadataset entry)"
+            )
 
     def _skip(self, reason: str, sample_id: str, detail: str = "") -> SkipSample:
         """Count and log a bad sample; energon drops a sample raising SkipSample (no tolerance
@@ -108,8 +109,9 @@ class PackingTaskEncoder(TaskEncoder):
         return 0
 
     def select_samples_to_pack(self, samples: list[Any]) -> list[list[Any]]:
-        bins = pack_buffer([len(s.input_ids) for s in samples], [self.vision_tiles(s) for s in samples],
-                           self.seq_length)
+        bins = pack_buffer(
+            [len(s.input_ids) for s in samples], [self.vision_tiles(s) for s in samples], self.seq_length
+        )
         return [[samples[i] for i in b] for b in bins]
 
     @stateless
@@ -134,8 +136,6 @@ class PackingTaskEncoder(TaskEncoder):
         raise NotImplementedError
 
 
-
-
 def sample_key(sample: Any) -> str:
     """`DATASET#SHARD_KEY`: unique across shards, subsets and blended datasets (a record `id`
     repeats across sources, a shard key across datasets), and found again in O(1) with
@@ -144,8 +144,9 @@ def sample_key(sample: Any) -> str:
     return f"{sources[0].dataset_path}{SAMPLE_KEY_SEP}{sample.__key__}" if sources else str(sample.__key__)
 
 
-def packed_batch_fields(rows: Sequence[Sequence[Any]], seq_length: int, pad_token_id: int,
-                        stats: dict[str, int] | None = None) -> dict[str, Any]:
+def packed_batch_fields(
+    rows: Sequence[Sequence[Any]], seq_length: int, pad_token_id: int, stats: dict[str, int] | None = None
+) -> dict[str, Any]:
     """The `PackedBatch` fields of rows of encoded samples (each with `id`, `input_ids` and
     shifted `labels`): packed tensors, attention metadata, ids and counters."""
     packed = pack_rows([[(s.input_ids, s.labels) for s in row] for row in rows], seq_length, pad_token_id)

@@ -27,12 +27,11 @@ from mmdata.inspect.dataset import (  # noqa: F401 - public API
 )
 
 
-
-
 def run(args: argparse.Namespace) -> int:
     if args.key is not None:  # one sample: the preview's view (found in one seek by key)
-        return preview.run(argparse.Namespace(dir=args.dir, key=args.key, index=None, tokenizer=args.tokenizer,
-                                              tiles_png=None))
+        return preview.run(
+            argparse.Namespace(dir=args.dir, key=args.key, index=None, tokenizer=args.tokenizer, tiles_png=None)
+        )
     if args.sample < 1:
         raise UserError(f"--sample must be >= 1, got {args.sample}")
     for name in ("cp", "tp"):
@@ -50,8 +49,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--context-lengths must list positive integers, got {args.context_lengths!r}")
     if is_token_dataset(args.dir):
         return _inspect_tokens(args)
-    summary = summarize(args.dir, sample=args.sample, seed=args.seed, all=args.all,
-                        tokenizer=args.tokenizer, context_lengths=lengths, cp=args.cp, tp=args.tp, step_shape=shape)
+    summary = summarize(
+        args.dir,
+        sample=args.sample,
+        seed=args.seed,
+        all=args.all,
+        tokenizer=args.tokenizer,
+        context_lengths=lengths,
+        cp=args.cp,
+        tp=args.tp,
+        step_shape=shape,
+    )
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
     else:
@@ -64,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
 def _inspect_tokens(args: argparse.Namespace) -> int:
     """Emu3 VQ token shards: a summary of their grids (mmdata/inspect/tokens.py), not images."""
     if args.tokenizer is not None:
-        print(f"note: {args.dir} holds Emu3 VQ token shards; --tokenizer (text tokens, packing) is not used for them",
-              file=sys.stderr)
+        print(
+            f"note: {args.dir} holds Emu3 VQ token shards; --tokenizer (text tokens, packing) is not used for them",
+            file=sys.stderr,
+        )
     ds = open_dataset(args.dir)
     samples = list(iter_samples(ds)) if args.all else random_samples(ds, args.sample, args.seed)
     summary = summarize_tokens(ds, samples, seed=args.seed, sampled_all=args.all or len(samples) >= ds.total_samples)

@@ -239,8 +239,10 @@ def open_dataset(root: str | Path) -> Dataset:
     if (why := unfinished_job(root)) is not None:
         raise DatasetNotReady(why)
     if not ((root / sf.MANIFEST_NAME).is_file() or (root / sf.ENERGON_META).is_dir() or any(root.glob("*.tar"))):
-        raise DatasetNotReady(f"{root} is not a shards directory: no {sf.MANIFEST_NAME}, {sf.ENERGON_META}/ or *.tar "
-                              "(expected the output of `mmdata preprocess`)")
+        raise DatasetNotReady(
+            f"{root} is not a shards directory: no {sf.MANIFEST_NAME}, {sf.ENERGON_META}/ or *.tar "
+            "(expected the output of `mmdata preprocess`)"
+        )
     manifest = None
     if (root / sf.MANIFEST_NAME).is_file():
         manifest = json.loads((root / sf.MANIFEST_NAME).read_text())

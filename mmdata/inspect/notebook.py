@@ -39,15 +39,23 @@ def show_sample(sample: ShardSample, chat: Any, *, max_side: int = 384) -> Sampl
             shown = draw_anyres_grid(img, max_side=max_side) if n == 1 else img.convert("RGB")
             ax.imshow(shown)
             grid = f"grid {im.grid[0]}x{im.grid[1]}, " if im.grid != (0, 0) else "base tile only, "
-            ax.set_title(f"{im.width}x{im.height} {im.format} — {grid}{im.tiles} tile{'s' if im.tiles > 1 else ''}, {im.tokens} tokens", fontsize=9)
+            ax.set_title(
+                f"{im.width}x{im.height} {im.format} — {grid}{im.tiles} tile{'s' if im.tiles > 1 else ''}, "
+                f"{im.tokens} tokens",
+                fontsize=9,
+            )
             ax.axis("off")
         fig.tight_layout()
         plt.show()
     if stats.error:
         display(HTML(f"<b>the loader would skip this sample: {stats.error}</b>"))
     else:
-        spans = loss_spans(sample.conversations, chat, [i.tokens for i in stats.images],
-                           [stats.video_tokens] if stats.video_tokens else [])
+        spans = loss_spans(
+            sample.conversations,
+            chat,
+            [i.tokens for i in stats.images],
+            [stats.video_tokens] if stats.video_tokens else [],
+        )
         display(HTML(chat_html(spans)))
     return stats
 

@@ -56,8 +56,14 @@ class PackingEstimate:
     report: PackingReport  # bin fill and executed-token efficiency at the asked cp/tp
 
 
-def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING_BUFFER,
-                     cp: int = 1, tp: int = 1, tiles: Sequence[int] | None = None) -> PackingEstimate:
+def estimate_packing(
+    lengths: Sequence[int],
+    context: int,
+    buffer: int = PACKING_BUFFER,
+    cp: int = 1,
+    tp: int = 1,
+    tiles: Sequence[int] | None = None,
+) -> PackingEstimate:
     """The loader's packing of `lengths` (and their vision `tiles`, None: unknown, packed as
     without tiles) into rows of `context` tokens, `buffer` samples at a time."""
     kept = [i for i, n in enumerate(lengths) if int(n) > 0]
@@ -67,8 +73,13 @@ def estimate_packing(lengths: Sequence[int], context: int, buffer: int = PACKING
     for start in range(0, len(clipped), buffer):
         chunk = clipped[start : start + buffer]
         packed.extend([chunk[i] for i in b] for b in pack_buffer(chunk, kept_tiles[start : start + buffer], context))
-    return PackingEstimate(context, packing_efficiency(packed, context), len(packed),
-                           sum(1 for n in lengths if int(n) > context), report_from_rows(packed, context, cp, tp))
+    return PackingEstimate(
+        context,
+        packing_efficiency(packed, context),
+        len(packed),
+        sum(1 for n in lengths if int(n) > context),
+        report_from_rows(packed, context, cp, tp),
+    )
 
 
 #: samples of the length index the online-vs-plan comparison uses (packing them costs ~1 s)
@@ -80,12 +91,19 @@ def plan_file_report(path: Path, cp: int = 1, tp: int = 1) -> PackingReport:
     `tokens` columns (whatever CP size the plan was made for)."""
     info = read_plan_info(path)
     table = pq.read_table(path, columns=["bin", "tokens"])
-    return report_from_bins(table.column("bin").to_numpy(), table.column("tokens").to_numpy(), info["seq_length"],
-                            num_rows=info["bins"], cp=cp, tp=tp)
+    return report_from_bins(
+        table.column("bin").to_numpy(),
+        table.column("tokens").to_numpy(),
+        info["seq_length"],
+        num_rows=info["bins"],
+        cp=cp,
+        tp=tp,
+    )
 
 
-def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1,
-                         plans: dict | None = None) -> dict | None:
+def length_index_packing(
+    root: Path, context_lengths: Sequence[int], cp: int = 1, tp: int = 1, plans: dict | None = None
+) -> dict | None:
     """The offline plan's efficiency against the online packer's, on the same samples: the
     first LENGTH_INDEX_SAMPLE rows of `lengths.parquet` (stream order: the shards are already
     shuffled); plus the efficiency of any `pack-plan-<N>.parquet` file (over the whole
@@ -103,9 +121,14 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
     lengths = table.column("total_tokens").to_numpy()
     used = lengths[:LENGTH_INDEX_SAMPLE]
     used_tiles = table.column(VISION_TILES).to_numpy()[:LENGTH_INDEX_SAMPLE].tolist()
-    out: dict = {"samples": int(len(lengths)), "compared": int(len(used)),
-                 "text_tokens": (pq.read_schema(path).metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
-                 "cp": cp, "tp": tp, "packing": {}}
+    out: dict = {
+        "samples": int(len(lengths)),
+        "compared": int(len(used)),
+        "text_tokens": (pq.read_schema(path).metadata or {}).get(b"mmdata.text_tokens", b"").decode(),
+        "cp": cp,
+        "tp": tp,
+        "packing": {},
+    }
     for c in context_lengths:
         plan_file = plan_path(Path(root), c)
         # a plan counted with another geometry has other lengths: listed in plan_files, not compared here
@@ -114,15 +137,19 @@ def length_index_packing(root: Path, context_lengths: Sequence[int], cp: int = 1
         plan = plan_packing(used, c) if len(used) else None
         if plans is not None:
             plans[c] = plan
-        reports = {"online": None if online is None else online.report,
-                   "plan": plan.report(cp, tp) if plan is not None else None,
-                   "plan_file": plan_file_report(plan_file, cp, tp) if same else None}
+        reports = {
+            "online": None if online is None else online.report,
+            "plan": plan.report(cp, tp) if plan is not None else None,
+            "plan_file": plan_file_report(plan_file, cp, tp) if same else None,
+        }
         out["packing"][str(c)] = {
             "online": None if online is None else round(online.efficiency, 4),
             "plan": None if reports["plan"] is None else round(reports["plan"].bin_fill, 4),
             "plan_file": read_plan_info(plan_file)["efficiency"] if same else None,
-            **{key: {side: None if r is None else round(getattr(r, key), 4) for side, r in reports.items()}
-               for key in ("bin_fill", "executed_token_efficiency")},
+            **{
+                key: {side: None if r is None else round(getattr(r, key), 4) for side, r in reports.items()}
+                for key in ("bin_fill", "executed_token_efficiency")
+            },
         }
     return out
 
@@ -149,17 +176,27 @@ def plan_files(root: Path, cp: int = 1, tp: int = 1) -> list[dict]:
             continue
         report = plan_file_report(path, cp, tp)
         geometry = info.get("geometry") or {}
-        out.append({"file": path.name, "seq_length": info["seq_length"], "geometry": geometry,
-                    "index_geometry": geometry == DEFAULT_GEOMETRY.as_dict(),
-                    "lengths_estimated": bool(info.get("lengths_estimated")), "samples": info.get("samples"),
-                    "sequences": info["bins"], "seed": info.get("seed"), "balanced": "balance" in info,
-                    "bin_fill": round(report.bin_fill, 4),
-                    "executed_token_efficiency": round(report.executed_token_efficiency, 4)})
+        out.append(
+            {
+                "file": path.name,
+                "seq_length": info["seq_length"],
+                "geometry": geometry,
+                "index_geometry": geometry == DEFAULT_GEOMETRY.as_dict(),
+                "lengths_estimated": bool(info.get("lengths_estimated")),
+                "samples": info.get("samples"),
+                "sequences": info["bins"],
+                "seed": info.get("seed"),
+                "balanced": "balance" in info,
+                "bin_fill": round(report.bin_fill, 4),
+                "executed_token_efficiency": round(report.executed_token_efficiency, 4),
+            }
+        )
     return out
 
 
-def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int, dp: int,
-                     buffer: int = PACKING_BUFFER) -> list[list[tuple[int, int]]]:
+def online_rank_rows(
+    lengths: Sequence[int], tiles: Sequence[int], context: int, dp: int, buffer: int = PACKING_BUFFER
+) -> list[list[tuple[int, int]]]:
     """Each of `dp` ranks' packed rows as (tokens, tiles), in stream order: rank r reads the r-th
     contiguous part of the samples (energon gives each DP rank its own slices of the shards,
     already shuffled) and packs it as the loader does (`pack_buffer`), `buffer` samples at a time.
@@ -173,15 +210,18 @@ def online_rank_rows(lengths: Sequence[int], tiles: Sequence[int], context: int,
         part_tiles = [int(tiles[i]) for i in part]
         rows: list[tuple[int, int]] = []
         for start in range(0, len(clipped), buffer):
-            chunk, chunk_tiles = clipped[start:start + buffer], part_tiles[start:start + buffer]
-            rows += [(sum(chunk[i] for i in b), sum(chunk_tiles[i] for i in b))
-                     for b in pack_buffer(chunk, chunk_tiles, context)]
+            chunk, chunk_tiles = clipped[start : start + buffer], part_tiles[start : start + buffer]
+            rows += [
+                (sum(chunk[i] for i in b), sum(chunk_tiles[i] for i in b))
+                for b in pack_buffer(chunk, chunk_tiles, context)
+            ]
         out.append(rows)
     return out
 
 
-def length_index_balance(root: Path, context_lengths: Sequence[int], shape: StepShape,
-                         tile_tokens: float, plans: dict | None = None) -> dict | None:
+def length_index_balance(
+    root: Path, context_lengths: Sequence[int], shape: StepShape, tile_tokens: float, plans: dict | None = None
+) -> dict | None:
     """`vision_balance` (max / mean vision work per DP rank per step, mean over steps and the
     worst step) of the online packer and of the offline plan at `shape`, today and balanced
     (packing/balance.py; online also over windows of `auto_window` steps, `windowed`), on
@@ -205,8 +245,11 @@ def length_index_balance(root: Path, context_lengths: Sequence[int], shape: Step
         plan = (plans or {}).get(c) or plan_packing(lengths, c)
         out["packing"][str(c)] = {
             "online": {k: v.as_dict() for k, v in online.items()},
-            "plan": {"today": plan.vision_balance(tiles, shape, tile_tokens, balanced=False).as_dict(),
-                     "balanced": plan.balanced(tiles, shape, tile_tokens, seed=0)
-                     .vision_balance(tiles, shape, tile_tokens, balanced=True).as_dict()},
+            "plan": {
+                "today": plan.vision_balance(tiles, shape, tile_tokens, balanced=False).as_dict(),
+                "balanced": plan.balanced(tiles, shape, tile_tokens, seed=0)
+                .vision_balance(tiles, shape, tile_tokens, balanced=True)
+                .as_dict(),
+            },
         }
     return out

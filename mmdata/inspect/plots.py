@@ -95,8 +95,11 @@ def plot_mix(summary: DatasetSummary) -> Figure:
     """Source mix, modality mix and languages side by side."""
     d = summary.to_dict()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, key, title in zip(axes, ("sources", "modality", "languages"),
-                              (f"sources ({d['sources_from']})", "modality (sampled)", "languages (sampled)")):
+    for ax, key, title in zip(
+        axes,
+        ("sources", "modality", "languages"),
+        (f"sources ({d['sources_from']})", "modality (sampled)", "languages (sampled)"),
+    ):
         items = d[key]
         if not items:
             _empty(ax, key)

@@ -19,8 +19,6 @@ from mmdata.inspect.tokens import is_token_dataset, preview_lines
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 
 
-
-
 def run(args: argparse.Namespace) -> int:
     ds = open_dataset(args.dir)
     if args.key is not None:
@@ -35,13 +33,17 @@ def run(args: argparse.Namespace) -> int:
         position = 0 if args.index is None else args.index
         total = ds.total_samples
         if not 0 <= position < total:
-            raise UserError(f"--index {position} is out of range: {args.dir} holds {total:,} samples (0..{total - 1:,})")
+            raise UserError(
+                f"--index {position} is out of range: {args.dir} holds {total:,} samples (0..{total - 1:,})"
+            )
         shard, pos = ds.locate(position)
         sample = next(read_shard(shard, [pos]))
     if is_token_dataset(args.dir):  # Emu3 VQ token shards: code grids, no pictures to tile
         if args.tiles_png is not None:
-            raise UserError(f"{args.dir} holds Emu3 VQ token shards (code grids, no images): --tiles-png needs the "
-                            "image shards they were made from (their manifest's input path)")
+            raise UserError(
+                f"{args.dir} holds Emu3 VQ token shards (code grids, no images): --tiles-png needs the "
+                "image shards they were made from (their manifest's input path)"
+            )
         console = Console(highlight=False, soft_wrap=True)
         for i, line in enumerate(preview_lines(sample, position)):
             console.print(Text(line, style="bold" if i == 0 else ""))
@@ -64,16 +66,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _header(sample, stats, position: int | None) -> str:
     where = f"{stats.shard} #{sample.index}" + (f", global index {position:,}" if position is not None else "")
-    return (f"sample {stats.key} · id {stats.id} · source {stats.source or '—'} · {where} · {stats.modality} · "
-            f"{stats.turns} turn{'s' if stats.turns != 1 else ''} · {stats.language}")
+    return (
+        f"sample {stats.key} · id {stats.id} · source {stats.source or '—'} · {where} · {stats.modality} · "
+        f"{stats.turns} turn{'s' if stats.turns != 1 else ''} · {stats.language}"
+    )
 
 
 def _media_lines(stats) -> list[str]:
     lines = []
     for im in stats.images:
-        tiling = (f"anyres grid {im.grid[0]}x{im.grid[1]} + base tile" if im.grid != (0, 0) else "base tile only")
-        lines.append(f"  image {im.name}: {im.format or '?'} {im.width}x{im.height} → {tiling} = "
-                     f"{im.tiles} tile{'s' if im.tiles != 1 else ''}, {im.tokens:,} tokens")
+        tiling = f"anyres grid {im.grid[0]}x{im.grid[1]} + base tile" if im.grid != (0, 0) else "base tile only"
+        lines.append(
+            f"  image {im.name}: {im.format or '?'} {im.width}x{im.height} → {tiling} = "
+            f"{im.tiles} tile{'s' if im.tiles != 1 else ''}, {im.tokens:,} tokens"
+        )
     if stats.video_tokens:
         lines.append(f"  video: {stats.video_tokens:,} tokens")
     return lines
@@ -81,9 +87,11 @@ def _media_lines(stats) -> list[str]:
 
 def _token_line(stats) -> str:
     if stats.text_tokens is None:
-        return (f"tokens: image {stats.image_tokens:,} (text and loss tokens: pass --tokenizer)")
-    return (f"tokens: text {stats.text_tokens:,} + image {stats.image_tokens:,} = {stats.total_tokens:,} "
-            f"(loss on {stats.loss_tokens:,})")
+        return f"tokens: image {stats.image_tokens:,} (text and loss tokens: pass --tokenizer)"
+    return (
+        f"tokens: text {stats.text_tokens:,} + image {stats.image_tokens:,} = {stats.total_tokens:,} "
+        f"(loss on {stats.loss_tokens:,})"
+    )
 
 
 def _conversation(sample, stats, chat):
@@ -96,8 +104,9 @@ def _conversation(sample, stats, chat):
             text.append(f"{turn.get('value', '')}\n")
         return text
     text.append(f"conversation as the model sees it (loss on {LOSS_OPEN}...{LOSS_CLOSE}):\n", style="dim")
-    spans = loss_spans(sample.conversations, chat, [i.tokens for i in stats.images],
-                       [stats.video_tokens] if stats.video_tokens else [])
+    spans = loss_spans(
+        sample.conversations, chat, [i.tokens for i in stats.images], [stats.video_tokens] if stats.video_tokens else []
+    )
     for sp in spans:
         if sp.media:
             text.append(f"[{sp.media}: {sp.tokens:,} tokens]", style="bold blue")

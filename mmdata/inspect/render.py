@@ -52,9 +52,14 @@ def geometry_label(geometry: dict[str, Any]) -> str:
 def _plan_file_row(f: dict[str, Any]) -> list[str]:
     if "error" in f:
         return [f["file"], f["error"], "—", "—", "—", "—"]
-    return [_fmt(f["seq_length"]), geometry_label(f["geometry"]),
-            "estimated" if f["lengths_estimated"] else "exact", _fmt(f["samples"]), _fmt(f["sequences"]),
-            _fill_exec(f["bin_fill"], f["executed_token_efficiency"])]
+    return [
+        _fmt(f["seq_length"]),
+        geometry_label(f["geometry"]),
+        "estimated" if f["lengths_estimated"] else "exact",
+        _fmt(f["samples"]),
+        _fmt(f["sequences"]),
+        _fill_exec(f["bin_fill"], f["executed_token_efficiency"]),
+    ]
 
 
 def summary_table_data(summary: DatasetSummary) -> list[Table]:
@@ -62,18 +67,31 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
     d = summary.to_dict()
     sampled = d["sampled"]
     tables: list[Table] = [
-        ("Dataset", ["field", "value"], [
-            ["directory", d["dataset"]],
-            ["samples", _fmt(d["samples"])],
-            ["shards", _fmt(d["shards"])],
-            ["bytes", format_bytes(d["bytes"])],
-            ["quarantined", _fmt(d["quarantine"]["total"])],
-            ["manifest", "yes" if d["manifest"] else "no"],
-            ["inspected", "all samples" if sampled["all"] else f"{sampled['count']:,} random samples (seed {sampled['seed']})"],
-            ["tokenizer", d["tokenizer"] or "— (pass --tokenizer for text tokens and packing)"],
-        ]),
+        (
+            "Dataset",
+            ["field", "value"],
+            [
+                ["directory", d["dataset"]],
+                ["samples", _fmt(d["samples"])],
+                ["shards", _fmt(d["shards"])],
+                ["bytes", format_bytes(d["bytes"])],
+                ["quarantined", _fmt(d["quarantine"]["total"])],
+                ["manifest", "yes" if d["manifest"] else "no"],
+                [
+                    "inspected",
+                    "all samples"
+                    if sampled["all"]
+                    else f"{sampled['count']:,} random samples (seed {sampled['seed']})",
+                ],
+                ["tokenizer", d["tokenizer"] or "— (pass --tokenizer for text tokens and packing)"],
+            ],
+        ),
         (f"Sources (from {d['sources_from']})", ["source", "samples", "share"], _share_rows(d["sources"])),
-        ("Quarantine", ["reason", "records"], [[k, _fmt(v)] for k, v in d["quarantine"]["reasons"].items()] or [["(none)", "0"]]),
+        (
+            "Quarantine",
+            ["reason", "records"],
+            [[k, _fmt(v)] for k, v in d["quarantine"]["reasons"].items()] or [["(none)", "0"]],
+        ),
         *_preprocess_tables(d["preprocess"]),
         ("Modality (sampled)", ["modality", "samples", "share"], _share_rows(d["modality"])),
         ("Languages (sampled)", ["language", "samples", "share"], _share_rows(d["languages"])),
@@ -98,38 +116,81 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
     tables.append(("Distributions (sampled)", ["measure", "n", "mean", "min", "p50", "p90", "p99", "max"], dist_rows))
     grids = d["images"]["anyres_grids"]
     if grids:
-        tables.append(("Anyres grids (single-image samples)", ["grid (rows x cols)", "images"],
-                       [[k, _fmt(v)] for k, v in sorted(grids.items(), key=lambda kv: -kv[1])]))
+        tables.append(
+            (
+                "Anyres grids (single-image samples)",
+                ["grid (rows x cols)", "images"],
+                [[k, _fmt(v)] for k, v in sorted(grids.items(), key=lambda kv: -kv[1])],
+            )
+        )
     li = d["length_index"]
     if li is not None:
         sides = ("online", "plan", "plan_file")
-        tables.append((f"Packing from the length index ({li['compared']:,} of {li['samples']:,} samples; text tokens: "
-                       f"{li['text_tokens']}); bin fill / executed-token efficiency at CP{li['cp']} TP{li['tp']}; "
-                       f"image tokens at the index's geometry ({INDEX_GEOMETRY_LABEL})",
-                       ["context", "online packer", "offline plan", "pack-plan file"],
-                       [[_fmt(int(k)), *(_fill_exec(v["bin_fill"][x], v["executed_token_efficiency"][x])
-                                         for x in sides)] for k, v in li["packing"].items()]))
+        tables.append(
+            (
+                f"Packing from the length index ({li['compared']:,} of {li['samples']:,} samples; text tokens: "
+                f"{li['text_tokens']}); bin fill / executed-token efficiency at CP{li['cp']} TP{li['tp']}; "
+                f"image tokens at the index's geometry ({INDEX_GEOMETRY_LABEL})",
+                ["context", "online packer", "offline plan", "pack-plan file"],
+                [
+                    [_fmt(int(k)), *(_fill_exec(v["bin_fill"][x], v["executed_token_efficiency"][x]) for x in sides)]
+                    for k, v in li["packing"].items()
+                ],
+            )
+        )
     if d.get("plan_files"):
-        tables.append((f"Pack-plan files (pack-plan-<context>.parquet, each over the whole dataset, image tokens "
-                       f"at its own geometry); bin fill / executed-token efficiency at CP{summary.cp} TP{summary.tp}",
-                       ["context", "geometry", "text lengths", "samples", "sequences", "bin fill / executed"],
-                       [_plan_file_row(f) for f in d["plan_files"]]))
+        tables.append(
+            (
+                f"Pack-plan files (pack-plan-<context>.parquet, each over the whole dataset, image tokens "
+                f"at its own geometry); bin fill / executed-token efficiency at CP{summary.cp} TP{summary.tp}",
+                ["context", "geometry", "text lengths", "samples", "sequences", "bin fill / executed"],
+                [_plan_file_row(f) for f in d["plan_files"]],
+            )
+        )
     vb = d.get("vision_balance")
     if vb is not None and "packing" in vb:
-        tables.append((f"Vision balance: max/mean vision work per rank per step, mean (worst) over steps; "
-                       f"DP{vb['dp']}, micro-batch {vb['micro_batch_size']}, global batch {vb['global_batch_size']} "
-                       f"({vb['compared']:,} samples of the length index)",
-                       ["context", "online today", "online balanced", f"online, window of {vb['window']} steps",
-                        "plan today", "plan balanced"],
-                       [[_fmt(int(k)), _balance(v["online"]["today"]), _balance(v["online"]["balanced"]),
-                         _balance(v["online"].get("windowed", v["online"]["balanced"])),
-                         _balance(v["plan"]["today"]), _balance(v["plan"]["balanced"])]
-                        for k, v in vb["packing"].items()]))
+        tables.append(
+            (
+                f"Vision balance: max/mean vision work per rank per step, mean (worst) over steps; "
+                f"DP{vb['dp']}, micro-batch {vb['micro_batch_size']}, global batch {vb['global_batch_size']} "
+                f"({vb['compared']:,} samples of the length index)",
+                [
+                    "context",
+                    "online today",
+                    "online balanced",
+                    f"online, window of {vb['window']} steps",
+                    "plan today",
+                    "plan balanced",
+                ],
+                [
+                    [
+                        _fmt(int(k)),
+                        _balance(v["online"]["today"]),
+                        _balance(v["online"]["balanced"]),
+                        _balance(v["online"].get("windowed", v["online"]["balanced"])),
+                        _balance(v["plan"]["today"]),
+                        _balance(v["plan"]["balanced"]),
+                    ]
+                    for k, v in vb["packing"].items()
+                ],
+            )
+        )
     if d["packing"] is not None:
-        tables.append(("Packing (the loader's packer on the sampled lengths)",
-                       ["context", "bin fill / executed", "sequences", "over length"],
-                       [[_fmt(int(k)), _fill_exec(v["bin_fill"], v["executed_token_efficiency"]),
-                         _fmt(v["sequences"]), _fmt(v["over_length"])] for k, v in d["packing"].items()]))
+        tables.append(
+            (
+                "Packing (the loader's packer on the sampled lengths)",
+                ["context", "bin fill / executed", "sequences", "over length"],
+                [
+                    [
+                        _fmt(int(k)),
+                        _fill_exec(v["bin_fill"], v["executed_token_efficiency"]),
+                        _fmt(v["sequences"]),
+                        _fmt(v["over_length"]),
+                    ]
+                    for k, v in d["packing"].items()
+                ],
+            )
+        )
     return tables
 
 
@@ -139,8 +200,13 @@ def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
         return []
     tables: list[Table] = []
     if "media_resolution" in pre:
-        tables.append(("Media resolution (valid records; manifest)", ["how the media were found", "records"],
-                       [[k.replace("_", " "), _fmt(v)] for k, v in pre["media_resolution"].items()]))
+        tables.append(
+            (
+                "Media resolution (valid records; manifest)",
+                ["how the media were found", "records"],
+                [[k.replace("_", " "), _fmt(v)] for k, v in pre["media_resolution"].items()],
+            )
+        )
     rows = [[f"filtered: {rule}", _fmt(n)] for rule, n in pre.get("by_filter", {}).items()]
     dedup = (pre.get("curation") or {}).get("dedup")
     if dedup:
@@ -149,8 +215,10 @@ def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
     if mix:
         rows.append([f"mixed out (mix by {mix['by']})", _fmt(pre.get("mixed_out", 0))])
         rows.append(["repeated (mix)", _fmt(pre.get("repeated", 0))])
-        rows += [[f"mix {g or '(none)'}: target → realised", f"{_fmt(mix['target'][g])} → {_fmt(mix['realised'][g])}"]
-                 for g in mix.get("target", {})]
+        rows += [
+            [f"mix {g or '(none)'}: target → realised", f"{_fmt(mix['target'][g])} → {_fmt(mix['realised'][g])}"]
+            for g in mix.get("target", {})
+        ]
     if rows:
         tables.append(("Curation (manifest)", ["what", "records"], rows))
     return tables
@@ -182,8 +250,10 @@ def summary_tables(summary: DatasetSummary) -> list[Any]:
 def table_html(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return (f'<table class="mmdata-inspect"><caption style="text-align:left;font-weight:bold">'
-            f"{html.escape(title)}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+    return (
+        f'<table class="mmdata-inspect"><caption style="text-align:left;font-weight:bold">'
+        f"{html.escape(title)}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    )
 
 
 def summary_html(summary: DatasetSummary) -> str:
@@ -210,8 +280,14 @@ def anyres_layout(height: int, width: int, max_tiles: int = anyres.DEFAULT_MAX_T
     best_h, best_w = anyres.select_best_resolution(height, width, anyres.grid_pinpoints())
     new_h, new_w = anyres.resize_for_patching(height, width, best_h, best_w)
     rows, cols = best_h // anyres.DEFAULT_IMAGE_SIZE, best_w // anyres.DEFAULT_IMAGE_SIZE
-    return AnyresLayout((height, width), (best_h, best_w), (new_h, new_w), (rows, cols), 1 + rows * cols,
-                        anyres.num_image_tokens(height, width, max_tiles=max_tiles))
+    return AnyresLayout(
+        (height, width),
+        (best_h, best_w),
+        (new_h, new_w),
+        (rows, cols),
+        1 + rows * cols,
+        anyres.num_image_tokens(height, width, max_tiles=max_tiles),
+    )
 
 
 def draw_anyres_grid(image: Image.Image, max_side: int = 512, max_tiles: int = anyres.DEFAULT_MAX_TILES) -> Image.Image:
@@ -247,8 +323,9 @@ class Span:
     tokens: int = 0
 
 
-def loss_spans(conversations: Sequence[dict], chat: Any, image_tokens: Sequence[int] = (),
-               video_tokens: Sequence[int] = ()) -> list[Span]:
+def loss_spans(
+    conversations: Sequence[dict], chat: Any, image_tokens: Sequence[int] = (), video_tokens: Sequence[int] = ()
+) -> list[Span]:
     """The tokenized conversation cut into runs of loss / no-loss / media tokens, decoded back
     to text with the loader's `ChatTokenizer` (labels != -100 is where the loss applies)."""
     toks = chat.tokenize(conversations, list(image_tokens), list(video_tokens))
@@ -287,17 +364,26 @@ def chat_html(spans: Sequence[Span], title: str = "") -> str:
     parts = []
     for sp in spans:
         if sp.media:
-            parts.append(f'<span style="background:#cfe0ff;border-radius:3px;padding:0 3px">'
-                         f"[{sp.media}: {sp.tokens:,} tokens]</span>")
+            parts.append(
+                f'<span style="background:#cfe0ff;border-radius:3px;padding:0 3px">'
+                f"[{sp.media}: {sp.tokens:,} tokens]</span>"
+            )
         else:
             text = html.escape(sp.text)
-            parts.append(f'<span style="background:#b8f0b8" title="loss: {sp.tokens} tokens">{text}</span>'
-                         if sp.loss else f'<span style="color:#444">{text}</span>')
+            parts.append(
+                f'<span style="background:#b8f0b8" title="loss: {sp.tokens} tokens">{text}</span>'
+                if sp.loss
+                else f'<span style="color:#444">{text}</span>'
+            )
     head = f"<div style='font-weight:bold'>{html.escape(title)}</div>" if title else ""
-    legend = ("<div style='font-size:85%;color:#666'>green = loss applies (labels != -100); "
-              "blue = media tokens (no loss)</div>")
-    return (f"<div style='margin:6px 0'>{head}{legend}<pre style='white-space:pre-wrap;font-size:90%'>"
-            f"{''.join(parts)}</pre></div>")
+    legend = (
+        "<div style='font-size:85%;color:#666'>green = loss applies (labels != -100); "
+        "blue = media tokens (no loss)</div>"
+    )
+    return (
+        f"<div style='margin:6px 0'>{head}{legend}<pre style='white-space:pre-wrap;font-size:90%'>"
+        f"{''.join(parts)}</pre></div>"
+    )
 
 
 def sample_caption(stats: SampleStats) -> str:
@@ -305,6 +391,8 @@ def sample_caption(stats: SampleStats) -> str:
     tt = "?" if stats.text_tokens is None else f"{stats.text_tokens:,}"
     lt = "?" if stats.loss_tokens is None else f"{stats.loss_tokens:,}"
     total = "?" if stats.total_tokens is None else f"{stats.total_tokens:,}"
-    return (f"key {stats.key} · id {stats.id} · source {stats.source or '—'} · {stats.modality} · "
-            f"{stats.turns} turns · {stats.language} · tokens: text {tt} + image {stats.image_tokens:,} "
-            f"= {total} (loss on {lt})")
+    return (
+        f"key {stats.key} · id {stats.id} · source {stats.source or '—'} · {stats.modality} · "
+        f"{stats.turns} turns · {stats.language} · tokens: text {tt} + image {stats.image_tokens:,} "
+        f"= {total} (loss on {lt})"
+    )

@@ -24,8 +24,13 @@ from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
 from mmdata.energon_loaders.video import probe_video
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
 from mmdata.local_tokenizer import load_local_tokenizer
-from mmdata.inspect.packing import (PackingEstimate, estimate_packing, length_index_balance, length_index_packing,
-                                    plan_files)
+from mmdata.inspect.packing import (
+    PackingEstimate,
+    estimate_packing,
+    length_index_balance,
+    length_index_packing,
+    plan_files,
+)
 from mmdata.shard_format import IMAGE_PLACEHOLDER, MODALITIES, VIDEO_PLACEHOLDER, modality_of
 
 SCHEMA = "mmdata.inspect/5"
@@ -198,8 +203,13 @@ def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
         return int(x) if float(x).is_integer() else round(float(x), 4)
 
     return {
-        "count": int(a.size), "mean": round(float(a.mean()), 4), "min": num(a.min()),
-        "p50": num(q[0]), "p90": num(q[1]), "p99": num(q[2]), "max": num(a.max()),
+        "count": int(a.size),
+        "mean": round(float(a.mean()), 4),
+        "min": num(a.min()),
+        "p50": num(q[0]),
+        "p90": num(q[1]),
+        "p99": num(q[2]),
+        "max": num(a.max()),
     }
 
 
@@ -249,8 +259,11 @@ class DatasetSummary:
         """Packing estimates per context length (None without a tokenizer); computed once."""
         if "_packing" not in self.__dict__:
             lengths = [s.total_tokens for s in self.samples if s.total_tokens is not None and s.error is None]
-            self.__dict__["_packing"] = {c: estimate_packing(lengths, c, cp=self.cp, tp=self.tp)
-                                         for c in self.context_lengths} if lengths else None
+            self.__dict__["_packing"] = (
+                {c: estimate_packing(lengths, c, cp=self.cp, tp=self.tp) for c in self.context_lengths}
+                if lengths
+                else None
+            )
         return self.__dict__["_packing"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,10 +304,16 @@ class DatasetSummary:
             "loss_tokens_per_sample": distribution([x.loss_tokens for x in tokenized]) if self.tokenizer else None,
             "total_tokens_per_sample": distribution([x.total_tokens for x in tokenized]) if self.tokenizer else None,
             "loader_skips": _counts([x.error for x in s if x.error]) if self.tokenizer else None,
-            "packing": None if packing is None else {
-                str(k): {"efficiency": round(v.efficiency, 4), "sequences": v.sequences, "over_length": v.over_length,
-                         "bin_fill": round(v.report.bin_fill, 4),
-                         "executed_token_efficiency": round(v.report.executed_token_efficiency, 4)}
+            "packing": None
+            if packing is None
+            else {
+                str(k): {
+                    "efficiency": round(v.efficiency, 4),
+                    "sequences": v.sequences,
+                    "over_length": v.over_length,
+                    "bin_fill": round(v.report.bin_fill, 4),
+                    "executed_token_efficiency": round(v.report.executed_token_efficiency, 4),
+                }
                 for k, v in packing.items()
             },
         }
@@ -366,7 +385,11 @@ def summarize(
         length_index=length_index,
         sample_seed=seed,
         sampled_all=all or len(samples) >= ds.total_samples,
-        tokenizer=None if chat is None else str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(chat).__name__,
+        tokenizer=None
+        if chat is None
+        else str(tokenizer)
+        if isinstance(tokenizer, (str, Path))
+        else type(chat).__name__,
         context_lengths=tuple(int(c) for c in context_lengths),
         samples=stats,
         cp=cp,
@@ -374,4 +397,3 @@ def summarize(
         vision_balance=length_index_balance(ds.root, context_lengths, step_shape, tile_tokens, plans=plans),
         plan_files=plan_files(ds.root, cp, tp),
     )
-

@@ -65,10 +65,13 @@ def sample_grids(sample: ShardSample) -> list[GridStats]:
     for g in grids:
         grid = token_format.decode_grid(sample.members[g.member].read())
         if grid.shape != (g.height, g.width):
-            raise ValueError(f"sample {sample.key}: {g.member} is {grid.shape[0]}x{grid.shape[1]}, "
-                             f"its vq.json says {g.height}x{g.width}")
-        out.append(GridStats(g.member, g.source, g.height, g.width, (int(g.pixels[0]), int(g.pixels[1])),
-                             np.unique(grid)))
+            raise ValueError(
+                f"sample {sample.key}: {g.member} is {grid.shape[0]}x{grid.shape[1]}, "
+                f"its vq.json says {g.height}x{g.width}"
+            )
+        out.append(
+            GridStats(g.member, g.source, g.height, g.width, (int(g.pixels[0]), int(g.pixels[1])), np.unique(grid))
+        )
     return out
 
 
@@ -86,8 +89,9 @@ def summarize_tokens(ds: Dataset, samples: list[ShardSample], *, seed: int, samp
     size = codebook_size(ds.manifest)
     manifest = ds.manifest or {}
     by_source = (manifest.get("counts") or {}).get("by_source")
-    sources = ({k: v["written"] for k, v in sorted(by_source.items())} if by_source
-               else _counts([s.source for s in samples]))
+    sources = (
+        {k: v["written"] for k, v in sorted(by_source.items())} if by_source else _counts([s.source for s in samples])
+    )
     return {
         "schema": TOKEN_SCHEMA,
         "kind": "vq_tokens",
@@ -125,6 +129,7 @@ def summarize_tokens(ds: Dataset, samples: list[ShardSample], *, seed: int, samp
 
 def token_summary_tables(summary: dict[str, Any]) -> list:
     """The summary as rich tables (what `mmdata inspect DIR` prints for token shards)."""
+
     def dist(d: dict[str, Any]) -> str:
         if not d or d.get("count", 0) == 0:
             return "—"
@@ -136,15 +141,21 @@ def token_summary_tables(summary: dict[str, Any]) -> list:
         ("samples", f"{summary['samples']:,} in {summary['shards']:,} shards ({summary['bytes']:,} bytes)"),
         ("made from", str(summary["made_from"] or "—")),
         ("vision tokenizer", f"{summary['vision_tokenizer'] or '—'} (image area {summary['image_area'] or '—'})"),
-        ("sampled", f"{summary['sampled']['count']:,}" + (" (all)" if summary["sampled"]["all"] else
-                                                          f" (seed {summary['sampled']['seed']})")),
+        (
+            "sampled",
+            f"{summary['sampled']['count']:,}"
+            + (" (all)" if summary["sampled"]["all"] else f" (seed {summary['sampled']['seed']})"),
+        ),
         ("text-only share", str(summary["text_only_share"])),
         ("grids per sample", dist(summary["grids_per_sample"])),
         ("visual tokens per sample", dist(summary["visual_tokens_per_sample"])),
         ("grid rows", dist(summary["grids"]["rows"])),
         ("grid cols", dist(summary["grids"]["cols"])),
-        ("codebook", f"{cb['distinct_codes_seen']:,} distinct codes seen"
-                     + (f" of {cb['size']:,} ({cb['share_used']:.1%})" if cb["size"] else "")),
+        (
+            "codebook",
+            f"{cb['distinct_codes_seen']:,} distinct codes seen"
+            + (f" of {cb['size']:,} ({cb['share_used']:.1%})" if cb["size"] else ""),
+        ),
         ("quarantine", f"{summary['quarantine']['total']:,}"),
     ]
     for k, v in rows:
@@ -167,12 +178,16 @@ def preview_lines(sample: ShardSample, position: int | None) -> list[str]:
     """One token-shard sample for `mmdata preview`: where it is, its grids, its turns as written."""
     where = f"{sample.shard} #{sample.index}" + (f", global index {position:,}" if position is not None else "")
     grids = sample_grids(sample)
-    lines = [f"sample {sample.key} · id {sample.id} · source {sample.source or '—'} · {where} · "
-             f"{len(grids)} VQ grid{'s' if len(grids) != 1 else ''}, {sum(g.tokens for g in grids):,} visual tokens"]
+    lines = [
+        f"sample {sample.key} · id {sample.id} · source {sample.source or '—'} · {where} · "
+        f"{len(grids)} VQ grid{'s' if len(grids) != 1 else ''}, {sum(g.tokens for g in grids):,} visual tokens"
+    ]
     for g in grids:
-        lines.append(f"  grid {g.member} (from {g.source}, resized to {g.pixels[1]}x{g.pixels[0]} px (WxH)): "
-                     f"{g.rows}x{g.cols} codes = {g.tokens:,} tokens, {g.codes.size:,} distinct "
-                     f"(codes {int(g.codes.min())}..{int(g.codes.max())})")
+        lines.append(
+            f"  grid {g.member} (from {g.source}, resized to {g.pixels[1]}x{g.pixels[0]} px (WxH)): "
+            f"{g.rows}x{g.cols} codes = {g.tokens:,} tokens, {g.codes.size:,} distinct "
+            f"(codes {int(g.codes.min())}..{int(g.codes.max())})"
+        )
     for turn in sample.conversations:
         lines.append(f"{turn.get('from', '?')}: {turn.get('value', '')}")
     return lines

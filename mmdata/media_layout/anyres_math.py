@@ -23,7 +23,9 @@ SHRINK_THRESHOLD = 1.1
 
 
 @lru_cache(maxsize=64)
-def grid_pinpoints(image_size: int = DEFAULT_IMAGE_SIZE, grid_max: int = DEFAULT_GRID_MAX) -> tuple[tuple[int, int], ...]:
+def grid_pinpoints(
+    image_size: int = DEFAULT_IMAGE_SIZE, grid_max: int = DEFAULT_GRID_MAX
+) -> tuple[tuple[int, int], ...]:
     """Candidate (height, width) resolutions, in HF's order (height-major): ties keep the first."""
     return tuple((i * image_size, j * image_size) for i in range(1, grid_max + 1) for j in range(1, grid_max + 1))
 

@@ -20,8 +20,13 @@ def media_tokens(record: dict) -> tuple[list[int], list[int]]:
     return images, videos
 
 
-def media_tiles(record: dict, *, image_size: int = anyres.DEFAULT_IMAGE_SIZE, grid_max: int = anyres.DEFAULT_GRID_MAX,
-                video_frames: int = DEFAULT_MAX_FRAMES) -> int:
+def media_tiles(
+    record: dict,
+    *,
+    image_size: int = anyres.DEFAULT_IMAGE_SIZE,
+    grid_max: int = anyres.DEFAULT_GRID_MAX,
+    video_frames: int = DEFAULT_MAX_FRAMES,
+) -> int:
     """Tiles and frames the vision tower encodes for a record, as the LLaVA-OV loader lays its
     media out (from the validator's header sizes): a single image is its base tile plus its
     anyres grid, each image of several one tile, a video its sampled frames. (`max_tiles` only

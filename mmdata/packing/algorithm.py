@@ -58,8 +58,9 @@ class PackPlan:
     def vision_balance(self, tiles: np.ndarray, shape: StepShape, tile_tokens: float, balanced: bool) -> BalanceReport:
         """`balance.plan_balance` of this plan's order: dealt as the plain contract deals it, or
         placed per step as a balanced plan's loader places it."""
-        return plan_balance(self.sequence_sums(self.lengths, clip=True), self.sequence_sums(tiles), shape, tile_tokens,
-                            balanced)
+        return plan_balance(
+            self.sequence_sums(self.lengths, clip=True), self.sequence_sums(tiles), shape, tile_tokens, balanced
+        )
 
     @property
     def over_length(self) -> int:
@@ -87,7 +88,7 @@ def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list
     bins: list[np.ndarray] = []
     pool = np.zeros(0, dtype=np.int64)
     for start in range(0, len(order), WINDOW):
-        pool = np.concatenate([pool, order[start:start + WINDOW]])
+        pool = np.concatenate([pool, order[start : start + WINDOW]])
         last = start + WINDOW >= len(order)
         packed = [pool[np.asarray(b)] for b in largest_first_knapsack(clipped[pool].tolist(), seq_length)]
         fill = [int(clipped[b].sum()) for b in packed]
@@ -105,8 +106,9 @@ def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list
     return bins
 
 
-def plan_packing(lengths: np.ndarray, seq_length: int, seed: int = 0, jobs: int = 1,
-                 on_chunk: Callable[[int], None] | None = None) -> PackPlan:
+def plan_packing(
+    lengths: np.ndarray, seq_length: int, seed: int = 0, jobs: int = 1, on_chunk: Callable[[int], None] | None = None
+) -> PackPlan:
     """Windowed largest-first knapsack with carry-over (see the module docstring). The seeded
     order is cut into chunks of CHUNK samples packed independently (in `jobs` processes) and
     concatenated in order, so the plan does not depend on `jobs`. `on_chunk(total)` is called
@@ -116,7 +118,7 @@ def plan_packing(lengths: np.ndarray, seq_length: int, seed: int = 0, jobs: int 
     lengths = np.asarray(lengths, dtype=np.int64)
     clipped = np.minimum(lengths, seq_length)
     order = np.random.default_rng(seed).permutation(len(lengths))
-    chunks = [order[i:i + CHUNK] for i in range(0, len(order), CHUNK)]
+    chunks = [order[i : i + CHUNK] for i in range(0, len(order), CHUNK)]
     if jobs > 1 and len(chunks) > 1:
         with ProcessPoolExecutor(min(jobs, len(chunks))) as pool:
             parts = []

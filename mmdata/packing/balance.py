@@ -52,8 +52,10 @@ class StepShape:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % (self.dp * self.micro_batch_size):
-            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of dp x micro_batch_size "
-                             f"= {self.dp} x {self.micro_batch_size}")
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of dp x micro_batch_size "
+                f"= {self.dp} x {self.micro_batch_size}"
+            )
 
     @property
     def rows_per_rank(self) -> int:
@@ -140,8 +142,9 @@ def auto_window(rows_per_rank: int) -> int:
     return max(1, AUTO_WINDOW_ROWS // max(1, int(rows_per_rank)))
 
 
-def assign_window(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[Sequence[int]]]
-                  ) -> list[list[list[list[RowRef]]]]:
+def assign_window(
+    costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequence[Sequence[int]]]
+) -> list[list[list[list[RowRef]]]]:
     """Balance a window of steps drawn together: `micro_rows[s][r]` is the row counts of rank r's
     micro-batches in step s, `costs[r]` the costs of every row rank r drew in the window (step by
     step, in order). Returns, per step, rank and micro-batch, the rows it trains as (source rank,
@@ -167,14 +170,19 @@ def assign_window(costs: Sequence[Sequence[float]], micro_rows: Sequence[Sequenc
         if starts[-1][r] != len(costs[r]):
             raise ValueError(f"rank {r}: {len(costs[r])} rows but the window's micro-batches hold {starts[-1][r]}")
     if steps == 1 or any(step != micro_rows[0] for step in micro_rows):
-        return [_place([(float(costs[r][k]), r, k) for r in range(dp) for k in range(starts[s][r], starts[s + 1][r])],
-                       micro_rows[s]) for s in range(steps)]
+        return [
+            _place(
+                [(float(costs[r][k]), r, k) for r in range(dp) for k in range(starts[s][r], starts[s + 1][r])],
+                micro_rows[s],
+            )
+            for s in range(steps)
+        ]
     rows = _by_falling_cost([(float(c), r, k) for r, cs in enumerate(costs) for k, c in enumerate(cs)])
     size = sum(per_step[0])
     dealt: list[list[tuple[float, int, int]]] = [[] for _ in range(steps)]
     turn = 0
     for t in range(0, len(rows), dp):
-        for row in rows[t:t + dp]:
+        for row in rows[t : t + dp]:
             while len(dealt[turn % steps]) >= size:
                 turn += 1
             dealt[turn % steps].append(row)
@@ -219,8 +227,11 @@ class BalanceReport:
         return cls(len(r), float(np.mean(r)) if r else None, float(np.max(r)) if r else None)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "mean": None if self.mean is None else round(self.mean, 4),
-                "worst": None if self.worst is None else round(self.worst, 4)}
+        return {
+            "steps": self.steps,
+            "mean": None if self.mean is None else round(self.mean, 4),
+            "worst": None if self.worst is None else round(self.worst, 4),
+        }
 
     def line(self) -> str:
         if self.mean is None:
@@ -228,8 +239,9 @@ class BalanceReport:
         return f"{self.mean:.3f} (worst step {self.worst:.3f}, {self.steps} steps)"
 
 
-def step_balance(tiles: Sequence[Sequence[int]], assignment: Sequence[Sequence[Sequence[RowRef]]] | None = None
-                 ) -> float | None:
+def step_balance(
+    tiles: Sequence[Sequence[int]], assignment: Sequence[Sequence[Sequence[RowRef]]] | None = None
+) -> float | None:
     """`vision_balance` of one step whose rank r drew rows with `tiles[r]`, trained as drawn
     (`assignment` None) or as `assign_step` placed them."""
     if assignment is None:
@@ -237,8 +249,9 @@ def step_balance(tiles: Sequence[Sequence[int]], assignment: Sequence[Sequence[S
     return vision_balance([sum(tiles[r][k] for micro in rank for r, k in micro) for rank in assignment])
 
 
-def simulate(rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, tile_tokens: float,
-             window: int = 1) -> dict[str, BalanceReport]:
+def simulate(
+    rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, tile_tokens: float, window: int = 1
+) -> dict[str, BalanceReport]:
     """`vision_balance` of the full steps the ranks' row streams make, as drawn (`today`), balanced
     step by step by `assign_step` (`balanced`) and, with `window` > 1, `window` steps at a time by
     `assign_window` (`windowed`; the full windows' steps): `rank_rows[r]` is rank r's rows in
@@ -248,12 +261,12 @@ def simulate(rank_rows: Sequence[Sequence[tuple[int, int]]], shape: StepShape, t
     k = shape.rows_per_rank
     steps = min((len(s) for s in rank_rows), default=0) // k
     micro = [[shape.micro_batch_size] * shape.micro_batches] * shape.dp
-    tiles = [[v for _, v in s[:steps * k]] for s in rank_rows]
-    costs = [row_costs([n for n, _ in s[:steps * k]], t, tile_tokens) for s, t in zip(rank_rows, tiles)]
+    tiles = [[v for _, v in s[: steps * k]] for s in rank_rows]
+    costs = [row_costs([n for n, _ in s[: steps * k]], t, tile_tokens) for s, t in zip(rank_rows, tiles)]
 
     def cut(first: int, last: int) -> tuple[list, list]:
         """Every rank's tiles and costs of the steps [first, last)."""
-        return [t[first * k:last * k] for t in tiles], [c[first * k:last * k] for c in costs]
+        return [t[first * k : last * k] for t in tiles], [c[first * k : last * k] for c in costs]
 
     today, balanced, windowed = [], [], []
     for t in range(steps):
@@ -292,8 +305,8 @@ def tiered_order(costs: np.ndarray, dp: int, rng: np.random.Generator) -> np.nda
     costs = np.asarray(costs, dtype=np.float64)
     order = np.lexsort((rng.permutation(len(costs)), -costs))
     full = len(costs) // dp
-    tiers = order[:full * dp].reshape(full, dp)[rng.permutation(full)].reshape(-1)
-    return np.concatenate([tiers, order[full * dp:]]).astype(np.int64)
+    tiers = order[: full * dp].reshape(full, dp)[rng.permutation(full)].reshape(-1)
+    return np.concatenate([tiers, order[full * dp :]]).astype(np.int64)
 
 
 def shuffle_tiers(n: int, dp: int, rng: np.random.Generator) -> np.ndarray:
@@ -305,17 +318,18 @@ def shuffle_tiers(n: int, dp: int, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([moved, np.arange(full * dp, n, dtype=np.int64)])
 
 
-def plan_balance(seq_tokens: np.ndarray, seq_tiles: np.ndarray, shape: StepShape, tile_tokens: float,
-                 balanced: bool) -> BalanceReport:
+def plan_balance(
+    seq_tokens: np.ndarray, seq_tiles: np.ndarray, shape: StepShape, tile_tokens: float, balanced: bool
+) -> BalanceReport:
     """`vision_balance` over the full steps of a plan's first epoch (sequences in plan order, with
     their tokens and tiles): as the plain contract deals them (rank r takes the step's sequences
     r, r + dp, ...) or, `balanced`, as `assign_block` places them."""
     g, d = shape.global_batch_size, shape.dp
     steps = len(seq_tiles) // g
-    tiles = np.asarray(seq_tiles[:steps * g], dtype=np.float64).reshape(steps, g)
+    tiles = np.asarray(seq_tiles[: steps * g], dtype=np.float64).reshape(steps, g)
     if not balanced:
         return BalanceReport.of([vision_balance(t) for t in tiles.reshape(steps, g // d, d).sum(axis=1)])
-    costs = row_costs(seq_tokens[:steps * g], seq_tiles[:steps * g], tile_tokens).reshape(steps, g)
+    costs = row_costs(seq_tokens[: steps * g], seq_tiles[: steps * g], tile_tokens).reshape(steps, g)
     ratios = []
     for t in range(steps):
         placed = assign_block(costs[t].tolist(), shape)

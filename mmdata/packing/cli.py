@@ -42,8 +42,10 @@ from mmdata.units import plural
 
 RECIPE_COMMAND = "mmtrain pack-plan RECIPE.yaml [DIR] [--set KEY=VALUE ...]"
 #: the output line's note on a plan of estimated text lengths (its metadata: `lengths_estimated`)
-ESTIMATED_NOTE = ("text lengths are ESTIMATES (shards preprocessed without --tokenizer): rows will overflow; "
-                  "training refuses this plan unless data.plan_allow_estimated_lengths: true")
+ESTIMATED_NOTE = (
+    "text lengths are ESTIMATES (shards preprocessed without --tokenizer): rows will overflow; "
+    "training refuses this plan unless data.plan_allow_estimated_lengths: true"
+)
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,21 @@ def make_plan(req: PlanRequest) -> Path:
             inputs = token_plan_inputs(req.root, table, req.geometry, req.tokenizer, req.seed)
         else:
             inputs = image_plan_inputs(req.root, table, req.geometry, on_shard=progress.step("recount shards"))
-        plan = plan_packing(inputs.lengths, req.seq_length, req.seed, req.jobs or os.cpu_count() or 1,
-                            on_chunk=progress.step("pack chunks"))
+        plan = plan_packing(
+            inputs.lengths,
+            req.seq_length,
+            req.seed,
+            req.jobs or os.cpu_count() or 1,
+            on_chunk=progress.step("pack chunks"),
+        )
     estimated = inputs.meta.get("text_tokens") == "estimate"  # shards preprocessed without --tokenizer
-    meta = {"lengths_sha256": sha256_file(req.root / LENGTHS_NAME), "manifest_fingerprint": manifest.get("fingerprint"),
-            **inputs.meta, "lengths_estimated": estimated, "geometry": inputs.geometry.as_dict()}
+    meta = {
+        "lengths_sha256": sha256_file(req.root / LENGTHS_NAME),
+        "manifest_fingerprint": manifest.get("fingerprint"),
+        **inputs.meta,
+        "lengths_estimated": estimated,
+        "geometry": inputs.geometry.as_dict(),
+    }
     balance_line = None
     if req.balance is not None:
         shape, tile_tokens = req.balance
@@ -93,16 +105,22 @@ def make_plan(req: PlanRequest) -> Path:
         after = plan.vision_balance(inputs.tiles, shape, tile_tokens, balanced=True)
         meta["balance"] = {**shape.as_dict(), "tile_tokens": tile_tokens}
         meta["vision_balance"] = {"today": today.as_dict(), "balanced": after.as_dict()}
-        balance_line = (f"vision balance ({shape.describe()}; max/mean vision work per rank per step): "
-                        f"today {today.line()} -> balanced {after.line()}")
+        balance_line = (
+            f"vision balance ({shape.describe()}; max/mean vision work per rank per step): "
+            f"today {today.line()} -> balanced {after.line()}"
+        )
     report = plan.report(req.cp, req.tp)
     meta["packing_report"] = report.as_dict()
     replaced = replaced_settings(plan_path(req.root, req.seq_length), {**meta, "seed": req.seed})
-    out = write_plan(req.root, plan, inputs.index, req.seed, meta,
-                     {"tiles": inputs.tiles.astype(np.int32), **(inputs.columns or {})})
-    print(f"{out}: {plural(len(plan.bins), 'sequence')} of {req.seq_length:,} tokens for {plural(len(inputs.lengths), 'sample')}, "
-          f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}; "
-          f"{ESTIMATED_NOTE if estimated else 'exact text lengths'}")
+    out = write_plan(
+        req.root, plan, inputs.index, req.seed, meta, {"tiles": inputs.tiles.astype(np.int32), **(inputs.columns or {})}
+    )
+    print(
+        f"{out}: {plural(len(plan.bins), 'sequence')} of {req.seq_length:,} tokens for "
+        f"{plural(len(inputs.lengths), 'sample')}, "
+        f"efficiency {plan.efficiency:.2%} ({plan.over_length:,} over length); {inputs.summary}; "
+        f"{ESTIMATED_NOTE if estimated else 'exact text lengths'}"
+    )
     print(f"packing report: {report.line()}")
     if replaced:  # one plan per sequence length: the loader reads pack-plan-<seq_length>.parquet
         print(f"replaced {out.name}, a plan made with other settings: {'; '.join(replaced)}")
@@ -126,10 +144,12 @@ class _Stages:
 
     def step(self, name: str) -> Callable[[int], None]:
         """A callback advancing stage `name` by one of `total` (the stage starts at its first call)."""
+
         def advance(total: int) -> None:
             if name not in self.job.tasks:
                 self.job.stage(name, total)
             self.job.advance(name)
+
         return advance
 
 
@@ -138,32 +158,62 @@ class _Stages:
 
 def add_plan_options(parser: argparse.ArgumentParser, recipe: bool) -> None:
     """The options `mmdata pack-plan` and `mmtrain pack-plan` share (`recipe`: defaults from a recipe)."""
+
     def default(of_recipe: str, plain: str) -> str:
         return of_recipe if recipe else plain
 
-    parser.add_argument("--seq-length", type=int, default=None, metavar="N",
-                        help=f"tokens per packed sequence ({default('default: the recipe train.seq_length', 'required')})")
+    parser.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"tokens per packed sequence ({default('default: the recipe train.seq_length', 'required')})",
+    )
     for name in GEOMETRY_FIELDS:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N",
-                            help=f"image geometry: {name} (default: "
-                                 f"{default('the recipe value', str(getattr(DEFAULT_GEOMETRY, name)))})")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"image geometry: {name} (default: "
+            f"{default('the recipe value', str(getattr(DEFAULT_GEOMETRY, name)))})",
+        )
     for name, what in (("cp", "context"), ("tp", "tensor")):
-        parser.add_argument(f"--{name}", type=int, default=None, metavar="N",
-                            help=f"{what} parallel size the packing report counts CP padding for (default: "
-                                 f"{default(f'the recipe parallel.{name}', '1')}); the plan does not depend on it")
-    for name, what in (("dp", "data-parallel ranks"), ("micro_batch_size", "rows per micro-batch (default 1)"),
-                       ("global_batch_size", "rows per step, all ranks")):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N",
-                            help=f"vision-aware balancing for training at this step shape: {what} (default: "
-                                 f"{default('the recipe values when its data.balance is true; else ', '')}"
-                                 "no balancing)")
-    parser.add_argument("--tile-tokens", type=float, default=None, metavar="X",
-                        help="the cost of one vision tile in language tokens for balancing (default: "
-                             f"{default('the recipe model value, from the cost model', '')}"
-                             f"{'' if recipe else f'{DEFAULT_TILE_TOKENS:g}, the Aquila-VL-2B value'})")
+        parser.add_argument(
+            f"--{name}",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"{what} parallel size the packing report counts CP padding for (default: "
+            f"{default(f'the recipe parallel.{name}', '1')}); the plan does not depend on it",
+        )
+    for name, what in (
+        ("dp", "data-parallel ranks"),
+        ("micro_batch_size", "rows per micro-batch (default 1)"),
+        ("global_batch_size", "rows per step, all ranks"),
+    ):
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"vision-aware balancing for training at this step shape: {what} (default: "
+            f"{default('the recipe values when its data.balance is true; else ', '')}"
+            "no balancing)",
+        )
+    parser.add_argument(
+        "--tile-tokens",
+        type=float,
+        default=None,
+        metavar="X",
+        help="the cost of one vision tile in language tokens for balancing (default: "
+        f"{default('the recipe model value, from the cost model', '')}"
+        f"{'' if recipe else f'{DEFAULT_TILE_TOKENS:g}, the Aquila-VL-2B value'})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples' order (default 0)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="processes (default: all CPUs); the plan does not depend on it")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="processes (default: all CPUs); the plan does not depend on it"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no live progress display on stderr")
 
 
@@ -179,13 +229,17 @@ def step_balance(shape: dict, tile_tokens: float | None) -> tuple[StepShape, flo
     (--dp and --global-batch-size go together; the micro-batch defaults to 1)."""
     if shape["dp"] is None and shape["global_batch_size"] is None:
         if shape["micro_batch_size"] is not None or tile_tokens is not None:
-            raise UserError("--micro-batch-size/--tile-tokens balance a plan for a step shape: give --dp and "
-                            "--global-batch-size with them")
+            raise UserError(
+                "--micro-batch-size/--tile-tokens balance a plan for a step shape: give --dp and "
+                "--global-batch-size with them"
+            )
         return None
     if shape["dp"] is None or shape["global_batch_size"] is None:
-        raise UserError("vision-aware balancing needs the step shape: give --dp N and --global-batch-size N "
-                        "(and --micro-batch-size N, default 1), or use `mmtrain pack-plan RECIPE.yaml` with "
-                        "data.balance: true")
+        raise UserError(
+            "vision-aware balancing needs the step shape: give --dp N and --global-batch-size N "
+            "(and --micro-batch-size N, default 1), or use `mmtrain pack-plan RECIPE.yaml` with "
+            "data.balance: true"
+        )
     try:
         step = StepShape(shape["dp"], shape["micro_batch_size"] or 1, shape["global_batch_size"])
     except ValueError as e:
@@ -206,9 +260,15 @@ def step_shape_flags(args: argparse.Namespace) -> dict[str, int | None]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, metavar="DIR", nargs="?", default=None,
-                        help="shards folder written by `mmdata preprocess` or `mmdata tokenize-images --tokenizer` "
-                             "(has lengths.parquet)")
+    parser.add_argument(
+        "dir",
+        type=Path,
+        metavar="DIR",
+        nargs="?",
+        default=None,
+        help="shards folder written by `mmdata preprocess` or `mmdata tokenize-images --tokenizer` "
+        "(has lengths.parquet)",
+    )
     add_plan_options(parser, recipe=False)
     # mmdata reads no recipe: these only say where planning from a recipe went
     parser.add_argument("--recipe", default=None, help=argparse.SUPPRESS)
@@ -219,8 +279,10 @@ def run(args: argparse.Namespace) -> int:
     if args.recipe is not None:
         raise UserError(f"--recipe {args.recipe}: mmdata reads no recipe; plan from a recipe with `{RECIPE_COMMAND}`")
     if args.overrides:
-        raise UserError(f"--set {' '.join(args.overrides)}: recipe overrides need --recipe, which mmdata does not "
-                        f"take: plan from a recipe with `{RECIPE_COMMAND}`")
+        raise UserError(
+            f"--set {' '.join(args.overrides)}: recipe overrides need --recipe, which mmdata does not "
+            f"take: plan from a recipe with `{RECIPE_COMMAND}`"
+        )
     if args.dir is None:
         raise UserError("give the shards folder DIR")
     if args.seq_length is None:
@@ -228,7 +290,18 @@ def run(args: argparse.Namespace) -> int:
     given, shape = geometry_flags(args), step_shape_flags(args)
     check_positive({**given, "cp": args.cp, "tp": args.tp, **shape, "tile_tokens": args.tile_tokens})
     geometry = PlanGeometry(**{**DEFAULT_GEOMETRY.as_dict(), **given}) if given else None
-    make_plan(PlanRequest(args.dir, args.seq_length, geometry, None, args.cp or 1, args.tp or 1,
-                          step_balance(shape, args.tile_tokens), args.seed, args.jobs, not args.no_progress))
+    make_plan(
+        PlanRequest(
+            args.dir,
+            args.seq_length,
+            geometry,
+            None,
+            args.cp or 1,
+            args.tp or 1,
+            step_balance(shape, args.tile_tokens),
+            args.seed,
+            args.jobs,
+            not args.no_progress,
+        )
+    )
     return 0
-

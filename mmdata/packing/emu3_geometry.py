@@ -64,8 +64,9 @@ class Emu3PlanGeometry:
 
     @classmethod
     def from_dict(cls, d: dict) -> Emu3PlanGeometry:
-        return cls(d["tokenizer_sha256"], d["system_prompt"], d["uncond_prompt"], dict(d["tasks"]),
-                   float(d["p_uncond"]))
+        return cls(
+            d["tokenizer_sha256"], d["system_prompt"], d["uncond_prompt"], dict(d["tasks"]), float(d["p_uncond"])
+        )
 
     def differences(self, want: Emu3PlanGeometry) -> list[str]:
         """`field plan X (recipe: Y)` for each setting that differs."""
@@ -73,8 +74,10 @@ class Emu3PlanGeometry:
         return [f"{k} {_short(have_d[k])} (recipe: {_short(want_d[k])})" for k in have_d if have_d[k] != want_d[k]]
 
     def remedy(self, shards: Path, seq_length: int) -> str:
-        return f"run `mmtrain pack-plan RECIPE.yaml {shards} --set train.seq_length={seq_length}` (the recipe's " \
-               "tokenizer.path and data.tasks / p_uncond / uncond_prompt / system_prompt)"
+        return (
+            f"run `mmtrain pack-plan RECIPE.yaml {shards} --set train.seq_length={seq_length}` (the recipe's "
+            "tokenizer.path and data.tasks / p_uncond / uncond_prompt / system_prompt)"
+        )
 
 
 def _short(value: Any) -> str:
@@ -82,7 +85,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def draw_variants(table, geometry: Emu3PlanGeometry, seed: int, uncond_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def draw_variants(
+    table, geometry: Emu3PlanGeometry, seed: int, uncond_tokens: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(variant, length) per length-index row; length UNENCODABLE where the encoder skips the
     sample in the drawn task. The task draw is `pick_task`'s rule (generation with probability
     w_gen / (w_gen + w_und) for a record that can be one, else understanding), then the CFG drop

@@ -46,23 +46,36 @@ class PlanGeometry:
 
     def remedy(self, shards: Path, seq_length: int) -> str:
         """The command that makes the plan a recipe with this geometry needs."""
-        return (f"run `mmdata pack-plan {shards} --seq-length {seq_length} {self.flags()}` "
-                "(or `mmtrain pack-plan RECIPE.yaml`)")
+        return (
+            f"run `mmdata pack-plan {shards} --seq-length {seq_length} {self.flags()}` "
+            "(or `mmtrain pack-plan RECIPE.yaml`)"
+        )
 
     def media_tokens(self, record: dict) -> int:
         """LLM positions of a record's media, as the LLaVA-OV loader lays them out with this
         geometry (media_layout.media.media_tokens at the default one), from the validator's header sizes."""
         meta = record.get("meta") or {}
         sizes = meta.get("image_sizes") or []
-        total = sum(anyres.image_layout(h, w, len(sizes) == 1, image_size=self.image_size, patch_size=self.patch_size,
-                                        max_tiles=self.max_tiles, grid_max=self.grid_max)[1] for w, h, _ in sizes)
+        total = sum(
+            anyres.image_layout(
+                h,
+                w,
+                len(sizes) == 1,
+                image_size=self.image_size,
+                patch_size=self.patch_size,
+                max_tiles=self.max_tiles,
+                grid_max=self.grid_max,
+            )[1]
+            for w, h, _ in sizes
+        )
         video = meta.get("video_size_frames")
         if video:
             total += anyres.num_video_tokens(min(int(video[2]), self.video_frames), self.image_size, self.patch_size)
         return total
 
     def media_tiles(self, record: dict) -> int:
-        """Tiles and frames the vision tower encodes for a record with this geometry (media_layout.media.media_tiles)."""
+        """Tiles and frames the vision tower encodes for a record with this geometry "
+        "(media_layout.media.media_tiles)."""
         return media_tiles(record, image_size=self.image_size, grid_max=self.grid_max, video_frames=self.video_frames)
 
 
@@ -79,5 +92,8 @@ def plan_geometry(info: dict) -> PlanGeometry | Emu3PlanGeometry:
 
 def geometry_differences(have: PlanGeometry, want: PlanGeometry) -> list[str]:
     """`field plan X, recipe Y` for each field that differs."""
-    return [f"{k} {getattr(have, k)} (recipe: {getattr(want, k)})" for k in GEOMETRY_FIELDS
-            if getattr(have, k) != getattr(want, k)]
+    return [
+        f"{k} {getattr(have, k)} (recipe: {getattr(want, k)})"
+        for k in GEOMETRY_FIELDS
+        if getattr(have, k) != getattr(want, k)
+    ]

@@ -43,8 +43,11 @@ def read_lengths(root: Path) -> pa.Table:
     if not path.is_file():
         manifest = root / sf.MANIFEST_NAME
         tool = json.loads(manifest.read_text()).get("tool") if manifest.is_file() else None
-        how = "rerun `mmdata tokenize-images` with --tokenizer DIR (the Emu3 text tokenizer training uses)" \
-            if tool == "mmdata tokenize-images" else "run `mmdata preprocess` (it writes the length index)"
+        how = (
+            "rerun `mmdata tokenize-images` with --tokenizer DIR (the Emu3 text tokenizer training uses)"
+            if tool == "mmdata tokenize-images"
+            else "run `mmdata preprocess` (it writes the length index)"
+        )
         raise FileNotFoundError(f"{path} not found: {how}")
     return pq.read_table(path)
 
@@ -55,8 +58,9 @@ def require_vision_tiles(path: Path, names: list[str]) -> None:
         raise UserError(f"{path} has no {VISION_TILES} column: rerun `mmdata preprocess` (it writes the length index)")
 
 
-def recount_media(root: Path, table: pa.Table, geometry: PlanGeometry,
-                  on_shard: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def recount_media(
+    root: Path, table: pa.Table, geometry: PlanGeometry, on_shard: Callable[[int], None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Per length-index row: (its text tokens plus its media tokens, its vision tiles), the media
     recounted with `geometry` from the records in the shards (`{key}.json`, only those members are
     read). `on_shard(total)` is called once per shard read (progress)."""
@@ -74,13 +78,19 @@ def recount_media(root: Path, table: pa.Table, geometry: PlanGeometry,
             on_shard(len(shards))
     missing = index[media[index, 0] < 0]
     if len(missing):
-        raise FileNotFoundError(f"{root}: the shards lack the records of {plural(len(missing), 'sample')} of the length index "
-                                f"(e.g. key {int(missing[0]):010d}): rerun `mmdata preprocess`")
+        raise FileNotFoundError(
+            f"{root}: the shards lack the records of {plural(len(missing), 'sample')} of the length index "
+            f"(e.g. key {int(missing[0]):010d}): rerun `mmdata preprocess`"
+        )
     return table.column("text_tokens").to_numpy().astype(np.int64) + media[index, 0], media[index, 1]
 
 
-def image_plan_inputs(root: Path, table: pa.Table, geometry: PlanGeometry | Emu3PlanGeometry | None,
-                      on_shard: Callable[[int], None] | None = None) -> PlanInputs:
+def image_plan_inputs(
+    root: Path,
+    table: pa.Table,
+    geometry: PlanGeometry | Emu3PlanGeometry | None,
+    on_shard: Callable[[int], None] | None = None,
+) -> PlanInputs:
     """Image shards (`mmdata preprocess`): the length index's totals, or the image tokens
     recounted with another geometry."""
     if not isinstance(geometry, PlanGeometry | None):
@@ -96,5 +106,11 @@ def image_plan_inputs(root: Path, table: pa.Table, geometry: PlanGeometry | Emu3
         except FileNotFoundError as e:
             raise UserError(str(e)) from None
     text = (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode()
-    return PlanInputs(lengths, tiles, table.column("index").to_numpy(), geometry,
-                      f"image geometry {geometry.flags()}", {"text_tokens": text})
+    return PlanInputs(
+        lengths,
+        tiles,
+        table.column("index").to_numpy(),
+        geometry,
+        f"image geometry {geometry.flags()}",
+        {"text_tokens": text},
+    )

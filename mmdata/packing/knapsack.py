@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+
 def _best_subset(lengths: Sequence[int], capacity: int) -> list[int]:
     """Indices of a subset of `lengths` with the largest sum <= capacity (bitset subset-sum)."""
     reach = np.zeros(capacity + 1, dtype=bool)
@@ -49,4 +50,3 @@ def largest_first_knapsack(lengths: Sequence[int], capacity: int) -> list[list[i
         remaining = [i for i in remaining if i not in taken]
         bins.append(sorted([first, *picked]))
     return bins
-

@@ -73,20 +73,37 @@ def _short(value: object) -> str:
     return str(value)
 
 
-def write_plan(root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict,
-               columns: dict | None = None) -> Path:
+def write_plan(
+    root: Path, plan: PackPlan, index: np.ndarray, seed: int, meta: dict, columns: dict | None = None
+) -> Path:
     """The plan file; `columns` (per planned sample, aligned with `index`: numpy or pyarrow
     arrays) are written beside bin, index and tokens (the samples' vision `tiles`; an Emu3
     plan's `key` and `variant`)."""
     sizes = np.array([len(b) for b in plan.bins], dtype=np.int64)
     pos = np.concatenate(plan.bins) if plan.bins else np.zeros(0, dtype=np.int64)
-    info = {"format": PLAN_FORMAT, "seq_length": plan.seq_length, "seed": seed, "bins": len(plan.bins),
-            "samples": int(len(pos)), "tokens": int(plan.lengths.sum()), "efficiency": round(plan.efficiency, 6),
-            "over_length": plan.over_length, **meta}
-    extra = {name: col.take(pa.array(pos)) if isinstance(col, (pa.Array, pa.ChunkedArray)) else col[pos]
-             for name, col in (columns or {}).items()}
-    table = pa.table({"bin": np.repeat(np.arange(len(sizes), dtype=np.int64), sizes), "index": index[pos],
-                      "tokens": plan.lengths[pos].astype(np.int32), **extra})
+    info = {
+        "format": PLAN_FORMAT,
+        "seq_length": plan.seq_length,
+        "seed": seed,
+        "bins": len(plan.bins),
+        "samples": int(len(pos)),
+        "tokens": int(plan.lengths.sum()),
+        "efficiency": round(plan.efficiency, 6),
+        "over_length": plan.over_length,
+        **meta,
+    }
+    extra = {
+        name: col.take(pa.array(pos)) if isinstance(col, (pa.Array, pa.ChunkedArray)) else col[pos]
+        for name, col in (columns or {}).items()
+    }
+    table = pa.table(
+        {
+            "bin": np.repeat(np.arange(len(sizes), dtype=np.int64), sizes),
+            "index": index[pos],
+            "tokens": plan.lengths[pos].astype(np.int32),
+            **extra,
+        }
+    )
     table = table.replace_schema_metadata({META_KEY: json.dumps(info, sort_keys=True)})
     out = plan_path(root, plan.seq_length)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -99,6 +116,8 @@ def read_plan_info(path: Path) -> dict:
     """A plan file's metadata; PlanError for a plan of another format."""
     info = json.loads(pq.read_schema(path).metadata[META_KEY])
     if info.get("format") != PLAN_FORMAT:
-        raise PlanError(f"packing plan {path} has format {info.get('format')}, this mmdata reads format "
-                        f"{PLAN_FORMAT}: rerun `mmdata pack-plan` (or `mmtrain pack-plan RECIPE.yaml`) to rebuild it")
+        raise PlanError(
+            f"packing plan {path} has format {info.get('format')}, this mmdata reads format "
+            f"{PLAN_FORMAT}: rerun `mmdata pack-plan` (or `mmtrain pack-plan RECIPE.yaml`) to rebuild it"
+        )
     return info

@@ -65,20 +65,33 @@ class PackingReport:
     def __add__(self, other: PackingReport) -> PackingReport:
         if (self.cp, self.tp) != (other.cp, other.tp):
             raise ValueError(f"cannot add reports for CP{self.cp}/TP{self.tp} and CP{other.cp}/TP{other.tp}")
-        return PackingReport(self.rows + other.rows, self.capacity + other.capacity,
-                             self.real_tokens + other.real_tokens, self.computed_tokens + other.computed_tokens,
-                             self.cp, self.tp)
+        return PackingReport(
+            self.rows + other.rows,
+            self.capacity + other.capacity,
+            self.real_tokens + other.real_tokens,
+            self.computed_tokens + other.computed_tokens,
+            self.cp,
+            self.tp,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rows": self.rows, "capacity": self.capacity, "real_tokens": self.real_tokens,
-                "computed_tokens": self.computed_tokens, "cp": self.cp, "tp": self.tp,
-                "bin_fill": round(self.bin_fill, 6),
-                "executed_token_efficiency": round(self.executed_token_efficiency, 6)}
+        return {
+            "rows": self.rows,
+            "capacity": self.capacity,
+            "real_tokens": self.real_tokens,
+            "computed_tokens": self.computed_tokens,
+            "cp": self.cp,
+            "tp": self.tp,
+            "bin_fill": round(self.bin_fill, 6),
+            "executed_token_efficiency": round(self.executed_token_efficiency, 6),
+        }
 
     def line(self) -> str:
         """One line for a terminal: `bin fill 99.61% | executed-token efficiency 99.20% (CP2 TP1)`."""
-        return (f"bin fill {self.bin_fill:.2%} | executed-token efficiency {self.executed_token_efficiency:.2%} "
-                f"(CP{self.cp} TP{self.tp})")
+        return (
+            f"bin fill {self.bin_fill:.2%} | executed-token efficiency {self.executed_token_efficiency:.2%} "
+            f"(CP{self.cp} TP{self.tp})"
+        )
 
 
 def empty_report(cp: int = 1, tp: int = 1) -> PackingReport:
@@ -86,8 +99,9 @@ def empty_report(cp: int = 1, tp: int = 1) -> PackingReport:
     return PackingReport(0, 0, 0, 0, cp, tp)
 
 
-def report_from_bins(bins: np.ndarray, lengths: np.ndarray, seq_length: int, *, num_rows: int | None = None,
-                     cp: int = 1, tp: int = 1) -> PackingReport:
+def report_from_bins(
+    bins: np.ndarray, lengths: np.ndarray, seq_length: int, *, num_rows: int | None = None, cp: int = 1, tp: int = 1
+) -> PackingReport:
     """The report of rows given per sample: sample `i` (length `lengths[i]`, clipped to
     `seq_length` as the loader truncates it) sits in row `bins[i]`; `num_rows` (default
     max(bins) + 1) counts rows without samples too. Vectorised: a 45M-sample plan in seconds."""
@@ -116,12 +130,14 @@ def report_from_rows(rows: Iterable[Sequence[int]], seq_length: int, cp: int = 1
         lengths.extend(int(x) for x in row)
         bins.extend([r] * len(row))
         count = r + 1
-    return report_from_bins(np.array(bins, dtype=np.int64), np.array(lengths, dtype=np.int64), seq_length,
-                            num_rows=count, cp=cp, tp=tp)
+    return report_from_bins(
+        np.array(bins, dtype=np.int64), np.array(lengths, dtype=np.int64), seq_length, num_rows=count, cp=cp, tp=tp
+    )
 
 
-def report_from_cu_seqlens(cu_seqlens: Any, real_tokens: int, rows: int, seq_length: int,
-                           cp: int = 1, tp: int = 1) -> PackingReport:
+def report_from_cu_seqlens(
+    cu_seqlens: Any, real_tokens: int, rows: int, seq_length: int, cp: int = 1, tp: int = 1
+) -> PackingReport:
     """The report of one packed micro-batch from its host `cu_seqlens` (one segment per sample
     and per padding run over the flattened `[rows * seq_length]` stream, `PackedBatch`) and its
     real (non-padding) positions: computed = every segment padded to the CP multiple, as

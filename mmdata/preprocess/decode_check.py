@@ -37,11 +37,21 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # private mode table: tests/test_decode_check.py opens a PNG of each kind with the
 # installed Pillow and fails if its mode differs.
 PNG_MODES = {
-    (1, 0): "1", (2, 0): "L", (4, 0): "L", (8, 0): "L", (16, 0): "I;16",
-    (8, 2): "RGB", (16, 2): "RGB",
-    (1, 3): "P", (2, 3): "P", (4, 3): "P", (8, 3): "P",
-    (8, 4): "LA", (16, 4): "RGBA",
-    (8, 6): "RGBA", (16, 6): "RGBA",
+    (1, 0): "1",
+    (2, 0): "L",
+    (4, 0): "L",
+    (8, 0): "L",
+    (16, 0): "I;16",
+    (8, 2): "RGB",
+    (16, 2): "RGB",
+    (1, 3): "P",
+    (2, 3): "P",
+    (4, 3): "P",
+    (8, 3): "P",
+    (8, 4): "LA",
+    (16, 4): "RGBA",
+    (8, 6): "RGBA",
+    (16, 6): "RGBA",
 }
 # A chunk type is four ASCII letters (PNG spec 5.4; Pillow accepts any four word characters).
 _PNG_CHUNK_TYPE = re.compile(rb"\w{4}")
@@ -49,10 +59,27 @@ _PNG_CHUNK_TYPE = re.compile(rb"\w{4}")
 # not in _PNG_PLAIN_CHUNKS (text, ICC profile, EXIF, APNG, a second IHDR) sends the file to
 # Pillow; chunks outside it Pillow skips, CRC checked. A test compares this set with the
 # installed Pillow's reader, so a Pillow that starts handling another chunk is caught.
-PNG_PILLOW_CHUNKS = frozenset({
-    b"IHDR", b"PLTE", b"IDAT", b"IEND", b"tRNS", b"gAMA", b"cHRM", b"sRGB", b"pHYs", b"iCCP",
-    b"tEXt", b"zTXt", b"iTXt", b"eXIf", b"acTL", b"fcTL", b"fdAT",
-})
+PNG_PILLOW_CHUNKS = frozenset(
+    {
+        b"IHDR",
+        b"PLTE",
+        b"IDAT",
+        b"IEND",
+        b"tRNS",
+        b"gAMA",
+        b"cHRM",
+        b"sRGB",
+        b"pHYs",
+        b"iCCP",
+        b"tEXt",
+        b"zTXt",
+        b"iTXt",
+        b"eXIf",
+        b"acTL",
+        b"fcTL",
+        b"fdAT",
+    }
+)
 # Header chunks whose Pillow handler only records a value, with the length it needs (shorter:
 # Pillow refuses the file).
 _PNG_PLAIN_CHUNKS = {b"PLTE": 0, b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9}
@@ -76,15 +103,19 @@ def require_tested_webp(installed: str | None = None) -> None:
     version to judge (default: the installed distribution's)."""
     version = installed if installed is not None else metadata.version("webp")
     if version.split(".")[:2] != TESTED_WEBP.split("."):
-        raise RuntimeError(f"webp {version} is installed, but mmdata's WebP check is tested only with webp "
-                           f"{TESTED_WEBP}.x (it writes libwebp decoder options through that binding's layout): "
-                           f"install 'webp>={TESTED_WEBP},<0.{int(TESTED_WEBP.split('.')[1]) + 1}'")
+        raise RuntimeError(
+            f"webp {version} is installed, but mmdata's WebP check is tested only with webp "
+            f"{TESTED_WEBP}.x (it writes libwebp decoder options through that binding's layout): "
+            f"install 'webp>={TESTED_WEBP},<0.{int(TESTED_WEBP.split('.')[1]) + 1}'"
+        )
     size = webp.ffi.sizeof("WebPDecoderOptions")
     offset = webp.ffi.offsetof("WebPDecoderOptions", "use_threads")
     if (size, offset) != (_WEBP_OPTIONS_SIZE, _WEBP_USE_THREADS_OFFSET):
-        raise RuntimeError(f"webp {version}: its WebPDecoderOptions is {size} bytes with use_threads at byte "
-                           f"{offset}, not the {_WEBP_OPTIONS_SIZE} and {_WEBP_USE_THREADS_OFFSET} of libwebp's "
-                           "decoder ABI 0x02xx that mmdata's WebP check writes into")
+        raise RuntimeError(
+            f"webp {version}: its WebPDecoderOptions is {size} bytes with use_threads at byte "
+            f"{offset}, not the {_WEBP_OPTIONS_SIZE} and {_WEBP_USE_THREADS_OFFSET} of libwebp's "
+            "decoder ABI 0x02xx that mmdata's WebP check writes into"
+        )
 
 
 require_tested_webp()
@@ -151,7 +182,7 @@ def png_header(data: bytes) -> tuple[int, int, str] | None:
         return None
     pos = 8
     while pos + 12 <= n:
-        length, cid = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+        length, cid = int.from_bytes(data[pos : pos + 4], "big"), data[pos + 4 : pos + 8]
         if cid == b"IDAT":
             return w, h, mode
         end = pos + 8 + length
@@ -165,7 +196,7 @@ def png_header(data: bytes) -> tuple[int, int, str] | None:
                 return None
         elif pos != 8 and cid in PNG_PILLOW_CHUNKS:
             return None
-        if zlib.crc32(data[pos + 4:end]) != int.from_bytes(data[end:end + 4], "big"):
+        if zlib.crc32(data[pos + 4 : end]) != int.from_bytes(data[end : end + 4], "big"):
             return None
         pos = end + 4
     return None
@@ -181,13 +212,13 @@ def check_png_stream(data: bytes, w: int, h: int) -> None:
     need = h * stride
     parts, pos, n, seen_idat = [], 8, len(data), False
     while pos + 8 <= n:
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        cid = data[pos + 4:pos + 8]
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        cid = data[pos + 4 : pos + 8]
         if cid == b"IDAT":
             if pos + 8 + length > n:
                 raise OSError(f"image file is truncated (IDAT chunk at {pos} needs {length} bytes)")
             seen_idat = True
-            parts.append(data[pos + 8:pos + 8 + length])
+            parts.append(data[pos + 8 : pos + 8 + length])
         elif seen_idat or cid == b"IEND":
             break
         pos += 12 + length
@@ -201,7 +232,7 @@ def check_png_stream(data: bytes, w: int, h: int) -> None:
         pending = inflater.unconsumed_tail
         if not out:
             raise OSError(f"image file is truncated ({off} of {need} bytes of image data)")
-        filters = np.frombuffer(out, dtype=np.uint8)[(-off) % stride::stride]
+        filters = np.frombuffer(out, dtype=np.uint8)[(-off) % stride :: stride]
         if filters.size and int(filters.max()) > 4:
             raise OSError(f"unrecognized PNG row filter type {int(filters.max())}")
         off += len(out)

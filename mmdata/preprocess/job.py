@@ -57,8 +57,16 @@ from mmdata.shard_job.quarantine import concat_parts
 from mmdata.preprocess.rows import ROW_FORMAT
 from mmdata.shard_job.shard_writer import ShardResult, shard_work_file
 from mmdata.preprocess.shuffle_plan import ShardPlan, default_num_buckets, plan_shards
-from mmdata.preprocess.stages import (JobSpec, bucket_file, merge_bucket, scan_file, scan_unit, sort_bucket, subset_of,
-                                      write_shard_task)
+from mmdata.preprocess.stages import (
+    JobSpec,
+    bucket_file,
+    merge_bucket,
+    scan_file,
+    scan_unit,
+    sort_bucket,
+    subset_of,
+    write_shard_task,
+)
 from mmdata.preprocess.summary import summary_table
 from mmdata.preprocess.validation import ValidationConfig
 from mmdata.ray_job import remove, shard_outputs
@@ -117,11 +125,18 @@ class Curation:
     tokenizer_sha256: str | None = None
 
     def to_json(self) -> dict:
-        return {"filters": [r.expr for r in self.filters],
-                "dedup": None if self.dedup_distance is None else {
-                    "method": "phash", "distance": self.dedup_distance, "scope": self.dedup_scope,
-                    "bands": len(dedup.band_masks(self.dedup_distance))},
-                "mix": self.mix.to_json() if self.mix else None}
+        return {
+            "filters": [r.expr for r in self.filters],
+            "dedup": None
+            if self.dedup_distance is None
+            else {
+                "method": "phash",
+                "distance": self.dedup_distance,
+                "scope": self.dedup_scope,
+                "bands": len(dedup.band_masks(self.dedup_distance)),
+            },
+            "mix": self.mix.to_json() if self.mix else None,
+        }
 
 
 def parse_curation(cfg: PreprocessConfig) -> Curation:
@@ -148,10 +163,17 @@ def _job_description(cfg: PreprocessConfig, cur: Curation, units: list[InputUnit
     names the entries that differ (the manifest keeps it as `job`, `inputs` apart)."""
     inputs = [{"path": u.path, "rel": u.rel, "size": u.size, "mtime_ns": u.mtime_ns} for u in units]
     return {
-        "format_version": sf.FORMAT_VERSION, "dataset": cfg.dataset, "inputs": inputs, "seed": cfg.seed,
-        "samples_per_shard": cfg.samples_per_shard, "target_shard_bytes": cfg.target_shard_bytes,
-        "image_root": str(cfg.image_root) if cfg.image_root else None, "validation": asdict(cfg.validation),
-        "curation": cur.to_json(), "tokenizer": cur.tokenizer_sha256, "length_index": cfg.length_index,
+        "format_version": sf.FORMAT_VERSION,
+        "dataset": cfg.dataset,
+        "inputs": inputs,
+        "seed": cfg.seed,
+        "samples_per_shard": cfg.samples_per_shard,
+        "target_shard_bytes": cfg.target_shard_bytes,
+        "image_root": str(cfg.image_root) if cfg.image_root else None,
+        "validation": asdict(cfg.validation),
+        "curation": cur.to_json(),
+        "tokenizer": cur.tokenizer_sha256,
+        "length_index": cfg.length_index,
     }
 
 
@@ -168,8 +190,17 @@ def _index_shard(index: EnergonIndexWriter, work: Path, name: str) -> None:
     index.add(name, ShardLayout.from_json(shard_work_file(work, name, "layout.json").read_text()))
 
 
-def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[ShardResult], num_buckets: int,
-                    dedup: bool, text_tokens: str | None, index: EnergonIndexWriter, indexed: list[Future]) -> str | None:
+def _finish_outputs(
+    out: Path,
+    work: Path,
+    units: list[InputUnit],
+    shards: list[ShardResult],
+    num_buckets: int,
+    dedup: bool,
+    text_tokens: str | None,
+    index: EnergonIndexWriter,
+    indexed: list[Future],
+) -> str | None:
     """quarantine.jsonl, duplicates.jsonl, the length index (returns its sha256; None:
     `text_tokens` None, no index), then energon's index, whose shards were added as they were
     written (`indexed`), published atomically: with the manifest after it, it is what says
@@ -186,7 +217,8 @@ def _finish_outputs(out: Path, work: Path, units: list[InputUnit], shards: list[
     if text_tokens is not None:
         firsts = np.cumsum([0] + [s.samples for s in shards])
         lengths_sha = write_length_index(
-            out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)], text_tokens)
+            out, [(int(f), shard_work_file(work, n, "lengths")) for f, n in zip(firsts, names)], text_tokens
+        )
     index.finish()
     return lengths_sha
 
@@ -196,12 +228,20 @@ def _nothing_to_write(counts: Counts, files: int) -> str:
     c = counts.to_json()
     if c["read"] == 0:
         return f"no record to write: 0 records read from {plural(files, 'input file')}"
-    why = [f"{c['quarantined']:,} quarantined ("
-           + ", ".join(f"{r} {n:,}" for r, n in sorted(c["by_reason"].items(), key=lambda kv: -kv[1])[:3]) + ")"
-           ] if c["quarantined"] else []
+    why = (
+        [
+            f"{c['quarantined']:,} quarantined ("
+            + ", ".join(f"{r} {n:,}" for r, n in sorted(c["by_reason"].items(), key=lambda kv: -kv[1])[:3])
+            + ")"
+        ]
+        if c["quarantined"]
+        else []
+    )
     why += [f"{c[k]:,} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out") if c.get(k)]
-    return (f"no sample to write: of {plural(c['read'], 'record')} read, {', '.join(why)}; nothing was written. "
-            "Check --dataset, --image-root and the curation flags")
+    return (
+        f"no sample to write: of {plural(c['read'], 'record')} read, {', '.join(why)}; nothing was written. "
+        "Check --dataset, --image-root and the curation flags"
+    )
 
 
 def auto_samples_per_shard(valid_bytes: int, records: int, target_bytes: int) -> int:
@@ -229,7 +269,6 @@ def unmatched_terms(cfg: PreprocessConfig, cur: Curation, kind: str, known: set[
         if rule.field == kind and (bad := [v for v in rule.values() if v not in known]):
             problems.append(unmatched(f"--filter {rule.expr!r}", kind, bad, known))
     return "; ".join(problems) or None
-
 
 
 # ----------------------------------------------------------------------------- the job
@@ -301,59 +340,117 @@ class PreprocessJob(ResumableJob):
     def stages(self, run: JobRun) -> Iterator[Stage]:
         cfg, cur, units, work, nb = self.cfg, self.cur, self.units, run.work, self.num_buckets
         spec = self.spec = JobSpec(
-            cfg.dataset, cfg.seed, nb, cfg.validation, str(work), cur.filters, cur.dedup_distance, cur.dedup_scope,
-            cur.mix.by if cur.mix else None, write_counting_tokenizer(cfg.tokenizer, work) if cfg.tokenizer else None,
-            cfg.length_index)
+            cfg.dataset,
+            cfg.seed,
+            nb,
+            cfg.validation,
+            str(work),
+            cur.filters,
+            cur.dedup_distance,
+            cur.dedup_scope,
+            cur.mix.by if cur.mix else None,
+            write_counting_tokenizer(cfg.tokenizer, work) if cfg.tokenizer else None,
+            cfg.length_index,
+        )
         self.loss = LossCheck(len(units), cfg.max_quarantine_fraction, lambda i: scan_file(work, i, "quarantine.jsonl"))
         scan, find, resolve, sort, merge, write = (
-            run.remote(f) for f in (scan_unit, dedup.dedup_partition, dedup.resolve_bucket, sort_bucket, merge_bucket,
-                                    write_shard_task))
+            run.remote(f)
+            for f in (
+                scan_unit,
+                dedup.dedup_partition,
+                dedup.resolve_bucket,
+                sort_bucket,
+                merge_bucket,
+                write_shard_task,
+            )
+        )
         buckets = list(range(nb))
         # 1. scan + validate
-        yield Stage("scan+validate", "scan", "scan_s", units, submit=lambda u: scan.remote(u, spec),
-                    recorded=json_marker(lambda u: scan_file(work, u.index, "done.json")), on_result=self._scanned,
-                    noun="input file", records=lambda: self.counts.read)
+        yield Stage(
+            "scan+validate",
+            "scan",
+            "scan_s",
+            units,
+            submit=lambda u: scan.remote(u, spec),
+            recorded=json_marker(lambda u: scan_file(work, u.index, "done.json")),
+            on_result=self._scanned,
+            noun="input file",
+            records=lambda: self.counts.read,
+        )
         self.candidates, self.candidate_bytes = self.counts.written, self.counts.valid_bytes
         # sources are the records' own field: known once every file is scanned, before any output
         if problem := unmatched_terms(cfg, cur, "source", set(self.counts.by_source)):
             run.refuse(problem)
         # 2. near-duplicates: candidates per LSH partition, then each dropped record's best neighbour
         if spec.dedup:
-            yield Stage("dedup: find", "dedup_find", "dedup_s", buckets,
-                        submit=lambda p: find.remote(p, len(units), nb, spec.dedup_distance, str(work)),
-                        recorded=json_marker(lambda p: dedup.partition_marker(work, p)))
-            yield Stage("dedup: resolve", "dedup_resolve", "dedup_s", buckets,
-                        submit=lambda b: resolve.remote(b, nb, str(work)),
-                        recorded=json_marker(lambda b: dedup.resolve_marker(work, b)),
-                        on_result=lambda b, r: self.dropped_by_group.update(r["by_group"]))
+            yield Stage(
+                "dedup: find",
+                "dedup_find",
+                "dedup_s",
+                buckets,
+                submit=lambda p: find.remote(p, len(units), nb, spec.dedup_distance, str(work)),
+                recorded=json_marker(lambda p: dedup.partition_marker(work, p)),
+            )
+            yield Stage(
+                "dedup: resolve",
+                "dedup_resolve",
+                "dedup_s",
+                buckets,
+                submit=lambda b: resolve.remote(b, nb, str(work)),
+                recorded=json_marker(lambda b: dedup.resolve_marker(work, b)),
+                on_result=lambda b, r: self.dropped_by_group.update(r["by_group"]),
+            )
         # 3. sort buckets (dedup applied, mix factors from the groups' counts after dedup)
         mix_factors, spill = self._mix_factors()
         self.bucket_counts = [0] * nb
-        yield Stage("sort buckets", "sort", "sort_s", buckets,
-                    submit=lambda b: sort.remote(b, len(units), spec, mix_factors, spill),
-                    recorded=json_marker(lambda b: bucket_file(work, b, "done.json")), on_result=self._sorted)
+        yield Stage(
+            "sort buckets",
+            "sort",
+            "sort_s",
+            buckets,
+            submit=lambda b: sort.remote(b, len(units), spec, mix_factors, spill),
+            recorded=json_marker(lambda b: bucket_file(work, b, "done.json")),
+            on_result=self._sorted,
+        )
         if spill:  # repeated copies landed in other buckets: add them there
-            yield Stage("merge repeats", "merge", "sort_s", buckets, submit=lambda b: merge.remote(b, spec),
-                        recorded=json_marker(lambda b: bucket_file(work, b, "merged.json")),
-                        on_result=self._merged)
+            yield Stage(
+                "merge repeats",
+                "merge",
+                "sort_s",
+                buckets,
+                submit=lambda b: merge.remote(b, spec),
+                recorded=json_marker(lambda b: bucket_file(work, b, "merged.json")),
+                on_result=self._merged,
+            )
         if sum(self.bucket_counts) != self.counts.written or not self.counts.reconciles():
-            raise RuntimeError(f"internal: buckets hold {sum(self.bucket_counts)} rows, "
-                               f"counts say {self.counts.to_json()}")
+            raise RuntimeError(
+                f"internal: buckets hold {sum(self.bucket_counts)} rows, counts say {self.counts.to_json()}"
+            )
         if sum(self.bucket_counts) == 0:  # leave nothing behind
             run.refuse(_nothing_to_write(self.counts, len(units)))
         if self.mix_report is not None:
-            self.mix_report["realised"] = {g: self.realised.get(g, Counter())["kept"]
-                                           + self.realised.get(g, Counter())["repeated"]
-                                           for g in self.mix_report["target"]}
+            self.mix_report["realised"] = {
+                g: self.realised.get(g, Counter())["kept"] + self.realised.get(g, Counter())["repeated"]
+                for g in self.mix_report["target"]
+            }
         # 4. write shards; each is indexed (on the runner's background thread) once it and all before it are written
-        self.sps = cfg.samples_per_shard or auto_samples_per_shard(self.candidate_bytes, self.candidates,
-                                                                   cfg.target_shard_bytes)
+        self.sps = cfg.samples_per_shard or auto_samples_per_shard(
+            self.candidate_bytes, self.candidates, cfg.target_shard_bytes
+        )
         plans = plan_shards(self.bucket_counts, self.sps)
         self.results: list[dict | None] = [None] * len(plans)
         self.index = EnergonIndexWriter(run.out)
-        yield Stage("write shards", "shards", "write_s", plans, submit=lambda p: write.remote(p, spec, str(run.out), spill),
-                    on_result=lambda p, r: self._wrote(run, p, r), noun="shard", records=lambda: self.written,
-                    record_noun="samples")
+        yield Stage(
+            "write shards",
+            "shards",
+            "write_s",
+            plans,
+            submit=lambda p: write.remote(p, spec, str(run.out), spill),
+            on_result=lambda p, r: self._wrote(run, p, r),
+            noun="shard",
+            records=lambda: self.written,
+            record_noun="samples",
+        )
 
     # ------------------------------------------------------------------ stage results
 
@@ -373,8 +470,11 @@ class PreprocessJob(ResumableJob):
         if set(dropped) - set(by_key):
             raise RuntimeError("internal: duplicates counted for a mix group no scan saw")
         targets, mix_factors = _mix_plan(self.cur.mix, available)
-        self.mix_report = {"available": {g: available.get(g, 0) for g in targets}, "target": targets,
-                           "factor": {g: round(f, 6) for g, f in mix_factors.items()}}
+        self.mix_report = {
+            "available": {g: available.get(g, 0) for g in targets},
+            "target": targets,
+            "factor": {g: round(f, 6) for g, f in mix_factors.items()},
+        }
         return mix_factors, any(f > 1 for f in mix_factors.values())
 
     def _sorted(self, bucket: int, result: dict) -> None:
@@ -397,15 +497,26 @@ class PreprocessJob(ResumableJob):
     def finish(self, run: JobRun) -> None:
         self.shards = [ShardResult(r["name"], r["samples"], r["bytes"], r["sha256"]) for r in self.results]  # type: ignore[index]
         self.text_tokens = None if not self.spec.lengths else "tokenizer" if self.spec.tokenizer else "estimate"
-        self.lengths_sha = _finish_outputs(run.out, run.work, self.units, self.shards, self.num_buckets,
-                                           self.spec.dedup, self.text_tokens, self.index, self.indexed)
+        self.lengths_sha = _finish_outputs(
+            run.out,
+            run.work,
+            self.units,
+            self.shards,
+            self.num_buckets,
+            self.spec.dedup,
+            self.text_tokens,
+            self.index,
+            self.indexed,
+        )
 
     def manifest(self, run: JobRun) -> dict:
         cfg, cur, job = self.cfg, self.cur, self.job
         curation = cur.to_json()
         if curation["dedup"] is not None:
-            curation["dedup"]["phash_images"] = {"from_field": self.phash["from_field"],
-                                                 "computed": self.phash["computed"]}
+            curation["dedup"]["phash_images"] = {
+                "from_field": self.phash["from_field"],
+                "computed": self.phash["computed"],
+            }
         if self.mix_report is not None:
             curation["mix"] = {**curation["mix"], **self.mix_report}
         return {
@@ -416,24 +527,39 @@ class PreprocessJob(ResumableJob):
             "dataset": cfg.dataset,
             "seed": cfg.seed,
             "samples_per_shard": self.sps,
-            "options": {"image_root": str(cfg.image_root) if cfg.image_root else None,
-                        "validation": asdict(cfg.validation), "target_shard_bytes": cfg.target_shard_bytes},
+            "options": {
+                "image_root": str(cfg.image_root) if cfg.image_root else None,
+                "validation": asdict(cfg.validation),
+                "target_shard_bytes": cfg.target_shard_bytes,
+            },
             "inputs": job["inputs"],
             "job": {k: v for k, v in job.items() if k != "inputs"},
             "counts": self.counts.to_json(),
             "curation": curation,
             "shards": [asdict(s) for s in self.shards],
-            "length_index": None if self.lengths_sha is None else {
-                "file": LENGTHS_NAME, "sha256": self.lengths_sha, "text_tokens": self.text_tokens,
-                "tokenizer_sha256": cur.tokenizer_sha256},
-            "energon": {"sample_type": "mmdata.energon_loaders.sample.ConversationSample",
-                        "split": {"train": len(self.shards)}},
+            "length_index": None
+            if self.lengths_sha is None
+            else {
+                "file": LENGTHS_NAME,
+                "sha256": self.lengths_sha,
+                "text_tokens": self.text_tokens,
+                "tokenizer_sha256": cur.tokenizer_sha256,
+            },
+            "energon": {
+                "sample_type": "mmdata.energon_loaders.sample.ConversationSample",
+                "split": {"train": len(self.shards)},
+            },
             "wall_time_s": run.wall_time_s(),
-            "run": {"output": str(run.out), "num_buckets": self.num_buckets, "resumed": run.resumed,
-                    "phases": run.phases, "task_cpu_s": run.task_cpu_s,
-                    "task_nodes": dict(sorted(run.task_nodes.items())),
-                    "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
-                    "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local"},
+            "run": {
+                "output": str(run.out),
+                "num_buckets": self.num_buckets,
+                "resumed": run.resumed,
+                "phases": run.phases,
+                "task_cpu_s": run.task_cpu_s,
+                "task_nodes": dict(sorted(run.task_nodes.items())),
+                "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
+                "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
+            },
         }
 
     def summary(self, manifest: dict, out: Path):

@@ -25,17 +25,32 @@ def _arrow_column(pa, values: np.ndarray, type_):
 def write_length_index(out: Path, parts: list[tuple[int, Path]], text_tokens: str) -> str:
     """`lengths.parquet` from the shards' parts [(first global index, part file)], one row
     group per shard, streamed (memory: one shard). Returns its sha256."""
-    schema = pa.schema([("index", pa.int64()), ("shard", pa.int32()), ("text_tokens", pa.int32()),
-                        ("image_tokens", pa.int32()), ("total_tokens", pa.int32()), (VISION_TILES, pa.int32())],
-                       metadata={"mmdata.text_tokens": text_tokens})
+    schema = pa.schema(
+        [
+            ("index", pa.int64()),
+            ("shard", pa.int32()),
+            ("text_tokens", pa.int32()),
+            ("image_tokens", pa.int32()),
+            ("total_tokens", pa.int32()),
+            (VISION_TILES, pa.int32()),
+        ],
+        metadata={"mmdata.text_tokens": text_tokens},
+    )
     tmp = out / f".{LENGTHS_NAME}.tmp"
     with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         for shard, (first, part) in enumerate(parts):
             a = np.fromfile(part, dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS)
             n = len(a)
-            columns = [np.arange(first, first + n, dtype=np.int64), np.full(n, shard, dtype=np.int32),
-                       a[:, 0], a[:, 1], a[:, 0] + a[:, 1], a[:, 2]]
-            writer.write_table(pa.Table.from_arrays(
-                [_arrow_column(pa, c, f.type) for c, f in zip(columns, schema)], schema=schema))
+            columns = [
+                np.arange(first, first + n, dtype=np.int64),
+                np.full(n, shard, dtype=np.int32),
+                a[:, 0],
+                a[:, 1],
+                a[:, 0] + a[:, 1],
+                a[:, 2],
+            ]
+            writer.write_table(
+                pa.Table.from_arrays([_arrow_column(pa, c, f.type) for c, f in zip(columns, schema)], schema=schema)
+            )
     tmp.replace(out / LENGTHS_NAME)
     return sha256_file(out / LENGTHS_NAME)

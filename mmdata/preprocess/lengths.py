@@ -30,8 +30,14 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from mmdata.energon_loaders.llava_ov.chat_template import (IM_END, IM_START, IMAGE_TOKEN, VIDEO_TOKEN, ChatTokenizer,
-                                                           ConversationError)
+from mmdata.energon_loaders.llava_ov.chat_template import (
+    IM_END,
+    IM_START,
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+    ChatTokenizer,
+    ConversationError,
+)
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.media_layout.media import media_tiles, media_tokens
 from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
@@ -76,8 +82,12 @@ def write_counting_tokenizer(folder: str | Path, work: str | Path) -> str:
         return str(Path(folder).resolve())
     chat = ChatTokenizer(hf)  # as the loader builds it (which may add tokens to `hf`): then save
     ids = (chat.im_start_id, chat.im_end_id, chat.image_token_id, chat.video_token_id)
-    doc = {"backend": hf.backend_tokenizer.to_str(), "unk_token_id": hf.unk_token_id, "pad_token_id": hf.pad_token_id,
-           "token_ids": dict(zip((IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN), ids))}
+    doc = {
+        "backend": hf.backend_tokenizer.to_str(),
+        "unk_token_id": hf.unk_token_id,
+        "pad_token_id": hf.pad_token_id,
+        "token_ids": dict(zip((IM_START, IM_END, IMAGE_TOKEN, VIDEO_TOKEN), ids)),
+    }
     out = Path(work) / COUNTING_TOKENIZER_NAME
     out.write_text(json.dumps(doc, sort_keys=True))
     return str(out)

@@ -28,8 +28,13 @@ class SystematicLoss(UserError):
 
 
 class LossCheck:
-    def __init__(self, num_units: int, max_fraction: float, quarantine_part: Callable[[int], Path],
-                 first_records: int = DEFAULT_FIRST_RECORDS):
+    def __init__(
+        self,
+        num_units: int,
+        max_fraction: float,
+        quarantine_part: Callable[[int], Path],
+        first_records: int = DEFAULT_FIRST_RECORDS,
+    ):
         self.num_units, self.max_fraction, self.first_records = num_units, max_fraction, first_records
         self.quarantine_part = quarantine_part  # unit index -> its scan's quarantine lines
         self.pending: dict[int, dict] = {}  # scanned units not yet in the prefix
@@ -68,7 +73,8 @@ class LossCheck:
             f"allows. That is almost always a misconfiguration (wrong --dataset or --image-root, an input "
             f"layout the adapter does not know), not bad data. Examples:{shown}\n"
             f"Nothing was written. Fix the cause, or rerun with --max-quarantine-fraction 1.0 to accept the "
-            f"loss (the files scanned so far are reused).")
+            f"loss (the files scanned so far are reused)."
+        )
 
     def _examples(self, reason: str) -> list[dict]:
         out: list[dict] = []

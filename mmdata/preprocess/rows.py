@@ -58,7 +58,7 @@ def read_rows(rows_path: Path, offsets_path: Path, start: int, stop: int) -> lis
     with open(rows_path, "rb") as f:
         f.seek(lo)
         data = f.read(offs[-1] - lo)
-    return [data[a - lo:b - lo] for a, b in zip(offs, offs[1:])]
+    return [data[a - lo : b - lo] for a, b in zip(offs, offs[1:])]
 
 
 def read_all_rows(rows_path: Path, offsets_path: Path) -> list[bytes]:
@@ -86,7 +86,9 @@ def save_grouped(path: Path, records: np.ndarray, group: np.ndarray, num_groups:
     """Fixed-size records ordered by `group` (stable), with `<path>.groups.i64` offsets."""
     order = np.argsort(group, kind="stable")
     write_bytes_atomic(path, records[order].tobytes())
-    save_offsets(path.with_name(path.name + ".groups.i64"), np.r_[0, np.cumsum(np.bincount(group, minlength=num_groups))])
+    save_offsets(
+        path.with_name(path.name + ".groups.i64"), np.r_[0, np.cumsum(np.bincount(group, minlength=num_groups))]
+    )
 
 
 def load_grouped(path: Path, dtype: np.dtype, group: int) -> np.ndarray:
@@ -108,33 +110,54 @@ ROW_FORMAT = 8  # bump when the encoding or the record content changes: unfinish
 # OS paths and tar member names cannot contain one, and the validator replaces it in `source`.
 
 
-def encode_row(key: int, rid: str, handle: tuple[int, int], source: str, subset: str, record_json: str,
-               media: Iterable[tuple[str, int, int, str]], tokens: tuple[int, ...] = (0, 0, 0)) -> bytes:
+def encode_row(
+    key: int,
+    rid: str,
+    handle: tuple[int, int],
+    source: str,
+    subset: str,
+    record_json: str,
+    media: Iterable[tuple[str, int, int, str]],
+    tokens: tuple[int, ...] = (0, 0, 0),
+) -> bytes:
     if "\0" in rid:
         raise ValueError(f"record id contains NUL: {rid!r}")
     head = f"{rid}\0{handle[0]}:{handle[1]}\0{source}\0{subset}\0{':'.join(str(int(n)) for n in tokens)}\0"
     # Names may hold undecodable bytes (surrogate escapes, as os.fsencode); the JSON must be UTF-8.
     refs = "".join(f"\0{path}\0{offset}\0{size}\0{suffix}" for path, offset, size, suffix in media)
-    return b"".join((key.to_bytes(8, "big"), head.encode("utf-8", "surrogateescape"), record_json.encode(),
-                     refs.encode("utf-8", "surrogateescape")))
+    return b"".join(
+        (
+            key.to_bytes(8, "big"),
+            head.encode("utf-8", "surrogateescape"),
+            record_json.encode(),
+            refs.encode("utf-8", "surrogateescape"),
+        )
+    )
 
 
 def row_head(row: bytes) -> tuple[str, tuple[int, int], str, str]:
     """(rid, handle, source, subset) of an encoded row."""
     rid, handle, source, subset, _ = row[8:].split(b"\0", 4)  # (the rest: tokens, record, media)
     unit, _, ordinal = handle.partition(b":")
-    return (rid.decode("utf-8", "surrogateescape"), (int(unit), int(ordinal)), source.decode("utf-8", "surrogateescape"),
-            subset.decode("utf-8", "surrogateescape"))
+    return (
+        rid.decode("utf-8", "surrogateescape"),
+        (int(unit), int(ordinal)),
+        source.decode("utf-8", "surrogateescape"),
+        subset.decode("utf-8", "surrogateescape"),
+    )
 
 
 def decode_row(row: bytes) -> tuple[bytes, list[tuple[str, int, int, str]], tuple[int, ...]]:
     """(record JSON bytes, [(path, offset, size, suffix)], (text tokens, media tokens, vision tiles))."""
     f = row[8:].split(b"\0")
     m = [x.decode("utf-8", "surrogateescape") for x in f[6:]]
-    return f[5], [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])], \
-        tuple(int(x) for x in f[4].split(b":"))
+    return (
+        f[5],
+        [(p, int(o), int(n), s) for p, o, n, s in zip(m[0::4], m[1::4], m[2::4], m[3::4])],
+        tuple(int(x) for x in f[4].split(b":")),
+    )
 
 
 def rekey_row(row: bytes, key: int, rid: str) -> bytes:
     """The same record under another shuffle key and identity (a repeated copy)."""
-    return key.to_bytes(8, "big") + rid.encode("utf-8", "surrogateescape") + row[8:][row[8:].index(b"\0"):]
+    return key.to_bytes(8, "big") + rid.encode("utf-8", "surrogateescape") + row[8:][row[8:].index(b"\0") :]

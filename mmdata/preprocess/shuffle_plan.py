@@ -30,8 +30,9 @@ def bucket_of(key: int, num_buckets: int) -> int:
     return (key * num_buckets) >> KEY_BITS
 
 
-def default_num_buckets(total_input_bytes: int, target_bytes_per_bucket: int = 1 << 30, floor: int = 8,
-                        cap: int = 4096) -> int:
+def default_num_buckets(
+    total_input_bytes: int, target_bytes_per_bucket: int = 1 << 30, floor: int = 8, cap: int = 4096
+) -> int:
     """Derived from input size only (never from the worker count, so a resumed job on another
     cluster keeps its work): about 1 GiB of input per bucket, and at least `floor` buckets so
     that sorting small inputs is still spread over several cores."""

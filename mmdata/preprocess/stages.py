@@ -37,8 +37,17 @@ from mmdata.preprocess.lengths import LENGTHS_COLUMNS, LENGTHS_DTYPE, LengthCoun
 from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line
 from mmdata.preprocess.rows import (
-    concat_rows, decode_row, encode_row, load_row_group, read_all_rows, read_rows, rekey_row, row_head,
-    save_offsets, save_row_groups, write_bytes_atomic,
+    concat_rows,
+    decode_row,
+    encode_row,
+    load_row_group,
+    read_all_rows,
+    read_rows,
+    rekey_row,
+    row_head,
+    save_offsets,
+    save_row_groups,
+    write_bytes_atomic,
 )
 from mmdata.shard_job.shard_writer import FileRange, SampleMembers, sha256_file, shard_work_file, write_shard
 from mmdata.preprocess.shuffle_plan import ShardPlan, bucket_of, shuffle_key
@@ -163,8 +172,9 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
                 kept += 1
                 media = [(m.path, m.offset, m.size, suffix) for m, suffix in res.media]
                 tokens = lengths(res.record) if lengths else (0, 0, 0)
-                by_bucket[bucket].append(encode_row(key, raw.rid, handle, source, subset, res.record_json, media,
-                                                    tokens))
+                by_bucket[bucket].append(
+                    encode_row(key, raw.rid, handle, source, subset, res.record_json, media, tokens)
+                )
                 counts.add_record(source, True, nbytes=len(res.record_json) + sum(m.size for m, _ in res.media))
                 group = spec.group_of(source, subset) if spec.mix_by else ""
                 if spec.mix_by:
@@ -175,9 +185,17 @@ def scan_unit(unit: InputUnit, spec: JobSpec) -> dict:
                         hashes, computed = image_hashes(res.record["meta"].get("phash"), res.image_bytes)
                         phash["computed" if computed else "from_field"] += len(hashes)
                         pixels = sum(w * h for w, h, _ in res.record["meta"]["image_sizes"])
-                        entries.add(hashes, conversation_key(res.record["conversations"]), pixels,
-                                    key64(f"{res.record['id']}\0{source}"), key64(raw.rid), unit.index, handle[1], key,
-                                    key64(group) if spec.mix_by else 0)
+                        entries.add(
+                            hashes,
+                            conversation_key(res.record["conversations"]),
+                            pixels,
+                            key64(f"{res.record['id']}\0{source}"),
+                            key64(raw.rid),
+                            unit.index,
+                            handle[1],
+                            key,
+                            key64(group) if spec.mix_by else 0,
+                        )
             if error is not None:
                 raise error
     except Exception as e:  # noqa: BLE001 - an unreadable input file is quarantined as a whole
@@ -221,15 +239,27 @@ def _drop_duplicates(rows: list[bytes], bucket: int, spec: JobSpec, tally) -> li
             continue
         tally(source, "duplicates")
         (record_id, location), (nid, nlocation) = _record_ref(spec.work, handle), _record_ref(spec.work, drop[:2])
-        lines.append(json.dumps({"id": record_id, "source_location": location, "duplicate_of": nid,
-                                 "duplicate_of_location": nlocation, "distance": drop[2], "scope": spec.dedup_scope},
-                                ensure_ascii=False, sort_keys=True))
+        lines.append(
+            json.dumps(
+                {
+                    "id": record_id,
+                    "source_location": location,
+                    "duplicate_of": nid,
+                    "duplicate_of_location": nlocation,
+                    "distance": drop[2],
+                    "scope": spec.dedup_scope,
+                },
+                ensure_ascii=False,
+                sort_keys=True,
+            )
+        )
     write_bytes_atomic(bucket_file(spec.work, bucket, "duplicates.jsonl"), "".join(x + "\n" for x in lines).encode())
     return kept
 
 
-def _apply_mix(rows: list[bytes], bucket: int, factors: dict[str, float], spec: JobSpec, tally,
-               copies_out: list[list[bytes]]) -> list[bytes]:
+def _apply_mix(
+    rows: list[bytes], bucket: int, factors: dict[str, float], spec: JobSpec, tally, copies_out: list[list[bytes]]
+) -> list[bytes]:
     """Each record written `mix.copies` times (0: mixed out); a repeated copy gets its own
     shuffle key, so it goes to whichever bucket that key falls in."""
     out: list[bytes] = []
@@ -249,8 +279,9 @@ def _apply_mix(rows: list[bytes], bucket: int, factors: dict[str, float], spec: 
     return out
 
 
-def sort_bucket(bucket: int, num_units: int, spec: JobSpec, factors: dict[str, float] | None = None,
-                spill: bool = False) -> dict:
+def sort_bucket(
+    bucket: int, num_units: int, spec: JobSpec, factors: dict[str, float] | None = None, spill: bool = False
+) -> dict:
     """Gather one bucket's rows from every scan run, drop its duplicates (--dedup), apply the mix
     factors (--mix; repeated copies for other buckets spilled when `spill`), and sort them by
     (key, rid). Returns the count and the curation tallies per source and per mix group."""
@@ -279,8 +310,11 @@ def sort_bucket(bucket: int, num_units: int, spec: JobSpec, factors: dict[str, f
     save_offsets(offs_path, offsets)
     if spill:
         save_row_groups(bucket_file(w, bucket, "copies"), copies_out)
-    result = {"count": len(rows), "curation": {s: dict(c) for s, c in sorted(curation.items())},
-              "mix": {g: dict(c) for g, c in sorted(mix.items())}}
+    result = {
+        "count": len(rows),
+        "curation": {s: dict(c) for s, c in sorted(curation.items())},
+        "mix": {g: dict(c) for g, c in sorted(mix.items())},
+    }
     write_bytes_atomic(bucket_file(w, bucket, "done.json"), json.dumps(result).encode())
     return result
 
@@ -354,14 +388,17 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
     path, marker = o / name, shard_work_file(w, name, "json")
-    layout_path, index_path = shard_work_file(w, name, "layout.json"), o / f"{name[:-len('.tar')]}{TAR_INDEX_SUFFIX}"
+    layout_path, index_path = shard_work_file(w, name, "layout.json"), o / f"{name[: -len('.tar')]}{TAR_INDEX_SUFFIX}"
     lengths_path = shard_work_file(w, name, "lengths")
     if all(p.exists() for p in (marker, path, layout_path, index_path, lengths_path)):
         done = json.loads(marker.read_text())
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
             return {**done, "resumed": True}
-    rows = [decode_row(row) for sl in plan.slices
-            for row in read_rows(*bucket_rows(w, sl.bucket, merged), sl.start, sl.stop)]
+    rows = [
+        decode_row(row)
+        for sl in plan.slices
+        for row in read_rows(*bucket_rows(w, sl.bucket, merged), sl.start, sl.stop)
+    ]
     files = _InputFiles()
 
     def samples() -> Iterator[SampleMembers]:
@@ -387,8 +424,8 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
     # length index before the marker.
     write_tar_index(path, layout)
     write_bytes_atomic(layout_path, layout.to_json().encode())
-    write_bytes_atomic(lengths_path, np.array([r[2] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS).tobytes())
+    write_bytes_atomic(
+        lengths_path, np.array([r[2] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS).tobytes()
+    )
     write_bytes_atomic(marker, json.dumps(asdict(result)).encode())
     return {**asdict(result), "resumed": False}
-
-

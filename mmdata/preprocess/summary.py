@@ -14,7 +14,9 @@ def summary_table(manifest: dict, out: Path | None = None) -> Table:
     """The run's counts; `out` is where the shards are now (the manifest's `run.output` is where
     they were written, which differs for a copied folder)."""
     c = manifest["counts"]
-    cols = ["read", "written", "quarantined"] + [k for k in ("filtered", "duplicates", "mixed_out", "repeated") if c.get(k)]
+    cols = ["read", "written", "quarantined"] + [
+        k for k in ("filtered", "duplicates", "mixed_out", "repeated") if c.get(k)
+    ]
     t = Table(title=f"mmdata preprocess: {out or manifest['run']['output']}")
     t.add_column("what")
     for col in cols:
@@ -30,12 +32,15 @@ def summary_table(manifest: dict, out: Path | None = None) -> Table:
     wall = manifest.get("wall_time_s") or 0.0
     resumed = any((manifest.get("run") or {}).get("resumed", {}).values())
     rate = "resumed run" if resumed else f"{c['read'] / max(wall, 1e-9):,.0f} records/s"
-    t.caption = (f"{shards_line(manifest['shards'])}, {format_bytes(total_bytes)}, {wall:.1f} s ({rate})\n"
-                 f"{media_resolution_line(c['media_resolution'])}")
+    t.caption = (
+        f"{shards_line(manifest['shards'])}, {format_bytes(total_bytes)}, {wall:.1f} s ({rate})\n"
+        f"{media_resolution_line(c['media_resolution'])}"
+    )
     mix = (manifest.get("curation") or {}).get("mix")
     if mix and "realised" in mix:
         t.caption += "\nmix (target → realised): " + " · ".join(
-            f"{g or '(none)'} {mix['target'][g]:,} → {mix['realised'][g]:,}" for g in mix["target"])
+            f"{g or '(none)'} {mix['target'][g]:,} → {mix['realised'][g]:,}" for g in mix["target"]
+        )
     return t
 
 
@@ -46,7 +51,7 @@ def media_resolution_line(mr: dict[str, int]) -> str:
 
 
 def shards_line(shards: list[dict]) -> str:
-    """"4 shards of 50 samples (the last 44)" from the shards' own sample counts."""
+    """ "4 shards of 50 samples (the last 44)" from the shards' own sample counts."""
     counts = [int(s["samples"]) for s in shards]
     if not counts:
         return "0 shards"

@@ -20,10 +20,25 @@ from mmdata.shard_format import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SampleReco
 
 # Reason codes (machine-readable; documented in docs/preprocess.md).
 REASONS = (
-    "json_missing", "json_malformed", "schema_invalid", "conversation_malformed",
-    "image_missing", "image_empty", "image_truncated", "image_undecodable", "image_too_large",
-    "placeholder_mismatch", "video_missing", "video_empty", "video_undecodable", "video_too_large",
-    "input_truncated", "input_unreadable", "conversation_too_long", "media_outside_input", "unsafe_member_name",
+    "json_missing",
+    "json_malformed",
+    "schema_invalid",
+    "conversation_malformed",
+    "image_missing",
+    "image_empty",
+    "image_truncated",
+    "image_undecodable",
+    "image_too_large",
+    "placeholder_mismatch",
+    "video_missing",
+    "video_empty",
+    "video_undecodable",
+    "video_too_large",
+    "input_truncated",
+    "input_unreadable",
+    "conversation_too_long",
+    "media_outside_input",
+    "unsafe_member_name",
     "duplicate_key",
 )
 ROLES = {"human", "gpt", "system"}
@@ -143,7 +158,11 @@ def check_image(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str, int
         raise _Reject("image_too_large", f"{name}: {e}") from None
     except OSError as e:
         msg = str(e)
-        reason = "image_truncated" if "truncated" in msg or "broken data stream" in msg or "premature" in msg.lower() else "image_undecodable"
+        reason = (
+            "image_truncated"
+            if "truncated" in msg or "broken data stream" in msg or "premature" in msg.lower()
+            else "image_undecodable"
+        )
         raise _Reject(reason, f"{name}: {msg}") from None
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad image, not a crash
         raise _Reject("image_undecodable", f"{name}: {type(e).__name__}: {e}") from None
@@ -206,8 +225,10 @@ def _conversations(obj: dict, cfg: ValidationConfig) -> list[dict]:
         raise _Reject("conversation_malformed", "needs a human turn first and at least one gpt turn")
     for k in range(len(roles) - 1):
         if roles[k] == roles[k + 1]:
-            raise _Reject("conversation_malformed", f"turns do not alternate: turns {k} and {k + 1} "
-                          f"(system turns not counted) are both from {roles[k]!r}")
+            raise _Reject(
+                "conversation_malformed",
+                f"turns do not alternate: turns {k} and {k + 1} (system turns not counted) are both from {roles[k]!r}",
+            )
     return out
 
 
@@ -244,8 +265,9 @@ def _reject_outside(entries: list[str] | None, res: Resolution, locator) -> None
             raise _Reject("media_outside_input", f"{ref!r} leads outside the input, to {where}; not read")
 
 
-def _normalise_placeholders(conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER,
-                            what: str = "images") -> None:
+def _normalise_placeholders(
+    conv: list[dict], n_media: int, placeholder: str = IMAGE_PLACEHOLDER, what: str = "images"
+) -> None:
     n_ph = 0
     for t in conv:
         if placeholder in t["value"]:
@@ -268,7 +290,9 @@ def validate(raw: RawRecord, cfg: ValidationConfig, keep_image_bytes: bool = Fal
     return validate_many([raw], cfg, keep_image_bytes)[0]
 
 
-def validate_many(raws: list[RawRecord], cfg: ValidationConfig, keep_image_bytes: bool = False) -> list[Valid | Invalid]:
+def validate_many(
+    raws: list[RawRecord], cfg: ValidationConfig, keep_image_bytes: bool = False
+) -> list[Valid | Invalid]:
     """`validate` of each record, phase by phase over the batch: every record's JSON,
     conversation and media references, then every record's image checks, then every record's
     placeholders, video and normalised JSON. Each record goes through the same checks in the
@@ -384,9 +408,15 @@ def _finish(st: _Staged, cfg: ValidationConfig) -> Valid | Invalid:
         meta["image_sizes"] = st.sizes
     if video_meta:
         meta["video_size_frames"] = video_meta
-    rec = SampleRecord(id=record_id, source=source, conversations=conv,
-                       images=[s for _, s in media if s != video_name], video=video_name,
-                       meta=meta, provenance=provenance)
+    rec = SampleRecord(
+        id=record_id,
+        source=source,
+        conversations=conv,
+        images=[s for _, s in media if s != video_name],
+        video=video_name,
+        meta=meta,
+        provenance=provenance,
+    )
     # vars() rather than dataclasses.asdict: asdict deep-copies every nested value (slow, needless).
     record = vars(rec)
     text = fast_json.dumps_sorted(record, st.by_orjson)

@@ -141,13 +141,13 @@ class SequentialFile:
     def put(self, data: bytes | bytearray | memoryview) -> None:
         n = len(data)
         if self._fill + n <= BUFFER_BYTES:
-            self._buf[self._fill:self._fill + n] = data
+            self._buf[self._fill : self._fill + n] = data
             self._fill += n
             return
         view, i = memoryview(data), 0
         while i < n:
             k = min(n - i, BUFFER_BYTES - self._fill)
-            self._buf[self._fill:self._fill + k] = view[i:i + k]
+            self._buf[self._fill : self._fill + k] = view[i : i + k]
             self._fill += k
             i += k
             if self._fill == BUFFER_BYTES:
@@ -163,7 +163,7 @@ class SequentialFile:
             if self._fill == BUFFER_BYTES:
                 self.flush()
             k = min(size - done, BUFFER_BYTES - self._fill)
-            got = os.preadv(fd, [self._view[self._fill:self._fill + k]], offset + done)
+            got = os.preadv(fd, [self._view[self._fill : self._fill + k]], offset + done)
             if got <= 0:
                 break
             self._fill += got
@@ -178,14 +178,14 @@ class SequentialFile:
             self._write(self._view[:n])
             rest = self._fill - n
             if rest:
-                self._buf[:rest] = self._buf[n:self._fill]
+                self._buf[:rest] = self._buf[n : self._fill]
             self._fill = rest
 
     def finish(self) -> None:
         self.flush()
         if self._fill:  # an O_DIRECT file's unaligned tail: through the page cache
             self._buffered()
-            self._write(self._view[:self._fill])
+            self._write(self._view[: self._fill])
             self._fill = 0
         os.fsync(self.fd)
         if self.drop_cache and _FADVISE:  # the pages are clean now: let the kernel drop them at once

@@ -63,16 +63,20 @@ DATASET_YAML = {
 def mmdata_dataset_yaml(sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE) -> dict:
     """`.nv-meta/mmdata.yaml`: our sample type, built by the installed package's loader."""
     module, cls = sample_type
-    return {"sample_type": {"__module__": module, "__class__": cls},
-            "sample_loader": f"{MMDATA_SAMPLE_LOADER_NAME}:sample_loader",
-            "part_filter": f"{MMDATA_SAMPLE_LOADER_NAME}:part_filter"}
+    return {
+        "sample_type": {"__module__": module, "__class__": cls},
+        "sample_loader": f"{MMDATA_SAMPLE_LOADER_NAME}:sample_loader",
+        "part_filter": f"{MMDATA_SAMPLE_LOADER_NAME}:part_filter",
+    }
 
 
 def mmdata_sample_loader_py(sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE) -> str:
     """The text of `.nv-meta/mmdata_sample_loader.py`."""
-    return ("# Written by mmdata: the loader of mmdata.yaml lives in the installed package (dataset.yaml\n"
-            "# and sample_loader.py read these shards without it).\n"
-            f"from {sample_type[0]} import part_filter, sample_loader  # noqa: F401\n")
+    return (
+        "# Written by mmdata: the loader of mmdata.yaml lives in the installed package (dataset.yaml\n"
+        "# and sample_loader.py read these shards without it).\n"
+        f"from {sample_type[0]} import part_filter, sample_loader  # noqa: F401\n"
+    )
 
 
 # energon's index.sqlite schema (megatron/energon/flavors/webdataset/indexing.py).
@@ -166,11 +170,13 @@ class EnergonIndexWriter:
             self._db = self._open()
         tar_id = len(self.counts)
         ends = [off for _, off in layout.samples[1:]] + [layout.end]
-        self._db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
-                             ((tar_id, key, i, off, end - off)
-                              for i, ((key, off), end) in enumerate(zip(layout.samples, ends))))
-        self._db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)",
-                             ((tar_id, *part) for part in layout.parts))
+        self._db.executemany(
+            "INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
+            ((tar_id, key, i, off, end - off) for i, ((key, off), end) in enumerate(zip(layout.samples, ends))),
+        )
+        self._db.executemany(
+            "INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)", ((tar_id, *part) for part in layout.parts)
+        )
         self.counts[name] = len(layout.samples)
 
     def finish(self) -> None:
@@ -190,7 +196,9 @@ class EnergonIndexWriter:
         (meta / "split.yaml").write_text(yaml.dump(split_config(names), sort_keys=False))
         (meta / ENERGON_DATASET_CONFIG).write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
         (meta / SAMPLE_LOADER_NAME).write_text(_PORTABLE_LOADER_SOURCE.read_text())
-        (meta / MMDATA_DATASET_CONFIG).write_text(yaml.safe_dump(mmdata_dataset_yaml(self.sample_type), sort_keys=False))
+        (meta / MMDATA_DATASET_CONFIG).write_text(
+            yaml.safe_dump(mmdata_dataset_yaml(self.sample_type), sort_keys=False)
+        )
         (meta / MMDATA_SAMPLE_LOADER_NAME).write_text(mmdata_sample_loader_py(self.sample_type))
         final = self.out_dir / NV_META
         if final.exists():  # from an interrupted finish of this same job
@@ -198,8 +206,12 @@ class EnergonIndexWriter:
         os.replace(meta, final)
 
 
-def write_energon_index(out_dir: Path, shard_names: list[str], layouts: Iterable[ShardLayout],
-                        sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE) -> None:
+def write_energon_index(
+    out_dir: Path,
+    shard_names: list[str],
+    layouts: Iterable[ShardLayout],
+    sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE,
+) -> None:
     """`.nv-meta/` for these shards from their layouts (see EnergonIndexWriter). Layouts are
     consumed one shard at a time, so memory does not grow with the dataset."""
     index = EnergonIndexWriter(out_dir, sample_type)
@@ -213,8 +225,7 @@ def split_config(shard_names: list[str]) -> dict:
     `energon prepare --split-ratio 1,0,0` writes it. energon's tools (`energon lint`, `energon
     preview`) visit `train,val,test` by default: a missing part is an `AssertionError: Invalid
     split part`, an empty one is skipped as empty."""
-    return {"split_parts": {"train": _collapse(shard_names), **{part: [] for part in EMPTY_SPLIT_PARTS}},
-            "exclude": []}
+    return {"split_parts": {"train": _collapse(shard_names), **{part: [] for part in EMPTY_SPLIT_PARTS}}, "exclude": []}
 
 
 def _collapse(shard_names: list[str]) -> list[str]:

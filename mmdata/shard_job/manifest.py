@@ -100,14 +100,16 @@ class Counts:
 
     def reconciles(self) -> bool:
         def ok(c: dict) -> bool:
-            return c["read"] == (c["written"] + c["quarantined"] + c["filtered"] + c["duplicates"] + c["mixed_out"]
-                                 - c["repeated"])
+            return c["read"] == (
+                c["written"] + c["quarantined"] + c["filtered"] + c["duplicates"] + c["mixed_out"] - c["repeated"]
+            )
 
         return ok(vars(self)) and all(ok(c) for c in self.by_source.values())
 
     def to_json(self) -> dict:
         return {
-            **{k: getattr(self, k) for k in SOURCE_KEYS}, "valid_bytes": self.valid_bytes,
+            **{k: getattr(self, k) for k in SOURCE_KEYS},
+            "valid_bytes": self.valid_bytes,
             "by_source": {k: self.by_source[k] for k in sorted(self.by_source)},
             "by_reason": {k: self.by_reason[k] for k in sorted(self.by_reason)},
             "by_filter": {k: self.by_filter[k] for k in sorted(self.by_filter)},

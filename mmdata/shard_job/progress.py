@@ -15,9 +15,14 @@ class JobProgress:
     def __init__(self, enabled: bool = True):
         self.console = Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-            console=self.console, disable=not enabled, transient=False,
+            TextColumn("[bold]{task.description:<16}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not enabled,
+            transient=False,
         )
         self.enabled = enabled
         self.tasks: dict[str, int] = {}

@@ -17,8 +17,11 @@ _ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
 
 
 def quarantine_line(record_id: str, location: str, reason: str, detail: str) -> str:
-    return json.dumps({"id": record_id, "source_location": location, "reason": reason,
-                       "detail": _ADDRESS.sub("", detail)}, ensure_ascii=False, sort_keys=True)
+    return json.dumps(
+        {"id": record_id, "source_location": location, "reason": reason, "detail": _ADDRESS.sub("", detail)},
+        ensure_ascii=False,
+        sort_keys=True,
+    )
 
 
 def concat_parts(parts: list[Path], dest: Path) -> None:

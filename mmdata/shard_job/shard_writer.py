@@ -34,8 +34,14 @@ _FLUSH = 4 << 20  # write and hash in chunks of about this size
 # devminor[8] prefix[155] pad[12]. tarfile leaves devmajor/devminor all-NUL for regular files.
 _MID = b"%07o\0%07o\0%07o\0" % (sf.TAR_MODE & 0o7777, sf.TAR_UID, sf.TAR_GID)  # mode uid gid
 _MTIME = b"%011o\0" % sf.TAR_MTIME
-_TAIL = (b"0" + bytes(100) + b"ustar\x0000" + sf.TAR_UNAME.encode().ljust(32, b"\0")
-         + sf.TAR_GNAME.encode().ljust(32, b"\0") + bytes(8 + 8 + 155 + 12))
+_TAIL = (
+    b"0"
+    + bytes(100)
+    + b"ustar\x0000"
+    + sf.TAR_UNAME.encode().ljust(32, b"\0")
+    + sf.TAR_GNAME.encode().ljust(32, b"\0")
+    + bytes(8 + 8 + 155 + 12)
+)
 assert len(_MID) + len(_MTIME) + len(_TAIL) == BLOCK - NAME_LEN - 12 - 8
 _CONST_SUM = sum(_MID) + sum(_MTIME) + sum(_TAIL) + 8 * ord(" ")  # checksum counts chksum as spaces
 _ZEROS = bytes(BLOCK)
@@ -81,8 +87,9 @@ def tar_header(name: str, size: int) -> bytes:
     return b"".join((nb, bytes(NAME_LEN - len(nb)), _MID, size_f, _MTIME, b"%06o\0 " % chksum, _TAIL))
 
 
-def write_shard(path: Path, samples: Iterable[SampleMembers], direct: bool | None = None,
-                files: OpenFiles | None = None) -> tuple[ShardResult, ShardLayout]:
+def write_shard(
+    path: Path, samples: Iterable[SampleMembers], direct: bool | None = None, files: OpenFiles | None = None
+) -> tuple[ShardResult, ShardLayout]:
     """Write the shard atomically. `direct`: O_DIRECT or not (None: as `direct_io_wanted` says
     for the shard's folder); the bytes are the same either way. `files` opens the input files
     of FileRange members (needed when there are any); a range the file no longer holds whole
@@ -99,8 +106,9 @@ def write_shard(path: Path, samples: Iterable[SampleMembers], direct: bool | Non
     return ShardResult(path.name, *result), layout
 
 
-def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool,
-           files: OpenFiles | None) -> tuple[int, int, str, ShardLayout]:
+def _write(
+    tmp: Path, samples: Iterable[SampleMembers], direct: bool, files: OpenFiles | None
+) -> tuple[int, int, str, ShardLayout]:
     n = 0
     layout = ShardLayout([], [], 0)
     with SequentialFile(tmp, direct) as f:
@@ -119,8 +127,9 @@ def _write(tmp: Path, samples: Iterable[SampleMembers], direct: bool,
                         raise ValueError(f"member {sample.key}.{suffix} is a file range, and no files were given")
                     got = f.put_range(files.fd(data.path), data.offset, size)
                     if got != size:
-                        raise IOError(f"{data.path}: expected {size} bytes at offset {data.offset}, got {got} "
-                                      "(input changed?)")
+                        raise IOError(
+                            f"{data.path}: expected {size} bytes at offset {data.offset}, got {got} (input changed?)"
+                        )
                 else:
                     f.put(data)
                 f.put(_ZEROS[: -size % BLOCK])

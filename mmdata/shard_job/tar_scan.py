@@ -23,13 +23,11 @@ _ZERO_BLOCK = bytes(BLOCK)
 _MAX_EXTENSION = 1 << 20  # longer GNU long-name / pax data is left to tarfile
 _FILE_TYPES = (b"0", b"7")  # REGTYPE, CONTTYPE (AREGTYPE b"\0": see _is_file)
 _OTHER_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, dirs, fifos: no data
-_NUMERIC_FIELDS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (148, 156),
-                   (329, 337), (337, 345))
+_NUMERIC_FIELDS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (148, 156), (329, 337), (337, 345))
 # The numeric fields as tarfile / GNU tar / bsdtar write them; anything else is checked by
 # tarfile's own parser (`_numbers_exact`), which also reads base-256 numbers.
 _OCT8 = rb"(?:[0-7]{7}[\0 ]|[0-7]{6} \0|\0{8})"
-_CANONICAL = re.compile(rb"(?s)" + _OCT8 * 3 + rb"([0-7]{11})[\0 ][0-7]{11}[\0 ]([0-7]{6})\0 .{173}"
-                        + _OCT8 * 2)
+_CANONICAL = re.compile(rb"(?s)" + _OCT8 * 3 + rb"([0-7]{11})[\0 ][0-7]{11}[\0 ]([0-7]{6})\0 .{173}" + _OCT8 * 2)
 
 
 class TarMember(NamedTuple):
@@ -84,10 +82,17 @@ def _list_with_tarfile(path: str) -> TarListing:
             f.seek(stop)
             block = f.read(BLOCK)
         if block != _ZERO_BLOCK:
-            what = ("the file ends" if not block else "the file ends inside a header" if len(block) < BLOCK
-                    else "an unreadable header (bad checksum or damaged) follows")
-            tail_error = (f"no end-of-archive marker after {len(members)} members: {what} at byte {stop} "
-                          f"of {size}; the file was cut short or damaged there")
+            what = (
+                "the file ends"
+                if not block
+                else "the file ends inside a header"
+                if len(block) < BLOCK
+                else "an unreadable header (bad checksum or damaged) follows"
+            )
+            tail_error = (
+                f"no end-of-archive marker after {len(members)} members: {what} at byte {stop} "
+                f"of {size}; the file was cut short or damaged there"
+            )
     return TarListing(members, tail_error)
 
 
@@ -204,14 +209,14 @@ def _read_extension(fd: int, offset: int, size: int) -> bytes:
 def _pax_records(ext: bytes, size: int) -> dict[str, bytes]:
     """Well-formed `"<len> <key>=<value>\\n"` records; _Unusual for anything tarfile might read
     differently (malformed records, records in the padding, a hdrcharset record)."""
-    if len(ext) < size or b"hdrcharset=" in ext or ext[size:size + 1].isdigit():
+    if len(ext) < size or b"hdrcharset=" in ext or ext[size : size + 1].isdigit():
         raise _Unusual("unusual pax header")
     records: dict[str, bytes] = {}
     pos = 0
     while pos < size:
         space = ext.find(b" ", pos, size)
         length = int(ext[pos:space]) if space > pos and ext[pos:space].isdigit() else 0
-        record = ext[space + 1:pos + length]
+        record = ext[space + 1 : pos + length]
         key, eq, value = record.partition(b"=")
         if length <= 0 or pos + length > size or not record.endswith(b"\n") or not eq or not key:
             raise _Unusual("malformed pax record")

@@ -19,41 +19,89 @@ from mmdata.vision_tokens.defaults import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_A
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("shards", type=Path, metavar="SHARDS", help="a preprocessed shard folder (mmdata preprocess output)")
-    parser.add_argument("--vision-tokenizer", required=True, type=Path, metavar="VQ_DIR",
-                        help="Emu3 VQ model: an Emu3VQVAE dir (e.g. from mmdata tiny-vq) or a whole transformers "
-                             "Emu3 checkpoint dir; safetensors weights + preprocessor_config.json")
+    parser.add_argument(
+        "shards", type=Path, metavar="SHARDS", help="a preprocessed shard folder (mmdata preprocess output)"
+    )
+    parser.add_argument(
+        "--vision-tokenizer",
+        required=True,
+        type=Path,
+        metavar="VQ_DIR",
+        help="Emu3 VQ model: an Emu3VQVAE dir (e.g. from mmdata tiny-vq) or a whole transformers "
+        "Emu3 checkpoint dir; safetensors weights + preprocessor_config.json",
+    )
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="output token shard folder")
-    parser.add_argument("--image-area", type=int, default=DEFAULT_IMAGE_AREA,
-                        help=f"target pixels per image: the processor's min_pixels = max_pixels (default "
-                             f"{DEFAULT_IMAGE_AREA} = 512x512, Emu3-Chat's); 0 keeps the VQ dir's own bounds")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where the VQ runs (default auto: cuda when the Ray cluster has GPUs)")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="tokenizing workers (Ray actors), each loading the VQ model once and keeping it for "
-                             "every chunk it is sent (default: one per CPU of the cluster on cpu, one per "
-                             "--gpus-per-worker GPUs on cuda)")
-    parser.add_argument("--gpus-per-worker", "--gpus-per-task", dest="gpus_per_worker", type=float, default=1.0,
-                        metavar="F",
-                        help="GPUs each worker asks Ray for on cuda (default 1; 0.25 = 4 workers, 4 VQ copies, per "
-                             "GPU). Workers are actors, not tasks, because Ray starts a fresh process for every "
-                             "GPU task (max_calls=1) and would reload the model for each chunk. (--gpus-per-task "
-                             "is the old name.)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="same-size images per VQ forward (default: 1 on CPU, 8 on GPU)")
-    parser.add_argument("--chunk-samples", type=int, default=DEFAULT_CHUNK_SAMPLES,
-                        help=f"samples per chunk, the unit sent to a worker (default {DEFAULT_CHUNK_SAMPLES}; never changes the output)")
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                        help="the Emu3 text tokenizer training uses (the recipe's tokenizer.path): also write "
-                             "lengths.parquet, each sample's exact length per Emu3 task, which `mmdata pack-plan` "
-                             "plans packing from (data.packing: plan)")
-    parser.add_argument("--system-prompt", default=DEFAULT_SYSTEM_PROMPT, metavar="TEXT",
-                        help="with --tokenizer: the system prompt the lengths are counted with (the recipe's "
-                             f"data.system_prompt; default {DEFAULT_SYSTEM_PROMPT!r})")
-    parser.add_argument("--overwrite", action="store_true", help="delete this tool's outputs in --output and start fresh")
+    parser.add_argument(
+        "--image-area",
+        type=int,
+        default=DEFAULT_IMAGE_AREA,
+        help=f"target pixels per image: the processor's min_pixels = max_pixels (default "
+        f"{DEFAULT_IMAGE_AREA} = 512x512, Emu3-Chat's); 0 keeps the VQ dir's own bounds",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)",
+    )
+    parser.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the VQ runs (default auto: cuda when the Ray cluster has GPUs)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokenizing workers (Ray actors), each loading the VQ model once and keeping it for "
+        "every chunk it is sent (default: one per CPU of the cluster on cpu, one per "
+        "--gpus-per-worker GPUs on cuda)",
+    )
+    parser.add_argument(
+        "--gpus-per-worker",
+        "--gpus-per-task",
+        dest="gpus_per_worker",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="GPUs each worker asks Ray for on cuda (default 1; 0.25 = 4 workers, 4 VQ copies, per "
+        "GPU). Workers are actors, not tasks, because Ray starts a fresh process for every "
+        "GPU task (max_calls=1) and would reload the model for each chunk. (--gpus-per-task "
+        "is the old name.)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="same-size images per VQ forward (default: 1 on CPU, 8 on GPU)"
+    )
+    parser.add_argument(
+        "--chunk-samples",
+        type=int,
+        default=DEFAULT_CHUNK_SAMPLES,
+        help=f"samples per chunk, the unit sent to a worker (default {DEFAULT_CHUNK_SAMPLES}; "
+        "never changes the output)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the Emu3 text tokenizer training uses (the recipe's tokenizer.path): also write "
+        "lengths.parquet, each sample's exact length per Emu3 task, which `mmdata pack-plan` "
+        "plans packing from (data.packing: plan)",
+    )
+    parser.add_argument(
+        "--system-prompt",
+        default=DEFAULT_SYSTEM_PROMPT,
+        metavar="TEXT",
+        help="with --tokenizer: the system prompt the lengths are counted with (the recipe's "
+        f"data.system_prompt; default {DEFAULT_SYSTEM_PROMPT!r})",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete this tool's outputs in --output and start fresh"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 
@@ -67,17 +115,29 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers <= 0:
         raise UserError(f"--workers must be positive, got {args.workers}")
     cfg = TokenizeConfig(
-        input=args.shards, vision_tokenizer=args.vision_tokenizer, output=args.output,
-        image_area=args.image_area or None, address=args.address, num_cpus=args.num_cpus, device=args.device,
-        gpus_per_worker=args.gpus_per_worker, workers=args.workers, batch_size=args.batch_size, chunk_samples=args.chunk_samples,
-        overwrite=args.overwrite, progress=not args.no_progress, tokenizer=args.tokenizer,
+        input=args.shards,
+        vision_tokenizer=args.vision_tokenizer,
+        output=args.output,
+        image_area=args.image_area or None,
+        address=args.address,
+        num_cpus=args.num_cpus,
+        device=args.device,
+        gpus_per_worker=args.gpus_per_worker,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        chunk_samples=args.chunk_samples,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        tokenizer=args.tokenizer,
         system_prompt=args.system_prompt,
     )
     manifest = run_tokenize(cfg)
     c = manifest["counts"]
-    print(f"{args.output.resolve()}: {plural(c['written'], 'sample')} ({plural(c['tokens']['images'], 'image')}, "
-          f"{plural(c['tokens']['visual_tokens'], 'visual token')}) in {plural(len(manifest['shards']), 'shard')}, "
-          f"{c['quarantined']:,} quarantined (of {c['read']:,} read)")
+    print(
+        f"{args.output.resolve()}: {plural(c['written'], 'sample')} ({plural(c['tokens']['images'], 'image')}, "
+        f"{plural(c['tokens']['visual_tokens'], 'visual token')}) in {plural(len(manifest['shards']), 'shard')}, "
+        f"{c['quarantined']:,} quarantined (of {c['read']:,} read)"
+    )
     return 0
 
 

@@ -52,10 +52,23 @@ from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stag
 from mmdata.units import plural
 from mmdata.vision_tokens.defaults import DEFAULT_CHUNK_SAMPLES, DEFAULT_IMAGE_AREA
 from mmdata.vision_tokens.lengths import write_token_length_index
-from mmdata.vision_tokens.stages import (ChunkSpec, TokenizeOptions, TokenizeWorker, chunk_file, count_samples,
-                                         finished_chunk, write_token_shard)
-from mmdata.vision_tokens.vq import (VQError, check_vq_dir, load_image_processor, processor_settings,
-                                     read_vq_checkpoint, spatial_factor)
+from mmdata.vision_tokens.stages import (
+    ChunkSpec,
+    TokenizeOptions,
+    TokenizeWorker,
+    chunk_file,
+    count_samples,
+    finished_chunk,
+    write_token_shard,
+)
+from mmdata.vision_tokens.vq import (
+    VQError,
+    check_vq_dir,
+    load_image_processor,
+    processor_settings,
+    read_vq_checkpoint,
+    spatial_factor,
+)
 
 TOKEN_STATS = ("images", "visual_tokens", "text_only")
 QUEUED_CHUNKS_PER_WORKER = 2  # one running, the next already shipped: a worker never waits on the driver
@@ -123,8 +136,13 @@ def _read_input(folder: Path) -> _Input:
 
 
 def _plan_chunks(shards: list[tuple[str, int]], chunk_samples: int) -> dict[str, list[ChunkSpec]]:
-    return {name: [ChunkSpec(name, i, start, min(n, start + chunk_samples))
-                   for i, start in enumerate(range(0, n, chunk_samples))] for name, n in shards}
+    return {
+        name: [
+            ChunkSpec(name, i, start, min(n, start + chunk_samples))
+            for i, start in enumerate(range(0, n, chunk_samples))
+        ]
+        for name, n in shards
+    }
 
 
 def _read_vq(cfg: TokenizeConfig) -> dict:
@@ -135,10 +153,17 @@ def _read_vq(cfg: TokenizeConfig) -> dict:
     except VQError as e:
         raise TokenizeError(str(e)) from None
     if proc.spatial_factor != spatial_factor(ckpt.config):
-        raise TokenizeError(f"{cfg.vision_tokenizer}: processor spatial_factor {proc.spatial_factor} != the VQ's "
-                            f"{spatial_factor(ckpt.config)}")
-    return {"path": str(Path(cfg.vision_tokenizer).resolve()), "layout": ckpt.layout, "fingerprint": ckpt.fingerprint(),
-            "config": ckpt.config, "processor": processor_settings(proc)}
+        raise TokenizeError(
+            f"{cfg.vision_tokenizer}: processor spatial_factor {proc.spatial_factor} != the VQ's "
+            f"{spatial_factor(ckpt.config)}"
+        )
+    return {
+        "path": str(Path(cfg.vision_tokenizer).resolve()),
+        "layout": ckpt.layout,
+        "fingerprint": ckpt.fingerprint(),
+        "config": ckpt.config,
+        "processor": processor_settings(proc),
+    }
 
 
 def _resolve_device(cfg: TokenizeConfig, resources: dict) -> str:
@@ -150,8 +175,9 @@ def _resolve_device(cfg: TokenizeConfig, resources: dict) -> str:
     return cfg.device
 
 
-def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str],
-                    length_index: dict | None) -> str | None:
+def _finish_outputs(
+    out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str], length_index: dict | None
+) -> str | None:
     """quarantine.jsonl, the length index (with --tokenizer: returns its sha256), then energon's
     index (published atomically): `mmdata.yaml` names the token sample type, `dataset.yaml`
     energon's InterleavedSample (energon_meta.py)."""
@@ -159,8 +185,12 @@ def _finish_outputs(out: Path, work: Path, plan: dict[str, list[ChunkSpec]], wri
     concat_parts(parts, out / sf.QUARANTINE_NAME)
     lengths_sha = None
     if length_index is not None:
-        lengths_sha = write_token_length_index(out, [shard_work_file(work, n, "lengths.json") for n in written],
-                                               length_index["tokenizer"], length_index["system_prompt"])
+        lengths_sha = write_token_length_index(
+            out,
+            [shard_work_file(work, n, "lengths.json") for n in written],
+            length_index["tokenizer"],
+            length_index["system_prompt"],
+        )
     layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
     write_energon_index(out, written, layouts, sample_type=token_format.SAMPLE_TYPE)
     return lengths_sha
@@ -188,21 +218,24 @@ def _worker_count(cfg: TokenizeConfig, res: dict, gpus: float, n_chunks: int) ->
         return max(1, min(fits, n_chunks))
     if cfg.workers > fits:
         need = f"{cfg.workers * gpus:g} GPUs" if gpus else f"{cfg.workers} CPUs"
-        raise TokenizeError(f"--workers {cfg.workers}: needs {need}, the Ray cluster has "
-                            f"{gpus_have:g} GPUs and {cpus_have:g} CPUs")
+        raise TokenizeError(
+            f"--workers {cfg.workers}: needs {need}, the Ray cluster has {gpus_have:g} GPUs and {cpus_have:g} CPUs"
+        )
     return min(cfg.workers, n_chunks)
 
 
-def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_workers: int, gpus: float,
-                         on_done) -> list[dict]:
+def _tokenize_on_workers(
+    chunks: list[ChunkSpec], opts: TokenizeOptions, n_workers: int, gpus: float, on_done
+) -> list[dict]:
     """Stream `chunks` to `n_workers` TokenizeWorker actors (each loads the VQ once), then kill
     them, so that their CPUs and GPUs are free for the write stage. Returns per-worker stats:
     chunks done, VQ loads (over all its processes) and restarts (processes after the first that
     loaded the VQ: a process killed while still loading leaves no record)."""
     import ray  # (2 s to import, and `mmdata --help` imports this module)
 
-    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS,
-                           max_task_retries=WORKER_MAX_RESTARTS)(TokenizeWorker)
+    actor_cls = ray.remote(
+        num_cpus=1, num_gpus=gpus, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=WORKER_MAX_RESTARTS
+    )(TokenizeWorker)
     actors = [actor_cls.remote(opts, i) for i in range(n_workers)]
     loads: list[dict[tuple[str, int], int]] = [{} for _ in range(n_workers)]  # worker -> {(host, pid): loads}
 
@@ -212,16 +245,19 @@ def _tokenize_on_workers(chunks: list[ChunkSpec], opts: TokenizeOptions, n_worke
         on_done(chunk, r)
 
     try:
-        finished = run_on_actors(actors, chunks, lambda a, c: a.tokenize.remote(c), done,
-                                 queue_per_actor=QUEUED_CHUNKS_PER_WORKER)
+        finished = run_on_actors(
+            actors, chunks, lambda a, c: a.tokenize.remote(c), done, queue_per_actor=QUEUED_CHUNKS_PER_WORKER
+        )
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
     for path in (Path(opts.work) / "workers").glob("w*.json"):  # processes that died before a result
         p = json.loads(path.read_text())
         loads[p["worker"]].setdefault((p["host"], p["pid"]), 1)
-    return [{"chunks": finished[i], "vq_loads": sum(loads[i].values()), "restarts": max(0, len(loads[i]) - 1)}
-            for i in range(n_workers)]
+    return [
+        {"chunks": finished[i], "vq_loads": sum(loads[i].values()), "restarts": max(0, len(loads[i]) - 1)}
+        for i in range(n_workers)
+    ]
 
 
 def run_tokenize(cfg: TokenizeConfig) -> dict:
@@ -249,8 +285,12 @@ class TokenizeJob(ResumableJob):
 
     def positive_flags(self) -> dict[str, float | None]:
         cfg = self.cfg
-        return {"--chunk-samples": cfg.chunk_samples, "--batch-size": cfg.batch_size, "--workers": cfg.workers,
-                "--gpus-per-worker": cfg.gpus_per_worker}
+        return {
+            "--chunk-samples": cfg.chunk_samples,
+            "--batch-size": cfg.batch_size,
+            "--workers": cfg.workers,
+            "--gpus-per-worker": cfg.gpus_per_worker,
+        }
 
     def check(self) -> None:
         cfg = self.cfg
@@ -276,10 +316,17 @@ class TokenizeJob(ResumableJob):
         self.vq = vq = vq_future.result()
         self.device = _resolve_device(self.cfg, ray.resources())
         self.batch_size = self.cfg.batch_size or (8 if self.device == "cuda" else 1)
-        self.job = {"format_version": token_format.TOKEN_FORMAT_VERSION, "input": self.inp.fingerprint, "vq": vq["fingerprint"],
-                    "processor": vq["processor"], "device": self.device, "batch_size": self.batch_size,
-                    "transformers": version("transformers"), "torch": version("torch"),
-                    **({"length_index": self.length_index} if self.length_index else {})}
+        self.job = {
+            "format_version": token_format.TOKEN_FORMAT_VERSION,
+            "input": self.inp.fingerprint,
+            "vq": vq["fingerprint"],
+            "processor": vq["processor"],
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "transformers": version("transformers"),
+            "torch": version("torch"),
+            **({"length_index": self.length_index} if self.length_index else {}),
+        }
         return Identity(self.job, {"chunk_samples": self.cfg.chunk_samples})
 
     def own_outputs(self, out: Path) -> list[Path]:
@@ -287,10 +334,18 @@ class TokenizeJob(ResumableJob):
 
     def stages(self, run: JobRun) -> Iterator[Stage]:
         cfg, work = self.cfg, run.work
-        opts = TokenizeOptions(str(self.inp_dir), str(work), self.vq["path"], self.vq["fingerprint"], cfg.image_area,
-                               self.device, self.batch_size, threads=1,
-                               text_tokenizer=str(Path(cfg.tokenizer).resolve()) if self.length_index else None,
-                               system_prompt=cfg.system_prompt)
+        opts = TokenizeOptions(
+            str(self.inp_dir),
+            str(work),
+            self.vq["path"],
+            self.vq["fingerprint"],
+            cfg.image_area,
+            self.device,
+            self.batch_size,
+            threads=1,
+            text_tokenizer=str(Path(cfg.tokenizer).resolve()) if self.length_index else None,
+            system_prompt=cfg.system_prompt,
+        )
         self.plan = _plan_chunks(self.inp.shards, cfg.chunk_samples)
         self.chunks = [c for cs in self.plan.values() for c in cs]
         self.gpus = cfg.gpus_per_worker if self.device == "cuda" else 0
@@ -300,17 +355,34 @@ class TokenizeJob(ResumableJob):
             self.workers = _tokenize_on_workers(todo, opts, n_workers, self.gpus, done)
 
         # chunks an earlier run finished are read by the driver: no worker (and no VQ) for them
-        yield Stage("tokenize images", "chunks", "tokenize_s", self.chunks, execute=on_workers,
-                    recorded=lambda c: finished_chunk(c, work), on_result=self._tokenized, noun="chunk",
-                    records=lambda: self.stats["images"], record_noun="images")
+        yield Stage(
+            "tokenize images",
+            "chunks",
+            "tokenize_s",
+            self.chunks,
+            execute=on_workers,
+            recorded=lambda c: finished_chunk(c, work),
+            on_result=self._tokenized,
+            noun="chunk",
+            records=lambda: self.stats["images"],
+            record_noun="images",
+        )
         if self.counts.written == 0:  # leave nothing behind
             c = self.counts
-            run.refuse(f"no sample to write: all {plural(c.read, 'sample')} were quarantined "
-                       f"({', '.join(f'{r} {n:,}' for r, n in c.to_json()['by_reason'].items())})")
+            run.refuse(
+                f"no sample to write: all {plural(c.read, 'sample')} were quarantined "
+                f"({', '.join(f'{r} {n:,}' for r, n in c.to_json()['by_reason'].items())})"
+            )
         write = run.remote(write_token_shard)
-        yield Stage("write shards", "shards", "write_s", list(self.plan),
-                    submit=lambda n: write.remote(n, len(self.plan[n]), str(work), str(run.out), bool(self.length_index)),
-                    on_result=self.results.__setitem__, noun="shard")
+        yield Stage(
+            "write shards",
+            "shards",
+            "write_s",
+            list(self.plan),
+            submit=lambda n: write.remote(n, len(self.plan[n]), str(work), str(run.out), bool(self.length_index)),
+            on_result=self.results.__setitem__,
+            noun="shard",
+        )
 
     def _tokenized(self, _chunk: ChunkSpec, result: dict) -> None:
         self.counts.merge(result)
@@ -318,10 +390,14 @@ class TokenizeJob(ResumableJob):
             self.stats[k] += result[k]
 
     def finish(self, run: JobRun) -> None:
-        self.shards = [{k: self.results[n][k] for k in ("name", "samples", "bytes", "sha256")}
-                       for n in self.plan if self.results[n]["samples"]]
-        self.lengths_sha = _finish_outputs(run.out, run.work, self.plan, [s["name"] for s in self.shards],
-                                           self.length_index)
+        self.shards = [
+            {k: self.results[n][k] for k in ("name", "samples", "bytes", "sha256")}
+            for n in self.plan
+            if self.results[n]["samples"]
+        ]
+        self.lengths_sha = _finish_outputs(
+            run.out, run.work, self.plan, [s["name"] for s in self.shards], self.length_index
+        )
 
     def manifest(self, run: JobRun) -> dict:
         cfg, vq, workers = self.cfg, self.vq, self.workers
@@ -331,30 +407,50 @@ class TokenizeJob(ResumableJob):
             "format_version": token_format.TOKEN_FORMAT_VERSION,
             "fingerprint": fingerprint(self.job),
             "job": self.job,
-            "input": {"path": str(self.inp_dir), "fingerprint": self.inp.fingerprint,
-                      "manifest_fingerprint": (self.inp.manifest or {}).get("fingerprint")},
+            "input": {
+                "path": str(self.inp_dir),
+                "fingerprint": self.inp.fingerprint,
+                "manifest_fingerprint": (self.inp.manifest or {}).get("fingerprint"),
+            },
             "vision_tokenizer": {k: vq[k] for k in ("path", "layout", "fingerprint", "config")},
             "image_area": cfg.image_area,
             "image_processor": vq["processor"],
             "device": self.device,
             "batch_size": self.batch_size,
-            "versions": {"transformers": version("transformers"), "torch": version("torch"),
-                         "megatron-energon": version("megatron-energon")},
+            "versions": {
+                "transformers": version("transformers"),
+                "torch": version("torch"),
+                "megatron-energon": version("megatron-energon"),
+            },
             "counts": {**self.counts.to_json(), "tokens": self.stats},
             "shards": self.shards,
-            "length_index": None if self.lengths_sha is None else {
-                "file": LENGTHS_NAME, "sha256": self.lengths_sha, "kind": LENGTH_INDEX_KIND,
-                "tokenizer_sha256": self.length_index["tokenizer"], "system_prompt": self.length_index["system_prompt"]},
+            "length_index": None
+            if self.lengths_sha is None
+            else {
+                "file": LENGTHS_NAME,
+                "sha256": self.lengths_sha,
+                "kind": LENGTH_INDEX_KIND,
+                "tokenizer_sha256": self.length_index["tokenizer"],
+                "system_prompt": self.length_index["system_prompt"],
+            },
             "energon": {"sample_type": ".".join(token_format.SAMPLE_TYPE), "split": {"train": len(self.shards)}},
             "wall_time_s": run.wall_time_s(),
-            "run": {"output": str(run.out), "chunk_samples": cfg.chunk_samples, "chunks": len(self.chunks),
-                    "resumed": run.resumed,
-                    "phases": run.phases, "task_cpu_s": run.task_cpu_s,
-                    "task_nodes": dict(sorted(run.task_nodes.items())),
-                    "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
-                    "num_cpus": cfg.num_cpus, "gpus_per_worker": self.gpus, "workers": len(workers),
-                    "vq_loads": [w["vq_loads"] for w in workers], "worker_chunks": [w["chunks"] for w in workers],
-                    "worker_restarts": [w["restarts"] for w in workers]},
+            "run": {
+                "output": str(run.out),
+                "chunk_samples": cfg.chunk_samples,
+                "chunks": len(self.chunks),
+                "resumed": run.resumed,
+                "phases": run.phases,
+                "task_cpu_s": run.task_cpu_s,
+                "task_nodes": dict(sorted(run.task_nodes.items())),
+                "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
+                "num_cpus": cfg.num_cpus,
+                "gpus_per_worker": self.gpus,
+                "workers": len(workers),
+                "vq_loads": [w["vq_loads"] for w in workers],
+                "worker_chunks": [w["chunks"] for w in workers],
+                "worker_restarts": [w["restarts"] for w in workers],
+            },
         }
 
     def summary(self, manifest: dict, out: Path):
@@ -366,15 +462,21 @@ def summary_table(manifest: dict, out: Path | None = None):
     t = Table(title=f"mmdata tokenize-images: {out or manifest['run']['output']}")
     t.add_column("what")
     t.add_column("count", justify="right")
-    for label, n in (("samples read", c["read"]), ("samples written", c["written"]),
-                     ("  text-only (passed through)", tok["text_only"]), ("samples quarantined", c["quarantined"]),
-                     ("images tokenized", tok["images"]), ("visual tokens", tok["visual_tokens"])):
+    for label, n in (
+        ("samples read", c["read"]),
+        ("samples written", c["written"]),
+        ("  text-only (passed through)", tok["text_only"]),
+        ("samples quarantined", c["quarantined"]),
+        ("images tokenized", tok["images"]),
+        ("visual tokens", tok["visual_tokens"]),
+    ):
         t.add_row(label, f"{n:,}")
     for reason, n in c["by_reason"].items():
         t.add_row(f"  reason {reason}", f"{n:,}")
     wall = manifest.get("wall_time_s") or 0.0
-    t.caption = (f"{plural(len(manifest['shards']), 'shard')} on {manifest['device']}, image area {manifest['image_area']}, "
-                 f"VQ {manifest['vision_tokenizer']['fingerprint'][:12]}, {wall:.1f} s "
-                 f"({tok['images'] / max(wall, 1e-9):,.1f} images/s)")
+    t.caption = (
+        f"{plural(len(manifest['shards']), 'shard')} on {manifest['device']}, image area {manifest['image_area']}, "
+        f"VQ {manifest['vision_tokenizer']['fingerprint'][:12]}, {wall:.1f} s "
+        f"({tok['images'] / max(wall, 1e-9):,.1f} images/s)"
+    )
     return t
-

@@ -32,8 +32,11 @@ def shard_part(keys: list[str], lengths: list[list[int]]) -> bytes:
 def write_token_length_index(out: Path, parts: list[Path], tokenizer_sha256: str, system_prompt: str) -> str:
     """`lengths.parquet` from the written shards' parts, in shard order; returns its sha256."""
     meta = {"kind": KIND, "tokenizer_sha256": tokenizer_sha256, "system_prompt": system_prompt}
-    schema = pa.schema([("index", pa.int64()), ("key", pa.string()), ("shard", pa.int32())]
-                       + [(c, pa.int32()) for c in LENGTH_COLUMNS], metadata={INDEX_META: json.dumps(meta)})
+    schema = pa.schema(
+        [("index", pa.int64()), ("key", pa.string()), ("shard", pa.int32())]
+        + [(c, pa.int32()) for c in LENGTH_COLUMNS],
+        metadata={INDEX_META: json.dumps(meta)},
+    )
     tmp = out / f".{LENGTHS_NAME}.tmp"
     first = 0
     with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
@@ -41,11 +44,12 @@ def write_token_length_index(out: Path, parts: list[Path], tokenizer_sha256: str
             doc = json.loads(part.read_text())
             n = len(doc["keys"])
             lengths = np.asarray(doc["lengths"], dtype=np.int32).reshape(n, len(LENGTH_COLUMNS))
-            columns = [pa.array(np.arange(first, first + n, dtype=np.int64)), pa.array(doc["keys"], pa.string()),
-                       pa.array(np.full(n, shard, dtype=np.int32))] + [pa.array(lengths[:, i]) for i in
-                                                                         range(len(LENGTH_COLUMNS))]
+            columns = [
+                pa.array(np.arange(first, first + n, dtype=np.int64)),
+                pa.array(doc["keys"], pa.string()),
+                pa.array(np.full(n, shard, dtype=np.int32)),
+            ] + [pa.array(lengths[:, i]) for i in range(len(LENGTH_COLUMNS))]
             writer.write_table(pa.Table.from_arrays(columns, schema=schema))
             first += n
     tmp.replace(out / LENGTHS_NAME)
     return sha256_file(out / LENGTHS_NAME)
-

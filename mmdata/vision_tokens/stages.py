@@ -111,8 +111,10 @@ def load_vision_tokenizer(opts: TokenizeOptions):
     vt = VisionTokenizer(opts.vq_dir, opts.image_area, opts.device)
     _VQ_LOADS += 1
     if vt.fingerprint != opts.vq_fingerprint:
-        raise RuntimeError(f"{opts.vq_dir}: the VQ weights changed while the job ran "
-                           f"(fingerprint {vt.fingerprint[:12]} != {opts.vq_fingerprint[:12]})")
+        raise RuntimeError(
+            f"{opts.vq_dir}: the VQ weights changed while the job ran "
+            f"(fingerprint {vt.fingerprint[:12]} != {opts.vq_fingerprint[:12]})"
+        )
     return vt
 
 
@@ -146,7 +148,11 @@ class TokenizeWorker:
     def tokenize(self, spec: ChunkSpec) -> dict:
         """The chunk's counts, and which process did it with how many VQ loads so far (1, unless
         something reloads the model per chunk)."""
-        return {**tokenize_chunk(spec, self.opts, self.vt, self.tasks), **self.process, "vq_loads": vq_loads_in_process()}
+        return {
+            **tokenize_chunk(spec, self.opts, self.vt, self.tasks),
+            **self.process,
+            "vq_loads": vq_loads_in_process(),
+        }
 
 
 def load_text_tasks(opts: TokenizeOptions):
@@ -247,7 +253,7 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> di
         return done
     marker = chunk_file(opts.work, spec.shard, spec.index, "json")
     path = Path(opts.input_dir) / spec.shard
-    samples = _shard_samples(path)[spec.start:spec.stop]
+    samples = _shard_samples(path)[spec.start : spec.stop]
     if len(samples) != spec.stop - spec.start:
         raise IOError(f"{path}: has fewer samples than planned (input changed?)")
     encoder = _Encoder(vt, opts.batch_size)
@@ -292,11 +298,16 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> di
             lengths.append(record_lengths(tasks, record, rec.grids))
         counts.add_record(source, True, nbytes=sum(len(d) for _, d in members))
     _write_atomic(chunk_file(opts.work, spec.shard, spec.index, "bin"), bytes(blob))
-    _write_atomic(chunk_file(opts.work, spec.shard, spec.index, "quarantine.jsonl"),
-                  "".join(q + "\n" for q in qlines).encode())
+    _write_atomic(
+        chunk_file(opts.work, spec.shard, spec.index, "quarantine.jsonl"), "".join(q + "\n" for q in qlines).encode()
+    )
     result = {**counts.to_json(), **stats}
-    _write_atomic(marker, json.dumps({"counts": result, "samples": index,
-                                      **({"lengths": lengths} if tasks is not None else {})}).encode())
+    _write_atomic(
+        marker,
+        json.dumps(
+            {"counts": result, "samples": index, **({"lengths": lengths} if tasks is not None else {})}
+        ).encode(),
+    )
     return {**result, "resumed": False}
 
 
@@ -317,7 +328,9 @@ def _prepare(key: str, parts: dict[str, bytes], vt, encoder: _Encoder) -> _Pendi
         rec.error = _Rejected("record_malformed", f"{key}: no readable {sf.JSON_MEMBER} record")
         return rec
     if record.get("video"):
-        rec.error = _Rejected("video_not_supported", f"{record['video']}: video records are not tokenized (images only)")
+        rec.error = _Rejected(
+            "video_not_supported", f"{record['video']}: video records are not tokenized (images only)"
+        )
         return rec
     rec.sources = [str(s) for s in record.get("images") or []]
     try:
@@ -354,15 +367,19 @@ def write_token_shard(shard: str, num_chunks: int, work: str, out: str, lengths:
     layout_path, lengths_path = shard_work_file(w, shard, "layout.json"), shard_work_file(w, shard, "lengths.json")
     if marker.exists():
         done = json.loads(marker.read_text())
-        if done["samples"] == 0 or (path.exists() and layout_path.exists() and (lengths_path.exists() or not lengths)
-                                    and sha256_file(path) == done["sha256"]):
+        if done["samples"] == 0 or (
+            path.exists()
+            and layout_path.exists()
+            and (lengths_path.exists() or not lengths)
+            and sha256_file(path) == done["sha256"]
+        ):
             return {**done, "resumed": True}
     items, keys, sample_lengths = [], [], []
     for c in range(num_chunks):
         chunk = json.loads(chunk_file(w, shard, c, "json").read_text())
         blob = chunk_file(w, shard, c, "bin").read_bytes()
         for key, members in chunk["samples"]:
-            items.append(SampleMembers(key, [(suffix, blob[off:off + size]) for suffix, off, size in members]))
+            items.append(SampleMembers(key, [(suffix, blob[off : off + size]) for suffix, off, size in members]))
             keys.append(key)
         sample_lengths += chunk.get("lengths", [])
     if not items:  # every record quarantined: no shard (energon would list an empty one)

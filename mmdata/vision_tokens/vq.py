@@ -30,9 +30,22 @@ from safetensors import safe_open
 from transformers import Emu3ImageProcessor, Emu3VQVAE, Emu3VQVAEConfig
 
 # The architecture fields of Emu3VQVAEConfig: what the fingerprint and the rebuilt model use.
-VQ_CONFIG_KEYS = ("codebook_size", "embed_dim", "latent_channels", "double_latent", "in_channels", "out_channels",
-                  "temporal_downsample_factor", "base_channels", "channel_multiplier", "num_res_blocks",
-                  "attn_resolutions", "hidden_size", "num_attention_heads", "attention_dropout")
+VQ_CONFIG_KEYS = (
+    "codebook_size",
+    "embed_dim",
+    "latent_channels",
+    "double_latent",
+    "in_channels",
+    "out_channels",
+    "temporal_downsample_factor",
+    "base_channels",
+    "channel_multiplier",
+    "num_res_blocks",
+    "attn_resolutions",
+    "hidden_size",
+    "num_attention_heads",
+    "attention_dropout",
+)
 # Where a whole Emu3 checkpoint keeps its VQ tensors (transformers 5 / 4.x layouts).
 FULL_MODEL_VQ_PREFIXES = ("model.vqmodel.", "vqmodel.")
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -70,7 +83,11 @@ def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        hint = f" (found {', '.join(pickled)}: pickled weights are not loaded; convert them to safetensors)" if pickled else ""
+        hint = (
+            f" (found {', '.join(pickled)}: pickled weights are not loaded; convert them to safetensors)"
+            if pickled
+            else ""
+        )
         raise VQError(f"{path}: no *.safetensors weights{hint}")
     return files
 
@@ -93,8 +110,10 @@ def check_vq_dir(path: str | Path) -> tuple[str, dict]:
         return layout, raw
     if layout == "emu3":
         return layout, raw.get("vq_config") or {}
-    raise VQError(f"{p}: config.json model_type is {layout!r}; expected an Emu3 VQ model ('emu3_vqgan') "
-                  "or an Emu3 checkpoint ('emu3')")
+    raise VQError(
+        f"{p}: config.json model_type is {layout!r}; expected an Emu3 VQ model ('emu3_vqgan') "
+        "or an Emu3 checkpoint ('emu3')"
+    )
 
 
 def read_vq_checkpoint(path: str | Path) -> VQCheckpoint:
@@ -112,9 +131,11 @@ def read_vq_checkpoint(path: str | Path) -> VQCheckpoint:
             for key in st.keys():
                 prefix = next((pre for pre in prefixes if key.startswith(pre)), None)
                 if prefix is not None:
-                    state[key[len(prefix):]] = st.get_tensor(key)
+                    state[key[len(prefix) :]] = st.get_tensor(key)
     if not state:
-        raise VQError(f"{p}: no VQ tensors found (looked for {' or '.join(repr(x) for x in prefixes if x) or 'any'} keys)")
+        raise VQError(
+            f"{p}: no VQ tensors found (looked for {' or '.join(repr(x) for x in prefixes if x) or 'any'} keys)"
+        )
     return VQCheckpoint(p, layout, config, state)
 
 
@@ -131,16 +152,32 @@ def load_image_processor(path: str | Path, image_area: int | None):
     if image_area is not None:
         if image_area <= 0:
             raise VQError(f"--image-area must be positive, got {image_area}")
-        cfg.update(min_pixels=image_area, max_pixels=image_area, size={"min_pixels": image_area, "max_pixels": image_area})
+        cfg.update(
+            min_pixels=image_area, max_pixels=image_area, size={"min_pixels": image_area, "max_pixels": image_area}
+        )
     return Emu3ImageProcessor.from_dict(cfg)
 
 
 def processor_settings(processor) -> dict[str, Any]:
     """What decides the pixels fed to the VQ (for the manifest and the fingerprint)."""
-    keys = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
-            "image_std", "min_pixels", "max_pixels", "spatial_factor")
-    return {k: (list(v) if isinstance(v, tuple) else int(v) if k == "resample" else v)
-            for k in keys for v in [getattr(processor, k)]}
+    keys = (
+        "do_convert_rgb",
+        "do_resize",
+        "resample",
+        "do_rescale",
+        "rescale_factor",
+        "do_normalize",
+        "image_mean",
+        "image_std",
+        "min_pixels",
+        "max_pixels",
+        "spatial_factor",
+    )
+    return {
+        k: (list(v) if isinstance(v, tuple) else int(v) if k == "resample" else v)
+        for k in keys
+        for v in [getattr(processor, k)]
+    }
 
 
 def build_vq_model(ckpt: VQCheckpoint, device: str = "cpu"):
@@ -150,7 +187,9 @@ def build_vq_model(ckpt: VQCheckpoint, device: str = "cpu"):
     missing = sorted(set(model.state_dict()) - set(ckpt.state_dict))
     unexpected = sorted(set(ckpt.state_dict) - set(model.state_dict()))
     if missing or unexpected:
-        raise VQError(f"{ckpt.path}: VQ weights do not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise VQError(
+            f"{ckpt.path}: VQ weights do not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model.load_state_dict({k: t.to(torch.float32) for k, t in ckpt.state_dict.items()}, assign=True, strict=True)
     return model.to(device).eval()
 
@@ -215,4 +254,3 @@ class VisionTokenizer:
         batch = torch.from_numpy(np.stack(pixels)).to(self.device)
         codes = encode_pixels(self.model, batch).cpu().numpy()
         return list(codes)
-

@@ -35,12 +35,18 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
 def _sizes(r: Recipe, errors: RecipeErrors) -> None:
     t, p = r.train, r.parallel
     positive = {
-        ("train", "iters"): t.iters, ("train", "seq_length"): t.seq_length,
-        ("train", "micro_batch_size"): t.micro_batch_size, ("train", "global_batch_size"): t.global_batch_size,
+        ("train", "iters"): t.iters,
+        ("train", "seq_length"): t.seq_length,
+        ("train", "micro_batch_size"): t.micro_batch_size,
+        ("train", "global_batch_size"): t.global_batch_size,
         ("train", "eval_iters"): t.eval_iters,
-        ("parallel", "tp"): p.tp, ("parallel", "pp"): p.pp, ("parallel", "cp"): p.cp, ("parallel", "vpp"): p.vpp,
+        ("parallel", "tp"): p.tp,
+        ("parallel", "pp"): p.pp,
+        ("parallel", "cp"): p.cp,
+        ("parallel", "vpp"): p.vpp,
         ("parallel", "lm_loss_block_mb"): p.lm_loss_block_mb,
-        ("parallel", "nproc_per_node"): p.nproc_per_node, ("parallel", "nnodes"): p.nnodes,
+        ("parallel", "nproc_per_node"): p.nproc_per_node,
+        ("parallel", "nnodes"): p.nnodes,
         ("logging", "interval"): r.logging.interval,
         ("parallel", "collective_timeout_mins"): p.collective_timeout_mins,
     }
@@ -48,32 +54,49 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
         if value <= 0:
             errors.add(path, f"must be > 0, got {value}")
     non_negative = {
-        ("train", "eval_interval"): t.eval_interval, ("checkpoint", "interval"): r.checkpoint.interval,
-        ("checkpoint", "keep_last"): r.checkpoint.keep_last, ("data", "num_workers"): r.data.num_workers,
+        ("train", "eval_interval"): t.eval_interval,
+        ("checkpoint", "interval"): r.checkpoint.interval,
+        ("checkpoint", "keep_last"): r.checkpoint.keep_last,
+        ("data", "num_workers"): r.data.num_workers,
         ("data", "packing_buffer_size"): r.data.packing_buffer_size,
         ("data", "shuffle_buffer_size"): r.data.shuffle_buffer_size,
-        ("train", "exit_interval"): t.exit_interval, ("train", "exit_duration_mins"): t.exit_duration_mins,
+        ("train", "exit_interval"): t.exit_interval,
+        ("train", "exit_duration_mins"): t.exit_duration_mins,
     }
     for path, value in non_negative.items():
         if value < 0:
             errors.add(path, f"must be >= 0, got {value}")
     if r.data.packing_plan is not None and r.data.packing != "plan":
-        errors.add(("data", "packing_plan"), f"is only read with data.packing: plan (got packing: {r.data.packing}); "
-                   "set data.packing=plan or drop data.packing_plan", [("data", "packing")])
+        errors.add(
+            ("data", "packing_plan"),
+            f"is only read with data.packing: plan (got packing: {r.data.packing}); "
+            "set data.packing=plan or drop data.packing_plan",
+            [("data", "packing")],
+        )
     if r.data.plan_allow_estimated_lengths and r.data.packing != "plan":
-        errors.add(("data", "plan_allow_estimated_lengths"), f"is only read with data.packing: plan (got packing: "
-                   f"{r.data.packing}); set data.packing=plan or drop it", [("data", "packing")])
+        errors.add(
+            ("data", "plan_allow_estimated_lengths"),
+            f"is only read with data.packing: plan (got packing: {r.data.packing}); set data.packing=plan or drop it",
+            [("data", "packing")],
+        )
     window = r.data.balance_window
     if window != "auto" and window < 1:
         errors.add(("data", "balance_window"), f"must be >= 1 steps or auto, got {window}")
     elif window not in ("auto", 1) and (not r.data.balance or r.data.packing == "plan"):
-        errors.add(("data", "balance_window"), f"is only used by online balancing (data.balance: true with "
-                   f"data.packing: true; got balance: {r.data.balance}, packing: {r.data.packing}); "
-                   "set data.balance=true or drop data.balance_window", [("data", "balance"), ("data", "packing")])
+        errors.add(
+            ("data", "balance_window"),
+            f"is only used by online balancing (data.balance: true with "
+            f"data.packing: true; got balance: {r.data.balance}, packing: {r.data.packing}); "
+            "set data.balance=true or drop data.balance_window",
+            [("data", "balance"), ("data", "packing")],
+        )
     if t.eval_interval > 0 and not r.data.val_paths:
-        errors.add(("data", "val_paths"), f"must list at least one shard dir or metadataset YAML when "
-                   f"train.eval_interval={t.eval_interval} (> 0); set train.eval_interval=0 to skip evaluation",
-                   [("train", "eval_interval")])
+        errors.add(
+            ("data", "val_paths"),
+            f"must list at least one shard dir or metadataset YAML when "
+            f"train.eval_interval={t.eval_interval} (> 0); set train.eval_interval=0 to skip evaluation",
+            [("train", "eval_interval")],
+        )
 
 
 def _optimizer(r: Recipe, errors: RecipeErrors) -> None:
@@ -102,15 +125,22 @@ def _layout(r: Recipe, errors: RecipeErrors) -> None:
     world, mp = p.world_size, p.model_parallel
     layout = [("parallel", k) for k in ("tp", "pp", "cp", "nproc_per_node", "nnodes")]
     if world % mp:
-        errors.add(("parallel",), f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide the world size "
-                   f"nproc_per_node*nnodes = {p.nproc_per_node}*{p.nnodes} = {world}", layout)
+        errors.add(
+            ("parallel",),
+            f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide the world size "
+            f"nproc_per_node*nnodes = {p.nproc_per_node}*{p.nnodes} = {world}",
+            layout,
+        )
         return
     dp = world // mp
     if t.global_batch_size % (t.micro_batch_size * dp):
-        errors.add(("train", "global_batch_size"),
-                   f"{t.global_batch_size} is not divisible by micro_batch_size*dp = "
-                   f"{t.micro_batch_size}*{dp} = {t.micro_batch_size * dp} "
-                   f"(dp = world {world} / (tp {p.tp} * pp {p.pp} * cp {p.cp}))", layout + [("train", "micro_batch_size")])
+        errors.add(
+            ("train", "global_batch_size"),
+            f"{t.global_batch_size} is not divisible by micro_batch_size*dp = "
+            f"{t.micro_batch_size}*{dp} = {t.micro_batch_size * dp} "
+            f"(dp = world {world} / (tp {p.tp} * pp {p.pp} * cp {p.cp}))",
+            layout + [("train", "micro_batch_size")],
+        )
 
 
 def _pipeline(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
@@ -139,21 +169,28 @@ def _context_parallel(r: Recipe, errors: RecipeErrors) -> None:
     need = sequence_split_multiple(p.cp, p.tp, p.sequence_parallel)
     if t.seq_length % need:
         how = f"2*cp*tp = 2*{p.cp}*{p.tp}" if need != 2 * p.cp else f"2*cp = 2*{p.cp}"
-        errors.add(("train", "seq_length"),
-                   f"{t.seq_length} is not a multiple of {how} = {need} (context parallelism splits every "
-                   "sequence into 2*cp chunks)",
-                   [("parallel", "cp")] + ([("parallel", "tp"), ("parallel", "sequence_parallel")]
-                                           if p.sequence_parallel and p.tp > 1 else []))
+        errors.add(
+            ("train", "seq_length"),
+            f"{t.seq_length} is not a multiple of {how} = {need} (context parallelism splits every "
+            "sequence into 2*cp chunks)",
+            [("parallel", "cp")]
+            + ([("parallel", "tp"), ("parallel", "sequence_parallel")] if p.sequence_parallel and p.tp > 1 else []),
+        )
     sizes = p.hierarchical_cp_sizes
     if p.cp > 1 and p.cp_comm_type == "a2a+p2p":
         if len(sizes) < 2 or math.prod(sizes) != p.cp or min(sizes) < 1:
-            errors.add(("parallel", "hierarchical_cp_sizes"),
-                       f"must list the a2a and p2p group sizes whose product is parallel.cp={p.cp} for "
-                       f"cp_comm_type a2a+p2p, got {sizes}", [("parallel", "cp_comm_type")])
+            errors.add(
+                ("parallel", "hierarchical_cp_sizes"),
+                f"must list the a2a and p2p group sizes whose product is parallel.cp={p.cp} for "
+                f"cp_comm_type a2a+p2p, got {sizes}",
+                [("parallel", "cp_comm_type")],
+            )
     elif sizes:
-        errors.add(("parallel", "hierarchical_cp_sizes"),
-                   f"is only used with parallel.cp_comm_type=a2a+p2p (cp > 1), got {sizes}",
-                   [("parallel", "cp_comm_type")])
+        errors.add(
+            ("parallel", "hierarchical_cp_sizes"),
+            f"is only used with parallel.cp_comm_type=a2a+p2p (cp > 1), got {sizes}",
+            [("parallel", "cp_comm_type")],
+        )
 
 
 def _recompute(r: Recipe, errors: RecipeErrors) -> None:
@@ -161,8 +198,11 @@ def _recompute(r: Recipe, errors: RecipeErrors) -> None:
     if p.recompute_num_layers < 0:
         errors.add(("parallel", "recompute_num_layers"), f"must be >= 0, got {p.recompute_num_layers}")
     elif p.recompute_num_layers and p.recompute != "full":
-        errors.add(("parallel", "recompute_num_layers"), f"a number of recomputed layers needs parallel.recompute="
-                   f"full, got {p.recompute!r}", [("parallel", "recompute")])
+        errors.add(
+            ("parallel", "recompute_num_layers"),
+            f"a number of recomputed layers needs parallel.recompute=full, got {p.recompute!r}",
+            [("parallel", "recompute")],
+        )
 
 
 def _vision_layout(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
@@ -198,8 +238,11 @@ def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
         if any(x <= 0 for x in getattr(a, name)):
             errors.add(("auto_tune", name), f"candidates must be > 0, got {getattr(a, name)}")
     if not 0 <= a.min_memory_fraction < a.memory_fraction:
-        errors.add(("auto_tune", "min_memory_fraction"), f"must be in [0, auto_tune.memory_fraction="
-                   f"{a.memory_fraction}), got {a.min_memory_fraction}", [("auto_tune", "memory_fraction")])
+        errors.add(
+            ("auto_tune", "min_memory_fraction"),
+            f"must be in [0, auto_tune.memory_fraction={a.memory_fraction}), got {a.min_memory_fraction}",
+            [("auto_tune", "memory_fraction")],
+        )
     for name in ("max_trials", "warmup_steps"):
         if getattr(a, name) < 0:
             errors.add(("auto_tune", name), f"must be >= 0, got {getattr(a, name)}")
@@ -207,8 +250,12 @@ def _auto_tune(r: Recipe, errors: RecipeErrors) -> None:
         if getattr(a, name) <= 0:
             errors.add(("auto_tune", name), f"must be > 0, got {getattr(a, name)}")
     if a.trial_steps <= a.warmup_steps:
-        errors.add(("auto_tune", "trial_steps"), f"must be > auto_tune.warmup_steps={a.warmup_steps} (tokens/s "
-                   f"is measured after the warm-up), got {a.trial_steps}", [("auto_tune", "warmup_steps")])
+        errors.add(
+            ("auto_tune", "trial_steps"),
+            f"must be > auto_tune.warmup_steps={a.warmup_steps} (tokens/s "
+            f"is measured after the warm-up), got {a.trial_steps}",
+            [("auto_tune", "warmup_steps")],
+        )
     if a.slow_margin < 0:
         errors.add(("auto_tune", "slow_margin"), f"must be >= 0, got {a.slow_margin}")
 

@@ -124,8 +124,10 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    header = ("# Resolved recipe (stage and command-line overrides applied, paths absolute), written by mmtrain.\n"
-              f"# Re-run it as is, from any folder: mmtrain {recipe.family} THIS_FILE\n")
+    header = (
+        "# Resolved recipe (stage and command-line overrides applied, paths absolute), written by mmtrain.\n"
+        f"# Re-run it as is, from any folder: mmtrain {recipe.family} THIS_FILE\n"
+    )
     plain = recipe_to_dict(recipe)
     if plain.get("action") == "print_config":  # what was printed is the recipe to run
         plain["action"] = "run"

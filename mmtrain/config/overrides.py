@@ -61,8 +61,9 @@ def apply_overrides_and_stage(raw: dict, override_texts: Sequence[str]) -> tuple
             raise RecipeError(["stages: expected a mapping of stage name -> partial recipe"])
         table = {_stage_name(k): v for k, v in stages.items()}
         if stage not in table:
-            raise RecipeError([f"stage: unknown stage {stage!r}; known: {', '.join(map(repr, table))}"
-                               + suggest(stage, list(table))])
+            raise RecipeError(
+                [f"stage: unknown stage {stage!r}; known: {', '.join(map(repr, table))}" + suggest(stage, list(table))]
+            )
         patch = _nest(table[stage])
         if "stages" in patch or "stage" in patch:
             raise RecipeError([f"stages.{stage}: a stage may not set 'stage' or 'stages'"])

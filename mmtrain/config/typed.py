@@ -74,8 +74,9 @@ def convert(value: Any, tp: Any, path: KeyPath, errors: RecipeErrors) -> Any:
         if not isinstance(value, list):
             errors.add(path, f"expected {type_name(tp)}, got {show(value)}")
             return []
-        return [convert(v, args[0] if args else Any, path[:-1] + (f"{path[-1]}[{i}]",), errors)
-                for i, v in enumerate(value)]
+        return [
+            convert(v, args[0] if args else Any, path[:-1] + (f"{path[-1]}[{i}]",), errors) for i, v in enumerate(value)
+        ]
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             errors.add(path, f"expected {type_name(tp)}, got {show(value)}")
@@ -87,15 +88,18 @@ def convert(value: Any, tp: Any, path: KeyPath, errors: RecipeErrors) -> Any:
             if len(value) != len(args):
                 errors.add(path, f"expected {type_name(tp)}, got {plural(len(value), 'item')}")
                 return tuple(value)
-        return tuple(convert(v, t, path[:-1] + (f"{path[-1]}[{i}]",), errors)
-                     for i, (v, t) in enumerate(zip(value, item_types)))
+        return tuple(
+            convert(v, t, path[:-1] + (f"{path[-1]}[{i}]",), errors) for i, (v, t) in enumerate(zip(value, item_types))
+        )
     if origin is dict:
         if not isinstance(value, dict):
             errors.add(path, f"expected {type_name(tp)}, got {show(value)}")
             return {}
         key_t, val_t = args if args else (Any, Any)
-        return {convert(k, key_t, path + (str(k),), errors): convert(v, val_t, path + (str(k),), errors)
-                for k, v in value.items()}
+        return {
+            convert(k, key_t, path + (str(k),), errors): convert(v, val_t, path + (str(k),), errors)
+            for k, v in value.items()
+        }
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -21,9 +21,17 @@ if TYPE_CHECKING:
 def emu3_8b_llm() -> LLMConfig:
     """Emu3's decoder (BAAI/Emu3-Stage1, -Chat, -Gen): Llama-style 8B over text BPE + VQ codes."""
     return LLMConfig(
-        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
-        vocab_size=184622, max_position_embeddings=131072, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, qkv_bias=False,
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        vocab_size=184622,
+        max_position_embeddings=131072,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        qkv_bias=False,
     )
 
 

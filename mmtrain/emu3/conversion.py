@@ -99,7 +99,7 @@ def _vq_tensors(vq_dir: str | os.PathLike) -> tuple[dict, Iterator[tuple[str, to
     # a VQ-only dir names tensors as Emu3VQVAE does; a whole Emu3 dir puts them under vqmodel.
     prefix = "" if layout == "emu3_vqgan" else VQ_PREFIX
     reader = SafetensorsReader(vq_dir, normalize_emu3_hf_key if prefix else lambda k: k)
-    names = sorted(k[len(prefix):] for k in reader.keys() if k.startswith(prefix))
+    names = sorted(k[len(prefix) :] for k in reader.keys() if k.startswith(prefix))
     if not names:
         raise ConversionError(f"{vq_dir}: no VQ tensors")
     return dict(vq_config), ((k, reader.get(prefix + k)) for k in names)
@@ -110,8 +110,9 @@ def keep_vq(hf_dir: str | os.PathLike, dst: str | os.PathLike) -> Path:
     vq_config, tensors = _vq_tensors(hf_dir)
     out = Path(dst)
     write_sharded(tensors, out)
-    (out / "config.json").write_text(json.dumps({**vq_config, "model_type": "emu3_vqgan",
-                                                 "architectures": ["Emu3VQVAE"]}, indent=2))
+    (out / "config.json").write_text(
+        json.dumps({**vq_config, "model_type": "emu3_vqgan", "architectures": ["Emu3VQVAE"]}, indent=2)
+    )
     if (Path(hf_dir) / PROCESSOR_FILE).is_file():
         (out / PROCESSOR_FILE).write_bytes((Path(hf_dir) / PROCESSOR_FILE).read_bytes())
     return out
@@ -120,39 +121,53 @@ def keep_vq(hf_dir: str | os.PathLike, dst: str | os.PathLike) -> Path:
 # ----------------------------------------------------------------------------- hf -> mcore
 
 
-def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1,
-                dtype: str = "auto") -> Emu3ModelConfig:
+def hf_to_mcore(
+    src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1, dtype: str = "auto"
+) -> Emu3ModelConfig:
     """`dtype`: the megatron decoder's (auto: the source's, recorded as the saved params_dtype);
     the kept VQ model stays as the source stores it."""
     cfg, _ = emu3_source(src)  # validate the text model before starting any rank...
     cfg = replace(cfg, params_dtype=import_dtype(dtype, src))
     assets = record_source(dst, [src], read_config(src))
     keep_vq(src, assets / VQ_DIR)  # ...and the VQ (refused with a reason, e.g. no processor config)
-    import_to_mcore(ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp,
-                              params_dtype=cfg.params_dtype))
+    import_to_mcore(
+        ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp, params_dtype=cfg.params_dtype)
+    )
     return cfg
 
 
 # ----------------------------------------------------------------------------- mcore -> hf
 
 
-def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, *,
-                vq: Optional[str | os.PathLike] = None, tokenizer: Optional[str | os.PathLike] = None,
-                dtype: str = "auto") -> Path:
+def mcore_to_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    max_shard_bytes: int = 2 * 1024**3,
+    *,
+    vq: Optional[str | os.PathLike] = None,
+    tokenizer: Optional[str | os.PathLike] = None,
+    dtype: str = "auto",
+) -> Path:
     """Single process: the decoder at TP=1/PP=1 plus the VQ model (kept at import, or `vq`)
     -> an `Emu3ForConditionalGeneration` dir. `dtype`: the tensors' and config.json's (auto: the
     dtype the megatron weights are stored in; the VQ's tensors then stay as they are stored)."""
     template = source_config(src) or {}
     vq_dir = Path(vq) if vq is not None else Path(src) / ASSETS_DIR / VQ_DIR
     if not (vq_dir / "config.json").is_file():
-        raise ConversionError(f"{src}: no VQ model kept alongside the weights (the checkpoint was not converted from "
-                              "an HF Emu3 dir); give --vq VQ_DIR (an Emu3VQVAE dir or an HF Emu3 dir) "
-                              "and --tokenizer TOKENIZER_DIR")
+        raise ConversionError(
+            f"{src}: no VQ model kept alongside the weights (the checkpoint was not converted from "
+            "an HF Emu3 dir); give --vq VQ_DIR (an Emu3VQVAE dir or an HF Emu3 dir) "
+            "and --tokenizer TOKENIZER_DIR"
+        )
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(tokenizer)
         template["vocabulary_map"] = tok.get_vocab()
-        template["text_config"] = {**template.get("text_config", {}), "pad_token_id": tok.pad_token_id,
-                                   "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+        template["text_config"] = {
+            **template.get("text_config", {}),
+            "pad_token_id": tok.pad_token_id,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+        }
     if "vocabulary_map" not in template:
         raise ConversionError(f"{src}: no vocabulary map recorded; give --tokenizer TOKENIZER_DIR (the Emu3 tokenizer)")
     stored, out_dtype = export_dtype(dtype, src)

@@ -25,22 +25,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("emu3 text-to-image")
     what = g.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the caption of the image to generate")
-    what.add_argument("--prompts", metavar="FILE",
-                      help="one prompt per line, or a .jsonl file of {\"prompt\", optional \"negative_prompt\", "
-                           "\"seed\", \"height\", \"width\", \"cfg_scale\"}: one PNG each, and DIR/images.jsonl "
-                           "with the token grids")
-    g.add_argument("--negative-prompt", default="",
-                   help="caption of the unconditional (guidance) row; default empty, the caption drop training uses")
-    g.add_argument("--cfg-scale", type=float, default=DEFAULT_CFG_SCALE,
-                   help="classifier-free guidance: uncond + s * (cond - uncond) on log-probs; 1 = none, "
-                        "0 = the negative prompt alone; a guided prompt adds its negative row to the --batch-size batch "
-                        "(default %(default)s)")
-    g.add_argument("--height", type=int, default=DEFAULT_SIZE,
-                   help="image height in pixels, a multiple of the VQ's spatial factor (8) (default %(default)s)")
+    what.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='one prompt per line, or a .jsonl file of {"prompt", optional "negative_prompt", '
+        '"seed", "height", "width", "cfg_scale"}: one PNG each, and DIR/images.jsonl '
+        "with the token grids",
+    )
+    g.add_argument(
+        "--negative-prompt",
+        default="",
+        help="caption of the unconditional (guidance) row; default empty, the caption drop training uses",
+    )
+    g.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=DEFAULT_CFG_SCALE,
+        help="classifier-free guidance: uncond + s * (cond - uncond) on log-probs; 1 = none, "
+        "0 = the negative prompt alone; a guided prompt adds its negative row to the --batch-size batch "
+        "(default %(default)s)",
+    )
+    g.add_argument(
+        "--height",
+        type=int,
+        default=DEFAULT_SIZE,
+        help="image height in pixels, a multiple of the VQ's spatial factor (8) (default %(default)s)",
+    )
     g.add_argument("--width", type=int, default=DEFAULT_SIZE, help="image width in pixels (default %(default)s)")
-    g.add_argument("--output", default=None,
-                   help="--prompt: the PNG to write (default emu3.png); --prompts: the directory for "
-                        "NNNNNN.png and images.jsonl (default emu3_images)")
-    g.add_argument("--vq", metavar="DIR", default=None,
-                   help="VQ model (an Emu3VQVAE dir or an HF Emu3 dir); default: the checkpoint's own "
-                        "(an HF dir's, or a converted checkpoint's hf_assets/vq)")
+    g.add_argument(
+        "--output",
+        default=None,
+        help="--prompt: the PNG to write (default emu3.png); --prompts: the directory for "
+        "NNNNNN.png and images.jsonl (default emu3_images)",
+    )
+    g.add_argument(
+        "--vq",
+        metavar="DIR",
+        default=None,
+        help="VQ model (an Emu3VQVAE dir or an HF Emu3 dir); default: the checkpoint's own "
+        "(an HF dir's, or a converted checkpoint's hf_assets/vq)",
+    )

@@ -28,10 +28,16 @@ def read_prompts(args: argparse.Namespace) -> list[Any]:
     out = []
     for i, (where, rec) in enumerate(read_prompt_file(args.prompts, PROMPT_KEYS)):
         try:
-            out.append(ImagePrompt(
-                rec["prompt"], height=int(rec.get("height", args.height)), width=int(rec.get("width", args.width)),
-                negative=str(rec.get("negative_prompt", args.negative_prompt)),
-                cfg_scale=float(rec.get("cfg_scale", args.cfg_scale)), seed=int(rec.get("seed", args.seed + i))))
+            out.append(
+                ImagePrompt(
+                    rec["prompt"],
+                    height=int(rec.get("height", args.height)),
+                    width=int(rec.get("width", args.width)),
+                    negative=str(rec.get("negative_prompt", args.negative_prompt)),
+                    cfg_scale=float(rec.get("cfg_scale", args.cfg_scale)),
+                    seed=int(rec.get("seed", args.seed + i)),
+                )
+            )
         except (ValueError, TypeError) as exc:
             raise GenerationError(f"{where}: {exc}") from None
     return out
@@ -47,9 +53,11 @@ def vq_dir(args: argparse.Namespace, ref: Any) -> Path:
     elif ref.assets is not None and (ref.assets / KEPT_VQ / "config.json").is_file():
         d, where = ref.assets / KEPT_VQ, f"the VQ model kept in {ref.assets / KEPT_VQ}"
     else:
-        raise GenerationError(f"--checkpoint {ref.path} keeps no VQ model (no hf_assets/{KEPT_VQ}: it was not converted "
-                              "from an HF Emu3 dir), so generated tokens cannot become pixels; give --vq VQ_DIR "
-                              "(an Emu3VQVAE dir or an HF Emu3 dir)")
+        raise GenerationError(
+            f"--checkpoint {ref.path} keeps no VQ model (no hf_assets/{KEPT_VQ}: it was not converted "
+            "from an HF Emu3 dir), so generated tokens cannot become pixels; give --vq VQ_DIR "
+            "(an Emu3VQVAE dir or an HF Emu3 dir)"
+        )
     try:
         check_vq_dir(d)
     except VQError as exc:
@@ -83,17 +91,35 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> GenerationJob
             with staged_file(out) as tmp:
                 images[0].image.save(tmp)
             rows, cols = images[0].grid.shape
-            print(f"wrote {out} ({images[0].image.width}x{images[0].image.height} px, {rows}x{cols} codes, "
-                  f"{len(images[0].tokens)} tokens)")
+            print(
+                f"wrote {out} ({images[0].image.width}x{images[0].image.height} px, {rows}x{cols} codes, "
+                f"{len(images[0].tokens)} tokens)"
+            )
             return
-        with FolderLock(out, "--output"), fresh_folder(out, args.overwrite, "--output") as tmp, \
-                open(tmp / "images.jsonl", "w", encoding="utf-8") as f:
+        with (
+            FolderLock(out, "--output"),
+            fresh_folder(out, args.overwrite, "--output") as tmp,
+            open(tmp / "images.jsonl", "w", encoding="utf-8") as f,
+        ):
             for i, (p, im) in enumerate(zip(prompts, images)):
                 name = f"{i:06d}.png"
                 im.image.save(tmp / name)
-                f.write(json.dumps({"index": i, "prompt": p.text, "negative_prompt": p.negative, "seed": p.seed,
-                                    "cfg_scale": p.cfg_scale, "height": p.height, "width": p.width, "png": name,
-                                    "grid": im.grid.tolist()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "index": i,
+                            "prompt": p.text,
+                            "negative_prompt": p.negative,
+                            "seed": p.seed,
+                            "cfg_scale": p.cfg_scale,
+                            "height": p.height,
+                            "width": p.width,
+                            "png": name,
+                            "grid": im.grid.tolist(),
+                        }
+                    )
+                    + "\n"
+                )
         print(f"wrote {len(images)} images and images.jsonl to {out}")
 
     return GenerationJob(generator.model, requests, finish, unit="image")

@@ -91,13 +91,16 @@ def grid_shape(height: int, width: int, factor: int) -> tuple[int, int]:
         down = [max(factor, v // factor * factor) for v in (height, width)]
         up = [max(factor, -(-v // factor) * factor) for v in (height, width)]
         near = " or ".join(dict.fromkeys(f"--height {h} --width {w}" for h, w in (down, up)))
-        raise GenerationError(f"image size {height}x{width}: height and width must be positive multiples of the "
-                              f"VQ's spatial factor {factor}; the nearest sizes that fit: {near}")
+        raise GenerationError(
+            f"image size {height}x{width}: height and width must be positive multiples of the "
+            f"VQ's spatial factor {factor}; the nearest sizes that fit: {near}"
+        )
     return height // factor, width // factor
 
 
-def largest_fitting_grid(rows: int, cols: int, positions: Callable[[int, int], int],
-                         limit: int) -> tuple[int, int] | None:
+def largest_fitting_grid(
+    rows: int, cols: int, positions: Callable[[int, int], int], limit: int
+) -> tuple[int, int] | None:
     """The largest (rows, cols) grid of about the aspect ratio of rows x cols whose generation needs
     at most `limit` positions (`positions(rows, cols)`), or None when not even one row fits."""
     for r in range(rows - 1, 0, -1):
@@ -151,8 +154,9 @@ class Emu3ImageGenerator:
 
     The tokenizer and the VQ are checked before the decoder loads: a missing one is told at once."""
 
-    def __init__(self, ref: CheckpointRef, placement: Placement, *, tokenizer_dir: Path, vq_dir: Path,
-                 decode_images: bool = True) -> None:
+    def __init__(
+        self, ref: CheckpointRef, placement: Placement, *, tokenizer_dir: Path, vq_dir: Path, decode_images: bool = True
+    ) -> None:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
             self.vocab = Emu3Vocab.from_tokenizer(self.tokenizer)
@@ -160,15 +164,19 @@ class Emu3ImageGenerator:
             raise GenerationError(f"tokenizer {tokenizer_dir}: {exc}") from None
         self.vq = VQDecoder(vq_dir, placement.device) if decode_images else None
         if self.vq is not None and self.vq.codebook_size != self.vocab.codebook_size:
-            raise GenerationError(f"the VQ model {vq_dir} has {self.vq.codebook_size} codes but the tokenizer "
-                                  f"{self.vocab.codebook_size} visual tokens")
+            raise GenerationError(
+                f"the VQ model {vq_dir} has {self.vq.codebook_size} codes but the tokenizer "
+                f"{self.vocab.codebook_size} visual tokens"
+            )
         self.factor = self.vq.factor if self.vq is not None else 8
         inference = load_emu3(ref.path, ref.iteration)
         placement.apply(inference.model)
         self.config = inference.cfg
         if self.vocab.visual.max() >= self.config.llm.vocab_size:
-            raise GenerationError(f"the tokenizer's visual tokens go up to id {int(self.vocab.visual.max())}, "
-                                  f"beyond the model's {self.config.llm.vocab_size}-token vocabulary")
+            raise GenerationError(
+                f"the tokenizer's visual tokens go up to id {int(self.vocab.visual.max())}, "
+                f"beyond the model's {self.config.llm.vocab_size}-token vocabulary"
+            )
         self.model = GenerationModel(decoder=inference.model.language_model, vocab_size=self.config.llm.vocab_size)
         self.visual_mask = torch.zeros(self.config.llm.vocab_size, dtype=torch.bool, device=placement.device)
         self.visual_mask[torch.as_tensor(self.vocab.visual)] = True
@@ -185,24 +193,35 @@ class Emu3ImageGenerator:
         longest = max(len(prompt), len(negative)) + structure.num_tokens
         limit = self.config.llm.max_position_embeddings
         if longest > limit:
-            raise GenerationError(f"image size {p.height}x{p.width} ({rows}x{cols} codes) needs {longest} positions, "
-                                  f"the model has {limit}; {self._what_fits(p, rows, cols, limit)}")
+            raise GenerationError(
+                f"image size {p.height}x{p.width} ({rows}x{cols} codes) needs {longest} positions, "
+                f"the model has {limit}; {self._what_fits(p, rows, cols, limit)}"
+            )
         return GenerationRequest(
-            prompt=prompt, max_new_tokens=structure.num_tokens, negative_prompt=negative,
-            guidance_scale=p.cfg_scale, seed=p.seed, stop_token_ids=(self.vocab.eos,), logits_processor=structure,
+            prompt=prompt,
+            max_new_tokens=structure.num_tokens,
+            negative_prompt=negative,
+            guidance_scale=p.cfg_scale,
+            seed=p.seed,
+            stop_token_ids=(self.vocab.eos,),
+            logits_processor=structure,
         )
 
     def _what_fits(self, p: ImagePrompt, rows: int, cols: int, limit: int) -> str:
         """The largest size of about the same aspect ratio that this prompt fits in, as options."""
+
         def positions(r: int, c: int) -> int:
             texts = (p.text, p.negative)
-            return (max(len(generation_prompt(t, r, c, self.vocab, self.encode_text)) for t in texts)
-                    + ImageStructure(r, c, self.vocab, self.visual_mask).num_tokens)
+            return (
+                max(len(generation_prompt(t, r, c, self.vocab, self.encode_text)) for t in texts)
+                + ImageStructure(r, c, self.vocab, self.visual_mask).num_tokens
+            )
 
         fit = largest_fitting_grid(rows, cols, positions, limit)
         if fit is None:
             return "not even one row of codes fits after this prompt: shorten the prompt"
-        return f"the largest size of this aspect ratio that fits: --height {fit[0] * self.factor} --width {fit[1] * self.factor}"
+        height, width = fit[0] * self.factor, fit[1] * self.factor
+        return f"the largest size of this aspect ratio that fits: --height {height} --width {width}"
 
     def finish(self, prompts: Sequence[ImagePrompt], results: Sequence[GenerationResult]) -> list[GeneratedImage]:
         out = []
@@ -211,8 +230,15 @@ class Emu3ImageGenerator:
             out.append(GeneratedImage(r.tokens, grid, self.vq.decode(grid) if self.vq is not None else None))
         return out
 
-    def generate(self, prompts: Sequence[ImagePrompt], sampling: SamplingParams, *, batch_size: int = 8,
-                 progress: Optional[Progress] = None) -> list[GeneratedImage]:
-        results = generate(self.model, [self.request(p) for p in prompts], sampling, batch_size=batch_size,
-                           progress=progress)
+    def generate(
+        self,
+        prompts: Sequence[ImagePrompt],
+        sampling: SamplingParams,
+        *,
+        batch_size: int = 8,
+        progress: Optional[Progress] = None,
+    ) -> list[GeneratedImage]:
+        results = generate(
+            self.model, [self.request(p) for p in prompts], sampling, batch_size=batch_size, progress=progress
+        )
         return self.finish(prompts, results)

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 
-def emu3_prefix_constraint(rows: int, cols: int, img: int, eol: int, eof: int, eoi: int, eos: int, pad: int,
-                           visual: Sequence[int]) -> Callable[[int, Any], Sequence[int]]:
+def emu3_prefix_constraint(
+    rows: int, cols: int, img: int, eol: int, eof: int, eoi: int, eos: int, pad: int, visual: Sequence[int]
+) -> Callable[[int, Any], Sequence[int]]:
     """transformers' `prefix_allowed_tokens_fn` for a rows x cols Emu3 image (token ids as named
     in the module docstring; `visual`: the ids of the visual tokens)."""
+
     def allowed(batch_id: int, input_ids: Any) -> Sequence[int]:
         offset = input_ids.shape[0] - torch.nonzero(input_ids == img, as_tuple=True)[0][0]
         if offset % (cols + 1) == 0:

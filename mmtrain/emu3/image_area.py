@@ -64,11 +64,16 @@ def trained_image_area(ckpt_dir: str | os.PathLike) -> Optional[TrainedImageArea
             unread.append(str(p))
     found = TrainedImageArea(sources=sorted(areas))
     if unread:
-        found.problem = (f"the training data's token-shard manifests are not readable ({', '.join(unread)}): "
-                         f"its --image-area is unknown")
+        found.problem = (
+            f"the training data's token-shard manifests are not readable ({', '.join(unread)}): "
+            f"its --image-area is unknown"
+        )
     elif len(set(areas.values())) > 1:
-        found.problem = "the training data's token shards were made at different image areas (" + ", ".join(
-            f"{p}: {a}" for p, a in sorted(areas.items())) + ")"
+        found.problem = (
+            "the training data's token shards were made at different image areas ("
+            + ", ".join(f"{p}: {a}" for p, a in sorted(areas.items()))
+            + ")"
+        )
     else:
         found.area = next(iter(areas.values()))
     return found
@@ -88,13 +93,22 @@ def record_trained_image_area(ckpt_dir: str | os.PathLike, processor_file: Path)
     cfg = json.loads(processor_file.read_text())
     kept = cfg.get("max_pixels")
     if found.problem is not None:
-        log.warning("%s: %s; it keeps the VQ's max_pixels %s: set min_pixels/max_pixels to the area the "
-                    "token shards were made with (`mmdata tokenize-images --image-area`)",
-                    processor_file.name, found.problem, kept)
+        log.warning(
+            "%s: %s; it keeps the VQ's max_pixels %s: set min_pixels/max_pixels to the area the "
+            "token shards were made with (`mmdata tokenize-images --image-area`)",
+            processor_file.name,
+            found.problem,
+            kept,
+        )
         return None
     if found.area is None:  # tokenized at the VQ dir's own bounds: the copied config is right
         return None
     processor_file.write_text(json.dumps(with_image_area(cfg, int(found.area)), indent=2) + "\n")
-    log.info("%s: image area %d px (the token shards' --image-area, %s; the VQ's was %s)", processor_file.name,
-             found.area, ", ".join(found.sources), kept)
+    log.info(
+        "%s: image area %d px (the token shards' --image-area, %s; the VQ's was %s)",
+        processor_file.name,
+        found.area,
+        ", ".join(found.sources),
+        kept,
+    )
     return int(found.area)

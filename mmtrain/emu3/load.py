@@ -23,8 +23,13 @@ def hf_inputs_to_batch(input_ids: torch.Tensor, attention_mask: Optional[torch.T
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cu, pos = segments_from_attention_mask(attention_mask)
-    return PackedBatch(input_ids=input_ids.long(), labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
-                       position_ids=pos, cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
+    return PackedBatch(
+        input_ids=input_ids.long(),
+        labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
+        position_ids=pos,
+        cu_seqlens=cu,
+        max_seqlen=int((cu[1:] - cu[:-1]).max()),
+    )
 
 
 class Emu3ForInference(torch.nn.Module):
@@ -38,7 +43,9 @@ class Emu3ForInference(torch.nn.Module):
         self.cfg = cfg
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **_: object) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **_: object
+    ) -> torch.Tensor:
         batch = hf_inputs_to_batch(input_ids.to(self.device), None if attention_mask is None else attention_mask.cpu())
         return self.model(batch.to(self.device), return_logits=True)
 
@@ -54,8 +61,9 @@ def load_emu3(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> E
     return Emu3ForInference(model, cfg).eval()
 
 
-def load_hf_into_model(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike,
-                       expect: Optional[Emu3ModelConfig] = None) -> None:
+def load_hf_into_model(
+    model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, expect: Optional[Emu3ModelConfig] = None
+) -> None:
     """Fill (possibly TP/PP-sharded) model chunks straight from an HF Emu3 dir, after checking
     its config against the recipe's model config (`expect`, when given)."""
     load_hf_into_chunks(model_chunks, hf_dir, emu3_source, expect, ARCHITECTURE_KEYS)

@@ -13,12 +13,21 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1) -> Savab
     """The energon loader over token shards with the recipe's task mix."""
     d: Emu3DataConfig = recipe.data
     loader = build_emu3_loader(
-        d.paths, recipe.tokenizer.path, seq_length=recipe.train.seq_length,
-        micro_batch_size=recipe.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-        num_workers=d.num_workers, seed=recipe.seed, packing=d.packing, packing_plan=d.packing_plan,
-        packing_buffer_size=d.packing_buffer_size, shuffle_buffer_size=d.shuffle_buffer_size,
-        encoder=dict(tasks=dict(d.tasks), p_uncond=d.p_uncond, uncond_prompt=d.uncond_prompt,
-                     system_prompt=d.system_prompt),
+        d.paths,
+        recipe.tokenizer.path,
+        seq_length=recipe.train.seq_length,
+        micro_batch_size=recipe.train.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=d.num_workers,
+        seed=recipe.seed,
+        packing=d.packing,
+        packing_plan=d.packing_plan,
+        packing_buffer_size=d.packing_buffer_size,
+        shuffle_buffer_size=d.shuffle_buffer_size,
+        encoder=dict(
+            tasks=dict(d.tasks), p_uncond=d.p_uncond, uncond_prompt=d.uncond_prompt, system_prompt=d.system_prompt
+        ),
     )
     check_tokenizer_fits(recipe.model, len(loader.task_encoder.tasks.tokenizer), recipe.tokenizer.path)
     return loader
@@ -28,5 +37,7 @@ def check_tokenizer_fits(m: Emu3ModelConfig, tokenizer_size: int, tokenizer_path
     """Every id the tokenizer can produce (text, specials, visual tokens) needs a row of the
     model's vocabulary: refuse a tokenizer larger than `model.llm.vocab_size` before training."""
     if tokenizer_size > m.llm.vocab_size:
-        raise ValueError(f"the tokenizer at {tokenizer_path} has {tokenizer_size} tokens but model.llm.vocab_size is "
-                         f"{m.llm.vocab_size}; use the model's own tokenizer (or a larger vocab_size)")
+        raise ValueError(
+            f"the tokenizer at {tokenizer_path} has {tokenizer_size} tokens but model.llm.vocab_size is "
+            f"{m.llm.vocab_size}; use the model's own tokenizer (or a larger vocab_size)"
+        )

@@ -29,5 +29,6 @@ class Emu3Model(DecoderStageModel):
     def forward(self, batch: PackedBatch, return_logits: bool = False) -> torch.Tensor:
         # this CP rank's share of the stream (the identity without CP); the shared decoder
         # forward embeds it, scatters it for SP and computes the lean loss
-        return packed_decoder_forward(self.language_model, batch, current_layout(batch.host_cu_seqlens()),
-                                      return_logits=return_logits)
+        return packed_decoder_forward(
+            self.language_model, batch, current_layout(batch.host_cu_seqlens()), return_logits=return_logits
+        )

@@ -35,8 +35,10 @@ EMU3 = FamilySpec(
     build_loader=Ref("mmtrain.emu3.loader:build_loader"),
     forward_step=Ref("mmtrain.runtime.loss:packed_forward_step"),
     model_shapes=model_shapes,
-    sample_type=("mmdata.energon_loaders.emu3.vq_token_sample.VQTokenSample",
-                 "Emu3 VQ token shards (mmdata tokenize-images)"),
+    sample_type=(
+        "mmdata.energon_loaders.emu3.vq_token_sample.VQTokenSample",
+        "Emu3 VQ token shards (mmdata tokenize-images)",
+    ),
     hf=HFConversion(
         to_mcore=Ref("mmtrain.emu3.conversion:hf_to_mcore"),
         to_hf=Ref("mmtrain.emu3.conversion:mcore_to_hf"),

@@ -59,8 +59,10 @@ def emu3_config_from_hf(hf: dict) -> Emu3ModelConfig:
     """`Emu3Config` (config.json dict) -> Emu3ModelConfig (default padding multiple and dtype)."""
     archs = hf.get("architectures") or ["Emu3ForConditionalGeneration"]
     if hf.get("model_type") != "emu3" or "Emu3ForConditionalGeneration" not in archs:
-        raise ConversionError(f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected emu3 / "
-                              "Emu3ForConditionalGeneration")
+        raise ConversionError(
+            f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected emu3 / "
+            "Emu3ForConditionalGeneration"
+        )
     text = dict(hf.get("text_config") or {})
     text.setdefault("model_type", "emu3_text_model")
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
@@ -74,6 +76,10 @@ def hf_config_from_emu3(cfg: Emu3ModelConfig, template: Optional[dict] = None) -
     text = dict(out.get("text_config") or {})
     text.update(hf_llama_text_config(cfg.llm), model_type="emu3_text_model")
     text.pop("rope_theta", None)
-    out.update(model_type="emu3", architectures=["Emu3ForConditionalGeneration"], text_config=text,
-               tie_word_embeddings=cfg.llm.tie_word_embeddings)
+    out.update(
+        model_type="emu3",
+        architectures=["Emu3ForConditionalGeneration"],
+        text_config=text,
+        tie_word_embeddings=cfg.llm.tie_word_embeddings,
+    )
     return out

@@ -31,12 +31,16 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     problems = []
     codes = made.get("codebook_size")
     if isinstance(codes, int) and vocab.codebook_size < codes:
-        problems.append(f"tokenizer.path: the tokenizer at {path} has {vocab.codebook_size} visual tokens, but "
-                        f"{_shards(made)} hold codes of a {codes}-code VQ; {_fix(made)}")
+        problems.append(
+            f"tokenizer.path: the tokenizer at {path} has {vocab.codebook_size} visual tokens, but "
+            f"{_shards(made)} hold codes of a {codes}-code VQ; {_fix(made)}"
+        )
     if len(tokenizer) > recipe.model.llm.vocab_size:
-        problems.append(f"tokenizer.path: the tokenizer at {path} has {len(tokenizer)} tokens but "
-                        f"model.llm.vocab_size is {recipe.model.llm.vocab_size}; use the model's own tokenizer "
-                        "(or a larger vocab_size)")
+        problems.append(
+            f"tokenizer.path: the tokenizer at {path} has {len(tokenizer)} tokens but "
+            f"model.llm.vocab_size is {recipe.model.llm.vocab_size}; use the model's own tokenizer "
+            "(or a larger vocab_size)"
+        )
     return problems
 
 
@@ -59,8 +63,12 @@ def _made_with(paths: list[str]) -> dict[str, Any]:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             index = manifest.get("length_index") or {}
-            return {"shards": str(leaf), "vq": vq.get("path"), "codebook_size": (vq.get("config") or {}).get("codebook_size"),
-                    "tokenizer_sha256": index.get("tokenizer_sha256")}
+            return {
+                "shards": str(leaf),
+                "vq": vq.get("path"),
+                "codebook_size": (vq.get("config") or {}).get("codebook_size"),
+                "tokenizer_sha256": index.get("tokenizer_sha256"),
+            }
     return {}
 
 
@@ -73,8 +81,11 @@ def _fix(made: dict[str, Any]) -> str:
     if not made.get("vq"):
         return "give the Emu3 tokenizer the token shards were made for (tokenizer.path=DIR of an HF Emu3 model)"
     vq = Path(made["vq"])
-    counted = (f", and their length index was counted with the tokenizer of sha256 {made['tokenizer_sha256'][:12]}"
-               if made.get("tokenizer_sha256") else "")
+    counted = (
+        f", and their length index was counted with the tokenizer of sha256 {made['tokenizer_sha256'][:12]}"
+        if made.get("tokenizer_sha256")
+        else ""
+    )
     if any((vq / f).is_file() for f in _TOKENIZER_FILES):
         use = f"use the Emu3 tokenizer that came with it: tokenizer.path={vq}"
     else:

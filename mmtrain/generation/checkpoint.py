@@ -79,8 +79,10 @@ def resolve_checkpoint(path: str | os.PathLike, family: str, iteration: Optional
         _check_hf_family(p, family)
         return CheckpointRef(p, True, p, iteration)
     if not (p / LATEST).exists():
-        raise GenerationError(f"--checkpoint {p}: neither a megatron checkpoint dir (no '{LATEST}' file) "
-                              "nor an HF model dir (no config.json)")
+        raise GenerationError(
+            f"--checkpoint {p}: neither a megatron checkpoint dir (no '{LATEST}' file) "
+            "nor an HF model dir (no config.json)"
+        )
     _check_mcore_family(p, family, iteration)
     assets = p / ASSETS_DIR
     return CheckpointRef(p, False, assets if assets.is_dir() else None, iteration)
@@ -101,8 +103,9 @@ def _check_hf_family(p: Path, family: str) -> None:
     owner = next((n for n, s in families.items() if model_type in s.generation.hf_model_types), None)
     hint = f": a model of family {owner!r} (use `mmtrain generate {owner}`)" if owner else ""
     expected = " or ".join(repr(t) for t in families[family].generation.hf_model_types)
-    raise GenerationError(f"--checkpoint {p}: config.json model_type is {model_type!r}, not {family}'s "
-                          f"{expected}{hint}")
+    raise GenerationError(
+        f"--checkpoint {p}: config.json model_type is {model_type!r}, not {family}'s {expected}{hint}"
+    )
 
 
 def _check_mcore_family(p: Path, family: str, iteration: Optional[int]) -> None:
@@ -128,8 +131,10 @@ def _check_mcore_family(p: Path, family: str, iteration: Optional[int]) -> None:
         return
     other = next((name for name in families if name != family and holds(name)), None)
     if other is not None:
-        raise GenerationError(f"--checkpoint {p}: its {MODEL_CONFIG} holds a model of family {other!r}, not "
-                              f"{family!r} (use `mmtrain generate {other}`)")
+        raise GenerationError(
+            f"--checkpoint {p}: its {MODEL_CONFIG} holds a model of family {other!r}, not "
+            f"{family!r} (use `mmtrain generate {other}`)"
+        )
     try:
         from_plain(families[family].model_config_cls, saved, MODEL_CONFIG)
         problem = f"keys {sorted(saved) if isinstance(saved, dict) else saved}"
@@ -147,6 +152,7 @@ def asset_dir(ref: CheckpointRef, override: Optional[str], what: str, flag: str)
             raise GenerationError(f"--{flag} {d}: no such directory")
         return d
     if ref.assets is None:
-        raise GenerationError(f"--checkpoint {ref.path} keeps no {what} (it was not converted from an HF dir); "
-                              f"give --{flag} DIR")
+        raise GenerationError(
+            f"--checkpoint {ref.path} keeps no {what} (it was not converted from an HF dir); give --{flag} DIR"
+        )
     return ref.assets

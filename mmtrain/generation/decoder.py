@@ -68,8 +68,9 @@ class CachedSDPA(torch.nn.Module):
         self.rotary_interleaved = rotary_interleaved
         self.state = state
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("generation attention takes no attention_bias / packed sequences")
         c = self.state.cache
@@ -82,24 +83,27 @@ class CachedSDPA(torch.nn.Module):
         end = c.filled + s
         if c.prefill:  # the new tokens are the whole prompt: store them, attend causally among them
             rows = slice(None) if c.prefill_rows is None else c.prefill_rows
-            kc[rows, :, c.filled:end] = k
-            vc[rows, :, c.filled:end] = v
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=self.softmax_scale,
-                                                 enable_gqa=k.size(1) != q.size(1))
+            kc[rows, :, c.filled : end] = k
+            vc[rows, :, c.filled : end] = v
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=s > 1, scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1)
+            )
         else:
-            kc[:, :, c.filled:end] = k
-            vc[:, :, c.filled:end] = v
+            kc[:, :, c.filled : end] = k
+            vc[:, :, c.filled : end] = v
             k, v = kc[:, :, :end], vc[:, :, :end]
             if q.is_cuda:
                 out = grouped_decode_attention(q, k, v, c.mask, self.softmax_scale)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=self.softmax_scale,
-                                                     enable_gqa=k.size(1) != q.size(1))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=c.mask, scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1)
+                )
         return out.permute(2, 0, 1, 3).reshape(s, query.size(1), -1)
 
 
-def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                             scale: float) -> torch.Tensor:
+def grouped_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
     """Attention of one query per row over the cache, grouped-query heads without copying the
     cache: q [rows, heads, 1, d], k/v [rows, groups, L, d] (query head i reads group
     i // (heads/groups), as SDPA's `enable_gqa`), mask [rows, 1, 1, L] True = attend, or None.
@@ -184,9 +188,13 @@ class CachedDecoder:
         layers = len(self.gpt.decoder.layers)
         start = longest - torch.tensor(lengths, device=dev)  # first slot of each row's prompt
         valid = torch.arange(capacity, device=dev)[None] >= start[:, None] if min(lengths) < longest else None
-        self.cache = c = KVCache(keys=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
-                                 values=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
-                                 positions=torch.tensor(lengths, device=dev), valid=valid, prefill=True)
+        self.cache = c = KVCache(
+            keys=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
+            values=[torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)],
+            positions=torch.tensor(lengths, device=dev),
+            valid=valid,
+            prefill=True,
+        )
         logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=dev)
         try:
             for n in sorted(set(lengths)):
@@ -227,8 +235,11 @@ class CachedDecoder:
         """[1, rows, h] -> [rows, vocab_size] float32 (the padded vocabulary rows cut off)."""
         gpt = self.gpt
         if self.direct:  # TP=1: the output layer is one matmul with the (possibly tied) table
-            weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+            weight = (
+                gpt.shared_embedding_or_output_weight()
+                if gpt.share_embeddings_and_output_weights
                 else gpt.output_layer.weight
+            )
             logits = F.linear(hidden[0], weight[: self.vocab_size])
         else:
             weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
@@ -254,16 +265,28 @@ def direct_decode_supported(gpt: torch.nn.Module) -> bool:
     `mmtrain.models.layer_specs` at TP=1, in eval mode, so `_direct_layer` computes exactly what
     megatron's modules compute."""
     c = gpt.config
-    if (c.tensor_model_parallel_size != 1 or c.apply_residual_connection_post_layernorm or c.fp32_residual_connection
-            or c.hidden_dropout or gpt.decoder.final_layernorm is None or c.attention_output_gate):
+    if (
+        c.tensor_model_parallel_size != 1
+        or c.apply_residual_connection_post_layernorm
+        or c.fp32_residual_connection
+        or c.hidden_dropout
+        or gpt.decoder.final_layernorm is None
+        or c.attention_output_gate
+    ):
         return False
     norms = (torch.nn.RMSNorm, torch.nn.LayerNorm)
     for layer in gpt.decoder.layers:
         attn, mlp = layer.self_attention, layer.mlp
-        plain = (isinstance(attn, SelfAttention) and type(mlp) is MLP and isinstance(layer.input_layernorm, norms)
-                 and isinstance(layer.pre_mlp_layernorm, norms)
-                 and all(isinstance(getattr(attn, n, None), (type(None), IdentityOp)) for n in ("q_layernorm", "k_layernorm"))
-                 and isinstance(layer.cross_attention, IdentityOp))
+        plain = (
+            isinstance(attn, SelfAttention)
+            and type(mlp) is MLP
+            and isinstance(layer.input_layernorm, norms)
+            and isinstance(layer.pre_mlp_layernorm, norms)
+            and all(
+                isinstance(getattr(attn, n, None), (type(None), IdentityOp)) for n in ("q_layernorm", "k_layernorm")
+            )
+            and isinstance(layer.cross_attention, IdentityOp)
+        )
         if not plain:
             return False
     return True
@@ -278,7 +301,11 @@ def _direct_layer(layer: torch.nn.Module, x: torch.Tensor, config) -> torch.Tens
     `TransformerLayer.forward` computes for this layer kind (megatron's fused QKV layout: per
     query group, its heads' queries then one key and one value)."""
     attn = layer.self_attention
-    heads, groups, dim = config.num_attention_heads, config.num_query_groups or config.num_attention_heads, config.kv_channels
+    heads, groups, dim = (
+        config.num_attention_heads,
+        config.num_query_groups or config.num_attention_heads,
+        config.kv_channels,
+    )
     s, rows = x.shape[:2]
     qkv = _linear(layer.input_layernorm(x), attn.linear_qkv).view(s, rows, groups, (heads // groups + 2) * dim)
     q, k, v = torch.split(qkv, [heads // groups * dim, dim, dim], dim=3)

@@ -67,8 +67,14 @@ class GenerationResult:
 Progress = Callable[[int, int], None]
 
 
-def generate(model: GenerationModel, requests: Sequence[GenerationRequest], sampling: SamplingParams, *,
-             batch_size: int = 8, progress: Optional[Progress] = None) -> list[GenerationResult]:
+def generate(
+    model: GenerationModel,
+    requests: Sequence[GenerationRequest],
+    sampling: SamplingParams,
+    *,
+    batch_size: int = 8,
+    progress: Optional[Progress] = None,
+) -> list[GenerationResult]:
     """Generate every request, `batch_size` requests (each one or two rows) per static batch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -86,7 +92,7 @@ def generate(model: GenerationModel, requests: Sequence[GenerationRequest], samp
 
     results: list[GenerationResult] = []
     for start in range(0, len(requests), batch_size):
-        results += _generate_batch(decoder, model, list(requests[start:start + batch_size]), sampling, tick)
+        results += _generate_batch(decoder, model, list(requests[start : start + batch_size]), sampling, tick)
     return results
 
 
@@ -97,8 +103,13 @@ def _prompt_input(model: GenerationModel, decoder: CachedDecoder, prompt: Any) -
 
 
 @torch.no_grad()
-def _generate_batch(decoder: CachedDecoder, model: GenerationModel, requests: list[GenerationRequest],
-                    sampling: SamplingParams, tick: Callable[[int], None]) -> list[GenerationResult]:
+def _generate_batch(
+    decoder: CachedDecoder,
+    model: GenerationModel,
+    requests: list[GenerationRequest],
+    sampling: SamplingParams,
+    tick: Callable[[int], None],
+) -> list[GenerationResult]:
     """Rows: the active requests' conditional rows in request order, then the unconditional rows
     of the guided ones among them, in the same order (kept so when finished requests leave)."""
     guided = {i for i, r in enumerate(requests) if r.guided}
@@ -115,7 +126,7 @@ def _generate_batch(decoder: CachedDecoder, model: GenerationModel, requests: li
         g_pos = [k for k, i in enumerate(active) if i in guided]
         if g_pos:
             scale = torch.tensor([requests[active[k]].guidance_scale for k in g_pos], device=scores.device)
-            scores[g_pos] = guided_logprobs(scores[g_pos], logprobs[len(active):], scale)
+            scores[g_pos] = guided_logprobs(scores[g_pos], logprobs[len(active) :], scale)
         for k, i in enumerate(active):
             if requests[i].logits_processor is not None:
                 scores[k] = requests[i].logits_processor(scores[k], step)

@@ -59,14 +59,19 @@ def check_output(path: Path, *, directory: bool, overwrite: bool, suffixes: Iter
         raise GenerationError(f"--output {path} is a directory; give a file name")
     if directory and not overwrite and is_non_empty(path):
         entries = sorted(p.name for p in path.iterdir())
-        raise GenerationError(f"--output {path} is not empty ({plural(len(entries), 'entry', 'entries')}, e.g. {entries[0]!r}); choose an "
-                              f"empty or new folder, or pass --overwrite to replace it")
+        raise GenerationError(
+            f"--output {path} is not empty ({plural(len(entries), 'entry', 'entries')}, e.g. {entries[0]!r}); choose "
+            f"an "
+            f"empty or new folder, or pass --overwrite to replace it"
+        )
     if not directory and not overwrite and path.exists():
         raise GenerationError(f"--output {path} exists; choose a new file name, or pass --overwrite to replace it")
     known = sorted(suffixes)
     if not directory and known and path.suffix.lower() not in known:
-        raise GenerationError(f"--output {path}: unknown extension {path.suffix or '(none)'!r}; e.g. "
-                              f"{'.png' if '.png' in known else known[0]}")
+        raise GenerationError(
+            f"--output {path}: unknown extension {path.suffix or '(none)'!r}; e.g. "
+            f"{'.png' if '.png' in known else known[0]}"
+        )
     blocking = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
     if blocking is not None:
         raise GenerationError(f"--output {path}: {blocking} is a file, not a folder")

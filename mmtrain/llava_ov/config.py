@@ -90,5 +90,9 @@ def check_recipe(recipe: Recipe, errors: RecipeErrors) -> None:
         if getattr(d, key) <= 0:
             errors.add(("data", key), f"must be > 0, got {getattr(d, key)}")
     if m.max_tiles != d.max_tiles:
-        errors.add(("data", "max_tiles"), f"{d.max_tiles} differs from model.max_tiles={m.max_tiles}; "
-                   "the loader and the model must lay out the same tiles", [("model", "max_tiles")])
+        errors.add(
+            ("data", "max_tiles"),
+            f"{d.max_tiles} differs from model.max_tiles={m.max_tiles}; "
+            "the loader and the model must lay out the same tiles",
+            [("model", "max_tiles")],
+        )

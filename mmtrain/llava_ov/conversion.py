@@ -81,15 +81,18 @@ CHAT_TEMPLATE = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\\n' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
-    "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% "
+    "endif %}"
 )
 
 #: what transformers' AutoProcessor needs beyond the project's CPU venv: its LlavaOnevisionVideoProcessor
 #: imports torchvision, which must be the build of the installed torch (PyPI's Linux wheels are CUDA
 #: builds that do not import beside a CPU torch: "operator torchvision::nms does not exist")
-TORCHVISION_HINT = ("the torchvision paired with the installed torch, from the index torch came from: for the "
-                    "Makefile's CPU torch 2.13.0, pip install torchvision==0.28.0 --index-url "
-                    "https://download.pytorch.org/whl/cpu; docs/conversion.md")
+TORCHVISION_HINT = (
+    "the torchvision paired with the installed torch, from the index torch came from: for the "
+    "Makefile's CPU torch 2.13.0, pip install torchvision==0.28.0 --index-url "
+    "https://download.pytorch.org/whl/cpu; docs/conversion.md"
+)
 
 PROCESSOR_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -160,8 +163,9 @@ def llava_next_source(hf_dir: str | os.PathLike, hf: Optional[dict] = None):
     embed = "model.embed_tokens.weight"
     embed_rows = reader.shape(embed)[0] if embed in reader.keys() else int(hf["vocab_size"])
     rows = vocab_rows_for(tokens, embed_rows)
-    cfg, stored = llava_next_config(hf, Path(hf_dir), reader.keys(), tokens.image_token_id, tokens.video_token_id,
-                                    rows, f"{hf_dir}/config.json")
+    cfg, stored = llava_next_config(
+        hf, Path(hf_dir), reader.keys(), tokens.image_token_id, tokens.video_token_id, rows, f"{hf_dir}/config.json"
+    )
     adapter = LlavaNextStateDictAdapter(cfg, stored)
     adapter.check_hf_keys(reader.keys())
     return cfg, _growing(lambda name: adapter.mcore_tensor(name, reader.get), rows)
@@ -181,14 +185,21 @@ def source_tokens(hf_dir: str | os.PathLike) -> Optional[MediaTokens]:
     return tokens if tokens is not None and tokens.added else None
 
 
-def stage1_source(llm_dir: str | os.PathLike, vision_dir: str | os.PathLike, base: Optional[LlavaOVModelConfig] = None,
-                  drop_last_vision_layers: int = 1):
+def stage1_source(
+    llm_dir: str | os.PathLike,
+    vision_dir: str | os.PathLike,
+    base: Optional[LlavaOVModelConfig] = None,
+    drop_last_vision_layers: int = 1,
+):
     """Qwen2 LLM + SigLIP -> (config, getter); projector and image_newline keep their fresh init
     (getter returns None for them)."""
     text = read_config(llm_dir)
     archs = text.get("architectures") or []
     if text.get("model_type") != "qwen2" or (archs and "Qwen2ForCausalLM" not in archs):
-        raise ConversionError(f"{llm_dir}/config.json: model_type={text.get('model_type')!r} architectures={archs}: expected a Qwen2ForCausalLM")
+        raise ConversionError(
+            f"{llm_dir}/config.json: model_type={text.get('model_type')!r} architectures={archs}: expected a "
+            f"Qwen2ForCausalLM"
+        )
     vis = read_config(vision_dir)
     if vis.get("model_type") == "siglip":
         vis = vis["vision_config"] | {"model_type": "siglip_vision_model"}
@@ -230,14 +241,16 @@ def _stage1_source(args: dict):
     return cfg, get, tied_source(cfg)
 
 
-def hf_to_mcore(src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1,
-                dtype: str = "auto") -> LlavaOVModelConfig:
+def hf_to_mcore(
+    src: str | os.PathLike, dst: str | os.PathLike, tp: int = 1, pp: int = 1, dtype: str = "auto"
+) -> LlavaOVModelConfig:
     """`dtype`: the megatron weights' (auto: the source's, recorded as the saved params_dtype)."""
     cfg, _ = llava_source(src)  # validate before starting any rank
     cfg = replace(cfg, params_dtype=import_dtype(dtype, src))
     # a whole LLaVA-OV checkpoint fills every weight: no random init
-    import_to_mcore(ImportJob(_whole_source, {"src": str(src)}, build_stage, str(dst), tp, pp,
-                              params_dtype=cfg.params_dtype))
+    import_to_mcore(
+        ImportJob(_whole_source, {"src": str(src)}, build_stage, str(dst), tp, pp, params_dtype=cfg.params_dtype)
+    )
     assets = record_source(dst, [src], read_config(src))
     _keep_tokenizer(source_tokens(src), assets)
     return cfg
@@ -249,14 +262,31 @@ def _keep_tokenizer(tokens: Optional[MediaTokens], assets: Path) -> None:
         tokens.tokenizer.save_pretrained(str(assets))
 
 
-def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str | os.PathLike, tp: int = 1,
-                    pp: int = 1, base: Optional[LlavaOVModelConfig] = None, dtype: str = "auto") -> LlavaOVModelConfig:
+def assemble_stage1(
+    llm: str | os.PathLike,
+    vision: str | os.PathLike,
+    dst: str | os.PathLike,
+    tp: int = 1,
+    pp: int = 1,
+    base: Optional[LlavaOVModelConfig] = None,
+    dtype: str = "auto",
+) -> LlavaOVModelConfig:
     """`dtype`: the megatron weights' (auto: the LLM's, which holds most of them)."""
     cfg, _ = stage1_source(llm, vision, base)
     cfg = replace(cfg, params_dtype=import_dtype(dtype, llm))
     # the stage-1 getter returns None for the projector / image_newline: they keep their init
-    import_to_mcore(ImportJob(_stage1_source, {"llm": str(llm), "vision": str(vision), "base": base},
-                              build_stage, str(dst), tp, pp, fresh_init=True, params_dtype=cfg.params_dtype))
+    import_to_mcore(
+        ImportJob(
+            _stage1_source,
+            {"llm": str(llm), "vision": str(vision), "base": base},
+            build_stage,
+            str(dst),
+            tp,
+            pp,
+            fresh_init=True,
+            params_dtype=cfg.params_dtype,
+        )
+    )
     assets = record_source(dst, [vision, llm], None)
     _keep_tokenizer(resolve_media_tokens(llm), assets)
     return cfg
@@ -265,14 +295,20 @@ def assemble_stage1(llm: str | os.PathLike, vision: str | os.PathLike, dst: str 
 # ----------------------------------------------------------------------------- mcore -> hf
 
 
-def assemble(dirs: dict[str, str], dst: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-             dtype: str = "auto") -> LlavaOVModelConfig:
+def assemble(
+    dirs: dict[str, str], dst: str | os.PathLike, *, tp: int = 1, pp: int = 1, dtype: str = "auto"
+) -> LlavaOVModelConfig:
     """`HFConversion.assemble`: `--llm DIR --vision DIR` given to `mmtrain convert` -> `assemble_stage1`."""
     return assemble_stage1(dirs["llm"], dirs["vision"], dst, tp=tp, pp=pp, dtype=dtype)
 
 
-def mcore_to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3,
-                format: str = TRANSFORMERS, dtype: str = "auto") -> Path:
+def mcore_to_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    max_shard_bytes: int = 2 * 1024**3,
+    format: str = TRANSFORMERS,
+    dtype: str = "auto",
+) -> Path:
     """Single process: load at TP=1/PP=1 (dist-checkpoint reshards), stream out HF safetensors in
     `format` (transformers' LlavaOnevisionForConditionalGeneration, or LLaVA-NeXT's
     LlavaQwenForCausalLM). The recorded source config is the template when it has that format.
@@ -306,18 +342,24 @@ def image_processor(cfg: LlavaOVModelConfig, hf_cfg: dict):
     the anyres grid pinpoints of its config, SigLIP's mean/std (the PIL implementation: it saves
     as `LlavaOnevisionImageProcessor`, which loads as the fast one where torchvision is)."""
     size = cfg.vision.image_size
-    return LlavaOnevisionImageProcessorPil(image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD),
-                                           size={"height": size, "width": size},
-                                           image_grid_pinpoints=[list(p) for p in hf_cfg["image_grid_pinpoints"]])
+    return LlavaOnevisionImageProcessorPil(
+        image_mean=list(SIGLIP_MEAN),
+        image_std=list(SIGLIP_STD),
+        size={"height": size, "width": size},
+        image_grid_pinpoints=[list(p) for p in hf_cfg["image_grid_pinpoints"]],
+    )
 
 
 def processor_settings(cfg: LlavaOVModelConfig, hf_cfg: dict) -> dict:
     """`LlavaOnevisionProcessor`'s own arguments: the base tile's features, how they are
     selected, the tiling cap (e.g. anyres_max_9), the media tokens."""
-    return {"num_image_tokens": (cfg.vision.image_size // cfg.vision.patch_size) ** 2,
-            "vision_feature_select_strategy": hf_cfg.get("vision_feature_select_strategy", "full"),
-            "vision_aspect_ratio": hf_cfg.get("vision_aspect_ratio", f"anyres_max_{cfg.max_tiles}"),
-            "image_token": "<image>", "video_token": "<video>"}
+    return {
+        "num_image_tokens": (cfg.vision.image_size // cfg.vision.patch_size) ** 2,
+        "vision_feature_select_strategy": hf_cfg.get("vision_feature_select_strategy", "full"),
+        "vision_aspect_ratio": hf_cfg.get("vision_aspect_ratio", f"anyres_max_{cfg.max_tiles}"),
+        "image_token": "<image>",
+        "video_token": "<video>",
+    }
 
 
 def _export_tokenizer(cfg: LlavaOVModelConfig, dst: Path):
@@ -326,14 +368,19 @@ def _export_tokenizer(cfg: LlavaOVModelConfig, dst: Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(dst))
     except (OSError, ValueError, TypeError) as exc:
-        log.warning("%s: no loadable tokenizer (%s): the processor files are written without one", dst,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        log.warning(
+            "%s: no loadable tokenizer (%s): the processor files are written without one",
+            dst,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
         return None
     add_media_tokens(tok)
     ids = (token_id(tok, "<image>"), token_id(tok, "<video>"))
     if ids != (cfg.image_token_id, cfg.video_token_id):
-        raise ConversionError(f"{dst}: the tokenizer's <image>/<video> ids {ids} are not the model's "
-                              f"({cfg.image_token_id}, {cfg.video_token_id})")
+        raise ConversionError(
+            f"{dst}: the tokenizer's <image>/<video> ids {ids} are not the model's "
+            f"({cfg.image_token_id}, {cfg.video_token_id})"
+        )
     return tok
 
 
@@ -342,8 +389,9 @@ def renders_media_parts(tok, template: str) -> bool:
     writes its image and video parts as `<image>` / `<video>`, as LLaVA-OneVision's does."""
     parts = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "?"}]
     try:
-        text = tok.apply_chat_template([{"role": "user", "content": parts}], chat_template=template, tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": parts}], chat_template=template, tokenize=False, add_generation_prompt=True
+        )
     except Exception:  # a string-content template fails in Jinja (str + list)
         return False
     return "<image>" in text and "<video>" in text
@@ -361,15 +409,20 @@ def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
     template = processor_chat_template(dst)
     if template is None or (tok is not None and not renders_media_parts(tok, template)):
         if template is not None:  # e.g. a run's hf_assets/: its tokenizer's (Qwen2) template, string content only
-            log.info("chat_template.jinja: the recorded template takes string content only; the export's renders "
-                     "typed parts ({\"type\": \"image\"|\"video\"|\"text\"}) and strings")
+            log.info(
+                "chat_template.jinja: the recorded template takes string content only; the export's renders "
+                'typed parts ({"type": "image"|"video"|"text"}) and strings'
+            )
         template = CHAT_TEMPLATE
     if tok is not None:
         try:
             video = LlavaOnevisionVideoProcessor()
         except ImportError:  # torchvision absent: the part files are saved one by one below
-            log.info("torchvision is not installed: the export is complete, but transformers' AutoProcessor needs "
-                     "torchvision to load it (%s)", TORCHVISION_HINT)
+            log.info(
+                "torchvision is not installed: the export is complete, but transformers' AutoProcessor needs "
+                "torchvision to load it (%s)",
+                TORCHVISION_HINT,
+            )
             video = None
         if video is not None:
             LlavaOnevisionProcessor(images, tok, video, chat_template=template, **settings).save_pretrained(str(dst))
@@ -378,5 +431,6 @@ def write_processor(cfg: LlavaOVModelConfig, hf_cfg: dict, dst: Path) -> None:
         tok.save_pretrained(str(dst))
     images.save_pretrained(str(dst))
     (dst / "chat_template.jinja").write_text(template, encoding="utf-8")
-    (dst / "processor_config.json").write_text(json.dumps({"processor_class": LlavaOnevisionProcessor.__name__,
-                                                           **settings}, indent=2) + "\n")
+    (dst / "processor_config.json").write_text(
+        json.dumps({"processor_class": LlavaOnevisionProcessor.__name__, **settings}, indent=2) + "\n"
+    )

@@ -22,12 +22,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("llava-ov answers")
     what = g.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the question (with --image: about that image)")
-    what.add_argument("--prompts", metavar="FILE",
-                      help="one question per line, or a .jsonl file of {\"prompt\", optional \"image\" (path, "
-                           "relative to the file), \"system\", \"seed\"}: one JSON answer line each")
+    what.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='one question per line, or a .jsonl file of {"prompt", optional "image" (path, '
+        'relative to the file), "system", "seed"}: one JSON answer line each',
+    )
     g.add_argument("--image", default=None, help="--prompt: the image the question is about (any format pillow reads)")
     g.add_argument("--system", default=None, help="system message (default: the chat template's own)")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help="stop after this many tokens if no end-of-turn token came (default %(default)s)")
-    g.add_argument("--output", default=None,
-                   help="--prompts: JSONL file for the answers (default: stdout); --prompt prints the answer")
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="stop after this many tokens if no end-of-turn token came (default %(default)s)",
+    )
+    g.add_argument(
+        "--output",
+        default=None,
+        help="--prompts: JSONL file for the answers (default: stdout); --prompt prints the answer",
+    )

@@ -34,7 +34,7 @@ def read_prompts(args: argparse.Namespace) -> list[dict]:
         image = _open_image(Path(args.image), "--image") if args.image else None
         return [dict(prompt=args.prompt, image=image, image_path=args.image, system=args.system, seed=args.seed)]
     if args.image is not None:
-        raise GenerationError("--image goes with --prompt; in a --prompts .jsonl file give each line its \"image\"")
+        raise GenerationError('--image goes with --prompt; in a --prompts .jsonl file give each line its "image"')
     out = []
     for i, (where, rec) in enumerate(read_prompt_file(args.prompts, PROMPT_KEYS)):
         image_path = rec.get("image")
@@ -43,8 +43,15 @@ def read_prompts(args: argparse.Namespace) -> list[dict]:
             seed = int(rec.get("seed", args.seed + i))
         except (ValueError, TypeError) as exc:
             raise GenerationError(f"{where}: seed: {exc}") from None
-        out.append(dict(prompt=rec["prompt"], image=image, image_path=image_path, system=rec.get("system", args.system),
-                        seed=seed))
+        out.append(
+            dict(
+                prompt=rec["prompt"],
+                image=image,
+                image_path=image_path,
+                system=rec.get("system", args.system),
+                seed=seed,
+            )
+        )
     return out
 
 
@@ -58,16 +65,31 @@ def prepare(args: argparse.Namespace, ref: Any, placement: Any) -> GenerationJob
             raise GenerationError("--output goes with --prompts (--prompt prints its answer)")
         check_output(Path(args.output), directory=False, overwrite=args.overwrite)
     chat = LlavaOVChat(ref, placement, tokenizer_dir=asset_dir(ref, args.tokenizer, "tokenizer", "tokenizer"))
-    requests = [chat.request(chat.prompt(it["prompt"], it["image"], it["system"]), args.max_new_tokens, it["seed"])
-                for it in items]
+    requests = [
+        chat.request(chat.prompt(it["prompt"], it["image"], it["system"]), args.max_new_tokens, it["seed"])
+        for it in items
+    ]
 
     def finish(results: list) -> None:
         if args.prompts is None:
             print(chat.answer(results[0]))
             return
-        lines = [json.dumps({"index": i, "prompt": it["prompt"], "image": it["image_path"], "seed": it["seed"],
-                             "answer": chat.answer(r), "tokens": r.tokens, "finish_reason": r.finish_reason},
-                            ensure_ascii=False) + "\n" for i, (it, r) in enumerate(zip(items, results))]
+        lines = [
+            json.dumps(
+                {
+                    "index": i,
+                    "prompt": it["prompt"],
+                    "image": it["image_path"],
+                    "seed": it["seed"],
+                    "answer": chat.answer(r),
+                    "tokens": r.tokens,
+                    "finish_reason": r.finish_reason,
+                },
+                ensure_ascii=False,
+            )
+            + "\n"
+            for i, (it, r) in enumerate(zip(items, results))
+        ]
         if args.output is None:
             sys.stdout.writelines(lines)
             return

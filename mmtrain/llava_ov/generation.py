@@ -65,15 +65,23 @@ class LlavaOVChat:
         placement.apply(inference.model)
         self.llava, self.cfg, self.placement = inference.model, inference.cfg, placement
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.cfg.image_token_id)
-        if not isinstance(self.image_token, str) or self.tokenizer.convert_tokens_to_ids(self.image_token) != self.cfg.image_token_id:
-            raise GenerationError(f"the tokenizer {tokenizer_dir} has no image token with the model's id "
-                                  f"{self.cfg.image_token_id}: not this checkpoint's tokenizer?")
+        if (
+            not isinstance(self.image_token, str)
+            or self.tokenizer.convert_tokens_to_ids(self.image_token) != self.cfg.image_token_id
+        ):
+            raise GenerationError(
+                f"the tokenizer {tokenizer_dir} has no image token with the model's id "
+                f"{self.cfg.image_token_id}: not this checkpoint's tokenizer?"
+            )
         if len(self.tokenizer) > self.cfg.llm.vocab_size:
-            raise GenerationError(f"the tokenizer {tokenizer_dir} has {len(self.tokenizer)} tokens, the model "
-                                  f"{self.cfg.llm.vocab_size}: not this checkpoint's tokenizer?")
+            raise GenerationError(
+                f"the tokenizer {tokenizer_dir} has {len(self.tokenizer)} tokens, the model "
+                f"{self.cfg.llm.vocab_size}: not this checkpoint's tokenizer?"
+            )
         self.stop_token_ids = self._stop_ids(tokenizer_dir)
-        self.model = GenerationModel(decoder=self.llava.language_model, vocab_size=self.cfg.llm.vocab_size,
-                                     embed_prompt=self.embed)
+        self.model = GenerationModel(
+            decoder=self.llava.language_model, vocab_size=self.cfg.llm.vocab_size, embed_prompt=self.embed
+        )
 
     def _stop_ids(self, d: Path) -> tuple[int, ...]:
         ids = set() if self.tokenizer.eos_token_id is None else {int(self.tokenizer.eos_token_id)}
@@ -90,26 +98,35 @@ class LlavaOVChat:
         head = [{"role": "system", "content": system}] if system is not None else []
         if self.template is None:
             turns = ([{"from": "system", "value": system}] if system is not None else []) + [
-                {"from": "human", "value": (f"{self.image_token}\n" if has_image else "") + question}]
+                {"from": "human", "value": (f"{self.image_token}\n" if has_image else "") + question}
+            ]
             return ChatTokenizer(self.tokenizer).render(turns) + "<|im_start|>assistant\n"
         parts = ([{"type": "image"}] if has_image else []) + [{"type": "text", "text": question}]
         try:
-            text = self.tokenizer.apply_chat_template(head + [{"role": "user", "content": parts}],
-                                                      chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                head + [{"role": "user", "content": parts}],
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             if not has_image or self.image_token in text:
                 return text
         except Exception:  # a string-content template: fall through to the string form
             pass
         content = (f"{self.image_token}\n" if has_image else "") + question
-        return self.tokenizer.apply_chat_template(head + [{"role": "user", "content": content}],
-                                                  chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            head + [{"role": "user", "content": content}],
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
 
     def prompt(self, question: str, image: Any = None, system: Optional[str] = None) -> LlavaPrompt:
         """Render, tokenize and expand the image placeholder (`image`: a PIL image or None)."""
-        ids = torch.tensor(self.tokenizer(self.render(question, image is not None, system),
-                                          add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ids = torch.tensor(
+            self.tokenizer(self.render(question, image is not None, system), add_special_tokens=False)["input_ids"],
+            dtype=torch.long,
+        )
         where = (ids == self.cfg.image_token_id).nonzero().flatten()
         if image is None:
             if where.numel():
@@ -118,10 +135,16 @@ class LlavaOVChat:
         if where.numel() != 1:
             raise GenerationError(f"the rendered prompt holds {where.numel()} image placeholders; one image was given")
         v = self.cfg.vision
-        processed = anyres.process_image(anyres.to_rgb(image), self.cfg.max_tiles, image_size=v.image_size,
-                                         patch_size=v.patch_size, grid_max=self.cfg.grid_max, **self.image_stats)
+        processed = anyres.process_image(
+            anyres.to_rgb(image),
+            self.cfg.max_tiles,
+            image_size=v.image_size,
+            patch_size=v.patch_size,
+            grid_max=self.cfg.grid_max,
+            **self.image_stats,
+        )
         at = int(where[0])
-        ids = torch.cat([ids[:at], torch.full((processed.num_tokens,), self.cfg.image_token_id), ids[at + 1:]])
+        ids = torch.cat([ids[:at], torch.full((processed.num_tokens,), self.cfg.image_token_id), ids[at + 1 :]])
         return LlavaPrompt(ids, processed.pixel_values, processed.image_size)
 
     def embed(self, prompt: LlavaPrompt) -> torch.Tensor:
@@ -131,8 +154,9 @@ class LlavaOVChat:
         emb = self.llava.language_model.embedding(input_ids=ids[None], position_ids=None)[:, 0]
         if prompt.pixel_values is None:
             return emb
-        batch = hf_inputs_to_batch(self.cfg, prompt.input_ids[None], prompt.pixel_values[None],
-                                   torch.tensor([list(prompt.image_size)]))
+        batch = hf_inputs_to_batch(
+            self.cfg, prompt.input_ids[None], prompt.pixel_values[None], torch.tensor([list(prompt.image_size)])
+        )
         batch.pixel_values = batch.pixel_values.to(self.placement.dtype)
         media = self.llava.media_embeddings(batch.to(dev)).to(emb.dtype)
         emb = emb.clone()
@@ -142,16 +166,27 @@ class LlavaOVChat:
     # ------------------------------------------------------------------ requests and answers
     def request(self, prompt: LlavaPrompt, max_new_tokens: int, seed: int = 0) -> GenerationRequest:
         if len(prompt.input_ids) + max_new_tokens > self.cfg.llm.max_position_embeddings:
-            raise GenerationError(f"the prompt ({len(prompt.input_ids)} tokens) plus {max_new_tokens} new tokens exceed "
-                                  f"the model's {self.cfg.llm.max_position_embeddings} positions")
-        return GenerationRequest(prompt=prompt, max_new_tokens=max_new_tokens, seed=seed,
-                                 stop_token_ids=self.stop_token_ids)
+            raise GenerationError(
+                f"the prompt ({len(prompt.input_ids)} tokens) plus {max_new_tokens} new tokens exceed "
+                f"the model's {self.cfg.llm.max_position_embeddings} positions"
+            )
+        return GenerationRequest(
+            prompt=prompt, max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=self.stop_token_ids
+        )
 
     def answer(self, result: GenerationResult) -> str:
         tokens = result.tokens[:-1] if result.finish_reason == "stop_token" else result.tokens
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def generate(self, prompts: Sequence[LlavaPrompt], sampling: SamplingParams, *, max_new_tokens: int = 256,
-                 seed: int = 0, batch_size: int = 8, progress: Optional[Progress] = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Sequence[LlavaPrompt],
+        sampling: SamplingParams,
+        *,
+        max_new_tokens: int = 256,
+        seed: int = 0,
+        batch_size: int = 8,
+        progress: Optional[Progress] = None,
+    ) -> list[GenerationResult]:
         requests = [self.request(p, max_new_tokens, seed + i) for i, p in enumerate(prompts)]
         return generate(self.model, requests, sampling, batch_size=batch_size, progress=progress)

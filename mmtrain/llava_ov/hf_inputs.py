@@ -44,8 +44,14 @@ def hf_inputs_to_batch(
             if is_anyres:
                 grid = anyres.anyres_grid_shape(h, w, v.image_size, cfg.grid_max)
                 n_tiles = 1 + grid[0] * grid[1]
-                tokens = anyres.num_image_tokens(h, w, image_size=v.image_size, patch_size=v.patch_size,
-                                                 max_tiles=cfg.max_tiles, grid_max=cfg.grid_max)
+                tokens = anyres.num_image_tokens(
+                    h,
+                    w,
+                    image_size=v.image_size,
+                    patch_size=v.patch_size,
+                    max_tiles=cfg.max_tiles,
+                    grid_max=cfg.grid_max,
+                )
                 kind = MEDIA_ANYRES
             else:
                 grid, n_tiles, kind = (0, 0), 1, MEDIA_BASE_ONLY
@@ -61,8 +67,16 @@ def hf_inputs_to_batch(
     if pixel_values_videos is not None:
         for vid in pixel_values_videos:
             f = vid.shape[0]
-            items.append((MEDIA_VIDEO, vid, (v.image_size, v.image_size), (0, 0),
-                          anyres.num_video_tokens(f, v.image_size, v.patch_size), cfg.video_token_id))
+            items.append(
+                (
+                    MEDIA_VIDEO,
+                    vid,
+                    (v.image_size, v.image_size),
+                    (0, 0),
+                    anyres.num_video_tokens(f, v.image_size, v.patch_size),
+                    cfg.video_token_id,
+                )
+            )
     # media go in token-stream order: HF fills images and videos separately, each in order
     flat_ids = input_ids.reshape(-1)
     starts = []

@@ -23,7 +23,11 @@ _NO_SHRINK = 10**12  # max_tiles so large that unpadded_feature_shape only crops
 
 
 def anyres_features(
-    tiles: torch.Tensor, orig_h: int, orig_w: int, newline: torch.Tensor, cfg: LlavaOVModelConfig,
+    tiles: torch.Tensor,
+    orig_h: int,
+    orig_w: int,
+    newline: torch.Tensor,
+    cfg: LlavaOVModelConfig,
     grid: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """tiles [1 + rows*cols, P*P, D] -> [P*P + rows' * (cols' + 1), D]."""

@@ -35,8 +35,9 @@ class LlavaOVForInference(torch.nn.Module):
         pixel_values_videos: Optional[torch.Tensor] = None,
         **_: object,
     ) -> torch.Tensor:
-        batch = hf_inputs_to_batch(self.cfg, input_ids, pixel_values, image_sizes, attention_mask,
-                                   batch_num_images, pixel_values_videos)
+        batch = hf_inputs_to_batch(
+            self.cfg, input_ids, pixel_values, image_sizes, attention_mask, batch_num_images, pixel_values_videos
+        )
         return self.model(batch, return_logits=True)
 
 
@@ -46,8 +47,9 @@ def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) 
     return LlavaOVForInference(model, cfg).eval()
 
 
-def load_hf_into_model(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike,
-                       expect: Optional[LlavaOVModelConfig] = None) -> None:
+def load_hf_into_model(
+    model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, expect: Optional[LlavaOVModelConfig] = None
+) -> None:
     """Fill (possibly TP/PP-sharded) model chunks straight from an HF LLaVA-OV dir, after
     checking its config against the recipe's model config (`expect`, when given)."""
     load_hf_into_chunks(model_chunks, hf_dir, llava_source, expect, ARCHITECTURE_KEYS, tied_source)

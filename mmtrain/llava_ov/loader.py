@@ -15,13 +15,25 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1) -> Savab
     m: LlavaOVModelConfig = recipe.model
     d: LlavaOVDataConfig = recipe.data
     loader = build_llava_ov_loader(
-        d.paths, recipe.tokenizer.path, seq_length=recipe.train.seq_length,
-        micro_batch_size=recipe.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-        num_workers=d.num_workers, seed=recipe.seed, max_tiles=m.max_tiles, packing=d.packing,
-        packing_plan=d.packing_plan, packing_buffer_size=d.packing_buffer_size, shuffle_buffer_size=d.shuffle_buffer_size,
-        image_size=m.vision.image_size, patch_size=m.vision.patch_size, grid_max=m.grid_max,
+        d.paths,
+        recipe.tokenizer.path,
+        seq_length=recipe.train.seq_length,
+        micro_batch_size=recipe.train.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=d.num_workers,
+        seed=recipe.seed,
+        max_tiles=m.max_tiles,
+        packing=d.packing,
+        packing_plan=d.packing_plan,
+        packing_buffer_size=d.packing_buffer_size,
+        shuffle_buffer_size=d.shuffle_buffer_size,
+        image_size=m.vision.image_size,
+        patch_size=m.vision.patch_size,
+        grid_max=m.grid_max,
         max_video_frames=d.video_frames,
     )
-    check_media_token_ids(m, loader.task_encoder.chat.image_token_id, loader.task_encoder.chat.video_token_id,
-                          recipe.tokenizer.path)
+    check_media_token_ids(
+        m, loader.task_encoder.chat.image_token_id, loader.task_encoder.chat.video_token_id, recipe.tokenizer.path
+    )
     return loader

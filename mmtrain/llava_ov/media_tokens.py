@@ -44,8 +44,10 @@ def resolve_media_tokens(tokenizer_dir: str | os.PathLike) -> MediaTokens:
     """Load the tokenizer at `tokenizer_dir` and make sure it has `<image>` and `<video>` (added
     as special tokens, unnormalised, when missing)."""
     if not has_tokenizer(tokenizer_dir):
-        raise ConversionError(f"{tokenizer_dir}: no tokenizer ({' / '.join(_TOKENIZER_FILES)}); the <image>/<video> "
-                              "token ids are read from it")
+        raise ConversionError(
+            f"{tokenizer_dir}: no tokenizer ({' / '.join(_TOKENIZER_FILES)}); the <image>/<video> "
+            "token ids are read from it"
+        )
     return _with_media_tokens(_load_tokenizer(tokenizer_dir), tokenizer_dir)
 
 
@@ -63,8 +65,12 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
 def _with_media_tokens(tok: Any, tokenizer_dir: str | os.PathLike) -> MediaTokens:
     added = add_media_tokens(tok)
     if added:
-        log.info("tokenizer at %s had no %s: added as special token(s) with id(s) %s", tokenizer_dir,
-                 " / ".join(added), [token_id(tok, t) for t in added])
+        log.info(
+            "tokenizer at %s had no %s: added as special token(s) with id(s) %s",
+            tokenizer_dir,
+            " / ".join(added),
+            [token_id(tok, t) for t in added],
+        )
     return MediaTokens(tok, token_id(tok, IMAGE_TOKEN), token_id(tok, VIDEO_TOKEN), added)
 
 
@@ -81,13 +87,19 @@ def check_config_media_ids(hf_dir: str | os.PathLike, image_id: int, video_id: i
     except ConversionError as exc:
         log.warning("%s; its config's media token ids (%d / %d) are not checked against it", exc, image_id, video_id)
         return None
-    wrong = [f"{key}={want} but its tokenizer maps {tok} to {got}"
-             for key, want, tok, got in (("image_token_index", image_id, IMAGE_TOKEN, tokens.image_token_id),
-                                         ("video_token_index", video_id, VIDEO_TOKEN, tokens.video_token_id))
-             if want != got]
+    wrong = [
+        f"{key}={want} but its tokenizer maps {tok} to {got}"
+        for key, want, tok, got in (
+            ("image_token_index", image_id, IMAGE_TOKEN, tokens.image_token_id),
+            ("video_token_index", video_id, VIDEO_TOKEN, tokens.video_token_id),
+        )
+        if want != got
+    ]
     if wrong:
-        raise ConversionError(f"{hf_dir}/config.json: " + "; ".join(wrong) + " (config and tokenizer are from "
-                              "different models: put the model's own tokenizer beside it)")
+        raise ConversionError(
+            f"{hf_dir}/config.json: " + "; ".join(wrong) + " (config and tokenizer are from "
+            "different models: put the model's own tokenizer beside it)"
+        )
     return tokens
 
 
@@ -102,6 +114,12 @@ def grow_rows(weight: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     if have >= rows:
         return weight
     mean = weight.float().mean(dim=0, keepdim=True).to(weight.dtype)
-    log.info("%s: %d new row(s) %d..%d for the media tokens, initialised to the mean of the %d existing rows",
-             name, rows - have, have, rows - 1, have)
+    log.info(
+        "%s: %d new row(s) %d..%d for the media tokens, initialised to the mean of the %d existing rows",
+        name,
+        rows - have,
+        have,
+        rows - 1,
+        have,
+    )
     return torch.cat([weight, mean.expand(rows - have, -1)], dim=0).contiguous()

@@ -41,8 +41,10 @@ class LlavaOVModel(DecoderStageModel):
 
     def __init__(self, cfg: LlavaOVModelConfig, **kwargs) -> None:
         if cfg.image_token_id is None or cfg.video_token_id is None:
-            raise ValueError("model.image_token_id / video_token_id are null: they are read from the tokenizer "
-                             "before a run starts (or pin them in the recipe)")
+            raise ValueError(
+                "model.image_token_id / video_token_id are null: they are read from the tokenizer "
+                "before a run starts (or pin them in the recipe)"
+            )
         super().__init__(cfg, **kwargs)  # (pre_process, post_process, options, vp_stage)
 
     def build_encoders(self, options: ParallelOptions) -> None:
@@ -55,14 +57,17 @@ class LlavaOVModel(DecoderStageModel):
             return
         cfg, device = self.cfg, compute_device()
         # the vision tower and projector run whole on the first stage: no SP, no PP split
-        base = base_config_kwargs(cfg.params_dtype, options, sequence_parallel=False) | {"pipeline_model_parallel_size": 1}
+        base = base_config_kwargs(cfg.params_dtype, options, sequence_parallel=False) | {
+            "pipeline_model_parallel_size": 1
+        }
         tower_base, tower_groups = base, None
         if options.encoder_tp is not None:
             self.encoder_share = EncoderShare.create(options.encoder_tp, device)
             tower_base = base | {"tensor_model_parallel_size": options.encoder_tp}
             tower_groups = self.encoder_share.tower_process_groups()
-        self.vision_model = SiglipVisionModel(cfg.vision, vision_transformer_config(cfg.vision, tower_base),
-                                              pg_collection=tower_groups)
+        self.vision_model = SiglipVisionModel(
+            cfg.vision, vision_transformer_config(cfg.vision, tower_base), pg_collection=tower_groups
+        )
         if self.encoder_share is not None and self.encoder_share.replicated_over_tp:
             mark_replicated_over_tp(self.vision_model)
             if options.perform_initialization:
@@ -73,8 +78,9 @@ class LlavaOVModel(DecoderStageModel):
         )
 
     # ------------------------------------------------------------------ pieces
-    def media_embeddings(self, batch: LlavaOVBatch, media: Optional[torch.Tensor] = None,
-                         tower_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def media_embeddings(
+        self, batch: LlavaOVBatch, media: Optional[torch.Tensor] = None, tower_out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Projected + laid-out features of the batch's media (all, or the media indices
         `media`, in order), [positions, hidden]. `tower_out`: the tower's output for all the
         batch's tiles when it was computed already (the separate layout), else it runs here."""
@@ -85,7 +91,9 @@ class LlavaOVModel(DecoderStageModel):
         source = batch.pixel_values if tower_out is None else tower_out
         if media is not None:
             first_tile = torch.cumsum(tiles, 0) - tiles
-            tile_idx = torch.cat([torch.arange(int(first_tile[m]), int(first_tile[m] + tiles[m])) for m in media.tolist()])
+            tile_idx = torch.cat(
+                [torch.arange(int(first_tile[m]), int(first_tile[m] + tiles[m])) for m in media.tolist()]
+            )
             source = source.index_select(0, host_to_device(tile_idx, source.device))
             tiles, kind, sizes = tiles[media], kind[media], sizes[media]
             grids = grids[media] if grids is not None else None
@@ -136,7 +144,8 @@ class LlavaOVModel(DecoderStageModel):
                 feats = self.media_embeddings(batch, media, tower_out).to(emb.dtype)
                 if media is None and feats.shape[0] != n_pos:
                     raise ValueError(
-                        f"input_ids hold {n_pos} image/video placeholder tokens but the media give {feats.shape[0]} features"
+                        f"input_ids hold {n_pos} image/video placeholder tokens but the media give {feats.shape[0]} "
+                        f"features"
                     )
                 emb = emb.clone()
                 emb[rows, 0] = feats if feature_rows is None else feats[feature_rows]
@@ -169,8 +178,9 @@ class LlavaOVModel(DecoderStageModel):
         feats = self.vision_projection(self.vision_model.one_patch_output())
         return (feats.sum() + self.image_newline.sum()) * 0.0
 
-    def _local_media(self, batch: LlavaOVBatch, layout: CPLayout, is_media: torch.Tensor, device: torch.device
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def _local_media(
+        self, batch: LlavaOVBatch, layout: CPLayout, is_media: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(local rows that take a media feature, the media to encode (None: all), the row of
         each of those features in the encoded media's output (None: in order)).
 
@@ -186,8 +196,10 @@ class LlavaOVModel(DecoderStageModel):
             return host_to_device(is_media.nonzero(as_tuple=True)[0], device), None, None
         counts = batch.num_media_tokens.to(torch.long).cpu()
         if int(counts.sum()) != int(is_media.sum()):
-            raise ValueError(f"input_ids hold {int(is_media.sum())} image/video placeholder tokens but the "
-                             f"batch counts {int(counts.sum())} media tokens")
+            raise ValueError(
+                f"input_ids hold {int(is_media.sum())} image/video placeholder tokens but the "
+                f"batch counts {int(counts.sum())} media tokens"
+            )
         index = layout.index
         held = torch.cat([is_media.cpu(), torch.zeros(1, dtype=torch.bool)])[index]  # local rows on media
         rows = held.nonzero(as_tuple=True)[0]

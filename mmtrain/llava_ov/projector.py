@@ -33,6 +33,4 @@ def projector_transformer_config(cfg: LlavaOVModelConfig, base: dict[str, Any]) 
 
 
 def build_projector(cfg: LlavaOVModelConfig, config: TransformerConfig) -> MultimodalProjector:
-    return MultimodalProjector(
-        config, mlp_submodules(), projector_type="mlp", input_size=cfg.vision.hidden_size
-    )
+    return MultimodalProjector(config, mlp_submodules(), projector_type="mlp", input_size=cfg.vision.hidden_size)

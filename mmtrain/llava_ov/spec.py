@@ -29,8 +29,9 @@ PARTS = {
 build_model = Ref("mmtrain.llava_ov.model:LlavaOVModel")
 
 
-def media_token_problems(m: LlavaOVModelConfig, image_id: int | None, video_id: int | None,
-                         tokenizer_path: str) -> list[str]:
+def media_token_problems(
+    m: LlavaOVModelConfig, image_id: int | None, video_id: int | None, tokenizer_path: str
+) -> list[str]:
     """The model finds media positions by token id: a tokenizer whose `<image>`/`<video>` ids
     differ from the ids a recipe pins would silently misplace image features."""
     return [
@@ -48,8 +49,10 @@ def check_media_token_ids(m: LlavaOVModelConfig, image_id: int, video_id: int, t
     """Refuse (ValueError) what `media_token_problems` finds; the loader's last line of defence."""
     wrong = media_token_problems(m, image_id, video_id, tokenizer_path)
     if m.image_token_id is None or m.video_token_id is None:
-        wrong.append("model.image_token_id / video_token_id are unresolved (the run's preflight reads them from "
-                     f"the tokenizer at {tokenizer_path})")
+        wrong.append(
+            "model.image_token_id / video_token_id are unresolved (the run's preflight reads them from "
+            f"the tokenizer at {tokenizer_path})"
+        )
     if wrong:
         raise ValueError("media token ids disagree: " + "; ".join(wrong))
 
@@ -62,17 +65,26 @@ def vocab_too_small(rows: int, need_ids: int, tokenizer_len: int, recipe: Recipe
     grows them, logged and reproducible, and the recipe states the size it trains."""
     need = max(need_ids, tokenizer_len)
     load = recipe.checkpoint.load
-    head = (f"model.llm.vocab_size: {rows} rows cannot hold the tokenizer's <image>/<video> ids (the tokenizer at "
-            f"{recipe.tokenizer.path}, {tokenizer_len} tokens, needs {need} rows): ")
-    stage1 = ("`mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR --dst CKPT_DIR` (adds the "
-              f"rows, mean-initialised), then train with checkpoint.load=CKPT_DIR model.llm.vocab_size={need}")
+    head = (
+        f"model.llm.vocab_size: {rows} rows cannot hold the tokenizer's <image>/<video> ids (the tokenizer at "
+        f"{recipe.tokenizer.path}, {tokenizer_len} tokens, needs {need} rows): "
+    )
+    stage1 = (
+        "`mmtrain convert hf-to-mcore --model llava-ov --llm LLM_DIR --vision SIGLIP_DIR --dst CKPT_DIR` (adds the "
+        f"rows, mean-initialised), then train with checkpoint.load=CKPT_DIR model.llm.vocab_size={need}"
+    )
     if load is None:
-        return head + f"set model.llm.vocab_size={need} for a fresh model, or start from a Qwen2 LLM + SigLIP with {stage1}"
+        return (
+            head
+            + f"set model.llm.vocab_size={need} for a fresh model, or start from a Qwen2 LLM + SigLIP with {stage1}"
+        )
     if have is not None and have >= need:
         return head + f"checkpoint.load {load} holds {have} rows (media rows included): set model.llm.vocab_size={have}"
     own = load if (Path(load) / "config.json").is_file() else Path(load) / "hf_assets"
-    return head + (f"checkpoint.load {load} was made for another tokenizer: train with its own (tokenizer.path={own}), "
-                   f"or for a stage-1 start from an LLM whose tokenizer lacks the media tokens use {stage1}")
+    return head + (
+        f"checkpoint.load {load} was made for another tokenizer: train with its own (tokenizer.path={own}), "
+        f"or for a stage-1 start from an LLM whose tokenizer lacks the media tokens use {stage1}"
+    )
 
 
 def prepare_tokenizer(tokenizer: Any) -> list[str]:
@@ -88,16 +100,27 @@ def model_shapes(m: LlavaOVModelConfig) -> ModelShapes:
     return ModelShapes(
         decoder=DecoderShape.from_llm(m.llm, m.make_vocab_size_divisible_by),
         decoder_part="llm",
-        encoder=EncoderShape(v.num_layers, v.hidden_size, v.ffn_hidden_size, v.num_attention_heads,
-                             v.image_size, v.patch_size, v.num_channels,
-                             frozen_params=2 * v.hidden_size,  # ln_post: the features skip it (vision.py)
-                             frozen_what="the unused post-layernorm (the features are the last kept layer's, "
-                                         "un-normed); kept for HF round trips"),
+        encoder=EncoderShape(
+            v.num_layers,
+            v.hidden_size,
+            v.ffn_hidden_size,
+            v.num_attention_heads,
+            v.image_size,
+            v.patch_size,
+            v.num_channels,
+            frozen_params=2 * v.hidden_size,  # ln_post: the features skip it (vision.py)
+            frozen_what="the unused post-layernorm (the features are the last kept layer's, "
+            "un-normed); kept for HF round trips",
+        ),
         encoder_part="vision_tower",
         connectors=(
             # its first linear reads the tower's output: input gradients only when the tower trains
-            Connector("projector", projector_weights + (2 * h if m.projector.bias else 0), projector_weights,
-                      input_matmul_params=v.hidden_size * h),
+            Connector(
+                "projector",
+                projector_weights + (2 * h if m.projector.bias else 0),
+                projector_weights,
+                input_matmul_params=v.hidden_size * h,
+            ),
             Connector("llm", h),  # image_newline
         ),
     )
@@ -130,9 +153,10 @@ LLAVA_OV = FamilySpec(
         to_mcore=Ref("mmtrain.llava_ov.conversion:hf_to_mcore"),
         to_hf=Ref("mmtrain.llava_ov.conversion:mcore_to_hf"),
         load_into_model=Ref("mmtrain.llava_ov.load:load_hf_into_model"),
-        assemble_from={"llm": "Qwen2/2.5 HF dir with its tokenizer (the <image>/<video> ids come from it, "
-                              "added when missing)",
-                       "vision": "SigLIP HF dir (its last layer is dropped)"},
+        assemble_from={
+            "llm": "Qwen2/2.5 HF dir with its tokenizer (the <image>/<video> ids come from it, added when missing)",
+            "vision": "SigLIP HF dir (its last layer is dropped)",
+        },
         assemble=Ref("mmtrain.llava_ov.conversion:assemble"),
         export_formats=("transformers", "llava-next"),
     ),

@@ -42,7 +42,11 @@ class SiglipAdapter:
             for kind in ("weight", "bias"):
                 out += [
                     (ml + f"input_layernorm.{kind}", [hl + f"layer_norm1.{kind}"], "copy"),
-                    (ml + f"self_attention.linear_qkv.{kind}", [a + f"q_proj.{kind}", a + f"k_proj.{kind}", a + f"v_proj.{kind}"], "qkv"),
+                    (
+                        ml + f"self_attention.linear_qkv.{kind}",
+                        [a + f"q_proj.{kind}", a + f"k_proj.{kind}", a + f"v_proj.{kind}"],
+                        "qkv",
+                    ),
                     (ml + f"self_attention.linear_proj.{kind}", [a + f"out_proj.{kind}"], "copy"),
                     (ml + f"pre_mlp_layernorm.{kind}", [hl + f"layer_norm2.{kind}"], "copy"),
                     (ml + f"mlp.linear_fc1.{kind}", [hl + f"mlp.fc1.{kind}"], "copy"),
@@ -97,8 +101,11 @@ class LlavaOVStateDictAdapter(StateDictAdapter):
                 ("vision_projection.encoder.linear_fc2.bias", ["multi_modal_projector.linear_2.bias"], "copy"),
             ]
         self._pairs.append(("image_newline", ["image_newline"], "copy"))
-        self._add(LlamaDecoderAdapter(cfg.llm, "language_model.model.", "language_model.lm_head.weight", "language_model.",
-                                      transformer_impl))
+        self._add(
+            LlamaDecoderAdapter(
+                cfg.llm, "language_model.model.", "language_model.lm_head.weight", "language_model.", transformer_impl
+            )
+        )
         if not cfg.llm.tie_word_embeddings:
             self.ignorable = re.compile(r"^vision_tower\.head\.")
 
@@ -122,7 +129,9 @@ class SiglipStateDictAdapter(StateDictAdapter):
         self.ignorable = re.compile(r"^vision_model\.head\.|^text_model\.|^logit_(scale|bias)$" + extra)
 
     def normalize_hf_key(self, key: str) -> str:
-        return re.sub(r"^(model\.)?(vision_model\.)?(?=(embeddings|encoder|post_layernorm|head)\.)", "vision_model.", key)
+        return re.sub(
+            r"^(model\.)?(vision_model\.)?(?=(embeddings|encoder|post_layernorm|head)\.)", "vision_model.", key
+        )
 
 
 # ----------------------------------------------------------------------------- configs
@@ -157,7 +166,9 @@ def llava_config_from_hf(hf: dict) -> LlavaOVModelConfig:
     if hf.get("vision_feature_select_strategy", "full") != "full":
         raise ConversionError("config.json: vision_feature_select_strategy must be 'full'")
     if hf.get("vision_feature_layer", -1) != -1:
-        raise ConversionError(f"config.json: vision_feature_layer={hf.get('vision_feature_layer')} (only -1 is supported)")
+        raise ConversionError(
+            f"config.json: vision_feature_layer={hf.get('vision_feature_layer')} (only -1 is supported)"
+        )
     m = re.fullmatch(r"anyres_max_(\d+)", hf.get("vision_aspect_ratio", "anyres_max_9"))
     if not m:
         raise ConversionError(f"config.json: vision_aspect_ratio={hf.get('vision_aspect_ratio')!r}")
@@ -191,28 +202,48 @@ def hf_config_from_llava(cfg: LlavaOVModelConfig, template: Optional[dict] = Non
     text = dict(out.get("text_config") or {})
     llm = cfg.llm
     text.update(
-        model_type="qwen2", hidden_size=llm.hidden_size, intermediate_size=llm.ffn_hidden_size,
-        num_hidden_layers=llm.num_layers, num_attention_heads=llm.num_attention_heads,
-        num_key_value_heads=llm.num_query_groups, vocab_size=llm.vocab_size,
-        max_position_embeddings=llm.max_position_embeddings, rms_norm_eps=llm.rms_norm_eps,
-        tie_word_embeddings=llm.tie_word_embeddings, hidden_act="silu",
+        model_type="qwen2",
+        hidden_size=llm.hidden_size,
+        intermediate_size=llm.ffn_hidden_size,
+        num_hidden_layers=llm.num_layers,
+        num_attention_heads=llm.num_attention_heads,
+        num_key_value_heads=llm.num_query_groups,
+        vocab_size=llm.vocab_size,
+        max_position_embeddings=llm.max_position_embeddings,
+        rms_norm_eps=llm.rms_norm_eps,
+        tie_word_embeddings=llm.tie_word_embeddings,
+        hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
     )
     text.pop("rope_theta", None)
     vis = dict(out.get("vision_config") or {})
     v = cfg.vision
     vis.update(
-        model_type="siglip_vision_model", hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size,
-        num_hidden_layers=v.num_layers, num_attention_heads=v.num_attention_heads, image_size=v.image_size,
-        patch_size=v.patch_size, layer_norm_eps=v.layer_norm_eps, num_channels=v.num_channels,
-        hidden_act="gelu_pytorch_tanh", vision_use_head=False,
+        model_type="siglip_vision_model",
+        hidden_size=v.hidden_size,
+        intermediate_size=v.ffn_hidden_size,
+        num_hidden_layers=v.num_layers,
+        num_attention_heads=v.num_attention_heads,
+        image_size=v.image_size,
+        patch_size=v.patch_size,
+        layer_norm_eps=v.layer_norm_eps,
+        num_channels=v.num_channels,
+        hidden_act="gelu_pytorch_tanh",
+        vision_use_head=False,
     )
     out.update(
-        model_type="llava_onevision", architectures=["LlavaOnevisionForConditionalGeneration"],
-        text_config=text, vision_config=vis, image_token_index=cfg.image_token_id,
-        video_token_index=cfg.video_token_id, vision_aspect_ratio=f"anyres_max_{cfg.max_tiles}",
-        vision_feature_layer=-1, vision_feature_select_strategy="full", projector_hidden_act="gelu",
-        multimodal_projector_bias=cfg.projector.bias, tie_word_embeddings=llm.tie_word_embeddings,
+        model_type="llava_onevision",
+        architectures=["LlavaOnevisionForConditionalGeneration"],
+        text_config=text,
+        vision_config=vis,
+        image_token_index=cfg.image_token_id,
+        video_token_index=cfg.video_token_id,
+        vision_aspect_ratio=f"anyres_max_{cfg.max_tiles}",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=cfg.projector.bias,
+        tie_word_embeddings=llm.tie_word_embeddings,
         image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(v.image_size, cfg.grid_max)],
     )
     return out

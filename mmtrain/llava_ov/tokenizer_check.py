@@ -23,24 +23,34 @@ log = logging.getLogger(__name__)
 def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     """Before training (FamilySpec.check_tokenizer): an Emu3 tokenizer is named as such; the
     tokenizer's `<image>`/`<video>` ids, added as the loader adds them when the tokenizer lacks
-    them, fill the recipe's null ids (logged) and must equal pinned ones, and an HF `checkpoint.load`'s ids (it is validated here, before any
+    them, fill the recipe's null ids (logged) and must equal pinned ones, and an HF `checkpoint.load`'s ids (it is
+    validated here, before any
     rank starts); the LLM's vocabulary rows must hold them."""
     m: LlavaOVModelConfig = recipe.model
     if has_visual_tokens(tokenizer):  # its missing <image>/<video> would otherwise read as an id mismatch
-        return [f"tokenizer.path: the tokenizer at {recipe.tokenizer.path} is an Emu3 tokenizer (it holds Emu3's visual "
-                "tokens); mmtrain llava-ov needs the tokenizer of its LLM (e.g. the Qwen2 tokenizer of checkpoint.load); "
-                "Emu3 token shards are trained with `mmtrain emu3`"]
+        return [
+            f"tokenizer.path: the tokenizer at {recipe.tokenizer.path} is an Emu3 tokenizer (it holds Emu3's visual "
+            "tokens); mmtrain llava-ov needs the tokenizer of its LLM (e.g. the Qwen2 tokenizer of checkpoint.load); "
+            "Emu3 token shards are trained with `mmtrain emu3`"
+        ]
     added = prepare_tokenizer(tokenizer)
     image_id, video_id = token_id(tokenizer, IMAGE_TOKEN), token_id(tokenizer, VIDEO_TOKEN)
     problems = media_token_problems(m, image_id, video_id, recipe.tokenizer.path)
     if problems:
         return problems
     if added:
-        log.info("tokenizer at %s has no %s: added as special token(s) (as the loader does)", recipe.tokenizer.path,
-                 " / ".join(added))
+        log.info(
+            "tokenizer at %s has no %s: added as special token(s) (as the loader does)",
+            recipe.tokenizer.path,
+            " / ".join(added),
+        )
     if m.image_token_id is None or m.video_token_id is None:
-        log.info("model.image_token_id=%d, model.video_token_id=%d: from the tokenizer at %s", image_id, video_id,
-                 recipe.tokenizer.path)
+        log.info(
+            "model.image_token_id=%d, model.video_token_id=%d: from the tokenizer at %s",
+            image_id,
+            video_id,
+            recipe.tokenizer.path,
+        )
     m.image_token_id, m.video_token_id = image_id, video_id
     load = recipe.checkpoint.load
     try:
@@ -48,9 +58,11 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> list[str]:
     except ConversionError as err:
         return [f"checkpoint.load: {err}"]
     if hf_start is not None and (hf_start.image_token_id, hf_start.video_token_id) != (image_id, video_id):
-        return [f"checkpoint.load: {load} has <image>/<video> at ids {hf_start.image_token_id}/{hf_start.video_token_id}, "
-                f"the tokenizer at {recipe.tokenizer.path} at {image_id}/{video_id} (train with the checkpoint's own "
-                f"tokenizer: tokenizer.path={load})"]
+        return [
+            f"checkpoint.load: {load} has <image>/<video> at ids {hf_start.image_token_id}/{hf_start.video_token_id}, "
+            f"the tokenizer at {recipe.tokenizer.path} at {image_id}/{video_id} (train with the checkpoint's own "
+            f"tokenizer: tokenizer.path={load})"
+        ]
     if max(image_id, video_id) >= m.llm.vocab_size:
         have = hf_start.llm.vocab_size if hf_start is not None else _saved_rows(load)
         return [vocab_too_small(m.llm.vocab_size, max(image_id, video_id) + 1, len(tokenizer), recipe, have)]

@@ -48,13 +48,20 @@ class SiglipVisionModel(MegatronModule):
         super().__init__(config=config)
         self.cfg = cfg
         self.conv1 = torch.nn.Conv2d(
-            cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size,
-            bias=True, dtype=config.params_dtype,
+            cfg.num_channels,
+            cfg.hidden_size,
+            kernel_size=cfg.patch_size,
+            stride=cfg.patch_size,
+            bias=True,
+            dtype=config.params_dtype,
         )
         self.position_embeddings = torch.nn.Embedding(cfg.num_patches, cfg.hidden_size, dtype=config.params_dtype)
         self.decoder = TransformerBlock(
-            config=config, spec=transformer_layer_spec(causal=False), pre_process=True,
-            post_process=False, pg_collection=pg_collection,
+            config=config,
+            spec=transformer_layer_spec(causal=False),
+            pre_process=True,
+            post_process=False,
+            pg_collection=pg_collection,
         )
         # kept for SigLIP-alone use and lossless HF round trips (transformers' LlavaOnevision
         # checkpoints hold `vision_tower.vision_model.post_layernorm.*`), but LLaVA-OV features

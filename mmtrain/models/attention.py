@@ -98,14 +98,18 @@ def varlen_plan(packed_seq_params: PackedSeqParams) -> VarlenPlan:
     return plan("varlen", build) if plan is not None else build()
 
 
-def grouped_varlen_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, *,
-                        causal: bool, scale: float, sdpa: Any = None) -> torch.Tensor:
+def grouped_varlen_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, *, causal: bool, scale: float, sdpa: Any = None
+) -> torch.Tensor:
     """Per-sequence attention of a THD stream: q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn].
     `sdpa(q, k, v, causal, mask)` runs one group ([n, heads, L, hn]); default: plain SDPA."""
     if sdpa is None:
+
         def sdpa(a, b, c, is_causal, mask):
-            return F.scaled_dot_product_attention(a, b, c, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                                  enable_gqa=a.size(1) != b.size(1))
+            return F.scaled_dot_product_attention(
+                a, b, c, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=a.size(1) != b.size(1)
+            )
+
     masks = [None] * len(plan.groups) if causal else plan.key_masks(q.device)
     outs = [sdpa(qq, kk, vv, causal, m) for qq, kk, vv, m in zip(plan.stack(q), plan.stack(k), plan.stack(v), masks)]
     return plan.unstack(outs)
@@ -143,14 +147,24 @@ def gpu_varlen_backend(dtype: torch.dtype) -> str | None:
     return None
 
 
-def gpu_varlen_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         cu: torch.Tensor, max_seqlen: int, *, causal: bool, scale: float,
-                         dropout: float) -> torch.Tensor:
+def gpu_varlen_attention(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
     """[t, np, hn] varlen flash attention (GQA natively)."""
     cu = cu.to(device=q.device, dtype=torch.int32)
     if backend == "flash_attn":
-        return _flash_attn_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout,
-                                    softmax_scale=scale, causal=causal)
+        return _flash_attn_varlen()(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale, causal=causal
+        )
     varlen_attn = _torch_varlen()
     params = inspect.signature(varlen_attn).parameters
     kw: dict[str, Any] = {}
@@ -189,8 +203,10 @@ class SDPACoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size > 1 and not self.handles_context_parallel:
-            raise NotImplementedError("SDPACoreAttention runs whole sequences; context parallelism needs "
-                                      "KVAllGatherCoreAttention (CPU) or TEDotProductAttention (GPU)")
+            raise NotImplementedError(
+                "SDPACoreAttention runs whole sequences; context parallelism needs "
+                "KVAllGatherCoreAttention (CPU) or TEDotProductAttention (GPU)"
+            )
         self.attn_mask_type = attn_mask_type
         kv_channels = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
@@ -202,8 +218,9 @@ class SDPACoreAttention(MegatronModule):
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """q [b, np, s, hn], k/v [b, ng, s, hn] -> [b, np, s, hn]."""
         dropout = self._dropout()
         gqa = q.size(1) != k.size(1)
@@ -212,11 +229,18 @@ class SDPACoreAttention(MegatronModule):
         if dropout > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                    scale=self.softmax_scale, enable_gqa=gqa)
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=dropout,
+                    is_causal=causal,
+                    scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-            scale=self.softmax_scale, enable_gqa=gqa)
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
+        )
 
     def forward(
         self,
@@ -248,8 +272,9 @@ class SDPACoreAttention(MegatronModule):
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             params: PackedSeqParams, causal: bool) -> torch.Tensor:
+    def _thd(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams, causal: bool
+    ) -> torch.Tensor:
         """[t, np, hn] packed sequences -> [t, np*hn]."""
         backend = gpu_varlen_backend(query.dtype) if query.is_cuda else None
         dropout = self._dropout()
@@ -258,12 +283,31 @@ class SDPACoreAttention(MegatronModule):
         if backend is not None:
             if dropout > 0.0 and not self.config.sequence_parallel:
                 with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = gpu_varlen_attention(backend, query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
-                                               causal=causal, scale=self.softmax_scale, dropout=dropout)
+                    out = gpu_varlen_attention(
+                        backend,
+                        query,
+                        key,
+                        value,
+                        params.cu_seqlens_q,
+                        params.max_seqlen_q,
+                        causal=causal,
+                        scale=self.softmax_scale,
+                        dropout=dropout,
+                    )
             else:
-                out = gpu_varlen_attention(backend, query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
-                                           causal=causal, scale=self.softmax_scale, dropout=dropout)
+                out = gpu_varlen_attention(
+                    backend,
+                    query,
+                    key,
+                    value,
+                    params.cu_seqlens_q,
+                    params.max_seqlen_q,
+                    causal=causal,
+                    scale=self.softmax_scale,
+                    dropout=dropout,
+                )
         else:
-            out = grouped_varlen_sdpa(query, key, value, varlen_plan(params), causal=causal,
-                                      scale=self.softmax_scale, sdpa=self._sdpa)
+            out = grouped_varlen_sdpa(
+                query, key, value, varlen_plan(params), causal=causal, scale=self.softmax_scale, sdpa=self._sdpa
+            )
         return out.reshape(out.size(0), -1)

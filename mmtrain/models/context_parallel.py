@@ -85,14 +85,20 @@ class CPLayout:
         cu = host if device is None else host_to_device(host, device)  # pinned + async: no stream sync
         padded = cu if self.cp > 1 else None
         return PackedSequence(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-            cu_seqlens_kv_padded=padded, max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=padded,
+            cu_seqlens_kv_padded=padded,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
             cu_seqlens_host=host if host.device.type == "cpu" else None,
         )
 
 
-def cp_layout(cu_seqlens: torch.Tensor, cp: int, rank: int, multiple: int,
-              max_seqlen: Optional[int] = None) -> CPLayout:
+def cp_layout(
+    cu_seqlens: torch.Tensor, cp: int, rank: int, multiple: int, max_seqlen: Optional[int] = None
+) -> CPLayout:
     """The layout of a stream segmented by `cu_seqlens` on CP rank `rank` of `cp`, every
     sequence padded to a multiple of `multiple` (a multiple of 2*cp; see `padding_multiple`)."""
     cu = cu_seqlens.detach().to(device="cpu", dtype=torch.int64)
@@ -131,8 +137,7 @@ def current_layout(cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None) -
     return _cached_layout(cu_seqlens, cp, rank, padding_multiple(cp, tp), max_seqlen)
 
 
-def _cached_layout(cu_seqlens: torch.Tensor, cp: int, rank: int, multiple: int,
-                   max_seqlen: Optional[int]) -> CPLayout:
+def _cached_layout(cu_seqlens: torch.Tensor, cp: int, rank: int, multiple: int, max_seqlen: Optional[int]) -> CPLayout:
     """The model, the loss mask and the per-sample losses all ask for the same micro-batch's
     layout; compute it once per distinct `cu_seqlens`."""
     key = tuple(cu_seqlens.detach().cpu().tolist())

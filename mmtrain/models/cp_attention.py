@@ -17,7 +17,6 @@ from mmtrain.models.attention import SDPACoreAttention
 from mmtrain.private_api import cpu_flash_attention
 
 
-
 @dataclass(frozen=True)
 class ChunkGroup:
     """Local query chunks of one shape: `n` chunks of `length` queries at offset `offset` of
@@ -59,8 +58,10 @@ class CPAttentionPlan:
 
         def rank_positions(r: int) -> torch.Tensor:
             first = [torch.arange(s + r * c, s + (r + 1) * c) for s, c in zip(starts.tolist(), chunk.tolist())]
-            second = [torch.arange(s + (2 * cp - 1 - r) * c, s + (2 * cp - r) * c)
-                      for s, c in zip(starts.tolist(), chunk.tolist())]
+            second = [
+                torch.arange(s + (2 * cp - 1 - r) * c, s + (2 * cp - r) * c)
+                for s, c in zip(starts.tolist(), chunk.tolist())
+            ]
             return torch.cat([t for pair in zip(first, second) for t in pair])
 
         gathered_to_global = torch.cat([rank_positions(r) for r in range(cp)])
@@ -74,7 +75,8 @@ class CPAttentionPlan:
         for s, c in zip(starts.tolist(), chunk.tolist()):
             for o in (rank * c, (2 * cp - 1 - rank) * c):
                 shapes.setdefault((c, o), []).append(
-                    (torch.arange(row, row + c), torch.arange(s, s + o), torch.arange(s + o, s + o + c)))
+                    (torch.arange(row, row + c), torch.arange(s, s + o), torch.arange(s + o, s + o + c))
+                )
                 row += c
         groups, order = [], []
         for (c, o), items in shapes.items():
@@ -111,8 +113,9 @@ class _PrefixCausalAttention(torch.autograd.Function):
     """q [n, np, c, hn] attending prefix keys [n, ng, o, hn] fully and its own c keys causally."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kd: torch.Tensor,
-                vd: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         _flash_fwd, _ = cpu_flash_attention()
         out, lse = _flash_fwd(q, kd, vd, 0.0, True, scale=scale)
         if kp.size(2) > 0:
@@ -150,25 +153,50 @@ class KVAllGatherCoreAttention(SDPACoreAttention):
 
     handles_context_parallel = True
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str = "self", attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection: Any = None, **kw: Any) -> None:
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection, **kw)
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout,
+            softmax_scale,
+            cp_comm_type,
+            pg_collection,
+            **kw,
+        )
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         if self.dropout_p > 0.0:
             raise NotImplementedError("attention dropout is not supported with context parallelism on CPU")
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd" or attention_bias is not None:
-            raise NotImplementedError("context-parallel attention takes THD packed sequences "
-                                      "(context_parallel.CPLayout.packed_seq_params) and no attention bias")
+            raise NotImplementedError(
+                "context-parallel attention takes THD packed sequences "
+                "(context_parallel.CPLayout.packed_seq_params) and no attention bias"
+            )
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise NotImplementedError("context-parallel attention is causal (decoders)")
         plan = self._plan(packed_seq_params)
@@ -178,12 +206,16 @@ class KVAllGatherCoreAttention(SDPACoreAttention):
         v_all = _GatherSequence.apply(value, self.cp_group, plan)
         outs = []
         for g in plan.groups:
-            outs.append(_PrefixCausalAttention.apply(
-                _rows(query, g.queries, g.n, g.length),
-                _rows(k_all, g.prefix_keys, g.n, g.offset), _rows(v_all, g.prefix_keys, g.n, g.offset),
-                _rows(k_all, g.diag_keys, g.n, g.length), _rows(v_all, g.diag_keys, g.n, g.length),
-                self.softmax_scale,
-            ))
+            outs.append(
+                _PrefixCausalAttention.apply(
+                    _rows(query, g.queries, g.n, g.length),
+                    _rows(k_all, g.prefix_keys, g.n, g.offset),
+                    _rows(v_all, g.prefix_keys, g.n, g.offset),
+                    _rows(k_all, g.diag_keys, g.n, g.length),
+                    _rows(v_all, g.diag_keys, g.n, g.length),
+                    self.softmax_scale,
+                )
+            )
         flat = [o.transpose(1, 2).reshape(-1, *o.shape[1:2], o.shape[-1]) for o in outs]
         out = torch.cat(flat).index_select(0, plan.unstack)
         return out.reshape(out.size(0), -1)

@@ -70,8 +70,18 @@ class EncoderShare:
         index = tp_index * cp + ps.get_context_parallel_rank()
         order = torch.empty(size, dtype=torch.long, device=device)
         dist.all_gather_into_tensor(order, torch.tensor([index], dtype=torch.long, device=device), group=group)
-        return cls(group, size, index, tuple(order.tolist()), tp_index * cp, cp,
-                   ps.get_context_parallel_group() if cp > 1 else None, encoder_tp, lm_tp, own_tp_group)
+        return cls(
+            group,
+            size,
+            index,
+            tuple(order.tolist()),
+            tp_index * cp,
+            cp,
+            ps.get_context_parallel_group() if cp > 1 else None,
+            encoder_tp,
+            lm_tp,
+            own_tp_group,
+        )
 
     def tower_process_groups(self) -> Any:
         """megatron's ProcessGroupCollection for the encoder's blocks: the runtime's, with the
@@ -114,9 +124,11 @@ def _own_rank_group(create: bool = False) -> Any:
     if made_in is world and group is not None:
         return group
     if not create:
-        raise RuntimeError("the vision tower's own layout (parallel.vision.tp=1 with parallel.tp > 1) needs "
-                           "encoder_parallel.prepare_groups(1) on every rank before the model is built (a group of "
-                           "each rank alone, made collectively)")
+        raise RuntimeError(
+            "the vision tower's own layout (parallel.vision.tp=1 with parallel.tp > 1) needs "
+            "encoder_parallel.prepare_groups(1) on every rank before the model is built (a group of "
+            "each rank alone, made collectively)"
+        )
     group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
     _OWN_RANK_GROUP = (world, group)
     return group

@@ -113,8 +113,10 @@ def _decoder_forward(d: DecoderShape, tokens: int, sum_sq: int) -> PartFlops:
     """Layers (2 FLOPs per weight per token; causal attention 2*q*len^2 per sample: half of the
     4*q*len^2 of Q K^T + P V over a full len x len matrix) + the LM head on every position."""
     q = d.heads * d.kv_channels
-    return PartFlops(weights=tokens * (d.layers * 2 * decoder_layer_params(d) + 2 * d.hidden * d.padded_vocab(1)),
-                     core=d.layers * 2 * q * sum_sq)
+    return PartFlops(
+        weights=tokens * (d.layers * 2 * decoder_layer_params(d) + 2 * d.hidden * d.padded_vocab(1)),
+        core=d.layers * 2 * q * sum_sq,
+    )
 
 
 def _media_forward(shapes: ModelShapes, tiles: int) -> dict[str, PartFlops]:
@@ -124,13 +126,17 @@ def _media_forward(shapes: ModelShapes, tiles: int) -> dict[str, PartFlops]:
     if v is None or tiles <= 0:
         return {}
     n = tiles * v.patches
-    out = {shapes.encoder_part: PartFlops(
-        weights=n * v.layers * 2 * encoder_layer_params(v),
-        core=tiles * v.layers * 4 * v.hidden * v.patches**2,
-        inputs=n * 2 * v.channels * v.patch_size**2 * v.hidden,
-    )}
+    out = {
+        shapes.encoder_part: PartFlops(
+            weights=n * v.layers * 2 * encoder_layer_params(v),
+            core=tiles * v.layers * 4 * v.hidden * v.patches**2,
+            inputs=n * 2 * v.channels * v.patch_size**2 * v.hidden,
+        )
+    }
     for c in shapes.connectors:
-        f = PartFlops(weights=2.0 * n * (c.matmul_params - c.input_matmul_params), inputs=2.0 * n * c.input_matmul_params)
+        f = PartFlops(
+            weights=2.0 * n * (c.matmul_params - c.input_matmul_params), inputs=2.0 * n * c.input_matmul_params
+        )
         out[c.part] = out.get(c.part, PartFlops()) + f
     return out
 
@@ -150,8 +156,15 @@ class StepFlops:
         return sum(self.by_part.values())
 
 
-def step_flops(shapes: ModelShapes, cu_seqlens: Iterable[Any], tiles: int, trainable_parts: Iterable[str],
-               *, pad_to: int = 1, samples: Optional[Iterable[Optional[Sequence[int]]]] = None) -> StepFlops:
+def step_flops(
+    shapes: ModelShapes,
+    cu_seqlens: Iterable[Any],
+    tiles: int,
+    trainable_parts: Iterable[str],
+    *,
+    pad_to: int = 1,
+    samples: Optional[Iterable[Optional[Sequence[int]]]] = None,
+) -> StepFlops:
     """Training FLOPs of one step from its real packed layout: `cu_seqlens` holds one host
     `cu_seqlens` per micro-batch (or per row: segments never cross rows), `tiles` the tiles/frames
     the encoder runs on, `trainable_parts` the parts not frozen, `pad_to` the CP padding multiple
@@ -179,8 +192,9 @@ def step_flops(shapes: ModelShapes, cu_seqlens: Iterable[Any], tiles: int, train
     return StepFlops(by_part, sum(f.total for f in fwd.values()), tokens, sum_sq, int(tiles))
 
 
-def recompute_flops(shapes: ModelShapes, executed: StepFlops, trainable_parts: Iterable[str], recompute: str,
-                    recomputed_layers: int = 0) -> float:
+def recompute_flops(
+    shapes: ModelShapes, executed: StepFlops, trainable_parts: Iterable[str], recompute: str, recomputed_layers: int = 0
+) -> float:
     """The extra forward activation recompute runs in a step whose executed count is `executed`
     (`step_flops` without `samples`): `full` reruns the forward of the `recomputed_layers`
     checkpointed decoder layers (their weight matmuls and attention; megatron's uniform method

@@ -138,8 +138,10 @@ class SafetensorsReader:
             sd = _load_bin(self.dir / fname)
             return [(names.get(sd[k].dtype), sd[k].numel()) for k in keys]
         with safe_open(str(self.dir / fname), "pt") as h:
-            return [(_ST_DTYPES.get(h.get_slice(k).get_dtype()), int(torch.Size(h.get_slice(k).get_shape()).numel()))
-                    for k in keys]
+            return [
+                (_ST_DTYPES.get(h.get_slice(k).get_dtype()), int(torch.Size(h.get_slice(k).get_shape()).numel()))
+                for k in keys
+            ]
 
     def get(self, key: str) -> torch.Tensor:
         fname, orig = self._locate(key)
@@ -184,16 +186,16 @@ def with_config_dtype(config: dict, dtype: str, key: str = "dtype") -> dict:
     return out
 
 
-def cast_floating(tensors: Iterable[tuple[str, torch.Tensor]],
-                  dtype: str | None) -> Iterable[tuple[str, torch.Tensor]]:
+def cast_floating(tensors: Iterable[tuple[str, torch.Tensor]], dtype: str | None) -> Iterable[tuple[str, torch.Tensor]]:
     """The stream with its floating tensors in `dtype` (None: as they are); integer buffers keep theirs."""
     target = DTYPE_NAMES[dtype] if dtype is not None else None
     for name, t in tensors:
         yield name, t.to(target) if target is not None and t.is_floating_point() else t
 
 
-def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike,
-                  max_shard_bytes: int = 2 * 1024**3) -> list[str]:
+def write_sharded(
+    tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3
+) -> list[str]:
     """Write `model-0000k-of-0000n.safetensors` + index, holding at most one shard in memory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,8 +215,13 @@ def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | os
         save_file(current, str(path), metadata={"format": "pt"})
         honour_umask(path)
         tmp_files.append(path)
-        log.info("wrote shard %d (%.2f GiB, %d tensors so far, %.2f GiB in all)", len(tmp_files), size / 1024**3,
-                 len(names), total / 1024**3)  # (progress: a large export takes minutes)
+        log.info(
+            "wrote shard %d (%.2f GiB, %d tensors so far, %.2f GiB in all)",
+            len(tmp_files),
+            size / 1024**3,
+            len(names),
+            total / 1024**3,
+        )  # (progress: a large export takes minutes)
         current, size = {}, 0
 
     for name, t in tensors:

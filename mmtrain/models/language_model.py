@@ -51,8 +51,14 @@ class DecoderLM(GPTModel):
     logits exactly as `GPTModel` does. The weights, their names and everything else are
     `GPTModel`'s."""
 
-    def __init__(self, *args: Any, true_vocab: int, loss_impl: str = "chunked",
-                 loss_block_mb: int = DEFAULT_BLOCK_MB, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        true_vocab: int,
+        loss_impl: str = "chunked",
+        loss_block_mb: int = DEFAULT_BLOCK_MB,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.true_vocab = true_vocab
         self.loss_impl = loss_impl
@@ -76,7 +82,9 @@ class DecoderLM(GPTModel):
         target = labels.clamp(min=0)
         if self.vocab_size == self.true_vocab:
             return super()._postprocess(hidden_states=hidden_states, **{**kw, "labels": target})
-        logits = super()._postprocess(hidden_states=hidden_states, **{**kw, "labels": None, "runtime_gather_output": False})
+        logits = super()._postprocess(
+            hidden_states=hidden_states, **{**kw, "labels": None, "runtime_gather_output": False}
+        )
         return vocab_parallel_loss(logits, target, self.true_vocab)
 
     def _lean_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -87,8 +95,11 @@ class DecoderLM(GPTModel):
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states, True, group=tp_group)
         elif tp > 1:
             hidden_states = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
             else self.output_layer.weight
+        )
         hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.size(-1))  # [b*s, h], labels' order
         flat_labels = labels.reshape(-1)
         if self.loss_impl == "fused":
@@ -98,8 +109,13 @@ class DecoderLM(GPTModel):
             loss = kernel[1](hidden, weight[: self.true_vocab], flat_labels).float()
         else:
             loss = linear_cross_entropy(
-                hidden, weight, flat_labels, vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.size(0),
-                true_vocab=self.true_vocab, block_mb=self.loss_block_mb, group=tp_group if tp > 1 else None,
+                hidden,
+                weight,
+                flat_labels,
+                vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.size(0),
+                true_vocab=self.true_vocab,
+                block_mb=self.loss_block_mb,
+                group=tp_group if tp > 1 else None,
             )
         return loss.view(labels.shape)
 
@@ -118,8 +134,11 @@ def build_language_model(
 ) -> DecoderLM:
     """The decoder as a megatron `GPTModel` (`vocab_size`: the padded table size)."""
     block = TransformerBlockSubmodules(
-        layer_specs=[decoder_layer_spec(getattr(lm_config, "transformer_impl", "local"),
-                                        context_parallel=lm_config.context_parallel_size > 1)]
+        layer_specs=[
+            decoder_layer_spec(
+                getattr(lm_config, "transformer_impl", "local"), context_parallel=lm_config.context_parallel_size > 1
+            )
+        ]
         * get_num_layers_to_build(lm_config, vp_stage=vp_stage),
         layer_norm=TorchNorm,
     )
@@ -151,8 +170,13 @@ def embed_tokens(lm: DecoderLM, batch: PackedBatch, layout: CPLayout) -> torch.T
     return lm.embedding(input_ids=ids[None], position_ids=None)
 
 
-def packed_decoder_forward(lm: DecoderLM, batch: PackedBatch, layout: CPLayout,
-                           decoder_input: Optional[torch.Tensor] = None, return_logits: bool = False) -> torch.Tensor:
+def packed_decoder_forward(
+    lm: DecoderLM,
+    batch: PackedBatch,
+    layout: CPLayout,
+    decoder_input: Optional[torch.Tensor] = None,
+    return_logits: bool = False,
+) -> torch.Tensor:
     """The decoder stage on a packed batch in THD layout, this CP rank's share of it.
 
     First stage: `decoder_input` is this rank's embedded share ([t_local, 1, h], e.g. with media

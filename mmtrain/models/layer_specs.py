@@ -46,8 +46,10 @@ def te_attention(on_cuda: bool | None = None) -> type | None:
     te = te_support.te_dot_product_attention()
     if te is None and not _logged_te_fallback:
         _logged_te_fallback = True
-        logging.getLogger(__name__).warning("Transformer Engine unusable (%s): SDPA / varlen-flash attention, "
-                                            "no context parallelism", te_support.te_status().reason)
+        logging.getLogger(__name__).warning(
+            "Transformer Engine unusable (%s): SDPA / varlen-flash attention, no context parallelism",
+            te_support.te_status().reason,
+        )
     return te
 
 
@@ -64,9 +66,11 @@ def core_attention_module(context_parallel: bool = False, on_cuda: bool | None =
         return te
     if context_parallel:
         if on_cuda:
-            raise RuntimeError(f"parallel.cp > 1 on GPU needs Transformer Engine (megatron's context-parallel "
-                               f"attention; {te_support.te_status().reason}): pip install transformer-engine[pytorch], "
-                               "or set parallel.cp=1")
+            raise RuntimeError(
+                f"parallel.cp > 1 on GPU needs Transformer Engine (megatron's context-parallel "
+                f"attention; {te_support.te_status().reason}): pip install transformer-engine[pytorch], "
+                "or set parallel.cp=1"
+            )
         return KVAllGatherCoreAttention
     return SDPACoreAttention
 

@@ -20,6 +20,8 @@ def check_encoder_tp(encoder_tp: Optional[int], tp: int) -> Optional[str]:
     """Why `parallel.vision.tp` cannot run with the language model's `tp` (None: it can)."""
     if encoder_tp is None or encoder_tp in (1, tp):
         return None
-    return (f"{encoder_tp} with parallel.tp={tp}: the vision tower's own layout is TP 1 (a whole tower per rank, "
-            f"each encoding a share of the tiles) or parallel.tp ({tp}: sharded like the language model, the tiles "
-            "split over the CP group); null (the default) inherits the language model's layout")
+    return (
+        f"{encoder_tp} with parallel.tp={tp}: the vision tower's own layout is TP 1 (a whole tower per rank, "
+        f"each encoding a share of the tiles) or parallel.tp ({tp}: sharded like the language model, the tiles "
+        "split over the CP group); null (the default) inherits the language model's layout"
+    )

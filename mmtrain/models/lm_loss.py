@@ -38,8 +38,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     `nonzero` is a device->host sync per call (~77-360 per micro-batch)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                true_vocab: int, block_mb: int, group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_start: int,
+        true_vocab: int,
+        block_mb: int,
+        group: Any,
+    ) -> torch.Tensor:
         n, local_vocab = hidden.size(0), weight.size(0)
         usable = max(0, min(local_vocab, true_vocab - vocab_start))  # rows that are not padding
         valid = labels >= 0
@@ -60,8 +68,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del logits  # before the next block's GEMM allocates: one [tokens, block] block at a time
         # complete the softmax over the TP group (ranks whose slice is all padding hold -inf / 0)
         global_max = _tp_all_reduce(run_max.clone(), dist.ReduceOp.MAX, group)
-        run_sum = torch.where(run_max > float("-inf"), run_sum * torch.exp(run_max - global_max),
-                              torch.zeros_like(run_sum))
+        run_sum = torch.where(
+            run_max > float("-inf"), run_sum * torch.exp(run_max - global_max), torch.zeros_like(run_sum)
+        )
         run_sum = _tp_all_reduce(run_sum, dist.ReduceOp.SUM, group)
         target = _tp_all_reduce(target, dist.ReduceOp.SUM, group)
         lse = global_max + torch.log(run_sum)
@@ -90,7 +99,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None
 
 
-def _block_target(own: torch.Tensor, local_labels: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_target(
+    own: torch.Tensor, local_labels: torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows whose target lies in vocab block [start, end), each row's column in the block
     clamped into range: [N, 1]), fixed shapes for `gather` / `scatter_add_`."""
     hit = own & (local_labels >= start) & (local_labels < end)
@@ -98,9 +109,16 @@ def _block_target(own: torch.Tensor, local_labels: torch.Tensor, start: int, end
     return hit, col
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         vocab_start: int = 0, true_vocab: Optional[int] = None, block_mb: int = DEFAULT_BLOCK_MB,
-                         group: Any = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    true_vocab: Optional[int] = None,
+    block_mb: int = DEFAULT_BLOCK_MB,
+    group: Any = None,
+) -> torch.Tensor:
     """Per-token cross entropy of `hidden [N, h] @ weight[V_local, h]^T` against `labels [N]`
     (global vocabulary ids; < 0: no loss): `[N]` fp32. `weight` is this TP rank's slice
     starting at `vocab_start`; `true_vocab` excludes the padding rows; `group` is the TP group
@@ -156,8 +174,9 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float
     return f"max abs error {float((got - want).abs().max()):.2e} (atol {atol:.1e}), relative norm error {rel:.1e}"
 
 
-def check_fused_kernel(fn: FusedLoss, dtype: torch.dtype, device: torch.device | str,
-                       tol: KernelTolerance = KernelTolerance()) -> Optional[str]:
+def check_fused_kernel(
+    fn: FusedLoss, dtype: torch.dtype, device: torch.device | str, tol: KernelTolerance = KernelTolerance()
+) -> Optional[str]:
     """None when `fn` reproduces `linear_cross_entropy` (computed in fp32 on the same rounded
     inputs) on a small problem on `device` in `dtype`, else what disagreed.
 
@@ -183,9 +202,11 @@ def check_fused_kernel(fn: FusedLoss, dtype: torch.dtype, device: torch.device |
         return f"loss shape {tuple(out.shape)} != {tuple(ref.shape)}"
     out = out.float()
     out.backward(grad_out)
-    for what, got, want, t in (("loss", out.detach(), ref.detach(), tol.loss),
-                               ("grad of hidden", h.grad, ref_h.grad, tol.grad_hidden),
-                               ("grad of weight", w.grad, ref_w.grad, tol.grad_weight)):
+    for what, got, want, t in (
+        ("loss", out.detach(), ref.detach(), tol.loss),
+        ("grad of hidden", h.grad, ref_h.grad, tol.grad_hidden),
+        ("grad of weight", w.grad, ref_w.grad, tol.grad_weight),
+    ):
         if got is None:
             return f"no {what}"
         why = _disagreement(got, want, t)
@@ -194,8 +215,9 @@ def check_fused_kernel(fn: FusedLoss, dtype: torch.dtype, device: torch.device |
     return None
 
 
-def select_fused_kernel(candidates: Mapping[str, FusedLoss], dtype: torch.dtype,
-                        device: torch.device | str) -> Optional[tuple[str, FusedLoss]]:
+def select_fused_kernel(
+    candidates: Mapping[str, FusedLoss], dtype: torch.dtype, device: torch.device | str
+) -> Optional[tuple[str, FusedLoss]]:
     """(name, fn) of the first candidate that is installed and passes `check_fused_kernel`, or None."""
     for name, fn in candidates.items():
         try:
@@ -243,7 +265,12 @@ def resolve_loss_impl(requested: str, *, tp: int, dtype: torch.dtype, on_cuda: b
         return requested
     usable = on_cuda and tp == 1 and fused_kernel(dtype, "cuda") is not None
     if requested == "fused" and not usable:
-        why = ("not on GPU" if not on_cuda else "tensor parallelism (fused kernels are not vocab-parallel)"
-               if tp > 1 else f"no fused kernel (cut-cross-entropy or liger-kernel) works here in {dtype}")
+        why = (
+            "not on GPU"
+            if not on_cuda
+            else "tensor parallelism (fused kernels are not vocab-parallel)"
+            if tp > 1
+            else f"no fused kernel (cut-cross-entropy or liger-kernel) works here in {dtype}"
+        )
         raise ValueError(f"parallel.lm_loss=fused: {why}; use parallel.lm_loss=chunked")
     return "fused" if usable else "chunked"

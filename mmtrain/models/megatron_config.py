@@ -86,12 +86,16 @@ class DecoderFusions:
     gradient_accumulation_fusion: bool = False
 
     def config_kwargs(self) -> dict:
-        return dict(apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
-                    gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        return dict(
+            apply_rope_fusion=self.apply_rope_fusion,
+            bias_activation_fusion=self.bias_activation_fusion,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        )
 
 
-def decoder_fusions(on_cuda: bool, te_available: bool, transformer_impl: str, te_reason: str = "",
-                    apex_wgrad: Optional[bool] = None) -> DecoderFusions:
+def decoder_fusions(
+    on_cuda: bool, te_available: bool, transformer_impl: str, te_reason: str = "", apex_wgrad: Optional[bool] = None
+) -> DecoderFusions:
     """The decoder's fusions from (the run is on CUDA?, TE usable?, the recipe's switch, apex's
     wgrad extension importable? - None: ask `te_support.apex_wgrad_fusion_available`).
     "local" keeps everything off (today's behaviour, the default until the gpu tier has passed
@@ -106,14 +110,19 @@ def decoder_fusions(on_cuda: bool, te_available: bool, transformer_impl: str, te
     if transformer_impl == "local":
         return DecoderFusions()
     if not on_cuda:
-        raise TransformerImplUnavailable("parallel.transformer_impl=transformer_engine needs a CUDA run (this run is on "
-                                         "CPU); set parallel.transformer_impl=local")
+        raise TransformerImplUnavailable(
+            "parallel.transformer_impl=transformer_engine needs a CUDA run (this run is on "
+            "CPU); set parallel.transformer_impl=local"
+        )
     if not te_available:
-        raise TransformerImplUnavailable("parallel.transformer_impl=transformer_engine needs Transformer Engine: "
-                                         f"{te_reason or 'not available'}; set parallel.transformer_impl=local")
+        raise TransformerImplUnavailable(
+            "parallel.transformer_impl=transformer_engine needs Transformer Engine: "
+            f"{te_reason or 'not available'}; set parallel.transformer_impl=local"
+        )
     wgrad = apex_wgrad_fusion_available() if apex_wgrad is None else apex_wgrad
-    return DecoderFusions(use_te_spec=True, apply_rope_fusion=True, bias_activation_fusion=True,
-                          gradient_accumulation_fusion=wgrad)
+    return DecoderFusions(
+        use_te_spec=True, apply_rope_fusion=True, bias_activation_fusion=True, gradient_accumulation_fusion=wgrad
+    )
 
 
 def resolve_decoder_fusions(opts: "ParallelOptions") -> DecoderFusions:

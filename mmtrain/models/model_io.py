@@ -41,7 +41,10 @@ def shard_for(full: torch.Tensor, param: torch.Tensor, name: str, gated: bool, t
     if _VOCAB.search(name):
         rows = param.shape[0] * (tp if getattr(param, "tensor_model_parallel", False) else 1)
         if full.shape[0] > rows or full.shape[1:] != param.shape[1:]:
-            raise ConversionError(f"{name}: checkpoint tensor {tuple(full.shape)} does not fit vocab table of {rows} rows x {tuple(param.shape[1:])}")
+            raise ConversionError(
+                f"{name}: checkpoint tensor {tuple(full.shape)} does not fit vocab table of {rows} rows x "
+                f"{tuple(param.shape[1:])}"
+            )
         if full.shape[0] < rows:
             full = torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))], dim=0)
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:
@@ -82,7 +85,8 @@ def load_canonical(
         shard = shard_for(full, param, cname, _is_gated_fc1(model, local), tp_rank, tp)
         if tuple(shard.shape) != tuple(param.shape):
             raise ConversionError(
-                f"{cname}: checkpoint gives {tuple(full.shape)} (shard {tuple(shard.shape)}), model expects {tuple(param.shape)} "
+                f"{cname}: checkpoint gives {tuple(full.shape)} (shard {tuple(shard.shape)}), model expects "
+                f"{tuple(param.shape)} "
                 f"at TP={tp}"
             )
         with torch.no_grad():
@@ -93,7 +97,10 @@ def load_canonical(
 
 def iter_canonical(model: torch.nn.Module, true_vocab: int | None = None) -> Iterable[tuple[str, torch.Tensor]]:
     """Canonical tensors of an unsharded (TP=1, PP=1) model; vocab tables cut to `true_vocab`."""
-    if parallel_state.get_tensor_model_parallel_world_size() != 1 or parallel_state.get_pipeline_model_parallel_world_size() != 1:
+    if (
+        parallel_state.get_tensor_model_parallel_world_size() != 1
+        or parallel_state.get_pipeline_model_parallel_world_size() != 1
+    ):
         raise RuntimeError("iter_canonical needs an unsharded model (TP=1, PP=1); load the checkpoint at that layout")
     for local, param in model.named_parameters():
         t = param.detach()

@@ -15,8 +15,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mmtrain.models.context_parallel import PackedSequence
 
 
-def thd_rope_positions(cu_seqlens: torch.Tensor, tokens: int, freqs_len: int, cp_size: int = 1,
-                       cp_rank: int = 0) -> torch.Tensor:
+def thd_rope_positions(
+    cu_seqlens: torch.Tensor, tokens: int, freqs_len: int, cp_size: int = 1, cp_rank: int = 0
+) -> torch.Tensor:
     """[tokens] int64: the row of megatron's `freqs` each local token of a THD stream reads.
 
     `cu_seqlens`: the (padded, global) boundaries megatron's RoPE gets; each sequence holds
@@ -39,14 +40,24 @@ def thd_rope_positions(cu_seqlens: torch.Tensor, tokens: int, freqs_len: int, cp
     return j
 
 
-def apply_thd_rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, config: TransformerConfig,
-                   cp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
+def apply_thd_rope(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    config: TransformerConfig,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> torch.Tensor:
     """RoPE of `t` ([T, h, d] as megatron's THD path takes it, or [T, 1, h, d]) at `positions`
     (`thd_rope_positions`), by megatron's public `apply_rotary_pos_emb` on the per-token table."""
     squeeze = t.dim() == 3
     positions = positions.to(freqs.device, non_blocking=True)  # a no-op where they were made (cu_seqlens' device)
-    out = apply_rotary_pos_emb(t.unsqueeze(1) if squeeze else t, freqs.index_select(0, positions),
-                               config=config, cu_seqlens=None, cp_group=cp_group)
+    out = apply_rotary_pos_emb(
+        t.unsqueeze(1) if squeeze else t,
+        freqs.index_select(0, positions),
+        config=config,
+        cu_seqlens=None,
+        cp_group=cp_group,
+    )
     return out.squeeze(1) if squeeze else out
 
 
@@ -75,16 +86,24 @@ class PackedRoPESelfAttention(SelfAttention):
         params = kwargs.get("packed_seq_params")
         rope = kwargs.get("rotary_pos_emb")
         cfg = self.config
-        if (params is None or params.qkv_format != "thd" or rope is None or cfg.apply_rope_fusion
-                or kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None
-                or cfg.no_rope_freq or getattr(cfg, "mrope_section", None) is not None
-                or hasattr(cfg, "yarn_rotary_scaling_factor")):
+        if (
+            params is None
+            or params.qkv_format != "thd"
+            or rope is None
+            or cfg.apply_rope_fusion
+            or kwargs.get("inference_context") is not None
+            or kwargs.get("inference_params") is not None
+            or cfg.no_rope_freq
+            or getattr(cfg, "mrope_section", None) is not None
+            or hasattr(cfg, "yarn_rotary_scaling_factor")
+        ):
             return None
         q, k = rope if isinstance(rope, tuple) else (rope, rope)
         return _PendingRoPE(q, k, params)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *args: Any,
-                **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         pending = None if args else self._takes_over(kwargs)
         if pending is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)

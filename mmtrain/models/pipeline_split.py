@@ -66,14 +66,18 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: Sequence[int
     if pp < 1 or vpp < 1:
         raise PipelineSplitError(f"parallel.pp and parallel.vpp must be >= 1, got pp={pp}, vpp={vpp}")
     if vpp > 1 and pp == 1:
-        raise PipelineSplitError(f"parallel.vpp={vpp} needs pipeline parallelism (parallel.pp > 1); virtual "
-                                 "stages interleave the chunks of several stages")
+        raise PipelineSplitError(
+            f"parallel.vpp={vpp} needs pipeline parallelism (parallel.pp > 1); virtual "
+            "stages interleave the chunks of several stages"
+        )
     layers = list(pp_layers)
     if not layers:
         if num_layers % (pp * vpp):
             raise PipelineSplitError(
-                f"the decoder's {plural(num_layers, 'layer')} do not split evenly into pp*vpp = {pp}*{vpp} = {pp * vpp} "
-                "chunks; list the layers per stage in parallel.pp_layers (or change parallel.pp / parallel.vpp)")
+                f"the decoder's {plural(num_layers, 'layer')} do not split evenly into pp*vpp = {pp}*{vpp} = "
+                f"{pp * vpp} "
+                "chunks; list the layers per stage in parallel.pp_layers (or change parallel.pp / parallel.vpp)"
+            )
         n = num_layers // (pp * vpp)
         return PipelineSplit(tuple((n,) * vpp for _ in range(pp)))
     if pp == 1:
@@ -81,20 +85,23 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: Sequence[int
     if any(n < 0 for n in layers):
         raise PipelineSplitError(f"parallel.pp_layers={layers}: layer counts must be >= 0")
     if sum(layers) != num_layers:
-        raise PipelineSplitError(f"parallel.pp_layers={layers} sums to {sum(layers)}, but the decoder has "
-                                 f"{plural(num_layers, 'layer')}")
+        raise PipelineSplitError(
+            f"parallel.pp_layers={layers} sums to {sum(layers)}, but the decoder has {plural(num_layers, 'layer')}"
+        )
     if len(layers) == pp * vpp and vpp > 1:  # per chunk, in megatron's chunk order
         return PipelineSplit(tuple(tuple(layers[v * pp + r] for v in range(vpp)) for r in range(pp)), explicit=True)
     if len(layers) != pp:
         per_chunk = f" or pp*vpp = {pp * vpp} (layers per virtual stage)" if vpp > 1 else ""
-        raise PipelineSplitError(f"parallel.pp_layers={layers} has {len(layers)} entries; expected pp = {pp} "
-                                 f"(layers per stage){per_chunk}")
+        raise PipelineSplitError(
+            f"parallel.pp_layers={layers} has {len(layers)} entries; expected pp = {pp} (layers per stage){per_chunk}"
+        )
     uneven = [n for n in layers if n % vpp]
     if uneven:
         raise PipelineSplitError(
             f"parallel.pp_layers={layers}: with parallel.vpp={vpp} each stage's layers are split evenly over its "
             f"{vpp} virtual stages, and {uneven[0]} is not a multiple of {vpp}; list the layers of every virtual "
-            f"stage instead ({pp * vpp} entries, chunk c = vp_stage*pp + pp_rank)")
+            f"stage instead ({pp * vpp} entries, chunk c = vp_stage*pp + pp_rank)"
+        )
     return PipelineSplit(tuple((n // vpp,) * vpp for n in layers), explicit=True)
 
 
@@ -110,6 +117,8 @@ def interleaved_schedule_problem(num_microbatches: int, pp: int, vpp: int) -> st
     their number must be a multiple of pp), or None."""
     if vpp <= 1 or (num_microbatches >= pp and num_microbatches % pp == 0):
         return None
-    return (f"parallel.vpp={vpp} runs megatron's interleaved schedule, which needs the micro-batches per step and "
-            f"DP rank (global_batch_size / (micro_batch_size * dp) = {num_microbatches}) to be a multiple of "
-            f"parallel.pp={pp}")
+    return (
+        f"parallel.vpp={vpp} runs megatron's interleaved schedule, which needs the micro-batches per step and "
+        f"DP rank (global_batch_size / (micro_batch_size * dp) = {num_microbatches}) to be a multiple of "
+        f"parallel.pp={pp}"
+    )

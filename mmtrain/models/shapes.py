@@ -32,9 +32,18 @@ class DecoderShape:
 
     @classmethod
     def from_llm(cls, llm: LLMConfig, make_vocab_divisible_by: int) -> "DecoderShape":
-        return cls(llm.num_layers, llm.hidden_size, llm.ffn_hidden_size, llm.num_attention_heads,
-                   llm.num_query_groups, llm.kv_channels, llm.vocab_size, make_vocab_divisible_by,
-                   llm.tie_word_embeddings, llm.qkv_bias)
+        return cls(
+            llm.num_layers,
+            llm.hidden_size,
+            llm.ffn_hidden_size,
+            llm.num_attention_heads,
+            llm.num_query_groups,
+            llm.kv_channels,
+            llm.vocab_size,
+            make_vocab_divisible_by,
+            llm.tie_word_embeddings,
+            llm.qkv_bias,
+        )
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.vocab, self.make_vocab_divisible_by, tp)
@@ -84,14 +93,21 @@ class ModelShapes:
     @property
     def flow_order(self) -> list[str]:
         """The parts in data-flow order: encoder, connectors, decoder (gradients flow backwards)."""
-        return list(dict.fromkeys(([self.encoder_part] if self.encoder else [])
-                                  + [c.part for c in self.connectors] + [self.decoder_part]))
+        return list(
+            dict.fromkeys(
+                ([self.encoder_part] if self.encoder else []) + [c.part for c in self.connectors] + [self.decoder_part]
+            )
+        )
 
     @property
     def upstream_parts(self) -> list[str]:
         """Parts whose output feeds the decoder (gradients flow back into them through it)."""
-        return list(dict.fromkeys(([self.encoder_part] if self.encoder else [])
-                                  + [c.part for c in self.connectors if c.part != self.decoder_part]))
+        return list(
+            dict.fromkeys(
+                ([self.encoder_part] if self.encoder else [])
+                + [c.part for c in self.connectors if c.part != self.decoder_part]
+            )
+        )
 
 
 def decoder_layer_params(d: DecoderShape) -> int:
@@ -111,8 +127,13 @@ def encoder_layer_params(v: EncoderShape) -> int:
 
 def encoder_params(v: EncoderShape) -> int:
     """Patch conv (+ bias), position table, layers, ln_post."""
-    return (v.channels * v.patch_size**2 * v.hidden + v.hidden + v.patches * v.hidden
-            + v.layers * encoder_layer_params(v) + 2 * v.hidden)
+    return (
+        v.channels * v.patch_size**2 * v.hidden
+        + v.hidden
+        + v.patches * v.hidden
+        + v.layers * encoder_layer_params(v)
+        + 2 * v.hidden
+    )
 
 
 @dataclass

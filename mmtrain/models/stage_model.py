@@ -45,8 +45,14 @@ class DecoderStageModel(MegatronModule):
         self.padded_vocab_size = cfg.padded_vocab_size(parallel_state.get_tensor_model_parallel_world_size())
         self.build_encoders(opts)
         self.language_model = build_language_model(
-            cfg.llm, lm_config, vocab_size=self.padded_vocab_size, pre_process=pre_process,
-            post_process=post_process, vp_stage=vp_stage, loss_impl=opts.lm_loss, loss_block_mb=opts.lm_loss_block_mb,
+            cfg.llm,
+            lm_config,
+            vocab_size=self.padded_vocab_size,
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            loss_impl=opts.lm_loss,
+            loss_block_mb=opts.lm_loss_block_mb,
         )
         if not opts.perform_initialization:
             restore_tp_attributes(self)

@@ -106,8 +106,9 @@ class LlamaDecoderAdapter:
     `cfg.qkv_bias`, as Qwen2). `hf_prefix` is where `layers.N...` live (e.g. "model."
     or "language_model.model."), `lm_head` the untied output weight's name."""
 
-    def __init__(self, cfg: LLMConfig, hf_prefix: str, lm_head: str, mc_prefix: str = "",
-                 transformer_impl: str = "local") -> None:
+    def __init__(
+        self, cfg: LLMConfig, hf_prefix: str, lm_head: str, mc_prefix: str = "", transformer_impl: str = "local"
+    ) -> None:
         self.cfg, self.hp, self.lm_head, self.mp = cfg, hf_prefix, lm_head, mc_prefix
         self.te = transformer_impl == "transformer_engine"  # megatron names of the TE decoder spec
 
@@ -116,14 +117,20 @@ class LlamaDecoderAdapter:
         a = h + "self_attn."
         out = [
             (m + "input_layernorm.weight", [h + "input_layernorm.weight"], "copy"),
-            (m + "self_attention.linear_qkv.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], "qkv"),
+            (
+                m + "self_attention.linear_qkv.weight",
+                [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                "qkv",
+            ),
             (m + "self_attention.linear_proj.weight", [a + "o_proj.weight"], "copy"),
             (m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "copy"),
             (m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], "cat"),
             (m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], "copy"),
         ]
         if self.cfg.qkv_bias:
-            out.append((m + "self_attention.linear_qkv.bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], "qkv"))
+            out.append(
+                (m + "self_attention.linear_qkv.bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], "qkv")
+            )
         if self.te:
             out = [(to_te_name(n, self.mp), hs, op) for n, hs, op in out]
         return out
@@ -184,7 +191,9 @@ class StateDictAdapter:
             return src[0]
         if op == "cat":
             if src[0].shape != src[1].shape:
-                raise ConversionError(f"{hs[0]} {tuple(src[0].shape)} and {hs[1]} {tuple(src[1].shape)} differ in shape")
+                raise ConversionError(
+                    f"{hs[0]} {tuple(src[0].shape)} and {hs[1]} {tuple(src[1].shape)} differ in shape"
+                )
             return torch.cat(src, dim=0)
         heads, groups = self._groups[m]
         q, k, v = src
@@ -215,7 +224,9 @@ class StateDictAdapter:
         needed = set(self.hf_names())
         missing = sorted(needed - available)
         if missing:
-            raise ConversionError(f"HF checkpoint is missing tensor(s): {missing[:10]}" + (" ..." if len(missing) > 10 else ""))
+            raise ConversionError(
+                f"HF checkpoint is missing tensor(s): {missing[:10]}" + (" ..." if len(missing) > 10 else "")
+            )
         unused = sorted(k for k in available - needed if not self.ignorable.search(k))
         if unused:
             raise ConversionError(
@@ -250,7 +261,9 @@ def _rope_theta(text: dict) -> float:
         return float(text["rope_theta"])
     rp = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if rp.get("rope_type", "default") not in ("default", None):
-        raise ConversionError(f"text_config.rope_parameters.rope_type={rp.get('rope_type')!r} is not supported (default RoPE only)")
+        raise ConversionError(
+            f"text_config.rope_parameters.rope_type={rp.get('rope_type')!r} is not supported (default RoPE only)"
+        )
     return float(rp.get("rope_theta", 10000.0))
 
 
@@ -259,8 +272,10 @@ def _decoder_config(text: dict, where: str, qkv_bias: bool) -> LLMConfig:
         raise ConversionError(f"{where}.hidden_act={text.get('hidden_act')!r}: expected silu")
     heads, hidden = int(text["num_attention_heads"]), int(text["hidden_size"])
     if text.get("head_dim") not in (None, hidden // heads):
-        raise ConversionError(f"{where}.head_dim={text['head_dim']}: only hidden_size / num_attention_heads "
-                              f"= {hidden // heads} is supported")
+        raise ConversionError(
+            f"{where}.head_dim={text['head_dim']}: only hidden_size / num_attention_heads "
+            f"= {hidden // heads} is supported"
+        )
     return LLMConfig(
         num_layers=int(text["num_hidden_layers"]),
         hidden_size=hidden,
@@ -304,10 +319,17 @@ def hf_llama_text_config(llm: LLMConfig) -> dict:
     if llm.qkv_bias:
         raise ConversionError("a Llama-style HF config has no qkv bias (model.llm.qkv_bias must be false)")
     return dict(
-        hidden_size=llm.hidden_size, intermediate_size=llm.ffn_hidden_size, num_hidden_layers=llm.num_layers,
-        num_attention_heads=llm.num_attention_heads, num_key_value_heads=llm.num_query_groups,
-        vocab_size=llm.vocab_size, max_position_embeddings=llm.max_position_embeddings,
-        rms_norm_eps=llm.rms_norm_eps, tie_word_embeddings=llm.tie_word_embeddings, hidden_act="silu",
-        attention_bias=False, mlp_bias=False,
+        hidden_size=llm.hidden_size,
+        intermediate_size=llm.ffn_hidden_size,
+        num_hidden_layers=llm.num_layers,
+        num_attention_heads=llm.num_attention_heads,
+        num_key_value_heads=llm.num_query_groups,
+        vocab_size=llm.vocab_size,
+        max_position_embeddings=llm.max_position_embeddings,
+        rms_norm_eps=llm.rms_norm_eps,
+        tie_word_embeddings=llm.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
         rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
     )

@@ -99,8 +99,9 @@ def trials_on_cuda(recipe: Recipe) -> bool:
     return resolve_backend(recipe.parallel.backend) == "nccl"
 
 
-def evaluate(recipe: Recipe, spec: FamilySpec, on_cuda: bool | None = None,
-             calibration: Calibration | None = None) -> list[Candidate]:
+def evaluate(
+    recipe: Recipe, spec: FamilySpec, on_cuda: bool | None = None, calibration: Calibration | None = None
+) -> list[Candidate]:
     """Every candidate with its (calibrated) estimates, fastest modelled first."""
     if on_cuda is None:
         on_cuda = trials_on_cuda(recipe)
@@ -113,8 +114,11 @@ def evaluate(recipe: Recipe, spec: FamilySpec, on_cuda: bool | None = None,
     for layout in candidate_layouts(SpaceContext(recipe, shapes, on_cuda)):
         mem = estimate_memory(shapes, recipe.freeze, layout, a.media_token_fraction)
         step = estimate_step_time(shapes, recipe.freeze, layout, hw, a.media_token_fraction)
-        out.append(Candidate(layout, mem, step, cal.memory_bytes(mem.total) / GB, cal.step_s(step.total_s),
-                             baseline=layout == own))
+        out.append(
+            Candidate(
+                layout, mem, step, cal.memory_bytes(mem.total) / GB, cal.step_s(step.total_s), baseline=layout == own
+            )
+        )
     out.sort(key=lambda c: (c.est_step_s, c.est_mem_gib))
     return out
 
@@ -192,20 +196,35 @@ def load_history(path: Path, fp: str) -> dict[str, TrialResult]:
                 continue
             mem = [float(x) for x in row.get("meas_mem_gib_by_rank", "").split(";") if x]
             if row["status"] == RAN:
-                out[row["key"]] = TrialResult(RAN, "", float(row["meas_tokens_per_s"]), float(row["meas_step_s"]),
-                                              mem, float(row.get("trial_wall_s") or 0))
+                out[row["key"]] = TrialResult(
+                    RAN,
+                    "",
+                    float(row["meas_tokens_per_s"]),
+                    float(row["meas_step_s"]),
+                    mem,
+                    float(row.get("trial_wall_s") or 0),
+                )
             else:
                 kind, _, why = row.get("reason", "").partition(": ")
-                out[row["key"]] = TrialResult(kind if kind in ("oom", "timeout", "crash") else "crash", why,
-                                              peak_mem_gib=mem, wall_s=float(row.get("trial_wall_s") or 0))
+                out[row["key"]] = TrialResult(
+                    kind if kind in ("oom", "timeout", "crash") else "crash",
+                    why,
+                    peak_mem_gib=mem,
+                    wall_s=float(row.get("trial_wall_s") or 0),
+                )
     return out
 
 
 # ----------------------------------------------------------------------------- the search
 
 
-def search(recipe: Recipe, spec: FamilySpec, trial_fn: TrialFn = run_trial, on_cuda: bool | None = None,
-           log: Callable[[str], None] = print) -> list[Candidate]:
+def search(
+    recipe: Recipe,
+    spec: FamilySpec,
+    trial_fn: TrialFn = run_trial,
+    on_cuda: bool | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Candidate]:
     """Prune, run trials and prune by history; every candidate ends with a status."""
     a = recipe.auto_tune
     out_dir = Path(recipe.run_dir) / OUT_DIR
@@ -230,15 +249,22 @@ def search(recipe: Recipe, spec: FamilySpec, trial_fn: TrialFn = run_trial, on_c
         if best is not None and scale is not None and not c.baseline:
             predicted = c.est_step_s * scale
             if predicted > best.trial.step_time_s * (1 + a.slow_margin):
-                c.status, c.reason = PRUNED_HISTORY, (
-                    f"model predicts at best {predicted:.3g} s/step, > {best.trial.step_time_s:.3g} s of "
-                    f"{best.key} + {a.slow_margin:.0%}")
+                c.status, c.reason = (
+                    PRUNED_HISTORY,
+                    (
+                        f"model predicts at best {predicted:.3g} s/step, > {best.trial.step_time_s:.3g} s of "
+                        f"{best.key} + {a.slow_margin:.0%}"
+                    ),
+                )
                 continue
         left_s = a.max_minutes * 60 - (_now() - start)
         if trials >= a.max_trials or left_s <= 0:
             c.status = NOT_RUN
-            c.reason = (f"budget: auto_tune.max_trials={a.max_trials} spent" if trials >= a.max_trials
-                        else f"budget: auto_tune.max_minutes={a.max_minutes:g} spent")
+            c.reason = (
+                f"budget: auto_tune.max_trials={a.max_trials} spent"
+                if trials >= a.max_trials
+                else f"budget: auto_tune.max_minutes={a.max_minutes:g} spent"
+            )
             continue
         trials += 1
         log(f"auto_tune: trial {trials}: {c.key} (model: {c.est_mem_gib:.3g} GiB/rank, {c.est_step_s:.3g} s/step)")
@@ -266,10 +292,26 @@ def _trial_text(c: Candidate) -> str:
 # ----------------------------------------------------------------------------- outputs
 
 
-HISTORY_COLUMNS = ["key", "status", "reason", "baseline", "reused", *[d.name for d in DIMENSIONS], "dp",
-                   "est_mem_gib", "meas_mem_gib", "meas_mem_gib_by_rank", "model_mem_gib",
-                   "est_step_s", "meas_step_s", "model_step_s", "est_tokens_per_s", "meas_tokens_per_s",
-                   "trial_wall_s", "fingerprint"]
+HISTORY_COLUMNS = [
+    "key",
+    "status",
+    "reason",
+    "baseline",
+    "reused",
+    *[d.name for d in DIMENSIONS],
+    "dp",
+    "est_mem_gib",
+    "meas_mem_gib",
+    "meas_mem_gib_by_rank",
+    "model_mem_gib",
+    "est_step_s",
+    "meas_step_s",
+    "model_step_s",
+    "est_tokens_per_s",
+    "meas_tokens_per_s",
+    "trial_wall_s",
+    "fingerprint",
+]
 
 
 def write_history(path: Path, cands: list[Candidate], fp: str) -> None:
@@ -280,15 +322,27 @@ def write_history(path: Path, cands: list[Candidate], fp: str) -> None:
         w.writeheader()
         for c in cands:
             t = c.trial
-            row = {"key": c.key, "status": c.status, "reason": c.reason, "baseline": c.baseline, "reused": c.reused,
-                   **{d.name: getattr(c.layout, d.name) for d in DIMENSIONS}, "dp": c.layout.dp,
-                   "est_mem_gib": round(c.est_mem_gib, 4), "model_mem_gib": round(c.memory.total / GB, 4),
-                   "est_step_s": round(c.est_step_s, 5), "model_step_s": round(c.step.total_s, 6),
-                   "est_tokens_per_s": round(c.est_tokens_per_s, 1), "fingerprint": fp}
+            row = {
+                "key": c.key,
+                "status": c.status,
+                "reason": c.reason,
+                "baseline": c.baseline,
+                "reused": c.reused,
+                **{d.name: getattr(c.layout, d.name) for d in DIMENSIONS},
+                "dp": c.layout.dp,
+                "est_mem_gib": round(c.est_mem_gib, 4),
+                "model_mem_gib": round(c.memory.total / GB, 4),
+                "est_step_s": round(c.est_step_s, 5),
+                "model_step_s": round(c.step.total_s, 6),
+                "est_tokens_per_s": round(c.est_tokens_per_s, 1),
+                "fingerprint": fp,
+            }
             if t is not None:
-                row.update(meas_mem_gib="" if t.max_peak_gib is None else round(t.max_peak_gib, 4),
-                           meas_mem_gib_by_rank=";".join(f"{m:.4f}" for m in t.peak_mem_gib),
-                           trial_wall_s=round(t.wall_s, 1))
+                row.update(
+                    meas_mem_gib="" if t.max_peak_gib is None else round(t.max_peak_gib, 4),
+                    meas_mem_gib_by_rank=";".join(f"{m:.4f}" for m in t.peak_mem_gib),
+                    trial_wall_s=round(t.wall_s, 1),
+                )
                 if c.status == RAN:
                     row.update(meas_step_s=round(t.step_time_s, 5), meas_tokens_per_s=round(t.tokens_per_s, 1))
             w.writerow(row)
@@ -301,11 +355,16 @@ def best_recipe(recipe: Recipe, c: Candidate) -> Recipe:
 
 def layout_text(L: Layout) -> str:
     some = f" (the first {L.recompute_num_layers} layers of each stage)" if L.recompute_num_layers else ""
-    pipeline = (f" x vpp {L.vpp}" if L.vpp > 1 else "") + (f" (decoder layers {list(L.pp_layers)})" if L.pp_layers else "")
+    pipeline = (f" x vpp {L.vpp}" if L.vpp > 1 else "") + (
+        f" (decoder layers {list(L.pp_layers)})" if L.pp_layers else ""
+    )
     vision = f", vision tower tp {L.vision_tp} (its own layout)" if L.vision_tp is not None else ""
-    return (f"tp {L.tp}, pp {L.pp}{pipeline}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute {L.recompute}{some}, "
-            f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
-            f"{'on' if L.distributed_optimizer else 'off'}{vision}")
+    return (
+        f"tp {L.tp}, pp {L.pp}{pipeline}, cp {L.cp}, dp {L.dp}, micro-batch {L.micro_batch_size}, recompute "
+        f"{L.recompute}{some}, "
+        f"sequence parallel {'on' if L.sequence_parallel else 'off'}, distributed optimizer "
+        f"{'on' if L.distributed_optimizer else 'off'}{vision}"
+    )
 
 
 def fit_calibration(cands: list[Candidate], device: str, in_use: str | None) -> tuple[Calibration | None, list[str]]:
@@ -321,8 +380,10 @@ def fit_calibration(cands: list[Candidate], device: str, in_use: str | None) -> 
     cal = fit(est_mem, meas_mem, est_step, meas_step, device)
     mem_after, step_after, loo = calibrated_errors(est_mem, meas_mem, est_step, meas_step)
     how = "leave-one-out" if loo else "in-sample, fewer than 3 trials"
-    used = lambda est, meas: (f"; with auto_tune.calibration: {rel_errors(est, meas).text()}"  # noqa: E731
-                              if in_use else "")
+
+    def used(est, meas) -> str:
+        return f"; with auto_tune.calibration: {rel_errors(est, meas).text()}" if in_use else ""
+
     lines = [
         f"memory model vs measured peak (busiest rank, {plural(len(ran), 'trial')}): "
         f"{rel_errors(est_mem, meas_mem).text()}{used([c.est_mem_gib for c in ran], meas_mem)}; "
@@ -340,8 +401,9 @@ def summary(recipe: Recipe, cands: list[Candidate], best: Candidate | None, mode
     n = len(cands)
     count = lambda s: sum(c.status == s for c in cands)  # noqa: E731
     pruned = count(PRUNED_MEMORY) + count(PRUNED_HISTORY)
-    ctx_dims = ", ".join(f"{d.name} {sorted({getattr(c.layout, d.name) for c in cands}, key=_sort_key)}"
-                         for d in DIMENSIONS)
+    ctx_dims = ", ".join(
+        f"{d.name} {sorted({getattr(c.layout, d.name) for c in cands}, key=_sort_key)}" for d in DIMENSIONS
+    )
     failed = [c.trial.status for c in cands if c.status == FAILED]
     lines = [
         f"auto_tune: {n} layouts for world size {p.world_size} ({plural(p.nnodes, 'node')} x {p.nproc_per_node}): "
@@ -350,24 +412,34 @@ def summary(recipe: Recipe, cands: list[Candidate], best: Candidate | None, mode
         f"(band {a.device_memory_gb * a.min_memory_fraction:.3g}..{a.device_memory_gb * a.memory_fraction:.3g} GiB), "
         f"history {count(PRUNED_HISTORY)}",
         f"trials: {count(RAN)} ran, {len(failed)} failed"
-        + (f" ({', '.join(f'{failed.count(k)} {k}' for k in ('oom', 'timeout', 'crash') if k in failed)})" if failed else "")
+        + (
+            f" ({', '.join(f'{failed.count(k)} {k}' for k in ('oom', 'timeout', 'crash') if k in failed)})"
+            if failed
+            else ""
+        )
         + f", {sum(c.reused for c in cands)} reused from history.csv, {count(NOT_RUN)} not run",
     ]
     if model_only:
         lines.append("MODEL-BASED: auto_tune.max_trials=0, no trial runs; the pick is the cost model's")
     base = next((c for c in cands if c.baseline), None)
     if best is not None and best.measured:
-        lines.append(f"best: {layout_text(best.layout)}: {best.trial.tokens_per_s:,.0f} tokens/s "
-                     f"({best.trial.step_time_s:.3g} s/step), peak {best.trial.max_peak_gib or 0:.3g} GiB/rank")
+        lines.append(
+            f"best: {layout_text(best.layout)}: {best.trial.tokens_per_s:,.0f} tokens/s "
+            f"({best.trial.step_time_s:.3g} s/step), peak {best.trial.max_peak_gib or 0:.3g} GiB/rank"
+        )
         if base is not None and base.measured:
-            lines.append(f"speedup over the recipe's own layout ({base.key}, {base.trial.tokens_per_s:,.0f} tokens/s): "
-                         f"{best.trial.tokens_per_s / base.trial.tokens_per_s:.2f}x")
+            lines.append(
+                f"speedup over the recipe's own layout ({base.key}, {base.trial.tokens_per_s:,.0f} tokens/s): "
+                f"{best.trial.tokens_per_s / base.trial.tokens_per_s:.2f}x"
+            )
         else:
             why = f"{base.status}: {base.reason}" if base else "not in the search space"
             lines.append(f"speedup over the recipe's own layout: n/a ({why})")
     elif best is not None:
-        lines.append(f"best (modelled): {layout_text(best.layout)}: ~{best.est_mem_gib:.3g} GiB/rank, "
-                     f"~{best.est_step_s:.3g} s/step")
+        lines.append(
+            f"best (modelled): {layout_text(best.layout)}: ~{best.est_mem_gib:.3g} GiB/rank, "
+            f"~{best.est_step_s:.3g} s/step"
+        )
     return lines
 
 
@@ -390,28 +462,44 @@ def table(cands: list[Candidate], top: int) -> str:
     for c in cands[:top]:
         t = c.trial
         ran = c.status == RAN
-        rows.append([c.key + (" *" if c.baseline else ""), c.status, f"{c.est_mem_gib:.3g}",
-                     f"{t.max_peak_gib:.3g}" if t is not None and t.max_peak_gib is not None else "-",
-                     f"{c.est_step_s:.3g}", f"{t.step_time_s:.3g}" if ran else "-",
-                     f"{t.tokens_per_s:,.0f}" if ran else "-"])
+        rows.append(
+            [
+                c.key + (" *" if c.baseline else ""),
+                c.status,
+                f"{c.est_mem_gib:.3g}",
+                f"{t.max_peak_gib:.3g}" if t is not None and t.max_peak_gib is not None else "-",
+                f"{c.est_step_s:.3g}",
+                f"{t.step_time_s:.3g}" if ran else "-",
+                f"{t.tokens_per_s:,.0f}" if ran else "-",
+            ]
+        )
     widths = [max(len(r[i]) for r in [TABLE, *rows]) for i in range(len(TABLE))]
     lines = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [TABLE, *rows]]
-    return "\n".join(lines + ["(* the recipe's own layout; est = the model, calibrated when auto_tune.calibration is set)"])
+    return "\n".join(
+        lines + ["(* the recipe's own layout; est = the model, calibrated when auto_tune.calibration is set)"]
+    )
 
 
 def check_trials_can_start(recipe: Recipe, spec: FamilySpec) -> None:
     """The checks of `action: run` (required keys, data, tokenizer, starting checkpoint), once
     before the first trial: a missing shard folder is one message (exit 2), not N crashed trials."""
     if recipe.parallel.nnodes > 1:
-        raise UserError(f"auto_tune trials run on this node only, but parallel.nnodes={recipe.parallel.nnodes}: "
-                        "tune on one node (parallel.nnodes=1) or rank with the model alone (auto_tune.max_trials=0)")
+        raise UserError(
+            f"auto_tune trials run on this node only, but parallel.nnodes={recipe.parallel.nnodes}: "
+            "tune on one node (parallel.nnodes=1) or rank with the model alone (auto_tune.max_trials=0)"
+        )
     as_run = dataclasses.replace(recipe, action="run")
     load_recipe_dict(recipe_to_dict(as_run), family=recipe.family, source="the trial recipe (action: run)")
     preflight(as_run, spec)
 
 
-def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None, trial_fn: TrialFn = run_trial,
-                  on_cuda: bool | None = None) -> AutoTuneResult:
+def run_auto_tune(
+    recipe: Recipe,
+    spec: FamilySpec,
+    out: TextIO | None = None,
+    trial_fn: TrialFn = run_trial,
+    on_cuda: bool | None = None,
+) -> AutoTuneResult:
     """Search, print the summary, write history.csv, best.yaml and calibration.yaml."""
     stream = out or sys.stdout
     on_cuda = trials_on_cuda(recipe) if on_cuda is None else on_cuda
@@ -437,8 +525,10 @@ def run_auto_tune(recipe: Recipe, spec: FamilySpec, out: TextIO | None = None, t
     if best is not None:
         chosen = best_recipe(recipe, best)
         recipe_path = save_resolved(chosen, out_dir / "best.yaml")
-        lines.append(f"wrote {recipe_path} (train it: mmtrain {recipe.family} {recipe_path}, or rerun with --launch) "
-                     f"and {csv_path}")
+        lines.append(
+            f"wrote {recipe_path} (train it: mmtrain {recipe.family} {recipe_path}, or rerun with --launch) "
+            f"and {csv_path}"
+        )
     else:
         fits = [c for c in cands if c.status != PRUNED_MEMORY]
         if not cands:

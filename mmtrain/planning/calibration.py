@@ -50,8 +50,10 @@ class Calibration:
     def save(self, path: str | Path) -> Path:
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        header = ("# Cost-model calibration of one machine, fitted by mmtrain auto_tune from measured trials.\n"
-                  "# Use it: auto_tune.calibration=THIS_FILE (dry_run and auto_tune read it).\n")
+        header = (
+            "# Cost-model calibration of one machine, fitted by mmtrain auto_tune from measured trials.\n"
+            "# Use it: auto_tune.calibration=THIS_FILE (dry_run and auto_tune read it).\n"
+        )
         out.write_text(header + yaml.safe_dump(asdict(self), sort_keys=False))
         return out
 
@@ -66,13 +68,19 @@ class Calibration:
             raise UserError(f"auto_tune.calibration: cannot read {path}: {err}") from None
 
 
-def fit(est_mem_gib: Sequence[float], meas_mem_gib: Sequence[float], est_step_s: Sequence[float],
-        meas_step_s: Sequence[float], device: str = "") -> Calibration:
+def fit(
+    est_mem_gib: Sequence[float],
+    meas_mem_gib: Sequence[float],
+    est_step_s: Sequence[float],
+    meas_step_s: Sequence[float],
+    device: str = "",
+) -> Calibration:
     """Fit a calibration to paired (estimate, measurement) points of successful trials."""
     offset, scale = _line(est_mem_gib, meas_mem_gib)
     ratios = [m / e for e, m in zip(est_step_s, meas_step_s) if e > 0]
-    return Calibration(offset, scale, statistics.median(ratios) if ratios else 1.0, platform.node(), device,
-                       len(meas_mem_gib))
+    return Calibration(
+        offset, scale, statistics.median(ratios) if ratios else 1.0, platform.node(), device, len(meas_mem_gib)
+    )
 
 
 def _line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
@@ -104,16 +112,21 @@ def rel_errors(est: Sequence[float], meas: Sequence[float]) -> ErrorStats | None
     return ErrorStats(statistics.median(errs), max(errs), len(errs)) if errs else None
 
 
-def calibrated_errors(est_mem: Sequence[float], meas_mem: Sequence[float], est_step: Sequence[float],
-                      meas_step: Sequence[float]) -> tuple[ErrorStats | None, ErrorStats | None, bool]:
+def calibrated_errors(
+    est_mem: Sequence[float], meas_mem: Sequence[float], est_step: Sequence[float], meas_step: Sequence[float]
+) -> tuple[ErrorStats | None, ErrorStats | None, bool]:
     """(memory error, step-time error) of calibrated estimates, and whether leave-one-out."""
     n = len(meas_mem)
     loo = n >= 3
     pred_mem, pred_step = [], []
     for i in range(n):
         keep = [j for j in range(n) if j != i] if loo else list(range(n))
-        cal = fit([est_mem[j] for j in keep], [meas_mem[j] for j in keep],
-                  [est_step[j] for j in keep], [meas_step[j] for j in keep])
+        cal = fit(
+            [est_mem[j] for j in keep],
+            [meas_mem[j] for j in keep],
+            [est_step[j] for j in keep],
+            [meas_step[j] for j in keep],
+        )
         pred_mem.append(cal.memory_offset_gib + cal.memory_scale * est_mem[i])
         pred_step.append(cal.step_s(est_step[i]))
     return rel_errors(pred_mem, meas_mem), rel_errors(pred_step, meas_step), loo

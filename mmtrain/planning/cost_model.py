@@ -63,10 +63,25 @@ class Layout:
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
         p, t = recipe.parallel, recipe.train
-        return cls(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, t.seq_length, p.recompute,
-                   p.sequence_parallel and p.tp > 1, p.distributed_optimizer, p.precision, p.cp, p.lm_loss,
-                   p.lm_loss_block_mb, recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0,
-                   vpp=p.vpp, pp_layers=tuple(p.pp_layers), vision_tp=p.vision.tp)
+        return cls(
+            p.tp,
+            p.pp,
+            p.dp,
+            t.micro_batch_size,
+            t.global_batch_size,
+            t.seq_length,
+            p.recompute,
+            p.sequence_parallel and p.tp > 1,
+            p.distributed_optimizer,
+            p.precision,
+            p.cp,
+            p.lm_loss,
+            p.lm_loss_block_mb,
+            recompute_num_layers=p.recompute_num_layers if p.recompute == "full" else 0,
+            vpp=p.vpp,
+            pp_layers=tuple(p.pp_layers),
+            vision_tp=p.vision.tp,
+        )
 
     @property
     def encoder_tp(self) -> int:
@@ -175,14 +190,16 @@ def encoder_layer_activation_elems(v: EncoderShape, tp: int) -> float:
     return 4 * v.hidden + (3 * v.hidden + v.hidden + 2 * v.ffn) / tp
 
 
-def estimate_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
-                    media_token_fraction: float = 1.0) -> MemoryEstimate:
+def estimate_memory(
+    shapes: ModelShapes, freeze: list[str], layout: Layout, media_token_fraction: float = 1.0
+) -> MemoryEstimate:
     """The busiest pipeline stage's memory (`estimate_stage_memory`)."""
     return max(estimate_stage_memory(shapes, freeze, layout, media_token_fraction), key=lambda m: m.total)
 
 
-def estimate_stage_memory(shapes: ModelShapes, freeze: list[str], layout: Layout,
-                          media_token_fraction: float = 1.0) -> list[MemoryEstimate]:
+def estimate_stage_memory(
+    shapes: ModelShapes, freeze: list[str], layout: Layout, media_token_fraction: float = 1.0
+) -> list[MemoryEstimate]:
     """Per pipeline stage, the memory of one of its ranks: the decoder layers of its split
     (`parallel.pp_layers`), the encoder, connectors and embedding on the first stage, the head and
     loss on the last, activations of the forwards each of its chunks keeps in flight."""
@@ -238,7 +255,9 @@ def estimate_stage_memory(shapes: ModelShapes, freeze: list[str], layout: Layout
             enc = (v.layers * elayer * flights[0]) if trains_encoder else elayer
             if L.vision_tp is not None:  # + every share's output, gathered (kept for the projector)
                 enc += batch_media * v.hidden * ab * (flights[0] if trains_encoder else 1)
-        buffer = tp_grad_average_bytes(L, counts.trainable.get(shapes.encoder_part, 0)) if first and v is not None else 0.0
+        buffer = (
+            tp_grad_average_bytes(L, counts.trainable.get(shapes.encoder_part, 0)) if first and v is not None else 0.0
+        )
         out.append(MemoryEstimate(stage, weights, grads, optimizer, acts, logits, enc, int(n_params), n_layers, buffer))
     return out
 
@@ -309,8 +328,9 @@ class StepTime:
         return self.model_flops / world / self.total_s / (device_tflops * 1e12)
 
 
-def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, hw: Hardware,
-                       media_token_fraction: float = 1.0) -> StepTime:
+def estimate_step_time(
+    shapes: ModelShapes, freeze: list[str], layout: Layout, hw: Hardware, media_token_fraction: float = 1.0
+) -> StepTime:
     """A step's time: the pipeline runs at the pace of its slowest stage (its decoder layers of
     the split, plus the encoder and connectors on the first stage and the LM head on the last),
     with a bubble of (pp-1)/(vpp*m) of that (m micro-batches per DP rank, vpp virtual stages)."""
@@ -348,8 +368,14 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
         flops += media_flops if stage == 0 else 0.0
         flops += head_flops if stage == L.pp - 1 else 0.0
         compute = flops * L.pp / L.world / rate  # a stage's work is shared by its tp*cp*dp ranks
-        stages.append((compute, _tp_comm_time(d, L, hw, n, recomputed), cp_comm_time(shapes, L, hw, n),
-                       encoder_comm if stage == 0 else 0.0))
+        stages.append(
+            (
+                compute,
+                _tp_comm_time(d, L, hw, n, recomputed),
+                cp_comm_time(shapes, L, hw, n),
+                encoder_comm if stage == 0 else 0.0,
+            )
+        )
     compute, tp_comm, cp_comm, encoder_comm = max(stages, key=sum)  # the stage that paces the pipeline
     bubble = compute * (L.pp - 1) / (L.vpp * max(L.grad_accum, 1))
     dp_comm = 0.0
@@ -361,8 +387,9 @@ def estimate_step_time(shapes: ModelShapes, freeze: list[str], layout: Layout, h
     return StepTime(compute, bubble, tp_comm, dp_comm, useful, cp_comm, encoder_comm, tuple(sum(t) for t in stages))
 
 
-def encoder_comm_time(shapes: ModelShapes, L: Layout, hw: Hardware, media_token_fraction: float,
-                      trainable_params: int) -> float:
+def encoder_comm_time(
+    shapes: ModelShapes, L: Layout, hw: Hardware, media_token_fraction: float, trainable_params: int
+) -> float:
     """The encoder's communication per step (`trainable_params`: its trainable weights, 0 when
     frozen). Inherited with TP: 2 all-reduces per layer forward (+2 backward when it trains) on its
     share's activations. Its own layout: the all-gather of every share's output, its gradient's

@@ -74,7 +74,8 @@ def vpp_valid(layout: Layout, ctx: SpaceContext) -> bool:
     """Virtual stages need pipelining and micro-batches per DP rank in groups of pp (megatron's
     interleaved schedule)."""
     return layout.vpp == 1 or (
-        layout.pp > 1 and interleaved_schedule_problem(layout.grad_accum, layout.pp, layout.vpp) is None)
+        layout.pp > 1 and interleaved_schedule_problem(layout.grad_accum, layout.pp, layout.vpp) is None
+    )
 
 
 def fit_recipe_split(layout: Layout, ctx: SpaceContext) -> Layout:
@@ -90,8 +91,12 @@ def vision_tp_valid(layout: Layout, ctx: SpaceContext) -> bool:
     if layout.vision_tp is None:
         return True
     v = ctx.shapes.encoder
-    return (v is not None and layout.vision_tp in (1, layout.tp) and layout.tp * layout.cp > 1
-            and (layout.vision_tp == 1 or (v.heads % layout.tp == 0 and v.ffn % layout.tp == 0)))
+    return (
+        v is not None
+        and layout.vision_tp in (1, layout.tp)
+        and layout.tp * layout.cp > 1
+        and (layout.vision_tp == 1 or (v.heads % layout.tp == 0 and v.ffn % layout.tp == 0))
+    )
 
 
 def recompute_memory_rank(layout: Layout) -> float:
@@ -113,7 +118,8 @@ def recompute_layers_valid(layout: Layout, ctx: SpaceContext) -> bool:
     counts them per model chunk)."""
     return layout.recompute_num_layers == 0 or (
         layout.recompute == "full"
-        and layout.recompute_num_layers < ctx.shapes.decoder.layers // (layout.pp * layout.vpp))
+        and layout.recompute_num_layers < ctx.shapes.decoder.layers // (layout.pp * layout.vpp)
+    )
 
 
 def sequence_parallel_valid(layout: Layout, ctx: SpaceContext) -> bool:
@@ -144,37 +150,66 @@ class Dimension:
 
 
 DIMENSIONS: tuple[Dimension, ...] = (
-    Dimension("tp", "parallel.tp", splits_world=True, auto=lambda ctx: divisors(ctx.recipe.parallel.nproc_per_node),
-              valid=tp_valid),
-    Dimension("pp", "parallel.pp", splits_world=True, auto=lambda ctx: divisors(ctx.shapes.decoder.layers),
-              valid=pipeline_split_valid),
+    Dimension(
+        "tp",
+        "parallel.tp",
+        splits_world=True,
+        auto=lambda ctx: divisors(ctx.recipe.parallel.nproc_per_node),
+        valid=tp_valid,
+    ),
+    Dimension(
+        "pp",
+        "parallel.pp",
+        splits_world=True,
+        auto=lambda ctx: divisors(ctx.shapes.decoder.layers),
+        valid=pipeline_split_valid,
+    ),
     # interleaved 1F1B: a smaller bubble, more in-flight activations (not monotone in vpp: unordered)
-    Dimension("vpp", "parallel.vpp",
-              auto=lambda ctx: [v for v in divisors(ctx.shapes.decoder.layers) if v <= MAX_AUTO_VPP],
-              valid=vpp_valid),
+    Dimension(
+        "vpp",
+        "parallel.vpp",
+        auto=lambda ctx: [v for v in divisors(ctx.shapes.decoder.layers) if v <= MAX_AUTO_VPP],
+        valid=vpp_valid,
+    ),
     # CP cuts every sequence into 2*cp chunks (2*cp*tp with sequence parallelism)
-    Dimension("cp", "parallel.cp", splits_world=True, auto=lambda ctx: divisors(ctx.world),
-              valid=cp_valid),
-    Dimension("micro_batch_size", "train.micro_batch_size",
-              auto=lambda ctx: [m for m in divisors(ctx.recipe.train.global_batch_size) if m <= MAX_AUTO_MICRO_BATCH],
-              memory_order=lambda layout: layout.micro_batch_size),
-    Dimension("recompute", "parallel.recompute", auto=lambda ctx: list(RECOMPUTE_MODES),
-              memory_order=recompute_memory_rank),
-    Dimension("recompute_num_layers", "parallel.recompute_num_layers",
-              auto=lambda ctx: sorted({0, ctx.shapes.decoder.layers // 4, ctx.shapes.decoder.layers // 2}),
-              valid=recompute_layers_valid,
-              memory_order=lambda layout: 0.0),  # ordered together with recompute (recompute_memory_rank)
-    Dimension("sequence_parallel", "parallel.sequence_parallel", auto=lambda ctx: [False, True],
-              valid=sequence_parallel_valid,
-              memory_order=lambda layout: not layout.sequence_parallel),
-    Dimension("distributed_optimizer", "parallel.distributed_optimizer",
-              auto=lambda ctx: [True, False] if ctx.on_cuda else [ctx.recipe.parallel.distributed_optimizer],
-              valid=distributed_optimizer_valid,
-              memory_order=lambda layout: not layout.distributed_optimizer),
+    Dimension("cp", "parallel.cp", splits_world=True, auto=lambda ctx: divisors(ctx.world), valid=cp_valid),
+    Dimension(
+        "micro_batch_size",
+        "train.micro_batch_size",
+        auto=lambda ctx: [m for m in divisors(ctx.recipe.train.global_batch_size) if m <= MAX_AUTO_MICRO_BATCH],
+        memory_order=lambda layout: layout.micro_batch_size,
+    ),
+    Dimension(
+        "recompute", "parallel.recompute", auto=lambda ctx: list(RECOMPUTE_MODES), memory_order=recompute_memory_rank
+    ),
+    Dimension(
+        "recompute_num_layers",
+        "parallel.recompute_num_layers",
+        auto=lambda ctx: sorted({0, ctx.shapes.decoder.layers // 4, ctx.shapes.decoder.layers // 2}),
+        valid=recompute_layers_valid,
+        memory_order=lambda layout: 0.0,
+    ),  # ordered together with recompute (recompute_memory_rank)
+    Dimension(
+        "sequence_parallel",
+        "parallel.sequence_parallel",
+        auto=lambda ctx: [False, True],
+        valid=sequence_parallel_valid,
+        memory_order=lambda layout: not layout.sequence_parallel,
+    ),
+    Dimension(
+        "distributed_optimizer",
+        "parallel.distributed_optimizer",
+        auto=lambda ctx: [True, False] if ctx.on_cuda else [ctx.recipe.parallel.distributed_optimizer],
+        valid=distributed_optimizer_valid,
+        memory_order=lambda layout: not layout.distributed_optimizer,
+    ),
     # the vision tower's own layout: None (the decoder's) or 1 (whole per rank, tiles split over TP x CP)
-    Dimension("vision_tp", "parallel.vision.tp",
-              auto=lambda ctx: [None, 1] if ctx.shapes.encoder is not None else [None],
-              valid=vision_tp_valid),
+    Dimension(
+        "vision_tp",
+        "parallel.vision.tp",
+        auto=lambda ctx: [None, 1] if ctx.shapes.encoder is not None else [None],
+        valid=vision_tp_valid,
+    ),
 )
 
 
@@ -222,8 +257,14 @@ def layout_values(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> d
 
 def layout_key(layout: Layout, dims: tuple[Dimension, ...] = DIMENSIONS) -> str:
     """A stable text key of a layout's tuned values (history rows, trial folder names)."""
-    short = {"micro_batch_size": "mbs", "recompute": "rc", "recompute_num_layers": "rcl", "sequence_parallel": "sp",
-             "distributed_optimizer": "do", "vision_tp": "vtp"}
+    short = {
+        "micro_batch_size": "mbs",
+        "recompute": "rc",
+        "recompute_num_layers": "rcl",
+        "sequence_parallel": "sp",
+        "distributed_optimizer": "do",
+        "vision_tp": "vtp",
+    }
     parts = []
     for name, value in layout_values(layout, dims).items():
         text = str(int(value)) if isinstance(value, bool) else "lm" if value is None else str(value)

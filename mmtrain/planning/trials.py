@@ -63,12 +63,15 @@ def trial_recipe(recipe: Recipe, run_dir: Path) -> Recipe:
     """The job as a trial: few steps, nothing saved or evaluated, its own run_dir and port."""
     a = recipe.auto_tune
     return dataclasses.replace(
-        recipe, action="run", run_dir=str(run_dir),
+        recipe,
+        action="run",
+        run_dir=str(run_dir),
         train=dataclasses.replace(recipe.train, iters=a.trial_steps, eval_interval=0),
         checkpoint=dataclasses.replace(recipe.checkpoint, save=False),
         logging=dataclasses.replace(recipe.logging, interval=1, tensorboard=False),
-        parallel=dataclasses.replace(recipe.parallel, nnodes=1, node_rank=0, master_addr="127.0.0.1",
-                                     master_port=free_port()),
+        parallel=dataclasses.replace(
+            recipe.parallel, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=free_port()
+        ),
     )
 
 
@@ -82,8 +85,9 @@ def run_trial(recipe: Recipe, run_dir: Path, time_limit_s: float) -> TrialResult
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.monotonic()
     with open(run_dir / TRIAL_LOG, "w") as log:
-        proc = subprocess.Popen(torchrun_command(trial, resolved), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # its own group: a timeout kills every worker
+        proc = subprocess.Popen(
+            torchrun_command(trial, resolved), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )  # its own group: a timeout kills every worker
         try:
             rc = proc.wait(timeout=time_limit_s)
             timed_out = False
@@ -110,8 +114,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def measure(run_dir: Path, trial: Recipe, rc: int, timed_out: bool, wall_s: float,
-            time_limit_s: float) -> TrialResult:
+def measure(run_dir: Path, trial: Recipe, rc: int, timed_out: bool, wall_s: float, time_limit_s: float) -> TrialResult:
     """Read what the trial left in `run_dir` into a TrialResult."""
     mem = rank_peaks(run_dir)
     log_text = (run_dir / TRIAL_LOG).read_text(errors="replace") if (run_dir / TRIAL_LOG).exists() else ""
@@ -120,15 +123,23 @@ def measure(run_dir: Path, trial: Recipe, rc: int, timed_out: bool, wall_s: floa
     if rc != 0:
         oom = OOM_PATTERNS.search(log_text) or rc in (-signal.SIGKILL, 128 + signal.SIGKILL)
         return TrialResult("oom" if oom else "crash", failure_line(log_text, rc), peak_mem_gib=mem, wall_s=wall_s)
-    steps = [(int(r.get("tokens") or 0), float(r.get("step_time_s") or 0))
-             for r in read_metrics(run_dir) if r["step"] > trial.auto_tune.warmup_steps]
+    steps = [
+        (int(r.get("tokens") or 0), float(r.get("step_time_s") or 0))
+        for r in read_metrics(run_dir)
+        if r["step"] > trial.auto_tune.warmup_steps
+    ]
     steps = [(n, t) for n, t in steps if t > 0]
     if not steps:
-        return TrialResult("crash", f"exited 0 but logged no step after the {trial.auto_tune.warmup_steps} "
-                                    "warm-up steps", peak_mem_gib=mem, wall_s=wall_s)
+        return TrialResult(
+            "crash",
+            f"exited 0 but logged no step after the {trial.auto_tune.warmup_steps} warm-up steps",
+            peak_mem_gib=mem,
+            wall_s=wall_s,
+        )
     # medians: one step stalled by another job on a shared machine does not decide the ranking
-    return TrialResult("ran", "", statistics.median(n / t for n, t in steps), statistics.median(t for _, t in steps),
-                       mem, wall_s)
+    return TrialResult(
+        "ran", "", statistics.median(n / t for n, t in steps), statistics.median(t for _, t in steps), mem, wall_s
+    )
 
 
 def rank_peaks(run_dir: Path) -> list[float]:

@@ -56,8 +56,11 @@ def install_writer_results_queue() -> bool:
     global _manager
     if _manager is not None:
         return True
-    if (not LINUX or threading.current_thread() is not threading.main_thread()
-            or private_api.writer_results_queue() is not None):
+    if (
+        not LINUX
+        or threading.current_thread() is not threading.main_thread()
+        or private_api.writer_results_queue() is not None
+    ):
         return False  # elsewhere, or megatron already has its queue
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))

@@ -155,8 +155,9 @@ def _patch_rng_tracker() -> None:
 _CLIP_PATCH_VERSIONS = ("0.16.",)
 
 
-def _clip_grad_by_total_norm_fp32_cpu(parameters: Any, max_norm: float, total_norm: float,
-                                      use_decoupled_grad: bool = False) -> None:
+def _clip_grad_by_total_norm_fp32_cpu(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
     """megatron's `clip_grad_by_total_norm_fp32` less its CUDA type assertion: the same grads, the
     same coefficient, scaled with megatron's own multi-tensor scale (its local fallback on CPU)."""
     grads = []
@@ -179,8 +180,10 @@ def _patch_grad_clipping() -> None:
     `megatron.core.optimizer.optimizer`; that binding is replaced, version-gated."""
     version = package_info.__version__
     if not version.startswith(_CLIP_PATCH_VERSIONS):
-        raise RuntimeError(f"cpu_compat replaces megatron-core's clip_grad_by_total_norm_fp32 for "
-                           f"{_CLIP_PATCH_VERSIONS}, found {version}: re-check clip_grads.py and this patch")
+        raise RuntimeError(
+            f"cpu_compat replaces megatron-core's clip_grad_by_total_norm_fp32 for "
+            f"{_CLIP_PATCH_VERSIONS}, found {version}: re-check clip_grads.py and this patch"
+        )
     _patch(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu)
 
 
@@ -193,8 +196,10 @@ _CUDA_TYPE_STRINGS = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "
 def _check_type_check_version() -> None:
     version = package_info.__version__
     if not version.startswith(_TYPE_CHECK_VERSIONS):
-        raise RuntimeError(f"cpu_compat answers megatron-core's optimizer type checks for {_TYPE_CHECK_VERSIONS}, "
-                           f"found {version}: re-check optimizer.py and distrib_optimizer.py and this answer")
+        raise RuntimeError(
+            f"cpu_compat answers megatron-core's optimizer type checks for {_TYPE_CHECK_VERSIONS}, "
+            f"found {version}: re-check optimizer.py and distrib_optimizer.py and this answer"
+        )
 
 
 @contextlib.contextmanager
@@ -207,11 +212,14 @@ def optimizer_type_checks(device: torch.device):
     (megatron-core 0.16):
         optimizer/optimizer.py:671          if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:
         optimizer/optimizer.py:690          elif param.type() == 'torch.cuda.FloatTensor':
-        optimizer/optimizer.py:695          raise TypeError('Wrapped parameters must be one of torch.cuda.FloatTensor, ...')
+        optimizer/optimizer.py:695          raise TypeError('Wrapped parameters must be one of
+        torch.cuda.FloatTensor, ...')
         optimizer/distrib_optimizer.py:582  if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:
-        optimizer/distrib_optimizer.py:361  if model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:
+        optimizer/distrib_optimizer.py:361  if model_param.type() in ['torch.cuda.HalfTensor',
+        'torch.cuda.BFloat16Tensor']:
         optimizer/distrib_optimizer.py:420  elif model_param.type() == 'torch.cuda.FloatTensor':
-        optimizer/distrib_optimizer.py:431  raise TypeError('Wrapped parameters must be one of torch.cuda.FloatTensor, ...')
+        optimizer/distrib_optimizer.py:431  raise TypeError('Wrapped parameters must be one of
+        torch.cuda.FloatTensor, ...')
     `Float16OptimizerWithFloat16Params` (bf16 params, fp32 main copies) and `DistributedOptimizer`
     (sharded fp32 main params) then run their own code on CPU tensors; gloo has the
     reduce-scatter and all-gather they need. The step's one other check, the grad clipping's
@@ -230,8 +238,10 @@ def optimizer_type_checks(device: torch.device):
                 return answer
         return cpu_type(self, dtype, non_blocking, **kwargs) if dtype is not None else cpu_type(self, **kwargs)
 
-    note("megatron optimizer construction: a CPU fp32/bf16 parameter's type() -> its torch.cuda type string "
-         "(Float16OptimizerWithFloat16Params and DistributedOptimizer sort parameters by that string)")
+    note(
+        "megatron optimizer construction: a CPU fp32/bf16 parameter's type() -> its torch.cuda type string "
+        "(Float16OptimizerWithFloat16Params and DistributedOptimizer sort parameters by that string)"
+    )
     torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
     try:
         yield
@@ -261,11 +271,15 @@ def apply() -> bool:
     _patch(torch.cuda, "synchronize", lambda *a, **k: None)
     note("torch.cuda.synchronize() -> no-op (gloo ops are complete when they return)")
     _patch_grad_clipping()
-    note("megatron clip_grad_by_total_norm_fp32 -> the same clipping without its torch.cuda.FloatTensor "
-         "assertion (megatron's optimizer runs on CPU)")
+    note(
+        "megatron clip_grad_by_total_norm_fp32 -> the same clipping without its torch.cuda.FloatTensor "
+        "assertion (megatron's optimizer runs on CPU)"
+    )
     _patch_rng_tracker()
-    note("megatron CUDA RNG-states tracker -> CpuRNGStatesTracker (same fork/add semantics); "
-         "recompute's CUDA-RNG snapshot -> empty (CPU and tracker states are still replayed)")
+    note(
+        "megatron CUDA RNG-states tracker -> CpuRNGStatesTracker (same fork/add semantics); "
+        "recompute's CUDA-RNG snapshot -> empty (CPU and tracker states are still replayed)"
+    )
     return True
 
 

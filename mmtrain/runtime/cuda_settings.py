@@ -52,8 +52,13 @@ def apply_process_env(tp: int, deterministic: bool) -> dict[str, str]:
     for key, value in env.items():
         old = os.environ.get(key)
         if old is not None and old != value:
-            log.warning("%s=%s in the environment: set to %s (%s)", key, old, value,
-                        "parallel.tp > 1" if key == "CUDA_DEVICE_MAX_CONNECTIONS" else "train.deterministic")
+            log.warning(
+                "%s=%s in the environment: set to %s (%s)",
+                key,
+                old,
+                value,
+                "parallel.tp > 1" if key == "CUDA_DEVICE_MAX_CONNECTIONS" else "train.deterministic",
+            )
         os.environ[key] = value
     return env
 
@@ -83,21 +88,26 @@ def apply_torch_flags(flags: TorchFlags) -> None:
 def precision_problem(precision: str, cp: int, on_cuda: bool) -> str | None:
     """Why this precision cannot run on this device and CP size, or None."""
     if on_cuda and precision == "fp32" and cp > 1:
-        return (f"parallel.precision=fp32 with parallel.cp={cp} on GPU: Transformer Engine's context-parallel "
-                "attention takes bf16/fp16 only (its fp32 'unfused' backend is disabled under CP); set "
-                "parallel.precision=bf16")
+        return (
+            f"parallel.precision=fp32 with parallel.cp={cp} on GPU: Transformer Engine's context-parallel "
+            "attention takes bf16/fp16 only (its fp32 'unfused' backend is disabled under CP); set "
+            "parallel.precision=bf16"
+        )
     return None
 
 
 def fp32_on_cuda_note(precision: str, on_cuda: bool) -> str | None:
     if on_cuda and precision == "fp32":
-        return ("parallel.precision=fp32 on GPU: TF32 matmuls, and Transformer Engine's unfused attention "
-                "(memory quadratic in the packed row); bf16 is the fast path")
+        return (
+            "parallel.precision=fp32 on GPU: TF32 matmuls, and Transformer Engine's unfused attention "
+            "(memory quadratic in the packed row); bf16 is the fast path"
+        )
     return None
 
 
-def cp_comm_type_problem(cp_comm_type: str, cp: int, tp: int, kv_groups: int, attention_heads: int,
-                         te_version: tuple[int, ...]) -> str | None:
+def cp_comm_type_problem(
+    cp_comm_type: str, cp: int, tp: int, kv_groups: int, attention_heads: int, te_version: tuple[int, ...]
+) -> str | None:
     """Why TE cannot run `cp_comm_type` on packed (THD) sequences with this layout, or None.
 
     - a2a+p2p: TE asserts "thd format is not supported with hierarchical CP implementation yet!" in
@@ -109,14 +119,20 @@ def cp_comm_type_problem(cp_comm_type: str, cp: int, tp: int, kv_groups: int, at
         return None
     version = ".".join(map(str, te_version)) or "unknown"
     if cp_comm_type == "a2a+p2p" and (not te_version or te_version[:2] <= TE_LAST_CHECKED):
-        return (f"parallel.cp_comm_type=a2a+p2p: Transformer Engine {version} has no hierarchical CP for packed "
-                "(THD) sequences, which every decoder call uses; use p2p (or all_gather with TE >= 2.18)")
+        return (
+            f"parallel.cp_comm_type=a2a+p2p: Transformer Engine {version} has no hierarchical CP for packed "
+            "(THD) sequences, which every decoder call uses; use p2p (or all_gather with TE >= 2.18)"
+        )
     if cp_comm_type == "all_gather" and (not te_version or te_version[:2] < TE_ALL_GATHER_THD):
-        return (f"parallel.cp_comm_type=all_gather: Transformer Engine {version} takes packed (THD) sequences "
-                f"with all_gather only from {'.'.join(map(str, TE_ALL_GATHER_THD))}; use p2p or upgrade TE")
+        return (
+            f"parallel.cp_comm_type=all_gather: Transformer Engine {version} takes packed (THD) sequences "
+            f"with all_gather only from {'.'.join(map(str, TE_ALL_GATHER_THD))}; use p2p or upgrade TE"
+        )
     if cp_comm_type == "a2a":
         for what, heads in (("key/value heads", kv_groups), ("attention heads", attention_heads)):
             if heads % tp or (heads // tp) % cp:
-                return (f"parallel.cp_comm_type=a2a splits the heads over CP: {heads} {what} / tp {tp} is not a "
-                        f"multiple of cp {cp}; use p2p")
+                return (
+                    f"parallel.cp_comm_type=a2a splits the heads over CP: {heads} {what} / tp {tp} is not a "
+                    f"multiple of cp {cp}; use p2p"
+                )
     return None

@@ -116,8 +116,10 @@ def resolve_backend(requested: str, cuda_visible: bool | None = None) -> str:
     if requested == "nccl" and not cuda_visible:
         raise RuntimeError("parallel.backend=nccl but CUDA is not available")
     if requested == "gloo" and cuda_visible:
-        raise UnsupportedLayout("parallel.backend=gloo while CUDA devices are visible: a CPU run on a GPU host needs "
-                                "the GPUs hidden (CUDA_VISIBLE_DEVICES=\"\"); or use parallel.backend=auto|nccl")
+        raise UnsupportedLayout(
+            "parallel.backend=gloo while CUDA devices are visible: a CPU run on a GPU host needs "
+            'the GPUs hidden (CUDA_VISIBLE_DEVICES=""); or use parallel.backend=auto|nccl'
+        )
     if requested == "auto":
         return "nccl" if cuda_visible else "gloo"
     return requested
@@ -156,11 +158,12 @@ class UnsupportedLayout(ValueError):
 def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     """DP size for a world of `world_size` processes, or a clear error."""
     if tp < 1 or pp < 1 or cp < 1:
-        raise UnsupportedLayout(f"parallel.tp, parallel.pp and parallel.cp must be >= 1 (got tp={tp}, pp={pp}, cp={cp})")
+        raise UnsupportedLayout(
+            f"parallel.tp, parallel.pp and parallel.cp must be >= 1 (got tp={tp}, pp={pp}, cp={cp})"
+        )
     if world_size % (tp * pp * cp) != 0:
         raise UnsupportedLayout(
-            f"world size {world_size} (nproc_per_node x nnodes) is not divisible by "
-            f"tp x pp x cp = {tp} x {pp} x {cp}"
+            f"world size {world_size} (nproc_per_node x nnodes) is not divisible by tp x pp x cp = {tp} x {pp} x {cp}"
         )
     return world_size // (tp * pp * cp)
 
@@ -230,8 +233,14 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int) -> ParallelContext
             # (type checker: device_id, passed by name for nccl only)
             **({"device_id": device} if backend == "nccl" else {}),  # type: ignore[arg-type]
         )
-    _bring_up_megatron(tp, pp, cp, parallel_cfg.hierarchical_cp_sizes or None, parallel_cfg.collective_timeout_mins,
-                       vpp=parallel_cfg.vpp)
+    _bring_up_megatron(
+        tp,
+        pp,
+        cp,
+        parallel_cfg.hierarchical_cp_sizes or None,
+        parallel_cfg.collective_timeout_mins,
+        vpp=parallel_cfg.vpp,
+    )
 
     ctx = ParallelContext(
         rank=rank,
@@ -274,16 +283,16 @@ def ensure_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 
         elif world == 1:
             # private rendezvous; nothing written to os.environ, so child processes (e.g. a
             # training launcher started later) never inherit a port this process holds
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                    rank=0, world_size=1)
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         else:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set")
     if _bring_up_megatron(tp, pp, cp):
         seed_model_parallel(seed, parallel_state.get_pipeline_model_parallel_rank())
 
 
-def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int] | None = None,
-                       timeout_mins: float = 30.0, vpp: int = 1) -> bool:
+def _bring_up_megatron(
+    tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int] | None = None, timeout_mins: float = 30.0, vpp: int = 1
+) -> bool:
     """The CPU adaptations (no-op with CUDA) and megatron's TP x CP x DP x PP groups; True when
     the groups were created here (False: they existed already, with these sizes). `vpp` > 1 sets
     megatron's virtual pipeline size, which selects its interleaved schedule.
@@ -294,14 +303,19 @@ def _bring_up_megatron(tp: int, pp: int, cp: int = 1, hierarchical_cp: list[int]
     cpu_compat.apply()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-            hierarchical_context_parallel_sizes=hierarchical_cp, distributed_timeout_minutes=timeout_mins,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            hierarchical_context_parallel_sizes=hierarchical_cp,
+            distributed_timeout_minutes=timeout_mins,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         )
         return True
-    have = (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size())
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    )
     if have != (tp, pp, cp):
         raise RuntimeError(f"model parallel already initialised with (tp, pp, cp)={have}, asked for {(tp, pp, cp)}")
     return False

@@ -96,8 +96,10 @@ def _import_rank(job: ImportJob) -> None:
     if job.params_dtype is not None:
         cfg = replace(cfg, params_dtype=job.params_dtype)
     say(f"building the model (tp={job.tp}, pp={job.pp}, {cfg.params_dtype})")
-    model = job.build_stage(cfg, ParallelOptions(perform_initialization=job.fresh_init,
-                                                 pipeline_split=import_split(cfg.llm.num_layers, job.pp)))
+    model = job.build_stage(
+        cfg,
+        ParallelOptions(perform_initialization=job.fresh_init, pipeline_split=import_split(cfg.llm.num_layers, job.pp)),
+    )
     say("filling it from the source")
     load_canonical(model, get, tied_output_source=tied)
     say("saving the megatron checkpoint")
@@ -121,26 +123,43 @@ def _rank0_progress(world: int) -> Callable[[str], None]:
     def say(what: str) -> None:
         if rank == 0:
             print(f"hf-to-mcore: {what}" + (f" [{world} ranks]" if world > 1 else ""), file=sys.stderr, flush=True)
+
     return say
 
 
 def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     _import_rank(job)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def build_pipeline_stage(build: Callable[..., torch.nn.Module], cfg: Any,
-                         options: Optional[ParallelOptions] = None) -> torch.nn.Module:
+def build_pipeline_stage(
+    build: Callable[..., torch.nn.Module], cfg: Any, options: Optional[ParallelOptions] = None
+) -> torch.nn.Module:
     """`build(cfg, pre_process=, post_process=, options=)` for this rank's pipeline stage."""
-    return build(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
-                 post_process=parallel_state.is_pipeline_last_stage(), options=options)
+    return build(
+        cfg,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        options=options,
+    )
 
 
-def load_unsharded(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
-                   iteration: Optional[int] = None, params_dtype: Optional[str] = None) -> tuple[Any, torch.nn.Module]:
+def load_unsharded(
+    ckpt_dir: str | os.PathLike,
+    config_cls: type,
+    build_stage: BuildStage,
+    iteration: Optional[int] = None,
+    params_dtype: Optional[str] = None,
+) -> tuple[Any, torch.nn.Module]:
     """(model config, model) of a megatron checkpoint at TP=1/PP=1, in this process, weights
     loaded (no random init); `params_dtype` overrides the dtype the model is built in (and the
     config's)."""
@@ -237,8 +256,13 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
     return (p / "config.json").is_file() and not (p / LATEST).exists()
 
 
-def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stage: BuildStage,
-                       hf_source: HFSource, iteration: Optional[int] = None) -> tuple[Any, torch.nn.Module]:
+def load_for_inference(
+    ckpt_dir: str | os.PathLike,
+    config_cls: type,
+    build_stage: BuildStage,
+    hf_source: HFSource,
+    iteration: Optional[int] = None,
+) -> tuple[Any, torch.nn.Module]:
     """(model config, unsharded model) from a megatron checkpoint dir or an HF dir
     (converted on the fly), TP=1/PP=1 in this process, every weight loaded (no random init).
     Built in float32 from either (a converted bf16 checkpoint records bfloat16): the CPU parity
@@ -252,9 +276,14 @@ def load_for_inference(ckpt_dir: str | os.PathLike, config_cls: type, build_stag
     return cfg, model
 
 
-def load_hf_into_chunks(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, hf_source: HFSource,
-                        expect: Any = None, architecture_keys: tuple[str, ...] = (),
-                        tied_output_source: Callable[[Any], Optional[str]] = lambda cfg: None) -> None:
+def load_hf_into_chunks(
+    model_chunks: list[torch.nn.Module],
+    hf_dir: str | os.PathLike,
+    hf_source: HFSource,
+    expect: Any = None,
+    architecture_keys: tuple[str, ...] = (),
+    tied_output_source: Callable[[Any], Optional[str]] = lambda cfg: None,
+) -> None:
     """Fill (possibly TP/PP-sharded) model chunks straight from an HF dir (a recipe's
     `checkpoint.load`), after checking its config against the recipe's model config on the
     family's architecture keys (naming the key that differs). `tied_output_source(cfg)`: see

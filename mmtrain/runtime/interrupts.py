@@ -17,14 +17,18 @@ log = logging.getLogger(__name__)
 
 
 def resume_hint(run_dir: str | os.PathLike, where: str) -> str:
-    """"interrupted WHERE: the last checkpoint holds step N (PATH); run the same command again to
+    """ "interrupted WHERE: the last checkpoint holds step N (PATH); run the same command again to
     resume from it", read from what is on disk (a save may have just ended)."""
     latest = latest_checkpoint(run_dir)
     if latest is None:
-        return (f"interrupted {where} before any checkpoint of this run was saved; the same command starts again "
-                "from its starting point")
-    return (f"interrupted {where}: the last checkpoint holds step {iteration_of(latest)} ({latest}); run the same "
-            "command again to resume from it")
+        return (
+            f"interrupted {where} before any checkpoint of this run was saved; the same command starts again "
+            "from its starting point"
+        )
+    return (
+        f"interrupted {where}: the last checkpoint holds step {iteration_of(latest)} ({latest}); run the same "
+        "command again to resume from it"
+    )
 
 
 @contextlib.contextmanager

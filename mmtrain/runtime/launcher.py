@@ -39,8 +39,12 @@ def launch(recipe: Recipe, spec: FamilySpec, locks: contextlib.ExitStack, verbos
     locks.enter_context(run_dir_lock(recipe))  # before anything is written into run_dir
     done = finished_step(recipe)
     if done is not None:  # a rerun of a finished training: nothing to build or spawn
-        log.info("%s: already at train.iters=%d (checkpoint iter_%07d); nothing to do (raise train.iters to "
-                 "train on)", recipe.run_dir, recipe.train.iters, done)
+        log.info(
+            "%s: already at train.iters=%d (checkpoint iter_%07d); nothing to do (raise train.iters to train on)",
+            recipe.run_dir,
+            recipe.train.iters,
+            done,
+        )
         return 0
     inside_launcher = env_rank_world() is not None
     if inside_launcher or recipe.parallel.world_size == 1:
@@ -96,10 +100,13 @@ def sigterm_to_workers(torchrun_pid: int) -> Iterator[None]:
     torchrun then ends with them, and so do we, with 0. Sent to torchrun itself, it would stop
     the workers after 30 s and fail the job. Where the workers cannot be found (no /proc), torchrun
     gets it."""
+
     def forward(signum: int, frame: object) -> None:
         workers = child_pids(torchrun_pid)
-        log.warning("SIGTERM: passed to %s; they finish the current step, save a checkpoint and exit",
-                    plural(len(workers), "worker") if workers else "torchrun")
+        log.warning(
+            "SIGTERM: passed to %s; they finish the current step, save a checkpoint and exit",
+            plural(len(workers), "worker") if workers else "torchrun",
+        )
         for pid in workers or [torchrun_pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

@@ -43,9 +43,7 @@ def loss_mask(batch: PackedBatch) -> torch.Tensor:
     return mask
 
 
-def per_sample_loss_sums(
-    token_loss: torch.Tensor, loss_mask: torch.Tensor, batch: PackedBatch
-) -> torch.Tensor:
+def per_sample_loss_sums(token_loss: torch.Tensor, loss_mask: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """[num_samples, 2] (loss sum, label count) per packed sample, in `sample_ids` order.
 
     Rows hold samples back to back, then padding; `cu_seqlens` segments the flattened stream,

@@ -56,9 +56,7 @@ class LRSchedule:
             coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + coeff * (peak - floor)
 
-    def apply(
-        self, param_groups: list[dict[str, Any]], step: int, weight_decay: float = 0.0
-    ) -> float:
+    def apply(self, param_groups: list[dict[str, Any]], step: int, weight_decay: float = 0.0) -> float:
         """Set every group's lr (from its own `max_lr`/`min_lr`) and weight decay (x `wd_mult`)
         for `step`; returns the base lr (`optimizer.lr`'s schedule) for logging."""
         for group in param_groups:

@@ -135,7 +135,9 @@ def _summary_writer(log_dir: Path) -> Any:
 # ----------------------------------------------------------------------------- worst samples
 
 
-def worst_samples(records: Iterable[dict], step: int | None = None, top: int = 10) -> tuple[dict, list[tuple[str, float | None]]]:
+def worst_samples(
+    records: Iterable[dict], step: int | None = None, top: int = 10
+) -> tuple[dict, list[tuple[str, float | None]]]:
     """(record of the step, [(sample_key, loss)] highest loss first). Default step: highest loss."""
     records = list(records)
     if not records:

@@ -29,11 +29,14 @@ class ModelParts:
         self._part_of: dict[int, str] = {}
         for chunk in model_chunks:
             for name, param in unwrap(chunk).named_parameters():
-                owners = [part for part, paths in parts.items()
-                          if any(name == p or name.startswith(p + ".") for p in paths)]
+                owners = [
+                    part for part, paths in parts.items() if any(name == p or name.startswith(p + ".") for p in paths)
+                ]
                 if len(owners) != 1:
-                    raise ValueError(f"parameter {name!r} belongs to {len(owners)} of the declared parts "
-                                     f"{dict(parts)} (each parameter must belong to exactly one)")
+                    raise ValueError(
+                        f"parameter {name!r} belongs to {len(owners)} of the declared parts "
+                        f"{dict(parts)} (each parameter must belong to exactly one)"
+                    )
                 self._part_of[id(param)] = owners[0]
 
     def part_of(self, param: torch.nn.Parameter) -> str:
@@ -78,15 +81,17 @@ def build_param_groups(
     groups = []
     for part, decay in keys:
         peak, floor = part_lrs(optimizer_cfg, part)
-        groups.append({
-            "params": buckets[(part, decay)],
-            "part": part,
-            "max_lr": peak,
-            "min_lr": floor,
-            "wd_mult": 1.0 if decay else 0.0,
-            "lr": peak,
-            "weight_decay": optimizer_cfg.weight_decay if decay else 0.0,
-        })
+        groups.append(
+            {
+                "params": buckets[(part, decay)],
+                "part": part,
+                "max_lr": peak,
+                "min_lr": floor,
+                "wd_mult": 1.0 if decay else 0.0,
+                "lr": peak,
+                "weight_decay": optimizer_cfg.weight_decay if decay else 0.0,
+            }
+        )
     return groups
 
 
@@ -145,8 +150,11 @@ def _torch_adam_distributed_optimizers(optimizer: Any) -> list[Any]:
     """The DistributedOptimizers in `optimizer` that wrap torch's Adam (neither TE nor apex there)."""
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return []
-    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(opt, distrib_optimizer.DistributedOptimizer)]
+    return [
+        opt
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(opt, distrib_optimizer.DistributedOptimizer)
+    ]
 
 
 @contextlib.contextmanager
@@ -157,14 +165,17 @@ def torch_adam_load(optimizer: Any):
     targets = _torch_adam_distributed_optimizers(optimizer)
     version = package_info.__version__
     if targets and not version.startswith(_TORCH_ADAM_LOAD_VERSIONS):
-        raise RuntimeError(f"mmtrain answers megatron-core {_TORCH_ADAM_LOAD_VERSIONS}'s DistributedOptimizer load "
-                           f"around torch's Adam, found {version}: re-check distrib_optimizer.py's state_dict, "
-                           "load_state_dict and _set_main_param_and_optimizer_states, and this function")
+        raise RuntimeError(
+            f"mmtrain answers megatron-core {_TORCH_ADAM_LOAD_VERSIONS}'s DistributedOptimizer load "
+            f"around torch's Adam, found {version}: re-check distrib_optimizer.py's state_dict, "
+            "load_state_dict and _set_main_param_and_optimizer_states, and this function"
+        )
     for opt in targets:
         if len(opt.optimizer.state) == 0:
             opt._init_optimizer_states_with_dummy_values()
         opt._set_main_param_and_optimizer_states = functools.partial(
-            _set_states_keeping_step, opt, type(opt)._set_main_param_and_optimizer_states)
+            _set_states_keeping_step, opt, type(opt)._set_main_param_and_optimizer_states
+        )
     try:
         yield
     finally:
@@ -175,8 +186,9 @@ def torch_adam_load(optimizer: Any):
                     state["step"] = state["step"].clone()
 
 
-def _set_states_keeping_step(opt: Any, original: Any, model_param: torch.nn.Parameter,
-                             tensors: dict[str, torch.Tensor]) -> None:
+def _set_states_keeping_step(
+    opt: Any, original: Any, model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]
+) -> None:
     if "step" not in tensors:
         group_index, group_order = opt.model_param_group_index_map[model_param]
         main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
@@ -186,7 +198,9 @@ def _set_states_keeping_step(opt: Any, original: Any, model_param: torch.nn.Para
     original(opt, model_param, tensors)
 
 
-def megatron_optimizer_config(parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext) -> tuple[Any, dict]:
+def megatron_optimizer_config(
+    parts: ModelParts, optimizer_cfg: OptimizerConfig, ctx: ParallelContext
+) -> tuple[Any, dict]:
     """megatron's OptimizerConfig and its param-group overrides: no weight decay on biases and
     1-D params (megatron's standard overrides), and each part's LRs (`part_lrs`) where they
     differ from the base LR (parameters matched by identity through `parts`)."""
@@ -209,7 +223,9 @@ def megatron_optimizer_config(parts: ModelParts, optimizer_cfg: OptimizerConfig,
     for part in parts.names:
         peak, floor = part_lrs(optimizer_cfg, part)
         if peak != optimizer_cfg.lr:
-            key = ParamKey(predicate=ParamPredicate(name=f"part:{part}", fn=lambda p, part=part: parts.part_of(p) == part))
+            key = ParamKey(
+                predicate=ParamPredicate(name=f"part:{part}", fn=lambda p, part=part: parts.part_of(p) == part)
+            )
             # lr_mult only tags the group: megatron matches saved to current param groups by
             # (wd_mult, lr_mult, ...) (`_filter_and_reorder_param_groups`), so a part with its
             # own LR needs its own key there (our LRSchedule reads max_lr/min_lr only)

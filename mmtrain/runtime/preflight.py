@@ -44,8 +44,10 @@ class PreflightError(UserError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"the run cannot start ({len(problems)} problem{'s' if len(problems) > 1 else ''}); "
-                         f"nothing was built or written:\n{lines}")
+        super().__init__(
+            f"the run cannot start ({len(problems)} problem{'s' if len(problems) > 1 else ''}); "
+            f"nothing was built or written:\n{lines}"
+        )
 
 
 def preflight(recipe: "Recipe", spec: "FamilySpec") -> None:
@@ -58,8 +60,10 @@ def preflight(recipe: "Recipe", spec: "FamilySpec") -> None:
         problems += resume_data_problems(recipe)
     if recipe.logging.tensorboard:
         if not tensorboard_available():
-            problems.append("logging.tensorboard: true, but the `tensorboard` package is not installed "
-                            "(pip install tensorboard, or set logging.tensorboard=false)")
+            problems.append(
+                "logging.tensorboard: true, but the `tensorboard` package is not installed "
+                "(pip install tensorboard, or set logging.tensorboard=false)"
+            )
     if problems:
         raise PreflightError(problems)
     _warn_shuffle_buffer(recipe, samples)
@@ -86,13 +90,20 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
         shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
         try:
             # (type checker: the plan's path replaces the recipe's string)
-            _, path, info = plan_for_data(recipe.data.paths, recipe.data.packing_plan, t.seq_length,  # type: ignore[assignment]
-                                          geometry=recipe_geometry(recipe), step_shape=shape)
+            _, path, info = plan_for_data(  # type: ignore[assignment]
+                recipe.data.paths,
+                recipe.data.packing_plan,
+                t.seq_length,
+                geometry=recipe_geometry(recipe),
+                step_shape=shape,
+            )
             if getattr(recipe.data, "balance", False) and plan_step_shape(info) is None:
-                problems.append(f"data.balance: true: packing plan {path} is not balanced: run `mmtrain pack-plan "
-                                f"RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
-                                f"--micro-batch-size {shape.micro_batch_size} --global-batch-size "
-                                f"{shape.global_batch_size}")
+                problems.append(
+                    f"data.balance: true: packing plan {path} is not balanced: run `mmtrain pack-plan "
+                    f"RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
+                    f"--micro-batch-size {shape.micro_batch_size} --global-batch-size "
+                    f"{shape.global_batch_size}"
+                )
             if not recipe.data.plan_allow_estimated_lengths and (why := estimated_lengths_problem(info, path)):
                 problems.append(f"data.packing: plan: {why}")
         except (PlanError, FileNotFoundError) as err:  # (FileNotFoundError: a tokenizer.path to fingerprint)
@@ -116,11 +127,16 @@ def _sample_type_problems(key: str, path: Path, spec: "FamilySpec") -> list[str]
         families: dict[str, FamilySpec] = ALL_FAMILIES.resolve()
         other = next((f for f in families.values() if f.sample_type and f.sample_type[0] == found), None)
         # (type checker: `other` has a sample_type by the filter above)
-        held = (f"{_short(found)} samples, {other.sample_type[1]}" if other is not None  # type: ignore[index]
-                else f"samples of energon type {found}, which no mmtrain family trains on")
+        held = (
+            f"{_short(found)} samples, {other.sample_type[1]}"  # type: ignore[index]
+            if other is not None
+            else f"samples of energon type {found}, which no mmtrain family trains on"
+        )
         fix = f"use `mmtrain {other.name}` for these shards, or " if other is not None else ""
-        problems.append(f"{key}: {where} holds {held}; mmtrain {spec.name} trains on {_short(want)} samples, "
-                        f"{what}: {fix}give data paths of that kind")
+        problems.append(
+            f"{key}: {where} holds {held}; mmtrain {spec.name} trains on {_short(want)} samples, "
+            f"{what}: {fix}give data paths of that kind"
+        )
     return problems
 
 
@@ -129,7 +145,7 @@ def _short(sample_type: str) -> str:
 
 
 def dataset_sample_type(folder: Path) -> str | None:
-    """"module.Class" of a shard folder's energon sample type, from the dataset config our
+    """ "module.Class" of a shard folder's energon sample type, from the dataset config our
     loaders read (`.nv-meta/mmdata.yaml`, else `dataset.yaml`: mmdata/energon_configs.py), else
     our manifest's `energon.sample_type`; None when neither names one (nothing to check)."""
     if (found := config_sample_type(folder)) is not None:
@@ -210,8 +226,10 @@ def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[s
     except CheckpointMismatchError as err:
         text = str(err)
         if key == "run_dir":  # its checkpoints are resumed whatever checkpoint.load says
-            text = text.replace("(fix the recipe or checkpoint.load)",
-                                "(a rerun resumes the run dir's checkpoints: keep the model, or use another run_dir)")
+            text = text.replace(
+                "(fix the recipe or checkpoint.load)",
+                "(a rerun resumes the run dir's checkpoints: keep the model, or use another run_dir)",
+            )
         problems.append(f"{key}: {text}")
 
 
@@ -227,5 +245,12 @@ def _warn_shuffle_buffer(recipe: "Recipe", samples: list[int]) -> None:
         log.warning(
             "data.shuffle_buffer_size %d exceeds the %d samples each of the %d loader workers reads from the smallest "
             "dataset (%d samples / (num_workers %d x dp %d)): a step may draw the same sample twice; set "
-            "data.shuffle_buffer_size=%d or less", d.shuffle_buffer_size, share, readers, min(samples),
-            max(1, d.num_workers), p.dp if d.sharding == "dp" else 1, max(1, share))
+            "data.shuffle_buffer_size=%d or less",
+            d.shuffle_buffer_size,
+            share,
+            readers,
+            min(samples),
+            max(1, d.num_workers),
+            p.dp if d.sharding == "dp" else 1,
+            max(1, share),
+        )

@@ -46,8 +46,9 @@ class RowBalancer:
         """Rank `me`'s micro-batches of one step when every rank's are here (replicated data)."""
         return self.balance_window_local([[mbs] for mbs in ranks], me)[0]
 
-    def balance_window_local(self, ranks: Sequence[Sequence[Sequence[PackedBatch]]], me: int
-                             ) -> list[list[PackedBatch]]:
+    def balance_window_local(
+        self, ranks: Sequence[Sequence[Sequence[PackedBatch]]], me: int
+    ) -> list[list[PackedBatch]]:
         """Rank `me`'s micro-batches, step by step, of a window of steps when every rank's are here:
         `ranks[r][s]` is rank r's micro-batches drawn for step s."""
         rows = [[row for mbs in steps for mb in mbs for row in mb.split_rows()] for steps in ranks]
@@ -57,13 +58,15 @@ class RowBalancer:
         placed = assign_window(costs, shapes)  # type: ignore[arg-type]
         return [[type(rows[me][0]).join_rows([rows[r][k] for r, k in micro]) for micro in step[me]] for step in placed]
 
-    def balance_exchange(self, micro_batches: Sequence[PackedBatch], group: Any, device: torch.device
-                         ) -> list[PackedBatch]:
+    def balance_exchange(
+        self, micro_batches: Sequence[PackedBatch], group: Any, device: torch.device
+    ) -> list[PackedBatch]:
         """This rank's micro-batches of one step after the DP group's exchange (a collective)."""
         return self.balance_window_exchange([micro_batches], group, device)[0]
 
-    def balance_window_exchange(self, steps: Sequence[Sequence[PackedBatch]], group: Any, device: torch.device
-                                ) -> list[list[PackedBatch]]:
+    def balance_window_exchange(
+        self, steps: Sequence[Sequence[PackedBatch]], group: Any, device: torch.device
+    ) -> list[list[PackedBatch]]:
         """This rank's micro-batches, step by step, after the DP group's exchange of a window of
         steps (a collective: every rank of `group` calls it with its own micro-batches of the same
         steps, `steps[s]` those drawn for step s)."""
@@ -74,23 +77,26 @@ class RowBalancer:
         gathered = _all_gather_ints([len(shape), *shape, *tokens, *tiles], group, device)
         all_shapes, costs = [], []
         for g in gathered:
-            head, n = g[1:1 + g[0]], (len(g) - 1 - g[0]) // 2
+            head, n = g[1 : 1 + g[0]], (len(g) - 1 - g[0]) // 2
             all_shapes.append(_step_shapes(head))
-            costs.append(row_costs(g[1 + g[0]:1 + g[0] + n], g[1 + g[0] + n:], self.tile_tokens))
+            costs.append(row_costs(g[1 + g[0] : 1 + g[0] + n], g[1 + g[0] + n :], self.tile_tokens))
         # (type checker: numpy rows of floats are sequences of floats)
         placed = assign_window(costs, [[all_shapes[r][s] for r in range(world)] for s in range(len(steps))])  # type: ignore[arg-type]
         mine = [ref for step in placed for micro in step[me] for ref in micro]
         # what leaves this rank and what arrives, in one order every rank agrees on
-        sends = sorted((d, k) for step in placed for d in range(world) for mb in step[d] for r, k in mb
-                       if r == me and d != me)
+        sends = sorted(
+            (d, k) for step in placed for d in range(world) for mb in step[d] for r, k in mb if r == me and d != me
+        )
         recvs = sorted((r, k) for r, k in mine if r != me)
         payload = {k: rows[k].to_bytes() for _, k in sends}
         sizes = _all_gather_ints([len(rows), *[len(payload.get(k, b"")) for k in range(len(rows))]], group, device)
         received = _exchange(sends, recvs, payload, [s[1:] for s in sizes], group, device)
         batch_type = type(rows[0]) if rows else PackedBatch
         got = {ref: batch_type.from_bytes(data) for ref, data in received.items()}
-        return [[batch_type.join_rows([rows[k] if r == me else got[(r, k)] for r, k in mb]) for mb in step[me]]
-                for step in placed]
+        return [
+            [batch_type.join_rows([rows[k] if r == me else got[(r, k)] for r, k in mb]) for mb in step[me]]
+            for step in placed
+        ]
 
 
 def _step_shapes(head: Sequence[int]) -> list[list[int]]:
@@ -98,7 +104,7 @@ def _step_shapes(head: Sequence[int]) -> list[list[int]]:
     out, i = [], 1
     for _ in range(head[0]):
         m = head[i]
-        out.append(list(head[i + 1:i + 1 + m]))
+        out.append(list(head[i + 1 : i + 1 + m]))
         i += 1 + m
     return out
 
@@ -114,14 +120,20 @@ def _all_gather_ints(values: Sequence[int], group: Any, device: torch.device) ->
     dist.all_gather(lengths, n, group=group)
     longest = max(int(x) for x in lengths)
     mine = torch.zeros(longest, dtype=torch.int64, device=device)
-    mine[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
+    mine[: len(values)] = torch.tensor(list(values), dtype=torch.int64)
     out = [torch.zeros_like(mine) for _ in lengths]
     dist.all_gather(out, mine, group=group)
-    return [t[:int(k)].tolist() for t, k in zip(out, lengths)]
+    return [t[: int(k)].tolist() for t, k in zip(out, lengths)]
 
 
-def _exchange(sends: list[tuple[int, int]], recvs: list[tuple[int, int]], payload: dict[int, bytes],
-              sizes: list[list[int]], group: Any, device: torch.device) -> dict[RowRef, bytes]:
+def _exchange(
+    sends: list[tuple[int, int]],
+    recvs: list[tuple[int, int]],
+    payload: dict[int, bytes],
+    sizes: list[list[int]],
+    group: Any,
+    device: torch.device,
+) -> dict[RowRef, bytes]:
     """Point-to-point: this rank's row `k` to group rank `d` for each (d, k) of `sends`; row `k`
     of group rank `r` from it for each (r, k) of `recvs` (`sizes[r][k]` bytes). Both sides list
     a pair's rows in the same order, which is how NCCL matches them (gloo by the tag as well)."""

@@ -73,13 +73,23 @@ class SlurmAllocation:
 
     def launcher_settings(self, parallel: "ParallelConfig") -> "ParallelConfig":
         """The recipe's `parallel:` for this node's launcher (one task per node)."""
-        return replace(parallel, nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.nodes[0],
-                       master_port=self.master_port)
+        return replace(
+            parallel,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.nodes[0],
+            master_port=self.master_port,
+        )
 
     def worker_env(self) -> dict[str, str]:
         """torch's env:// variables for one task = one worker."""
-        return {"RANK": str(self.procid), "WORLD_SIZE": str(self.ntasks), "LOCAL_RANK": str(self.localid),
-                "MASTER_ADDR": self.nodes[0], "MASTER_PORT": str(self.master_port)}
+        return {
+            "RANK": str(self.procid),
+            "WORLD_SIZE": str(self.ntasks),
+            "LOCAL_RANK": str(self.localid),
+            "MASTER_ADDR": self.nodes[0],
+            "MASTER_PORT": str(self.master_port),
+        }
 
 
 def slurm_allocation(env: Mapping[str, str]) -> SlurmAllocation | None:

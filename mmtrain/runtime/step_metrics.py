@@ -87,20 +87,34 @@ class StepMetrics:
     `recomputed_layers` (decoder layers full recompute checkpoints, over the whole model's chunks)
     give the HFU its extra forward."""
 
-    def __init__(self, spec: FamilySpec, shapes: ModelShapes, freeze: Sequence[str], ctx: ParallelContext,
-                 recompute: str = "none", recomputed_layers: int = 0) -> None:
+    def __init__(
+        self,
+        spec: FamilySpec,
+        shapes: ModelShapes,
+        freeze: Sequence[str],
+        ctx: ParallelContext,
+        recompute: str = "none",
+        recomputed_layers: int = 0,
+    ) -> None:
         self.spec, self.shapes, self.ctx = spec, shapes, ctx
         self.trainable = [part for part in spec.parts if part not in freeze]
         self.recompute, self.recomputed_layers = recompute, recomputed_layers
 
     @classmethod
-    def for_run(cls, spec: FamilySpec, recipe: Any, ctx: ParallelContext, chunk_layers: Sequence[Sequence[int]]
-                ) -> "StepMetrics":
+    def for_run(
+        cls, spec: FamilySpec, recipe: Any, ctx: ParallelContext, chunk_layers: Sequence[Sequence[int]]
+    ) -> "StepMetrics":
         """For the run's recipe, layout and pipeline split (`PipelineSplit.counts`)."""
         p = recipe.parallel
         layers = recomputed_layer_count([n for stage in chunk_layers for n in stage], p.recompute_num_layers)
-        return cls(spec, spec.model_shapes(recipe.model), recipe.freeze, ctx, ctx.recompute,
-                   layers if ctx.recompute == "full" else 0)
+        return cls(
+            spec,
+            spec.model_shapes(recipe.model),
+            recipe.freeze,
+            ctx,
+            ctx.recompute,
+            layers if ctx.recompute == "full" else 0,
+        )
 
     def model_flops(self, micro_batches: list[PackedBatch]) -> float:
         """Model FLOPs of this rank's micro-batches: one replica's whole sequences (the same on its
@@ -110,8 +124,14 @@ class StepMetrics:
     def hardware_flops(self, micro_batches: list[PackedBatch]) -> float:
         """What the devices execute for them: every segment padded to the CP multiple, plus
         recompute's extra forward (`models.flops.recompute_flops`)."""
-        executed = batch_flops(self.shapes, micro_batches, self.trainable, self.spec.encoder_inputs,
-                               pad_to=padding_multiple(self.ctx.cp, self.ctx.tp), executed=True)
+        executed = batch_flops(
+            self.shapes,
+            micro_batches,
+            self.trainable,
+            self.spec.encoder_inputs,
+            pad_to=padding_multiple(self.ctx.cp, self.ctx.tp),
+            executed=True,
+        )
         extra = recompute_flops(self.shapes, executed, self.trainable, self.recompute, self.recomputed_layers)
         return executed.total + extra
 
@@ -121,12 +141,21 @@ class StepMetrics:
         ctx, batches = self.ctx, step_data.micro_batches
         packing = batch_packing(batches, ctx.cp, ctx.tp)
         tiles = [0.0] * ctx.dp  # this rank's tiles in its own slot: the sum gathers every DP rank's
-        tiles[ctx.dp_rank] = float(sum(self.spec.encoder_inputs(b) for b in batches)
-                                   if self.spec.encoder_inputs is not None else 0)
+        tiles[ctx.dp_rank] = float(
+            sum(self.spec.encoder_inputs(b) for b in batches) if self.spec.encoder_inputs is not None else 0
+        )
         counts = torch.tensor(
-            [step_data.num_tokens, step_data.num_samples, step_data.num_loss_tokens, self.model_flops(batches),
-             packing.capacity, packing.computed_tokens, self.hardware_flops(batches),
-             float(sum(step_data.skipped.values())), *tiles],
+            [
+                step_data.num_tokens,
+                step_data.num_samples,
+                step_data.num_loss_tokens,
+                self.model_flops(batches),
+                packing.capacity,
+                packing.computed_tokens,
+                self.hardware_flops(batches),
+                float(sum(step_data.skipped.values())),
+                *tiles,
+            ],
             dtype=torch.float64,
             device=ctx.device,
         )
@@ -186,8 +215,9 @@ class StepMetrics:
             totals.sample_losses.extend(losses if len(losses) == len(ids) else [None] * len(ids))
 
 
-def step_record(r: StepResult, world_size: int, peak_flops: Optional[float], memory: dict[str, float]
-                ) -> dict[str, Any]:
+def step_record(
+    r: StepResult, world_size: int, peak_flops: Optional[float], memory: dict[str, float]
+) -> dict[str, Any]:
     """The step's metrics.jsonl record: `mfu` from the model FLOPs, `hfu` from the executed ones
     (padding and recompute in), both None without a known peak; `memory` from `memory_stats`."""
     record = {
@@ -227,10 +257,12 @@ def step_line(r: StepResult, record: dict[str, Any], iters: int, eta: str) -> st
     loss = r.loss if r.loss is not None else float("nan")
     mfu_text = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a (cpu)"
     hfu_text = f" (hfu {record['hfu']:.1%})" if record["hfu"] is not None else ""
-    return (f"step {r.step}/{iters} | loss {loss:.4f} | lr {r.lr:.3e} | grad_norm {r.grad_norm:.3f}"
-            f" | {record['tokens_per_s']:.0f} tok/s | {record['samples_per_s']:.2f} samples/s"
-            f" | fill {_percent(r.bin_fill)} | exec {_percent(r.executed_token_efficiency)}{_skip_part(r.skipped)}"
-            f" | mfu {mfu_text}{hfu_text} | mem {mem:.2f} GiB | eta {eta}{_eval_log_part(r.evaluation)}")
+    return (
+        f"step {r.step}/{iters} | loss {loss:.4f} | lr {r.lr:.3e} | grad_norm {r.grad_norm:.3f}"
+        f" | {record['tokens_per_s']:.0f} tok/s | {record['samples_per_s']:.2f} samples/s"
+        f" | fill {_percent(r.bin_fill)} | exec {_percent(r.executed_token_efficiency)}{_skip_part(r.skipped)}"
+        f" | mfu {mfu_text}{hfu_text} | mem {mem:.2f} GiB | eta {eta}{_eval_log_part(r.evaluation)}"
+    )
 
 
 def _skip_part(skipped: dict[str, int]) -> str:

@@ -42,9 +42,14 @@ def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
     return peak * 1e12 if peak is not None else None
 
 
-def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], trainable_parts: Iterable[str],
-                encoder_inputs: Optional[Callable[[Any], int]] = None, pad_to: int = 1,
-                executed: bool = False) -> StepFlops:
+def batch_flops(
+    shapes: ModelShapes,
+    micro_batches: Iterable[PackedBatch],
+    trainable_parts: Iterable[str],
+    encoder_inputs: Optional[Callable[[Any], int]] = None,
+    pad_to: int = 1,
+    executed: bool = False,
+) -> StepFlops:
     """FLOPs of this rank's micro-batches of a step (one model replica's whole sequences,
     whatever its TP/PP/CP split): each batch's host `cu_seqlens` (no device read), the tiles
     `encoder_inputs` counts (the family's `FamilySpec.encoder_inputs`; None: no encoder).
@@ -56,8 +61,9 @@ def batch_flops(shapes: ModelShapes, micro_batches: Iterable[PackedBatch], train
     cu = [b.host_cu_seqlens() for b in batches]
     if executed:
         return step_flops(shapes, cu, tiles, trainable_parts, pad_to=pad_to)
-    samples = [[len(ids) for ids in b.sample_ids] if len(b.sample_ids) == b.input_ids.shape[0] else None
-               for b in batches]
+    samples = [
+        [len(ids) for ids in b.sample_ids] if len(b.sample_ids) == b.input_ids.shape[0] else None for b in batches
+    ]
     return step_flops(shapes, cu, tiles, trainable_parts, samples=samples)
 
 
@@ -136,6 +142,15 @@ class PeakMemory:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "step": step, "device": self.device.type, "base_gib": self.base,
-                       "peak_gib": self.peak, "grown_gib": self.peak - self.base}, f)
+            json.dump(
+                {
+                    "rank": self.rank,
+                    "step": step,
+                    "device": self.device.type,
+                    "base_gib": self.base,
+                    "peak_gib": self.peak,
+                    "grown_gib": self.peak - self.base,
+                },
+                f,
+            )
         os.replace(tmp, self.path)

@@ -61,16 +61,12 @@ class TrainData:
         self.family = spec.name
         self.batch_type: type = spec.batch_type.resolve()
         self.sharding = recipe.data.sharding
-        self.micro_per_rank = recipe.train.global_batch_size // (
-            recipe.train.micro_batch_size * ctx.dp
-        )
+        self.micro_per_rank = recipe.train.global_batch_size // (recipe.train.micro_batch_size * ctx.dp)
         if self.sharding == "replicated":
             self.loader_dp_rank, self.loader_dp_size = 0, 1
         else:
             self.loader_dp_rank, self.loader_dp_size = ctx.dp_rank, ctx.dp
-        self.loader = spec.build_loader(
-            recipe, dp_rank=self.loader_dp_rank, dp_size=self.loader_dp_size
-        )
+        self.loader = spec.build_loader(recipe, dp_rank=self.loader_dp_rank, dp_size=self.loader_dp_size)
         self._iter: Iterator[PackedBatch] | None = None
         self._spec, self._recipe = spec, recipe
         self.balancer: RowBalancer | None = None
@@ -103,8 +99,9 @@ class TrainData:
         balancing window, the state from before the window and how many of its steps trained."""
         if self._placed:
             trained = self._window_steps - len(self._placed)
-            return json.dumps({WINDOW_STATE_KEY: {"steps": self._window_steps, "trained": trained},
-                               "loader": self._window_start})
+            return json.dumps(
+                {WINDOW_STATE_KEY: {"steps": self._window_steps, "trained": trained}, "loader": self._window_start}
+            )
         return self.loader.save_state_json()
 
     def restore_state(self, text: str) -> None:
@@ -128,8 +125,10 @@ class TrainData:
             self._iter = iter(self.loader)
         batch = next(self._iter)
         if not isinstance(batch, self.batch_type):
-            raise TypeError(f"the {self.family} loader yielded {type(batch).__name__}, "
-                            f"not the family's batch type {self.batch_type.__name__}")
+            raise TypeError(
+                f"the {self.family} loader yielded {type(batch).__name__}, "
+                f"not the family's batch type {self.batch_type.__name__}"
+            )
         # (type checker: isinstance against the family's batch type just above)
         packed: PackedBatch = batch  # type: ignore[assignment]
         if self._counts_skips:
@@ -169,15 +168,18 @@ class TrainData:
         m, dp = self.micro_per_rank, self.ctx.dp
         if self.sharding == "replicated":
             drawn = [[self._next_micro_batch() for _ in range(m * dp)] for _ in range(steps)]
-            ranks = [[step[r * m:(r + 1) * m] for step in drawn] for r in range(dp)]
-            placed = ranks[self.ctx.dp_rank] if balancer is None else balancer.balance_window_local(ranks, self.ctx.dp_rank)
+            ranks = [[step[r * m : (r + 1) * m] for step in drawn] for r in range(dp)]
+            placed = (
+                ranks[self.ctx.dp_rank] if balancer is None else balancer.balance_window_local(ranks, self.ctx.dp_rank)
+            )
         else:
             placed = [[self._next_micro_batch() for _ in range(m)] for _ in range(steps)]
             if balancer is not None and dp == 1:
                 placed = balancer.balance_window_local([placed], 0)
             elif balancer is not None:
-                placed = balancer.balance_window_exchange(placed, parallel_state.get_data_parallel_group(),
-                                                          self.ctx.device)
+                placed = balancer.balance_window_exchange(
+                    placed, parallel_state.get_data_parallel_group(), self.ctx.device
+                )
         if balancer is not None and self.ctx.device.type == "cuda":  # joined rows: pinned again for `to()`
             placed = [[b.pin_memory() for b in step] for step in placed]
         self._window_steps, self._placed = steps, placed[skip:]

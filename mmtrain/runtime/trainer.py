@@ -89,8 +89,13 @@ class Trainer:
         self.recipe = recipe
         self.spec = spec
         self.ctx = ctx
-        self.state = TrainerState(layout=layout_of(ctx), data_sharding=recipe.data.sharding, seed=recipe.seed,
-                                  data=data_identity(recipe), data_reset=recipe.checkpoint.reset_data)
+        self.state = TrainerState(
+            layout=layout_of(ctx),
+            data_sharding=recipe.data.sharding,
+            seed=recipe.seed,
+            data=data_identity(recipe),
+            data_reset=recipe.checkpoint.reset_data,
+        )
         self._resolved_yaml = resolved_yaml
         t = recipe.train
         # the launcher's world may differ from the recipe's (DP adapts): check the actual one
@@ -101,15 +106,17 @@ class Trainer:
                 f"micro_batch_size*dp = {t.micro_batch_size}*{ctx.dp}"
             )
         try:  # the decoder's layers per stage and virtual stage (parallel.pp_layers / vpp)
-            self.pipeline_split = split_layers(spec.model_shapes(recipe.model).decoder.layers, ctx.pp, ctx.vpp,
-                                               recipe.parallel.pp_layers)
+            self.pipeline_split = split_layers(
+                spec.model_shapes(recipe.model).decoder.layers, ctx.pp, ctx.vpp, recipe.parallel.pp_layers
+            )
         except PipelineSplitError as err:
             raise UnsupportedLayout(str(err)) from None
         problem = interleaved_schedule_problem(self.num_microbatches, ctx.pp, ctx.vpp)  # for the launcher's dp
         if problem:
             raise UnsupportedLayout(problem)
-        self.checkpoints = CheckpointManager(recipe.run_dir, ctx, keep_last=recipe.checkpoint.keep_last,
-                                             resolved_yaml=resolved_yaml)
+        self.checkpoints = CheckpointManager(
+            recipe.run_dir, ctx, keep_last=recipe.checkpoint.keep_last, resolved_yaml=resolved_yaml
+        )
         self.metrics = None
         self._last_saved_step = -1
         self._saving: int | None = None  # the step whose checkpoint is being saved
@@ -121,9 +128,14 @@ class Trainer:
         recipe, ctx, spec = self.recipe, self.ctx, self.spec
         self.peak_memory = PeakMemory(ctx.device, Path(recipe.run_dir), ctx.rank)  # before the model exists
         # refuse a checkpoint of another architecture before building anything
-        start = self.checkpoints.starting_point(recipe.checkpoint.load, recipe.checkpoint.weights_only,
-                                                recipe.model, spec.architecture_keys, spec.name,
-                                                recipe.parallel.transformer_impl)
+        start = self.checkpoints.starting_point(
+            recipe.checkpoint.load,
+            recipe.checkpoint.weights_only,
+            recipe.model,
+            spec.architecture_keys,
+            spec.name,
+            recipe.parallel.transformer_impl,
+        )
         # refuse a loader state made for other data before building anything (data_identity.py)
         data_decision = resume_decision(start.path, recipe) if start is not None and start.kind == "mmtrain" else None
         chunks = self._build_model_chunks()
@@ -142,8 +154,10 @@ class Trainer:
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(ctx))
         # megatron-LM's wrapping: one DDP per model chunk, buckets only on the first (the later
         # chunks' reductions overlap with the compute of the others anyway)
-        self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-                      for i, (chunk, config) in enumerate(zip(chunks, configs))]
+        self.model = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+            for i, (chunk, config) in enumerate(zip(chunks, configs))
+        ]
         for ddp in self.model:
             ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
         no_sync = [ddp.no_sync for ddp in self.model]
@@ -160,9 +174,13 @@ class Trainer:
         self.state.lr_schedule = self.schedule.state_dict()
         self.data = TrainData(spec, recipe, ctx)
         if self.data.balancer is not None and ctx.rank == 0:
-            log.info("data.balance: rows placed by cost (tokens + %.0f per tile) over the DP ranks and micro-batches, "
-                     "%s at a time (data.balance_window: %s)", self.data.balancer.tile_tokens,
-                     plural(self.data.window, "step"), recipe.data.balance_window)
+            log.info(
+                "data.balance: rows placed by cost (tokens + %.0f per tile) over the DP ranks and micro-batches, "
+                "%s at a time (data.balance_window: %s)",
+                self.data.balancer.tile_tokens,
+                plural(self.data.window, "step"),
+                recipe.data.balance_window,
+            )
         self.checkpoints.track(
             ModelState(self.model, recipe.model),
             OptimizerState(self.optimizer, self.model, optimizer_kind(ctx), optimizer_sharded_metadata(ctx)),
@@ -222,13 +240,19 @@ class Trainer:
         except ValueError as err:
             raise UnsupportedLayout(str(err)) from None
         if ctx.rank == 0:
-            log.info("LM loss: %s (parallel.lm_loss=%s)%s", lm_loss, p.lm_loss,
-                     f"; context parallelism cp={ctx.cp}, cp_comm_type={p.cp_comm_type}" if ctx.cp > 1 else "")
+            log.info(
+                "LM loss: %s (parallel.lm_loss=%s)%s",
+                lm_loss,
+                p.lm_loss,
+                f"; context parallelism cp={ctx.cp}, cp_comm_type={p.cp_comm_type}" if ctx.cp > 1 else "",
+            )
         if ctx.cp > 1 and ctx.on_cuda:
             self._check_cp_comm_type()
         if ctx.cp > 1 and not ctx.on_cuda:
-            cpu_compat.note("context parallelism: Transformer Engine's CP attention (GPU) -> K/V all-gather over "
-                            f"gloo (KVAllGatherCoreAttention); parallel.cp_comm_type={p.cp_comm_type} applies on GPU")
+            cpu_compat.note(
+                "context parallelism: Transformer Engine's CP attention (GPU) -> K/V all-gather over "
+                f"gloo (KVAllGatherCoreAttention); parallel.cp_comm_type={p.cp_comm_type} applies on GPU"
+            )
         options = ParallelOptions(
             sequence_parallel=ctx.sequence_parallel,
             recompute_granularity=None if ctx.recompute == "none" else ctx.recompute,
@@ -246,8 +270,12 @@ class Trainer:
             pipeline_split=self.pipeline_split,
         )
         if p.vision.tp is not None and ctx.rank == 0:
-            log.info("vision tower: its own layout, TP %d; a micro-batch's tiles split over %s, each encoding "
-                     "its share (parallel.vision.tp)", p.vision.tp, plural(ctx.tp // p.vision.tp * ctx.cp, "rank"))
+            log.info(
+                "vision tower: its own layout, TP %d; a micro-batch's tiles split over %s, each encoding "
+                "its share (parallel.vision.tp)",
+                p.vision.tp,
+                plural(ctx.tp // p.vision.tp * ctx.cp, "rank"),
+            )
         try:
             resolve_decoder_fusions(options)  # transformer_engine off CUDA or without TE: one clear line
         except TransformerImplUnavailable as err:
@@ -258,7 +286,9 @@ class Trainer:
         result = self.checkpoints.restore(start, self._load_hf)
         if result is None:
             if self.ctx.rank == 0:
-                how = "HF checkpoint %s (converted on the fly)" if start.kind == "hf" else "%s (fresh optimizer and data)"
+                how = (
+                    "HF checkpoint %s (converted on the fly)" if start.kind == "hf" else "%s (fresh optimizer and data)"
+                )
                 log.info("initialised weights from " + how, start.path)
             return
         self.state.step = result.state.step
@@ -286,8 +316,9 @@ class Trainer:
         """An HF directory as the starting point, converted on the fly by the family (straight
         into this rank's TP/PP shards)."""
         if self.spec.hf is None:
-            raise ValueError(f"checkpoint.load={path} is an HF directory, but family {self.spec.name} "
-                             "has no HF conversion")
+            raise ValueError(
+                f"checkpoint.load={path} is an HF directory, but family {self.spec.name} has no HF conversion"
+            )
         self.spec.hf.load_into_model(self.model, str(path), self.recipe.model)
 
     # ------------------------------------------------------------------ one step
@@ -312,8 +343,15 @@ class Trainer:
         self.state.step = step
         self.state.consumed_rows += t.global_batch_size
         self.state.consumed_samples += totals.samples
-        return StepResult(step=step, grad_norm=grad_norm, lr=lr, updated=bool(updated), step_time_s=elapsed,
-                          data_wait_s=data_wait, **vars(totals))
+        return StepResult(
+            step=step,
+            grad_norm=grad_norm,
+            lr=lr,
+            updated=bool(updated),
+            step_time_s=elapsed,
+            data_wait_s=data_wait,
+            **vars(totals),
+        )
 
     def _forward_step(self, data_iterator: "RecordingIterator", model: Any) -> tuple[Any, Any]:
         """The family's forward step, with per-sample losses added to its loss report.
@@ -403,8 +441,11 @@ class Trainer:
                 self.save()
         self._say_skips(results)
         if self.stopped_by is not None and ctx.rank == 0:
-            saved = (f"checkpoint saved in {self.checkpoints.root}. Run the same command again to resume"
-                     if recipe.checkpoint.save else "no checkpoint (checkpoint.save: false)")
+            saved = (
+                f"checkpoint saved in {self.checkpoints.root}. Run the same command again to resume"
+                if recipe.checkpoint.save
+                else "no checkpoint (checkpoint.save: false)"
+            )
             log.info("stopped after step %d/%d (%s); %s", self.state.step, recipe.train.iters, self.stopped_by, saved)
         if self.metrics is not None:
             self.metrics.close()
@@ -427,8 +468,10 @@ class Trainer:
         """Where the run is, for the interrupt line (mmtrain/runtime/interrupts.py)."""
         iters = self.recipe.train.iters
         if self._saving is not None:
-            return f"while saving the checkpoint of step {self._saving}/{iters} (its unfinished copy in " \
-                   f"checkpoints/.staging is removed at the next start)"
+            return (
+                f"while saving the checkpoint of step {self._saving}/{iters} (its unfinished copy in "
+                f"checkpoints/.staging is removed at the next start)"
+            )
         return f"in step {self.state.step + 1}/{iters}"
 
     def save(self) -> None:

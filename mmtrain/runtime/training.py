@@ -84,7 +84,11 @@ def announce(recipe: Recipe, config: Path) -> None:
     c = recipe.checkpoint
     every = f"every {c.interval} steps and at the end" if c.interval > 0 else "at the end"
     keep = f", keeping the last {c.keep_last}" if c.keep_last > 0 else ""
-    checkpoints = f"checkpoints {run_dir / 'checkpoints'}/ ({every}{keep})" if c.save else \
-        "no checkpoints (checkpoint.save: false)"
-    log.info("run_dir %s: metrics %s, %s, resolved recipe %s", run_dir, run_dir / METRICS_FILE, checkpoints,
-             config.resolve())
+    checkpoints = (
+        f"checkpoints {run_dir / 'checkpoints'}/ ({every}{keep})"
+        if c.save
+        else "no checkpoints (checkpoint.save: false)"
+    )
+    log.info(
+        "run_dir %s: metrics %s, %s, resolved recipe %s", run_dir, run_dir / METRICS_FILE, checkpoints, config.resolve()
+    )

@@ -51,9 +51,15 @@ FRESH_OPTIMIZER = "starting the optimizer fresh"
 def train_args(family: str, run_dir: Path, data: Path, tokenizer: Path, *overrides: str) -> list[str]:
     """The command line of `mmtrain FAMILY RECIPE` as tests/test_train_runtime.py's `train` builds it."""
     return COMMANDS[family] + [
-        f"run_dir={run_dir}", f"data.paths=[{data}]", f"tokenizer.path={tokenizer}", "data.num_workers=1",
-        f"train.seq_length={SEQ_LENGTH[family]}", "logging.tensorboard=false", "parallel.nproc_per_node=1",
-        f"parallel.master_port={free_port()}", *overrides,
+        f"run_dir={run_dir}",
+        f"data.paths=[{data}]",
+        f"tokenizer.path={tokenizer}",
+        "data.num_workers=1",
+        f"train.seq_length={SEQ_LENGTH[family]}",
+        "logging.tensorboard=false",
+        "parallel.nproc_per_node=1",
+        f"parallel.master_port={free_port()}",
+        *overrides,
     ]
 
 
@@ -61,33 +67,52 @@ def run_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **(env or {})}
 
 
-def train(family: str, run_dir: Path, data: Path, tokenizer: Path, *overrides: str, env: dict[str, str] | None = None,
-          expect_rc: int = 0) -> subprocess.CompletedProcess:
+def train(
+    family: str,
+    run_dir: Path,
+    data: Path,
+    tokenizer: Path,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    expect_rc: int = 0,
+) -> subprocess.CompletedProcess:
     """One `mmtrain` training subprocess; AssertionError with its output tail on another exit code."""
     cmd = train_args(family, run_dir, data, tokenizer, *overrides)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env(env), cwd=REPO)
     if proc.returncode != expect_rc:
-        raise AssertionError(f"training exited {proc.returncode}, expected {expect_rc}:\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"training exited {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
-def train_killed(family: str, run_dir: Path, data: Path, tokenizer: Path, *overrides: str, log: Path,
-                 kill_at: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+def train_killed(
+    family: str,
+    run_dir: Path,
+    data: Path,
+    tokenizer: Path,
+    *overrides: str,
+    log: Path,
+    kill_at: str,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """A training SIGKILLed at `kill_at` ("STEP:PHASE" of a checkpoint save: tests/workers/kill_in_save.py),
     its process group with it: tests/test_train_reliability.py's `_run_killed`. (exit status, stderr)."""
     from tests.fixtures_training import run_killed
     from tests.workers import kill_in_save
 
-    return run_killed(kill_in_save.command(kill_at, train_args(family, run_dir, data, tokenizer, *overrides)), log,
-                      **(env or {}))
+    return run_killed(
+        kill_in_save.command(kill_at, train_args(family, run_dir, data, tokenizer, *overrides)), log, **(env or {})
+    )
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`mmtrain ARGS` (convert, generate) in a subprocess that must exit 0."""
     cmd = [sys.executable, "-m", "mmtrain.cli", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env(env), cwd=REPO)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -119,8 +144,10 @@ def llava_mixed_samples(n: int = 32, seed: int = 0) -> list:
     out = []
     for i in range(n):
         if i % 2 == 0:
-            conv = [{"from": "human", "value": "<image>\nWhat is in the picture?"},
-                    {"from": "gpt", "value": "Some coloured noise."}]
+            conv = [
+                {"from": "human", "value": "<image>\nWhat is in the picture?"},
+                {"from": "gpt", "value": "Some coloured noise."},
+            ]
             out.append(DevSample(f"img-{i}", conv, [("png", encode_image(rng, 60 + i, 45))]))
         else:
             conv = [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi! Nice to meet you."}]
@@ -173,8 +200,10 @@ def write_emu3_token_shards(out: Path, n: int = 48, seed: int = 0, codebook_size
         for i in range(start, min(n, start + per_shard)):
             images = (1, 2, 0)[i % 3]
             prompt = "<image>\n" * images + ("Describe the picture." if images else "Tell me a fact.")
-            conv = [{"from": "human", "value": prompt},
-                    {"from": "gpt", "value": f"Answer {i}: {'a noisy picture' if images else 'the sea is salty'}."}]
+            conv = [
+                {"from": "human", "value": prompt},
+                {"from": "gpt", "value": f"Answer {i}: {'a noisy picture' if images else 'the sea is salty'}."},
+            ]
             sources = [sf.image_member_name(k, "png") for k in range(images)]
             record = sf.SampleRecord(id=f"tok-{i}", source="gpu-tier", conversations=conv, images=sources, video=None)
             members = [(sf.JSON_MEMBER, json.dumps(record.__dict__).encode())]
@@ -233,15 +262,18 @@ def hidden_te_env(root: Path) -> dict[str, str]:
     pkg = root / "no_te" / "transformer_engine"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text(
-        'raise ModuleNotFoundError("transformer_engine hidden by the gpu tier", name="transformer_engine")\n')
+        'raise ModuleNotFoundError("transformer_engine hidden by the gpu tier", name="transformer_engine")\n'
+    )
     path = os.pathsep.join(p for p in (str(pkg.parent), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path}
 
 
 def te_probe(env: dict[str, str] | None = None) -> dict:
     """`mmtrain.models.te_support.te_status()` as a subprocess with `env` sees it."""
-    code = ("import dataclasses, json; from mmtrain.models.te_support import te_status; "
-            "print(json.dumps(dataclasses.asdict(te_status())))")
+    code = (
+        "import dataclasses, json; from mmtrain.models.te_support import te_status; "
+        "print(json.dumps(dataclasses.asdict(te_status())))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run_env(env), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -296,13 +328,25 @@ def hf_emu3_tokens(model, prompt_ids, negative_ids, rows: int, cols: int, scale:
     vocab = model.model.vocabulary_mapping
     cfg = model.config.text_config
     m = vocab.vocab_map
-    allowed = emu3_prefix_constraint(rows, cols, m["<|image token|>"], m["<|extra_200|>"], m["<|extra_201|>"],
-                                     m["<|image end|>"], cfg.eos_token_id, cfg.pad_token_id, vocab.image_tokens)
+    allowed = emu3_prefix_constraint(
+        rows,
+        cols,
+        m["<|image token|>"],
+        m["<|extra_200|>"],
+        m["<|extra_201|>"],
+        m["<|image end|>"],
+        cfg.eos_token_id,
+        cfg.pad_token_id,
+        vocab.image_tokens,
+    )
     ids = torch.as_tensor(list(prompt_ids), device=model.device)[None]
     kw = {}
     if scale != 1:
-        kw = dict(guidance_scale=scale, negative_prompt_ids=torch.as_tensor(list(negative_ids), device=model.device)[None])
+        kw = dict(
+            guidance_scale=scale, negative_prompt_ids=torch.as_tensor(list(negative_ids), device=model.device)[None]
+        )
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False,
-                             prefix_allowed_tokens_fn=allowed, **kw)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids, max_new_tokens=(cols + 1) * rows + 10, do_sample=False, prefix_allowed_tokens_fn=allowed, **kw
+        )
+    return out[0, ids.shape[1] :].tolist()

@@ -39,8 +39,18 @@ LR0 = ("optimizer.lr=0", "optimizer.min_lr=0")
 def cpu_reference(tmp_path_factory, llava_shards, qwen_tok, llava_hf_start):
     """The fp32 CPU run (gloo, CUDA hidden) from the HF start: 2 steps, checkpoints at 1 and 2."""
     run = tmp_path_factory.mktemp("gpu_cpu_ref") / "run"
-    runs.train("llava-ov", run, llava_shards, qwen_tok, "train.iters=2", "checkpoint.interval=1",
-               f"checkpoint.load={llava_hf_start}", *runs.LLAVA_ORDERED, *runs.CPU, env=runs.CPU_ENV)
+    runs.train(
+        "llava-ov",
+        run,
+        llava_shards,
+        qwen_tok,
+        "train.iters=2",
+        "checkpoint.interval=1",
+        f"checkpoint.load={llava_hf_start}",
+        *runs.LLAVA_ORDERED,
+        *runs.CPU,
+        env=runs.CPU_ENV,
+    )
     return run
 
 
@@ -48,8 +58,17 @@ def cpu_reference(tmp_path_factory, llava_shards, qwen_tok, llava_hf_start):
 def hf_start_as_mcore(tmp_path_factory, llava_hf_start):
     """The HF start converted on the CPU by `mmtrain convert hf-to-mcore`: its weights as loaded."""
     dst = tmp_path_factory.mktemp("gpu_hf_mcore") / "ckpt"
-    runs.cli("convert", "hf-to-mcore", "--model", "llava-ov", "--src", str(llava_hf_start), "--dst", str(dst),
-             env=runs.CPU_ENV)
+    runs.cli(
+        "convert",
+        "hf-to-mcore",
+        "--model",
+        "llava-ov",
+        "--src",
+        str(llava_hf_start),
+        "--dst",
+        str(dst),
+        env=runs.CPU_ENV,
+    )
     return dst
 
 
@@ -62,8 +81,9 @@ def test_killed_run_resumes_with_the_distributed_optimizer(llava_gpu_run, tmp_pa
     reference within RESUME_REL."""
     run = tmp_path / "run"
     overrides = (*runs.llava_4_steps("[]"), *runs.GPU)
-    rc, err = runs.train_killed("llava-ov", run, llava_shards, qwen_tok, *overrides, log=tmp_path / "killed.log",
-                                kill_at="4:model")
+    rc, err = runs.train_killed(
+        "llava-ov", run, llava_shards, qwen_tok, *overrides, log=tmp_path / "killed.log", kill_at="4:model"
+    )
     assert rc == -signal.SIGKILL, f"not killed ({rc})\n{err[-3000:]}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     killed = runs.metrics(run)  # steps 1-4: the kill came after step 4 was logged
@@ -103,8 +123,19 @@ def test_an_lr0_step_keeps_the_loaded_weights(start, request, tmp_path, llava_sh
         src = runs.iter_dir(request.getfixturevalue("cpu_reference"), 1)
         load, first = (f"checkpoint.load={src}",), 2  # resumes after step 1
     run = tmp_path / "run"
-    proc = runs.train("llava-ov", run, llava_shards, qwen_tok, f"train.iters={first}", "checkpoint.interval=1",
-                      "freeze=[]", *load, *LR0, *runs.LLAVA_ORDERED, *runs.GPU)
+    proc = runs.train(
+        "llava-ov",
+        run,
+        llava_shards,
+        qwen_tok,
+        f"train.iters={first}",
+        "checkpoint.interval=1",
+        "freeze=[]",
+        *load,
+        *LR0,
+        *runs.LLAVA_ORDERED,
+        *runs.GPU,
+    )
     runs.assert_finite(runs.metrics(run), [first])
     loaded, after = runs.model_tensors(src), runs.model_tensors(runs.iter_dir(run, first))
     assert loaded.keys() == after.keys() and len(after) > 20
@@ -115,15 +146,23 @@ def test_an_lr0_step_keeps_the_loaded_weights(start, request, tmp_path, llava_sh
         assert "holds the state of another optimizer" in proc.stderr and runs.FRESH_OPTIMIZER in proc.stderr
 
 
-def test_gpu_losses_match_the_cpu_on_the_same_weights(cpu_reference, tmp_path, llava_shards, qwen_tok,
-                                                      llava_hf_start):
+def test_gpu_losses_match_the_cpu_on_the_same_weights(cpu_reference, tmp_path, llava_shards, qwen_tok, llava_hf_start):
     """A7/B4: the same recipe, seed, data and HF start (made on the CPU) on the CPU (fp32, gloo,
     CUDA hidden) and on the GPU (bf16, distributed optimizer, nccl): step 1's loss and per-sample
     losses (an image sample and a text-only one) agree within BF16_REL, on the same samples; step
     2 (after one update) within 2 x BF16_REL."""
     run = tmp_path / "gpu"
-    runs.train("llava-ov", run, llava_shards, qwen_tok, "train.iters=2", "checkpoint.interval=0",
-               f"checkpoint.load={llava_hf_start}", *runs.LLAVA_ORDERED, *runs.GPU)
+    runs.train(
+        "llava-ov",
+        run,
+        llava_shards,
+        qwen_tok,
+        "train.iters=2",
+        "checkpoint.interval=0",
+        f"checkpoint.load={llava_hf_start}",
+        *runs.LLAVA_ORDERED,
+        *runs.GPU,
+    )
     cpu, gpu = runs.metrics(cpu_reference), runs.metrics(run)
     runs.assert_finite(gpu, [1, 2])
     assert gpu[1]["sample_ids"] == cpu[1]["sample_ids"] and gpu[2]["sample_ids"] == cpu[2]["sample_ids"]

@@ -34,9 +34,19 @@ HANG_TIMEOUT_S = 360
 #: NCCL's own watchdog (parallel.collective_timeout_mins) aborts a collective stuck this long
 WATCHDOG_MINS = 4
 STEPS = 8
-OVERRIDES = (f"train.iters={STEPS}", "checkpoint.interval=0", "data.sharding=replicated", "train.global_batch_size=4",
-             *runs.LLAVA_ORDERED, *runs.GPU, "parallel.nproc_per_node=4", "parallel.tp=2", "parallel.cp=2",
-             "parallel.vision.tp=1", f"parallel.collective_timeout_mins={WATCHDOG_MINS}")
+OVERRIDES = (
+    f"train.iters={STEPS}",
+    "checkpoint.interval=0",
+    "data.sharding=replicated",
+    "train.global_batch_size=4",
+    *runs.LLAVA_ORDERED,
+    *runs.GPU,
+    "parallel.nproc_per_node=4",
+    "parallel.tp=2",
+    "parallel.cp=2",
+    "parallel.vision.tp=1",
+    f"parallel.collective_timeout_mins={WATCHDOG_MINS}",
+)
 HANG_SIGNS = ("Watchdog caught collective operation timeout", "ProcessGroupNCCL", "timed out")
 
 
@@ -46,20 +56,25 @@ def train_bounded(run_dir, data, tokenizer, *overrides: str, timeout_s: float) -
     cmd = runs.train_args("llava-ov", run_dir, data, tokenizer, *overrides)
     env = runs.run_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=runs.REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=runs.REPO, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"HANG: TP2 x CP2 with parallel.vision.tp=1 did not exit within {timeout_s:.0f} s "
-                    f"(review N8); output tail:\n{out[-2000:]}\n{err[-6000:]}")
+        pytest.fail(
+            f"HANG: TP2 x CP2 with parallel.vision.tp=1 did not exit within {timeout_s:.0f} s "
+            f"(review N8); output tail:\n{out[-2000:]}\n{err[-6000:]}"
+        )
     took = time.monotonic() - start
     if proc.returncode != 0:
         hang = any(sign in err for sign in HANG_SIGNS)
-        pytest.fail(f"{'HANG (NCCL watchdog)' if hang else 'FAILED'}: exit {proc.returncode} after {took:.0f} s "
-                    f"(review N8):\n{out[-2000:]}\n{err[-8000:]}")
+        pytest.fail(
+            f"{'HANG (NCCL watchdog)' if hang else 'FAILED'}: exit {proc.returncode} after {took:.0f} s "
+            f"(review N8):\n{out[-2000:]}\n{err[-8000:]}"
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -44,25 +44,53 @@ def test_llava_ov_greedy_on_cuda_equals_transformers(llava_hf, tmp_path):
     for i in (0, 1):
         pictures[i].save(tmp_path / f"img{i}.png")  # lossless: the CLI reads the same pixels
     prompts = tmp_path / "q.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": q, **({"image": f"img{i}.png"} if i is not None else {})}) + "\n"
-                               for q, i in questions))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": q, **({"image": f"img{i}.png"} if i is not None else {})}) + "\n"
+            for q, i in questions
+        )
+    )
     out = tmp_path / "answers.jsonl"
-    runs.cli("generate", "llava-ov", "--checkpoint", str(hf_dir), "--prompts", str(prompts), "--output", str(out),
-             "--max-new-tokens", "12", "--batch-size", "3", *generate_args())
+    runs.cli(
+        "generate",
+        "llava-ov",
+        "--checkpoint",
+        str(hf_dir),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "3",
+        *generate_args(),
+    )
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == len(questions)
 
     oracle = copy.deepcopy(model).to(DEVICE).eval()
     processor = hf_llava_processor(tok)
     for line, (q, i) in zip(lines, questions):
-        text = tok.apply_chat_template([{"role": "user", "content": ("<image>\n" if i is not None else "") + q}],
-                                       tokenize=False, add_generation_prompt=True)
-        inputs = (processor(images=[pictures[i]], text=[text], return_tensors="pt") if i is not None
-                  else tok([text], return_tensors="pt")).to(DEVICE)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": ("<image>\n" if i is not None else "") + q}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        inputs = (
+            processor(images=[pictures[i]], text=[text], return_tensors="pt")
+            if i is not None
+            else tok([text], return_tensors="pt")
+        ).to(DEVICE)
         with torch.no_grad():
-            ref = oracle.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=tok.pad_token_id)
-        assert line["tokens"] == ref[0, inputs["input_ids"].shape[1]:].tolist(), q
+            ref = oracle.generate(
+                **inputs,
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        assert line["tokens"] == ref[0, inputs["input_ids"].shape[1] :].tolist(), q
     assert len(set(lines[0]["tokens"])) > 3  # a real answer, not one repeated token
 
 
@@ -76,13 +104,31 @@ def test_emu3_cfg_greedy_on_cuda_equals_transformers(emu3_hf, tmp_path):
     from mmdata.energon_loaders.emu3.serialize import Emu3Vocab, generation_prompt, hf_text_encoder
 
     hf_dir, model = emu3_hf
-    asks = [("a red bus parked next to a tall building", 32, 40, "lowres, bad anatomy", 3.0), ("a cat", 24, 32, "blurry", 2.5)]
+    asks = [
+        ("a red bus parked next to a tall building", 32, 40, "lowres, bad anatomy", 3.0),
+        ("a cat", 24, 32, "blurry", 2.5),
+    ]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t, "height": h, "width": w, "negative_prompt": n, "cfg_scale": s})
-                               + "\n" for t, h, w, n, s in asks))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": t, "height": h, "width": w, "negative_prompt": n, "cfg_scale": s}) + "\n"
+            for t, h, w, n, s in asks
+        )
+    )
     out = tmp_path / "imgs"
-    runs.cli("generate", "emu3", "--checkpoint", str(hf_dir), "--prompts", str(prompts), "--output", str(out),
-             "--batch-size", "2", *generate_args())
+    runs.cli(
+        "generate",
+        "emu3",
+        "--checkpoint",
+        str(hf_dir),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--batch-size",
+        "2",
+        *generate_args(),
+    )
     lines = [json.loads(x) for x in (out / "images.jsonl").read_text().splitlines()]
     assert len(lines) == len(asks)
 
@@ -93,8 +139,14 @@ def test_emu3_cfg_greedy_on_cuda_equals_transformers(emu3_hf, tmp_path):
     oracle = copy.deepcopy(model).to(DEVICE).eval()
     for line, (text, h, w, negative, scale) in zip(lines, asks):
         rows, cols = h // 8, w // 8
-        ref = runs.hf_emu3_tokens(oracle, generation_prompt(text, rows, cols, vocab, encode),
-                                  generation_prompt(negative, rows, cols, vocab, encode), rows, cols, scale)
+        ref = runs.hf_emu3_tokens(
+            oracle,
+            generation_prompt(text, rows, cols, vocab, encode),
+            generation_prompt(negative, rows, cols, vocab, encode),
+            rows,
+            cols,
+            scale,
+        )
         body = torch.tensor(ref[: rows * (cols + 1)]).reshape(rows, cols + 1)  # each row: codes, end-of-line
         expected = model.model.vocabulary_mapping.convert_bpe2img(body).numpy()
         grid = np.asarray(line["grid"])

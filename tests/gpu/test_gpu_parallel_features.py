@@ -37,8 +37,16 @@ GRAD_REL = 5e-2
 #: 3 steps of 4 micro-batches of one sample (image and text-only alternating) from the common HF
 #: start, every layout reading the same global batches, an evaluation at step 3
 STEPS = 3
-COMMON = ("train.iters=3", "checkpoint.interval=0", "data.sharding=replicated", "train.global_batch_size=4",
-          "train.eval_interval=3", "train.eval_iters=1", *runs.LLAVA_ORDERED, *runs.GPU)
+COMMON = (
+    "train.iters=3",
+    "checkpoint.interval=0",
+    "data.sharding=replicated",
+    "train.global_batch_size=4",
+    "train.eval_interval=3",
+    "train.eval_iters=1",
+    *runs.LLAVA_ORDERED,
+    *runs.GPU,
+)
 
 
 def _common(llava_shards, llava_hf_start) -> tuple[str, ...]:
@@ -75,8 +83,16 @@ def test_vision_tower_own_layout_at_tp2(one_gpu, tmp_path, llava_shards, qwen_to
     tiles, the outputs all-gathered over NCCL; its fresh weights broadcast from TP rank 0 at build
     time (before the trainer moves the model to the GPU). Same numbers as one GPU."""
     run = tmp_path / "run"
-    proc = runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
-                      "parallel.nproc_per_node=2", "parallel.tp=2", "parallel.vision.tp=1")
+    proc = runs.train(
+        "llava-ov",
+        run,
+        llava_shards,
+        qwen_tok,
+        *_common(llava_shards, llava_hf_start),
+        "parallel.nproc_per_node=2",
+        "parallel.tp=2",
+        "parallel.vision.tp=1",
+    )
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     assert "backend=nccl" in proc.stderr
     _assert_matches(runs.metrics(run), one_gpu)
@@ -91,9 +107,18 @@ def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, llava_shards, qwen_to
     overlapped (training and the forward-only evaluation). Same numbers as one GPU, and the step-3
     checkpoint is the distributed optimizer's."""
     run = tmp_path / "run"
-    proc = runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
-                      "parallel.nproc_per_node=2", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]",
-                      "checkpoint.interval=3")
+    proc = runs.train(
+        "llava-ov",
+        run,
+        llava_shards,
+        qwen_tok,
+        *_common(llava_shards, llava_hf_start),
+        "parallel.nproc_per_node=2",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "parallel.pp_layers=[0,1,0,1]",
+        "checkpoint.interval=3",
+    )
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
     _assert_matches(runs.metrics(run), one_gpu)
     state = (runs.iter_dir(run, STEPS) / "trainer_state.json").read_text()
@@ -118,8 +143,11 @@ def test_balance_on_one_gpu(tmp_path, llava_halves_shards, qwen_tok, llava_hf_st
     micro-batch 2), and the joined micro-batches pinned again before their asynchronous copy.
     Against the same run unbalanced: the same samples with the same losses, the rows moved.
     (The alternating shards would not do: their micro-batches of 2 are balanced as drawn.)"""
-    overrides = (*_common(llava_halves_shards, llava_hf_start), "train.micro_batch_size=2",
-                 "train.global_batch_size=32")
+    overrides = (
+        *_common(llava_halves_shards, llava_hf_start),
+        "train.micro_batch_size=2",
+        "train.global_batch_size=32",
+    )
     got = _unbalanced_and_balanced(tmp_path, llava_halves_shards, qwen_tok, overrides)
     for step in range(1, STEPS + 1):
         assert got["true"][step]["sample_ids"] != got["false"][step]["sample_ids"], step
@@ -131,9 +159,17 @@ def test_balance_exchanges_rows_over_nccl(tmp_path, llava_halves_shards, qwen_to
     the other only text-only rows; the ranks exchange rows as bytes (CUDA uint8 tensors, sizes
     gathered first) over the DP group's NCCL communicator. Against the same run unbalanced: the
     same samples with the same losses, and the vision work spread (vision_balance 2.0 -> lower)."""
-    overrides = ("train.iters=3", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
-                 f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU,
-                 "data.balance_window=1")
+    overrides = (
+        "train.iters=3",
+        "checkpoint.interval=0",
+        "data.sharding=dp",
+        "train.global_batch_size=4",
+        f"checkpoint.load={llava_hf_start}",
+        "parallel.nproc_per_node=2",
+        *runs.LLAVA_ORDERED,
+        *runs.GPU,
+        "data.balance_window=1",
+    )
     got = _unbalanced_and_balanced(tmp_path, llava_halves_shards, qwen_tok, overrides)
     for step in range(1, STEPS + 1):
         assert got["false"][step]["vision_balance"] == pytest.approx(2.0)  # the images all on one rank
@@ -147,9 +183,21 @@ def test_the_features_together_on_four_gpus(one_gpu, tmp_path, llava_shards, qwe
     one (NCCL splits the world's communicator for it; made by the first stage alone, it hung).
     Same numbers as one GPU."""
     run = tmp_path / "run"
-    runs.train("llava-ov", run, llava_shards, qwen_tok, *_common(llava_shards, llava_hf_start),
-               "parallel.nproc_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
-               "parallel.pp_layers=[0,1,0,1]", "parallel.vision.tp=1", "data.balance=true", "data.balance_window=1")
+    runs.train(
+        "llava-ov",
+        run,
+        llava_shards,
+        qwen_tok,
+        *_common(llava_shards, llava_hf_start),
+        "parallel.nproc_per_node=4",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "parallel.pp_layers=[0,1,0,1]",
+        "parallel.vision.tp=1",
+        "data.balance=true",
+        "data.balance_window=1",
+    )
     _assert_matches(runs.metrics(run), one_gpu)
 
 
@@ -160,8 +208,16 @@ def test_balance_window_exchanges_steps_of_rows_over_nccl(tmp_path, llava_halves
     rows travel over NCCL as one exchange; the 4 steps train the same samples as the unbalanced
     run's 4 steps, every step's vision work spread over the ranks (2.0 unbalanced: the images all on
     one rank), and the losses are finite (steps differ from the unbalanced run's: rows moved between them)."""
-    overrides = ("train.iters=4", "checkpoint.interval=0", "data.sharding=dp", "train.global_batch_size=4",
-                 f"checkpoint.load={llava_hf_start}", "parallel.nproc_per_node=2", *runs.LLAVA_ORDERED, *runs.GPU)
+    overrides = (
+        "train.iters=4",
+        "checkpoint.interval=0",
+        "data.sharding=dp",
+        "train.global_batch_size=4",
+        f"checkpoint.load={llava_hf_start}",
+        "parallel.nproc_per_node=2",
+        *runs.LLAVA_ORDERED,
+        *runs.GPU,
+    )
     got = {}
     for balance in ("false", "true"):
         run = tmp_path / f"balance-{balance}"
@@ -169,7 +225,8 @@ def test_balance_window_exchanges_steps_of_rows_over_nccl(tmp_path, llava_halves
         got[balance] = runs.metrics(run)
     runs.assert_finite(got["true"], range(1, 5))
     assert sorted(i for s in range(1, 5) for i, _ in runs.by_sample(got["true"][s])) == sorted(
-        i for s in range(1, 5) for i, _ in runs.by_sample(got["false"][s]))
+        i for s in range(1, 5) for i, _ in runs.by_sample(got["false"][s])
+    )
     for step in range(1, 5):
         assert got["false"][step]["vision_balance"] == pytest.approx(2.0)
         assert got["true"][step]["vision_balance"] < 1.5, step

@@ -112,12 +112,24 @@ def test_builds_and_trains_with_transformer_engine(family, request, tmp_path):
         pytest.skip("Transformer Engine is not installed on this GPU host (the TE-hidden variant still runs)")
     status = runs.te_probe()
     assert status["available"], f"transformer_engine is installed but unusable: {status['reason']}"
-    _, default_proc = (request.getfixturevalue("llava_gpu_run")("[]") if family == "llava-ov"
-                       else request.getfixturevalue("emu3_gpu_run"))
+    _, default_proc = (
+        request.getfixturevalue("llava_gpu_run")("[]")
+        if family == "llava-ov"
+        else request.getfixturevalue("emu3_gpu_run")
+    )
     assert runs.TE_FALLBACK not in default_proc.stderr
     data, tok, extra = _family_data(family, request)
     run = tmp_path / "run"
-    proc = runs.train(family, run, data, tok, "train.iters=2", "checkpoint.interval=0",
-                      "parallel.transformer_impl=transformer_engine", *extra, *runs.GPU)
+    proc = runs.train(
+        family,
+        run,
+        data,
+        tok,
+        "train.iters=2",
+        "checkpoint.interval=0",
+        "parallel.transformer_impl=transformer_engine",
+        *extra,
+        *runs.GPU,
+    )
     assert runs.TE_FALLBACK not in proc.stderr
     runs.assert_finite(runs.metrics(run), [1, 2])

@@ -44,8 +44,15 @@ def vocab_parallel(res: dict) -> None:
     h_in = hidden.clone().requires_grad_()
     w_local = weight[rank * part : (rank + 1) * part].clone().requires_grad_()
     group = parallel_state.get_tensor_model_parallel_group()
-    out = linear_cross_entropy(tensor_parallel.copy_to_tensor_model_parallel_region(h_in, group=group), w_local,
-                               labels, vocab_start=rank * part, true_vocab=true_vocab, block_mb=1, group=group)
+    out = linear_cross_entropy(
+        tensor_parallel.copy_to_tensor_model_parallel_region(h_in, group=group),
+        w_local,
+        labels,
+        vocab_start=rank * part,
+        true_vocab=true_vocab,
+        block_mb=1,
+        group=group,
+    )
     (out * scale).sum().backward()
     res["tp_loss"] = rel(out, ref)
     res["tp_grad_hidden"] = rel(h_in.grad, ref_h.grad)
@@ -73,16 +80,28 @@ def context_parallel(res: dict) -> None:
     outs, start = [], 0
     for n in lens:
         sl = slice(start, start + n)
-        outs.append(F.scaled_dot_product_attention(*(x[sl].transpose(0, 1)[None] for x in ref_in), is_causal=True,
-                                                   enable_gqa=True)[0].transpose(0, 1).reshape(n, -1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                *(x[sl].transpose(0, 1)[None] for x in ref_in), is_causal=True, enable_gqa=True
+            )[0]
+            .transpose(0, 1)
+            .reshape(n, -1)
+        )
         start += n
     ref = torch.cat(outs)
     ref.backward(grad)
 
     layout = current_layout(cu)
     assert layout.cp == 2 and layout.rank == parallel_state.get_context_parallel_rank()
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            context_parallel_size=2, params_dtype=torch.float64, attention_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        context_parallel_size=2,
+        params_dtype=torch.float64,
+        attention_dropout=0.0,
+    )
     attn = KVAllGatherCoreAttention(cfg, 1, AttnMaskType.causal)
     local = [layout.split(x).clone().requires_grad_() for x in (q, k, v)]
     out = attn(*local, None, packed_seq_params=layout.packed_seq_params())
@@ -92,7 +111,9 @@ def context_parallel(res: dict) -> None:
     for t in full:
         torch.distributed.all_reduce(t, group=parallel_state.get_context_parallel_group())
     res["cp_out"] = rel(full[0], ref.detach())
-    res["cp_grad_q"], res["cp_grad_k"], res["cp_grad_v"] = (rel(a.reshape(b.shape), b.grad) for a, b in zip(full[1:], ref_in))
+    res["cp_grad_q"], res["cp_grad_k"], res["cp_grad_v"] = (
+        rel(a.reshape(b.shape), b.grad) for a, b in zip(full[1:], ref_in)
+    )
 
 
 def main() -> None:

@@ -37,10 +37,12 @@ def main() -> None:
     trainer.train_step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     m = build_report(recipe, spec).memory
-    estimate = {k: getattr(m, k) for k in ("weights", "grads", "optimizer", "activations", "logits",
-                                           "encoder_activations")}
-    Path(sys.argv[2]).write_text(json.dumps({"measured": peak - base, "setup": after_setup - base,
-                                                 "estimate": estimate, "total": m.total}))
+    estimate = {
+        k: getattr(m, k) for k in ("weights", "grads", "optimizer", "activations", "logits", "encoder_activations")
+    }
+    Path(sys.argv[2]).write_text(
+        json.dumps({"measured": peak - base, "setup": after_setup - base, "estimate": estimate, "total": m.total})
+    )
     trainer.data.close()
     destroy_distributed()
 

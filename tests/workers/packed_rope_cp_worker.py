@@ -49,8 +49,13 @@ def main() -> None:
         ours, ours_g, ours_n = run(False, lens)
         ref, ref_g, ref_n = run(True, lens)
         key = "-".join(map(str, lens))
-        res[key] = {"loss_equal": bool(torch.equal(ours, ref)), "grads_equal": bool(torch.equal(ours_g, ref_g)),
-                    "reads_ours": ours_n, "reads_megatron": ref_n, "nonzero": int((ours != 0).sum())}
+        res[key] = {
+            "loss_equal": bool(torch.equal(ours, ref)),
+            "grads_equal": bool(torch.equal(ours_g, ref_g)),
+            "reads_ours": ours_n,
+            "reads_megatron": ref_n,
+            "nonzero": int((ours != 0).sum()),
+        }
     rank = torch.distributed.get_rank()
     Path(f"{sys.argv[1]}.{rank}").write_text(json.dumps(res))
     torch.distributed.barrier()

@@ -46,9 +46,13 @@ def batches(cfg, dp_rank: int):
     rows, pv, sizes = hf_image_inputs(images(dp_rank), seed=dp_rank)
     g = torch.Generator().manual_seed(10 + dp_rank)
     frames = torch.randn(1, 3, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
-    video = torch.cat([torch.randint(1, 990, (5,), generator=g),
-                       torch.full((anyres.num_video_tokens(3, IMAGE_SIZE, PATCH),), VIDEO_TOKEN),
-                       torch.randint(1, 990, (9,), generator=g)])
+    video = torch.cat(
+        [
+            torch.randint(1, 990, (5,), generator=g),
+            torch.full((anyres.num_video_tokens(3, IMAGE_SIZE, PATCH),), VIDEO_TOKEN),
+            torch.randint(1, 990, (9,), generator=g),
+        ]
+    )
     all_rows = rows + [video]
     s = max(len(r) for r in all_rows)
     ids, mask = torch.zeros(len(all_rows), s, dtype=torch.long), torch.zeros(len(all_rows), s, dtype=torch.long)
@@ -77,13 +81,20 @@ def train_step(model, micro_batches, seq_length):
     model.model_type = ModelType.encoder_or_decoder
     config = get_model_config(model)
     config.calculate_per_token_loss = True
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        **ddp_config_kwargs(SimpleNamespace(distributed_optimizer=False))), model)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(**ddp_config_kwargs(SimpleNamespace(distributed_optimizer=False))), model
+    )
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     ddp.zero_grad_buffer()
     reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[ddp],
-        num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=1, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[ddp],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     sums = lm_loss_sums(reports, torch.device("cpu"))
     torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -142,10 +153,17 @@ def compare_layout(tp: int, cp: int, hf_state, res: dict) -> None:
         err = rel(g, grads_i[n])
         if err > worst:
             worst, worst_name = err, n
-    row = {"loss_inherited": loss_i, "loss_separate": loss_s, "max_grad_rel_err": worst, "worst_param": worst_name,
-           "vision_params": vision_seen, "vision_grad_nonzero": bool(all(
-               grads_s[n].abs().sum() > 0 for n in grads_s if n.startswith("vision_model.decoder"))),
-           "tiles": [int(b.tiles_per_media.sum()) for b in micro]}
+    row = {
+        "loss_inherited": loss_i,
+        "loss_separate": loss_s,
+        "max_grad_rel_err": worst,
+        "worst_param": worst_name,
+        "vision_params": vision_seen,
+        "vision_grad_nonzero": bool(
+            all(grads_s[n].abs().sum() > 0 for n in grads_s if n.startswith("vision_model.decoder"))
+        ),
+        "tiles": [int(b.tiles_per_media.sum()) for b in micro],
+    }
     # per-rank forward FLOPs of the tower, and the whole tower's on all the tiles (one rank)
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -182,15 +200,19 @@ def checkpoint_round_trips(cfg, adapter, sd) -> dict:
         dst = LlavaOVModel(cfg, options=ParallelOptions(encoder_tp=dst_tp))
         load_model_weights([dst], ckpt / src_name)
         out[f"{src_name}_to_other_max_abs_err"] = max(
-            float((p.detach() - expected_shard(adapter, sd, p, n, dst)).abs().max()) for n, p in dst.named_parameters())
+            float((p.detach() - expected_shard(adapter, sd, p, n, dst)).abs().max()) for n, p in dst.named_parameters()
+        )
     if torch.distributed.get_rank() == 0:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         reader = dcp.FileSystemReader(str(ckpt / "separate" / "iter_0000000" / "model"))
         md = reader.read_metadata()
-        saved = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-                 if isinstance(v, TensorStorageMetadata) and k.startswith("vision_model.")}
+        saved = {
+            k: torch.empty(v.size, dtype=v.properties.dtype)
+            for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and k.startswith("vision_model.")
+        }
         dcp.load(saved, storage_reader=reader, no_dist=True)
         out["saved_vision_tensors"] = len(saved)
         errs = []
@@ -210,8 +232,14 @@ def expected_shard(adapter, sd, param, name, model):
 
     cname = canonical_name(model, name)
     full = adapter.mcore_tensor(cname, sd.__getitem__)
-    return shard_for(full, param, cname, _is_gated_fc1(model, name), ps.get_tensor_model_parallel_rank(),
-                     ps.get_tensor_model_parallel_world_size())
+    return shard_for(
+        full,
+        param,
+        cname,
+        _is_gated_fc1(model, name),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+    )
 
 
 def main() -> None:

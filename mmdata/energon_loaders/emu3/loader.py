@@ -23,5 +23,6 @@ def build_emu3_loader(
     p_uncond, uncond_prompt, system_prompt); `loader_kwargs`: `loader.build_loader`'s (dp_rank,
     dp_size, num_workers, seed, packing, buffer sizes...)."""
     config = Emu3EncoderConfig(seq_length=seq_length, **(encoder or {}))
-    return build_loader(data, Emu3TaskEncoder(str(tokenizer_path), config),
-                        micro_batch_size=micro_batch_size, **loader_kwargs)
+    return build_loader(
+        data, Emu3TaskEncoder(str(tokenizer_path), config), micro_batch_size=micro_batch_size, **loader_kwargs
+    )

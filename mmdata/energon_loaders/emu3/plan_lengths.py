@@ -31,7 +31,9 @@ from mmdata.energon_loaders.sequence import ConversationError
 from mmdata.packing.emu3_geometry import UNENCODABLE
 
 
-def sample_lengths(tasks: Emu3Tasks, conversations: Sequence[dict], grids: Sequence[np.ndarray]) -> tuple[int, int, int]:
+def sample_lengths(
+    tasks: Emu3Tasks, conversations: Sequence[dict], grids: Sequence[np.ndarray]
+) -> tuple[int, int, int]:
     """(understanding tokens, generation tokens, first image block tokens) of one record, as
     `Emu3TaskEncoder.encode_sample` builds it before the over-length policy."""
     try:

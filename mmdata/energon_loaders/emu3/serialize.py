@@ -42,9 +42,16 @@ VISUAL_TOKEN_TEMPLATE = "<|visual token {:06d}|>"
 _VISUAL_RE = re.compile(r"<\|visual token (\d{6})\|>")
 
 # tokenizer attribute -> convention string, for the roles Emu3Processor reads off the tokenizer
-_ROLE_ATTRS = {"bos": ("bos_token", BOS), "eos": ("eos_token", EOS), "pad": ("pad_token", ENDOFTEXT),
-               "img": ("image_wrapper_token", IMG), "boi": ("boi_token", BOI), "eoi": ("eoi_token", EOI),
-               "eof": ("eof_token", EOF), "placeholder": ("image_token", IMAGE_PLACEHOLDER)}
+_ROLE_ATTRS = {
+    "bos": ("bos_token", BOS),
+    "eos": ("eos_token", EOS),
+    "pad": ("pad_token", ENDOFTEXT),
+    "img": ("image_wrapper_token", IMG),
+    "boi": ("boi_token", BOI),
+    "eoi": ("eoi_token", EOI),
+    "eof": ("eof_token", EOF),
+    "placeholder": ("image_token", IMAGE_PLACEHOLDER),
+}
 
 
 def visual_token(code: int) -> str:
@@ -87,8 +94,10 @@ class Emu3Vocab:
                 raise ValueError(f"tokenizer has no Emu3 {what} token {token!r}: not an Emu3 tokenizer?")
             return int(tid)
 
-        roles = {role: resolve(role, getattr(tokenizer, attr, None) or default)
-                 for role, (attr, default) in _ROLE_ATTRS.items()}
+        roles = {
+            role: resolve(role, getattr(tokenizer, attr, None) or default)
+            for role, (attr, default) in _ROLE_ATTRS.items()
+        }
         codes = {int(m.group(1)): tid for name, tid in vocab.items() if (m := _VISUAL_RE.fullmatch(name))}
         if not codes:
             raise ValueError("tokenizer has no visual tokens ('<|visual token 000000|>' ...): not an Emu3 tokenizer?")
@@ -133,8 +142,9 @@ def generation_prompt(text: str, h: int, w: int, vocab: Emu3Vocab, encode_text: 
     return np.concatenate([head, image_header(h, w, vocab, encode_text)])
 
 
-def serialize(text: str, grids: Sequence[np.ndarray], vocab: Emu3Vocab, encode_text: TextEncoder, *,
-              add_bos: bool = True) -> np.ndarray:
+def serialize(
+    text: str, grids: Sequence[np.ndarray], vocab: Emu3Vocab, encode_text: TextEncoder, *, add_bos: bool = True
+) -> np.ndarray:
     """`[bos]` + `text` with its i-th `<image>` replaced by the block of `grids[i]`."""
     pieces = text.split(IMAGE_PLACEHOLDER)
     if len(pieces) - 1 != len(grids):

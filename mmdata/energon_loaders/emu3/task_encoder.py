@@ -137,10 +137,17 @@ class Emu3TaskEncoder(PackingTaskEncoder):
         if uncond:
             self._count("task/generation_uncond")
         return Emu3Sample.derive_from(
-            sample, id=sid, input_ids=result.tokens.input_ids, labels=shift_labels(result.tokens.labels),
-            task=task, uncond=uncond, truncated=result.outcome == "truncated",
+            sample,
+            id=sid,
+            input_ids=result.tokens.input_ids,
+            labels=shift_labels(result.tokens.labels),
+            task=task,
+            uncond=uncond,
+            truncated=result.outcome == "truncated",
         )
 
     def collate(self, rows: list[list[Emu3Sample]], stats: dict[str, int]) -> Emu3Batch:
-        return Emu3Batch(**packed_batch_fields(rows, self.config.seq_length, self.tasks.vocab.pad, stats),
-                         tasks=[[s.task for s in row] for row in rows])
+        return Emu3Batch(
+            **packed_batch_fields(rows, self.config.seq_length, self.tasks.vocab.pad, stats),
+            tasks=[[s.task for s in row] for row in rows],
+        )

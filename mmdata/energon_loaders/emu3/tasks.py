@@ -45,7 +45,11 @@ from mmdata.energon_loaders.sequence import (
     encode_with_offsets,
     turn_role,
 )
-from mmdata.packing.emu3_geometry import DEFAULT_SYSTEM_PROMPT, GENERATION, UNDERSTANDING  # (the Emu3 reference's prompt)
+from mmdata.packing.emu3_geometry import (
+    DEFAULT_SYSTEM_PROMPT,
+    GENERATION,
+    UNDERSTANDING,
+)  # (the Emu3 reference's prompt)
 
 _PLACEHOLDER_RE = re.compile(re.escape(IMAGE_PLACEHOLDER) + r"\n?")
 
@@ -114,7 +118,9 @@ class Emu3Tasks:
         for tid, (start, end) in zip(ids, offsets):
             if tid == v.placeholder:
                 if image_i >= len(grids):
-                    raise ConversationError("media_mismatch", f"more {IMAGE_PLACEHOLDER} placeholders than images ({len(grids)})")
+                    raise ConversationError(
+                        "media_mismatch", f"more {IMAGE_PLACEHOLDER} placeholders than images ({len(grids)})"
+                    )
                 block = self.image_block(grids[image_i])
                 out_ids.append(block)
                 out_labels.append(np.full(len(block), IGNORE_INDEX, dtype=np.int64))
@@ -129,7 +135,9 @@ class Emu3Tasks:
             out_labels.append(np.array([tid if in_loss else IGNORE_INDEX], dtype=np.int64))
             pos += 1
         if image_i != len(grids):
-            raise ConversationError("media_mismatch", f"{image_i} {IMAGE_PLACEHOLDER} placeholders but {len(grids)} images")
+            raise ConversationError(
+                "media_mismatch", f"{image_i} {IMAGE_PLACEHOLDER} placeholders but {len(grids)} images"
+            )
         return TokenSequence(np.concatenate(out_ids), np.concatenate(out_labels), spans)
 
     def image_block(self, grid: np.ndarray) -> np.ndarray:

@@ -51,8 +51,9 @@ def encode_grid(grid: np.ndarray, codebook_size: int) -> bytes:
     if grid.ndim != 2:
         raise ValueError(f"a code grid is 2-D, got shape {grid.shape}")
     buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.ascontiguousarray(grid, dtype=grid_dtype(codebook_size)), version=(1, 0),
-                              allow_pickle=False)
+    np.lib.format.write_array(
+        buf, np.ascontiguousarray(grid, dtype=grid_dtype(codebook_size)), version=(1, 0), allow_pickle=False
+    )
     return buf.getvalue()
 
 

@@ -91,8 +91,9 @@ def _normalise_(out: torch.Tensor, mean: Sequence[float], std: Sequence[float]) 
     out.mul_(scale.to(out.device)).add_(shift.to(out.device))
 
 
-def normalise_pixels(pixels: torch.Tensor, mean: Sequence[float] = SIGLIP_MEAN,
-                     std: Sequence[float] = SIGLIP_STD) -> torch.Tensor:
+def normalise_pixels(
+    pixels: torch.Tensor, mean: Sequence[float] = SIGLIP_MEAN, std: Sequence[float] = SIGLIP_STD
+) -> torch.Tensor:
     """uint8 tiles [N, 3, S, S] (0..255) -> float32 normalised, on `pixels`' device. The loader
     ships uint8 (4x less to pin and copy than fp32); the model calls this on the device."""
     out = pixels.to(torch.float32)

@@ -51,7 +51,11 @@ class LlavaOVBatch(PackedBatch):
 
     #: per-media fields, split and joined with their rows (`row_items`)
     MEDIA_FIELDS: ClassVar[tuple[str, ...]] = (
-        "tiles_per_media", "media_kind", "image_sizes", "grid_shapes", "num_media_tokens",
+        "tiles_per_media",
+        "media_kind",
+        "image_sizes",
+        "grid_shapes",
+        "num_media_tokens",
     )
     # the layout and the CP media split read these with .tolist(): they never leave the host
     HOST_FIELDS: ClassVar[tuple[str, ...]] = PackedBatch.HOST_FIELDS + MEDIA_FIELDS + ("input_ids_host",)
@@ -70,22 +74,30 @@ class LlavaOVBatch(PackedBatch):
         media = len(self.tiles_per_media)
         counts = list(self.media_per_row) or ([media] if rows == 1 else [])
         if len(counts) != rows or sum(counts) != media:
-            raise ValueError(f"media_per_row {self.media_per_row} does not place the batch's {media} media in its "
-                             f"{rows} rows")
+            raise ValueError(
+                f"media_per_row {self.media_per_row} does not place the batch's {media} media in its {rows} rows"
+            )
         tiles = [int(t) for t in self.tiles_per_media.tolist()]
         out, m, t = [], 0, 0
         for n in counts:
-            k = sum(tiles[m:m + n])
-            out.append({**{name: getattr(self, name)[m:m + n] for name in self.MEDIA_FIELDS},
-                        "pixel_values": self.pixel_values[t:t + k], "media_per_row": [n]})
+            k = sum(tiles[m : m + n])
+            out.append(
+                {
+                    **{name: getattr(self, name)[m : m + n] for name in self.MEDIA_FIELDS},
+                    "pixel_values": self.pixel_values[t : t + k],
+                    "media_per_row": [n],
+                }
+            )
             m, t = m + n, t + k
         return out
 
     @classmethod
     def join_items(cls, rows: Sequence[LlavaOVBatch]) -> dict[str, Any]:
         items = [r.row_items() for r in rows]  # checks each row's media
-        return {**{name: torch.cat([getattr(r, name) for r in rows]) for name in cls.MEDIA_FIELDS + ("pixel_values",)},
-                "media_per_row": [n for per_row in items for it in per_row for n in it["media_per_row"]]}
+        return {
+            **{name: torch.cat([getattr(r, name) for r in rows]) for name in cls.MEDIA_FIELDS + ("pixel_values",)},
+            "media_per_row": [n for per_row in items for it in per_row for n in it["media_per_row"]],
+        }
 
     def host_input_ids(self) -> torch.Tensor:
         """`input_ids` on the CPU without a device-to-host read when the batch came through `to()`."""

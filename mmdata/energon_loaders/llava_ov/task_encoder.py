@@ -125,8 +125,13 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
         if width < 1 or height < 1:
             raise self._skip("image_decode", sample_id, f"{where}: empty size")
         grid, n = anyres.image_layout(
-            height, width, kind == MEDIA_ANYRES,
-            image_size=c.image_size, patch_size=c.patch_size, max_tiles=c.max_tiles, grid_max=c.grid_max,
+            height,
+            width,
+            kind == MEDIA_ANYRES,
+            image_size=c.image_size,
+            patch_size=c.patch_size,
+            max_tiles=c.max_tiles,
+            grid_max=c.grid_max,
         )
         return MediaRef(kind, data, (height, width), n, grid)
 
@@ -143,7 +148,9 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
         images = list(sample.images or [])
         kind = MEDIA_ANYRES if len(images) == 1 else MEDIA_BASE_ONLY
         media = [
-            self._image_ref(data, kind, f"image {i} ({sample.image_names[i] if i < len(sample.image_names) else '?'})", sid)
+            self._image_ref(
+                data, kind, f"image {i} ({sample.image_names[i] if i < len(sample.image_names) else '?'})", sid
+            )
             for i, data in enumerate(images)
         ]
         conversations = list(sample.conversations)
@@ -158,7 +165,9 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
             video_counts.append(n)
             conversations = with_video_placeholder(conversations)
         try:
-            tokens = self.chat.tokenize(conversations, [m.num_tokens for m in media if m.kind != MEDIA_VIDEO], video_counts)
+            tokens = self.chat.tokenize(
+                conversations, [m.num_tokens for m in media if m.kind != MEDIA_VIDEO], video_counts
+            )
         except ConversationError as exc:
             raise self._skip(exc.reason, sid, str(exc)) from exc
         if not (tokens.labels != IGNORE_INDEX).any():
@@ -205,7 +214,12 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
                 raise self._skip("media_size_changed", sample.id, f"media {i}: {out.num_tokens} != {ref.num_tokens}")
             encoded.append(EncodedMedia(ref.kind, out))
         return LlavaOVSample.derive_from(
-            sample, id=sample.id, input_ids=sample.input_ids, labels=sample.labels, media=encoded, truncated=sample.truncated
+            sample,
+            id=sample.id,
+            input_ids=sample.input_ids,
+            labels=sample.labels,
+            media=encoded,
+            truncated=sample.truncated,
         )
 
     def collate(self, rows: list[list[LlavaOVSample]], stats: dict[str, int]) -> LlavaOVBatch:
@@ -226,7 +240,10 @@ def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def collate_rows(
-    rows: list[list[LlavaOVSample]], config: LlavaOVEncoderConfig, pad_token_id: int, stats: dict[str, int] | None = None
+    rows: list[list[LlavaOVSample]],
+    config: LlavaOVEncoderConfig,
+    pad_token_id: int,
+    stats: dict[str, int] | None = None,
 ) -> LlavaOVBatch:
     """Rows of post-encoded samples -> the model batch (conventions: batch.py, ../batch.py)."""
     media: list[EncodedMedia] = [m for row in rows for s in row for m in s.media]

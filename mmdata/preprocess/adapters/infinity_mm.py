@@ -93,8 +93,7 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
     for m in infos:
         key, suffix = _key_of(m.name)
         groups.setdefault(key, []).append((m, suffix))
-    json_of = {key: next((m.name for m, suffix in group if suffix == "json"), None)
-               for key, group in groups.items()}
+    json_of = {key: next((m.name for m, suffix in group if suffix == "json"), None) for key, group in groups.items()}
     json_bytes_of = _read_members(resolver, [members[name] for name in json_of.values() if name is not None])
     try:
         for index, (key, group) in enumerate(groups.items()):
@@ -112,20 +111,42 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
                 continue
             name = json_of[key]
             if name is None:
-                yield RawRecord(f"{unit.rel}:{key}", f"{unit.path}:{key}", None, prov, resolver,
-                                error="json_missing", error_detail=f"members {[m.name for m, _ in group]} have no .json",
-                                own_images=images, own_videos=videos)
+                yield RawRecord(
+                    f"{unit.rel}:{key}",
+                    f"{unit.path}:{key}",
+                    None,
+                    prov,
+                    resolver,
+                    error="json_missing",
+                    error_detail=f"members {[m.name for m, _ in group]} have no .json",
+                    own_images=images,
+                    own_videos=videos,
+                )
                 continue
             prov["member"] = name
             data = json_bytes_of[name]
-            yield RawRecord(f"{unit.rel}:{name}", f"{unit.path}:{name}", data, prov, resolver,
-                            error=None if data is not None else "input_truncated",
-                            error_detail="" if data is not None else f"{name}: data cut short",
-                            own_images=images, own_videos=videos)
+            yield RawRecord(
+                f"{unit.rel}:{name}",
+                f"{unit.path}:{name}",
+                data,
+                prov,
+                resolver,
+                error=None if data is not None else "input_truncated",
+                error_detail="" if data is not None else f"{name}: data cut short",
+                own_images=images,
+                own_videos=videos,
+            )
         if tail_error:
             prov = {"dataset": "infinity-mm", "file": unit.rel, "member": "<rest of file>", "index": len(groups)}
-            yield RawRecord(f"{unit.rel}:<rest>", f"{unit.path}:<after member {len(infos)}>", None, prov, resolver,
-                            error="input_truncated", error_detail=tail_error)
+            yield RawRecord(
+                f"{unit.rel}:<rest>",
+                f"{unit.path}:<after member {len(infos)}>",
+                None,
+                prov,
+                resolver,
+                error="input_truncated",
+                error_detail=tail_error,
+            )
     finally:
         resolver.close()
 
@@ -138,8 +159,9 @@ def _unsafe(name: str) -> bool:
     return name.startswith(("/", "\\")) or ".." in parts
 
 
-def _hostile_group(unit: InputUnit, key: str, group: list[tuple[TarMember, str]], prov: dict,
-                   resolver: "_TarMembers") -> list[RawRecord]:
+def _hostile_group(
+    unit: InputUnit, key: str, group: list[tuple[TarMember, str]], prov: dict, resolver: "_TarMembers"
+) -> list[RawRecord]:
     """Records for a sample that cannot be taken at face value (none when it can): members whose
     names escape the archive's folder, or a key with several JSON members (which JSON goes with
     which image is unknowable). One record per JSON member, so the counts still match the input."""
@@ -151,8 +173,18 @@ def _hostile_group(unit: InputUnit, key: str, group: list[tuple[TarMember, str]]
         error, detail = "duplicate_key", f"sample key {key!r} has {len(jsons)} JSON members ({jsons}); ambiguous"
     else:
         return []
-    return [RawRecord(f"{unit.rel}:{key}#{k}", f"{unit.path}:{n}", None, {**prov, "member": n}, resolver,
-                      error=error, error_detail=detail) for k, n in enumerate(jsons)]
+    return [
+        RawRecord(
+            f"{unit.rel}:{key}#{k}",
+            f"{unit.path}:{n}",
+            None,
+            {**prov, "member": n},
+            resolver,
+            error=error,
+            error_detail=detail,
+        )
+        for k, n in enumerate(jsons)
+    ]
 
 
 def _read_members(tar: _TarMembers, members: list[TarMember]) -> dict[str, bytes | None]:

@@ -47,23 +47,30 @@ def iter_records(unit: InputUnit) -> Iterator[RawRecord]:
                 if not line.strip():
                     continue
                 prov = {"dataset": "llava-json", "file": unit.rel, "line": line_no, "index": line_no - 1}
-                yield RawRecord(f"{unit.rel}:{line_no}", f"{unit.path}:{line_no}", line.rstrip(b"\r\n"),
-                                prov, resolver)
+                yield RawRecord(f"{unit.rel}:{line_no}", f"{unit.path}:{line_no}", line.rstrip(b"\r\n"), prov, resolver)
         return
     try:
         with open(unit.path, "rb") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         prov = {"dataset": "llava-json", "file": unit.rel, "index": 0}
-        yield RawRecord(f"{unit.rel}", unit.path, None, prov, resolver, error="json_malformed",
-                        error_detail=f"whole file unreadable: {e}")
+        yield RawRecord(
+            f"{unit.rel}",
+            unit.path,
+            None,
+            prov,
+            resolver,
+            error="json_malformed",
+            error_detail=f"whole file unreadable: {e}",
+        )
         return
     if not isinstance(data, list):
         data = [data]
     for i, rec in enumerate(data):
         prov = {"dataset": "llava-json", "file": unit.rel, "item": i, "index": i}
-        yield RawRecord(f"{unit.rel}:{i}", f"{unit.path}[{i}]", json.dumps(rec, ensure_ascii=False).encode(),
-                        prov, resolver)
+        yield RawRecord(
+            f"{unit.rel}:{i}", f"{unit.path}[{i}]", json.dumps(rec, ensure_ascii=False).encode(), prov, resolver
+        )
 
 
 def check_image_root(units: list[InputUnit], max_refs: int = 32, max_records: int = 2000) -> str | None:
@@ -95,8 +102,10 @@ def check_image_root(units: list[InputUnit], max_refs: int = 32, max_records: in
         return None
     unit, ref = tried[0]
     root = unit.image_root or os.path.dirname(unit.path)
-    msg = (f"none of the first {len(tried)} image paths of {unit.rel} resolves under the image root {root} "
-           f"(e.g. {ref!r} -> {os.path.join(root, ref)}: not found)")
+    msg = (
+        f"none of the first {len(tried)} image paths of {unit.rel} resolves under the image root {root} "
+        f"(e.g. {ref!r} -> {os.path.join(root, ref)}: not found)"
+    )
     if os.path.isabs(ref):
         return msg + "; the paths are absolute: pass --image-root with a folder that contains them"
     for candidate in [*list(Path(unit.path).parents)[:5], Path.cwd()]:

@@ -37,18 +37,36 @@ MAX_DISTANCE = 8
 MATCHED_IMAGES = 4  # images compared within D; the hashes of any further ones must be equal
 SCOPES = ("record", "image")
 
-ENTRY = np.dtype([
-    ("band", "<u8"), ("text", "<u8"), ("table", "<u2"), ("nimg", "<u2"),  # the group key
-    ("h", "<u8", (MATCHED_IMAGES,)), ("rest", "<u8"),  # the hashes compared
-    ("neg_pixels", "<i8"), ("idkey", "<u8"), ("ridkey", "<u8"),  # priority (smaller wins)
-    ("unit", "<u4"), ("ord", "<u4"),  # the record's handle (input file, candidate ordinal)
-    ("key", "<u8"), ("group", "<u8"),  # shuffle key (-> sort bucket), mix group key
-])
-MARK = np.dtype([
-    ("unit", "<u4"), ("ord", "<u4"), ("group", "<u8"),  # the dropped record
-    ("n_neg_pixels", "<i8"), ("n_idkey", "<u8"), ("n_ridkey", "<u8"), ("n_unit", "<u4"), ("n_ord", "<u4"),
-    ("distance", "<u2"),
-])
+ENTRY = np.dtype(
+    [
+        ("band", "<u8"),
+        ("text", "<u8"),
+        ("table", "<u2"),
+        ("nimg", "<u2"),  # the group key
+        ("h", "<u8", (MATCHED_IMAGES,)),
+        ("rest", "<u8"),  # the hashes compared
+        ("neg_pixels", "<i8"),
+        ("idkey", "<u8"),
+        ("ridkey", "<u8"),  # priority (smaller wins)
+        ("unit", "<u4"),
+        ("ord", "<u4"),  # the record's handle (input file, candidate ordinal)
+        ("key", "<u8"),
+        ("group", "<u8"),  # shuffle key (-> sort bucket), mix group key
+    ]
+)
+MARK = np.dtype(
+    [
+        ("unit", "<u4"),
+        ("ord", "<u4"),
+        ("group", "<u8"),  # the dropped record
+        ("n_neg_pixels", "<i8"),
+        ("n_idkey", "<u8"),
+        ("n_ridkey", "<u8"),
+        ("n_unit", "<u4"),
+        ("n_ord", "<u4"),
+        ("distance", "<u2"),
+    ]
+)
 DROP = np.dtype([("unit", "<u4"), ("ord", "<u4"), ("n_unit", "<u4"), ("n_ord", "<u4"), ("distance", "<u2")])
 _M64 = (1 << 64) - 1
 
@@ -90,14 +108,25 @@ class EntryBuilder:
         self.scope = scope
         self.rows: list[tuple] = []
 
-    def add(self, hashes: list[int], text_key: int, pixels: int, idkey: int, ridkey: int, unit: int, ordinal: int,
-            key: int, group: int) -> None:
+    def add(
+        self,
+        hashes: list[int],
+        text_key: int,
+        pixels: int,
+        idkey: int,
+        ridkey: int,
+        unit: int,
+        ordinal: int,
+        key: int,
+        group: int,
+    ) -> None:
         h = (hashes + [0] * MATCHED_IMAGES)[:MATCHED_IMAGES]
         rest = key64(",".join(map(str, hashes[MATCHED_IMAGES:]))) if len(hashes) > MATCHED_IMAGES else 0
         text = text_key if self.scope == "record" else 0
         for t, mask in enumerate(self.masks):
-            self.rows.append((hashes[0] & mask, text, t, len(hashes), h, rest, -pixels, idkey, ridkey, unit, ordinal,
-                              key, group))
+            self.rows.append(
+                (hashes[0] & mask, text, t, len(hashes), h, rest, -pixels, idkey, ridkey, unit, ordinal, key, group)
+            )
 
     def save(self, work: str | Path, unit: int, num_partitions: int) -> int:
         entries = np.array(self.rows, dtype=ENTRY)
@@ -109,7 +138,11 @@ class EntryBuilder:
 def _partition(entries: np.ndarray, num_partitions: int) -> np.ndarray:
     """Partition of each entry's group key: a fixed mix of (band, text, table), mod P."""
     with np.errstate(over="ignore"):
-        x = entries["band"] ^ (entries["text"] * np.uint64(0x9E3779B97F4A7C15)) ^ (entries["table"].astype("<u8") << np.uint64(48))
+        x = (
+            entries["band"]
+            ^ (entries["text"] * np.uint64(0x9E3779B97F4A7C15))
+            ^ (entries["table"].astype("<u8") << np.uint64(48))
+        )
         x ^= x >> np.uint64(31)
         x *= np.uint64(0xBF58476D1CE4E5B9)
         x ^= x >> np.uint64(29)
@@ -192,7 +225,9 @@ def resolve_bucket(bucket: int, num_partitions: int, work: str) -> dict:
     parts = [load_grouped(work_path(work, "dedup", f"p{p:05d}.marks"), MARK, bucket) for p in range(num_partitions)]
     m = np.concatenate(parts) if parts else np.zeros(0, MARK)
     if len(m):
-        m = m[np.lexsort((m["n_ord"], m["n_unit"], m["n_ridkey"], m["n_idkey"], m["n_neg_pixels"], m["ord"], m["unit"]))]
+        m = m[
+            np.lexsort((m["n_ord"], m["n_unit"], m["n_ridkey"], m["n_idkey"], m["n_neg_pixels"], m["ord"], m["unit"]))
+        ]
         first = np.r_[True, (m["unit"][1:] != m["unit"][:-1]) | (m["ord"][1:] != m["ord"][:-1])]
         m = m[first]
     drops = np.zeros(len(m), DROP)

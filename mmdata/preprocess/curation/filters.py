@@ -68,8 +68,9 @@ class FilterRule:
             return have == self.value
         if self.op == "!=":
             return have != self.value
-        return {"<": have < self.value, "<=": have <= self.value, ">": have > self.value,
-                ">=": have >= self.value}[self.op]
+        return {"<": have < self.value, "<=": have <= self.value, ">": have > self.value, ">=": have >= self.value}[
+            self.op
+        ]
 
 
 def _show(v: Any) -> str:
@@ -97,8 +98,10 @@ def _value(field: str, text: str, expr: str) -> float | str:
 def parse_filter(expr: str) -> FilterRule:
     m = _EXPR.match(expr)
     if not m:
-        raise FilterError(f"--filter {expr!r}: expected FIELD OP VALUE, e.g. 'qw2vl_loss<=2.5' or "
-                          f"'source in [a, b]' (OP: < <= > >= == != in, not in)")
+        raise FilterError(
+            f"--filter {expr!r}: expected FIELD OP VALUE, e.g. 'qw2vl_loss<=2.5' or "
+            f"'source in [a, b]' (OP: < <= > >= == != in, not in)"
+        )
     field, op, rest = m[1], " ".join(m[2].split()), m[3]
     if field not in FIELDS:
         guess = closest(field, FIELDS)

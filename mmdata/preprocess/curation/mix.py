@@ -152,6 +152,11 @@ def copies(factor: float, seed: int, rid: str) -> int:
     whole = math.floor(factor)
     if factor == whole:
         return whole
-    u = int.from_bytes(hashlib.blake2b(rid.encode("utf-8", "surrogateescape"), digest_size=8,
-                                       key=f"mix:{seed}".encode()).digest(), "big") / 2**64
+    u = (
+        int.from_bytes(
+            hashlib.blake2b(rid.encode("utf-8", "surrogateescape"), digest_size=8, key=f"mix:{seed}".encode()).digest(),
+            "big",
+        )
+        / 2**64
+    )
     return whole + (u < factor - whole)

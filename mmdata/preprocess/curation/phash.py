@@ -33,7 +33,9 @@ def phash(image: Image.Image, fast: bool = False) -> int:
     """`fast`: resize through Pillow's reducing_gap (several times faster on big images; a few
     bits may then differ from imagehash's value). `mmdata synth` uses it to stand in for the
     producer's own hash; the job's computed hashes never do."""
-    small = image.convert("L").resize((IMG_SIZE, IMG_SIZE), Image.Resampling.LANCZOS, reducing_gap=3.0 if fast else None)
+    small = image.convert("L").resize(
+        (IMG_SIZE, IMG_SIZE), Image.Resampling.LANCZOS, reducing_gap=3.0 if fast else None
+    )
     pixels = np.asarray(small, dtype=np.float64)
     c = _dct_rows()
     low = c @ pixels @ c.T

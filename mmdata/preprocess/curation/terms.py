@@ -33,5 +33,7 @@ def unmatched(where: str, kind: str, bad: Iterable[str], known: Iterable[str]) -
         guess = closest(b, known)
         parts.append(f"{b!r}" + (f" (did you mean {guess!r}?)" if guess is not None else ""))
     plural = "" if len(parts) == 1 else "s"
-    return (f"{where}: no {kind}{plural} {', '.join(parts)} in the input; its {kind}s: "
-            f"{', '.join(shown(k) for k in known) or '(none)'}")
+    return (
+        f"{where}: no {kind}{plural} {', '.join(parts)} in the input; its {kind}s: "
+        f"{', '.join(shown(k) for k in known) or '(none)'}"
+    )

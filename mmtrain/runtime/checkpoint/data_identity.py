@@ -121,10 +121,12 @@ def _show(value: Any) -> str:
 
 def refusal(ckpt: Path, changes: list[str]) -> str:
     """The one-line refusal naming each change and the switch."""
-    return (f"{ckpt}: its loader state was saved for other data ({'; '.join(changes)}); resuming it would "
-            f"feed the old loader position into the new data. Restore those keys to resume exactly, or set "
-            f"{RESET_SWITCH} to keep the weights, optimizer and step and start the data fresh, or use another "
-            "run_dir")
+    return (
+        f"{ckpt}: its loader state was saved for other data ({'; '.join(changes)}); resuming it would "
+        f"feed the old loader position into the new data. Restore those keys to resume exactly, or set "
+        f"{RESET_SWITCH} to keep the weights, optimizer and step and start the data fresh, or use another "
+        "run_dir"
+    )
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -158,11 +160,12 @@ def resume_decision(ckpt: Path, recipe: Recipe) -> str:
 def explain(decision: str, ckpt: Path, recipe: Recipe) -> str | None:
     """The log line of a decision, None when there is nothing to say."""
     if decision == "reset":
-        return (f"checkpoint.reset_data: the loader starts fresh from its seed (data.paths "
-                f"{recipe.data.paths}); weights, optimizer and step come from {ckpt}")
+        return (
+            f"checkpoint.reset_data: the loader starts fresh from its seed (data.paths "
+            f"{recipe.data.paths}); weights, optimizer and step come from {ckpt}"
+        )
     if recipe.checkpoint.reset_data:
-        return ("checkpoint.reset_data: the data is unchanged since this run's reset, so its data position "
-                "resumes")
+        return "checkpoint.reset_data: the data is unchanged since this run's reset, so its data position resumes"
     return None
 
 
@@ -207,8 +210,11 @@ def recipe_changes(ckpt: Path, resolved_yaml: str) -> list[str]:
     except (OSError, yaml.YAMLError):
         return []
     new = _flatten(yaml.safe_load(resolved_yaml) or {})
-    return [f"{key} {_show(old.get(key))} -> {_show(new.get(key))}: {why}"
-            for key, why in ANNOUNCED.items() if old.get(key) != new.get(key)]
+    return [
+        f"{key} {_show(old.get(key))} -> {_show(new.get(key))}: {why}"
+        for key, why in ANNOUNCED.items()
+        if old.get(key) != new.get(key)
+    ]
 
 
 def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -27,14 +27,19 @@ class CheckpointDamagedError(CheckpointMismatchError):
 
 
 def write_file_list(ckpt: Path) -> None:
-    files = {p.relative_to(ckpt).as_posix(): p.stat().st_size
-             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != FILE_LIST}
+    files = {
+        p.relative_to(ckpt).as_posix(): p.stat().st_size
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != FILE_LIST
+    }
     (ckpt / FILE_LIST).write_text(json.dumps(files, indent=1, sort_keys=True))
 
 
 def _advice(ckpt: Path) -> str:
-    return (f"resume from an earlier checkpoint (checkpoint.load={ckpt.parent}/iter_...) or move {ckpt} "
-            "away; the `latest` file names the checkpoint a rerun resumes")
+    return (
+        f"resume from an earlier checkpoint (checkpoint.load={ckpt.parent}/iter_...) or move {ckpt} "
+        "away; the `latest` file names the checkpoint a rerun resumes"
+    )
 
 
 def check_checkpoint(ckpt: Path, family: str) -> None:
@@ -53,7 +58,8 @@ def check_checkpoint(ckpt: Path, family: str) -> None:
             if f.stat().st_size != size:
                 raise CheckpointDamagedError(
                     f"{ckpt}: damaged, {name} has {f.stat().st_size} bytes but was saved with {size} "
-                    f"(truncated or overwritten); {_advice(ckpt)}")
+                    f"(truncated or overwritten); {_advice(ckpt)}"
+                )
     state = ckpt / TRAINER_STATE
     if state.exists():
         try:
@@ -67,7 +73,8 @@ def check_checkpoint(ckpt: Path, family: str) -> None:
         if written != CHECKPOINT_FORMAT:
             raise CheckpointDamagedError(
                 f"{state}: checkpoint format {written}, this mmtrain reads format {CHECKPOINT_FORMAT} (a checkpoint "
-                f"of another mmtrain version); {_advice(ckpt)}")
+                f"of another mmtrain version); {_advice(ckpt)}"
+            )
     recipe = ckpt / RECIPE
     if recipe.is_file():
         try:
@@ -78,4 +85,5 @@ def check_checkpoint(ckpt: Path, family: str) -> None:
         if theirs is not None and theirs != family:
             raise CheckpointDamagedError(
                 f"{ckpt}: a checkpoint of a {theirs} run, not {family}; give a checkpoint of a {family} run "
-                "(or convert the weights: docs/conversion.md)")
+                "(or convert the weights: docs/conversion.md)"
+            )

@@ -72,7 +72,9 @@ def find_latest_iteration(ckpt_dir: str | os.PathLike) -> int | None:
     latest = read_latest(ckpt_dir)
     if latest is not None:
         return latest
-    its = sorted(iteration_of(p) for p in Path(ckpt_dir).glob("iter_*") if ITER_RE.match(p.name) and (p / "model").is_dir())
+    its = sorted(
+        iteration_of(p) for p in Path(ckpt_dir).glob("iter_*") if ITER_RE.match(p.name) and (p / "model").is_dir()
+    )
     return its[-1] if its else None
 
 

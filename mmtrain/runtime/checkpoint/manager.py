@@ -123,8 +123,13 @@ class OptimizerState:
 
     name = "optimizer"
 
-    def __init__(self, optimizer: Any, model_chunks: list[torch.nn.Module], kind: dict[str, Any] | None = None,
-                 metadata: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        model_chunks: list[torch.nn.Module],
+        kind: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         self.optimizer, self.model_chunks = optimizer, model_chunks
         self.kind = kind or {}
         self.metadata = metadata  # megatron's sharded_state_dict(metadata=...): the DistOpt format
@@ -170,7 +175,8 @@ def check_layer_spec(ckpt: Path, transformer_impl: str) -> None:
         raise CheckpointMismatchError(
             f"{ckpt}: written with parallel.transformer_impl={saved}, this run uses {transformer_impl}; their "
             f"parameter names differ. Set parallel.transformer_impl={saved}, or export it "
-            "(`mmtrain convert mcore-to-hf`) and start from the HF directory")
+            "(`mmtrain convert mcore-to-hf`) and start from the HF directory"
+        )
 
 
 def _describe(kind: dict[str, Any]) -> str:
@@ -203,8 +209,9 @@ class RngState:
             rng.set_rng_state(torch.load(rng_file, weights_only=True))
             return True
         if ctx.rank == 0:
-            log.warning("layout changed (%s -> %s): RNG streams re-seeded from seed and step",
-                        saved.layout, layout_of(ctx))
+            log.warning(
+                "layout changed (%s -> %s): RNG streams re-seeded from seed and step", saved.layout, layout_of(ctx)
+            )
         seed_model_parallel(self.seed + 7919 * saved.step, ctx.pp_rank)
         return False
 
@@ -222,8 +229,11 @@ class LoaderState:
 
     def save(self, ckpt: Path, ctx: ParallelContext) -> None:
         d = self.train_data
-        writes = ctx.rank == 0 if d.sharding == "replicated" else (ctx.tp_rank == 0 and ctx.pp_rank == 0
-                                                                   and ctx.cp_rank == 0)
+        writes = (
+            ctx.rank == 0
+            if d.sharding == "replicated"
+            else (ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.cp_rank == 0)
+        )
         if writes:
             (ckpt / self.name / d.state_key).write_text(d.save_state())
 
@@ -285,9 +295,15 @@ class CheckpointManager:
         return point.path.parent == self.root
 
     # ------------------------------------------------------------------ starting point
-    def starting_point(self, load: str | None, weights_only: bool, model_config: Any,
-                       architecture_keys: Sequence[str], family: str | None = None,
-                       transformer_impl: str = "local") -> StartingPoint | None:
+    def starting_point(
+        self,
+        load: str | None,
+        weights_only: bool,
+        model_config: Any,
+        architecture_keys: Sequence[str],
+        family: str | None = None,
+        transformer_impl: str = "local",
+    ) -> StartingPoint | None:
         """The run's own latest checkpoint, else `checkpoint.load` resolved; an mmtrain
         checkpoint that is damaged, another family's (integrity.py), made for another
         architecture or with another decoder layer spec is refused (CheckpointMismatchError)."""
@@ -326,7 +342,8 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - any loader failure means a damaged checkpoint
                 raise CheckpointDamagedError(
                     f"{point.path}: its {part.name} state cannot be loaded ({type(e).__name__}: {e}); the "
-                    "checkpoint is damaged: resume from an earlier one with checkpoint.load") from e
+                    "checkpoint is damaged: resume from an earlier one with checkpoint.load"
+                ) from e
         if not restored.get(OptimizerState.name, True):
             reload_model_params(self._optimizer())
         return RestoreResult(saved, saved.layout == layout_of(self.ctx), restored)
@@ -358,7 +375,9 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            with contextlib.suppress(OSError):  # (not empty: a killed earlier save's leftovers; the next save clears them)
+            with contextlib.suppress(
+                OSError
+            ):  # (not empty: a killed earlier save's leftovers; the next save clears them)
                 staging_root.rmdir()
             write_latest(self.root, state.step)
             prune(self.root, self.keep_last)

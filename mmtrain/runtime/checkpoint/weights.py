@@ -94,7 +94,10 @@ def save_model_weights(
 
 
 def load_model_weights(
-    model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | os.PathLike, iteration: int | None = None, *,
+    model_chunks: Sequence[torch.nn.Module],
+    ckpt_dir: str | os.PathLike,
+    iteration: int | None = None,
+    *,
     strict: bool = True,
 ) -> int:
     """Collective. Loads into the chunks in place (any TP/PP layout); returns the iteration."""
@@ -106,7 +109,8 @@ def load_model_weights(
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: checkpoint model directory not found")
     loaded = dist_checkpointing.load(
-        _sharded(model_chunks), str(model_dir),
+        _sharded(model_chunks),
+        str(model_dir),
         strict=StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_UNEXPECTED,
     )
     chunks = [unwrap(m) for m in model_chunks]
@@ -129,8 +133,9 @@ def load_model_config_dict(ckpt_dir: str | os.PathLike, iteration: int | None = 
     return yaml.safe_load(f.read_text())
 
 
-def check_architecture(ckpt_dir: str | os.PathLike, expected: Any, keys: Sequence[str],
-                       iteration: int | None = None) -> None:
+def check_architecture(
+    ckpt_dir: str | os.PathLike, expected: Any, keys: Sequence[str], iteration: int | None = None
+) -> None:
     """Refuse (CheckpointMismatchError naming `model.<key>`) when the checkpoint's saved model
     config and `expected` (the recipe's model config) disagree on one of `keys`, the family's
     architecture keys. A checkpoint without a saved model config is not checked."""
@@ -147,7 +152,8 @@ def check_architecture(ckpt_dir: str | os.PathLike, expected: Any, keys: Sequenc
         elif a != b:
             raise CheckpointMismatchError(
                 f"{ckpt_dir}: {path} is {b!r} in the recipe but {a!r} in the checkpoint; "
-                "the checkpoint holds another model's weights (fix the recipe or checkpoint.load)")
+                "the checkpoint holds another model's weights (fix the recipe or checkpoint.load)"
+            )
 
     for key in keys:
         if key in saved or key in want:
