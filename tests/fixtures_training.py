@@ -168,3 +168,32 @@ def train_args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, np
         f"parallel.master_port={free_port()}",
         *overrides,
     ]
+
+
+def train_family(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subprocess.CompletedProcess:
+    """One step of `mmtrain FAMILY RECIPE` on `data` with `tok` (the preflight tests' run)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    args = [
+        f"run_dir={run_dir}",
+        f"data.paths=[{data}]",
+        f"tokenizer.path={tok}",
+        "data.num_workers=1",
+        "train.seq_length=512",
+        "train.iters=1",
+        "logging.tensorboard=false",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
+    """The single problem line of a run preflight refused (exit 2, one line per problem)."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]

@@ -9,14 +9,13 @@ The checkpoint is made as a training run leaves it: its `hf_assets/` holds the r
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 
-from tests.llava_tiny import export_processor, has_torchvision, hf_llava, images  # noqa: E402
+from tests.llava_tiny import export_processor, has_torchvision, images  # noqa: E402
 
 QUESTION = "What is shown in this picture?"
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -29,29 +28,10 @@ def _cli(*argv: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, llava_hf):
     """(megatron checkpoint, its HF export, the HF source model, the tokenizer)."""
-    from transformers import AutoTokenizer
-
-    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-
+    src, model, tok = llava_hf
     root = tmp_path_factory.mktemp("llava_export")
-    tok_dir = build_tiny_qwen2_tokenizer(root / "tok")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    model = hf_llava(
-        seed=1,
-        vocab_size=len(tok),
-        image_token=tok.convert_tokens_to_ids("<image>"),
-        video_token=tok.convert_tokens_to_ids("<video>"),
-    )
-    with torch.no_grad():  # text weights scaled up so greedy answers vary
-        for name, p in model.named_parameters():
-            if "language_model" in name and "norm" not in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    src = root / "hf"
-    model.save_pretrained(src)
-    for f in tok_dir.iterdir():
-        shutil.copy2(f, src / f.name)
     ckpt, out = root / "ckpt", root / "export"
     assert _cli("convert", "hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt)) == 0
     tok.save_pretrained(ckpt / "hf_assets")  # what training's keep_tokenizer writes there

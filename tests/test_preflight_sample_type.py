@@ -5,14 +5,14 @@ naming both sample types (exit 2, run_dir untouched), also for a leaf of a metad
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.emu3_tiny import DEV_SAMPLES_PER_SHARD, dev_samples
+from tests.fixtures_training import the_one_refusal
+from tests.fixtures_training import train_family as run
 
 REPO = Path(__file__).resolve().parents[1]
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -42,34 +42,6 @@ def llava_tok(tmp_path_factory) -> Path:
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("kind") / "tok")
-
-
-def run(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    args = [
-        f"run_dir={run_dir}",
-        f"data.paths=[{data}]",
-        f"tokenizer.path={tok}",
-        "data.num_workers=1",
-        "train.seq_length=512",
-        "train.iters=1",
-        "logging.tensorboard=false",
-    ]
-    return subprocess.run(
-        [sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
-
-
-def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
-    """The single problem line of a run preflight refused (exit 2, one line per problem)."""
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 def test_sample_types_are_read_from_the_energon_index(llava_shards, token_shards):

@@ -6,47 +6,17 @@ and `hf_assets/` were written), and an Emu3 tokenizer given to `mmtrain llava-ov
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.emu3_tiny import DEV_SAMPLES_PER_SHARD, dev_samples
-from tests.emu3_tiny import demo_token_dir, emu3_tok_dir, tiny_vq_dir  # noqa: F401 - session fixtures
+from tests.fixtures_training import the_one_refusal
+from tests.fixtures_training import train_family as run
 
 REPO = Path(__file__).resolve().parents[1]
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 EMU3_RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
-
-
-def run(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    args = [
-        f"run_dir={run_dir}",
-        f"data.paths=[{data}]",
-        f"tokenizer.path={tok}",
-        "data.num_workers=1",
-        "train.seq_length=512",
-        "train.iters=1",
-        "logging.tensorboard=false",
-    ]
-    return subprocess.run(
-        [sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
-
-
-def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
-    """The single problem line of a run preflight refused (exit 2, one line per problem)."""
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
