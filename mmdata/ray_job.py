@@ -61,7 +61,13 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     as Ray decides: part of Ray's fixed start and stop (docs/preprocess.md, "Benchmark"), paid
     once per job whatever its size. A new `ray.init` cluster reports no usage statistics
     (Ray turns them off for it unless the wheel is a nightly)."""
-    import ray  # (2 s to import; `mmdata --help` imports this module through its commands)
+    try:
+        import ray  # (2 s to import; `mmdata --help` imports this module through its commands)
+    except ImportError:
+        raise UserError(
+            "the Ray jobs (mmdata preprocess, mmdata tokenize-images) need Ray, the `data` extra: "
+            "pip install 'mmdata-mmtrain[data]' (a training-only install leaves it out)"
+        ) from None
 
     if ray.is_initialized():
         return False

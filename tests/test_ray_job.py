@@ -83,3 +83,17 @@ def test_a_bad_object_store_setting_is_refused_before_ray_starts(monkeypatch) ->
     with pytest.raises(UserError, match=f"{OBJECT_STORE_ENV}='12'"):
         init_ray(None, 1)
     assert not ray.is_initialized()
+
+
+@pytest.mark.unit
+def test_a_install_without_ray_gets_one_line_naming_the_extra(monkeypatch):
+    """A training-only install (no `data` extra) running a Ray job: a UserError (rc 2) that names
+    the extra, not an ImportError traceback."""
+    import sys
+
+    from mmdata.errors import UserError
+    from mmdata.ray_job import init_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what Python's import does when a module is absent
+    with pytest.raises(UserError, match=r"mmdata-mmtrain\[data\]"):
+        init_ray(None, 1)
