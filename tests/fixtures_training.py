@@ -38,18 +38,8 @@ def train(
     expect_rc: int = 0,
     command: list[str] = MMTRAIN,
 ) -> subprocess.CompletedProcess:
-    args = [
-        f"run_dir={run_dir}",
-        f"data.paths=[{shards}]",
-        f"tokenizer.path={tokenizer}",
-        "data.num_workers=1",
-        "train.seq_length=1024",
-        "logging.tensorboard=false",
-        f"parallel.nproc_per_node={nproc}",
-        f"parallel.master_port={free_port()}",
-        *overrides,
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    args = run_overrides(run_dir, shards, tokenizer, *overrides, nproc=nproc)
     proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != expect_rc:
         raise AssertionError(
@@ -157,7 +147,12 @@ def run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
 
 def train_args(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
     """The `mmtrain llava-ov` command line of `train` (for a run the test starts, signals or kills itself)."""
-    return MMTRAIN + [
+    return MMTRAIN + run_overrides(run_dir, shards, tokenizer, *overrides, nproc=nproc)
+
+
+def run_overrides(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    """The recipe overrides of `train` and `train_args`: a small, quiet CPU run on `shards`."""
+    return [
         f"run_dir={run_dir}",
         f"data.paths=[{shards}]",
         f"tokenizer.path={tokenizer}",
