@@ -29,6 +29,8 @@ from mmdata import shard_format as sf
 from mmdata.errors import UserError, deferred_interrupt
 from mmdata.units import plural
 
+log = logging.getLogger(__name__)
+
 INTERRUPTED = "interrupted: rerun the same command to resume"
 # The object store of a private local instance, in MiB (default 256; Ray's floor is 75). Rows and
 # media never pass through it (tasks read inputs and write shards themselves), so it stays small
@@ -74,19 +76,48 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs = {"log_to_driver": False, "configure_logging": True, "logging_level": "warning"}
     store = None if address else object_store_bytes()  # (a bad setting: a clear error before Ray starts)
-    try:
-        with deferred_interrupt():
-            if address:
-                ray.init(address=address, **kwargs)
-            else:
-                with _quiet_default_token_auth():
-                    ray.init(
-                        address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=store, **kwargs
-                    )
-    except KeyboardInterrupt:  # held back until Ray was up: take it down again
-        shutdown_ray(True)
-        raise
-    return True
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            with deferred_interrupt():
+                if address:
+                    ray.init(address=address, **kwargs)
+                else:
+                    with _quiet_default_token_auth():
+                        ray.init(
+                            address="local",
+                            num_cpus=num_cpus,
+                            include_dashboard=False,
+                            object_store_memory=store,
+                            **kwargs,
+                        )
+            return True
+        except KeyboardInterrupt:  # held back until Ray was up: take it down again
+            shutdown_ray(True)
+            raise
+        except Exception as err:  # Ray raises a bare Exception for it; anything else is not ours to judge
+            if RAY_STARTUP_TIMEOUT not in str(err):
+                raise
+            ray.shutdown()  # what the failed start left, before the next try
+            if attempt == RAY_START_ATTEMPTS:
+                raise UserError(ray_start_timed_out_message(attempt)) from None
+            log.warning("Ray's node timed out during startup (a busy machine?); starting it once more")
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+#: Ray gives its raylet a fixed 30 s to register (ray/_private/node.py, no setting), which a busy
+#: login node can miss; the start is tried this many times before the job gives up with one line.
+RAY_START_ATTEMPTS = 2
+#: the text of Ray's error for it (a bare `Exception`, so matched by its words)
+RAY_STARTUP_TIMEOUT = "timed out during startup"
+
+
+def ray_start_timed_out_message(attempts: int) -> str:
+    load = os.getloadavg()[0]
+    return (
+        f"Ray's node did not start in time, {attempts} tries (Ray waits 30 s for it; load average {load:.1f} on "
+        f"{os.cpu_count()} cores): rerun when the machine is less busy, or start Ray once with `ray start --head` "
+        "and pass its address with --address"
+    )
 
 
 class _DropAuthEnabledNotice(logging.Filter):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -88,3 +89,23 @@ def read_shards(out: Path) -> list[tuple[str, dict, dict[str, bytes], list[tarfi
                 members[suffix] = tar.extractfile(info).read()
                 samples[-1][3].append(info)
     return [(k, json.loads(m[sf.JSON_MEMBER]), m, infos) for k, _, m, infos in samples]
+
+
+def start_ray_node(*args: str, env_extra: dict[str, str] | None = None, attempts: int = 2) -> subprocess.Popen:
+    """`ray start ... --block` in its own process group, once it says it is up. Tried once more
+    when it does not come up: Ray waits a fixed 30 s for its raylet (ray/_private/node.py), which a
+    busy machine can miss, as `mmdata.ray_job.init_ray` retries its own start."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env_extra or {})}
+    command = [str(VENV_BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args, "--block"]
+    lines: list[str] = []
+    for _ in range(attempts):
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ray runtime started" in line:
+                return proc
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of this try is left, before the next
+        proc.wait()
+    raise AssertionError(f"ray start failed {attempts} times:\n" + "".join(lines))

@@ -22,7 +22,13 @@ from PIL import Image
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import BROKEN_KINDS, generate_records, write_infinity_mm, write_llava_json
-from tests.fixtures_preprocess import SYNTH_NUM_SAMPLES, VENV_BIN, free_port, read_shards, run_preprocess_cli
+from tests.fixtures_preprocess import (
+    SYNTH_NUM_SAMPLES,
+    free_port,
+    read_shards,
+    run_preprocess_cli,
+    start_ray_node,
+)
 from tests.energon_reading import energon_samples
 
 
@@ -367,33 +373,13 @@ def ray_head():
     """A one-CPU Ray head on 127.0.0.1, in its own process group (stopped by group id)."""
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="/tmp/mmray")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen(
-        [
-            str(VENV_BIN / "ray"),
-            "start",
-            "--head",
-            f"--port={port}",
-            "--num-cpus=1",
-            "--node-ip-address=127.0.0.1",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-            "--block",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
+    proc = start_ray_node(
+        "--head",
+        f"--port={port}",
+        "--num-cpus=1",
+        "--include-dashboard=false",
+        f"--temp-dir={temp_dir}",
     )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "Ray runtime started" in line:
-            break
-    else:
-        raise AssertionError("ray start failed:\n" + "".join(lines))
     yield f"127.0.0.1:{port}"
     os.killpg(proc.pid, signal.SIGKILL)  # the group we started: ray start and everything it spawned
     proc.wait()

@@ -21,7 +21,7 @@ from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import generate_records, write_infinity_mm
 from tests.fixtures_preprocess import run_preprocess_cli
-from tests.fixtures_preprocess import VENV_BIN, free_port
+from tests.fixtures_preprocess import free_port, start_ray_node
 
 
 # Loaded by every Python process of the local run (PYTHONPATH): the first scan task, the first
@@ -82,30 +82,7 @@ if "default_worker" in sys.argv[0]:
 
 
 def _ray_start(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
-    """`ray start ... --block` in its own process group, once it says it is up."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env_extra or {})}
-    proc = subprocess.Popen(
-        [
-            str(VENV_BIN / "ray"),
-            "start",
-            "--node-ip-address=127.0.0.1",
-            "--disable-usage-stats",
-            "--num-cpus=1",
-            *args,
-            "--block",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "Ray runtime started" in line:
-            return proc
-    raise AssertionError("ray start failed:\n" + "".join(lines))
+    return start_ray_node("--num-cpus=1", *args, env_extra=env_extra)
 
 
 @pytest.fixture

@@ -97,3 +97,46 @@ def test_a_install_without_ray_gets_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what Python's import does when a module is absent
     with pytest.raises(UserError, match=r"mmdata-mmtrain\[data\]"):
         init_ray(None, 1)
+
+
+def _timing_out(times: int, monkeypatch) -> list[int]:
+    """Ray's own start, failing the first `times` calls as Ray does when its raylet misses the
+    30 s it is given (ray/_private/node.py: a bare Exception with this text)."""
+    import ray
+
+    calls, real_init = [], ray.init
+
+    def init(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= times:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "init", init)
+    return calls
+
+
+def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch, caplog):
+    """A busy machine: the first start times out, the second starts a real local Ray."""
+    from mmdata.ray_job import init_ray, shutdown_ray
+
+    calls = _timing_out(1, monkeypatch)
+    with caplog.at_level("WARNING"):
+        owned = init_ray(None, 1)
+    try:
+        assert owned and len(calls) == 2
+        assert "starting it once more" in caplog.text
+    finally:
+        shutdown_ray(owned)
+
+
+@pytest.mark.unit
+def test_a_ray_start_that_times_out_twice_is_one_line(monkeypatch):
+    """Twice: a UserError (rc 2) that says what happened and what to do, not Ray's traceback."""
+    from mmdata.errors import UserError
+    from mmdata.ray_job import RAY_START_ATTEMPTS, init_ray
+
+    calls = _timing_out(RAY_START_ATTEMPTS, monkeypatch)
+    with pytest.raises(UserError, match=r"did not start in time, 2 tries .*`ray start --head`"):
+        init_ray(None, 1)
+    assert len(calls) == RAY_START_ATTEMPTS
