@@ -223,12 +223,12 @@ def killed_and_resumed(tmp_path_factory, shards_dir, tokenizer_dir):
     saving step 4 (its steps 1-4 ran uninterrupted); resumed from step 2 at DP 1 up to step 3 (a
     checkpoint at 3); resumed from there at DP 2 to step 4. Returns the run dir and the metrics of
     each of the three runs."""
-    from mmtrain.runtime.checkpoint.manager import KILL_IN_SAVE_ENV
+    from tests.workers import kill_in_save
 
     tmp = tmp_path_factory.mktemp("bf16_distopt")
     run = tmp / "run"
     args = train_args(run, shards_dir, tokenizer_dir, *COMMON, *BF16_DISTOPT, "checkpoint.interval=2", nproc=2)
-    rc, err = run_killed(args, tmp / "killed.log", **{KILL_IN_SAVE_ENV: "4:model"})
+    rc, err = run_killed(args, tmp / "killed.log", **kill_in_save.env("4:model"))
     assert rc != 0 and "Signal 9 (SIGKILL)" in err, f"not killed ({rc})\n{err[-3000:]}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     killed = metrics(run)

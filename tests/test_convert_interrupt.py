@@ -13,7 +13,6 @@ import pytest
 from tests.llava_tiny import hf_llava
 
 
-@pytest.mark.unit
 def test_interrupt_after_the_output_is_complete_exits_0_saying_so(tmp_path, monkeypatch, capsys):
     from mmdata import folder_lock
     from mmtrain.cli import main

@@ -21,7 +21,7 @@ def test_token_shards_without_ray_train_emu3(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"  # Ray never imported
-    from mmdata.energon_loaders.emu3.tiny_tokenizer import build_tiny_emu3_tokenizer
+    from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
     from mmtrain.runtime.preflight import dataset_sample_type
 
     assert dataset_sample_type(tmp_path / "tokens").endswith("VQTokenSample")

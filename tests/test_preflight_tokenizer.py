@@ -59,7 +59,7 @@ def test_emu3_check_passes_its_own_tokenizer_and_names_a_short_codebook(demo_tok
 
 @pytest.mark.unit
 def test_llava_ov_names_an_emu3_tokenizer(emu3_tok_dir, tmp_path):  # noqa: F811
-    from mmdata.energon_loaders.dev_shards import write_dev_shards
+    from mmdata.dev.shards import write_dev_shards
     from mmtrain.config.load import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV
     from mmtrain.runtime.preflight import PreflightError, preflight

@@ -5,14 +5,16 @@ checkpoint save (the crash-consistency tests: test_train_reliability.py, tests/g
 
 PHASE is a part staged ("model", "optimizer", ...) or "publish" (staged completely, not yet
 renamed into place): `mmtrain.runtime.checkpoint.manager.SAVE_PHASE_OBSERVERS`. With ":int" the
-process group gets SIGINT instead (what Ctrl-C in a terminal sends). For runs that train in the
-launching process (a world of one)."""
+process group gets SIGINT instead (what Ctrl-C in a terminal sends). `command` is for runs that
+train in the launching process (a world of one); `env` for any run, torchrun's ranks included
+(tests/workers/kill_hook/sitecustomize.py installs the observer in every process)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from pathlib import Path
 
 from mmtrain.cli import main
 from mmtrain.runtime.checkpoint.manager import SAVE_PHASE_OBSERVERS
@@ -23,6 +25,13 @@ def command(kill_at: str, mmtrain_command: list[str]) -> list[str]:
     python, flag, module, *args = mmtrain_command
     assert (flag, module) == ("-m", "mmtrain.cli"), mmtrain_command
     return [python, "-m", "tests.workers.kill_in_save", kill_at, *args]
+
+
+def env(kill_at: str) -> dict[str, str]:
+    """The environment that kills the run at `kill_at` in whichever of its processes is rank 0."""
+    repo = Path(__file__).resolve().parents[2]
+    path = [str(Path(__file__).parent / "kill_hook"), str(repo), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in path if p), "MMTRAIN_TEST_KILL_AT": kill_at}
 
 
 def install(kill_at: str) -> None:
