@@ -166,16 +166,17 @@ def test_energon_reads_token_shards(token_dir):
 
 
 def test_gpu_check_script_helps_and_skips_without_cuda():
-    """benchmarks/gpu_check_tokenize_images.py (run as a script, not imported): --help, and a
-    clear skip line with exit 0 where no CUDA device is visible."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_tokenize_images.py"
+    """`python -m benchmarks.gpu_check_tokenize_images` (run as a program, as its usage line says,
+    not imported): --help, and a clear skip line with exit 0 where no CUDA device is visible."""
+    repo = Path(__file__).resolve().parents[1]
+    script = ["-m", "benchmarks.gpu_check_tokenize_images"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     helped = subprocess.run(
-        [sys.executable, str(script), "--help"], check=False, capture_output=True, text=True, env=env
+        [sys.executable, *script, "--help"], check=False, capture_output=True, text=True, env=env, cwd=repo
     )
     assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stderr
     assert "loads the VQ once" in helped.stdout and "--num-samples" in helped.stdout
-    skipped = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, env=env)
+    skipped = subprocess.run([sys.executable, *script], check=False, capture_output=True, text=True, env=env, cwd=repo)
     assert skipped.returncode == 0, skipped.stderr
     assert skipped.stdout.strip().splitlines()[-1].startswith("GPU_CHECK skipped: no CUDA device")
 
