@@ -17,13 +17,13 @@ import functools
 import io
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.cli_runs import flags, run_module
 from tests.session_fixtures import session_fixture
 
 # transformers' Emu3 chat template (the one Emu3-Chat-hf ships and transformers' processor tests use)
@@ -112,26 +112,15 @@ def dev_samples(n: int = 16, seed: int = 0) -> list:
 
 def run_tokenize_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`mmdata tokenize-images` in a subprocess (its own Ray instance, nothing left in pytest)."""
-    cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", "--no-progress", *args]
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+    return run_module("mmdata.vision_tokens.cli", "--no-progress", *args, env=env, check=check)
 
 
-def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        str(shards),
-        "--vision-tokenizer",
-        str(vq),
-        "--output",
-        str(out),
-        "--image-area",
-        str(TEST_IMAGE_AREA),
-        *extra,
-    ]
+def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str, **options: object) -> list[str]:
+    """`mmdata tokenize-images` arguments at the test image area: `extra` as given, then `options`
+    as flags (`chunk_samples=3` -> `--chunk-samples 3`, see tests/cli_runs.py)."""
+    return [str(shards), *flags(vision_tokenizer=vq, output=out, image_area=TEST_IMAGE_AREA), *extra, *flags(**options)]
 
 
 @session_fixture
@@ -162,17 +151,7 @@ def token_dir(tmp_path_factory, emu3_dev_shards, tiny_vq_dir, emu3_tok_dir) -> P
     """With the length index (`--tokenizer`): the runs compared with it pass the same option."""
     out = tmp_path_factory.mktemp("emu3_tokens") / "tokens"
     run_tokenize_cli(
-        *tokenize_args(
-            emu3_dev_shards,
-            tiny_vq_dir,
-            out,
-            "--num-cpus",
-            "2",
-            "--chunk-samples",
-            "3",
-            "--tokenizer",
-            str(emu3_tok_dir),
-        )
+        *tokenize_args(emu3_dev_shards, tiny_vq_dir, out, num_cpus=2, chunk_samples=3, tokenizer=emu3_tok_dir)
     )
     return out
 

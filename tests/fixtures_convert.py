@@ -25,6 +25,24 @@ def convert_cli(*argv: str) -> int:
     return main(["convert", *argv])
 
 
+def save_siglip_tower(dst: Path) -> None:
+    """A random 3-layer SigLIP tower of the tiny vision config, saved as an HF dir (a stage-1 start's
+    vision part; draws from torch's global generator, so seed before)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from tests.llava_tiny import vision_config
+
+    config = {k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"}
+    SiglipVisionModel(SiglipVisionConfig(**config)).save_pretrained(dst)
+
+
+def assemble_stage1(root: Path) -> int:
+    """`mmtrain convert hf-to-mcore` of a stage-1 start: the HF LLM in ROOT/llm and the vision tower
+    in ROOT/vis assembled into the checkpoint ROOT/ck; its exit status."""
+    llm, vision, dst = (str(root / name) for name in ("llm", "vis", "ck"))
+    return convert_cli("hf-to-mcore", "--model", "llava-ov", "--llm", llm, "--vision", vision, "--dst", dst)
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from tests.llava_tiny import hf_llava
@@ -58,6 +76,22 @@ def torchrun(script: Path, *args: str, nproc: int = 2) -> None:
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def tp2_worker_checks(worker: str, hf_src: Path, converted: Path, tmp_path: Path) -> dict:
+    """tests/workers/WORKER on two torchrun ranks over an HF dir and its TP=1 conversion (it writes
+    the TP=2 checkpoint to TMP/tp2): its HF, TP=1-checkpoint and sequence-parallel comparisons are
+    within 1e-4 on the logits and 1e-5 on the loss. Returns all it measured."""
+    result = tmp_path / "res.json"
+    torchrun(
+        Path(__file__).parent / "workers" / worker, str(hf_src), str(converted), str(tmp_path / "tp2"), str(result)
+    )
+    res = json.loads(result.read_text())
+    for key in ("from_hf", "from_tp1_ckpt", "sequence_parallel"):
+        logit_diff, loss_diff = res[key]
+        assert logit_diff <= 1e-4, (key, logit_diff)
+        assert loss_diff <= 1e-5, (key, loss_diff)
+    return res
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,13 @@
 """The LLaVA-OV loader tests' dev samples (shared by test_loader, test_vision_balance and
 test_mixed_media_packs): random PNG/JPEG/MP4 bytes, a one-turn conversation, and 36 good samples
-of every media kind mixed with the 5 bad ones the loader must skip (`BAD_IDS`)."""
+of every media kind mixed with the 5 bad ones the loader must skip (`BAD_IDS`). Also what the
+loader checks share: the tiny tile geometry, the options of a plan loader that saves its state
+after every sample, and the batches before and after a saved state."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 
 import av  # the loader tests' clips; av is a product dependency (the video decoder)
 import numpy as np
@@ -13,6 +16,20 @@ from PIL import Image
 from mmdata.dev.shards import DevSample
 
 BAD_IDS = {"bad-empty-image", "bad-truncated-png", "bad-video", "bad-role", "bad-placeholders"}
+#: the tiny vision geometry (as the model tests use): 28 px tiles of 2x2 patches
+TINY_TILES = {"image_size": 28, "patch_size": 14}
+#: `build_llava_ov_loader` options: packs from the pack plan, its state checkpointed after every sample
+PLAN_RESUMABLE = {"packing": "plan", "checkpoint_every_min_n_samples": 1, "checkpoint_every_sec": 0}
+
+
+def batches_around_saved_state(loader: Iterable, before: int, after: int) -> tuple[list, str, list]:
+    """(the first `before` batches, the loader's state saved after them, the `after` batches that
+    follow); the iterator is closed on return, so a restored loader is the only one reading."""
+    it = iter(loader)
+    first = [next(it) for _ in range(before)]
+    state = loader.save_state_json()
+    rest = [next(it) for _ in range(after)]
+    return first, state, rest
 
 
 def png_bytes(h: int, w: int, seed: int) -> bytes:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mmdata import shard_format as sf
+from tests.cli_runs import flags, run_module
 
 SYNTH_NUM_SAMPLES = 120
 SYNTH_SEED = 0
@@ -30,12 +31,22 @@ VENV_BIN = Path(sys.executable).parent
 
 def run_preprocess_cli(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `mmdata preprocess` in a subprocess (its own Ray instance, nothing left in pytest)."""
-    cmd = [sys.executable, "-m", "mmdata.preprocess.cli", "--no-progress", *args]
     full_env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+    return run_module("mmdata.preprocess.cli", "--no-progress", *args, env=full_env, check=check)
+
+
+def run_preprocess(
+    raw: Path,
+    out: Path,
+    *args: str,
+    dataset: str = "infinity-mm",
+    check: bool = True,
+    env: dict | None = None,
+    **options: object,
+) -> subprocess.CompletedProcess:
+    """`mmdata preprocess --dataset DATASET --input RAW --output OUT`, the other options as keywords
+    (`samples_per_shard=40` -> `--samples-per-shard 40`, see tests/cli_runs.py) and `args` after them."""
+    return run_preprocess_cli(*flags(dataset=dataset, input=raw, output=out, **options), *args, check=check, env=env)
 
 
 @pytest.fixture(scope="session")
@@ -50,21 +61,25 @@ def synth_raw_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shards_dir(tmp_path_factory, synth_raw_dir) -> Path:
     out = tmp_path_factory.mktemp("shards") / "shards"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(synth_raw_dir),
-        "--output",
-        str(out),
-        "--seed",
-        str(SYNTH_SEED),
-        "--samples-per-shard",
-        str(SHARDS_SAMPLES_PER_SHARD),
-        "--num-cpus",
-        "2",
-    )
+    run_preprocess(synth_raw_dir, out, seed=SYNTH_SEED, samples_per_shard=SHARDS_SAMPLES_PER_SHARD, num_cpus=2)
     return out
+
+
+def tokenized_shards(
+    root: Path, records: int, seed: int, samples_per_tar: int, samples_per_shard: int
+) -> tuple[Path, Path]:
+    """(shards, tokenizer dir): `records` synthetic records (generated with `seed`) through the job with
+    the tiny Qwen2 tokenizer, so the length index holds exact text tokens (job seed 1, 2 CPUs)."""
+    from mmdata.dev.synth import generate_records, write_infinity_mm
+    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+
+    tok = build_tiny_qwen2_tokenizer(root / "tok")
+    write_infinity_mm(
+        generate_records(records, seed=seed, synthetic=True), root / "raw", samples_per_tar=samples_per_tar
+    )
+    out = root / "shards"
+    run_preprocess(root / "raw", out, seed=1, samples_per_shard=samples_per_shard, num_cpus=2, tokenizer=tok)
+    return out, tok
 
 
 def free_port() -> int:

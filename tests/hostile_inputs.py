@@ -128,6 +128,11 @@ def _turns(*values: str) -> list[dict]:
     return [{"from": "human" if i % 2 == 0 else "gpt", "value": v} for i, v in enumerate(values)]
 
 
+def _conversation_case(kind: str, expect: str | None, conversations: list[dict], **more) -> Case:
+    """A case whose record is its kind as id and these conversations."""
+    return Case(kind, expect, record={"id": kind, "conversations": conversations}, **more)
+
+
 def default_record(kind: str, n_images: int = 1) -> dict:
     return {
         "id": kind,
@@ -168,17 +173,14 @@ def cases() -> list[Case]:
                 for n, f in ODD_VALID_IMAGES.items()
             )
         ),
-        Case(
+        _conversation_case(
             "video_garbage",
             "video_undecodable",
-            record={"id": "video_garbage", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
+            _turns("<video>\nWhat happens?", "Nothing."),
             video=("mp4", b"\x00\x00\x00\x18ftypmp42" + bytes(200)),
         ),
-        Case(
-            "video_zero_byte",
-            "video_empty",
-            record={"id": "video_zero_byte", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
-            video=("mp4", b""),
+        _conversation_case(
+            "video_zero_byte", "video_empty", _turns("<video>\nWhat happens?", "Nothing."), video=("mp4", b"")
         ),
         Case(
             "bad_utf8",
@@ -201,45 +203,20 @@ def cases() -> list[Case]:
             record={"id": "image_ill_typed", "image": 7, "conversations": _turns("hi", "yo")},
         ),
         Case("no_conversations", "conversation_malformed", record={"id": "no_conversations"}),
-        Case(
-            "value_ill_typed",
-            "conversation_malformed",
-            record={
-                "id": "value_ill_typed",
-                "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}],
-            },
+        _conversation_case(
+            "value_ill_typed", "conversation_malformed", [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]
         ),
-        Case(
-            "unknown_role",
-            "conversation_malformed",
-            record={
-                "id": "unknown_role",
-                "conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "x"}],
-            },
+        _conversation_case(
+            "unknown_role", "conversation_malformed", [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "x"}]
         ),
-        Case(
-            "not_alternating",
-            "conversation_malformed",
-            record={"id": "not_alternating", "conversations": _turns("hi", "yo") + _turns("hi again")[:1] * 2},
+        _conversation_case(
+            "not_alternating", "conversation_malformed", _turns("hi", "yo") + _turns("hi again")[:1] * 2
         ),
-        Case(
-            "gpt_first",
-            "conversation_malformed",
-            record={
-                "id": "gpt_first",
-                "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}],
-            },
+        _conversation_case(
+            "gpt_first", "conversation_malformed", [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}]
         ),
-        Case(
-            "too_many_turns",
-            "conversation_too_long",
-            record={"id": "too_many_turns", "conversations": _turns(*(["q", "a"] * 501))},
-        ),
-        Case(
-            "too_many_chars",
-            "conversation_too_long",
-            record={"id": "too_many_chars", "conversations": _turns("q", "a" * 4_000_001)},
-        ),
+        _conversation_case("too_many_turns", "conversation_too_long", _turns(*(["q", "a"] * 501))),
+        _conversation_case("too_many_chars", "conversation_too_long", _turns("q", "a" * 4_000_001)),
         Case(
             "more_tags_than_images",
             "placeholder_mismatch",
@@ -252,11 +229,8 @@ def cases() -> list[Case]:
             record=default_record("fewer_tags_than_images", 1),
             images=[("jpg", good(4)), ("jpg", good(5))],
         ),
-        Case(
-            "tag_in_gpt_turn",
-            "placeholder_mismatch",
-            record={"id": "tag_in_gpt_turn", "conversations": _turns("Look.", "<image> here")},
-            images=[("jpg", good(6))],
+        _conversation_case(
+            "tag_in_gpt_turn", "placeholder_mismatch", _turns("Look.", "<image> here"), images=[("jpg", good(6))]
         ),
     ]
     return out

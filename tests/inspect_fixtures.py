@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mmdata.dev.synth import SynthRecord, generate_records, write_infinity_mm
-from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess
 
 BROKEN_NUM_SAMPLES = 50
 BROKEN_SEED = 3
@@ -25,19 +25,6 @@ def broken_dataset(tmp_path_factory) -> tuple:
         )
         write_infinity_mm(recs, raw, samples_per_tar=25)
         out = raw.parent / "shards"
-        run_preprocess_cli(
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(raw),
-            "--output",
-            str(out),
-            "--seed",
-            str(BROKEN_SEED),
-            "--samples-per-shard",
-            "16",
-            "--num-cpus",
-            "2",
-        )
+        run_preprocess(raw, out, seed=BROKEN_SEED, samples_per_shard=16, num_cpus=2)
         _built[key] = (out, recs)
     return _built[key]

@@ -187,17 +187,13 @@ def test_llava_forward_reads_nothing_back_from_the_device():
 
 
 def _old_fp32_pixels(media, image_size, mean, std) -> torch.Tensor:
-    """The loader's normalisation at d23ed41 (anyres.tiles_to_pixel_values + _normalise_)."""
+    """The loader's normalisation at d23ed41 (anyres.tiles_to_pixel_values + _normalise_): the
+    tiles cut as then (the same strided copy as `write_tiles` now, into float32), then scaled."""
     out = torch.empty((sum(m.num_tiles for m in media), 3, image_size, image_size), dtype=torch.float32)
     i = 0
     for m in media:
-        for c in m.canvases:
-            size = c.pixels.shape[0] // c.rows
-            n = c.rows * c.cols
-            out[i : i + n].view(c.rows, c.cols, 3, size, size).copy_(
-                c.pixels.view(c.rows, size, c.cols, size, 3).permute(0, 2, 4, 1, 3)
-            )
-            i += n
+        m.write_tiles(out[i : i + m.num_tiles])
+        i += m.num_tiles
     if len(set(mean)) == 1 and len(set(std)) == 1:
         return out.mul_(1.0 / (255.0 * std[0])).add_(-mean[0] / std[0])
     scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32).view(1, 3, 1, 1)

@@ -29,6 +29,7 @@ from mmdata.cli import build_parser as mmdata_parser
 from mmdata.cli import main as mmdata_main
 from mmtrain.cli import build_parser as mmtrain_parser
 from mmtrain.cli import main as mmtrain_main
+from tests.cli_runs import flags, run_module
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -267,30 +268,8 @@ def test_a_job_that_would_write_no_sample_stops_and_writes_nothing(tmp_path):
     write_infinity_mm(generate_records(12, seed=3, broken_fraction=0.25, synthetic=True), raw, samples_per_tar=12)
     out = tmp_path / "out"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mmdata.cli",
-            "preprocess",
-            "--no-progress",
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(raw),
-            "--output",
-            str(out),
-            "--num-cpus",
-            "1",
-            "--filter",
-            "turns>100",
-            "--max-quarantine-fraction",
-            "1.0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    options = flags(input=raw, output=out, num_cpus=1, filter="turns>100", max_quarantine_fraction="1.0")
+    proc = run_module("mmdata.cli", "preprocess", "--no-progress", "--dataset", "infinity-mm", *options, env=env)
     line = assert_user_error(
         proc.returncode, proc.stderr, "no sample to write", "of 12 records read", "quarantined", "9 filtered"
     )
@@ -703,26 +682,8 @@ def test_a_private_ray_start_does_not_print_rays_token_auth_notice(tmp_path):
     write_infinity_mm(generate_records(8, seed=5, synthetic=True), raw, samples_per_tar=8)
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     env["HOME"] = str(tmp_path / "home")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mmdata.cli",
-            "preprocess",
-            "--no-progress",
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(raw),
-            "--output",
-            str(tmp_path / "out"),
-            "--num-cpus",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    options = flags(dataset="infinity-mm", input=raw, output=tmp_path / "out", num_cpus=1)
+    proc = run_module("mmdata.cli", "preprocess", "--no-progress", *options, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert RAY_AUTH_ENABLED_NOTICE not in proc.stderr and "Token authentication" not in proc.stderr, proc.stderr
 

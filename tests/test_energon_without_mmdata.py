@@ -32,7 +32,7 @@ from mmdata import shard_format as sf
 from mmdata.energon_configs import config_sample_type, dataset_config
 from mmdata.shard_job import energon_sample_loader as portable
 from mmdata.shard_job.energon_meta import NV_META
-from tests.energon_reading import energon_samples
+from tests.energon_reading import energon_samples, plain_train_dataset
 
 NO_MMDATA = '''\
 import sys
@@ -174,6 +174,8 @@ def _read_by_plain_energon(bare, folder: Path) -> tuple[dict, dict]:
     assert "Skipping empty split part val" in out["lint"], out["lint"]
     assert "Sample 0" in out["preview"] and "sequence" in out["preview"], out["preview"]
     assert sorted(seen) == sorted(records)
+    for key, items in seen.items():  # every sample's text is its record's turns
+        assert _joined(items) == _turns_text(json.loads(records[key][sf.JSON_MEMBER])), key
     return records, seen
 
 
@@ -182,7 +184,6 @@ def test_preprocess_shards_read_by_plain_energon(bare, shards_dir):
     with_images = 0
     for key, items in seen.items():
         record = json.loads(records[key][sf.JSON_MEMBER])
-        assert _joined(items) == _turns_text(record), key
         images = [x for x in items if "shape" in x]
         assert len(images) == len(record["images"]), key
         for item, name in zip(images, record["images"]):
@@ -196,8 +197,6 @@ def test_token_shards_read_by_plain_energon(bare, demo_token_dir):
     records, seen = _read_by_plain_energon(bare, demo_token_dir)
     grids_seen = 0
     for key, items in seen.items():
-        record = json.loads(records[key][sf.JSON_MEMBER])
-        assert _joined(items) == _turns_text(record), key
         grids = json.loads(records[key]["vq.json"])["grids"]
         tensors = [x for x in items if "shape" in x]
         assert len(tensors) == len(grids), key
@@ -300,7 +299,7 @@ def test_folder_without_mmdata_yaml_reads_dataset_yaml_as_before(shards_dir, tmp
 def test_our_task_encoder_names_a_plain_dataset_yaml_read(shards_dir, tmp_path):
     """Our task encoder given the folder through its plain dataset.yaml (energon's standard type)
     stops on the first sample, naming the config to pass, not an attribute error."""
-    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+    from megatron.energon import get_loader
     from megatron.energon.errors import FatalSampleError
 
     from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
@@ -309,16 +308,7 @@ def test_our_task_encoder_names_a_plain_dataset_yaml_read(shards_dir, tmp_path):
     encoder = LlavaOVTaskEncoder(
         str(build_tiny_qwen2_tokenizer(tmp_path / "tok")), LlavaOVEncoderConfig(seq_length=4096)
     )
-    ds = get_train_dataset(
-        str(shards_dir),
-        split_part="train",
-        batch_size=1,
-        shuffle_buffer_size=None,
-        max_samples_per_sequence=None,
-        repeat=False,
-        task_encoder=encoder,
-        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-    )
+    ds = plain_train_dataset(shards_dir, encoder)
     with pytest.raises(
         FatalSampleError,
         match=r"reads ConversationSample samples, got InterleavedSample.*"

@@ -21,7 +21,7 @@ import pytest
 
 from mmdata.errors import UserError
 from mmdata.folder_lock import FolderLock, fresh_folder, lock_path
-from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess
 from tests.fixtures_convert import convert_cli
 from tests.fixtures_training import train
 
@@ -204,17 +204,7 @@ def test_a_second_preprocess_into_a_held_output_exits_2_and_writes_nothing(tmp_p
     out = tmp_path / "shards"
     child = _holder(out)
     try:
-        proc = run_preprocess_cli(
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(synth_raw_dir),
-            "--output",
-            str(out),
-            "--num-cpus",
-            "1",
-            check=False,
-        )
+        proc = run_preprocess(synth_raw_dir, out, num_cpus=1, check=False)
     finally:
         child.stdin.close()
         child.wait()

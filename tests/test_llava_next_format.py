@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 torch.set_num_threads(1)
 
+from tests.fixtures_convert import assemble_stage1, save_siglip_tower  # noqa: E402
+from tests.fixtures_training import train  # noqa: E402
 from tests.llava_tiny import hf_image_inputs, hf_llava, images, text_config, vision_config  # noqa: E402
 
 # `unit` test by test: the stage-1 training run is slow (a training subprocess)
@@ -27,6 +29,11 @@ def _cli(*argv: str) -> int:
     from mmtrain.cli import main
 
     return main(["convert", *argv])
+
+
+def _to_hf(src: Path, dst: Path, layout: str) -> int:
+    """`mmtrain convert mcore-to-hf --model llava-ov` into `layout` ("transformers" or "llava-next")."""
+    return _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(src), "--dst", str(dst), "--format", layout)
 
 
 # ----------------------------------------------------------------------------- writing the layouts
@@ -181,20 +188,7 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
     from mmtrain.llava_ov.load import load_llava_ov
 
     out = tmp_path / "as_hf"
-    assert (
-        _cli(
-            "mcore-to-hf",
-            "--model",
-            "llava-ov",
-            "--src",
-            str(converted_next),
-            "--dst",
-            str(out),
-            "--format",
-            "transformers",
-        )
-        == 0
-    )
+    assert _to_hf(converted_next, out, "transformers") == 0
     hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out).eval()
     assert hf.config.image_token_id == fmt["n"]
     assert AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<image>") == fmt["n"]
@@ -204,20 +198,7 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
             assert (_logits(hf, fmt, i) - _logits(ours, fmt, i)).abs().max().item() <= 1e-4
 
     back = tmp_path / "as_next"
-    assert (
-        _cli(
-            "mcore-to-hf",
-            "--model",
-            "llava-ov",
-            "--src",
-            str(converted_next),
-            "--dst",
-            str(back),
-            "--format",
-            "llava-next",
-        )
-        == 0
-    )
+    assert _to_hf(converted_next, back, "llava-next") == 0
     src, got = load_file(fmt["next"] / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(src) == set(got) and all(torch.equal(src[k], got[k]) for k in src)
     cfg_src, cfg_back = (json.loads((d / "config.json").read_text()) for d in (fmt["next"], back))
@@ -227,10 +208,7 @@ def test_llava_next_to_transformers_matches_our_model_and_round_trips(fmt, conve
     ck_hf = tmp_path / "ck_hf"
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(fmt["hf"]), "--dst", str(ck_hf)) == 0
     cross = tmp_path / "hf_as_next"
-    assert (
-        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ck_hf), "--dst", str(cross), "--format", "llava-next")
-        == 0
-    )
+    assert _to_hf(ck_hf, cross, "llava-next") == 0
     got = load_file(cross / "model.safetensors")
     assert set(src) == set(got) and all(torch.equal(src[k], got[k]) for k in src)
 
@@ -369,7 +347,7 @@ def test_stage1_assembly_takes_the_media_ids_from_the_llm_tokenizer(fmt, tmp_pat
     vocabulary grows to hold them (mean rows), and the resolved tokenizer is kept."""
     import shutil
 
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from mmtrain.llava_ov.conversion import saved_model_config
 
@@ -378,25 +356,9 @@ def test_stage1_assembly_takes_the_media_ids_from_the_llm_tokenizer(fmt, tmp_pat
     Qwen2ForCausalLM(Qwen2Config(**text_config(vocab_size=n))).save_pretrained(tmp_path / "llm")  # rows = tokenizer
     for f in fmt["tok"].iterdir():
         shutil.copy2(f, tmp_path / "llm" / f.name)
-    vis = SiglipVisionModel(
-        SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"})
-    )
-    vis.save_pretrained(tmp_path / "vis")
+    save_siglip_tower(tmp_path / "vis")
     with caplog.at_level(logging.INFO):
-        assert (
-            _cli(
-                "hf-to-mcore",
-                "--model",
-                "llava-ov",
-                "--llm",
-                str(tmp_path / "llm"),
-                "--vision",
-                str(tmp_path / "vis"),
-                "--dst",
-                str(tmp_path / "ck"),
-            )
-            == 0
-        )
+        assert assemble_stage1(tmp_path) == 0
     cfg = saved_model_config(tmp_path / "ck")
     assert (cfg.image_token_id, cfg.video_token_id, cfg.llm.vocab_size) == (n, n + 1, n + 2)
     assert "2 new row(s)" in caplog.text
@@ -409,58 +371,22 @@ def test_stage1_trains_from_an_llm_whose_tokenizer_lacks_media_tokens(tmp_path, 
     """Stage 1 as a user starts it: a Qwen2-style LLM-only checkpoint and its tokenizer without
     `<image>`/`<video>` + a SigLIP tower -> assembled (rows grown, logged) -> the tiny recipe with
     null media ids trains; the ids are resolved from the tokenizer (and written to config.yaml)."""
-    import os
-    import subprocess
-    import sys
-
     import yaml
-    from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     n = _tokenizer(tmp_path / "tok")
     torch.manual_seed(6)
     Qwen2ForCausalLM(Qwen2Config(**text_config(vocab_size=n))).save_pretrained(tmp_path / "llm")
     for f in (tmp_path / "tok").iterdir():
         (tmp_path / "llm" / f.name).write_bytes(f.read_bytes())
-    vis = SiglipVisionConfig(**{k: v for k, v in vision_config(num_hidden_layers=3).items() if k != "model_type"})
-    SiglipVisionModel(vis).save_pretrained(tmp_path / "vis")
-    assert (
-        _cli(
-            "hf-to-mcore",
-            "--model",
-            "llava-ov",
-            "--llm",
-            str(tmp_path / "llm"),
-            "--vision",
-            str(tmp_path / "vis"),
-            "--dst",
-            str(tmp_path / "ck"),
-        )
-        == 0
-    )
-    repo = Path(__file__).resolve().parents[1]
+    save_siglip_tower(tmp_path / "vis")
+    assert assemble_stage1(tmp_path) == 0
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmtrain.cli",
-        "llava-ov",
-        str(repo / "recipes" / "llava-ov-tiny.yaml"),
-        f"run_dir={run}",
-        f"data.paths=[{shards_dir}]",
-        f"tokenizer.path={tmp_path / 'tok'}",
-        "data.num_workers=1",
-        "train.seq_length=1024",
-        "train.iters=2",
-        "checkpoint.interval=0",
-        "logging.tensorboard=false",
-        f"checkpoint.load={tmp_path / 'ck'}",
-        f"model.llm.vocab_size={n + 2}",
-        "model.image_token_id=null",
-        "model.video_token_id=null",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    media_ids = ("model.image_token_id=null", "model.video_token_id=null")
+    checkpoint = (f"checkpoint.load={tmp_path / 'ck'}", "checkpoint.interval=0")
+    proc = train(
+        run, shards_dir, tmp_path / "tok", "train.iters=2", *checkpoint, f"model.llm.vocab_size={n + 2}", *media_ids
+    )
     assert f"model.image_token_id={n}, model.video_token_id={n + 1}: from the tokenizer" in proc.stderr + proc.stdout
     model = yaml.safe_load((run / "config.yaml").read_text())["model"]
     assert (model["image_token_id"], model["video_token_id"]) == (n, n + 1)
@@ -581,10 +507,7 @@ def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_p
     ckpt = tmp_path / "ck"
     assert _cli("hf-to-mcore", "--model", "llava-ov", "--src", str(src), "--dst", str(ckpt)) == 0
     back = tmp_path / "back"
-    assert (
-        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(back), "--format", "llava-next")
-        == 0
-    )
+    assert _to_hf(ckpt, back, "llava-next") == 0
     a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(a) == set(b) and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
     assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -592,10 +515,7 @@ def test_bf16_llava_next_checkpoint_keeps_bf16_in_both_export_formats(fmt, tmp_p
     assert (back / "model.safetensors").stat().st_size < 0.55 * fp32_size
 
     out = tmp_path / "as_hf"
-    assert (
-        _cli("mcore-to-hf", "--model", "llava-ov", "--src", str(ckpt), "--dst", str(out), "--format", "transformers")
-        == 0
-    )
+    assert _to_hf(ckpt, out, "transformers") == 0
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     hf = LlavaOnevisionForConditionalGeneration.from_pretrained(out)
     ref = fmt["model"].state_dict()

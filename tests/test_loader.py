@@ -19,13 +19,14 @@ from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY,
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.loader import write_blend_yaml
 from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-from tests.fixtures_loader import BAD_IDS, llava_dev_samples, png_bytes, qa
+from tests.fixtures_loader import BAD_IDS, TINY_TILES, llava_dev_samples, png_bytes, qa
 
 torch.set_num_threads(1)
 
-# Tiny vision config (as the model tests use): 28 px tiles of 2x2 patches.
-VISION = dict(image_size=28, patch_size=14, max_video_frames=4)
+VISION = dict(TINY_TILES, max_video_frames=4)
 SEQ = 512
+#: the exact-resume tests' loader options besides the rank's: DP 2, state checkpointed every 2 samples
+RESUME_DP2 = {"seq_length": SEQ, "micro_batch_size": 2, "dp_size": 2, "checkpoint_every_min_n_samples": 2}
 
 
 @pytest.fixture(scope="module")
@@ -175,17 +176,7 @@ def test_exact_resume_in_a_fresh_process(dev_dir, tok_dir, tmp_path, packing):
     gives exactly the batches the uninterrupted run produced from k+1 on."""
     k, n = 3, 3
     for rank in (0, 1):
-        kw = dict(
-            seq_length=SEQ,
-            micro_batch_size=2,
-            dp_rank=rank,
-            dp_size=2,
-            num_workers=2,
-            seed=7,
-            packing=packing,
-            packing_buffer_size=16,
-            checkpoint_every_min_n_samples=2,
-        )
+        kw = dict(RESUME_DP2, dp_rank=rank, num_workers=2, seed=7, packing=packing, packing_buffer_size=16)
         loader = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
         it = iter(loader)
         first = [_digest(next(it)) for _ in range(k)]
@@ -339,17 +330,7 @@ def test_loader_reads_preprocess_output(shards_dir, tok_dir):
 def test_exact_resume_slow_matrix(dev_dir, tok_dir, tmp_path, packing, workers, k):
     n = 4
     for rank in (0, 1):
-        kw = dict(
-            seq_length=SEQ,
-            micro_batch_size=2,
-            dp_rank=rank,
-            dp_size=2,
-            num_workers=workers,
-            seed=11,
-            packing=packing,
-            packing_buffer_size=12,
-            checkpoint_every_min_n_samples=2,
-        )
+        kw = dict(RESUME_DP2, dp_rank=rank, num_workers=workers, seed=11, packing=packing, packing_buffer_size=12)
         loader = build_llava_ov_loader(dev_dir, tok_dir, **kw, **VISION)
         it = iter(loader)
         for _ in range(k):

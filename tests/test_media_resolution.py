@@ -16,7 +16,7 @@ from mmdata.preprocess.adapters import infinity_mm, llava_json
 from mmdata.preprocess.adapters.base import InputUnit
 from mmdata.preprocess.adapters.media_resolution import member_order
 from mmdata.preprocess.validation import Invalid, Valid, ValidationConfig, validate
-from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess
 
 CONV = [{"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "A square."}]
 FOREIGN = "/mnt/hpfs/producer/llava_ov/images"
@@ -45,6 +45,12 @@ def _rec(rid: str, **fields) -> dict:
     return {"id": rid, "conversations": [dict(t) for t in CONV], **fields}
 
 
+def _foreign_images_rec(rid: str, names: list[str], question: str) -> dict:
+    """A record of several images under the producer's folder, asked about in one turn."""
+    conversations = [{"from": "human", "value": question}, {"from": "gpt", "value": "ok"}]
+    return _rec(rid, image=[f"{FOREIGN}/{name}" for name in names], conversations=conversations)
+
+
 def _validated(tmp_path: Path, members) -> dict[str, Valid | Invalid]:
     unit = _tar(tmp_path / "x.tar", members)
     return {raw.rid.rsplit(":", 1)[1]: validate(raw, ValidationConfig()) for raw in infinity_mm.iter_records(unit)}
@@ -63,26 +69,12 @@ def test_rules_in_order(tmp_path):
         ("c.webp", WEBP),
         # multi-image: foreign entries map in order onto {stem}.jpg, {stem}.1.png, {stem}.2.webp,
         # even though the tar holds them in name order (d.1.png, d.2.webp, d.jpg)
-        (
-            "d.json",
-            _rec(
-                "d",
-                image=[f"{FOREIGN}/x.jpg", f"{FOREIGN}/y.jpg", f"{FOREIGN}/z.jpg"],
-                conversations=[{"from": "human", "value": "<image><image><image>?"}, {"from": "gpt", "value": "ok"}],
-            ),
-        ),
+        ("d.json", _foreign_images_rec("d", ["x.jpg", "y.jpg", "z.jpg"], "<image><image><image>?")),
         ("d.1.png", PNG),
         ("d.2.webp", WEBP),
         ("d.JPG", JPG),
         # one entry by basename claims its member; the foreign one takes the member left over
-        (
-            "e.json",
-            _rec(
-                "e",
-                image=[f"{FOREIGN}/q.jpg", f"{FOREIGN}/e.1.png"],
-                conversations=[{"from": "human", "value": "<image> vs <image>"}, {"from": "gpt", "value": "ok"}],
-            ),
-        ),
+        ("e.json", _foreign_images_rec("e", ["q.jpg", "e.1.png"], "<image> vs <image>")),
         ("e.jpg", JPG),
         ("e.1.png", PNG),
         # a basename that is another sample's member never displaces the sample's own image
@@ -119,14 +111,7 @@ def test_rules_in_order(tmp_path):
 def test_edge_cases(tmp_path):
     members = [
         # more entries than members: the third has no member -> image_missing, saying why
-        (
-            "a.json",
-            _rec(
-                "a",
-                image=[f"{FOREIGN}/1.jpg", f"{FOREIGN}/2.jpg", f"{FOREIGN}/3.jpg"],
-                conversations=[{"from": "human", "value": "<image><image><image>"}, {"from": "gpt", "value": "ok"}],
-            ),
-        ),
+        ("a.json", _foreign_images_rec("a", ["1.jpg", "2.jpg", "3.jpg"], "<image><image><image>")),
         ("a.jpg", JPG),
         ("a.1.png", PNG),
         # fewer entries than members: the extra member is counted as unreferenced
@@ -173,8 +158,6 @@ def test_llava_json_image_root_hint(tmp_path):
     problem = llava_json.check_image_root(units)
     assert problem and "images/x.png" in problem and f"--image-root {data}" in problem
     assert llava_json.check_image_root(llava_json.list_units([ann], data)) is None
-    proc = run_preprocess_cli(
-        "--dataset", "llava-json", "--input", str(ann), "--output", str(tmp_path / "out"), check=False
-    )
+    proc = run_preprocess(ann, tmp_path / "out", dataset="llava-json", check=False)
     assert proc.returncode == 2 and f"--image-root {data}" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()

@@ -15,41 +15,22 @@ import pyarrow.parquet as pq
 import pytest
 
 from mmdata import shard_format as sf
-from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.inspect.packing import estimate_packing
 from mmdata.inspect.render import summary_table_data
 from mmdata.inspect.stats import summarize
 from mmdata.cli import main as mmdata_main
 from mmdata.packing import algorithm
 from mmdata.packing.plan_file import plan_path, read_plan_info
-from mmdata.dev.synth import generate_records, write_infinity_mm
-from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_loader import PLAN_RESUMABLE, batches_around_saved_state
+from tests.fixtures_preprocess import tokenized_shards
 
 
 @pytest.fixture(scope="module")
 def tok_shards(tmp_path_factory):
     """600 synthetic records through the job with the tiny tokenizer (exact text tokens)."""
-    root = tmp_path_factory.mktemp("packplan")
-    tok = build_tiny_qwen2_tokenizer(root / "tok")
-    write_infinity_mm(generate_records(600, seed=8, synthetic=True), root / "raw", samples_per_tar=100)
-    out = root / "shards"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(root / "raw"),
-        "--output",
-        str(out),
-        "--seed",
-        "1",
-        "--samples-per-shard",
-        "200",
-        "--num-cpus",
-        "2",
-        "--tokenizer",
-        str(tok),
+    return tokenized_shards(
+        tmp_path_factory.mktemp("packplan"), 600, seed=8, samples_per_tar=100, samples_per_shard=200
     )
-    return out, tok
 
 
 def test_length_index_counts_what_the_loader_counts(tok_shards):
@@ -198,23 +179,10 @@ def test_loader_follows_the_plan_and_resumes_exactly(tok_shards):
     path = plan_path(out, seq)
 
     def build():
-        return build_llava_ov_loader(
-            out,
-            tok,
-            seq_length=seq,
-            micro_batch_size=2,
-            num_workers=2,
-            packing="plan",
-            checkpoint_every_min_n_samples=1,
-            checkpoint_every_sec=0,
-        )
+        return build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, num_workers=2, **PLAN_RESUMABLE)
 
     loader = build()
-    it = iter(loader)
-    first = [next(it) for _ in range(2)]
-    state = loader.save_state_json()
-    rest = [next(it) for _ in range(2)]
-    del it
+    first, state, rest = batches_around_saved_state(loader, 2, 2)
     assert [row for b in first + rest for row in _shard_keys(b)] == _plan_rows(path, 0, 8)
     plan = pq.read_table(path)
     planned = np.bincount(plan.column("bin").to_numpy(), weights=plan.column("tokens").to_numpy())
@@ -359,27 +327,11 @@ def test_balanced_plan_places_each_step_by_cost_and_resumes(tok_shards, capsys):
     # the loader reads them and resumes after its first micro-batch (30-px tiles to keep it cheap: the
     # rows hold the planned samples whatever their tokens, none over length at that size)
     def build():
-        return build_llava_ov_loader(
-            out,
-            tok,
-            seq_length=seq,
-            micro_batch_size=2,
-            dp_rank=1,
-            dp_size=2,
-            num_workers=0,
-            packing="plan",
-            image_size=30,
-            patch_size=14,
-            checkpoint_every_min_n_samples=1,
-            checkpoint_every_sec=0,
-        )
+        options = dict(dp_rank=1, dp_size=2, num_workers=0, image_size=30, patch_size=14, **PLAN_RESUMABLE)
+        return build_llava_ov_loader(out, tok, seq_length=seq, micro_batch_size=2, **options)
 
     loader = build()
-    it = iter(loader)
-    first = next(it)
-    state = loader.save_state_json()
-    second = next(it)
-    del it
+    [first], state, [second] = batches_around_saved_state(loader, 1, 1)
     keys = lambda b: [[k.rsplit("#", 1)[-1] for k in row] for row in b.sample_keys]  # noqa: E731
     for b, batch in enumerate((first, second)):
         assert keys(batch) == [[f"{i:010d}" for i in plan.sequence(s).tolist()] for s in ranks[1].sequences_of_batch(b)]

@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mmdata.packing.plan_file import plan_path, read_plan_info
-from mmdata.dev.synth import generate_records, write_infinity_mm
-from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import tokenized_shards
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
@@ -35,29 +34,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path]:
     """120 synthetic records through the job with the tiny tokenizer (exact text tokens)."""
-    from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-
-    root = tmp_path_factory.mktemp("plangeo")
-    tok = build_tiny_qwen2_tokenizer(root / "tok")
-    write_infinity_mm(generate_records(120, seed=3, synthetic=True), root / "raw", samples_per_tar=40)
-    out = root / "shards"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(root / "raw"),
-        "--output",
-        str(out),
-        "--seed",
-        "1",
-        "--samples-per-shard",
-        "40",
-        "--num-cpus",
-        "2",
-        "--tokenizer",
-        str(tok),
-    )
-    return out, tok
+    return tokenized_shards(tmp_path_factory.mktemp("plangeo"), 120, seed=3, samples_per_tar=40, samples_per_shard=40)
 
 
 def make_plan(shards: Path, *args: str, tool: str = "mmdata.cli") -> dict:

@@ -26,6 +26,7 @@ from tests.fixtures_preprocess import (
     SYNTH_NUM_SAMPLES,
     free_port,
     read_shards,
+    run_preprocess,
     run_preprocess_cli,
     start_ray_node,
 )
@@ -62,22 +63,7 @@ def broken_raw(tmp_path_factory):
 def run_a(broken_raw, tmp_path_factory):
     raw, _ = broken_raw
     out = tmp_path_factory.mktemp("run_a") / "out"
-    proc = run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--output",
-        str(out),
-        "--seed",
-        "7",
-        "--samples-per-shard",
-        "40",
-        "--num-cpus",
-        "2",
-        "--num-buckets",
-        "3",
-    )
+    proc = run_preprocess(raw, out, seed=7, samples_per_shard=40, num_cpus=2, num_buckets=3)
     return out, proc
 
 
@@ -182,42 +168,14 @@ def test_same_seed_identical_whatever_cpus_and_buckets(broken_raw, run_a, tmp_pa
     raw, _ = broken_raw
     out_a, _ = run_a
     out_b = tmp_path / "b"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--output",
-        str(out_b),
-        "--seed",
-        "7",
-        "--samples-per-shard",
-        "40",
-        "--num-cpus",
-        "1",
-        "--num-buckets",
-        "1",
-    )
+    run_preprocess(raw, out_b, seed=7, samples_per_shard=40, num_cpus=1, num_buckets=1)
     ma, mb = (json.loads((o / sf.MANIFEST_NAME).read_text()) for o in (out_a, out_b))
     assert [s["sha256"] for s in ma["shards"]] == [s["sha256"] for s in mb["shards"]]
     assert stable_view(ma) == stable_view(mb)
     assert (out_a / sf.QUARANTINE_NAME).read_bytes() == (out_b / sf.QUARANTINE_NAME).read_bytes()
     # different seed: same records, different order
     out_c = tmp_path / "c"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--output",
-        str(out_c),
-        "--seed",
-        "8",
-        "--samples-per-shard",
-        "40",
-        "--num-cpus",
-        "2",
-    )
+    run_preprocess(raw, out_c, seed=8, samples_per_shard=40, num_cpus=2)
     ids_a = [s[1]["id"] for s in read_shards(out_a)]
     ids_c = [s[1]["id"] for s in read_shards(out_c)]
     assert sorted(ids_a) == sorted(ids_c) and ids_a != ids_c
@@ -237,35 +195,11 @@ def test_refuses_other_job_dir_unless_overwrite(broken_raw, run_a, tmp_path):
     raw, _ = broken_raw
     out = tmp_path / "o"
     shutil.copytree(run_a[0], out)
-    proc = run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--output",
-        str(out),
-        "--seed",
-        "9",
-        "--samples-per-shard",
-        "40",
-        check=False,
-    )
+    proc = run_preprocess(raw, out, seed=9, samples_per_shard=40, check=False)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
     assert "(changed: seed 7 → 9)" in proc.stderr  # the refusal names the option that changed
     # same inputs + seed: recognised as complete, nothing rewritten; the copy's own path is printed
-    proc = run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--output",
-        str(out),
-        "--seed",
-        "7",
-        "--samples-per-shard",
-        "40",
-        check=False,
-    )
+    proc = run_preprocess(raw, out, seed=7, samples_per_shard=40, check=False)
     assert proc.returncode == 0 and "already complete" in proc.stderr
     assert proc.stdout.startswith(f"{out.resolve()}: 180 samples in 5 shards") and str(run_a[0]) not in proc.stdout
 
@@ -304,18 +238,7 @@ def test_llava_json_dataset_with_videos(tmp_path):
     assert videos
     write_llava_json(recs, raw)
     out = tmp_path / "out"
-    run_preprocess_cli(
-        "--dataset",
-        "llava-json",
-        "--input",
-        str(raw / "annotations.jsonl"),
-        "--output",
-        str(out),
-        "--samples-per-shard",
-        "10",
-        "--num-cpus",
-        "1",
-    )
+    run_preprocess(raw / "annotations.jsonl", out, dataset="llava-json", samples_per_shard=10, num_cpus=1)
     m = json.loads((out / sf.MANIFEST_NAME).read_text())
     assert m["counts"]["quarantined"] == 6 and m["counts"]["written"] == 24
     expected: dict[str, int] = {}
@@ -362,9 +285,7 @@ def test_fail_fast_on_systematic_loss_then_rerun_relaxed(tmp_path):
 
 
 def test_help_and_bad_input(tmp_path):
-    proc = run_preprocess_cli(
-        "--dataset", "infinity-mm", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), check=False
-    )
+    proc = run_preprocess(tmp_path / "nope", tmp_path / "o", check=False)
     assert proc.returncode == 2 and "nope" in proc.stderr
 
 
@@ -389,20 +310,7 @@ def ray_head():
 def test_address_runs_on_existing_cluster(ray_head, broken_raw, run_a, tmp_path):
     raw, _ = broken_raw
     out = tmp_path / "cluster"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--output",
-        str(out),
-        "--seed",
-        "7",
-        "--samples-per-shard",
-        "40",
-        "--address",
-        ray_head,
-    )
+    run_preprocess(raw, out, seed=7, samples_per_shard=40, address=ray_head)
     m_c, m_a = (json.loads((d / sf.MANIFEST_NAME).read_text()) for d in (out, run_a[0]))
     assert m_c["run"]["ray_address"] == ray_head
     assert stable_view(m_c) == stable_view(m_a)  # same bytes as the local 2-CPU, 3-bucket run

@@ -20,6 +20,7 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import generate_records, write_infinity_mm
+from tests.cli_runs import flags
 from tests.fixtures_preprocess import run_preprocess_cli
 from tests.fixtures_preprocess import free_port, start_ray_node
 
@@ -118,18 +119,7 @@ def ray_cluster():
 def test_two_node_cluster_equals_local_and_uses_both_nodes(ray_cluster, tmp_path):
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(80, seed=3, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=10)
-    common = (
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--seed",
-        "3",
-        "--samples-per-shard",
-        "8",
-        "--num-buckets",
-        "4",
-    )
+    common = flags(dataset="infinity-mm", input=raw, seed=3, samples_per_shard=8, num_buckets=4)
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_KILL_WORKERS_ONCE)

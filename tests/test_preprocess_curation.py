@@ -18,7 +18,7 @@ from mmdata import shard_format as sf
 from mmdata.preprocess.curation.phash import hamming, phash_bytes
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import SynthImage, SynthRecord, generate_records, write_infinity_mm
-from tests.fixtures_preprocess import run_preprocess_cli
+from tests.fixtures_preprocess import run_preprocess
 from tests.fixtures_preprocess import read_shards
 
 
@@ -87,20 +87,7 @@ def _written_ids(out: Path) -> Counter:
 def exact_run(dup_data, tmp_path_factory):
     root, _, _ = dup_data
     out = tmp_path_factory.mktemp("exact") / "out"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(root / "raw"),
-        "--output",
-        str(out),
-        "--seed",
-        "3",
-        "--num-cpus",
-        "2",
-        "--dedup",
-        "phash",
-    )
+    run_preprocess(root / "raw", out, seed=3, num_cpus=2, dedup="phash")
     return out
 
 
@@ -129,22 +116,7 @@ def test_dedup_exact_at_d0(dup_data, exact_run):
 def test_dedup_survivor_independent_of_input_order_and_workers(dup_data, exact_run, tmp_path):
     root, _, _ = dup_data
     out = tmp_path / "reordered"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(root / "reordered"),
-        "--output",
-        str(out),
-        "--seed",
-        "3",
-        "--num-cpus",
-        "1",
-        "--num-buckets",
-        "3",
-        "--dedup",
-        "phash",
-    )
+    run_preprocess(root / "reordered", out, seed=3, num_cpus=1, num_buckets=3, dedup="phash")
     assert _written_ids(out) == _written_ids(exact_run)
     assert _pairs(out) == _pairs(exact_run)
     dropped = {json.loads(x)["id"] for x in (out / "duplicates.jsonl").read_text().splitlines()}
@@ -154,22 +126,7 @@ def test_dedup_survivor_independent_of_input_order_and_workers(dup_data, exact_r
 def test_dedup_near_copies_at_d4_and_image_scope(dup_data, tmp_path):
     root, _, copies = dup_data
     out = tmp_path / "near"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(root / "raw"),
-        "--output",
-        str(out),
-        "--seed",
-        "3",
-        "--num-cpus",
-        "2",
-        "--dedup",
-        "phash:4",
-        "--dedup-scope",
-        "image",
-    )
+    run_preprocess(root / "raw", out, seed=3, num_cpus=2, dedup="phash:4", dedup_scope="image")
     want = _expected_pairs(copies["exact"] + copies["other_text"] + copies["near"])
     assert _pairs(out) == want
     lines = [json.loads(x) for x in (out / "duplicates.jsonl").read_text().splitlines()]
@@ -200,25 +157,10 @@ def test_filters_and_mix_reconcile_and_reproduce(dup_data, tmp_path):
     mix = tmp_path / "mix.yaml"
     # laion_caption is repeated up to its share, the other sources are down-sampled
     mix.write_text("by: source\nweights: {laion_caption: 4, 2a: 1, '*': 0.5}\ntotal: 60\nrepeat: true\n")
-    args = [
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(root / "raw"),
-        "--seed",
-        "5",
-        "--dedup",
-        "phash",
-        "--filter",
-        "qw2vl_loss<=2.7",
-        "--filter",
-        "turns<=6",
-        "--mix",
-        str(mix),
-    ]
+    options = dict(seed=5, dedup="phash", filter=["qw2vl_loss<=2.7", "turns<=6"], mix=mix)
     a, b = tmp_path / "a", tmp_path / "b"
-    run_preprocess_cli(*args, "--output", str(a), "--num-cpus", "2")
-    run_preprocess_cli(*args, "--output", str(b), "--num-cpus", "1", "--num-buckets", "5")
+    run_preprocess(root / "raw", a, num_cpus=2, **options)
+    run_preprocess(root / "raw", b, num_cpus=1, num_buckets=5, **options)
     m = json.loads((a / sf.MANIFEST_NAME).read_text())
     c = m["counts"]
     assert c["by_filter"] == _expected_filtered(recs + copies["exact"] + copies["other_text"] + copies["near"])
@@ -252,9 +194,7 @@ def test_malformed_curation_flags_rejected_before_any_work(tmp_path):
         (["--mix", "a:1"], "source=weight"),
         (["--filter", "sourse==a"], "did you mean 'source'"),
     ]:
-        proc = run_preprocess_cli(
-            "--dataset", "infinity-mm", "--input", str(raw), "--output", str(tmp_path / "o"), *flags, check=False
-        )
+        proc = run_preprocess(raw, tmp_path / "o", *flags, check=False)
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (tmp_path / "o").exists()
 
@@ -286,18 +226,7 @@ def test_term_matching_no_source_is_exit_2_and_writes_nothing(synth_raw_dir, tmp
     (tmp_path / "subset.yaml").write_text("by: subset\nweights: {stage1/laion_caption: 1, stage2/2b: 1}\n")
     flags = [str(tmp_path / f) if f.endswith(".yaml") else f for f in flags]
     out = tmp_path / "out"
-    proc = run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(synth_raw_dir),
-        "--output",
-        str(out),
-        "--num-cpus",
-        "2",
-        *flags,
-        check=False,
-    )
+    proc = run_preprocess(synth_raw_dir, out, *flags, num_cpus=2, check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     line = _error_line(proc.stderr, bad)
@@ -309,18 +238,7 @@ def test_term_matching_no_source_is_exit_2_and_writes_nothing(synth_raw_dir, tmp
 def test_valid_inline_mix_still_mixes_by_source(synth_raw_dir, tmp_path):
     """The check leaves a valid mix alone: only the named sources, in their 1:2 proportion."""
     out = tmp_path / "out"
-    run_preprocess_cli(
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(synth_raw_dir),
-        "--output",
-        str(out),
-        "--num-cpus",
-        "2",
-        "--mix",
-        "laion_caption=1,2a=2",
-    )
+    run_preprocess(synth_raw_dir, out, num_cpus=2, mix="laion_caption=1,2a=2")
     m = json.loads((out / sf.MANIFEST_NAME).read_text())
     by_source = Counter(rec["source"] for _, rec, _, _ in read_shards(out))
     assert set(by_source) == {"laion_caption", "2a"}

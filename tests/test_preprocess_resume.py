@@ -16,6 +16,7 @@ import pytest
 from mmdata import shard_format as sf
 from mmdata.shard_job.manifest import stable_view
 from mmdata.dev.synth import generate_records, write_infinity_mm
+from tests.cli_runs import flags
 from tests.fixtures_preprocess import run_preprocess_cli
 
 
@@ -64,22 +65,7 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
     write_infinity_mm(generate_records(400, seed=11, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=25)
     mix = tmp_path / "mix.yaml"
     mix.write_text("weights: {laion_caption: 2, '*': 1}\nrepeat: true\n")
-    common = [
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--seed",
-        "3",
-        "--samples-per-shard",
-        "8",
-        "--num-cpus",
-        "1",
-        "--dedup",
-        "phash:2",
-        "--mix",
-        str(mix),
-    ]
+    common = flags(dataset="infinity-mm", input=raw, seed=3, samples_per_shard=8, num_cpus=1, dedup="phash:2", mix=mix)
     ref = tmp_path / "ref"
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"
@@ -178,18 +164,7 @@ def test_sigint_at_three_points_then_rerun_gives_identical_output(tmp_path):
 
     raw = tmp_path / "raw"
     write_infinity_mm(generate_records(240, seed=5, broken_fraction=0.05, synthetic=True), raw, samples_per_tar=20)
-    common = [
-        "--dataset",
-        "infinity-mm",
-        "--input",
-        str(raw),
-        "--seed",
-        "1",
-        "--samples-per-shard",
-        "6",
-        "--num-cpus",
-        "1",
-    ]
+    common = flags(dataset="infinity-mm", input=raw, seed=1, samples_per_shard=6, num_cpus=1)
     ref = tmp_path / "ref"
     run_preprocess_cli(*common, "--output", str(ref))
     out = tmp_path / "out"

@@ -9,13 +9,20 @@ object store goes through with the driver's memory bounded (`MMDATA_OBJECT_STORE
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from benchmarks.scaling import run_job, write_nested_inputs
 from mmdata.dev.synth import generate_records, write_infinity_mm
+from tests.cli_runs import flags
 
 N = 2000
+
+
+def _job(raw: Path, out: Path, **options: object) -> tuple[dict[str, float], float]:
+    """`mmdata preprocess` of infinity-mm on 2 CPUs as the benchmark runs and measures it."""
+    return run_job(flags(dataset="infinity-mm", input=raw, output=out, num_cpus=2, no_progress=True, **options))
 
 
 @pytest.mark.slow
@@ -24,23 +31,7 @@ def test_driver_rss_flat_from_n_to_4n(tmp_path):
     rss = {}
     for n, raw in raws.items():
         out = tmp_path / f"out{n}"
-        values, _ = run_job(
-            [
-                "--dataset",
-                "infinity-mm",
-                "--input",
-                str(raw),
-                "--output",
-                str(out),
-                "--samples-per-shard",
-                "500",
-                "--num-cpus",
-                "2",
-                "--no-progress",
-                "--dedup",
-                "phash",
-            ]
-        )
+        values, _ = _job(raw, out, samples_per_shard=500, dedup="phash")
         assert json.loads((out / "manifest.json").read_text())["counts"]["read"] == n
         rss[n] = values["PEAK_RSS_KB"]
         # the benchmark's CPU split finds the job's Ray workers (it fails if Ray renames its worker script)
@@ -85,22 +76,7 @@ def test_input_several_times_the_object_store(tmp_path, monkeypatch):
     assert total >= 16 * store
     monkeypatch.setenv(OBJECT_STORE_ENV, str(MIN_OBJECT_STORE_MB))
     out = tmp_path / "out"
-    values, _ = run_job(
-        [
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(raw),
-            "--output",
-            str(out),
-            "--samples-per-shard",
-            "50",
-            "--num-cpus",
-            "2",
-            "--no-progress",
-            "--no-length-index",
-        ]
-    )
+    values, _ = _job(raw, out, samples_per_shard=50, no_length_index=True)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["read"] == copies * len(records) and manifest["counts"]["quarantined"] == 0
     written = sum(s["bytes"] for s in manifest["shards"])

@@ -11,6 +11,7 @@ from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.loader import write_blend_yaml
 from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.shard_format import SAMPLE_KEY_SEP as KEY_SEP
+from tests.fixtures_loader import TINY_TILES
 
 pytestmark = pytest.mark.unit
 
@@ -27,16 +28,9 @@ def test_sample_keys_are_unique_across_a_blend_sharing_record_ids_and_find_the_s
     ]
     a = write_dev_shards(tmp_path / "a", records, samples_per_shard=4)  # the same record ids and
     b = write_dev_shards(tmp_path / "b", records, samples_per_shard=4)  # the same shard keys
+    blend = write_blend_yaml(tmp_path / "blend.yaml", [(a, 1.0), (b, 1.0)])
     loader = build_llava_ov_loader(
-        write_blend_yaml(tmp_path / "blend.yaml", [(a, 1.0), (b, 1.0)]),
-        tok,
-        seq_length=64,
-        micro_batch_size=8,
-        num_workers=0,
-        packing=False,
-        seed=3,
-        image_size=28,
-        patch_size=14,
+        blend, tok, seq_length=64, micro_batch_size=8, num_workers=0, packing=False, seed=3, **TINY_TILES
     )
     id_of: dict[str, str] = {}
     for _, batch in zip(range(6), loader):

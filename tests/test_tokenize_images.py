@@ -247,17 +247,7 @@ def test_each_worker_loads_the_vq_once_across_many_chunks(
     out = tmp_path / "two_workers"
     run_tokenize_cli(
         *tokenize_args(
-            emu3_dev_shards,
-            tiny_vq_dir,
-            out,
-            "--num-cpus",
-            "2",
-            "--workers",
-            "2",
-            "--chunk-samples",
-            "2",
-            "--tokenizer",
-            str(emu3_tok_dir),
+            emu3_dev_shards, tiny_vq_dir, out, num_cpus=2, workers=2, chunk_samples=2, tokenizer=emu3_tok_dir
         )
     )
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
@@ -300,17 +290,7 @@ def test_resumed_chunks_are_read_without_workers(tmp_path, token_dir, emu3_dev_s
     for p in (out / ".mmdata-work" / "shards").iterdir():
         p.unlink()
     run_tokenize_cli(
-        *tokenize_args(
-            emu3_dev_shards,
-            tiny_vq_dir,
-            out,
-            "--num-cpus",
-            "2",
-            "--chunk-samples",
-            "3",
-            "--tokenizer",
-            str(emu3_tok_dir),
-        )
+        *tokenize_args(emu3_dev_shards, tiny_vq_dir, out, num_cpus=2, chunk_samples=3, tokenizer=emu3_tok_dir)
     )
     run = json.loads((out / sf.MANIFEST_NAME).read_text())["run"]
     assert run["resumed"]["chunks"] == run["chunks"] > 0 and run["resumed"]["shards"] == 0
@@ -323,17 +303,7 @@ def test_deterministic_across_workers_and_chunks(tmp_path, token_dir, emu3_dev_s
     """1 CPU and 5 samples per chunk gives the bytes of the 2-CPU, 3-per-chunk fixture run."""
     out = tmp_path / "one_cpu"
     run_tokenize_cli(
-        *tokenize_args(
-            emu3_dev_shards,
-            tiny_vq_dir,
-            out,
-            "--num-cpus",
-            "1",
-            "--chunk-samples",
-            "5",
-            "--tokenizer",
-            str(emu3_tok_dir),
-        )
+        *tokenize_args(emu3_dev_shards, tiny_vq_dir, out, num_cpus=1, chunk_samples=5, tokenizer=emu3_tok_dir)
     )
     _assert_same_output(out, token_dir)
 
