@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -192,3 +193,113 @@ def the_one_refusal(proc: subprocess.CompletedProcess) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
     assert len(lines) == 1, proc.stderr[-3000:]
     return lines[0]
+
+
+# ----------------------------------------------------------------------------- in-process building blocks
+
+
+def dp_context(rank: int = 0, dp: int = 1, device: str = "cpu", **knobs):
+    """Rank `rank` of a one-node world of `dp` data-parallel ranks, no TP/PP/CP (gloo on CPU, nccl
+    on CUDA); `knobs`: the context's optional fields (precision, distributed_optimizer, ...)."""
+    import torch
+
+    from mmtrain.runtime.distributed import ParallelContext
+
+    return ParallelContext(
+        rank=rank,
+        world_size=dp,
+        local_rank=rank,
+        tp=1,
+        pp=1,
+        dp=dp,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=rank,
+        backend="gloo" if device == "cpu" else "nccl",
+        device=torch.device(device),
+        **knobs,
+    )
+
+
+#: the declared parts of `tiny_megatron_module`
+TINY_PARTS = {"body": ("body",), "head": ("head",)}
+
+
+def tiny_megatron_module(ctx=None):
+    """A megatron module with two declared parts (TINY_PARTS), in `ctx`'s precision (fp32 without one)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    bf16 = ctx is not None and ctx.precision == "bf16"
+    params_dtype = torch.float32 if ctx is None else ctx.params_dtype
+
+    class Tiny(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(
+                TransformerConfig(
+                    num_layers=1,
+                    hidden_size=8,
+                    num_attention_heads=1,
+                    use_cpu_initialization=True,
+                    bf16=bf16,
+                    params_dtype=params_dtype,
+                )
+            )
+            self.body = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.body(x)))
+
+    return Tiny().to(params_dtype)
+
+
+def tiny_ddp_and_optimizer(ctx, optimizer_cfg):
+    """`tiny_megatron_module` (seed 0) in megatron DDP with our settings for `ctx`, and the
+    optimizer `runtime.optimizer.build_optimizer` builds for it."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mmtrain.runtime.distributed import ensure_model_parallel
+    from mmtrain.runtime.optimizer import ModelParts, build_optimizer, ddp_config_kwargs
+
+    ensure_model_parallel(1, 1)
+    torch.manual_seed(0)
+    module = tiny_megatron_module(ctx)
+    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(**ddp_config_kwargs(ctx)), module)
+    return ddp, build_optimizer([ddp], ModelParts([module], TINY_PARTS), optimizer_cfg, ctx)
+
+
+def step_result(**fields):
+    """A trainer `StepResult` of one updated step; `fields` override the defaults."""
+    from mmtrain.runtime.step_metrics import StepResult
+
+    defaults = dict(step=1, loss=1.0, grad_norm=1.0, lr=1e-4, updated=True, step_time_s=2.0, data_wait_s=0.0)
+    counts = dict(tokens=4096, samples=1, loss_tokens=10, sample_ids=[], sample_losses=[])
+    return StepResult(**{**defaults, **counts, **fields})
+
+
+def logging_trainer(world_size: int, interval: int, peak_flops: float | None) -> tuple[Any, list[dict]]:
+    """A `Trainer` with just what its `_log` reads (the logging rank of `world_size` CPU ranks),
+    and the list its metrics records go to."""
+    import torch
+
+    from mmtrain.runtime.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=world_size, device=torch.device("cpu"))
+    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=interval), train=SimpleNamespace(iters=10))
+    t.peak_flops = peak_flops
+    records: list[dict] = []
+    t.metrics = SimpleNamespace(write=records.append)
+    return t, records
+
+
+def bf16_layout(**dims):
+    """A cost-model `Layout` of one TP and DP rank, micro-batch 1, bf16, no recompute, sequence
+    parallelism or distributed optimizer; `dims`: pp, global_batch_size, seq_length, ..."""
+    from mmtrain.planning.cost_model import Layout
+
+    plain = dict(tp=1, pp=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=False)
+    return Layout(**{**plain, "distributed_optimizer": False, "precision": "bf16", **dims})

@@ -7,27 +7,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from mmtrain.runtime.checkpoint.manager import CheckpointManager
-from mmtrain.runtime.distributed import ParallelContext
 from mmtrain.runtime.interrupts import resume_hint, saying_where_to_resume
-
-
-def _ctx(rank: int) -> ParallelContext:
-    return ParallelContext(
-        rank=rank,
-        world_size=2,
-        local_rank=rank,
-        tp=1,
-        pp=1,
-        dp=2,
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=rank,
-        backend="gloo",
-        device=torch.device("cpu"),
-    )
+from tests.fixtures_training import dp_context
 
 
 @pytest.mark.unit
@@ -35,10 +18,10 @@ def test_a_start_removes_an_interrupted_saves_staging_with_one_line(tmp_path, ca
     staged = tmp_path / "checkpoints" / ".staging" / "iter_0000004"
     (staged / "model").mkdir(parents=True)
     (staged / "model" / "shard.distcp").write_bytes(b"half")
-    CheckpointManager(tmp_path, _ctx(1), keep_last=0, resolved_yaml="")
+    CheckpointManager(tmp_path, dp_context(1, dp=2), keep_last=0, resolved_yaml="")
     assert staged.exists()  # rank 0's job alone
     with caplog.at_level(logging.INFO, logger="mmtrain.runtime.checkpoint.manager"):
-        CheckpointManager(tmp_path, _ctx(0), keep_last=0, resolved_yaml="")
+        CheckpointManager(tmp_path, dp_context(0, dp=2), keep_last=0, resolved_yaml="")
     assert not (tmp_path / "checkpoints" / ".staging").exists()
     lines = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
     assert lines == [
@@ -46,7 +29,7 @@ def test_a_start_removes_an_interrupted_saves_staging_with_one_line(tmp_path, ca
     ], lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mmtrain.runtime.checkpoint.manager"):
-        CheckpointManager(tmp_path, _ctx(0), keep_last=0, resolved_yaml="")  # nothing left: nothing said
+        CheckpointManager(tmp_path, dp_context(0, dp=2), keep_last=0, resolved_yaml="")  # nothing left: nothing said
     assert not caplog.records
 
 
