@@ -13,21 +13,30 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
+from benchmarks.common import read_dist_ckpt  # noqa: F401 (the training tests' checkpoint reader)
 from tests.fixtures_preprocess import free_port
 from tests.session_fixtures import session_fixture
-
-if TYPE_CHECKING:
-    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 MMTRAIN = [sys.executable, "-m", "mmtrain.cli", "llava-ov", str(TINY_RECIPE)]
 #: the base run's overrides: two steps, a checkpoint after each
 BASE_RUN = ("train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=0")
+#: the parallel features together on 4 ranks: TP=2 x PP=2 x VPP=2 with an uneven split, the
+#: vision tower's own layout (TP 1) and balancing (the CPU slow tier and the GPU tier run it)
+FEATURES_TOGETHER = (
+    "parallel.tp=2",
+    "parallel.pp=2",
+    "parallel.vpp=2",
+    "parallel.pp_layers=[0,1,0,1]",
+    "parallel.vision.tp=1",
+    "data.balance=true",
+    "data.balance_window=1",
+)
 
 
 def train(
@@ -52,23 +61,6 @@ def train(
 def metrics(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in rows}
-
-
-def read_dist_ckpt(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a megatron torch_dist checkpoint dir, unsharded (torch DCP, no process group)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata()
-    sd = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
 
 
 @session_fixture

@@ -36,6 +36,7 @@ import torch
 
 from mmdata.folder_lock import lock_path
 from tests.fixtures_training import (
+    FEATURES_TOGETHER,
     MMTRAIN,
     REPO,
     TINY_RECIPE,
@@ -481,13 +482,7 @@ def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_m
         tokenizer_dir,
         "train.iters=6",
         "checkpoint.interval=0",
-        "parallel.tp=2",
-        "parallel.pp=2",
-        "parallel.vpp=2",
-        "parallel.pp_layers=[0,1,0,1]",
-        "parallel.vision.tp=1",
-        "data.balance=true",
-        "data.balance_window=1",
+        *FEATURES_TOGETHER,
         f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
         "train.eval_interval=2",
         "train.eval_iters=2",
