@@ -39,6 +39,11 @@ FEATURES_TOGETHER = (
 )
 
 
+def train_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's training process: one CPU thread (the tier runs many), `extra` on top."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra}
+
+
 def train(
     run_dir: Path,
     shards: Path,
@@ -48,9 +53,8 @@ def train(
     expect_rc: int = 0,
     command: list[str] = MMTRAIN,
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     args = run_overrides(run_dir, shards, tokenizer, *overrides, nproc=nproc)
-    proc = subprocess.run(command + args, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(command + args, capture_output=True, text=True, env=train_env(), cwd=REPO)
     if proc.returncode != expect_rc:
         raise AssertionError(
             f"training exited {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -127,8 +131,8 @@ def run_killed(args: list[str], log: Path, **extra_env: str) -> tuple[int, str]:
     """Run a training that dies by SIGKILL; (its exit status, its stderr). Its process group
     goes with it, as a scheduler takes a job's processes (what a bare `kill -9` of the process
     alone leaves: test_a_sigkilled_run_leaves_no_process_behind)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **extra_env}
     with log.open("w") as f:
+        env = train_env(**extra_env)
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO, start_new_session=True)
         rc = p.wait()
     try:
@@ -160,7 +164,6 @@ def run_overrides(run_dir: Path, shards: Path, tokenizer: Path, *overrides: str,
 
 def train_family(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path) -> subprocess.CompletedProcess:
     """One step of `mmtrain FAMILY RECIPE` on `data` with `tok` (the preflight tests' run)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
     args = [
         f"run_dir={run_dir}",
         f"data.paths=[{data}]",
@@ -174,7 +177,7 @@ def train_family(family: str, recipe: Path, run_dir: Path, data: Path, tok: Path
         [sys.executable, "-m", "mmtrain.cli", family, str(recipe), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=train_env(),
         cwd=REPO,
     )
 

@@ -203,42 +203,18 @@ def _same_losses(got: dict, ref: dict, steps) -> None:
 
 
 @pytest.mark.slow
-def test_emu3_tp2_pp2_sequence_parallel_losses_equal_one_process(
-    parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
+@pytest.mark.parametrize(
+    "layout", [("parallel.tp=2", "parallel.pp=2"), ("parallel.cp=2", "parallel.tp=2")], ids=["tp2-pp2", "cp2-tp2"]
+)
+def test_emu3_four_process_sequence_parallel_losses_equal_one_process(
+    layout, parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
 ):
+    """TP=2 x PP=2, and CP=2 x TP=2 (the lean loss vocab-parallel over TP on each CP rank's
+    share, reduced over the CP group), with sequence parallelism (4 processes) from the first
+    step: the one-process run's losses."""
     common, ref = parity_reference
-    run = tmp_path / "tp2pp2"
-    emu3_train(
-        run,
-        demo_token_dir,
-        emu3_tok_dir,
-        *common,
-        "parallel.tp=2",
-        "parallel.pp=2",
-        "parallel.sequence_parallel=true",
-        nproc=4,
-    )
-    _same_losses(metrics(run), ref, (1, 2, 3, 4))
-
-
-@pytest.mark.slow
-def test_emu3_cp2_tp2_sequence_parallel_losses_equal_one_process(
-    parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
-):
-    """CP=2 x TP=2 with sequence parallelism (4 processes) from the first step: the lean loss
-    vocab-parallel over TP on each CP rank's share, reduced over the CP group."""
-    common, ref = parity_reference
-    run = tmp_path / "cp2tp2"
-    emu3_train(
-        run,
-        demo_token_dir,
-        emu3_tok_dir,
-        *common,
-        "parallel.cp=2",
-        "parallel.tp=2",
-        "parallel.sequence_parallel=true",
-        nproc=4,
-    )
+    run = tmp_path / "run"
+    emu3_train(run, demo_token_dir, emu3_tok_dir, *common, *layout, "parallel.sequence_parallel=true", nproc=4)
     _same_losses(metrics(run), ref, (1, 2, 3, 4))
 
 

@@ -36,6 +36,7 @@ import torch
 
 from mmdata.folder_lock import lock_path
 from tests.fixtures_training import (
+    train_env,
     FEATURES_TOGETHER,
     MMTRAIN,
     REPO,
@@ -163,6 +164,15 @@ def test_balancing_window_moves_rows_between_steps_and_resumes_inside_one(tmp_pa
         assert resumed[step]["sample_ids"] == got[step]["sample_ids"], step
 
 
+def _continue_evaluated(eval_run, run, shards_dir, tokenizer_dir, *layout: str, nproc: int):
+    """The evaluated run's step-4 checkpoint continued to step 6 in `layout` on `nproc` processes,
+    evaluating every 2 steps (no interval checkpoints: the run's end saves step 6)."""
+    start = f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}"
+    evaluation = ("train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
+    overrides = ("train.iters=6", "checkpoint.interval=0", *layout, start, *evaluation)
+    return train(run, shards_dir, tokenizer_dir, *overrides, nproc=nproc)
+
+
 def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, tokenizer_dir):
     """A TP1/PP1 checkpoint continued on PP=2 (2 processes started by the launcher): model and
     optimizer re-shard through dist-checkpointing, the loader state carries over (same DP), and
@@ -171,19 +181,7 @@ def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, toke
     the validation loss to the single-process number. The launcher's workers train under the
     run_dir lock the launcher holds."""
     run = tmp_path / "pp2"
-    proc = train(
-        run,
-        shards_dir,
-        tokenizer_dir,
-        "train.iters=6",
-        "checkpoint.interval=0",
-        f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
-        "parallel.pp=2",
-        "train.eval_interval=2",
-        "train.eval_iters=2",
-        f"data.val_paths=[{shards_dir}]",
-        nproc=2,
-    )
+    proc = _continue_evaluated(eval_run, run, shards_dir, tokenizer_dir, "parallel.pp=2", nproc=2)
     assert "same layout: False, loader restored: True" in proc.stderr
     ref, pp2 = metrics(eval_run), metrics(run)
     assert sorted(pp2) == [5, 6]
@@ -476,19 +474,7 @@ def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_m
     any split and layout. (It is also the pipeline's validation-loss check: the last stage
     reduces it to the one-process number.)"""
     run = tmp_path / "tp2-pp2-vpp2"
-    proc = train(
-        run,
-        shards_dir,
-        tokenizer_dir,
-        "train.iters=6",
-        "checkpoint.interval=0",
-        *FEATURES_TOGETHER,
-        f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
-        "train.eval_interval=2",
-        "train.eval_iters=2",
-        f"data.val_paths=[{shards_dir}]",
-        nproc=4,
-    )
+    proc = _continue_evaluated(eval_run, run, shards_dir, tokenizer_dir, *FEATURES_TOGETHER, nproc=4)
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     assert "same layout: False, loader restored: True" in proc.stderr
@@ -535,8 +521,7 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
         "parallel.tp=2",
         "parallel.vision.tp=1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     state = json.loads((tp2 / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
