@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import train_common
-from benchmarks.common import REPO
+from benchmarks.common import REPO, tokenize_images_args
 from benchmarks.sample_parity import SampleParityError, check_rounds_match
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 
@@ -62,19 +62,8 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
 
     shards, tokens = train_common.synth_shards(work, num_samples, preprocess_job), work / "tokens"
     vq = build_tiny_vq(work / "vq", seed=0)
-    train_common.run_module(
-        "mmdata.vision_tokens.cli",
-        "--no-progress",
-        str(shards),
-        "--vision-tokenizer",
-        str(vq),
-        "--output",
-        str(tokens),
-        "--image-area",
-        "4096",
-        "--num-cpus",
-        "2",
-    )
+    tokenize = tokenize_images_args(shards, vq, tokens, 4096, "--num-cpus", "2")
+    train_common.run_module("mmdata.vision_tokens.cli", "--no-progress", *tokenize)
     return tokens, build_tiny_emu3_tokenizer(work / "tokenizer")
 
 

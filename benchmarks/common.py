@@ -27,6 +27,12 @@ def ray_job_env() -> dict[str, str]:
     return env
 
 
+def tokenize_images_args(shards: Path, vq: Path, out: Path, image_area: int, *extra: str) -> list[str]:
+    """The arguments of `mmdata tokenize-images` (`python -m mmdata.vision_tokens.cli`): the
+    images of `shards` through the VQ model `vq` at `image_area` pixels into `out`."""
+    return [str(shards), "--vision-tokenizer", str(vq), "--output", str(out), "--image-area", str(image_area), *extra]
+
+
 def peak_rss_kb() -> int:
     """This process's own peak RSS in KiB: VmHWM. Not getrusage's ru_maxrss: Linux carries the
     RSS of the process that forked it across exec, so a job started from a big pytest process

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from benchmarks.common import tokenize_images_args
 from tests.session_fixtures import session_fixture
 
 # transformers' Emu3 chat template (the one Emu3-Chat-hf ships and transformers' processor tests use)
@@ -122,16 +123,7 @@ def run_tokenize_cli(*args: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def tokenize_args(shards: Path, vq: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        str(shards),
-        "--vision-tokenizer",
-        str(vq),
-        "--output",
-        str(out),
-        "--image-area",
-        str(TEST_IMAGE_AREA),
-        *extra,
-    ]
+    return tokenize_images_args(shards, vq, out, TEST_IMAGE_AREA, *extra)
 
 
 @session_fixture

@@ -65,6 +65,15 @@ def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7, i
     return rows, pv, torch.tensor([list(p.image_size) for p in procs])
 
 
+def hf_greedy_answer(model, inputs, tok, max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` of one prompt's `inputs` (the chat's stop and pad tokens):
+    the new tokens."""
+    stops = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **stops)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
 def has_torchvision() -> bool:
     """transformers' LlavaOnevisionVideoProcessor (and so AutoProcessor on a LLaVA-OV dir) needs it."""
     try:
