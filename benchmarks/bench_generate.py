@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.tiny_models import random_hf_emu3, text_config, vision_config
+
 REPO = Path(__file__).resolve().parents[1]
 CAPTIONS = [
     "a red bus parked next to a tall building on a sunny day",
@@ -84,10 +86,6 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     import torch
     from transformers import (
         AutoTokenizer,
-        Emu3Config,
-        Emu3ForConditionalGeneration,
-        Emu3TextConfig,
-        Emu3VQVAE,
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
     )
@@ -102,54 +100,16 @@ def build_assets(work: Path, layers: int, hidden: int) -> dict:
     # Emu3: the tiny tokenizer + tiny VQ, a decoder of the requested size
     tok_dir, vq_dir = build_tiny_emu3_tokenizer(work / "emu3_tok"), build_tiny_vq(work / "vq", seed=0)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    vq = Emu3VQVAE.from_pretrained(vq_dir)
     heads = max(2, hidden // 64)
-    text = Emu3TextConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=8192,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        attention_dropout=0.0,
-    )
-    emu3 = Emu3ForConditionalGeneration(
-        Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
-    ).eval()
-    emu3.model.vqmodel.load_state_dict(vq.state_dict())
-    _perturb(emu3, "vqmodel", 0.05)
+    shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // 2), max_positions=8192)
+    emu3 = random_hf_emu3(tok, vq_dir, **shape, noise=0.05)
     emu3_hf = _save(emu3, work / "emu3_hf", [tok_dir.iterdir(), [vq_dir / "preprocessor_config.json"]])
     # LLaVA-OV: the tiny Qwen2 tokenizer, a 2-layer Qwen2 and a 2-layer SigLIP at 30 px
     qtok_dir = build_tiny_qwen2_tokenizer(work / "qwen2_tok")
     qtok = AutoTokenizer.from_pretrained(qtok_dir)
     cfg = LlavaOnevisionConfig(
-        text_config=dict(
-            model_type="qwen2",
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=len(qtok),
-            max_position_embeddings=4096,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
-        vision_config=dict(
-            model_type="siglip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=30,
-            patch_size=14,
-            vision_use_head=False,
-        ),
+        text_config=text_config(vocab_size=len(qtok)),
+        vision_config=vision_config(),
         image_token_index=qtok.convert_tokens_to_ids("<image>"),
         video_token_index=qtok.convert_tokens_to_ids("<video>"),
         image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(30, 6)],

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ray_job_env
+from benchmarks.common import ray_job_env, tokenize_images_args
 
 BASELINE = r"""
 import io, json, resource, sys, tarfile, time
@@ -142,22 +142,8 @@ def run_baseline(shards: Path, vq: Path, area: int, num_cpus: int, codes_out: Pa
 
 
 def run_ours(shards: Path, vq: Path, area: int, num_cpus: int, out: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmdata.vision_tokens.cli",
-        str(shards),
-        "--vision-tokenizer",
-        str(vq),
-        "--output",
-        str(out),
-        "--image-area",
-        str(area),
-        "--num-cpus",
-        str(num_cpus),
-        "--no-progress",
-        "--overwrite",
-    ]
+    options = ("--num-cpus", str(num_cpus), "--no-progress", "--overwrite")
+    cmd = [sys.executable, "-m", "mmdata.vision_tokens.cli", *tokenize_images_args(shards, vq, out, area, *options)]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_job_env())
     rss = _TreeRss(p.pid)

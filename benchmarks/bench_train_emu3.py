@@ -41,13 +41,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench_loader import make_shards
-from benchmarks.common import REPO, ray_job_env
+from benchmarks import train_common
+from benchmarks.common import REPO, tokenize_images_args
 from benchmarks.sample_parity import SampleParityError, check_rounds_match
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 
@@ -61,54 +60,10 @@ def build_data(work: Path, num_samples: int = 200, preprocess_job: bool = True) 
     from mmdata.dev.tiny_emu3_tokenizer import build_tiny_emu3_tokenizer
     from mmdata.dev.tiny_vq_model import build_tiny_vq
 
-    raw, shards, tokens = work / "raw", work / "shards", work / "tokens"
-    env = ray_job_env()
-    run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True, env=env, capture_output=True)  # noqa: E731
-    if preprocess_job:
-        run(
-            "mmdata.cli",
-            "synth",
-            "--dataset",
-            "infinity-mm",
-            "--output",
-            str(raw),
-            "--num-samples",
-            str(num_samples),
-            "--seed",
-            "0",
-        )
-        run(
-            "mmdata.preprocess.cli",
-            "--no-progress",
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(raw),
-            "--output",
-            str(shards),
-            "--seed",
-            "0",
-            "--samples-per-shard",
-            str(max(1, num_samples // 4)),
-            "--num-cpus",
-            "2",
-        )
-    else:
-        make_shards(shards, num_samples, seed=0)
+    shards, tokens = train_common.synth_shards(work, num_samples, preprocess_job), work / "tokens"
     vq = build_tiny_vq(work / "vq", seed=0)
-    run(
-        "mmdata.vision_tokens.cli",
-        "--no-progress",
-        str(shards),
-        "--vision-tokenizer",
-        str(vq),
-        "--output",
-        str(tokens),
-        "--image-area",
-        "4096",
-        "--num-cpus",
-        "2",
-    )
+    tokenize = tokenize_images_args(shards, vq, tokens, 4096, "--num-cpus", "2")
+    train_common.run_module("mmdata.vision_tokens.cli", "--no-progress", *tokenize)
     return tokens, build_tiny_emu3_tokenizer(work / "tokenizer")
 
 
@@ -121,14 +76,7 @@ def peak_rss_gib() -> float:
 
 def unpack_to_hf(batch) -> dict:
     """One packed Emu3Batch -> HF inputs for the same samples, one per row, right-padded."""
-    b, s = batch.input_ids.shape
-    ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
-    cu = batch.cu_seqlens.tolist()
-    by_row: dict[int, list[tuple[int, int]]] = {}
-    for start, end in zip(cu[:-1], cu[1:]):
-        if end > start:
-            by_row.setdefault(start // s, []).append((start, end))
-    segments = [seg for r, row in enumerate(batch.sample_ids) for seg in by_row.get(r, [])[: len(row)]]
+    ids, labels, segments = train_common.sample_segments(batch)
     longest = max(end - start for start, end in segments)
     out = {
         "input_ids": torch.zeros(len(segments), longest, dtype=torch.long),
@@ -170,34 +118,8 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
 
     model = hf_emu3(recipe, AutoTokenizer.from_pretrained(recipe.tokenizer.path).get_vocab())
     params = [p for n, p in model.named_parameters() if "vqmodel" not in n]  # the reference trains the LM
-    opt = recipe.optimizer
-    optimizer = torch.optim.AdamW(
-        params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, weight_decay=opt.weight_decay
-    )
     prepared = [[unpack_to_hf(mb) for mb in step] for step in steps]
-    vocab = recipe.model.llm.vocab_size
-    times = []
-    for micro_batches in prepared:
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        total = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        for mb in micro_batches:
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            # labels are already shifted (Megatron convention): position t predicts labels[t]
-            loss = (
-                torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, vocab),
-                    mb["labels"].reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                / total
-            )
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, opt.clip_grad)
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-    return times
+    return train_common.train_baseline(model, params, recipe.optimizer, prepared)
 
 
 # ----------------------------------------------------------------------------- one side
@@ -232,9 +154,7 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
         setup_logging()
         train(recipe, get_family(recipe.family))
         records = [json.loads(x) for x in (Path(recipe.run_dir) / "metrics.jsonl").read_text().splitlines()]
-        # compute only, like the baseline (its batches were drawn and converted before timing)
-        result["times"] = [r["step_time_s"] - r.get("data_wait_s", 0.0) for r in records]
-        result["waits"] = [r.get("data_wait_s", 0.0) for r in records]
+        result["times"], result["waits"] = train_common.our_step_times(records)
         result["sample_ids"] = [r["sample_ids"] for r in records]
         result["loss"] = [records[0]["loss"], records[-1]["loss"]]
     result["peak_rss_gib"] = peak_rss_gib()
@@ -243,14 +163,9 @@ def side(name: str, overrides: list[str], steps_n: int, threads: int, out: Path)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per side; the best median counts")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", help="token shards (mmdata tokenize-images output)")
-    ap.add_argument("--tokenizer", help="the Emu3 tokenizer of those shards")
-    ap.add_argument("--seq-length", type=int, default=1024)
-    ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the data is built here")
+    train_common.add_run_args(ap, seq_length=1024, data_help="the token shards")
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -267,17 +182,9 @@ def main() -> int:
     if args.side is None and not (args.tokens and args.tokenizer):
         print("building synthetic shards -> tiny VQ token shards + tiny Emu3 tokenizer ...", flush=True)
         args.tokens, args.tokenizer = map(str, build_data(work, args.num_samples, preprocess_job=not args.quick))
-    overrides = [
-        f"run_dir={work / (args.side or 'run')}",
-        f"data.paths=[{args.tokens}]",
-        f"tokenizer.path={args.tokenizer}",
-        f"train.iters={args.steps}",
-        f"train.seq_length={args.seq_length}",
-        "checkpoint.interval=0",
-        "checkpoint.keep_last=1",
-        "logging.tensorboard=false",
-        "data.num_workers=1",
-    ]
+    overrides = train_common.recipe_overrides(
+        work / (args.side or "run"), args.tokens, args.tokenizer, args.steps, args.seq_length
+    )
     if args.side is not None:
         side(args.side, overrides, args.steps, args.threads, Path(args.out))
         return 0
@@ -330,10 +237,7 @@ def main() -> int:
     base, ours = runs["baseline"][0], runs["ours"][0]
     b_rate, o_rate = rate(base["times"]), rate(ours["times"])
     tasks = [t for step in base["tasks"] for t in step]
-    print()
-    print(f"{'step':>4} {'real tokens':>11} {'baseline s':>10} {'ours s':>8}   (each side's best round)")
-    for i, (n, a, b) in enumerate(zip(real_tokens, base["times"], ours["times"]), 1):
-        print(f"{i:>4} {n:>11} {a:>10.3f} {b:>8.3f}{'  (warm-up)' if i <= w else ''}")
+    train_common.print_step_table(real_tokens, base["times"], ours["times"], w, note="   (each side's best round)")
     for name in runs:
         print(f"{name} median tokens/s per round: " + ", ".join(f"{rate(r['times']):.1f}" for r in runs[name]))
     print(

@@ -30,16 +30,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench_loader import make_shards
-from benchmarks.common import REPO, ray_job_env
+from benchmarks import train_common
+from benchmarks.common import REPO
 from benchmarks.sample_parity import SampleParityError, check_logged_steps_match
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 
@@ -49,55 +47,10 @@ RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 def build_data(work: Path, num_samples: int = 200, ray_job: bool = True) -> tuple[Path, Path]:
     """Synthetic Infinity-MM shards made by `mmdata synth` + `mmdata preprocess`, and the tiny
     tokenizer. `ray_job=False` (`--quick`): the same generator's records written straight as shards
-    (bench_loader.make_shards: the shard format preprocess writes, without starting Ray)."""
+    (train_common.synth_shards)."""
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
-    if not ray_job:
-        return make_shards(work / "shards", num_samples, seed=0), build_tiny_qwen2_tokenizer(work / "tokenizer")
-    raw, shards = work / "raw", work / "shards"
-    env = ray_job_env()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mmdata.cli",
-            "synth",
-            "--dataset",
-            "infinity-mm",
-            "--output",
-            str(raw),
-            "--num-samples",
-            str(num_samples),
-            "--seed",
-            "0",
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mmdata.preprocess.cli",
-            "--no-progress",
-            "--dataset",
-            "infinity-mm",
-            "--input",
-            str(raw),
-            "--output",
-            str(shards),
-            "--seed",
-            "0",
-            "--samples-per-shard",
-            str(max(1, num_samples // 4)),
-            "--num-cpus",
-            "2",
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    shards = train_common.synth_shards(work, num_samples, preprocess_job=ray_job)
     return shards, build_tiny_qwen2_tokenizer(work / "tokenizer")
 
 
@@ -108,29 +61,22 @@ def unpack_to_hf(batch, cfg) -> dict:
     """One packed LlavaOVBatch -> HF inputs for the same samples, unpacked and right-padded."""
     from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES
 
-    b, s = batch.input_ids.shape
-    ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
-    cu = batch.cu_seqlens.tolist()
-    segments_by_row: dict[int, list[tuple[int, int]]] = {}
-    for start, end in zip(cu[:-1], cu[1:]):
-        if end > start:
-            segments_by_row.setdefault(start // s, []).append((start, end))
+    ids, labels, segments = train_common.sample_segments(batch)
     media_tokens = batch.num_media_tokens.tolist()
     tile_starts = [0] + torch.cumsum(batch.tiles_per_media, 0).tolist()
     is_media = (ids == cfg.image_token_id) | (ids == cfg.video_token_id)
     samples, media_i = [], 0
-    for r, row_ids in enumerate(batch.sample_ids):
-        for start, end in segments_by_row.get(r, [])[: len(row_ids)]:
-            need, images = int(is_media[start:end].sum()), []
-            while need > 0:
-                kind = int(batch.media_kind[media_i])
-                if kind not in (0, 1):
-                    raise SystemExit("baseline: video samples are not supported by this benchmark")
-                tiles = batch.pixel_values[tile_starts[media_i] : tile_starts[media_i + 1]]
-                images.append((tiles, batch.image_sizes[media_i].tolist(), kind == MEDIA_ANYRES))
-                need -= media_tokens[media_i]
-                media_i += 1
-            samples.append((ids[start:end], labels[start:end], images))
+    for start, end in segments:
+        need, images = int(is_media[start:end].sum()), []
+        while need > 0:
+            kind = int(batch.media_kind[media_i])
+            if kind not in (0, 1):
+                raise SystemExit("baseline: video samples are not supported by this benchmark")
+            tiles = batch.pixel_values[tile_starts[media_i] : tile_starts[media_i + 1]]
+            images.append((tiles, batch.image_sizes[media_i].tolist(), kind == MEDIA_ANYRES))
+            need -= media_tokens[media_i]
+            media_i += 1
+        samples.append((ids[start:end], labels[start:end], images))
     max_len = max(len(x[0]) for x in samples)
     input_ids = torch.zeros(len(samples), max_len, dtype=torch.long)
     hf_labels = torch.full((len(samples), max_len), IGNORE_INDEX, dtype=torch.long)
@@ -166,49 +112,14 @@ def run_baseline(recipe, steps: list[list], threads: int) -> list[float]:
     cfg.pop("architectures", None)
     torch.manual_seed(recipe.seed)
     model = LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(**cfg)).train()
-    opt = recipe.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt.lr,
-        betas=(opt.adam_beta1, opt.adam_beta2),
-        eps=opt.adam_eps,
-        weight_decay=opt.weight_decay,
-    )
     prepared = [[unpack_to_hf(mb, recipe.model) for mb in step] for step in steps]
-    times = []
-    for micro_batches in prepared:
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        total = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        for mb in micro_batches:
-            kwargs = {k: v for k, v in mb.items() if k not in ("labels", "real_tokens")}
-            logits = model(**kwargs).logits
-            # labels are already shifted (Megatron convention): position t predicts labels[t]
-            loss = (
-                torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]),
-                    mb["labels"].reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                / total
-            )
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-    return times
+    return train_common.train_baseline(model, list(model.parameters()), recipe.optimizer, prepared)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--shards")
-    ap.add_argument("--tokenizer")
-    ap.add_argument("--seq-length", type=int, default=2048)
-    ap.add_argument("--num-samples", type=int, default=200, help="synthetic samples when the shards are built here")
+    train_common.add_run_args(ap, seq_length=2048, data_help="the shards")
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -227,17 +138,7 @@ def main() -> int:
     else:
         print("building synthetic shards + tiny tokenizer ...", flush=True)
         shards, tokenizer = build_data(work, args.num_samples, ray_job=not args.quick)
-    overrides = [
-        f"run_dir={work / 'run'}",
-        f"data.paths=[{shards}]",
-        f"tokenizer.path={tokenizer}",
-        f"train.iters={args.steps}",
-        f"train.seq_length={args.seq_length}",
-        "checkpoint.interval=0",
-        "checkpoint.keep_last=1",
-        "logging.tensorboard=false",
-        "data.num_workers=1",
-    ]
+    overrides = train_common.recipe_overrides(work / "run", shards, tokenizer, args.steps, args.seq_length)
     recipe = load_recipe(RECIPE, overrides, family="llava-ov")
     spec = registry.get_family("llava-ov")
     t = recipe.train
@@ -268,19 +169,14 @@ def main() -> int:
         check_logged_steps_match(records, steps)
     except SampleParityError as e:
         raise SystemExit(str(e)) from None
-    # compute only, like the baseline (its batches were drawn and converted before timing)
-    our_times = [rec["step_time_s"] - rec.get("data_wait_s", 0.0) for rec in records]
-    our_waits = [rec.get("data_wait_s", 0.0) for rec in records]
+    our_times, our_waits = train_common.our_step_times(records)
 
     w = args.warmup
     tokens = sum(real_tokens[w:])
     # the median of per-step rates: robust to a stalled step on a shared machine
     baseline = statistics.median(n / t for n, t in zip(real_tokens[w:], base_times[w:]))
     ours = statistics.median(n / t for n, t in zip(real_tokens[w:], our_times[w:]))
-    print()
-    print(f"{'step':>4} {'real tokens':>11} {'baseline s':>10} {'ours s':>8}")
-    for i, (n, a, b) in enumerate(zip(real_tokens, base_times, our_times), 1):
-        print(f"{i:>4} {n:>11} {a:>10.3f} {b:>8.3f}{'  (warm-up)' if i <= w else ''}")
+    train_common.print_step_table(real_tokens, base_times, our_times, w)
     print(
         f"\nCPU, {args.threads} thread(s); median tokens/s over steps {w + 1}..{args.steps} "
         f"(totals: baseline {tokens / sum(base_times[w:]):.1f}, ours {tokens / sum(our_times[w:]):.1f}); "

@@ -44,22 +44,14 @@ TP = 2
 
 def model_config(quick: bool):
     from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
-    from mmtrain.models.lm_config import LLMConfig
+    from benchmarks.tiny_models import small_llm
 
     vision = (
         VisionConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, image_size=56)
         if quick
         else VisionConfig(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, image_size=112)
     )
-    llm = LLMConfig(
-        num_layers=2,
-        hidden_size=256,
-        ffn_hidden_size=1024,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=4096,
-        max_position_embeddings=65536,
-    )
+    llm = small_llm(4096, max_position_embeddings=65536)
     return LlavaOVModelConfig(
         llm=llm,
         vision=vision,

@@ -55,6 +55,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.reference_ops import per_sample_attention  # noqa: E402
+from benchmarks.tiny_models import small_llm  # noqa: E402
+
 RESULTS: list[tuple[str, bool, str]] = []
 MAIN = int(os.environ.get("RANK", "0")) == 0  # prints come from rank 0 only
 
@@ -113,21 +116,6 @@ def _cu(lens: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
 
-def _per_sample(q, k, v, lens) -> torch.Tensor:
-    outs, start = [], 0
-    for n in lens:
-        sl = slice(start, start + n)
-        outs.append(
-            F.scaled_dot_product_attention(
-                *(x[sl].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
-            )[0]
-            .transpose(0, 1)
-            .reshape(n, -1)
-        )
-        start += n
-    return torch.cat(outs)
-
-
 # ----------------------------------------------------------------------------- correctness
 
 
@@ -156,7 +144,7 @@ def check_varlen(device: torch.device, tiny: bool) -> None:
     base = [torch.randn(total, h, dim, device=device, generator=g) for h in (heads, groups, groups)]
     grad = torch.randn(total, heads * dim, device=device, generator=g)
     ref_in = [x.double().requires_grad_() for x in base]
-    ref = _per_sample(*ref_in, lens)
+    ref = per_sample_attention(*ref_in, lens)
     ref.backward(grad.double())
     modules = [("ours", SDPACoreAttention)]
     te = te_dot_product_attention() if device.type == "cuda" else None  # None without a real TE (A2)
@@ -220,19 +208,11 @@ def check_loss(device: torch.device, tiny: bool) -> None:
 def check_decoder(device: torch.device, tiny: bool) -> None:
     from mmtrain.models.context_parallel import cp_layout
     from mmtrain.models.language_model import build_language_model
-    from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
+    from mmtrain.models.lm_config import padded_vocab_size
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
 
     vocab = 8192 if tiny else 151936
-    llm = LLMConfig(
-        num_layers=2,
-        hidden_size=256,
-        ffn_hidden_size=1024,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=vocab,
-        max_position_embeddings=16384,
-    )
+    llm = small_llm(vocab, max_position_embeddings=16384)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg = language_transformer_config(llm, dtype, ParallelOptions(on_cuda=device.type == "cuda"))
     lens = [3000, 1000, 4192] if not tiny else [300, 100, 112]
@@ -322,7 +302,7 @@ def check_te_context_parallel(device: torch.device) -> None:
     base = [torch.randn(total, h, 128, device=device, generator=g) for h in (12, 2, 2)]
     grad = torch.randn(total, 1536, device=device, generator=g)
     ref_in = [x.double().requires_grad_() for x in base]
-    ref = _per_sample(*ref_in, lens)
+    ref = per_sample_attention(*ref_in, lens)
     ref.backward(grad.double())
     layout = current_layout(_cu(lens, torch.device("cpu")))
     attn = te(cfg, 1, AttnMaskType.causal, attention_type="self", cp_comm_type=cfg.cp_comm_type).to(device)

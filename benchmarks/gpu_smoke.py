@@ -70,6 +70,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent))
 
 RESULT_MARK = "GPU_SMOKE_RESULT "
+from benchmarks.common import read_dist_ckpt  # noqa: E402
+
 TINY_LLAVA = REPO / "recipes" / "llava-ov-tiny.yaml"
 TINY_EMU3 = REPO / "recipes" / "emu3-tiny.yaml"
 MFU_TARGET, MFU_AIM, PEAK_TOLERANCE = 0.45, 0.50, 0.10
@@ -305,27 +307,6 @@ def train_and_read(smoke: Smoke, run_dir: Path, timeout: float, *overrides: str,
     if rc != 0:
         raise RuntimeError(f"exit {rc}: {last_error(out)} (log {run_dir}.log)")
     return metrics(run_dir)
-
-
-def read_dist_ckpt(path: Path) -> dict[str, Any]:
-    """Every tensor of a megatron torch_dist checkpoint dir, unsharded (torch DCP, no process group)."""
-    import warnings
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata()
-    sd = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...": intended, one process
-        warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
 
 
 def ckpt_dir(run_dir: Path, step: int) -> Path:

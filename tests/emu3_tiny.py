@@ -189,32 +189,12 @@ def tiny_hf_emu3(
     """A tiny random Emu3ForConditionalGeneration over this tokenizer, with the tiny VQ's weights;
     `noise` perturbs every text-model tensor (norms and all) so conversions cannot pass by luck."""
     import torch
-    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAE
+
+    from benchmarks.tiny_models import random_hf_emu3
 
     torch.manual_seed(seed)
-    vq = Emu3VQVAE.from_pretrained(vq_dir)
-    text = Emu3TextConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        attention_dropout=0.0,
-    )
-    config = Emu3Config(text_config=text, vq_config=vq.config.to_dict(), vocabulary_map=tok.get_vocab())
-    model = Emu3ForConditionalGeneration(config).eval()
-    model.model.vqmodel.load_state_dict(vq.state_dict())
-    if noise:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "vqmodel" not in name:
-                    p.add_(torch.randn_like(p) * noise)
-    return model
+    kw = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, max_positions=max_positions)
+    return random_hf_emu3(tok, vq_dir, **kw, noise=noise)
 
 
 def save_hf_emu3(model, tok_dir: Path, vq_dir: Path, out: Path) -> Path:

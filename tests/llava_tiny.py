@@ -9,43 +9,11 @@ import torch
 from PIL import Image
 from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
 
+from benchmarks.tiny_models import text_config, vision_config
 from mmdata.energon_loaders.llava_ov import anyres
 
 IMAGE_SIZE, PATCH = 30, 14
 IMAGE_TOKEN, VIDEO_TOKEN = 998, 999
-
-
-def text_config(**kw) -> dict:
-    d = dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=4096,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
-    d.update(kw)
-    return d
-
-
-def vision_config(**kw) -> dict:
-    d = dict(
-        model_type="siglip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        vision_use_head=False,
-    )
-    d.update(kw)
-    return d
 
 
 def hf_llava(
@@ -63,7 +31,7 @@ def hf_llava(
     torch.manual_seed(seed)
     cfg = LlavaOnevisionConfig(
         text_config=text_config(tie_word_embeddings=tie, vocab_size=vocab_size, **(text or {})),
-        vision_config=vision_config(**(vision or {})),
+        vision_config=vision_config(IMAGE_SIZE, PATCH, **(vision or {})),
         image_token_index=image_token,
         video_token_index=video_token,
         image_grid_pinpoints=[list(p) for p in anyres.grid_pinpoints(IMAGE_SIZE, 6)],
@@ -95,6 +63,15 @@ def hf_image_inputs(imgs: list[Image.Image], seed: int = 0, text_len: int = 7, i
         post = torch.randint(0, 990, (text_len,), generator=g)
         rows.append(torch.cat([pre, torch.full((p.num_tokens,), image_token), post]))
     return rows, pv, torch.tensor([list(p.image_size) for p in procs])
+
+
+def hf_greedy_answer(model, inputs, tok, max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` of one prompt's `inputs` (the chat's stop and pad tokens):
+    the new tokens."""
+    stops = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **stops)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def has_torchvision() -> bool:

@@ -451,11 +451,11 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
     """The tiny recipe on 2 gloo processes: the memory model prunes most of the 120 layouts, the
     recipe's own layout and the most promising survivor run as real trials (torchrun, the real
     loader and model), history.csv holds ran and pruned rows, and --launch trains best.yaml."""
-    import os
     import subprocess
     import sys
 
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+    from tests.fixtures_training import train_env
 
     tok = build_tiny_qwen2_tokenizer(tmp_path / "tokenizer")
     run = tmp_path / "run"
@@ -484,8 +484,7 @@ def test_real_search_on_two_cpu_processes(tmp_path, shards_dir):
         "auto_tune.trial_timeout_s=300",
         "--launch",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(args, capture_output=True, text=True, env=train_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     rows = list(csv.DictReader((run / "auto_tune" / "history.csv").open()))
     status = [row["status"] for row in rows]

@@ -16,67 +16,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures_training import metrics, read_dist_ckpt, run_killed, train, train_args
+from tests.fixtures_training import (
+    dp_context,
+    metrics,
+    read_dist_ckpt,
+    run_killed,
+    tiny_ddp_and_optimizer,
+    train,
+    train_args,
+)
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 
 
 def _ctx(precision: str, distributed_optimizer: bool):
-    from mmtrain.runtime.distributed import ParallelContext
-
-    return ParallelContext(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        tp=1,
-        pp=1,
-        dp=1,
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=0,
-        backend="gloo",
-        device=torch.device("cpu"),
-        precision=precision,
-        distributed_optimizer=distributed_optimizer,
-    )
+    return dp_context(precision=precision, distributed_optimizer=distributed_optimizer)
 
 
 def _build(ctx):
-    """A two-part megatron module in the run's precision, megatron DDP with our settings, and the
-    optimizer `runtime.optimizer.build_optimizer` builds for it."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
-
+    """`tiny_ddp_and_optimizer` in the run's precision, at lr 1e-2 (clip 1.0)."""
     from mmtrain.config.schema import OptimizerConfig
-    from mmtrain.runtime.distributed import ensure_model_parallel
-    from mmtrain.runtime.optimizer import ModelParts, build_optimizer, ddp_config_kwargs
 
-    class Tiny(MegatronModule):
-        def __init__(self) -> None:
-            super().__init__(
-                TransformerConfig(
-                    num_layers=1,
-                    hidden_size=8,
-                    num_attention_heads=1,
-                    use_cpu_initialization=True,
-                    bf16=ctx.precision == "bf16",
-                    params_dtype=ctx.params_dtype,
-                )
-            )
-            self.body = torch.nn.Linear(8, 8)
-            self.head = torch.nn.Linear(8, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.relu(self.body(x)))
-
-    ensure_model_parallel(1, 1)
-    torch.manual_seed(0)
-    module = Tiny().to(ctx.params_dtype)
-    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(**ddp_config_kwargs(ctx)), module)
-    parts = ModelParts([module], {"body": ("body",), "head": ("head",)})
-    optimizer = build_optimizer([ddp], parts, OptimizerConfig(lr=1e-2, min_lr=1e-3, clip_grad=1.0), ctx)
-    return ddp, optimizer
+    return tiny_ddp_and_optimizer(ctx, OptimizerConfig(lr=1e-2, min_lr=1e-3, clip_grad=1.0))
 
 
 def _inner(optimizer) -> list:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.emu3_tiny import save_hf_emu3, tiny_hf_emu3
-from tests.fixtures_training import REPO, assert_same_steps, interrupted_copy, metrics, train
+from tests.fixtures_training import REPO, assert_same_losses, assert_same_steps, interrupted_copy, metrics, train
 
 EMU3 = [sys.executable, "-m", "mmtrain.cli", "emu3", str(REPO / "recipes" / "emu3-tiny.yaml")]
 
@@ -195,51 +195,20 @@ def parity_reference(tmp_path_factory, demo_token_dir, emu3_tok_dir, tiny_vq_dir
     return common, metrics(base / "ref")
 
 
-def _same_losses(got: dict, ref: dict, steps) -> None:
-    for step in steps:
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
-        assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"]), step
-
-
 @pytest.mark.slow
-def test_emu3_tp2_pp2_sequence_parallel_losses_equal_one_process(
-    parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
+@pytest.mark.parametrize(
+    "layout", [("parallel.tp=2", "parallel.pp=2"), ("parallel.cp=2", "parallel.tp=2")], ids=["tp2-pp2", "cp2-tp2"]
+)
+def test_emu3_four_process_sequence_parallel_losses_equal_one_process(
+    layout, parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
 ):
+    """TP=2 x PP=2, and CP=2 x TP=2 (the lean loss vocab-parallel over TP on each CP rank's
+    share, reduced over the CP group), with sequence parallelism (4 processes) from the first
+    step: the one-process run's losses."""
     common, ref = parity_reference
-    run = tmp_path / "tp2pp2"
-    emu3_train(
-        run,
-        demo_token_dir,
-        emu3_tok_dir,
-        *common,
-        "parallel.tp=2",
-        "parallel.pp=2",
-        "parallel.sequence_parallel=true",
-        nproc=4,
-    )
-    _same_losses(metrics(run), ref, (1, 2, 3, 4))
-
-
-@pytest.mark.slow
-def test_emu3_cp2_tp2_sequence_parallel_losses_equal_one_process(
-    parity_reference, tmp_path, demo_token_dir, emu3_tok_dir
-):
-    """CP=2 x TP=2 with sequence parallelism (4 processes) from the first step: the lean loss
-    vocab-parallel over TP on each CP rank's share, reduced over the CP group."""
-    common, ref = parity_reference
-    run = tmp_path / "cp2tp2"
-    emu3_train(
-        run,
-        demo_token_dir,
-        emu3_tok_dir,
-        *common,
-        "parallel.cp=2",
-        "parallel.tp=2",
-        "parallel.sequence_parallel=true",
-        nproc=4,
-    )
-    _same_losses(metrics(run), ref, (1, 2, 3, 4))
+    run = tmp_path / "run"
+    emu3_train(run, demo_token_dir, emu3_tok_dir, *common, *layout, "parallel.sequence_parallel=true", nproc=4)
+    assert_same_losses(metrics(run), ref, (1, 2, 3, 4))
 
 
 @pytest.mark.slow
@@ -247,7 +216,7 @@ def test_emu3_dp2_losses_equal_one_process_and_resume_on_tp2(parity_reference, t
     common, ref = parity_reference
     dp2 = tmp_path / "dp2"
     emu3_train(dp2, demo_token_dir, emu3_tok_dir, *common, "checkpoint.save=true", "checkpoint.interval=2", nproc=2)
-    _same_losses(metrics(dp2), ref, (1, 2, 3, 4))
+    assert_same_losses(metrics(dp2), ref, (1, 2, 3, 4))
     tp2 = tmp_path / "tp2"
     proc = emu3_train(
         tp2,
@@ -263,5 +232,5 @@ def test_emu3_dp2_losses_equal_one_process_and_resume_on_tp2(parity_reference, t
     assert "same layout: False, loader restored: True" in proc.stderr
     got = metrics(tp2)
     assert sorted(got) == [3, 4]
-    _same_losses(got, metrics(dp2), (3, 4))
+    assert_same_losses(got, metrics(dp2), (3, 4))
     assert [got[s]["sample_ids"] for s in (3, 4)] == [metrics(dp2)[s]["sample_ids"] for s in (3, 4)]

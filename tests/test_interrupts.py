@@ -7,27 +7,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from mmtrain.runtime.checkpoint.manager import CheckpointManager
-from mmtrain.runtime.distributed import ParallelContext
 from mmtrain.runtime.interrupts import resume_hint, saying_where_to_resume
-
-
-def _ctx(rank: int) -> ParallelContext:
-    return ParallelContext(
-        rank=rank,
-        world_size=2,
-        local_rank=rank,
-        tp=1,
-        pp=1,
-        dp=2,
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=rank,
-        backend="gloo",
-        device=torch.device("cpu"),
-    )
+from tests.fixtures_training import REPO, dp_context, train_args, train_env
 
 
 @pytest.mark.unit
@@ -35,10 +18,10 @@ def test_a_start_removes_an_interrupted_saves_staging_with_one_line(tmp_path, ca
     staged = tmp_path / "checkpoints" / ".staging" / "iter_0000004"
     (staged / "model").mkdir(parents=True)
     (staged / "model" / "shard.distcp").write_bytes(b"half")
-    CheckpointManager(tmp_path, _ctx(1), keep_last=0, resolved_yaml="")
+    CheckpointManager(tmp_path, dp_context(1, dp=2), keep_last=0, resolved_yaml="")
     assert staged.exists()  # rank 0's job alone
     with caplog.at_level(logging.INFO, logger="mmtrain.runtime.checkpoint.manager"):
-        CheckpointManager(tmp_path, _ctx(0), keep_last=0, resolved_yaml="")
+        CheckpointManager(tmp_path, dp_context(0, dp=2), keep_last=0, resolved_yaml="")
     assert not (tmp_path / "checkpoints" / ".staging").exists()
     lines = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
     assert lines == [
@@ -46,7 +29,7 @@ def test_a_start_removes_an_interrupted_saves_staging_with_one_line(tmp_path, ca
     ], lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mmtrain.runtime.checkpoint.manager"):
-        CheckpointManager(tmp_path, _ctx(0), keep_last=0, resolved_yaml="")  # nothing left: nothing said
+        CheckpointManager(tmp_path, dp_context(0, dp=2), keep_last=0, resolved_yaml="")  # nothing left: nothing said
     assert not caplog.records
 
 
@@ -86,46 +69,22 @@ def qwen2_tok(tmp_path_factory):
 def test_ctrl_c_during_a_save_says_where_to_resume_and_the_rerun_clears_staging(tmp_path, shards_dir, qwen2_tok):
     """A one-process run gets Ctrl-C (SIGINT to its group) while checkpoint 2 is staged: exit 130
     with the resume line naming checkpoint 1; the rerun removes the staging, resumes and finishes."""
-    import os
-    import socket
     import subprocess
-    import sys
-    from pathlib import Path
 
     from tests.workers import kill_in_save
 
-    repo = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
 
     def args() -> list[str]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return [
-            sys.executable,
-            "-m",
-            "mmtrain.cli",
-            "llava-ov",
-            str(repo / "recipes" / "llava-ov-tiny.yaml"),
-            f"run_dir={run}",
-            f"data.paths=[{shards_dir}]",
-            f"tokenizer.path={qwen2_tok}",
-            "data.num_workers=1",
-            "train.seq_length=1024",
-            "logging.tensorboard=false",
-            "parallel.nproc_per_node=1",
-            f"parallel.master_port={port}",
-            "train.iters=3",
-            "checkpoint.interval=1",
-        ]
+        return train_args(run, shards_dir, qwen2_tok, "train.iters=3", "checkpoint.interval=1")
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    env = train_env()
     proc = subprocess.run(
         kill_in_save.command("2:model:int", args()),
         capture_output=True,
         text=True,
         env=env,
-        cwd=repo,
+        cwd=REPO,
         start_new_session=True,
     )
     assert proc.returncode == 130, proc.stderr[-3000:]
@@ -138,7 +97,7 @@ def test_ctrl_c_during_a_save_says_where_to_resume_and_the_rerun_clears_staging(
     assert "run the same command again to resume from it" in line, line
     staging = run / "checkpoints" / ".staging"
     assert (staging / "iter_0000002").is_dir()
-    proc = subprocess.run(args(), capture_output=True, text=True, env=env, cwd=repo)
+    proc = subprocess.run(args(), capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"removed {staging}: an interrupted checkpoint save's unfinished iter_0000002" in proc.stderr
     assert "resumed from" in proc.stderr and not staging.exists()

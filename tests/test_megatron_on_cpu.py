@@ -18,71 +18,20 @@ import pytest
 import torch
 
 from mmtrain.runtime import cpu_compat
+from tests.fixtures_training import TINY_PARTS, dp_context, tiny_ddp_and_optimizer, tiny_megatron_module
 
 # `unit` test by test: megatron's dist-checkpoint save starts writer processes
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 
 
 def _ctx(device: str = "cpu", distributed_optimizer: bool = False, precision: str = "fp32"):
-    from mmtrain.runtime.distributed import ParallelContext
-
-    return ParallelContext(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        tp=1,
-        pp=1,
-        dp=1,
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=0,
-        backend="gloo" if device == "cpu" else "nccl",
-        device=torch.device(device),
-        precision=precision,
-        distributed_optimizer=distributed_optimizer,
-    )
+    return dp_context(device=device, precision=precision, distributed_optimizer=distributed_optimizer)
 
 
 def _optimizer_cfg(**overrides):
     from mmtrain.config.schema import OptimizerConfig
 
     return OptimizerConfig(**{"lr": 1.0e-2, "min_lr": 1.0e-3, "clip_grad": 0.05, **overrides})
-
-
-def _tiny():
-    """A megatron module with two declared parts; `head` gets its own LR multiplier in one test."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
-
-    class Tiny(MegatronModule):
-        def __init__(self) -> None:
-            super().__init__(
-                TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
-            )
-            self.body = torch.nn.Linear(8, 8)
-            self.head = torch.nn.Linear(8, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.relu(self.body(x)))
-
-    return Tiny()
-
-
-PARTS = {"body": ("body",), "head": ("head",)}
-
-
-def _build(ctx, optimizer_cfg):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from mmtrain.runtime.distributed import ensure_model_parallel
-    from mmtrain.runtime.optimizer import ModelParts, build_optimizer, ddp_config_kwargs
-
-    ensure_model_parallel(1, 1)
-    torch.manual_seed(0)
-    module = _tiny()
-    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(**ddp_config_kwargs(ctx)), module)
-    parts = ModelParts([module], PARTS)
-    return ddp, build_optimizer([ddp], parts, optimizer_cfg, ctx)
 
 
 def _train_step(ddp, optimizer, seed: int) -> tuple[bool, float]:
@@ -119,7 +68,7 @@ def test_ddp_settings_are_megatrons_on_every_device():
     from megatron.core.distributed import DistributedDataParallelConfig
 
     DistributedDataParallelConfig(**gpu)  # megatron accepts the combination
-    parts = ModelParts([_tiny()], PARTS)
+    parts = ModelParts([tiny_megatron_module()], TINY_PARTS)
     config, _ = megatron_optimizer_config(
         parts, _optimizer_cfg(), _ctx("cuda", distributed_optimizer=True, precision="bf16")
     )
@@ -155,7 +104,7 @@ def test_megatrons_optimizer_steps_and_clips_on_cpu_with_overlapped_reduce():
     so every step clips), after DDP's overlapped bucketed reduce."""
     from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer
 
-    ddp, optimizer = _build(_ctx("cpu"), _optimizer_cfg())
+    ddp, optimizer = tiny_ddp_and_optimizer(_ctx("cpu"), _optimizer_cfg())
     assert ddp.ddp_config.overlap_grad_reduce is True
     assert isinstance(optimizer, ChainedOptimizer)
     assert all(isinstance(o, FP32Optimizer) for o in optimizer.chained_optimizers)
@@ -180,7 +129,7 @@ def test_megatron_optimizer_state_round_trips_through_dist_checkpointing(tmp_pat
 
     ctx = _ctx("cpu")
     cfg = _optimizer_cfg(lr_mult={"head": 0.5})
-    ddp, optimizer = _build(ctx, cfg)
+    ddp, optimizer = tiny_ddp_and_optimizer(ctx, cfg)
     groups = optimizer.param_groups
     assert sorted((g["lr_mult"], g["wd_mult"], g["max_lr"]) for g in groups) == [
         (0.5, 0.0, 5.0e-3),
@@ -194,7 +143,7 @@ def test_megatron_optimizer_state_round_trips_through_dist_checkpointing(tmp_pat
     part = OptimizerState(optimizer, [ddp], optimizer_kind(ctx))
     part.save(tmp_path, ctx)
 
-    ddp2, optimizer2 = _build(ctx, cfg)
+    ddp2, optimizer2 = tiny_ddp_and_optimizer(ctx, cfg)
     ddp2.module.load_state_dict(ddp.module.state_dict())
     saved = TrainerState(step=2, optimizer=optimizer_kind(ctx))
     assert OptimizerState(optimizer2, [ddp2], optimizer_kind(ctx)).load(tmp_path, ctx, saved) is True

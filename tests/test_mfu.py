@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelShapes
+from tests.fixtures_training import bf16_layout, logging_trainer, step_result
 
 pytestmark = pytest.mark.unit
 
@@ -164,29 +165,8 @@ def test_trainer_step_flops_from_its_micro_batches():
 
 def test_logged_mfu_uses_the_step_flops():
     """`_log` divides the step's FLOPs (not flops-per-token x tokens/s) by time, devices and peak."""
-    from mmtrain.runtime.trainer import StepResult, Trainer
-
-    t = Trainer.__new__(Trainer)
-    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=2, device=torch.device("cpu"))
-    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=1000), train=SimpleNamespace(iters=10))
-    t.peak_flops = 1e12
-    records = []
-    t.metrics = SimpleNamespace(write=records.append)
-    r = StepResult(
-        step=1,
-        loss=1.0,
-        grad_norm=1.0,
-        lr=1e-4,
-        updated=True,
-        step_time_s=2.0,
-        data_wait_s=0.0,
-        tokens=4096,
-        samples=1,
-        loss_tokens=10,
-        sample_ids=[],
-        sample_losses=[],
-        flops=6e12,
-    )
+    t, records = logging_trainer(world_size=2, interval=1000, peak_flops=1e12)
+    r = step_result(flops=6e12)
     t._log(r)
     assert records[0]["mfu"] == pytest.approx(6e12 / 2.0 / (2 * 1e12))  # 1.5 TFLOP/s per device / 1 TFLOP/s
     assert records[0]["model_tflops_per_s"] == pytest.approx(1.5)
@@ -199,20 +179,9 @@ def test_planning_estimate_follows_the_freeze_set():
     """dry_run / auto_tune count a frozen LLM under a trained projector at 2x (matmuls) and the
     frozen tower at 1x, the same rule as the train loop."""
     from mmtrain.models.flops import step_flops
-    from mmtrain.planning.cost_model import Hardware, Layout, estimate_step_time
+    from mmtrain.planning.cost_model import Hardware, estimate_step_time
 
-    layout = Layout(
-        tp=1,
-        pp=1,
-        dp=1,
-        micro_batch_size=1,
-        global_batch_size=4,
-        seq_length=2048,
-        recompute="none",
-        sequence_parallel=False,
-        distributed_optimizer=False,
-        precision="bf16",
-    )
+    layout = bf16_layout(global_batch_size=4, seq_length=2048)
     hw = Hardware(100.0, 0.5, 100.0, 100.0)
     est = estimate_step_time(VLM, ["vision_tower", "llm"], layout, hw, media_token_fraction=0.0)
     assert est.model_flops == 4 * step_flops(VLM, [[0, 2048]], 0, ["projector"]).total
@@ -307,30 +276,8 @@ def test_a_frozen_model_recomputes_nothing():
 
 
 def test_logged_hfu_next_to_the_mfu():
-    from mmtrain.runtime.trainer import StepResult, Trainer
-
-    t = Trainer.__new__(Trainer)
-    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=2, device=torch.device("cpu"))
-    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=1), train=SimpleNamespace(iters=10))
-    t.peak_flops = 1e12
-    records = []
-    t.metrics = SimpleNamespace(write=records.append)
-    r = StepResult(
-        step=1,
-        loss=1.0,
-        grad_norm=1.0,
-        lr=1e-4,
-        updated=True,
-        step_time_s=2.0,
-        data_wait_s=0.0,
-        tokens=4096,
-        samples=1,
-        loss_tokens=10,
-        sample_ids=[],
-        sample_losses=[],
-        flops=6e12,
-        hardware_flops=8e12,
-    )
+    t, records = logging_trainer(world_size=2, interval=1, peak_flops=1e12)
+    r = step_result(flops=6e12, hardware_flops=8e12)
     t._log(r)
     assert records[0]["mfu"] == pytest.approx(1.5) and records[0]["hfu"] == pytest.approx(2.0)
     t.peak_flops = None

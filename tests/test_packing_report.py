@@ -118,11 +118,10 @@ def test_train_step_report_and_step_line(caplog):
     and what `_log` writes: `bin_fill` / `executed_token_efficiency` in the metrics record and
     `| fill X% | exec Y% |` in the step line."""
     import logging
-    from types import SimpleNamespace
 
     from mmdata.energon_loaders.batch import PackedBatch
     from mmtrain.runtime.throughput import batch_packing
-    from mmtrain.runtime.trainer import StepResult, Trainer
+    from tests.fixtures_training import logging_trainer, step_result
 
     micro = [[[10, 30], [64]], [[20], []]]  # two micro-batches of 2 rows of 64
     batches = []
@@ -142,25 +141,10 @@ def test_train_step_report_and_step_line(caplog):
     assert report == report_from_rows([r for rows in micro for r in rows], 64, cp=4, tp=2)
     assert (report.rows, report.real_tokens, report.computed_tokens) == (4, 124, 144 + 80 + 64)
 
-    t = Trainer.__new__(Trainer)
-    t.ctx = SimpleNamespace(is_logging_rank=True, world_size=1, device=torch.device("cpu"))
-    t.recipe = SimpleNamespace(logging=SimpleNamespace(interval=1), train=SimpleNamespace(iters=10))
-    t.peak_flops = None
-    records: list[dict] = []
-    t.metrics = SimpleNamespace(write=records.append)
-    r = StepResult(
-        step=1,
-        loss=1.0,
-        grad_norm=1.0,
-        lr=1e-4,
-        updated=True,
-        step_time_s=2.0,
-        data_wait_s=0.0,
+    t, records = logging_trainer(world_size=1, interval=1, peak_flops=None)
+    r = step_result(
         tokens=report.real_tokens,
         samples=4,
-        loss_tokens=10,
-        sample_ids=[],
-        sample_losses=[],
         bin_fill=report.bin_fill,
         executed_token_efficiency=report.executed_token_efficiency,
     )

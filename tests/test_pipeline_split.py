@@ -14,7 +14,8 @@ import torch
 from mmtrain.config import RecipeError, load_recipe
 from mmtrain.models.megatron_config import pipeline_split_kwargs
 from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem, split_layers
-from mmtrain.planning.cost_model import Layout, forwards_in_flight, schedule_table
+from mmtrain.planning.cost_model import forwards_in_flight, schedule_table
+from tests.fixtures_training import bf16_layout
 
 pytestmark = pytest.mark.unit
 
@@ -166,18 +167,7 @@ def test_forwards_in_flight_follow_megatrons_warm_up():
     ((pp - stage - 1)*2 + (vpp - 1)*pp, + 1) chunk passes, i.e. its memory penalty
     1 + (pp-1)/(pp*vpp) on the first stage for even chunks, and charges the first chunk (where
     the vision tower runs) for more micro-batches than 1F1B does."""
-    L = Layout(
-        tp=1,
-        pp=4,
-        dp=1,
-        micro_batch_size=1,
-        global_batch_size=16,
-        seq_length=8,
-        recompute="none",
-        sequence_parallel=False,
-        distributed_optimizer=False,
-        precision="bf16",
-    )
+    L = bf16_layout(pp=4, global_batch_size=16, seq_length=8)
     assert [forwards_in_flight(L, s) for s in range(4)] == [[4], [3], [2], [1]]
     assert forwards_in_flight(L.with_(global_batch_size=2), 0) == [2]  # no more than the step's micro-batches
     v2 = L.with_(vpp=2)

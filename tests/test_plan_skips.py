@@ -27,6 +27,7 @@ from mmtrain.config import load_recipe
 from mmtrain.runtime.preflight import _check_data
 from mmtrain.runtime.step_metrics import StepResult, skip_summary, step_line, step_record
 from mmtrain.runtime.train_data import batch_skips
+from tests.fixtures_training import step_result
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml"
 SEQ = 2048
@@ -212,22 +213,8 @@ def test_plan_rows_carry_in_order_and_count_what_cannot_fit(monkeypatch):
 
 
 def _result(**kw) -> StepResult:
-    base = dict(
-        step=2,
-        loss=1.0,
-        grad_norm=1.0,
-        lr=1e-3,
-        updated=True,
-        step_time_s=1.0,
-        data_wait_s=0.0,
-        tokens=100,
-        samples=10,
-        loss_tokens=50,
-        sample_ids=[],
-        sample_losses=[],
-        bin_fill=0.9,
-    )
-    return StepResult(**{**base, **kw})
+    base = dict(step=2, lr=1e-3, step_time_s=1.0, tokens=100, samples=10, loss_tokens=50, bin_fill=0.9)
+    return step_result(**{**base, **kw})
 
 
 def test_skips_are_counted_per_step_and_summed_at_the_end():

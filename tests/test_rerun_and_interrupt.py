@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 
-from tests.fixtures_training import MMTRAIN, REPO, copy_run, free_port, train
+from tests.fixtures_training import REPO, copy_run, train, train_args, train_env
 
 
 def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, tmp_path, shards_dir, tokenizer_dir):
@@ -24,22 +24,15 @@ def test_a_finished_run_reruns_as_nothing_to_do_and_leaves_no_staging(base_run, 
 
 def test_ctrl_c_names_the_last_checkpoint_and_how_to_resume(tmp_path, shards_dir, tokenizer_dir):
     run = tmp_path / "run"
-    args = [
-        *MMTRAIN,
-        f"run_dir={run}",
-        f"data.paths=[{shards_dir}]",
-        f"tokenizer.path={tokenizer_dir}",
-        "data.num_workers=1",
-        "train.seq_length=1024",
-        "logging.tensorboard=false",
-        "parallel.nproc_per_node=1",
-        f"parallel.master_port={free_port()}",
-        "train.iters=200",
-        "checkpoint.interval=1",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
+    args = train_args(run, shards_dir, tokenizer_dir, "train.iters=200", "checkpoint.interval=1")
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=train_env(),
+        cwd=REPO,
+        start_new_session=True,
     )
     latest = run / "checkpoints" / "latest"
     while not latest.exists():  # a first checkpoint, however loaded the machine is

@@ -36,6 +36,9 @@ import torch
 
 from mmdata.folder_lock import lock_path
 from tests.fixtures_training import (
+    assert_same_losses,
+    train_env,
+    FEATURES_TOGETHER,
     MMTRAIN,
     REPO,
     TINY_RECIPE,
@@ -162,6 +165,26 @@ def test_balancing_window_moves_rows_between_steps_and_resumes_inside_one(tmp_pa
         assert resumed[step]["sample_ids"] == got[step]["sample_ids"], step
 
 
+def _saved_layout(run: Path, step: int) -> dict:
+    """The parallel layout `run`'s step-`step` checkpoint records."""
+    return json.loads((run / "checkpoints" / f"iter_{step:07d}" / "trainer_state.json").read_text())["layout"]
+
+
+def _resume_in_one_process(run: Path, step: int, dst: Path, iters: int, shards_dir, tokenizer_dir):
+    """`run`'s step-`step` checkpoint continued to step `iters` in one process in `dst`, saving nothing."""
+    start = f"checkpoint.load={run / 'checkpoints' / f'iter_{step:07d}'}"
+    return train(dst, shards_dir, tokenizer_dir, f"train.iters={iters}", "checkpoint.save=false", start)
+
+
+def _continue_evaluated(eval_run, run, shards_dir, tokenizer_dir, *layout: str, nproc: int):
+    """The evaluated run's step-4 checkpoint continued to step 6 in `layout` on `nproc` processes,
+    evaluating every 2 steps (no interval checkpoints: the run's end saves step 6)."""
+    start = f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}"
+    evaluation = ("train.eval_interval=2", "train.eval_iters=2", f"data.val_paths=[{shards_dir}]")
+    overrides = ("train.iters=6", "checkpoint.interval=0", *layout, start, *evaluation)
+    return train(run, shards_dir, tokenizer_dir, *overrides, nproc=nproc)
+
+
 def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, tokenizer_dir):
     """A TP1/PP1 checkpoint continued on PP=2 (2 processes started by the launcher): model and
     optimizer re-shard through dist-checkpointing, the loader state carries over (same DP), and
@@ -170,19 +193,7 @@ def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, toke
     the validation loss to the single-process number. The launcher's workers train under the
     run_dir lock the launcher holds."""
     run = tmp_path / "pp2"
-    proc = train(
-        run,
-        shards_dir,
-        tokenizer_dir,
-        "train.iters=6",
-        "checkpoint.interval=0",
-        f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
-        "parallel.pp=2",
-        "train.eval_interval=2",
-        "train.eval_iters=2",
-        f"data.val_paths=[{shards_dir}]",
-        nproc=2,
-    )
+    proc = _continue_evaluated(eval_run, run, shards_dir, tokenizer_dir, "parallel.pp=2", nproc=2)
     assert "same layout: False, loader restored: True" in proc.stderr
     ref, pp2 = metrics(eval_run), metrics(run)
     assert sorted(pp2) == [5, 6]
@@ -190,8 +201,7 @@ def test_resume_on_pipeline_parallel_layout(eval_run, tmp_path, shards_dir, toke
         assert pp2[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
         assert pp2[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
         assert pp2[step]["sample_ids"] == ref[step]["sample_ids"]
-    state = json.loads((run / "checkpoints" / "iter_0000006" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 1, "pp": 2, "cp": 1, "dp": 1, "world_size": 2}
+    assert _saved_layout(run, 6) == {"tp": 1, "pp": 2, "cp": 1, "dp": 1, "world_size": 2}
     assert "val_loss" not in pp2[5] and pp2[6]["val_tokens"] == ref[6]["val_tokens"]
     assert pp2[6]["val_loss"] == pytest.approx(ref[6]["val_loss"], rel=1e-5, abs=1e-6)
     # the launcher held the run_dir (mmdata/folder_lock.py) and its workers trained under it; released at the end
@@ -378,17 +388,9 @@ def test_context_parallel_continues_one_process_and_resumes_at_cp1(ref_run, tmp_
         assert cp2[step]["bin_fill"] == pytest.approx(ref[step]["bin_fill"])
         assert cp2[step]["executed_token_efficiency"] < ref[step]["executed_token_efficiency"]
     assert f"| exec {cp2[6]['executed_token_efficiency']:.1%} |" in proc.stderr
-    state = json.loads((run / "checkpoints" / "iter_0000005" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
+    assert _saved_layout(run, 5) == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world_size": 2}
     cp1 = tmp_path / "cp1"
-    proc = train(
-        cp1,
-        shards_dir,
-        tokenizer_dir,
-        "train.iters=6",
-        "checkpoint.save=false",
-        f"checkpoint.load={run / 'checkpoints' / 'iter_0000005'}",
-    )
+    proc = _resume_in_one_process(run, 5, cp1, 6, shards_dir, tokenizer_dir)
     assert "same layout: False, loader restored: True" in proc.stderr
     resumed = metrics(cp1)
     assert sorted(resumed) == [6]
@@ -451,10 +453,7 @@ def test_layout_parity(layout, parity_reference, tmp_path, shards_dir, tokenizer
     train(run, shards_dir, tokenizer_dir, *common, *layout, nproc=4 if "parallel.cp=2" in layout else 2)
     got = metrics(run)
     assert sorted(got) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
-        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
-        assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"])
+    assert_same_losses(got, ref, (1, 2, 3))
 
 
 @pytest.mark.slow
@@ -475,25 +474,7 @@ def test_uneven_and_virtual_pipeline_stages_with_the_vision_layout_and_balance_m
     any split and layout. (It is also the pipeline's validation-loss check: the last stage
     reduces it to the one-process number.)"""
     run = tmp_path / "tp2-pp2-vpp2"
-    proc = train(
-        run,
-        shards_dir,
-        tokenizer_dir,
-        "train.iters=6",
-        "checkpoint.interval=0",
-        "parallel.tp=2",
-        "parallel.pp=2",
-        "parallel.vpp=2",
-        "parallel.pp_layers=[0,1,0,1]",
-        "parallel.vision.tp=1",
-        "data.balance=true",
-        "data.balance_window=1",
-        f"checkpoint.load={eval_run / 'checkpoints' / 'iter_0000004'}",
-        "train.eval_interval=2",
-        "train.eval_iters=2",
-        f"data.val_paths=[{shards_dir}]",
-        nproc=4,
-    )
+    proc = _continue_evaluated(eval_run, run, shards_dir, tokenizer_dir, *FEATURES_TOGETHER, nproc=4)
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     assert "same layout: False, loader restored: True" in proc.stderr
@@ -540,21 +521,12 @@ def test_tensor_parallel_checkpoint_resumes_at_tp1(tmp_path, shards_dir, tokeniz
         "parallel.tp=2",
         "parallel.vision.tp=1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
-    state = json.loads((tp2 / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 2, "pp": 1, "cp": 1, "dp": 1, "world_size": 2}
+    assert _saved_layout(tp2, 2) == {"tp": 2, "pp": 1, "cp": 1, "dp": 1, "world_size": 2}
     tp1 = tmp_path / "tp1"
-    proc = train(
-        tp1,
-        shards_dir,
-        tokenizer_dir,
-        "train.iters=4",
-        "checkpoint.save=false",
-        f"checkpoint.load={tp2 / 'checkpoints' / 'iter_0000002'}",
-    )
+    proc = _resume_in_one_process(tp2, 2, tp1, 4, shards_dir, tokenizer_dir)
     assert "same layout: False" in proc.stderr
     a, b = metrics(tp2), metrics(tp1)
     assert sorted(a) == [1, 2, 3, 4]
@@ -573,10 +545,7 @@ def test_data_parallel_checkpoint_resumes_at_dp1(parity_reference, tmp_path, sha
     train(dp2, shards_dir, tokenizer_dir, *common, "checkpoint.save=true", "checkpoint.interval=2", nproc=2)
     a = metrics(dp2)
     assert sorted(a) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert a[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6)
-        assert a[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
-        assert sorted(a[step]["sample_ids"]) == sorted(ref[step]["sample_ids"])
+    assert_same_losses(a, ref, (1, 2, 3))
     dp1 = tmp_path / "dp1"
     proc = train(dp1, shards_dir, tokenizer_dir, *common, f"checkpoint.load={dp2 / 'checkpoints' / 'iter_0000002'}")
     assert "same layout: False, loader restored: True" in proc.stderr

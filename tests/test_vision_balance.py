@@ -23,6 +23,7 @@ from mmdata.packing.balance import (
     step_balance,
     tiered_order,
 )
+from tests.fixtures_training import dp_context
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
@@ -208,7 +209,6 @@ def test_train_data_balances_replicated_steps(tmp_path):
     exchange): each step the feed hands over its rank's share of the rows it drew, placed by
     `RowBalancer`: the two ranks' shares hold the step's samples, two micro-batches of two rows
     each, and their costs (tokens + the tiny tower's tile cost x tiles) are more even than drawn."""
-    import torch
 
     from mmdata.packing.balance import vision_balance
     from mmdata.dev.shards import write_dev_shards
@@ -216,7 +216,6 @@ def test_train_data_balances_replicated_steps(tmp_path):
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
     from mmtrain.models.flops import tile_token_cost
-    from mmtrain.runtime.distributed import ParallelContext
     from mmtrain.runtime.train_data import TrainData, batch_sample_ids
     from tests.fixtures_loader import BAD_IDS, llava_dev_samples
 
@@ -236,19 +235,7 @@ def test_train_data_balances_replicated_steps(tmp_path):
             "data.balance_window=1",
         ],
     )
-    ctx = ParallelContext(
-        rank=0,
-        world_size=2,
-        local_rank=0,
-        tp=1,
-        pp=1,
-        dp=2,
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=0,
-        backend="gloo",
-        device=torch.device("cpu"),
-    )
+    ctx = dp_context(0, dp=2)
     data = TrainData(LLAVA_OV, recipe, ctx)
     place, drawn = type(data.balancer)(data.balancer.tile_tokens, data.balancer.tiles_of).balance_local, []
     data.balancer.balance_window_local = lambda ranks, me: (
@@ -286,14 +273,11 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
     loader's own."""
     import json
 
-    import torch
-
     from mmdata.packing.balance import vision_balance
     from mmdata.dev.shards import write_dev_shards
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
     from mmtrain.config import load_recipe
     from mmtrain.llava_ov.spec import LLAVA_OV, encoder_inputs
-    from mmtrain.runtime.distributed import ParallelContext
     from mmtrain.runtime.train_data import WINDOW_STATE_KEY, TrainData, batch_sample_ids
     from tests.fixtures_loader import BAD_IDS, llava_dev_samples
 
@@ -316,19 +300,7 @@ def test_train_data_windows_steps_and_resumes_inside_a_window(tmp_path):
         return TrainData(
             LLAVA_OV,
             r,
-            ParallelContext(
-                rank=rank,
-                world_size=2,
-                local_rank=rank,
-                tp=1,
-                pp=1,
-                dp=2,
-                tp_rank=0,
-                pp_rank=0,
-                dp_rank=rank,
-                backend="gloo",
-                device=torch.device("cpu"),
-            ),
+            dp_context(rank, dp=2),
         )
 
     def ids(steps) -> list[str]:

@@ -22,7 +22,7 @@ from mmdata import shard_format as sf
 from mmdata.shard_job.energon_meta import write_energon_index, write_tar_index
 from mmdata.shard_job.shard_writer import SampleMembers, write_shard
 from mmdata.energon_loaders.emu3 import token_format as tf
-from tests.fixtures_training import REPO, free_port, metrics, read_dist_ckpt  # noqa: F401 (re-exported)
+from tests.fixtures_training import REPO, free_port, metrics, read_dist_ckpt, train_env  # noqa: F401 (re-exported)
 
 LLAVA_RECIPE = REPO / "recipes" / "llava-ov-tiny.yaml"
 EMU3_RECIPE = REPO / "recipes" / "emu3-tiny.yaml"
@@ -64,7 +64,7 @@ def train_args(family: str, run_dir: Path, data: Path, tokenizer: Path, *overrid
 
 
 def run_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MMTRAIN_CPU_THREADS": "1", **(env or {})}
+    return train_env(**(env or {}))
 
 
 def train(

@@ -12,6 +12,7 @@ within tolerance), A7 (the CPU reference runs on gloo with CUDA hidden).
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -35,22 +36,17 @@ RESUME_REL = 1e-2
 LR0 = ("optimizer.lr=0", "optimizer.min_lr=0")
 
 
+def _two_steps_from(start: Path, interval: int) -> tuple[str, ...]:
+    """Two steps from the weights at `start`, in key order, a checkpoint every `interval` steps."""
+    return ("train.iters=2", f"checkpoint.interval={interval}", f"checkpoint.load={start}", *runs.LLAVA_ORDERED)
+
+
 @pytest.fixture(scope="module")
 def cpu_reference(tmp_path_factory, llava_shards, qwen_tok, llava_hf_start):
     """The fp32 CPU run (gloo, CUDA hidden) from the HF start: 2 steps, checkpoints at 1 and 2."""
     run = tmp_path_factory.mktemp("gpu_cpu_ref") / "run"
-    runs.train(
-        "llava-ov",
-        run,
-        llava_shards,
-        qwen_tok,
-        "train.iters=2",
-        "checkpoint.interval=1",
-        f"checkpoint.load={llava_hf_start}",
-        *runs.LLAVA_ORDERED,
-        *runs.CPU,
-        env=runs.CPU_ENV,
-    )
+    cpu = (*_two_steps_from(llava_hf_start, 1), *runs.CPU)
+    runs.train("llava-ov", run, llava_shards, qwen_tok, *cpu, env=runs.CPU_ENV)
     return run
 
 
@@ -152,17 +148,7 @@ def test_gpu_losses_match_the_cpu_on_the_same_weights(cpu_reference, tmp_path, l
     losses (an image sample and a text-only one) agree within BF16_REL, on the same samples; step
     2 (after one update) within 2 x BF16_REL."""
     run = tmp_path / "gpu"
-    runs.train(
-        "llava-ov",
-        run,
-        llava_shards,
-        qwen_tok,
-        "train.iters=2",
-        "checkpoint.interval=0",
-        f"checkpoint.load={llava_hf_start}",
-        *runs.LLAVA_ORDERED,
-        *runs.GPU,
-    )
+    runs.train("llava-ov", run, llava_shards, qwen_tok, *_two_steps_from(llava_hf_start, 0), *runs.GPU)
     cpu, gpu = runs.metrics(cpu_reference), runs.metrics(run)
     runs.assert_finite(gpu, [1, 2])
     assert gpu[1]["sample_ids"] == cpu[1]["sample_ids"] and gpu[2]["sample_ids"] == cpu[2]["sample_ids"]

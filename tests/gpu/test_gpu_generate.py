@@ -22,7 +22,7 @@ import pytest
 from tests.emu3_tiny import emu3_tok_dir, tiny_vq_dir  # noqa: F401
 from tests.gpu import runs
 from tests.llava_tiny import images
-from tests.llava_tiny import hf_llava_processor
+from tests.llava_tiny import hf_greedy_answer, hf_llava_processor
 
 pytestmark = pytest.mark.gpu
 
@@ -33,10 +33,15 @@ def generate_args() -> tuple[str, ...]:
     return ("--device", DEVICE, "--dtype", "float32", "--greedy", "--no-progress")
 
 
+def _generate(family: str, checkpoint, prompts, out, *options: str) -> None:
+    """`mmtrain generate FAMILY` of `prompts` from `checkpoint` into `out`: greedy, fp32, on the device."""
+    where = ("--checkpoint", str(checkpoint), "--prompts", str(prompts), "--output", str(out))
+    runs.cli("generate", family, *where, *options, *generate_args())
+
+
 def test_llava_ov_greedy_on_cuda_equals_transformers(llava_hf, tmp_path):
     """Batched greedy answers on CUDA (two questions with images of different anyres grids, one
     text-only) are transformers' `generate` tokens on CUDA from the HF processor's inputs."""
-    import torch
 
     hf_dir, model, tok = llava_hf
     pictures = images()
@@ -51,21 +56,7 @@ def test_llava_ov_greedy_on_cuda_equals_transformers(llava_hf, tmp_path):
         )
     )
     out = tmp_path / "answers.jsonl"
-    runs.cli(
-        "generate",
-        "llava-ov",
-        "--checkpoint",
-        str(hf_dir),
-        "--prompts",
-        str(prompts),
-        "--output",
-        str(out),
-        "--max-new-tokens",
-        "12",
-        "--batch-size",
-        "3",
-        *generate_args(),
-    )
+    _generate("llava-ov", hf_dir, prompts, out, "--max-new-tokens", "12", "--batch-size", "3")
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == len(questions)
 
@@ -82,15 +73,7 @@ def test_llava_ov_greedy_on_cuda_equals_transformers(llava_hf, tmp_path):
             if i is not None
             else tok([text], return_tensors="pt")
         ).to(DEVICE)
-        with torch.no_grad():
-            ref = oracle.generate(
-                **inputs,
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            )
-        assert line["tokens"] == ref[0, inputs["input_ids"].shape[1] :].tolist(), q
+        assert line["tokens"] == hf_greedy_answer(oracle, inputs, tok, max_new_tokens=12), q
     assert len(set(lines[0]["tokens"])) > 3  # a real answer, not one repeated token
 
 
@@ -116,19 +99,7 @@ def test_emu3_cfg_greedy_on_cuda_equals_transformers(emu3_hf, tmp_path):
         )
     )
     out = tmp_path / "imgs"
-    runs.cli(
-        "generate",
-        "emu3",
-        "--checkpoint",
-        str(hf_dir),
-        "--prompts",
-        str(prompts),
-        "--output",
-        str(out),
-        "--batch-size",
-        "2",
-        *generate_args(),
-    )
+    _generate("emu3", hf_dir, prompts, out, "--batch-size", "2")
     lines = [json.loads(x) for x in (out / "images.jsonl").read_text().splitlines()]
     assert len(lines) == len(asks)
 

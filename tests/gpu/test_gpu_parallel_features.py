@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fixtures_training import FEATURES_TOGETHER
 from tests.gpu import runs
 
 pytestmark = pytest.mark.gpu
@@ -53,6 +54,18 @@ def _common(llava_shards, llava_hf_start) -> tuple[str, ...]:
     return (*COMMON, f"checkpoint.load={llava_hf_start}", f"data.val_paths=[{llava_shards}]")
 
 
+@pytest.fixture
+def train_common(tmp_path, llava_shards, qwen_tok, llava_hf_start):
+    """`train_common(*layout)`: the common run in tmp_path / "run" in the layout the overrides
+    give; returns its process."""
+
+    def train(*layout: str):
+        common = _common(llava_shards, llava_hf_start)
+        return runs.train("llava-ov", tmp_path / "run", llava_shards, qwen_tok, *common, *layout)
+
+    return train
+
+
 @pytest.fixture(scope="module")
 def one_gpu(tmp_path_factory, llava_shards, qwen_tok, llava_hf_start) -> dict[int, dict]:
     """The reference: the common run on one GPU (TP = PP = DP = 1)."""
@@ -78,28 +91,18 @@ def _assert_matches(got: dict[int, dict], ref: dict[int, dict]) -> None:
 
 
 @runs.needs_gpus(2)
-def test_vision_tower_own_layout_at_tp2(one_gpu, tmp_path, llava_shards, qwen_tok, llava_hf_start):
+def test_vision_tower_own_layout_at_tp2(one_gpu, tmp_path, train_common):
     """`parallel.vision.tp=1` at TP=2 on 2 GPUs: the tower whole on each rank, encoding half the
     tiles, the outputs all-gathered over NCCL; its fresh weights broadcast from TP rank 0 at build
     time (before the trainer moves the model to the GPU). Same numbers as one GPU."""
-    run = tmp_path / "run"
-    proc = runs.train(
-        "llava-ov",
-        run,
-        llava_shards,
-        qwen_tok,
-        *_common(llava_shards, llava_hf_start),
-        "parallel.nproc_per_node=2",
-        "parallel.tp=2",
-        "parallel.vision.tp=1",
-    )
+    proc = train_common("parallel.nproc_per_node=2", "parallel.tp=2", "parallel.vision.tp=1")
     assert "vision tower: its own layout, TP 1; a micro-batch's tiles split over 2 ranks" in proc.stderr
     assert "backend=nccl" in proc.stderr
-    _assert_matches(runs.metrics(run), one_gpu)
+    _assert_matches(runs.metrics(tmp_path / "run"), one_gpu)
 
 
 @runs.needs_gpus(2)
-def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, llava_shards, qwen_tok, llava_hf_start):
+def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, train_common):
     """`parallel.vpp=2` at PP=2 on 2 GPUs with an uneven split (stage 0: only the vision tower,
     projector and embedding, its second chunk empty; stage 1: both decoder layers and the loss; the
     split the CPU slow tier proves): megatron's interleaved 1F1B with unbatched p2p
@@ -107,18 +110,8 @@ def test_virtual_pipeline_stages_at_pp2(one_gpu, tmp_path, llava_shards, qwen_to
     overlapped (training and the forward-only evaluation). Same numbers as one GPU, and the step-3
     checkpoint is the distributed optimizer's."""
     run = tmp_path / "run"
-    proc = runs.train(
-        "llava-ov",
-        run,
-        llava_shards,
-        qwen_tok,
-        *_common(llava_shards, llava_hf_start),
-        "parallel.nproc_per_node=2",
-        "parallel.pp=2",
-        "parallel.vpp=2",
-        "parallel.pp_layers=[0,1,0,1]",
-        "checkpoint.interval=3",
-    )
+    pipeline = ("parallel.pp=2", "parallel.vpp=2", "parallel.pp_layers=[0,1,0,1]")
+    proc = train_common("parallel.nproc_per_node=2", *pipeline, "checkpoint.interval=3")
     assert "decoder layers per stage [[0, 0], [1, 1]], 2 virtual stages per rank" in proc.stderr
     _assert_matches(runs.metrics(run), one_gpu)
     state = (runs.iter_dir(run, STEPS) / "trainer_state.json").read_text()
@@ -177,28 +170,13 @@ def test_balance_exchanges_rows_over_nccl(tmp_path, llava_halves_shards, qwen_to
 
 
 @runs.needs_gpus(4)
-def test_the_features_together_on_four_gpus(one_gpu, tmp_path, llava_shards, qwen_tok, llava_hf_start):
+def test_the_features_together_on_four_gpus(one_gpu, tmp_path, train_common):
     """TP=2 x PP=2 x VPP=2 with an uneven split, the vision tower's own layout and balancing, on 4
     GPUs: the second stage's ranks hold no tower but still join the making of each rank's group of
     one (NCCL splits the world's communicator for it; made by the first stage alone, it hung).
     Same numbers as one GPU."""
-    run = tmp_path / "run"
-    runs.train(
-        "llava-ov",
-        run,
-        llava_shards,
-        qwen_tok,
-        *_common(llava_shards, llava_hf_start),
-        "parallel.nproc_per_node=4",
-        "parallel.tp=2",
-        "parallel.pp=2",
-        "parallel.vpp=2",
-        "parallel.pp_layers=[0,1,0,1]",
-        "parallel.vision.tp=1",
-        "data.balance=true",
-        "data.balance_window=1",
-    )
-    _assert_matches(runs.metrics(run), one_gpu)
+    train_common("parallel.nproc_per_node=4", *FEATURES_TOGETHER)
+    _assert_matches(runs.metrics(tmp_path / "run"), one_gpu)
 
 
 @runs.needs_gpus(2)

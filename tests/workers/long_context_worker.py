@@ -64,6 +64,7 @@ def context_parallel(res: dict) -> None:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from benchmarks.reference_ops import per_sample_attention
     from mmtrain.models.context_parallel import current_layout
     from mmtrain.models.cp_attention import KVAllGatherCoreAttention
 
@@ -77,18 +78,7 @@ def context_parallel(res: dict) -> None:
     grad = torch.randn(total, 32, dtype=torch.float64)
 
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    outs, start = [], 0
-    for n in lens:
-        sl = slice(start, start + n)
-        outs.append(
-            F.scaled_dot_product_attention(
-                *(x[sl].transpose(0, 1)[None] for x in ref_in), is_causal=True, enable_gqa=True
-            )[0]
-            .transpose(0, 1)
-            .reshape(n, -1)
-        )
-        start += n
-    ref = torch.cat(outs)
+    ref = per_sample_attention(*ref_in, lens)
     ref.backward(grad)
 
     layout = current_layout(cu)

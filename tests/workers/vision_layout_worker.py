@@ -203,17 +203,9 @@ def checkpoint_round_trips(cfg, adapter, sd) -> dict:
             float((p.detach() - expected_shard(adapter, sd, p, n, dst)).abs().max()) for n, p in dst.named_parameters()
         )
     if torch.distributed.get_rank() == 0:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from benchmarks.common import read_dist_ckpt
 
-        reader = dcp.FileSystemReader(str(ckpt / "separate" / "iter_0000000" / "model"))
-        md = reader.read_metadata()
-        saved = {
-            k: torch.empty(v.size, dtype=v.properties.dtype)
-            for k, v in md.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata) and k.startswith("vision_model.")
-        }
-        dcp.load(saved, storage_reader=reader, no_dist=True)
+        saved = read_dist_ckpt(ckpt / "separate" / "iter_0000000" / "model", prefix="vision_model.")
         out["saved_vision_tensors"] = len(saved)
         errs = []
         for k, t in saved.items():  # megatron stacks the layers along a leading axis
