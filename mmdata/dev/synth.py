@@ -22,10 +22,9 @@ structure, sizes, formats and text are the same with and without --synthetic.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from mmdata.cli import main as mmdata_main
+from mmdata.cli import run_alone
 from mmdata.dev.synth_media import SynthImage
 from mmdata.dev.synth_records import (
     BROKEN_KINDS,
@@ -117,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.dev.synth ...`: the subcommand alone."""
-    return mmdata_main(["synth", *(sys.argv[1:] if argv is None else argv)])
+    return run_alone("synth", argv)
 
 
 def own_entries(dataset: str) -> list[str]:

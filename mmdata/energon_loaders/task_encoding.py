@@ -21,6 +21,7 @@ from megatron.energon.errors import FatalSampleError
 from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.packing import pack_rows
 from mmdata.energon_loaders.row_mix import pack_buffer
+from mmdata.energon_loaders.sequence import TokenSequence, TruncationResult, apply_length_policy
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.shard_format import SAMPLE_KEY_SEP
 
@@ -95,6 +96,18 @@ class PackingTaskEncoder(TaskEncoder):
 
     def _count(self, key: str, n: int = 1) -> None:
         self._stats[key] += n
+
+    def _fit_length(self, tokens: TokenSequence, sample_id: str) -> TruncationResult:
+        """The sample's tokens under the over-length policy (`apply_length_policy`), truncations
+        counted; a sample with no loss token, or too long to cut, is a counted skip."""
+        if not (tokens.labels != IGNORE_INDEX).any():
+            raise self._skip("no_assistant_tokens", sample_id)
+        result = apply_length_policy(tokens, self.seq_length)
+        if result.tokens is None:
+            raise self._skip(result.outcome, sample_id, f"{len(tokens)} tokens > seq_length {self.seq_length}")
+        if result.outcome == "truncated":
+            self._count("truncated")
+        return result
 
     def _take_stats(self) -> dict[str, int]:
         stats = dict(self._stats)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmdata.cli import main as mmdata_main
+from mmdata.cli import job_summary, run_alone
 from mmdata.errors import UserError
 from mmdata.packing.emu3_geometry import DEFAULT_SYSTEM_PROMPT
 from mmdata.units import plural
@@ -133,17 +133,14 @@ def run(args: argparse.Namespace) -> int:
     )
     manifest = run_tokenize(cfg)
     c = manifest["counts"]
-    print(
-        f"{args.output.resolve()}: {plural(c['written'], 'sample')} ({plural(c['tokens']['images'], 'image')}, "
-        f"{plural(c['tokens']['visual_tokens'], 'visual token')}) in {plural(len(manifest['shards']), 'shard')}, "
-        f"{c['quarantined']:,} quarantined (of {c['read']:,} read)"
-    )
+    media = f" ({plural(c['tokens']['images'], 'image')}, {plural(c['tokens']['visual_tokens'], 'visual token')})"
+    print(job_summary(args.output, manifest, media))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.vision_tokens.cli ...`: the subcommand alone (used by tests and scripts)."""
-    return mmdata_main(["tokenize-images", *(sys.argv[1:] if argv is None else argv)])
+    return run_alone("tokenize-images", argv)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ from mmtrain.models.hf_io import (
     cast_floating,
     copy_assets,
     read_config,
-    with_config_dtype,
     write_sharded,
 )
 from mmtrain.models.megatron_config import ParallelOptions
@@ -54,13 +53,13 @@ from mmtrain.runtime.hf_conversion import (
     ImportJob,
     build_pipeline_stage,
     canonical_tensors,
-    copy_recorded_assets,
     export_dtype,
     import_dtype,
     import_to_mcore,
     load_unsharded,
     record_source,
     source_config,
+    write_hf_dir,
 )
 
 #: the kept VQ model inside a converted checkpoint
@@ -177,13 +176,9 @@ def mcore_to_hf(
     vq_config, vq_tensors = _vq_tensors(vq_dir)
     if vq is not None or "vq_config" not in template:
         template["vq_config"] = {**vq_config, "model_type": "emu3_vqgan"}
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
     vq_stream = cast_floating(((VQ_PREFIX + k, t) for k, t in vq_tensors), None if dtype == "auto" else out_dtype)
-    write_sharded(chain(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), vq_stream), dst, max_shard_bytes)
-    hf_cfg = with_config_dtype(hf_config_from_emu3(cfg, template), out_dtype)
-    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    copy_recorded_assets(src, dst)
+    tensors = chain(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), vq_stream)
+    dst, _ = write_hf_dir(src, dst, tensors, hf_config_from_emu3(cfg, template), out_dtype, max_shard_bytes)
     for extra in (tokenizer, vq_dir):
         if extra is not None:
             copy_assets(extra, dst)

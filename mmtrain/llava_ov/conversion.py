@@ -50,7 +50,7 @@ from mmtrain.llava_ov.state_dict_adapter import (
     llava_config_from_hf,
     vision_config_from_hf,
 )
-from mmtrain.models.hf_io import SafetensorsReader, cast_floating, read_config, with_config_dtype, write_sharded
+from mmtrain.models.hf_io import SafetensorsReader, cast_floating, read_config
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.state_dict_adapter import ConversionError, Qwen2StateDictAdapter, llm_config_from_hf
 from mmtrain.runtime import hf_conversion
@@ -58,13 +58,13 @@ from mmtrain.runtime.hf_conversion import (
     ImportJob,
     build_pipeline_stage,
     canonical_tensors,
-    copy_recorded_assets,
     export_dtype,
     import_dtype,
     import_to_mcore,
     load_unsharded,
     record_source,
     source_config,
+    write_hf_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -323,12 +323,9 @@ def mcore_to_hf(
     else:
         adapter, hf_cfg = LlavaOVStateDictAdapter(cfg), hf_config_from_llava(cfg, template)
     canon = canonical_tensors(model, cfg.llm.vocab_size, adapter)
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    write_sharded(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), dst, max_shard_bytes)
-    hf_cfg = with_config_dtype(hf_cfg, out_dtype, "torch_dtype" if format == LLAVA_NEXT else "dtype")
-    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    copy_recorded_assets(src, dst)
+    tensors = cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype)
+    dtype_key = "torch_dtype" if format == LLAVA_NEXT else "dtype"
+    dst, hf_cfg = write_hf_dir(src, dst, tensors, hf_cfg, out_dtype, max_shard_bytes, dtype_key)
     if format == TRANSFORMERS:
         write_processor(cfg, hf_cfg, dst)
     return dst

@@ -3,6 +3,7 @@ Design notes: docs/training.md, "Core attention on the local spec: SDPA"."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ class SDPACoreAttention(MegatronModule):
         kv_channels = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.pg_collection = pg_collection  # the CP subclass reads its group from it
 
     #: subclasses that split sequences over the CP group set this
     handles_context_parallel = False
@@ -281,20 +283,9 @@ class SDPACoreAttention(MegatronModule):
         if backend == "torch" and dropout > 0.0:  # PyTorch's varlen kernel has no dropout
             backend = None
         if backend is not None:
-            if dropout > 0.0 and not self.config.sequence_parallel:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = gpu_varlen_attention(
-                        backend,
-                        query,
-                        key,
-                        value,
-                        params.cu_seqlens_q,
-                        params.max_seqlen_q,
-                        causal=causal,
-                        scale=self.softmax_scale,
-                        dropout=dropout,
-                    )
-            else:
+            # the dropout mask from megatron's model-parallel RNG tracker (not under sequence parallelism)
+            fork = dropout > 0.0 and not self.config.sequence_parallel
+            with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
                 out = gpu_varlen_attention(
                     backend,
                     query,

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.attention import SDPACoreAttention
 from mmtrain.private_api import cpu_flash_attention
@@ -153,29 +152,9 @@ class KVAllGatherCoreAttention(SDPACoreAttention):
 
     handles_context_parallel = True
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection: Any = None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(
-            config,
-            layer_number,
-            attn_mask_type,
-            attention_type,
-            attention_dropout,
-            softmax_scale,
-            cp_comm_type,
-            pg_collection,
-            **kw,
-        )
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)  # SDPACoreAttention's arguments, as megatron's build_module passes them
+        pg_collection = self.pg_collection
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         if self.dropout_p > 0.0:

@@ -319,6 +319,17 @@ def hf_llama_text_config(llm: LLMConfig) -> dict:
     if llm.qkv_bias:
         raise ConversionError("a Llama-style HF config has no qkv bias (model.llm.qkv_bias must be false)")
     return dict(
+        **hf_decoder_keys(llm),
+        attention_bias=False,
+        mlp_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
+    )
+
+
+def hf_decoder_keys(llm: LLMConfig) -> dict:
+    """The keys every HF decoder config (Llama, Qwen2, LLaVA-NeXT's Mistral/Qwen) spells the same
+    way for `llm`: sizes, vocabulary, norm epsilon, tied embeddings and the SwiGLU activation."""
+    return dict(
         hidden_size=llm.hidden_size,
         intermediate_size=llm.ffn_hidden_size,
         num_hidden_layers=llm.num_layers,
@@ -329,7 +340,4 @@ def hf_llama_text_config(llm: LLMConfig) -> dict:
         rms_norm_eps=llm.rms_norm_eps,
         tie_word_embeddings=llm.tie_word_embeddings,
         hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
     )

@@ -10,7 +10,7 @@ import shutil
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 #: set by `mmtrain convert` (unless --verbose): a rank it spawns hides third-party warnings
 #: from here on, before megatron is imported (spawned processes inherit no warning filters)
@@ -26,7 +26,13 @@ import torch.multiprocessing as mp  # noqa: E402
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 
 from mmtrain.config.typed import from_plain  # noqa: E402
-from mmtrain.models.hf_io import DTYPE_NAMES, copy_assets, source_dtype  # noqa: E402
+from mmtrain.models.hf_io import (  # noqa: E402
+    DTYPE_NAMES,
+    copy_assets,
+    source_dtype,
+    with_config_dtype,
+    write_sharded,
+)
 from mmtrain.models.megatron_config import ParallelOptions  # noqa: E402
 from mmtrain.models.model_io import iter_canonical, load_canonical  # noqa: E402
 from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers  # noqa: E402
@@ -241,6 +247,27 @@ def copy_recorded_assets(ckpt_dir: str | os.PathLike, dst: str | os.PathLike) ->
         for f in assets.iterdir():
             if f.is_file() and f.name != SOURCE_CONFIG:
                 shutil.copy2(f, Path(dst) / f.name)
+
+
+def write_hf_dir(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    hf_cfg: dict,
+    out_dtype: str,
+    max_shard_bytes: int,
+    dtype_key: str = "dtype",
+) -> tuple[Path, dict]:
+    """An HF export of the checkpoint `src`: the (HF name, tensor) stream as sharded safetensors,
+    config.json naming `out_dtype` (under `dtype_key`), and the assets recorded at import.
+    Returns the folder and the config written."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    write_sharded(tensors, dst, max_shard_bytes)
+    hf_cfg = with_config_dtype(hf_cfg, out_dtype, dtype_key)
+    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    copy_recorded_assets(src, dst)
+    return dst, hf_cfg
 
 
 # ----------------------------------------------------------------------------- HF weights, no files
