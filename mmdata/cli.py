@@ -70,6 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(f"mmdata {args.command}", args, args._module.run)
 
 
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """Where a Ray job runs: --address (a cluster) or --num-cpus (the private local instance)."""
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)",
+    )
+    parser.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)"
+    )
+
+
 def run_alone(command: str, argv: list[str] | None = None) -> int:
     """`python -m` on a subcommand's module: that subcommand alone (tests and scripts use it)."""
     return main([command, *(sys.argv[1:] if argv is None else argv)])

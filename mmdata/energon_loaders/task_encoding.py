@@ -44,8 +44,9 @@ class PackingTaskEncoder(TaskEncoder):
     """Counted skips, packing hooks and the batch hook of a family's task encoder.
 
     Encoded samples must have `input_ids` (their length is what packing fills rows with); the
-    subclass sets `seq_length` and implements `collate`. Skips and other counters travel to the
-    main process in each batch's `stats` (per worker, since its previous batch)."""
+    family's encoder config gives `seq_length`, and the subclass implements `collate`. Skips and
+    other counters travel to the main process in each batch's `stats` (per worker, since its
+    previous batch)."""
 
     # Media stay as stored (bytes / arrays): decoding happens in the encoder, where a failure
     # becomes a counted skip instead of a dead worker.
@@ -53,9 +54,11 @@ class PackingTaskEncoder(TaskEncoder):
     #: the stored sample type the family reads (named by the folder's `.nv-meta/mmdata.yaml`)
     sample_type: type = Sample
 
-    def __init__(self, seq_length: int, tokenizer_path: str) -> None:
+    def __init__(self, tokenizer_path: str, config: Any) -> None:
+        """`config`: the family's encoder config (a dataclass with at least `seq_length`)."""
         super().__init__()
-        self.seq_length = seq_length
+        self.config = config
+        self.seq_length = config.seq_length
         self.tokenizer_path = str(tokenizer_path)
         self._stats: Counter = Counter()
         self._text: Any = None

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmdata.cli import job_summary, run_alone
+from mmdata.cli import add_ray_options, job_summary, run_alone
 from mmdata.errors import UserError
 from mmdata.preprocess.job import PreprocessConfig, run_preprocess
 from mmdata.preprocess.loss_check import DEFAULT_FIRST_RECORDS, DEFAULT_MAX_FRACTION
@@ -48,14 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="samples per shard (default: sized for ~256 MiB shards)",
     )
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)",
-    )
-    parser.add_argument(
-        "--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)"
-    )
+    add_ray_options(parser)
     parser.add_argument(
         "--overwrite",
         action="store_true",

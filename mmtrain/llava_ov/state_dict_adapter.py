@@ -19,6 +19,7 @@ from mmtrain.models.state_dict_adapter import (
     LlamaDecoderAdapter,
     Pair,
     StateDictAdapter,
+    check_hf_model,
     hf_decoder_keys,
     llm_config_from_hf,
 )
@@ -158,12 +159,7 @@ def vision_config_from_hf(vis: dict, num_layers: Optional[int] = None, where: st
 
 def llava_config_from_hf(hf: dict) -> LlavaOVModelConfig:
     """`LlavaOnevisionConfig` (config.json dict) -> LlavaOVModelConfig; refuses what we don't model."""
-    archs = hf.get("architectures") or ["LlavaOnevisionForConditionalGeneration"]
-    if hf.get("model_type") != "llava_onevision" or "LlavaOnevisionForConditionalGeneration" not in archs:
-        raise ConversionError(
-            f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected llava_onevision / "
-            "LlavaOnevisionForConditionalGeneration"
-        )
+    check_hf_model(hf, "llava_onevision", "LlavaOnevisionForConditionalGeneration")
     if hf.get("vision_feature_select_strategy", "full") != "full":
         raise ConversionError("config.json: vision_feature_select_strategy must be 'full'")
     if hf.get("vision_feature_layer", -1) != -1:

@@ -254,12 +254,12 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        self._check_inputs(mask_type, attention_bias, thd)
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
 
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if thd:
             return self._thd(query, key, value, packed_seq_params, causal)
 
         # [s, b, np, hn] -> [b, np, s, hn]
@@ -273,6 +273,11 @@ class SDPACoreAttention(MegatronModule):
         out = self._sdpa(q, k, v, causal, mask)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _check_inputs(self, mask_type: AttnMaskType, attention_bias: Optional[torch.Tensor], thd: bool) -> None:
+        """What this attention cannot run, refused before any work."""
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
 
     def _thd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams, causal: bool

@@ -160,25 +160,21 @@ class KVAllGatherCoreAttention(SDPACoreAttention):
         if self.dropout_p > 0.0:
             raise NotImplementedError("attention dropout is not supported with context parallelism on CPU")
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-    ) -> torch.Tensor:
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd" or attention_bias is not None:
+    def _check_inputs(self, mask_type: AttnMaskType, attention_bias: Optional[torch.Tensor], thd: bool) -> None:
+        if not thd or attention_bias is not None:
             raise NotImplementedError(
                 "context-parallel attention takes THD packed sequences "
                 "(context_parallel.CPLayout.packed_seq_params) and no attention bias"
             )
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise NotImplementedError("context-parallel attention is causal (decoders)")
-        plan = self._plan(packed_seq_params)
+
+    def _thd(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams, causal: bool
+    ) -> torch.Tensor:
+        """SDPACoreAttention.forward's THD path (the only one here): causal attention of this
+        rank's queries over the K/V gathered from the CP group."""
+        plan = self._plan(params)
         if query.size(0) != plan.local_tokens:
             raise ValueError(f"{query.size(0)} local tokens, but the CP layout gives this rank {plan.local_tokens}")
         k_all = _GatherSequence.apply(key, self.cp_group, plan)

@@ -291,6 +291,16 @@ def _decoder_config(text: dict, where: str, qkv_bias: bool) -> LLMConfig:
     )
 
 
+def check_hf_model(hf: dict, model_type: str, architecture: str) -> None:
+    """A config.json of `model_type` whose architectures (when it lists any) include `architecture`."""
+    archs = hf.get("architectures") or [architecture]
+    if hf.get("model_type") != model_type or architecture not in archs:
+        raise ConversionError(
+            f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected {model_type} / "
+            f"{architecture}"
+        )
+
+
 def llm_config_from_hf(text: dict, where: str = "text_config") -> LLMConfig:
     """A Qwen2/2.5 config (dict) -> LLMConfig (qkv bias on)."""
     mt = text.get("model_type", "qwen2")

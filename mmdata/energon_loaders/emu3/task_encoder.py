@@ -78,9 +78,7 @@ class Emu3TaskEncoder(PackingTaskEncoder):
 
     sample_type = VQTokenSample
 
-    def __init__(self, tokenizer_path: str, config: Emu3EncoderConfig):
-        self.config = config
-        super().__init__(config.seq_length, tokenizer_path)
+    config: Emu3EncoderConfig
 
     def build_text(self, tokenizer) -> Emu3Tasks:
         return Emu3Tasks(tokenizer, self.config.system_prompt)

@@ -100,9 +100,7 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
 
     sample_type = ConversationSample
 
-    def __init__(self, tokenizer_path: str, config: LlavaOVEncoderConfig):
-        self.config = config
-        super().__init__(config.seq_length, tokenizer_path)
+    config: LlavaOVEncoderConfig
 
     # -- helpers -------------------------------------------------------------------------------
 
