@@ -25,9 +25,11 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import mmdata
 from mmdata.errors import HintingParser, add_common_options, run_main
+from mmdata.units import plural
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mmdata.dev.synth", "write a small synthetic dataset in a real on-disk layout"),
@@ -66,6 +68,32 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at run time: local paths never reach the hub
     args = build_parser().parse_args(argv)
     return run_main(f"mmdata {args.command}", args, args._module.run)
+
+
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """Where a Ray job runs: --address (a cluster) or --num-cpus (the private local instance)."""
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)",
+    )
+    parser.add_argument(
+        "--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)"
+    )
+
+
+def run_alone(command: str, argv: list[str] | None = None) -> int:
+    """`python -m` on a subcommand's module: that subcommand alone (tests and scripts use it)."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
+
+
+def job_summary(output: Path, manifest: dict, media: str = "", curated: str = "") -> str:
+    """The closing line of a shard-writing job: what it wrote where, and what it set aside."""
+    c = manifest["counts"]
+    return (
+        f"{output.resolve()}: {plural(c['written'], 'sample')}{media} in {plural(len(manifest['shards']), 'shard')}, "
+        f"{c['quarantined']:,} quarantined{curated} (of {c['read']:,} read)"
+    )
 
 
 if __name__ == "__main__":

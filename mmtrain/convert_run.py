@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -23,6 +23,7 @@ from mmtrain.models.state_dict_adapter import ConversionError
 from mmtrain.runtime.checkpoint.layout import find_latest_iteration
 from mmtrain.runtime.checkpoint.weights import MODEL_CONFIG, load_model_config_dict
 from mmtrain.runtime.hf_conversion import QUIET_ENV, is_hf_dir
+from mmtrain.spec import FamilySpec
 
 
 def convert(args: argparse.Namespace, quiet: bool) -> int:
@@ -106,13 +107,17 @@ def _is_megatron_dir(path: Path) -> bool:
     return find_latest_iteration(path) is not None or (path / "model").is_dir()
 
 
+def _families_where(test: Callable[[FamilySpec], bool]) -> list[str]:
+    """The convertible families whose spec passes `test`, in registry order."""
+    return [name for name in registry.convertible_families() if test(registry.get_family(name))]
+
+
 def _hf_owner(config: dict) -> str | None:
     """The family whose HF `model_type` this config.json has (GenerationSpec.hf_model_types)."""
-    for name in registry.convertible_families():
-        gen = registry.get_family(name).generation
-        if gen is not None and config.get("model_type") in gen.hf_model_types:
-            return name
-    return None
+    owners = _families_where(
+        lambda spec: spec.generation is not None and config.get("model_type") in spec.generation.hf_model_types
+    )
+    return owners[0] if owners else None
 
 
 def _check_hf_source(family: str, src: str) -> None:
@@ -148,20 +153,20 @@ def _megatron_config(path: Path) -> dict | None:
 
 
 def _megatron_owners(config: dict) -> list[str]:
-    """The families whose model config this saved model config is: it names every field (a
-    saved config is written whole; defaults would let a smaller config pass as a larger one)
-    and validates."""
-    owners = []
-    for name in registry.convertible_families():
-        cls = registry.get_family(name).model_config_cls
-        if not {f.name for f in dataclasses.fields(cls)} <= set(config):
-            continue
-        try:
-            from_plain(cls, config, "model_config.yaml")
-        except (RecipeError, TypeError, ValueError):
-            continue
-        owners.append(name)
-    return owners
+    """The families whose model config this saved model config is (`_is_model_config`)."""
+    return _families_where(lambda spec: _is_model_config(spec.model_config_cls, config))
+
+
+def _is_model_config(cls: type, config: dict) -> bool:
+    """`config` names every field of `cls` (a saved config is written whole; defaults would let a
+    smaller config pass as a larger one) and validates as one."""
+    if not {f.name for f in dataclasses.fields(cls)} <= set(config):
+        return False
+    try:
+        from_plain(cls, config, "model_config.yaml")
+    except (RecipeError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _check_megatron_source(family: str, src: str) -> None:

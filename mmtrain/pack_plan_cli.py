@@ -26,6 +26,7 @@ from mmdata.errors import UserError
 from mmdata.packing.cli import (
     PlanRequest,
     add_plan_options,
+    add_shards_dir,
     check_positive,
     geometry_flags,
     make_plan,
@@ -43,14 +44,7 @@ HELP = "the packing plan a recipe trains with (data.packing: plan), from its sha
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=Path, metavar="RECIPE", help="an mmtrain recipe (YAML)")
-    parser.add_argument(
-        "dir",
-        type=Path,
-        metavar="DIR",
-        nargs="?",
-        default=None,
-        help="shards folder (has lengths.parquet; default: the recipe's data.paths[0])",
-    )
+    add_shards_dir(parser, "shards folder (has lengths.parquet; default: the recipe's data.paths[0])")
     parser.add_argument(
         "--set",
         action="append",

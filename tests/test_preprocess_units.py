@@ -158,9 +158,9 @@ def test_quarantine_details_are_the_same_in_every_run(tmp_path):
 def test_video_records(tmp_path):
     import numpy as np
 
-    from mmdata.dev.synth import _encode_video
+    from mmdata.dev.synth_media import encode_video
 
-    clip = _encode_video(np.random.default_rng(0))
+    clip = encode_video(np.random.default_rng(0))
     obj = {"id": "v", "conversations": [dict(t) for t in CONV], "video": "c.mp4"}
     rec = json.loads(validate(_record(tmp_path, obj, {"c.mp4": clip}), ValidationConfig()).record_json)
     assert rec["video"] == "video.mp4" and rec["conversations"][0]["value"].startswith("<video>\n")

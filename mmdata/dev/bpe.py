@@ -54,3 +54,15 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[
     # Specials go after the BPE vocabulary, as in Qwen2 (<|endoftext|> first).
     tok.add_special_tokens(special_tokens)
     return tok
+
+
+def special_token_entry(content: str) -> dict:
+    """A tokenizer_config.json `added_tokens_decoder` entry: a special token, matched as written."""
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmdata.dev.bpe import BUILTIN_TEXTS, train_bpe_tokenizer
+from mmdata.dev.bpe import BUILTIN_TEXTS, special_token_entry, train_bpe_tokenizer
 from mmdata.dev.tiny_vq import DEFAULT_CODEBOOK_SIZE  # the tiny VQ's codebook
 from mmdata.energon_loaders.emu3 import serialize
 from mmdata.energon_loaders.llava_ov.chat_template import IM_END, IM_START
@@ -54,17 +54,7 @@ def build_tiny_emu3_tokenizer(
     tok = train_bpe_tokenizer(list(BUILTIN_TEXTS) * 4, vocab_size, special_tokens=specials)
     tok.save(str(out / "tokenizer.json"))
     first = tok.token_to_id(serialize.ENDOFTEXT)
-    added = {
-        str(first + i): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for i, t in enumerate(specials)
-    }
+    added = {str(first + i): special_token_entry(t) for i, t in enumerate(specials)}
     named = {
         "bos_token": serialize.BOS,
         "eos_token": serialize.EOS,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from mmdata.dev import tiny_emu3_tokenizer
-from mmdata.dev.bpe import BUILTIN_TEXTS, train_bpe_tokenizer
+from mmdata.dev.bpe import BUILTIN_TEXTS, special_token_entry, train_bpe_tokenizer
 from mmdata.energon_loaders.llava_ov.chat_template import (
     DEFAULT_SYSTEM_PROMPT,
     IM_END,
@@ -58,17 +58,7 @@ def build_tiny_qwen2_tokenizer(
     extra = [t for t in specials if t != ENDOFTEXT]
     tok = train_bpe_tokenizer(corpus, vocab_size, specials)
     tok.save(str(out / "tokenizer.json"))
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in specials
-    }
+    added = {str(tok.token_to_id(t)): special_token_entry(t) for t in specials}
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": added,

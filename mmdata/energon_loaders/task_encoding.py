@@ -21,6 +21,7 @@ from megatron.energon.errors import FatalSampleError
 from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.packing import pack_rows
 from mmdata.energon_loaders.row_mix import pack_buffer
+from mmdata.energon_loaders.sequence import TokenSequence, TruncationResult, apply_length_policy
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.shard_format import SAMPLE_KEY_SEP
 
@@ -43,8 +44,9 @@ class PackingTaskEncoder(TaskEncoder):
     """Counted skips, packing hooks and the batch hook of a family's task encoder.
 
     Encoded samples must have `input_ids` (their length is what packing fills rows with); the
-    subclass sets `seq_length` and implements `collate`. Skips and other counters travel to the
-    main process in each batch's `stats` (per worker, since its previous batch)."""
+    family's encoder config gives `seq_length`, and the subclass implements `collate`. Skips and
+    other counters travel to the main process in each batch's `stats` (per worker, since its
+    previous batch)."""
 
     # Media stay as stored (bytes / arrays): decoding happens in the encoder, where a failure
     # becomes a counted skip instead of a dead worker.
@@ -52,9 +54,11 @@ class PackingTaskEncoder(TaskEncoder):
     #: the stored sample type the family reads (named by the folder's `.nv-meta/mmdata.yaml`)
     sample_type: type = Sample
 
-    def __init__(self, seq_length: int, tokenizer_path: str) -> None:
+    def __init__(self, tokenizer_path: str, config: Any) -> None:
+        """`config`: the family's encoder config (a dataclass with at least `seq_length`)."""
         super().__init__()
-        self.seq_length = seq_length
+        self.config = config
+        self.seq_length = config.seq_length
         self.tokenizer_path = str(tokenizer_path)
         self._stats: Counter = Counter()
         self._text: Any = None
@@ -95,6 +99,18 @@ class PackingTaskEncoder(TaskEncoder):
 
     def _count(self, key: str, n: int = 1) -> None:
         self._stats[key] += n
+
+    def _fit_length(self, tokens: TokenSequence, sample_id: str) -> TruncationResult:
+        """The sample's tokens under the over-length policy (`apply_length_policy`), truncations
+        counted; a sample with no loss token, or too long to cut, is a counted skip."""
+        if not (tokens.labels != IGNORE_INDEX).any():
+            raise self._skip("no_assistant_tokens", sample_id)
+        result = apply_length_policy(tokens, self.seq_length)
+        if result.tokens is None:
+            raise self._skip(result.outcome, sample_id, f"{len(tokens)} tokens > seq_length {self.seq_length}")
+        if result.outcome == "truncated":
+            self._count("truncated")
+        return result
 
     def _take_stats(self) -> dict[str, int]:
         stats = dict(self._stats)

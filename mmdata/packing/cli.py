@@ -259,15 +259,15 @@ def step_shape_flags(args: argparse.Namespace) -> dict[str, int | None]:
 # ----------------------------------------------------------------------------- `mmdata pack-plan`
 
 
+def add_shards_dir(parser: argparse.ArgumentParser, help: str) -> None:
+    """The optional DIR positional: the shards folder to plan."""
+    parser.add_argument("dir", type=Path, metavar="DIR", nargs="?", default=None, help=help)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "dir",
-        type=Path,
-        metavar="DIR",
-        nargs="?",
-        default=None,
-        help="shards folder written by `mmdata preprocess` or `mmdata tokenize-images --tokenizer` "
-        "(has lengths.parquet)",
+    add_shards_dir(
+        parser,
+        "shards folder written by `mmdata preprocess` or `mmdata tokenize-images --tokenizer` (has lengths.parquet)",
     )
     add_plan_options(parser, recipe=False)
     # mmdata reads no recipe: these only say where planning from a recipe went

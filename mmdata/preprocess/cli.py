@@ -9,13 +9,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmdata.cli import main as mmdata_main
+from mmdata.cli import add_ray_options, job_summary, run_alone
 from mmdata.errors import UserError
 from mmdata.preprocess.job import PreprocessConfig, run_preprocess
 from mmdata.preprocess.loss_check import DEFAULT_FIRST_RECORDS, DEFAULT_MAX_FRACTION
 from mmdata.preprocess.validation import ValidationConfig
 from mmdata.shard_job.direct_io import direct_io_override
-from mmdata.units import plural
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,14 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="samples per shard (default: sized for ~256 MiB shards)",
     )
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)",
-    )
-    parser.add_argument(
-        "--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)"
-    )
+    add_ray_options(parser)
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -170,16 +162,13 @@ def run(args: argparse.Namespace) -> int:
     curated = "".join(
         f", {c[k]:,} {k.replace('_', ' ')}" for k in ("filtered", "duplicates", "mixed_out", "repeated") if c[k]
     )
-    print(
-        f"{args.output.resolve()}: {plural(c['written'], 'sample')} in {plural(len(manifest['shards']), 'shard')}, "
-        f"{c['quarantined']:,} quarantined{curated} (of {c['read']:,} read)"
-    )
+    print(job_summary(args.output, manifest, curated=curated))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.preprocess.cli ...`: the subcommand alone (used by tests and scripts)."""
-    return mmdata_main(["preprocess", *(sys.argv[1:] if argv is None else argv)])
+    return run_alone("preprocess", argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmdata.cli import main as mmdata_main
+from mmdata.cli import add_ray_options, job_summary, run_alone
 from mmdata.errors import UserError
 from mmdata.packing.emu3_geometry import DEFAULT_SYSTEM_PROMPT
 from mmdata.units import plural
@@ -38,14 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"target pixels per image: the processor's min_pixels = max_pixels (default "
         f"{DEFAULT_IMAGE_AREA} = 512x512, Emu3-Chat's); 0 keeps the VQ dir's own bounds",
     )
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: RAY_ADDRESS if set, else a private local instance)",
-    )
-    parser.add_argument(
-        "--num-cpus", type=int, default=None, help="CPUs for the local Ray instance (default: all; at least 1)"
-    )
+    add_ray_options(parser)
     parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -133,17 +126,14 @@ def run(args: argparse.Namespace) -> int:
     )
     manifest = run_tokenize(cfg)
     c = manifest["counts"]
-    print(
-        f"{args.output.resolve()}: {plural(c['written'], 'sample')} ({plural(c['tokens']['images'], 'image')}, "
-        f"{plural(c['tokens']['visual_tokens'], 'visual token')}) in {plural(len(manifest['shards']), 'shard')}, "
-        f"{c['quarantined']:,} quarantined (of {c['read']:,} read)"
-    )
+    media = f" ({plural(c['tokens']['images'], 'image')}, {plural(c['tokens']['visual_tokens'], 'visual token')})"
+    print(job_summary(args.output, manifest, media))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mmdata.vision_tokens.cli ...`: the subcommand alone (used by tests and scripts)."""
-    return mmdata_main(["tokenize-images", *(sys.argv[1:] if argv is None else argv)])
+    return run_alone("tokenize-images", argv)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
-from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -44,23 +42,18 @@ from mmtrain.models.hf_io import (
     cast_floating,
     copy_assets,
     read_config,
-    with_config_dtype,
     write_sharded,
 )
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.state_dict_adapter import ConversionError
 from mmtrain.runtime.hf_conversion import (
     ASSETS_DIR,
-    ImportJob,
     build_pipeline_stage,
-    canonical_tensors,
-    copy_recorded_assets,
-    export_dtype,
-    import_dtype,
-    import_to_mcore,
-    load_unsharded,
+    import_weights,
+    load_for_export,
     record_source,
     source_config,
+    write_hf_dir,
 )
 
 #: the kept VQ model inside a converted checkpoint
@@ -127,13 +120,9 @@ def hf_to_mcore(
     """`dtype`: the megatron decoder's (auto: the source's, recorded as the saved params_dtype);
     the kept VQ model stays as the source stores it."""
     cfg, _ = emu3_source(src)  # validate the text model before starting any rank...
-    cfg = replace(cfg, params_dtype=import_dtype(dtype, src))
     assets = record_source(dst, [src], read_config(src))
     keep_vq(src, assets / VQ_DIR)  # ...and the VQ (refused with a reason, e.g. no processor config)
-    import_to_mcore(
-        ImportJob(_import_source, {"src": str(src)}, build_stage, str(dst), tp, pp, params_dtype=cfg.params_dtype)
-    )
-    return cfg
+    return import_weights(cfg, _import_source, {"src": str(src)}, build_stage, dst, tp, pp, dtype=dtype, dtype_from=src)
 
 
 # ----------------------------------------------------------------------------- mcore -> hf
@@ -170,20 +159,23 @@ def mcore_to_hf(
         }
     if "vocabulary_map" not in template:
         raise ConversionError(f"{src}: no vocabulary map recorded; give --tokenizer TOKENIZER_DIR (the Emu3 tokenizer)")
-    stored, out_dtype = export_dtype(dtype, src)
-    cfg, model = load_unsharded(src, Emu3ModelConfig, build_stage, params_dtype=stored)
-    adapter = Emu3StateDictAdapter(cfg)
-    canon = canonical_tensors(model, cfg.llm.vocab_size, adapter)
+    cfg, model, out_dtype = load_for_export(src, Emu3ModelConfig, build_stage, dtype)
     vq_config, vq_tensors = _vq_tensors(vq_dir)
     if vq is not None or "vq_config" not in template:
         template["vq_config"] = {**vq_config, "model_type": "emu3_vqgan"}
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
     vq_stream = cast_floating(((VQ_PREFIX + k, t) for k, t in vq_tensors), None if dtype == "auto" else out_dtype)
-    write_sharded(chain(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), vq_stream), dst, max_shard_bytes)
-    hf_cfg = with_config_dtype(hf_config_from_emu3(cfg, template), out_dtype)
-    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    copy_recorded_assets(src, dst)
+    hf_cfg = hf_config_from_emu3(cfg, template)
+    dst, _ = write_hf_dir(
+        src,
+        dst,
+        model,
+        Emu3StateDictAdapter(cfg),
+        cfg.llm.vocab_size,
+        hf_cfg,
+        out_dtype,
+        max_shard_bytes,
+        extra_tensors=vq_stream,
+    )
     for extra in (tokenizer, vq_dir):
         if extra is not None:
             copy_assets(extra, dst)

@@ -10,26 +10,17 @@ from typing import Optional
 
 import torch
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX, PackedBatch
+from mmdata.energon_loaders.batch import PackedBatch
 from mmtrain.emu3.config import ARCHITECTURE_KEYS, Emu3ModelConfig
 from mmtrain.emu3.conversion import build_stage, emu3_source
-from mmtrain.models.language_model import segments_from_attention_mask
+from mmtrain.models.language_model import hf_text_fields
 from mmtrain.runtime.hf_conversion import load_for_inference, load_hf_into_chunks
 
 
 def hf_inputs_to_batch(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> PackedBatch:
     """HF-style `input_ids` [B, S] (+ right-padded `attention_mask`) -> a packed batch: each row
     one sample, its padding a segment of its own."""
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    cu, pos = segments_from_attention_mask(attention_mask)
-    return PackedBatch(
-        input_ids=input_ids.long(),
-        labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
-        position_ids=pos,
-        cu_seqlens=cu,
-        max_seqlen=int((cu[1:] - cu[:-1]).max()),
-    )
+    return PackedBatch(**hf_text_fields(input_ids, attention_mask))
 
 
 class Emu3ForInference(torch.nn.Module):

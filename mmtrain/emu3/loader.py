@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mmdata.energon_loaders.emu3.loader import build_emu3_loader
 from mmdata.energon_loaders.loader import SavableLoader
+from mmtrain.config.loader_args import loader_kwargs
 from mmtrain.config.schema import Recipe
 from mmtrain.emu3.config import Emu3DataConfig, Emu3ModelConfig
 
@@ -15,19 +16,10 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1) -> Savab
     loader = build_emu3_loader(
         d.paths,
         recipe.tokenizer.path,
-        seq_length=recipe.train.seq_length,
-        micro_batch_size=recipe.train.micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        num_workers=d.num_workers,
-        seed=recipe.seed,
-        packing=d.packing,
-        packing_plan=d.packing_plan,
-        packing_buffer_size=d.packing_buffer_size,
-        shuffle_buffer_size=d.shuffle_buffer_size,
         encoder=dict(
             tasks=dict(d.tasks), p_uncond=d.p_uncond, uncond_prompt=d.uncond_prompt, system_prompt=d.system_prompt
         ),
+        **loader_kwargs(recipe, dp_rank, dp_size),
     )
     check_tokenizer_fits(recipe.model, len(loader.task_encoder.tasks.tokenizer), recipe.tokenizer.path)
     return loader

@@ -18,6 +18,7 @@ from mmtrain.models.state_dict_adapter import (
     ConversionError,
     LlamaDecoderAdapter,
     StateDictAdapter,
+    check_hf_model,
     hf_llama_text_config,
     llama_config_from_hf,
 )
@@ -57,12 +58,7 @@ class Emu3StateDictAdapter(StateDictAdapter):
 
 def emu3_config_from_hf(hf: dict) -> Emu3ModelConfig:
     """`Emu3Config` (config.json dict) -> Emu3ModelConfig (default padding multiple and dtype)."""
-    archs = hf.get("architectures") or ["Emu3ForConditionalGeneration"]
-    if hf.get("model_type") != "emu3" or "Emu3ForConditionalGeneration" not in archs:
-        raise ConversionError(
-            f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected emu3 / "
-            "Emu3ForConditionalGeneration"
-        )
+    check_hf_model(hf, "emu3", "Emu3ForConditionalGeneration")
     text = dict(hf.get("text_config") or {})
     text.setdefault("model_type", "emu3_text_model")
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))

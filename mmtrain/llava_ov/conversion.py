@@ -50,21 +50,17 @@ from mmtrain.llava_ov.state_dict_adapter import (
     llava_config_from_hf,
     vision_config_from_hf,
 )
-from mmtrain.models.hf_io import SafetensorsReader, cast_floating, read_config, with_config_dtype, write_sharded
+from mmtrain.models.hf_io import SafetensorsReader, read_config
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.state_dict_adapter import ConversionError, Qwen2StateDictAdapter, llm_config_from_hf
 from mmtrain.runtime import hf_conversion
 from mmtrain.runtime.hf_conversion import (
-    ImportJob,
     build_pipeline_stage,
-    canonical_tensors,
-    copy_recorded_assets,
-    export_dtype,
-    import_dtype,
-    import_to_mcore,
-    load_unsharded,
+    import_weights,
+    load_for_export,
     record_source,
     source_config,
+    write_hf_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -246,11 +242,8 @@ def hf_to_mcore(
 ) -> LlavaOVModelConfig:
     """`dtype`: the megatron weights' (auto: the source's, recorded as the saved params_dtype)."""
     cfg, _ = llava_source(src)  # validate before starting any rank
-    cfg = replace(cfg, params_dtype=import_dtype(dtype, src))
     # a whole LLaVA-OV checkpoint fills every weight: no random init
-    import_to_mcore(
-        ImportJob(_whole_source, {"src": str(src)}, build_stage, str(dst), tp, pp, params_dtype=cfg.params_dtype)
-    )
+    cfg = import_weights(cfg, _whole_source, {"src": str(src)}, build_stage, dst, tp, pp, dtype=dtype, dtype_from=src)
     assets = record_source(dst, [src], read_config(src))
     _keep_tokenizer(source_tokens(src), assets)
     return cfg
@@ -273,19 +266,10 @@ def assemble_stage1(
 ) -> LlavaOVModelConfig:
     """`dtype`: the megatron weights' (auto: the LLM's, which holds most of them)."""
     cfg, _ = stage1_source(llm, vision, base)
-    cfg = replace(cfg, params_dtype=import_dtype(dtype, llm))
     # the stage-1 getter returns None for the projector / image_newline: they keep their init
-    import_to_mcore(
-        ImportJob(
-            _stage1_source,
-            {"llm": str(llm), "vision": str(vision), "base": base},
-            build_stage,
-            str(dst),
-            tp,
-            pp,
-            fresh_init=True,
-            params_dtype=cfg.params_dtype,
-        )
+    args = {"llm": str(llm), "vision": str(vision), "base": base}
+    cfg = import_weights(
+        cfg, _stage1_source, args, build_stage, dst, tp, pp, dtype=dtype, dtype_from=llm, fresh_init=True
     )
     assets = record_source(dst, [vision, llm], None)
     _keep_tokenizer(resolve_media_tokens(llm), assets)
@@ -313,8 +297,7 @@ def mcore_to_hf(
     `format` (transformers' LlavaOnevisionForConditionalGeneration, or LLaVA-NeXT's
     LlavaQwenForCausalLM). The recorded source config is the template when it has that format.
     `dtype`: the tensors' and config.json's (auto: the dtype the megatron weights are stored in)."""
-    stored, out_dtype = export_dtype(dtype, src)
-    cfg, model = load_unsharded(src, LlavaOVModelConfig, build_stage, params_dtype=stored)
+    cfg, model, out_dtype = load_for_export(src, LlavaOVModelConfig, build_stage, dtype)
     template = source_config(src)
     if template is not None and detect_format(template) != format:
         template = None
@@ -322,13 +305,10 @@ def mcore_to_hf(
         adapter, hf_cfg = LlavaNextStateDictAdapter(cfg), llava_next_hf_config(cfg, template)
     else:
         adapter, hf_cfg = LlavaOVStateDictAdapter(cfg), hf_config_from_llava(cfg, template)
-    canon = canonical_tensors(model, cfg.llm.vocab_size, adapter)
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    write_sharded(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), dst, max_shard_bytes)
-    hf_cfg = with_config_dtype(hf_cfg, out_dtype, "torch_dtype" if format == LLAVA_NEXT else "dtype")
-    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    copy_recorded_assets(src, dst)
+    dtype_key = "torch_dtype" if format == LLAVA_NEXT else "dtype"
+    dst, hf_cfg = write_hf_dir(
+        src, dst, model, adapter, cfg.llm.vocab_size, hf_cfg, out_dtype, max_shard_bytes, dtype_key=dtype_key
+    )
     if format == TRANSFORMERS:
         write_processor(cfg, hf_cfg, dst)
     return dst

@@ -7,11 +7,10 @@ from typing import Optional
 
 import torch
 
-from mmdata.energon_loaders.batch import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmtrain.llava_ov.config import LlavaOVModelConfig
-from mmtrain.models.language_model import segments_from_attention_mask
+from mmtrain.models.language_model import hf_text_fields
 
 
 def hf_inputs_to_batch(
@@ -22,11 +21,12 @@ def hf_inputs_to_batch(
     attention_mask: Optional[torch.Tensor] = None,
     batch_num_images: Optional[torch.Tensor] = None,
     pixel_values_videos: Optional[torch.Tensor] = None,
+    **_: object,
 ) -> LlavaOVBatch:
+    """The model's batch for an HF-style call (keyword arguments HF's forward takes besides these,
+    such as `use_cache`, are ignored)."""
     b, s = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    cu, pos = segments_from_attention_mask(attention_mask)
+    text = hf_text_fields(input_ids, attention_mask)  # checks the mask first
     v = cfg.vision
     items = []  # (kind, tiles [n, 3, H, W], (h, w), grid, tokens, placeholder id)
     if pixel_values is not None:
@@ -98,11 +98,7 @@ def hf_inputs_to_batch(
     else:
         px = torch.zeros((0, 3, v.image_size, v.image_size))
     return LlavaOVBatch(
-        input_ids=input_ids.long(),
-        labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
-        position_ids=pos,
-        cu_seqlens=cu,
-        max_seqlen=int((cu[1:] - cu[:-1]).max()),
+        **text,
         pixel_values=px,
         tiles_per_media=torch.tensor([it[1].shape[0] for it in ordered], dtype=torch.long),
         media_kind=torch.tensor([it[0] for it in ordered], dtype=torch.long),

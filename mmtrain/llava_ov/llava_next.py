@@ -23,8 +23,14 @@ from typing import Any, Optional
 
 from mmdata.energon_loaders.llava_ov import anyres
 from mmtrain.llava_ov.config import LlavaOVModelConfig, VisionConfig
-from mmtrain.llava_ov.state_dict_adapter import SiglipAdapter, vision_config_from_hf
-from mmtrain.models.state_dict_adapter import ConversionError, LlamaDecoderAdapter, StateDictAdapter, llm_config_from_hf
+from mmtrain.llava_ov.state_dict_adapter import SiglipAdapter, hf_siglip_keys, vision_config_from_hf
+from mmtrain.models.state_dict_adapter import (
+    ConversionError,
+    LlamaDecoderAdapter,
+    StateDictAdapter,
+    hf_decoder_keys,
+    llm_config_from_hf,
+)
 
 log = logging.getLogger(__name__)
 
@@ -234,32 +240,12 @@ def llava_next_hf_config(cfg: LlavaOVModelConfig, template: Optional[dict] = Non
     out = dict(template or {})
     out.pop("vocab_size", None)
     tower = dict(KNOWN_TOWERS.get(out.get("mm_vision_tower", DEFAULT_TOWER), {}))
-    tower.update(
-        model_type="siglip_vision_model",
-        hidden_size=v.hidden_size,
-        intermediate_size=v.ffn_hidden_size,
-        num_attention_heads=v.num_attention_heads,
-        num_hidden_layers=v.num_layers + 1,
-        image_size=v.image_size,
-        patch_size=v.patch_size,
-        layer_norm_eps=v.layer_norm_eps,
-        num_channels=v.num_channels,
-        hidden_act="gelu_pytorch_tanh",
-    )
+    tower.update(hf_siglip_keys(v, v.num_layers + 1))
     out.update(
         architectures=[ARCHITECTURE],
         model_type=out.get("model_type", MODEL_TYPE),
-        hidden_size=llm.hidden_size,
-        intermediate_size=llm.ffn_hidden_size,
-        num_hidden_layers=llm.num_layers,
-        num_attention_heads=llm.num_attention_heads,
-        num_key_value_heads=llm.num_query_groups,
-        vocab_size=llm.vocab_size,
-        max_position_embeddings=llm.max_position_embeddings,
-        rms_norm_eps=llm.rms_norm_eps,
+        **hf_decoder_keys(llm),
         rope_theta=llm.rope_theta,
-        tie_word_embeddings=llm.tie_word_embeddings,
-        hidden_act="silu",
         use_sliding_window=False,
         mm_vision_tower=out.get("mm_vision_tower", DEFAULT_TOWER),
         mm_hidden_size=v.hidden_size,

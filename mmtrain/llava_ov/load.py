@@ -25,20 +25,9 @@ class LlavaOVForInference(torch.nn.Module):
         self.cfg = cfg
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        pixel_values: Optional[torch.Tensor] = None,
-        image_sizes: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        batch_num_images: Optional[torch.Tensor] = None,
-        pixel_values_videos: Optional[torch.Tensor] = None,
-        **_: object,
-    ) -> torch.Tensor:
-        batch = hf_inputs_to_batch(
-            self.cfg, input_ids, pixel_values, image_sizes, attention_mask, batch_num_images, pixel_values_videos
-        )
-        return self.model(batch, return_logits=True)
+    def forward(self, input_ids: torch.Tensor, *inputs: Optional[torch.Tensor], **kw: object) -> torch.Tensor:
+        """`LlavaOnevisionForConditionalGeneration`'s call: `hf_inputs_to_batch`'s arguments after `cfg`."""
+        return self.model(hf_inputs_to_batch(self.cfg, input_ids, *inputs, **kw), return_logits=True)
 
 
 def load_llava_ov(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVForInference:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.energon_loaders.loader import SavableLoader
+from mmtrain.config.loader_args import loader_kwargs
 from mmtrain.config.schema import Recipe
 from mmtrain.llava_ov.config import LlavaOVDataConfig, LlavaOVModelConfig
 from mmtrain.llava_ov.spec import check_media_token_ids
@@ -17,21 +18,12 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1) -> Savab
     loader = build_llava_ov_loader(
         d.paths,
         recipe.tokenizer.path,
-        seq_length=recipe.train.seq_length,
-        micro_batch_size=recipe.train.micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        num_workers=d.num_workers,
-        seed=recipe.seed,
         max_tiles=m.max_tiles,
-        packing=d.packing,
-        packing_plan=d.packing_plan,
-        packing_buffer_size=d.packing_buffer_size,
-        shuffle_buffer_size=d.shuffle_buffer_size,
         image_size=m.vision.image_size,
         patch_size=m.vision.patch_size,
         grid_max=m.grid_max,
         max_video_frames=d.video_frames,
+        **loader_kwargs(recipe, dp_rank, dp_size),
     )
     check_media_token_ids(
         m, loader.task_encoder.chat.image_token_id, loader.task_encoder.chat.video_token_id, recipe.tokenizer.path

@@ -19,6 +19,8 @@ from mmtrain.models.state_dict_adapter import (
     LlamaDecoderAdapter,
     Pair,
     StateDictAdapter,
+    check_hf_model,
+    hf_decoder_keys,
     llm_config_from_hf,
 )
 
@@ -157,12 +159,7 @@ def vision_config_from_hf(vis: dict, num_layers: Optional[int] = None, where: st
 
 def llava_config_from_hf(hf: dict) -> LlavaOVModelConfig:
     """`LlavaOnevisionConfig` (config.json dict) -> LlavaOVModelConfig; refuses what we don't model."""
-    archs = hf.get("architectures") or ["LlavaOnevisionForConditionalGeneration"]
-    if hf.get("model_type") != "llava_onevision" or "LlavaOnevisionForConditionalGeneration" not in archs:
-        raise ConversionError(
-            f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected llava_onevision / "
-            "LlavaOnevisionForConditionalGeneration"
-        )
+    check_hf_model(hf, "llava_onevision", "LlavaOnevisionForConditionalGeneration")
     if hf.get("vision_feature_select_strategy", "full") != "full":
         raise ConversionError("config.json: vision_feature_select_strategy must be 'full'")
     if hf.get("vision_feature_layer", -1) != -1:
@@ -196,6 +193,23 @@ def llava_config_from_hf(hf: dict) -> LlavaOVModelConfig:
     return cfg
 
 
+def hf_siglip_keys(v: VisionConfig, num_layers: int) -> dict:
+    """A SigLIP vision config's keys for the tower `v` with `num_layers` layers (LLaVA-NeXT's
+    checkpoints keep one layer more than the tower runs)."""
+    return dict(
+        model_type="siglip_vision_model",
+        hidden_size=v.hidden_size,
+        intermediate_size=v.ffn_hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=v.num_attention_heads,
+        image_size=v.image_size,
+        patch_size=v.patch_size,
+        layer_norm_eps=v.layer_norm_eps,
+        num_channels=v.num_channels,
+        hidden_act="gelu_pytorch_tanh",
+    )
+
+
 def hf_config_from_llava(cfg: LlavaOVModelConfig, template: Optional[dict] = None) -> dict:
     """LlavaOVModelConfig -> a `LlavaOnevisionConfig` dict (on top of `template` when known)."""
     out = dict(template or {})
@@ -203,34 +217,13 @@ def hf_config_from_llava(cfg: LlavaOVModelConfig, template: Optional[dict] = Non
     llm = cfg.llm
     text.update(
         model_type="qwen2",
-        hidden_size=llm.hidden_size,
-        intermediate_size=llm.ffn_hidden_size,
-        num_hidden_layers=llm.num_layers,
-        num_attention_heads=llm.num_attention_heads,
-        num_key_value_heads=llm.num_query_groups,
-        vocab_size=llm.vocab_size,
-        max_position_embeddings=llm.max_position_embeddings,
-        rms_norm_eps=llm.rms_norm_eps,
-        tie_word_embeddings=llm.tie_word_embeddings,
-        hidden_act="silu",
+        **hf_decoder_keys(llm),
         rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
     )
     text.pop("rope_theta", None)
     vis = dict(out.get("vision_config") or {})
     v = cfg.vision
-    vis.update(
-        model_type="siglip_vision_model",
-        hidden_size=v.hidden_size,
-        intermediate_size=v.ffn_hidden_size,
-        num_hidden_layers=v.num_layers,
-        num_attention_heads=v.num_attention_heads,
-        image_size=v.image_size,
-        patch_size=v.patch_size,
-        layer_norm_eps=v.layer_norm_eps,
-        num_channels=v.num_channels,
-        hidden_act="gelu_pytorch_tanh",
-        vision_use_head=False,
-    )
+    vis.update(hf_siglip_keys(v, v.num_layers), vision_use_head=False)
     out.update(
         model_type="llava_onevision",
         architectures=["LlavaOnevisionForConditionalGeneration"],

@@ -3,6 +3,7 @@ Design notes: docs/training.md, "Core attention on the local spec: SDPA"."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ class SDPACoreAttention(MegatronModule):
         kv_channels = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.pg_collection = pg_collection  # the CP subclass reads its group from it
 
     #: subclasses that split sequences over the CP group set this
     handles_context_parallel = False
@@ -252,12 +254,12 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        self._check_inputs(mask_type, attention_bias, thd)
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
 
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if thd:
             return self._thd(query, key, value, packed_seq_params, causal)
 
         # [s, b, np, hn] -> [b, np, s, hn]
@@ -272,6 +274,11 @@ class SDPACoreAttention(MegatronModule):
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def _check_inputs(self, mask_type: AttnMaskType, attention_bias: Optional[torch.Tensor], thd: bool) -> None:
+        """What this attention cannot run, refused before any work."""
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPACoreAttention")
+
     def _thd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams, causal: bool
     ) -> torch.Tensor:
@@ -281,20 +288,9 @@ class SDPACoreAttention(MegatronModule):
         if backend == "torch" and dropout > 0.0:  # PyTorch's varlen kernel has no dropout
             backend = None
         if backend is not None:
-            if dropout > 0.0 and not self.config.sequence_parallel:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = gpu_varlen_attention(
-                        backend,
-                        query,
-                        key,
-                        value,
-                        params.cu_seqlens_q,
-                        params.max_seqlen_q,
-                        causal=causal,
-                        scale=self.softmax_scale,
-                        dropout=dropout,
-                    )
-            else:
+            # the dropout mask from megatron's model-parallel RNG tracker (not under sequence parallelism)
+            fork = dropout > 0.0 and not self.config.sequence_parallel
+            with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
                 out = gpu_varlen_attention(
                     backend,
                     query,

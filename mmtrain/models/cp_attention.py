@@ -11,7 +11,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mmtrain.models.attention import SDPACoreAttention
 from mmtrain.private_api import cpu_flash_attention
@@ -153,53 +152,29 @@ class KVAllGatherCoreAttention(SDPACoreAttention):
 
     handles_context_parallel = True
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection: Any = None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(
-            config,
-            layer_number,
-            attn_mask_type,
-            attention_type,
-            attention_dropout,
-            softmax_scale,
-            cp_comm_type,
-            pg_collection,
-            **kw,
-        )
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)  # SDPACoreAttention's arguments, as megatron's build_module passes them
+        pg_collection = self.pg_collection
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         if self.dropout_p > 0.0:
             raise NotImplementedError("attention dropout is not supported with context parallelism on CPU")
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-    ) -> torch.Tensor:
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd" or attention_bias is not None:
+    def _check_inputs(self, mask_type: AttnMaskType, attention_bias: Optional[torch.Tensor], thd: bool) -> None:
+        if not thd or attention_bias is not None:
             raise NotImplementedError(
                 "context-parallel attention takes THD packed sequences "
                 "(context_parallel.CPLayout.packed_seq_params) and no attention bias"
             )
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise NotImplementedError("context-parallel attention is causal (decoders)")
-        plan = self._plan(packed_seq_params)
+
+    def _thd(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams, causal: bool
+    ) -> torch.Tensor:
+        """SDPACoreAttention.forward's THD path (the only one here): causal attention of this
+        rank's queries over the K/V gathered from the CP group."""
+        plan = self._plan(params)
         if query.size(0) != plan.local_tokens:
             raise ValueError(f"{query.size(0)} local tokens, but the CP layout gives this rank {plan.local_tokens}")
         k_all = _GatherSequence.apply(key, self.cp_group, plan)

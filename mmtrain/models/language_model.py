@@ -230,6 +230,22 @@ def segments_from_attention_mask(attention_mask: torch.Tensor) -> tuple[torch.Te
     return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32), pos
 
 
+def hf_text_fields(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> dict[str, Any]:
+    """The packed-batch text fields of an HF-style call: `input_ids` [B, S] (+ right-padded
+    `attention_mask`, default all ones), each row one sample, its padding a segment of its own,
+    no labels (inference)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    cu, pos = segments_from_attention_mask(attention_mask)
+    return dict(
+        input_ids=input_ids.long(),
+        labels=torch.full_like(input_ids, IGNORE_INDEX, dtype=torch.long),
+        position_ids=pos,
+        cu_seqlens=cu,
+        max_seqlen=int((cu[1:] - cu[:-1]).max()),
+    )
+
+
 def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, true_vocab: int) -> torch.Tensor:
     """Per-token cross entropy over the TRUE vocabulary: logits [1, T, V/tp] (this rank's slice
     of a padded table), labels [1, T]. The padding rows would otherwise enter the softmax."""

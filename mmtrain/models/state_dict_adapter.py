@@ -291,6 +291,16 @@ def _decoder_config(text: dict, where: str, qkv_bias: bool) -> LLMConfig:
     )
 
 
+def check_hf_model(hf: dict, model_type: str, architecture: str) -> None:
+    """A config.json of `model_type` whose architectures (when it lists any) include `architecture`."""
+    archs = hf.get("architectures") or [architecture]
+    if hf.get("model_type") != model_type or architecture not in archs:
+        raise ConversionError(
+            f"config.json: model_type={hf.get('model_type')!r} architectures={archs}: expected {model_type} / "
+            f"{architecture}"
+        )
+
+
 def llm_config_from_hf(text: dict, where: str = "text_config") -> LLMConfig:
     """A Qwen2/2.5 config (dict) -> LLMConfig (qkv bias on)."""
     mt = text.get("model_type", "qwen2")
@@ -319,6 +329,17 @@ def hf_llama_text_config(llm: LLMConfig) -> dict:
     if llm.qkv_bias:
         raise ConversionError("a Llama-style HF config has no qkv bias (model.llm.qkv_bias must be false)")
     return dict(
+        **hf_decoder_keys(llm),
+        attention_bias=False,
+        mlp_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
+    )
+
+
+def hf_decoder_keys(llm: LLMConfig) -> dict:
+    """The keys every HF decoder config (Llama, Qwen2, LLaVA-NeXT's Mistral/Qwen) spells the same
+    way for `llm`: sizes, vocabulary, norm epsilon, tied embeddings and the SwiGLU activation."""
+    return dict(
         hidden_size=llm.hidden_size,
         intermediate_size=llm.ffn_hidden_size,
         num_hidden_layers=llm.num_layers,
@@ -329,7 +350,4 @@ def hf_llama_text_config(llm: LLMConfig) -> dict:
         rms_norm_eps=llm.rms_norm_eps,
         tie_word_embeddings=llm.tie_word_embeddings,
         hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": llm.rope_theta},
     )

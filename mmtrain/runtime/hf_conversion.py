@@ -8,9 +8,10 @@ import json
 import os
 import shutil
 import sys
+from itertools import chain
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 #: set by `mmtrain convert` (unless --verbose): a rank it spawns hides third-party warnings
 #: from here on, before megatron is imported (spawned processes inherit no warning filters)
@@ -26,7 +27,14 @@ import torch.multiprocessing as mp  # noqa: E402
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 
 from mmtrain.config.typed import from_plain  # noqa: E402
-from mmtrain.models.hf_io import DTYPE_NAMES, copy_assets, source_dtype  # noqa: E402
+from mmtrain.models.hf_io import (  # noqa: E402
+    DTYPE_NAMES,
+    cast_floating,
+    copy_assets,
+    source_dtype,
+    with_config_dtype,
+    write_sharded,
+)
 from mmtrain.models.megatron_config import ParallelOptions  # noqa: E402
 from mmtrain.models.model_io import iter_canonical, load_canonical  # noqa: E402
 from mmtrain.models.pipeline_split import PipelineSplit, balanced_layers, split_layers  # noqa: E402
@@ -241,6 +249,67 @@ def copy_recorded_assets(ckpt_dir: str | os.PathLike, dst: str | os.PathLike) ->
         for f in assets.iterdir():
             if f.is_file() and f.name != SOURCE_CONFIG:
                 shutil.copy2(f, Path(dst) / f.name)
+
+
+def import_weights(
+    cfg: Any,
+    source: Source,
+    source_args: dict,
+    build_stage: BuildStage,
+    dst: str | os.PathLike,
+    tp: int,
+    pp: int,
+    *,
+    dtype: str,
+    dtype_from: str | os.PathLike,
+    fresh_init: bool = False,
+) -> Any:
+    """`cfg` with the megatron weights' dtype (`dtype`; auto: the HF dir `dtype_from`'s), and
+    the weights `source` gives imported into the checkpoint `dst` at TP/PP (`import_to_mcore`)."""
+    cfg = replace(cfg, params_dtype=import_dtype(dtype, dtype_from))
+    import_to_mcore(
+        ImportJob(
+            source, source_args, build_stage, str(dst), tp, pp, fresh_init=fresh_init, params_dtype=cfg.params_dtype
+        )
+    )
+    return cfg
+
+
+def load_for_export(
+    src: str | os.PathLike, config_cls: type, build_stage: BuildStage, dtype: str
+) -> tuple[Any, torch.nn.Module, str]:
+    """(model config, unsharded model, the export's dtype) of the checkpoint `src`: loaded in the
+    dtype its weights are stored in; `dtype` (auto: that one) is what the export writes."""
+    stored, out_dtype = export_dtype(dtype, src)
+    cfg, model = load_unsharded(src, config_cls, build_stage, params_dtype=stored)
+    return cfg, model, out_dtype
+
+
+def write_hf_dir(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    model: torch.nn.Module,
+    adapter: Any,
+    true_vocab: int,
+    hf_cfg: dict,
+    out_dtype: str,
+    max_shard_bytes: int,
+    *,
+    extra_tensors: Iterable[tuple[str, torch.Tensor]] = (),
+    dtype_key: str = "dtype",
+) -> tuple[Path, dict]:
+    """An HF export of the checkpoint `src`: `adapter`'s HF tensors of `model` in `out_dtype`, then
+    `extra_tensors`, as sharded safetensors; config.json naming `out_dtype` (under `dtype_key`);
+    and the assets recorded at import. Returns the folder and the config written."""
+    canon = canonical_tensors(model, true_vocab, adapter)
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = chain(cast_floating(adapter.iter_hf(canon.__getitem__), out_dtype), extra_tensors)
+    write_sharded(tensors, dst, max_shard_bytes)
+    hf_cfg = with_config_dtype(hf_cfg, out_dtype, dtype_key)
+    (dst / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    copy_recorded_assets(src, dst)
+    return dst, hf_cfg
 
 
 # ----------------------------------------------------------------------------- HF weights, no files

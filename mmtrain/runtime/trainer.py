@@ -27,24 +27,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
 
 from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.plan_packing import PLAN_SKIP_HINTS
 from mmdata.units import format_duration, plural
 from mmtrain.config.schema import Recipe
-from mmtrain.models.lm_loss import resolve_loss_impl
-from mmtrain.models.megatron_config import ParallelOptions, TransformerImplUnavailable, resolve_decoder_fusions
+from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.pipeline_split import (
-    PipelineSplit,
     PipelineSplitError,
     interleaved_schedule_problem,
     split_layers,
 )
-from mmtrain.runtime import cpu_compat
 from mmtrain.runtime.checkpoint.data_identity import data_identity, explain, recipe_changes, resume_decision
 from mmtrain.runtime.checkpoint.manager import (
     CheckpointManager,
@@ -64,7 +58,6 @@ from mmtrain.runtime.optimizer import (
     ModelParts,
     apply_freeze,
     build_optimizer,
-    ddp_config_kwargs,
     optimizer_kind,
     optimizer_sharded_metadata,
 )
@@ -74,9 +67,15 @@ from mmtrain.runtime.throughput import (
     device_peak_flops,
     memory_stats,
 )
-from mmtrain.models.te_support import te_status
-from mmtrain.runtime.cuda_settings import cp_comm_type_problem
 from mmtrain.runtime.metrics import MetricsWriter
+from mmtrain.runtime.model_setup import (
+    build_model_chunks,
+    dispatch_param_gather,
+    finish_param_gather,
+    model_options,
+    split_text,
+    wrap_in_ddp,
+)
 from mmtrain.runtime.step_metrics import StepMetrics, StepResult, skip_summary, step_line, step_record
 from mmtrain.runtime.train_data import TrainData
 from mmtrain.spec import FamilySpec
@@ -138,33 +137,10 @@ class Trainer:
         )
         # refuse a loader state made for other data before building anything (data_identity.py)
         data_decision = resume_decision(start.path, recipe) if start is not None and start.kind == "mmtrain" else None
-        chunks = self._build_model_chunks()
+        chunks = build_model_chunks(spec, recipe, ctx, self._model_options())
         self.parts = ModelParts(chunks, spec.parts)
         self.trainable = apply_freeze(chunks, self.parts, recipe.freeze)
-
-        configs = [get_model_config(chunk) for chunk in chunks]  # the schedules read the first one's
-        for config in configs:  # before DDP, which sizes its gradient scaling from them
-            config.calculate_per_token_loss = True  # see the module docstring
-            config.timers = None
-            if ctx.pp > 1:
-                # packed micro-batches are flattened to one [B*S] stream whose length may vary
-                config.variable_seq_lengths = True
-                if config.pipeline_dtype is None:
-                    config.pipeline_dtype = ctx.params_dtype
-        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(ctx))
-        # megatron-LM's wrapping: one DDP per model chunk, buckets only on the first (the later
-        # chunks' reductions overlap with the compute of the others anyway)
-        self.model = [
-            DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-            for i, (chunk, config) in enumerate(zip(chunks, configs))
-        ]
-        for ddp in self.model:
-            ddp.broadcast_params()  # DP replicas start identical whatever the init RNG did
-        no_sync = [ddp.no_sync for ddp in self.model]
-        for config in configs:
-            config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
-            config.finalize_model_grads_func = finalize_model_grads
-
+        self.model, configs = wrap_in_ddp(chunks, ctx)
         self.optimizer = build_optimizer(self.model, self.parts, recipe.optimizer, ctx)
         for config in configs:
             config.grad_scale_func = self.optimizer.scale_loss  # megatron's loss scale (1.0 unless fp16)
@@ -196,91 +172,12 @@ class Trainer:
             self.metrics = _open_metrics(recipe, self.state.step)
             log.info(
                 "model stage %d/%d built%s: trainable params %s; %d micro-batches/step/rank",
-                ctx.pp_rank, ctx.pp, _split_text(self.pipeline_split) if ctx.pp > 1 else "", self.trainable,
+                ctx.pp_rank, ctx.pp, split_text(self.pipeline_split) if ctx.pp > 1 else "", self.trainable,
                 self.num_microbatches,
             )  # fmt: skip
 
-    def _build_model_chunks(self) -> list[torch.nn.Module]:
-        """This rank's model chunks: one pipeline stage, or with virtual stages (`parallel.vpp`) one
-        chunk per virtual stage, each knowing its `vp_stage` (megatron-LM's `get_model`). The chunk
-        holding the model's first layers (pre_process) is where a family puts its encoders."""
-        ctx, options = self.ctx, self._model_options()
-        chunks = []
-        for vp in range(ctx.vpp):
-            vp_stage = vp if ctx.vpp > 1 else None
-            chunk = self.spec.build_model(
-                self.recipe.model,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                options=options,
-                vp_stage=vp_stage,
-            )
-            if ctx.on_cuda:
-                chunk = chunk.cuda(torch.cuda.current_device())
-            if not hasattr(chunk, "model_type"):  # megatron's schedules read it
-                chunk.model_type = ModelType.encoder_or_decoder
-            chunks.append(chunk)
-        return chunks
-
-    def _check_cp_comm_type(self) -> None:
-        """TE's context-parallel attention on packed sequences, for this TE version (every decoder call is packed)."""
-        d = self.spec.model_shapes(self.recipe.model).decoder
-        p = self.recipe.parallel
-        problem = cp_comm_type_problem(p.cp_comm_type, p.cp, p.tp, d.kv_groups, d.heads, te_status().version_tuple())
-        if problem:
-            raise UnsupportedLayout(problem)
-
     def _model_options(self) -> ParallelOptions:
-        """What the model builder needs to know about parallelism/memory (sizes come from
-        megatron's parallel_state)."""
-        ctx, p = self.ctx, self.recipe.parallel
-        some_layers = p.recompute_num_layers  # 0: every layer (uniform, one at a time)
-        try:
-            lm_loss = resolve_loss_impl(p.lm_loss, tp=ctx.tp, dtype=ctx.params_dtype, on_cuda=ctx.on_cuda)
-        except ValueError as err:
-            raise UnsupportedLayout(str(err)) from None
-        if ctx.rank == 0:
-            log.info(
-                "LM loss: %s (parallel.lm_loss=%s)%s",
-                lm_loss,
-                p.lm_loss,
-                f"; context parallelism cp={ctx.cp}, cp_comm_type={p.cp_comm_type}" if ctx.cp > 1 else "",
-            )
-        if ctx.cp > 1 and ctx.on_cuda:
-            self._check_cp_comm_type()
-        if ctx.cp > 1 and not ctx.on_cuda:
-            cpu_compat.note(
-                "context parallelism: Transformer Engine's CP attention (GPU) -> K/V all-gather over "
-                f"gloo (KVAllGatherCoreAttention); parallel.cp_comm_type={p.cp_comm_type} applies on GPU"
-            )
-        options = ParallelOptions(
-            sequence_parallel=ctx.sequence_parallel,
-            recompute_granularity=None if ctx.recompute == "none" else ctx.recompute,
-            recompute_method="block" if some_layers else "uniform",
-            recompute_num_layers=some_layers or 1,
-            params_dtype=ctx.params_dtype_name,
-            lm_loss=lm_loss,
-            lm_loss_block_mb=p.lm_loss_block_mb,
-            cp_comm_type=p.cp_comm_type,
-            hierarchical_cp_sizes=p.hierarchical_cp_sizes or None,
-            transformer_impl=p.transformer_impl,
-            on_cuda=ctx.on_cuda,
-            deterministic=self.recipe.train.deterministic,
-            encoder_tp=p.vision.tp,
-            pipeline_split=self.pipeline_split,
-        )
-        if p.vision.tp is not None and ctx.rank == 0:
-            log.info(
-                "vision tower: its own layout, TP %d; a micro-batch's tiles split over %s, each encoding "
-                "its share (parallel.vision.tp)",
-                p.vision.tp,
-                plural(ctx.tp // p.vision.tp * ctx.cp, "rank"),
-            )
-        try:
-            resolve_decoder_fusions(options)  # transformer_engine off CUDA or without TE: one clear line
-        except TransformerImplUnavailable as err:
-            raise UnsupportedLayout(str(err)) from None
-        return options
+        return model_options(self.recipe, self.spec, self.ctx, self.pipeline_split)
 
     def _restore(self, start: StartingPoint) -> None:
         result = self.checkpoints.restore(start, self._load_hf)
@@ -329,7 +226,7 @@ class Trainer:
         step_data = self.data.next_step()
         data_wait = time.perf_counter() - start
 
-        self._dispatch_param_gather()
+        dispatch_param_gather(self.model)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -476,29 +373,10 @@ class Trainer:
 
     def save(self) -> None:
         self._saving = self.state.step
-        self._finish_param_gather()
+        finish_param_gather(self.model)
         self.checkpoints.save(self.state)
         self._saving = None
         self._last_saved_step = self.state.step
-
-    def _overlapped_param_gather(self) -> list[Any]:
-        """The DDP chunks whose updated weights reach them by an all-gather overlapped with the next
-        forward (distributed optimizer with overlap_param_gather): after `optimizer.step()` each DP
-        rank holds only its own shard until then."""
-        return [chunk for chunk in self.model if getattr(chunk, "use_forward_hook", False)]
-
-    def _dispatch_param_gather(self) -> None:
-        """With `align_param_gather` the forward hooks dispatch nothing ahead: every PP stage starts
-        all its buckets' all-gathers here, at once, and the hooks wait for the ones they need (what
-        megatron's `config.param_sync_func` does in its interleaved schedule)."""
-        for chunk in self._overlapped_param_gather():
-            chunk.start_param_sync()
-
-    def _finish_param_gather(self) -> None:
-        """Complete weights in every DP rank before they are saved (megatron-LM disables the forward
-        pre-hook with a param sync around its checkpoint saves for the same reason)."""
-        for chunk in self._overlapped_param_gather():
-            chunk.start_param_sync(force_sync=True)
 
     def _log(self, r: StepResult) -> None:
         if not self.ctx.is_logging_rank:
@@ -531,12 +409,6 @@ class RecordingIterator:
     def __next__(self) -> Any:
         self.last = next(self._it)
         return self.last
-
-
-def _split_text(split: PipelineSplit) -> str:
-    """` (decoder layers per stage [1, 3], virtual stages 2)` for the set-up line."""
-    virtual = f", {split.vpp} virtual stages per rank (interleaved 1F1B)" if split.vpp > 1 else ""
-    return f" (decoder layers per stage {split.describe()}{virtual})"
 
 
 def _open_metrics(recipe: Recipe, resume_step: int) -> Any:

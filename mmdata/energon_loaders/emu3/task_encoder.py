@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from megatron.energon import Sample, edataclass, stateless
 
-from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.emu3.batch import Emu3Batch
 from mmdata.energon_loaders.emu3.tasks import (
     DEFAULT_SYSTEM_PROMPT,
@@ -38,7 +37,7 @@ from mmdata.energon_loaders.emu3.tasks import (
 )
 from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.plan_packing import PLAN_VARIANT
-from mmdata.energon_loaders.sequence import ConversationError, apply_length_policy
+from mmdata.energon_loaders.sequence import ConversationError
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
 from mmdata.energon_loaders.emu3.vq_token_sample import VQTokenSample
 from mmdata.packing.emu3_geometry import variant_task
@@ -79,9 +78,7 @@ class Emu3TaskEncoder(PackingTaskEncoder):
 
     sample_type = VQTokenSample
 
-    def __init__(self, tokenizer_path: str, config: Emu3EncoderConfig):
-        self.config = config
-        super().__init__(config.seq_length, tokenizer_path)
+    config: Emu3EncoderConfig
 
     def build_text(self, tokenizer) -> Emu3Tasks:
         return Emu3Tasks(tokenizer, self.config.system_prompt)
@@ -126,13 +123,7 @@ class Emu3TaskEncoder(PackingTaskEncoder):
                 tokens = self.tasks.understanding(conversations, grids)
         except ConversationError as exc:
             raise self._skip(exc.reason, sid, str(exc)) from exc
-        if not (tokens.labels != IGNORE_INDEX).any():
-            raise self._skip("no_assistant_tokens", sid)
-        result = apply_length_policy(tokens, c.seq_length)
-        if result.tokens is None:
-            raise self._skip(result.outcome, sid, f"{len(tokens)} tokens > seq_length {c.seq_length}")
-        if result.outcome == "truncated":
-            self._count("truncated")
+        result = self._fit_length(tokens, sid)
         self._count(f"task/{task}")
         if uncond:
             self._count("task/generation_uncond")

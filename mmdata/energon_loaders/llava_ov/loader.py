@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, LlavaOVTaskEncoder
 from mmdata.energon_loaders.loader import SavableLoader, build_loader
@@ -17,30 +17,21 @@ def build_llava_ov_loader(
     *,
     seq_length: int,
     micro_batch_size: int,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    num_workers: int = 2,
-    seed: int = 0,
     max_tiles: int = 9,
-    packing: bool | str = True,
-    packing_plan: str | Path | None = None,
-    packing_buffer_size: int | None = None,
-    shuffle_buffer_size: int = 100,
-    max_samples_per_sequence: int = 100,
     image_size: int = 384,
     patch_size: int = 14,
     grid_max: int = 6,
     max_video_frames: int = DEFAULT_MAX_FRAMES,
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-    checkpoint_every_sec: float = 60,
-    checkpoint_every_min_n_samples: int | None = None,
-    watchdog_timeout_seconds: float | None = None,
+    **loader_kwargs: Any,
 ) -> SavableLoader:
     """This DP rank's savable loader of `LlavaOVBatch` (infinite: energon repeats epochs).
 
     `data`: a shard dir, a metadataset YAML (blend weights), or several shard dirs (equal
     weights). With `packing`, each row holds several samples up to `seq_length` tokens;
     `packing="plan"` packs them as `mmdata pack-plan` planned (`packing_plan`, see `build_loader`).
+    `loader_kwargs`: `loader.build_loader`'s (dp_rank, dp_size, num_workers, seed, packing, buffers,
+    checkpointing, watchdog).
     """
     config = LlavaOVEncoderConfig(
         seq_length=seq_length,
@@ -52,19 +43,5 @@ def build_llava_ov_loader(
         system_prompt=system_prompt,
     )
     return build_loader(
-        data,
-        LlavaOVTaskEncoder(str(tokenizer_path), config),
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        num_workers=num_workers,
-        seed=seed,
-        packing=packing,
-        packing_plan=packing_plan,
-        packing_buffer_size=packing_buffer_size,
-        shuffle_buffer_size=shuffle_buffer_size,
-        max_samples_per_sequence=max_samples_per_sequence,
-        checkpoint_every_sec=checkpoint_every_sec,
-        checkpoint_every_min_n_samples=checkpoint_every_min_n_samples,
-        watchdog_timeout_seconds=watchdog_timeout_seconds,
+        data, LlavaOVTaskEncoder(str(tokenizer_path), config), micro_batch_size=micro_batch_size, **loader_kwargs
     )

@@ -23,14 +23,12 @@ import torch
 from megatron.energon import Sample, edataclass, stateless
 from PIL import Image
 
-from mmdata.energon_loaders.labels import IGNORE_INDEX
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.batch import MEDIA_ANYRES, MEDIA_BASE_ONLY, MEDIA_VIDEO, LlavaOVBatch
 from mmdata.energon_loaders.llava_ov.chat_template import (
     DEFAULT_SYSTEM_PROMPT,
     ChatTokenizer,
     ConversationError,
-    apply_length_policy,
     with_video_placeholder,
 )
 from mmdata.energon_loaders.packing import shift_labels
@@ -102,9 +100,7 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
 
     sample_type = ConversationSample
 
-    def __init__(self, tokenizer_path: str, config: LlavaOVEncoderConfig):
-        self.config = config
-        super().__init__(config.seq_length, tokenizer_path)
+    config: LlavaOVEncoderConfig
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -170,13 +166,7 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
             )
         except ConversationError as exc:
             raise self._skip(exc.reason, sid, str(exc)) from exc
-        if not (tokens.labels != IGNORE_INDEX).any():
-            raise self._skip("no_assistant_tokens", sid)
-        result = apply_length_policy(tokens, c.seq_length)
-        if result.tokens is None:
-            raise self._skip(result.outcome, sid, f"{len(tokens)} tokens > seq_length {c.seq_length}")
-        if result.outcome == "truncated":
-            self._count("truncated")
+        result = self._fit_length(tokens, sid)
         # media order in the stream = placeholder order; tokenize() consumed images then videos
         # in their own orders, so re-order refs to follow the token stream.
         image_refs = iter([m for m in media if m.kind != MEDIA_VIDEO])
