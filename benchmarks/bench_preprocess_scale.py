@@ -139,7 +139,8 @@ def report(small: dict, large: dict, prepare_s: float) -> list[str]:
         )
     lines.append(
         f"at the margin ({n1:,} -> {n2:,}), us of CPU per record: driver {per['driver_s']:.3f}, Ray's own "
-        f"{per['ray_s']:.3f}, workers {per['workers_s']:.2f}, tasks {per['tasks_s']:.2f}, whole job {per['total_s']:.2f}"
+        f"{per['ray_s']:.3f}, workers {per['workers_s']:.2f}, tasks {per['tasks_s']:.2f}, "
+        f"whole job {per['total_s']:.2f}"
     )
     lines.append(
         f"reference: energon prepare_dataset on the same {large['shards']} shards ({n2:,} samples): "
