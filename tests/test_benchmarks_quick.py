@@ -31,6 +31,7 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_auto_tune.py": ("auto_tune_trials", "each trial is a 2-process training run"),
     "bench_long_context.py": ("long_context", "a sweep of ~10 training processes at the Qwen2 vocabulary"),
     "bench_preprocess.py": ("preprocess_vs_decode_floor", "Ray jobs (ours and Ray Data) at 250 and 1,000 records"),
+    "bench_preprocess_scale.py": ("preprocess_cluster_bound", "Ray jobs at 20,000 and 80,000 records"),
     "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
     "bench_private_internals.py": ("direct_io", None),
     "bench_vision_layout.py": ("vision_layout", None),

@@ -121,11 +121,11 @@ def test_manifest_describes_shards(run_a, broken_raw):
     # the job's wall time covers Ray's start, every stage and the finish step, each timed on its own
     # and one after the other (each figure rounded to the millisecond)
     phases = m["run"]["phases"]
-    assert {"scan_s", "sort_s", "write_s", "finish_s"} <= set(phases) and phases["scan_s"] > 0, phases
+    assert {"scan_s", "sort_s", "write_s", "outputs_s", "finish_s"} <= set(phases) and phases["scan_s"] > 0, phases
     assert sum(phases.values()) <= m["wall_time_s"] + 0.001 * (len(phases) + 1), (phases, m["wall_time_s"])
     # the Ray tasks' own CPU per phase, measured in their workers; the scan (it decodes every image) the most
     cpu = m["run"]["task_cpu_s"]
-    assert set(cpu) == {"scan_s", "sort_s", "write_s"} and min(cpu.values()) > 0, cpu
+    assert set(cpu) == {"scan_s", "sort_s", "write_s", "outputs_s"} and min(cpu.values()) > 0, cpu
     assert cpu["scan_s"] > cpu["sort_s"], cpu
 
 

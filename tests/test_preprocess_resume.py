@@ -37,9 +37,9 @@ if point == "sort":
         die()
     job.PreprocessJob._sorted = sorted_then_die
 elif point == "index":
-    def finish(self):  # every shard indexed in the temporary folder, nothing published yet
+    def publish(*args):  # energon's index built in its temporary folder (by a task), not published yet
         die()
-    job.EnergonIndexWriter.finish = finish
+    job.publish_index = publish
 from mmdata.preprocess.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -81,7 +81,7 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
         1 <= markers("sorted", "*.done.json") < 8 and not (out / sf.MANIFEST_NAME).exists()
     )  # (8 buckets: small input)
     # kill 3: while writing shards, once 3 shards have their done-marker <shard>.tar.json (written after
-    # <shard>.tar.layout.json, so a bare *.json would count a layout whose marker is not there yet)
+    # <shard>.tar.index.sqlite, so a bare pattern would count a shard whose marker is not there yet)
     _start_and_kill(args, ready=lambda: markers("shards", "*.tar.json") >= 3)
     assert not (out / sf.MANIFEST_NAME).exists()
     # kill 4: in the finish step, energon's index built but not yet published
@@ -105,7 +105,7 @@ def test_killed_driver_rerun_gives_same_output(tmp_path):
 
 
 # A driver whose Ctrl-C lands at a fixed point: inside `ray.init` (held back until Ray is up), or
-# in the finish step while `lengths.parquet` is being written (`.nv-meta` and the manifest not yet).
+# in the finish step while `.nv-meta` is being published (the manifest not yet).
 _SIGINT_AT = """
 import os, signal, sys, time
 point = sys.argv.pop(1)
@@ -118,12 +118,12 @@ if point == "ray_init":
     ray.init = init
 elif point == "finish":
     import mmdata.preprocess.job as job
-    real_write = job.write_length_index
-    def write(*args, **kwargs):
+    real_publish = job.publish_index
+    def publish(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1.0)
-        return real_write(*args, **kwargs)
-    job.write_length_index = write
+        return real_publish(*args, **kwargs)
+    job.publish_index = publish
 from mmdata.preprocess.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -32,7 +32,7 @@ from mmdata.preprocess.curation.dedup import EntryBuilder, key64, load_drops
 from mmdata.preprocess.curation.features import conversation_key, filter_fields, image_hashes
 from mmdata.preprocess.curation.filters import FilterRule, first_failed
 from mmdata.preprocess.curation.mix import copies
-from mmdata.shard_job.energon_meta import TAR_INDEX_SUFFIX, write_tar_index
+from mmdata.shard_job.energon_meta import INDEX_PART, TAR_INDEX_SUFFIX, write_index_part, write_tar_index
 from mmdata.preprocess.lengths import LENGTHS_COLUMNS, LENGTHS_DTYPE, LengthCounter
 from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line
@@ -388,9 +388,9 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
     w, o = Path(work), Path(out)
     name = sf.SHARD_NAME_TEMPLATE.format(plan.index)
     path, marker = o / name, shard_work_file(w, name, "json")
-    layout_path, index_path = shard_work_file(w, name, "layout.json"), o / f"{name[: -len('.tar')]}{TAR_INDEX_SUFFIX}"
+    part_path, index_path = shard_work_file(w, name, INDEX_PART), o / f"{name[: -len('.tar')]}{TAR_INDEX_SUFFIX}"
     lengths_path = shard_work_file(w, name, "lengths")
-    if all(p.exists() for p in (marker, path, layout_path, index_path, lengths_path)):
+    if all(p.exists() for p in (marker, path, part_path, index_path, lengths_path)):
         done = json.loads(marker.read_text())
         if done.get("samples") == plan.num_samples and sha256_file(path) == done["sha256"]:
             return {**done, "resumed": True}
@@ -420,10 +420,9 @@ def write_shard_task(plan: ShardPlan, spec: JobSpec, out: str, merged: bool = Fa
         files.close()
     if result.samples != plan.num_samples:
         raise RuntimeError(f"{name}: wrote {result.samples} samples, planned {plan.num_samples}")
-    # energon's .tar.idx, the layout (for the driver's energon index) and the shard's part of the
-    # length index before the marker.
+    # energon's .tar.idx, the shard's rows of energon's index and of the length index before the marker.
     write_tar_index(path, layout)
-    write_bytes_atomic(layout_path, layout.to_json().encode())
+    write_index_part(part_path, layout)
     write_bytes_atomic(
         lengths_path, np.array([r[2] for r in rows], dtype=LENGTHS_DTYPE).reshape(-1, LENGTHS_COLUMNS).tobytes()
     )

@@ -37,6 +37,7 @@ from mmdata.energon_configs import ENERGON_DATASET_CONFIG, MMDATA_DATASET_CONFIG
 
 NV_META = sf.ENERGON_META
 TAR_INDEX_SUFFIX = ".tar.idx"  # energon's ITAR_SUFFIX
+INDEX_PART = "index.sqlite"  # a written shard's rows of index.sqlite: its work file (shard_work_file)
 EMPTY_SPLIT_PARTS = ("val", "test")  # in split.yaml, empty: energon's tools visit them by default
 
 #: The energon release whose on-disk formats this module writes, stamped as `energon_version`
@@ -162,28 +163,46 @@ class EnergonIndexWriter:
             db.execute(ddl)
         return db
 
+    def add_part(self, name: str, samples: int, part: Path) -> None:
+        """Index the next shard from the part its writer saved (`write_index_part`): copied in
+        SQLite's C code (ATTACH + INSERT ... SELECT), in the part's row order, so the result is the
+        same as `add` of its layout, at a fraction of the CPU."""
+        if name in self.counts:
+            raise ValueError(f"{name}: already in the index")
+        if self._db is None:
+            self._db = self._open()
+        db, tar_id = self._db, len(self.counts)
+        db.commit()  # (ATTACH cannot run inside a transaction)
+        db.execute("ATTACH DATABASE ? AS part", (str(part),))
+        db.execute(
+            "INSERT INTO samples SELECT ?, sample_key, sample_index, byte_offset, byte_size FROM part.samples "
+            "ORDER BY rowid",
+            (tar_id,),
+        )
+        db.execute(
+            "INSERT INTO sample_parts SELECT ?, sample_index, part_name, content_byte_offset, content_byte_size "
+            "FROM part.sample_parts ORDER BY rowid",
+            (tar_id,),
+        )
+        db.commit()
+        db.execute("DETACH DATABASE part")
+        self.counts[name] = samples
+
     def add(self, name: str, layout: ShardLayout) -> None:
         """Index the next shard (shards are added in their split order)."""
         if name in self.counts:
             raise ValueError(f"{name}: already in the index")
         if self._db is None:
             self._db = self._open()
-        tar_id = len(self.counts)
-        ends = [off for _, off in layout.samples[1:]] + [layout.end]
-        self._db.executemany(
-            "INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
-            ((tar_id, key, i, off, end - off) for i, ((key, off), end) in enumerate(zip(layout.samples, ends))),
-        )
-        self._db.executemany(
-            "INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)", ((tar_id, *part) for part in layout.parts)
-        )
+        _insert_rows(self._db, len(self.counts), layout)
         self.counts[name] = len(layout.samples)
 
-    def finish(self) -> None:
+    def finish(self, publish: bool = True) -> Path | None:
         """Create the indexes, write the other files and publish `.nv-meta/` (nothing when no
-        shard was added)."""
+        shard was added). `publish=False` leaves the finished folder under its temporary name
+        (returned) for `publish_index`: a Ray task builds it, the driver publishes it."""
         if self._db is None:
-            return
+            return None
         for ddl in _INDEXES:
             self._db.execute(ddl)
         self._db.commit()
@@ -200,10 +219,65 @@ class EnergonIndexWriter:
             yaml.safe_dump(mmdata_dataset_yaml(self.sample_type), sort_keys=False)
         )
         (meta / MMDATA_SAMPLE_LOADER_NAME).write_text(mmdata_sample_loader_py(self.sample_type))
-        final = self.out_dir / NV_META
-        if final.exists():  # from an interrupted finish of this same job
-            shutil.rmtree(final)
-        os.replace(meta, final)
+        if publish:
+            publish_index(self.out_dir, meta)
+        return meta
+
+
+def build_index(
+    out_dir: Path, parts: list[tuple[str, int, Path]], sample_type: tuple[str, str] = CONVERSATION_SAMPLE_TYPE
+) -> Path | None:
+    """(in a Ray task) `.nv-meta` for the shards `parts` [(name, samples, index part)], in that
+    order, left under its temporary name (returned; None without shards) for `publish_index`."""
+    index = EnergonIndexWriter(out_dir, sample_type)
+    for name, samples, part in parts:
+        index.add_part(name, samples, part)
+    return index.finish(publish=False)
+
+
+def publish_index(out_dir: Path, meta: Path) -> None:
+    """Put a finished `.nv-meta` folder built under a temporary name in place (atomically)."""
+    final = Path(out_dir) / NV_META
+    if final.exists():  # from an interrupted finish of this same job
+        shutil.rmtree(final)
+    os.replace(meta, final)
+
+
+def write_index_part(path: Path, layout: ShardLayout) -> None:
+    """One shard's rows of energon's index (tar_file_id 0; `add_part` sets the shard's), saved
+    by its writer task: the per-sample inserts then run on the cluster, not in the driver."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    db = sqlite3.connect(tmp)
+    try:
+        db.execute("PRAGMA journal_mode=OFF")
+        db.execute("PRAGMA synchronous=OFF")
+        for ddl in _SCHEMA:
+            db.execute(ddl.replace(" UNIQUE", ""))  # (the merged index enforces it)
+        _insert_rows(db, 0, layout)
+        db.commit()
+    finally:
+        db.close()
+    os.replace(tmp, path)
+
+
+def read_index_part(path: Path) -> ShardLayout:
+    """The layout a shard's index part holds (what its writer recorded): for checks."""
+    with sqlite3.connect(path) as db:
+        samples = db.execute("SELECT sample_key, byte_offset, byte_size FROM samples ORDER BY rowid").fetchall()
+        parts = db.execute("SELECT sample_index, part_name, content_byte_offset, content_byte_size FROM sample_parts")
+        layout = ShardLayout([(k, off) for k, off, _ in samples], [tuple(p) for p in parts.fetchall()], 0)
+    layout.end = samples[-1][1] + samples[-1][2] if samples else 0
+    return layout
+
+
+def _insert_rows(db: sqlite3.Connection, tar_id: int, layout: ShardLayout) -> None:
+    ends = [off for _, off in layout.samples[1:]] + [layout.end]
+    db.executemany(
+        "INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
+        ((tar_id, key, i, off, end - off) for i, ((key, off), end) in enumerate(zip(layout.samples, ends))),
+    )
+    db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)", ((tar_id, *part) for part in layout.parts))
 
 
 def write_energon_index(

@@ -144,7 +144,8 @@ def _write(
 
 
 def shard_work_file(work: str | Path, shard_name: str, suffix: str) -> Path:
-    """One of a written shard's work files: json (its done-marker), layout.json, lengths."""
+    """One of a written shard's work files: json (its done-marker), index.sqlite (its rows of
+    energon's index), lengths."""
     return Path(work) / "shards" / f"{shard_name}.{suffix}"
 
 

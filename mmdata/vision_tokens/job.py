@@ -12,9 +12,11 @@ runner (mmdata/stage_runner.py), which runs the stage code of stages.py on Ray.
               With --tokenizer, each written sample's lengths per Emu3 task are counted too.
 2. write    - one task per shard (after the workers are gone): concatenate its chunks (and
               their lengths).
-3. finish   - quarantine.jsonl, lengths.parquet (--tokenizer: the length index `mmdata
-              pack-plan` plans Emu3 packing from), energon index (.nv-meta naming
-              VQTokenSample), manifest.json.
+3. outputs  - one task: quarantine.jsonl, lengths.parquet (--tokenizer: the length index
+              `mmdata pack-plan` plans Emu3 packing from), energon's index (.nv-meta naming
+              VQTokenSample, merged from the rows each shard writer saved): per-record work,
+              kept out of the driver (issue 47).
+4. finish   - the driver publishes .nv-meta, then manifest.json.
 
 Resumable like `mmdata preprocess`, by the same runner (markers under DIR/.mmdata-work/, the
 same output-folder checks and lock, `--overwrite`, Ctrl-C handling and publish order), and
@@ -41,9 +43,9 @@ from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT, Emu3Tasks
 from mmdata.errors import UserError
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.packing.emu3_geometry import KIND as LENGTH_INDEX_KIND
-from mmdata.ray_job import shard_outputs
+from mmdata.ray_job import remove, shard_outputs
 from mmdata.readiness import unfinished_job
-from mmdata.shard_job.energon_meta import ShardLayout, write_energon_index
+from mmdata.shard_job.energon_meta import INDEX_PART, NV_META, build_index, publish_index
 from mmdata.shard_job.lengths import LENGTHS_NAME, tokenizer_fingerprint
 from mmdata.shard_job.manifest import Counts, fingerprint
 from mmdata.shard_job.quarantine import concat_parts
@@ -175,25 +177,25 @@ def _resolve_device(cfg: TokenizeConfig, resources: dict) -> str:
     return cfg.device
 
 
-def _finish_outputs(
-    out: Path, work: Path, plan: dict[str, list[ChunkSpec]], written: list[str], length_index: dict | None
-) -> str | None:
-    """quarantine.jsonl, the length index (with --tokenizer: returns its sha256), then energon's
-    index (published atomically): `mmdata.yaml` names the token sample type, `dataset.yaml`
-    energon's InterleavedSample (energon_meta.py)."""
-    parts = [chunk_file(work, c.shard, c.index, "quarantine.jsonl") for chunks in plan.values() for c in chunks]
-    concat_parts(parts, out / sf.QUARANTINE_NAME)
+def write_token_outputs(
+    out: str, work: str, quarantine: list[str], written: list[tuple[str, int]], length_index: dict | None
+) -> dict:
+    """(a Ray task) quarantine.jsonl from the chunks' parts, the length index (with --tokenizer),
+    then energon's index of the `written` shards [(name, samples)] in a temporary folder:
+    {"lengths_sha256", "energon_meta"} (`mmdata.yaml` names the token sample type, `dataset.yaml`
+    energon's InterleavedSample: energon_meta.py)."""
+    o, w = Path(out), Path(work)
+    concat_parts([Path(p) for p in quarantine], o / sf.QUARANTINE_NAME)
     lengths_sha = None
     if length_index is not None:
         lengths_sha = write_token_length_index(
-            out,
-            [shard_work_file(work, n, "lengths.json") for n in written],
+            o,
+            [shard_work_file(w, n, "lengths.json") for n, _ in written],
             length_index["tokenizer"],
             length_index["system_prompt"],
         )
-    layouts = (ShardLayout.from_json(shard_work_file(work, n, "layout.json").read_text()) for n in written)
-    write_energon_index(out, written, layouts, sample_type=token_format.SAMPLE_TYPE)
-    return lengths_sha
+    parts = [(n, samples, shard_work_file(w, n, INDEX_PART)) for n, samples in written]
+    return {"lengths_sha256": lengths_sha, "energon_meta": str(build_index(o, parts, token_format.SAMPLE_TYPE))}
 
 
 def _length_index_settings(cfg: TokenizeConfig) -> dict | None:
@@ -383,21 +385,35 @@ class TokenizeJob(ResumableJob):
             on_result=self.results.__setitem__,
             noun="shard",
         )
+        self.shards = [
+            {k: self.results[n][k] for k in ("name", "samples", "bytes", "sha256")}
+            for n in self.plan
+            if self.results[n]["samples"]
+        ]
+        quarantine = [str(chunk_file(work, c.shard, c.index, "quarantine.jsonl")) for c in self.chunks]
+        written = [(s["name"], s["samples"]) for s in self.shards]
+        outputs = run.remote(write_token_outputs)
+        yield Stage(
+            "index and lengths",
+            "outputs",
+            "outputs_s",
+            ["outputs"],
+            submit=lambda _: outputs.remote(str(run.out), str(work), quarantine, written, self.length_index),
+            on_result=self._outputs,
+        )
 
     def _tokenized(self, _chunk: ChunkSpec, result: dict) -> None:
         self.counts.merge(result)
         for k in TOKEN_STATS:
             self.stats[k] += result[k]
 
+    def _outputs(self, _unit: str, result: dict) -> None:
+        self.lengths_sha, self.energon_meta = result["lengths_sha256"], Path(result["energon_meta"])
+
     def finish(self, run: JobRun) -> None:
-        self.shards = [
-            {k: self.results[n][k] for k in ("name", "samples", "bytes", "sha256")}
-            for n in self.plan
-            if self.results[n]["samples"]
-        ]
-        self.lengths_sha = _finish_outputs(
-            run.out, run.work, self.plan, [s["name"] for s in self.shards], self.length_index
-        )
+        """energon's index, built by the outputs task, published (a retried task's folder goes)."""
+        publish_index(run.out, self.energon_meta)
+        remove(list(run.out.glob(f"{NV_META}.tmp-*")))
 
     def manifest(self, run: JobRun) -> dict:
         cfg, vq, workers = self.cfg, self.vq, self.workers

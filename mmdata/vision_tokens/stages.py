@@ -31,7 +31,7 @@ from mmdata.energon_loaders.emu3.plan_lengths import sample_lengths
 from mmdata.energon_loaders.emu3.tasks import DEFAULT_SYSTEM_PROMPT, Emu3Tasks
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.packing.emu3_geometry import UNENCODABLE
-from mmdata.shard_job.energon_meta import write_tar_index
+from mmdata.shard_job.energon_meta import INDEX_PART, write_index_part, write_tar_index
 from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line
 from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, shard_work_file, write_shard
@@ -364,12 +364,12 @@ def write_token_shard(shard: str, num_chunks: int, work: str, out: str, lengths:
     `lengths` its part of the length index."""
     w, o = Path(work), Path(out)
     path, marker = o / shard, shard_work_file(w, shard, "json")
-    layout_path, lengths_path = shard_work_file(w, shard, "layout.json"), shard_work_file(w, shard, "lengths.json")
+    part_path, lengths_path = shard_work_file(w, shard, INDEX_PART), shard_work_file(w, shard, "lengths.json")
     if marker.exists():
         done = json.loads(marker.read_text())
         if done["samples"] == 0 or (
             path.exists()
-            and layout_path.exists()
+            and part_path.exists()
             and (lengths_path.exists() or not lengths)
             and sha256_file(path) == done["sha256"]
         ):
@@ -388,7 +388,7 @@ def write_token_shard(shard: str, num_chunks: int, work: str, out: str, lengths:
     else:
         result, layout = write_shard(path, items)
         write_tar_index(path, layout)
-        _write_atomic(layout_path, layout.to_json().encode())
+        write_index_part(part_path, layout)
         if lengths:
             _write_atomic(lengths_path, shard_part(keys, sample_lengths))
         done = asdict(result)
