@@ -9,7 +9,9 @@ colour conversion). Every function raises OSError with a message naming what is 
 
 - JPEG: libjpeg-turbo (simplejpeg) at 1/8 scale to grey, strict; anything it does not accept
   goes through Pillow's own draft decode, so a rejection is always Pillow's verdict (libjpeg
-  warnings such as extraneous bytes are tolerated, as at training time).
+  warnings such as extraneous bytes are tolerated, as at training time). Both give a full
+  decode's verdict on a corruption corpus (tests/test_decode_check_corpus.py) of the frame types
+  it covers; other frame types (arithmetic coding, lossless) get Pillow's full `load()`.
 - PNG (non-interlaced): every IDAT inflated with ISA-L, exact data length, valid row filters;
   a plain PNG's header chunks are read here too (as Pillow reads them), others open with Pillow.
 - WebP (still): libwebp decode to YUV(A) without the in-loop filter or fancy upsampling, of a
@@ -132,6 +134,11 @@ _WEBP_STATUS = {
 
 
 _JPEG_MODES = {"Gray": "L", "YCbCr": "RGB", "RGB": "RGB", "CMYK": "CMYK", "YCCK": "CMYK"}  # Pillow's
+# The frame types whose cheap verdicts tests/test_decode_check_corpus.py proves equal to a full
+# Pillow decode's: Huffman-coded baseline, extended and progressive DCT. Arithmetic-coded and
+# lossless frames (no installed encoder writes them, so no corpus) get the full decode.
+JPEG_TESTED_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
+_JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD9)})  # TEM, RST0-7, SOI: no length field
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -149,6 +156,33 @@ def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
     return (w, h, mode) if mode else None
 
 
+def jpeg_frame_type(data: bytes) -> int | None:
+    """The SOF marker (0xC0-0xCF, not DHT/JPG/DAC) of a JPEG, found by walking the marker
+    segments before it; None if the walk finds none (the caller then decodes fully)."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
+        if marker in _JPEG_STANDALONE:
+            pos += 2
+            continue
+        if marker == 0xDA:  # a scan before any frame header
+            return None
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    return None
+
+
+def jpeg_cheap_check_tested(data: bytes) -> bool:
+    """Whether this JPEG's frame type is one the cheap checks are proven on (JPEG_TESTED_FRAMES)."""
+    return jpeg_frame_type(data) in JPEG_TESTED_FRAMES
+
+
 def jpeg_decodes_cleanly(data: bytes) -> bool:
     """Entropy-decode every scan (reconstructed at 1/8 scale, luma only), with libjpeg warnings
     as errors. False is not a verdict: a warning (e.g. extraneous bytes), CMYK or real damage
@@ -161,7 +195,9 @@ def jpeg_decodes_cleanly(data: bytes) -> bool:
 
 
 def check_jpeg_with_pillow(img: Image.Image) -> None:
-    """Pillow's verdict, as the training-time loader would decode it: all scans, 1/8 scale."""
+    """Pillow's verdict at 1/8 scale (all scans are still entropy-decoded): the same verdict as a
+    full `load()` on every class of tests/test_decode_check_corpus.py; only for JPEGs whose
+    frame type `jpeg_cheap_check_tested` accepts."""
     w, h = img.size
     img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
     img.load()
