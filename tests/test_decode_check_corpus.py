@@ -9,7 +9,7 @@ optimised Huffman tables, restart intervals, odd sizes.
 
 Arithmetic coding: no installed encoder writes it (Pillow cannot; simplejpeg has no option), so
 there is no corpus of real arithmetic-coded files. The product sends every frame type outside
-`decode_check.JPEG_TESTED_FRAMES` to the full decode instead; files relabelled SOF9/SOF10 (their
+`mmdata.media_layout.jpeg.TESTED_FRAMES` to the full decode instead; files relabelled SOF9/SOF10 (their
 Huffman data then read by libjpeg's arithmetic decoder) check that routing."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 import simplejpeg
 from PIL import Image
 
+from mmdata.media_layout import jpeg
 from mmdata.preprocess import decode_check
 from mmdata.preprocess.validation import ValidationConfig, _Reject, check_image
 
@@ -180,7 +181,7 @@ def test_arithmetic_coded_frames_get_the_full_decode():
     verdict is the full decode's, including on damage."""
     for base in (_pillow_jpeg("RGB"), _pillow_jpeg("RGB", progressive=True), _pillow_jpeg("L")):
         relabelled = _arithmetic_relabelled(base)
-        assert decode_check.jpeg_frame_type(relabelled) in (0xC9, 0xCA)
+        assert jpeg.frame_type(relabelled) in (0xC9, 0xCA)
         assert not decode_check.jpeg_cheap_check_tested(relabelled)
         for _, case in [("intact", relabelled), *_corrupted(relabelled, seed=1)[::7]]:
             assert _product_accepts(case) == _full_decode_accepts(case)
@@ -192,6 +193,6 @@ def test_frame_type_walks_markers_not_bytes():
     base = _pillow_jpeg("RGB", progressive=True)
     app = b"\xff\xe1" + (2 + 6).to_bytes(2, "big") + b"\xff\xc9\xff\xc0xx"
     with_app = base[:2] + app + base[2:]
-    assert decode_check.jpeg_frame_type(with_app) == 0xC2
-    assert decode_check.jpeg_frame_type(b"\xff\xd8\xff\xda\x00\x02") is None
-    assert decode_check.jpeg_frame_type(base[:2]) is None
+    assert jpeg.frame_type(with_app) == 0xC2
+    assert jpeg.frame_type(b"\xff\xd8\xff\xda\x00\x02") is None
+    assert jpeg.frame_type(base[:2]) is None

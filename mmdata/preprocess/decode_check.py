@@ -30,6 +30,8 @@ import webp
 from isal import isal_zlib
 from PIL import Image
 
+from mmdata.media_layout import jpeg
+
 # PNG colour type -> samples per pixel (PNG spec, table 11.1).
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
 _PNG_PIECE = 8 << 20  # inflate in pieces of this many bytes: memory stays bounded for huge images
@@ -134,15 +136,9 @@ _WEBP_STATUS = {
 
 
 _JPEG_MODES = {"Gray": "L", "YCbCr": "RGB", "RGB": "RGB", "CMYK": "CMYK", "YCCK": "CMYK"}  # Pillow's
-# The frame types whose cheap verdicts tests/test_decode_check_corpus.py proves equal to a full
-# Pillow decode's: Huffman-coded baseline, extended and progressive DCT. Arithmetic-coded and
-# lossless frames (no installed encoder writes them, so no corpus) get the full decode.
-JPEG_TESTED_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
-_JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD9)})  # TEM, RST0-7, SOI: no length field
 
 
-def is_jpeg(data: bytes) -> bool:
-    return data[:3] == b"\xff\xd8\xff"
+is_jpeg = jpeg.is_jpeg
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
@@ -156,31 +152,11 @@ def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
     return (w, h, mode) if mode else None
 
 
-def jpeg_frame_type(data: bytes) -> int | None:
-    """The SOF marker (0xC0-0xCF, not DHT/JPG/DAC) of a JPEG, found by walking the marker
-    segments before it; None if the walk finds none (the caller then decodes fully)."""
-    pos, n = 2, len(data)
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return marker
-        if marker in _JPEG_STANDALONE:
-            pos += 2
-            continue
-        if marker == 0xDA:  # a scan before any frame header
-            return None
-        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
-    return None
-
-
 def jpeg_cheap_check_tested(data: bytes) -> bool:
-    """Whether this JPEG's frame type is one the cheap checks are proven on (JPEG_TESTED_FRAMES)."""
-    return jpeg_frame_type(data) in JPEG_TESTED_FRAMES
+    """Whether this JPEG's frame type is one the cheap checks are proven on: Huffman-coded
+    baseline, extended or progressive DCT (`jpeg.TESTED_FRAMES`); arithmetic-coded and lossless
+    frames get Pillow's full decode."""
+    return jpeg.has_tested_frame(data)
 
 
 def jpeg_decodes_cleanly(data: bytes) -> bool:
