@@ -69,7 +69,7 @@ through its driver (tests/test_preprocess_scaling.py asserts it). At 4N ours als
 `--dedup phash` and with `--no-length-index`, giving their cost as a share of the job.
 
     .venv/bin/python -m benchmarks.bench_preprocess [--num-samples 12000] [--num-cpus 2]
-        [--repeats 1] [--quick] [--synthetic] [--warm] [--scale-copies K] [--workdir DIR]
+        [--repeats 1] [--quick] [--synthetic] [--warm] [--scale-copies K] [--workdir DIR] [--floors-only]
 """
 
 from __future__ import annotations
@@ -283,6 +283,18 @@ def decode_floor(inputs: NestedInputs, first: int, last: int, full: bool = False
     return {"records": records, "images": images, "e2e": wall, "cpu": cpu}
 
 
+def print_floors(floor: dict, full: dict) -> None:
+    """The decode check's floor against the full decode's, on the same images."""
+    print(
+        f"decode check: {floor['images']:,} images of {floor['records']:,} records in {floor['cpu']:.1f} CPU-s "
+        f"({floor['cpu'] / floor['records'] * 1e6:,.0f} CPU-us per record); full-decode floor: a full Pillow decode "
+        f"of the same images took {full['e2e']:.1f}s ({full['cpu']:.1f} CPU-s; "
+        f"{full['cpu'] / full['records'] * 1e6:,.0f} CPU-us per record): {full['records'] / full['e2e']:,.0f} "
+        f"records/s; the decode check costs {floor['cpu'] / full['cpu']:.0%} of its CPU "
+        f"({full['cpu'] / floor['cpu']:.2f}x cheaper, the same verdicts: tests/test_decode_check_corpus.py)"
+    )
+
+
 def stage_account(inputs: NestedInputs, first: int, last: int, work_root: Path) -> dict:
     """The job's stages run in this process on the records [first, last), one after the other,
     each timed in CPU seconds (`time.thread_time`): scan (validation included), sort, write;
@@ -396,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--synthetic", action="store_true", help="gradient images (the tests' kind) instead of photo-like")
     p.add_argument("--warm", action="store_true", help="also run ours joining an already running Ray (--address)")
     p.add_argument(
+        "--floors-only",
+        action="store_true",
+        help="only the decode check's and the full decode's floors on the records between N and 4N (no jobs)",
+    )
+    p.add_argument(
         "--scale-copies",
         type=int,
         default=0,
@@ -480,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({'gradient' if args.synthetic else 'photo-like'} images)",
             flush=True,
         )
+        if args.floors_only:
+            print_floors(decode_floor(inputs, n, 4 * n), decode_floor(inputs, n, 4 * n, full=True))
+            return 0
         idle_s = QUICK_RAY_IDLE_S if args.quick else RAY_IDLE_S
         fixed = _median_run(lambda: ray_fixed(args.num_cpus, idle_s), reps)
         for size, raw in raws.items():
@@ -592,12 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     full = large["full_floor"]
     full_rate, full_cpu_us = full["records"] / full["e2e"], full["cpu"] / full["records"] * 1e6
-    print(
-        f"full-decode floor: a full Pillow decode of the same {full['images']:,} images took {full['e2e']:.1f}s "
-        f"({full['cpu']:.1f} CPU-s; {full['cpu'] / full['images'] * 1e6:,.0f} CPU-us per image): {full_rate:,.0f} "
-        f"records/s; the decode check costs {floor['cpu'] / full['cpu']:.0%} of its CPU "
-        f"({full['cpu'] / floor['cpu']:.2f}x cheaper, the same verdicts: tests/test_decode_check_corpus.py)"
-    )
+    print_floors(floor, full)
     phases = {
         k: (large["ours"]["m"]["run"]["phases"][k] - small["ours"]["m"]["run"]["phases"][k]) / (3 * n) * 1e3
         for k in small["ours"]["m"]["run"]["phases"]
