@@ -12,9 +12,25 @@ workers: the "per core" figure, robust on a shared machine), the packing efficie
 4K/8K/16K (selection as the loader does it, over the same shards) and ends with one line:
 BENCH loader baseline=<x> ours=<y> unit=samples/s ratio=<ours/baseline>   (per core)
 
-  python -m benchmarks.bench_loader [--quick] [--num-samples 256] [--workers 1] [--shards DIR]
+Cores per GPU (issue 47): what a user needs to know is whether the loader keeps a GPU fed.
+- demand: the samples/s one H100 consumes at 45% MFU training Aquila-VL-2B (recipes/aquila-vl-2b
+  .yaml) at 8K on this mix: 0.45 x 989 TFLOPS (bf16 dense, mmtrain/models/hardware.py) over the
+  mix's mean model FLOPs per sample (mmtrain/models/flops.py `step_flops` on each sample's own
+  packed segment, min(tokens, 8192), and its anyres tiles; its freeze set's passes). Printed for
+  stage 1 (projector only: fewest FLOPs per sample, so the most samples/s) and stage 2a+
+  (everything trains); the BENCH line takes the larger demand.
+- supply: each side's samples per CPU-second (decode, anyres, chat template, packing).
+- `BENCH loader_cores_per_gpu baseline=<HF's cores/GPU> ours=<ours> unit=cores/GPU
+  ratio=<baseline/ours>` (target: ours <= 0.5).
+And the JPEG decode alone on the mix's JPEGs: Pillow's `load()` + RGB against the loader's
+`_decode_image` (libjpeg-turbo directly where bit-exact, tests/test_loader_jpeg.py).
 
-`--quick` (a smoke run): 16 synthetic samples, so 32 timed per side.
+Images: photo-like (crops of real photos, `mmdata synth`'s default) unless `--synthetic`
+(gradients, which decode several times faster).
+
+  python -m benchmarks.bench_loader [--quick] [--num-samples 256] [--workers 1] [--shards DIR] [--synthetic]
+
+`--quick` (a smoke run): 16 samples, so 32 timed per side.
 """
 
 from __future__ import annotations
@@ -32,20 +48,31 @@ from pathlib import Path
 import torch
 
 from mmdata.dev.shards import DevSample, write_dev_shards
+from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.energon_loaders.llava_ov import anyres
 from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
+from mmdata.energon_loaders.llava_ov.task_encoder import _decode_image
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER, packing_efficiency
-from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
+from mmdata.media_layout import jpeg
 from mmdata.packing.knapsack import largest_first_knapsack
+from mmtrain.config.load import load_recipe
+from mmtrain.llava_ov.spec import LLAVA_OV, PARTS
+from mmtrain.models.flops import step_flops
+from mmtrain.models.hardware import peak_tflops
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_MFU = 0.45
+TARGET_CORES_PER_GPU = 0.5
 
 
-def make_shards(out: Path, num_samples: int, seed: int) -> Path:
-    """The synthetic Infinity-MM mix (mmdata synth's generator) written as loader shards."""
+def make_shards(out: Path, num_samples: int, seed: int, synthetic: bool = False) -> Path:
+    """The Infinity-MM mix (mmdata synth's generator: photo-like images unless `synthetic`)
+    written as loader shards."""
     from mmdata.dev.synth import generate_records
 
     samples = []
-    for rec in generate_records(num_samples, seed=seed, synthetic=True):
+    for rec in generate_records(num_samples, seed=seed, synthetic=synthetic):
         conv = [dict(t) for t in rec.record["conversations"]]
         missing = len(rec.images) - sum(t["value"].count("<image>") for t in conv)
         if missing > 0:  # what preprocess does when the source has no literal placeholder
@@ -193,26 +220,34 @@ def check_identical_tiles(shard_dir: Path, tok_dir: Path, count: int = 6) -> flo
     return worst
 
 
-def packing_report(shard_dir: Path, tok_dir: Path, lengths_for: tuple[int, ...]) -> dict[int, float]:
-    """Efficiency of the loader's pack selection over the shards' token lengths."""
+def _shard_samples(shard_dir: Path):
     import webdataset as wds
+
+    yield from wds.WebDataset(sorted(str(p) for p in shard_dir.glob("*.tar")), shardshuffle=False, empty_check=False)
+
+
+def sample_shapes(shard_dir: Path, tok_dir: Path) -> list[tuple[int, int]]:
+    """(LLM tokens, vision tiles) of every sample as the loader lays it out."""
     from PIL import Image
     from transformers import AutoTokenizer
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(tok_dir))
-    lengths = []
-    for sample in wds.WebDataset(
-        sorted(str(p) for p in shard_dir.glob("*.tar")), shardshuffle=False, empty_check=False
-    ):
+    out = []
+    for sample in _shard_samples(shard_dir):
         record = json.loads(sample["json"])
         sizes = []
         for name in record["images"]:
             with Image.open(io.BytesIO(sample[name])) as im:
                 sizes.append((im.height, im.width))
-        counts = (
-            [anyres.num_image_tokens(*sizes[0])] if len(sizes) == 1 else [anyres.num_base_only_tokens()] * len(sizes)
-        )
-        lengths.append(len(chat.tokenize(record["conversations"], counts)))
+        layouts = [anyres.image_layout(h, w, len(sizes) == 1) for h, w in sizes]
+        tiles = sum(1 + g[0] * g[1] for g, _ in layouts)
+        out.append((len(chat.tokenize(record["conversations"], [n for _, n in layouts])), tiles))
+    return out
+
+
+def packing_report(shapes: list[tuple[int, int]], lengths_for: tuple[int, ...]) -> dict[int, float]:
+    """Efficiency of the loader's pack selection over the samples' token lengths."""
+    lengths = [n for n, _ in shapes]
     out = {}
     for seq in lengths_for:
         bins = []
@@ -221,6 +256,57 @@ def packing_report(shard_dir: Path, tok_dir: Path, lengths_for: tuple[int, ...])
             bins += [[chunk[i] for i in b] for b in largest_first_knapsack(chunk, seq)]
         out[seq] = packing_efficiency(bins, seq)
     return out
+
+
+@dataclass
+class GpuDemand:
+    stage: str
+    flops_per_sample: float  # model FLOPs (the MFU's numerator) per sample, mean over the mix
+    samples_per_s: float  # what one GPU consumes at TARGET_MFU
+
+
+def gpu_demand(shapes: list[tuple[int, int]], seq_length: int, stage: str) -> GpuDemand:
+    """Samples/s one H100 trains at TARGET_MFU on Aquila-VL-2B (its recipe at `stage`) over these
+    samples: each its own packed segment of min(tokens, seq_length) positions with its tiles."""
+    recipe = load_recipe(REPO / "recipes" / "aquila-vl-2b.yaml", [f"stage={stage}"])
+    model = LLAVA_OV.model_shapes(recipe.model)
+    trainable = [p for p in PARTS if p not in recipe.freeze]
+    total = sum(
+        step_flops(model, [[0, min(n, seq_length)]], tiles, trainable, samples=[[1]]).total for n, tiles in shapes
+    )
+    per_sample = total / len(shapes)
+    peak = peak_tflops("NVIDIA H100 80GB HBM3", "bf16")
+    return GpuDemand(stage, per_sample, TARGET_MFU * peak * 1e12 / per_sample)
+
+
+def jpeg_decode_speed(shard_dir: Path, repeats: int = 3) -> tuple[int, int, float, float]:
+    """(JPEGs, of them taking the direct decode, Pillow s, loader s): the mix's JPEGs decoded to
+    RGB by Pillow (`load()`, then RGB as anyres does) and by the loader's `_decode_image`; best of
+    `repeats` passes each (CPU time)."""
+    from PIL import Image
+
+    files = [v for s in _shard_samples(shard_dir) for k, v in s.items() if k.endswith((".jpg", ".jpeg"))]
+
+    def pillow(data: bytes) -> None:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()  # (to_rgb alone leaves an RGB image undecoded)
+            anyres.to_rgb(im)
+
+    def loader(data: bytes) -> None:
+        with _decode_image(data) as im:
+            anyres.to_rgb(im)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            for data in files:
+                fn(data)
+            times.append(time.process_time() - c0)
+        return min(times)
+
+    direct = sum(jpeg.decode_rgb_exact(d) is not None for d in files)
+    return len(files), direct, best(pillow), best(loader)
 
 
 def _count_samples(shard_dir: Path) -> int:
@@ -235,7 +321,8 @@ def main() -> None:
     parser.add_argument("--measure", type=int, default=0, help="samples timed per side (default: 2 passes)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 16 synthetic samples (32 timed per side)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 samples (32 timed per side)")
+    parser.add_argument("--synthetic", action="store_true", help="gradient images instead of photo-like")
     args = parser.parse_args()
     if args.quick:
         args.num_samples = 16
@@ -244,14 +331,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         tok_dir = build_tiny_qwen2_tokenizer(tmp_path / "tok")
-        shard_dir = args.shards or make_shards(tmp_path / "shards", args.num_samples, args.seed)
+        shard_dir = args.shards or make_shards(tmp_path / "shards", args.num_samples, args.seed, args.synthetic)
         diff = check_identical_tiles(shard_dir, tok_dir)
         print(f"identical tiles check: max |ours - HF| = {diff:.2e} (<= 1e-5 required)")
         assert diff <= 1e-5
         measure = args.measure or 2 * _count_samples(shard_dir)
         base = run_baseline(shard_dir, tok_dir, args.workers, measure)
         ours = run_ours(shard_dir, tok_dir, args.workers, measure, 8192)
-        effs = packing_report(shard_dir, tok_dir, (4096, 8192, 16384))
+        shapes = sample_shapes(shard_dir, tok_dir)
+        effs = packing_report(shapes, (4096, 8192, 16384))
+        decode = jpeg_decode_speed(shard_dir)
+        demands = [gpu_demand(shapes, 8192, stage) for stage in ("1", "2a")]
 
     print(f"workers per side: {args.workers} (torch threads 1)")
     head = (
@@ -270,10 +360,39 @@ def main() -> None:
     print(f"packing efficiency measured by the loader at 8K: {ours.packing_efficiency:.4f}")
     for seq, eff in effs.items():
         print(f"packing efficiency (selection, buffer {DEFAULT_PACKING_BUFFER}) at {seq // 1024}K: {eff:.4f}")
+    files, direct, pillow_s, loader_s = decode
+    if files:
+        print(
+            f"JPEG decode to RGB, {files} JPEGs of the mix ({direct} decoded by libjpeg-turbo directly, bit-exact; "
+            f"the rest by Pillow): Pillow {pillow_s / files * 1e3:.2f} ms, the loader {loader_s / files * 1e3:.2f} ms "
+            f"per image (CPU, best of 3): {pillow_s / loader_s:.2f}x"
+        )
+    tokens = sum(n for n, _ in shapes) / len(shapes)
+    tiles = sum(t for _, t in shapes) / len(shapes)
+    print(
+        f"the mix: {len(shapes)} samples, {'gradient' if args.synthetic else 'photo-like'} images, "
+        f"{tokens:,.0f} LLM tokens and {tiles:.2f} tiles per sample on average (before the 8K cut)"
+    )
+    for d in demands:
+        print(
+            f"GPU demand, Aquila-VL-2B stage {d.stage} at 8K: {d.flops_per_sample / 1e12:.2f} TFLOPs per sample; "
+            f"one H100 at {TARGET_MFU:.0%} MFU of 989 TFLOPS bf16 consumes {d.samples_per_s:.1f} samples/s"
+        )
+    demand = max(demands, key=lambda d: d.samples_per_s)
+    cores = {name: demand.samples_per_s / r.per_core for name, r in (("baseline", base), ("ours", ours))}
+    print(
+        f"loader_cores_per_gpu: {demand.samples_per_s:.1f} samples/s per GPU (stage {demand.stage}) / "
+        f"{ours.per_core:.2f} samples per CPU-second = {cores['ours']:.2f} cores per GPU "
+        f"(target <= {TARGET_CORES_PER_GPU}; HF's processor: {cores['baseline']:.2f})"
+    )
     print("BENCH line: samples/s per core = samples per CPU-second of the main process + its workers")
     print(
         f"BENCH loader baseline={base.per_core:.3f} ours={ours.per_core:.3f} unit=samples/s "
         f"ratio={ours.per_core / base.per_core:.3f}"
+    )
+    print(
+        f"BENCH loader_cores_per_gpu baseline={cores['baseline']:.3f} ours={cores['ours']:.3f} unit=cores/GPU "
+        f"ratio={cores['baseline'] / cores['ours']:.3f}"
     )
 
 

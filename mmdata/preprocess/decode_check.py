@@ -9,7 +9,9 @@ colour conversion). Every function raises OSError with a message naming what is 
 
 - JPEG: libjpeg-turbo (simplejpeg) at 1/8 scale to grey, strict; anything it does not accept
   goes through Pillow's own draft decode, so a rejection is always Pillow's verdict (libjpeg
-  warnings such as extraneous bytes are tolerated, as at training time).
+  warnings such as extraneous bytes are tolerated, as at training time). Both give a full
+  decode's verdict on a corruption corpus (tests/test_decode_check_corpus.py) of the frame types
+  it covers; other frame types (arithmetic coding, lossless) get Pillow's full `load()`.
 - PNG (non-interlaced): every IDAT inflated with ISA-L, exact data length, valid row filters;
   a plain PNG's header chunks are read here too (as Pillow reads them), others open with Pillow.
 - WebP (still): libwebp decode to YUV(A) without the in-loop filter or fancy upsampling, of a
@@ -27,6 +29,8 @@ import simplejpeg
 import webp
 from isal import isal_zlib
 from PIL import Image
+
+from mmdata.media_layout import jpeg
 
 # PNG colour type -> samples per pixel (PNG spec, table 11.1).
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
@@ -134,8 +138,7 @@ _WEBP_STATUS = {
 _JPEG_MODES = {"Gray": "L", "YCbCr": "RGB", "RGB": "RGB", "CMYK": "CMYK", "YCCK": "CMYK"}  # Pillow's
 
 
-def is_jpeg(data: bytes) -> bool:
-    return data[:3] == b"\xff\xd8\xff"
+is_jpeg = jpeg.is_jpeg
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
@@ -147,6 +150,13 @@ def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
         return None
     mode = _JPEG_MODES.get(colorspace)
     return (w, h, mode) if mode else None
+
+
+def jpeg_cheap_check_tested(data: bytes) -> bool:
+    """Whether this JPEG's frame type is one the cheap checks are proven on: Huffman-coded
+    baseline, extended or progressive DCT (`jpeg.TESTED_FRAMES`); arithmetic-coded and lossless
+    frames get Pillow's full decode."""
+    return jpeg.has_tested_frame(data)
 
 
 def jpeg_decodes_cleanly(data: bytes) -> bool:
@@ -161,7 +171,9 @@ def jpeg_decodes_cleanly(data: bytes) -> bool:
 
 
 def check_jpeg_with_pillow(img: Image.Image) -> None:
-    """Pillow's verdict, as the training-time loader would decode it: all scans, 1/8 scale."""
+    """Pillow's verdict at 1/8 scale (all scans are still entropy-decoded): the same verdict as a
+    full `load()` on every class of tests/test_decode_check_corpus.py; only for JPEGs whose
+    frame type `jpeg_cheap_check_tested` accepts."""
     w, h = img.size
     img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
     img.load()

@@ -116,7 +116,8 @@ def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str,
     Plain JPEGs, plain PNGs and still WebPs never reach Pillow (its Python header parsing would
     cost as much as the check); everything else, and every JPEG or PNG the fast path does not
     take, does."""
-    if decode_check.is_jpeg(data) and (header := decode_check.jpeg_header(data)):
+    jpeg_cheap = decode_check.is_jpeg(data) and decode_check.jpeg_cheap_check_tested(data)
+    if jpeg_cheap and (header := decode_check.jpeg_header(data)):
         _guard_pixels(header[0], header[1], name, cfg)
         if decode_check.jpeg_decodes_cleanly(data):
             return ("JPEG", *header)
@@ -135,7 +136,7 @@ def _open_and_check(data: bytes, name: str, cfg: ValidationConfig) -> tuple[str,
     w, h = img.size
     _guard_pixels(w, h, name, cfg)
     fmt, mode = img.format or "", img.mode
-    if fmt == "JPEG":
+    if fmt == "JPEG" and jpeg_cheap:
         decode_check.check_jpeg_with_pillow(img)
     elif fmt == "PNG" and _png_fast_ok(img):
         decode_check.check_png_stream(data, w, h)

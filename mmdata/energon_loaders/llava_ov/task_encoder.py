@@ -34,9 +34,25 @@ from mmdata.energon_loaders.llava_ov.chat_template import (
 from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
+from mmdata.media_layout import jpeg
 from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
 from mmdata.energon_loaders.video import decode_frames, probe_video
 from mmdata.private_api import new_shared_storage
+
+
+def _decode_image(data: bytes) -> Image.Image:
+    """The decoded image: libjpeg-turbo directly for the JPEGs where its pixels are Pillow's bit
+    for bit (about twice as fast; `jpeg.decode_rgb_exact`), Pillow's full load for the rest."""
+    exact = jpeg.decode_rgb_exact(data)
+    if exact is not None:
+        return exact
+    im = Image.open(io.BytesIO(data))
+    try:
+        im.load()
+    except BaseException:
+        im.close()
+        raise
+    return im
 
 
 @dataclass
@@ -191,8 +207,7 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
                 if ref.kind == MEDIA_VIDEO:
                     out = anyres.prepare_frames(decode_frames(ref.data, ref.frame_indices or []), **geometry)
                 else:
-                    with Image.open(io.BytesIO(ref.data)) as im:
-                        im.load()
+                    with _decode_image(ref.data) as im:
                         if ref.kind == MEDIA_ANYRES:
                             out = anyres.prepare_image(im, c.max_tiles, grid_max=c.grid_max, **geometry)
                         else:
