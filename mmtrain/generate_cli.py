@@ -28,6 +28,15 @@ anything is written; 130 interrupted; 1 an unexpected error (its traceback in a 
 """
 
 
+#: the sampling options a family's `GenerationSpec.sampling_defaults` may set: (key, type,
+#: default when the family sets none, help)
+SAMPLING_OPTIONS: tuple[tuple[str, type, float, str], ...] = (
+    ("temperature", float, 0.0, "softmax temperature; 0 = greedy"),
+    ("top_k", int, 0, "sample among the k most likely tokens; 0 = all"),
+    ("top_p", float, 1.0, "sample among the most likely tokens whose probability reaches p; 1 = all"),
+)
+
+
 def generate_help() -> str:
     """`mmtrain generate --help`: each family's usage lines, from the registry."""
     gens = [spec for spec in registry.FAMILIES.values() if spec.generation is not None]
@@ -90,24 +99,13 @@ def _shared_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> N
         default=0,
         help="sampling seed; prompt i of a --prompts file uses seed+i unless its line gives one (default 0)",
     )
-    s.add_argument(
-        "--temperature",
-        type=float,
-        default=defaults.get("temperature", 0.0),
-        help="softmax temperature; 0 = greedy (default %(default)s)",
-    )
-    s.add_argument(
-        "--top-k",
-        type=int,
-        default=defaults.get("top_k", 0),
-        help="sample among the k most likely tokens; 0 = all (default %(default)s)",
-    )
-    s.add_argument(
-        "--top-p",
-        type=float,
-        default=defaults.get("top_p", 1.0),
-        help="sample among the most likely tokens whose probability reaches p; 1 = all (default %(default)s)",
-    )
+    for key, kind, default, what in SAMPLING_OPTIONS:
+        s.add_argument(
+            "--" + key.replace("_", "-"),
+            type=kind,
+            default=defaults.get(key, default),
+            help=f"{what} (default %(default)s)",
+        )
     s.add_argument("--greedy", action="store_true", help="greedy decoding (same as --temperature 0)")
     s.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch (default %(default)s)")
     s.add_argument("--no-progress", action="store_true", help="no live progress display")

@@ -18,6 +18,7 @@ import functools
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -105,6 +106,21 @@ class GenerationSpec:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     #: `model_type`s of this family's HF config.json (an HF dir of another type is refused)
     hf_model_types: tuple[str, ...] = ()
+
+    @classmethod
+    def from_cli(
+        cls, cli: ModuleType, *, help: str, prepare: Callable[..., Any], hf_model_types: tuple[str, ...]
+    ) -> "GenerationSpec":
+        """The spec of a family whose light options module `cli` (its generate_cli.py) holds
+        `USAGE`, `add_arguments` and `SAMPLING_DEFAULTS`."""
+        return cls(
+            help=help,
+            usage=cli.USAGE,
+            add_arguments=cli.add_arguments,
+            prepare=prepare,
+            sampling_defaults=cli.SAMPLING_DEFAULTS,
+            hf_model_types=hf_model_types,
+        )
 
 
 @dataclass(frozen=True)

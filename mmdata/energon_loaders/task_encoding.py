@@ -19,7 +19,7 @@ from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, statel
 from megatron.energon.errors import FatalSampleError
 
 from mmdata.energon_loaders.labels import IGNORE_INDEX
-from mmdata.energon_loaders.packing import pack_rows
+from mmdata.energon_loaders.packing import pack_rows, shift_labels
 from mmdata.energon_loaders.row_mix import pack_buffer
 from mmdata.energon_loaders.sequence import TokenSequence, TruncationResult, apply_length_policy
 from mmdata.local_tokenizer import load_local_tokenizer
@@ -111,6 +111,21 @@ class PackingTaskEncoder(TaskEncoder):
         if result.outcome == "truncated":
             self._count("truncated")
         return result
+
+    @staticmethod
+    def _encoded(
+        sample_cls: type[Sample], sample: Sample, sample_id: str, result: TruncationResult, **fields: Any
+    ) -> Any:
+        """The family's `sample_cls` of a sample `_fit_length` fitted: its tokens, the labels
+        shifted for next-token loss, whether it was truncated, and the family's own `fields`."""
+        return sample_cls.derive_from(
+            sample,
+            id=sample_id,
+            input_ids=result.tokens.input_ids,
+            labels=shift_labels(result.tokens.labels),
+            truncated=result.outcome == "truncated",
+            **fields,
+        )
 
     def _take_stats(self) -> dict[str, int]:
         stats = dict(self._stats)

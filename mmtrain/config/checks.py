@@ -4,7 +4,7 @@ family adds its own (`FamilySpec.check_recipe`), run after these."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mmtrain.config.errors import RecipeErrors, suggest
 from mmtrain.config.schema import Recipe
@@ -32,39 +32,47 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     spec.check_recipe(r, errors)
 
 
+#: recipe keys (section, key) that must be > 0 and >= 0, in the order their errors are listed
+POSITIVE = (
+    ("train", "iters"),
+    ("train", "seq_length"),
+    ("train", "micro_batch_size"),
+    ("train", "global_batch_size"),
+    ("train", "eval_iters"),
+    ("parallel", "tp"),
+    ("parallel", "pp"),
+    ("parallel", "cp"),
+    ("parallel", "vpp"),
+    ("parallel", "lm_loss_block_mb"),
+    ("parallel", "nproc_per_node"),
+    ("parallel", "nnodes"),
+    ("logging", "interval"),
+    ("parallel", "collective_timeout_mins"),
+)
+NON_NEGATIVE = (
+    ("train", "eval_interval"),
+    ("checkpoint", "interval"),
+    ("checkpoint", "keep_last"),
+    ("data", "num_workers"),
+    ("data", "packing_buffer_size"),
+    ("data", "shuffle_buffer_size"),
+    ("train", "exit_interval"),
+    ("train", "exit_duration_mins"),
+)
+
+
+def _value(r: Recipe, path: tuple[str, str]) -> Any:
+    section, key = path
+    return getattr(getattr(r, section), key)
+
+
 def _sizes(r: Recipe, errors: RecipeErrors) -> None:
-    t, p = r.train, r.parallel
-    positive = {
-        ("train", "iters"): t.iters,
-        ("train", "seq_length"): t.seq_length,
-        ("train", "micro_batch_size"): t.micro_batch_size,
-        ("train", "global_batch_size"): t.global_batch_size,
-        ("train", "eval_iters"): t.eval_iters,
-        ("parallel", "tp"): p.tp,
-        ("parallel", "pp"): p.pp,
-        ("parallel", "cp"): p.cp,
-        ("parallel", "vpp"): p.vpp,
-        ("parallel", "lm_loss_block_mb"): p.lm_loss_block_mb,
-        ("parallel", "nproc_per_node"): p.nproc_per_node,
-        ("parallel", "nnodes"): p.nnodes,
-        ("logging", "interval"): r.logging.interval,
-        ("parallel", "collective_timeout_mins"): p.collective_timeout_mins,
-    }
-    for path, value in positive.items():
-        if value <= 0:
+    t = r.train
+    for path in POSITIVE:
+        if (value := _value(r, path)) <= 0:
             errors.add(path, f"must be > 0, got {value}")
-    non_negative = {
-        ("train", "eval_interval"): t.eval_interval,
-        ("checkpoint", "interval"): r.checkpoint.interval,
-        ("checkpoint", "keep_last"): r.checkpoint.keep_last,
-        ("data", "num_workers"): r.data.num_workers,
-        ("data", "packing_buffer_size"): r.data.packing_buffer_size,
-        ("data", "shuffle_buffer_size"): r.data.shuffle_buffer_size,
-        ("train", "exit_interval"): t.exit_interval,
-        ("train", "exit_duration_mins"): t.exit_duration_mins,
-    }
-    for path, value in non_negative.items():
-        if value < 0:
+    for path in NON_NEGATIVE:
+        if (value := _value(r, path)) < 0:
             errors.add(path, f"must be >= 0, got {value}")
     if r.data.packing_plan is not None and r.data.packing != "plan":
         errors.add(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from mmtrain.generation.options import add_prompt_group
+
 #: the Emu3 reference's text-to-image sampling: top-k 2048 at temperature 1
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 2048}
 DEFAULT_CFG_SCALE = 3.0
@@ -22,13 +24,11 @@ decodable grid. --prompts writes DIR/NNNNNN.png and DIR/images.jsonl (prompt, se
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("emu3 text-to-image")
-    what = g.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="the caption of the image to generate")
-    what.add_argument(
-        "--prompts",
-        metavar="FILE",
-        help='one prompt per line, or a .jsonl file of {"prompt", optional "negative_prompt", '
+    g = add_prompt_group(
+        p,
+        "emu3 text-to-image",
+        "the caption of the image to generate",
+        'one prompt per line, or a .jsonl file of {"prompt", optional "negative_prompt", '
         '"seed", "height", "width", "cfg_scale"}: one PNG each, and DIR/images.jsonl '
         "with the token grids",
     )

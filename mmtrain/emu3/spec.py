@@ -48,12 +48,10 @@ EMU3 = FamilySpec(
             "tokenizer": "the Emu3 tokenizer dir (vocabulary map, tokenizer files) when the checkpoint keeps none",
         },
     ),
-    generation=GenerationSpec(
+    generation=GenerationSpec.from_cli(
+        generate_cli,
         help="text-to-image with batched classifier-free guidance, decoded to PNG by the VQ model",
-        usage=generate_cli.USAGE,
-        add_arguments=generate_cli.add_arguments,
         prepare=Ref("mmtrain.emu3.generate_job:prepare"),
-        sampling_defaults=generate_cli.SAMPLING_DEFAULTS,
         hf_model_types=("emu3",),
     ),
 )

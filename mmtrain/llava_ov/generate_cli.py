@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from mmtrain.generation.options import add_prompt_group
+
 #: transformers' default for LLaVA-OV: greedy
 SAMPLING_DEFAULTS = {"temperature": 0.0}
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -19,13 +21,11 @@ processor config (anyres grid, image tokens), as in training. --prompt prints th
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("llava-ov answers")
-    what = g.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="the question (with --image: about that image)")
-    what.add_argument(
-        "--prompts",
-        metavar="FILE",
-        help='one question per line, or a .jsonl file of {"prompt", optional "image" (path, '
+    g = add_prompt_group(
+        p,
+        "llava-ov answers",
+        "the question (with --image: about that image)",
+        'one question per line, or a .jsonl file of {"prompt", optional "image" (path, '
         'relative to the file), "system", "seed"}: one JSON answer line each',
     )
     g.add_argument("--image", default=None, help="--prompt: the image the question is about (any format pillow reads)")

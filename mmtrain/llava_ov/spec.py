@@ -160,12 +160,10 @@ LLAVA_OV = FamilySpec(
         assemble=Ref("mmtrain.llava_ov.conversion:assemble"),
         export_formats=("transformers", "llava-next"),
     ),
-    generation=GenerationSpec(
+    generation=GenerationSpec.from_cli(
+        generate_cli,
         help="answers about an image (the checkpoint's own chat template and image layout)",
-        usage=generate_cli.USAGE,
-        add_arguments=generate_cli.add_arguments,
         prepare=Ref("mmtrain.llava_ov.generate_job:prepare"),
-        sampling_defaults=generate_cli.SAMPLING_DEFAULTS,
         hf_model_types=("llava_onevision",),
     ),
 )

@@ -35,7 +35,6 @@ from mmdata.energon_loaders.emu3.tasks import (
     generation_caption,
     pick_task,
 )
-from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.plan_packing import PLAN_VARIANT
 from mmdata.energon_loaders.sequence import ConversationError
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
@@ -127,15 +126,7 @@ class Emu3TaskEncoder(PackingTaskEncoder):
         self._count(f"task/{task}")
         if uncond:
             self._count("task/generation_uncond")
-        return Emu3Sample.derive_from(
-            sample,
-            id=sid,
-            input_ids=result.tokens.input_ids,
-            labels=shift_labels(result.tokens.labels),
-            task=task,
-            uncond=uncond,
-            truncated=result.outcome == "truncated",
-        )
+        return self._encoded(Emu3Sample, sample, sid, result, task=task, uncond=uncond)
 
     def collate(self, rows: list[list[Emu3Sample]], stats: dict[str, int]) -> Emu3Batch:
         return Emu3Batch(

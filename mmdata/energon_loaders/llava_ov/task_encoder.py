@@ -31,7 +31,6 @@ from mmdata.energon_loaders.llava_ov.chat_template import (
     ConversationError,
     with_video_placeholder,
 )
-from mmdata.energon_loaders.packing import shift_labels
 from mmdata.energon_loaders.sample import ConversationSample
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder, packed_batch_fields
 from mmdata.media_layout import jpeg
@@ -188,14 +187,7 @@ class LlavaOVTaskEncoder(PackingTaskEncoder):
         image_refs = iter([m for m in media if m.kind != MEDIA_VIDEO])
         video_refs = iter([m for m in media if m.kind == MEDIA_VIDEO])
         ordered = [next(image_refs) if k == "image" else next(video_refs) for k, _, _ in result.tokens.media_spans]
-        return LlavaOVSample.derive_from(
-            sample,
-            id=sid,
-            input_ids=result.tokens.input_ids,
-            labels=shift_labels(result.tokens.labels),
-            media=ordered,
-            truncated=result.outcome == "truncated",
-        )
+        return self._encoded(LlavaOVSample, sample, sid, result, media=ordered)
 
     @stateless
     def postencode_sample(self, sample: LlavaOVSample) -> LlavaOVSample:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
@@ -42,15 +43,33 @@ def _advice(ckpt: Path) -> str:
     )
 
 
+def _parsed(
+    path: Path, parse: Callable[[str], Any], errors: tuple[type[Exception], ...], ckpt: Path, named: bool = False
+) -> Any:
+    """`parse` of the file's text; one of `errors` (with `named`, prefixed by its type) is a
+    damaged checkpoint."""
+    try:
+        return parse(path.read_text())
+    except errors as e:
+        what = f"{type(e).__name__}: {e}" if named else str(e)
+        raise CheckpointDamagedError(f"{path}: unreadable ({what}); {_advice(ckpt)}") from None
+
+
+def _trainer_state(text: str) -> dict:
+    """The trainer state record, refused (KeyError, TypeError) without an integer step."""
+    record = json.loads(text)
+    step = record["step"]
+    if not isinstance(step, int):
+        raise TypeError(f"step is {step!r}")
+    return record
+
+
 def check_checkpoint(ckpt: Path, family: str) -> None:
     """Raise CheckpointDamagedError when `ckpt` (an iter_* dir of a training or weights-only
     checkpoint) is incomplete, unreadable or another family's."""
     listing = ckpt / FILE_LIST
     if listing.is_file():
-        try:
-            files = json.loads(listing.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointDamagedError(f"{listing}: unreadable ({e}); {_advice(ckpt)}") from None
+        files = _parsed(listing, json.loads, (json.JSONDecodeError, UnicodeDecodeError), ckpt)
         for name, size in files.items():
             f = ckpt / name
             if not f.is_file():
@@ -62,13 +81,9 @@ def check_checkpoint(ckpt: Path, family: str) -> None:
                 )
     state = ckpt / TRAINER_STATE
     if state.exists():
-        try:
-            record = json.loads(state.read_text())
-            step = record["step"]
-            if not isinstance(step, int):
-                raise TypeError(f"step is {step!r}")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointDamagedError(f"{state}: unreadable ({type(e).__name__}: {e}); {_advice(ckpt)}") from None
+        record = _parsed(
+            state, _trainer_state, (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError), ckpt, named=True
+        )
         written = record.get("format", 1)
         if written != CHECKPOINT_FORMAT:
             raise CheckpointDamagedError(
@@ -77,10 +92,7 @@ def check_checkpoint(ckpt: Path, family: str) -> None:
             )
     recipe = ckpt / RECIPE
     if recipe.is_file():
-        try:
-            saved = yaml.safe_load(recipe.read_text())
-        except yaml.YAMLError as e:
-            raise CheckpointDamagedError(f"{recipe}: unreadable ({e}); {_advice(ckpt)}") from None
+        saved = _parsed(recipe, yaml.safe_load, (yaml.YAMLError,), ckpt)
         theirs = saved.get("family") if isinstance(saved, dict) else None
         if theirs is not None and theirs != family:
             raise CheckpointDamagedError(
