@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.emu3_tiny import save_hf_emu3, tiny_hf_emu3
+from tests.emu3_tiny import TWO_LAYERS, save_hf_emu3, tiny_hf_emu3
 from tests.fixtures_training import (
     REPO,
     assert_same_losses,
@@ -171,17 +171,8 @@ def parity_reference(tmp_path_factory, demo_token_dir, emu3_tok_dir, tiny_vq_dir
     from transformers import AutoTokenizer
 
     base = tmp_path_factory.mktemp("emu3_parity")
-    model = tiny_hf_emu3(
-        AutoTokenizer.from_pretrained(emu3_tok_dir),
-        tiny_vq_dir,
-        layers=2,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        seed=3,
-        noise=0.02,
-        max_positions=4096,
-    )
+    tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
+    model = tiny_hf_emu3(tok, tiny_vq_dir, **TWO_LAYERS, seed=3, noise=0.02, max_positions=4096)
     hf = save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, base / "hf")
     common = ("train.iters=4", "checkpoint.save=false", "data.sharding=replicated", f"checkpoint.load={hf}")
     emu3_train(base / "ref", demo_token_dir, emu3_tok_dir, *common)
