@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.tiny_models import tiny_llm
+
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 SHAPE = dict(hidden=256, ffn=1024, layers=4, heads=4, kv_groups=2, vocab=151936)
@@ -59,22 +61,21 @@ def _tokens(length: int):
     return torch.randint(0, SHAPE["vocab"], (1, length), generator=g)
 
 
+def _llm(length: int):
+    """The measured decoder (SHAPE, tied embeddings) at context `length` (4096 at least)."""
+    s = SHAPE
+    return tiny_llm(s["layers"], s["hidden"], s["ffn"], s["heads"], s["kv_groups"], s["vocab"], max(length, 4096))
+
+
 def hf_step(length: int) -> tuple[float, float]:
     """One training step of HF Qwen2ForCausalLM: (loss, seconds of the step)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from mmtrain.models.state_dict_adapter import hf_decoder_keys
+
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=SHAPE["hidden"],
-        intermediate_size=SHAPE["ffn"],
-        num_hidden_layers=SHAPE["layers"],
-        num_attention_heads=SHAPE["heads"],
-        num_key_value_heads=SHAPE["kv_groups"],
-        vocab_size=SHAPE["vocab"],
-        max_position_embeddings=max(length, 4096),
-        tie_word_embeddings=True,
-    )
+    cfg = Qwen2Config(**hf_decoder_keys(_llm(length)))
     cfg._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -97,22 +98,13 @@ def ours_step(length: int) -> tuple[float, float]:
 
     from mmtrain.models.context_parallel import current_layout
     from mmtrain.models.language_model import build_language_model
-    from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
+    from mmtrain.models.lm_config import padded_vocab_size
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
     from mmtrain.runtime.distributed import ensure_model_parallel
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     ensure_model_parallel(1, 1, cp=cp)
-    llm = LLMConfig(
-        num_layers=SHAPE["layers"],
-        hidden_size=SHAPE["hidden"],
-        ffn_hidden_size=SHAPE["ffn"],
-        num_attention_heads=SHAPE["heads"],
-        num_query_groups=SHAPE["kv_groups"],
-        vocab_size=SHAPE["vocab"],
-        max_position_embeddings=max(length, 4096),
-        tie_word_embeddings=True,
-    )
+    llm = _llm(length)
     config = language_transformer_config(llm, "float32", ParallelOptions())
     config.calculate_per_token_loss = True
     model = build_language_model(llm, config, vocab_size=padded_vocab_size(llm.vocab_size, 64), loss_impl="chunked")

@@ -435,6 +435,23 @@ def emu3_workload(args: argparse.Namespace) -> Workload:
     )
 
 
+def packed_fields(ids: torch.Tensor, labels: torch.Tensor, bounds: list[int], max_seqlen: int, sample_ids) -> dict:
+    """The fields every family's packed batch has, for full rows `ids` with `labels` and the
+    sample boundaries `bounds` (flat positions, from 0)."""
+    from mmdata.energon_loaders.batch import IGNORE_INDEX
+
+    return dict(
+        input_ids=ids,
+        labels=labels,
+        position_ids=torch.zeros_like(ids),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        max_seqlen=max_seqlen,
+        sample_ids=sample_ids,
+        num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
+        num_real_tokens=ids.numel(),
+    )
+
+
 def synthetic_batch(model_cfg: Any, rows: int, seq: int, device: torch.device) -> Any:
     """Packed rows of (anyres image of 384x768 + text) samples, labels on the text."""
     from mmdata.energon_loaders.batch import IGNORE_INDEX
@@ -472,14 +489,7 @@ def synthetic_batch(model_cfg: Any, rows: int, seq: int, device: torch.device) -
     n_media = rows * per_row
     tiles = 1 + grid[0] * grid[1]
     return LlavaOVBatch(
-        input_ids=ids,
-        labels=labels,
-        position_ids=torch.zeros_like(ids),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
-        max_seqlen=sample_len,
-        sample_ids=[[f"s{r}_{i}" for i in range(per_row)] for r in range(rows)],
-        num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-        num_real_tokens=rows * seq,
+        **packed_fields(ids, labels, bounds, sample_len, [[f"s{r}_{i}" for i in range(per_row)] for r in range(rows)]),
         pixel_values=torch.randn(n_media * tiles, 3, v.image_size, v.image_size, generator=gen),
         tiles_per_media=torch.full((n_media,), tiles),
         media_kind=torch.full((n_media,), MEDIA_ANYRES),
@@ -512,14 +522,7 @@ def emu3_batch(vocab: int, rows: int, seq: int, device: torch.device) -> Any:
             bounds.append(r * seq + end)
         sample_ids.append([f"s{r}_{i}" for i in range(len(starts))])
     return Emu3Batch(
-        input_ids=ids,
-        labels=labels,
-        position_ids=torch.zeros_like(ids),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
-        max_seqlen=sample_len,
-        sample_ids=sample_ids,
-        num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
-        num_real_tokens=rows * seq,
+        **packed_fields(ids, labels, bounds, sample_len, sample_ids),
         tasks=[["generation"] * len(s) for s in sample_ids],
     ).to(device)
 

@@ -7,23 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def tiny_llm(layers: int, hidden: int, ffn: int, heads: int, kv_groups: int, vocab: int, positions: int, **kw):
+    """An LLMConfig of the given decoder shape (the order a shape is written in the tests and
+    benchmarks); `kw`: the other LLMConfig fields."""
+    from mmtrain.models.lm_config import LLMConfig
+
+    shape = dict(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads)
+    return LLMConfig(**shape, num_query_groups=kv_groups, vocab_size=vocab, max_position_embeddings=positions, **kw)
+
+
 def text_config(**kw) -> dict:
     """The tiny LLaVA-OV's Qwen2 decoder: 2 layers, hidden 64, 4 heads over 2 KV groups; `kw` overrides."""
-    d = dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=4096,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
-    d.update(kw)
-    return d
+    from mmtrain.models.state_dict_adapter import hf_decoder_keys
+
+    llm = tiny_llm(2, 64, 128, 4, 2, vocab=1000, positions=4096)
+    return dict(model_type="qwen2", **hf_decoder_keys(llm), rope_theta=llm.rope_theta) | kw
 
 
 def vision_config(image_size: int = 30, patch_size: int = 14, **kw) -> dict:
@@ -80,7 +78,4 @@ def random_hf_emu3(
 def small_llm(vocab_size: int, max_position_embeddings: int, **kw):
     """A small 2-layer decoder (hidden 256, FFN 1024, 4 heads over 2 KV groups): the LLMConfig the GPU
     checks and the vision-layout benchmark build; `kw`: other LLMConfig fields."""
-    from mmtrain.models.lm_config import LLMConfig
-
-    shape = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, num_query_groups=2)
-    return LLMConfig(**shape, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, **kw)
+    return tiny_llm(2, 256, 1024, 4, 2, vocab=vocab_size, positions=max_position_embeddings, **kw)

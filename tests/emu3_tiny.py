@@ -174,6 +174,10 @@ def hf_codes(proc, vq, image: Image.Image) -> np.ndarray:
         return vq.encode(inputs["pixel_values"], inputs["image_sizes"]).image_tokens[0].numpy()
 
 
+#: the 2-layer decoder (hidden 64, 4 heads over 2 KV groups) of the conversion and parity tests
+TWO_LAYERS = dict(layers=2, hidden=64, heads=4, kv_heads=2)
+
+
 def tiny_hf_emu3(
     tok,
     vq_dir,

@@ -122,6 +122,21 @@ def assert_same_losses(got: dict[int, dict], ref: dict[int, dict], steps) -> Non
         assert sorted(got[step]["sample_ids"]) == sorted(ref[step]["sample_ids"]), step
 
 
+def continue_at_cp2(run_training, run: Path, data: Path, tokenizer: Path, ref_run: Path, *overrides: str):
+    """`run_training` (a family's `train(run, data, tokenizer, *overrides, nproc=)`) at CP=2 in 2
+    processes, continuing `ref_run` from its step-4 checkpoint to step 6: the CP attention ran, the
+    loader state carried across the layout change, and steps 5-6 equal `ref_run`'s.
+    -> (the process, the run's metrics)."""
+    load = f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}"
+    proc = run_training(run, data, tokenizer, "train.iters=6", *overrides, "parallel.cp=2", load, nproc=2)
+    assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
+    assert "same layout: False, loader restored: True" in proc.stderr
+    got = metrics(run)
+    assert sorted(got) == [5, 6]
+    assert_same_steps(got, metrics(ref_run), (5, 6))
+    return proc, got
+
+
 @session_fixture
 def base_run(tmp_path_factory, shards_dir, tokenizer_dir) -> Path:
     """Two steps at seq_length 1024, a checkpoint after each; tests work on copies."""

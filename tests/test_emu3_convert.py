@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 torch.set_num_threads(1)
 
-from tests.emu3_tiny import save_hf_emu3, tiny_hf_emu3  # noqa: E402
+from tests.emu3_tiny import TWO_LAYERS, save_hf_emu3, tiny_hf_emu3  # noqa: E402
 from tests.fixtures_convert import convert_cli, tp2_worker_checks  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def hf_dir(emu3_tok_dir, tiny_vq_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
-    model = tiny_hf_emu3(tok, tiny_vq_dir, layers=2, hidden=64, heads=4, kv_heads=2, seed=1, noise=0.05)
+    model = tiny_hf_emu3(tok, tiny_vq_dir, **TWO_LAYERS, seed=1, noise=0.05)
     return save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, tmp_path_factory.mktemp("hf_emu3") / "hf"), model
 
 

@@ -17,8 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.emu3_tiny import save_hf_emu3, tiny_hf_emu3
-from tests.fixtures_training import REPO, assert_same_losses, assert_same_steps, interrupted_copy, metrics, train
+from tests.emu3_tiny import TWO_LAYERS, save_hf_emu3, tiny_hf_emu3
+from tests.fixtures_training import (
+    REPO,
+    assert_same_losses,
+    continue_at_cp2,
+    interrupted_copy,
+    metrics,
+    train,
+)
 
 EMU3 = [sys.executable, "-m", "mmtrain.cli", "emu3", str(REPO / "recipes" / "emu3-tiny.yaml")]
 
@@ -152,22 +159,8 @@ def test_emu3_context_parallel_resumes_a_cp1_checkpoint_and_equals_one_process(
     grad norms, per-sample losses, the samples themselves) equal the uninterrupted one-process
     run: model, optimizer and loader state carry across the CP change."""
     run = tmp_path / "cp2"
-    proc = emu3_train(
-        run,
-        demo_token_dir,
-        emu3_tok_dir,
-        "train.iters=6",
-        "checkpoint.save=false",
-        "parallel.cp=2",
-        f"checkpoint.load={ref_run / 'checkpoints' / 'iter_0000004'}",
-        nproc=2,
-    )
-    assert "cp=2" in proc.stderr and "KVAllGatherCoreAttention" in proc.stderr
+    proc, _ = continue_at_cp2(emu3_train, run, demo_token_dir, emu3_tok_dir, ref_run, "checkpoint.save=false")
     assert "LM loss: chunked" in proc.stderr
-    assert "same layout: False, loader restored: True" in proc.stderr
-    got = metrics(run)
-    assert sorted(got) == [5, 6]
-    assert_same_steps(got, metrics(ref_run), (5, 6))
 
 
 # ----------------------------------------------------------------------------- slow: layouts
@@ -178,17 +171,8 @@ def parity_reference(tmp_path_factory, demo_token_dir, emu3_tok_dir, tiny_vq_dir
     from transformers import AutoTokenizer
 
     base = tmp_path_factory.mktemp("emu3_parity")
-    model = tiny_hf_emu3(
-        AutoTokenizer.from_pretrained(emu3_tok_dir),
-        tiny_vq_dir,
-        layers=2,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        seed=3,
-        noise=0.02,
-        max_positions=4096,
-    )
+    tok = AutoTokenizer.from_pretrained(emu3_tok_dir)
+    model = tiny_hf_emu3(tok, tiny_vq_dir, **TWO_LAYERS, seed=3, noise=0.02, max_positions=4096)
     hf = save_hf_emu3(model, emu3_tok_dir, tiny_vq_dir, base / "hf")
     common = ("train.iters=4", "checkpoint.save=false", "data.sharding=replicated", f"checkpoint.load={hf}")
     emu3_train(base / "ref", demo_token_dir, emu3_tok_dir, *common)

@@ -177,20 +177,12 @@ def test_blocked_cross_entropy_equals_full_logits():
 def test_decoder_lean_loss_equals_megatrons_output_layer(megatron_cpu, tied):
     """The same DecoderLM weights with `chunked` and `plain` (megatron's output layer + its
     vocab-parallel cross entropy over full logits): per-token losses and every gradient agree."""
+    from benchmarks.tiny_models import tiny_llm
     from mmtrain.models.language_model import build_language_model
-    from mmtrain.models.lm_config import LLMConfig, padded_vocab_size
+    from mmtrain.models.lm_config import padded_vocab_size
     from mmtrain.models.megatron_config import ParallelOptions, language_transformer_config
 
-    llm = LLMConfig(
-        num_layers=2,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=250,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
+    llm = tiny_llm(2, 32, 64, 4, 2, vocab=250, positions=256, tie_word_embeddings=tied)
     cfg = language_transformer_config(llm, "float32", ParallelOptions())
     results = []
     for impl in ("plain", "chunked"):

@@ -24,23 +24,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.tiny_models import tiny_llm
 from mmtrain.models.shapes import Connector, DecoderShape, EncoderShape, ModelShapes
 from tests.fixtures_training import bf16_layout, logging_trainer, step_result
 
 pytestmark = pytest.mark.unit
 
-DEC = DecoderShape(
-    layers=2,
-    hidden=64,
-    ffn=128,
-    heads=4,
-    kv_groups=2,
-    kv_channels=16,
-    vocab=1000,
-    make_vocab_divisible_by=1,
-    tied=True,
-    qkv_bias=False,
-)
+DEC = DecoderShape.from_llm(tiny_llm(2, 64, 128, 4, 2, vocab=1000, positions=4096, qkv_bias=False), 1)
 ENC = EncoderShape(layers=2, hidden=32, ffn=64, heads=2, image_size=28, patch_size=14, channels=3)
 TEXT = ModelShapes(decoder=DEC, decoder_part="llm")  # an Emu3-like family: no encoder
 VLM = ModelShapes(

@@ -6,25 +6,13 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mmtrain.models.lm_config import LLMConfig
 from mmtrain.models.megatron_config import TransformerImplUnavailable, decoder_fusions
 from mmtrain.models.state_dict_adapter import Qwen2StateDictAdapter, to_local_name, to_te_name
+from benchmarks.tiny_models import tiny_llm
 
 pytestmark = pytest.mark.unit
 
-LLM = LLMConfig(
-    num_layers=2,
-    hidden_size=8,
-    ffn_hidden_size=16,
-    num_attention_heads=2,
-    num_query_groups=1,
-    vocab_size=32,
-    max_position_embeddings=64,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    qkv_bias=True,
-)
+LLM = tiny_llm(2, 8, 16, 2, 1, vocab=32, positions=64, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True)
 
 
 def test_local_keeps_fusions_off():

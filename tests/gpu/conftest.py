@@ -49,12 +49,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 from tests.emu3_tiny import emu3_tok_dir, tiny_vq_dir  # noqa: E402,F401
 
 
-@pytest.fixture(scope="session")
-def emu3_token_shards(tmp_path_factory) -> Path:
-    """Emu3 token shards written directly, no Ray (tests/gpu/runs.py: write_emu3_token_shards)."""
-    from tests.gpu.runs import write_emu3_token_shards
+def _written_once(name: str, folder: str, write: str, doc: str):
+    """The session fixture `name`: `tests.gpu.runs.<write>(a fresh temp folder / "shards")`, built
+    when a test first asks for it (runs.py is imported then, not at collection)."""
 
-    return write_emu3_token_shards(tmp_path_factory.mktemp("gpu_emu3_tokens") / "tokens")
+    def build(tmp_path_factory) -> Path:
+        from tests.gpu import runs
+
+        return getattr(runs, write)(tmp_path_factory.mktemp(folder) / "shards")
+
+    build.__doc__ = doc
+    return pytest.fixture(scope="session", name=name)(build)
+
+
+emu3_token_shards = _written_once(
+    "emu3_token_shards", "gpu_emu3_tokens", "write_emu3_token_shards", "Emu3 token shards written directly, no Ray."
+)
+llava_shards = _written_once(
+    "llava_shards", "gpu_llava_data", "write_llava_mixed_shards", "Image and text-only samples alternating by key."
+)
+llava_halves_shards = _written_once(
+    "llava_halves_shards",
+    "gpu_llava_halves",
+    "write_llava_halves_shards",
+    "The same samples, images first, then text-only.",
+)
 
 
 @pytest.fixture(scope="session")
@@ -62,22 +81,6 @@ def qwen_tok(tmp_path_factory) -> Path:
     from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 
     return build_tiny_qwen2_tokenizer(tmp_path_factory.mktemp("gpu_tok") / "tokenizer")
-
-
-@pytest.fixture(scope="session")
-def llava_shards(tmp_path_factory) -> Path:
-    """Image and text-only samples alternating by key (tests/gpu/runs.py: llava_mixed_samples)."""
-    from tests.gpu.runs import write_llava_mixed_shards
-
-    return write_llava_mixed_shards(tmp_path_factory.mktemp("gpu_llava_data") / "shards")
-
-
-@pytest.fixture(scope="session")
-def llava_halves_shards(tmp_path_factory) -> Path:
-    """The same samples, images first then text-only (tests/gpu/runs.py: write_llava_halves_shards)."""
-    from tests.gpu.runs import write_llava_halves_shards
-
-    return write_llava_halves_shards(tmp_path_factory.mktemp("gpu_llava_halves") / "shards")
 
 
 @pytest.fixture(scope="session")
