@@ -153,20 +153,13 @@ class Replica:
 
 
 def run_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(TP),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(TP),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        MMTRAIN_CPU_THREADS=str(args.threads),
-    )
     import torch
     import torch.distributed as dist
 
     from mmtrain.config.schema import ParallelConfig
-    from mmtrain.runtime.distributed import destroy_distributed, init_distributed
+    from mmtrain.runtime.distributed import destroy_distributed, init_distributed, single_node_env
+
+    os.environ.update(single_node_env(rank, TP, port), MMTRAIN_CPU_THREADS=str(args.threads))
     from mmtrain.runtime.logs import quiet_third_party
 
     quiet_third_party()

@@ -54,14 +54,6 @@ from mmtrain.models.hf_io import SafetensorsReader, read_config
 from mmtrain.models.megatron_config import ParallelOptions
 from mmtrain.models.state_dict_adapter import ConversionError, Qwen2StateDictAdapter, llm_config_from_hf
 from mmtrain.runtime import hf_conversion
-from mmtrain.runtime.hf_conversion import (
-    build_pipeline_stage,
-    import_weights,
-    load_for_export,
-    record_source,
-    source_config,
-    write_hf_dir,
-)
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +100,7 @@ def processor_chat_template(d: Path) -> Optional[str]:
 
 def build_stage(cfg: LlavaOVModelConfig, options: Optional[ParallelOptions] = None):
     """The LlavaOVModel of this rank's pipeline stage."""
-    return build_pipeline_stage(LlavaOVModel, cfg, options)
+    return hf_conversion.build_pipeline_stage(LlavaOVModel, cfg, options)
 
 
 def saved_model_config(ckpt_dir: str | os.PathLike, iteration: Optional[int] = None) -> LlavaOVModelConfig:
@@ -243,8 +235,10 @@ def hf_to_mcore(
     """`dtype`: the megatron weights' (auto: the source's, recorded as the saved params_dtype)."""
     cfg, _ = llava_source(src)  # validate before starting any rank
     # a whole LLaVA-OV checkpoint fills every weight: no random init
-    cfg = import_weights(cfg, _whole_source, {"src": str(src)}, build_stage, dst, tp, pp, dtype=dtype, dtype_from=src)
-    assets = record_source(dst, [src], read_config(src))
+    cfg = hf_conversion.import_weights(
+        cfg, _whole_source, {"src": str(src)}, build_stage, dst, tp, pp, dtype=dtype, dtype_from=src
+    )
+    assets = hf_conversion.record_source(dst, [src], read_config(src))
     _keep_tokenizer(source_tokens(src), assets)
     return cfg
 
@@ -268,10 +262,10 @@ def assemble_stage1(
     cfg, _ = stage1_source(llm, vision, base)
     # the stage-1 getter returns None for the projector / image_newline: they keep their init
     args = {"llm": str(llm), "vision": str(vision), "base": base}
-    cfg = import_weights(
+    cfg = hf_conversion.import_weights(
         cfg, _stage1_source, args, build_stage, dst, tp, pp, dtype=dtype, dtype_from=llm, fresh_init=True
     )
-    assets = record_source(dst, [vision, llm], None)
+    assets = hf_conversion.record_source(dst, [vision, llm], None)
     _keep_tokenizer(resolve_media_tokens(llm), assets)
     return cfg
 
@@ -297,8 +291,8 @@ def mcore_to_hf(
     `format` (transformers' LlavaOnevisionForConditionalGeneration, or LLaVA-NeXT's
     LlavaQwenForCausalLM). The recorded source config is the template when it has that format.
     `dtype`: the tensors' and config.json's (auto: the dtype the megatron weights are stored in)."""
-    cfg, model, out_dtype = load_for_export(src, LlavaOVModelConfig, build_stage, dtype)
-    template = source_config(src)
+    cfg, model, out_dtype = hf_conversion.load_for_export(src, LlavaOVModelConfig, build_stage, dtype)
+    template = hf_conversion.source_config(src)
     if template is not None and detect_format(template) != format:
         template = None
     if format == LLAVA_NEXT:
@@ -306,7 +300,7 @@ def mcore_to_hf(
     else:
         adapter, hf_cfg = LlavaOVStateDictAdapter(cfg), hf_config_from_llava(cfg, template)
     dtype_key = "torch_dtype" if format == LLAVA_NEXT else "dtype"
-    dst, hf_cfg = write_hf_dir(
+    dst, hf_cfg = hf_conversion.write_hf_dir(
         src, dst, model, adapter, cfg.llm.vocab_size, hf_cfg, out_dtype, max_shard_bytes, dtype_key=dtype_key
     )
     if format == TRANSFORMERS:

@@ -348,6 +348,19 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def single_node_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The torch.distributed environment of rank `rank` of `world` processes on this machine, the
+    rendezvous at 127.0.0.1:`port` (for processes we spawn ourselves, without torchrun)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for single-process rendezvous)."""
     with socket.socket() as s:

@@ -46,7 +46,7 @@ from mmtrain.runtime.checkpoint.weights import (  # noqa: E402
     load_model_weights,
     save_model_weights,
 )
-from mmtrain.runtime.distributed import ensure_model_parallel, free_port  # noqa: E402
+from mmtrain.runtime.distributed import ensure_model_parallel, free_port, single_node_env  # noqa: E402
 
 #: inside a converted checkpoint: the source's tokenizer/processor files and its config.json
 #: (`source_config.json`), so an export writes them back
@@ -136,14 +136,7 @@ def _rank0_progress(world: int) -> Callable[[str], None]:
 
 
 def _rank_entry(job: ImportJob, rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(single_node_env(rank, world, port))
     _import_rank(job)
     dist.barrier()
     dist.destroy_process_group()
