@@ -35,7 +35,7 @@ from mmdata.shard_job.energon_meta import INDEX_PART, write_index_part, write_ta
 from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line
 from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, shard_work_file, write_shard
-from mmdata.shard_job.tar_scan import list_tar
+from mmdata.shard_job.shard_samples import chunk_samples
 from mmdata.vision_tokens.lengths import shard_part
 from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
 
@@ -73,27 +73,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- reading input
-
-
-def _shard_samples(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
-    """(key, [(suffix, offset, size)]) of every sample of a shard, in order."""
-    listing = list_tar(str(path))
-    if listing.tail_error:
-        raise IOError(f"{path}: {listing.tail_error}")
-    samples: list[tuple[str, list[tuple[str, int, int]]]] = []
-    for m in listing.members:
-        key, _, suffix = Path(m.name).name.partition(".")
-        if not samples or samples[-1][0] != key:
-            samples.append((key, []))
-        samples[-1][1].append((suffix, m.offset_data, m.size))
-    return samples
-
-
-def count_samples(path: Path) -> int:
-    return len(_shard_samples(path))
 
 
 # ----------------------------------------------------------------------------- the VQ, once per worker
@@ -253,7 +232,7 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> di
         return done
     marker = chunk_file(opts.work, spec.shard, spec.index, "json")
     path = Path(opts.input_dir) / spec.shard
-    samples = _shard_samples(path)[spec.start : spec.stop]
+    samples = chunk_samples(path, spec.start, spec.stop)
     if len(samples) != spec.stop - spec.start:
         raise IOError(f"{path}: has fewer samples than planned (input changed?)")
     encoder = _Encoder(vt, opts.batch_size)
