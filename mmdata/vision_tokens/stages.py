@@ -19,6 +19,7 @@ import io
 import json
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line
 from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, shard_work_file, write_shard
 from mmdata.shard_job.shard_samples import chunk_samples
+from mmdata.stage_runner import CPU_KEY
 from mmdata.vision_tokens.lengths import shard_part
 from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
 
@@ -125,13 +127,12 @@ class TokenizeWorker:
         _write_atomic(path, json.dumps(self.process).encode())
 
     def tokenize(self, spec: ChunkSpec) -> dict:
-        """The chunk's counts, and which process did it with how many VQ loads so far (1, unless
-        something reloads the model per chunk)."""
-        return {
-            **tokenize_chunk(spec, self.opts, self.vt, self.tasks),
-            **self.process,
-            "vq_loads": vq_loads_in_process(),
-        }
+        """The chunk's counts, which process did it with how many VQ loads so far (1, unless
+        something reloads the model per chunk), and the CPU it took (`run.task_cpu_s`, as the
+        runner's tasks report theirs)."""
+        c0 = time.process_time()
+        result = tokenize_chunk(spec, self.opts, self.vt, self.tasks)
+        return {**result, **self.process, "vq_loads": vq_loads_in_process(), CPU_KEY: time.process_time() - c0}
 
 
 def load_text_tasks(opts: TokenizeOptions):
