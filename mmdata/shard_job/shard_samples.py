@@ -56,9 +56,10 @@ def indexed_samples(path: Path, start: int, stop: int) -> Samples | None:
     try:
         entries = os.path.getsize(idx) // 8
         offsets = np.fromfile(idx, dtype=np.uint64, count=stop - first + 1, offset=first * 8).tolist()
-        ends = np.fromfile(idx, dtype=np.uint64, count=1).tolist() + np.fromfile(
-            idx, dtype=np.uint64, count=1, offset=(entries - 1) * 8
-        ).tolist()
+        ends = (
+            np.fromfile(idx, dtype=np.uint64, count=1).tolist()
+            + np.fromfile(idx, dtype=np.uint64, count=1, offset=(entries - 1) * 8).tolist()
+        )
         with open(path, "rb") as f:
             f.seek(ends[-1])
             closed = f.read(BLOCK) == bytes(BLOCK)
