@@ -15,9 +15,17 @@ each task measured in its worker). At the margin (4N minus N) start-up costs can
   BENCH preprocess_scale baseline=<task us/record at N> ours=<at 4N> unit=us/record ratio=<4N/N>   (<= 1.05)
   BENCH preprocess_driver_rss baseline=<MB at N> ours=<MB at 4N> unit=MB ratio=<4N/N>              (<= 1.10)
 
-plus, as a reference, energon's own `prepare_dataset` on the same (4N) shards.
+plus the tasks' CPU per record by stage at both sizes, the driver's CPU at the margin by thread
+(its main thread runs the job's Python; the others are Ray's), and, as a reference, energon's
+own `prepare_dataset` on the same (4N) shards.
+
+--job tokenize-images measures `mmdata tokenize-images` the same way over the two preprocess
+runs' shards, with a tiny random VQ on the 16 x 16 images at their own size (the per-record
+machinery, not the VQ): BENCH tokenize_images_cluster_bound, tokenize_images_scale and
+tokenize_images_driver_rss (its tasks' CPU includes the tokenize workers' chunks).
 
     python -m benchmarks.bench_preprocess_scale [--quick] [--records N] [--num-cpus 2] [--workdir DIR]
+        [--job preprocess|tokenize-images]
 """
 
 from __future__ import annotations
@@ -32,8 +40,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from mmdata.dev.tiny_vq_model import build_tiny_vq
 
 from benchmarks.common import tokenize_images_args
 from benchmarks.scaling import run_job, run_python
@@ -221,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         small = measure(root, files[: len(files) // 4], args.num_cpus)
         large = measure(root, files, args.num_cpus)
         if args.job == "tokenize-images":
+            from mmdata.dev.tiny_vq_model import build_tiny_vq  # CLI dispatch: torch, transformers
+
             vq = build_tiny_vq(root / "vq")
             small = measure_tokenize(root, small["out"], vq, args.num_cpus)
             large = measure_tokenize(root, large["out"], vq, args.num_cpus)
