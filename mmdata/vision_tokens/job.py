@@ -458,6 +458,7 @@ class TokenizeJob(ResumableJob):
                 "resumed": run.resumed,
                 "phases": run.phases,
                 "task_cpu_s": run.task_cpu_s,
+                "driver_cpu_s": run.driver_cpu_s(),
                 "task_nodes": dict(sorted(run.task_nodes.items())),
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
                 "num_cpus": cfg.num_cpus,
