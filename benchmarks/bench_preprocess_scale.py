@@ -11,8 +11,9 @@ agents, dashboard) and the workers; the tasks' CPU as the manifest records it (`
 each task measured in its worker). At the margin (4N minus N) start-up costs cancel out, but
 only on average: the driver's interpreter start-up and imports (2 s for preprocess, 11 s for
 tokenize-images' torch and transformers) vary by more than a loaded machine's whole margin, so
-the driver's figure in the BENCH line is its CPU from its stages' start (the manifest's
-`run.driver_cpu_s`: all its threads, Ray's included); the psutil figure is printed beside it.
+the driver's figure in the BENCH line is its CPU from its stages' start once Ray is up (the
+manifest's `run.driver_cpu_s`: all its threads, Ray's included); the psutil figure is printed
+beside it.
 
   BENCH preprocess_cluster_bound baseline=<driver us/record> ours=<job's us/record> unit=us/record ratio=<ours/baseline>
       the speed-up a cluster can reach before the driver is the bottleneck (target >= 500)
