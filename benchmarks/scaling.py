@@ -4,7 +4,8 @@ a user runs it, in its own process, reporting that process's own peak RSS.
 
 benchmarks/bench_preprocess.py and tests/test_preprocess_scaling.py both measure this way.
 
-    python -m benchmarks.scaling PREPROCESS-ARGS...   # `mmdata preprocess`, then PEAK_RSS_KB=...
+    python -m benchmarks.scaling preprocess ARGS...        # `mmdata preprocess`, then PEAK_RSS_KB=...
+    python -m benchmarks.scaling tokenize-images ARGS...   # `mmdata tokenize-images`, the same
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import peak_rss_kb, ray_job_env
-from mmdata.preprocess.cli import main as preprocess
+from mmdata.cli import run_alone
 
 POLL_S = 0.25  # how often run_python reads the CPU time of the measured process tree
 
@@ -110,13 +111,14 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     proc = subprocess.Popen(
         [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_job_env()
     )
-    root, cpu, kinds = psutil.Process(proc.pid), {}, {}
+    root, cpu, kinds, threads = psutil.Process(proc.pid), {}, {}, {}
     while True:
         try:
             out, err = proc.communicate(timeout=POLL_S)
             break
         except subprocess.TimeoutExpired:
             _read_cpu(root, cpu, kinds)
+            _read_threads(root, threads)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a.strip().splitlines()[0] + " ..." for a in args)
@@ -124,6 +126,11 @@ def run_python(args: list[str]) -> tuple[dict[str, float], float]:
     values = {"CPU_S": sum(cpu.values())}
     for kind in PROCESS_KINDS:
         values[f"CPU_{kind.upper()}_S"] = sum(c for pid, c in cpu.items() if kinds[pid] == kind)
+    main = threads.pop(proc.pid, ("", 0.0))[1]
+    values["CPU_DRIVER_MAIN_S"] = main
+    values["CPU_DRIVER_THREADS_S"] = sum(c for _, c in threads.values())
+    for name, c in threads.values():  # by thread name: "THREAD ray_core_worker" etc.
+        values[f"THREAD {name}"] = values.get(f"THREAD {name}", 0.0) + c
     for line in out.splitlines():
         key, eq, value = line.partition("=")
         if eq and key.isupper():
@@ -167,15 +174,35 @@ def _read_cpu(root: psutil.Process, cpu: dict[int, float], kinds: dict[int, str]
             pass
 
 
-def run_job(preprocess_args: list[str]) -> tuple[dict[str, float], float]:
-    """`mmdata preprocess ARGS` in its own process, as a user runs it: ({"PEAK_RSS_KB": the
-    driver's peak RSS, "CPU_S": the whole job's CPU seconds}, wall seconds including interpreter
-    start-up, imports and Ray's start and stop)."""
-    return run_python(["-m", __name__, *preprocess_args])
+def _read_threads(root: psutil.Process, threads: dict[int, tuple[str, float]]) -> None:
+    """Record the CPU seconds so far of each thread of `root` (the driver) in `threads`, by thread
+    id: (name, seconds). The main thread (id = the process id) runs the job's Python; the others
+    are Ray's (its core worker's event loops and gRPC) and the job's background threads. A thread
+    that ends between two reads loses at most POLL_S of its time."""
+    try:
+        found = root.threads()
+    except psutil.Error:
+        return
+    for t in found:
+        name = threads.get(t.id, ("", 0.0))[0]
+        if not name:
+            try:
+                name = Path(f"/proc/{root.pid}/task/{t.id}/comm").read_text().strip()
+            except OSError:
+                name = "?"
+        threads[t.id] = (name, t.user_time + t.system_time)
+
+
+def run_job(args: list[str], command: str = "preprocess") -> tuple[dict[str, float], float]:
+    """`mmdata COMMAND ARGS` (preprocess, tokenize-images) in its own process, as a user runs it:
+    ({"PEAK_RSS_KB": the driver's peak RSS, "CPU_S": the whole job's CPU seconds, ...: see
+    run_python}, wall seconds including interpreter start-up, imports and Ray's start and stop)."""
+    return run_python(["-m", __name__, command, *args])
 
 
 def main(argv: list[str] | None = None) -> int:
-    rc = preprocess(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    rc = run_alone(argv[0], argv[1:])
     print(f"PEAK_RSS_KB={peak_rss_kb()}", flush=True)
     return rc
 

@@ -380,3 +380,39 @@ def test_iter_records_unchanged(tmp_path: Path):
     for n in list(range(600, len(raw), 997)) + [len(raw) - 1024, len(raw) - 700, len(raw) - 1]:
         cut.write_bytes(raw[:n])
         _assert_same_records(InputUnit(1, str(cut), cut.name, n, 0), cut=True)
+
+
+@pytest.mark.unit
+def test_chunk_samples_read_by_the_tar_index_equal_the_full_listing(tmp_path: Path):
+    """tokenize-images reads a chunk's samples by their byte range from the shard's `.tar.idx`:
+    the same samples as slicing the whole listing, for any range; and with the index missing,
+    short, or pointing elsewhere (not at those samples' headers), the whole listing decides."""
+    from mmdata.shard_job.energon_meta import write_tar_index
+    from mmdata.shard_job.shard_writer import SampleMembers, write_shard
+    from mmdata.shard_job.shard_samples import chunk_samples, indexed_samples, shard_samples
+
+    path = tmp_path / "shard-000000.tar"
+    samples = [
+        SampleMembers(
+            f"{i:010d}", [("json", b"{}" * (i % 5)), *[(f"img{j:02d}.jpg", b"x" * (i + j)) for j in range(i % 3)]]
+        )
+        for i in range(40)
+    ]
+    _, layout = write_shard(path, samples, direct=False)
+    write_tar_index(path, layout)
+    idx = path.with_name("shard-000000.tar.idx")
+    full = shard_samples(path)
+    assert len(full) == 40
+    ranges = [(0, 40), (0, 1), (3, 17), (39, 40), (20, 20)]
+    for start, stop in ranges:
+        assert indexed_samples(path, start, stop) == chunk_samples(path, start, stop) == full[start:stop]
+    good = idx.read_bytes()
+    for damaged in (b"", good[:80], good[8:] + good[:8], bytes(len(good))):  # none, short, shifted, zeros
+        idx.write_bytes(damaged)
+        for start, stop in ranges:
+            assert indexed_samples(path, start, stop) is None
+            assert chunk_samples(path, start, stop) == full[start:stop]
+    idx.unlink()
+    assert chunk_samples(path, 5, 9) == full[5:9]
+    # a range that does not end at a header (the fast path refuses it; the caller lists the file)
+    assert tar_scan.list_tar_range(str(path), 0, layout.samples[1][1] + 1) is None

@@ -370,6 +370,7 @@ class PreprocessJob(ResumableJob):
                 "resumed": run.resumed,
                 "phases": run.phases,
                 "task_cpu_s": run.task_cpu_s,
+                "driver_cpu_s": run.driver_cpu_s(),
                 "task_nodes": dict(sorted(run.task_nodes.items())),
                 "tokenizer": str(Path(cfg.tokenizer).resolve()) if cfg.tokenizer else None,
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",

@@ -61,6 +61,22 @@ def list_tar(path: str) -> TarListing:
         return _list_with_tarfile(path)
 
 
+def list_tar_range(path: str, start: int, stop: int) -> list[TarMember] | None:
+    """The regular-file members whose headers lie in bytes [start, stop) of a well-formed tar,
+    e.g. a run of samples whose offsets energon's `.tar.idx` gives, so that reading a few samples
+    of a big shard costs those samples, not the shard. None wherever the fast path would not list
+    exactly those members (the range does not start and end at headers, an unusual header, an
+    unreadable file): the caller then lists the whole file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _scan(fd, os.fstat(fd).st_size, start, stop)
+        finally:
+            os.close(fd)
+    except (_Unusual, OSError):
+        return None
+
+
 def _list_with_tarfile(path: str) -> TarListing:
     """The reference listing: what tarfile yields, plus a note when the file is cut short."""
     members: list[TarMember] = []
@@ -96,21 +112,26 @@ def _list_with_tarfile(path: str) -> TarListing:
     return TarListing(members, tail_error)
 
 
-def _scan(fd: int, file_size: int) -> list[TarMember]:
-    """Walk the headers of a well-formed tar; raise _Unusual wherever tarfile would do more
-    than list members (stop early, raise, or apply an extension we do not model)."""
+def _scan(fd: int, file_size: int, offset: int = 0, stop: int | None = None) -> list[TarMember]:
+    """Walk the headers of a well-formed tar (from the header at `offset` to the one at `stop`,
+    or to the end-of-archive marker); raise _Unusual wherever tarfile would do more than list
+    members (stop early, raise, or apply an extension we do not model), or the walk does not
+    land on `stop`."""
     members: list[TarMember] = []
-    offset = 0
     long_name: str | None = None  # from a GNU 'L' header, for the next member
     long_link = False  # a GNU 'K' header was seen for the next member
     pax: dict[str, bytes] | None = None  # records of a pax 'x' header, for the next member
     while True:
-        buf = os.pread(fd, BLOCK, offset)
         pending = long_name is not None or long_link or pax is not None
+        if offset == stop:
+            if pending:
+                raise _Unusual("range ends after an extension header")
+            return members
+        buf = os.pread(fd, BLOCK, offset)
         if len(buf) < BLOCK:  # no end-of-archive marker: reported by the tarfile listing
             raise _Unusual("truncated header")
         if buf == _ZERO_BLOCK:
-            if pending:
+            if pending or stop is not None:
                 raise _Unusual("end of archive after an extension header")
             return members
         size, kind = _parse_header(buf)
@@ -139,8 +160,8 @@ def _scan(fd: int, file_size: int) -> list[TarMember]:
             else:
                 offset = data
             long_name, long_link, pax = None, False, None
-        if offset > file_size:
-            raise _Unusual("file ends inside member data")
+        if offset > file_size or (stop is not None and offset > stop):
+            raise _Unusual("file (or range) ends inside member data")
 
 
 def _parse_header(buf: bytes) -> tuple[int, bytes]:

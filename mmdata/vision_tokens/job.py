@@ -49,6 +49,7 @@ from mmdata.shard_job.energon_meta import INDEX_PART, NV_META, build_index, publ
 from mmdata.shard_job.lengths import LENGTHS_NAME, tokenizer_fingerprint
 from mmdata.shard_job.manifest import Counts, fingerprint
 from mmdata.shard_job.quarantine import concat_parts
+from mmdata.shard_job.shard_samples import count_samples
 from mmdata.shard_job.shard_writer import shard_work_file
 from mmdata.stage_runner import Identity, JobRun, RayCluster, ResumableJob, Stage, run_job
 from mmdata.units import plural
@@ -59,7 +60,6 @@ from mmdata.vision_tokens.stages import (
     TokenizeOptions,
     TokenizeWorker,
     chunk_file,
-    count_samples,
     finished_chunk,
     write_token_shard,
 )
@@ -458,6 +458,7 @@ class TokenizeJob(ResumableJob):
                 "resumed": run.resumed,
                 "phases": run.phases,
                 "task_cpu_s": run.task_cpu_s,
+                "driver_cpu_s": run.driver_cpu_s(),
                 "task_nodes": dict(sorted(run.task_nodes.items())),
                 "ray_address": cfg.address or os.environ.get("RAY_ADDRESS") or "local",
                 "num_cpus": cfg.num_cpus,

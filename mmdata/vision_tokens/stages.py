@@ -19,6 +19,7 @@ import io
 import json
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +36,8 @@ from mmdata.shard_job.energon_meta import INDEX_PART, write_index_part, write_ta
 from mmdata.shard_job.manifest import Counts
 from mmdata.shard_job.quarantine import quarantine_line
 from mmdata.shard_job.shard_writer import SampleMembers, sha256_file, shard_work_file, write_shard
-from mmdata.shard_job.tar_scan import list_tar
+from mmdata.shard_job.shard_samples import chunk_samples
+from mmdata.stage_runner import CPU_KEY
 from mmdata.vision_tokens.lengths import shard_part
 from mmdata.vision_tokens.vq import VisionTokenizer, set_deterministic_torch
 
@@ -73,27 +75,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- reading input
-
-
-def _shard_samples(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
-    """(key, [(suffix, offset, size)]) of every sample of a shard, in order."""
-    listing = list_tar(str(path))
-    if listing.tail_error:
-        raise IOError(f"{path}: {listing.tail_error}")
-    samples: list[tuple[str, list[tuple[str, int, int]]]] = []
-    for m in listing.members:
-        key, _, suffix = Path(m.name).name.partition(".")
-        if not samples or samples[-1][0] != key:
-            samples.append((key, []))
-        samples[-1][1].append((suffix, m.offset_data, m.size))
-    return samples
-
-
-def count_samples(path: Path) -> int:
-    return len(_shard_samples(path))
 
 
 # ----------------------------------------------------------------------------- the VQ, once per worker
@@ -146,13 +127,12 @@ class TokenizeWorker:
         _write_atomic(path, json.dumps(self.process).encode())
 
     def tokenize(self, spec: ChunkSpec) -> dict:
-        """The chunk's counts, and which process did it with how many VQ loads so far (1, unless
-        something reloads the model per chunk)."""
-        return {
-            **tokenize_chunk(spec, self.opts, self.vt, self.tasks),
-            **self.process,
-            "vq_loads": vq_loads_in_process(),
-        }
+        """The chunk's counts, which process did it with how many VQ loads so far (1, unless
+        something reloads the model per chunk), and the CPU it took (`run.task_cpu_s`, as the
+        runner's tasks report theirs)."""
+        c0 = time.process_time()
+        result = tokenize_chunk(spec, self.opts, self.vt, self.tasks)
+        return {**result, **self.process, "vq_loads": vq_loads_in_process(), CPU_KEY: time.process_time() - c0}
 
 
 def load_text_tasks(opts: TokenizeOptions):
@@ -253,7 +233,7 @@ def tokenize_chunk(spec: ChunkSpec, opts: TokenizeOptions, vt, tasks=None) -> di
         return done
     marker = chunk_file(opts.work, spec.shard, spec.index, "json")
     path = Path(opts.input_dir) / spec.shard
-    samples = _shard_samples(path)[spec.start : spec.stop]
+    samples = chunk_samples(path, spec.start, spec.stop)
     if len(samples) != spec.stop - spec.start:
         raise IOError(f"{path}: has fewer samples than planned (input changed?)")
     encoder = _Encoder(vt, opts.batch_size)
