@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 #: the key of a loader state file written inside a balancing window
 WINDOW_STATE_KEY = "mmtrain.balance_window"
+#: the one loader state file of `data.sharding: global`: a position in the global order, no layout in it
+GLOBAL_STATE_FILE = "loader_global.json"
+#: what the global-order loader's batches report in `stats` (this rank's bytes; the step's units per source)
+BYTES_READ_STAT = "global/bytes_read"
+UNITS_STAT = "global/units/"
 
 
 @dataclass
@@ -40,6 +45,11 @@ class StepData:
     #: samples the loader skipped making this step's micro-batches, per reason (this rank's share:
     #: with `sharding: replicated` rank 0 counts every rank's, the others none, so DP sums are right)
     skipped: dict[str, int] = field(default_factory=dict)
+    #: `data.sharding: global`: bytes of the samples this rank read for the step (its tar members)
+    bytes_read: int = 0
+    #: `data.sharding: global`: the step's units (samples or tokens, the blend's) per source, the
+    #: same on every rank
+    source_units: dict[str, float] = field(default_factory=dict)
 
 
 def batch_skips(batch: PackedBatch) -> dict[str, int]:
@@ -53,6 +63,19 @@ def batch_sample_ids(batch: PackedBatch) -> list[str]:
     across sources; in `sample_ids` order (the per-sample losses follow it)."""
     rows = batch.sample_keys or batch.sample_ids
     return [str(sid) for row in rows for sid in row]
+
+
+def global_order_figures(micro_batches: list[PackedBatch]) -> tuple[int, dict[str, float]]:
+    """(bytes this rank read, the step's units per source) of a step's micro-batches from the
+    global-order loader (mmdata.energon_loaders.global_order: `stats` keys `global/...`)."""
+    read, units = 0, {}
+    for batch in micro_batches:
+        for key, value in batch.stats.items():
+            if key == BYTES_READ_STAT:
+                read += int(value)
+            elif key.startswith(UNITS_STAT):
+                units[key[len(UNITS_STAT) :]] = float(value)
+    return read, units
 
 
 class TrainData:
@@ -71,7 +94,9 @@ class TrainData:
         self._spec, self._recipe = spec, recipe
         self.balancer: RowBalancer | None = None
         self.window = 1  # steps drawn and placed together
-        if recipe.data.balance and recipe.data.packing != "plan":
+        # the global order places each step's rows on the ranks itself (balanced by cost when
+        # data.balance): nothing moves between ranks here
+        if recipe.data.balance and recipe.data.packing != "plan" and self.sharding != "global":
             self.balancer = self._make_balancer()
             w = recipe.data.balance_window
             self.window = auto_window(recipe.train.global_batch_size // ctx.dp) if w == "auto" else int(w)
@@ -92,7 +117,14 @@ class TrainData:
         """File name of this rank's loader state inside a checkpoint."""
         if self.sharding == "replicated":
             return "loader_replicated.json"
+        if self.sharding == "global":
+            return GLOBAL_STATE_FILE
         return f"loader_dp{self.loader_dp_rank:05d}_of{self.loader_dp_size:05d}.json"
+
+    def layout_figures(self) -> dict[str, int]:
+        """What a global-order resume may change: DP size, micro-batch size and loader workers."""
+        r = self._recipe
+        return {"dp": self.ctx.dp, "micro_batch_size": r.train.micro_batch_size, "num_workers": r.data.num_workers}
 
     def save_state(self) -> str:
         """The loader's `save_state_rank()` as JSON text (no pickles in checkpoints); inside a
@@ -149,6 +181,8 @@ class TrainData:
         mine = self._placed.pop(0)
         data = StepData(micro_batches=mine, skipped=dict(sorted(self._skipped.items())))
         self._skipped.clear()
+        if self.sharding == "global":
+            data.bytes_read, data.source_units = global_order_figures(mine)
         for batch in mine:
             ids = batch_sample_ids(batch)
             data.sample_ids.extend(ids)
