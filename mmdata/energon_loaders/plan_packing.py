@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 from megatron.energon import SavableDataset, WorkerConfig
 
 from mmdata.energon_loaders.random_access import PLAN_CARRIED as PLAN_CARRIED  # re-exported (skip counters)
+from mmdata.energon_loaders.random_access import PLAN_CARRY_LIMIT as PLAN_CARRY_LIMIT  # read at each row (tests set it)
 from mmdata.energon_loaders.random_access import PLAN_OVERFLOW, PLAN_TOO_LONG, ShardReader, fill_row, with_variant
 from mmdata.energon_loaders.random_access import PLAN_VARIANT as PLAN_VARIANT  # re-exported (the Emu3 encoder)
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
@@ -59,8 +60,6 @@ from mmdata.packing.plan_file import PlanError, plan_path, read_plan_info
 from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
 
-#: samples a worker carries into later rows at most (its loader state holds them)
-PLAN_CARRY_LIMIT = 256
 #: what to do about a skip reason of plan packing (the run's closing summary)
 PLAN_SKIP_HINTS = {
     PLAN_OVERFLOW: "preprocess with --tokenizer (exact lengths) and rerun pack-plan",
