@@ -305,7 +305,11 @@ class StepPlanner:
             for i in picked:
                 b = rows[int(i)]
                 members = tuple((int(src[x]), int(pos[x])) for x in b)
-                out.append(PlannedRow(members, tuple(int(samples[x]) for x in b), int(tokens[i]), int(row_tiles[i]), float(costs[i])))
+                out.append(
+                    PlannedRow(
+                        members, tuple(int(samples[x]) for x in b), int(tokens[i]), int(row_tiles[i]), float(costs[i])
+                    )
+                )
             flat = np.concatenate([rows[int(i)] for i in picked])
             per_source = np.bincount(src[flat], weights=units[flat], minlength=len(self.sources))
             steps.append(PlannedStep(start + j, tuple(out), tuple(float(u) for u in per_source)))

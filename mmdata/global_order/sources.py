@@ -57,7 +57,9 @@ class OrderSource:
         lengths = np.asarray(lengths, dtype=np.int64)
         n = len(lengths)
         tiles = np.zeros(n, np.int64) if tiles is None else np.asarray(tiles, dtype=np.int64)
-        return cls(name, Path(name), lengths, tiles, np.arange(n, dtype=np.int64), None, None, np.zeros(n, np.int64), True)
+        return cls(
+            name, Path(name), lengths, tiles, np.arange(n, dtype=np.int64), None, None, np.zeros(n, np.int64), True
+        )
 
 
 def load_source(
