@@ -270,7 +270,7 @@ class StepPlanner:
         """The pool's rows, the ones to take first first, and the pool positions no row holds."""
         if not self.packing:
             return [np.asarray([i]) for i in range(len(clipped))], np.zeros(0, dtype=np.int64)
-        bins, carried = windowed_knapsack(np.arange(len(clipped)), clipped, self.seq_length, flush=False)
+        bins, carried = windowed_knapsack(np.arange(len(clipped)), clipped, self.seq_length)
         if not bins:
             return [], carried
         fill = np.asarray([int(clipped[b].sum()) for b in bins])
