@@ -236,7 +236,7 @@ def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[s
 def _warn_shuffle_buffer(recipe: "Recipe", samples: list[int]) -> None:
     """Energon shuffles within each worker's share of every dataset; a buffer larger than the
     share holds the same samples again, so one step can draw a sample twice."""
-    if not samples:
+    if not samples or recipe.data.sharding == "global":  # (the global order reads by index: no shuffle buffer)
         return
     d, p = recipe.data, recipe.parallel
     readers = max(1, d.num_workers) * (p.dp if d.sharding == "dp" else 1)

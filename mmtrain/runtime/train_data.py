@@ -28,9 +28,6 @@ log = logging.getLogger(__name__)
 WINDOW_STATE_KEY = "mmtrain.balance_window"
 #: the one loader state file of `data.sharding: global`: a position in the global order, no layout in it
 GLOBAL_STATE_FILE = "loader_global.json"
-#: what the global-order loader's batches report in `stats` (this rank's bytes; the step's units per source)
-BYTES_READ_STAT = "global/bytes_read"
-UNITS_STAT = "global/units/"
 
 
 @dataclass
@@ -67,15 +64,10 @@ def batch_sample_ids(batch: PackedBatch) -> list[str]:
 
 def global_order_figures(micro_batches: list[PackedBatch]) -> tuple[int, dict[str, float]]:
     """(bytes this rank read, the step's units per source) of a step's micro-batches from the
-    global-order loader (mmdata.energon_loaders.global_order: `stats` keys `global/...`)."""
-    read, units = 0, {}
-    for batch in micro_batches:
-        for key, value in batch.stats.items():
-            if key == BYTES_READ_STAT:
-                read += int(value)
-            elif key.startswith(UNITS_STAT):
-                units[key[len(UNITS_STAT) :]] = float(value)
-    return read, units
+    global-order loader (`PackedBatch.global_order`: mmdata/energon_loaders/global_order.py)."""
+    where = [b.global_order for b in micro_batches if b.global_order is not None]
+    units = {name: float(u) for name, u in where[0]["units"].items()} if where else {}
+    return sum(int(w["bytes_read"]) for w in where), units
 
 
 class TrainData:
