@@ -41,7 +41,7 @@ def test_steps_are_a_pure_function_of_data_seed_and_batch():
     assert _sets(run) == _sets(s for s, _ in _take(again.steps_from(again.initial_state()), 40))
     other = StepPlanner(sources, None, 4096, 4, seed=4)
     assert _sets(run) != _sets(s for s, _ in _take(other.steps_from(other.initial_state()), 40))
-    assert [s.step for s in run] == list(range(40)) and planner.window_steps == 16
+    assert [s.step for s in run] == list(range(40)) and planner.window_steps == 32
     for s in run:
         assert len(s.rows) == 4 and all(r.tokens <= 4096 for r in s.rows)
         assert s.costs == sorted(s.costs, reverse=True)  # rows in cost order
@@ -92,9 +92,9 @@ def test_every_sample_of_an_epoch_trains_exactly_once():
     long = rng.integers(100, 3000, 250)
     long[::50] = 5000  # over seq_length
     sources = [OrderSource.from_arrays("a", long), _source("b", 150, 3)]
-    planner = StepPlanner(sources, None, 4096, 2, seed=2)
+    planner = StepPlanner(sources, None, 4096, 2, seed=2, window_steps=8)
     trained: list[tuple[int, int]] = []
-    waits = [0]
+    waits, past = [0], None  # past: the first window start with every stream in its second epoch
     it = planner.steps_from(planner.initial_state())
     while True:
         step, start = next(it)
@@ -103,21 +103,24 @@ def test_every_sample_of_an_epoch_trains_exactly_once():
         for r in step.rows:
             if any(int(sources[a].lengths[k]) > 4096 for (a, _), k in zip(r.members, r.samples)):
                 assert len(r.members) == 1
-        if all(p >= 2 * len(s) for p, s in zip(start.positions, sources)):
+        if past is None and all(p >= len(s) for p, s in zip(start.positions, sources)):
+            past = start.step
+        if past is not None and step.step == past + (MAX_WAIT + 2) * planner.window_steps:
             break
     assert len(trained) == len(set(trained))
     for a, s in enumerate(sources):
         assert {p for b, p in trained if b == a and p < len(s)} == set(range(len(s)))
         assert sorted(planner.sample_of(a, p) for p in range(len(s), 2 * len(s))) == list(range(len(s)))
+        assert [planner.sample_of(a, p) for p in range(len(s))] == list(range(len(s)))  # epoch 0: the index's order
     assert max(waits) <= (MAX_WAIT + 1) * planner.window_steps  # no sample waits in the pool for long
 
 
 def test_without_packing_a_row_is_one_sample_and_the_order_is_kept():
     planner = StepPlanner([_source("a", 100, 4)], None, 4096, 4, seed=0, packing=False)
-    steps = [s for s, _ in _take(planner.steps_from(planner.initial_state()), 32)]  # two windows
+    steps = [s for s, _ in _take(planner.steps_from(planner.initial_state()), 2 * planner.window_steps)]
     members = [m for s in steps for m in s.members()]
     assert all(len(r.members) == 1 for s in steps for r in s.rows)
-    assert sorted(p for _, p in members) == list(range(128))  # nothing held back, nothing twice
+    assert sorted(p for _, p in members) == list(range(8 * planner.window_steps))  # none held back, none twice
 
 
 def _balance(steps, shape: StepShape) -> list[float]:

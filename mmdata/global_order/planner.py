@@ -34,7 +34,8 @@ from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block,
 
 SLACK = 0.15  # the pool holds this much more than the window's rows need, so the best-filled are taken
 MAX_WAIT = 2  # windows a sample may wait in the pool before its row is taken first
-AUTO_WINDOW_ROWS = 64  # window_steps "auto": about this many rows per window
+AUTO_WINDOW_ROWS = 256  # window_steps "auto": about this many rows per window (fewer: steps of less even cost) ...
+AUTO_WINDOW_STEPS = 32  # ... in at most this many steps (more: a blend's schedule followed more coarsely)
 TIER_STREAM = 2  # the steps' order in a window: default_rng([seed, TIER_STREAM, window start])
 DOC_VERSION = 1
 AHEAD = 512  # stream positions looked up at once while drawing
@@ -169,7 +170,7 @@ class StepPlanner:
         if seq_length <= 0 or global_batch_size <= 0:
             raise UserError(f"seq_length {seq_length} and global_batch_size {global_batch_size} must be positive")
         if window_steps == "auto":
-            window_steps = max(1, math.ceil(AUTO_WINDOW_ROWS / global_batch_size))
+            window_steps = min(AUTO_WINDOW_STEPS, max(1, math.ceil(AUTO_WINDOW_ROWS / global_batch_size)))
         if not isinstance(window_steps, int) or window_steps < 1:
             raise UserError(f"data.order_window must be a whole number >= 1 or auto, got {window_steps!r}")
         self.seq_length, self.global_batch_size, self.seed = seq_length, global_batch_size, seed
