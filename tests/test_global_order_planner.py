@@ -78,10 +78,30 @@ def test_resume_from_any_steps_document_equals_the_uninterrupted_run():
         assert _sets(s for s, _ in _take(resumed, 15)) == _sets(s for s, _ in run[step.step : step.step + 15])
     assert OrderState.from_dict(json.loads(json.dumps(run[12][1].to_dict()))) == run[12][1]
     assert planner.state_at(planner.initial_state(), 12) == run[12][1]
-    with pytest.raises(UserError, match="keep train.global_batch_size"):
-        next(StepPlanner(sources, None, 4096, 8, seed=7, window_steps=5).resume(planner.document(run[0][1], 0)))
+    with pytest.raises(UserError, match="names no valid global batch size"):
+        next(planner.resume({**planner.document(run[0][1], 0), "global_batch_size": None}))
     with pytest.raises(UserError, match="damaged"):
         OrderState.from_dict({"step": 0, "positions": [0]})
+
+
+def test_a_resume_at_another_global_batch_continues_from_the_same_position():
+    """G 4 -> 8 inside a window: the steps trained before are not repeated, the samples the old
+    window had not trained yet are not lost; the new run is a pure function of the document."""
+    sources = [_source("a", 400, 1), _source("b", 300, 2)]
+    before = StepPlanner(sources, None, 4096, 4, seed=7, window_steps=6)
+    run = _take(before.steps_from(before.initial_state()), 40)
+    trained = [m for s, _ in run[:15] for m in s.members()]
+    doc = json.loads(json.dumps(before.document(run[15][1], 15)))
+    after = StepPlanner(sources, None, 4096, 8, seed=7, window_steps=4)
+    rest = [s for s, _ in _take(after.resume(doc), 30)]
+    assert [s.step for s in rest] == list(range(15, 45)) and all(len(s.rows) == 8 for s in rest)
+    assert _sets(rest) == _sets(
+        s for s, _ in _take(StepPlanner(sources, None, 4096, 8, seed=7, window_steps=4).resume(doc), 30)
+    )
+    now = trained + [m for s in rest for m in s.members()]
+    assert len(now) == len(set(now))  # nothing twice
+    untrained = {m for s, _ in run[15:18] for m in s.members()}  # the old window's later steps (15..17)
+    assert untrained <= set(now)  # nothing lost
 
 
 def test_every_sample_of_an_epoch_trains_exactly_once():

@@ -339,15 +339,33 @@ class StepPlanner:
 
     def resume(self, doc: dict[str, Any]) -> Iterator[tuple[PlannedStep, OrderState]]:
         """`steps_from` at a checkpoint document's next step: its window re-planned, the trained
-        steps skipped."""
+        steps skipped. A document of another global batch size (or window) continues from the same
+        position: its window is re-planned as it was, and the samples of its untrained steps go
+        back to the pool (`carried_state`), from which this planner's windows start."""
         state, step = read_checkpoint_doc(doc)
-        if (doc.get("global_batch_size"), doc.get("window_steps")) != (self.global_batch_size, self.window_steps):
-            raise UserError(
-                f"the checkpoint's global order has global batch size {doc.get('global_batch_size')} and window "
-                f"{doc.get('window_steps')} steps, this run {self.global_batch_size} and {self.window_steps}: "
-                "keep train.global_batch_size and data.order_window to resume"
+        made = (doc.get("global_batch_size"), doc.get("window_steps"))
+        if made != (self.global_batch_size, self.window_steps):
+            if not all(isinstance(x, int) and x > 0 for x in made):
+                raise UserError(
+                    f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
+                )
+            old = StepPlanner(
+                self.sources, self.blend, self.seq_length, made[0], self.seed, self.tile_tokens, made[1], self.packing
             )
+            yield from self.steps_from(old.carried_state(state, step))
+            return
         state = self.state_at(state, step - state.step)
         for st, start in self.steps_from(state):
             if st.step >= step:
                 yield st, start
+
+    def carried_state(self, state: OrderState, step: int) -> OrderState:
+        """A window-start state at `step` (inside a window of this planner that `state` starts or
+        precedes): the steps before it trained, every sample of the window's later steps back in
+        the pool (oldest first: by the window drawn in, then source and position)."""
+        state = self.state_at(state, step - state.step)
+        steps, nxt = self.window(state)
+        born = {(m[0], m[1]): m[2] for m in state.pool}
+        back = [[a, p, born.get((a, p), state.step)] for st in steps if st.step >= step for a, p in st.members()]
+        pool = sorted(back + [list(m) for m in nxt.pool], key=lambda m: (m[2], m[0], m[1]))
+        return OrderState(step, nxt.positions, nxt.credits, pool)
