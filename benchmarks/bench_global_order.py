@@ -30,9 +30,9 @@ import time
 import numpy as np
 
 from benchmarks.mixes import llava_ov_mix
-from mmdata.global_order import OrderSource, StepPlanner, placement
+from mmdata.global_order import OrderSource, StepPlanner, placed_balance
 from mmdata.inspect.packing import online_rank_rows
-from mmdata.packing.balance import DEFAULT_TILE_TOKENS, BalanceReport, StepShape, auto_window, simulate, vision_balance
+from mmdata.packing.balance import DEFAULT_TILE_TOKENS, BalanceReport, StepShape, auto_window, simulate
 
 SEED = 0
 
@@ -59,11 +59,7 @@ def ours(
     steps = [next(it)[0] for _ in range(max(1, rows // shape.global_batch_size))]
     ms = 1000 * (time.perf_counter() - t0) / (len(steps) * shape.global_batch_size)
     fill = float(np.mean([r.tokens for s in steps for r in s.rows])) / seq
-    ratios = []
-    for s in steps:
-        placed = placement(s, shape)
-        ratios.append(vision_balance([sum(s.rows[i].tiles for mb in rank for i in mb) for rank in placed]))
-    return fill, BalanceReport.of(ratios), ms
+    return fill, BalanceReport.of([placed_balance(s, shape) for s in steps]), ms
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from benchmarks.mixes import llava_ov_mix
 from mmdata.errors import UserError
-from mmdata.global_order import OrderSource, OrderState, StepPlanner, placement
+from mmdata.global_order import OrderSource, OrderState, StepPlanner, placed_balance, placement
 from mmdata.global_order.planner import MAX_WAIT
-from mmdata.packing.balance import StepShape, vision_balance
+from mmdata.packing.balance import StepShape
 
 pytestmark = pytest.mark.unit
 
@@ -143,14 +143,6 @@ def test_without_packing_a_row_is_one_sample_and_the_order_is_kept():
     assert sorted(p for _, p in members) == list(range(8 * planner.window_steps))  # none held back, none twice
 
 
-def _balance(steps, shape: StepShape) -> list[float]:
-    out = []
-    for s in steps:
-        placed = placement(s, shape)
-        out.append(vision_balance([sum(s.rows[i].tiles for mb in rank for i in mb) for rank in placed]))
-    return out
-
-
 def test_fill_and_vision_balance_on_the_benchmark_mix():
     """8K rows of the LLaVA-OV mix at 8K tokens: fill >= 0.95, and per-step vision balance (max /
     mean tiles over ranks, placed by assign_block) <= 1.10 on average for dp 2, 4 and 8, at 1 row
@@ -164,7 +156,7 @@ def test_fill_and_vision_balance_on_the_benchmark_mix():
         fill = np.mean([r.tokens for s in steps for r in s.rows]) / 8192
         assert fill >= 0.95
         for dp in dps:
-            ratios = _balance(steps, StepShape(dp, 1, g))
+            ratios = [placed_balance(s, StepShape(dp, 1, g)) for s in steps]
             print(
                 f"G {g} dp {dp}: fill {fill:.4f} balance {np.mean(ratios):.3f} worst {max(ratios):.3f} {ms:.3f} ms/row"
             )

@@ -30,7 +30,7 @@ from mmdata.errors import UserError
 from mmdata.global_order.blend import Blend, Draw
 from mmdata.global_order.sources import OrderSource, Streams, check_names
 from mmdata.packing.algorithm import windowed_knapsack
-from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block, row_costs
+from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block, row_costs, vision_balance
 
 SLACK = 0.15  # the pool holds this much more than the window's rows need, so the best-filled are taken
 MAX_WAIT = 2  # windows a sample may wait in the pool before its row is taken first
@@ -121,6 +121,12 @@ def placement(step: PlannedStep, shape: StepShape, balance: bool = True) -> list
     m = shape.micro_batch_size
     mine = [list(range(r, shape.global_batch_size, shape.dp)) for r in range(shape.dp)]
     return [[rows[i : i + m] for i in range(0, len(rows), m)] for rows in mine]
+
+
+def placed_balance(step: PlannedStep, shape: StepShape, balance: bool = True) -> float | None:
+    """`vision_balance` of `step` as `placement` puts it on `shape`'s ranks (max / mean tiles)."""
+    placed = placement(step, shape, balance)
+    return vision_balance([sum(step.rows[i].tiles for micro in rank for i in micro) for rank in placed])
 
 
 def checkpoint_doc(window_start: OrderState, step: int, global_batch_size: int, window_steps: int) -> dict[str, Any]:
