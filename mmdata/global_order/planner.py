@@ -199,12 +199,14 @@ class StepPlanner:
         k, g, start = self.window_steps, self.global_batch_size, state.step
         if len(state.positions) != len(self.sources):
             raise UserError(f"the order's state has {len(state.positions)} sources, the data {len(self.sources)}")
+        if any(not 0 <= m[0] < len(self.sources) for m in state.pool):
+            raise UserError("the order's state names a source the data does not have: resume with the same data.paths")
         positions, pool = list(state.positions), [list(m) for m in state.pool]
         draw = Draw(state.credits, self.blend.shares_at(start))
         need = k * g * (self.seq_length * (1 + SLACK) if self.packing else 1)
         per_step = g * (self.seq_length if self.packing else 1)
         src, pos, born, samples, clipped = self._pool_arrays(pool)
-        held = float(clipped.sum()) if self.packing else float(len(pool))
+        held = float(np.maximum(clipped, 1).sum()) if self.packing else float(len(pool))
         drawn = 0.0
         while True:
             if held < need:
@@ -270,7 +272,7 @@ class StepPlanner:
             n = length(s, p)
             draw.charge(s, n if self._tokens_unit else 1.0)
             out.append([s, p, start])
-            got += n if self.packing else 1
+            got += max(n, 1) if self.packing else 1  # (an empty sample still takes a draw: the loop ends)
         return out, got
 
     def _rows(self, clipped: np.ndarray, born: np.ndarray, start: int) -> tuple[list[np.ndarray], np.ndarray]:
