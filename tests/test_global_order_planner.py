@@ -13,7 +13,14 @@ import pytest
 
 from benchmarks.mixes import llava_ov_mix
 from mmdata.errors import UserError
-from mmdata.global_order import OrderSource, OrderState, StepPlanner, placed_balance, placement
+from mmdata.global_order import (
+    OrderSource,
+    OrderState,
+    StepPlanner,
+    placed_balance,
+    placement,
+    read_checkpoint_doc,
+)
 from mmdata.global_order.planner import MAX_WAIT
 from mmdata.packing.balance import StepShape
 
@@ -82,6 +89,10 @@ def test_resume_from_any_steps_document_equals_the_uninterrupted_run():
         next(planner.resume({**planner.document(run[0][1], 0), "global_batch_size": None}))
     with pytest.raises(UserError, match="damaged"):
         OrderState.from_dict({"step": 0, "positions": [0]})
+    for bad, match in (({"version": 2}, "no global-order document of version 1"), ({**doc, "step": -1}, "before its")):
+        with pytest.raises(UserError, match=match) as e:
+            read_checkpoint_doc(bad)
+        assert "\n" not in str(e.value)
 
 
 def test_a_resume_at_another_global_batch_continues_from_the_same_position():
