@@ -132,11 +132,11 @@ class GlobalOrderDataset(SavableDataset):
             "worker_config": self.worker_config.config(),
         }
 
-    def micro_batches(self) -> Iterator[tuple[PlannedStep, int, list[int]]]:
+    def micro_batches(self, worker: int | None = None) -> Iterator[tuple[PlannedStep, int, list[int]]]:
         """This worker's micro-batches in order: (the step, this rank's micro-batch number in it,
-        the step's row numbers it holds)."""
+        the step's row numbers it holds). `worker`: the one iterating when None."""
         workers = max(1, self.worker_config.num_workers)
-        j = self.worker_config.rank_worker_id() % workers
+        j = (self.worker_config.rank_worker_id() if worker is None else worker) % workers
         per_rank, t0 = self.shape.micro_batches, int(self.start["step"])
         for planned, _ in self.planner.resume(self.start):
             base = (planned.step - t0) * per_rank
