@@ -54,11 +54,14 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
 
 
 def test_a_global_order_resume_compares_no_layout_key(tmp_path):
-    """Micro-batch and worker count may change under the global order (the DP size never was in
-    the identity); in the other modes they still refuse, and the blend is part of the data."""
+    """Micro-batch, worker count and the order's window may change under the global order (the DP
+    size never was in the identity); in the other modes they still refuse, and the blend is part
+    of the data."""
     dp4 = recipe(tmp_path, TWO, "data.sharding=global", "data.num_workers=2")
     saved = data_identity(dp4)
-    other = recipe(tmp_path, TWO, "data.sharding=global", "data.num_workers=3", "train.micro_batch_size=2")
+    other = recipe(
+        tmp_path, TWO, "data.sharding=global", "data.num_workers=3", "train.micro_batch_size=2", "data.order_window=3"
+    )
     assert identity_changes(*comparable(saved, data_identity(other), "global")) == []
     blended = recipe(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 1, books: 2}}")
     (change,) = identity_changes(*comparable(saved, data_identity(blended), "global"))

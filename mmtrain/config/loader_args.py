@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from mmtrain.config.schema import Recipe
-from mmtrain.recipe_plan import recipe_geometry
 
 #: `data:` keys named as the loader's own arguments (mmdata.energon_loaders.loader.build_loader)
 LOADER_DATA_KEYS = ("num_workers", "packing", "packing_plan", "packing_buffer_size", "shuffle_buffer_size")
@@ -32,7 +31,7 @@ def loader_kwargs(recipe: Recipe, dp_rank: int, dp_size: int, tile_tokens: float
 
 def global_order_kwargs(recipe: Recipe, tile_tokens: float | None) -> dict[str, Any]:
     """build_loader's arguments of `sharding="global"`: nothing in them depends on the layout (the
-    geometry counts the length index's tokens as the family's encoder will make them)."""
+    family's loader builder adds the geometry its length index is counted with)."""
     d = recipe.data
     return {
         "sharding": "global",
@@ -41,5 +40,4 @@ def global_order_kwargs(recipe: Recipe, tile_tokens: float | None) -> dict[str, 
         "window_steps": d.order_window,
         "balance": d.balance,
         "tile_tokens": tile_tokens,
-        "geometry": recipe_geometry(recipe),
     }

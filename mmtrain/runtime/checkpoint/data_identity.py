@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 
 RESET_SWITCH = "checkpoint.reset_data=true"
 #: data keys the loader state does not depend on (see the module docstring)
-NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window")
+NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window", "order_window")
 #: keys of the layout a global-order loader state does not depend on: a resume may change them
 GLOBAL_ORDER_LAYOUT_KEYS = ("train.micro_batch_size", "data.num_workers")
-#: data keys only the global order reads (left out of other modes' identity: older checkpoints lack them)
-GLOBAL_ORDER_KEYS = ("blend", "order_window")
+#: data keys only the global order reads (left out of other modes' identity: older checkpoints lack
+#: them). Its window (`order_window`) is in no identity: the order continues across a change of it
+GLOBAL_ORDER_KEYS = ("blend",)
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 
