@@ -12,8 +12,9 @@ from mmtrain.config.schema import Recipe
 
 
 def source_names(paths: list[str]) -> list[str]:
-    """The names a blend gives the sources: each shard folder's basename (mmdata.global_order.sources)."""
-    return [Path(p).name for p in paths]
+    """The names a blend gives the sources: each shard folder's basename, symlinks followed, as
+    `mmdata.global_order.sources.load_source` names them."""
+    return [Path(p).resolve().name for p in paths]
 
 
 def global_order_checks(r: Recipe, errors: RecipeErrors) -> None:

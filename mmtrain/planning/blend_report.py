@@ -27,6 +27,7 @@ def blend_lines(recipe: Recipe) -> list[str]:
     blend = Blend.parse(recipe.data.blend, names)
     lines = [
         f"planned data shares over the run (data.sharding: global; blend unit {blend.unit}, ramp {blend.ramp}; "
-        f"realised shares per step in metrics.jsonl):"
+        f"schedule steps count the steps trained before, so step s is metrics.jsonl's step s+1, where each "
+        "step's realised shares are):"
     ]
     return lines + [f"  {line}" for line in blend.describe(report_steps(blend, recipe.train.iters))]
