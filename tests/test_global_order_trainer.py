@@ -44,6 +44,8 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
     assert "a weight must be a finite number >= 0" in line
     (line,) = errors(tmp_path, "data.paths=[/data/mix.yaml]", "data.sharding=global")
     assert "data.paths: /data/mix.yaml is a metadataset YAML" in line and "data.blend" in line
+    (line,) = errors(tmp_path, TWO, "data.val_paths=[/data/val.yml]", "data.sharding=global")
+    assert "data.val_paths: /data/val.yml is a metadataset YAML" in line
     (line,) = errors(tmp_path, "data.paths=[/a/web,/b/web]", "data.sharding=global")
     assert "two shard folders share the name 'web'" in line
     (line,) = errors(tmp_path, TWO, "data.order_window=2")

@@ -36,14 +36,15 @@ def global_order_checks(r: Recipe, errors: RecipeErrors) -> None:
         return
     if d.order_window != "auto" and d.order_window < 1:
         errors.add(("data", "order_window"), f"must be >= 1 steps or auto, got {d.order_window}")
-    yamls = [p for p in d.paths if Path(p).suffix in (".yaml", ".yml")]
-    if yamls:
-        errors.add(
-            ("data", "paths"),
-            f"{yamls[0]} is a metadataset YAML, which data.sharding: global does not read: list its shard "
-            "folders in data.paths and put their weights in data.blend ({weights: {folder_name: w, ...}})",
-            [("data", "sharding")],
-        )
+    for key, paths in (("paths", d.paths), ("val_paths", d.val_paths)):  # (evaluation reads in the same mode)
+        if yamls := [p for p in paths if Path(p).suffix in (".yaml", ".yml")]:
+            errors.add(
+                ("data", key),
+                f"{yamls[0]} is a metadataset YAML, which data.sharding: global does not read: list its shard "
+                f"folders in data.{key} and put their weights in data.blend ({{weights: {{folder_name: w, ...}}}})",
+                [("data", "sharding")],
+            )
+    if any(Path(p).suffix in (".yaml", ".yml") for p in d.paths):
         return
     names = source_names(d.paths)
     twice = sorted({n for n in names if names.count(n) > 1})
