@@ -17,6 +17,7 @@ from mmdata.global_order.planner import (
     StepPlanner,
     checkpoint_doc,
     initial_state,
+    placed_balance,
     placement,
     read_checkpoint_doc,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "checkpoint_doc",
     "initial_state",
     "load_source",
+    "placed_balance",
     "placement",
     "read_checkpoint_doc",
 ]

@@ -30,11 +30,12 @@ from mmdata.errors import UserError
 from mmdata.global_order.blend import Blend, Draw
 from mmdata.global_order.sources import OrderSource, Streams, check_names
 from mmdata.packing.algorithm import windowed_knapsack
-from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block, row_costs
+from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block, row_costs, vision_balance
 
 SLACK = 0.15  # the pool holds this much more than the window's rows need, so the best-filled are taken
 MAX_WAIT = 2  # windows a sample may wait in the pool before its row is taken first
-AUTO_WINDOW_ROWS = 64  # window_steps "auto": about this many rows per window
+AUTO_WINDOW_ROWS = 256  # window_steps "auto": about this many rows per window (fewer: steps of less even cost) ...
+AUTO_WINDOW_STEPS = 32  # ... in at most this many steps (more: a blend's schedule followed more coarsely)
 TIER_STREAM = 2  # the steps' order in a window: default_rng([seed, TIER_STREAM, window start])
 DOC_VERSION = 1
 AHEAD = 512  # stream positions looked up at once while drawing
@@ -122,6 +123,12 @@ def placement(step: PlannedStep, shape: StepShape, balance: bool = True) -> list
     return [[rows[i : i + m] for i in range(0, len(rows), m)] for rows in mine]
 
 
+def placed_balance(step: PlannedStep, shape: StepShape, balance: bool = True) -> float | None:
+    """`vision_balance` of `step` as `placement` puts it on `shape`'s ranks (max / mean tiles)."""
+    placed = placement(step, shape, balance)
+    return vision_balance([sum(step.rows[i].tiles for micro in rank for i in micro) for rank in placed])
+
+
 def checkpoint_doc(window_start: OrderState, step: int, global_batch_size: int, window_steps: int) -> dict[str, Any]:
     """The loader's layout-free checkpoint: the state at the start of the window holding `step`
     (the next step to train), and the step."""
@@ -169,7 +176,7 @@ class StepPlanner:
         if seq_length <= 0 or global_batch_size <= 0:
             raise UserError(f"seq_length {seq_length} and global_batch_size {global_batch_size} must be positive")
         if window_steps == "auto":
-            window_steps = max(1, math.ceil(AUTO_WINDOW_ROWS / global_batch_size))
+            window_steps = min(AUTO_WINDOW_STEPS, max(1, math.ceil(AUTO_WINDOW_ROWS / global_batch_size)))
         if not isinstance(window_steps, int) or window_steps < 1:
             raise UserError(f"data.order_window must be a whole number >= 1 or auto, got {window_steps!r}")
         self.seq_length, self.global_batch_size, self.seed = seq_length, global_batch_size, seed
@@ -192,12 +199,14 @@ class StepPlanner:
         k, g, start = self.window_steps, self.global_batch_size, state.step
         if len(state.positions) != len(self.sources):
             raise UserError(f"the order's state has {len(state.positions)} sources, the data {len(self.sources)}")
+        if any(not 0 <= m[0] < len(self.sources) for m in state.pool):
+            raise UserError("the order's state names a source the data does not have: resume with the same data.paths")
         positions, pool = list(state.positions), [list(m) for m in state.pool]
         draw = Draw(state.credits, self.blend.shares_at(start))
         need = k * g * (self.seq_length * (1 + SLACK) if self.packing else 1)
         per_step = g * (self.seq_length if self.packing else 1)
         src, pos, born, samples, clipped = self._pool_arrays(pool)
-        held = float(clipped.sum()) if self.packing else float(len(pool))
+        held = float(np.maximum(clipped, 1).sum()) if self.packing else float(len(pool))
         drawn = 0.0
         while True:
             if held < need:
@@ -263,7 +272,7 @@ class StepPlanner:
             n = length(s, p)
             draw.charge(s, n if self._tokens_unit else 1.0)
             out.append([s, p, start])
-            got += n if self.packing else 1
+            got += max(n, 1) if self.packing else 1  # (an empty sample still takes a draw: the loop ends)
         return out, got
 
     def _rows(self, clipped: np.ndarray, born: np.ndarray, start: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -338,15 +347,33 @@ class StepPlanner:
 
     def resume(self, doc: dict[str, Any]) -> Iterator[tuple[PlannedStep, OrderState]]:
         """`steps_from` at a checkpoint document's next step: its window re-planned, the trained
-        steps skipped."""
+        steps skipped. A document of another global batch size (or window) continues from the same
+        position: its window is re-planned as it was, and the samples of its untrained steps go
+        back to the pool (`carried_state`), from which this planner's windows start."""
         state, step = read_checkpoint_doc(doc)
-        if (doc.get("global_batch_size"), doc.get("window_steps")) != (self.global_batch_size, self.window_steps):
-            raise UserError(
-                f"the checkpoint's global order has global batch size {doc.get('global_batch_size')} and window "
-                f"{doc.get('window_steps')} steps, this run {self.global_batch_size} and {self.window_steps}: "
-                "keep train.global_batch_size and data.order_window to resume"
+        made = (doc.get("global_batch_size"), doc.get("window_steps"))
+        if made != (self.global_batch_size, self.window_steps):
+            if not all(isinstance(x, int) and x > 0 for x in made):
+                raise UserError(
+                    f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
+                )
+            old = StepPlanner(
+                self.sources, self.blend, self.seq_length, made[0], self.seed, self.tile_tokens, made[1], self.packing
             )
+            yield from self.steps_from(old.carried_state(state, step))
+            return
         state = self.state_at(state, step - state.step)
         for st, start in self.steps_from(state):
             if st.step >= step:
                 yield st, start
+
+    def carried_state(self, state: OrderState, step: int) -> OrderState:
+        """A window-start state at `step` (inside a window of this planner that `state` starts or
+        precedes): the steps before it trained, every sample of the window's later steps back in
+        the pool (oldest first: by the window drawn in, then source and position)."""
+        state = self.state_at(state, step - state.step)
+        steps, nxt = self.window(state)
+        born = {(m[0], m[1]): m[2] for m in state.pool}
+        back = [[a, p, born.get((a, p), state.step)] for st in steps if st.step >= step for a, p in st.members()]
+        pool = sorted(back + [list(m) for m in nxt.pool], key=lambda m: (m[2], m[0], m[1]))
+        return OrderState(step, nxt.positions, nxt.credits, pool)

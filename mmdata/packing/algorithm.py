@@ -9,7 +9,9 @@ sequences filled below 99.5 % into the next window (at most half a window of the
 meet new partners; only the very end of the data is emitted as it is. On the synthetic mix that
 lifts the efficiency from about 98.6 % (online) to over 99.5 % at 8K (tests/test_pack_plan.py).
 Samples longer than N go alone into a sequence (`over_length`; the loader truncates their text
-or drops them). The result is a pure function of (lengths, N, seed).
+or drops them). The result is a pure function of (lengths, N, seed). The global order's planner
+(mmdata/global_order/planner.py) packs its pool of drawn samples with the same `windowed_knapsack`:
+the plan is that computation done ahead for a whole epoch.
 """
 
 from __future__ import annotations

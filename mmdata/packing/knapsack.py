@@ -1,12 +1,10 @@
 """Largest-first knapsack: which samples share a packed row. The loader's online packer
 (energon's `select_samples_to_pack` hook, via `energon_loaders.row_mix.pack_buffer`) and the
-offline plan (algorithm.py) both choose rows with it. Pure numpy, so planning needs no torch."""
+offline plan (algorithm.py) both choose rows with it. Pure Python, so planning needs no torch."""
 
 from __future__ import annotations
 
 from typing import Sequence
-
-import numpy as np
 
 
 def _best_subset(lengths: Sequence[int], capacity: int) -> list[int]:
