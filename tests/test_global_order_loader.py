@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from megatron.energon import WorkerConfig
 
-from mmdata.energon_loaders.global_order import BYTES_READ, GlobalOrderDataset
+from mmdata.energon_loaders.global_order import BYTES_READ, GLOBAL_ORDER_FIELDS, GlobalOrderDataset
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.errors import UserError
 from mmdata.global_order import OrderSource, StepPlanner, placement
@@ -68,6 +68,7 @@ def _run(loaders, steps: int) -> tuple[dict, dict]:
         while loader.next_step < steps:
             batch = next(it)
             at = batch.global_order
+            assert tuple(at) == GLOBAL_ORDER_FIELDS
             keys[at["step"]][rank] += [k for row in batch.sample_keys for k in row]
             read[at["step"]][rank] += at["bytes_read"]
             assert batch.stats[BYTES_READ] == at["bytes_read"]
