@@ -35,8 +35,8 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
     "bench_private_internals.py": ("direct_io", None),
     "bench_vision_layout.py": ("vision_layout", None),
-    "bench_global_order.py": ("global_order_fill", None),
     "bench_global_reads.py": ("global_order_bytes_per_rank", "its data needs a Ray job (preprocess: the length index)"),
+    "bench_global_order.py": ("global_order_fill", None),
 }
 # script -> the BENCH lines it prints besides its main one
 MORE_LINES: dict[str, tuple[str, ...]] = {

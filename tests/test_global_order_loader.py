@@ -7,6 +7,7 @@ a metadataset YAML is refused. The micro-batch order per worker is checked witho
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from collections import Counter, defaultdict
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from megatron.energon import WorkerConfig
 
-from mmdata.energon_loaders.global_order import BYTES_READ, GlobalOrderDataset
+from mmdata.energon_loaders.global_order import BYTES_READ, GLOBAL_ORDER_FIELDS, GlobalOrderDataset
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.errors import UserError
 from mmdata.global_order import OrderSource, StepPlanner, placement
@@ -67,10 +68,18 @@ def _run(loaders, steps: int) -> tuple[dict, dict]:
         while loader.next_step < steps:
             batch = next(it)
             at = batch.global_order
+            assert tuple(at) == GLOBAL_ORDER_FIELDS
             keys[at["step"]][rank] += [k for row in batch.sample_keys for k in row]
             read[at["step"]][rank] += at["bytes_read"]
             assert batch.stats[BYTES_READ] == at["bytes_read"]
     return keys, read
+
+
+def _close(loaders: list) -> None:
+    """Stop the loaders' worker processes now (energon keeps them behind a reference cycle; each
+    takes torch's shutdown timeout), so their cost counts in the test that started them."""
+    loaders.clear()
+    gc.collect()
 
 
 def _planned(planner: StepPlanner, steps: int):
@@ -96,7 +105,7 @@ def test_every_layout_trains_the_planned_steps_reads_its_rows_and_resumes_anywhe
     """(dp, workers, micro-batch) in (1, 1, 1), (2, 2, 1), (3, 1, 2): each step's keys over the
     ranks are the planner's (so the same at every layout), each rank trains the rows `placement`
     gives it and the ranks' bytes add up to the step's. The document saved after step 0 at DP 2
-    (mid-window) restored at DP 3 continues with the uninterrupted steps. Over the planned steps
+    (mid-window) restored at DP 3 without workers continues with the uninterrupted steps. Over the planned steps
     of the first epoch and a half, every key of both sources trains, none more than twice."""
     data, tok = two_sources
     steps = 2
@@ -121,7 +130,8 @@ def test_every_layout_trains_the_planned_steps_reads_its_rows_and_resumes_anywhe
             assert sum(read[t].values()) == size and all(read[t][r] > 0 for r in range(dp))
             for r, micros in enumerate(placement(step, shape)):
                 assert sorted(keys[t][r]) == sorted(_keys_of(planner, [step.rows[i] for m in micros for i in m]))
-    resumed = [_build(data, tok, r, 3, 1, 2) for r in range(3)]
+        _close(loaders)
+    resumed = [_build(data, tok, r, 3, 0, 2) for r in range(3)]
     for loader in resumed:
         loader.restore_state_json(saved)
     keys, _ = _run(resumed, 1 + steps)
@@ -168,3 +178,51 @@ def test_workers_and_ranks_make_every_micro_batch_of_a_step_once():
                     previous = j
                     made[planned.step] += rows
         assert all(sorted(made[t]) == list(range(12)) for t in range(5)), (dp, workers, micro)
+
+
+def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, emu3_tok_dir):
+    """Emu3 token shards (keys with gaps, a task and caption drop drawn once per sample from the
+    seed): at DP 1 and DP 2 (no workers: the other test covers them), each step trains the
+    planner's samples, each in its planned task, at exactly its planned length."""
+    from mmdata.energon_loaders.emu3.loader import build_emu3_loader
+    from mmdata.packing.emu3_geometry import GENERATE, GENERATE_UNCOND, UNDERSTAND
+
+    encoder = {"p_uncond": 0.5, "uncond_prompt": "a picture", "tasks": {"understanding": 1.0, "generation": 2.0}}
+    task = {UNDERSTAND: "understanding", GENERATE: "generation", GENERATE_UNCOND: "generation"}
+
+    def build(rank: int, dp: int, workers: int):
+        return build_emu3_loader(
+            token_dir,
+            emu3_tok_dir,
+            seq_length=SEQ,
+            micro_batch_size=1,
+            dp_rank=rank,
+            dp_size=dp,
+            num_workers=workers,
+            encoder=encoder,
+            sharding="global",
+            global_batch_size=2,
+            seed=3,
+        )
+
+    planner = build(0, 1, 0).planner
+    (source,) = planner.sources
+    assert source.keys is not None and {UNDERSTAND, GENERATE, GENERATE_UNCOND} <= set(source.variants.tolist())
+    planned = list(_planned(planner, 3))
+    for dp, workers in ((1, 0), (2, 0)):
+        got: dict[int, list[tuple[str, str, int]]] = defaultdict(list)
+        for rank in range(dp):
+            loader = build(rank, dp, workers)
+            it = iter(loader)
+            while loader.next_step < 3:
+                batch = next(it)  # one row (micro-batch 1): its samples' segments, then padding
+                (keys,) = batch.sample_keys
+                lengths = np.diff(batch.cu_seqlens.tolist())[: len(keys)].tolist()
+                got[batch.global_order["step"]] += list(zip(keys, batch.tasks[0], lengths))
+        for t, (_, _, step) in enumerate(planned):
+            expect = [
+                (f"{source.root}#{source.key(k)}", task[int(source.variants[k])], int(source.lengths[k]))
+                for row in step.rows
+                for k in row.samples
+            ]
+            assert sorted(got[t]) == sorted(expect), (dp, t)
