@@ -68,6 +68,19 @@ def test_bad_blends_are_refused_in_one_line(doc, match):
     assert "\n" not in str(e.value) and isinstance(e.value, UserError)
 
 
+def test_a_bad_weight_is_named_as_the_user_wrote_it():
+    """The plain form's entries are `data.blend.weights`, a schedule's `data.blend.schedule[i].weights`."""
+    with pytest.raises(BlendError) as e:
+        Blend.parse({"weights": {"a": -1, "b": 1}}, NAMES)
+    assert str(e.value).startswith("data.blend.weights['a'] = -1:") and "schedule" not in str(e.value)
+    with pytest.raises(BlendError) as e:
+        Blend.parse({"weights": {"d": 1}}, NAMES)
+    assert str(e.value).startswith("data.blend.weights names unknown source 'd'")
+    with pytest.raises(BlendError) as e:
+        Blend.parse({"schedule": [{"step": 0, "weights": {"a": 1}}, {"step": 9, "weights": {"a": 0}}]}, NAMES)
+    assert str(e.value).startswith("data.blend.schedule[1].weights are all zero")
+
+
 def _realised(blend: Blend, steps: int = STEPS) -> tuple[StepPlanner, list]:
     planner = StepPlanner(_sources(), blend, TINY_SEQ, TINY_G, seed=5)
     it = planner.steps_from(planner.initial_state())

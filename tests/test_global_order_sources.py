@@ -54,3 +54,10 @@ def test_emu3_token_shards_become_a_source_with_their_variants(token_dir, emu3_t
     for s in steps:
         for r in s.rows:
             assert r.tokens == sum(min(int(src.lengths[k]), 512) for k in r.samples) and r.tiles == 0
+
+
+def test_a_linked_folder_is_named_by_the_link(shards_dir, tmp_path):
+    """The name is the folder as written (symlinks not followed), as the recipe check names it."""
+    link = tmp_path / "web"
+    link.symlink_to(shards_dir, target_is_directory=True)
+    assert load_source(link).name == "web" != shards_dir.name

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from mmdata.global_order.sources import source_name
 from mmtrain.config import RecipeError, load_recipe
 from mmtrain.planning.blend_report import blend_lines
 from mmtrain.runtime.checkpoint.data_identity import comparable, data_identity, identity_changes
@@ -37,7 +38,7 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
     (line,) = errors(tmp_path, TWO, "data.blend={weights: {web: 3, books: 1}}")
     assert "data.blend: is only read with data.sharding: global (got sharding: dp)" in line
     (line,) = errors(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 3, news: 1}}")
-    assert "data.blend: schedule[0].weights names unknown source 'news': the sources are web, books" in line
+    assert "data.blend: weights names unknown source 'news': the sources are web, books" in line
     (line,) = errors(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 0, books: 0}}")
     assert "weights are all zero" in line
     (line,) = errors(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: -1, books: 1}}")
@@ -110,3 +111,15 @@ def test_dry_run_prints_the_planned_shares_over_the_run(tmp_path):
     assert "web 75.0%, books 25.0%" in shown["step 0"] and "web 50.0%, books 50.0%" in shown["step 40"]
     assert "web 59.4%" in shown["step 25"]  # the ramp: 3/4 -> 1/2 over steps 0-40
     assert blend_lines(recipe(tmp_path, TWO)) == []
+
+
+def test_a_symlinked_folder_is_named_as_written(tmp_path):
+    """`data.paths` names a source by the path as written: a link `news -> store/web` is `news`
+    (in the recipe check as in `load_source`), and two links to one folder are two names."""
+    (tmp_path / "store" / "web").mkdir(parents=True)
+    for link in ("news", "books"):
+        (tmp_path / link).symlink_to(tmp_path / "store" / "web", target_is_directory=True)
+    paths = f"data.paths=[{tmp_path / 'news'},{tmp_path / 'books'}]"
+    r = recipe(tmp_path, paths, "data.sharding=global", "data.blend={weights: {news: 3, books: 1}}")
+    assert r.data.blend == {"weights": {"news": 3, "books": 1}}
+    assert source_name(tmp_path / "news") == "news" and source_name("rel/../web/") == "web"

@@ -66,10 +66,13 @@ class Blend:
             raise BlendError(f"data.blend.unit {unit!r} is unknown: use one of {', '.join(UNITS)}")
         if ("weights" in doc) == ("schedule" in doc):
             raise BlendError("data.blend needs exactly one of weights: {source: w} or schedule: [{step:, weights:}]")
-        raw = [{"step": 0, "weights": doc["weights"]}] if "weights" in doc else doc["schedule"]
-        if not isinstance(raw, list) or not raw:
-            raise BlendError("data.blend.schedule must be a non-empty list of {step: S, weights: {source: w}}")
-        points = tuple(_point(i, p, names) for i, p in enumerate(raw))
+        if "weights" in doc:  # the plain form: its entries are named from data.blend (data.blend.weights)
+            points: tuple[BlendPoint, ...] = (_point("data.blend", {"step": 0, "weights": doc["weights"]}, names),)
+        else:
+            raw = doc["schedule"]
+            if not isinstance(raw, list) or not raw:
+                raise BlendError("data.blend.schedule must be a non-empty list of {step: S, weights: {source: w}}")
+            points = tuple(_point(f"data.blend.schedule[{i}]", p, names) for i, p in enumerate(raw))
         if points[0].step != 0:
             raise BlendError(f"data.blend.schedule[0] starts at step {points[0].step}: the first entry must be step 0")
         for i in range(1, len(points)):
@@ -105,9 +108,8 @@ class Blend:
         ]
 
 
-def _point(i: int, p: Any, names: tuple[str, ...]) -> BlendPoint:
-    """One schedule entry, checked."""
-    where = f"data.blend.schedule[{i}]"
+def _point(where: str, p: Any, names: tuple[str, ...]) -> BlendPoint:
+    """One schedule entry, checked; `where` names it in the errors."""
     if not isinstance(p, dict) or set(p) - {"step", "weights"} or "weights" not in p:
         raise BlendError(f"{where} must be {{step: S, weights: {{source: w}}}}, got {p!r:.80}")
     step = p.get("step", 0)

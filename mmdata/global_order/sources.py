@@ -10,6 +10,7 @@ permutation `default_rng([seed, source number, e])`. A position is the same samp
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ def load_source(
     index = np.asarray(inputs.index, dtype=np.int64)
     wanted = [str(k) for k in keys.to_pylist()] if keys is not None else [f"{int(i):010d}" for i in index]
     return OrderSource(
-        name or root.resolve().name,
+        name or source_name(root),
         root,
         np.asarray(inputs.lengths, dtype=np.int64),
         np.asarray(inputs.tiles, dtype=np.int64),
@@ -100,6 +101,12 @@ def load_source(
         sample_bytes(root, wanted),
         exact,
     )
+
+
+def source_name(root: Path | str) -> str:
+    """A folder's name as the user wrote it: the last component of its absolute path, symlinks not
+    followed (a link names its source, so linking a folder under another name renames it)."""
+    return Path(os.path.abspath(root)).name
 
 
 def sample_bytes(root: Path, keys: list[str]) -> np.ndarray:

@@ -7,14 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmdata.global_order.blend import Blend, BlendError
+from mmdata.global_order.sources import source_name
 from mmtrain.config.errors import RecipeErrors
 from mmtrain.config.schema import Recipe
 
 
 def source_names(paths: list[str]) -> list[str]:
-    """The names a blend gives the sources: each shard folder's basename, symlinks followed, as
-    `mmdata.global_order.sources.load_source` names them."""
-    return [Path(p).resolve().name for p in paths]
+    """The names a blend gives the sources: each shard folder's name as written (symlinks not
+    followed), as `mmdata.global_order.sources.load_source` names them."""
+    return [source_name(p) for p in paths]
 
 
 def global_order_checks(r: Recipe, errors: RecipeErrors) -> None:
