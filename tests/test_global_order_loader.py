@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import tarfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -139,6 +140,61 @@ def test_every_layout_trains_the_planned_steps_reads_its_rows_and_resumes_anywhe
     assert all(sorted(k for r in keys[t].values() for k in r) == sorted(planned[t][0]) for t in (1, 2))
 
 
+def test_a_micro_batch_whose_samples_were_all_skipped_is_padding_in_its_place(two_sources, tmp_path):
+    """`packing: false`, micro-batch 1: a sample whose image does not decode is skipped (counted)
+    and its micro-batch becomes a row of padding (no sample, no loss token) with its place in the
+    order, so every rank still yields each step's M micro-batches in order (the trainer takes M
+    per step); every other sample trains as planned."""
+    data, tok = two_sources
+    broken = tmp_path / "shards"
+    shutil.copytree(data[0], broken)
+
+    def build(rank: int, dp: int):
+        return build_llava_ov_loader(
+            broken, tok, seq_length=SEQ, micro_batch_size=1, dp_rank=rank, dp_size=dp, num_workers=0,
+            sharding="global", global_batch_size=G, packing=False, **TINY,
+        )  # fmt: skip
+
+    planner = build(0, 1).planner
+    planned = [keys for keys, _, _ in _planned(planner, 2)]
+    bad = _break_an_image(broken, [k.rsplit("#", 1)[1] for k in planned[1]])
+    dp, per_step = 2, G // 2
+    got: dict[int, list[str]] = defaultdict(list)
+    pads = 0
+    for rank in range(dp):
+        loader = build(rank, dp)
+        it, order = iter(loader), []
+        while loader.next_step < 2:
+            batch = next(it)
+            at = batch.global_order
+            order.append((at["step"], at["micro_batch"], at["micro_batches"]))
+            keys = [k for row in batch.sample_keys for k in row]
+            got[at["step"]] += keys
+            if not keys:  # the padding row: read (its bytes count), nothing to train
+                pads += 1
+                assert batch.sample_keys == [[]] and batch.num_loss_tokens == 0 and at["bytes_read"] > 0
+                assert batch.stats == {"skipped/image_decode": 1, BYTES_READ: at["bytes_read"]}
+                assert (batch.labels == -100).all() and batch.pixel_values.shape[0] == 0
+        assert order == [(t, m, per_step) for t in range(2) for m in range(per_step)], (rank, order)
+    for t in range(2):
+        assert sorted(got[t]) == sorted(k for k in planned[t] if not k.endswith(f"#{bad}")), t
+    assert pads == sum(k.endswith(f"#{bad}") for keys in planned for k in keys) >= 1
+
+
+def _break_an_image(root: Path, keys: list[str]) -> str:
+    """Overwrite the first image of one of `keys` in its tar with zeros (the same size, so
+    energon's index still holds): it no longer decodes. The key broken."""
+    for shard in sorted(root.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            hit = next((m for m in tar.getmembers() if m.name.split(".")[0] in keys and ".img" in m.name), None)
+        if hit is not None:
+            with shard.open("r+b") as f:
+                f.seek(hit.offset_data)
+                f.write(bytes(hit.size))
+            return hit.name.split(".")[0]
+    raise AssertionError("no sample with an image in the step")
+
+
 def test_a_metadataset_yaml_is_refused_in_global_order(two_sources, tmp_path):
     from mmdata.energon_loaders.loader import write_blend_yaml
 
@@ -226,3 +282,6 @@ def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, 
                 for k in row.samples
             ]
             assert sorted(got[t]) == sorted(expect), (dp, t)
+    pad = loader.task_encoder.batch_rows([[]])  # a row whose samples were all skipped: padding
+    assert pad.sample_keys == [[]] and pad.tasks == [[]] and pad.num_loss_tokens == 0
+    assert tuple(pad.input_ids.shape) == (1, SEQ) and pad.cu_seqlens.tolist() == [0, SEQ]

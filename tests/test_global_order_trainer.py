@@ -16,7 +16,7 @@ from mmtrain.planning.blend_report import blend_lines
 from mmtrain.runtime.checkpoint.data_identity import comparable, data_identity, identity_changes
 from mmtrain.runtime.checkpoint.manager import TrainerState, global_order_resume_line
 from mmtrain.runtime.step_metrics import global_order_record
-from mmtrain.runtime.train_data import global_order_figures
+from mmtrain.runtime.train_data import check_one_step, global_order_figures
 
 pytestmark = pytest.mark.unit
 
@@ -123,3 +123,15 @@ def test_a_symlinked_folder_is_named_as_written(tmp_path):
     r = recipe(tmp_path, paths, "data.sharding=global", "data.blend={weights: {news: 3, books: 1}}")
     assert r.data.blend == {"weights": {"news": 3, "books": 1}}
     assert source_name(tmp_path / "news") == "news" and source_name("rel/../web/") == "web"
+
+
+def test_a_step_of_micro_batches_from_two_steps_stops_the_run():
+    """The trainer takes M micro-batches per step by count: a loader that left one out would shift
+    the rank's steps; that stops loudly instead of saving another step than the other ranks."""
+
+    def micro(step: int, m: int) -> SimpleNamespace:
+        return SimpleNamespace(global_order={"step": step, "micro_batch": m})
+
+    check_one_step([micro(3, 0), micro(3, 1)])
+    with pytest.raises(RuntimeError, match=r"\(3, 1\), \(4, 0\)"):
+        check_one_step([micro(3, 1), micro(4, 0)])

@@ -11,7 +11,8 @@ out in order. A row's samples are read by global index through energon's random 
 reader per source), their keys checked, Emu3's planned variant handed over, encoded and packed
 (random_access.py, as the offline plan's loader does); a sample whose encoded length does not fit
 its planned row (estimated lengths) is carried into this worker's next row, never dropped
-(counted as `plan_carried`).
+(counted as `plan_carried`). A row whose samples were all skipped is a row of padding (no sample,
+no loss token), so every rank yields each step's micro-batches, whatever it skipped.
 
 Each batch says where it is in the order (`PackedBatch.global_order`, `GLOBAL_ORDER_FIELDS`): the
 step, the micro-batch of this rank, the bytes this rank read for it (also summed in
@@ -154,15 +155,12 @@ class GlobalOrderDataset(SavableDataset):
         for planned, micro, rows in self.micro_batches():
             before = read.bytes_read
             packed = []
-            for r in rows:
+            for r in rows:  # a row whose samples were all skipped (counted) stays, as padding
                 members = [*carry, *(list(m) for m in planned.rows[r].members)]
                 where = f"row {r} of step {planned.step}"
                 row, carry = fill_row(te, members, read, where=where, carry_limit=PLAN_CARRY_LIMIT)
-                if row:
-                    packed.append(te.pack_selected_samples(row))
-            if not packed:  # every sample of the micro-batch skipped (counted)
-                continue
-            batch = te.batch(packed)
+                packed.append(row)
+            batch = te.batch_rows(packed)  # every micro-batch, so the trainer's steps keep their boundaries
             got = read.bytes_read - before
             batch.stats[BYTES_READ] = batch.stats.get(BYTES_READ, 0) + got
             batch.global_order = {

@@ -70,6 +70,18 @@ def global_order_figures(micro_batches: list[PackedBatch]) -> tuple[int, dict[st
     return sum(int(w["bytes_read"]) for w in where), units
 
 
+def check_one_step(micro_batches: list[PackedBatch]) -> None:
+    """The micro-batches taken for a step (by count) are one step's 0..M-1 of the global order:
+    a rank whose boundaries shifted would save another step than the others, so stop loudly."""
+    at = [(b.global_order or {}).get("step") for b in micro_batches]
+    micro = [(b.global_order or {}).get("micro_batch") for b in micro_batches]
+    if len(set(at)) != 1 or micro != list(range(len(micro_batches))):
+        raise RuntimeError(
+            f"the global order's loader gave one step the micro-batches (step, micro-batch) {list(zip(at, micro))}, "
+            "not one step's in order: the loader must yield every micro-batch of every step"
+        )
+
+
 class TrainData:
     def __init__(self, spec: FamilySpec, recipe: Recipe, ctx: ParallelContext) -> None:
         self.ctx = ctx
@@ -174,6 +186,7 @@ class TrainData:
         data = StepData(micro_batches=mine, skipped=dict(sorted(self._skipped.items())))
         self._skipped.clear()
         if self.sharding == "global":
+            check_one_step(mine)
             data.bytes_read, data.source_units = global_order_figures(mine)
         for batch in mine:
             ids = batch_sample_ids(batch)
