@@ -18,12 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mmdata.errors import UserError
 from mmdata.packing.emu3 import token_plan_inputs
 from mmdata.packing.emu3_geometry import Emu3PlanGeometry, index_meta
 from mmdata.packing.geometry import PlanGeometry
-from mmdata.packing.inputs import image_plan_inputs, read_lengths
+from mmdata.packing.inputs import TEXT_TOKENS_META, image_plan_inputs, read_lengths
+from mmdata.shard_job.lengths import LENGTHS_NAME
 
 ENERGON_INDEX = Path(".nv-meta") / "index.sqlite"
 
@@ -100,6 +102,23 @@ def load_source(
         None if variants is None else np.asarray(variants, dtype=np.int8),
         sample_bytes(root, wanted),
         exact,
+    )
+
+
+def estimated_lengths_problem(root: Path | str) -> str | None:
+    """Why the global order should not plan from this folder (None where its lengths are exact):
+    text lengths estimated without the tokenizer (`mmdata preprocess` without --tokenizer) make
+    samples overflow their planned rows, and a sample carried when a checkpoint is saved is not in
+    the layout-free document, so it trains again only in a later epoch. Read from the length
+    index's schema alone (its absence is refused where the sources are loaded)."""
+    path = Path(root) / LENGTHS_NAME
+    if not path.is_file() or (pq.read_schema(path).metadata or {}).get(TEXT_TOKENS_META) != b"estimate":
+        return None
+    return (
+        f"{root} has estimated text lengths (preprocessed without --tokenizer): data.sharding: global "
+        "plans rows the samples overflow, and a sample carried at a checkpoint trains only in a later epoch; "
+        "fix: `mmdata preprocess --tokenizer DIR` (the training tokenizer), or set "
+        "data.plan_allow_estimated_lengths: true to accept it"
     )
 
 

@@ -83,10 +83,11 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
             "set data.packing=plan or drop data.packing_plan",
             [("data", "packing")],
         )
-    if r.data.plan_allow_estimated_lengths and r.data.packing != "plan":
+    if r.data.plan_allow_estimated_lengths and r.data.packing != "plan" and r.data.sharding != "global":
         errors.add(
             ("data", "plan_allow_estimated_lengths"),
-            f"is only read with data.packing: plan (got packing: {r.data.packing}); set data.packing=plan or drop it",
+            f"is only read with data.packing: plan or data.sharding: global (got packing: {r.data.packing}, "
+            f"sharding: {r.data.sharding}); set one of them or drop it",
             [("data", "packing")],
         )
     window = r.data.balance_window

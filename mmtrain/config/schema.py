@@ -39,8 +39,10 @@ class DataConfig:
     # `mmdata pack-plan` (exact and reproducible; one shard dir; mmdata.energon_loaders.plan_packing)
     packing: bool | Literal["plan"] = True
     packing_plan: str | None = field(default=None, metadata=PATH)  # null: <paths[0]>/pack-plan-<seq_length>.parquet
-    # train with a plan made from estimated text lengths (shards preprocessed without --tokenizer):
-    # its rows overflow, samples are carried to later rows or skipped (counted); refused otherwise
+    # train with a plan (packing: plan) or a global order (sharding: global) made from estimated
+    # text lengths (shards preprocessed without --tokenizer): rows overflow, samples are carried to
+    # later rows or skipped (counted); under the global order a sample carried at a checkpoint
+    # trains only in a later epoch (lost from this one). Refused otherwise
     plan_allow_estimated_lengths: bool = False
     packing_buffer_size: int = 256  # = mmdata.energon_loaders.packing.DEFAULT_PACKING_BUFFER
     shuffle_buffer_size: int = 100
