@@ -71,7 +71,7 @@ def common(seq_length: int) -> tuple[str, ...]:
         f"train.seq_length={seq_length}",
         f"train.global_batch_size={GLOBAL_BATCH}",
         "train.micro_batch_size=1",
-        "checkpoint.interval=1",
+        "checkpoint.interval=2",  # a kill between saves: the resume trains the steps after the last one again
         "checkpoint.keep_last=2",
         "data.balance=true",
         "data.order_window=2",  # rows placed in cost tiers over two steps; an epoch of 8 steps
@@ -105,6 +105,7 @@ def run_segment(args: list[str], log: Path, kill_after: int | None) -> str:
     """One segment; with `kill_after`, SIGKILL its process group once that step is in the metrics
     (a job lost with its node), else wait for it to end on its own. Its stderr."""
     run_dir = Path(next(a for a in args if a.startswith("run_dir=")).split("=", 1)[1])
+    earlier = set(_metrics_lines(run_dir))  # the earlier segments' records (a step they logged is not this one's)
     with log.open("w") as f:
         proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=f, env=train_env(), cwd=REPO, start_new_session=True
@@ -114,7 +115,7 @@ def run_segment(args: list[str], log: Path, kill_after: int | None) -> str:
             assert rc == 0, log.read_text()[-6000:]
         else:
             deadline = time.monotonic() + 600
-            while kill_after not in _steps_logged(run_dir):
+            while kill_after not in _steps_logged(run_dir, earlier):
                 assert proc.poll() is None, f"ended before step {kill_after}:\n{log.read_text()[-6000:]}"
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
@@ -143,13 +144,18 @@ def _descendants(pid: int) -> list[int]:
     return kids + [g for c in kids for g in _descendants(c)]
 
 
-def _steps_logged(run_dir: Path) -> set[int]:
+def _metrics_lines(run_dir: Path) -> list[str]:
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return (run_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
-        return set()
+        return []
+
+
+def _steps_logged(run_dir: Path, earlier: set[str]) -> set[int]:
+    """The steps of metrics.jsonl's records other than the `earlier` ones (a rerun step's record
+    differs: its timings)."""
     steps = set()
-    for line in lines:
+    for line in set(_metrics_lines(run_dir)) - earlier:
         try:
             steps.add(json.loads(line)["step"])
         except ValueError:  # a line being written
