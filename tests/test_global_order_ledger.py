@@ -71,7 +71,7 @@ def common(seq_length: int) -> tuple[str, ...]:
         f"train.seq_length={seq_length}",
         f"train.global_batch_size={GLOBAL_BATCH}",
         "train.micro_batch_size=1",
-        "checkpoint.interval=2",  # a kill between saves: the resume trains the steps after the last one again
+        "checkpoint.interval=1",  # every segment resumes from the one before it (the layout change logged)
         "checkpoint.keep_last=2",
         "data.balance=true",
         "data.order_window=2",  # rows placed in cost tiers over two steps; an epoch of 8 steps
