@@ -17,11 +17,11 @@ from benchmarks.common import ray_job_env
 from mmdata.energon_loaders.batch import IGNORE_INDEX
 
 
-def synth_shards(work: Path, num_samples: int, preprocess_job: bool = True) -> Path:
+def synth_shards(work: Path, num_samples: int, preprocess_job: bool = True, tokenizer: Path | None = None) -> Path:
     """Shards of `num_samples` synthetic Infinity-MM samples: `mmdata synth` + `mmdata preprocess`
-    in child processes, or (`preprocess_job=False`, the `--quick` runs) the generator's records
-    written straight as shards (bench_loader.make_shards: the shard format preprocess writes,
-    without starting Ray)."""
+    in child processes (`tokenizer`: its length index counts text tokens with it, exactly), or
+    (`preprocess_job=False`, the `--quick` runs) the generator's records written straight as
+    shards (bench_loader.make_shards: the shard format preprocess writes, without starting Ray)."""
     raw, shards = work / "raw", work / "shards"
     if not preprocess_job:
         return make_shards(shards, num_samples, seed=0)
@@ -29,7 +29,10 @@ def synth_shards(work: Path, num_samples: int, preprocess_job: bool = True) -> P
     preprocess = ["mmdata.preprocess.cli", "--no-progress", "--dataset", "infinity-mm", "--input", str(raw)]
     run_module(*synth, "--num-samples", str(num_samples), "--seed", "0")
     per_shard = str(max(1, num_samples // 4))
-    run_module(*preprocess, "--output", str(shards), "--seed", "0", "--samples-per-shard", per_shard, "--num-cpus", "2")
+    exact = ["--tokenizer", str(tokenizer)] if tokenizer is not None else []
+    run_module(
+        *preprocess, "--output", str(shards), "--seed", "0", "--samples-per-shard", per_shard, "--num-cpus", "2", *exact
+    )
     return shards
 
 

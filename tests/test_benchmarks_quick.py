@@ -35,10 +35,13 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_tokenize_images.py": ("tokenize_images", "ours is a Ray job"),
     "bench_private_internals.py": ("direct_io", None),
     "bench_vision_layout.py": ("vision_layout", None),
+    "bench_global_reads.py": ("global_order_bytes_per_rank", "its data needs a Ray job (preprocess: the length index)"),
+    "bench_global_order.py": ("global_order_fill", None),
 }
 # script -> the BENCH lines it prints besides its main one
 MORE_LINES: dict[str, tuple[str, ...]] = {
     "bench_loader.py": ("loader_cores_per_gpu",),
+    "bench_global_order.py": ("global_order_balance",),
     "bench_preprocess_scale.py": ("preprocess_scale", "preprocess_driver_rss"),
 }
 

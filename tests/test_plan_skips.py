@@ -14,12 +14,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from megatron.energon import TaskEncoder, WorkerConfig
 
 from mmdata.energon_loaders import plan_packing as pp
 from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
 from mmdata.errors import UserError
+from mmdata.global_order.sources import estimated_lengths_problem as order_lengths_problem
+from mmdata.shard_job.lengths import LENGTHS_NAME
 from mmdata.packing.plan_file import plan_path, read_plan_info
 from mmtrain import registry
 from mmtrain.cli import main as mmtrain_main
@@ -108,6 +112,31 @@ def test_training_refuses_an_estimated_plan_unless_opted_in(estimated, tmp_path,
     # the key is validated: only read with packing: plan
     with pytest.raises(UserError, match="plan_allow_estimated_lengths"):
         load_recipe(RECIPE, ["data.plan_allow_estimated_lengths=true"])
+
+
+def test_the_global_order_refuses_estimated_lengths_unless_opted_in(estimated, tmp_path):
+    """`data.sharding: global` over shards preprocessed without --tokenizer: one line naming the
+    folder and the fix; `data.plan_allow_estimated_lengths: true` accepts it (the key is read in
+    this mode too). A length index counted with the tokenizer is not refused."""
+    out, tok, _ = estimated
+    family = registry.get_family("llava-ov")
+
+    def problems_of(*extra: str) -> list[str]:
+        base = [f"data.paths=[{out}]", f"tokenizer.path={tok}", "data.sharding=global", "train.global_batch_size=4"]
+        recipe = load_recipe(RECIPE, [*base, *extra])
+        found: list[str] = []
+        _check_data(recipe, family, found)
+        return found
+
+    (line,) = problems_of()
+    assert line.startswith(f"data.paths[0]: {out} has estimated text lengths") and "\n" not in line
+    assert "`mmdata preprocess --tokenizer DIR`" in line and "data.plan_allow_estimated_lengths: true" in line
+    assert problems_of("data.plan_allow_estimated_lengths=true") == []
+    exact = tmp_path / "exact"
+    exact.mkdir()
+    table = pa.table({"index": [0]}).replace_schema_metadata({"mmdata.text_tokens": "tokenizer"})
+    pq.write_table(table, exact / LENGTHS_NAME)
+    assert order_lengths_problem(exact) is None and order_lengths_problem(out) == line.split(": ", 1)[1]
 
 
 def test_loader_carries_overflowing_samples_and_resumes_exactly(estimated):

@@ -23,29 +23,11 @@ from mmdata.packing.balance import (
     step_balance,
     tiered_order,
 )
+from benchmarks.mixes import llava_ov_mix as _mix
 from tests.fixtures_training import dp_context
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _mix(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sample (tokens, tiles) as the synthetic Infinity-MM mix has them (its length index: share,
-    tiles, mean tokens): text-only samples are short, an image's tokens per tile fall from ~750 at
-    2 tiles to ~300 at 25 (the anyres_max_9 shrink), so rows of equal tokens differ in tiles."""
-    kinds = [
-        (0.16, 0, 83, 22),
-        (0.38, 2, 1513, 93),
-        (0.15, 3, 2082, 221),
-        (0.23, 5, 2875, 279),
-        (0.07, 7, 3521, 1392),
-        (0.01, 25, 7415, 41),
-    ]  # (share, tiles, tokens mean, std)
-    rng = np.random.default_rng(seed)
-    pick = rng.choice(len(kinds), size=n, p=[k[0] for k in kinds])
-    tiles = np.array([kinds[i][1] for i in pick])
-    tokens = np.array([rng.normal(kinds[i][2], kinds[i][3]) for i in pick]).clip(20, 8000).astype(np.int64)
-    return tokens, tiles
 
 
 def test_assign_step_places_every_row_once_and_keeps_the_counts():

@@ -48,6 +48,10 @@ class PackedBatch:
     #: per-worker counters since that worker's previous batch ("skipped/<reason>", "truncated");
     #: the loader sums them into its `stats`
     stats: dict[str, int] = field(default_factory=dict)
+    #: where a batch of the global order stands in it (`data.sharding: global`; None otherwise):
+    #: step, micro_batch, micro_batches, bytes_read (this rank, this micro-batch), units (per source,
+    #: the whole step): energon_loaders/global_order.py
+    global_order: dict[str, Any] | None = None
 
     #: fields the model reads on the host (`.tolist()`, `int()`, python loops): `to()` leaves them
     #: on the CPU, so reading them never waits for the device. A family adds its own.

@@ -11,89 +11,28 @@ Resume: call `save_state_rank()` when checkpointing (one state per DP rank) and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import tempfile
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Literal, Sequence
 
 import yaml
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from mmdata.energon_configs import dataset_config, has_mmdata_config
-from mmdata.energon_loaders.batch import PackedBatch
+from mmdata.energon_loaders.global_order import build_global_loader
 from mmdata.energon_loaders.packing import DEFAULT_PACKING_BUFFER
 from mmdata.energon_loaders.plan_packing import PlanPackedDataset, load_plan, plan_for_data
-from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
+from mmdata.energon_loaders.savable_loader import LoaderStats as LoaderStats  # re-exported
+from mmdata.energon_loaders.savable_loader import SavableLoader
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry
+from mmdata.packing.geometry import PlanGeometry
 from mmdata.readiness import data_source_samples
 
-
-@dataclass
-class LoaderStats:
-    """Counters seen by this rank's main process (summed over its workers)."""
-
-    batches: int = 0
-    samples: int = 0
-    real_tokens: int = 0
-    slots: int = 0
-    loss_tokens: int = 0
-    counters: Counter = field(default_factory=Counter)  # "skipped/<reason>", "truncated"
-
-    @property
-    def packing_efficiency(self) -> float:
-        return self.real_tokens / self.slots if self.slots else 0.0
-
-    @property
-    def skipped(self) -> dict[str, int]:
-        return {k.split("/", 1)[1]: v for k, v in sorted(self.counters.items()) if k.startswith("skipped/")}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "batches": self.batches,
-            "samples": self.samples,
-            "real_tokens": self.real_tokens,
-            "slots": self.slots,
-            "loss_tokens": self.loss_tokens,
-            "packing_efficiency": round(self.packing_efficiency, 6),
-            "skipped": self.skipped,
-            "truncated": int(self.counters.get("truncated", 0)),
-        }
-
-
-class SavableLoader:
-    """Iterable over a family's batches with energon's save/restore and our stats."""
-
-    def __init__(self, loader: Any, task_encoder: Any):
-        self.loader = loader
-        self.task_encoder = task_encoder
-        self.stats = LoaderStats()
-
-    def __iter__(self) -> Iterator[PackedBatch]:
-        for batch in self.loader:
-            s = self.stats
-            s.batches += 1
-            s.samples += sum(len(r) for r in batch.sample_ids)
-            s.real_tokens += batch.num_real_tokens
-            s.slots += int(batch.input_ids.numel())
-            s.loss_tokens += batch.num_loss_tokens
-            s.counters.update(batch.stats)
-            yield batch
-
-    def save_state_rank(self) -> Any:
-        """This DP rank's loader state (all its workers); store it with the model checkpoint."""
-        return self.loader.save_state_rank()
-
-    def restore_state_rank(self, state: Any) -> None:
-        """Restore before iterating, on a loader built with the same arguments."""
-        self.loader.restore_state_rank(state)
-
-    def save_state_json(self) -> str:
-        """`save_state_rank()` as JSON text (no pickle), for checkpoint files."""
-        return state_to_json(self.save_state_rank())
-
-    def restore_state_json(self, text: str) -> None:
-        self.restore_state_rank(state_from_json(text))
+#: `sharding`: energon's own per-rank streams (`dp`; the trainer builds `replicated` as one rank
+#: of one), or the one global order of every rank (mmdata/global_order/, global_order.py)
+SHARDINGS = ("dp", "replicated", "global")
 
 
 def write_blend_yaml(path: str | Path, datasets: Sequence[tuple[str | Path, float]]) -> Path:
@@ -150,6 +89,13 @@ def build_loader(
     checkpoint_every_sec: float = 60,
     checkpoint_every_min_n_samples: int | None = None,
     watchdog_timeout_seconds: float | None = None,
+    sharding: str = "dp",
+    global_batch_size: int | None = None,
+    blend: dict | None = None,
+    window_steps: int | Literal["auto"] = "auto",
+    balance: bool = True,
+    tile_tokens: float | None = None,
+    geometry: PlanGeometry | Emu3PlanGeometry | None = None,
 ) -> SavableLoader:
     """This DP rank's savable loader of `task_encoder`'s batches (infinite: energon repeats
     epochs).
@@ -159,10 +105,41 @@ def build_loader(
     encoder which of them share a row. With `packing="plan"`, rows follow the offline plan of
     `mmdata pack-plan` (`packing_plan`, default `<data>/pack-plan-<seq_length>.parquet`; one shard
     dir only): see `plan_packing`.
+
+    `sharding="global"`: every rank follows one global order (`global_order.py`): step t's
+    `global_batch_size` rows are planned from the shard folders' length indexes (`data`: one or
+    several folders, mixed by `blend`, `Blend.parse`; `window_steps` steps planned at once; lengths
+    counted with the family's `geometry`), placed on ranks by cost when `balance` (`tile_tokens`
+    per vision tile, default balance.DEFAULT_TILE_TOKENS); each rank reads only its rows, and the
+    loader's state is layout-free (`GlobalOrderLoader`).
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed)
+    make_loader = functools.partial(
+        get_savable_loader,
+        checkpoint_every_sec=checkpoint_every_sec,
+        checkpoint_every_min_n_samples=checkpoint_every_min_n_samples,
+        watchdog_timeout_seconds=watchdog_timeout_seconds,
+    )
+    if sharding == "global":
+        return build_global_loader(
+            data,
+            task_encoder,
+            make_loader,
+            micro_batch_size=micro_batch_size,
+            worker_config=worker_config,
+            seed=seed,
+            packing=packing,
+            global_batch_size=global_batch_size,
+            blend=blend,
+            window_steps=window_steps,
+            balance=balance,
+            tile_tokens=tile_tokens,
+            geometry=geometry,
+        )
     if packing == "plan":
         dataset = _plan_dataset(data, packing_plan, task_encoder, micro_batch_size, seed, worker_config)
     elif packing not in (True, False):
@@ -182,13 +159,7 @@ def build_loader(
             packing_buffer_size=(packing_buffer_size or DEFAULT_PACKING_BUFFER) if packing else None,
             task_encoder=task_encoder,
         )
-    loader = get_savable_loader(
-        dataset,
-        checkpoint_every_sec=checkpoint_every_sec,
-        checkpoint_every_min_n_samples=checkpoint_every_min_n_samples,
-        watchdog_timeout_seconds=watchdog_timeout_seconds,
-    )
-    return SavableLoader(loader, task_encoder)
+    return SavableLoader(make_loader(dataset), task_encoder)
 
 
 def _plan_dataset(

@@ -46,10 +46,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
-from megatron.energon import SavableDataset, SkipSample, TaskEncoder, WorkerConfig
-from megatron.energon.dataset_config import get_dataset_from_config
+from megatron.energon import SavableDataset, WorkerConfig
 
-from mmdata.energon_configs import dataset_config
+from mmdata.energon_loaders.random_access import PLAN_CARRIED as PLAN_CARRIED  # re-exported (skip counters)
+from mmdata.energon_loaders.random_access import PLAN_CARRY_LIMIT as PLAN_CARRY_LIMIT  # read at each row (tests set it)
+from mmdata.energon_loaders.random_access import PLAN_OVERFLOW, PLAN_TOO_LONG, ShardReader, fill_row, with_variant
+from mmdata.energon_loaders.random_access import PLAN_VARIANT as PLAN_VARIANT  # re-exported (the Emu3 encoder)
 from mmdata.energon_loaders.task_encoding import PackingTaskEncoder
 from mmdata.packing.balance import StepShape, assign_block, row_costs, shuffle_tiers
 from mmdata.packing.emu3_geometry import Emu3PlanGeometry
@@ -58,19 +60,11 @@ from mmdata.packing.plan_file import PlanError, plan_path, read_plan_info
 from mmdata.readiness import data_source_samples
 from mmdata.shard_format import MANIFEST_NAME
 
-PLAN_OVERFLOW = "plan_overflow"  # the carry was full: the sample did not fit its row nor a later one
-PLAN_TOO_LONG = "plan_too_long"  # longer than the sequence on its own: no row can hold it
-PLAN_CARRIED = "plan_carried"  # counter: samples carried into a later row (they train there)
-#: samples a worker carries into later rows at most (its loader state holds them)
-PLAN_CARRY_LIMIT = 256
 #: what to do about a skip reason of plan packing (the run's closing summary)
 PLAN_SKIP_HINTS = {
     PLAN_OVERFLOW: "preprocess with --tokenizer (exact lengths) and rerun pack-plan",
     PLAN_TOO_LONG: "rerun pack-plan at a longer --seq-length",
 }
-#: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
-#: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)
-PLAN_VARIANT = "plan_variant"
 
 
 @dataclass(frozen=True)
@@ -230,17 +224,6 @@ def load_plan(path: Path, info: dict) -> PlanSequences:
     return PlanSequences(indices, starts, info, keys, variants, costs)
 
 
-def _encode(task_encoder: TaskEncoder, sample: Any) -> Any:
-    """One sample through the family's encoding hooks, as energon's pipeline would call them."""
-    cls = type(task_encoder)
-    if cls.preencode_sample is not TaskEncoder.preencode_sample:
-        sample = task_encoder.preencode_sample(sample)
-        if cls.postencode_sample is not TaskEncoder.postencode_sample:
-            sample = task_encoder.postencode_sample(sample)
-        return sample
-    return task_encoder.encode_sample(sample)
-
-
 class PlanPackedDataset(SavableDataset):
     """This worker's micro-batches of plan sequences (see the module docstring)."""
 
@@ -356,57 +339,22 @@ class PlanPackedDataset(SavableDataset):
     # -- reading ---------------------------------------------------------------------------------
 
     def _read(self, index: int, key: str) -> Any:
-        if self._reader is None:  # opened in the worker (file handles are not shared across forks)
-            factory = get_dataset_from_config(
-                self.shards,
-                dataset_config=dataset_config(self.shards),
-                split_config="split.yaml",
-                split_part="train",
-                training=False,
-                worker_config=self.worker_config,
-                decoder=self.task_encoder.decoder,
-            )
-            self._reader = factory.build()
-        sample = self._reader.restore_sample(("MapDataset", index, "Webdataset", int(index)))
-        if sample.__key__ != key:
-            raise PlanError(
-                f"sample {index} of {self.shards} has key {sample.__key__!r}, the plan says {key!r}: the "
-                "plan does not describe these shards"
-            )
-        return sample
+        if self._reader is None:
+            self._reader = ShardReader(self.shards, self.worker_config, self.task_encoder.decoder)
+        return self._reader.read(index, key)
 
     def _row(self, sequence: int) -> list[Any]:
         """The encoded samples of one plan row: the carried samples first (those that fit, in
         order), then the plan sequence's; one that does not fit what is left is carried to the
-        next row (skips counted: the encoder's, `plan_too_long`, `plan_overflow` when the carry is full)."""
-        te, row, used = self.task_encoder, [], 0
-        carried, self._carry = self._carry, []
-        for member in [*carried, *self.plan.members(sequence)]:
-            index, key, variant = member
-            sample = self._read(index, key)
-            if variant is not None:
-                sample.__subflavors__ = {**(sample.__subflavors__ or {}), PLAN_VARIANT: variant}
-            try:
-                encoded = _encode(te, sample)
-            except SkipSample:  # counted by the encoder
-                continue
-            n = len(encoded.input_ids)
-            sid = str(getattr(encoded, "id", index))
-            if n > te.seq_length:
-                te._skip(PLAN_TOO_LONG, sid, f"{n} tokens > seq_length {te.seq_length}")
-            elif used + n <= te.seq_length:
-                used += n
-                row.append(encoded)
-            elif len(self._carry) < PLAN_CARRY_LIMIT:
-                self._carry.append([index, key, variant])
-                te._count(PLAN_CARRIED)
-            else:
-                te._skip(
-                    PLAN_OVERFLOW,
-                    sid,
-                    f"{n} tokens do not fit the {te.seq_length - used} left in plan "
-                    f"sequence {sequence}, and {PLAN_CARRY_LIMIT} samples are carried already",
-                )
+        next row (random_access.fill_row: skips counted, `plan_overflow` when the carry is full)."""
+        members = [*self._carry, *(list(m) for m in self.plan.members(sequence))]
+        row, self._carry = fill_row(
+            self.task_encoder,
+            members,
+            lambda m: with_variant(self._read(m[0], m[1]), m[2]),
+            where=f"plan sequence {sequence}",
+            carry_limit=PLAN_CARRY_LIMIT,
+        )
         return row
 
     def __iter__(self) -> Iterator[Any]:

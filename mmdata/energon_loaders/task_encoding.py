@@ -159,7 +159,13 @@ class PackingTaskEncoder(TaskEncoder):
 
     @stateless
     def batch(self, samples: list[Any]) -> Any:
-        rows = [s.samples if isinstance(s, PackedSamples) else [s] for s in samples]
+        return self.batch_rows([s.samples if isinstance(s, PackedSamples) else [s] for s in samples])
+
+    def batch_rows(self, rows: list[list[Any]]) -> Any:
+        """Rows of encoded samples -> the family's batch with this worker's counters. An empty row
+        is a row of padding (no sample id, no loss token, so it adds nothing to the per-token
+        loss): the global order keeps a row whose samples were all skipped, so a rank's step still
+        has its micro-batches and rows."""
         return self.collate(rows, self._take_stats())
 
     def collate(self, rows: list[list[Any]], stats: dict[str, int]) -> Any:

@@ -5,7 +5,8 @@ index, which the loader follows exactly (`data.packing: plan`; energon_loaders/p
   knapsack.py   largest-first knapsack: the row selection the online packer and the plan share
   balance.py    vision-aware balancing: rows over DP ranks and micro-batches by cost (plan and train loop)
   report.py     the packing report: bin fill and executed-token efficiency
-  algorithm.py  the plan: seeded windows of the knapsack with carry-over (`plan_packing`, `PackPlan`)
+  algorithm.py  the plan: seeded windows of the knapsack with carry-over (`plan_packing`, `PackPlan`;
+                `windowed_knapsack`, which the global order's planner shares)
   plan_file.py  the plan file (`pack-plan-<N>.parquet`): its format, writing and reading
   inputs.py     the planned samples' lengths and tiles from an image shard folder's length index
   emu3.py       the same for Emu3 token shards (each sample's task and caption drop drawn)

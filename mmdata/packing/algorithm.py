@@ -9,7 +9,9 @@ sequences filled below 99.5 % into the next window (at most half a window of the
 meet new partners; only the very end of the data is emitted as it is. On the synthetic mix that
 lifts the efficiency from about 98.6 % (online) to over 99.5 % at 8K (tests/test_pack_plan.py).
 Samples longer than N go alone into a sequence (`over_length`; the loader truncates their text
-or drops them). The result is a pure function of (lengths, N, seed).
+or drops them). The result is a pure function of (lengths, N, seed). The global order's planner
+(mmdata/global_order/planner.py) packs its pool of drawn samples with the same `windowed_knapsack`:
+the plan is that computation done ahead for a whole epoch.
 """
 
 from __future__ import annotations
@@ -83,13 +85,20 @@ class PackPlan:
         return report_from_bins(rows, self.lengths[pos], self.seq_length, num_rows=len(self.bins), cp=cp, tp=tp)
 
 
-def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list[np.ndarray]:
-    """The sequences of one chunk of the seeded order (windows with carry-over)."""
+def windowed_knapsack(
+    order: np.ndarray, clipped: np.ndarray, seq_length: int, flush: bool = True
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The windowed knapsack with carry-over, shared by the offline plan (`plan_packing`) and the
+    global order's planner (mmdata/global_order/planner.py): `order` (positions into `clipped`,
+    the lengths at most `seq_length`) packed WINDOW positions at a time by `largest_first_knapsack`,
+    the samples of sequences filled below CARRY_BELOW carried into the next window (at most
+    MAX_CARRY). Returns the sequences (each sorted) and the positions still carried after the last
+    window: none when `flush` (the last window emits everything, as a plan's end does)."""
     bins: list[np.ndarray] = []
     pool = np.zeros(0, dtype=np.int64)
     for start in range(0, len(order), WINDOW):
         pool = np.concatenate([pool, order[start : start + WINDOW]])
-        last = start + WINDOW >= len(order)
+        last = flush and start + WINDOW >= len(order)
         packed = [pool[np.asarray(b)] for b in largest_first_knapsack(clipped[pool].tolist(), seq_length)]
         fill = [int(clipped[b].sum()) for b in packed]
         carry: list[np.ndarray] = []
@@ -103,7 +112,12 @@ def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list
         kept = {id(b) for b in carry}
         bins.extend(np.sort(b) for b in packed if id(b) not in kept)
         pool = np.concatenate(carry) if carry else np.zeros(0, dtype=np.int64)
-    return bins
+    return bins, pool
+
+
+def _pack_chunk(order: np.ndarray, clipped: np.ndarray, seq_length: int) -> list[np.ndarray]:
+    """The sequences of one chunk of the seeded order (windows with carry-over, flushed at its end)."""
+    return windowed_knapsack(order, clipped, seq_length, flush=True)[0]
 
 
 def plan_packing(

@@ -37,6 +37,10 @@ class PlanInputs:
     columns: dict | None = None
 
 
+#: the length index's metadata key of how text tokens were counted (b"estimate" without --tokenizer)
+TEXT_TOKENS_META = b"mmdata.text_tokens"
+
+
 def read_lengths(root: Path) -> pa.Table:
     """The length index of a shards folder."""
     path = root / LENGTHS_NAME
@@ -105,7 +109,7 @@ def image_plan_inputs(
             lengths, tiles = recount_media(root, table, geometry, on_shard=on_shard)
         except FileNotFoundError as e:
             raise UserError(str(e)) from None
-    text = (table.schema.metadata or {}).get(b"mmdata.text_tokens", b"").decode()
+    text = (table.schema.metadata or {}).get(TEXT_TOKENS_META, b"").decode()
     return PlanInputs(
         lengths,
         tiles,

@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from mmtrain.config.errors import RecipeErrors, suggest
+from mmtrain.config.global_order_checks import global_order_checks
 from mmtrain.config.schema import Recipe
 from mmtrain.models.pipeline_split import PipelineSplitError, interleaved_schedule_problem, split_layers
 from mmtrain.models.layout_rules import sequence_split_multiple, check_encoder_tp
@@ -24,6 +25,7 @@ def cross_checks(r: Recipe, spec: FamilySpec, errors: RecipeErrors) -> None:
     _vision_layout(r, spec, errors)
     _auto_tune(r, errors)
     _parts(r, spec, errors)
+    global_order_checks(r, errors)
     if r.action == "run":
         if not r.data.paths:
             errors.add(("data", "paths"), "must list at least one shard dir or metadataset YAML for action: run")
@@ -81,10 +83,11 @@ def _sizes(r: Recipe, errors: RecipeErrors) -> None:
             "set data.packing=plan or drop data.packing_plan",
             [("data", "packing")],
         )
-    if r.data.plan_allow_estimated_lengths and r.data.packing != "plan":
+    if r.data.plan_allow_estimated_lengths and r.data.packing != "plan" and r.data.sharding != "global":
         errors.add(
             ("data", "plan_allow_estimated_lengths"),
-            f"is only read with data.packing: plan (got packing: {r.data.packing}); set data.packing=plan or drop it",
+            f"is only read with data.packing: plan or data.sharding: global (got packing: {r.data.packing}, "
+            f"sharding: {r.data.sharding}); set one of them or drop it",
             [("data", "packing")],
         )
     window = r.data.balance_window

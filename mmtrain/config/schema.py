@@ -19,7 +19,7 @@ Decay = Literal["cosine", "linear", "constant"]
 Recompute = Literal["none", "full", "selective"]
 Precision = Literal["fp32", "bf16"]
 Backend = Literal["auto", "nccl", "gloo"]
-Sharding = Literal["dp", "replicated"]
+Sharding = Literal["dp", "replicated", "global"]
 CPComm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]  # megatron's names (TE attention, GPU)
 LMLoss = Literal["auto", "fused", "chunked", "plain"]
 TransformerImpl = Literal["local", "transformer_engine"]  # megatron's names for the decoder's layer spec
@@ -39,8 +39,10 @@ class DataConfig:
     # `mmdata pack-plan` (exact and reproducible; one shard dir; mmdata.energon_loaders.plan_packing)
     packing: bool | Literal["plan"] = True
     packing_plan: str | None = field(default=None, metadata=PATH)  # null: <paths[0]>/pack-plan-<seq_length>.parquet
-    # train with a plan made from estimated text lengths (shards preprocessed without --tokenizer):
-    # its rows overflow, samples are carried to later rows or skipped (counted); refused otherwise
+    # train with a plan (packing: plan) or a global order (sharding: global) made from estimated
+    # text lengths (shards preprocessed without --tokenizer): rows overflow, samples are carried to
+    # later rows or skipped (counted); under the global order a sample carried at a checkpoint
+    # trains only in a later epoch (lost from this one). Refused otherwise
     plan_allow_estimated_lengths: bool = False
     packing_buffer_size: int = 256  # = mmdata.energon_loaders.packing.DEFAULT_PACKING_BUFFER
     shuffle_buffer_size: int = 100
@@ -49,7 +51,17 @@ class DataConfig:
     #   "replicated": every rank reads the single-process stream and keeps its share of each
     #   global batch (identical batches for any TP/PP/DP layout, resumable across DP sizes;
     #   costs dp x the decoding work - for tests, layout changes and small DP)
+    #   "global": one global data order planned from the length index (mmdata.global_order):
+    #   step t's rows are the same at any DP size, micro-batch and worker count, each rank reads
+    #   only its own rows, and a checkpoint resumes exactly at another layout (docs/loaders.md)
     sharding: Sharding = "dp"
+    # `sharding: global` only: the mixture of data.paths (named by folder basename), e.g.
+    # {weights: {a: 3, b: 1}} or {schedule: [{step: 0, weights: {...}}, ...], ramp: linear,
+    # unit: tokens}; null = equal weights. mmdata.global_order.blend.Blend.parse
+    blend: dict[str, Any] | None = None
+    # `sharding: global` only: steps planned together (their rows cut into cost tiers, one per
+    # step); "auto" = ceil(64 / global_batch_size), which depends on no layout
+    order_window: int | Literal["auto"] = "auto"
     # vision-aware balancing: each step's packed rows are spread over the DP ranks and the
     # micro-batches by cost, tokens + the vision tower's tiles (rows move between DP ranks; what a
     # sample contributes is unchanged). With packing: plan, the plan must be balanced for the

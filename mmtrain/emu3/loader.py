@@ -7,7 +7,9 @@ from mmdata.energon_loaders.emu3.loader import build_emu3_loader
 from mmdata.energon_loaders.loader import SavableLoader
 from mmtrain.config.loader_args import loader_kwargs
 from mmtrain.config.schema import Recipe
+from mmtrain.models.flops import tile_token_cost
 from mmtrain.emu3.config import Emu3DataConfig, Emu3ModelConfig
+from mmtrain.emu3.spec import model_shapes
 
 
 def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1) -> SavableLoader:
@@ -19,7 +21,7 @@ def build_loader(recipe: Recipe, *, dp_rank: int = 0, dp_size: int = 1) -> Savab
         encoder=dict(
             tasks=dict(d.tasks), p_uncond=d.p_uncond, uncond_prompt=d.uncond_prompt, system_prompt=d.system_prompt
         ),
-        **loader_kwargs(recipe, dp_rank, dp_size),
+        **loader_kwargs(recipe, dp_rank, dp_size, tile_token_cost(model_shapes(recipe.model))),
     )
     check_tokenizer_fits(recipe.model, len(loader.task_encoder.tasks.tokenizer), recipe.tokenizer.path)
     return loader

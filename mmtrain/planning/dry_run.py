@@ -16,6 +16,7 @@ from typing import TextIO
 
 from mmdata.units import plural
 from mmtrain.config.schema import RECOMPUTE_MODES, Recipe
+from mmtrain.planning.blend_report import blend_lines
 from mmtrain.models.shapes import ModelShapes, ParamCounts, param_counts
 from mmtrain.planning.calibration import Calibration
 from mmtrain.planning.cost_model import (
@@ -63,6 +64,8 @@ def build_report(recipe: Recipe, spec: FamilySpec) -> DryRunReport:
     step = estimate_step_time(shapes, recipe.freeze, layout, Hardware.from_auto_tune(at), frac)
     report = DryRunReport(params, mem, mem_plain, by_rc, step, stages, layout, at.device_memory_gb, "")
     report.text = format_report(recipe, report, shapes)
+    if mixture := blend_lines(recipe):
+        report.text += "\n\n" + "\n".join(mixture)
     if at.calibration:
         cal = Calibration.load(at.calibration)
         report.text += (

@@ -49,8 +49,9 @@ def val_recipe(recipe: Recipe) -> Recipe:
     """The recipe with `data.paths` = `data.val_paths`: the family's loader factory reads
     `data.paths`, and every other loader setting (packing, tiles, seed) stays the training's,
     except that a packing plan, made for the training shards, gives way to online packing, and
-    balancing takes one step at a time (evaluation's steps are summed: no window to wait for)."""
-    data = dataclasses.replace(recipe.data, paths=list(recipe.data.val_paths), balance_window=1)
+    balancing takes one step at a time (evaluation's steps are summed: no window to wait for), and
+    a global order's blend, which names the training sources, gives way to equal weights."""
+    data = dataclasses.replace(recipe.data, paths=list(recipe.data.val_paths), balance_window=1, blend=None)
     if data.packing == "plan":
         data = dataclasses.replace(data, packing=True, packing_plan=None)
     return dataclasses.replace(recipe, data=data)

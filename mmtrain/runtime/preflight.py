@@ -16,6 +16,7 @@ from mmdata.energon_configs import config_sample_type
 from mmdata.packing.balance import StepShape
 from mmdata.energon_loaders.plan_packing import PlanError, estimated_lengths_problem, plan_for_data, plan_step_shape
 from mmdata.errors import UserError
+from mmdata.global_order.sources import estimated_lengths_problem as order_lengths_problem
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmtrain.recipe_plan import recipe_geometry
 from mmdata.readiness import DatasetNotReady, data_source_samples
@@ -82,6 +83,9 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
                 continue
             kind_problems = _sample_type_problems(f"{key}[{i}]", Path(path), spec)
             problems += kind_problems
+            d = recipe.data
+            if d.sharding == "global" and not d.plan_allow_estimated_lengths and (why := order_lengths_problem(path)):
+                problems.append(f"{key}[{i}]: {why}")
             wrong_kind = wrong_kind or bool(kind_problems)
             if key == "data.paths":
                 train_samples += found
@@ -236,7 +240,7 @@ def _check_starting_point(recipe: "Recipe", spec: "FamilySpec", problems: list[s
 def _warn_shuffle_buffer(recipe: "Recipe", samples: list[int]) -> None:
     """Energon shuffles within each worker's share of every dataset; a buffer larger than the
     share holds the same samples again, so one step can draw a sample twice."""
-    if not samples:
+    if not samples or recipe.data.sharding == "global":  # (the global order reads by index: no shuffle buffer)
         return
     d, p = recipe.data, recipe.parallel
     readers = max(1, d.num_workers) * (p.dp if d.sharding == "dp" else 1)

@@ -59,6 +59,10 @@ class StepResult:
     vision_balance: Optional[float] = None
     #: samples the loaders skipped making the global batch, per reason (summed over DP)
     skipped: dict[str, int] = field(default_factory=dict)
+    #: `data.sharding: global`: bytes each DP rank read for the step, in DP-rank order (empty otherwise)
+    bytes_per_rank: list[int] = field(default_factory=list)
+    #: `data.sharding: global`: the step's units (the blend's samples or tokens) per source
+    source_units: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,6 +82,8 @@ class StepTotals:
     sample_ids: list[str] = field(default_factory=list)
     sample_losses: list[Optional[float]] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
+    bytes_per_rank: list[int] = field(default_factory=list)
+    source_units: dict[str, float] = field(default_factory=dict)
 
 
 class StepMetrics:
@@ -144,6 +150,8 @@ class StepMetrics:
         tiles[ctx.dp_rank] = float(
             sum(self.spec.encoder_inputs(b) for b in batches) if self.spec.encoder_inputs is not None else 0
         )
+        read = [0.0] * ctx.dp  # bytes read, the same way
+        read[ctx.dp_rank] = float(step_data.bytes_read)
         counts = torch.tensor(
             [
                 step_data.num_tokens,
@@ -155,6 +163,7 @@ class StepMetrics:
                 self.hardware_flops(batches),
                 float(sum(step_data.skipped.values())),
                 *tiles,
+                *read,
             ],
             dtype=torch.float64,
             device=ctx.device,
@@ -170,9 +179,12 @@ class StepMetrics:
             hardware_flops=float(counts[6]),
             bin_fill=float(counts[0] / counts[4]) if counts[4] > 0 else None,
             executed_token_efficiency=float(counts[0] / counts[5]) if counts[5] > 0 else None,
-            vision_balance=vision_balance(counts[8:].tolist()),
+            vision_balance=vision_balance(counts[8 : 8 + ctx.dp].tolist()),
             skipped=self._gather_skips(step_data.skipped, int(counts[7])),
+            source_units=dict(step_data.source_units),
         )
+        if step_data.source_units:  # the global order's step (its units are every rank's)
+            totals.bytes_per_rank = [int(b) for b in counts[8 + ctx.dp :].tolist()]
         if ctx.is_last_stage:
             self._gather_losses(step_data, reports, totals)
         return totals
@@ -245,10 +257,25 @@ def step_record(
         "sample_ids": r.sample_ids,
         "sample_losses": r.sample_losses,
     }
+    if r.source_units:  # data.sharding: global
+        record.update(global_order_record(r.bytes_per_rank, r.source_units))
     ev = r.evaluation
     if ev is not None:
         record.update(val_loss=ev.loss, val_tokens=ev.tokens, val_time_s=ev.time_s)
     return record
+
+
+def global_order_record(bytes_per_rank: list[int], units: dict[str, float]) -> dict[str, Any]:
+    """A global-order step's read volume and mixture: `bytes_read` (DP rank 0's, the logging
+    rank's), `bytes_read_per_rank` and `shares`, the realised share of each source in the step's
+    units (samples or tokens, as the blend counts)."""
+    total = sum(units.values())
+    return {
+        "bytes_read": bytes_per_rank[0] if bytes_per_rank else 0,
+        "bytes_read_per_rank": bytes_per_rank,
+        "source_units": units,
+        "shares": {name: (u / total if total > 0 else 0.0) for name, u in units.items()},
+    }
 
 
 def step_line(r: StepResult, record: dict[str, Any], iters: int, eta: str) -> str:

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: the key of a loader state file written inside a balancing window
 WINDOW_STATE_KEY = "mmtrain.balance_window"
+#: the one loader state file of `data.sharding: global`: a position in the global order, no layout in it
+GLOBAL_STATE_FILE = "loader_global.json"
 
 
 @dataclass
@@ -40,6 +42,11 @@ class StepData:
     #: samples the loader skipped making this step's micro-batches, per reason (this rank's share:
     #: with `sharding: replicated` rank 0 counts every rank's, the others none, so DP sums are right)
     skipped: dict[str, int] = field(default_factory=dict)
+    #: `data.sharding: global`: bytes of the samples this rank read for the step (its tar members)
+    bytes_read: int = 0
+    #: `data.sharding: global`: the step's units (samples or tokens, the blend's) per source, the
+    #: same on every rank
+    source_units: dict[str, float] = field(default_factory=dict)
 
 
 def batch_skips(batch: PackedBatch) -> dict[str, int]:
@@ -53,6 +60,26 @@ def batch_sample_ids(batch: PackedBatch) -> list[str]:
     across sources; in `sample_ids` order (the per-sample losses follow it)."""
     rows = batch.sample_keys or batch.sample_ids
     return [str(sid) for row in rows for sid in row]
+
+
+def global_order_figures(micro_batches: list[PackedBatch]) -> tuple[int, dict[str, float]]:
+    """(bytes this rank read, the step's units per source) of a step's micro-batches from the
+    global-order loader (`PackedBatch.global_order`: mmdata/energon_loaders/global_order.py)."""
+    where = [b.global_order for b in micro_batches if b.global_order is not None]
+    units = {name: float(u) for name, u in where[0]["units"].items()} if where else {}
+    return sum(int(w["bytes_read"]) for w in where), units
+
+
+def check_one_step(micro_batches: list[PackedBatch]) -> None:
+    """The micro-batches taken for a step (by count) are one step's 0..M-1 of the global order:
+    a rank whose boundaries shifted would save another step than the others, so stop loudly."""
+    at = [(b.global_order or {}).get("step") for b in micro_batches]
+    micro = [(b.global_order or {}).get("micro_batch") for b in micro_batches]
+    if len(set(at)) != 1 or micro != list(range(len(micro_batches))):
+        raise RuntimeError(
+            f"the global order's loader gave one step the micro-batches (step, micro-batch) {list(zip(at, micro))}, "
+            "not one step's in order: the loader must yield every micro-batch of every step"
+        )
 
 
 class TrainData:
@@ -71,7 +98,9 @@ class TrainData:
         self._spec, self._recipe = spec, recipe
         self.balancer: RowBalancer | None = None
         self.window = 1  # steps drawn and placed together
-        if recipe.data.balance and recipe.data.packing != "plan":
+        # the global order places each step's rows on the ranks itself (balanced by cost when
+        # data.balance): nothing moves between ranks here
+        if recipe.data.balance and recipe.data.packing != "plan" and self.sharding != "global":
             self.balancer = self._make_balancer()
             w = recipe.data.balance_window
             self.window = auto_window(recipe.train.global_batch_size // ctx.dp) if w == "auto" else int(w)
@@ -92,7 +121,14 @@ class TrainData:
         """File name of this rank's loader state inside a checkpoint."""
         if self.sharding == "replicated":
             return "loader_replicated.json"
+        if self.sharding == "global":
+            return GLOBAL_STATE_FILE
         return f"loader_dp{self.loader_dp_rank:05d}_of{self.loader_dp_size:05d}.json"
+
+    def layout_figures(self) -> dict[str, int]:
+        """What a global-order resume may change: DP size, micro-batch size and loader workers."""
+        r = self._recipe
+        return {"dp": self.ctx.dp, "micro_batch_size": r.train.micro_batch_size, "num_workers": r.data.num_workers}
 
     def save_state(self) -> str:
         """The loader's `save_state_rank()` as JSON text (no pickles in checkpoints); inside a
@@ -149,6 +185,9 @@ class TrainData:
         mine = self._placed.pop(0)
         data = StepData(micro_batches=mine, skipped=dict(sorted(self._skipped.items())))
         self._skipped.clear()
+        if self.sharding == "global":
+            check_one_step(mine)
+            data.bytes_read, data.source_units = global_order_figures(mine)
         for batch in mine:
             ids = batch_sample_ids(batch)
             data.sample_ids.extend(ids)

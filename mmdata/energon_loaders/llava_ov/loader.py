@@ -9,6 +9,7 @@ from mmdata.energon_loaders.llava_ov.task_encoder import LlavaOVEncoderConfig, L
 from mmdata.energon_loaders.loader import SavableLoader, build_loader
 from mmdata.energon_loaders.llava_ov.chat_template import DEFAULT_SYSTEM_PROMPT
 from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
+from mmdata.packing.geometry import PlanGeometry
 
 
 def build_llava_ov_loader(
@@ -31,7 +32,8 @@ def build_llava_ov_loader(
     weights). With `packing`, each row holds several samples up to `seq_length` tokens;
     `packing="plan"` packs them as `mmdata pack-plan` planned (`packing_plan`, see `build_loader`).
     `loader_kwargs`: `loader.build_loader`'s (dp_rank, dp_size, num_workers, seed, packing, buffers,
-    checkpointing, watchdog).
+    checkpointing, watchdog; `sharding="global"` with global_batch_size, blend, window_steps, balance,
+    tile_tokens: the global order plans from lengths counted with this loader's image geometry).
     """
     config = LlavaOVEncoderConfig(
         seq_length=seq_length,
@@ -42,6 +44,10 @@ def build_llava_ov_loader(
         max_video_frames=max_video_frames,
         system_prompt=system_prompt,
     )
+    if loader_kwargs.get("sharding") == "global":
+        loader_kwargs.setdefault(
+            "geometry", PlanGeometry(image_size, patch_size, max_tiles, grid_max, max_video_frames)
+        )
     return build_loader(
         data, LlavaOVTaskEncoder(str(tokenizer_path), config), micro_batch_size=micro_batch_size, **loader_kwargs
     )

@@ -22,7 +22,12 @@ log = logging.getLogger(__name__)
 
 RESET_SWITCH = "checkpoint.reset_data=true"
 #: data keys the loader state does not depend on (see the module docstring)
-NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window")
+NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window", "order_window")
+#: keys of the layout a global-order loader state does not depend on: a resume may change them
+GLOBAL_ORDER_LAYOUT_KEYS = ("train.micro_batch_size", "data.num_workers")
+#: data keys only the global order reads (left out of other modes' identity: older checkpoints lack
+#: them). Its window (`order_window`) is in no identity: the order continues across a change of it
+GLOBAL_ORDER_KEYS = ("blend",)
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 
@@ -56,13 +61,24 @@ def data_identity(recipe: Recipe) -> dict[str, Any]:
     """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
     fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
     data = recipe_to_dict(recipe)["data"]
-    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in NOT_IN_LOADER_STATE}
+    skip = NOT_IN_LOADER_STATE + (() if recipe.data.sharding == "global" else GLOBAL_ORDER_KEYS)
+    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in skip}
     ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]
     ident["data.sources"] = {p: _fingerprint(Path(p)) for p in ident["data.paths"]}
     ident["train.seq_length"] = recipe.train.seq_length
     ident["train.micro_batch_size"] = recipe.train.micro_batch_size
     ident["seed"] = recipe.seed
     return json.loads(json.dumps(ident))
+
+
+def comparable(saved: dict[str, Any], current: dict[str, Any], sharding: str) -> tuple[dict, dict]:
+    """The identities to compare: with `sharding: global` the layout keys are left out of both
+    (the global order's position holds at any micro-batch and worker count: a resume there is
+    logged, not refused)."""
+    if sharding != "global":
+        return saved, current
+    drop = GLOBAL_ORDER_LAYOUT_KEYS
+    return {k: v for k, v in saved.items() if k not in drop}, {k: v for k, v in current.items() if k not in drop}
 
 
 def _fingerprint(source: Path) -> str:
@@ -148,7 +164,7 @@ def resume_decision(ckpt: Path, recipe: Recipe) -> str:
     record = saved_record(ckpt)
     saved = record.get("data") or {}
     reset = recipe.checkpoint.reset_data
-    changes = identity_changes(saved, data_identity(recipe))
+    changes = identity_changes(*comparable(saved, data_identity(recipe), recipe.data.sharding))
     if not changes:
         # a rerun of a reset run continues its data; a checkpoint written without the switch resets
         return "reset" if reset and not record.get("data_reset", False) else "restore"

@@ -218,8 +218,9 @@ class RngState:
 
 class LoaderState:
     """The loader's position: one file per DP rank (written by its TP0/PP0/CP0 rank), or one for
-    all with `data.sharding: replicated`. The CP ranks of a DP rank share its loader, so the
-    state does not depend on CP: a checkpoint resumes at another cp with the same DP size."""
+    all with `data.sharding: replicated` or `global` (rank 0 writes it, every rank reads it). The
+    CP ranks of a DP rank share its loader, so the state does not depend on CP: a checkpoint
+    resumes at another cp with the same DP size; a global-order one at any layout."""
 
     name = "loader"
 
@@ -231,7 +232,7 @@ class LoaderState:
         d = self.train_data
         writes = (
             ctx.rank == 0
-            if d.sharding == "replicated"
+            if d.sharding in ("replicated", "global")
             else (ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.cp_rank == 0)
         )
         if writes:
@@ -243,7 +244,10 @@ class LoaderState:
             return False  # the trainer says why (checkpoint.reset_data)
         state_file = ckpt / self.name / d.state_key
         if state_file.is_file() and saved.data_sharding == d.sharding:
-            d.restore_state(state_file.read_text())
+            text = state_file.read_text()
+            d.restore_state(text)
+            if d.sharding == "global" and ctx.rank == 0:
+                log.info("%s", global_order_resume_line(text, saved, d.layout_figures()))
             return True
         if ctx.rank == 0:
             log.warning(
@@ -253,6 +257,24 @@ class LoaderState:
                 d.state_key, ckpt, saved.data_sharding, d.sharding, saved.layout, layout_of(ctx),
             )  # fmt: skip
         return False
+
+
+def global_order_resume_line(text: str, saved: TrainerState, now: dict[str, int]) -> str:
+    """The one line a global-order resume logs: the step the data order continues at and the
+    layout it continues on (`now`: dp, micro_batch_size, num_workers), which may be another."""
+    step = json.loads(text).get("step", saved.step)
+    was = {
+        "dp": saved.layout.get("dp"),
+        "micro_batch_size": saved.data.get("train.micro_batch_size"),
+        "num_workers": saved.data.get("data.num_workers"),
+    }
+    names = {"dp": "DP", "micro_batch_size": "micro-batch", "num_workers": "data.num_workers"}
+    parts = [f"{names[k]} {was[k]} -> {now[k]}" if was[k] != now[k] else f"{names[k]} {now[k]}" for k in names]
+    changed = any(was[k] != now[k] for k in names)
+    return (
+        f"data order continues at step {step} (global order), "
+        f"{'layout changed' if changed else 'same layout'}: {', '.join(parts)}"
+    )
 
 
 # ----------------------------------------------------------------------------- the manager
