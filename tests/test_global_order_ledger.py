@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,3 +204,45 @@ def test_llava_ov_ledger_across_dp_and_worker_changes_and_kills(tmp_path, llava_
 def test_emu3_ledger_across_dp_and_worker_changes_and_kills(tmp_path, emu3_data):
     tokens, tok = emu3_data
     ledger_run("emu3", tmp_path, tokens, tok, seq_length=416, seed=47)  # its longest sample: 403
+
+
+def test_a_packing_plans_order_resumes_at_another_layout_across_an_epoch(tmp_path, llava_data):
+    """`data.packing: plan` in global order with a plan balanced for another step shape (DP 4, G 4):
+    2 steps at DP 2 (micro-batch 1, a worker), resumed at DP 1 (micro-batch 2, no worker) to step 4
+    (the plan's 8 sequences: steps 3 and 4 are its second epoch); every step trained the plan's
+    sequences of that step (`PlanSteps`)."""
+    from mmdata.cli import main as mmdata_main
+
+    shards = tmp_path / "shards"
+    shutil.copytree(llava_data[0], shards)  # (the plan file beside the shared fixture's shards: a copy)
+    tok, run = llava_data[1], tmp_path / "run"
+    geometry = [
+        "--image-size",
+        "30",
+        "--patch-size",
+        "14",
+        "--max-tiles",
+        "9",
+        "--grid-max",
+        "6",
+        "--video-frames",
+        "8",
+    ]
+    shape = ["--dp", "4", "--micro-batch-size", "1", "--global-batch-size", "4", "--jobs", "1", "--no-progress"]
+    assert mmdata_main(["pack-plan", str(shards), "--seq-length", "1024", *geometry, *shape]) == 0
+    plan = ("data.sharding=global", "data.packing=plan", "data.balance=true", "train.global_batch_size=4")
+    plan += ("train.seq_length=1024", "checkpoint.interval=1", "checkpoint.keep_last=2")
+    segments = (
+        (2, ("train.micro_batch_size=1", "data.num_workers=1", "train.iters=2")),
+        (1, ("train.micro_batch_size=2", "data.num_workers=0", "train.iters=4")),
+    )
+    for i, (dp, extra) in enumerate(segments):
+        log = run_segment(command("llava-ov", run, shards, tok, *plan, *extra, nproc=dp), tmp_path / f"s{i}.log", None)
+    assert "data order continues at step 2 (global order), layout changed: DP 2 -> 1, micro-batch 1 -> 2" in log
+    recipe = load_recipe(RECIPES["llava-ov"], run_overrides(run, shards, tok, *plan, "train.iters=4"))
+    steps = FAMILIES["llava-ov"].build_loader.resolve()(recipe, dp_rank=0, dp_size=1).planner
+    assert steps.plan.num_sequences == 8
+    got = metrics(run)
+    for _, (planned, _) in zip(range(4), steps.resume(steps.document(0, 0))):
+        want = Counter(steps.sample_at(m)[2] for m in planned.members())
+        assert Counter(s.rsplit("#", 1)[-1] for s in got[planned.step + 1]["sample_ids"]) == want, planned.step
