@@ -23,37 +23,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_loader import Run, _measure
+from benchmarks.bench_loader import run_ours
 from benchmarks.train_common import synth_shards
 from mmdata.dev.tiny_tokenizer import build_tiny_qwen2_tokenizer
-from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 
 SEQ_LENGTH = 8192
 GLOBAL_BATCH = 8
-
-
-def run_side(shards: Path, tok: Path, workers: int, count: int, **sharding) -> Run:
-    """One loader's run (`sharding`: nothing for the online packer, the global order's keys)."""
-    stats = {}
-
-    def make(extra):
-        loader = build_llava_ov_loader(
-            shards,
-            tok,
-            seq_length=SEQ_LENGTH,
-            micro_batch_size=1,
-            num_workers=workers,
-            packing=True,
-            seed=0,
-            **sharding,
-        )
-        extra["loader"] = loader
-        stats["loader"] = loader.stats
-        return ((sum(len(r) for r in b.sample_ids), int(b.pixel_values.shape[0])) for b in loader)
-
-    run = _measure(make, count)
-    run.packing_efficiency = stats["loader"].packing_efficiency
-    return run
 
 
 def main() -> None:
@@ -70,8 +45,8 @@ def main() -> None:
         tok = build_tiny_qwen2_tokenizer(work / "tok")
         shards = Path(args.shards) if args.shards else synth_shards(work, args.num_samples, tokenizer=tok)
         count = 2 * args.num_samples
-        online = run_side(shards, tok, args.workers, count)
-        ours = run_side(shards, tok, args.workers, count, sharding="global", global_batch_size=GLOBAL_BATCH)
+        online = run_ours(shards, tok, args.workers, count, SEQ_LENGTH)
+        ours = run_ours(shards, tok, args.workers, count, SEQ_LENGTH, sharding="global", global_batch_size=GLOBAL_BATCH)
     print(f"{count} samples per side, packing at {SEQ_LENGTH}, {args.workers} worker(s), DP 1")
     print(
         f"{'':14s} {'samples':>8s} {'wall s':>8s} {'cpu s':>8s} {'samples/s':>10s} {'samples/cpu-s':>14s} {'fill':>6s}"

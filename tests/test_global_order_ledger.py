@@ -33,6 +33,7 @@ from mmtrain.config.load import load_recipe
 from mmtrain.registry import FAMILIES
 from mmtrain.runtime.launcher import child_pids
 from tests.emu3_tiny import run_tokenize_cli, tokenize_args
+from tests.fixtures_loader import pack_balanced_tiny_plan
 from tests.fixtures_preprocess import tokenized_shards
 from tests.fixtures_training import REPO, metrics, run_overrides, train_env
 
@@ -211,25 +212,10 @@ def test_a_packing_plans_order_resumes_at_another_layout_across_an_epoch(tmp_pat
     2 steps at DP 2 (micro-batch 1, a worker), resumed at DP 1 (micro-batch 2, no worker) to step 4
     (the plan's 8 sequences: steps 3 and 4 are its second epoch); every step trained the plan's
     sequences of that step (`PlanSteps`)."""
-    from mmdata.cli import main as mmdata_main
-
     shards = tmp_path / "shards"
     shutil.copytree(llava_data[0], shards)  # (the plan file beside the shared fixture's shards: a copy)
     tok, run = llava_data[1], tmp_path / "run"
-    geometry = [
-        "--image-size",
-        "30",
-        "--patch-size",
-        "14",
-        "--max-tiles",
-        "9",
-        "--grid-max",
-        "6",
-        "--video-frames",
-        "8",
-    ]
-    shape = ["--dp", "4", "--micro-batch-size", "1", "--global-batch-size", "4", "--jobs", "1", "--no-progress"]
-    assert mmdata_main(["pack-plan", str(shards), "--seq-length", "1024", *geometry, *shape]) == 0
+    pack_balanced_tiny_plan(shards, 1024, dp=4, micro_batch_size=1, global_batch=4)
     plan = ("data.sharding=global", "data.packing=plan", "data.balance=true", "train.global_batch_size=4")
     plan += ("train.seq_length=1024", "checkpoint.interval=1", "checkpoint.keep_last=2")
     segments = (

@@ -23,6 +23,7 @@ from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.errors import UserError
 from mmdata.global_order import OrderSource, StepPlanner, placement
 from mmdata.packing.balance import StepShape
+from tests.fixtures_loader import pack_balanced_tiny_plan
 from tests.fixtures_preprocess import tokenized_shards
 
 SEQ = 512  # about 4 tiny samples per row: an epoch of the two sources is about 8 steps
@@ -146,28 +147,12 @@ def test_a_packing_plan_balanced_for_another_shape_is_followed_at_any_layout_and
     (`PlanSteps`), each rank the rows `placement` gives it; the document saved after step 0 at DP 2
     resumes at DP 3 with micro-batch 2 exactly; the training preflight accepts the
     recipe."""
-    from mmdata.cli import main
     from mmtrain import registry
     from mmtrain.config import load_recipe
     from mmtrain.runtime.preflight import _check_data
 
     root, tok = two_sources[0][0], two_sources[1]
-    geometry = [
-        "--image-size",
-        "30",
-        "--patch-size",
-        "14",
-        "--max-tiles",
-        "9",
-        "--grid-max",
-        "6",
-        "--video-frames",
-        "8",
-    ]
-    shape = ["--dp", "2", "--micro-batch-size", "1", "--global-batch-size", "4"]
-    assert (
-        main(["pack-plan", str(root), "--seq-length", str(SEQ), *geometry, *shape, "--jobs", "1", "--no-progress"]) == 0
-    )
+    pack_balanced_tiny_plan(root, SEQ, dp=2, micro_batch_size=1, global_batch=4)
 
     def build(rank: int, dp: int, workers: int, micro: int):
         return build_llava_ov_loader(
