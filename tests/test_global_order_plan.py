@@ -3,7 +3,8 @@ mmdata/energon_loaders/plan_steps.py): step t is the plan's G sequences at strea
 [tG, (t+1)G) whatever the layout; the placement over ranks and micro-batches covers each row of
 a step once at DP 1..4 and micro-batch 1..2; a plan balanced for one step shape is followed at
 any; the layout-free document resumes exactly, after a global batch change from the same
-position; documents of another plan or of the online planner are refused. Without reading."""
+position; documents of another plan or of the online planner, and a plan shorter than a step,
+are refused. Without reading."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from megatron.energon import WorkerConfig
 
 from mmdata.energon_loaders.global_order import GlobalOrderDataset
-from mmdata.energon_loaders.plan_packing import PlanSequences
+from mmdata.energon_loaders.plan_packing import PlanError, PlanSequences
 from mmdata.energon_loaders.plan_steps import PlanSteps
 from mmdata.errors import UserError
 from mmdata.global_order import OrderSource, StepPlanner
@@ -105,5 +106,7 @@ def test_documents_of_another_plan_or_of_the_online_planner_are_refused():
         next(steps.resume(planner.document(planner.initial_state(), 0)))
     with pytest.raises(UserError, match="follows a packing plan"):
         next(planner.resume(steps.document(0, 0)))
+    with pytest.raises(PlanError, match="has 10 sequences, fewer than one step's 24"):
+        _steps(_plan(sequences=10))
     with pytest.raises(UserError, match="damaged"):
         next(steps.resume({**steps.document(0, 0), "position": -1}))

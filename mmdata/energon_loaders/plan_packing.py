@@ -20,6 +20,10 @@ worker `j mod W`); a loader built without DP sharding (the trainer's `data.shard
 yields every rank's micro-batches of a step, rank after rank. The loader's micro-batch size and DP
 size must be the plan's.
 
+Under `data.sharding: global` the same plan is followed by the global order's loader instead
+(plan_steps.py: step t the G sequences at positions [tG, (t+1)G) of `PlanStream`, placed by cost
+at any layout; a plan balanced for another step shape is fine there).
+
 Samples are read by global index with energon's random access (its tar index), encoded with the
 family's task encoder (skips counted as online) and packed with its hooks. A sample whose
 encoded length does not fit what its row has left (a plan made from estimated text lengths, or

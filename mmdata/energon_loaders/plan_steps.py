@@ -48,13 +48,13 @@ class PlanSteps:
     ) -> None:
         """`sizes`: each planned sample's bytes in its tar (aligned with `plan.indices`); None reads
         them from the folder's energon index."""
-        if plan.costs is None:
-            raise ValueError("load the plan with its costs (load_plan(..., tile_tokens=...))")
         if plan.num_sequences < global_batch_size:
             raise PlanError(
                 f"packing plan {path} has {plan.num_sequences} sequences, fewer than one step's "
                 f"{global_batch_size} (train.global_batch_size): pack more data or lower the batch"
             )
+        if plan.costs is None:
+            raise ValueError("load the plan with its costs (load_plan(..., tile_tokens=...))")
         self.plan, self.global_batch_size, self.seed = plan, global_batch_size, seed
         self.seq_length = int(plan.info["seq_length"])
         self.roots, self.names = [Path(shards)], [source_name(shards)]
