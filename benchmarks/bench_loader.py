@@ -181,12 +181,20 @@ def run_baseline(shard_dir: Path, tok_dir: Path, workers: int, max_samples: int)
     return _measure(make, max_samples)
 
 
-def run_ours(shard_dir: Path, tok_dir: Path, workers: int, max_samples: int, seq_length: int) -> Run:
+def run_ours(shard_dir: Path, tok_dir: Path, workers: int, max_samples: int, seq_length: int, **options) -> Run:
+    """Our loader's run (`options`: more of its arguments, e.g. bench_global_throughput's global order)."""
     stats = {}
 
     def make(extra):
         loader = build_llava_ov_loader(
-            shard_dir, tok_dir, seq_length=seq_length, micro_batch_size=1, num_workers=workers, packing=True, seed=0
+            shard_dir,
+            tok_dir,
+            seq_length=seq_length,
+            micro_batch_size=1,
+            num_workers=workers,
+            packing=True,
+            seed=0,
+            **options,
         )
         extra["loader"] = loader
         stats["loader_stats"] = loader.stats

@@ -2,17 +2,20 @@
 test_mixed_media_packs): random PNG/JPEG/MP4 bytes, a one-turn conversation, and 36 good samples
 of every media kind mixed with the 5 bad ones the loader must skip (`BAD_IDS`). Also what the
 loader checks share: the tiny tile geometry, the options of a plan loader that saves its state
-after every sample, and the batches before and after a saved state."""
+after every sample, the batches before and after a saved state, and a balanced plan at the tiny
+recipe's geometry."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterable
+from pathlib import Path
 
 import av  # the loader tests' clips; av is a product dependency (the video decoder)
 import numpy as np
 from PIL import Image
 
+from mmdata.cli import main as mmdata_main
 from mmdata.dev.shards import DevSample
 
 BAD_IDS = {"bad-empty-image", "bad-truncated-png", "bad-video", "bad-role", "bad-placeholders"}
@@ -20,6 +23,30 @@ BAD_IDS = {"bad-empty-image", "bad-truncated-png", "bad-video", "bad-role", "bad
 TINY_TILES = {"image_size": 28, "patch_size": 14}
 #: `build_llava_ov_loader` options: packs from the pack plan, its state checkpointed after every sample
 PLAN_RESUMABLE = {"packing": "plan", "checkpoint_every_min_n_samples": 1, "checkpoint_every_sec": 0}
+
+
+#: `mmdata pack-plan`'s geometry options of the tiny recipe (recipes/llava-ov-tiny.yaml: 30-px tiles)
+TINY_RECIPE_PLAN_GEOMETRY = (
+    ("--image-size", "30"), ("--patch-size", "14"), ("--max-tiles", "9"), ("--grid-max", "6"), ("--video-frames", "8"),
+)  # fmt: skip
+
+
+def pack_balanced_tiny_plan(shards: Path, seq_length: int, dp: int, micro_batch_size: int, global_batch: int) -> None:
+    """`mmdata pack-plan` of `shards` at the tiny recipe's geometry, balanced for a step shape."""
+    geometry = [x for pair in TINY_RECIPE_PLAN_GEOMETRY for x in pair]
+    shape = ["--dp", str(dp), "--micro-batch-size", str(micro_batch_size), "--global-batch-size", str(global_batch)]
+    args = [
+        "pack-plan",
+        str(shards),
+        "--seq-length",
+        str(seq_length),
+        *geometry,
+        *shape,
+        "--jobs",
+        "1",
+        "--no-progress",
+    ]
+    assert mmdata_main(args) == 0
 
 
 def batches_around_saved_state(loader: Iterable, before: int, after: int) -> tuple[list, str, list]:

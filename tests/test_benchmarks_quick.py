@@ -37,6 +37,7 @@ QUICK_RUNS: dict[str, tuple[str, str | None]] = {
     "bench_vision_layout.py": ("vision_layout", None),
     "bench_global_reads.py": ("global_order_bytes_per_rank", "its data needs a Ray job (preprocess: the length index)"),
     "bench_global_order.py": ("global_order_fill", None),
+    "bench_global_throughput.py": ("global_order_loader", "its data needs a Ray job (preprocess: the length index)"),
 }
 # script -> the BENCH lines it prints besides its main one
 MORE_LINES: dict[str, tuple[str, ...]] = {

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from mmtrain.config.load import load_recipe
 from mmtrain.registry import FAMILIES
 from mmtrain.runtime.launcher import child_pids
 from tests.emu3_tiny import run_tokenize_cli, tokenize_args
+from tests.fixtures_loader import pack_balanced_tiny_plan
 from tests.fixtures_preprocess import tokenized_shards
 from tests.fixtures_training import REPO, metrics, run_overrides, train_env
 
@@ -203,3 +205,30 @@ def test_llava_ov_ledger_across_dp_and_worker_changes_and_kills(tmp_path, llava_
 def test_emu3_ledger_across_dp_and_worker_changes_and_kills(tmp_path, emu3_data):
     tokens, tok = emu3_data
     ledger_run("emu3", tmp_path, tokens, tok, seq_length=416, seed=47)  # its longest sample: 403
+
+
+def test_a_packing_plans_order_resumes_at_another_layout_across_an_epoch(tmp_path, llava_data):
+    """`data.packing: plan` in global order with a plan balanced for another step shape (DP 4, G 4):
+    2 steps at DP 2 (micro-batch 1, a worker), resumed at DP 1 (micro-batch 2, no worker) to step 4
+    (the plan's 8 sequences: steps 3 and 4 are its second epoch); every step trained the plan's
+    sequences of that step (`PlanSteps`)."""
+    shards = tmp_path / "shards"
+    shutil.copytree(llava_data[0], shards)  # (the plan file beside the shared fixture's shards: a copy)
+    tok, run = llava_data[1], tmp_path / "run"
+    pack_balanced_tiny_plan(shards, 1024, dp=4, micro_batch_size=1, global_batch=4)
+    plan = ("data.sharding=global", "data.packing=plan", "data.balance=true", "train.global_batch_size=4")
+    plan += ("train.seq_length=1024", "checkpoint.interval=1", "checkpoint.keep_last=2")
+    segments = (
+        (2, ("train.micro_batch_size=1", "data.num_workers=1", "train.iters=2")),
+        (1, ("train.micro_batch_size=2", "data.num_workers=0", "train.iters=4")),
+    )
+    for i, (dp, extra) in enumerate(segments):
+        log = run_segment(command("llava-ov", run, shards, tok, *plan, *extra, nproc=dp), tmp_path / f"s{i}.log", None)
+    assert "data order continues at step 2 (global order), layout changed: DP 2 -> 1, micro-batch 1 -> 2" in log
+    recipe = load_recipe(RECIPES["llava-ov"], run_overrides(run, shards, tok, *plan, "train.iters=4"))
+    steps = FAMILIES["llava-ov"].build_loader.resolve()(recipe, dp_rank=0, dp_size=1).planner
+    assert steps.plan.num_sequences == 8
+    got = metrics(run)
+    for _, (planned, _) in zip(range(4), steps.resume(steps.document(0, 0))):
+        want = Counter(steps.sample_at(m)[2] for m in planned.members())
+        assert Counter(s.rsplit("#", 1)[-1] for s in got[planned.step + 1]["sample_ids"]) == want, planned.step

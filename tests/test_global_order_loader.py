@@ -23,6 +23,7 @@ from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
 from mmdata.errors import UserError
 from mmdata.global_order import OrderSource, StepPlanner, placement
 from mmdata.packing.balance import StepShape
+from tests.fixtures_loader import pack_balanced_tiny_plan
 from tests.fixtures_preprocess import tokenized_shards
 
 SEQ = 512  # about 4 tiny samples per row: an epoch of the two sources is about 8 steps
@@ -138,6 +139,56 @@ def test_every_layout_trains_the_planned_steps_reads_its_rows_and_resumes_anywhe
     keys, _ = _run(resumed, 1 + steps)
     assert sorted(keys) == [1, 2]
     assert all(sorted(k for r in keys[t].values() for k in r) == sorted(planned[t][0]) for t in (1, 2))
+
+
+def test_a_packing_plan_balanced_for_another_shape_is_followed_at_any_layout_and_resumes(two_sources):
+    """`packing: plan` in global order: a plan balanced for DP 2 x micro 1 x G 4 is followed at G 6
+    by (dp, workers, micro) (1, 1, 1), (2, 0, 1): each step trains the plan's next 6 sequences
+    (`PlanSteps`), each rank the rows `placement` gives it; the document saved after step 0 at DP 2
+    resumes at DP 3 with micro-batch 2 exactly; the training preflight accepts the
+    recipe."""
+    from mmtrain import registry
+    from mmtrain.config import load_recipe
+    from mmtrain.runtime.preflight import _check_data
+
+    root, tok = two_sources[0][0], two_sources[1]
+    pack_balanced_tiny_plan(root, SEQ, dp=2, micro_batch_size=1, global_batch=4)
+
+    def build(rank: int, dp: int, workers: int, micro: int):
+        return build_llava_ov_loader(
+            root, tok, seq_length=SEQ, micro_batch_size=micro, dp_rank=rank, dp_size=dp, num_workers=workers,
+            sharding="global", global_batch_size=G, packing="plan", max_video_frames=8, **TINY,
+        )  # fmt: skip
+
+    steps = build(0, 1, 0, 1).planner
+    planned = [s for _, (s, _) in zip(range(3), steps.resume(steps.document(0, 0)))]
+    assert [r.members[0][1] for r in planned[1].rows] == [int(steps.plan.starts[b]) for b in range(G, 2 * G)]
+    want = [sorted(f"{root}#{steps.sample_at(m)[2]}" for m in s.members()) for s in planned]
+    saved = None
+    for dp, workers, micro in ((1, 1, 1), (2, 0, 1)):
+        loaders = [build(r, dp, workers, micro) for r in range(dp)]
+        keys, read = _run(loaders, 1 if dp == 2 else 2)
+        if dp == 2:
+            saved = loaders[0].save_state_json()
+            assert json.loads(saved)["step"] == 1 and json.loads(saved)["position"] == G
+        for t in sorted(keys):
+            assert sorted(k for r in keys[t].values() for k in r) == want[t], (dp, t)
+            for r, micros in enumerate(placement(planned[t], StepShape(dp, micro, G))):
+                mine = [m for i in (i for mb in micros for i in mb) for m in planned[t].rows[i].members]
+                assert sorted(keys[t][r]) == sorted(f"{root}#{steps.sample_at(m)[2]}" for m in mine)
+                assert sum(read[t].values()) == sum(steps.sample_at(m)[4] for m in planned[t].members())
+        _close(loaders)
+    resumed = [build(r, 3, 0, 2) for r in range(3)]
+    for loader in resumed:
+        loader.restore_state_json(saved)
+    keys, _ = _run(resumed, 3)
+    assert sorted(keys) == [1, 2] and all(sorted(k for r in keys[t].values() for k in r) == want[t] for t in (1, 2))
+    _close(resumed)
+    overrides = [f"data.paths=[{root}]", "data.packing=plan", "data.sharding=global", f"train.seq_length={SEQ}"]
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "llava-ov-tiny.yaml", overrides)
+    problems: list[str] = []
+    _check_data(recipe, registry.get_family("llava-ov"), problems)
+    assert problems == []
 
 
 def test_a_micro_batch_whose_samples_were_all_skipped_is_padding_in_its_place(two_sources, tmp_path):

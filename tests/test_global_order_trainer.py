@@ -51,6 +51,12 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
     assert "two shard folders share the name 'web'" in line
     (line,) = errors(tmp_path, TWO, "data.order_window=2")
     assert line.endswith("data.order_window: is only read with data.sharding: global (got sharding: dp); drop it")
+    plan = ("data.paths=[/data/web]", "data.sharding=global", "data.packing=plan")
+    (line,) = errors(tmp_path, *plan, "data.blend={weights: {web: 1}}")
+    assert "data.blend: mixes the sources the global order plans online" in line and "data.packing: true" in line
+    (line,) = errors(tmp_path, *plan, "data.order_window=2")
+    assert "data.order_window: is not read with data.packing: plan" in line
+    assert recipe(tmp_path, *plan).data.packing == "plan"
     schedule = "data.blend={schedule: [{step: 0, weights: {web: 3}}, {step: 10, weights: {web: 1, books: 1}}]}"
     r = recipe(tmp_path, TWO, "data.sharding=global", schedule, "data.order_window=2")
     assert r.data.blend["schedule"][1]["step"] == 10 and r.data.order_window == 2

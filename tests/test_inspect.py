@@ -56,6 +56,7 @@ JSON_KEYS = {
     "packing",
     "vision_balance",
     "plan_files",
+    "global_reads",
 }
 DIST_KEYS = {"count", "mean", "min", "p50", "p90", "p99", "max"}
 
@@ -250,6 +251,9 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
     assert (vb["dp"], vb["window"]) == (8, 2)
     for v in vb["packing"].values():
         assert set(v["online"]) == {"today", "balanced", "windowed"}
+    gr = d["global_reads"]  # data.sharding: global at DP8: each rank reads its rows, about an eighth of the step
+    for v in gr["packing"].values():
+        assert v["rank_share"] == pytest.approx(1 / 8) and v["step_bytes"] >= v["rank_max"] >= v["rank_mean"] > 0
     valid = [r for r in recs if not r.broken]
     assert d["samples"] == d["sampled"]["count"] == len(valid)
     assert {k: v["count"] for k, v in d["modality"].items() if v["count"]} == dict(
@@ -280,6 +284,7 @@ def test_cli_json_and_table(broken_dataset, tokenizer_dir, capsys):
         assert word in table, word
     assert f"{len(valid)}" in table
     assert "bin fill / executed" in table and "online, window of 2 steps" in table
+    assert "Reads per step with data.sharding: global" in table
     assert main(["inspect", str(out / "missing")]) == 2
     assert "not a shards directory" in capsys.readouterr().err
     assert main(["inspect", str(out), "--cp", "0"]) == 2

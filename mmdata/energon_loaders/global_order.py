@@ -2,6 +2,11 @@
 micro-batches of the steps the planner fixes from the sources' length indexes, reading only the
 samples of its own rows.
 
+The rows come from one of two sources (`RowSource`): planned online from the length indexes
+(`global_order.StepPlanner`, `packing` true or false), or an offline packing plan's sequences
+(`plan_steps.PlanSteps`, `packing` "plan": step t is the plan's G sequences at stream positions
+[tG, (t+1)G)). Everything below is the same for both.
+
 Every worker (and the main process) plans the same steps from lengths alone. Step `t`'s `G` rows
 are placed on ranks and micro-batches by `global_order.placement` (vision-aware balance), the only
 part that depends on the layout. This rank's micro-batch `j` (counted from the step it started
@@ -32,17 +37,21 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from megatron.energon import SavableDataset, WorkerConfig
 
-from mmdata.energon_loaders.savable_loader import SavableLoader
+from mmdata.energon_loaders.plan_packing import load_plan, plan_for_data
+from mmdata.energon_loaders.plan_steps import PlanSteps
 from mmdata.energon_loaders.random_access import PLAN_CARRY_LIMIT, ShardReader, fill_row
+from mmdata.energon_loaders.savable_loader import SavableLoader
 from mmdata.errors import UserError
 from mmdata.global_order import Blend, OrderSource, PlannedStep, StepPlanner, load_source, placement
 from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape
 from mmdata.packing.emu3_geometry import Emu3PlanGeometry
 from mmdata.packing.geometry import PlanGeometry
 from mmdata.readiness import data_source_samples
+
+#: where a global order's rows come from: planned online from the length indexes, or a packing plan's sequences
+RowSource = StepPlanner | PlanSteps
 
 #: the batch counter of the bytes this rank read (LoaderStats sums it over the run)
 BYTES_READ = "global/bytes_read"
@@ -77,18 +86,16 @@ class SourceReads:
     """A worker's readers of the sources (one each, opened on first use) and the bytes of the
     samples they read (the sizes in the tars: energon's index)."""
 
-    def __init__(self, planner: StepPlanner, worker_config: WorkerConfig, decoder: Any):
+    def __init__(self, planner: RowSource, worker_config: WorkerConfig, decoder: Any):
         self.planner = planner
-        self.readers = [ShardReader(s.root, worker_config, decoder, "the length index") for s in planner.sources]
+        self.readers = [ShardReader(root, worker_config, decoder, "the length index") for root in planner.roots]
         self.bytes_read = 0
 
     def __call__(self, member: Sequence[int]) -> Any:
-        """The raw sample at a (source, stream position) member of a planned row."""
-        s, position = int(member[0]), int(member[1])
-        source = self.planner.sources[s]
-        k = self.planner.sample_of(s, position)
-        self.bytes_read += int(source.sample_bytes[k])
-        return self.readers[s].read(int(source.index[k]), source.key(k), source.variant(k))
+        """The raw sample of a member of a planned row."""
+        s, index, key, variant, size = self.planner.sample_at(member)
+        self.bytes_read += size
+        return self.readers[s].read(index, key, variant)
 
 
 class GlobalOrderDataset(SavableDataset):
@@ -98,7 +105,7 @@ class GlobalOrderDataset(SavableDataset):
 
     def __init__(
         self,
-        planner: StepPlanner,
+        planner: RowSource,
         task_encoder: Any,
         *,
         start: dict[str, Any],
@@ -118,15 +125,13 @@ class GlobalOrderDataset(SavableDataset):
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         """Micro-batches of one epoch of every source per worker (approximate: epochs run on)."""
-        p, s = self.planner, self.planner.seq_length
-        rows = sum(-(-int(np.minimum(src.lengths, s).sum()) // s) if p.packing else len(src) for src in p.sources)
-        per_rank = -(-rows // (self.shape.dp * self.shape.micro_batch_size))
+        per_rank = -(-self.planner.rows_per_epoch() // (self.shape.dp * self.shape.micro_batch_size))
         return -(-per_rank // max(1, self.worker_config.num_workers))
 
     def config(self) -> dict[str, Any]:
         return {
             "type": type(self).__qualname__,
-            "sources": [str(s.root) for s in self.planner.sources],
+            "sources": [str(root) for root in self.planner.roots],
             "start": self.start,
             "shape": self.shape.as_dict(),
             "balance": self.balance,
@@ -149,7 +154,7 @@ class GlobalOrderDataset(SavableDataset):
                 j += workers
 
     def __iter__(self) -> Iterator[Any]:
-        te, names = self.task_encoder, [s.name for s in self.planner.sources]
+        te, names = self.task_encoder, self.planner.names
         read = SourceReads(self.planner, self.worker_config, te.decoder)
         carry: list[list[Any]] = []
         for planned, micro, rows in self.micro_batches():
@@ -186,7 +191,7 @@ class GlobalOrderLoader(SavableLoader):
     document (`save_state_json` / `restore_state_json`, or as a dict `save_state_rank` /
     `restore_state_rank`), restored at any DP size, micro-batch size and worker count."""
 
-    def __init__(self, build: Callable[[dict[str, Any]], Any], task_encoder: Any, planner: StepPlanner):
+    def __init__(self, build: Callable[[dict[str, Any]], Any], task_encoder: Any, planner: RowSource):
         self._build, self.planner = build, planner
         self.start = planner.document(planner.initial_state(), 0)
         super().__init__(build(self.start), task_encoder)
@@ -254,25 +259,39 @@ def build_global_loader(
     balance: bool,
     tile_tokens: float | None,
     geometry: PlanGeometry | Emu3PlanGeometry | None,
+    packing_plan: str | Path | None = None,
 ) -> GlobalOrderLoader:
-    """`build_loader(..., sharding="global")`: the planner over `data`'s sources and a loader of
-    this rank's micro-batches (`make_loader` wraps a dataset in energon's savable loader)."""
-    if packing not in (True, False):
-        raise UserError(f"data.sharding global packs online (packing true) or not at all (false), got {packing!r}")
+    """`build_loader(..., sharding="global")`: the planner over `data`'s sources (or, `packing`
+    "plan", the steps of `packing_plan`'s sequences: plan_steps.py) and a loader of this rank's
+    micro-batches (`make_loader` wraps a dataset in energon's savable loader)."""
+    if packing not in (True, False, "plan"):
+        raise UserError(f"data.sharding global takes packing true, false or plan, got {packing!r}")
     if global_batch_size is None:
         raise UserError("data.sharding global needs the global batch size (train.global_batch_size)")
     step_shape(worker_config.world_size, micro_batch_size, global_batch_size)
-    sources = order_sources(data, geometry, getattr(task_encoder, "tokenizer_path", None), seed)
-    planner = StepPlanner(
-        sources,
-        Blend.parse(blend, [s.name for s in sources]),
-        task_encoder.seq_length,
-        global_batch_size,
-        seed=seed,
-        tile_tokens=DEFAULT_TILE_TOKENS if tile_tokens is None else tile_tokens,
-        window_steps=window_steps,
-        packing=bool(packing),
-    )
+    tile_tokens = DEFAULT_TILE_TOKENS if tile_tokens is None else tile_tokens
+    planner: RowSource
+    if packing == "plan":
+        if blend is not None:
+            raise UserError(
+                "data.blend mixes sources the global order plans online; a packing plan's sequences are fixed: "
+                "drop data.blend, or pack online (data.packing: true)"
+            )
+        shards, path, info = plan_for_data(data, packing_plan, task_encoder.seq_length, geometry=geometry)
+        plan = load_plan(path, info, tile_tokens=tile_tokens)
+        planner = PlanSteps(shards, path, plan, global_batch_size, seed)
+    else:
+        sources = order_sources(data, geometry, getattr(task_encoder, "tokenizer_path", None), seed)
+        planner = StepPlanner(
+            sources,
+            Blend.parse(blend, [s.name for s in sources]),
+            task_encoder.seq_length,
+            global_batch_size,
+            seed=seed,
+            tile_tokens=tile_tokens,
+            window_steps=window_steps,
+            packing=bool(packing),
+        )
 
     def build(start: dict[str, Any]) -> Any:
         return make_loader(

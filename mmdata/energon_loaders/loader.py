@@ -111,7 +111,9 @@ def build_loader(
     several folders, mixed by `blend`, `Blend.parse`; `window_steps` steps planned at once; lengths
     counted with the family's `geometry`), placed on ranks by cost when `balance` (`tile_tokens`
     per vision tile, default balance.DEFAULT_TILE_TOKENS); each rank reads only its rows, and the
-    loader's state is layout-free (`GlobalOrderLoader`).
+    loader's state is layout-free (`GlobalOrderLoader`). With `packing="plan"` the rows are the
+    plan's sequences instead, step t the `global_batch_size` at stream positions [tG, (t+1)G),
+    placed likewise (`plan_steps.PlanSteps`).
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
@@ -139,6 +141,7 @@ def build_loader(
             balance=balance,
             tile_tokens=tile_tokens,
             geometry=geometry,
+            packing_plan=packing_plan,
         )
     if packing == "plan":
         dataset = _plan_dataset(data, packing_plan, task_encoder, micro_batch_size, seed, worker_config)

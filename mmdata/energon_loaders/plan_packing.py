@@ -20,6 +20,10 @@ worker `j mod W`); a loader built without DP sharding (the trainer's `data.shard
 yields every rank's micro-batches of a step, rank after rank. The loader's micro-batch size and DP
 size must be the plan's.
 
+Under `data.sharding: global` the same plan is followed by the global order's loader instead
+(plan_steps.py: step t the G sequences at positions [tG, (t+1)G) of `PlanStream`, placed by cost
+at any layout; a plan balanced for another step shape is fine there).
+
 Samples are read by global index with energon's random access (its tar index), encoded with the
 family's task encoder (skips counted as online) and packed with its hooks. A sample whose
 encoded length does not fit what its row has left (a plan made from estimated text lengths, or
@@ -77,6 +81,8 @@ class PlanSequences:
     keys: Any = None  # the samples' keys (a pyarrow string array) where they are not f"{index:010d}"
     variants: np.ndarray | None = None  # int8 per sample: the family's planned choice (PLAN_VARIANT)
     costs: np.ndarray | None = None  # a balanced plan's cost per sequence (balance.row_costs)
+    tokens: np.ndarray | None = None  # with costs: each sequence's tokens (each sample at most seq_length) ...
+    tiles: np.ndarray | None = None  # ... and vision tiles
 
     @property
     def num_sequences(self) -> int:
@@ -200,28 +206,48 @@ def step_shape_problem(info: dict, shape: StepShape, path: Path | str) -> str | 
     )
 
 
-def load_plan(path: Path, info: dict) -> PlanSequences:
+def load_plan(path: Path, info: dict, tile_tokens: float | None = None) -> PlanSequences:
     """The sequences of a checked plan file (indices as int32 while they fit: 45M samples take
-    180 MB, shared by the loader's forked workers); a balanced plan's sequence costs with them."""
-    balanced = plan_step_shape(info) is not None
+    180 MB, shared by the loader's forked workers); with their costs (balance.row_costs) for a
+    balanced plan (its own `tile_tokens`) or when `tile_tokens` is given (the global order places
+    any plan's sequences by cost)."""
+    if tile_tokens is None and plan_step_shape(info) is not None:
+        tile_tokens = info["balance"]["tile_tokens"]
     names = pq.read_schema(path).names
-    wanted = (
-        ["bin", "index"] + (["tokens", "tiles"] if balanced else []) + [c for c in ("key", "variant") if c in names]
-    )
+    costed = ["tokens"] + (["tiles"] if "tiles" in names else []) if tile_tokens is not None else []
+    wanted = ["bin", "index", *costed] + [c for c in ("key", "variant") if c in names]
     table = pq.read_table(path, columns=wanted)
     indices = table.column("index").to_numpy()
     indices = indices.astype(np.int32 if len(indices) and indices.max() < 2**31 else np.int64)
     starts = np.searchsorted(table.column("bin").to_numpy(), np.arange(info["bins"] + 1)).astype(np.int64)
     keys = table.column("key").combine_chunks() if "key" in names else None
     variants = table.column("variant").to_numpy().astype(np.int8) if "variant" in names else None
-    costs = None
-    if balanced and info["bins"]:
-        tokens = np.minimum(table.column("tokens").to_numpy().astype(np.int64), info["seq_length"])
-        tiles = table.column("tiles").to_numpy().astype(np.int64)
-        costs = row_costs(
-            np.add.reduceat(tokens, starts[:-1]), np.add.reduceat(tiles, starts[:-1]), info["balance"]["tile_tokens"]
-        )
-    return PlanSequences(indices, starts, info, keys, variants, costs)
+    costs = tokens = tiles = None
+    if tile_tokens is not None and info["bins"]:
+        per_sample = np.minimum(table.column("tokens").to_numpy().astype(np.int64), info["seq_length"])
+        tiles_of = table.column("tiles").to_numpy().astype(np.int64) if "tiles" in names else 0 * per_sample
+        tokens, tiles = np.add.reduceat(per_sample, starts[:-1]), np.add.reduceat(tiles_of, starts[:-1])
+        costs = row_costs(tokens, tiles, tile_tokens)
+    return PlanSequences(indices, starts, info, keys, variants, costs, tokens, tiles)
+
+
+class PlanStream:
+    """A plan's sequences over all epochs, by stream position: epoch 0 in plan order, epoch e > 0
+    a permutation seeded with (seed, e) that moves whole tiers of `tier` sequences (a balanced
+    plan's DP size; 1: any permutation), so a later epoch of a balanced plan keeps its tiers."""
+
+    def __init__(self, num_sequences: int, tier: int, seed: int) -> None:
+        self.num_sequences, self.tier, self.seed = num_sequences, tier, seed
+        self._epoch_order: tuple[int, np.ndarray | None] = (0, None)
+
+    def sequence(self, position: int) -> int:
+        epoch, k = divmod(position, self.num_sequences)
+        if epoch == 0:
+            return k
+        if self._epoch_order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_order = (epoch, shuffle_tiers(self.num_sequences, self.tier, rng))
+        return int(self._epoch_order[1][k])
 
 
 class PlanPackedDataset(SavableDataset):
@@ -260,6 +286,7 @@ class PlanPackedDataset(SavableDataset):
             )
         self._reader: Any = None
         self._epoch_order: tuple[int, np.ndarray | None] = (0, None)
+        self._stream: PlanStream | None = None
         self._step: tuple[int, Any] = (-1, None)
         self.reset_state_own()
 
@@ -326,15 +353,11 @@ class PlanPackedDataset(SavableDataset):
         return [sequences[j] for j in placed[rank][micro]]
 
     def stream_sequence(self, position: int) -> int:
-        """A balanced plan's sequence at `position` of the stream of all epochs: epoch 0 in plan
-        order, epoch e > 0 with the plan's tiers shuffled whole (seeded with (seed, e))."""
-        epoch, k = divmod(position, self.plan.num_sequences)
-        if epoch == 0:
-            return k
-        if self._epoch_order[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch_order = (epoch, shuffle_tiers(self.plan.num_sequences, self.shape.dp, rng))
-        return int(self._epoch_order[1][k])
+        """A balanced plan's sequence at `position` of the stream of all epochs (`PlanStream`:
+        epoch 0 in plan order, epoch e > 0 with the plan's tiers shuffled whole)."""
+        if self._stream is None:
+            self._stream = PlanStream(self.plan.num_sequences, self.shape.dp, self.seed)
+        return self._stream.sequence(position)
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -143,6 +144,10 @@ def checkpoint_doc(window_start: OrderState, step: int, global_batch_size: int, 
 
 def read_checkpoint_doc(doc: dict[str, Any]) -> tuple[OrderState, int]:
     """(window-start state, next step) of a checkpoint document, checked."""
+    if isinstance(doc, dict) and "plan" in doc:
+        raise UserError(
+            "the loader checkpoint follows a packing plan (data.packing: plan): resume with the same packing"
+        )
     if not isinstance(doc, dict) or doc.get("version") != DOC_VERSION:
         got = doc.get("version") if isinstance(doc, dict) else type(doc).__name__
         raise UserError(f"the loader checkpoint is no global-order document of version {DOC_VERSION} (got {got!r})")
@@ -188,9 +193,30 @@ class StepPlanner:
     def initial_state(self) -> OrderState:
         return initial_state(len(self.sources))
 
+    @property
+    def roots(self) -> list[Path]:
+        """The sources' shard folders, in source order (a loader's readers)."""
+        return [s.root for s in self.sources]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
     def sample_of(self, source: int, position: int) -> int:
         """The sample number (into the source's arrays) at a stream position."""
         return self.streams.sample(source, position)
+
+    def sample_at(self, member: Sequence[int]) -> tuple[int, int, str, int | None, int]:
+        """What a loader reads for a planned row's (source, stream position) member: (source,
+        global index in its shards, key, planned variant, bytes in its tar)."""
+        s = int(member[0])
+        k, source = self.sample_of(s, int(member[1])), self.sources[s]
+        return s, int(source.index[k]), source.key(k), source.variant(k), int(source.sample_bytes[k])
+
+    def rows_per_epoch(self) -> int:
+        """Rows of one epoch of every source (about: each source packed on its own)."""
+        s = self.seq_length
+        return sum(-(-int(c.sum()) // s) if self.packing else len(c) for c in self._clipped)
 
     # ------------------------------------------------------------------ one window
 

@@ -175,6 +175,8 @@ def summary_table_data(summary: DatasetSummary) -> list[Table]:
                 ],
             )
         )
+    if (gr := d.get("global_reads")) is not None:
+        tables.append(global_reads_table(gr))
     if d["packing"] is not None:
         tables.append(
             (
@@ -222,6 +224,28 @@ def _preprocess_tables(pre: dict[str, Any] | None) -> list[Table]:
     if rows:
         tables.append(("Curation (manifest)", ["what", "records"], rows))
     return tables
+
+
+def global_reads_table(gr: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """The bytes each DP rank reads per step with `data.sharding: global`, beside `replicated`."""
+    first = next(iter(gr["packing"].values()), {"steps": 0})
+    title = (
+        f"Reads per step with data.sharding: global (each rank reads its placed rows; replicated: every rank "
+        f"the whole step), mean over the first {first['steps']} steps; DP{gr['dp']}, micro-batch "
+        f"{gr['micro_batch_size']}, global batch {gr['global_batch_size']}"
+    )
+    headers = ["context", "replicated, per rank", "global, per rank (mean)", "global, busiest rank", "share"]
+    rows = [
+        [
+            _fmt(int(k)),
+            format_bytes(v["step_bytes"]),
+            format_bytes(v["rank_mean"]),
+            format_bytes(v["rank_max"]),
+            _fmt(v["rank_share"]),
+        ]
+        for k, v in gr["packing"].items()
+    ]
+    return title, headers, rows
 
 
 def _balance(report: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from mmdata.energon_loaders.llava_ov.chat_template import ChatTokenizer, Convers
 from mmdata.media_layout.media import DEFAULT_MAX_FRAMES
 from mmdata.energon_loaders.video import probe_video
 from mmdata.inspect.dataset import Dataset, ShardSample, load_quarantine, open_dataset, random_samples, iter_samples
+from mmdata.inspect.global_reads import global_order_reads
 from mmdata.local_tokenizer import load_local_tokenizer
 from mmdata.inspect.packing import (
     PackingEstimate,
@@ -248,6 +249,7 @@ class DatasetSummary:
     tp: int = 1
     vision_balance: dict[str, Any] | None = None  # length_index_balance: DP ranks simulated, None without an index
     plan_files: list[dict[str, Any]] = field(default_factory=list)  # every pack-plan-<N>.parquet, own geometry
+    global_reads: dict[str, Any] | None = None  # global_order_reads: bytes per DP rank per step, None without index
 
     # -- derived views (the notebook plots these) -------------------------------------------
 
@@ -285,6 +287,7 @@ class DatasetSummary:
             "length_index": self.length_index,
             "vision_balance": self.vision_balance,
             "plan_files": self.plan_files,
+            "global_reads": self.global_reads,
             "sampled": {"count": len(s), "all": self.sampled_all, "seed": self.sample_seed},
             "modality": _shares(_counts([x.modality for x in s], MODALITIES)),
             "languages": _shares(_counts([x.language for x in s], LANGUAGES)),
@@ -396,4 +399,5 @@ def summarize(
         tp=tp,
         vision_balance=length_index_balance(ds.root, context_lengths, step_shape, tile_tokens, plans=plans),
         plan_files=plan_files(ds.root, cp, tp),
+        global_reads=global_order_reads(ds.root, context_lengths, step_shape, tile_tokens),
     )

@@ -1,6 +1,7 @@
 """The recipe checks of `data.sharding: global` (mmdata.global_order): its blend parses against
 the sources' names, and only what the global order reads is set. One line per problem, each
-naming its key and the fix; the layout itself is never refused here (the order holds at any)."""
+naming its key and the fix; the layout itself is never refused here (the order holds at any), nor a
+packing plan balanced for another step shape (the order places each step's sequences itself)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def global_order_checks(r: Recipe, errors: RecipeErrors) -> None:
                 [("data", "sharding")],
             )
         return
+    if d.packing == "plan":
+        if d.blend is not None:
+            errors.add(
+                ("data", "blend"),
+                "mixes the sources the global order plans online; with data.packing: plan the rows are the "
+                "plan's sequences of one folder: drop data.blend, or pack online (data.packing: true)",
+                [("data", "packing")],
+            )
+        if d.order_window != "auto":
+            errors.add(
+                ("data", "order_window"),
+                "is not read with data.packing: plan (a step is G of the plan's sequences): drop it",
+                [("data", "packing")],
+            )
     if d.order_window != "auto" and d.order_window < 1:
         errors.add(("data", "order_window"), f"must be >= 1 steps or auto, got {d.order_window}")
     for key, paths in (("paths", d.paths), ("val_paths", d.val_paths)):  # (evaluation reads in the same mode)

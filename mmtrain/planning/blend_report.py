@@ -20,9 +20,9 @@ def report_steps(blend: Blend, iters: int) -> list[int]:
 
 
 def blend_lines(recipe: Recipe) -> list[str]:
-    """`planned data shares (...)` and one line per shown step; [] for another sharding."""
-    if recipe.data.sharding != "global" or not recipe.data.paths:
-        return []
+    """`planned data shares (...)` and one line per shown step; [] for another sharding or a plan."""
+    if recipe.data.sharding != "global" or recipe.data.packing == "plan" or not recipe.data.paths:
+        return []  # (a packing plan's rows are one folder's, no blend)
     names = source_names(recipe.data.paths)
     blend = Blend.parse(recipe.data.blend, names)
     lines = [

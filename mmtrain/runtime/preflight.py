@@ -84,7 +84,8 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
             kind_problems = _sample_type_problems(f"{key}[{i}]", Path(path), spec)
             problems += kind_problems
             d = recipe.data
-            if d.sharding == "global" and not d.plan_allow_estimated_lengths and (why := order_lengths_problem(path)):
+            estimated = not d.plan_allow_estimated_lengths and d.packing != "plan"  # (a plan's own check below)
+            if d.sharding == "global" and estimated and (why := order_lengths_problem(path)):
                 problems.append(f"{key}[{i}]: {why}")
             wrong_kind = wrong_kind or bool(kind_problems)
             if key == "data.paths":
@@ -92,6 +93,8 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
     if recipe.data.packing == "plan" and train_samples and not wrong_kind:
         t = recipe.train
         shape = StepShape(recipe.parallel.dp, t.micro_batch_size, t.global_batch_size)
+        # the global order places each step's sequences by cost at the run's layout: any plan fits it
+        placed_per_step = recipe.data.sharding == "global"
         try:
             # (type checker: the plan's path replaces the recipe's string)
             _, path, info = plan_for_data(  # type: ignore[assignment]
@@ -99,9 +102,9 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
                 recipe.data.packing_plan,
                 t.seq_length,
                 geometry=recipe_geometry(recipe),
-                step_shape=shape,
+                step_shape=None if placed_per_step else shape,
             )
-            if getattr(recipe.data, "balance", False) and plan_step_shape(info) is None:
+            if getattr(recipe.data, "balance", False) and not placed_per_step and plan_step_shape(info) is None:
                 problems.append(
                     f"data.balance: true: packing plan {path} is not balanced: run `mmtrain pack-plan "
                     f"RECIPE.yaml` (it balances for data.balance: true), or with --dp {shape.dp} "
