@@ -20,6 +20,7 @@ from megatron.energon import WorkerConfig
 
 from mmdata.energon_loaders.global_order import BYTES_READ, GLOBAL_ORDER_FIELDS, GlobalOrderDataset
 from mmdata.energon_loaders.llava_ov.loader import build_llava_ov_loader
+from mmdata.energon_loaders.plan_packing import load_plan, plan_for_data
 from mmdata.errors import UserError
 from mmdata.global_order import OrderSource, StepPlanner, placement
 from mmdata.packing.balance import StepShape
@@ -230,6 +231,38 @@ def test_a_micro_batch_whose_samples_were_all_skipped_is_padding_in_its_place(tw
     for t in range(2):
         assert sorted(got[t]) == sorted(k for k in planned[t] if not k.endswith(f"#{bad}")), t
     assert pads == sum(k.endswith(f"#{bad}") for keys in planned for k in keys) >= 1
+
+
+def test_plan_packing_keeps_a_micro_batch_whose_samples_were_all_skipped_as_padding(two_sources, tmp_path):
+    """`packing: plan` without the global order (`data.sharding: dp`), micro-batch 1: a plan
+    sequence whose samples all fail to decode is a micro-batch of padding in its place (no sample,
+    no loss token, the skips counted), as in the global order, so the rank still yields every
+    micro-batch of its steps; the sequences around it train as planned."""
+    data, tok = two_sources
+    broken = tmp_path / "shards"
+    shutil.copytree(data[0], broken)
+    pack_balanced_tiny_plan(broken, SEQ, dp=1, micro_batch_size=1, global_batch=1)  # step t: sequence t
+    shards, path, info = plan_for_data(broken, None, SEQ)
+    plan = load_plan(path, info)
+    sequences = [[key for _, key, _ in plan.members(b)] for b in range(plan.num_sequences)]
+    with_image = set()
+    for shard in broken.glob("shard-*.tar"):
+        with tarfile.open(shard) as tar:
+            with_image |= {m.name.split(".")[0] for m in tar.getmembers() if ".img" in m.name}
+    b = next(b for b, keys in enumerate(sequences) if set(keys) <= with_image)
+    for key in sequences[b]:
+        _break_an_image(broken, [key])
+    loader = build_llava_ov_loader(
+        broken, tok, seq_length=SEQ, micro_batch_size=1, num_workers=0, packing="plan", max_video_frames=8, **TINY
+    )
+    it = iter(loader)
+    batches = [next(it) for _ in range(b + 2)]
+    assert [sorted(k.rsplit("#", 1)[1] for k in batch.sample_keys[0]) for batch in batches] == [
+        sorted(keys) if j != b else [] for j, keys in enumerate(sequences[: b + 2])
+    ]
+    pad = batches[b]
+    assert pad.sample_keys == [[]] and pad.num_loss_tokens == 0 and (pad.labels == -100).all()
+    assert pad.stats["skipped/image_decode"] == len(sequences[b])
 
 
 def _break_an_image(root: Path, keys: list[str]) -> str:

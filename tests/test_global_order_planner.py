@@ -17,6 +17,7 @@ from mmdata.global_order import (
     OrderSource,
     OrderState,
     StepPlanner,
+    initial_state,
     placed_balance,
     placement,
     read_checkpoint_doc,
@@ -93,6 +94,25 @@ def test_resume_from_any_steps_document_equals_the_uninterrupted_run():
         with pytest.raises(UserError, match=match) as e:
             read_checkpoint_doc(bad)
         assert "\n" not in str(e.value)
+
+
+def test_a_restore_and_the_saves_inside_its_window_plan_the_window_once(monkeypatch):
+    """A loader checks a document on restore (`next(resume(doc))`) and walks the window again on
+    each save (`resume(doc)` to the step): one window planned for all of them, the same steps as
+    a planner that never kept one."""
+    sources = [_source("a", 300, 3), _source("b", 200, 4)]
+    run = _take(StepPlanner(sources, None, 4096, 4, seed=2, window_steps=5).steps_from(initial_state(2)), 10)
+    doc = json.loads(json.dumps(StepPlanner(sources, None, 4096, 4, seed=2, window_steps=5).document(run[6][1], 6)))
+    planner = StepPlanner(sources, None, 4096, 4, seed=2, window_steps=5)
+    planned = []
+    plan = planner._plan_window
+    monkeypatch.setattr(planner, "_plan_window", lambda state: planned.append(state.step) or plan(state))
+    next(planner.resume(doc))  # the restore's check
+    for n in (1, 2, 4):  # saves after steps 6, 7 and 9
+        assert _sets(s for s, _ in _take(planner.resume(doc), n)) == _sets(s for s, _ in run[6 : 6 + n])
+    assert planned == [5]
+    _take(planner.resume(doc), 5)  # the next window (step 10 on): planned once more
+    assert planned == [5, 10]
 
 
 def test_a_resume_at_another_global_batch_continues_from_the_same_position():

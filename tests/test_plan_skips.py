@@ -241,6 +241,25 @@ def test_plan_rows_carry_in_order_and_count_what_cannot_fit(monkeypatch):
     assert te.skips == [(pp.PLAN_OVERFLOW, "1")]
 
 
+@pytest.mark.unit
+def test_a_row_skip_names_the_sample_by_its_key_when_it_has_no_record_id():
+    """In the global order a member is (source number, stream position): a sample without a
+    record id that is too long, or finds the carry full, is named `DATASET#KEY`, not by its
+    source number."""
+    te = _LengthEncoder({}, 10)
+    read = {  # member -> the raw sample the reader gives (one source per folder)
+        (1, 7): ("/d/other", "0000000042", 12),
+        (0, 3): ("/d/shards", "0000000005", 6),
+        (1, 8): ("/d/other", "0000000009", 6),
+    }
+    te.encode_sample = lambda raw: SimpleNamespace(  # no `id`, as a family sample without one
+        input_ids=[0] * raw[2], __key__=raw[1], __sources__=[SimpleNamespace(dataset_path=raw[0])]
+    )
+    row, carry = pp.fill_row(te, [[1, 7], [0, 3], [1, 8]], lambda m: read[tuple(m)], where="row 0", carry_limit=0)
+    assert [s.__key__ for s in row] == ["0000000005"] and carry == []
+    assert te.skips == [(pp.PLAN_TOO_LONG, "/d/other#0000000042"), (pp.PLAN_OVERFLOW, "/d/other#0000000009")]
+
+
 def _result(**kw) -> StepResult:
     base = dict(step=2, lr=1e-3, step_time_s=1.0, tokens=100, samples=10, loss_tokens=50, bin_fill=0.9)
     return step_result(**{**base, **kw})

@@ -32,10 +32,11 @@ carried: it goes first into this worker's next row, in order, and trains there. 
 at most PLAN_CARRY_LIMIT samples; one more is skipped and counted as `plan_overflow` (an
 estimated plan, whose rows overflow by far more than a few tokens, reaches it: plan from exact
 lengths, `mmdata preprocess --tokenizer`). A sample longer than the sequence on its own (the
-encoder truncates text, so only a family that does not) is skipped as `plan_too_long`. A
-worker's whole state is the number of batches it has produced and its carried samples (their
-global index, key and variant), saved and restored by energon's savable loader, so a resumed run
-continues exactly.
+encoder truncates text, so only a family that does not) is skipped as `plan_too_long`. A row
+whose samples were all skipped is a row of padding (no sample, no loss token), so a rank yields
+every micro-batch of its steps. A worker's whole state is the number of batches it has produced
+and its carried samples (their global index, key and variant), saved and restored by energon's
+savable loader, so a resumed run continues exactly.
 A plan whose family drew per-sample choices that change lengths (Emu3's task and caption drop:
 its `variant` column) hands each sample its choice as the subflavor PLAN_VARIANT; one whose keys
 are not the global indices (token shards, which keep their input's keys) lists them (`key`).
@@ -385,7 +386,8 @@ class PlanPackedDataset(SavableDataset):
         worker = self.worker_config.rank_worker_id() % workers
         while True:
             batch = self._batches * workers + worker
-            rows = [r for r in (self._row(s) for s in self.sequences_of_batch(batch)) if r]
+            rows = [self._row(s) for s in self.sequences_of_batch(batch)]
             self._batches += 1
-            if rows:
-                yield self.task_encoder.batch([self.task_encoder.pack_selected_samples(r) for r in rows])
+            # a row whose samples were all skipped (counted) stays, as padding: every micro-batch
+            # comes out, so the trainer's steps keep their boundaries (as in the global order)
+            yield self.task_encoder.batch_rows(rows)

@@ -20,6 +20,7 @@ from megatron.energon import SkipSample, TaskEncoder, WorkerConfig
 from megatron.energon.dataset_config import get_dataset_from_config
 
 from mmdata.energon_configs import dataset_config
+from mmdata.energon_loaders.task_encoding import sample_key
 from mmdata.packing.plan_file import PlanError
 
 PLAN_OVERFLOW = "plan_overflow"  # the carry was full: the sample did not fit its row nor a later one
@@ -89,8 +90,9 @@ def fill_row(
     carry_limit: int,
 ) -> tuple[list[Any], list[list[Any]]]:
     """(the encoded samples of one row, the members carried into the next row). `members`: the
-    row's planned samples (the previous row's carry first), each a list whose first item names the
-    sample in messages; `read(member)` gives the raw sample; `where` names the row in messages.
+    row's planned samples (the previous row's carry first), as `read(member)` takes them to give
+    the raw sample; `where` names the row in messages. A skip names the sample by its record id,
+    else by `DATASET#KEY` (a member is a source number and position, or an index, not a name).
     Skips and counters go through the task encoder (`_skip`, `_count`)."""
     row: list[Any] = []
     carry: list[list[Any]] = []
@@ -101,7 +103,7 @@ def fill_row(
         except SkipSample:  # counted by the encoder
             continue
         n = len(encoded.input_ids)
-        sid = str(getattr(encoded, "id", member[0]))
+        sid = str(encoded.id) if getattr(encoded, "id", None) is not None else sample_key(encoded)
         if n > te.seq_length:
             te._skip(PLAN_TOO_LONG, sid, f"{n} tokens > seq_length {te.seq_length}")
         elif used + n <= te.seq_length:

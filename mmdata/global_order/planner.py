@@ -40,6 +40,7 @@ AUTO_WINDOW_STEPS = 32  # ... in at most this many steps (more: a blend's schedu
 TIER_STREAM = 2  # the steps' order in a window: default_rng([seed, TIER_STREAM, window start])
 DOC_VERSION = 1
 AHEAD = 512  # stream positions looked up at once while drawing
+WINDOWS_KEPT = 2  # windows a planner keeps planned (the one a loader trains and a save or restore looks into)
 
 
 @dataclass
@@ -189,6 +190,7 @@ class StepPlanner:
         self.streams = Streams(self.sources, seed)
         self._clipped = [np.minimum(s.lengths, seq_length) for s in self.sources]
         self._tokens_unit = self.blend.unit == "tokens"
+        self._windows: dict[tuple, tuple[list[PlannedStep], OrderState]] = {}  # by window-start state
 
     def initial_state(self) -> OrderState:
         return initial_state(len(self.sources))
@@ -221,7 +223,17 @@ class StepPlanner:
     # ------------------------------------------------------------------ one window
 
     def window(self, state: OrderState) -> tuple[list[PlannedStep], OrderState]:
-        """The K steps from `state` (a window start) and the state after them."""
+        """The K steps from `state` (a window start) and the state after them: planned once per
+        start state (the last WINDOWS_KEPT kept), so a loader's restore, its saves and its own
+        iteration inside one window plan it once. Callers must not change what it returns."""
+        key = (state.step, tuple(state.positions), tuple(state.credits), tuple(tuple(m) for m in state.pool))
+        if key not in self._windows:
+            self._windows[key] = self._plan_window(state)
+            while len(self._windows) > WINDOWS_KEPT:
+                del self._windows[next(iter(self._windows))]
+        return self._windows[key]
+
+    def _plan_window(self, state: OrderState) -> tuple[list[PlannedStep], OrderState]:
         k, g, start = self.window_steps, self.global_batch_size, state.step
         if len(state.positions) != len(self.sources):
             raise UserError(f"the order's state has {len(state.positions)} sources, the data {len(self.sources)}")
