@@ -220,7 +220,9 @@ def _per_second(small: dict, large: dict) -> list[str]:
         return []
     rate = (large["driver_job_s"] - small["driver_job_s"]) / wall
     cores = (large["total_s"] - small["total_s"]) / wall
-    bound = f"{cores / rate:.0f}, on 256 cores about {256 / rate:,.0f}" if rate > 0 else "unbounded"
+    bound = (
+        f"{cores / rate:.0f} (on 256 cores, the per-second part alone: {256 / rate:,.0f})" if rate > 0 else "unbounded"
+    )
     return [
         f"driver at the margin per second of wall time: {rate * 1e3:.2f} ms of CPU per s over {wall:.0f} s; "
         f"the job kept {cores:.2f} cores busy, so the bound is cores / rate = {bound}"

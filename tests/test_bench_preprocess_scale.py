@@ -75,4 +75,4 @@ def test_the_drivers_margin_per_second_of_wall_time_gives_the_bound_per_core():
     (line,) = [line for line in report(small, large, None) if "per second of wall time" in line]
     cores = (large["total_s"] - small["total_s"]) / 20.0
     assert "3.00 ms of CPU per s over 20 s" in line and f"{cores:.2f} cores busy" in line
-    assert f"= {cores / 0.003:.0f}, on 256 cores about {256 / 0.003:,.0f}" in line
+    assert f"= {cores / 0.003:.0f} (on 256 cores, the per-second part alone: {256 / 0.003:,.0f})" in line
