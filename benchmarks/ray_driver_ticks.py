@@ -58,13 +58,20 @@ def _delta(after: dict[str, float], before: dict[str, float], per: float) -> dic
     return {k: round((v - before.get(k, 0.0)) / per * 1e3, 3) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
+def _nap(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _tiny(i: int) -> int:
+    return i
+
+
 def measure(seconds: float, tasks: int) -> dict:
     """One setting, in this process (its environment already set)."""
     import ray  # (only in the measured process)
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
-    nap = ray.remote(time.sleep)
-    tiny = ray.remote(lambda i: i)
+    nap, tiny = ray.remote(_nap), ray.remote(_tiny)
     ray.get([nap.remote(0.1) for _ in range(2)])  # workers up before the window
     time.sleep(2)
     before, t0, p0 = thread_cpu(), time.monotonic(), time.process_time()
