@@ -195,6 +195,7 @@ def report(small: dict, large: dict, prepare_s: float | None, job: str = "prepro
             f"reference: energon prepare_dataset on the same {large['shards']} shards ({n2:,} samples): "
             f"{prepare_s:.2f} CPU-s, {prepare_s / n2 * US:.2f} us/sample on one core"
         )
+    lines += _per_second(small, large)
     lines.append(
         f"cluster bound counting Ray's own processes as serial too: "
         f"{per['total_s'] / max(per['driver_job_s'] + per['ray_s'], floor):.0f}"
@@ -208,6 +209,24 @@ def report(small: dict, large: dict, prepare_s: float | None, job: str = "prepro
         f"ratio={large['rss_mb'] / small['rss_mb']:.3f}",
     ]
     return lines
+
+
+def _per_second(small: dict, large: dict) -> list[str]:
+    """The driver's margin as CPU per second of wall time: Ray's threads in the driver tick per
+    second (docs/preprocess.md, "at scale"), so the cluster bound is the cores the job keeps busy
+    over that rate, and on a cluster of C cores about C over it."""
+    wall = large["wall_s"] - small["wall_s"]
+    if wall <= 0:
+        return []
+    rate = (large["driver_job_s"] - small["driver_job_s"]) / wall
+    cores = (large["total_s"] - small["total_s"]) / wall
+    bound = (
+        f"{cores / rate:.0f} (on 256 cores, the per-second part alone: {256 / rate:,.0f})" if rate > 0 else "unbounded"
+    )
+    return [
+        f"driver at the margin per second of wall time: {rate * 1e3:.2f} ms of CPU per s over {wall:.0f} s; "
+        f"the job kept {cores:.2f} cores busy, so the bound is cores / rate = {bound}"
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

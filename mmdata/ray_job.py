@@ -62,7 +62,11 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     Ray's other helper processes (log monitor, autoscaler monitor, a minimal API server) start
     as Ray decides: part of Ray's fixed start and stop (docs/preprocess.md, "Benchmark"), paid
     once per job whatever its size. A new `ray.init` cluster reports no usage statistics
-    (Ray turns them off for it unless the wheel is a nightly)."""
+    (Ray turns them off for it unless the wheel is a nightly). No `RAY_<name>` setting is
+    changed: of those that might cut the driver's own Ray threads (task events, metrics, event
+    stats, heartbeats) none alone moved its 1.5-2.3 ms of CPU per second beyond noise, and all
+    together about 20 %, at the cost of the dashboard's task view and metrics
+    (benchmarks/ray_driver_ticks.py; docs/preprocess.md, "Ray's settings")."""
     try:
         import ray  # (2 s to import; `mmdata --help` imports this module through its commands)
     except ImportError:

@@ -67,3 +67,12 @@ def test_a_driver_with_no_measurable_margin_is_floored_at_psutils_resolution():
     bench = _bench(report(small, large, 1.0))
     floor = 0.01 / 30_000 * 1e6
     assert bench["preprocess_cluster_bound"]["baseline"] == pytest.approx(floor, abs=1e-4)
+
+
+def test_the_drivers_margin_per_second_of_wall_time_gives_the_bound_per_core():
+    small = {**_run(10_000, 2.0, {"scan_s": 1.0}, 150.0, 1.9), "wall_s": 10.0}
+    large = {**_run(40_000, 2.06, {"scan_s": 4.0}, 150.0, 1.9), "wall_s": 30.0}  # 60 ms over 20 s more
+    (line,) = [line for line in report(small, large, None) if "per second of wall time" in line]
+    cores = (large["total_s"] - small["total_s"]) / 20.0
+    assert "3.00 ms of CPU per s over 20 s" in line and f"{cores:.2f} cores busy" in line
+    assert f"= {cores / 0.003:.0f} (on 256 cores, the per-second part alone: {256 / 0.003:,.0f})" in line
