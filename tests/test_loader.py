@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,22 @@ def test_over_length_samples_are_truncated_or_dropped_and_counted(tmp_path, tok_
     assert set(seen) == {"long-text", "ok"}
     assert loader.stats.counters["truncated"] >= 1
     assert loader.stats.skipped.get("too_long_media", 0) >= 1
+
+
+def test_close_stops_the_workers_at_once(dev_dir, tok_dir):
+    """`close()` ends a loader's worker processes on torch's stop signal, well inside torch's 5 s
+    status interval: a loader left to the cyclic garbage collector (energon's loader <-> epoch
+    iterator) loses its index queues first, so each worker waits out that interval (10 s here)."""
+    loader = build_llava_ov_loader(
+        dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=2, packing=False, **VISION
+    )
+    it = iter(loader)
+    next(it)
+    workers = list(loader.loader._iterator._workers)
+    start = time.monotonic()
+    loader.close()
+    assert time.monotonic() - start < 4 and not any(w.is_alive() for w in workers)
+    loader.close()  # idempotent
 
 
 def test_loader_state_json_round_trip(dev_dir, tok_dir):
