@@ -136,3 +136,23 @@ def test_resume_across_a_schedule_boundary_is_exact():
             assert [[r.members for r in next(again)[0].rows] for _ in range(100 - t)] == [
                 [r.members for r in s.rows] for s, _ in run[t:]
             ]
+
+
+def test_a_stepwise_point_is_not_smeared_over_a_window():
+    """G 8, K 4, a -> b at step 6: the window of step 4 is cut short at 6, so b trains from step 6
+    on, never before; a trains after it only with the samples drawn before the point and not yet
+    trained (the pool at step 6, a bounded spare); a resume across the point is exact."""
+    doc = {"schedule": [{"step": 0, "weights": {"a": 1}}, {"step": 6, "weights": {"b": 1}}]}
+    planner = StepPlanner(_sources(), Blend.parse(doc, NAMES), TINY_SEQ, 8, seed=5, window_steps=4)
+    run = [next(it) for it in [planner.steps_from(planner.initial_state())] for _ in range(16)]
+    assert [start.step for _, start in run] == [0] * 4 + [4] * 2 + [6] * 4 + [10] * 4 + [14] * 2
+    assert all(a != 1 for s, _ in run[:6] for a, _ in s.members())  # no b before step 6
+    leftover = {(a, p) for a, p, _ in run[6][1].pool}
+    late_a = [(a, p) for s, _ in run[6:] for a, p in s.members() if a == 0]
+    assert late_a and set(late_a) <= leftover  # a after 6: only samples drawn before it
+    for t in (3, 5, 6, 7):
+        saved = json.loads(json.dumps(planner.document(run[t][1], t)))
+        again = StepPlanner(_sources(), Blend.parse(doc, NAMES), TINY_SEQ, 8, seed=5, window_steps=4).resume(saved)
+        assert [[r.members for r in next(again)[0].rows] for _ in range(16 - t)] == [
+            [r.members for r in s.rows] for s, _ in run[t:]
+        ]

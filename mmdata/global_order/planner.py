@@ -1,7 +1,8 @@
 """The global order's steps: step t's rows as a pure function of the sources' lengths, the blend,
 the seed, `seq_length` and `global_batch_size`, never of the DP size, micro-batch or workers.
 
-The planner works a window of K steps at a time (every rank and worker repeats it, from lengths
+The planner works a window of K steps at a time (cut short at a stepwise schedule's next point, so
+a jump is not smeared over the window's steps; every rank and worker repeats it, from lengths
 only, without talking):
 1. the blend draws samples into the pool (samples drawn, not yet trained, oldest first) until it
    holds (1 + SLACK) x the window's tokens (without packing: the window's K x G samples);
@@ -233,8 +234,18 @@ class StepPlanner:
                 del self._windows[next(iter(self._windows))]
         return self._windows[key]
 
+    def window_length(self, start: int) -> int:
+        """Steps of the window starting at `start`: K, cut short at the next point of a stepwise
+        schedule, so that no window's cost tiers move samples across a jump. A pure function of
+        (start, blend, K): the same at every layout and on resume."""
+        if self.blend.ramp != "step":
+            return self.window_steps
+        after = [p.step for p in self.blend.points if p.step > start]
+        return min(self.window_steps, after[0] - start) if after else self.window_steps
+
     def _plan_window(self, state: OrderState) -> tuple[list[PlannedStep], OrderState]:
-        k, g, start = self.window_steps, self.global_batch_size, state.step
+        g, start = self.global_batch_size, state.step
+        k = self.window_length(start)
         if len(state.positions) != len(self.sources):
             raise UserError(f"the order's state has {len(state.positions)} sources, the data {len(self.sources)}")
         if any(not 0 <= m[0] < len(self.sources) for m in state.pool):
@@ -248,7 +259,7 @@ class StepPlanner:
         drawn = 0.0
         while True:
             if held < need:
-                new, added = self._draw(draw, positions, start, need - held, drawn, per_step)
+                new, added = self._draw(draw, positions, start, k, need - held, drawn, per_step)
                 pool += new
                 src, pos, born, samples, clipped = self._pool_arrays(pool)
                 held, drawn = held + added, drawn + added
@@ -283,7 +294,7 @@ class StepPlanner:
         return tiles
 
     def _draw(
-        self, draw: Draw, positions: list[int], start: int, want: float, drawn: float, per_step: float
+        self, draw: Draw, positions: list[int], start: int, k: int, want: float, drawn: float, per_step: float
     ) -> tuple[list[list[int]], float]:
         """Samples drawn by the blend until `want` units of the pool (tokens, or samples without
         packing) are added, and the units added; the shares are those of the step the draw fills."""
@@ -300,7 +311,7 @@ class StepPlanner:
         out: list[list[int]] = []
         got, step = 0.0, -1
         while got < want:
-            j = min(self.window_steps - 1, int((drawn + got) // per_step))
+            j = min(k - 1, int((drawn + got) // per_step))
             if j != step:
                 draw.set_shares(self.blend.shares_at(start + j))
             step = j
@@ -336,8 +347,9 @@ class StepPlanner:
         tiles: np.ndarray,
         start: int,
     ) -> list[PlannedStep]:
-        """The window's rows cut by cost into K steps of G rows, in a seeded order."""
-        k, g = self.window_steps, self.global_batch_size
+        """The window's rows cut by cost into its steps of G rows, in a seeded order."""
+        g = self.global_batch_size
+        k = len(rows) // g
         tokens = np.asarray([int(clipped[b].sum()) for b in rows])
         row_tiles = np.asarray([int(tiles[b].sum()) for b in rows])
         costs = row_costs(tokens, row_tiles, self.tile_tokens)
@@ -375,7 +387,7 @@ class StepPlanner:
     def state_at(self, state: OrderState, steps_done: int) -> OrderState:
         """The start state of the window holding step `state.step + steps_done`."""
         target = state.step + steps_done
-        while target >= state.step + self.window_steps:
+        while target >= state.step + self.window_length(state.step):
             state = self.window(state)[1]
         return state
 
