@@ -132,15 +132,19 @@ def placed_balance(step: PlannedStep, shape: StepShape, balance: bool = True) ->
     return vision_balance([sum(step.rows[i].tiles for micro in rank for i in micro) for rank in placed])
 
 
-def checkpoint_doc(window_start: OrderState, step: int, global_batch_size: int, window_steps: int) -> dict[str, Any]:
+def checkpoint_doc(
+    window_start: OrderState, step: int, global_batch_size: int, window_steps: int, tile_tokens: float
+) -> dict[str, Any]:
     """The loader's layout-free checkpoint: the state at the start of the window holding `step`
-    (the next step to train), and the step."""
+    (the next step to train), the step, and what cut the window into steps (a resume with other
+    values re-plans it as it was: `StepPlanner.resume`)."""
     return {
         "version": DOC_VERSION,
         "window_start": window_start.to_dict(),
         "step": int(step),
         "global_batch_size": int(global_batch_size),
         "window_steps": int(window_steps),
+        "tile_tokens": float(tile_tokens),
     }
 
 
@@ -392,23 +396,28 @@ class StepPlanner:
         return state
 
     def document(self, window_start: OrderState, step: int) -> dict[str, Any]:
-        """`checkpoint_doc` with this planner's batch and window."""
-        return checkpoint_doc(window_start, step, self.global_batch_size, self.window_steps)
+        """`checkpoint_doc` with this planner's batch, window and tile cost."""
+        return checkpoint_doc(window_start, step, self.global_batch_size, self.window_steps, self.tile_tokens)
 
     def resume(self, doc: dict[str, Any]) -> Iterator[tuple[PlannedStep, OrderState]]:
         """`steps_from` at a checkpoint document's next step: its window re-planned, the trained
-        steps skipped. A document of another global batch size (or window) continues from the same
-        position: its window is re-planned as it was, and the samples of its untrained steps go
-        back to the pool (`carried_state`), from which this planner's windows start."""
+        steps skipped. A document of another global batch size, window or `tile_tokens` (which
+        sorts the window's rows into steps; a document without it was made with this one)
+        continues from the same position: its window is re-planned as it was, and the samples of
+        its untrained steps go back to the pool (`carried_state`), from which this planner's
+        windows start."""
         state, step = read_checkpoint_doc(doc)
         made = (doc.get("global_batch_size"), doc.get("window_steps"))
-        if made != (self.global_batch_size, self.window_steps):
+        tiles = doc.get("tile_tokens", self.tile_tokens)
+        if made != (self.global_batch_size, self.window_steps) or tiles != self.tile_tokens:
             if not all(isinstance(x, int) and x > 0 for x in made):
                 raise UserError(
                     f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
                 )
+            if isinstance(tiles, bool) or not isinstance(tiles, int | float) or not tiles >= 0:
+                raise UserError(f"the loader checkpoint names no valid tile_tokens ({tiles!r}): resume from another")
             old = StepPlanner(
-                self.sources, self.blend, self.seq_length, made[0], self.seed, self.tile_tokens, made[1], self.packing
+                self.sources, self.blend, self.seq_length, made[0], self.seed, float(tiles), made[1], self.packing
             )
             yield from self.steps_from(old.carried_state(state, step))
             return
