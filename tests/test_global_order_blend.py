@@ -156,3 +156,29 @@ def test_a_stepwise_point_is_not_smeared_over_a_window():
         assert [[r.members for r in next(again)[0].rows] for _ in range(16 - t)] == [
             [r.members for r in s.rows] for s, _ in run[t:]
         ]
+
+
+def test_a_resume_with_another_blend_continues_from_the_same_position():
+    """A schedule point appended to a running job, inside the window being trained: the document records the blend its window was
+    planned with, so the resume re-plans that window as it was and continues at the same step,
+    nothing trained twice, the old window's untrained samples not lost; the new point applies."""
+    first = {"weights": {"a": 1, "b": 1}}
+    later = {"schedule": [{"step": 0, "weights": {"a": 1, "b": 1}}, {"step": 14, "weights": {"c": 1}}]}
+    planner = StepPlanner(_sources(), Blend.parse(first, NAMES), TINY_SEQ, 8, seed=5, window_steps=8)
+    it = planner.steps_from(planner.initial_state())
+    run = [next(it) for _ in range(16)]
+    doc = json.loads(json.dumps(planner.document(run[11][1], 11)))
+    assert Blend.parse(doc["blend"], NAMES) == planner.blend
+    after = StepPlanner(_sources(), Blend.parse(later, NAMES), TINY_SEQ, 8, seed=5, window_steps=8)
+    rest = [next(r)[0] for r in [after.resume(doc)] for _ in range(20)]
+    assert [s.step for s in rest] == list(range(11, 31))
+    now = [m for s, _ in run[:11] for m in s.members()] + [m for s in rest for m in s.members()]
+    assert len(now) == len(set(now))  # nothing twice
+    assert {m for s, _ in run[11:16] for m in s.members()} <= set(now)  # nothing lost
+    assert all(a != 2 for s in rest[:3] for a, _ in s.members())  # c only from step 14 on
+    assert sum(a == 2 for s in rest[3:] for a, _ in s.members()) > sum(a != 2 for s in rest[3:] for a, _ in s.members())
+    old = {k: v for k, v in doc.items() if k != "blend"}  # a document from before the blend was recorded
+    same = StepPlanner(_sources(), Blend.parse(first, NAMES), TINY_SEQ, 8, seed=5, window_steps=8).resume(old)
+    assert [[r.members for r in next(same)[0].rows] for _ in range(5)] == [
+        [r.members for r in s.rows] for s, _ in run[11:16]
+    ]

@@ -9,11 +9,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from mmdata.global_order.sources import source_name
 from mmtrain.config import RecipeError, load_recipe
+from mmtrain.config.load import recipe_to_dict
 from mmtrain.planning.blend_report import blend_lines
-from mmtrain.runtime.checkpoint.data_identity import comparable, data_identity, identity_changes
+from mmtrain.runtime.checkpoint.data_identity import comparable, data_identity, identity_changes, recipe_changes
 from mmtrain.runtime.checkpoint.manager import TrainerState, global_order_resume_line
 from mmtrain.runtime.step_metrics import global_order_record
 from mmtrain.runtime.train_data import check_one_step, global_order_figures
@@ -63,9 +65,9 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
 
 
 def test_a_global_order_resume_compares_no_layout_key(tmp_path):
-    """Micro-batch, worker count and the order's window may change under the global order (the DP
-    size never was in the identity); in the other modes they still refuse, and the blend is part
-    of the data."""
+    """Micro-batch, worker count, the order's window and its blend may change under the global
+    order (the DP size never was in the identity; a checkpoint that recorded the blend is not
+    refused either); in the other modes they still refuse. A changed blend is announced."""
     dp4 = recipe(tmp_path, TWO, "data.sharding=global", "data.num_workers=2")
     saved = data_identity(dp4)
     other = recipe(
@@ -73,8 +75,15 @@ def test_a_global_order_resume_compares_no_layout_key(tmp_path):
     )
     assert identity_changes(*comparable(saved, data_identity(other), "global")) == []
     blended = recipe(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 1, books: 2}}")
-    (change,) = identity_changes(*comparable(saved, data_identity(blended), "global"))
-    assert change.startswith("data.blend (unset) -> ")
+    older = {**saved, "data.blend": {"weights": {"web": 3, "books": 1}}}  # as checkpoints recorded it
+    assert identity_changes(*comparable(older, data_identity(blended), "global")) == []
+    reordered = recipe(tmp_path, "data.paths=[/data/books,/data/web]", "data.sharding=global")
+    assert identity_changes(*comparable(saved, data_identity(reordered), "global"))  # the paths stay in it
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(recipe_to_dict(dp4)))
+    (line,) = recipe_changes(ckpt, yaml.safe_dump(recipe_to_dict(blended)))
+    assert line.startswith("data.blend (unset) -> ") and "continues from the same position" in line
     plain = recipe(tmp_path, TWO, "data.num_workers=3")
     assert "data.num_workers 2 -> 3" in identity_changes(data_identity(recipe(tmp_path, TWO)), data_identity(plain))
     assert "data.blend" not in data_identity(plain) and "data.order_window" not in data_identity(plain)

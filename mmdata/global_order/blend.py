@@ -83,6 +83,12 @@ class Blend:
                 )
         return cls(points, ramp, unit, names)
 
+    def to_doc(self) -> dict[str, Any]:
+        """The blend as `parse` reads it back (every point's weights named in full): a checkpoint
+        records the blend its window was planned with."""
+        schedule = [{"step": p.step, "weights": dict(p.weights)} for p in self.points]
+        return {"schedule": schedule, "ramp": self.ramp, "unit": self.unit}
+
     def _shares(self, i: int) -> np.ndarray:
         w = np.asarray([self.points[i].weights[n] for n in self.names], dtype=np.float64)
         return w / w.sum()

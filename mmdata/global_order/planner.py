@@ -133,7 +133,7 @@ def placed_balance(step: PlannedStep, shape: StepShape, balance: bool = True) ->
 
 
 def checkpoint_doc(
-    window_start: OrderState, step: int, global_batch_size: int, window_steps: int, tile_tokens: float
+    window_start: OrderState, step: int, global_batch_size: int, window_steps: int, tile_tokens: float, blend: Blend
 ) -> dict[str, Any]:
     """The loader's layout-free checkpoint: the state at the start of the window holding `step`
     (the next step to train), the step, and what cut the window into steps (a resume with other
@@ -145,6 +145,7 @@ def checkpoint_doc(
         "global_batch_size": int(global_batch_size),
         "window_steps": int(window_steps),
         "tile_tokens": float(tile_tokens),
+        "blend": blend.to_doc(),
     }
 
 
@@ -396,35 +397,44 @@ class StepPlanner:
         return state
 
     def document(self, window_start: OrderState, step: int) -> dict[str, Any]:
-        """`checkpoint_doc` with this planner's batch, window and tile cost."""
-        return checkpoint_doc(window_start, step, self.global_batch_size, self.window_steps, self.tile_tokens)
+        """`checkpoint_doc` with this planner's batch, window, tile cost and blend."""
+        return checkpoint_doc(
+            window_start, step, self.global_batch_size, self.window_steps, self.tile_tokens, self.blend
+        )
 
     def resume(self, doc: dict[str, Any]) -> Iterator[tuple[PlannedStep, OrderState]]:
         """`steps_from` at a checkpoint document's next step: its window re-planned, the trained
-        steps skipped. A document of another global batch size, window or `tile_tokens` (which
-        sorts the window's rows into steps; a document without it was made with this one)
-        continues from the same position: its window is re-planned as it was, and the samples of
-        its untrained steps go back to the pool (`carried_state`), from which this planner's
-        windows start."""
+        steps skipped. A document made with another global batch size, window, `tile_tokens`
+        (which sorts the window's rows into steps) or blend continues from the same position: its
+        window is re-planned as it was, and the samples of its untrained steps go back to the pool
+        (`carried_state`), from which this planner's windows start."""
         state, step = read_checkpoint_doc(doc)
-        made = (doc.get("global_batch_size"), doc.get("window_steps"))
-        tiles = doc.get("tile_tokens", self.tile_tokens)
-        if made != (self.global_batch_size, self.window_steps) or tiles != self.tile_tokens:
-            if not all(isinstance(x, int) and x > 0 for x in made):
-                raise UserError(
-                    f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
-                )
-            if isinstance(tiles, bool) or not isinstance(tiles, int | float) or not tiles >= 0:
-                raise UserError(f"the loader checkpoint names no valid tile_tokens ({tiles!r}): resume from another")
-            old = StepPlanner(
-                self.sources, self.blend, self.seq_length, made[0], self.seed, float(tiles), made[1], self.packing
-            )
-            yield from self.steps_from(old.carried_state(state, step))
+        maker = self._maker(doc)
+        if maker is not None:
+            yield from self.steps_from(maker.carried_state(state, step))
             return
         state = self.state_at(state, step - state.step)
         for st, start in self.steps_from(state):
             if st.step >= step:
                 yield st, start
+
+    def _maker(self, doc: dict[str, Any]) -> StepPlanner | None:
+        """The planner that made `doc` where it is not this one's twin, else None (a document
+        without `tile_tokens` or `blend`, older than them, was made with this planner's)."""
+        made = (doc.get("global_batch_size"), doc.get("window_steps"))
+        tiles = doc.get("tile_tokens", self.tile_tokens)
+        blend = Blend.parse(doc["blend"], self.names) if "blend" in doc else self.blend
+        if made == (self.global_batch_size, self.window_steps) and tiles == self.tile_tokens and blend == self.blend:
+            return None
+        if not all(isinstance(x, int) and x > 0 for x in made):
+            raise UserError(
+                f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
+            )
+        if isinstance(tiles, bool) or not isinstance(tiles, int | float) or not tiles >= 0:
+            raise UserError(f"the loader checkpoint names no valid tile_tokens ({tiles!r}): resume from another")
+        return StepPlanner(
+            self.sources, blend, self.seq_length, made[0], self.seed, float(tiles), made[1], self.packing
+        )
 
     def carried_state(self, state: OrderState, step: int) -> OrderState:
         """A window-start state at `step` (inside a window of this planner that `state` starts or

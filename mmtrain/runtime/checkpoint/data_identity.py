@@ -22,12 +22,13 @@ log = logging.getLogger(__name__)
 
 RESET_SWITCH = "checkpoint.reset_data=true"
 #: data keys the loader state does not depend on (see the module docstring)
-NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window", "order_window")
+#: (the global order's window and blend, `order_window` and `blend`, are read only by it, and it
+#: continues across a change of either: the checkpoint document records what planned its window)
+NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window", "order_window", "blend")
 #: keys of the layout a global-order loader state does not depend on: a resume may change them
 GLOBAL_ORDER_LAYOUT_KEYS = ("train.micro_batch_size", "data.num_workers")
-#: data keys only the global order reads (left out of other modes' identity: older checkpoints lack
-#: them). Its window (`order_window`) is in no identity: the order continues across a change of it
-GLOBAL_ORDER_KEYS = ("blend",)
+#: keys older global-order checkpoints recorded that its loader state does not depend on either
+GLOBAL_ORDER_FREE_KEYS = ("data.blend",)
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 
@@ -47,6 +48,8 @@ ANNOUNCED: dict[str, str] = {
     "optimizer.clip_grad": "applies from the next step",
     "freeze": "the trained parts change from the next step",
     "train.eval_interval": "applies from the next step",
+    "data.blend": "the global order continues from the same position under the new blend "
+    "(the untrained samples of the window it was in go back to the pool)",
 }
 
 
@@ -61,8 +64,7 @@ def data_identity(recipe: Recipe) -> dict[str, Any]:
     """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
     fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
     data = recipe_to_dict(recipe)["data"]
-    skip = NOT_IN_LOADER_STATE + (() if recipe.data.sharding == "global" else GLOBAL_ORDER_KEYS)
-    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in skip}
+    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in NOT_IN_LOADER_STATE}
     ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]
     ident["data.sources"] = {p: _fingerprint(Path(p)) for p in ident["data.paths"]}
     ident["train.seq_length"] = recipe.train.seq_length
@@ -77,7 +79,7 @@ def comparable(saved: dict[str, Any], current: dict[str, Any], sharding: str) ->
     logged, not refused)."""
     if sharding != "global":
         return saved, current
-    drop = GLOBAL_ORDER_LAYOUT_KEYS
+    drop = GLOBAL_ORDER_LAYOUT_KEYS + GLOBAL_ORDER_FREE_KEYS
     return {k: v for k, v in saved.items() if k not in drop}, {k: v for k, v in current.items() if k not in drop}
 
 
