@@ -7,8 +7,10 @@ only, without talking):
 1. the blend draws samples into the pool (samples drawn, not yet trained, oldest first) until it
    holds (1 + SLACK) x the window's tokens (without packing: the window's K x G samples);
 2. the pool is packed by the offline plan's windowed knapsack (packing/algorithm.py);
-3. the K x G rows filled best are taken (rows holding a sample that has waited over MAX_WAIT
-   windows first, so none waits forever); the other rows' samples go back to the pool;
+3. the K x G rows filled best are taken (first the rows holding a sample drawn over MAX_WAIT x K
+   steps before this window's start, i.e. from its fourth window of K steps on: while such rows
+   fit the window it trains there; a batch or window decrease, or more of them than the window
+   takes, delays it further, never drops it); the other rows' samples go back to the pool;
 4. the rows, sorted by cost (balance.row_costs), are cut into K tiers of G rows, one per step, the
    steps in a seeded order: every step's rows cost about the same, so any placement over ranks
    (`placement`) is balanced.
@@ -35,7 +37,7 @@ from mmdata.packing.algorithm import windowed_knapsack
 from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block, row_costs, vision_balance
 
 SLACK = 0.15  # the pool holds this much more than the window's rows need, so the best-filled are taken
-MAX_WAIT = 2  # windows a sample may wait in the pool before its row is taken first
+MAX_WAIT = 2  # a row with a sample drawn over MAX_WAIT x K steps before the window start is taken first
 AUTO_WINDOW_ROWS = 256  # window_steps "auto": about this many rows per window (fewer: steps of less even cost) ...
 AUTO_WINDOW_STEPS = 32  # ... in at most this many steps (more: a blend's schedule followed more coarsely)
 TIER_STREAM = 2  # the steps' order in a window: default_rng([seed, TIER_STREAM, window start])
