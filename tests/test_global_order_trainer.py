@@ -77,6 +77,10 @@ def test_a_global_order_resume_compares_no_layout_key(tmp_path):
     blended = recipe(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 1, books: 2}}")
     older = {**saved, "data.blend": {"weights": {"web": 3, "books": 1}}}  # as checkpoints recorded it
     assert identity_changes(*comparable(older, data_identity(blended), "global")) == []
+    buffers = ("data.packing_buffer_size=64", "data.shuffle_buffer_size=7", "data.plan_allow_estimated_lengths=true")
+    unread = recipe(tmp_path, TWO, "data.sharding=global", *buffers)  # keys only the other loaders read
+    assert identity_changes(*comparable(saved, data_identity(unread), "global")) == []
+    assert not {"data.packing_buffer_size", "data.shuffle_buffer_size"} & set(data_identity(unread))
     reordered = recipe(tmp_path, "data.paths=[/data/books,/data/web]", "data.sharding=global")
     assert identity_changes(*comparable(saved, data_identity(reordered), "global"))  # the paths stay in it
     ckpt = tmp_path / "ckpt"

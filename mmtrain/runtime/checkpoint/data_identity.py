@@ -27,8 +27,11 @@ RESET_SWITCH = "checkpoint.reset_data=true"
 NOT_IN_LOADER_STATE = ("val_paths", "sharding", "balance", "balance_window", "order_window", "blend")
 #: keys of the layout a global-order loader state does not depend on: a resume may change them
 GLOBAL_ORDER_LAYOUT_KEYS = ("train.micro_batch_size", "data.num_workers")
+#: data keys the global order never reads (the other loaders' buffers, a preflight switch): out of
+#: its identity
+NOT_READ_BY_GLOBAL_ORDER = ("packing_buffer_size", "shuffle_buffer_size", "plan_allow_estimated_lengths")
 #: keys older global-order checkpoints recorded that its loader state does not depend on either
-GLOBAL_ORDER_FREE_KEYS = ("data.blend",)
+GLOBAL_ORDER_FREE_KEYS = ("data.blend",) + tuple(f"data.{k}" for k in NOT_READ_BY_GLOBAL_ORDER)
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 
@@ -64,7 +67,8 @@ def data_identity(recipe: Recipe) -> dict[str, Any]:
     """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
     fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
     data = recipe_to_dict(recipe)["data"]
-    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in NOT_IN_LOADER_STATE}
+    skip = NOT_IN_LOADER_STATE + (NOT_READ_BY_GLOBAL_ORDER if recipe.data.sharding == "global" else ())
+    ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in skip}
     ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]
     ident["data.sources"] = {p: _fingerprint(Path(p)) for p in ident["data.paths"]}
     ident["train.seq_length"] = recipe.train.seq_length
