@@ -54,6 +54,7 @@ def test_shares_at_follows_the_schedule():
         ({"schedule": [{"step": 0, "weights": {"a": 1}}, {"step": 0, "weights": {"b": 1}}]}, "strictly increasing"),
         ({"schedule": [{"step": 5, "weights": {"a": 1}}]}, "must be step 0"),
         ({"schedule": [{"step": -1, "weights": {"a": 1}}]}, "whole number >= 0"),
+        ({"schedule": [{"step": 0, "weights": {"a": 1}}, {"weights": {"b": 1}}]}, r"schedule\[1\] has no step"),
         ({"weights": {"a": 1}, "mode": "x"}, "unknown key 'mode'"),
         ({"weights": {"a": 1}, "unit": "bytes"}, "unit 'bytes' is unknown"),
         ({"weights": {"a": 1}, "ramp": "cosine"}, "ramp 'cosine' is unknown"),
@@ -159,9 +160,10 @@ def test_a_stepwise_point_is_not_smeared_over_a_window():
 
 
 def test_a_resume_with_another_blend_continues_from_the_same_position():
-    """A schedule point appended to a running job, inside the window being trained: the document records the blend its window was
-    planned with, so the resume re-plans that window as it was and continues at the same step,
-    nothing trained twice, the old window's untrained samples not lost; the new point applies."""
+    """A schedule point appended to a running job, inside the window being trained: the document
+    records the blend its window was planned with, so the resume re-plans that window as it was
+    and continues at the same step, nothing trained twice, the old window's untrained samples not
+    lost; the new point applies."""
     first = {"weights": {"a": 1, "b": 1}}
     later = {"schedule": [{"step": 0, "weights": {"a": 1, "b": 1}}, {"step": 14, "weights": {"c": 1}}]}
     planner = StepPlanner(_sources(), Blend.parse(first, NAMES), TINY_SEQ, 8, seed=5, window_steps=8)
