@@ -105,7 +105,7 @@ def test_the_resume_line_names_the_step_and_the_layout_change():
     assert "same layout: DP 4" in same
 
 
-def test_step_metrics_carry_bytes_per_rank_and_realised_shares():
+def test_step_metrics_carry_bytes_per_rank_and_planned_shares():
     micro = [
         SimpleNamespace(global_order={"bytes_read": 1000, "units": {"web": 30, "books": 10}}),
         SimpleNamespace(global_order={"bytes_read": 500, "units": {"web": 30, "books": 10}}),
