@@ -15,7 +15,13 @@ from mmdata.global_order.sources import source_name
 from mmtrain.config import RecipeError, load_recipe
 from mmtrain.config.load import recipe_to_dict
 from mmtrain.planning.blend_report import blend_lines
-from mmtrain.runtime.checkpoint.data_identity import comparable, data_identity, identity_changes, recipe_changes
+from mmtrain.runtime.checkpoint.data_identity import (
+    BLEND_IN_DOCUMENT,
+    comparable,
+    data_identity,
+    identity_changes,
+    recipe_changes,
+)
 from mmtrain.runtime.checkpoint.manager import TrainerState, global_order_resume_line
 from mmtrain.runtime.step_metrics import global_order_record
 from mmtrain.runtime.train_data import check_one_step, global_order_figures
@@ -66,8 +72,9 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
 
 def test_a_global_order_resume_compares_no_layout_key(tmp_path):
     """Micro-batch, worker count, the order's window and its blend may change under the global
-    order (the DP size never was in the identity; a checkpoint that recorded the blend is not
-    refused either); in the other modes they still refuse. A changed blend is announced."""
+    order (the DP size never was in the identity; a checkpoint from before the loader document
+    recorded the blend still refuses a changed one); in the other modes they still refuse. A
+    changed blend is announced; the keys only the other loaders read are in no global identity."""
     dp4 = recipe(tmp_path, TWO, "data.sharding=global", "data.num_workers=2")
     saved = data_identity(dp4)
     other = recipe(
@@ -75,11 +82,15 @@ def test_a_global_order_resume_compares_no_layout_key(tmp_path):
     )
     assert identity_changes(*comparable(saved, data_identity(other), "global")) == []
     blended = recipe(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 1, books: 2}}")
-    older = {**saved, "data.blend": {"weights": {"web": 3, "books": 1}}}  # as checkpoints recorded it
-    assert identity_changes(*comparable(older, data_identity(blended), "global")) == []
+    assert identity_changes(*comparable(saved, data_identity(blended), "global")) == []
+    older = {k: v for k, v in saved.items() if k != BLEND_IN_DOCUMENT}  # its document has no blend
+    (change,) = identity_changes(*comparable(older, data_identity(blended), "global"))
+    assert change.startswith("data.blend (unset) -> ")  # refused, as before
     buffers = ("data.packing_buffer_size=64", "data.shuffle_buffer_size=7", "data.plan_allow_estimated_lengths=true")
     unread = recipe(tmp_path, TWO, "data.sharding=global", *buffers)  # keys only the other loaders read
     assert identity_changes(*comparable(saved, data_identity(unread), "global")) == []
+    recorded = {**saved, "data.packing_buffer_size": None, "data.shuffle_buffer_size": 100}  # as older ones did
+    assert identity_changes(*comparable(recorded, data_identity(unread), "global")) == []
     assert not {"data.packing_buffer_size", "data.shuffle_buffer_size"} & set(data_identity(unread))
     reordered = recipe(tmp_path, "data.paths=[/data/books,/data/web]", "data.sharding=global")
     assert identity_changes(*comparable(saved, data_identity(reordered), "global"))  # the paths stay in it
