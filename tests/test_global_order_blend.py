@@ -54,6 +54,7 @@ def test_shares_at_follows_the_schedule():
         ({"schedule": [{"step": 0, "weights": {"a": 1}}, {"step": 0, "weights": {"b": 1}}]}, "strictly increasing"),
         ({"schedule": [{"step": 5, "weights": {"a": 1}}]}, "must be step 0"),
         ({"schedule": [{"step": -1, "weights": {"a": 1}}]}, "whole number >= 0"),
+        ({"schedule": [{"step": 0, "weights": {"a": 1}}, {"weights": {"b": 1}}]}, r"schedule\[1\] has no step"),
         ({"weights": {"a": 1}, "mode": "x"}, "unknown key 'mode'"),
         ({"weights": {"a": 1}, "unit": "bytes"}, "unit 'bytes' is unknown"),
         ({"weights": {"a": 1}, "ramp": "cosine"}, "ramp 'cosine' is unknown"),
@@ -136,3 +137,50 @@ def test_resume_across_a_schedule_boundary_is_exact():
             assert [[r.members for r in next(again)[0].rows] for _ in range(100 - t)] == [
                 [r.members for r in s.rows] for s, _ in run[t:]
             ]
+
+
+def test_a_stepwise_point_is_not_smeared_over_a_window():
+    """G 8, K 4, a -> b at step 6: the window of step 4 is cut short at 6, so b trains from step 6
+    on, never before; a trains after it only with the samples drawn before the point and not yet
+    trained (the pool at step 6, a bounded spare); a resume across the point is exact."""
+    doc = {"schedule": [{"step": 0, "weights": {"a": 1}}, {"step": 6, "weights": {"b": 1}}]}
+    planner = StepPlanner(_sources(), Blend.parse(doc, NAMES), TINY_SEQ, 8, seed=5, window_steps=4)
+    run = [next(it) for it in [planner.steps_from(planner.initial_state())] for _ in range(16)]
+    assert [start.step for _, start in run] == [0] * 4 + [4] * 2 + [6] * 4 + [10] * 4 + [14] * 2
+    assert all(a != 1 for s, _ in run[:6] for a, _ in s.members())  # no b before step 6
+    leftover = {(a, p) for a, p, _ in run[6][1].pool}
+    late_a = [(a, p) for s, _ in run[6:] for a, p in s.members() if a == 0]
+    assert late_a and set(late_a) <= leftover  # a after 6: only samples drawn before it
+    for t in (3, 5, 6, 7):
+        saved = json.loads(json.dumps(planner.document(run[t][1], t)))
+        again = StepPlanner(_sources(), Blend.parse(doc, NAMES), TINY_SEQ, 8, seed=5, window_steps=4).resume(saved)
+        assert [[r.members for r in next(again)[0].rows] for _ in range(16 - t)] == [
+            [r.members for r in s.rows] for s, _ in run[t:]
+        ]
+
+
+def test_a_resume_with_another_blend_continues_from_the_same_position():
+    """A schedule point appended to a running job, inside the window being trained: the document
+    records the blend its window was planned with, so the resume re-plans that window as it was
+    and continues at the same step, nothing trained twice, the old window's untrained samples not
+    lost; the new point applies."""
+    first = {"weights": {"a": 1, "b": 1}}
+    later = {"schedule": [{"step": 0, "weights": {"a": 1, "b": 1}}, {"step": 14, "weights": {"c": 1}}]}
+    planner = StepPlanner(_sources(), Blend.parse(first, NAMES), TINY_SEQ, 8, seed=5, window_steps=8)
+    it = planner.steps_from(planner.initial_state())
+    run = [next(it) for _ in range(16)]
+    doc = json.loads(json.dumps(planner.document(run[11][1], 11)))
+    assert Blend.parse(doc["blend"], NAMES) == planner.blend
+    after = StepPlanner(_sources(), Blend.parse(later, NAMES), TINY_SEQ, 8, seed=5, window_steps=8)
+    rest = [next(r)[0] for r in [after.resume(doc)] for _ in range(20)]
+    assert [s.step for s in rest] == list(range(11, 31))
+    now = [m for s, _ in run[:11] for m in s.members()] + [m for s in rest for m in s.members()]
+    assert len(now) == len(set(now))  # nothing twice
+    assert {m for s, _ in run[11:16] for m in s.members()} <= set(now)  # nothing lost
+    assert all(a != 2 for s in rest[:3] for a, _ in s.members())  # c only from step 14 on
+    assert sum(a == 2 for s in rest[3:] for a, _ in s.members()) > sum(a != 2 for s in rest[3:] for a, _ in s.members())
+    old = {k: v for k, v in doc.items() if k != "blend"}  # a document from before the blend was recorded
+    same = StepPlanner(_sources(), Blend.parse(first, NAMES), TINY_SEQ, 8, seed=5, window_steps=8).resume(old)
+    assert [[r.members for r in next(same)[0].rows] for _ in range(5)] == [
+        [r.members for r in s.rows] for s, _ in run[11:16]
+    ]

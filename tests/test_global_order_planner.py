@@ -135,6 +135,27 @@ def test_a_resume_at_another_global_batch_continues_from_the_same_position():
     assert untrained <= set(now)  # nothing lost
 
 
+def test_a_resume_at_another_tile_tokens_neither_repeats_nor_loses_a_sample():
+    """tile_tokens sorts a window's rows into steps: saved at step 11 (K 8, G 8) with 100, resumed
+    with 0, the old window is re-planned with 100 and its untrained samples go back to the pool.
+    A document without tile_tokens (before it was recorded) was made with the current value."""
+    sources = [_source("a", 400, 1), _source("b", 300, 2)]
+    before = StepPlanner(sources, None, 4096, 8, seed=7, tile_tokens=100, window_steps=8)
+    run = _take(before.steps_from(before.initial_state()), 16)
+    doc = json.loads(json.dumps(before.document(run[11][1], 11)))
+    assert doc["tile_tokens"] == 100
+    rest = [
+        s for s, _ in _take(StepPlanner(sources, None, 4096, 8, seed=7, tile_tokens=0, window_steps=8).resume(doc), 10)
+    ]
+    trained = [m for s, _ in run[:11] for m in s.members()]
+    now = trained + [m for s in rest for m in s.members()]
+    assert len(now) == len(set(now))  # nothing twice
+    assert {m for s, _ in run[11:16] for m in s.members()} <= set(now)  # nothing lost
+    old = {k: v for k, v in doc.items() if k != "tile_tokens"}
+    same = StepPlanner(sources, None, 4096, 8, seed=7, tile_tokens=100, window_steps=8).resume(old)
+    assert _sets(s for s, _ in _take(same, 5)) == _sets(s for s, _ in run[11:16])
+
+
 def test_every_sample_of_an_epoch_trains_exactly_once():
     """Over the steps, no (source, position) twice; once the streams are past their first epoch by
     more than the longest wait, every sample of epoch 0 has trained; epoch 1 is a permutation.

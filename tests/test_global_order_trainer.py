@@ -9,11 +9,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from mmdata.global_order.sources import source_name
 from mmtrain.config import RecipeError, load_recipe
+from mmtrain.config.load import recipe_to_dict
 from mmtrain.planning.blend_report import blend_lines
-from mmtrain.runtime.checkpoint.data_identity import comparable, data_identity, identity_changes
+from mmtrain.runtime.checkpoint.data_identity import (
+    BLEND_IN_DOCUMENT,
+    comparable,
+    data_identity,
+    identity_changes,
+    recipe_changes,
+)
 from mmtrain.runtime.checkpoint.manager import TrainerState, global_order_resume_line
 from mmtrain.runtime.step_metrics import global_order_record
 from mmtrain.runtime.train_data import check_one_step, global_order_figures
@@ -63,9 +71,10 @@ def test_global_order_recipe_refusals_one_line_each(tmp_path):
 
 
 def test_a_global_order_resume_compares_no_layout_key(tmp_path):
-    """Micro-batch, worker count and the order's window may change under the global order (the DP
-    size never was in the identity); in the other modes they still refuse, and the blend is part
-    of the data."""
+    """Micro-batch, worker count, the order's window and its blend may change under the global
+    order (the DP size never was in the identity; a checkpoint from before the loader document
+    recorded the blend still refuses a changed one); in the other modes they still refuse. A
+    changed blend is announced; the keys only the other loaders read are in no global identity."""
     dp4 = recipe(tmp_path, TWO, "data.sharding=global", "data.num_workers=2")
     saved = data_identity(dp4)
     other = recipe(
@@ -73,8 +82,23 @@ def test_a_global_order_resume_compares_no_layout_key(tmp_path):
     )
     assert identity_changes(*comparable(saved, data_identity(other), "global")) == []
     blended = recipe(tmp_path, TWO, "data.sharding=global", "data.blend={weights: {web: 1, books: 2}}")
-    (change,) = identity_changes(*comparable(saved, data_identity(blended), "global"))
-    assert change.startswith("data.blend (unset) -> ")
+    assert identity_changes(*comparable(saved, data_identity(blended), "global")) == []
+    older = {k: v for k, v in saved.items() if k != BLEND_IN_DOCUMENT}  # its document has no blend
+    (change,) = identity_changes(*comparable(older, data_identity(blended), "global"))
+    assert change.startswith("data.blend (unset) -> ")  # refused, as before
+    buffers = ("data.packing_buffer_size=64", "data.shuffle_buffer_size=7", "data.plan_allow_estimated_lengths=true")
+    unread = recipe(tmp_path, TWO, "data.sharding=global", *buffers)  # keys only the other loaders read
+    assert identity_changes(*comparable(saved, data_identity(unread), "global")) == []
+    recorded = {**saved, "data.packing_buffer_size": None, "data.shuffle_buffer_size": 100}  # as older ones did
+    assert identity_changes(*comparable(recorded, data_identity(unread), "global")) == []
+    assert not {"data.packing_buffer_size", "data.shuffle_buffer_size"} & set(data_identity(unread))
+    reordered = recipe(tmp_path, "data.paths=[/data/books,/data/web]", "data.sharding=global")
+    assert identity_changes(*comparable(saved, data_identity(reordered), "global"))  # the paths stay in it
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(recipe_to_dict(dp4)))
+    (line,) = recipe_changes(ckpt, yaml.safe_dump(recipe_to_dict(blended)))
+    assert line.startswith("data.blend (unset) -> ") and "continues from the same position" in line
     plain = recipe(tmp_path, TWO, "data.num_workers=3")
     assert "data.num_workers 2 -> 3" in identity_changes(data_identity(recipe(tmp_path, TWO)), data_identity(plain))
     assert "data.blend" not in data_identity(plain) and "data.order_window" not in data_identity(plain)
@@ -92,7 +116,7 @@ def test_the_resume_line_names_the_step_and_the_layout_change():
     assert "same layout: DP 4" in same
 
 
-def test_step_metrics_carry_bytes_per_rank_and_realised_shares():
+def test_step_metrics_carry_bytes_per_rank_and_planned_shares():
     micro = [
         SimpleNamespace(global_order={"bytes_read": 1000, "units": {"web": 30, "books": 10}}),
         SimpleNamespace(global_order={"bytes_read": 500, "units": {"web": 30, "books": 10}}),

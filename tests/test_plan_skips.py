@@ -117,7 +117,8 @@ def test_training_refuses_an_estimated_plan_unless_opted_in(estimated, tmp_path,
 def test_the_global_order_refuses_estimated_lengths_unless_opted_in(estimated, tmp_path):
     """`data.sharding: global` over shards preprocessed without --tokenizer: one line naming the
     folder and the fix; `data.plan_allow_estimated_lengths: true` accepts it (the key is read in
-    this mode too). A length index counted with the tokenizer is not refused."""
+    this mode too), and so does `data.packing: false` (no row to overflow). A length index
+    counted with the tokenizer is not refused."""
     out, tok, _ = estimated
     family = registry.get_family("llava-ov")
 
@@ -132,6 +133,7 @@ def test_the_global_order_refuses_estimated_lengths_unless_opted_in(estimated, t
     assert line.startswith(f"data.paths[0]: {out} has estimated text lengths") and "\n" not in line
     assert "`mmdata preprocess --tokenizer DIR`" in line and "data.plan_allow_estimated_lengths: true" in line
     assert problems_of("data.plan_allow_estimated_lengths=true") == []
+    assert problems_of("data.packing=false") == []  # one sample a row: nothing to overflow
     exact = tmp_path / "exact"
     exact.mkdir()
     table = pa.table({"index": [0]}).replace_schema_metadata({"mmdata.text_tokens": "tokenizer"})

@@ -83,6 +83,12 @@ class Blend:
                 )
         return cls(points, ramp, unit, names)
 
+    def to_doc(self) -> dict[str, Any]:
+        """The blend as `parse` reads it back (every point's weights named in full): a checkpoint
+        records the blend its window was planned with."""
+        schedule = [{"step": p.step, "weights": dict(p.weights)} for p in self.points]
+        return {"schedule": schedule, "ramp": self.ramp, "unit": self.unit}
+
     def _shares(self, i: int) -> np.ndarray:
         w = np.asarray([self.points[i].weights[n] for n in self.names], dtype=np.float64)
         return w / w.sum()
@@ -112,7 +118,9 @@ def _point(where: str, p: Any, names: tuple[str, ...]) -> BlendPoint:
     """One schedule entry, checked; `where` names it in the errors."""
     if not isinstance(p, dict) or set(p) - {"step", "weights"} or "weights" not in p:
         raise BlendError(f"{where} must be {{step: S, weights: {{source: w}}}}, got {p!r:.80}")
-    step = p.get("step", 0)
+    if "step" not in p:
+        raise BlendError(f"{where} has no step: give every schedule entry its step, {{step: S, weights: {{..}}}}")
+    step = p["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise BlendError(f"{where}.step must be a whole number >= 0, got {step!r}")
     weights = p["weights"]

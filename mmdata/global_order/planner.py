@@ -1,13 +1,16 @@
 """The global order's steps: step t's rows as a pure function of the sources' lengths, the blend,
 the seed, `seq_length` and `global_batch_size`, never of the DP size, micro-batch or workers.
 
-The planner works a window of K steps at a time (every rank and worker repeats it, from lengths
+The planner works a window of K steps at a time (cut short at a stepwise schedule's next point, so
+a jump is not smeared over the window's steps; every rank and worker repeats it, from lengths
 only, without talking):
 1. the blend draws samples into the pool (samples drawn, not yet trained, oldest first) until it
    holds (1 + SLACK) x the window's tokens (without packing: the window's K x G samples);
 2. the pool is packed by the offline plan's windowed knapsack (packing/algorithm.py);
-3. the K x G rows filled best are taken (rows holding a sample that has waited over MAX_WAIT
-   windows first, so none waits forever); the other rows' samples go back to the pool;
+3. the K x G rows filled best are taken (first the rows holding a sample drawn over MAX_WAIT x K
+   steps before this window's start, i.e. from its fourth window of K steps on: while such rows
+   fit the window it trains there; a batch or window decrease, or more of them than the window
+   takes, delays it further, never drops it); the other rows' samples go back to the pool;
 4. the rows, sorted by cost (balance.row_costs), are cut into K tiers of G rows, one per step, the
    steps in a seeded order: every step's rows cost about the same, so any placement over ranks
    (`placement`) is balanced.
@@ -34,7 +37,7 @@ from mmdata.packing.algorithm import windowed_knapsack
 from mmdata.packing.balance import DEFAULT_TILE_TOKENS, StepShape, assign_block, row_costs, vision_balance
 
 SLACK = 0.15  # the pool holds this much more than the window's rows need, so the best-filled are taken
-MAX_WAIT = 2  # windows a sample may wait in the pool before its row is taken first
+MAX_WAIT = 2  # a row with a sample drawn over MAX_WAIT x K steps before the window start is taken first
 AUTO_WINDOW_ROWS = 256  # window_steps "auto": about this many rows per window (fewer: steps of less even cost) ...
 AUTO_WINDOW_STEPS = 32  # ... in at most this many steps (more: a blend's schedule followed more coarsely)
 TIER_STREAM = 2  # the steps' order in a window: default_rng([seed, TIER_STREAM, window start])
@@ -131,15 +134,20 @@ def placed_balance(step: PlannedStep, shape: StepShape, balance: bool = True) ->
     return vision_balance([sum(step.rows[i].tiles for micro in rank for i in micro) for rank in placed])
 
 
-def checkpoint_doc(window_start: OrderState, step: int, global_batch_size: int, window_steps: int) -> dict[str, Any]:
+def checkpoint_doc(
+    window_start: OrderState, step: int, global_batch_size: int, window_steps: int, tile_tokens: float, blend: Blend
+) -> dict[str, Any]:
     """The loader's layout-free checkpoint: the state at the start of the window holding `step`
-    (the next step to train), and the step."""
+    (the next step to train), the step, and what cut the window into steps (a resume with other
+    values re-plans it as it was: `StepPlanner.resume`)."""
     return {
         "version": DOC_VERSION,
         "window_start": window_start.to_dict(),
         "step": int(step),
         "global_batch_size": int(global_batch_size),
         "window_steps": int(window_steps),
+        "tile_tokens": float(tile_tokens),
+        "blend": blend.to_doc(),
     }
 
 
@@ -233,8 +241,18 @@ class StepPlanner:
                 del self._windows[next(iter(self._windows))]
         return self._windows[key]
 
+    def window_length(self, start: int) -> int:
+        """Steps of the window starting at `start`: K, cut short at the next point of a stepwise
+        schedule, so that no window's cost tiers move samples across a jump. A pure function of
+        (start, blend, K): the same at every layout and on resume."""
+        if self.blend.ramp != "step":
+            return self.window_steps
+        after = [p.step for p in self.blend.points if p.step > start]
+        return min(self.window_steps, after[0] - start) if after else self.window_steps
+
     def _plan_window(self, state: OrderState) -> tuple[list[PlannedStep], OrderState]:
-        k, g, start = self.window_steps, self.global_batch_size, state.step
+        g, start = self.global_batch_size, state.step
+        k = self.window_length(start)
         if len(state.positions) != len(self.sources):
             raise UserError(f"the order's state has {len(state.positions)} sources, the data {len(self.sources)}")
         if any(not 0 <= m[0] < len(self.sources) for m in state.pool):
@@ -248,7 +266,7 @@ class StepPlanner:
         drawn = 0.0
         while True:
             if held < need:
-                new, added = self._draw(draw, positions, start, need - held, drawn, per_step)
+                new, added = self._draw(draw, positions, start, k, need - held, drawn, per_step)
                 pool += new
                 src, pos, born, samples, clipped = self._pool_arrays(pool)
                 held, drawn = held + added, drawn + added
@@ -283,7 +301,7 @@ class StepPlanner:
         return tiles
 
     def _draw(
-        self, draw: Draw, positions: list[int], start: int, want: float, drawn: float, per_step: float
+        self, draw: Draw, positions: list[int], start: int, k: int, want: float, drawn: float, per_step: float
     ) -> tuple[list[list[int]], float]:
         """Samples drawn by the blend until `want` units of the pool (tokens, or samples without
         packing) are added, and the units added; the shares are those of the step the draw fills."""
@@ -300,7 +318,7 @@ class StepPlanner:
         out: list[list[int]] = []
         got, step = 0.0, -1
         while got < want:
-            j = min(self.window_steps - 1, int((drawn + got) // per_step))
+            j = min(k - 1, int((drawn + got) // per_step))
             if j != step:
                 draw.set_shares(self.blend.shares_at(start + j))
             step = j
@@ -336,8 +354,9 @@ class StepPlanner:
         tiles: np.ndarray,
         start: int,
     ) -> list[PlannedStep]:
-        """The window's rows cut by cost into K steps of G rows, in a seeded order."""
-        k, g = self.window_steps, self.global_batch_size
+        """The window's rows cut by cost into its steps of G rows, in a seeded order."""
+        g = self.global_batch_size
+        k = len(rows) // g
         tokens = np.asarray([int(clipped[b].sum()) for b in rows])
         row_tiles = np.asarray([int(tiles[b].sum()) for b in rows])
         costs = row_costs(tokens, row_tiles, self.tile_tokens)
@@ -375,35 +394,49 @@ class StepPlanner:
     def state_at(self, state: OrderState, steps_done: int) -> OrderState:
         """The start state of the window holding step `state.step + steps_done`."""
         target = state.step + steps_done
-        while target >= state.step + self.window_steps:
+        while target >= state.step + self.window_length(state.step):
             state = self.window(state)[1]
         return state
 
     def document(self, window_start: OrderState, step: int) -> dict[str, Any]:
-        """`checkpoint_doc` with this planner's batch and window."""
-        return checkpoint_doc(window_start, step, self.global_batch_size, self.window_steps)
+        """`checkpoint_doc` with this planner's batch, window, tile cost and blend."""
+        return checkpoint_doc(
+            window_start, step, self.global_batch_size, self.window_steps, self.tile_tokens, self.blend
+        )
 
     def resume(self, doc: dict[str, Any]) -> Iterator[tuple[PlannedStep, OrderState]]:
         """`steps_from` at a checkpoint document's next step: its window re-planned, the trained
-        steps skipped. A document of another global batch size (or window) continues from the same
-        position: its window is re-planned as it was, and the samples of its untrained steps go
-        back to the pool (`carried_state`), from which this planner's windows start."""
+        steps skipped. A document made with another global batch size, window, `tile_tokens`
+        (which sorts the window's rows into steps) or blend continues from the same position: its
+        window is re-planned as it was, and the samples of its untrained steps go back to the pool
+        (`carried_state`), from which this planner's windows start."""
         state, step = read_checkpoint_doc(doc)
-        made = (doc.get("global_batch_size"), doc.get("window_steps"))
-        if made != (self.global_batch_size, self.window_steps):
-            if not all(isinstance(x, int) and x > 0 for x in made):
-                raise UserError(
-                    f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
-                )
-            old = StepPlanner(
-                self.sources, self.blend, self.seq_length, made[0], self.seed, self.tile_tokens, made[1], self.packing
-            )
-            yield from self.steps_from(old.carried_state(state, step))
+        maker = self._maker(doc)
+        if maker is not None:
+            yield from self.steps_from(maker.carried_state(state, step))
             return
         state = self.state_at(state, step - state.step)
         for st, start in self.steps_from(state):
             if st.step >= step:
                 yield st, start
+
+    def _maker(self, doc: dict[str, Any]) -> StepPlanner | None:
+        """The planner that made `doc` where it is not this one's twin, else None (a document
+        without `tile_tokens` or `blend`, older than them, was made with this planner's)."""
+        made = (doc.get("global_batch_size"), doc.get("window_steps"))
+        tiles = doc.get("tile_tokens", self.tile_tokens)
+        blend = Blend.parse(doc["blend"], self.names) if "blend" in doc else self.blend
+        if made == (self.global_batch_size, self.window_steps) and tiles == self.tile_tokens and blend == self.blend:
+            return None
+        if not all(isinstance(x, int) and x > 0 for x in made):
+            raise UserError(
+                f"the loader checkpoint names no valid global batch size and window ({made}): resume from another"
+            )
+        if isinstance(tiles, bool) or not isinstance(tiles, int | float) or not tiles >= 0:
+            raise UserError(f"the loader checkpoint names no valid tile_tokens ({tiles!r}): resume from another")
+        return StepPlanner(
+            self.sources, blend, self.seq_length, made[0], self.seed, float(tiles), made[1], self.packing
+        )
 
     def carried_state(self, state: OrderState, step: int) -> OrderState:
         """A window-start state at `step` (inside a window of this planner that `state` starts or

@@ -1,6 +1,6 @@
 """The planned data mixture of a `data.sharding: global` recipe, for `action: dry_run`: the share
 of each source at a few steps of the run (mmdata.global_order.blend.Blend.shares_at), so a
-schedule can be read before it trains. Each step's realised shares go to metrics.jsonl."""
+schedule can be read before it trains. Each step's planned shares (its rows' units) go to metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -28,6 +28,6 @@ def blend_lines(recipe: Recipe) -> list[str]:
     lines = [
         f"planned data shares over the run (data.sharding: global; blend unit {blend.unit}, ramp {blend.ramp}; "
         f"schedule steps count the steps trained before, so step s is metrics.jsonl's step s+1, where each "
-        "step's realised shares are):"
+        "step's planned shares are):"
     ]
     return lines + [f"  {line}" for line in blend.describe(report_steps(blend, recipe.train.iters))]

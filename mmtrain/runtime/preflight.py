@@ -84,7 +84,8 @@ def _check_data(recipe: "Recipe", spec: "FamilySpec", problems: list[str]) -> li
             kind_problems = _sample_type_problems(f"{key}[{i}]", Path(path), spec)
             problems += kind_problems
             d = recipe.data
-            estimated = not d.plan_allow_estimated_lengths and d.packing != "plan"  # (a plan's own check below)
+            # (a plan's own check below; without packing a row is one sample: nothing overflows)
+            estimated = not d.plan_allow_estimated_lengths and d.packing not in (False, "plan")
             if d.sharding == "global" and estimated and (why := order_lengths_problem(path)):
                 problems.append(f"{key}[{i}]: {why}")
             wrong_kind = wrong_kind or bool(kind_problems)

@@ -267,8 +267,8 @@ def step_record(
 
 def global_order_record(bytes_per_rank: list[int], units: dict[str, float]) -> dict[str, Any]:
     """A global-order step's read volume and mixture: `bytes_read` (DP rank 0's, the logging
-    rank's), `bytes_read_per_rank` and `shares`, the realised share of each source in the step's
-    units (samples or tokens, as the blend counts)."""
+    rank's), `bytes_read_per_rank` and `shares`, the planned share of each source in the step's
+    units (samples or tokens, as the blend counts; skipped or carried samples not taken off)."""
     total = sum(units.values())
     return {
         "bytes_read": bytes_per_rank[0] if bytes_per_rank else 0,

@@ -28,6 +28,13 @@ GLOBAL_ORDER_LAYOUT_KEYS = ("train.micro_batch_size", "data.num_workers")
 #: data keys only the global order reads (left out of other modes' identity: older checkpoints lack
 #: them). Its window (`order_window`) is in no identity: the order continues across a change of it
 GLOBAL_ORDER_KEYS = ("blend",)
+#: data keys the global order never reads (the other loaders' buffers, a preflight switch): out of
+#: its identity, and not compared with an older checkpoint that recorded them
+NOT_READ_BY_GLOBAL_ORDER = ("packing_buffer_size", "shuffle_buffer_size", "plan_allow_estimated_lengths")
+#: in a global-order identity: its loader document records the blend its window was planned with,
+#: so a resume continues across a changed `data.blend` (announced). An older checkpoint lacks the
+#: mark (and its document the blend): a changed blend is refused there, as before
+BLEND_IN_DOCUMENT = "data.order_document_has_blend"
 #: energon's per-shard sample counts and index id: both rewritten when a shard folder is prepared again
 ENERGON_META_FILES = (Path(".nv-meta") / ".info.json", Path(".nv-meta") / "index.uuid")
 
@@ -47,6 +54,8 @@ ANNOUNCED: dict[str, str] = {
     "optimizer.clip_grad": "applies from the next step",
     "freeze": "the trained parts change from the next step",
     "train.eval_interval": "applies from the next step",
+    "data.blend": "the global order continues from the same position under the new blend "
+    "(the untrained samples of the window it was in go back to the pool)",
 }
 
 
@@ -61,8 +70,11 @@ def data_identity(recipe: Recipe) -> dict[str, Any]:
     """The recipe's keys the loader state depends on, JSON-plain, paths resolved, plus a
     fingerprint of each data source (its energon shard counts and index id, or a metadataset's text)."""
     data = recipe_to_dict(recipe)["data"]
-    skip = NOT_IN_LOADER_STATE + (() if recipe.data.sharding == "global" else GLOBAL_ORDER_KEYS)
+    globally = recipe.data.sharding == "global"
+    skip = NOT_IN_LOADER_STATE + (NOT_READ_BY_GLOBAL_ORDER if globally else GLOBAL_ORDER_KEYS)
     ident: dict[str, Any] = {f"data.{k}": v for k, v in data.items() if k not in skip}
+    if globally:
+        ident[BLEND_IN_DOCUMENT] = True
     ident["data.paths"] = [str(Path(p).resolve()) for p in recipe.data.paths]
     ident["data.sources"] = {p: _fingerprint(Path(p)) for p in ident["data.paths"]}
     ident["train.seq_length"] = recipe.train.seq_length
@@ -72,12 +84,15 @@ def data_identity(recipe: Recipe) -> dict[str, Any]:
 
 
 def comparable(saved: dict[str, Any], current: dict[str, Any], sharding: str) -> tuple[dict, dict]:
-    """The identities to compare: with `sharding: global` the layout keys are left out of both
-    (the global order's position holds at any micro-batch and worker count: a resume there is
-    logged, not refused)."""
+    """The identities to compare: with `sharding: global` the layout keys, the keys it never
+    reads and (where the checkpoint's document records the blend) `data.blend` are left out of
+    both (the global order's position holds at any micro-batch and worker count, and across a
+    changed blend: a resume there is logged, not refused)."""
     if sharding != "global":
         return saved, current
-    drop = GLOBAL_ORDER_LAYOUT_KEYS
+    drop = GLOBAL_ORDER_LAYOUT_KEYS + tuple(f"data.{k}" for k in NOT_READ_BY_GLOBAL_ORDER) + (BLEND_IN_DOCUMENT,)
+    if saved.get(BLEND_IN_DOCUMENT):
+        drop += ("data.blend",)
     return {k: v for k, v in saved.items() if k not in drop}, {k: v for k, v in current.items() if k not in drop}
 
 
