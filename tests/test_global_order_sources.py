@@ -12,7 +12,7 @@ import pytest
 
 from mmdata.errors import UserError
 from mmdata.global_order import StepPlanner, check_names, load_source
-from mmdata.global_order.sources import ENERGON_INDEX
+from mmdata.global_order.sources import ENERGON_INDEX, sample_bytes
 from mmdata.packing.emu3_geometry import UNENCODABLE
 
 
@@ -54,6 +54,19 @@ def test_emu3_token_shards_become_a_source_with_their_variants(token_dir, emu3_t
     for s in steps:
         for r in s.rows:
             assert r.tokens == sum(min(int(src.lengths[k]), 512) for k in r.samples) and r.tiles == 0
+
+
+def test_sample_bytes_are_read_by_global_index_in_one_query(shards_dir):
+    """Bytes by global index (energon's order: tar, then sample in it), not by key: no per-key
+    strings for a folder of 10^8 samples; an index past the folder's samples is refused."""
+    with sqlite3.connect(shards_dir / ENERGON_INDEX) as db:
+        rows = db.execute("SELECT tar_file_id, sample_index, byte_size FROM samples").fetchall()
+    in_order = [size for _, _, size in sorted(rows)]
+    index = np.random.default_rng(0).permutation(len(in_order))[: len(in_order) // 2]
+    assert sample_bytes(shards_dir, index).tolist() == [in_order[i] for i in index]
+    with pytest.raises(UserError, match=f"holds {len(in_order)} samples, the length index names sample") as e:
+        sample_bytes(shards_dir, np.asarray([0, len(in_order)]))
+    assert "\n" not in str(e.value)
 
 
 def test_a_linked_folder_is_named_by_the_link(shards_dir, tmp_path):
