@@ -9,8 +9,8 @@ the run's own recipe gives (the family's loader built from `<run_dir>/config.yam
 what every rank followed); the uninterrupted DP 4 run trains that order too (the first segment, and
 the loader's own tests at other layouts). Every sample of the first epoch (stream positions
 `< N`) trains exactly once, and the run ends where that epoch's last sample trains. LLaVA-OV and
-Emu3 (whose task and caption-drop choices the order draws once per sample, so they hold at any
-layout); exact text lengths (`--tokenizer`), so no planned row overflows.
+Emu3 (whose task and caption-drop choices the order draws per sample and epoch, positionally, so
+they hold at any layout); exact text lengths (`--tokenizer`), so no planned row overflows.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def test_workers_and_ranks_make_every_micro_batch_of_a_step_once():
 
 
 def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, emu3_tok_dir):
-    """Emu3 token shards (keys with gaps, a task and caption drop drawn once per sample from the
+    """Emu3 token shards (keys with gaps, a task and caption drop drawn per sample and epoch from the
     seed): at DP 1 and DP 2 (no workers: the other test covers them), each step trains the
     planner's samples, each in its planned task, at exactly its planned length."""
     from mmdata.energon_loaders.emu3.loader import build_emu3_loader
@@ -375,7 +375,8 @@ def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, 
 
     planner = build(0, 1, 0).planner
     (source,) = planner.sources
-    assert source.keys is not None and {UNDERSTAND, GENERATE, GENERATE_UNCOND} <= set(source.variants.tolist())
+    drawn = planner.streams.variants(0, np.arange(len(source)))
+    assert source.keys is not None and {UNDERSTAND, GENERATE, GENERATE_UNCOND} <= set(drawn.tolist())
     planned = list(_planned(planner, 3))
     for dp, workers in ((1, 0), (2, 0)):
         got: dict[int, list[tuple[str, str, int]]] = defaultdict(list)
@@ -389,9 +390,13 @@ def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, 
                 got[batch.global_order["step"]] += list(zip(keys, batch.tasks[0], lengths))
         for t, (_, _, step) in enumerate(planned):
             expect = [
-                (f"{source.root}#{source.key(k)}", task[int(source.variants[k])], int(source.lengths[k]))
+                (
+                    f"{source.root}#{source.key(k)}",
+                    task[planner.sample_at(m)[3]],
+                    int(planner.streams.lengths(0, [m[1]])[0]),
+                )
                 for row in step.rows
-                for k in row.samples
+                for m, k in zip(row.members, row.samples)
             ]
             assert sorted(got[t]) == sorted(expect), (dp, t)
     pad = loader.task_encoder.batch_rows([[]])  # a row whose samples were all skipped: padding
