@@ -105,9 +105,7 @@ def epoch_end(positions: list[list[int]], n: int) -> int:
 
 def run_segment(args: list[str], log: Path, kill_after: int | None) -> str:
     """One segment; with `kill_after`, SIGKILL its process group once that step is in the metrics
-    and its checkpoint is saved (a job lost with its node; killed before the save, the next segment
-    would resume from an earlier segment's checkpoint, as when `kill_after` is its first step), else
-    wait for it to end on its own. Its stderr."""
+    (a job lost with its node), else wait for it to end on its own. Its stderr."""
     run_dir = Path(next(a for a in args if a.startswith("run_dir=")).split("=", 1)[1])
     earlier = set(_metrics_lines(run_dir))  # the earlier segments' records (a step they logged is not this one's)
     with log.open("w") as f:
@@ -119,7 +117,7 @@ def run_segment(args: list[str], log: Path, kill_after: int | None) -> str:
             assert rc == 0, log.read_text()[-6000:]
         else:
             deadline = time.monotonic() + 600
-            while kill_after not in _steps_logged(run_dir, earlier) or _latest_saved(run_dir) < kill_after:
+            while kill_after not in _steps_logged(run_dir, earlier):
                 assert proc.poll() is None, f"ended before step {kill_after}:\n{log.read_text()[-6000:]}"
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
@@ -146,14 +144,6 @@ def kill_job(root: int) -> None:
 def _descendants(pid: int) -> list[int]:
     kids = child_pids(pid)
     return kids + [g for c in kids for g in _descendants(c)]
-
-
-def _latest_saved(run_dir: Path) -> int:
-    """The step of the run's latest complete checkpoint (its `latest` file), 0 before any."""
-    try:
-        return int((run_dir / "checkpoints" / "latest").read_text().strip() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
 def _metrics_lines(run_dir: Path) -> list[str]:
