@@ -1,7 +1,8 @@
 """The sample ledger of `data.sharding: global` (issue 46): a tiny run goes DP 4 -> 3 -> 2 -> 4
 with `data.num_workers` 2 -> 1 -> 3 -> 2 on gloo, stopped by `train.exit_interval` once and
 SIGKILLed twice (after a seeded step shows in metrics.jsonl; the next segment resumes from the
-last checkpoint, re-running the steps after it), and resumed each time at the new layout.
+last checkpoint saved, re-running the steps after it: a segment killed before its first save leaves
+the next to resume from an earlier segment's), and resumed each time at the new layout.
 
 The ledger is metrics.jsonl at the end (its records past a resumed checkpoint are dropped, so it
 holds the final run of each step). Its per-step sample sets must equal the global order's, which
@@ -9,8 +10,8 @@ the run's own recipe gives (the family's loader built from `<run_dir>/config.yam
 what every rank followed); the uninterrupted DP 4 run trains that order too (the first segment, and
 the loader's own tests at other layouts). Every sample of the first epoch (stream positions
 `< N`) trains exactly once, and the run ends where that epoch's last sample trains. LLaVA-OV and
-Emu3 (whose task and caption-drop choices the order draws once per sample, so they hold at any
-layout); exact text lengths (`--tokenizer`), so no planned row overflows.
+Emu3 (whose task and caption-drop choices the order draws per sample and epoch, positionally, so
+they hold at any layout); exact text lengths (`--tokenizer`), so no planned row overflows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from mmtrain.config.load import load_recipe
+from mmtrain.runtime.checkpoint.layout import checkpoints_root, read_latest
 from mmtrain.registry import FAMILIES
 from mmtrain.runtime.launcher import child_pids
 from tests.emu3_tiny import run_tokenize_cli, tokenize_args
@@ -174,18 +176,26 @@ def ledger_run(family: str, tmp_path: Path, data: Path, tok: Path, seq_length: i
     # the first epoch's samples, each once (positions < n), and with them every key once
     assert sorted(p for step in positions[:iters] for p in step if p < n) == list(range(n))
     stops = sorted(random.Random(seed).sample(range(1, iters), 3))  # exit, kill, kill
-    logs = []
+    logs, saved_by = [], []  # saved_by[i]: (step, segment) of the checkpoint segment i resumes from
+    latest = (0, -1)
     for i, (dp, workers) in enumerate(SEGMENTS):
+        saved_by.append(latest)
         args = command(
             family, run, data, tok, *common(seq_length), f"train.iters={iters}", f"data.num_workers={workers}",
             *([f"train.exit_interval={stops[0]}"] if i == 0 else []), nproc=dp,
         )  # fmt: skip
         logs.append(run_segment(args, tmp_path / f"segment{i}.log", kill_after=stops[i] if i in (1, 2) else None))
-    for i in (1, 2, 3):  # each resumed at its own layout, the data order continuing, not restarting
-        (dp_was, w_was), (dp, w) = SEGMENTS[i - 1], SEGMENTS[i]
+        # (a segment killed before its first save leaves `latest` as it was: the next resumes from an earlier one)
+        if (step := read_latest(checkpoints_root(run)) or 0) != latest[0]:
+            latest = (step, i)
+    for i in (1, 2, 3):  # each resumed from the last saved checkpoint, the data order continuing, not restarting
+        step, by = saved_by[i]
         line = next((x for x in logs[i].splitlines() if "data order continues at step" in x), None)
-        assert line is not None, logs[i][-4000:]
-        assert f"DP {dp_was} -> {dp}" in line and f"data.num_workers {w_was} -> {w}" in line, line
+        assert line is not None and f"continues at step {step} " in line, (step, logs[i][-4000:])
+        (dp_was, w_was), (dp, w) = SEGMENTS[by], SEGMENTS[i]  # the layout that saved it, logged as changed
+        same = (dp_was, w_was) == (dp, w)
+        assert "same layout" in line if same else f"DP {dp_was} -> {dp}" in line, line
+        assert same or f"data.num_workers {w_was} -> {w}" in line, line
     got = metrics(run)
     assert sorted(got) == list(range(1, iters + 1))
     for step in range(1, iters + 1):  # the ledger: the final run of each step trained its planned samples

@@ -7,6 +7,7 @@ a metadataset YAML is refused. The micro-batch order per worker is checked witho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tarfile
@@ -279,6 +280,33 @@ def _break_an_image(root: Path, keys: list[str]) -> str:
     raise AssertionError("no sample with an image in the step")
 
 
+def test_a_carried_sample_is_read_again_in_the_next_row_and_its_bytes_count_once(two_sources):
+    """Lengths the planner underestimates (half the real ones) overpack its rows: samples that
+    do not fit are carried into the next row, which reads them again; the bytes read are each
+    planned sample's once, not once per read."""
+    data, tok = two_sources
+    loader = _build(data, tok, 0, 1, 0, 1)
+    real = loader.planner
+    sources = [dataclasses.replace(s, lengths=s.lengths // 2) for s in real.sources]
+    lying = StepPlanner(sources, real.blend, SEQ, G, window_steps=2)
+    config = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    dataset = GlobalOrderDataset(
+        lying, loader.task_encoder, start=lying.document(lying.initial_state(), 0), micro_batch_size=1,
+        balance=True, worker_config=config,
+    )  # fmt: skip
+    config.worker_activate(0)  # as energon's loader does around a dataset's iteration
+    try:
+        batches = [b for b, _ in zip(dataset, range(G))]
+    finally:
+        config.worker_deactivate()
+    carried = sum(b.stats.get("plan_carried", 0) for b in batches)
+    members = set(lying.window(lying.initial_state())[0][0].members())  # step 0's
+    assert carried > 0 and [b.global_order["step"] for b in batches] == [0] * G
+    size = sum(lying.sample_at(m)[4] for m in members)
+    assert sum(b.global_order["bytes_read"] for b in batches) == size
+    _close([loader])
+
+
 def test_a_metadataset_yaml_is_refused_in_global_order(two_sources, tmp_path):
     from mmdata.energon_loaders.loader import write_blend_yaml
 
@@ -321,7 +349,7 @@ def test_workers_and_ranks_make_every_micro_batch_of_a_step_once():
 
 
 def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, emu3_tok_dir):
-    """Emu3 token shards (keys with gaps, a task and caption drop drawn once per sample from the
+    """Emu3 token shards (keys with gaps, a task and caption drop drawn per sample and epoch from the
     seed): at DP 1 and DP 2 (no workers: the other test covers them), each step trains the
     planner's samples, each in its planned task, at exactly its planned length."""
     from mmdata.energon_loaders.emu3.loader import build_emu3_loader
@@ -347,7 +375,8 @@ def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, 
 
     planner = build(0, 1, 0).planner
     (source,) = planner.sources
-    assert source.keys is not None and {UNDERSTAND, GENERATE, GENERATE_UNCOND} <= set(source.variants.tolist())
+    drawn = planner.streams.variants(0, np.arange(len(source)))
+    assert source.keys is not None and {UNDERSTAND, GENERATE, GENERATE_UNCOND} <= set(drawn.tolist())
     planned = list(_planned(planner, 3))
     for dp, workers in ((1, 0), (2, 0)):
         got: dict[int, list[tuple[str, str, int]]] = defaultdict(list)
@@ -361,9 +390,13 @@ def test_emu3_token_shards_follow_the_order_with_their_planned_tasks(token_dir, 
                 got[batch.global_order["step"]] += list(zip(keys, batch.tasks[0], lengths))
         for t, (_, _, step) in enumerate(planned):
             expect = [
-                (f"{source.root}#{source.key(k)}", task[int(source.variants[k])], int(source.lengths[k]))
+                (
+                    f"{source.root}#{source.key(k)}",
+                    task[planner.sample_at(m)[3]],
+                    int(planner.streams.lengths(0, [m[1]])[0]),
+                )
                 for row in step.rows
-                for k in row.samples
+                for m, k in zip(row.members, row.samples)
             ]
             assert sorted(got[t]) == sorted(expect), (dp, t)
     pad = loader.task_encoder.batch_rows([[]])  # a row whose samples were all skipped: padding

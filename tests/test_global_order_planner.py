@@ -23,7 +23,9 @@ from mmdata.global_order import (
     read_checkpoint_doc,
 )
 from mmdata.global_order.planner import MAX_WAIT
+from mmdata.global_order.sources import Streams
 from mmdata.packing.balance import StepShape
+from mmdata.packing.emu3_geometry import GENERATE_UNCOND, UNDERSTAND, VariantChoices
 
 pytestmark = pytest.mark.unit
 
@@ -213,3 +215,60 @@ def test_fill_and_vision_balance_on_the_benchmark_mix():
                 f"G {g} dp {dp}: fill {fill:.4f} balance {np.mean(ratios):.3f} worst {max(ratios):.3f} {ms:.3f} ms/row"
             )
             assert np.mean(ratios) <= 1.10
+
+
+def _emu3_source(n: int, p_uncond: float, seed: int = 0) -> OrderSource:
+    """A synthetic Emu3 source: most samples can be both tasks, some only one."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(40, 300, (n, 3)).astype(np.int32)
+    can_und, can_gen = rng.random(n) < 0.95, rng.random(n) < 0.7
+    can_und |= ~can_gen
+    choices = VariantChoices(lengths, can_und, can_gen, 0.5, p_uncond)
+    return OrderSource.from_arrays("emu3", choices.expected_lengths(), choices=choices)
+
+
+def test_emu3_variants_are_drawn_per_epoch_and_positionally():
+    """An Emu3 sample's task and caption drop are drawn anew each epoch (as the encoder draws them
+    at each encode with sharding dp), so the same images are not unconditional in every epoch: of
+    the samples that generate in both epochs the caption drop differs for about 2p(1-p). The draw
+    is a function of (seed, source, epoch, sample) only: any query order or chunking, a fresh or a
+    warm cache, gives the same variants; another seed gives others."""
+    n, p = 20_000, 0.3
+    src = _emu3_source(n, p)
+    streams = Streams([src], seed=7)
+    by_sample = []
+    for e in range(2):
+        pos = np.arange(e * n, (e + 1) * n)
+        v = np.empty(n, np.int8)
+        v[streams.samples(0, pos)] = streams.variants(0, pos)
+        by_sample.append(v)
+    v0, v1 = by_sample
+    both = (v0 != UNDERSTAND) & (v1 != UNDERSTAND)
+    assert both.sum() > 2000
+    assert abs(((v0 == GENERATE_UNCOND) != (v1 == GENERATE_UNCOND))[both].mean() - 2 * p * (1 - p)) < 0.03
+    assert (
+        not (v0 != UNDERSTAND)[~src.choices.can_generate].any()
+        and not (v0 == UNDERSTAND)[~src.choices.can_understand].any()
+    )
+    pos = np.random.default_rng(1).permutation(3 * n)  # three epochs, in another order, in pieces
+    fresh = Streams([src], seed=7)
+    pieces = np.concatenate([fresh.variants(0, part) for part in np.array_split(pos, 7)])
+    assert np.array_equal(pieces, streams.variants(0, pos))
+    assert not np.array_equal(Streams([src], seed=8).variants(0, pos), pieces)
+
+
+def test_the_planner_costs_each_emu3_sample_in_the_variant_of_its_epoch():
+    """Rows over several epochs hold each sample at the length of the variant drawn in that epoch,
+    and the loader is handed that variant (`sample_at`)."""
+    src = _emu3_source(40, 0.3)
+    planner = StepPlanner([src], None, 1024, 2, seed=3, window_steps=2)
+    seen: dict[int, set[int]] = {}
+    for planned, _ in zip(planner.steps_from(planner.initial_state()), range(24)):
+        for row in planned[0].rows:
+            variants = [planner.sample_at(m)[3] for m in row.members]
+            lengths = [int(src.choices.lengths[k, v]) for k, v in zip(row.samples, variants)]
+            assert row.tokens == sum(min(n, 1024) for n in lengths)
+            for k, v in zip(row.samples, variants):
+                seen.setdefault(k, set()).add(v)
+    assert max(p for _, p in planned[0].members()) > 3 * len(src)  # several epochs
+    assert sum(len(v) > 1 for v in seen.values()) > len(src) // 2  # variants change between epochs

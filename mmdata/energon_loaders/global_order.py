@@ -16,8 +16,10 @@ out in order. A row's samples are read by global index through energon's random 
 reader per source), their keys checked, Emu3's planned variant handed over, encoded and packed
 (random_access.py, as the offline plan's loader does); a sample whose encoded length does not fit
 its planned row (estimated lengths) is carried into this worker's next row, never dropped
-(counted as `plan_carried`). A row whose samples were all skipped is a row of padding (no sample,
-no loss token), so every rank yields each step's micro-batches, whatever it skipped.
+(counted as `plan_carried`): the carry holds its member (source, position), and the next row
+reads and encodes it again (its bytes counted once, where it was first read). A row whose samples
+were all skipped is a row of padding (no sample, no loss token), so every rank yields each step's
+micro-batches, whatever it skipped.
 
 Each batch says where it is in the order (`PackedBatch.global_order`, `GLOBAL_ORDER_FIELDS`): the
 step, the micro-batch of this rank, the bytes this rank read for it (also summed in
@@ -84,18 +86,27 @@ def order_sources(
 
 class SourceReads:
     """A worker's readers of the sources (one each, opened on first use) and the bytes of the
-    samples they read (the sizes in the tars: energon's index)."""
+    samples they read (the sizes in the tars: energon's index). A sample carried into the next row
+    is read again there (the carry holds members, not samples) but its bytes count once."""
 
     def __init__(self, planner: RowSource, worker_config: WorkerConfig, decoder: Any):
         self.planner = planner
         self.readers = [ShardReader(root, worker_config, decoder, "the length index") for root in planner.roots]
         self.bytes_read = 0
+        self._counted: set[tuple[int, ...]] = set()  # carried members whose bytes are counted
 
     def __call__(self, member: Sequence[int]) -> Any:
         """The raw sample of a member of a planned row."""
         s, index, key, variant, size = self.planner.sample_at(member)
-        self.bytes_read += size
+        if tuple(member) in self._counted:
+            self._counted.discard(tuple(member))
+        else:
+            self.bytes_read += size
         return self.readers[s].read(index, key, variant)
+
+    def carried(self, members: Sequence[Sequence[int]]) -> None:
+        """`members` (read, counted) go into the next row: their next read is not counted again."""
+        self._counted.update(tuple(m) for m in members)
 
 
 class GlobalOrderDataset(SavableDataset):
@@ -164,6 +175,7 @@ class GlobalOrderDataset(SavableDataset):
                 members = [*carry, *(list(m) for m in planned.rows[r].members)]
                 where = f"row {r} of step {planned.step}"
                 row, carry = fill_row(te, members, read, where=where, carry_limit=PLAN_CARRY_LIMIT)
+                read.carried(carry)
                 packed.append(row)
             batch = te.batch_rows(packed)  # every micro-batch, so the trainer's steps keep their boundaries
             got = read.bytes_read - before

@@ -63,7 +63,7 @@ class PlanSteps:
         digest = hashlib.sha256(plan.indices.tobytes() + plan.starts.tobytes()).hexdigest()[:16]
         self.identity = {"file": Path(path).name, "sequences": plan.num_sequences, "sha256": digest}
         if sizes is None:
-            sizes = sample_bytes(Path(shards), [self._key(i) for i in range(len(plan.indices))])
+            sizes = sample_bytes(Path(shards), plan.indices)
         self.sample_bytes = np.asarray(sizes, dtype=np.int64)  # aligned with the plan's sample list
 
     def _key(self, pos: int) -> str:

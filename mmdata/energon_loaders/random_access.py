@@ -26,7 +26,9 @@ from mmdata.packing.plan_file import PlanError
 PLAN_OVERFLOW = "plan_overflow"  # the carry was full: the sample did not fit its row nor a later one
 PLAN_TOO_LONG = "plan_too_long"  # longer than the sequence on its own: no row can hold it
 PLAN_CARRIED = "plan_carried"  # counter: samples carried into a later row (they train there)
-#: samples a worker carries into later rows at most (its loader state holds them)
+#: samples a worker carries into later rows at most, as members that the next row reads again; the
+#: offline plan's loader state holds them, the global order's layout-free document does not (a
+#: sample carried at a save trains in a later epoch)
 PLAN_CARRY_LIMIT = 256
 #: the subflavor that hands a sample's planned variant to the task encoder (a plan with a `variant`
 #: column: the family drew per-sample choices that change lengths, e.g. Emu3's task and CFG drop)

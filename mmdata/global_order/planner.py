@@ -196,7 +196,7 @@ class StepPlanner:
         self.seq_length, self.global_batch_size, self.seed = seq_length, global_batch_size, seed
         self.tile_tokens, self.window_steps, self.packing = float(tile_tokens), window_steps, packing
         self.streams = Streams(self.sources, seed)
-        self._clipped = [np.minimum(s.lengths, seq_length) for s in self.sources]
+        self._clipped = [np.minimum(s.lengths, seq_length) for s in self.sources]  # Emu3: mean over variants
         self._tokens_unit = self.blend.unit == "tokens"
         self._windows: dict[tuple, tuple[list[PlannedStep], OrderState]] = {}  # by window-start state
 
@@ -221,7 +221,8 @@ class StepPlanner:
         global index in its shards, key, planned variant, bytes in its tar)."""
         s = int(member[0])
         k, source = self.sample_of(s, int(member[1])), self.sources[s]
-        return s, int(source.index[k]), source.key(k), source.variant(k), int(source.sample_bytes[k])
+        variant = self.streams.variant(s, int(member[1]))  # Emu3: drawn in the position's epoch
+        return s, int(source.index[k]), source.key(k), variant, int(source.sample_bytes[k])
 
     def rows_per_epoch(self) -> int:
         """Rows of one epoch of every source (about: each source packed on its own)."""
@@ -290,7 +291,7 @@ class StepPlanner:
         for s in np.unique(src):
             m = src == s
             samples[m] = self.streams.samples(int(s), pos[m])
-            clipped[m] = self._clipped[s][samples[m]]
+            clipped[m] = np.minimum(self.streams.lengths(int(s), pos[m]), self.seq_length)
         return src, pos, born, samples, clipped
 
     def _tiles(self, src: np.ndarray, samples: np.ndarray) -> np.ndarray:
@@ -311,7 +312,7 @@ class StepPlanner:
             first, block = ahead.get(s, (0, []))
             if not first <= p < first + len(block):
                 first = p
-                block = self._clipped[s][self.streams.samples(s, np.arange(p, p + AHEAD))].tolist()
+                block = np.minimum(self.streams.lengths(s, np.arange(p, p + AHEAD)), self.seq_length).tolist()
                 ahead[s] = (first, block)
             return block[p - first]
 

@@ -1,11 +1,15 @@
 """The sources of a global order: one shard folder each, its samples' planned lengths, vision
-tiles, global indices (energon's random access), keys, Emu3 variants and bytes in the tars, all
-from the folder's length index and energon index, so the whole order is planned before a sample is
-read.
+tiles, global indices (energon's random access), keys, Emu3 variant choices and bytes in the
+tars, all from the folder's length index and energon index, so the whole order is planned before a
+sample is read.
 
 A source is an endless stream of positions: position p is sample k = p % N of epoch e = p // N;
 epoch 0 is the length index's order (the offline shuffle already shuffled it), epoch e > 0 the
-permutation `default_rng([seed, source number, e])`. A position is the same sample at any layout.
+permutation `default_rng([seed, source number, e])`. An Emu3 sample's task and caption drop are
+drawn per epoch, as the encoder draws them at each encode with `data.sharding: dp`: from
+`default_rng([seed, source number, VARIANT_STREAM, e])`, one pair of uniforms per sample number k,
+so the same image is not unconditional in every epoch. A position is the same sample, in the same
+variant, at any layout.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +27,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmdata.errors import UserError
-from mmdata.packing.emu3 import token_plan_inputs
-from mmdata.packing.emu3_geometry import Emu3PlanGeometry, index_meta
+from mmdata.packing.emu3 import token_variant_choices
+from mmdata.packing.emu3_geometry import Emu3PlanGeometry, VariantChoices, index_meta
 from mmdata.packing.geometry import PlanGeometry
 from mmdata.packing.inputs import TEXT_TOKENS_META, image_plan_inputs, read_lengths
 from mmdata.shard_job.lengths import LENGTHS_NAME
 
 ENERGON_INDEX = Path(".nv-meta") / "index.sqlite"
+VARIANT_BLOCK = 1 << 20  # samples whose variants are drawn at once
+VARIANT_STREAM = 0xE3  # an Emu3 source's variants of epoch e: default_rng([seed, source, VARIANT_STREAM, e])
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,11 +44,11 @@ class OrderSource:
 
     name: str
     root: Path
-    lengths: np.ndarray  # int64 tokens as the encoder produces them (Emu3: for the drawn variant)
+    lengths: np.ndarray  # int64 tokens as the encoder produces them (Emu3: the mean over its variants)
     tiles: np.ndarray  # int64 vision tiles (0 for Emu3 and text)
     index: np.ndarray  # int64 global sample index in the shards (energon random access)
     keys: pa.Array | None  # sample keys where they are not f"{index:010d}"
-    variants: np.ndarray | None  # int8 Emu3 task / caption-drop choice per sample
+    choices: VariantChoices | None  # Emu3: each sample's variants, drawn per epoch (`Streams.variants`)
     sample_bytes: np.ndarray  # int64 bytes of each sample in its tar
     exact: bool  # lengths counted with the tokenizer (not estimated)
 
@@ -51,17 +59,16 @@ class OrderSource:
         """The key of sample k (in the length index's order)."""
         return self.keys[k].as_py() if self.keys is not None else f"{int(self.index[k]):010d}"
 
-    def variant(self, k: int) -> int | None:
-        return None if self.variants is None else int(self.variants[k])
-
     @classmethod
-    def from_arrays(cls, name: str, lengths: np.ndarray, tiles: np.ndarray | None = None) -> OrderSource:
+    def from_arrays(
+        cls, name: str, lengths: np.ndarray, tiles: np.ndarray | None = None, choices: VariantChoices | None = None
+    ) -> OrderSource:
         """A source of samples known only by their lengths (tests, benchmarks, simulations)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         n = len(lengths)
         tiles = np.zeros(n, np.int64) if tiles is None else np.asarray(tiles, dtype=np.int64)
         return cls(
-            name, Path(name), lengths, tiles, np.arange(n, dtype=np.int64), None, None, np.zeros(n, np.int64), True
+            name, Path(name), lengths, tiles, np.arange(n, dtype=np.int64), None, choices, np.zeros(n, np.int64), True
         )
 
 
@@ -73,34 +80,34 @@ def load_source(
     seed: int = 0,
 ) -> OrderSource:
     """The source of a shard folder, from its length index (through the plan's own input
-    functions: image shards' totals or recounted media, Emu3 variants drawn once with `seed`) and
-    its energon index (each sample's bytes)."""
+    functions: image shards' totals or recounted media, Emu3 variant choices) and its energon
+    index (each sample's bytes). `seed` is the order's: the draws are `Streams`'."""
     root = Path(root)
     try:
         table = read_lengths(root)
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
+    choices: VariantChoices | None = None
     if index_meta(table).get("kind") is not None:  # Emu3 token shards (mmdata tokenize-images --tokenizer)
-        inputs = token_plan_inputs(root, table, geometry, tokenizer, seed)
-        exact = True
+        keep, choices = token_variant_choices(root, table, geometry, tokenizer)
+        lengths, tiles, exact = choices.expected_lengths(), np.zeros(len(choices), np.int64), True
+        index, keys = table.column("index").to_numpy()[keep], table.column("key").filter(keep)
     else:
         inputs = image_plan_inputs(root, table, geometry)
+        lengths, tiles, index = inputs.lengths, inputs.tiles, inputs.index
         exact = inputs.meta.get("text_tokens") != "estimate"
-    columns = inputs.columns or {}
-    keys = columns.get("key")
+        keys = (inputs.columns or {}).get("key")
     keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
-    variants = columns.get("variant")
-    index = np.asarray(inputs.index, dtype=np.int64)
-    wanted = [str(k) for k in keys.to_pylist()] if keys is not None else [f"{int(i):010d}" for i in index]
+    index = np.asarray(index, dtype=np.int64)
     return OrderSource(
         name or source_name(root),
         root,
-        np.asarray(inputs.lengths, dtype=np.int64),
-        np.asarray(inputs.tiles, dtype=np.int64),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(tiles, dtype=np.int64),
         index,
         keys,
-        None if variants is None else np.asarray(variants, dtype=np.int8),
-        sample_bytes(root, wanted),
+        choices,
+        sample_bytes(root, index),
         exact,
     )
 
@@ -128,20 +135,25 @@ def source_name(root: Path | str) -> str:
     return Path(os.path.abspath(root)).name
 
 
-def sample_bytes(root: Path, keys: list[str]) -> np.ndarray:
-    """Bytes of each of `keys` in the folder's tars (energon's index.sqlite, `samples.byte_size`)."""
+def sample_bytes(root: Path, index: np.ndarray) -> np.ndarray:
+    """Bytes in the folder's tars of the samples at global `index` (energon's index.sqlite,
+    `samples.byte_size`): one query in energon's global order (tar, then sample in the tar: its
+    `idx_samples_by_tar_and_idx`) read straight into an array, no key strings (10^8 samples:
+    8 bytes each). Keys are checked where the samples are read (random_access.ShardReader)."""
     path = root / ENERGON_INDEX
     if not path.is_file():
         raise UserError(f"{path} not found: the folder is not energon-ready; rerun `mmdata preprocess` (it writes it)")
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        size = dict(db.execute("SELECT sample_key, byte_size FROM samples").fetchall())
-    missing = [k for k in keys if k not in size]
-    if missing:
+        (count,) = db.execute("SELECT COUNT(*) FROM samples").fetchone()
+        rows = db.execute("SELECT COALESCE(byte_size, 0) FROM samples ORDER BY tar_file_id, sample_index")
+        sizes = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=count)
+    index = np.asarray(index, dtype=np.int64)
+    if len(index) and (index.min() < 0 or index.max() >= count):
         raise UserError(
-            f"{path} lacks {len(missing)} samples of the length index (e.g. key {missing[0]!r}): "
+            f"{path} holds {count} samples, the length index names sample {int(index.max())}: "
             "the length index and the shards disagree; rerun the job that wrote the folder"
         )
-    return np.asarray([size[k] or 0 for k in keys], dtype=np.int64)
+    return sizes[index]
 
 
 def check_names(sources: list[OrderSource]) -> None:
@@ -160,24 +172,68 @@ def check_names(sources: list[OrderSource]) -> None:
 
 
 class Streams:
-    """Position -> sample number of each source (epoch permutations cached, a few at a time)."""
+    """Position -> sample number of each source, and an Emu3 sample's variant in its epoch (epoch
+    permutations and variants cached, a few at a time)."""
 
     CACHED = 8
 
     def __init__(self, sources: list[OrderSource], seed: int) -> None:
         self.sources, self.seed = sources, seed
-        self._perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
 
     def _perm(self, s: int, epoch: int) -> np.ndarray:
-        hit = self._perms.get((s, epoch))
+        return self._cached(
+            ("perm", s, epoch), lambda: np.random.default_rng([self.seed, s, epoch]).permutation(len(self.sources[s]))
+        )
+
+    def _variants(self, s: int, epoch: int) -> np.ndarray:
+        """Source s's variant of every sample number in `epoch` (it must have choices)."""
+        choices = self.sources[s].choices
+        assert choices is not None
+
+        def draw() -> np.ndarray:  # in blocks: 16 bytes of uniforms per sample at a time is too many
+            rng, out = np.random.default_rng([self.seed, s, VARIANT_STREAM, epoch]), np.empty(len(choices), np.int8)
+            for a in range(0, len(out), VARIANT_BLOCK):
+                b = min(len(out), a + VARIANT_BLOCK)
+                out[a:b] = choices.draw(rng.random((b - a, 2)), slice(a, b))
+            return out
+
+        return self._cached(("variant", s, epoch), draw)
+
+    def _cached(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
+        hit = self._cache.get(key)
         if hit is None:
-            hit = np.random.default_rng([self.seed, s, epoch]).permutation(len(self.sources[s]))
-            self._perms[(s, epoch)] = hit
-            if len(self._perms) > self.CACHED:
-                self._perms.popitem(last=False)
+            hit = self._cache[key] = make()
+            if len(self._cache) > 2 * self.CACHED:
+                self._cache.popitem(last=False)
         else:
-            self._perms.move_to_end((s, epoch))
+            self._cache.move_to_end(key)
         return hit
+
+    def variants(self, s: int, positions: np.ndarray) -> np.ndarray | None:
+        """The Emu3 variants (int8) of source s's stream `positions`; None for a source without."""
+        if self.sources[s].choices is None:
+            return None
+        positions = np.asarray(positions, dtype=np.int64)
+        epoch = positions // len(self.sources[s])
+        samples, out = self.samples(s, positions), np.empty(len(positions), np.int8)
+        for e in np.unique(epoch):
+            m = epoch == e
+            out[m] = self._variants(s, int(e))[samples[m]]
+        return out
+
+    def lengths(self, s: int, positions: np.ndarray) -> np.ndarray:
+        """The planned lengths (int64) at source s's stream `positions`: an Emu3 sample's for the
+        variant drawn in its epoch."""
+        source, samples = self.sources[s], self.samples(s, positions)
+        variants = self.variants(s, positions)
+        if variants is None:
+            return source.lengths[samples]
+        return source.choices.lengths[samples, variants].astype(np.int64)
+
+    def variant(self, s: int, position: int) -> int | None:
+        out = self.variants(s, np.asarray([position]))
+        return None if out is None else int(out[0])
 
     def samples(self, s: int, positions: np.ndarray) -> np.ndarray:
         """Sample numbers (into source s's arrays) of its stream `positions` (int64)."""

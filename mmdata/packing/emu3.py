@@ -29,6 +29,42 @@ def token_plan_inputs(
     samples the encoder would skip in their variant are left out (`skipped`). No vision tower
     encodes their images (they are tokens already): no tiles. `tokenizer` (the recipe's) counts
     the unconditional prompt; None: the geometry has none to count (no recipe, default settings)."""
+    geometry = _checked_geometry(root, table, geometry)
+    uncond = e3.uncond_prompt_tokens(tokenizer, geometry.uncond_prompt) if tokenizer is not None else 0
+    variant, lengths = e3.draw_variants(table, geometry, seed, uncond)
+    keep = lengths != e3.UNENCODABLE
+    n = np.bincount(variant[keep], minlength=3)
+    summary = (
+        f"Emu3 tasks: {n[e3.UNDERSTAND]:,} understanding, {n[e3.GENERATE] + n[e3.GENERATE_UNCOND]:,} "
+        f"generation ({n[e3.GENERATE_UNCOND]:,} caption dropped), {int((~keep).sum()):,} skipped"
+    )
+    return PlanInputs(
+        lengths[keep],
+        np.zeros(int(keep.sum()), np.int64),
+        table.column("index").to_numpy()[keep],
+        geometry,
+        summary,
+        {"skipped": int((~keep).sum())},
+        {"key": table.column("key").filter(keep), "variant": variant[keep]},
+    )
+
+
+def token_variant_choices(
+    root: Path, table: pa.Table, geometry: PlanGeometry | e3.Emu3PlanGeometry | None, tokenizer: str | Path | None
+) -> tuple[np.ndarray, e3.VariantChoices]:
+    """Emu3 token shards for a variant drawn per epoch (the global order): the rows that can take
+    some task (a bool mask), and their `VariantChoices`; checked as `token_plan_inputs` checks."""
+    geometry = _checked_geometry(root, table, geometry)
+    uncond = e3.uncond_prompt_tokens(tokenizer, geometry.uncond_prompt) if tokenizer is not None else 0
+    choices = e3.variant_choices(table, geometry, uncond)
+    keep = choices.can_understand | choices.can_generate
+    return keep, choices.take(keep)
+
+
+def _checked_geometry(
+    root: Path, table: pa.Table, geometry: PlanGeometry | e3.Emu3PlanGeometry | None
+) -> e3.Emu3PlanGeometry:
+    """The recipe's Emu3 geometry (the defaults without one), refused where the index disagrees."""
     have = e3.index_meta(table)
     if have.get("kind") != e3.KIND:
         raise UserError(f"{root}/{LENGTHS_NAME}: a length index of unknown kind {have.get('kind')!r}")
@@ -49,20 +85,4 @@ def token_plan_inputs(
                 f"{have[name]!r:.40}, recipe: {getattr(geometry, name)!r:.40}): rerun "
                 f"`mmdata tokenize-images` with {flag}"
             )
-    uncond = e3.uncond_prompt_tokens(tokenizer, geometry.uncond_prompt) if tokenizer is not None else 0
-    variant, lengths = e3.draw_variants(table, geometry, seed, uncond)
-    keep = lengths != e3.UNENCODABLE
-    n = np.bincount(variant[keep], minlength=3)
-    summary = (
-        f"Emu3 tasks: {n[e3.UNDERSTAND]:,} understanding, {n[e3.GENERATE] + n[e3.GENERATE_UNCOND]:,} "
-        f"generation ({n[e3.GENERATE_UNCOND]:,} caption dropped), {int((~keep).sum()):,} skipped"
-    )
-    return PlanInputs(
-        lengths[keep],
-        np.zeros(int(keep.sum()), np.int64),
-        table.column("index").to_numpy()[keep],
-        geometry,
-        summary,
-        {"skipped": int((~keep).sum())},
-        {"key": table.column("key").filter(keep), "variant": variant[keep]},
-    )
+    return geometry

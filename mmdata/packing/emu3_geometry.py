@@ -103,6 +103,57 @@ def draw_variants(
     return variant, length
 
 
+@dataclass(frozen=True)
+class VariantChoices:
+    """What each Emu3 sample may become, for a variant drawn anew each epoch (the global order):
+    its length in each variant (columns UNDERSTAND, GENERATE, GENERATE_UNCOND; UNENCODABLE where
+    the encoder skips it), which tasks it can take, and the draw's odds."""
+
+    lengths: np.ndarray  # (N, 3) int32
+    can_understand: np.ndarray  # bool: understanding has a positive weight and the sample encodes
+    can_generate: np.ndarray  # bool: likewise for generation
+    generate_share: float  # w_gen / (w_und + w_gen): pick_task's odds for a sample that can be both
+    p_uncond: float
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def take(self, keep: np.ndarray) -> VariantChoices:
+        return VariantChoices(
+            self.lengths[keep], self.can_understand[keep], self.can_generate[keep], self.generate_share, self.p_uncond
+        )
+
+    def draw(self, u: np.ndarray, at: slice = slice(None)) -> np.ndarray:
+        """The variant (int8) of the samples `at` from uniforms `u` (one row of two each):
+        `pick_task`'s rule among the tasks the sample can take (one it cannot take is never drawn:
+        no sample is skipped in one epoch and trained in another), then the caption drop."""
+        can_und, can_gen = self.can_understand[at], self.can_generate[at]
+        generate = can_gen & (~can_und | (u[:, 0] < self.generate_share))
+        uncond = generate & (u[:, 1] < self.p_uncond)
+        return np.where(generate, np.where(uncond, GENERATE_UNCOND, GENERATE), UNDERSTAND).astype(np.int8)
+
+    def expected_lengths(self) -> np.ndarray:
+        """Each sample's mean length over the draw (int64; estimates such as rows per epoch)."""
+        both = self.can_understand & self.can_generate
+        gen = np.where(both, self.generate_share, self.can_generate.astype(np.float64))
+        mean = (1 - gen) * self.lengths[:, UNDERSTAND] + gen * (
+            (1 - self.p_uncond) * self.lengths[:, GENERATE] + self.p_uncond * self.lengths[:, GENERATE_UNCOND]
+        )
+        return np.rint(mean).astype(np.int64)
+
+
+def variant_choices(table, geometry: Emu3PlanGeometry, uncond_tokens: int = 0) -> VariantChoices:
+    """The `VariantChoices` of every length-index row (a row that can take no task: neither)."""
+    und, gen, block = (table.column(c).to_numpy().astype(np.int64) for c in LENGTH_COLUMNS)
+    w_und, w_gen = float(geometry.tasks.get(UNDERSTANDING, 0.0)), float(geometry.tasks.get(GENERATION, 0.0))
+    can_gen = (gen != UNENCODABLE) & (w_gen > 0)
+    lengths = np.stack([und, gen, np.where(can_gen, 2 + uncond_tokens + block, UNENCODABLE)], axis=1)
+    share = w_gen / (w_und + w_gen) if w_und + w_gen > 0 else 0.0
+    return VariantChoices(
+        lengths.astype(np.int32), (und != UNENCODABLE) & (w_und > 0), can_gen, share, geometry.p_uncond
+    )
+
+
 def variant_task(variant: int) -> tuple[str, bool]:
     """(task, caption dropped) of a plan variant."""
     return VARIANTS[int(variant)]

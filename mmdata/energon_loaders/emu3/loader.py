@@ -24,8 +24,8 @@ def build_emu3_loader(
     output; infinite: energon repeats epochs). `encoder`: Emu3EncoderConfig fields (tasks,
     p_uncond, uncond_prompt, system_prompt); `loader_kwargs`: `loader.build_loader`'s (dp_rank,
     dp_size, num_workers, seed, packing, buffer sizes...; `sharding="global"` with its options: the
-    global order plans with each sample's task and caption drop drawn once from the seed, with these
-    task settings and tokenizer)."""
+    global order plans with each sample's task and caption drop drawn per epoch from the seed and
+    its position, with these task settings and tokenizer)."""
     config = Emu3EncoderConfig(seq_length=seq_length, **(encoder or {}))
     if loader_kwargs.get("sharding") == "global":
         loader_kwargs.setdefault(
