@@ -4,6 +4,7 @@ API with its own state: global_order.py)."""
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -53,6 +54,12 @@ class SavableLoader:
         self.stats = LoaderStats()
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        # Workers are forked at the first batch, and a forked worker inherits this process's
+        # garbage: a reference cycle that still holds a torch.distributed process group (a run
+        # that ended in this process, a notebook's or a test's) would be freed by the worker's own
+        # collector, where ~ProcessGroupGloo joins threads the fork did not copy (SIGSEGV; energon's
+        # gc_init_worker keeps Work and CUDA tensors alive in workers, not process groups).
+        gc.collect()
         for batch in self.loader:
             s = self.stats
             s.batches += 1
