@@ -118,3 +118,26 @@ def test_a_torch_without_new_shared_is_refused_by_name(monkeypatch) -> None:
             mmdata_private_api.new_shared_storage(10)
     finally:
         mmdata_private_api._new_shared.cache_clear()
+
+
+def test_a_torch_without_shutdown_workers_is_refused_by_name(monkeypatch) -> None:
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", None)
+    mmdata_private_api._check_loader_shutdown.cache_clear()
+    try:
+        with pytest.raises(
+            RuntimeError,
+            match=rf"torch {re.escape(torch.__version__)}: _MultiProcessingDataLoaderIter._shutdown_workers is missing",
+        ):
+            mmdata_private_api.stop_loader_workers(object())
+    finally:
+        mmdata_private_api._check_loader_shutdown.cache_clear()
+
+
+def test_stop_loader_workers_leaves_other_objects_alone() -> None:
+    """A loader without workers (energon's BasicDataLoader, num_workers=0) or another object: nothing to stop."""
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    assert list(loader) and loader._iterator is None
+    mmdata_private_api.stop_loader_workers(loader)
+    assert loader._iterator is None

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from mmdata.energon_loaders.batch import PackedBatch
 from mmdata.energon_loaders.state_codec import state_from_json, state_to_json
+from mmdata.private_api import stop_loader_workers
 
 
 @dataclass
@@ -86,19 +87,11 @@ class SavableLoader:
         self.restore_state_rank(state_from_json(text))
 
     def close(self) -> None:
-        """Stop the worker processes now (idempotent; the loader is not iterated again).
-
-        energon's loader and its epoch iterator refer to each other, so a dropped loader waits for
-        the cyclic garbage collector, which finalizes torch's index queues before torch's iterator:
-        the workers never hear the stop signal, and each costs torch's 5 s status interval before
-        it is killed. Stopping torch's iterator while its queues are open takes milliseconds."""
+        """Stop the worker processes now (idempotent; the loader is not iterated again): a dropped
+        loader otherwise waits out torch's 5 s status interval per worker (mmdata/private_api.py)."""
         loader = getattr(self, "loader", None)
-        workers = getattr(loader, "_iterator", None)  # torch's iterator of the persistent workers
-        if workers is not None:
-            workers._shutdown_workers()
-            loader._iterator = None
-        if loader is not None and hasattr(loader, "_epoch_iterator"):
-            loader._epoch_iterator = None  # breaks the cycle: the rest is freed by reference counts
+        if loader is not None:
+            stop_loader_workers(loader)
 
     def __del__(self) -> None:
         self.close()
