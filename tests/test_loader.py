@@ -3,11 +3,14 @@ exact resume across processes (DP=2, several workers) and blending."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -285,6 +288,28 @@ def test_close_stops_the_workers_on_torchs_signal(dev_dir, tok_dir, monkeypatch)
     loader.close()
     assert [w.exitcode for w in workers] == [0, 0]
     loader.close()  # idempotent
+
+
+def test_workers_fork_without_this_process_garbage(dev_dir, tok_dir):
+    """A loader collects this process's garbage before its workers fork: a reference cycle left by
+    a run that ended here (one holding a gloo process group crashes the worker that frees it, where
+    the group's threads were not copied) is freed in this process, never in a worker."""
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me = cycle
+    freed: list[int] = []
+    weakref.finalize(cycle, freed.append, os.getpid())
+    gc.collect()  # it survives (still referenced) into the oldest generation, as a finished run's objects do
+    del cycle  # garbage now, which only a full collection frees
+    loader = build_llava_ov_loader(
+        dev_dir, tok_dir, seq_length=SEQ, micro_batch_size=1, num_workers=1, packing=False, **VISION
+    )
+    next(iter(loader))
+    assert freed == [os.getpid()]
+    loader.close()
 
 
 def test_loader_state_json_round_trip(dev_dir, tok_dir):
