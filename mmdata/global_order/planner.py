@@ -196,7 +196,6 @@ class StepPlanner:
         self.seq_length, self.global_batch_size, self.seed = seq_length, global_batch_size, seed
         self.tile_tokens, self.window_steps, self.packing = float(tile_tokens), window_steps, packing
         self.streams = Streams(self.sources, seed)
-        self._clipped = [np.minimum(s.lengths, seq_length) for s in self.sources]  # Emu3: mean over variants
         self._tokens_unit = self.blend.unit == "tokens"
         self._windows: dict[tuple, tuple[list[PlannedStep], OrderState]] = {}  # by window-start state
 
@@ -226,8 +225,10 @@ class StepPlanner:
 
     def rows_per_epoch(self) -> int:
         """Rows of one epoch of every source (about: each source packed on its own)."""
-        s = self.seq_length
-        return sum(-(-int(c.sum()) // s) if self.packing else len(c) for c in self._clipped)
+        if not self.packing:
+            return sum(len(source) for source in self.sources)
+        s = self.seq_length  # (Emu3: its lengths are the mean over the variants)
+        return sum(-(-int(np.minimum(source.lengths, s).sum()) // s) for source in self.sources)
 
     # ------------------------------------------------------------------ one window
 
