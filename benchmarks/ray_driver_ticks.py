@@ -70,7 +70,10 @@ def measure(seconds: float, tasks: int) -> dict:
     """One setting, in this process (its environment already set)."""
     import ray  # (only in the measured process)
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    from mmdata.ray_job import init_ray
+
+    os.environ.pop("RAY_ADDRESS", None)  # a private instance, whatever the caller's environment
+    init_ray(None, num_cpus=2)  # started as the jobs start it
     nap, tiny = ray.remote(_nap), ray.remote(_tiny)
     ray.get([nap.remote(0.1) for _ in range(2)])  # workers up before the window
     time.sleep(2)
